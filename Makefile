@@ -1,0 +1,57 @@
+# The README's two commands:
+#   make bench  - build, then the pinned-memory report for this machine
+#   make test   - build and run every test that can run here (host backend; the same tests
+#                 under ASan+UBSan, TSan and valgrind; the GPU tests when a GPU is present)
+BUILD      ?= build
+JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
+CMAKE_ARGS ?=
+CTEST      := ctest --output-on-failure --no-tests=error
+
+.PHONY: all build test test-host test-asan test-tsan test-valgrind test-gpu bench install clean
+
+all: build
+
+build:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS)
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: test-host test-asan test-tsan test-valgrind test-gpu
+	@echo "make test: all suites passed"
+
+test-host: build
+	cd $(BUILD) && $(CTEST) -L host -j $(JOBS)
+
+test-asan:
+	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=address $(CMAKE_ARGS)
+	cmake --build $(BUILD)-asan -j $(JOBS)
+	cd $(BUILD)-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST) -L host -j $(JOBS)
+
+test-tsan:
+	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=thread $(CMAKE_ARGS)
+	cmake --build $(BUILD)-tsan -j $(JOBS)
+	cd $(BUILD)-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $(CTEST) -L host -j $(JOBS)
+
+# valgrind over the host-backend build without CUDA (cudart is not valgrind clean by itself).
+test-valgrind:
+	cmake -S . -B $(BUILD)-host -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF $(CMAKE_ARGS)
+	cmake --build $(BUILD)-host -j $(JOBS)
+	cd $(BUILD)-host && PINMEM_TEST_SMALL=1 $(CTEST) -L host -E cli -j $(JOBS) -T memcheck \
+	  --overwrite MemoryCheckCommandOptions="--error-exitcode=97 --leak-check=full --errors-for-leak-kinds=definite,indirect --track-origins=no"
+
+# GPU tests: run when a CUDA device is visible, otherwise say so plainly.
+test-gpu: build
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  cd $(BUILD) && $(CTEST) -L gpu; \
+	else \
+	  echo "test-gpu: no NVIDIA GPU on this machine: the gpu-labelled tests did not run (run 'make test-gpu' on a GPU machine)"; \
+	fi
+
+bench: build
+	./$(BUILD)/pinmem info
+	./$(BUILD)/pinmem bench alloc
+
+install: build
+	cmake --install $(BUILD)
+
+clean:
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host

@@ -1,0 +1,352 @@
+/*
+ * pinmem: page-locked ("pinned") host memory and fast host<->GPU data movement.
+ *
+ * This is the one public header. Every fallible call returns pm_status_t (PM_OK == 0, errors
+ * negative); output arguments are written only on success; pm_last_error() gives the detail of
+ * the last failure on the calling thread (the failing system or CUDA call, the limit, the path).
+ *
+ * Backends: "cuda" (the CUDA runtime) and "host" (the CPU plays the device, so the whole API works
+ * on machines without a GPU). PINMEM_BACKEND=auto|cuda|host selects one; auto takes cuda when a
+ * device is present. All calls initialise the library on first use; pm_init() does it explicitly.
+ */
+#ifndef PINMEM_H
+#define PINMEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define PM_API __attribute__((visibility("default")))
+#else
+#define PM_API
+#endif
+
+#define PINMEM_VERSION_MAJOR 0
+#define PINMEM_VERSION_MINOR 1
+#define PINMEM_VERSION_PATCH 0
+
+/* ------------------------------------------------------------------------------------------ */
+/* Status codes                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+
+/** One table for every status: name, value, message. pm_strerror and pm_status_name come from
+ *  it, so they cannot drift. PM_NOT_READY is positive: it is an answer, not an error. */
+#define PM_STATUS_MAP(X)                                                                        \
+  X(PM_OK, 0, "success")                                                                        \
+  X(PM_NOT_READY, 1, "work not complete yet")                                                   \
+  X(PM_ERR_INVALID, -1, "invalid argument")                                                     \
+  X(PM_ERR_NOMEM, -2, "out of host memory")                                                     \
+  X(PM_ERR_BUDGET, -3, "pinned-memory budget exhausted")                                        \
+  X(PM_ERR_MEMLOCK, -4, "locked-memory limit (RLIMIT_MEMLOCK) too low")                         \
+  X(PM_ERR_NO_DEVICE, -5, "no usable device")                                                   \
+  X(PM_ERR_BACKEND, -6, "backend call failed")                                                  \
+  X(PM_ERR_NOT_FOUND, -7, "address not known to pinmem")                                        \
+  X(PM_ERR_OVERLAP, -8, "range overlaps memory pinmem already tracks")                          \
+  X(PM_ERR_DOUBLE_FREE, -9, "memory already freed or unregistered")                             \
+  X(PM_ERR_WRONG_KIND, -10, "call does not match how the memory was obtained")                  \
+  X(PM_ERR_BUSY, -11, "object still in use")                                                    \
+  X(PM_ERR_TIMEOUT, -12, "timed out")                                                           \
+  X(PM_ERR_UNSUPPORTED, -13, "not supported by this backend or device")                         \
+  X(PM_ERR_CONFIG, -14, "invalid configuration value")                                          \
+  X(PM_ERR_IO, -15, "input/output error")                                                       \
+  X(PM_ERR_FORMAT, -16, "malformed input data")                                                 \
+  X(PM_ERR_STATE, -17, "object is not in a state that allows this call")                        \
+  X(PM_ERR_DEVICE_MEMORY, -18, "out of device memory")                                          \
+  X(PM_ERR_INTERNAL, -19, "internal error")
+
+typedef enum pm_status {
+#define PM__STATUS_ENUM(name, value, msg) name = value,
+  PM_STATUS_MAP(PM__STATUS_ENUM)
+#undef PM__STATUS_ENUM
+} pm_status_t;
+
+/** Fixed message for a status ("invalid argument"); never NULL. */
+PM_API const char *pm_strerror(pm_status_t status);
+/** Symbolic name of a status ("PM_ERR_INVALID"); never NULL. */
+PM_API const char *pm_status_name(pm_status_t status);
+/** Detail of the last failure on this thread ("cudaHostRegister(0x7f.., 1073741824): ..."), or
+ *  "" if the thread has none. Valid until the thread's next pinmem call. */
+PM_API const char *pm_last_error(void);
+/** "0.1.0" */
+PM_API const char *pm_version(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Library, backend, devices                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum pm_backend_kind {
+  PM_BACKEND_NONE = 0, /* not initialised, or initialisation failed */
+  PM_BACKEND_CUDA = 1,
+  PM_BACKEND_HOST = 2
+} pm_backend_kind_t;
+
+/** Select and start the backend (PINMEM_BACKEND / pm_option_set("backend")). Idempotent and
+ *  thread-safe; every other call does it implicitly. PM_ERR_NO_DEVICE if "cuda" was asked for
+ *  and no device is usable. */
+PM_API pm_status_t pm_init(void);
+/** Release the default pool and global state. Only for orderly shutdown (leak checkers); no
+ *  other pinmem call may run concurrently, and no pinmem memory may be in use. */
+PM_API pm_status_t pm_finalize(void);
+PM_API pm_backend_kind_t pm_backend_kind(void);
+/** "cuda", "host" or "none". */
+PM_API const char *pm_backend_name(void);
+
+typedef struct pm_device_info {
+  int index;
+  char name[256];
+  int cc_major, cc_minor;           /* compute capability; 0.0 for the host backend */
+  size_t total_memory, free_memory; /* device memory, bytes */
+  char pci_bus_id[32];              /* "0000:3b:00.0", "" if unknown */
+  int pcie_gen, pcie_width;         /* current PCIe link, -1 if unknown */
+  int pcie_max_gen, pcie_max_width; /* best link the device supports, -1 if unknown */
+  int numa_node;                    /* -1 if unknown */
+  int async_engines;                /* copy engines that run beside kernels */
+  int can_map_host_memory;          /* zero-copy mapped memory */
+  int unified_addressing;
+  int managed_memory, concurrent_managed_access;
+  int host_register_supported, host_register_read_only;
+  int pageable_memory_access; /* device can read pageable memory directly (HMM/ATS) */
+} pm_device_info_t;
+
+PM_API pm_status_t pm_device_count(int *count_out);
+PM_API pm_status_t pm_device_get_info(int device, pm_device_info_t *info_out);
+/** Current device of the calling thread (default 0). */
+PM_API pm_status_t pm_device_set(int device);
+PM_API pm_status_t pm_device_get(int *device_out);
+PM_API pm_status_t pm_device_synchronize(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Streams and events                                                                          */
+/* ------------------------------------------------------------------------------------------ */
+
+/** A stream: work submitted to it runs in order. NULL is the current device's default stream.
+ *  With the cuda backend a pm_stream_t *is* a cudaStream_t (cast it either way), so streams of
+ *  PyTorch or CuPy can be passed in. Streams pinmem creates do not synchronise with the legacy
+ *  default stream (cudaStreamNonBlocking). */
+typedef struct pm_stream_s *pm_stream_t;
+/** An event (a cudaEvent_t under the cuda backend). */
+typedef struct pm_event_s *pm_event_t;
+
+enum { PM_EVENT_DEFAULT = 0, PM_EVENT_TIMING = 1u << 0 };
+
+PM_API pm_status_t pm_stream_create(pm_stream_t *stream_out);
+/** Waits for the stream's queued work, then destroys it. */
+PM_API pm_status_t pm_stream_destroy(pm_stream_t stream);
+PM_API pm_status_t pm_stream_synchronize(pm_stream_t stream);
+/** PM_OK when all queued work is done, PM_NOT_READY otherwise. */
+PM_API pm_status_t pm_stream_query(pm_stream_t stream);
+/** Later work on `stream` waits until `event`'s last record completed (as captured now). */
+PM_API pm_status_t pm_stream_wait_event(pm_stream_t stream, pm_event_t event);
+
+PM_API pm_status_t pm_event_create(unsigned flags, pm_event_t *event_out);
+PM_API pm_status_t pm_event_destroy(pm_event_t event);
+PM_API pm_status_t pm_event_record(pm_event_t event, pm_stream_t stream);
+/** PM_OK when the event's last record completed (or it was never recorded), PM_NOT_READY if not. */
+PM_API pm_status_t pm_event_query(pm_event_t event);
+PM_API pm_status_t pm_event_synchronize(pm_event_t event);
+/** Seconds between two completed events created with PM_EVENT_TIMING. */
+PM_API pm_status_t pm_event_elapsed(pm_event_t start, pm_event_t end, double *seconds_out);
+
+/** Keep the stream busy for `seconds` (a spinning kernel on the GPU, a sleep on the host
+ *  backend's stream thread): the stand-in for compute in benchmarks and tests. */
+PM_API pm_status_t pm_launch_busy(pm_stream_t stream, double seconds);
+/** Run fn(arg) on a library thread once all earlier work on `stream` is done; later work waits
+ *  for it. fn must not call pinmem stream functions. If this call fails, fn never runs. */
+PM_API pm_status_t pm_launch_host_func(pm_stream_t stream, void (*fn)(void *arg), void *arg);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Device memory and plain copies                                                              */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum pm_copy_kind {
+  PM_COPY_DEFAULT = 0, /* infer the direction from the pointers */
+  PM_COPY_H2D = 1,
+  PM_COPY_D2H = 2,
+  PM_COPY_D2D = 3,
+  PM_COPY_H2H = 4
+} pm_copy_kind_t;
+
+/** Device memory on the current device (host memory standing in for it on the host backend). */
+PM_API pm_status_t pm_device_alloc(size_t bytes, void **dptr_out);
+PM_API pm_status_t pm_device_free(void *dptr);
+/** Fill device memory with a byte value, ordered on `stream`. */
+PM_API pm_status_t pm_device_memset_async(void *dptr, int value, size_t bytes, pm_stream_t stream);
+
+/** One plain backend copy (cudaMemcpyAsync): no staging, no path choice. From or to pageable
+ *  host memory it behaves as CUDA does: the caller blocks (H2D returns once the source was
+ *  consumed, D2H once the data arrived). */
+PM_API pm_status_t pm_memcpy_async(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind,
+                                   pm_stream_t stream);
+/** Synchronous plain copy (cudaMemcpy). */
+PM_API pm_status_t pm_memcpy(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Pinned host memory pool                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+/** Allocation flags (they mirror cudaHostAlloc's). */
+enum {
+  PM_HOST_DEFAULT = 0,
+  PM_HOST_MAPPED = 1u << 0,         /* also give a device pointer: kernels read it directly */
+  PM_HOST_WRITE_COMBINED = 1u << 1, /* fast for the device to read, very slow for the CPU to read */
+  PM_HOST_PORTABLE = 1u << 2        /* pinned for every device context, not just the current */
+};
+
+typedef enum pm_exhaust_policy {
+  PM_EXHAUST_FAIL = 0, /* return PM_ERR_BUDGET at once (after trimming the cache) */
+  PM_EXHAUST_WAIT = 1  /* wait up to wait_timeout_s for frees, then PM_ERR_BUDGET */
+} pm_exhaust_policy_t;
+
+typedef struct pm_pool_s pm_pool_t;
+
+/** Fields left at the values pm_pool_config_init() gives take the option of the same name
+ *  (pm_option_set, then PINMEM_<NAME>, then the default). */
+typedef struct pm_pool_config {
+  size_t budget;         /* hard cap on pinned bytes the pool holds (0: option "budget") */
+  int exhaust_policy;    /* pm_exhaust_policy_t, or -1: option "budget_policy" */
+  double wait_timeout_s; /* for PM_EXHAUST_WAIT; < 0: option "budget_timeout" */
+  int pin_threads;       /* threads that first-touch new blocks (0: option "pin_threads") */
+  size_t fast_pin_min;   /* blocks this large are pinned by mmap + parallel touch + register
+                            instead of cudaHostAlloc (0: option "fast_pin_min") */
+  int huge_pages;        /* 1: ask for transparent huge pages on fast-pinned blocks; -1: option */
+} pm_pool_config_t;
+
+PM_API void pm_pool_config_init(pm_pool_config_t *config);
+PM_API pm_status_t pm_pool_create(const pm_pool_config_t *config, pm_pool_t **pool_out);
+/** Releases all cached memory. PM_ERR_BUSY (and nothing is destroyed) while blocks are still
+ *  allocated. Waits for the streams that freed blocks are still in use by. */
+PM_API pm_status_t pm_pool_destroy(pm_pool_t *pool);
+/** The process-wide pool used when NULL is passed as a pool (created on first use). */
+PM_API pm_status_t pm_pool_default(pm_pool_t **pool_out);
+
+/** Pinned host memory of at least `bytes`, aligned to 256 bytes (to the page when the block is
+ *  a whole backend allocation). Served from the cache when a fitting block is free and every
+ *  stream that used it has passed its free; otherwise pins new memory within the budget. */
+PM_API pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **ptr_out);
+/** Return a block to its pool (found from the pointer). Stream uses recorded with
+ *  pm_host_record_stream gate its reuse; the call itself never blocks on them. */
+PM_API pm_status_t pm_host_free(void *ptr);
+/** Declare that work queued on `stream` uses the block holding ptr: the block is not reused
+ *  until that work (as queued when the block is freed) has completed. */
+PM_API pm_status_t pm_host_record_stream(void *ptr, pm_stream_t stream);
+/** Usable size of the block that ptr starts. */
+PM_API pm_status_t pm_host_usable_size(const void *ptr, size_t *bytes_out);
+
+/** Release cached blocks whose stream uses are complete back to the system. */
+PM_API pm_status_t pm_pool_trim(pm_pool_t *pool, size_t *released_bytes_out);
+/** Pin `bytes` now (one block, cached) so later allocations up to that size cost no pinning. */
+PM_API pm_status_t pm_pool_reserve(pm_pool_t *pool, size_t bytes, unsigned flags);
+/** Change the budget; lowering it below what is held trims the cache and fails with
+ *  PM_ERR_BUSY if blocks in use still exceed it (the budget is then left unchanged). */
+PM_API pm_status_t pm_pool_set_budget(pm_pool_t *pool, size_t budget);
+
+typedef struct pm_pool_stats {
+  size_t budget;
+  size_t pinned_bytes;    /* held from the system: in use + cached + pending + registered */
+  size_t pinned_peak;     /* high-water mark of pinned_bytes */
+  size_t in_use_bytes;    /* capacity of blocks handed out */
+  size_t requested_bytes; /* sum of the sizes asked for by live blocks */
+  size_t cached_bytes;    /* free and ready for reuse */
+  size_t pending_bytes;   /* freed, waiting for the streams that used them */
+  size_t registered_bytes; /* pm_register'ed memory charged to this pool's budget */
+  uint64_t segments;       /* backend allocations held */
+  uint64_t allocs, frees;
+  uint64_t cache_hits;      /* allocations served without a backend call */
+  uint64_t backend_allocs, backend_frees;
+  uint64_t budget_waits, budget_failures;
+  double backend_alloc_seconds, backend_free_seconds;
+} pm_pool_stats_t;
+
+PM_API pm_status_t pm_pool_get_stats(pm_pool_t *pool, pm_pool_stats_t *stats_out);
+PM_API pm_status_t pm_pool_reset_peak(pm_pool_t *pool);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Managed (unified) memory                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+#define PM_CPU_DEVICE (-1)
+
+PM_API pm_status_t pm_managed_alloc(size_t bytes, void **ptr_out);
+PM_API pm_status_t pm_managed_free(void *ptr);
+/** Migrate [ptr, ptr+bytes) of managed memory to `device` (PM_CPU_DEVICE for the host),
+ *  ordered on `stream`. */
+PM_API pm_status_t pm_managed_prefetch(const void *ptr, size_t bytes, int device,
+                                       pm_stream_t stream);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Registration of existing memory and pointer queries                                         */
+/* ------------------------------------------------------------------------------------------ */
+
+enum {
+  PM_REGISTER_DEFAULT = 0,
+  PM_REGISTER_MAPPED = 1u << 0,
+  PM_REGISTER_PORTABLE = 1u << 1,
+  PM_REGISTER_READ_ONLY = 1u << 2 /* the device only reads it (where the device supports it) */
+};
+
+/** Page-lock memory the caller owns (cudaHostRegister; mlock on the host backend). Charged to
+ *  the default pool's budget. PM_ERR_OVERLAP if any byte is already pinned by pinmem. */
+PM_API pm_status_t pm_register(void *ptr, size_t bytes, unsigned flags);
+/** ptr must be the start of a registration. The caller's memory is untouched. */
+PM_API pm_status_t pm_unregister(void *ptr);
+
+typedef enum pm_memory_kind {
+  PM_MEMORY_PAGEABLE = 0, /* not known to pinmem: ordinary memory */
+  PM_MEMORY_POOL = 1,     /* a pinned block from a pm_pool_t */
+  PM_MEMORY_REGISTERED = 2,
+  PM_MEMORY_MANAGED = 3,
+  PM_MEMORY_DEVICE = 4 /* from pm_device_alloc */
+} pm_memory_kind_t;
+
+typedef struct pm_pointer_info {
+  pm_memory_kind_t kind;
+  void *base;        /* start of the block / registration / allocation holding the pointer */
+  size_t size;       /* its size in bytes */
+  unsigned flags;    /* PM_HOST_* for pool blocks, PM_REGISTER_* for registrations */
+  void *device_ptr;  /* device address of the queried pointer itself, when mapped; else NULL */
+  pm_pool_t *pool;   /* the owning pool for PM_MEMORY_POOL */
+  int in_use;        /* pool blocks: 1 if allocated, 0 if freed (cached) */
+} pm_pointer_info_t;
+
+/** What is this address? O(log n) in the number of tracked ranges. Pageable memory is PM_OK
+ *  with kind PM_MEMORY_PAGEABLE. */
+PM_API pm_status_t pm_pointer_query(const void *ptr, pm_pointer_info_t *info_out);
+/** Device pointer for an address in mapped pinned memory (pool block or registration). */
+PM_API pm_status_t pm_host_device_pointer(const void *ptr, void **dptr_out);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Options                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum pm_option_source {
+  PM_OPTION_DEFAULT = 0,
+  PM_OPTION_ENV = 1, /* from PINMEM_<NAME> */
+  PM_OPTION_SET = 2  /* from pm_option_set */
+} pm_option_source_t;
+
+typedef struct pm_option_info {
+  const char *name;          /* "budget" */
+  const char *env;           /* "PINMEM_BUDGET" */
+  const char *default_value; /* as text */
+  const char *doc;
+  char value[128];           /* the value in force, as text */
+  pm_option_source_t source;
+} pm_option_info_t;
+
+PM_API int pm_option_count(void);
+PM_API pm_status_t pm_option_get(int index, pm_option_info_t *info_out);
+PM_API pm_status_t pm_option_find(const char *name, pm_option_info_t *info_out);
+/** Set an option explicitly (wins over the environment). Validated now: PM_ERR_CONFIG with the
+ *  reason otherwise. Options read at init (backend) only take effect before pm_init. */
+PM_API pm_status_t pm_option_set(const char *name, const char *value);
+/** "4096", "64K", "1.5M", "2G", "1T" (powers of 1024; an optional trailing B or iB). */
+PM_API pm_status_t pm_parse_size(const char *text, size_t *bytes_out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PINMEM_H */

@@ -1,0 +1,85 @@
+/*
+ * DESIGN: the backend contract. Everything above this file (pool, registry, copy engine,
+ * loader, CLI) talks to a device only through one of these tables, so the same code and the
+ * same tests run on the CUDA runtime and on the host backend, where the CPU plays the device.
+ *
+ * Rules every backend keeps:
+ * - Each call returns pm_status_t and, on failure, records the detail with pm__set_error()
+ *   (the failing call and its message). Outputs are written only on success.
+ * - Streams run their work in submission order; an event completes when all work queued before
+ *   its record on that stream is done; stream_wait_event captures the event's last record at the
+ *   time of the call. A NULL stream is the device's default stream.
+ * - Copies from or to pageable host memory block the caller as CUDA does: the stream's earlier
+ *   work finishes, the copy happens, then the call returns. Copies that touch only pinned and
+ *   device memory are queued and return at once.
+ * - No backend call takes a lock of the layers above it, so they may call it without holding
+ *   theirs (the pool never calls the backend under its lock).
+ */
+#ifndef PINMEM_BACKEND_H
+#define PINMEM_BACKEND_H
+
+#include "pinmem.h"
+
+typedef struct pm__backend {
+  const char *name;
+  pm_backend_kind_t kind;
+
+  /* Start the backend. PM_ERR_NO_DEVICE when it cannot run here (cuda without a device). */
+  pm_status_t (*init)(void);
+  void (*shutdown)(void);
+
+  pm_status_t (*device_count)(int *count_out);
+  pm_status_t (*device_info)(int device, pm_device_info_t *info_out);
+  pm_status_t (*set_device)(int device);
+  pm_status_t (*get_device)(int *device_out);
+  pm_status_t (*device_synchronize)(void);
+
+  /* Pinned host memory allocated by the backend (cudaHostAlloc / mmap+mlock). flags: PM_HOST_*. */
+  pm_status_t (*host_alloc)(size_t bytes, unsigned flags, void **ptr_out);
+  pm_status_t (*host_free)(void *ptr, size_t bytes);
+  /* Page-lock existing memory (cudaHostRegister / mlock). flags: PM_REGISTER_*. */
+  pm_status_t (*host_register)(void *ptr, size_t bytes, unsigned flags);
+  pm_status_t (*host_unregister)(void *ptr, size_t bytes);
+  /* Device address of mapped pinned host memory (cudaHostGetDevicePointer). */
+  pm_status_t (*host_device_pointer)(void *host_ptr, void **dptr_out);
+
+  pm_status_t (*device_alloc)(size_t bytes, void **dptr_out);
+  pm_status_t (*device_free)(void *dptr);
+  pm_status_t (*device_memset_async)(void *dptr, int value, size_t bytes, pm_stream_t stream);
+
+  pm_status_t (*managed_alloc)(size_t bytes, void **ptr_out);
+  pm_status_t (*managed_free)(void *ptr);
+  pm_status_t (*managed_prefetch)(const void *ptr, size_t bytes, int device, pm_stream_t stream);
+
+  pm_status_t (*stream_create)(pm_stream_t *stream_out);
+  pm_status_t (*stream_destroy)(pm_stream_t stream);
+  pm_status_t (*stream_synchronize)(pm_stream_t stream);
+  pm_status_t (*stream_query)(pm_stream_t stream); /* PM_OK or PM_NOT_READY */
+  pm_status_t (*stream_wait_event)(pm_stream_t stream, pm_event_t event);
+
+  pm_status_t (*event_create)(unsigned flags, pm_event_t *event_out);
+  pm_status_t (*event_destroy)(pm_event_t event);
+  pm_status_t (*event_record)(pm_event_t event, pm_stream_t stream);
+  pm_status_t (*event_query)(pm_event_t event); /* PM_OK or PM_NOT_READY */
+  pm_status_t (*event_synchronize)(pm_event_t event);
+  pm_status_t (*event_elapsed)(pm_event_t start, pm_event_t end, double *seconds_out);
+
+  /* kind is never PM_COPY_DEFAULT here except where the backend can infer it (cuda: UVA). */
+  pm_status_t (*memcpy_async)(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind,
+                              pm_stream_t stream);
+  pm_status_t (*memcpy_sync)(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind);
+
+  pm_status_t (*launch_busy)(pm_stream_t stream, double seconds);
+  pm_status_t (*launch_host_func)(pm_stream_t stream, void (*fn)(void *), void *arg);
+
+  /* Is this address device memory from device_alloc (or managed)? Used to infer copy
+   * directions. 1 device, 0 host. */
+  int (*is_device_pointer)(const void *ptr);
+} pm__backend_t;
+
+/* backend_host.c */
+extern const pm__backend_t pm__backend_host;
+/* backend_cuda.c (only when built with CUDA) */
+extern const pm__backend_t pm__backend_cuda;
+
+#endif /* PINMEM_BACKEND_H */
