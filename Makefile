@@ -35,7 +35,7 @@ test-tsan:
 test-valgrind:
 	cmake -S . -B $(BUILD)-host -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF $(CMAKE_ARGS)
 	cmake --build $(BUILD)-host -j $(JOBS)
-	cd $(BUILD)-host && PINMEM_TEST_SMALL=1 $(CTEST) -L host -E cli -j $(JOBS) -T memcheck \
+	cd $(BUILD)-host && PINMEM_TEST_SMALL=1 $(CTEST) -L host -E cli -j $(JOBS) -T memcheck --overwrite MemoryCheckCommand=$$(command -v valgrind) \
 	  --overwrite MemoryCheckCommandOptions="--error-exitcode=97 --leak-check=full --errors-for-leak-kinds=definite,indirect --track-origins=no"
 
 # GPU tests: run when a CUDA device is visible, otherwise say so plainly.

@@ -61,10 +61,18 @@ pm_status_t pm__wrap_error(pm_status_t status, const char *fmt, ...) {
   vsnprintf(prefix, sizeof prefix, fmt, ap);
   va_end(ap);
   memcpy(old, tl_detail, sizeof old);
-  if (old[0])
-    snprintf(tl_detail, sizeof tl_detail, "%s: %s", prefix, old);
-  else
-    snprintf(tl_detail, sizeof tl_detail, "%s: %s", prefix, pm_strerror(status));
+  /* Truncation of very long details is intended; the prefix always survives. */
+  size_t n = strlen(prefix);
+  memcpy(tl_detail, prefix, n + 1);
+  if (n + 2 < sizeof tl_detail) {
+    memcpy(tl_detail + n, ": ", 3);
+    const char *rest = old[0] ? old : pm_strerror(status);
+    size_t room = sizeof tl_detail - n - 3;
+    size_t m = strlen(rest);
+    if (m > room) m = room;
+    memcpy(tl_detail + n + 2, rest, m);
+    tl_detail[n + 2 + m] = '\0';
+  }
   return status;
 }
 
