@@ -1,0 +1,771 @@
+/*
+ * DESIGN: the cuda backend: src/backend.h over the CUDA runtime (cudart, linked statically).
+ *
+ * - Handles are CUDA's own: a pm_stream_t is a cudaStream_t and a pm_event_t a cudaEvent_t, so
+ *   streams of other CUDA libraries pass straight through, and the backend keeps no state of its
+ *   own (no table, no lock): CUDA's per-thread current device is the only state, as it is for
+ *   every other CUDA user in the process.
+ * - Every CUDA return code is checked. A failure becomes a pm_status_t through one mapping
+ *   (pm__cuda_fail, also used by kernels.cu) with the call, its arguments and CUDA's message in
+ *   pm_last_error(); the runtime's last-error slot is cleared right away, so a non-sticky error
+ *   of ours is not reported later to another library that checks cudaGetLastError. Sticky
+ *   errors (a faulted context) cannot be cleared and keep failing every call, as they should.
+ * - cudaErrorNotReady from a query is an answer (PM_NOT_READY), not a failure: no detail is set.
+ * - Arguments are validated before any CUDA call, so bad input gets PM_ERR_INVALID with a clear
+ *   message instead of whatever CUDA makes of it; outputs are written only on success.
+ * - shutdown does nothing: cudaDeviceReset would pull the context from under other libraries
+ *   in the process, and the driver cleans up at exit.
+ */
+#include <cuda_runtime_api.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#if !defined(PINMEM_HAVE_CUDA)
+#error "backend_cuda.c is built only with PINMEM_HAVE_CUDA (the CMake build defines it)"
+#endif
+#include "kernels.h"
+
+/* Longest time launch_busy accepts: far beyond any benchmark, far below uint64 nanoseconds. */
+#define PM__BUSY_MAX_SECONDS 1.0e6
+
+static inline cudaStream_t cu_stream(pm_stream_t s) {
+  return (cudaStream_t)s;
+}
+static inline cudaEvent_t cu_event(pm_event_t e) {
+  return (cudaEvent_t)e;
+}
+
+/* ---- error mapping ------------------------------------------------------------------------ */
+
+static pm_status_t map_cuda_error(cudaError_t e, pm_status_t oom_status) {
+  switch (e) {
+    case cudaSuccess:
+      return PM_OK;
+    case cudaErrorNotReady:
+      return PM_NOT_READY;
+    case cudaErrorMemoryAllocation:
+      return oom_status;
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+      return PM_ERR_NO_DEVICE;
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevice:
+    case cudaErrorInvalidDevicePointer:
+    case cudaErrorInvalidResourceHandle:
+    case cudaErrorInvalidMemcpyDirection:
+      return PM_ERR_INVALID;
+    case cudaErrorHostMemoryAlreadyRegistered:
+      return PM_ERR_OVERLAP;
+    case cudaErrorHostMemoryNotRegistered:
+      return PM_ERR_NOT_FOUND;
+    case cudaErrorNotSupported:
+      return PM_ERR_UNSUPPORTED;
+    default:
+      return PM_ERR_BACKEND;
+  }
+}
+
+pm_status_t pm__cuda_fail(int cuda_error, pm_status_t oom_status, const char *call_fmt, ...) {
+  cudaError_t e = (cudaError_t)cuda_error;
+  char call[512];
+  va_list ap;
+  va_start(ap, call_fmt);
+  vsnprintf(call, sizeof call, call_fmt, ap);
+  va_end(ap);
+  (void)cudaGetLastError();
+  pm_status_t st = map_cuda_error(e, oom_status);
+  /* Queries handle cudaErrorNotReady themselves; anywhere else it is a failure. And a call
+   * with cudaSuccess is a bug in the caller, never a success to report. */
+  if (st == PM_NOT_READY) st = PM_ERR_BACKEND;
+  if (st == PM_OK) st = PM_ERR_INTERNAL;
+  return pm__set_error(st, "%s: %s (%s)", call, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+/* Device-memory allocation failures also say how much memory the device has left. */
+static pm_status_t device_oom_fail(cudaError_t e, const char *call, size_t bytes) {
+  size_t free_b = 0, total_b = 0;
+  (void)cudaGetLastError();
+  if (e == cudaErrorMemoryAllocation && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
+    int dev = -1;
+    if (cudaGetDevice(&dev) != cudaSuccess) dev = -1;
+    (void)cudaGetLastError();
+    return pm__cuda_fail((int)e, PM_ERR_DEVICE_MEMORY,
+                         "%s(%zu bytes) on device %d with %zu of %zu bytes free", call, bytes, dev,
+                         free_b, total_b);
+  }
+  return pm__cuda_fail((int)e, PM_ERR_DEVICE_MEMORY, "%s(%zu bytes)", call, bytes);
+}
+
+/* 0 <= device < device count, else PM_ERR_INVALID (or the failure of cudaGetDeviceCount). */
+static pm_status_t check_device(int device, const char *what) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaGetDeviceCount");
+  if (device < 0 || device >= count)
+    return pm__set_error(PM_ERR_INVALID, "%s: device %d out of range (%d CUDA device%s: 0..%d)",
+                         what, device, count, count == 1 ? "" : "s", count - 1);
+  return PM_OK;
+}
+
+/* ---- lifecycle and devices ---------------------------------------------------------------- */
+
+static pm_status_t cuda_init(void) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return pm__set_error(PM_ERR_NO_DEVICE, "cudaGetDeviceCount: %s (%s)", cudaGetErrorString(e),
+                         cudaGetErrorName(e));
+  }
+  if (count <= 0) {
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    return pm__set_error(PM_ERR_NO_DEVICE,
+                         "cudaGetDeviceCount: no CUDA device visible (CUDA_VISIBLE_DEVICES=%s)",
+                         vis ? vis : "(unset)");
+  }
+  long want = pm__opt_int(PM__OPT_DEVICE);
+  if (want < 0 || want >= count)
+    return pm__set_error(PM_ERR_CONFIG,
+                         "option device (PINMEM_DEVICE) is %ld, but there %s %d CUDA device%s "
+                         "(0..%d)",
+                         want, count == 1 ? "is" : "are", count, count == 1 ? "" : "s", count - 1);
+  e = cudaSetDevice((int)want);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return pm__set_error(PM_ERR_NO_DEVICE, "cudaSetDevice(%ld): %s (%s)", want,
+                         cudaGetErrorString(e), cudaGetErrorName(e));
+  }
+  /* Create the context now, so a device that cannot be used (exclusive mode taken, driver
+   * trouble) fails pm_init rather than the first allocation. */
+  e = cudaFree(NULL);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return pm__set_error(PM_ERR_NO_DEVICE,
+                         "cudaFree(NULL) (context creation on device %ld): %s (%s)", want,
+                         cudaGetErrorString(e), cudaGetErrorName(e));
+  }
+  return PM_OK;
+}
+
+static void cuda_shutdown(void) {}
+
+static pm_status_t cuda_device_count(int *count_out) {
+  if (!count_out) return pm__set_error(PM_ERR_INVALID, "device_count: count_out is NULL");
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaGetDeviceCount");
+  *count_out = count;
+  return PM_OK;
+}
+
+/* Read a small sysfs attribute into buf (NUL-terminated, trailing newline removed). */
+static int read_sysfs(const char *bus_id, const char *attr, char *buf, size_t len) {
+  char path[256];
+  int n = snprintf(path, sizeof path, "/sys/bus/pci/devices/%s/%s", bus_id, attr);
+  if (n < 0 || (size_t)n >= sizeof path) return -1;
+  FILE *f = fopen(path, "re");
+  if (!f) return -1;
+  size_t got = fread(buf, 1, len - 1, f);
+  fclose(f);
+  if (got == 0) return -1;
+  buf[got] = '\0';
+  while (got > 0 && (buf[got - 1] == '\n' || buf[got - 1] == ' ')) buf[--got] = '\0';
+  return 0;
+}
+
+/* "32.0 GT/s PCIe" (or "32 GT/s", "2.5 GT/s") -> 5; -1 for "Unknown" or anything else. Parsed by
+ * hand: strtod would follow the caller's LC_NUMERIC and misread "2.5" under a decimal comma. */
+static int pcie_gen_from_speed(const char *text) {
+  static const int tenths[] = {25, 50, 80, 160, 320, 640, 1280}; /* GT/s x 10, gen 1..7 */
+  const char *c = text;
+  long v = 0;
+  if (*c < '0' || *c > '9') return -1;
+  while (*c >= '0' && *c <= '9' && v < 100000) v = v * 10 + (*c++ - '0');
+  v *= 10;
+  if (*c == '.' && c[1] >= '0' && c[1] <= '9') v += c[1] - '0';
+  for (size_t i = 0; i < sizeof tenths / sizeof tenths[0]; i++)
+    if (v == tenths[i]) return (int)i + 1;
+  return -1;
+}
+
+/* A positive integer attribute ("16"), else -1. */
+static int sysfs_int(const char *bus_id, const char *attr, int min_valid) {
+  char buf[64];
+  if (read_sysfs(bus_id, attr, buf, sizeof buf) != 0) return -1;
+  char *end = NULL;
+  long v = strtol(buf, &end, 10);
+  if (end == buf || v < min_valid || v > 1 << 20) return -1;
+  return (int)v;
+}
+
+static int sysfs_gen(const char *bus_id, const char *attr) {
+  char buf[64];
+  if (read_sysfs(bus_id, attr, buf, sizeof buf) != 0) return -1;
+  return pcie_gen_from_speed(buf);
+}
+
+/* Attribute query as part of device_info: failure fails the call. */
+#define PM__ATTR(dst, attr)                                                                       \
+  do {                                                                                            \
+    int v_ = 0;                                                                                   \
+    cudaError_t e_ = cudaDeviceGetAttribute(&v_, (attr), device);                                 \
+    if (e_ != cudaSuccess)                                                                        \
+      return pm__cuda_fail((int)e_, PM_ERR_NOMEM, "cudaDeviceGetAttribute(%s, device %d)", #attr, \
+                           device);                                                               \
+    (dst) = v_;                                                                                   \
+  } while (0)
+
+static pm_status_t cuda_device_info(int device, pm_device_info_t *info_out) {
+  if (!info_out) return pm__set_error(PM_ERR_INVALID, "device_info: info_out is NULL");
+  pm_status_t st = check_device(device, "device_info");
+  if (st != PM_OK) return st;
+
+  pm_device_info_t info;
+  memset(&info, 0, sizeof info);
+  info.index = device;
+
+  struct cudaDeviceProp prop;
+  memset(&prop, 0, sizeof prop);
+  cudaError_t e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaGetDeviceProperties(device %d)", device);
+  memcpy(info.name, prop.name,
+         sizeof info.name < sizeof prop.name ? sizeof info.name : sizeof prop.name);
+  info.name[sizeof info.name - 1] = '\0';
+  info.cc_major = prop.major;
+  info.cc_minor = prop.minor;
+
+  PM__ATTR(info.async_engines, cudaDevAttrAsyncEngineCount);
+  PM__ATTR(info.can_map_host_memory, cudaDevAttrCanMapHostMemory);
+  PM__ATTR(info.unified_addressing, cudaDevAttrUnifiedAddressing);
+  PM__ATTR(info.managed_memory, cudaDevAttrManagedMemory);
+  PM__ATTR(info.concurrent_managed_access, cudaDevAttrConcurrentManagedAccess);
+  PM__ATTR(info.host_register_supported, cudaDevAttrHostRegisterSupported);
+  PM__ATTR(info.host_register_read_only, cudaDevAttrHostRegisterReadOnlySupported);
+  PM__ATTR(info.pageable_memory_access, cudaDevAttrPageableMemoryAccess);
+
+  /* cudaMemGetInfo speaks of the current device: switch to `device` for it, then switch back. */
+  int prev = 0;
+  e = cudaGetDevice(&prev);
+  if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaGetDevice");
+  if (prev != device) {
+    e = cudaSetDevice(device);
+    if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaSetDevice(%d)", device);
+  }
+  size_t free_b = 0, total_b = 0;
+  cudaError_t e_info = cudaMemGetInfo(&free_b, &total_b);
+  if (e_info != cudaSuccess) (void)cudaGetLastError();
+  if (prev != device) {
+    e = cudaSetDevice(prev);
+    if (e != cudaSuccess)
+      return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaSetDevice(%d) (restoring the device)", prev);
+  }
+  if (e_info != cudaSuccess)
+    return pm__cuda_fail((int)e_info, PM_ERR_NOMEM, "cudaMemGetInfo (device %d)", device);
+  info.free_memory = free_b;
+  info.total_memory = total_b;
+
+  /* PCI address in sysfs form (lowercase hex, 4-digit domain); the PCIe link from sysfs. A
+   * missing piece is "unknown" (-1, ""), never a failure: VMs and containers often hide it. */
+  char raw[64];
+  unsigned dom = 0, bus = 0, dev = 0, fn = 0;
+  int have_id = 0;
+  e = cudaDeviceGetPCIBusId(raw, (int)sizeof raw, device);
+  if (e == cudaSuccess && sscanf(raw, "%x:%x:%x.%x", &dom, &bus, &dev, &fn) == 4) {
+    have_id = 1;
+  } else {
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    if (prop.pciBusID >= 0 && prop.pciDeviceID >= 0 && prop.pciDomainID >= 0 &&
+        (prop.pciBusID | prop.pciDeviceID | prop.pciDomainID) != 0) {
+      dom = (unsigned)prop.pciDomainID;
+      bus = (unsigned)prop.pciBusID;
+      dev = (unsigned)prop.pciDeviceID;
+      fn = 0;
+      have_id = 1;
+    }
+  }
+  info.pcie_gen = info.pcie_width = info.pcie_max_gen = info.pcie_max_width = -1;
+  info.numa_node = -1;
+  if (have_id) {
+    snprintf(info.pci_bus_id, sizeof info.pci_bus_id, "%04x:%02x:%02x.%x", dom & 0xffffffu,
+             bus & 0xffu, dev & 0x1fu, fn & 0x7u);
+    info.pcie_gen = sysfs_gen(info.pci_bus_id, "current_link_speed");
+    info.pcie_max_gen = sysfs_gen(info.pci_bus_id, "max_link_speed");
+    info.pcie_width = sysfs_int(info.pci_bus_id, "current_link_width", 1);
+    info.pcie_max_width = sysfs_int(info.pci_bus_id, "max_link_width", 1);
+    info.numa_node = sysfs_int(info.pci_bus_id, "numa_node", 0);
+  }
+
+  *info_out = info;
+  return PM_OK;
+}
+
+static pm_status_t cuda_set_device(int device) {
+  pm_status_t st = check_device(device, "set_device");
+  if (st != PM_OK) return st;
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaSetDevice(%d)", device);
+  return PM_OK;
+}
+
+static pm_status_t cuda_get_device(int *device_out) {
+  if (!device_out) return pm__set_error(PM_ERR_INVALID, "get_device: device_out is NULL");
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaGetDevice");
+  *device_out = dev;
+  return PM_OK;
+}
+
+static pm_status_t cuda_device_synchronize(void) {
+  cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_BACKEND, "cudaDeviceSynchronize");
+  return PM_OK;
+}
+
+/* ---- pinned host memory ------------------------------------------------------------------- */
+
+static pm_status_t cuda_host_alloc(size_t bytes, unsigned flags, void **ptr_out) {
+  const unsigned known = PM_HOST_MAPPED | PM_HOST_WRITE_COMBINED | PM_HOST_PORTABLE;
+  if (!ptr_out) return pm__set_error(PM_ERR_INVALID, "host_alloc: ptr_out is NULL");
+  if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "host_alloc: size is 0");
+  if (flags & ~known)
+    return pm__set_error(PM_ERR_INVALID, "host_alloc: unknown flags 0x%x", flags & ~known);
+  unsigned cflags = cudaHostAllocDefault;
+  if (flags & PM_HOST_MAPPED) cflags |= cudaHostAllocMapped;
+  if (flags & PM_HOST_WRITE_COMBINED) cflags |= cudaHostAllocWriteCombined;
+  if (flags & PM_HOST_PORTABLE) cflags |= cudaHostAllocPortable;
+  void *p = NULL;
+  cudaError_t e = cudaHostAlloc(&p, bytes, cflags);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaHostAlloc(%zu bytes, flags 0x%x)", bytes,
+                         cflags);
+  if (!p) return pm__set_error(PM_ERR_INTERNAL, "cudaHostAlloc(%zu bytes) returned NULL", bytes);
+  *ptr_out = p;
+  return PM_OK;
+}
+
+static pm_status_t cuda_host_free(void *ptr, size_t bytes) {
+  if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_free: ptr is NULL");
+  cudaError_t e = cudaFreeHost(ptr);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaFreeHost(%p, %zu bytes)", ptr, bytes);
+  return PM_OK;
+}
+
+static pm_status_t cuda_host_register(void *ptr, size_t bytes, unsigned flags) {
+  const unsigned known = PM_REGISTER_MAPPED | PM_REGISTER_PORTABLE | PM_REGISTER_READ_ONLY;
+  if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_register: ptr is NULL");
+  if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "host_register: size is 0");
+  if (flags & ~known)
+    return pm__set_error(PM_ERR_INVALID, "host_register: unknown flags 0x%x", flags & ~known);
+  unsigned cflags = cudaHostRegisterDefault;
+  if (flags & PM_REGISTER_MAPPED) cflags |= cudaHostRegisterMapped;
+  if (flags & PM_REGISTER_PORTABLE) cflags |= cudaHostRegisterPortable;
+  if (flags & PM_REGISTER_READ_ONLY) {
+    int dev = 0, ro = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaGetDevice");
+    e = cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported, dev);
+    if (e != cudaSuccess)
+      return pm__cuda_fail((int)e, PM_ERR_NOMEM,
+                           "cudaDeviceGetAttribute(cudaDevAttrHostRegisterReadOnlySupported, "
+                           "device %d)",
+                           dev);
+    if (!ro)
+      return pm__set_error(PM_ERR_UNSUPPORTED,
+                           "host_register: device %d cannot map registered memory read-only "
+                           "(cudaDevAttrHostRegisterReadOnlySupported is 0); register without "
+                           "PM_REGISTER_READ_ONLY",
+                           dev);
+    cflags |= cudaHostRegisterReadOnly;
+  }
+  cudaError_t e = cudaHostRegister(ptr, bytes, cflags);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaHostRegister(%p, %zu bytes, flags 0x%x)", ptr,
+                         bytes, cflags);
+  return PM_OK;
+}
+
+static pm_status_t cuda_host_unregister(void *ptr, size_t bytes) {
+  if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_unregister: ptr is NULL");
+  cudaError_t e = cudaHostUnregister(ptr);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaHostUnregister(%p, %zu bytes)", ptr, bytes);
+  return PM_OK;
+}
+
+static pm_status_t cuda_host_device_pointer(void *host_ptr, void **dptr_out) {
+  if (!host_ptr) return pm__set_error(PM_ERR_INVALID, "host_device_pointer: ptr is NULL");
+  if (!dptr_out) return pm__set_error(PM_ERR_INVALID, "host_device_pointer: dptr_out is NULL");
+  void *d = NULL;
+  cudaError_t e = cudaHostGetDevicePointer(&d, host_ptr, 0);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaHostGetDevicePointer(%p)", host_ptr);
+  *dptr_out = d;
+  return PM_OK;
+}
+
+/* ---- device and managed memory ------------------------------------------------------------ */
+
+static pm_status_t cuda_device_alloc(size_t bytes, void **dptr_out) {
+  if (!dptr_out) return pm__set_error(PM_ERR_INVALID, "device_alloc: dptr_out is NULL");
+  if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "device_alloc: size is 0");
+  void *d = NULL;
+  cudaError_t e = cudaMalloc(&d, bytes);
+  if (e != cudaSuccess) return device_oom_fail(e, "cudaMalloc", bytes);
+  if (!d) return pm__set_error(PM_ERR_INTERNAL, "cudaMalloc(%zu bytes) returned NULL", bytes);
+  *dptr_out = d;
+  return PM_OK;
+}
+
+static pm_status_t cuda_device_free(void *dptr) {
+  if (!dptr) return pm__set_error(PM_ERR_INVALID, "device_free: ptr is NULL");
+  cudaError_t e = cudaFree(dptr);
+  if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_DEVICE_MEMORY, "cudaFree(%p)", dptr);
+  return PM_OK;
+}
+
+static pm_status_t cuda_device_memset_async(void *dptr, int value, size_t bytes,
+                                            pm_stream_t stream) {
+  if (bytes == 0) return PM_OK;
+  if (!dptr) return pm__set_error(PM_ERR_INVALID, "device_memset_async: ptr is NULL");
+  cudaError_t e = cudaMemsetAsync(dptr, value, bytes, cu_stream(stream));
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_DEVICE_MEMORY, "cudaMemsetAsync(%p, %d, %zu, stream %p)",
+                         dptr, value, bytes, (void *)stream);
+  return PM_OK;
+}
+
+static pm_status_t cuda_managed_alloc(size_t bytes, void **ptr_out) {
+  if (!ptr_out) return pm__set_error(PM_ERR_INVALID, "managed_alloc: ptr_out is NULL");
+  if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "managed_alloc: size is 0");
+  void *p = NULL;
+  cudaError_t e = cudaMallocManaged(&p, bytes, cudaMemAttachGlobal);
+  if (e != cudaSuccess) return device_oom_fail(e, "cudaMallocManaged", bytes);
+  if (!p)
+    return pm__set_error(PM_ERR_INTERNAL, "cudaMallocManaged(%zu bytes) returned NULL", bytes);
+  *ptr_out = p;
+  return PM_OK;
+}
+
+static pm_status_t cuda_managed_free(void *ptr) {
+  if (!ptr) return pm__set_error(PM_ERR_INVALID, "managed_free: ptr is NULL");
+  cudaError_t e = cudaFree(ptr);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_DEVICE_MEMORY, "cudaFree(%p) (managed)", ptr);
+  return PM_OK;
+}
+
+static pm_status_t cuda_managed_prefetch(const void *ptr, size_t bytes, int device,
+                                         pm_stream_t stream) {
+  if (bytes == 0) return PM_OK;
+  if (!ptr) return pm__set_error(PM_ERR_INVALID, "managed_prefetch: ptr is NULL");
+  /* Prefetching needs concurrent managed access on the device involved (for the CPU target:
+   * the current device); without it CUDA answers a puzzling cudaErrorInvalidDevice. */
+  int attr_dev = device;
+  if (device == PM_CPU_DEVICE) {
+    cudaError_t e = cudaGetDevice(&attr_dev);
+    if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaGetDevice");
+  } else {
+    pm_status_t st = check_device(device, "managed_prefetch");
+    if (st != PM_OK) return st;
+  }
+  int cma = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&cma, cudaDevAttrConcurrentManagedAccess, attr_dev);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM,
+                         "cudaDeviceGetAttribute(cudaDevAttrConcurrentManagedAccess, device %d)",
+                         attr_dev);
+  if (!cma)
+    return pm__set_error(PM_ERR_UNSUPPORTED,
+                         "managed_prefetch: device %d has no concurrent managed access "
+                         "(cudaDevAttrConcurrentManagedAccess is 0), so managed memory cannot "
+                         "be prefetched",
+                         attr_dev);
+
+  struct cudaMemLocation loc;
+  memset(&loc, 0, sizeof loc);
+  if (device == PM_CPU_DEVICE) {
+    loc.type = cudaMemLocationTypeHost;
+    loc.id = 0; /* ignored for the host */
+  } else {
+    loc.type = cudaMemLocationTypeDevice;
+    loc.id = device;
+  }
+  e = cudaMemPrefetchAsync(ptr, bytes, loc, 0, cu_stream(stream));
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_DEVICE_MEMORY,
+                         "cudaMemPrefetchAsync(%p, %zu, %s %d, stream %p)", ptr, bytes,
+                         device == PM_CPU_DEVICE ? "host" : "device", device, (void *)stream);
+  return PM_OK;
+}
+
+/* ---- streams and events ------------------------------------------------------------------- */
+
+static pm_status_t cuda_stream_create(pm_stream_t *stream_out) {
+  if (!stream_out) return pm__set_error(PM_ERR_INVALID, "stream_create: stream_out is NULL");
+  cudaStream_t s = NULL;
+  cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaStreamCreateWithFlags(cudaStreamNonBlocking)");
+  *stream_out = (pm_stream_t)s;
+  return PM_OK;
+}
+
+static pm_status_t cuda_stream_destroy(pm_stream_t stream) {
+  if (!stream) return pm__set_error(PM_ERR_INVALID, "stream_destroy: NULL is the default stream");
+  /* The contract waits for the queued work (cudaStreamDestroy alone would return at once).
+   * The stream is destroyed even if that work failed, so it never leaks. */
+  cudaError_t es = cudaStreamSynchronize(cu_stream(stream));
+  if (es != cudaSuccess) (void)cudaGetLastError();
+  cudaError_t e = cudaStreamDestroy(cu_stream(stream));
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaStreamDestroy(%p)", (void *)stream);
+  if (es != cudaSuccess)
+    return pm__cuda_fail((int)es, PM_ERR_NOMEM,
+                         "cudaStreamSynchronize(%p) (before destroying it; it was destroyed)",
+                         (void *)stream);
+  return PM_OK;
+}
+
+static pm_status_t cuda_stream_synchronize(pm_stream_t stream) {
+  cudaError_t e = cudaStreamSynchronize(cu_stream(stream));
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaStreamSynchronize(%p)", (void *)stream);
+  return PM_OK;
+}
+
+static pm_status_t cuda_stream_query(pm_stream_t stream) {
+  cudaError_t e = cudaStreamQuery(cu_stream(stream));
+  if (e == cudaSuccess) return PM_OK;
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return PM_NOT_READY;
+  }
+  return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaStreamQuery(%p)", (void *)stream);
+}
+
+static pm_status_t cuda_stream_wait_event(pm_stream_t stream, pm_event_t event) {
+  if (!event) return pm__set_error(PM_ERR_INVALID, "stream_wait_event: event is NULL");
+  cudaError_t e = cudaStreamWaitEvent(cu_stream(stream), cu_event(event), 0);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaStreamWaitEvent(stream %p, event %p)",
+                         (void *)stream, (void *)event);
+  return PM_OK;
+}
+
+static pm_status_t cuda_event_create(unsigned flags, pm_event_t *event_out) {
+  if (!event_out) return pm__set_error(PM_ERR_INVALID, "event_create: event_out is NULL");
+  if (flags & ~(unsigned)PM_EVENT_TIMING)
+    return pm__set_error(PM_ERR_INVALID, "event_create: unknown flags 0x%x",
+                         flags & ~(unsigned)PM_EVENT_TIMING);
+  unsigned cflags = (flags & PM_EVENT_TIMING) ? cudaEventDefault : cudaEventDisableTiming;
+  cudaEvent_t ev = NULL;
+  cudaError_t e = cudaEventCreateWithFlags(&ev, cflags);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaEventCreateWithFlags(0x%x)", cflags);
+  *event_out = (pm_event_t)ev;
+  return PM_OK;
+}
+
+static pm_status_t cuda_event_destroy(pm_event_t event) {
+  if (!event) return pm__set_error(PM_ERR_INVALID, "event_destroy: event is NULL");
+  cudaError_t e = cudaEventDestroy(cu_event(event));
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaEventDestroy(%p)", (void *)event);
+  return PM_OK;
+}
+
+static pm_status_t cuda_event_record(pm_event_t event, pm_stream_t stream) {
+  if (!event) return pm__set_error(PM_ERR_INVALID, "event_record: event is NULL");
+  cudaError_t e = cudaEventRecord(cu_event(event), cu_stream(stream));
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaEventRecord(event %p, stream %p)",
+                         (void *)event, (void *)stream);
+  return PM_OK;
+}
+
+static pm_status_t cuda_event_query(pm_event_t event) {
+  if (!event) return pm__set_error(PM_ERR_INVALID, "event_query: event is NULL");
+  cudaError_t e = cudaEventQuery(cu_event(event));
+  if (e == cudaSuccess) return PM_OK;
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return PM_NOT_READY;
+  }
+  return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaEventQuery(%p)", (void *)event);
+}
+
+static pm_status_t cuda_event_synchronize(pm_event_t event) {
+  if (!event) return pm__set_error(PM_ERR_INVALID, "event_synchronize: event is NULL");
+  cudaError_t e = cudaEventSynchronize(cu_event(event));
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaEventSynchronize(%p)", (void *)event);
+  return PM_OK;
+}
+
+static pm_status_t cuda_event_elapsed(pm_event_t start, pm_event_t end, double *seconds_out) {
+  if (!start || !end) return pm__set_error(PM_ERR_INVALID, "event_elapsed: event is NULL");
+  if (!seconds_out) return pm__set_error(PM_ERR_INVALID, "event_elapsed: seconds_out is NULL");
+  float ms = 0.0f;
+  cudaError_t e = cudaEventElapsedTime(&ms, cu_event(start), cu_event(end));
+  if (e == cudaErrorNotReady) {
+    /* Not a query: there is no time to give yet, so it is a state error, not PM_NOT_READY
+     * (which callers may take for success and read *seconds_out). */
+    (void)cudaGetLastError();
+    return pm__set_error(PM_ERR_STATE,
+                         "cudaEventElapsedTime(%p, %p): %s (%s): an event has not completed yet",
+                         (void *)start, (void *)end, cudaGetErrorString(e), cudaGetErrorName(e));
+  }
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM,
+                         "cudaEventElapsedTime(%p, %p) (both events need PM_EVENT_TIMING and a "
+                         "completed record)",
+                         (void *)start, (void *)end);
+  *seconds_out = (double)ms / 1000.0;
+  return PM_OK;
+}
+
+/* ---- copies, kernels, host functions ------------------------------------------------------ */
+
+static int to_cuda_kind(pm_copy_kind_t kind, enum cudaMemcpyKind *out) {
+  switch (kind) {
+    case PM_COPY_DEFAULT:
+      *out = cudaMemcpyDefault;
+      return 0;
+    case PM_COPY_H2D:
+      *out = cudaMemcpyHostToDevice;
+      return 0;
+    case PM_COPY_D2H:
+      *out = cudaMemcpyDeviceToHost;
+      return 0;
+    case PM_COPY_D2D:
+      *out = cudaMemcpyDeviceToDevice;
+      return 0;
+    case PM_COPY_H2H:
+      *out = cudaMemcpyHostToHost;
+      return 0;
+  }
+  return -1;
+}
+
+static const char *kind_name(enum cudaMemcpyKind k) {
+  switch (k) {
+    case cudaMemcpyHostToHost:
+      return "cudaMemcpyHostToHost";
+    case cudaMemcpyHostToDevice:
+      return "cudaMemcpyHostToDevice";
+    case cudaMemcpyDeviceToHost:
+      return "cudaMemcpyDeviceToHost";
+    case cudaMemcpyDeviceToDevice:
+      return "cudaMemcpyDeviceToDevice";
+    case cudaMemcpyDefault:
+      return "cudaMemcpyDefault";
+  }
+  return "?";
+}
+
+static pm_status_t cuda_memcpy_async(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind,
+                                     pm_stream_t stream) {
+  enum cudaMemcpyKind ck = cudaMemcpyDefault;
+  if (to_cuda_kind(kind, &ck) != 0)
+    return pm__set_error(PM_ERR_INVALID, "memcpy_async: unknown copy kind %d", (int)kind);
+  if (bytes == 0) return PM_OK;
+  if (!dst || !src)
+    return pm__set_error(PM_ERR_INVALID, "memcpy_async: %s pointer is NULL",
+                         dst ? "source" : "destination");
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, ck, cu_stream(stream));
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaMemcpyAsync(%p, %p, %zu, %s, stream %p)", dst,
+                         src, bytes, kind_name(ck), (void *)stream);
+  return PM_OK;
+}
+
+static pm_status_t cuda_memcpy_sync(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind) {
+  enum cudaMemcpyKind ck = cudaMemcpyDefault;
+  if (to_cuda_kind(kind, &ck) != 0)
+    return pm__set_error(PM_ERR_INVALID, "memcpy_sync: unknown copy kind %d", (int)kind);
+  if (bytes == 0) return PM_OK;
+  if (!dst || !src)
+    return pm__set_error(PM_ERR_INVALID, "memcpy_sync: %s pointer is NULL",
+                         dst ? "source" : "destination");
+  cudaError_t e = cudaMemcpy(dst, src, bytes, ck);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaMemcpy(%p, %p, %zu, %s)", dst, src, bytes,
+                         kind_name(ck));
+  return PM_OK;
+}
+
+static pm_status_t cuda_launch_busy(pm_stream_t stream, double seconds) {
+  /* !(x >= 0) also rejects NaN. */
+  if (!(seconds >= 0.0) || seconds > PM__BUSY_MAX_SECONDS)
+    return pm__set_error(PM_ERR_INVALID, "launch_busy: %g seconds is not in [0, %g]", seconds,
+                         PM__BUSY_MAX_SECONDS);
+  uint64_t ns = (uint64_t)(seconds * 1e9 + 0.5);
+  return pm__launch_busy_kernel(ns, (struct CUstream_st *)cu_stream(stream));
+}
+
+static pm_status_t cuda_launch_host_func(pm_stream_t stream, void (*fn)(void *), void *arg) {
+  if (!fn) return pm__set_error(PM_ERR_INVALID, "launch_host_func: fn is NULL");
+  cudaError_t e = cudaLaunchHostFunc(cu_stream(stream), fn, arg);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaLaunchHostFunc(stream %p, fn, %p)",
+                         (void *)stream, arg);
+  return PM_OK;
+}
+
+static int cuda_is_device_pointer(const void *ptr) {
+  if (!ptr) return 0;
+  struct cudaPointerAttributes a;
+  memset(&a, 0, sizeof a);
+  cudaError_t e = cudaPointerGetAttributes(&a, ptr);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+const pm__backend_t pm__backend_cuda = {
+    .name = "cuda",
+    .kind = PM_BACKEND_CUDA,
+    .init = cuda_init,
+    .shutdown = cuda_shutdown,
+    .device_count = cuda_device_count,
+    .device_info = cuda_device_info,
+    .set_device = cuda_set_device,
+    .get_device = cuda_get_device,
+    .device_synchronize = cuda_device_synchronize,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .host_register = cuda_host_register,
+    .host_unregister = cuda_host_unregister,
+    .host_device_pointer = cuda_host_device_pointer,
+    .device_alloc = cuda_device_alloc,
+    .device_free = cuda_device_free,
+    .device_memset_async = cuda_device_memset_async,
+    .managed_alloc = cuda_managed_alloc,
+    .managed_free = cuda_managed_free,
+    .managed_prefetch = cuda_managed_prefetch,
+    .stream_create = cuda_stream_create,
+    .stream_destroy = cuda_stream_destroy,
+    .stream_synchronize = cuda_stream_synchronize,
+    .stream_query = cuda_stream_query,
+    .stream_wait_event = cuda_stream_wait_event,
+    .event_create = cuda_event_create,
+    .event_destroy = cuda_event_destroy,
+    .event_record = cuda_event_record,
+    .event_query = cuda_event_query,
+    .event_synchronize = cuda_event_synchronize,
+    .event_elapsed = cuda_event_elapsed,
+    .memcpy_async = cuda_memcpy_async,
+    .memcpy_sync = cuda_memcpy_sync,
+    .launch_busy = cuda_launch_busy,
+    .launch_host_func = cuda_launch_host_func,
+    .is_device_pointer = cuda_is_device_pointer,
+};
