@@ -1,0 +1,360 @@
+#!/usr/bin/env bash
+# Checks of the pinmem command-line tool (CTest: host_cli, $1 = the binary). It must run, print
+# valid JSON lines with the documented keys and verified data, reject bad command lines with
+# exit 2 and the usage, report failures as "pinmem: <status name>: <detail>" with exit 1, and
+# show why an invalid PINMEM_* value was ignored. Every failed check is printed; any fails the
+# test.
+set -uo pipefail
+
+bin=${1:?usage: test_cli.sh PATH_TO_PINMEM_BINARY}
+[[ -x $bin ]] || { echo "test_cli: FAIL: $bin is not an executable" >&2; exit 1; }
+command -v python3 >/dev/null || { echo "test_cli: FAIL: python3 is needed to parse JSON" >&2; exit 1; }
+export PINMEM_BACKEND=host
+unset PINMEM_BUDGET PINMEM_BUDGET_POLICY PINMEM_PIN_THREADS PINMEM_FAST_PIN_MIN || true
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/pinmem-cli.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+checks=0
+
+fail() {
+  failures=$((failures + 1))
+  echo "test_cli: FAIL: $*" >&2
+}
+
+# run NAME CMD...: run CMD with stdout/stderr in $tmp/NAME.out/.err; status in $rc.
+run() {
+  local name=$1
+  shift
+  "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
+  rc=$?
+}
+
+show() {
+  echo "---- stdout of $1:" >&2
+  head -c 4000 "$tmp/$1.out" >&2
+  echo "---- stderr of $1:" >&2
+  head -c 4000 "$tmp/$1.err" >&2
+}
+
+expect_rc() { # NAME WANT
+  checks=$((checks + 1))
+  if [[ $rc -ne $2 ]]; then
+    fail "$1: exit status $rc, want $2"
+    show "$1"
+    return 1
+  fi
+}
+
+expect_grep() { # NAME FILE(out|err) EXTENDED-REGEX
+  checks=$((checks + 1))
+  if ! grep -Eq -- "$3" "$tmp/$1.$2"; then
+    fail "$1: $2 does not match /$3/"
+    show "$1"
+  fi
+}
+
+# json_check NAME PYTHON: every line of NAME.out must parse as a JSON object; then PYTHON runs
+# with `rows` (the parsed lines) and may call bad("why") for each problem it finds.
+json_check() {
+  checks=$((checks + 1))
+  if ! python3 - "$tmp/$1.out" "$2" <<'PY' >&2; then
+import json, math, sys
+path, code = sys.argv[1], sys.argv[2]
+problems = []
+def bad(why):
+    problems.append(why)
+rows = []
+with open(path, encoding="utf-8") as f:
+    lines = f.read().split("\n")
+if lines and lines[-1] == "":
+    lines.pop()
+if not lines:
+    bad("no output lines")
+for n, line in enumerate(lines, 1):
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        bad("line %d is not JSON (%s): %r" % (n, e, line[:200]))
+        continue
+    if not isinstance(obj, dict):
+        bad("line %d is not a JSON object: %r" % (n, line[:200]))
+        continue
+    rows.append(obj)
+if not problems:
+    exec(code)
+for p in problems:
+    print("  " + p)
+sys.exit(1 if problems else 0)
+PY
+    fail "$1: JSON check failed (problems above)"
+    show "$1"
+  fi
+}
+
+# ---- --version, help --------------------------------------------------------------------------
+run version "$bin" --version
+expect_rc version 0 && expect_grep version out '^pinmem [0-9]+\.[0-9]+\.[0-9]+$'
+version=$(sed -n 's/^pinmem //p' "$tmp/version.out")
+
+run version_json "$bin" --version --json
+expect_rc version_json 0 &&
+  json_check version_json "
+if len(rows) != 1 or rows[0].get('version') != '$version':
+    bad('want one line {\"version\": \"$version\"}, got %r' % rows)"
+
+run help "$bin" help
+expect_rc help 0 && expect_grep help out '^usage: pinmem' && expect_grep help out 'bench alloc'
+
+# ---- info ----------------------------------------------------------------------------------------
+run info "$bin" info
+if expect_rc info 0; then
+  expect_grep info out "^pinmem $version"
+  expect_grep info out '^backend +host'
+  expect_grep info out '^RLIMIT_MEMLOCK +'
+  expect_grep info out '^transparent huge pages +'
+  expect_grep info out '^physical memory +[0-9]'
+  expect_grep info out '^devices: [1-9]'
+  expect_grep info out '^ +budget +[1-9][0-9]* bytes'
+  expect_grep info out '^ +NAME +ENV +VALUE +SOURCE +DEFAULT'
+  for opt in backend budget budget_policy pin_threads fast_pin_min huge_pages; do
+    expect_grep info out "^ +$opt +PINMEM_[A-Z_]+ +"
+  done
+fi
+
+run info_json "$bin" info --json
+expect_rc info_json 0 &&
+  json_check info_json "
+kinds = [r.get('info') for r in rows]
+if None in kinds:
+    bad('a line without an \"info\" key')
+head = [r for r in rows if r.get('info') == 'pinmem']
+if len(head) != 1:
+    bad('want one {\"info\":\"pinmem\"} line, got %d' % len(head))
+elif head[0].get('version') != '$version' or head[0].get('backend') != 'host':
+    bad('pinmem line: %r' % head[0])
+for k in ('system', 'memlock', 'pool'):
+    if kinds.count(k) != 1:
+        bad('want one %r line, got %d' % (k, kinds.count(k)))
+sysl = [r for r in rows if r.get('info') == 'system']
+if sysl and not (isinstance(sysl[0].get('physical_memory'), int) and sysl[0]['physical_memory'] > 0):
+    bad('system.physical_memory: %r' % sysl[0])
+ml = [r for r in rows if r.get('info') == 'memlock']
+if ml and not all(k in ml[0] for k in ('rlimit_bytes', 'cap_ipc_lock', 'cap_ipc_lock_lifts_limit')):
+    bad('memlock line lacks keys: %r' % ml[0])
+pool = [r for r in rows if r.get('info') == 'pool']
+if pool and not (isinstance(pool[0].get('budget'), int) and pool[0]['budget'] > 0):
+    bad('pool.budget: %r' % pool[0])
+devs = [r for r in rows if r.get('info') == 'device']
+if not devs:
+    bad('no device line')
+for d in devs:
+    for k in ('index', 'name', 'cc', 'total_memory', 'pcie_gen', 'pcie_width', 'pcie_max_gen',
+              'pcie_max_width', 'copy_engines', 'can_map_host_memory', 'managed_memory',
+              'host_register_read_only'):
+        if k not in d:
+            bad('device line lacks %r: %r' % (k, d))
+opts = [r for r in rows if r.get('info') == 'option']
+names = [o.get('name') for o in opts]
+for want in ('backend', 'device', 'budget', 'budget_policy', 'budget_timeout', 'pin_threads',
+             'fast_pin_min', 'huge_pages'):
+    if want not in names:
+        bad('option %r missing' % want)
+for o in opts:
+    for k in ('name', 'env', 'value', 'source', 'default', 'doc'):
+        if not isinstance(o.get(k), str) or (k != 'value' and not o[k]):
+            bad('option line: bad %r: %r' % (k, o))
+    if o.get('env') != 'PINMEM_' + str(o.get('name')).upper():
+        bad('option %r: env %r' % (o.get('name'), o.get('env')))
+    if o.get('source') not in ('default', 'env', 'set'):
+        bad('option %r: source %r' % (o.get('name'), o.get('source')))
+b = [o for o in opts if o.get('name') == 'backend']
+if b and (b[0].get('value') != 'host' or b[0].get('source') != 'env'):
+    bad('backend option should be host from env: %r' % b[0])"
+
+# The README's configuration table lists every option with its variable and default.
+readme=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/README.md
+if [[ -f $readme ]]; then
+  json_check info_json "
+import re
+table = {}
+for line in open('$readme', encoding='utf-8'):
+    m = re.match(r'^\| \x60([a-z_]+)\x60 \| \x60(PINMEM_[A-Z_]+)\x60 \| \x60([^\x60]*)\x60 \|', line)
+    if m:
+        table[m.group(1)] = (m.group(2), m.group(3))
+for o in rows:
+    if o.get('info') != 'option':
+        continue
+    want = (o['env'], o['default'])
+    if table.get(o['name']) != want:
+        bad('README.md configuration table: option %r should read %r, has %r' % (o['name'], want, table.get(o['name'])))
+names = {o.get('name') for o in rows if o.get('info') == 'option'}
+for extra in set(table) - names:
+    bad('README.md configuration table lists %r, which is not an option' % extra)"
+fi
+
+# An invalid option value: the default stays in force and both outputs say why.
+run bad_env env PINMEM_BUDGET=xyz "$bin" info
+expect_rc bad_env 0 && expect_grep bad_env out "^ +budget +PINMEM_BUDGET +auto \(PINMEM_BUDGET='xyz' ignored: [^)]+\) +default"
+run bad_env_json env PINMEM_BUDGET=xyz "$bin" info --json
+expect_rc bad_env_json 0 &&
+  json_check bad_env_json "
+o = [r for r in rows if r.get('info') == 'option' and r.get('name') == 'budget']
+if len(o) != 1:
+    bad('no budget option line')
+else:
+    o = o[0]
+    if o.get('source') != 'default' or o.get('env_value') != 'xyz' or o.get('env_ignored') is not True:
+        bad('budget line does not show the ignored value: %r' % o)
+    if 'ignored' not in o.get('value', '') or 'xyz' not in o.get('value', ''):
+        bad('budget value text lacks the reason: %r' % o.get('value'))"
+
+# Strings are escaped: quotes, backslashes, control characters and bytes that are not UTF-8.
+run weird_env env PINMEM_BUDGET_POLICY=$'a"b\\c\x01\t\xff\xc3\xa9' "$bin" info --json
+expect_rc weird_env 0 &&
+  json_check weird_env "
+o = [r for r in rows if r.get('info') == 'option' and r.get('name') == 'budget_policy']
+if not o or o[0].get('env_value') != 'a\"b\\\\c\x01\t\ufffd\u00e9':
+    bad('escaped env value read back as %r' % (o and o[0].get('env_value')))"
+
+# A valid one is taken, with its source.
+run good_env env PINMEM_PIN_THREADS=3 "$bin" info --json
+expect_rc good_env 0 &&
+  json_check good_env "
+o = [r for r in rows if r.get('info') == 'option' and r.get('name') == 'pin_threads']
+if not o or o[0].get('value') != '3' or o[0].get('source') != 'env' or o[0].get('env_ignored') is not False:
+    bad('pin_threads from the environment: %r' % o)"
+
+# ---- bench alloc ---------------------------------------------------------------------------------
+bench_args=(bench alloc --sizes 4M --repeat 1 --overhead-total 64M)
+run bench_json "$bin" "${bench_args[@]}" --json
+expect_rc bench_json 0 &&
+  json_check bench_json "
+need = ('bench', 'case', 'bytes', 'seconds', 'gbps', 'verified', 'backend', 'ratio_vs_cudaHostAlloc')
+for r in rows:
+    for k in need:
+        if k not in r:
+            bad('row lacks %r: %r' % (k, r))
+    if r.get('bench') != 'alloc' or r.get('backend') != 'host':
+        bad('bench/backend: %r' % r)
+    if r.get('verified') is not True:
+        bad('not verified: %r' % r)
+    s = r.get('seconds')
+    if not isinstance(s, (int, float)) or not (s > 0 and math.isfinite(s)):
+        bad('seconds: %r' % r)
+    if not isinstance(r.get('bytes'), int) or r['bytes'] <= 0:
+        bad('bytes: %r' % r)
+    g = r.get('gbps')
+    if g is not None and not (isinstance(g, (int, float)) and g > 0):
+        bad('gbps: %r' % r)
+    q = r.get('ratio_vs_cudaHostAlloc')
+    if q is not None and not (isinstance(q, (int, float)) and q > 0):
+        bad('ratio: %r' % r)
+have = {(r.get('case'), r.get('bytes')) for r in rows}
+M = 1 << 20
+for c in ('pinmem_cold_pin', 'host_alloc', 'malloc+host_register', 'pinmem_free+destroy',
+          'host_free', 'host_unregister+free'):
+    if (c, 4 * M) not in have:
+        bad('missing case %s at 4 MiB' % c)
+for size in (4096, 65536, M, 16 * M):
+    for c in ('pinmem_cached_pair', 'host_alloc+host_free'):
+        if (c, size) not in have:
+            bad('missing case %s at %d bytes' % (c, size))
+cold = [r for r in rows if r.get('case') == 'pinmem_cold_pin']
+if cold and cold[0].get('gbps') is None:
+    bad('cold pin row has no gbps: %r' % cold[0])
+base = [r for r in rows if r.get('case') == 'host_alloc']
+if base and base[0].get('ratio_vs_cudaHostAlloc') != 1:
+    bad('the baseline ratio must be 1: %r' % base[0])
+pairs = [r for r in rows if r.get('case') == 'pinmem_cached_pair']
+for p in pairs:
+    if p.get('backend_allocs') != 0 or p.get('cache_hits', 0) < 1000:
+        bad('cached pairs did not come from the cache: %r' % p)
+over = [r for r in rows if r.get('case') == 'pinmem_overhead']
+if len(over) != 1:
+    bad('want one pinmem_overhead row')
+else:
+    o = over[0]
+    if not (o.get('requested_bytes', 0) >= M and o.get('pinned_bytes', 0) >= o['requested_bytes']):
+        bad('overhead accounting: %r' % o)
+    elif abs(o['overhead'] - o['pinned_bytes'] / o['requested_bytes']) > 1e-6:
+        bad('overhead is not pinned/requested: %r' % o)
+    elif o['overhead'] > 1.125:
+        bad('pool overhead %.4f above 1.125 (size classes must waste at most 12.5%%): %r' % (o['overhead'], o))
+if not any(r.get('case') == 'pinmem_overhead_churn' for r in rows):
+    bad('no pinmem_overhead_churn row')"
+
+run bench_text "$bin" "${bench_args[@]}"
+if expect_rc bench_text 0; then
+  expect_grep bench_text out '^SIZE +CASE +MEDIAN'
+  expect_grep bench_text out '^4\.00 MiB +pinmem_cold_pin +'
+  expect_grep bench_text out '^TARGET cold pin 1 GiB .*not measured'
+  expect_grep bench_text out '^TARGET cached alloc\+free pair median <= 1 us: .*cuda backend only'
+  expect_grep bench_text out '^TARGET pool overhead .*<= 1\.125: [0-9.]+  (PASS|MISS)$'
+  checks=$((checks + 1))
+  if grep -q ' NO$' "$tmp/bench_text.out"; then fail "bench_text: a row is not verified"; show bench_text; fi
+fi
+
+# The JSON lines read back give the table and the TARGET lines again.
+run summarize "$bin" bench alloc --summarize "$tmp/bench_json.out"
+if expect_rc summarize 0; then
+  expect_grep summarize out '^4\.00 MiB +pinmem_cold_pin +'
+  expect_grep summarize out '^16\.0 MiB +pinmem_cached_pair +'
+  expect_grep summarize out '^TARGET pool overhead .*<= 1\.125: [0-9.]+  (PASS|MISS)$'
+fi
+run summarize_missing "$bin" bench alloc --summarize "$tmp/no-such-file"
+expect_rc summarize_missing 1 && expect_grep summarize_missing err '^pinmem: .*no-such-file'
+
+# ---- failures: status name and detail, exit 1 -------------------------------------------------
+# A request larger than the whole budget of the pool.
+run budget env PINMEM_BUDGET=1M "$bin" bench alloc --sizes 4M --repeat 1 --json
+expect_rc budget 1 && expect_grep budget err '^pinmem: PM_ERR_(BUDGET|INVALID): .*budget'
+checks=$((checks + 1))
+[[ $(wc -l <"$tmp/budget.err") -eq 1 ]] || { fail "budget: want one line on stderr"; show budget; }
+
+# cuda asked for: fine where a GPU is usable, otherwise a clear failure.
+run cuda env PINMEM_BACKEND=cuda "$bin" info --json
+if [[ $rc -ne 0 ]]; then
+  expect_rc cuda 1 && expect_grep cuda err '^pinmem: PM_ERR_[A-Z_]+: .+'
+  json_check cuda "
+if not any(r.get('info') == 'option' for r in rows):
+    bad('the option table should still be printed when the backend fails')"
+fi
+
+# ---- bad command lines: usage on stderr, exit 2, nothing on stdout ------------------------------
+bad_lines=(
+  ""
+  "frobnicate"
+  "info extra"
+  "info --bogus"
+  "bench"
+  "bench nope"
+  "bench alloc --repeat 0"
+  "bench alloc --repeat x"
+  "bench alloc --repeat"
+  "bench alloc --threads -1"
+  "bench alloc --sizes 12Q"
+  "bench alloc --sizes 0"
+  "bench alloc --sizes ,"
+  "info --sizes 4M"
+  "--version info"
+  "bench alloc --summarize"
+  "bench alloc --summarize x --sizes 4M"
+)
+i=0
+for line in "${bad_lines[@]}"; do
+  i=$((i + 1))
+  # shellcheck disable=SC2086
+  run "bad$i" "$bin" $line
+  expect_rc "bad$i" 2 || { echo "  (command line: pinmem $line)" >&2; continue; }
+  expect_grep "bad$i" err '^usage: pinmem'
+  expect_grep "bad$i" err '^pinmem: .+'
+  checks=$((checks + 1))
+  if [[ -s $tmp/bad$i.out ]]; then fail "bad$i (pinmem $line): wrote to stdout"; show "bad$i"; fi
+done
+
+if ((failures)); then
+  echo "test_cli: $failures of $checks checks FAILED" >&2
+  exit 1
+fi
+echo "test_cli: all $checks checks passed"

@@ -1,0 +1,97 @@
+/*
+ * Shared pieces of the pinmem command-line tool: output (JSON lines and aligned text tables),
+ * failure reporting and the commands themselves. The tool links the static library and may use
+ * the internal headers, because its benchmarks compare pinmem with raw backend calls.
+ */
+#ifndef PINMEM_CLI_H
+#define PINMEM_CLI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "pinmem.h"
+
+#define CLI_EXIT_FAILURE 1
+#define CLI_EXIT_USAGE 2
+
+/* ---- output.c ---------------------------------------------------------------------------- */
+
+/* One JSON object written as one line. Keys are added in order; strings are escaped (control
+ * characters, quotes, backslashes, invalid UTF-8 replaced by U+FFFD); non-finite doubles are
+ * written as null so every line stays valid JSON. */
+typedef struct cli_json {
+  char *buf;
+  size_t len, cap;
+  int fields;
+} cli_json_t;
+
+void cli_json_begin(cli_json_t *j);
+void cli_json_str(cli_json_t *j, const char *key, const char *value); /* NULL -> null */
+void cli_json_int(cli_json_t *j, const char *key, long long value);
+void cli_json_uint(cli_json_t *j, const char *key, unsigned long long value);
+void cli_json_double(cli_json_t *j, const char *key, double value);
+void cli_json_bool(cli_json_t *j, const char *key, bool value);
+void cli_json_null(cli_json_t *j, const char *key);
+/* Print the line to stdout and release the buffer. */
+void cli_json_end(cli_json_t *j);
+
+/* A text table whose columns are as wide as their widest cell. */
+typedef struct cli_table {
+  int ncols;
+  size_t nrows, cap;
+  char **cells; /* nrows * ncols, owned */
+} cli_table_t;
+
+void cli_table_init(cli_table_t *t, int ncols);
+/* Add a row of exactly ncols cells (copied; NULL prints as empty). */
+void cli_table_row(cli_table_t *t, ...);
+/* Print with `indent` spaces before each row and two spaces between columns; frees the table. */
+void cli_table_print(cli_table_t *t, int indent);
+
+/* One field of a flat JSON object read back from a results file. */
+typedef struct cli_jfield {
+  char key[64];
+  int type; /* 's' string, 'n' number, 'b' bool, 'z' null */
+  char str[512];
+  double num;
+  bool b;
+} cli_jfield_t;
+
+/* Parse one line holding a flat JSON object (no nested objects or arrays) into at most `max`
+ * fields. Returns the number of fields, or -1 if the line is not such an object. */
+int cli_json_parse_flat(const char *line, cli_jfield_t *fields, int max);
+const cli_jfield_t *cli_json_get(const cli_jfield_t *fields, int n, const char *key);
+
+/* "1.50 GiB", "64.0 MiB", "4.00 KiB", "512 B". */
+const char *cli_fmt_bytes(size_t bytes, char *buf, size_t len);
+
+/* Print "pinmem: <status name>: <pm_last_error()>" to stderr and exit 1. */
+_Noreturn void cli_fail(pm_status_t status);
+/* Print "pinmem: <message>" and the usage to stderr and exit 2. */
+_Noreturn void cli_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void cli_print_usage(FILE *out);
+
+void *cli_xmalloc(size_t bytes);
+char *cli_xstrdup(const char *s);
+
+/* ---- info.c ------------------------------------------------------------------------------ */
+
+int cli_cmd_info(bool json);
+
+/* ---- bench_alloc.c ----------------------------------------------------------------------- */
+
+typedef struct cli_bench_alloc_args {
+  bool json;
+  size_t sizes[32];
+  int nsizes;
+  int repeat;            /* 0: 5 runs, 3 for sizes of 1 GiB and more */
+  int threads;           /* pin threads of the pools measured; 0: option "pin_threads" */
+  size_t overhead_total; /* bytes requested in the overhead measurement */
+  const char *summarize; /* print the table of a results file instead of measuring ("-": stdin) */
+} cli_bench_alloc_args_t;
+
+int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args);
+
+#endif /* PINMEM_CLI_H */

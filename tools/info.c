@@ -1,0 +1,331 @@
+/*
+ * `pinmem info`: what this machine offers for pinned memory and how pinmem is configured. It
+ * keeps going when one part fails (a cuda backend asked for on a machine without a GPU still
+ * shows the limits and the option table) and reports the first failure at the end, exit 1.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "internal.h"
+
+typedef struct info_failure {
+  pm_status_t status;
+  char detail[1024];
+} info_failure_t;
+
+static void note_failure(info_failure_t *f, pm_status_t st) {
+  if (f->status != PM_OK) return;
+  f->status = st;
+  snprintf(f->detail, sizeof f->detail, "%s",
+           pm_last_error()[0] ? pm_last_error() : pm_strerror(st));
+}
+
+static const char *yes_no(int v) {
+  return v > 0 ? "yes" : v == 0 ? "no" : "unknown";
+}
+
+/* The mode in brackets in /sys/kernel/mm/transparent_hugepage/enabled ("always [madvise]
+ * never" -> "madvise"); "unavailable" when the file cannot be read. */
+static void read_thp(char *mode, size_t mode_len, char *raw, size_t raw_len) {
+  snprintf(mode, mode_len, "unavailable");
+  raw[0] = '\0';
+  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+  if (!f) return;
+  if (fgets(raw, (int)raw_len, f)) {
+    raw[strcspn(raw, "\n")] = '\0';
+    const char *lb = strchr(raw, '['), *rb = lb ? strchr(lb, ']') : NULL;
+    if (lb && rb && rb > lb + 1) snprintf(mode, mode_len, "%.*s", (int)(rb - lb - 1), lb + 1);
+  }
+  fclose(f);
+}
+
+static const char *source_name(pm_option_source_t s) {
+  switch (s) {
+    case PM_OPTION_DEFAULT:
+      return "default";
+    case PM_OPTION_ENV:
+      return "env";
+    case PM_OPTION_SET:
+      return "set";
+  }
+  return "unknown";
+}
+
+static const char *pcie_text(int gen, int width, char *buf, size_t len) {
+  if (gen < 0 && width < 0)
+    snprintf(buf, len, "unknown");
+  else if (width < 0)
+    snprintf(buf, len, "Gen%d", gen);
+  else if (gen < 0)
+    snprintf(buf, len, "x%d", width);
+  else
+    snprintf(buf, len, "Gen%d x%d", gen, width);
+  return buf;
+}
+
+/* An option whose PINMEM_<NAME> variable is set but not in force was rejected: the library
+ * fell back to the default and its value text says why ("auto (PINMEM_BUDGET='xyz' ignored:
+ * ...)"). JSON readers get the variable's text and a flag as fields of their own. */
+static const char *env_value(const pm_option_info_t *o) {
+  return o->env ? getenv(o->env) : NULL;
+}
+
+/* Add `text` as rows of at most `width` characters, broken at spaces; `key` on the first. */
+static void add_wrapped(cli_table_t *t, const char *key, const char *text, size_t width) {
+  char line[256];
+  const char *p = text ? text : "";
+  bool first = true;
+  do {
+    size_t n = strlen(p);
+    if (n > width) {
+      n = width;
+      while (n > 0 && p[n] != ' ') n--;
+      if (n == 0) n = width; /* one long word */
+    }
+    if (n >= sizeof line) n = sizeof line - 1;
+    memcpy(line, p, n);
+    line[n] = '\0';
+    cli_table_row(t, first ? key : "", line);
+    first = false;
+    p += n;
+    while (*p == ' ') p++;
+  } while (*p);
+}
+
+int cli_cmd_info(bool json) {
+  info_failure_t fail = {PM_OK, ""};
+  char b1[64], b2[64], b3[64];
+
+  pm_status_t init_st = pm_init();
+  if (init_st != PM_OK) note_failure(&fail, init_st);
+  const char *backend = pm_backend_name();
+
+  /* ---- pinmem and the system ---- */
+  size_t ram = pm__physical_memory();
+  int cpus = pm__cpu_count();
+  size_t page = pm__page_size();
+  size_t rlim = pm__memlock_rlimit_raw();
+  bool cap = pm__has_cap_ipc_lock();
+  size_t memlock_eff = pm__memlock_limit();
+  char thp[64], thp_raw[256];
+  read_thp(thp, sizeof thp, thp_raw, sizeof thp_raw);
+
+  if (json) {
+    cli_json_t j;
+    cli_json_begin(&j);
+    cli_json_str(&j, "info", "pinmem");
+    cli_json_str(&j, "version", pm_version());
+    cli_json_str(&j, "backend", backend);
+    cli_json_str(&j, "backend_status", pm_status_name(init_st));
+    if (init_st != PM_OK) cli_json_str(&j, "backend_error", fail.detail);
+    cli_json_end(&j);
+
+    cli_json_begin(&j);
+    cli_json_str(&j, "info", "system");
+    cli_json_uint(&j, "physical_memory", ram);
+    cli_json_int(&j, "cpus", cpus);
+    cli_json_uint(&j, "page_size", page);
+    cli_json_str(&j, "transparent_hugepage", thp);
+    cli_json_str(&j, "transparent_hugepage_raw", thp_raw);
+    cli_json_end(&j);
+
+    cli_json_begin(&j);
+    cli_json_str(&j, "info", "memlock");
+    if (rlim == SIZE_MAX)
+      cli_json_null(&j, "rlimit_bytes");
+    else
+      cli_json_uint(&j, "rlimit_bytes", rlim);
+    cli_json_bool(&j, "rlimit_unlimited", rlim == SIZE_MAX);
+    cli_json_bool(&j, "cap_ipc_lock", cap);
+    cli_json_bool(&j, "cap_ipc_lock_lifts_limit", cap);
+    if (memlock_eff == SIZE_MAX)
+      cli_json_null(&j, "effective_limit_bytes");
+    else
+      cli_json_uint(&j, "effective_limit_bytes", memlock_eff);
+    cli_json_end(&j);
+  } else {
+    cli_table_t t;
+    printf("pinmem %s\n\n", pm_version());
+    cli_table_init(&t, 2);
+    if (init_st == PM_OK)
+      cli_table_row(&t, "backend", backend);
+    else {
+      char msg[1200];
+      snprintf(msg, sizeof msg, "none (%s: %s)", pm_status_name(init_st), fail.detail);
+      cli_table_row(&t, "backend", msg);
+    }
+    char cpus_txt[32], mem_txt[128], lim_txt[256], thp_txt[400];
+    snprintf(cpus_txt, sizeof cpus_txt, "%d", cpus);
+    snprintf(mem_txt, sizeof mem_txt, "%s (page size %s)", cli_fmt_bytes(ram, b1, sizeof b1),
+             cli_fmt_bytes(page, b2, sizeof b2));
+    if (rlim == SIZE_MAX)
+      snprintf(lim_txt, sizeof lim_txt, "unlimited");
+    else
+      snprintf(lim_txt, sizeof lim_txt, "%zu bytes (%s)%s", rlim,
+               cli_fmt_bytes(rlim, b3, sizeof b3),
+               cap ? "; CAP_IPC_LOCK lifts it: pinning is not limited"
+                   : "; no CAP_IPC_LOCK: pinning is limited to it");
+    if (thp_raw[0])
+      snprintf(thp_txt, sizeof thp_txt, "%s (%s)", thp, thp_raw);
+    else
+      snprintf(thp_txt, sizeof thp_txt, "%s", thp);
+    cli_table_row(&t, "physical memory", mem_txt);
+    cli_table_row(&t, "CPUs", cpus_txt);
+    cli_table_row(&t, "RLIMIT_MEMLOCK", lim_txt);
+    cli_table_row(&t, "transparent huge pages", thp_txt);
+    cli_table_print(&t, 0);
+  }
+
+  /* ---- devices ---- */
+  if (init_st == PM_OK) {
+    int count = 0;
+    pm_status_t st = pm_device_count(&count);
+    if (st != PM_OK) note_failure(&fail, st);
+    if (!json) printf("\ndevices: %d\n", st == PM_OK ? count : 0);
+    for (int d = 0; st == PM_OK && d < count; d++) {
+      pm_device_info_t di;
+      pm_status_t dst = pm_device_get_info(d, &di);
+      if (dst != PM_OK) {
+        note_failure(&fail, dst);
+        if (!json) printf("  device %d: %s: %s\n", d, pm_status_name(dst), pm_last_error());
+        continue;
+      }
+      char cc[32], cur[32], max[32];
+      snprintf(cc, sizeof cc, "%d.%d", di.cc_major, di.cc_minor);
+      pcie_text(di.pcie_gen, di.pcie_width, cur, sizeof cur);
+      pcie_text(di.pcie_max_gen, di.pcie_max_width, max, sizeof max);
+      if (json) {
+        cli_json_t j;
+        cli_json_begin(&j);
+        cli_json_str(&j, "info", "device");
+        cli_json_int(&j, "index", di.index);
+        cli_json_str(&j, "name", di.name);
+        cli_json_str(&j, "cc", cc);
+        cli_json_uint(&j, "total_memory", di.total_memory);
+        cli_json_uint(&j, "free_memory", di.free_memory);
+        cli_json_str(&j, "pci_bus_id", di.pci_bus_id);
+        cli_json_int(&j, "pcie_gen", di.pcie_gen);
+        cli_json_int(&j, "pcie_width", di.pcie_width);
+        cli_json_int(&j, "pcie_max_gen", di.pcie_max_gen);
+        cli_json_int(&j, "pcie_max_width", di.pcie_max_width);
+        cli_json_int(&j, "numa_node", di.numa_node);
+        cli_json_int(&j, "copy_engines", di.async_engines);
+        cli_json_bool(&j, "can_map_host_memory", di.can_map_host_memory > 0);
+        cli_json_bool(&j, "unified_addressing", di.unified_addressing > 0);
+        cli_json_bool(&j, "managed_memory", di.managed_memory > 0);
+        cli_json_bool(&j, "concurrent_managed_access", di.concurrent_managed_access > 0);
+        cli_json_bool(&j, "host_register_supported", di.host_register_supported > 0);
+        cli_json_bool(&j, "host_register_read_only", di.host_register_read_only > 0);
+        cli_json_bool(&j, "pageable_memory_access", di.pageable_memory_access > 0);
+        cli_json_end(&j);
+      } else {
+        cli_table_t t;
+        char head[300], memtxt[128], link[80], num[32], numa[32], managed[64];
+        snprintf(head, sizeof head, "device %d", di.index);
+        snprintf(memtxt, sizeof memtxt, "%s (%s free)",
+                 cli_fmt_bytes(di.total_memory, b1, sizeof b1),
+                 cli_fmt_bytes(di.free_memory, b2, sizeof b2));
+        snprintf(link, sizeof link, "%s (max %s)", cur, max);
+        snprintf(num, sizeof num, "%d", di.async_engines);
+        snprintf(numa, sizeof numa, "%d", di.numa_node);
+        snprintf(managed, sizeof managed, "%s (concurrent access: %s)", yes_no(di.managed_memory),
+                 yes_no(di.concurrent_managed_access));
+        cli_table_init(&t, 2);
+        cli_table_row(&t, head, di.name);
+        cli_table_row(&t, "  compute capability", cc);
+        cli_table_row(&t, "  memory", memtxt);
+        cli_table_row(&t, "  PCI bus id", di.pci_bus_id[0] ? di.pci_bus_id : "unknown");
+        cli_table_row(&t, "  PCIe link", link);
+        cli_table_row(&t, "  NUMA node", di.numa_node >= 0 ? numa : "unknown");
+        cli_table_row(&t, "  copy engines", num);
+        cli_table_row(&t, "  can map host memory", yes_no(di.can_map_host_memory));
+        cli_table_row(&t, "  unified addressing", yes_no(di.unified_addressing));
+        cli_table_row(&t, "  managed memory", managed);
+        cli_table_row(&t, "  host register", yes_no(di.host_register_supported));
+        cli_table_row(&t, "  read-only registration", yes_no(di.host_register_read_only));
+        cli_table_row(&t, "  pageable memory access", yes_no(di.pageable_memory_access));
+        cli_table_print(&t, 2);
+      }
+    }
+  }
+
+  /* ---- the default pool ---- */
+  if (init_st == PM_OK) {
+    pm_pool_t *pool = NULL;
+    pm_pool_stats_t ps;
+    pm_status_t st = pm_pool_default(&pool);
+    if (st == PM_OK) st = pm_pool_get_stats(pool, &ps);
+    if (st != PM_OK) {
+      note_failure(&fail, st);
+      if (!json) printf("\ndefault pool: %s: %s\n", pm_status_name(st), pm_last_error());
+    } else if (json) {
+      cli_json_t j;
+      cli_json_begin(&j);
+      cli_json_str(&j, "info", "pool");
+      cli_json_uint(&j, "budget", ps.budget);
+      cli_json_uint(&j, "pinned_bytes", ps.pinned_bytes);
+      cli_json_end(&j);
+    } else {
+      char txt[200];
+      snprintf(txt, sizeof txt, "%zu bytes (%s)", ps.budget,
+               cli_fmt_bytes(ps.budget, b1, sizeof b1));
+      printf("\ndefault pool\n");
+      cli_table_t t;
+      cli_table_init(&t, 2);
+      cli_table_row(&t, "budget", txt);
+      cli_table_print(&t, 2);
+    }
+  }
+
+  /* ---- options ---- */
+  int n = pm_option_count();
+  cli_table_t t, docs;
+  if (!json) {
+    printf("\noptions (value in force and where it came from)\n");
+    cli_table_init(&t, 5);
+    cli_table_init(&docs, 2);
+    cli_table_row(&t, "NAME", "ENV", "VALUE", "SOURCE", "DEFAULT");
+    cli_table_row(&docs, "NAME", "MEANING");
+  }
+  for (int i = 0; i < n; i++) {
+    pm_option_info_t o;
+    pm_status_t st = pm_option_get(i, &o);
+    if (st != PM_OK) {
+      note_failure(&fail, st);
+      continue;
+    }
+    const char *env = env_value(&o);
+    if (json) {
+      cli_json_t j;
+      cli_json_begin(&j);
+      cli_json_str(&j, "info", "option");
+      cli_json_str(&j, "name", o.name);
+      cli_json_str(&j, "env", o.env);
+      cli_json_str(&j, "value", o.value);
+      cli_json_str(&j, "source", source_name(o.source));
+      cli_json_str(&j, "default", o.default_value);
+      cli_json_str(&j, "doc", o.doc);
+      if (env) {
+        cli_json_str(&j, "env_value", env);
+        cli_json_bool(&j, "env_ignored", o.source == PM_OPTION_DEFAULT);
+      }
+      cli_json_end(&j);
+    } else {
+      cli_table_row(&t, o.name, o.env, o.value, source_name(o.source), o.default_value);
+      add_wrapped(&docs, o.name, o.doc, 76);
+    }
+  }
+  if (!json) {
+    cli_table_print(&t, 2);
+    printf("\n");
+    cli_table_print(&docs, 2);
+  }
+
+  if (fail.status != PM_OK) {
+    fflush(stdout);
+    fprintf(stderr, "pinmem: %s: %s\n", pm_status_name(fail.status), fail.detail);
+    return CLI_EXIT_FAILURE;
+  }
+  return 0;
+}

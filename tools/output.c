@@ -1,0 +1,424 @@
+/*
+ * Output helpers of the pinmem tool: JSON lines (one object per line, so results files can be
+ * appended to and read with any line-oriented tool) and aligned text tables for people.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+void *cli_xmalloc(size_t bytes) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p) {
+    fprintf(stderr, "pinmem: out of memory (%zu bytes)\n", bytes);
+    exit(CLI_EXIT_FAILURE);
+  }
+  return p;
+}
+
+char *cli_xstrdup(const char *s) {
+  size_t n = strlen(s) + 1;
+  char *d = cli_xmalloc(n);
+  memcpy(d, s, n);
+  return d;
+}
+
+/* ---- JSON ---------------------------------------------------------------------------------- */
+
+static void json_put(cli_json_t *j, const char *s, size_t n) {
+  if (j->len + n + 1 > j->cap) {
+    size_t cap = j->cap ? j->cap : 256;
+    while (j->len + n + 1 > cap) cap *= 2;
+    char *nb = realloc(j->buf, cap);
+    if (!nb) {
+      fprintf(stderr, "pinmem: out of memory\n");
+      exit(CLI_EXIT_FAILURE);
+    }
+    j->buf = nb;
+    j->cap = cap;
+  }
+  memcpy(j->buf + j->len, s, n);
+  j->len += n;
+  j->buf[j->len] = '\0';
+}
+
+static void json_puts(cli_json_t *j, const char *s) {
+  json_put(j, s, strlen(s));
+}
+
+/* Length of the valid UTF-8 sequence starting at s, or 0 if it is not one. */
+static size_t utf8_seq_len(const unsigned char *s) {
+  size_t n;
+  unsigned cp;
+  if (s[0] < 0x80) return 1;
+  if ((s[0] & 0xe0) == 0xc0)
+    n = 2, cp = s[0] & 0x1f;
+  else if ((s[0] & 0xf0) == 0xe0)
+    n = 3, cp = s[0] & 0x0f;
+  else if ((s[0] & 0xf8) == 0xf0)
+    n = 4, cp = s[0] & 0x07;
+  else
+    return 0;
+  for (size_t i = 1; i < n; i++) {
+    if ((s[i] & 0xc0) != 0x80) return 0;
+    cp = (cp << 6) | (s[i] & 0x3f);
+  }
+  /* Reject overlong forms, surrogates and values past U+10FFFF. */
+  if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000)) return 0;
+  if ((cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff) return 0;
+  return n;
+}
+
+static void json_string(cli_json_t *j, const char *s) {
+  json_put(j, "\"", 1);
+  const unsigned char *p = (const unsigned char *)s;
+  while (*p) {
+    char esc[8];
+    switch (*p) {
+      case '"':
+        json_puts(j, "\\\"");
+        p++;
+        continue;
+      case '\\':
+        json_puts(j, "\\\\");
+        p++;
+        continue;
+      case '\n':
+        json_puts(j, "\\n");
+        p++;
+        continue;
+      case '\r':
+        json_puts(j, "\\r");
+        p++;
+        continue;
+      case '\t':
+        json_puts(j, "\\t");
+        p++;
+        continue;
+      default:
+        break;
+    }
+    if (*p < 0x20 || *p == 0x7f) {
+      snprintf(esc, sizeof esc, "\\u%04x", *p);
+      json_puts(j, esc);
+      p++;
+      continue;
+    }
+    size_t n = utf8_seq_len(p);
+    if (n == 0) {
+      json_puts(j, "\\ufffd");
+      p++;
+    } else {
+      json_put(j, (const char *)p, n);
+      p += n;
+    }
+  }
+  json_put(j, "\"", 1);
+}
+
+static void json_key(cli_json_t *j, const char *key) {
+  if (j->fields++) json_put(j, ",", 1);
+  json_string(j, key);
+  json_put(j, ":", 1);
+}
+
+void cli_json_begin(cli_json_t *j) {
+  memset(j, 0, sizeof *j);
+  json_put(j, "{", 1);
+}
+
+void cli_json_str(cli_json_t *j, const char *key, const char *value) {
+  json_key(j, key);
+  if (value)
+    json_string(j, value);
+  else
+    json_puts(j, "null");
+}
+
+void cli_json_int(cli_json_t *j, const char *key, long long value) {
+  char num[32];
+  snprintf(num, sizeof num, "%lld", value);
+  json_key(j, key);
+  json_puts(j, num);
+}
+
+void cli_json_uint(cli_json_t *j, const char *key, unsigned long long value) {
+  char num[32];
+  snprintf(num, sizeof num, "%llu", value);
+  json_key(j, key);
+  json_puts(j, num);
+}
+
+void cli_json_double(cli_json_t *j, const char *key, double value) {
+  char num[40];
+  json_key(j, key);
+  if (!isfinite(value)) {
+    json_puts(j, "null");
+    return;
+  }
+  snprintf(num, sizeof num, "%.9g", value);
+  json_puts(j, num);
+}
+
+void cli_json_bool(cli_json_t *j, const char *key, bool value) {
+  json_key(j, key);
+  json_puts(j, value ? "true" : "false");
+}
+
+void cli_json_null(cli_json_t *j, const char *key) {
+  json_key(j, key);
+  json_puts(j, "null");
+}
+
+void cli_json_end(cli_json_t *j) {
+  json_put(j, "}\n", 2);
+  fputs(j->buf, stdout);
+  fflush(stdout);
+  free(j->buf);
+  memset(j, 0, sizeof *j);
+}
+
+/* ---- tables -------------------------------------------------------------------------------- */
+
+void cli_table_init(cli_table_t *t, int ncols) {
+  memset(t, 0, sizeof *t);
+  t->ncols = ncols;
+}
+
+void cli_table_row(cli_table_t *t, ...) {
+  if (t->nrows == t->cap) {
+    t->cap = t->cap ? t->cap * 2 : 16;
+    char **nc = realloc(t->cells, t->cap * (size_t)t->ncols * sizeof *nc);
+    if (!nc) {
+      fprintf(stderr, "pinmem: out of memory\n");
+      exit(CLI_EXIT_FAILURE);
+    }
+    t->cells = nc;
+  }
+  va_list ap;
+  va_start(ap, t);
+  for (int c = 0; c < t->ncols; c++) {
+    const char *s = va_arg(ap, const char *);
+    t->cells[t->nrows * (size_t)t->ncols + (size_t)c] = cli_xstrdup(s ? s : "");
+  }
+  va_end(ap);
+  t->nrows++;
+}
+
+void cli_table_print(cli_table_t *t, int indent) {
+  size_t width[16] = {0};
+  int ncols = t->ncols < 16 ? t->ncols : 16;
+  for (size_t r = 0; r < t->nrows; r++)
+    for (int c = 0; c < ncols; c++) {
+      size_t w = strlen(t->cells[r * (size_t)t->ncols + (size_t)c]);
+      if (w > width[c]) width[c] = w;
+    }
+  for (size_t r = 0; r < t->nrows; r++) {
+    /* The last non-empty cell is not padded, so lines carry no trailing blanks. */
+    int last = ncols - 1;
+    while (last > 0 && t->cells[r * (size_t)t->ncols + (size_t)last][0] == '\0') last--;
+    printf("%*s", indent, "");
+    for (int c = 0; c <= last; c++) {
+      const char *cell = t->cells[r * (size_t)t->ncols + (size_t)c];
+      if (c == last)
+        printf("%s", cell);
+      else
+        printf("%-*s  ", (int)width[c], cell);
+    }
+    printf("\n");
+  }
+  for (size_t i = 0; i < t->nrows * (size_t)t->ncols; i++) free(t->cells[i]);
+  free(t->cells);
+  memset(t, 0, sizeof *t);
+}
+
+const char *cli_fmt_bytes(size_t bytes, char *buf, size_t len) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = (double)bytes;
+  int u = 0;
+  while (v >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, len, "%zu B", bytes);
+  else if (v >= 100.0)
+    snprintf(buf, len, "%.0f %s", v, units[u]);
+  else if (v >= 10.0)
+    snprintf(buf, len, "%.1f %s", v, units[u]);
+  else
+    snprintf(buf, len, "%.2f %s", v, units[u]);
+  return buf;
+}
+
+/* ---- failures ------------------------------------------------------------------------------ */
+
+void cli_fail(pm_status_t status) {
+  const char *detail = pm_last_error();
+  fflush(stdout);
+  fprintf(stderr, "pinmem: %s: %s\n", pm_status_name(status),
+          detail && detail[0] ? detail : pm_strerror(status));
+  exit(CLI_EXIT_FAILURE);
+}
+
+void cli_usage_error(const char *fmt, ...) {
+  va_list ap;
+  fflush(stdout);
+  fprintf(stderr, "pinmem: ");
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "\n\n");
+  cli_print_usage(stderr);
+  exit(CLI_EXIT_USAGE);
+}
+
+/* ---- reading JSON lines back (bench --summarize) ------------------------------------------ */
+
+static const char *skip_ws(const char *p) {
+  while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') p++;
+  return p;
+}
+
+static void put_utf8(char *out, size_t cap, size_t *n, unsigned cp) {
+  char tmp[4];
+  size_t k;
+  if (cp < 0x80)
+    tmp[0] = (char)cp, k = 1;
+  else if (cp < 0x800)
+    tmp[0] = (char)(0xc0 | (cp >> 6)), tmp[1] = (char)(0x80 | (cp & 0x3f)), k = 2;
+  else if (cp < 0x10000)
+    tmp[0] = (char)(0xe0 | (cp >> 12)), tmp[1] = (char)(0x80 | ((cp >> 6) & 0x3f)),
+    tmp[2] = (char)(0x80 | (cp & 0x3f)), k = 3;
+  else
+    tmp[0] = (char)(0xf0 | (cp >> 18)), tmp[1] = (char)(0x80 | ((cp >> 12) & 0x3f)),
+    tmp[2] = (char)(0x80 | ((cp >> 6) & 0x3f)), tmp[3] = (char)(0x80 | (cp & 0x3f)), k = 4;
+  for (size_t i = 0; i < k; i++)
+    if (*n + 1 < cap) out[(*n)++] = tmp[i];
+}
+
+static int hex4(const char *p, unsigned *v) {
+  *v = 0;
+  for (int i = 0; i < 4; i++) {
+    char c = p[i];
+    unsigned d;
+    if (c >= '0' && c <= '9')
+      d = (unsigned)(c - '0');
+    else if (c >= 'a' && c <= 'f')
+      d = (unsigned)(c - 'a' + 10);
+    else if (c >= 'A' && c <= 'F')
+      d = (unsigned)(c - 'A' + 10);
+    else
+      return -1;
+    *v = *v * 16 + d;
+  }
+  return 0;
+}
+
+/* A JSON string at p (at the opening quote) into out (truncated to cap). NULL on bad input. */
+static const char *parse_string(const char *p, char *out, size_t cap) {
+  size_t n = 0;
+  if (*p++ != '"') return NULL;
+  while (*p && *p != '"') {
+    if ((unsigned char)*p < 0x20) return NULL;
+    if (*p != '\\') {
+      if (n + 1 < cap) out[n++] = *p;
+      p++;
+      continue;
+    }
+    p++;
+    switch (*p) {
+      case '"':
+      case '\\':
+      case '/':
+        if (n + 1 < cap) out[n++] = *p;
+        break;
+      case 'b':
+        if (n + 1 < cap) out[n++] = '\b';
+        break;
+      case 'f':
+        if (n + 1 < cap) out[n++] = '\f';
+        break;
+      case 'n':
+        if (n + 1 < cap) out[n++] = '\n';
+        break;
+      case 'r':
+        if (n + 1 < cap) out[n++] = '\r';
+        break;
+      case 't':
+        if (n + 1 < cap) out[n++] = '\t';
+        break;
+      case 'u': {
+        unsigned cp, lo;
+        if (hex4(p + 1, &cp)) return NULL;
+        p += 4;
+        if (cp >= 0xd800 && cp <= 0xdbff && p[1] == '\\' && p[2] == 'u' && !hex4(p + 3, &lo) &&
+            lo >= 0xdc00 && lo <= 0xdfff) {
+          cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+          p += 6;
+        } else if (cp >= 0xd800 && cp <= 0xdfff) {
+          cp = 0xfffd;
+        }
+        put_utf8(out, cap, &n, cp);
+        break;
+      }
+      default:
+        return NULL;
+    }
+    p++;
+  }
+  if (*p != '"') return NULL;
+  if (cap) out[n < cap ? n : cap - 1] = '\0';
+  return p + 1;
+}
+
+int cli_json_parse_flat(const char *line, cli_jfield_t *fields, int max) {
+  const char *p = skip_ws(line);
+  int n = 0;
+  if (*p++ != '{') return -1;
+  p = skip_ws(p);
+  if (*p == '}') return skip_ws(p + 1)[0] ? -1 : 0;
+  for (;;) {
+    cli_jfield_t scratch, *f = n < max ? &fields[n] : &scratch;
+    memset(f, 0, sizeof *f);
+    p = parse_string(skip_ws(p), f->key, sizeof f->key);
+    if (!p) return -1;
+    p = skip_ws(p);
+    if (*p++ != ':') return -1;
+    p = skip_ws(p);
+    if (*p == '"') {
+      f->type = 's';
+      p = parse_string(p, f->str, sizeof f->str);
+      if (!p) return -1;
+    } else if (strncmp(p, "true", 4) == 0 || strncmp(p, "false", 5) == 0) {
+      f->type = 'b';
+      f->b = *p == 't';
+      p += f->b ? 4 : 5;
+    } else if (strncmp(p, "null", 4) == 0) {
+      f->type = 'z';
+      p += 4;
+    } else {
+      char *end;
+      f->num = strtod(p, &end);
+      if (end == p || (*p != '-' && (*p < '0' || *p > '9'))) return -1;
+      f->type = 'n';
+      p = end;
+    }
+    if (n < max) n++;
+    p = skip_ws(p);
+    if (*p == ',') {
+      p++;
+      continue;
+    }
+    if (*p++ != '}') return -1;
+    return skip_ws(p)[0] ? -1 : n;
+  }
+}
+
+const cli_jfield_t *cli_json_get(const cli_jfield_t *fields, int n, const char *key) {
+  for (int i = 0; i < n; i++)
+    if (strcmp(fields[i].key, key) == 0) return &fields[i];
+  return NULL;
+}
