@@ -319,6 +319,61 @@ PM_API pm_status_t pm_pointer_query(const void *ptr, pm_pointer_info_t *info_out
 PM_API pm_status_t pm_host_device_pointer(const void *ptr, void **dptr_out);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Copy engine                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+/** Completion of a pm_copy_async / pm_copy_batch_async: it cannot be missed. A D2H result must
+ *  not be read, and a pinned H2D source must not be changed, before the fence completed. */
+typedef struct pm_fence_s *pm_fence_t;
+
+typedef enum pm_copy_path {
+  PM_PATH_AUTO = 0,    /* pick from the registry (default) */
+  PM_PATH_DIRECT = 1,  /* one DMA from/to pinned, registered or device memory */
+  PM_PATH_STAGED = 2,  /* pageable memory through pinned bounce buffers */
+  PM_PATH_REGISTER = 3 /* register the pageable buffer in place (cached registration) */
+} pm_copy_path_t;
+
+typedef struct pm_copy_options {
+  pm_copy_kind_t kind; /* PM_COPY_DEFAULT: from the pointers */
+  pm_copy_path_t path; /* PM_PATH_AUTO */
+  pm_pool_t *pool;     /* bounce buffers come from here (NULL: default pool) */
+  void (*callback)(void *arg, pm_status_t status); /* optional: runs once on completion, on a
+                                                      library thread, never under a lock */
+  void *callback_arg;
+} pm_copy_options_t;
+
+typedef struct pm_copy_item {
+  void *dst;
+  const void *src;
+  size_t bytes;
+} pm_copy_item_t;
+
+PM_API void pm_copy_options_init(pm_copy_options_t *options);
+/** Copy `bytes` from src to dst ordered on `stream` (after its earlier work; later work on the
+ *  stream sees the result). options may be NULL. fence_out may be NULL (then completion is
+ *  only observable through the stream or the callback). What the call blocks on, by path:
+ *  direct: nothing. staged H2D from pageable memory: until the source has been read (it may be
+ *  changed after the return), never on the stream's earlier work. staged D2H into pageable
+ *  memory: nothing; the fence completes once the bytes are in dst. */
+PM_API pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t stream,
+                                 const pm_copy_options_t *options, pm_fence_t *fence_out);
+/** Many (dst, src, bytes) triples in one call (cudaMemcpyBatchAsync where available); small
+ *  pageable pieces are packed into one bounce buffer. All items share one direction. */
+PM_API pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count,
+                                       pm_stream_t stream, const pm_copy_options_t *options,
+                                       pm_fence_t *fence_out);
+/** PM_OK once complete (or the copy's error), PM_NOT_READY before. */
+PM_API pm_status_t pm_fence_query(pm_fence_t fence);
+/** Block until complete; returns the copy's status. */
+PM_API pm_status_t pm_fence_wait(pm_fence_t fence);
+/** Later work on `stream` waits for the fence, without blocking the caller. */
+PM_API pm_status_t pm_fence_stream_wait(pm_fence_t fence, pm_stream_t stream);
+/** Drop the handle (the copy itself still completes). */
+PM_API pm_status_t pm_fence_release(pm_fence_t fence);
+/** Which path the last completed fence used (for benchmarks and tests). */
+PM_API pm_status_t pm_fence_path(pm_fence_t fence, pm_copy_path_t *path_out);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Options                                                                                     */
 /* ------------------------------------------------------------------------------------------ */
 

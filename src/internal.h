@@ -43,6 +43,10 @@ typedef enum pm__opt {
   PM__OPT_FAST_PIN_MIN,   /* size */
   PM__OPT_HUGE_PAGES,     /* 0|1 */
   PM__OPT_HOST_DEVICE_MEMORY, /* size: device memory the host backend simulates */
+  PM__OPT_COPY_CHUNK,     /* size: staging chunk (copy.c) */
+  PM__OPT_COPY_SLOTS,     /* int: bounce-buffer ring depth (copy.c) */
+  PM__OPT_COPY_THREADS,   /* int: staging memcpy threads, 0 = auto (copy.c) */
+  PM__OPT_COPY_STAGE_MIN, /* size: pageable copies below this use the plain backend copy */
   PM__OPT_COUNT
 } pm__opt_t;
 
