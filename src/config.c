@@ -1,0 +1,550 @@
+/*
+ * DESIGN: the option table. One row per option (name, environment variable, default as text,
+ * doc, parser, value type), so `pinmem info`, the README table and the lookups cannot disagree.
+ * A static assert ties the table to pm__opt_t, so a new option cannot lack its row.
+ *
+ * A value comes from, in order: pm_option_set (explicit), PINMEM_<NAME>, the default. Values are
+ * kept as text and parsed on every lookup: lookups are rare (pool creation, init) and reading the
+ * environment at lookup time lets tests and embedding programs setenv() before the first use.
+ * An unparsable environment value never stops the program: the default is used and the reason is
+ * kept in the value text that pm_option_get shows. A bad explicit value is refused at
+ * pm_option_set with PM_ERR_CONFIG, so an explicit value in the table always parses;
+ * pm_option_set(name, NULL) drops it again (tests and tools use that to restore the default).
+ * "auto" values: budget's lookup returns 0 (the pool resolves it: half of RAM, capped at the
+ * memlock limit on the host backend); pin_threads' lookup returns the resolved count.
+ *
+ * Threads: one mutex guards the explicit values; lookups copy the text out under it and parse
+ * outside it. It is a leaf lock (nothing is called while holding it).
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "internal.h"
+
+#define PM__OPT_TEXT_MAX 128 /* pm_option_info_t.value */
+
+typedef union pm__optval {
+  long i;
+  size_t sz;
+  double d;
+} pm__optval_t;
+
+/* Parse `text` (already trimmed). On failure write a short reason into why and return false. */
+typedef bool (*pm__opt_parse_fn)(const char *text, pm__optval_t *out, char *why, size_t whylen);
+
+/* How a parsed value is stored, so the typed lookups need no per-option cases. */
+typedef enum { PM__T_INT, PM__T_SIZE, PM__T_DOUBLE } pm__opt_type_t;
+
+typedef struct pm__opt_def {
+  const char *name;
+  const char *env;
+  const char *def;
+  const char *doc;
+  pm__opt_parse_fn parse;
+  pm__opt_type_t type;
+} pm__opt_def_t;
+
+/* ---- parsers --------------------------------------------------------------------------- */
+
+static bool parse_backend(const char *t, pm__optval_t *out, char *why, size_t n) {
+  if (!strcasecmp(t, "auto"))
+    out->i = PM_BACKEND_NONE;
+  else if (!strcasecmp(t, "cuda"))
+    out->i = PM_BACKEND_CUDA;
+  else if (!strcasecmp(t, "host"))
+    out->i = PM_BACKEND_HOST;
+  else {
+    snprintf(why, n, "not auto, cuda or host");
+    return false;
+  }
+  return true;
+}
+
+static bool parse_policy(const char *t, pm__optval_t *out, char *why, size_t n) {
+  if (!strcasecmp(t, "fail"))
+    out->i = PM_EXHAUST_FAIL;
+  else if (!strcasecmp(t, "wait"))
+    out->i = PM_EXHAUST_WAIT;
+  else {
+    snprintf(why, n, "not fail or wait");
+    return false;
+  }
+  return true;
+}
+
+static bool parse_long_range(const char *t, long lo, long hi, pm__optval_t *out, char *why,
+                             size_t n) {
+  char *end;
+  errno = 0;
+  long v = strtol(t, &end, 10);
+  if (end == t || *end != '\0') {
+    snprintf(why, n, "not an integer");
+    return false;
+  }
+  if (errno == ERANGE || v < lo || v > hi) {
+    snprintf(why, n, "out of range %ld..%ld", lo, hi);
+    return false;
+  }
+  out->i = v;
+  return true;
+}
+
+static bool parse_device(const char *t, pm__optval_t *out, char *why, size_t n) {
+  return parse_long_range(t, 0, 1023, out, why, n);
+}
+
+static bool parse_threads(const char *t, pm__optval_t *out, char *why, size_t n) {
+  return parse_long_range(t, 0, 1024, out, why, n);
+}
+
+static bool parse_bool01(const char *t, pm__optval_t *out, char *why, size_t n) {
+  if (!strcmp(t, "1") || !strcasecmp(t, "yes") || !strcasecmp(t, "on") || !strcasecmp(t, "true"))
+    out->i = 1;
+  else if (!strcmp(t, "0") || !strcasecmp(t, "no") || !strcasecmp(t, "off") ||
+           !strcasecmp(t, "false"))
+    out->i = 0;
+  else {
+    snprintf(why, n, "not 0 or 1");
+    return false;
+  }
+  return true;
+}
+
+static bool parse_seconds(const char *t, pm__optval_t *out, char *why, size_t n) {
+  /* Plain decimal only: strtod would also take "inf", "nan" and hex floats. */
+  for (const char *p = t; *p; p++) {
+    if (!isdigit((unsigned char)*p) && *p != '.' && *p != 'e' && *p != 'E' && *p != '+' &&
+        *p != '-') {
+      snprintf(why, n, "not a number of seconds");
+      return false;
+    }
+  }
+  char *end;
+  errno = 0;
+  double v = strtod(t, &end);
+  if (end == t || *end != '\0' || errno == ERANGE || !isfinite(v)) {
+    snprintf(why, n, "not a number of seconds");
+    return false;
+  }
+  if (v < 0 || v > 1e9) {
+    snprintf(why, n, "out of range 0..1e9 seconds");
+    return false;
+  }
+  out->d = v;
+  return true;
+}
+
+static bool size_parse(const char *text, size_t *bytes_out, char *why, size_t n);
+
+static bool size_reason(const char *t, size_t *v, char *why, size_t n) {
+  char inner[64];
+  if (size_parse(t, v, inner, sizeof inner)) return true;
+  snprintf(why, n, "not a size: %s", inner);
+  return false;
+}
+
+static bool parse_budget(const char *t, pm__optval_t *out, char *why, size_t n) {
+  if (!strcasecmp(t, "auto")) {
+    out->sz = 0;
+    return true;
+  }
+  size_t v;
+  if (!size_reason(t, &v, why, n)) return false;
+  if (v == 0) {
+    snprintf(why, n, "must be more than 0 (or auto)");
+    return false;
+  }
+  out->sz = v;
+  return true;
+}
+
+static bool parse_size_pos(const char *t, pm__optval_t *out, char *why, size_t n) {
+  size_t v;
+  if (!size_reason(t, &v, why, n)) return false;
+  if (v == 0) {
+    snprintf(why, n, "must be more than 0");
+    return false;
+  }
+  out->sz = v;
+  return true;
+}
+
+static bool parse_size_any(const char *t, pm__optval_t *out, char *why, size_t n) {
+  size_t v;
+  if (!size_reason(t, &v, why, n)) return false;
+  out->sz = v;
+  return true;
+}
+
+/* ---- the table --------------------------------------------------------------------------- */
+
+static bool parse_slots(const char *t, pm__optval_t *out, char *why, size_t n) {
+  return parse_long_range(t, 1, 4096, out, why, n);
+}
+
+/* Rows in pm__opt_t order; the static assert below catches an enum value without a row. */
+static const pm__opt_def_t opt_table[] = {
+    [PM__OPT_BACKEND] = {"backend", "PINMEM_BACKEND", "auto",
+                         "auto|cuda|host: auto takes cuda when a device is usable, else host. "
+                         "Read at pm_init.",
+                         parse_backend, PM__T_INT},
+    [PM__OPT_DEVICE] = {"device", "PINMEM_DEVICE", "0", "device index made current by pm_init",
+                        parse_device, PM__T_INT},
+    [PM__OPT_BUDGET] = {"budget", "PINMEM_BUDGET", "auto",
+                        "hard cap on pinned bytes a pool holds (registrations included): a size "
+                        "or auto = 50% of physical RAM, and never above RLIMIT_MEMLOCK on the "
+                        "host backend (auto is resolved when the pool is created)",
+                        parse_budget, PM__T_SIZE},
+    [PM__OPT_BUDGET_POLICY] = {"budget_policy", "PINMEM_BUDGET_POLICY", "fail",
+                               "when the budget is exhausted after trimming the cache: fail "
+                               "(PM_ERR_BUDGET at once) or wait (up to budget_timeout for frees)",
+                               parse_policy, PM__T_INT},
+    [PM__OPT_BUDGET_TIMEOUT] = {"budget_timeout", "PINMEM_BUDGET_TIMEOUT", "10",
+                                "seconds budget_policy=wait waits before PM_ERR_BUDGET",
+                                parse_seconds, PM__T_DOUBLE},
+    [PM__OPT_PIN_THREADS] = {"pin_threads", "PINMEM_PIN_THREADS", "0",
+                             "threads that first-touch newly pinned blocks; 0 = auto = "
+                             "min(16, usable CPUs)",
+                             parse_threads, PM__T_INT},
+    [PM__OPT_FAST_PIN_MIN] = {"fast_pin_min", "PINMEM_FAST_PIN_MIN", "4M",
+                              "blocks at least this large are pinned by mmap + parallel first "
+                              "touch + register instead of the backend's pinned allocator",
+                              parse_size_pos, PM__T_SIZE},
+    [PM__OPT_HUGE_PAGES] = {"huge_pages", "PINMEM_HUGE_PAGES", "1",
+                            "0|1: ask for transparent huge pages on fast-pinned blocks",
+                            parse_bool01, PM__T_INT},
+    [PM__OPT_HOST_DEVICE_MEMORY] = {"host_device_memory", "PINMEM_HOST_DEVICE_MEMORY", "4G",
+                                    "device memory the host backend simulates (0 = unlimited)",
+                                    parse_size_any, PM__T_SIZE},
+    [PM__OPT_COPY_CHUNK] = {"copy_chunk", "PINMEM_COPY_CHUNK", "4M",
+                            "chunk size of staged copies of pageable memory", parse_size_pos,
+                            PM__T_SIZE},
+    [PM__OPT_COPY_SLOTS] = {"copy_slots", "PINMEM_COPY_SLOTS", "32",
+                            "pinned bounce buffers in the staging ring (1..4096)", parse_slots,
+                            PM__T_INT},
+    [PM__OPT_COPY_THREADS] = {"copy_threads", "PINMEM_COPY_THREADS", "0",
+                              "threads that memcpy chunks of staged copies; 0 = auto (the copy "
+                              "engine picks)",
+                              parse_threads, PM__T_INT},
+    [PM__OPT_COPY_STAGE_MIN] = {"copy_stage_min", "PINMEM_COPY_STAGE_MIN", "1M",
+                                "pageable copies smaller than this use the plain backend copy "
+                                "instead of staging",
+                                parse_size_any, PM__T_SIZE},
+};
+_Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
+               "every pm__opt_t needs a row in opt_table");
+
+static pthread_mutex_t opt_lock = PTHREAD_MUTEX_INITIALIZER;
+static char opt_explicit[PM__OPT_COUNT][PM__OPT_TEXT_MAX];
+static bool opt_has_explicit[PM__OPT_COUNT];
+
+/* ---- resolution ---------------------------------------------------------------------------- */
+
+typedef struct pm__opt_resolved {
+  pm__optval_t value;
+  pm_option_source_t source;
+  char text[PM__OPT_TEXT_MAX]; /* value in force (with the reason when an env value was ignored) */
+} pm__opt_resolved_t;
+
+/* Copy `src` into dst without leading/trailing white space. */
+static void trim_copy(char *dst, size_t len, const char *src) {
+  while (*src && isspace((unsigned char)*src)) src++;
+  size_t n = strlen(src);
+  while (n && isspace((unsigned char)src[n - 1])) n--;
+  if (n >= len) n = len - 1;
+  memcpy(dst, src, n);
+  dst[n] = '\0';
+}
+
+/* Enum-like options show their canonical spelling whatever case was given. */
+static void canonical_text(pm__opt_t opt, const pm__optval_t *v, char *text, size_t len) {
+  if (opt == PM__OPT_BACKEND)
+    snprintf(text, len, "%s",
+             v->i == PM_BACKEND_CUDA   ? "cuda"
+             : v->i == PM_BACKEND_HOST ? "host"
+                                       : "auto");
+  else if (opt == PM__OPT_BUDGET_POLICY)
+    snprintf(text, len, "%s", v->i == PM_EXHAUST_WAIT ? "wait" : "fail");
+  else if (opt == PM__OPT_HUGE_PAGES)
+    snprintf(text, len, "%ld", v->i);
+}
+
+static void opt_resolve(pm__opt_t opt, pm__opt_resolved_t *r) {
+  const pm__opt_def_t *d = &opt_table[opt];
+  char buf[PM__OPT_TEXT_MAX];
+  char why[96];
+  bool have = false;
+
+  pthread_mutex_lock(&opt_lock);
+  if (opt_has_explicit[opt]) {
+    memcpy(buf, opt_explicit[opt], sizeof buf);
+    have = true;
+  }
+  pthread_mutex_unlock(&opt_lock);
+
+  if (have && d->parse(buf, &r->value, why, sizeof why)) {
+    r->source = PM_OPTION_SET;
+    snprintf(r->text, sizeof r->text, "%s", buf);
+    canonical_text(opt, &r->value, r->text, sizeof r->text);
+    return;
+  }
+  /* (an explicit value was validated when set, so the branch above always returns) */
+
+  const char *env = getenv(d->env);
+  if (env) {
+    trim_copy(buf, sizeof buf, env);
+    if (d->parse(buf, &r->value, why, sizeof why)) {
+      r->source = PM_OPTION_ENV;
+      snprintf(r->text, sizeof r->text, "%s", buf);
+      canonical_text(opt, &r->value, r->text, sizeof r->text);
+      return;
+    }
+  }
+
+  bool ok = d->parse(d->def, &r->value, why, sizeof why);
+  (void)ok; /* the defaults are constants that parse; test_config checks every row */
+  r->source = PM_OPTION_DEFAULT;
+  if (env) {
+    /* Bounded pieces so the note always fits the 128-byte value field. */
+    snprintf(r->text, sizeof r->text, "%.8s (%.25s='%.24s%s' ignored: %.50s)", d->def, d->env, buf,
+             strlen(buf) > 24 ? "..." : "", why);
+  } else {
+    snprintf(r->text, sizeof r->text, "%s", d->def);
+  }
+}
+
+size_t pm__opt_size(pm__opt_t opt) {
+  if ((unsigned)opt >= PM__OPT_COUNT) return 0;
+  if (opt_table[opt].type != PM__T_SIZE) {
+    long i = pm__opt_int(opt);
+    return i < 0 ? 0 : (size_t)i;
+  }
+  pm__opt_resolved_t r;
+  opt_resolve(opt, &r);
+  return r.value.sz;
+}
+
+long pm__opt_int(pm__opt_t opt) {
+  if ((unsigned)opt >= PM__OPT_COUNT) return 0;
+  pm__opt_resolved_t r;
+  opt_resolve(opt, &r);
+  switch (opt_table[opt].type) {
+    case PM__T_SIZE:
+      return r.value.sz > (size_t)LONG_MAX ? LONG_MAX : (long)r.value.sz;
+    case PM__T_DOUBLE:
+      return (long)r.value.d;
+    case PM__T_INT:
+      break;
+  }
+  if (opt == PM__OPT_PIN_THREADS && r.value.i == 0) return PM__MIN(16, pm__cpu_count());
+  return r.value.i;
+}
+
+double pm__opt_double(pm__opt_t opt) {
+  if ((unsigned)opt >= PM__OPT_COUNT) return 0;
+  if (opt_table[opt].type != PM__T_DOUBLE) return (double)pm__opt_int(opt);
+  pm__opt_resolved_t r;
+  opt_resolve(opt, &r);
+  return r.value.d;
+}
+
+void pm__opt_text(pm__opt_t opt, char *buf, size_t len) {
+  if (!buf || !len) return;
+  if ((unsigned)opt >= PM__OPT_COUNT) {
+    buf[0] = '\0';
+    return;
+  }
+  pm__opt_resolved_t r;
+  opt_resolve(opt, &r);
+  if (r.source == PM_OPTION_DEFAULT)
+    snprintf(buf, len, "%s", opt_table[opt].def); /* without the "ignored" note */
+  else
+    snprintf(buf, len, "%s", r.text);
+}
+
+/* ---- public ---------------------------------------------------------------------------- */
+
+int pm_option_count(void) {
+  return PM__OPT_COUNT;
+}
+
+static void fill_info(pm__opt_t opt, pm_option_info_t *info) {
+  pm__opt_resolved_t r;
+  opt_resolve(opt, &r);
+  info->name = opt_table[opt].name;
+  info->env = opt_table[opt].env;
+  info->default_value = opt_table[opt].def;
+  info->doc = opt_table[opt].doc;
+  snprintf(info->value, sizeof info->value, "%s", r.text);
+  info->source = r.source;
+}
+
+pm_status_t pm_option_get(int index, pm_option_info_t *info_out) {
+  if (!info_out) return pm__set_error(PM_ERR_INVALID, "pm_option_get: info_out is NULL");
+  if (index < 0 || index >= PM__OPT_COUNT)
+    return pm__set_error(PM_ERR_INVALID, "pm_option_get: index %d out of range 0..%d", index,
+                         PM__OPT_COUNT - 1);
+  fill_info((pm__opt_t)index, info_out);
+  return PM_OK;
+}
+
+static int find_opt(const char *name) {
+  for (int i = 0; i < PM__OPT_COUNT; i++)
+    if (!strcasecmp(name, opt_table[i].name)) return i;
+  return -1;
+}
+
+static pm_status_t unknown_option(const char *fn, const char *name) {
+  char known[256];
+  size_t off = 0;
+  known[0] = '\0';
+  for (int i = 0; i < PM__OPT_COUNT && off < sizeof known; i++)
+    off +=
+        (size_t)snprintf(known + off, sizeof known - off, "%s%s", i ? ", " : "", opt_table[i].name);
+  return pm__set_error(PM_ERR_CONFIG, "%s: unknown option '%.64s' (options: %s)", fn, name, known);
+}
+
+pm_status_t pm_option_find(const char *name, pm_option_info_t *info_out) {
+  if (!name || !info_out)
+    return pm__set_error(PM_ERR_INVALID, "pm_option_find: %s is NULL", !name ? "name" : "info_out");
+  int i = find_opt(name);
+  if (i < 0) return unknown_option("pm_option_find", name);
+  fill_info((pm__opt_t)i, info_out);
+  return PM_OK;
+}
+
+/* value NULL removes the explicit value (the environment or the default applies again). */
+pm_status_t pm_option_set(const char *name, const char *value) {
+  if (!name) return pm__set_error(PM_ERR_INVALID, "pm_option_set: name is NULL");
+  int i = find_opt(name);
+  if (i < 0) return unknown_option("pm_option_set", name);
+  if (!value) {
+    pthread_mutex_lock(&opt_lock);
+    opt_has_explicit[i] = false;
+    pthread_mutex_unlock(&opt_lock);
+    return PM_OK;
+  }
+  if (strlen(value) >= PM__OPT_TEXT_MAX)
+    return pm__set_error(PM_ERR_CONFIG, "pm_option_set(%s): value longer than %d characters",
+                         opt_table[i].name, PM__OPT_TEXT_MAX - 1);
+  char buf[PM__OPT_TEXT_MAX];
+  char why[96];
+  pm__optval_t v;
+  trim_copy(buf, sizeof buf, value);
+  if (!opt_table[i].parse(buf, &v, why, sizeof why))
+    return pm__set_error(PM_ERR_CONFIG, "pm_option_set(%s, '%.64s'): %s", opt_table[i].name, value,
+                         why);
+  pthread_mutex_lock(&opt_lock);
+  memcpy(opt_explicit[i], buf, sizeof buf);
+  opt_has_explicit[i] = true;
+  pthread_mutex_unlock(&opt_lock);
+  return PM_OK;
+}
+
+/* ---- sizes ------------------------------------------------------------------------------- */
+
+PM__PRINTF(3, 4) static bool size_fail(char *why, size_t n, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, n, fmt, ap);
+  va_end(ap);
+  return false;
+}
+
+/* The reasons are short and do not repeat the text: they also end up in
+ * pm_option_info_t.value (128 bytes). */
+static bool size_parse(const char *text, size_t *bytes_out, char *why, size_t n) {
+  const char *p = text;
+  while (isspace((unsigned char)*p)) p++;
+  if (*p == '-') return size_fail(why, n, "negative");
+  if (*p == '+') p++;
+  if (!isdigit((unsigned char)*p) && !(*p == '.' && isdigit((unsigned char)p[1])))
+    return size_fail(why, n, "not a number");
+
+  /* Integers only, so that "1.25M" is exactly 1310720 and huge sizes keep every bit. */
+  uint64_t whole = 0;
+  bool overflow = false;
+  for (; isdigit((unsigned char)*p); p++) {
+    unsigned dgt = (unsigned)(*p - '0');
+    if (whole > (UINT64_MAX - dgt) / 10)
+      overflow = true;
+    else
+      whole = whole * 10 + dgt;
+  }
+  uint64_t frac_num = 0, frac_den = 1; /* the fraction is frac_num / frac_den, < 1 */
+  if (*p == '.') {
+    p++;
+    for (; isdigit((unsigned char)*p); p++) {
+      if (frac_den >= 100000000000000000ull) continue; /* 18 digits are plenty */
+      frac_num = frac_num * 10 + (uint64_t)(*p - '0');
+      frac_den *= 10;
+    }
+  }
+  while (isspace((unsigned char)*p)) p++;
+
+  unsigned shift = 0;
+  switch (toupper((unsigned char)*p)) {
+    case 'K':
+      shift = 10;
+      break;
+    case 'M':
+      shift = 20;
+      break;
+    case 'G':
+      shift = 30;
+      break;
+    case 'T':
+      shift = 40;
+      break;
+    default:
+      break;
+  }
+  if (shift) {
+    p++;
+    if (toupper((unsigned char)*p) == 'I' && toupper((unsigned char)p[1]) == 'B')
+      p += 2;
+    else if (toupper((unsigned char)*p) == 'B')
+      p++;
+  } else if (toupper((unsigned char)*p) == 'B') {
+    p++;
+  }
+  while (isspace((unsigned char)*p)) p++;
+  if (*p != '\0') return size_fail(why, n, "unexpected '%.12s'", p);
+  if (frac_num && !shift) return size_fail(why, n, "not a whole number of bytes");
+  if (overflow || whole > (UINT64_MAX >> shift)) return size_fail(why, n, "too large");
+  uint64_t bytes = whole << shift;
+  /* floor(frac * 2^shift) by binary long division; 2 * rem < 2 * 10^18 fits in 64 bits. */
+  uint64_t extra = 0, rem = frac_num;
+  for (unsigned i = 0; i < shift; i++) {
+    rem *= 2;
+    extra *= 2;
+    if (rem >= frac_den) {
+      rem -= frac_den;
+      extra++;
+    }
+  }
+  if (bytes > UINT64_MAX - extra || bytes + extra > (uint64_t)SIZE_MAX)
+    return size_fail(why, n, "too large");
+  *bytes_out = (size_t)(bytes + extra);
+  return true;
+}
+
+pm_status_t pm_parse_size(const char *text, size_t *bytes_out) {
+  if (!text || !bytes_out)
+    return pm__set_error(PM_ERR_INVALID, "pm_parse_size: %s is NULL", !text ? "text" : "bytes_out");
+  char why[96];
+  size_t v;
+  if (!size_parse(text, &v, why, sizeof why))
+    return pm__set_error(
+        PM_ERR_CONFIG, "pm_parse_size('%.64s'): %s (want e.g. 4096, 64K, 1.5M, 2G, 1T)", text, why);
+  *bytes_out = v;
+  return PM_OK;
+}

@@ -1,0 +1,129 @@
+/* Status codes and error detail: one table, distinct names and messages, unknown values handled,
+ * and the last-error text kept per thread. */
+#include <pthread.h>
+
+#include "check.h"
+
+static const struct {
+  pm_status_t status;
+  const char *name;
+  int value;
+} all_statuses[] = {
+#define ROW(name, value, msg) {name, #name, value},
+    PM_STATUS_MAP(ROW)
+#undef ROW
+};
+#define N_STATUSES (sizeof all_statuses / sizeof all_statuses[0])
+
+static void test_table(void) {
+  CHECK(N_STATUSES >= 20);
+  for (size_t i = 0; i < N_STATUSES; i++) {
+    pm_status_t s = all_statuses[i].status;
+    CHECK_EQ_INT(s, all_statuses[i].value);
+    const char *name = pm_status_name(s), *msg = pm_strerror(s);
+    CHECK(name != NULL && msg != NULL);
+    CHECK(strcmp(name, all_statuses[i].name) == 0);
+    CHECK(msg[0] != '\0');
+    CHECK(strcmp(msg, "unknown status") != 0);
+    for (size_t j = 0; j < i; j++) {
+      pm_status_t t = all_statuses[j].status;
+      CHECK(s != t);
+      if (strcmp(pm_status_name(s), pm_status_name(t)) == 0)
+        fprintf(stderr, "duplicate name %s\n", pm_status_name(s));
+      CHECK(strcmp(pm_status_name(s), pm_status_name(t)) != 0);
+      CHECK(strcmp(pm_strerror(s), pm_strerror(t)) != 0);
+    }
+  }
+  /* Conventions: success is 0, "not ready" is a positive answer, errors are negative. */
+  CHECK_EQ_INT(PM_OK, 0);
+  CHECK(PM_NOT_READY > 0);
+  for (size_t i = 0; i < N_STATUSES; i++)
+    if (strncmp(all_statuses[i].name, "PM_ERR_", 7) == 0) CHECK(all_statuses[i].status < 0);
+}
+
+static void test_unknown(void) {
+  const pm_status_t odd[] = {(pm_status_t)12345, (pm_status_t)-12345, (pm_status_t)-20,
+                             (pm_status_t)2};
+  for (size_t i = 0; i < sizeof odd / sizeof odd[0]; i++) {
+    const char *name = pm_status_name(odd[i]), *msg = pm_strerror(odd[i]);
+    CHECK(name != NULL && msg != NULL);
+    CHECK(name && name[0] != '\0');
+    CHECK(msg && msg[0] != '\0');
+    /* An unknown value must not be mistaken for a real one. */
+    for (size_t j = 0; j < N_STATUSES; j++) CHECK(strcmp(name, all_statuses[j].name) != 0);
+  }
+}
+
+static void test_version(void) {
+  char want[32];
+  snprintf(want, sizeof want, "%d.%d.%d", PINMEM_VERSION_MAJOR, PINMEM_VERSION_MINOR,
+           PINMEM_VERSION_PATCH);
+  CHECK(strcmp(pm_version(), want) == 0);
+}
+
+/* ---- last error per thread ---- */
+
+typedef struct {
+  char seen_at_start[256];
+  char own_error[256];
+  pm_status_t own_status;
+  pthread_barrier_t *main_has_set, *thread_has_set;
+} thread_ctx_t;
+
+static void *other_thread(void *arg) {
+  thread_ctx_t *c = arg;
+  pthread_barrier_wait(c->main_has_set);
+  /* The main thread's failure happened; this thread has had none. */
+  snprintf(c->seen_at_start, sizeof c->seen_at_start, "%s", pm_last_error());
+  size_t v;
+  c->own_status = pm_parse_size("twelve", &v);
+  snprintf(c->own_error, sizeof c->own_error, "%s", pm_last_error());
+  pthread_barrier_wait(c->thread_has_set);
+  return NULL;
+}
+
+static void test_last_error_per_thread(void) {
+  pthread_barrier_t b1, b2;
+  pthread_barrier_init(&b1, NULL, 2);
+  pthread_barrier_init(&b2, NULL, 2);
+  thread_ctx_t c = {.main_has_set = &b1, .thread_has_set = &b2};
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, other_thread, &c) == 0);
+
+  CHECK_ERR_MSG(pm_option_set("no_such_option", "1"), PM_ERR_CONFIG);
+  char mine[256];
+  snprintf(mine, sizeof mine, "%s", pm_last_error());
+  CHECK(strstr(mine, "no_such_option") != NULL);
+  pthread_barrier_wait(&b1);
+  pthread_barrier_wait(&b2); /* the other thread has now failed too */
+  pthread_join(t, NULL);
+
+  CHECK(c.seen_at_start[0] == '\0');
+  CHECK_ST(c.own_status, PM_ERR_CONFIG);
+  CHECK(strstr(c.own_error, "twelve") != NULL);
+  /* The other thread's failure did not touch this thread's detail. */
+  CHECK(strcmp(pm_last_error(), mine) == 0);
+  CHECK(strstr(pm_last_error(), "twelve") == NULL);
+  pthread_barrier_destroy(&b1);
+  pthread_barrier_destroy(&b2);
+}
+
+/* A failing public call leaves a detail naming what failed; a success does not invent one. */
+static void test_detail_content(void) {
+  size_t v = 77;
+  CHECK_ERR_MSG(pm_parse_size("5 parsecs", &v), PM_ERR_CONFIG);
+  CHECK(strstr(pm_last_error(), "5 parsecs") != NULL);
+  CHECK_EQ_SIZE(v, 77); /* outputs untouched on failure */
+  CHECK_ERR_MSG(pm_device_alloc(0, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "pm_device_alloc") != NULL);
+}
+
+int main(void) {
+  pm_test_init();
+  test_table();
+  test_unknown();
+  test_version();
+  test_last_error_per_thread();
+  test_detail_content();
+  return pm_test_finish("test_status");
+}
