@@ -698,6 +698,11 @@ static pm_status_t cuda_memcpy_sync(void *dst, const void *src, size_t bytes, pm
   if (e != cudaSuccess)
     return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaMemcpy(%p, %p, %zu, %s)", dst, src, bytes,
                          kind_name(ck));
+  /* cudaMemcpy from pageable memory may return once the source sits in the driver's staging
+   * buffer; pm_memcpy promises the bytes have arrived. */
+  e = cudaStreamSynchronize(NULL);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_BACKEND, "cudaStreamSynchronize after cudaMemcpy");
   return PM_OK;
 }
 

@@ -708,6 +708,16 @@ static void *stream_main(void *arg) {
       pthread_cond_broadcast(&s->cv_state);
       while (!op->u.gate.released) pthread_cond_wait(&s->cv_work, &s->mu);
       pthread_mutex_unlock(&s->mu);
+    } else if (op->kind == OP_RECORD) {
+      /* Count the record as done before it completes its event, so whoever sees the event
+       * complete also sees the stream idle (CUDA: stream query succeeds after its last event). */
+      s->done++;
+      if (s->users) pthread_cond_broadcast(&s->cv_state);
+      pthread_mutex_unlock(&s->mu);
+      op_run(op);
+      free(op);
+      pthread_mutex_lock(&s->mu);
+      continue;
     } else {
       pthread_mutex_unlock(&s->mu);
       op_run(op);
