@@ -421,8 +421,10 @@ pm_status_t pm_device_memset_async(void *dptr, int value, size_t bytes, pm_strea
 static int tracked_side(const pm__range_t *r, bool known) {
   if (!known) return -1;
   if (r->kind == PM_MEMORY_DEVICE) return 1;
-  if (r->kind == PM_MEMORY_POOL || r->kind == PM_MEMORY_REGISTERED) return 0;
-  return -1; /* managed memory is valid on both sides */
+  /* Mapped pinned memory has a device address too (the same one under unified addressing), so
+   * kernels and copies may use it from either side. */
+  if ((r->kind == PM_MEMORY_POOL || r->kind == PM_MEMORY_REGISTERED) && !r->dev_base) return 0;
+  return -1; /* managed and mapped memory are valid on both sides */
 }
 
 static const char *copy_kind_name(pm_copy_kind_t k) {

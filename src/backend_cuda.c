@@ -148,7 +148,7 @@ static pm_status_t cuda_init(void) {
                          "cudaFree(NULL) (context creation on device %ld): %s (%s)", want,
                          cudaGetErrorString(e), cudaGetErrorName(e));
   }
-  return PM_OK;
+  return pm__kernels_preload();
 }
 
 static void cuda_shutdown(void) {}

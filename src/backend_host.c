@@ -31,11 +31,12 @@
  * destroy (which leaves the set first) cannot free it under that caller. A record is freed when
  * its last holder (event, queued op, waiter) lets go.
  *
- * Lock order: obj_lock -> stream.mu and obj_lock -> rec_lock; stream.mu and rec_lock are never
- * held together. mem_lock is a leaf. No lock is held while an op runs (user callbacks, sleeps,
- * copies) or while mlock runs (a pending table entry claims the range meanwhile). munlock of a
- * range's first and last page runs under mem_lock, because a neighbouring registration may
- * share those pages and mlock does not nest; its inside pages are unlocked without the lock.
+ * Lock order: obj_lock -> stream.mu -> rec_lock (a stream's worker completes a record under its
+ * stream.mu; event_record and stream_wait_event capture records under both). mem_lock is a leaf. No
+ * lock is held while an op runs (user callbacks, sleeps, copies) or while mlock runs (a pending
+ * table entry claims the range meanwhile). munlock of a range's first and last page runs under
+ * mem_lock, because a neighbouring registration may share those pages and mlock does not nest; its
+ * inside pages are unlocked without the lock.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -709,14 +710,13 @@ static void *stream_main(void *arg) {
       while (!op->u.gate.released) pthread_cond_wait(&s->cv_work, &s->mu);
       pthread_mutex_unlock(&s->mu);
     } else if (op->kind == OP_RECORD) {
-      /* Count the record as done before it completes its event, so whoever sees the event
-       * complete also sees the stream idle (CUDA: stream query succeeds after its last event). */
-      s->done++;
-      if (s->users) pthread_cond_broadcast(&s->cv_state);
-      pthread_mutex_unlock(&s->mu);
+      /* Complete the event and count the op done in one step under s->mu (then rec_lock, the
+       * order event_record uses): whoever sees the event complete sees the stream past it, and
+       * whoever sees the stream synchronized sees the event complete, as CUDA guarantees. */
       op_run(op);
       free(op);
-      pthread_mutex_lock(&s->mu);
+      s->done++;
+      if (s->users) pthread_cond_broadcast(&s->cv_state);
       continue;
     } else {
       pthread_mutex_unlock(&s->mu);

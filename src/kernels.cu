@@ -89,6 +89,16 @@ __global__ void __launch_bounds__(kChecksumThreads)
 
 }  // namespace
 
+extern "C" pm_status_t pm__kernels_preload(void) {
+  struct cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, (const void *)busy_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, (const void *)checksum_kernel);
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_BACKEND,
+                         "cudaFuncGetAttributes (loading pinmem's kernels)");
+  return PM_OK;
+}
+
 extern "C" pm_status_t pm__launch_busy_kernel(uint64_t ns, struct CUstream_st *stream) {
   void *args[] = {&ns};
   cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void *>(&busy_kernel), dim3(1), dim3(1),

@@ -77,6 +77,11 @@ static inline uint64_t pm__checksum_host(const void *ptr, size_t bytes) {
 pm_status_t pm__launch_checksum(const void *dptr, size_t bytes, uint64_t *dresult,
                                 struct CUstream_st *stream);
 
+/* Load the module's kernels now. With CUDA's lazy loading the first launch of a kernel loads
+ * it, and that load can wait behind a stream that is blocked in a host function; loading at
+ * backend start keeps launches from ever waiting on other streams. */
+pm_status_t pm__kernels_preload(void);
+
 /* Queue a kernel (one thread) that spins for `ns` nanoseconds of %globaltimer on `stream`. */
 pm_status_t pm__launch_busy_kernel(uint64_t ns, struct CUstream_st *stream);
 
