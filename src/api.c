@@ -697,7 +697,7 @@ pm_status_t pm_host_device_pointer(const void *ptr, void **dptr_out) {
 
 pm_status_t pm_host_free(void *ptr) {
   if (!ptr) return PM_OK; /* as free() and cudaFreeHost() */
-  pm__range_t r;
+  pm__range_t r = {0};
   pm_status_t st = lookup_kind("pm_host_free", ptr, PM_MEMORY_POOL, false, &r);
   if (st != PM_OK) return st;
   return pm__pool_free((pm_pool_t *)r.owner, ptr);
@@ -705,7 +705,7 @@ pm_status_t pm_host_free(void *ptr) {
 
 pm_status_t pm_host_record_stream(void *ptr, pm_stream_t stream) {
   if (!ptr) return PM__NULL_ARG("pm_host_record_stream", "ptr");
-  pm__range_t r;
+  pm__range_t r = {0};
   pm_status_t st = lookup_kind("pm_host_record_stream", ptr, PM_MEMORY_POOL, false, &r);
   if (st != PM_OK) return st;
   return pm__pool_record_stream((pm_pool_t *)r.owner, ptr, stream);
@@ -714,7 +714,7 @@ pm_status_t pm_host_record_stream(void *ptr, pm_stream_t stream) {
 pm_status_t pm_host_usable_size(const void *ptr, size_t *bytes_out) {
   if (!ptr) return PM__NULL_ARG("pm_host_usable_size", "ptr");
   if (!bytes_out) return PM__NULL_ARG("pm_host_usable_size", "bytes_out");
-  pm__range_t r;
+  pm__range_t r = {0};
   pm_status_t st = lookup_kind("pm_host_usable_size", ptr, PM_MEMORY_POOL, false, &r);
   if (st != PM_OK) return st;
   return pm__pool_usable_size((pm_pool_t *)r.owner, ptr, bytes_out);
