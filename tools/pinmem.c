@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench.h"
 #include "cli.h"
 
 void cli_print_usage(FILE *out) {
@@ -21,6 +22,9 @@ void cli_print_usage(FILE *out) {
       "  info                 version, backend, devices, memory limits, the option table\n"
       "  bench alloc          cold pinning (pinmem vs cudaHostAlloc vs malloc+cudaHostRegister),\n"
       "                       cached alloc+free latency and the pool's memory overhead\n"
+      "  bench copy           host<->device bandwidth by path: plain vs pinmem, pageable vs\n"
+      "                       pinned, write-combined, zero-copy, managed, batched (--help)\n"
+      "  bench overlap        a copy beside a kernel of equal length: serial vs two streams\n"
       "  help                 this text\n"
       "  --version            the version\n"
       "\n"
@@ -72,7 +76,47 @@ static void parse_sizes(const char *text, cli_bench_alloc_args_t *args) {
   if (args->nsizes == 0) cli_usage_error("--sizes: no sizes in '%s'", text);
 }
 
+/* Benchmarks with their own option parsers: `pinmem [--json] bench NAME [options]` hands
+ * NAME and everything after it (plus a --json given before) to the benchmark's entry point. */
+typedef int (*cli_bench_fn)(int argc, char **argv);
+
+static int dispatch_own_parser(int argc, char **argv, int *handled) {
+  static const struct {
+    const char *name;
+    cli_bench_fn fn;
+  } benches[] = {
+      {"copy", pm_cli_bench_copy},
+      {"overlap", pm_cli_bench_overlap},
+  };
+  *handled = 0;
+  int k = 1;
+  bool json_before = false;
+  while (k < argc && argv[k][0] == '-') {
+    if (strcmp(argv[k], "--json") == 0) json_before = true;
+    k++;
+  }
+  if (k + 1 >= argc || strcmp(argv[k], "bench") != 0) return 0;
+  for (size_t b = 0; b < sizeof benches / sizeof benches[0]; b++) {
+    if (strcmp(argv[k + 1], benches[b].name) != 0) continue;
+    char *sub[64];
+    int n = 0;
+    sub[n++] = argv[k + 1];
+    if (json_before) sub[n++] = (char *)"--json";
+    for (int i = k + 2; i < argc; i++) {
+      if (n == (int)(sizeof sub / sizeof sub[0]) - 1) cli_usage_error("too many arguments");
+      sub[n++] = argv[i];
+    }
+    sub[n] = NULL;
+    *handled = 1;
+    return benches[b].fn(n, sub);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  int handled = 0;
+  int rc = dispatch_own_parser(argc, argv, &handled);
+  if (handled) return rc;
   bool json = false;
   const char *words[4];
   int nwords = 0;
@@ -156,8 +200,9 @@ int main(int argc, char **argv) {
     return cli_cmd_info(json);
   }
   if (strcmp(words[0], "bench") == 0) {
-    if (nwords < 2) cli_usage_error("bench needs a benchmark name: alloc");
-    if (!bench_alloc) cli_usage_error("unknown benchmark '%s' (known: alloc)", words[1]);
+    if (nwords < 2) cli_usage_error("bench needs a benchmark name: alloc, copy or overlap");
+    if (!bench_alloc)
+      cli_usage_error("unknown benchmark '%s' (known: alloc, copy, overlap)", words[1]);
     cli_bench_alloc_args_t args;
     memset(&args, 0, sizeof args);
     args.json = json;

@@ -1,0 +1,70 @@
+/*
+ * Internals shared by the copy engine's files (copy.c: API, path choice, fences, completion
+ * service; copy_stage.c: staging through pinned bounce buffers). Nothing here is installed.
+ */
+#ifndef PINMEM_COPY_INTERNAL_H
+#define PINMEM_COPY_INTERNAL_H
+
+#include "internal.h"
+
+/* The copy options in force (copy_chunk, copy_slots, copy_threads, copy_stage_min). */
+typedef struct pm__copy_cfg {
+  size_t chunk;     /* staging chunk, >= 4 KiB */
+  int slots;        /* ring depth when the budget forbids a whole-copy bounce buffer */
+  int threads;      /* memcpy threads, the calling thread included */
+  size_t stage_min; /* pageable copies below this take the plain backend copy */
+} pm__copy_cfg_t;
+
+void pm__copy_cfg(pm__copy_cfg_t *cfg);
+
+/* One contiguous piece of a staged copy: `host` is the pageable side, `dev` the device side
+ * (the destination for H2D, the source for D2H). */
+typedef struct pm__stage_seg {
+  char *host;
+  char *dev;
+  size_t bytes;
+} pm__stage_seg_t;
+
+typedef struct pm__stage_req {
+  pm_copy_kind_t kind; /* PM_COPY_H2D or PM_COPY_D2H */
+  const pm__stage_seg_t *segs;
+  size_t nsegs;
+  pm_stream_t stream;
+  pm_pool_t *pool; /* resolved: never NULL */
+  pm__copy_cfg_t cfg;
+} pm__stage_req_t;
+
+/* Staged D2H copy-out work still to do after pm__stage_d2h_submit (opaque). */
+typedef struct pm__d2h_job pm__d2h_job_t;
+
+/* Staged H2D: returns once every source byte was copied into pinned bounce memory and every DMA
+ * is queued on req->stream. With a whole-copy bounce buffer it never waits for the stream; with
+ * the ring fallback it waits for the DMAs of reused slots. *ring_out (may be NULL) tells which. */
+pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out);
+
+/* Staged D2H: queue every DMA device -> bounce on req->stream. *job_out gets the copy-out still
+ * to run (pm__stage_d2h_finish), or NULL when the ring fallback was used, which copies
+ * everything before returning. On failure nothing is left to run and no memory is held (bounce
+ * memory is freed stream-ordered). */
+pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job_out);
+/* Wait for the DMAs, copy the bytes out into the destination with several threads, release the
+ * bounce buffer, free the job. Runs on a completion thread and makes no backend call (a stream
+ * gate may be waiting for it). Always PM_OK today; msg gets the detail of a failure. */
+pm_status_t pm__stage_d2h_finish(pm__d2h_job_t *job, char *msg, size_t msg_len);
+/* Called by the gate (a host function queued behind the copy's last DMA): every DMA is done. */
+void pm__stage_d2h_dmas_done(pm__d2h_job_t *job);
+/* Make pm__stage_d2h_finish skip the copy-out (the submit failed after the gate was queued, so
+ * dst may no longer be the caller's): it only waits for the DMAs and releases everything. */
+void pm__stage_d2h_discard(pm__d2h_job_t *job);
+/* The submit failed before the gate was queued: wait for the stream, then free the job and its
+ * bounce block without copying anything out. Keeps pm_last_error's detail. */
+void pm__stage_d2h_abort(pm__d2h_job_t *job, pm_stream_t stream);
+
+/* Poll an event until it completes (short sleeps, growing to max_sleep_us): waiting threads
+ * neither spin a core nor need a blocking-sync event. */
+pm_status_t pm__copy_wait_event(pm_event_t event, unsigned max_sleep_us);
+/* Destroy an event that may still be pending: now if complete, else once it completed (on a
+ * completion thread), so no backend ever sees a pending event destroyed. */
+void pm__copy_reap_event(pm_event_t event);
+
+#endif /* PINMEM_COPY_INTERNAL_H */

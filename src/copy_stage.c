@@ -1,0 +1,524 @@
+/*
+ * DESIGN: staging of pageable host memory through pinned bounce memory (PM_PATH_STAGED).
+ *
+ * The CUDA driver stages a pageable copy through one small pinned buffer with one thread, so it
+ * runs at a fraction of the link. Here a copy (or a batch of pieces, packed back to back) is cut
+ * into units of at most copy_chunk bytes and several threads move the units through pinned
+ * bounce memory while the DMA engine drains the units already staged.
+ *
+ * Bounce memory. First choice: one pool block as large as the whole copy. The pool caches it,
+ * so repeated copies pin nothing, and its reuse is gated by the stream (pm_host_record_stream),
+ * so an H2D call never waits for the stream. When the budget refuses that block, a ring of up
+ * to copy_slots chunk-sized blocks is used instead; a slot is reused only after the event of its
+ * last DMA completed (never a wait after every chunk). The ring makes the call wait for the
+ * stream (see "What each path blocks on" in copy.c: budget-bound copies block).
+ *
+ * Work distribution: pm__parallel_for starts `threads` tasks (the caller is one); each task
+ * claims units from an atomic counter, so units are claimed in ascending order. That order is
+ * what makes the ring deadlock-free: unit i waits only for unit i - slots, which was claimed
+ * earlier by a task that is running it.
+ *
+ * H2D: claim a unit, memcpy it into bounce memory, queue its DMA at once. The DMAs of one copy
+ * may be queued in any order (they write disjoint bytes); all are queued before the call
+ * returns, so the stream's order with earlier and later work is kept.
+ * D2H (whole bounce): the caller queues every DMA device -> bounce, with a host function after
+ * each group of units (at most 32 groups) that counts the group as landed, and returns a job;
+ * a completion thread copies units out to the destination with several threads as their
+ * groups land (pm__stage_d2h_finish), while copy.c's gate holds the stream behind the DMAs
+ * until the copy-out is done (the gate also signals the last group). The copy-out makes no
+ * backend call at all: under CUDA a call such as cudaEventQuery can wait behind another
+ * thread's synchronizing call (cudaFree), which waits for the gate, which waits for the
+ * copy-out: a deadlock seen on the H200 with events here. D2H ring: the copy runs to the end
+ * inside the call, with events (no gate waits for it).
+ *
+ * Invariant: bounce memory is returned to the pool only once no queued DMA can still touch it
+ * (stream-recorded free, or after its events or group signals completed). Errors: the first
+ * failing step's status and detail are kept (worker threads have their own pm_last_error);
+ * later units are skipped but the ring's bookkeeping still advances, so nothing waits forever.
+ *
+ * Lock order: each ring's mutex (slot generations) and each D2H job's mutex (groups landed)
+ * are leaves: no backend, pool or memcpy call is made while one is held.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "copy_internal.h"
+
+#define PM__D2H_MAX_GROUPS 32
+#define PM__BOUNCE_ALIGN 64 /* pieces of a packed batch start on their own cache line */
+
+typedef struct unit {
+  char *host;
+  char *dev;
+  size_t bytes;
+  size_t boff;    /* offset in the whole-copy bounce block */
+  uint32_t group; /* D2H: the group whose landing signal covers this unit */
+} unit_t;
+
+/* First error of a parallel step, with the detail text of the thread that hit it. */
+typedef struct first_error {
+  atomic_int status;
+  char msg[512];
+} first_error_t;
+
+static void first_error_set(first_error_t *e, pm_status_t st) {
+  int expected = PM_OK;
+  if (atomic_compare_exchange_strong(&e->status, &expected, (int)st))
+    snprintf(e->msg, sizeof e->msg, "%s", pm_last_error());
+}
+
+static bool first_error_any(first_error_t *e) {
+  return atomic_load_explicit(&e->status, memory_order_relaxed) != PM_OK;
+}
+
+/* Re-raise a worker's error on the calling thread (after the parallel step joined). */
+static pm_status_t first_error_raise(first_error_t *e) {
+  pm_status_t st = (pm_status_t)atomic_load(&e->status);
+  if (st != PM_OK) pm__set_error(st, "%s", e->msg);
+  return st;
+}
+
+/* Cut the segments into units of at most `chunk` bytes, packed into one bounce layout. */
+static pm_status_t plan_units(const pm__stage_req_t *req, unit_t **units_out, size_t *n_out,
+                              size_t *total_out) {
+  size_t chunk = req->cfg.chunk, n = 0;
+  for (size_t s = 0; s < req->nsegs; s++) n += (req->segs[s].bytes + chunk - 1) / chunk;
+  if (n == 0) return pm__set_error(PM_ERR_INTERNAL, "staging: empty plan");
+  unit_t *u = malloc(n * sizeof *u);
+  if (!u) return pm__set_error(PM_ERR_NOMEM, "staging: malloc of %zu units failed", n);
+  size_t k = 0, off = 0;
+  for (size_t s = 0; s < req->nsegs; s++) {
+    const pm__stage_seg_t *seg = &req->segs[s];
+    if (seg->bytes == 0) continue;
+    off = pm__align_up(off, PM__BOUNCE_ALIGN);
+    for (size_t done = 0; done < seg->bytes; done += chunk) {
+      size_t len = PM__MIN(chunk, seg->bytes - done);
+      u[k].host = seg->host + done;
+      u[k].dev = seg->dev + done;
+      u[k].bytes = len;
+      u[k].boff = off + done;
+      u[k].group = 0;
+      k++;
+    }
+    off += seg->bytes;
+  }
+  *units_out = u;
+  *n_out = k;
+  *total_out = off;
+  return PM_OK;
+}
+
+/* One bounce block for the whole copy. PM_ERR_BUDGET (detail kept) means: use the ring. */
+static pm_status_t whole_bounce(const pm__stage_req_t *req, size_t total, char **bounce_out) {
+  pm_pool_stats_t stats;
+  /* A block larger than the whole budget can never come: skip the attempt (and, with the wait
+   * policy, its timeout). */
+  if (pm_pool_get_stats(req->pool, &stats) == PM_OK && stats.budget &&
+      pm__size_class(total) > stats.budget)
+    return pm__set_error(PM_ERR_BUDGET, "staging: a %zu-byte bounce block exceeds the budget (%zu)",
+                         total, stats.budget);
+  void *p = NULL;
+  pm_status_t st = pm_host_alloc(req->pool, total, PM_HOST_DEFAULT, &p);
+  if (st != PM_OK) return st;
+  *bounce_out = p;
+  return PM_OK;
+}
+
+/* Return bounce memory whose DMAs were queued on `stream` and may still be running. */
+static void free_after_stream(void *p, pm_stream_t stream) {
+  if (pm_host_record_stream(p, stream) != PM_OK) {
+    /* Without the record the pool could hand the block out under a running DMA. */
+    (void)pm_stream_synchronize(stream);
+  }
+  (void)pm_host_free(p);
+}
+
+/* ---- ring of chunk-sized bounce slots ------------------------------------------------------ */
+
+typedef struct ring {
+  int n;
+  char **slot;
+  pm_event_t *ev;
+  long long *gen; /* the last unit that used the slot (initially slot - n) */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+} ring_t;
+
+static void ring_destroy(ring_t *r, pm_stream_t stream, bool dmas_may_run) {
+  for (int s = 0; s < r->n; s++) {
+    if (r->slot && r->slot[s]) {
+      if (dmas_may_run)
+        free_after_stream(r->slot[s], stream);
+      else
+        (void)pm_host_free(r->slot[s]);
+    }
+    if (r->ev && r->ev[s]) pm__copy_reap_event(r->ev[s]);
+  }
+  free(r->slot);
+  free(r->ev);
+  free(r->gen);
+  pthread_mutex_destroy(&r->mu);
+  pthread_cond_destroy(&r->cv);
+}
+
+static pm_status_t ring_create(const pm__stage_req_t *req, size_t nunits, ring_t *r) {
+  size_t chunk = req->cfg.chunk;
+  size_t want = PM__MIN((size_t)req->cfg.slots, nunits);
+  pm_pool_stats_t stats;
+  if (pm_pool_get_stats(req->pool, &stats) == PM_OK && stats.budget) {
+    size_t fit = stats.budget / pm__size_class(chunk);
+    if (fit == 0)
+      return pm__set_error(PM_ERR_BUDGET,
+                           "staging: the pool budget (%zu bytes) cannot hold one %zu-byte bounce "
+                           "slot; lower copy_chunk or raise the budget",
+                           stats.budget, chunk);
+    want = PM__MIN(want, fit);
+  }
+  memset(r, 0, sizeof *r);
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  r->slot = calloc(want, sizeof *r->slot);
+  r->ev = calloc(want, sizeof *r->ev);
+  r->gen = calloc(want, sizeof *r->gen);
+  if (!r->slot || !r->ev || !r->gen) {
+    ring_destroy(r, NULL, false);
+    return pm__set_error(PM_ERR_NOMEM, "staging: malloc of a %zu-slot ring failed", want);
+  }
+  size_t got = 0;
+  for (; got < want; got++) {
+    void *p = NULL;
+    pm_status_t st = pm_host_alloc(req->pool, chunk, PM_HOST_DEFAULT, &p);
+    if (st == PM_ERR_BUDGET && got > 0) break; /* fewer slots: slower, still correct */
+    if (st != PM_OK) {
+      r->n = (int)got;
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", pm_last_error());
+      ring_destroy(r, NULL, false);
+      return pm__set_error(st, "staging: bounce slot %zu of %zu bytes: %s", got, chunk, msg);
+    }
+    r->slot[got] = p;
+  }
+  r->n = (int)got;
+  for (int s = 0; s < r->n; s++) {
+    pm_status_t st = pm_event_create(PM_EVENT_DEFAULT, &r->ev[s]);
+    if (st != PM_OK) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", pm_last_error());
+      ring_destroy(r, NULL, false);
+      return pm__set_error(st, "staging: event for ring slot: %s", msg);
+    }
+    r->gen[s] = (long long)s - r->n;
+  }
+  return PM_OK;
+}
+
+static void ring_wait_turn(ring_t *r, int s, long long unit) {
+  pthread_mutex_lock(&r->mu);
+  while (r->gen[s] != unit - r->n) pthread_cond_wait(&r->cv, &r->mu);
+  pthread_mutex_unlock(&r->mu);
+}
+
+static void ring_done_turn(ring_t *r, int s, long long unit) {
+  pthread_mutex_lock(&r->mu);
+  r->gen[s] = unit;
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+}
+
+/* ---- H2D ------------------------------------------------------------------------------------ */
+
+typedef struct h2d_ctx {
+  const unit_t *u;
+  size_t n;
+  atomic_size_t next;
+  char *bounce; /* whole-copy mode */
+  ring_t *ring; /* ring mode */
+  pm_stream_t stream;
+  first_error_t err;
+} h2d_ctx_t;
+
+static void h2d_whole_task(void *vctx, size_t task) {
+  h2d_ctx_t *c = vctx;
+  (void)task;
+  for (;;) {
+    size_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
+    if (i >= c->n) return;
+    if (first_error_any(&c->err)) continue;
+    const unit_t *u = &c->u[i];
+    memcpy(c->bounce + u->boff, u->host, u->bytes);
+    pm_status_t st = pm_memcpy_async(u->dev, c->bounce + u->boff, u->bytes, PM_COPY_H2D, c->stream);
+    if (st != PM_OK) first_error_set(&c->err, st);
+  }
+}
+
+static void h2d_ring_task(void *vctx, size_t task) {
+  h2d_ctx_t *c = vctx;
+  ring_t *r = c->ring;
+  (void)task;
+  for (;;) {
+    size_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
+    if (i >= c->n) return;
+    int s = (int)(i % (size_t)r->n);
+    ring_wait_turn(r, s, (long long)i);
+    if (!first_error_any(&c->err)) {
+      pm_status_t st = PM_OK;
+      if (i >= (size_t)r->n) st = pm__copy_wait_event(r->ev[s], 50); /* the slot's last DMA */
+      if (st == PM_OK) {
+        const unit_t *u = &c->u[i];
+        memcpy(r->slot[s], u->host, u->bytes);
+        st = pm_memcpy_async(u->dev, r->slot[s], u->bytes, PM_COPY_H2D, c->stream);
+        if (st == PM_OK) st = pm_event_record(r->ev[s], c->stream);
+      }
+      if (st != PM_OK) first_error_set(&c->err, st);
+    }
+    ring_done_turn(r, s, (long long)i);
+  }
+}
+
+pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
+  unit_t *u = NULL;
+  size_t n = 0, total = 0;
+  pm_status_t st = plan_units(req, &u, &n, &total);
+  if (st != PM_OK) return st;
+
+  h2d_ctx_t c;
+  memset(&c, 0, sizeof c);
+  c.u = u;
+  c.n = n;
+  atomic_init(&c.next, 0);
+  atomic_init(&c.err.status, PM_OK);
+  c.stream = req->stream;
+  int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
+
+  char *bounce = NULL;
+  st = whole_bounce(req, total, &bounce);
+  if (st == PM_OK) {
+    c.bounce = bounce;
+    pm__parallel_for(tasks, (size_t)tasks, h2d_whole_task, &c);
+    st = first_error_raise(&c.err);
+    free_after_stream(bounce, req->stream);
+    if (ring_out) *ring_out = false;
+  } else if (st == PM_ERR_BUDGET) {
+    ring_t ring;
+    st = ring_create(req, n, &ring);
+    if (st == PM_OK) {
+      c.ring = &ring;
+      pm__parallel_for(tasks, (size_t)tasks, h2d_ring_task, &c);
+      st = first_error_raise(&c.err);
+      ring_destroy(&ring, req->stream, true);
+      if (ring_out) *ring_out = true;
+    }
+  }
+  free(u);
+  return st;
+}
+
+/* ---- D2H ------------------------------------------------------------------------------------ */
+
+struct pm__d2h_job {
+  unit_t *u;
+  size_t n;
+  char *bounce;
+  int threads;
+  bool discard;
+  uint32_t ngroups;
+  /* Groups whose DMAs completed, counted by host functions on the stream (no backend call is
+   * needed to learn it, see the design note). */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint32_t groups_done; /* under mu */
+  atomic_size_t next;
+};
+
+void pm__stage_d2h_discard(pm__d2h_job_t *job) {
+  job->discard = true;
+}
+
+static void d2h_job_free(pm__d2h_job_t *job) {
+  pthread_mutex_destroy(&job->mu);
+  pthread_cond_destroy(&job->cv);
+  free(job->u);
+  free(job);
+}
+
+static void groups_done_set(pm__d2h_job_t *job, uint32_t done) {
+  pthread_mutex_lock(&job->mu);
+  if (done > job->groups_done) job->groups_done = done;
+  pthread_cond_broadcast(&job->cv);
+  pthread_mutex_unlock(&job->mu);
+}
+
+/* Host function behind each group but the last: those DMAs are complete. */
+static void group_done_fn(void *arg) {
+  pm__d2h_job_t *job = arg;
+  pthread_mutex_lock(&job->mu);
+  job->groups_done++;
+  pthread_cond_broadcast(&job->cv);
+  pthread_mutex_unlock(&job->mu);
+}
+
+void pm__stage_d2h_dmas_done(pm__d2h_job_t *job) {
+  groups_done_set(job, job->ngroups);
+}
+
+static void wait_group(pm__d2h_job_t *job, uint32_t g) {
+  pthread_mutex_lock(&job->mu);
+  while (job->groups_done <= g) pthread_cond_wait(&job->cv, &job->mu);
+  pthread_mutex_unlock(&job->mu);
+}
+
+typedef struct d2h_ring_ctx {
+  const unit_t *u;
+  size_t n;
+  atomic_size_t next;
+  ring_t *ring;
+  pm_stream_t stream;
+  first_error_t err;
+} d2h_ring_ctx_t;
+
+static void d2h_ring_task(void *vctx, size_t task) {
+  d2h_ring_ctx_t *c = vctx;
+  ring_t *r = c->ring;
+  (void)task;
+  for (;;) {
+    size_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
+    if (i >= c->n) return;
+    int s = (int)(i % (size_t)r->n);
+    ring_wait_turn(r, s, (long long)i); /* unit i - n has been copied out of the slot */
+    if (!first_error_any(&c->err)) {
+      const unit_t *u = &c->u[i];
+      pm_status_t st = pm_memcpy_async(r->slot[s], u->dev, u->bytes, PM_COPY_D2H, c->stream);
+      if (st == PM_OK) st = pm_event_record(r->ev[s], c->stream);
+      if (st == PM_OK) st = pm__copy_wait_event(r->ev[s], 50);
+      if (st == PM_OK)
+        memcpy(u->host, r->slot[s], u->bytes);
+      else
+        first_error_set(&c->err, st);
+    }
+    ring_done_turn(r, s, (long long)i);
+  }
+}
+
+static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
+  ring_t ring;
+  pm_status_t st = ring_create(req, n, &ring);
+  if (st != PM_OK) return st;
+  d2h_ring_ctx_t c;
+  memset(&c, 0, sizeof c);
+  c.u = u;
+  c.n = n;
+  atomic_init(&c.next, 0);
+  atomic_init(&c.err.status, PM_OK);
+  c.ring = &ring;
+  c.stream = req->stream;
+  int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
+  pm__parallel_for(tasks, (size_t)tasks, d2h_ring_task, &c);
+  st = first_error_raise(&c.err);
+  /* On success every DMA was waited for; after a failure some may still be queued. */
+  ring_destroy(&ring, req->stream, st != PM_OK);
+  return st;
+}
+
+pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job_out) {
+  unit_t *u = NULL;
+  size_t n = 0, total = 0;
+  pm_status_t st = plan_units(req, &u, &n, &total);
+  if (st != PM_OK) return st;
+
+  char *bounce = NULL;
+  st = whole_bounce(req, total, &bounce);
+  if (st == PM_ERR_BUDGET) {
+    st = d2h_ring(req, u, n);
+    free(u);
+    if (st == PM_OK) *job_out = NULL;
+    return st;
+  }
+  if (st != PM_OK) {
+    free(u);
+    return st;
+  }
+
+  pm__d2h_job_t *job = calloc(1, sizeof *job);
+  if (!job) {
+    free(u);
+    (void)pm_host_free(bounce);
+    return pm__set_error(PM_ERR_NOMEM, "staging: malloc of a D2H job failed");
+  }
+  job->u = u;
+  job->n = n;
+  job->bounce = bounce;
+  job->threads = req->cfg.threads;
+  pthread_mutex_init(&job->mu, NULL);
+  pthread_cond_init(&job->cv, NULL);
+  atomic_init(&job->next, 0);
+
+  /* Units are grouped, one signal per group: at most PM__D2H_MAX_GROUPS per copy, because each
+   * host function briefly stalls the stream. */
+  size_t gbytes = PM__MAX(req->cfg.chunk, (total + PM__D2H_MAX_GROUPS - 1) / PM__D2H_MAX_GROUPS);
+  uint32_t g = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (i > 0 && u[i].boff / gbytes != u[i - 1].boff / gbytes) g++;
+    u[i].group = g;
+  }
+  job->ngroups = g + 1;
+
+  for (size_t i = 0; i < n; i++) {
+    st = pm_memcpy_async(bounce + u[i].boff, u[i].dev, u[i].bytes, PM_COPY_D2H, req->stream);
+    /* The last group is signalled by the caller's gate (pm__stage_d2h_dmas_done). */
+    if (st == PM_OK && i + 1 < n && u[i + 1].group != u[i].group)
+      st = pm_launch_host_func(req->stream, group_done_fn, job);
+    if (st != PM_OK) {
+      pm__stage_d2h_abort(job, req->stream);
+      return st;
+    }
+  }
+  *job_out = job;
+  return PM_OK;
+}
+
+void pm__stage_d2h_abort(pm__d2h_job_t *job, pm_stream_t stream) {
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", pm_last_error());
+  /* Queued DMAs write into the bounce block and queued host functions touch the job: let the
+   * stream pass them all before anything is freed. */
+  (void)pm_stream_synchronize(stream);
+  (void)pm_host_free(job->bounce);
+  d2h_job_free(job);
+  pm__set_error(PM_ERR_INTERNAL, "%s", msg); /* restore the detail; the caller keeps its status */
+}
+
+static void d2h_out_task(void *vctx, size_t task) {
+  pm__d2h_job_t *job = vctx;
+  (void)task;
+  for (;;) {
+    size_t i = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+    if (i >= job->n) return;
+    const unit_t *u = &job->u[i];
+    wait_group(job, u->group);
+    memcpy(u->host, job->bounce + u->boff, u->bytes);
+  }
+}
+
+pm_status_t pm__stage_d2h_finish(pm__d2h_job_t *job, char *msg, size_t msg_len) {
+  /* No backend call in here: a stream gate may be waiting for this work, and a backend call
+   * could wait behind a synchronizing call (cudaFree) that waits for the gate. Progress comes
+   * from the host functions behind each group and from the gate. */
+  (void)msg;
+  (void)msg_len;
+  if (!job->discard) {
+    /* Wait for the first group alone, so the copy-out threads are not all parked on a stream
+     * that still runs earlier work; later groups follow at link speed. */
+    wait_group(job, 0);
+    int tasks = (int)PM__MIN((size_t)job->threads, job->n);
+    pm__parallel_for(tasks, (size_t)tasks, d2h_out_task, job);
+  }
+  /* Every DMA into the bounce block is over before it goes back to the pool (and every host
+   * function that touches the job has run). */
+  wait_group(job, job->ngroups - 1);
+  (void)pm_host_free(job->bounce);
+  d2h_job_free(job);
+  return PM_OK;
+}
