@@ -331,6 +331,10 @@ struct pm__d2h_job {
   pthread_cond_t cv;
   uint32_t groups_done; /* under mu */
   atomic_size_t next;
+  /* One reference for the owner (finish or abort) and one for each queued group host function,
+   * so the job outlives every host function that touches it even when an abort cannot wait for
+   * the stream (its synchronize failed). */
+  atomic_uint refs;
 };
 
 void pm__stage_d2h_discard(pm__d2h_job_t *job) {
@@ -338,6 +342,7 @@ void pm__stage_d2h_discard(pm__d2h_job_t *job) {
 }
 
 static void d2h_job_free(pm__d2h_job_t *job) {
+  if (atomic_fetch_sub_explicit(&job->refs, 1, memory_order_acq_rel) != 1) return;
   pthread_mutex_destroy(&job->mu);
   pthread_cond_destroy(&job->cv);
   free(job->u);
@@ -358,6 +363,7 @@ static void group_done_fn(void *arg) {
   job->groups_done++;
   pthread_cond_broadcast(&job->cv);
   pthread_mutex_unlock(&job->mu);
+  d2h_job_free(job); /* this host function's reference */
 }
 
 void pm__stage_d2h_dmas_done(pm__d2h_job_t *job) {
@@ -454,6 +460,7 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
   pthread_mutex_init(&job->mu, NULL);
   pthread_cond_init(&job->cv, NULL);
   atomic_init(&job->next, 0);
+  atomic_init(&job->refs, 1);
 
   /* Units are grouped, one signal per group: at most PM__D2H_MAX_GROUPS per copy, because each
    * host function briefly stalls the stream. */
@@ -468,8 +475,11 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
   for (size_t i = 0; i < n; i++) {
     st = pm_memcpy_async(bounce + u[i].boff, u[i].dev, u[i].bytes, PM_COPY_D2H, req->stream);
     /* The last group is signalled by the caller's gate (pm__stage_d2h_dmas_done). */
-    if (st == PM_OK && i + 1 < n && u[i + 1].group != u[i].group)
+    if (st == PM_OK && i + 1 < n && u[i + 1].group != u[i].group) {
+      atomic_fetch_add_explicit(&job->refs, 1, memory_order_relaxed);
       st = pm_launch_host_func(req->stream, group_done_fn, job);
+      if (st != PM_OK) atomic_fetch_sub_explicit(&job->refs, 1, memory_order_relaxed);
+    }
     if (st != PM_OK) {
       pm__stage_d2h_abort(job, req->stream);
       return st;
@@ -485,6 +495,9 @@ void pm__stage_d2h_abort(pm__d2h_job_t *job, pm_stream_t stream) {
   /* Queued DMAs write into the bounce block and queued host functions touch the job: let the
    * stream pass them all before anything is freed. */
   (void)pm_stream_synchronize(stream);
+  /* If that synchronize failed, the pool still keeps the bounce block out of use until the
+   * stream passed it, and the references keep the job alive for its host functions. */
+  (void)pm_host_record_stream(job->bounce, stream);
   (void)pm_host_free(job->bounce);
   d2h_job_free(job);
   pm__set_error(PM_ERR_INTERNAL, "%s", msg); /* restore the detail; the caller keeps its status */
