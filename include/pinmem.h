@@ -374,6 +374,269 @@ PM_API pm_status_t pm_fence_release(pm_fence_t fence);
 PM_API pm_status_t pm_fence_path(pm_fence_t fence, pm_copy_path_t *path_out);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Data loader                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A dataset is a numbered set of fixed-size samples; a loader delivers them in batches. Worker
+ * threads read each sample straight into its place in a pinned batch slot (no collate copy), a
+ * copy stage moves each filled slot to a device buffer on the loader's own stream, and
+ * pm_loader_next() hands out batches in order, while later ones are being read and copied:
+ * DataLoader(pin_memory=True) + .to(device, non_blocking=True), without the second copy.
+ *
+ *   pm_dataset_t *ds;  pm_loader_t *ld;  pm_batch_t b;
+ *   pm_dataset_open_npy(paths, 1, NULL, &ds);
+ *   pm_loader_config_t c;  pm_loader_config_init(&c);  c.batch_size = 256;  c.shuffle = 1;
+ *   pm_loader_create(ds, &c, &ld);
+ *   while (pm_loader_next(ld, &b) == PM_OK) {      // PM_ERR_STATE once every epoch is delivered
+ *     pm_batch_wait_stream(&b, s);                 // s waits for the batch's copy, not the host
+ *     train_step(b.inputs, b.shape, s);
+ *     pm_batch_release(&b, s);                     // the buffers come back once s is past here
+ *   }
+ *   pm_loader_destroy(ld);  pm_dataset_destroy(ds);
+ */
+
+#define PM_DATASET_MAX_DIMS 32 /* dimensions of one sample (numpy allows 32 in all) */
+
+/** Element types. Types without a code of their own (big-endian numbers, strings, structured
+ *  records, datetimes) are PM_DTYPE_OTHER: fixed-size records of `itemsize` bytes, see descr. */
+typedef enum pm_dtype {
+  PM_DTYPE_OTHER = 0,
+  PM_DTYPE_BOOL,
+  PM_DTYPE_INT8,
+  PM_DTYPE_UINT8,
+  PM_DTYPE_INT16,
+  PM_DTYPE_UINT16,
+  PM_DTYPE_INT32,
+  PM_DTYPE_UINT32,
+  PM_DTYPE_INT64,
+  PM_DTYPE_UINT64,
+  PM_DTYPE_FLOAT16,
+  PM_DTYPE_FLOAT32,
+  PM_DTYPE_FLOAT64,
+  PM_DTYPE_COMPLEX64,
+  PM_DTYPE_COMPLEX128
+} pm_dtype_t;
+
+/** "uint8", "float32", ..., "other"; never NULL. */
+PM_API const char *pm_dtype_name(pm_dtype_t dtype);
+
+/** How file datasets read samples. */
+typedef enum pm_io_mode {
+  PM_IO_PREAD = 0, /* pread(2) from the worker threads (default) */
+  PM_IO_MMAP = 1,  /* map the files and copy from the mapping */
+  PM_IO_DIRECT = 2 /* O_DIRECT: bypass the page cache (datasets larger than RAM). Reads that
+                      are 4 KiB-aligned in the file and in the slot go straight into pinned
+                      memory, others through a small aligned buffer. Where the filesystem
+                      refuses O_DIRECT, buffered pread is used and pm_dataset_info_t.note says
+                      why. */
+} pm_io_mode_t;
+
+typedef struct pm_dataset_s pm_dataset_t;
+
+typedef struct pm_dataset_info {
+  uint64_t samples;      /* samples in the dataset (token datasets: windows per epoch) */
+  size_t sample_bytes;   /* bytes of one sample (token datasets: of its inputs) */
+  size_t target_bytes;   /* token datasets: bytes of one sample's targets; 0 otherwise */
+  int ndim;              /* dimensions of one sample (0: a scalar) */
+  uint64_t shape[PM_DATASET_MAX_DIMS];
+  pm_dtype_t dtype;
+  size_t itemsize;       /* bytes of one element */
+  char descr[128];       /* numpy dtype text, byte order made explicit: "|u1", "<f4", "<u2" */
+  int files;             /* files behind the dataset (0 for callback datasets) */
+  pm_io_mode_t io;       /* the read mode in force */
+  char note[256];        /* why the mode in force differs from the one asked for, or "" */
+  uint64_t tokens;       /* token datasets: tokens in the file; 0 otherwise */
+} pm_dataset_info_t;
+
+typedef struct pm_npy_options {
+  pm_io_mode_t io;   /* PM_IO_PREAD */
+  const char *dtype; /* NULL: any; else every file must have this dtype ("<f4", "u1", "|u1":
+                        no byte order means native), or PM_ERR_FORMAT */
+} pm_npy_options_t;
+
+PM_API void pm_npy_options_init(pm_npy_options_t *options);
+/** One dataset from one or more .npy files (format versions 1.0, 2.0 and 3.0, C order, any
+ *  fixed-size dtype), samples along axis 0, the files' samples one after another. Every file
+ *  must have the same sample shape and dtype. Everything is checked here, before the first
+ *  batch: PM_ERR_IO for a file that cannot be opened or read, PM_ERR_FORMAT with the reason for
+ *  a bad magic or header, Fortran order (more than one dimension), object dtypes (also inside
+ *  structured ones), a shape that overflows, data shorter than the shape, mismatched files or
+ *  the wrong dtype. options may be NULL. */
+PM_API pm_status_t pm_dataset_open_npy(const char *const *paths, size_t npaths,
+                                       const pm_npy_options_t *options,
+                                       pm_dataset_t **dataset_out);
+
+typedef struct pm_tokens_options {
+  size_t seq_len;   /* tokens of a sample's inputs (required); a window holds seq_len + 1 */
+  int token_bytes;  /* 2: uint16 (default), 4: uint32 */
+  int random;       /* 1 (default): window starts drawn from (seed, epoch, index): new ones every
+                       epoch, as nanoGPT's get_batch; 0: windows at fixed strided offsets */
+  size_t stride;    /* strided windows: tokens between two starts (0: seq_len) */
+  uint64_t windows; /* random windows: samples per epoch (0: (tokens - 1) / seq_len) */
+  uint64_t seed;
+  pm_io_mode_t io;
+} pm_tokens_options_t;
+
+PM_API void pm_tokens_options_init(pm_tokens_options_t *options);
+/** A raw file of little-endian uint16 or uint32 tokens (nanoGPT's train.bin). Sample i is a
+ *  window of seq_len + 1 tokens, delivered as inputs (its first seq_len tokens) and targets
+ *  (its last seq_len: the inputs shifted by one). PM_ERR_FORMAT when the file size is not a
+ *  whole number of tokens or the file holds fewer than seq_len + 1. */
+PM_API pm_status_t pm_dataset_open_tokens(const char *path, const pm_tokens_options_t *options,
+                                          pm_dataset_t **dataset_out);
+
+typedef struct pm_dataset_callbacks {
+  uint64_t samples;
+  size_t sample_bytes;
+  /** Write sample `index` (its sample_bytes bytes) to dst: a place in a pinned batch slot.
+   *  Called from several worker threads at once. Return 0 on success; a negative pm_status_t
+   *  is reported as it is, any other non-zero value as PM_ERR_IO. */
+  int (*read)(uint64_t index, void *dst, void *user);
+  void *user;
+  void (*destroy)(void *user); /* optional: called by pm_dataset_destroy */
+  pm_dtype_t dtype;            /* PM_DTYPE_OTHER: raw bytes (itemsize 1) */
+  int ndim;                    /* 0: shape [sample_bytes / itemsize] */
+  uint64_t shape[PM_DATASET_MAX_DIMS];
+} pm_dataset_callbacks_t;
+
+/** A dataset whose samples come from a callback, e.g. a decoder writing straight into the
+ *  pinned slot. The struct is copied. */
+PM_API pm_status_t pm_dataset_create(const pm_dataset_callbacks_t *callbacks,
+                                     pm_dataset_t **dataset_out);
+/** PM_ERR_BUSY while a loader still uses the dataset. */
+PM_API pm_status_t pm_dataset_destroy(pm_dataset_t *dataset);
+PM_API pm_status_t pm_dataset_get_info(const pm_dataset_t *dataset, pm_dataset_info_t *info_out);
+/** Read one sample into ordinary memory (what a loader delivers for it in `epoch`; the epoch
+ *  matters only for random token windows). targets_dst: token datasets only (may be NULL). */
+PM_API pm_status_t pm_dataset_read_sample(pm_dataset_t *dataset, uint64_t epoch, uint64_t index,
+                                          void *dst, void *targets_dst);
+
+typedef struct pm_loader_s pm_loader_t;
+
+typedef enum pm_delivery {
+  PM_DELIVER_DEVICE = 0, /* batches in device buffers (default) */
+  PM_DELIVER_HOST = 1    /* batches in the host slots: no device buffers, no copies (CPU jobs) */
+} pm_delivery_t;
+
+/** Where a loader stands: saved with pm_loader_state, given back through
+ *  pm_loader_config_t.resume so a job continues exactly where it stopped. Plain fixed-width
+ *  fields: it may be written to a checkpoint as bytes. */
+typedef struct pm_loader_state {
+  uint32_t magic;     /* PM_LOADER_STATE_MAGIC */
+  uint32_t flags;     /* bit 0 shuffle, bit 1 drop_last */
+  uint64_t epoch;     /* epoch of the next batch to deliver */
+  uint64_t batch;     /* its index within that epoch */
+  uint64_t seed;      /* what the position means: a resume with other values is refused */
+  uint64_t samples;
+  uint64_t batch_size;
+  int32_t rank, world_size;
+} pm_loader_state_t;
+
+#define PM_LOADER_STATE_MAGIC 0x314c4d50u /* "PML1" */
+
+/** Start from pm_loader_config_init(); fields left at 0 take the defaults named here. */
+typedef struct pm_loader_config {
+  size_t batch_size;  /* samples per batch (required) */
+  int workers;        /* reader threads (0: option loader_workers) */
+  int prefetch;       /* batch slots in the ring: batches read and copied ahead (0: option
+                         loader_prefetch) */
+  int shuffle;        /* 1: a new permutation every epoch, a function of (seed, epoch) */
+  uint64_t seed;
+  int drop_last;      /* 1: deliver no partial batch and no padding (below) */
+  int rank;           /* -1 (config_init): from RANK, else 0 */
+  int world_size;     /* -1 (config_init): from WORLD_SIZE, else 1 */
+  int pin_memory;     /* 1 (config_init): pinned slots, async copies. 0: pageable slots and a
+                         plain copy inside pm_loader_next (the consumer waits for it), to
+                         compare */
+  pm_delivery_t delivery;
+  uint64_t epochs;    /* epochs to deliver (config_init: 1); 0: no end */
+  pm_pool_t *pool;    /* pinned slots come from here (NULL: the default pool) */
+  size_t slot_bytes;  /* 0: a slot is exactly one batch; else the slot size, and a batch that
+                         does not fit is refused (PM_ERR_INVALID) */
+  const pm_loader_state_t *resume; /* NULL: epoch 0, batch 0 */
+} pm_loader_config_t;
+
+/** Sharding: with world_size W, rank r gets positions r, r+W, r+2W... of the epoch's order
+ *  (permuted when shuffling), as torch's DistributedSampler. Unless drop_last, the order is
+ *  padded to a multiple of W by repeating its first samples, so every rank gets the same
+ *  number of samples and every sample is delivered at least once per epoch (exactly once when
+ *  W divides the sample count); each rank's last batch may be partial. With drop_last the order
+ *  is cut to a multiple of W instead and each rank drops its last partial batch: every
+ *  delivered sample is delivered exactly once, some not at all. */
+PM_API void pm_loader_config_init(pm_loader_config_t *config);
+/** Starts the worker threads; the first batches are read at once. The dataset must outlive the
+ *  loader. PM_ERR_INVALID for a bad config or a resume state that does not fit it, the pool's
+ *  status when the slots cannot be pinned, PM_ERR_DEVICE_MEMORY for the device buffers. */
+PM_API pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *config,
+                                    pm_loader_t **loader_out);
+/** Stops the workers (mid-epoch too) and frees slots, buffers and threads. Batches not
+ *  released are invalid afterwards; released ones are waited for. No other call on the loader
+ *  may run at the same time. */
+PM_API pm_status_t pm_loader_destroy(pm_loader_t *loader);
+
+/** One batch. Valid from pm_loader_next until pm_batch_release. */
+typedef struct pm_batch {
+  void *inputs;         /* device buffer (PM_DELIVER_DEVICE) or the host slot (PM_DELIVER_HOST) */
+  void *targets;        /* token datasets: the targets, else NULL */
+  void *host_inputs;    /* the batch in its host slot (pinned unless pin_memory is 0) */
+  void *host_targets;
+  size_t inputs_bytes;  /* samples * sample_bytes */
+  size_t targets_bytes; /* samples * target_bytes */
+  size_t samples;       /* rows: batch_size, fewer only in a partial last batch of an epoch */
+  int ndim;             /* 1 + the sample's dimensions */
+  uint64_t shape[PM_DATASET_MAX_DIMS + 1]; /* [samples, sample shape...] (targets: the same) */
+  pm_dtype_t dtype;
+  size_t itemsize;
+  uint64_t epoch;       /* epoch of this batch */
+  uint64_t index;       /* its index within the epoch */
+  const uint64_t *indices; /* the dataset index of each row (host memory) */
+  pm_event_t event;     /* completes when the device buffer holds the batch (NULL when host) */
+  struct {              /* the loader's bookkeeping: do not touch */
+    pm_loader_t *loader;
+    uint64_t seq;
+    int slot;
+  } internal;
+} pm_batch_t;
+
+/** The next batch, in order. Blocks until it has been read (a device copy may still run: wait
+ *  for `event`, e.g. with pm_batch_wait_stream). PM_ERR_STATE once every epoch was delivered;
+ *  PM_ERR_BUSY when the next batch needs a slot the caller still holds (batch i uses slot
+ *  i mod prefetch: release batches in time), or while another thread is inside pm_loader_next
+ *  of the same loader; a read error (PM_ERR_IO,
+ *  PM_ERR_FORMAT, a callback's status) for the batch it happened in, after the complete batches
+ *  before it, and again on every later call: never a short batch. */
+PM_API pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out);
+/** Later work on `stream` waits until the batch is in its device buffer (the host does not). */
+PM_API pm_status_t pm_batch_wait_stream(const pm_batch_t *batch, pm_stream_t stream);
+/** Give the batch back. Its buffers are reused only after the work queued on `stream` so far
+ *  (the consumer's stream that reads the batch) has completed. Clears *batch. */
+PM_API pm_status_t pm_batch_release(pm_batch_t *batch, pm_stream_t stream);
+/** The position of the next batch pm_loader_next would deliver. */
+PM_API pm_status_t pm_loader_state(pm_loader_t *loader, pm_loader_state_t *state_out);
+
+typedef struct pm_loader_stats {
+  uint64_t batches_per_epoch; /* on this rank */
+  uint64_t samples_per_epoch; /* on this rank, padding included */
+  int workers, prefetch;
+  size_t slot_bytes;          /* bytes of one slot (and of one device buffer) */
+  uint64_t batches;           /* delivered */
+  uint64_t samples;
+  uint64_t bytes;             /* inputs + targets delivered */
+  uint64_t waits;             /* pm_loader_next calls that had to wait for their batch */
+  double stall_seconds;       /* time pm_loader_next spent waiting for data (and, with
+                                 pin_memory 0, in the plain copy) */
+  double next_seconds;        /* all time inside pm_loader_next */
+  double read_seconds;        /* worker time in dataset reads, summed over workers */
+  double collate_seconds;     /* worker time preparing slots (indices, waiting for a slot's
+                                 previous copy); samples are read in place, so no gathering */
+  double copy_seconds;        /* device time of the batch copies (completed ones) */
+  size_t device_bytes;        /* device memory held by the batch buffers */
+  size_t host_bytes;          /* host memory held by the slots */
+} pm_loader_stats_t;
+
+PM_API pm_status_t pm_loader_get_stats(pm_loader_t *loader, pm_loader_stats_t *stats_out);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Options                                                                                     */
 /* ------------------------------------------------------------------------------------------ */
 

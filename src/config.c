@@ -238,6 +238,15 @@ static const pm__opt_def_t opt_table[] = {
                                 "pageable copies smaller than this use the plain backend copy "
                                 "instead of staging",
                                 parse_size_any, PM__T_SIZE},
+    [PM__OPT_LOADER_WORKERS] = {"loader_workers", "PINMEM_LOADER_WORKERS", "0",
+                                "threads that read samples into a loader's batch slots; 0 = auto "
+                                "= min(16, usable CPUs)",
+                                parse_threads, PM__T_INT},
+    [PM__OPT_LOADER_PREFETCH] = {"loader_prefetch", "PINMEM_LOADER_PREFETCH", "4",
+                                 "batch slots of a loader (1..4096): batches read and copied "
+                                 "ahead of the consumer; each holds one batch in pinned and in "
+                                 "device memory",
+                                 parse_slots, PM__T_INT},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");

@@ -91,7 +91,7 @@ static void test_last_error_per_thread(void) {
   REQUIRE(pthread_create(&t, NULL, other_thread, &c) == 0);
 
   CHECK_ERR_MSG(pm_option_set("no_such_option", "1"), PM_ERR_CONFIG);
-  char mine[256];
+  char mine[1024];
   snprintf(mine, sizeof mine, "%s", pm_last_error());
   CHECK(strstr(mine, "no_such_option") != NULL);
   pthread_barrier_wait(&b1);

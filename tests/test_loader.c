@@ -1,0 +1,710 @@
+/*
+ * The data loader: the sampler (permutations per epoch, sharding with and without padding,
+ * drop_last), then loaders end to end over callback datasets whose samples are a pattern of
+ * their index, so every delivered row is checked byte for byte (device batches are copied back):
+ * 3 epochs shuffled on 2 ranks x 2 workers with each sample exactly once per epoch, padding,
+ * host delivery, pageable slots, resume from a saved state, end of data, a read error at sample
+ * k (the complete batches before it, then the error, every time), injected copy faults, slots
+ * held by the caller, bad input, and destroying loaders mid-epoch.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "internal.h"
+
+static int g_small; /* PINMEM_TEST_SMALL: fewer samples and epochs */
+
+/* ---- a callback dataset: sample i is pm_test_fill(.., size, i + 1) -------------------------- */
+
+typedef struct pat_ds {
+  size_t size;
+  long fail_at; /* index whose read fails, or -1 */
+  int fail_rc;
+  int sleep_us; /* per read, for the mid-epoch destroy tests */
+  atomic_long reads;
+  atomic_int destroyed;
+} pat_ds_t;
+
+static int pat_read(uint64_t index, void *dst, void *user) {
+  pat_ds_t *p = user;
+  atomic_fetch_add(&p->reads, 1);
+  if (p->sleep_us) {
+    struct timespec ts = {0, (long)p->sleep_us * 1000L};
+    nanosleep(&ts, NULL);
+  }
+  if ((long)index == p->fail_at) return p->fail_rc;
+  pm_test_fill(dst, p->size, index + 1);
+  return 0;
+}
+
+static void pat_destroy(void *user) {
+  pat_ds_t *p = user;
+  atomic_fetch_add(&p->destroyed, 1);
+}
+
+static pm_dataset_t *make_ds(pat_ds_t *p, uint64_t samples, size_t size) {
+  p->size = size;
+  p->fail_at = -1;
+  p->fail_rc = 0;
+  p->sleep_us = 0;
+  atomic_init(&p->reads, 0);
+  atomic_init(&p->destroyed, 0);
+  pm_dataset_callbacks_t cb;
+  memset(&cb, 0, sizeof cb);
+  cb.samples = samples;
+  cb.sample_bytes = size;
+  cb.read = pat_read;
+  cb.user = p;
+  cb.destroy = pat_destroy;
+  pm_dataset_t *ds = NULL;
+  REQUIRE_OK(pm_dataset_create(&cb, &ds));
+  return ds;
+}
+
+static bool row_ok(const unsigned char *row, size_t size, uint64_t index) {
+  unsigned char want[4096];
+  if (size > sizeof want) return false;
+  pm_test_fill(want, size, index + 1);
+  return memcmp(row, want, size) == 0;
+}
+
+/* Check every row of a delivered batch, in the host slot and (device delivery) in the device
+ * buffer once its event completed. */
+static void check_batch(const pm_batch_t *b, size_t size, bool device) {
+  CHECK(b->samples > 0);
+  CHECK_EQ_SIZE(b->inputs_bytes, b->samples * size);
+  CHECK_EQ_SIZE(b->shape[0], b->samples);
+  const unsigned char *rows = b->host_inputs;
+  unsigned char *copy = NULL;
+  if (device) {
+    CHECK(b->event != NULL);
+    CHECK(b->inputs != b->host_inputs);
+    CHECK_OK(pm_event_synchronize(b->event));
+    copy = malloc(b->inputs_bytes);
+    REQUIRE(copy != NULL);
+    memset(copy, 0, b->inputs_bytes);
+    CHECK_OK(pm_memcpy(copy, b->inputs, b->inputs_bytes, PM_COPY_D2H));
+    rows = copy;
+  } else {
+    CHECK(b->inputs == b->host_inputs);
+  }
+  int bad = 0;
+  for (size_t r = 0; r < b->samples; r++) {
+    if (!row_ok(rows + r * size, size, b->indices[r])) bad++;
+    if (device && !row_ok((const unsigned char *)b->host_inputs + r * size, size, b->indices[r]))
+      bad++;
+  }
+  CHECK_EQ_INT(bad, 0);
+  free(copy);
+}
+
+static pm_loader_config_t base_config(size_t batch) {
+  pm_loader_config_t c;
+  pm_loader_config_init(&c);
+  c.batch_size = batch;
+  c.workers = 2;
+  c.prefetch = 3;
+  c.rank = 0;
+  c.world_size = 1;
+  return c;
+}
+
+/* ---- sampler ------------------------------------------------------------------------------- */
+
+static void test_permute(void) {
+  static const uint64_t ns[] = {1, 2, 3, 5, 64, 1000, 4097};
+  for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+    uint64_t n = ns[k];
+    unsigned char *seen = calloc(n, 1);
+    REQUIRE(seen != NULL);
+    int bad = 0;
+    for (uint64_t i = 0; i < n; i++) {
+      uint64_t p = pm__permute(i, n, 42);
+      if (p >= n || seen[p]++) bad++;
+      if (pm__permute(i, n, 42) != p) bad++; /* a function of its inputs */
+    }
+    CHECK_EQ_INT(bad, 0);
+    free(seen);
+  }
+  /* Different keys (epochs) give different orders; not the identity. */
+  int same = 0, fixed = 0;
+  for (uint64_t i = 0; i < 1000; i++) {
+    same += pm__permute(i, 1000, 1) == pm__permute(i, 1000, 2);
+    fixed += pm__permute(i, 1000, 1) == i;
+  }
+  CHECK(same < 50);
+  CHECK(fixed < 50);
+}
+
+static void test_sampler(void) {
+  pm__sampler_t s;
+  /* Reproducible and new per epoch. */
+  REQUIRE_OK(pm__sampler_init(&s, 100, 10, true, 7, false, 0, 1));
+  CHECK_EQ_SIZE(s.per_rank, 100);
+  CHECK_EQ_SIZE(s.batches, 10);
+  int diff = 0;
+  for (uint64_t i = 0; i < 100; i++)
+    diff += pm__sampler_index(&s, 0, i) != pm__sampler_index(&s, 1, i);
+  CHECK(diff > 50);
+  pm__sampler_t s2;
+  REQUIRE_OK(pm__sampler_init(&s2, 100, 10, true, 7, false, 0, 1));
+  int same = 1;
+  for (uint64_t i = 0; i < 100; i++)
+    same &= pm__sampler_index(&s, 3, i) == pm__sampler_index(&s2, 3, i);
+  CHECK(same);
+  REQUIRE_OK(pm__sampler_init(&s2, 100, 10, true, 8, false, 0, 1));
+  diff = 0;
+  for (uint64_t i = 0; i < 100; i++)
+    diff += pm__sampler_index(&s, 0, i) != pm__sampler_index(&s2, 0, i);
+  CHECK(diff > 50);
+  /* Sequential. */
+  REQUIRE_OK(pm__sampler_init(&s, 10, 4, false, 0, false, 0, 1));
+  CHECK_EQ_SIZE(s.batches, 3);
+  CHECK_EQ_SIZE(pm__sampler_rows(&s, 2), 2);
+  for (uint64_t i = 0; i < 10; i++) CHECK_EQ_SIZE(pm__sampler_index(&s, 5, i), i);
+
+  /* Sharding, divisible: every sample exactly once over the ranks. */
+  for (int shuffle = 0; shuffle < 2; shuffle++) {
+    int count[120] = {0};
+    for (int r = 0; r < 4; r++) {
+      REQUIRE_OK(pm__sampler_init(&s, 120, 7, shuffle, 3, false, r, 4));
+      CHECK_EQ_SIZE(s.per_rank, 30);
+      CHECK_EQ_SIZE(s.batches, 5);
+      CHECK_EQ_SIZE(pm__sampler_rows(&s, 4), 2);
+      for (uint64_t i = 0; i < s.per_rank; i++) count[pm__sampler_index(&s, 2, i)]++;
+    }
+    int bad = 0;
+    for (int i = 0; i < 120; i++) bad += count[i] != 1;
+    CHECK_EQ_INT(bad, 0);
+  }
+  /* Not divisible: padded with the start of the order (as DistributedSampler). */
+  {
+    int count[10] = {0};
+    uint64_t order0 = 0, order1 = 0;
+    for (int r = 0; r < 4; r++) {
+      REQUIRE_OK(pm__sampler_init(&s, 10, 2, true, 9, false, r, 4));
+      CHECK_EQ_SIZE(s.per_rank, 3);
+      CHECK_EQ_SIZE(s.batches, 2);
+      for (uint64_t i = 0; i < s.per_rank; i++) count[pm__sampler_index(&s, 0, i)]++;
+      if (r == 0) order0 = pm__sampler_index(&s, 0, 0);
+      if (r == 1) order1 = pm__sampler_index(&s, 0, 0);
+    }
+    /* positions 10 and 11 (rank 2 and 3, pos 2) repeat positions 0 and 1 */
+    int twice = 0, bad = 0;
+    for (int i = 0; i < 10; i++) {
+      if (count[i] == 2) twice++;
+      if (count[i] < 1 || count[i] > 2) bad++;
+    }
+    CHECK_EQ_INT(bad, 0);
+    CHECK_EQ_INT(twice, 2);
+    CHECK_EQ_INT(count[order0], 2);
+    CHECK_EQ_INT(count[order1], 2);
+    REQUIRE_OK(pm__sampler_init(&s, 10, 2, true, 9, false, 2, 4));
+    CHECK_EQ_SIZE(pm__sampler_index(&s, 0, 2), order0);
+  }
+  /* drop_last: cut to a multiple of the world, partial batches dropped, nothing twice. */
+  {
+    int count[10] = {0};
+    for (int r = 0; r < 4; r++) {
+      REQUIRE_OK(pm__sampler_init(&s, 10, 2, true, 9, true, r, 4));
+      CHECK_EQ_SIZE(s.per_rank, 2);
+      CHECK_EQ_SIZE(s.batches, 1);
+      for (uint64_t i = 0; i < s.per_rank; i++) count[pm__sampler_index(&s, 0, i)]++;
+    }
+    int total = 0, bad = 0;
+    for (int i = 0; i < 10; i++) {
+      total += count[i];
+      bad += count[i] > 1;
+    }
+    CHECK_EQ_INT(total, 8);
+    CHECK_EQ_INT(bad, 0);
+    REQUIRE_OK(pm__sampler_init(&s, 100, 8, false, 0, true, 0, 1));
+    CHECK_EQ_SIZE(s.batches, 12);
+    CHECK_EQ_SIZE(pm__sampler_rows(&s, 11), 8);
+  }
+  /* Nothing to deliver, bad ranks. */
+  CHECK_ERR_MSG(pm__sampler_init(&s, 3, 1, false, 0, true, 0, 4), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm__sampler_init(&s, 10, 11, false, 0, true, 0, 1), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm__sampler_init(&s, 10, 2, false, 0, false, 4, 4), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm__sampler_init(&s, 10, 2, false, 0, false, -1, 4), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm__sampler_init(&s, 0, 2, false, 0, false, 0, 1), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm__sampler_init(&s, 10, 0, false, 0, false, 0, 1), PM_ERR_INVALID);
+  /* More ranks than samples without drop_last: everyone still gets one. */
+  REQUIRE_OK(pm__sampler_init(&s, 3, 1, false, 0, false, 3, 4));
+  CHECK_EQ_SIZE(s.per_rank, 1);
+  CHECK_EQ_SIZE(pm__sampler_index(&s, 0, 0), 0);
+}
+
+/* ---- end to end ---------------------------------------------------------------------------- */
+
+/* The CI target: 3 epochs, shuffled, 2 ranks x 2 workers, each sample exactly once per epoch
+ * over the ranks, every byte checked. Then the same with padding (n not divisible). */
+static void test_ranks(pm_delivery_t delivery, uint64_t n) {
+  const size_t size = 777, batch = 16;
+  const int epochs = g_small ? 2 : 3, world = 2;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, n, size);
+  pm_loader_t *ld[2];
+  pm_stream_t st[2];
+  for (int r = 0; r < world; r++) {
+    pm_loader_config_t c = base_config(batch);
+    c.shuffle = 1;
+    c.seed = 1234;
+    c.rank = r;
+    c.world_size = world;
+    c.workers = 2;
+    c.epochs = (uint64_t)epochs;
+    c.delivery = delivery;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld[r]));
+    REQUIRE_OK(pm_stream_create(&st[r]));
+  }
+  pm_loader_stats_t s0;
+  CHECK_OK(pm_loader_get_stats(ld[0], &s0));
+  uint64_t per_rank = (n + world - 1) / world;
+  CHECK_EQ_SIZE(s0.samples_per_epoch, per_rank);
+  CHECK_EQ_SIZE(s0.batches_per_epoch, (per_rank + batch - 1) / batch);
+  CHECK_EQ_INT(s0.workers, 2);
+  CHECK_EQ_INT(s0.prefetch, 3);
+  CHECK_EQ_SIZE(s0.device_bytes, delivery == PM_DELIVER_DEVICE ? 3 * batch * size : 0);
+
+  int *count = calloc(n, sizeof *count);
+  REQUIRE(count != NULL);
+  uint64_t first_order[2] = {UINT64_MAX, UINT64_MAX};
+  int diff_epochs = 0;
+  for (int e = 0; e < epochs; e++) {
+    memset(count, 0, n * sizeof *count);
+    for (uint64_t bi = 0; bi < s0.batches_per_epoch; bi++) {
+      for (int r = 0; r < world; r++) {
+        pm_batch_t b;
+        REQUIRE_OK(pm_loader_next(ld[r], &b));
+        CHECK_EQ_SIZE(b.epoch, (uint64_t)e);
+        CHECK_EQ_SIZE(b.index, bi);
+        CHECK_OK(pm_batch_wait_stream(&b, st[r]));
+        check_batch(&b, size, delivery == PM_DELIVER_DEVICE);
+        for (size_t i = 0; i < b.samples; i++) count[b.indices[i]]++;
+        if (bi == 0 && r == 0) {
+          if (e == 0) first_order[0] = b.indices[0] * n + b.indices[1];
+          if (e == 1) first_order[1] = b.indices[0] * n + b.indices[1];
+        }
+        CHECK_OK(pm_batch_release(&b, st[r]));
+      }
+    }
+    int bad = 0, twice = 0;
+    for (uint64_t i = 0; i < n; i++) {
+      if (count[i] < 1 || count[i] > 2) bad++;
+      twice += count[i] == 2;
+    }
+    CHECK_EQ_INT(bad, 0);
+    CHECK_EQ_INT(twice, (int)(per_rank * world - n));
+  }
+  diff_epochs = first_order[0] != first_order[1];
+  CHECK(diff_epochs);
+  for (int r = 0; r < world; r++) {
+    pm_batch_t b;
+    CHECK_ERR_MSG(pm_loader_next(ld[r], &b), PM_ERR_STATE); /* end of data, every time */
+    CHECK_ST(pm_loader_next(ld[r], &b), PM_ERR_STATE);
+    pm_loader_stats_t s;
+    CHECK_OK(pm_loader_get_stats(ld[r], &s));
+    CHECK_EQ_SIZE(s.batches, s0.batches_per_epoch * (uint64_t)epochs);
+    CHECK_EQ_SIZE(s.samples, per_rank * (uint64_t)epochs);
+    CHECK_EQ_SIZE(s.bytes, per_rank * (uint64_t)epochs * size);
+    pm_loader_state_t ls;
+    CHECK_OK(pm_loader_state(ld[r], &ls));
+    CHECK_EQ_SIZE(ls.epoch, (uint64_t)epochs);
+    CHECK_EQ_SIZE(ls.batch, 0);
+    CHECK_OK(pm_stream_synchronize(st[r]));
+    CHECK_OK(pm_loader_destroy(ld[r]));
+    CHECK_OK(pm_stream_destroy(st[r]));
+  }
+  /* Every sample was read from the callback exactly as often as it was delivered. */
+  CHECK_EQ_INT(atomic_load(&p.reads), (long)(per_rank * world * (uint64_t)epochs));
+  free(count);
+  CHECK_OK(pm_dataset_destroy(ds));
+  CHECK_EQ_INT(atomic_load(&p.destroyed), 1);
+}
+
+/* Collect the delivered index sequence of a loader (from its current position to the end). */
+static size_t drain(pm_loader_t *ld, uint64_t *out, size_t max, size_t size, bool device) {
+  size_t k = 0;
+  pm_batch_t b;
+  pm_status_t st;
+  while ((st = pm_loader_next(ld, &b)) == PM_OK) {
+    check_batch(&b, size, device);
+    for (size_t i = 0; i < b.samples && k < max; i++) out[k++] = b.indices[i];
+    CHECK_OK(pm_batch_release(&b, NULL));
+  }
+  CHECK_ST(st, PM_ERR_STATE);
+  return k;
+}
+
+static void test_resume(void) {
+  const size_t size = 100, batch = 8;
+  const uint64_t n = 203, epochs = 3;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, n, size);
+  pm_loader_config_t c = base_config(batch);
+  c.shuffle = 1;
+  c.seed = 99;
+  c.epochs = epochs;
+  size_t max = (size_t)(n * epochs);
+  uint64_t *all = calloc(max, sizeof *all), *rest = calloc(max, sizeof *rest);
+  REQUIRE(all && rest);
+
+  pm_loader_t *ld;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  size_t total = drain(ld, all, max, size, true);
+  CHECK_EQ_SIZE(total, max);
+  CHECK_OK(pm_loader_destroy(ld));
+
+  /* Stop mid-epoch 1 (with batches still in flight), save, resume: exactly the rest. */
+  uint64_t bpe = (n + batch - 1) / batch, stop_after = bpe + 5;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  size_t k = 0;
+  for (uint64_t i = 0; i < stop_after; i++) {
+    pm_batch_t b;
+    REQUIRE_OK(pm_loader_next(ld, &b));
+    k += b.samples;
+    CHECK_OK(pm_batch_release(&b, NULL));
+  }
+  pm_loader_state_t state;
+  CHECK_OK(pm_loader_state(ld, &state));
+  CHECK_EQ_SIZE(state.epoch, 1);
+  CHECK_EQ_SIZE(state.batch, 5);
+  CHECK_EQ_INT(state.magic, PM_LOADER_STATE_MAGIC);
+  CHECK_OK(pm_loader_destroy(ld));
+
+  c.resume = &state;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  size_t got = drain(ld, rest, max, size, true);
+  CHECK_EQ_SIZE(k + got, max);
+  CHECK(memcmp(rest, all + k, got * sizeof *rest) == 0);
+  CHECK_OK(pm_loader_destroy(ld));
+
+  /* A state that does not fit the config is refused with the reason. */
+  pm_loader_state_t bad = state;
+  c.resume = &bad;
+  c.seed = 100;
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
+  c.seed = 99;
+  bad.magic = 1;
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
+  bad = state;
+  bad.batch = bpe;
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
+  bad = state;
+  bad.world_size = 2;
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
+  bad = state;
+  bad.samples = n + 1;
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
+  /* A state saved at the very end resumes to "end of data". */
+  bad = state;
+  bad.epoch = epochs;
+  bad.batch = 0;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  CHECK_OK(pm_loader_destroy(ld));
+  c.resume = &bad;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  pm_batch_t b;
+  CHECK_ST(pm_loader_next(ld, &b), PM_ERR_STATE);
+  CHECK_OK(pm_loader_destroy(ld));
+
+  free(all);
+  free(rest);
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+/* Host delivery, pageable slots, drop_last, a partial last batch, odd sizes. */
+static void test_modes(void) {
+  const size_t size = 1001;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 50, size);
+  for (int mode = 0; mode < 4; mode++) {
+    pm_loader_config_t c = base_config(7);
+    c.delivery = mode == 1 ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
+    c.pin_memory = mode == 2 ? 0 : 1;
+    c.drop_last = mode == 3;
+    c.workers = mode + 1;
+    c.prefetch = mode + 1;
+    c.epochs = 2;
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+    uint64_t seq[200];
+    size_t k = drain(ld, seq, 200, size, c.delivery == PM_DELIVER_DEVICE);
+    CHECK_EQ_SIZE(k, mode == 3 ? 2 * 49 : 2 * 50);
+    int bad = 0;
+    for (size_t i = 0; i < k; i++) bad += seq[i] != i % (mode == 3 ? 49 : 50);
+    CHECK_EQ_INT(bad, 0);
+    pm_loader_stats_t s;
+    CHECK_OK(pm_loader_get_stats(ld, &s));
+    CHECK_EQ_SIZE(s.batches_per_epoch, mode == 3 ? 7 : 8);
+    CHECK_EQ_SIZE(s.slot_bytes, 7 * size);
+    CHECK_EQ_SIZE(s.host_bytes, (size_t)(mode + 1) * 7 * size);
+    CHECK_EQ_SIZE(s.device_bytes, mode == 1 ? 0 : (size_t)(mode + 1) * 7 * size);
+    CHECK_EQ_SIZE(s.batches, 2 * s.batches_per_epoch);
+    CHECK(s.stall_seconds >= 0 && s.next_seconds >= s.stall_seconds * 0.999);
+    CHECK_OK(pm_loader_destroy(ld));
+  }
+  /* The last batch of an epoch is partial, and says so in its shape. */
+  pm_loader_config_t c = base_config(16);
+  pm_loader_t *ld;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  pm_batch_t b;
+  for (int i = 0; i < 4; i++) {
+    REQUIRE_OK(pm_loader_next(ld, &b));
+    CHECK_EQ_SIZE(b.samples, i < 3 ? 16 : 2);
+    CHECK_EQ_SIZE(b.shape[0], b.samples);
+    CHECK_EQ_INT(b.ndim, 2);
+    CHECK_EQ_SIZE(b.shape[1], size);
+    CHECK_EQ_INT(b.dtype, PM_DTYPE_OTHER);
+    CHECK_OK(pm_batch_release(&b, NULL));
+  }
+  CHECK_ST(pm_loader_next(ld, &b), PM_ERR_STATE);
+  CHECK_OK(pm_loader_destroy(ld));
+  /* Endless (epochs 0): runs on past the first epochs. */
+  c.epochs = 0;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  for (int i = 0; i < 13; i++) {
+    REQUIRE_OK(pm_loader_next(ld, &b));
+    CHECK_EQ_SIZE(b.epoch, (uint64_t)i / 4);
+    CHECK_OK(pm_batch_release(&b, NULL));
+  }
+  CHECK_OK(pm_loader_destroy(ld));
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+/* A read fails at sample k: the whole batches before it arrive, then its batch reports the
+ * error (never a short batch), on every later call too, and the state points at it. */
+static void test_read_error(void) {
+  const size_t size = 64, batch = 10;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 100, size);
+  for (int variant = 0; variant < 3; variant++) {
+    p.fail_at = variant == 2 ? 0 : 37;
+    p.fail_rc = variant == 1 ? (int)PM_ERR_FORMAT : 5;
+    pm_loader_config_t c = base_config(batch);
+    c.workers = 3;
+    c.prefetch = 4;
+    c.delivery = variant == 1 ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+    pm_batch_t b;
+    uint64_t fail_batch = (uint64_t)p.fail_at / batch;
+    for (uint64_t i = 0; i < fail_batch; i++) {
+      REQUIRE_OK(pm_loader_next(ld, &b));
+      CHECK_EQ_SIZE(b.samples, batch);
+      check_batch(&b, size, c.delivery == PM_DELIVER_DEVICE);
+      CHECK_OK(pm_batch_release(&b, NULL));
+    }
+    pm_status_t want = variant == 1 ? PM_ERR_FORMAT : PM_ERR_IO;
+    memset(&b, 0x5a, sizeof b);
+    CHECK_ERR_MSG(pm_loader_next(ld, &b), want);
+    CHECK(strstr(pm_last_error(), variant == 2 ? "sample 0 " : "sample 37 ") != NULL);
+    CHECK_EQ_INT(b.samples, 0x5a5a5a5a5a5a5a5a); /* output untouched */
+    CHECK_ERR_MSG(pm_loader_next(ld, &b), want);
+    pm_loader_state_t s;
+    CHECK_OK(pm_loader_state(ld, &s));
+    CHECK_EQ_SIZE(s.batch, fail_batch);
+    CHECK_OK(pm_loader_destroy(ld));
+  }
+  p.fail_at = -1;
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+/* Injected backend faults in the copy stage: the batch reports PM_ERR_BACKEND. */
+static void test_copy_fault(void) {
+  const size_t size = 128;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 40, size);
+  for (int pinned = 0; pinned < 2; pinned++) {
+    pm_loader_config_t c = base_config(4);
+    c.pin_memory = pinned;
+    c.workers = 1;
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+    pm_batch_t b;
+    REQUIRE_OK(pm_loader_next(ld, &b)); /* with pinned slots, 3 copies may be queued already */
+    CHECK_OK(pm_batch_release(&b, NULL));
+    REQUIRE_OK(pm__fault_set(PM__FAULT_MEMCPY, 1, 0));
+    pm_status_t st = PM_OK;
+    int delivered = 0;
+    while ((st = pm_loader_next(ld, &b)) == PM_OK) {
+      /* (the host slot only: a D2H check would count as a copy for the fault) */
+      for (size_t r = 0; r < b.samples; r++)
+        CHECK(row_ok((const unsigned char *)b.host_inputs + r * size, size, b.indices[r]));
+      CHECK_OK(pm_batch_release(&b, NULL));
+      delivered++;
+    }
+    CHECK_ST(st, PM_ERR_BACKEND);
+    CHECK(strstr(pm_last_error(), "injected") != NULL);
+    CHECK(delivered <= 3);
+    pm__fault_reset();
+    CHECK_ST(pm_loader_next(ld, &b), PM_ERR_BACKEND); /* sticky */
+    CHECK_OK(pm_loader_destroy(ld));
+  }
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+/* The caller holds slots; bad input; dataset in use. */
+static void test_misuse(void) {
+  const size_t size = 32;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 100, size);
+  pm_loader_config_t c = base_config(5);
+  c.prefetch = 2;
+  pm_loader_t *ld;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  pm_batch_t b0, b1, b2;
+  REQUIRE_OK(pm_loader_next(ld, &b0));
+  REQUIRE_OK(pm_loader_next(ld, &b1));
+  CHECK_ERR_MSG(pm_loader_next(ld, &b2), PM_ERR_BUSY); /* both slots held */
+  CHECK_OK(pm_batch_release(&b1, NULL));
+  CHECK_ERR_MSG(pm_loader_next(ld, &b2), PM_ERR_BUSY); /* batch 2 needs batch 0's slot */
+  pm_batch_t copy = b0;
+  CHECK_OK(pm_batch_release(&b0, NULL));
+  CHECK_ERR_MSG(pm_batch_release(&b0, NULL), PM_ERR_INVALID);   /* cleared */
+  CHECK_ERR_MSG(pm_batch_release(&copy, NULL), PM_ERR_INVALID); /* not held any more */
+  CHECK_ERR_MSG(pm_batch_wait_stream(&b0, NULL), PM_ERR_INVALID);
+  REQUIRE_OK(pm_loader_next(ld, &b2));
+  CHECK_EQ_SIZE(b2.index, 2);
+  check_batch(&b2, size, true);
+  CHECK_ERR_MSG(pm_dataset_destroy(ds), PM_ERR_BUSY);
+  CHECK_ERR_MSG(pm_batch_release(NULL, NULL), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_next(ld, NULL), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_next(NULL, &b0), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_state(ld, NULL), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_get_stats(NULL, NULL), PM_ERR_INVALID);
+  CHECK_OK(pm_batch_release(&b2, NULL));
+  CHECK_OK(pm_loader_destroy(ld));
+  CHECK_ERR_MSG(pm_loader_destroy(NULL), PM_ERR_INVALID);
+
+  /* Configs. */
+  pm_loader_t *x = NULL;
+  c = base_config(0);
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &x), PM_ERR_INVALID);
+  c = base_config(5);
+  c.rank = 2;
+  c.world_size = 2;
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &x), PM_ERR_INVALID);
+  c = base_config(5);
+  c.workers = -1;
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &x), PM_ERR_INVALID);
+  c = base_config(5);
+  c.slot_bytes = 5 * size - 1; /* a batch does not fit the slot */
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &x), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "slot_bytes") != NULL);
+  c.slot_bytes = 8 * size;
+  REQUIRE_OK(pm_loader_create(ds, &c, &x));
+  pm_loader_stats_t s;
+  CHECK_OK(pm_loader_get_stats(x, &s));
+  CHECK_EQ_SIZE(s.slot_bytes, 8 * size);
+  CHECK_OK(pm_loader_destroy(x));
+  c = base_config(200);
+  c.drop_last = 1; /* no whole batch */
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &x), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_create(NULL, &c, &x), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_create(ds, NULL, &x), PM_ERR_INVALID);
+  CHECK(x == NULL || 1);
+
+  /* RANK / WORLD_SIZE from the environment. */
+  c = base_config(5);
+  c.rank = -1;
+  c.world_size = -1;
+  setenv("WORLD_SIZE", "4", 1);
+  setenv("RANK", "3", 1);
+  REQUIRE_OK(pm_loader_create(ds, &c, &x));
+  pm_loader_state_t ls;
+  CHECK_OK(pm_loader_state(x, &ls));
+  CHECK_EQ_INT(ls.rank, 3);
+  CHECK_EQ_INT(ls.world_size, 4);
+  CHECK_OK(pm_loader_get_stats(x, &s));
+  CHECK_EQ_SIZE(s.samples_per_epoch, 25);
+  CHECK_OK(pm_loader_destroy(x));
+  setenv("RANK", "x1", 1);
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &x), PM_ERR_CONFIG);
+  setenv("RANK", "4", 1);
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &x), PM_ERR_INVALID);
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+
+  /* Callback dataset checks. */
+  pm_dataset_callbacks_t cb;
+  memset(&cb, 0, sizeof cb);
+  pm_dataset_t *d2;
+  CHECK_ERR_MSG(pm_dataset_create(&cb, &d2), PM_ERR_INVALID);
+  cb.read = pat_read;
+  cb.samples = 10;
+  CHECK_ERR_MSG(pm_dataset_create(&cb, &d2), PM_ERR_INVALID); /* sample_bytes 0 */
+  cb.sample_bytes = 10;
+  cb.dtype = PM_DTYPE_FLOAT32;
+  CHECK_ERR_MSG(pm_dataset_create(&cb, &d2), PM_ERR_INVALID); /* not whole floats */
+  cb.sample_bytes = 24;
+  cb.ndim = 2;
+  cb.shape[0] = 2;
+  cb.shape[1] = 4;
+  CHECK_ERR_MSG(pm_dataset_create(&cb, &d2), PM_ERR_INVALID); /* 32 bytes */
+  cb.shape[1] = 3;
+  REQUIRE_OK(pm_dataset_create(&cb, &d2));
+  pm_dataset_info_t in;
+  CHECK_OK(pm_dataset_get_info(d2, &in));
+  CHECK_EQ_INT(in.ndim, 2);
+  CHECK_EQ_SIZE(in.itemsize, 4);
+  CHECK(strcmp(in.descr, "<f4") == 0);
+  CHECK_ERR_MSG(pm_dataset_read_sample(d2, 0, 10, &s, NULL), PM_ERR_INVALID);
+  CHECK_OK(pm_dataset_destroy(d2));
+  CHECK_ERR_MSG(pm_dataset_destroy(NULL), PM_ERR_INVALID);
+  CHECK(strcmp(pm_dtype_name(PM_DTYPE_UINT16), "uint16") == 0);
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+/* Destroy while workers are busy, while a batch is held, before any next(). */
+static void test_destroy_midway(void) {
+  const size_t size = 256;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 400, size);
+  p.sleep_us = 200;
+  for (int variant = 0; variant < 4; variant++) {
+    pm_loader_config_t c = base_config(8);
+    c.workers = 3;
+    c.prefetch = 4;
+    c.shuffle = 1;
+    c.delivery = variant == 3 ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
+    c.pin_memory = variant != 2;
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+    pm_batch_t b;
+    if (variant >= 1) {
+      REQUIRE_OK(pm_loader_next(ld, &b));
+      check_batch(&b, size, c.delivery == PM_DELIVER_DEVICE);
+      if (variant == 1) CHECK_OK(pm_batch_release(&b, NULL));
+    }
+    CHECK_OK(pm_loader_destroy(ld)); /* variant 2, 3: a batch still held */
+  }
+  long reads = atomic_load(&p.reads);
+  CHECK(reads < 4 * 400); /* stopped early, not after reading everything */
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+int main(void) {
+  const char *small = getenv("PINMEM_TEST_SMALL");
+  g_small = small && small[0] == '1';
+  pm_test_init();
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+  test_permute();
+  test_sampler();
+  test_ranks(PM_DELIVER_DEVICE, 320);
+  test_ranks(PM_DELIVER_HOST, 317);
+  test_ranks(PM_DELIVER_DEVICE, g_small ? 61 : 251);
+  test_resume();
+  test_modes();
+  test_read_error();
+  test_copy_fault();
+  test_misuse();
+  test_destroy_midway();
+  CHECK_OK(pm_finalize());
+  return pm_test_finish("test_loader");
+}

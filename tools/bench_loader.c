@@ -1,0 +1,1045 @@
+/*
+ * `pinmem bench loader`: what pinmem's data loader delivers to the device in a training loop.
+ *
+ * Data: with no --data/--tokens, two synthetic files written to a temporary folder (removed at
+ * exit): an .npy of 3x224x224 uint8 images (150 KB samples, the issue's case; 8192 of them on
+ * the cuda backend, 512 on the host backend) and a raw uint16 token file (nanoGPT layout). With
+ * --data the given .npy file(s), with --tokens FILE --seq-len N a token file. Before the runs
+ * the files are read once, so they are in the page cache.
+ *
+ * The loop (per rank, --world N simulates N ranks with N loaders in one process, taken in turn):
+ * pm_loader_next, pm_batch_wait_stream on the rank's consumer stream, a busy kernel of --busy
+ * seconds on that stream (the stand-in for the training step), pm_batch_release. With a kernel,
+ * each step ends with a synchronisation of the consumer streams, as a training loop's
+ * loss.item() does: otherwise the host would run ahead of the device and time spent waiting
+ * in pm_loader_next would hide behind queued kernels instead of being the device's idle time.
+ * Without a kernel (the throughput cases) the consumer just takes batches and its streams wait
+ * for them. The clock starts when every rank has its first batch (pipeline start-up excluded;
+ * those batches are not counted) and stops after the final synchronisation. Reported: GB/s
+ * delivered (inputs + targets), batches/s, the consumer's stall (time inside pm_loader_next
+ * waiting for data, from the loader's stats, start-up excluded) as seconds, per batch and as a
+ * share of the run; with a kernel also the device's idle time between the end of one step's
+ * kernel and the moment the next batch was on the device (timing events: it includes the
+ * host's own step overhead and any copy the stream had to wait for); and the latency of
+ * pm_loader_next calls whose batch was ready. Each case runs --repeat times; the median run is
+ * reported.
+ *
+ * Cases: images (or the --data file) with pin_memory on ("pinned") and off ("pageable": slots
+ * in pageable memory and a plain copy inside pm_loader_next, as DataLoader(pin_memory=False) +
+ * .to(device)); "pinned_compute": pinned, with a busy kernel 1.5x the measured device time of
+ * one batch copy, so compute is the bottleneck and the loader must hide entirely; tokens
+ * (batch 64 x seq_len 1024 by default) pinned with a 5 ms step.
+ *
+ * Checks, always: every sample index is delivered the expected number of times per epoch over
+ * all ranks (exactly once when the ranks divide the dataset, else at least once, with the
+ * padding total), and the first batch of each rank (outside the timed part) is copied back
+ * from the device and checked sample by sample against checksums of the source. --verify checks
+ * every delivered batch that way (inside the timed loop, so its speed figures are not the
+ * loader's). Synthetic images are checked against checksums taken when they were generated;
+ * other samples against pm_dataset_read_sample of the same file, and token targets against
+ * their inputs shifted by one. A failed check makes "verified" false and the exit status 1.
+ *
+ * TARGET lines (text mode; on stderr with --json) compare with the issue's targets; speed
+ * targets apply to the cuda backend.
+ */
+#include "bench_loader.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "internal.h"
+
+#define KB 1000.0
+#define IMG_C 3
+#define IMG_H 224
+#define IMG_W 224
+#define IMG_BYTES ((size_t)IMG_C * IMG_H * IMG_W)
+
+/* The issue's targets. */
+#define T_IMG_GBPS 40.0
+#define T_TOKEN_STALL_FRACTION 0.01 /* of a step */
+#define T_TOKEN_NEXT_US 20.0
+#define T_COMPUTE_STALL_FRACTION 0.02 /* of the run */
+
+/* ---- options ---------------------------------------------------------------------------- */
+
+typedef struct lopts {
+  bool json, verify, shuffle, help;
+  const char *data;   /* comma list of .npy files */
+  const char *tokens; /* token file */
+  size_t seq_len;
+  int token_bytes;
+  size_t batch, token_batch;
+  int workers, prefetch, world, repeat;
+  uint64_t epochs, samples, windows, seed;
+  double busy, token_busy; /* < 0: default */
+  int pin;                 /* 1 on, 0 off, 2 both */
+  pm_io_mode_t io;
+  pm_delivery_t delivery;
+} lopts_t;
+
+static const char *usage_text =
+    "usage: pinmem bench loader [options]\n"
+    "  (no data option)       synthetic 3x224x224 uint8 images (.npy) and a uint16 token file,\n"
+    "                         in a temporary folder removed at exit\n"
+    "  --data FILE[,FILE..]   .npy file(s) instead (samples along axis 0)\n"
+    "  --tokens FILE          a raw token file (nanoGPT train.bin) instead; needs --seq-len\n"
+    "  --seq-len N            tokens per sample (default 1024 for the synthetic tokens)\n"
+    "  --token-bytes 2|4      uint16 (default) or uint32 tokens\n"
+    "  --batch N              samples per batch (default 256; tokens: 64)\n"
+    "  --workers N            reader threads per loader (default: option loader_workers)\n"
+    "  --prefetch N           batch slots per loader (default: option loader_prefetch)\n"
+    "  --epochs N             epochs per run (default 5 on cuda, 2 on host)\n"
+    "  --samples N            synthetic images (default 8192 on cuda, 512 on host)\n"
+    "  --windows N            token windows per epoch (default 200 batches' worth)\n"
+    "  --busy SECONDS         busy kernel per batch for images/--data (default 0);\n"
+    "                         the pinned_compute case uses 1.5x the measured copy time\n"
+    "  --token-busy SECONDS   busy kernel per token batch (default 0.005)\n"
+    "  --world N              simulate N ranks (N loaders) in one process (default 1)\n"
+    "  --pin on|off|both      pin_memory cases to run (default both)\n"
+    "  --io pread|mmap|direct how the files are read (default pread)\n"
+    "  --delivery device|host batches in device buffers (default) or host slots only\n"
+    "  --no-shuffle           sequential order (default: shuffled)\n"
+    "  --seed N               shuffle / window seed (default 1)\n"
+    "  --repeat N             runs per case, median reported (default 3 on cuda, 1 on host)\n"
+    "  --verify               check every delivered sample (slower: the speed is not the "
+    "loader's)\n"
+    "  --json                 one JSON object per line\n";
+
+static int lusage(const char *fmt, const char *arg) {
+  fprintf(stderr, "pinmem: ");
+  fprintf(stderr, fmt, arg);
+  fprintf(stderr, "\n%s", usage_text);
+  return CLI_EXIT_USAGE;
+}
+
+static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
+  char *end;
+  errno = 0;
+  if (!s[0] || s[0] == '-') return false;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno || *end || v < lo || v > hi) return false;
+  *out = v;
+  return true;
+}
+
+static bool parse_secs(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno || end == s || *end || !isfinite(v) || v < 0 || v > 3600) return false;
+  *out = v;
+  return true;
+}
+
+static int parse_args(int argc, char **argv, lopts_t *o) {
+  memset(o, 0, sizeof *o);
+  o->shuffle = true;
+  o->seed = 1;
+  o->busy = o->token_busy = -1;
+  o->pin = 2;
+  o->token_bytes = 2;
+  o->io = PM_IO_PREAD;
+  o->delivery = PM_DELIVER_DEVICE;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (!strcmp(a, "--json")) {
+      o->json = true;
+      continue;
+    }
+    if (!strcmp(a, "--verify")) {
+      o->verify = true;
+      continue;
+    }
+    if (!strcmp(a, "--no-shuffle")) {
+      o->shuffle = false;
+      continue;
+    }
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      o->help = true;
+      continue;
+    }
+    if (strncmp(a, "--", 2) != 0) return lusage("unexpected argument '%s'", a);
+    const char *eq = strchr(a, '=');
+    char name[32];
+    size_t nl = eq ? (size_t)(eq - a) : strlen(a);
+    if (nl >= sizeof name) return lusage("unknown option '%s'", a);
+    memcpy(name, a, nl);
+    name[nl] = '\0';
+    static const char *known[] = {
+        "--data",     "--tokens", "--seq-len",    "--token-bytes", "--batch", "--workers",
+        "--prefetch", "--epochs", "--samples",    "--windows",     "--seed",  "--world",
+        "--repeat",   "--busy",   "--token-busy", "--pin",         "--io",    "--delivery"};
+    bool is_known = false;
+    for (size_t k = 0; k < sizeof known / sizeof known[0]; k++) is_known |= !strcmp(name, known[k]);
+    if (!is_known) return lusage("unknown option '%s'", a);
+    const char *v;
+    if (eq) {
+      v = eq + 1;
+    } else {
+      if (i + 1 >= argc) return lusage("%s needs a value", a);
+      v = argv[++i];
+    }
+    uint64_t u;
+    if (!strcmp(name, "--data")) {
+      o->data = v;
+    } else if (!strcmp(name, "--tokens")) {
+      o->tokens = v;
+    } else if (!strcmp(name, "--seq-len")) {
+      if (!parse_u64(v, 1, 1u << 24, &u)) return lusage("--seq-len: bad value '%s'", v);
+      o->seq_len = (size_t)u;
+    } else if (!strcmp(name, "--token-bytes")) {
+      if (!parse_u64(v, 2, 4, &u) || u == 3) return lusage("--token-bytes: 2 or 4, not '%s'", v);
+      o->token_bytes = (int)u;
+    } else if (!strcmp(name, "--batch")) {
+      if (!parse_u64(v, 1, 1u << 24, &u)) return lusage("--batch: bad value '%s'", v);
+      o->batch = o->token_batch = (size_t)u;
+    } else if (!strcmp(name, "--workers")) {
+      if (!parse_u64(v, 0, 256, &u)) return lusage("--workers: 0..256, not '%s'", v);
+      o->workers = (int)u;
+    } else if (!strcmp(name, "--prefetch")) {
+      if (!parse_u64(v, 0, 4096, &u)) return lusage("--prefetch: 0..4096, not '%s'", v);
+      o->prefetch = (int)u;
+    } else if (!strcmp(name, "--epochs")) {
+      if (!parse_u64(v, 1, 1000000, &u)) return lusage("--epochs: bad value '%s'", v);
+      o->epochs = u;
+    } else if (!strcmp(name, "--samples")) {
+      if (!parse_u64(v, 1, (uint64_t)1 << 32, &u)) return lusage("--samples: bad value '%s'", v);
+      o->samples = u;
+    } else if (!strcmp(name, "--windows")) {
+      if (!parse_u64(v, 1, (uint64_t)1 << 40, &u)) return lusage("--windows: bad value '%s'", v);
+      o->windows = u;
+    } else if (!strcmp(name, "--seed")) {
+      if (!parse_u64(v, 0, UINT64_MAX, &u)) return lusage("--seed: bad value '%s'", v);
+      o->seed = u;
+    } else if (!strcmp(name, "--world")) {
+      if (!parse_u64(v, 1, 64, &u)) return lusage("--world: 1..64, not '%s'", v);
+      o->world = (int)u;
+    } else if (!strcmp(name, "--repeat")) {
+      if (!parse_u64(v, 1, 1000, &u)) return lusage("--repeat: 1..1000, not '%s'", v);
+      o->repeat = (int)u;
+    } else if (!strcmp(name, "--busy")) {
+      if (!parse_secs(v, &o->busy)) return lusage("--busy: seconds from 0 to 3600, not '%s'", v);
+    } else if (!strcmp(name, "--token-busy")) {
+      if (!parse_secs(v, &o->token_busy))
+        return lusage("--token-busy: seconds from 0 to 3600, not '%s'", v);
+    } else if (!strcmp(name, "--pin")) {
+      if (!strcmp(v, "on"))
+        o->pin = 1;
+      else if (!strcmp(v, "off"))
+        o->pin = 0;
+      else if (!strcmp(v, "both"))
+        o->pin = 2;
+      else
+        return lusage("--pin: on, off or both, not '%s'", v);
+    } else if (!strcmp(name, "--io")) {
+      if (!strcmp(v, "pread"))
+        o->io = PM_IO_PREAD;
+      else if (!strcmp(v, "mmap"))
+        o->io = PM_IO_MMAP;
+      else if (!strcmp(v, "direct"))
+        o->io = PM_IO_DIRECT;
+      else
+        return lusage("--io: pread, mmap or direct, not '%s'", v);
+    } else if (!strcmp(name, "--delivery")) {
+      if (!strcmp(v, "device"))
+        o->delivery = PM_DELIVER_DEVICE;
+      else if (!strcmp(v, "host"))
+        o->delivery = PM_DELIVER_HOST;
+      else
+        return lusage("--delivery: device or host, not '%s'", v);
+    } else {
+      return lusage("unknown option '%s'", a);
+    }
+  }
+  if (o->data && o->tokens) return lusage("%s", "--data and --tokens exclude each other");
+  if (o->tokens && !o->seq_len) return lusage("%s", "--tokens needs --seq-len");
+  if (o->seq_len && !o->tokens && o->data)
+    return lusage("%s", "--seq-len belongs to --tokens (or the synthetic tokens)");
+  return 0;
+}
+
+/* ---- checksums and synthetic data ------------------------------------------------------- */
+
+static uint64_t hash_bytes(const void *p, size_t n) {
+  const unsigned char *b = p;
+  uint64_t h = 0x243F6A8885A308D3ull ^ n;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    memcpy(&w, b + i, 8);
+    h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+  }
+  uint64_t w = 0;
+  if (i < n) memcpy(&w, b + i, n - i);
+  return pm__mix64(h ^ w);
+}
+
+static void syn_sample(void *dst, size_t n, uint64_t index) {
+  unsigned char *d = dst;
+  uint64_t base = pm__mix64(index * 0x100000001B3ull + 0x5151);
+  size_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t w = pm__mix64(base + j);
+    memcpy(d + j, &w, 8);
+  }
+  if (j < n) {
+    uint64_t w = pm__mix64(base + j);
+    memcpy(d + j, &w, n - j);
+  }
+}
+
+static char g_tmpdir[512];
+
+static void remove_tmpdir(void) {
+  if (!g_tmpdir[0]) return;
+  char p[600];
+  const char *names[] = {"images.npy", "tokens.bin"};
+  for (size_t i = 0; i < 2; i++) {
+    snprintf(p, sizeof p, "%s/%s", g_tmpdir, names[i]);
+    unlink(p);
+  }
+  rmdir(g_tmpdir);
+  g_tmpdir[0] = '\0';
+}
+
+typedef struct gen_job {
+  int fd;
+  uint64_t n, per_chunk;
+  size_t hdr;
+  uint64_t *table;
+  atomic_int failed;
+} gen_job_t;
+
+static void gen_chunk(void *ctx, size_t c) {
+  gen_job_t *g = ctx;
+  uint64_t first = (uint64_t)c * g->per_chunk, cnt = PM__MIN(g->per_chunk, g->n - first);
+  unsigned char *buf = malloc((size_t)cnt * IMG_BYTES);
+  if (!buf) {
+    atomic_store(&g->failed, ENOMEM);
+    return;
+  }
+  for (uint64_t i = 0; i < cnt; i++) {
+    syn_sample(buf + i * IMG_BYTES, IMG_BYTES, first + i);
+    g->table[first + i] = hash_bytes(buf + i * IMG_BYTES, IMG_BYTES);
+  }
+  size_t len = (size_t)cnt * IMG_BYTES, done = 0;
+  off_t off = (off_t)(g->hdr + first * IMG_BYTES);
+  while (done < len) {
+    ssize_t w = pwrite(g->fd, buf + done, len - done, off + (off_t)done);
+    if (w <= 0) {
+      if (w < 0 && errno == EINTR) continue;
+      atomic_store(&g->failed, w < 0 ? errno : EIO);
+      break;
+    }
+    done += (size_t)w;
+  }
+  free(buf);
+}
+
+static int make_tmpdir(void) {
+  if (g_tmpdir[0]) return 0;
+  const char *t = getenv("TMPDIR");
+  snprintf(g_tmpdir, sizeof g_tmpdir, "%s/pinmem-loader.XXXXXX", t && t[0] ? t : "/tmp");
+  if (!mkdtemp(g_tmpdir)) {
+    fprintf(stderr, "pinmem: mkdtemp(%s): %s\n", g_tmpdir, strerror(errno));
+    g_tmpdir[0] = '\0';
+    return -1;
+  }
+  atexit(remove_tmpdir);
+  return 0;
+}
+
+/* images.npy with n samples; table[i] = checksum of sample i. 0 or -1 (message printed). */
+static int gen_images(uint64_t n, char *path, size_t plen, uint64_t *table) {
+  if (make_tmpdir()) return -1;
+  snprintf(path, plen, "%s/images.npy", g_tmpdir);
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    fprintf(stderr, "pinmem: creating %s: %s\n", path, strerror(errno));
+    return -1;
+  }
+  char hdr[128];
+  memset(hdr, ' ', sizeof hdr);
+  memcpy(hdr, "\x93NUMPY\x01\x00", 8);
+  hdr[8] = (char)(sizeof hdr - 10);
+  hdr[9] = 0;
+  int k = snprintf(hdr + 10, sizeof hdr - 10,
+                   "{'descr': '|u1', 'fortran_order': False, 'shape': (%llu, %d, %d, %d), }",
+                   (unsigned long long)n, IMG_C, IMG_H, IMG_W);
+  hdr[10 + k] = ' ';
+  hdr[sizeof hdr - 1] = '\n';
+  gen_job_t g = {fd, n, 64, sizeof hdr, table, 0};
+  bool ok = pwrite(fd, hdr, sizeof hdr, 0) == (ssize_t)sizeof hdr;
+  if (ok) {
+    pm__parallel_for(pm__cpu_count(), (size_t)((n + g.per_chunk - 1) / g.per_chunk), gen_chunk, &g);
+    ok = atomic_load(&g.failed) == 0;
+  }
+  int e = ok ? 0 : atomic_load(&g.failed) ? atomic_load(&g.failed) : errno;
+  if (close(fd) != 0 && ok) {
+    ok = false;
+    e = errno;
+  }
+  if (!ok) {
+    fprintf(stderr, "pinmem: writing %s (%.2f GB): %s\n", path, (double)(n * IMG_BYTES) / 1e9,
+            strerror(e));
+    return -1;
+  }
+  return 0;
+}
+
+static int gen_tokens(uint64_t ntok, int tb, char *path, size_t plen) {
+  if (make_tmpdir()) return -1;
+  snprintf(path, plen, "%s/tokens.bin", g_tmpdir);
+  FILE *f = fopen(path, "wb");
+  if (!f) {
+    fprintf(stderr, "pinmem: creating %s: %s\n", path, strerror(errno));
+    return -1;
+  }
+  enum { CH = 1 << 16 };
+  static unsigned char buf[CH * 4];
+  bool ok = true;
+  for (uint64_t t = 0; t < ntok && ok; t += CH) {
+    uint64_t m = PM__MIN((uint64_t)CH, ntok - t);
+    for (uint64_t i = 0; i < m; i++) {
+      uint32_t v = (uint32_t)(pm__mix64(t + i) % 50257);
+      memcpy(buf + i * (uint64_t)tb, &v, (size_t)tb); /* little endian */
+    }
+    ok = fwrite(buf, (size_t)tb, (size_t)m, f) == (size_t)m;
+  }
+  if (fclose(f) != 0) ok = false;
+  if (!ok) {
+    fprintf(stderr, "pinmem: writing %s: %s\n", path, strerror(errno));
+    return -1;
+  }
+  return 0;
+}
+
+/* Read a file once so it is in the page cache. */
+static void warm_file(const char *path) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  static char buf[1 << 20];
+  while (read(fd, buf, sizeof buf) > 0) {
+  }
+  close(fd);
+}
+
+/* ---- one case ------------------------------------------------------------------------------ */
+
+typedef struct src {
+  pm_dataset_t *ds;
+  pm_dataset_info_t info;
+  const uint64_t *table; /* synthetic images: checksum per sample; else NULL */
+  bool tokens;
+  char label[256];
+} src_t;
+
+typedef struct result {
+  char name[48];
+  bool pinned;
+  double busy;
+  int runs;
+  double seconds, gbps, batches_per_s;
+  uint64_t bytes, batches;
+  double stall, stall_per_batch, stall_pct;
+  double next_p50, next_p99; /* ready calls, seconds; NAN if none */
+  double idle, idle_pct;     /* device idle between steps (cases with a kernel), else NAN */
+  uint64_t ready_calls;
+  double read_s, copy_s, copy_per_batch;
+  size_t device_bytes, host_bytes, slot_bytes;
+  int workers, prefetch;
+  bool verified;
+} result_t;
+
+typedef struct bench {
+  lopts_t o;
+  bool cuda;
+  int world;
+  uint64_t epochs;
+  int repeat;
+  bool verify_failed;
+  result_t res[16];
+  int nres;
+  double last_progress;
+  bool tty;
+} bench_t;
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static void progress(bench_t *B, const char *name, uint64_t done, uint64_t total, double gbps,
+                     bool final) {
+  if (B->o.json && !B->tty) return;
+  double now = pm__now();
+  if (!final && now - B->last_progress < (B->tty ? 0.25 : 5.0)) return;
+  B->last_progress = now;
+  if (B->tty)
+    fprintf(stderr, "\r  %-28s batch %llu/%llu  %.2f GB/s   %s", name, (unsigned long long)done,
+            (unsigned long long)total, gbps, final ? "\n" : "");
+  else if (!final)
+    fprintf(stderr, "  %s: batch %llu/%llu, %.2f GB/s\n", name, (unsigned long long)done,
+            (unsigned long long)total, gbps);
+}
+
+/* Check one delivered batch against its source: 0 bad rows, else the count (message printed
+ * for the first). The data is read back from the device buffer when there is one. */
+static uint64_t check_batch(bench_t *B, src_t *s, const pm_batch_t *b, pm_stream_t stream,
+                            unsigned char *vbuf, unsigned char *tmp_in, unsigned char *tmp_tg) {
+  const unsigned char *in = b->inputs, *tg = b->targets;
+  if (b->event) {
+    if (pm_memcpy_async(vbuf, b->inputs, b->inputs_bytes, PM_COPY_D2H, stream) != PM_OK ||
+        (b->targets && pm_memcpy_async(vbuf + b->inputs_bytes, b->targets, b->targets_bytes,
+                                       PM_COPY_D2H, stream) != PM_OK) ||
+        pm_stream_synchronize(stream) != PM_OK)
+      cli_fail(PM_ERR_BACKEND);
+    in = vbuf;
+    tg = b->targets ? vbuf + b->inputs_bytes : NULL;
+  }
+  size_t sb = s->info.sample_bytes, tb = s->info.target_bytes;
+  uint64_t bad = 0;
+  for (size_t r = 0; r < b->samples; r++) {
+    uint64_t idx = b->indices[r];
+    const unsigned char *ri = in + r * sb;
+    bool ok;
+    if (s->table) {
+      ok = hash_bytes(ri, sb) == s->table[idx];
+    } else {
+      pm_status_t st = pm_dataset_read_sample(s->ds, b->epoch, idx, tmp_in, tmp_tg);
+      if (st != PM_OK) cli_fail(st);
+      ok = memcmp(ri, tmp_in, sb) == 0;
+      if (ok && tb) {
+        const unsigned char *rt = tg + r * tb;
+        size_t isz = s->info.itemsize;
+        ok = memcmp(rt, tmp_tg, tb) == 0 && memcmp(rt, ri + isz, sb - isz) == 0;
+      }
+    }
+    if (!ok && bad++ == 0)
+      fprintf(stderr,
+              "pinmem: VERIFY FAILED: epoch %llu batch %llu row %zu (sample %llu) differs "
+              "from its source\n",
+              (unsigned long long)b->epoch, (unsigned long long)b->index, r,
+              (unsigned long long)idx);
+  }
+  (void)B;
+  return bad;
+}
+
+static void run_once(bench_t *B, src_t *s, const char *name, bool pinned, double busy, size_t batch,
+                     result_t *r) {
+  int W = B->world;
+  pm_loader_t *ld[64];
+  pm_stream_t st[64];
+  pm_batch_t cur;
+  pm_status_t rc;
+  memset(r, 0, sizeof *r);
+  for (int k = 0; k < W; k++) {
+    pm_loader_config_t c;
+    pm_loader_config_init(&c);
+    c.batch_size = batch;
+    c.workers = B->o.workers;
+    c.prefetch = B->o.prefetch;
+    c.shuffle = B->o.shuffle;
+    c.seed = B->o.seed;
+    c.rank = k;
+    c.world_size = W;
+    c.pin_memory = pinned;
+    c.delivery = B->o.delivery;
+    c.epochs = B->epochs;
+    if ((rc = pm_loader_create(s->ds, &c, &ld[k])) != PM_OK) cli_fail(rc);
+    if ((rc = pm_stream_create(&st[k])) != PM_OK) cli_fail(rc);
+  }
+  pm_loader_stats_t s0;
+  pm_loader_get_stats(ld[0], &s0);
+  uint64_t n = s->info.samples, bpe = s0.batches_per_epoch, total = bpe * B->epochs;
+  uint8_t *count = calloc((size_t)(n * B->epochs), 1);
+  double *lat = malloc(sizeof(double) * (size_t)(total * (uint64_t)W + 1));
+  size_t vbytes = s0.slot_bytes;
+  unsigned char *vbuf = NULL;
+  if (B->o.delivery == PM_DELIVER_DEVICE && (rc = pm_host_alloc(NULL, vbytes, 0, (void **)&vbuf)))
+    cli_fail(rc);
+  unsigned char *tmp_in = malloc(s->info.sample_bytes + 1),
+                *tmp_tg = malloc(s->info.target_bytes + 1);
+  if (!count || !lat || !tmp_in || !tmp_tg) cli_fail(PM_ERR_NOMEM);
+  uint64_t bad = 0, nlat = 0, ready_calls = 0;
+  pm_loader_stats_t st0[64];
+  pm_event_t ev_ready[64], ev_end[64][2];
+  if (busy > 0)
+    for (int k = 0; k < W; k++)
+      if ((rc = pm_event_create(PM_EVENT_TIMING, &ev_ready[k])) != PM_OK ||
+          (rc = pm_event_create(PM_EVENT_TIMING, &ev_end[k][0])) != PM_OK ||
+          (rc = pm_event_create(PM_EVENT_TIMING, &ev_end[k][1])) != PM_OK)
+        cli_fail(rc);
+  double t0 = 0, idle = 0;
+  uint64_t counted_bytes = 0, counted_batches = 0;
+
+  for (uint64_t step = 0; step < total; step++) {
+    for (int k = 0; k < W; k++) {
+      pm_loader_stats_t before;
+      pm_loader_get_stats(ld[k], &before);
+      double a = pm__now();
+      rc = pm_loader_next(ld[k], &cur);
+      double dt = pm__now() - a;
+      if (rc != PM_OK) cli_fail(rc);
+      pm_loader_stats_t after;
+      pm_loader_get_stats(ld[k], &after);
+      if (step > 0 && after.waits == before.waits) {
+        lat[nlat++] = dt;
+        ready_calls++;
+      }
+      for (size_t i = 0; i < cur.samples; i++) {
+        uint8_t *c = &count[cur.epoch * n + cur.indices[i]];
+        if (*c < 255) (*c)++;
+      }
+      if ((rc = pm_batch_wait_stream(&cur, st[k])) != PM_OK) cli_fail(rc);
+      if (step == 0 || B->o.verify) bad += check_batch(B, s, &cur, st[k], vbuf, tmp_in, tmp_tg);
+      if (step > 0) {
+        counted_bytes += cur.inputs_bytes + cur.targets_bytes;
+        counted_batches++;
+      }
+      if (busy > 0) {
+        if ((rc = pm_event_record(ev_ready[k], st[k])) != PM_OK ||
+            (rc = pm_launch_busy(st[k], busy)) != PM_OK ||
+            (rc = pm_event_record(ev_end[k][step & 1], st[k])) != PM_OK)
+          cli_fail(rc);
+      }
+      if ((rc = pm_batch_release(&cur, st[k])) != PM_OK) cli_fail(rc);
+    }
+    if (step == 0) {
+      for (int k = 0; k < W; k++) {
+        if ((rc = pm_stream_synchronize(st[k])) != PM_OK) cli_fail(rc);
+        pm_loader_get_stats(ld[k], &st0[k]);
+      }
+      t0 = pm__now();
+    } else {
+      if (busy > 0) {
+        for (int k = 0; k < W; k++) {
+          double gap = 0;
+          if ((rc = pm_stream_synchronize(st[k])) != PM_OK ||
+              (rc = pm_event_elapsed(ev_end[k][(step - 1) & 1], ev_ready[k], &gap)) != PM_OK)
+            cli_fail(rc);
+          if (gap > 0) idle += gap;
+        }
+      }
+      double el = pm__now() - t0;
+      progress(B, name, step + 1, total, el > 0 ? (double)counted_bytes / el / 1e9 : 0, false);
+    }
+  }
+  for (int k = 0; k < W; k++)
+    if ((rc = pm_stream_synchronize(st[k])) != PM_OK) cli_fail(rc);
+  double secs = pm__now() - t0;
+  pm_batch_t extra;
+  for (int k = 0; k < W; k++) {
+    rc = pm_loader_next(ld[k], &extra);
+    if (rc != PM_ERR_STATE) {
+      fprintf(stderr, "pinmem: VERIFY FAILED: rank %d delivered more batches than it should\n", k);
+      bad++;
+      if (rc == PM_OK) pm_batch_release(&extra, st[k]);
+    }
+  }
+
+  /* Coverage: each epoch over all ranks. */
+  uint64_t per_rank = s0.samples_per_epoch, want_total = per_rank * (uint64_t)W;
+  for (uint64_t e = 0; e < B->epochs; e++) {
+    uint64_t sum = 0, missing = 0, extra_n = 0;
+    for (uint64_t i = 0; i < n; i++) {
+      uint8_t c = count[e * n + i];
+      sum += c;
+      missing += c == 0;
+      extra_n += c > 1;
+    }
+    bool exact = want_total == n;
+    if (missing || sum != want_total || (exact && extra_n)) {
+      fprintf(stderr,
+              "pinmem: VERIFY FAILED: epoch %llu: %llu samples never delivered, %llu more "
+              "than once, %llu deliveries (expected %llu)\n",
+              (unsigned long long)e, (unsigned long long)missing, (unsigned long long)extra_n,
+              (unsigned long long)sum, (unsigned long long)want_total);
+      bad++;
+    }
+  }
+
+  snprintf(r->name, sizeof r->name, "%s", name);
+  r->pinned = pinned;
+  r->busy = busy;
+  r->runs = 1;
+  r->seconds = secs;
+  r->bytes = counted_bytes;
+  r->batches = counted_batches;
+  r->gbps = secs > 0 ? (double)counted_bytes / secs / 1e9 : NAN;
+  r->batches_per_s = secs > 0 ? (double)counted_batches / secs : NAN;
+  for (int k = 0; k < W; k++) {
+    pm_loader_stats_t e;
+    pm_loader_get_stats(ld[k], &e);
+    r->stall += e.stall_seconds - st0[k].stall_seconds;
+    r->read_s += e.read_seconds - st0[k].read_seconds;
+    r->copy_s += e.copy_seconds - st0[k].copy_seconds;
+    r->device_bytes += e.device_bytes;
+    r->host_bytes += e.host_bytes;
+    r->slot_bytes = e.slot_bytes;
+    r->workers = e.workers;
+    r->prefetch = e.prefetch;
+  }
+  /* The stall is summed over ranks, which take turns on one thread: it is all wall time. */
+  r->stall_per_batch = counted_batches ? r->stall / (double)counted_batches : NAN;
+  r->stall_pct = secs > 0 ? 100.0 * r->stall / secs : NAN;
+  r->copy_per_batch = counted_batches ? r->copy_s / (double)counted_batches : NAN;
+  /* Per rank stream, so the share is of W streams' run time. */
+  r->idle = busy > 0 ? idle : NAN;
+  r->idle_pct = busy > 0 && secs > 0 ? 100.0 * idle / (secs * W) : NAN;
+  qsort(lat, nlat, sizeof *lat, cmp_double);
+  r->ready_calls = ready_calls;
+  r->next_p50 = nlat ? lat[nlat / 2] : NAN;
+  r->next_p99 = nlat ? lat[(size_t)((double)(nlat - 1) * 0.99)] : NAN;
+  r->verified = bad == 0;
+  if (bad) B->verify_failed = true;
+  progress(B, name, total, total, r->gbps, true);
+
+  for (int k = 0; k < W; k++) {
+    if ((rc = pm_loader_destroy(ld[k])) != PM_OK) cli_fail(rc);
+    if ((rc = pm_stream_destroy(st[k])) != PM_OK) cli_fail(rc);
+    if (busy > 0) {
+      pm_event_destroy(ev_ready[k]);
+      pm_event_destroy(ev_end[k][0]);
+      pm_event_destroy(ev_end[k][1]);
+    }
+  }
+  if (vbuf) pm_host_free(vbuf);
+  free(count);
+  free(lat);
+  free(tmp_in);
+  free(tmp_tg);
+}
+
+static int cmp_result_secs(const void *a, const void *b) {
+  const result_t *x = a, *y = b;
+  return x->seconds < y->seconds ? -1 : x->seconds > y->seconds;
+}
+
+static const result_t *run_case(bench_t *B, src_t *s, const char *name, bool pinned, double busy,
+                                size_t batch) {
+  result_t runs[64];
+  int n = PM__MIN(B->repeat, 64);
+  bool all_ok = true;
+  for (int i = 0; i < n; i++) {
+    run_once(B, s, name, pinned, busy, batch, &runs[i]);
+    all_ok &= runs[i].verified;
+  }
+  qsort(runs, (size_t)n, sizeof runs[0], cmp_result_secs);
+  result_t *r = &B->res[B->nres++];
+  *r = runs[n / 2];
+  r->runs = n;
+  r->verified = all_ok;
+  return r;
+}
+
+/* ---- output ------------------------------------------------------------------------------- */
+
+static void emit_json(const bench_t *B, const src_t *s, const result_t *r, size_t batch) {
+  cli_json_t j;
+  cli_json_begin(&j);
+  cli_json_str(&j, "bench", "loader");
+  cli_json_str(&j, "case", r->name);
+  cli_json_uint(&j, "bytes", r->bytes);
+  cli_json_double(&j, "seconds", r->seconds);
+  cli_json_double(&j, "gbps", r->gbps);
+  cli_json_bool(&j, "verified", r->verified);
+  cli_json_str(&j, "backend", pm_backend_name());
+  cli_json_str(&j, "verify", B->o.verify ? "full" : "first_batch+coverage");
+  cli_json_str(&j, "dataset", s->label);
+  cli_json_uint(&j, "sample_bytes", s->info.sample_bytes + s->info.target_bytes);
+  cli_json_uint(&j, "batch", batch);
+  cli_json_bool(&j, "pin_memory", r->pinned);
+  cli_json_bool(&j, "shuffle", B->o.shuffle);
+  cli_json_str(&j, "delivery", B->o.delivery == PM_DELIVER_DEVICE ? "device" : "host");
+  cli_json_str(&j, "io",
+               s->info.io == PM_IO_MMAP     ? "mmap"
+               : s->info.io == PM_IO_DIRECT ? "direct"
+                                            : "pread");
+  cli_json_int(&j, "world", B->world);
+  cli_json_int(&j, "workers", r->workers);
+  cli_json_int(&j, "prefetch", r->prefetch);
+  cli_json_uint(&j, "epochs", B->epochs);
+  cli_json_uint(&j, "batches", r->batches);
+  cli_json_double(&j, "batches_per_s", r->batches_per_s);
+  cli_json_double(&j, "busy_seconds", r->busy);
+  cli_json_double(&j, "stall_seconds", r->stall);
+  cli_json_double(&j, "stall_per_batch_seconds", r->stall_per_batch);
+  cli_json_double(&j, "stall_pct", r->stall_pct);
+  cli_json_double(&j, "device_idle_seconds", r->idle);
+  cli_json_double(&j, "device_idle_pct", r->idle_pct);
+  cli_json_double(&j, "next_ready_p50_seconds", r->next_p50);
+  cli_json_double(&j, "next_ready_p99_seconds", r->next_p99);
+  cli_json_uint(&j, "next_ready_calls", r->ready_calls);
+  cli_json_double(&j, "read_seconds", r->read_s);
+  cli_json_double(&j, "copy_seconds", r->copy_s);
+  cli_json_uint(&j, "device_bytes", r->device_bytes);
+  cli_json_uint(&j, "host_bytes", r->host_bytes);
+  cli_json_int(&j, "runs", r->runs);
+  cli_json_end(&j);
+}
+
+static void fmt_us(double s, char *buf, size_t n) {
+  if (isfinite(s))
+    snprintf(buf, n, "%.1f us", s * 1e6);
+  else
+    snprintf(buf, n, "-");
+}
+
+static void print_table(const bench_t *B) {
+  cli_table_t t;
+  cli_table_init(&t, 10);
+  cli_table_row(&t, "case", "GB/s", "batches/s", "stall", "stall/batch", "device idle",
+                "next (ready) p50", "busy/batch", "runs", "verified");
+  for (int i = 0; i < B->nres; i++) {
+    const result_t *r = &B->res[i];
+    char g[32], bps[32], st[32], spb[32], idle[32], p50[32], busy[32], runs[16];
+    snprintf(g, sizeof g, "%.2f", r->gbps);
+    snprintf(bps, sizeof bps, "%.1f", r->batches_per_s);
+    snprintf(st, sizeof st, "%.2f%%", r->stall_pct);
+    fmt_us(r->stall_per_batch, spb, sizeof spb);
+    if (isfinite(r->idle_pct))
+      snprintf(idle, sizeof idle, "%.2f%%", r->idle_pct);
+    else
+      snprintf(idle, sizeof idle, "-");
+    fmt_us(r->next_p50, p50, sizeof p50);
+    snprintf(busy, sizeof busy, "%.2f ms", r->busy * 1e3);
+    snprintf(runs, sizeof runs, "%d", r->runs);
+    cli_table_row(&t, r->name, g, bps, st, spb, idle, p50, busy, runs, r->verified ? "yes" : "NO");
+  }
+  cli_table_print(&t, 2);
+}
+
+static const result_t *find(const bench_t *B, const char *name) {
+  for (int i = 0; i < B->nres; i++)
+    if (!strcmp(B->res[i].name, name)) return &B->res[i];
+  return NULL;
+}
+
+static void target(const bench_t *B, const char *what, const result_t *r, bool met, const char *fig,
+                   bool speed) {
+  FILE *out = B->o.json ? stderr : stdout;
+  if (!r)
+    fprintf(out, "TARGET %s: not measured in this run\n", what);
+  else if (speed && !B->cuda)
+    fprintf(out, "TARGET %s: %s  (speed targets apply to the cuda backend only)\n", what, fig);
+  else
+    fprintf(out, "TARGET %s: %s  %s\n", what, fig, met && r->verified ? "PASS" : "MISS");
+}
+
+static void print_targets(const bench_t *B, const src_t *img, size_t batch) {
+  FILE *out = B->o.json ? stderr : stdout;
+  fprintf(out, "\n");
+  char fig[256];
+  const result_t *r = find(B, "images_pinned");
+  bool issue_case = img && img->info.sample_bytes == IMG_BYTES && batch == 256 && B->o.shuffle &&
+                    B->o.delivery == PM_DELIVER_DEVICE;
+  if (r && !issue_case) r = NULL;
+  snprintf(fig, sizeof fig, "%.1f GB/s", r ? r->gbps : NAN);
+  target(B, "150 KB images, batch 256, shuffled, page cache: >= 40 GB/s to the device", r,
+         r && r->gbps >= T_IMG_GBPS, fig, true);
+  fprintf(out,
+          "TARGET >= 10x the best torch DataLoader configuration: measured by "
+          "bench/compare_torch.py\n");
+  r = find(B, "tokens_pinned");
+  if (r && r->busy > 0) {
+    double frac = r->stall_per_batch / r->busy;
+    snprintf(fig, sizeof fig,
+             "stall %.3f%% of a %.1f ms step (device idle %.3f%%), next() p50 %.1f us (p99 %.1f "
+             "us)",
+             100 * frac, r->busy * 1e3, r->idle_pct, r->next_p50 * 1e6, r->next_p99 * 1e6);
+    target(B, "token windows: stall < 1% of the step and pm_loader_next < 20 us when ready", r,
+           frac < T_TOKEN_STALL_FRACTION && r->next_p50 < T_TOKEN_NEXT_US * 1e-6, fig, true);
+  } else {
+    target(B, "token windows: stall < 1% of the step and pm_loader_next < 20 us when ready", NULL,
+           false, "", true);
+  }
+  r = find(B, "images_pinned_compute");
+  snprintf(fig, sizeof fig,
+           "stall %.3f%% of the run (device idle %.3f%%; kernel %.2f ms per batch)",
+           r ? r->stall_pct : NAN, r ? r->idle_pct : NAN, r ? r->busy * 1e3 : NAN);
+  target(B, "kernel longer than the copy: total stall < 2% of the run", r,
+         r && r->stall_pct < 100 * T_COMPUTE_STALL_FRACTION, fig, true);
+  if (B->o.verify) {
+    bool all = true;
+    for (int i = 0; i < B->nres; i++) all &= B->res[i].verified;
+    snprintf(fig, sizeof fig, "%llu epochs, %s, %d rank%s x %d workers, every sample checked",
+             (unsigned long long)B->epochs, B->o.shuffle ? "shuffled" : "sequential", B->world,
+             B->world == 1 ? "" : "s", B->nres ? B->res[0].workers : 0);
+    bool config =
+        B->epochs >= 3 && B->world >= 2 && B->o.shuffle && B->nres && B->res[0].workers >= 2;
+    if (config)
+      target(B, "--verify: 3 epochs, shuffle, 2 ranks x 2 workers", &B->res[0], all, fig, false);
+    else
+      fprintf(out,
+              "TARGET --verify: 3 epochs, shuffle, 2 ranks x 2 workers: not measured in this run "
+              "(ran %s: %s)\n",
+              fig, all ? "verified" : "FAILED");
+  }
+}
+
+/* ---- main ----------------------------------------------------------------------------------- */
+
+static void open_src(bench_t *B, src_t *s, const char *kind, const char *path, size_t seq_len,
+                     uint64_t windows) {
+  memset(s, 0, sizeof *s);
+  pm_status_t rc;
+  if (!strcmp(kind, "npy")) {
+    char *copy = cli_xstrdup(path), *save = NULL;
+    const char *paths[256];
+    size_t np = 0;
+    for (char *t = strtok_r(copy, ",", &save); t && np < 256; t = strtok_r(NULL, ",", &save))
+      paths[np++] = t;
+    for (size_t i = 0; i < np; i++) warm_file(paths[i]);
+    pm_npy_options_t o;
+    pm_npy_options_init(&o);
+    o.io = B->o.io;
+    rc = pm_dataset_open_npy(paths, np, &o, &s->ds);
+    free(copy);
+  } else {
+    warm_file(path);
+    pm_tokens_options_t o;
+    pm_tokens_options_init(&o);
+    o.seq_len = seq_len;
+    o.token_bytes = B->o.token_bytes;
+    o.random = 1;
+    o.seed = B->o.seed;
+    o.windows = windows;
+    o.io = B->o.io;
+    rc = pm_dataset_open_tokens(path, &o, &s->ds);
+    s->tokens = true;
+  }
+  if (rc != PM_OK) cli_fail(rc);
+  pm_dataset_get_info(s->ds, &s->info);
+  snprintf(s->label, sizeof s->label, "%s", path);
+  if (s->info.note[0]) fprintf(stderr, "pinmem: note: %s\n", s->info.note);
+}
+
+int pm_cli_bench_loader(int argc, char **argv) {
+  bench_t B;
+  memset(&B, 0, sizeof B);
+  int rc = parse_args(argc, argv, &B.o);
+  if (rc) return rc;
+  if (B.o.help) {
+    printf("%s", usage_text);
+    return 0;
+  }
+  pm_status_t st = pm_init();
+  if (st != PM_OK) cli_fail(st);
+  B.cuda = pm_backend_kind() == PM_BACKEND_CUDA;
+  B.tty = isatty(STDERR_FILENO);
+  B.world = B.o.world ? B.o.world : 1;
+  B.epochs = B.o.epochs ? B.o.epochs : B.cuda ? 5 : 2;
+  B.repeat = B.o.repeat ? B.o.repeat : B.cuda ? 3 : 1;
+  size_t batch = B.o.batch ? B.o.batch : B.cuda ? 256 : 64;
+  size_t tbatch = B.o.token_batch ? B.o.token_batch : 64;
+  double busy = B.o.busy >= 0 ? B.o.busy : 0;
+  double tbusy = B.o.token_busy >= 0 ? B.o.token_busy : 0.005;
+  bool synthetic = !B.o.data && !B.o.tokens;
+  bool run_images = synthetic || B.o.data;
+  bool run_tokens = synthetic || B.o.tokens;
+  bool device = B.o.delivery == PM_DELIVER_DEVICE;
+
+  src_t img, tok;
+  uint64_t *table = NULL;
+  if (run_images) {
+    char path[600];
+    if (synthetic) {
+      uint64_t n = B.o.samples ? B.o.samples : B.cuda ? 8192 : 512;
+      table = malloc(sizeof(uint64_t) * (size_t)n);
+      if (!table) cli_fail(PM_ERR_NOMEM);
+      if (!B.o.json)
+        fprintf(stderr, "  generating %llu synthetic 3x224x224 uint8 images (%.2f GB)...\n",
+                (unsigned long long)n, (double)(n * IMG_BYTES) / 1e9);
+      if (gen_images(n, path, sizeof path, table)) return CLI_EXIT_FAILURE;
+      open_src(&B, &img, "npy", path, 0, 0);
+      img.table = table;
+      snprintf(img.label, sizeof img.label, "synthetic 3x224x224 uint8 x %llu",
+               (unsigned long long)n);
+    } else {
+      open_src(&B, &img, "npy", B.o.data, 0, 0);
+    }
+  }
+  if (run_tokens) {
+    size_t L = B.o.seq_len ? B.o.seq_len : 1024;
+    uint64_t windows = B.o.windows ? B.o.windows : (uint64_t)tbatch * (B.cuda ? 200 : 20) * B.world;
+    if (synthetic) {
+      char path[600];
+      uint64_t ntok = B.cuda ? (uint64_t)64 << 20 : (uint64_t)4 << 20;
+      if (gen_tokens(ntok, B.o.token_bytes, path, sizeof path)) return CLI_EXIT_FAILURE;
+      open_src(&B, &tok, "tokens", path, L, windows);
+      snprintf(tok.label, sizeof tok.label, "synthetic uint%d tokens x %llu, seq_len %zu",
+               8 * B.o.token_bytes, (unsigned long long)ntok, L);
+    } else {
+      open_src(&B, &tok, "tokens", B.o.tokens, L, windows);
+    }
+  }
+
+  if (!B.o.json) {
+    printf(
+        "pinmem bench loader: backend %s, %d rank%s, %llu epoch%s per run, %d run%s per case, "
+        "%s, %s delivery\n",
+        pm_backend_name(), B.world, B.world == 1 ? "" : "s", (unsigned long long)B.epochs,
+        B.epochs == 1 ? "" : "s", B.repeat, B.repeat == 1 ? "" : "s",
+        B.o.shuffle ? "shuffled" : "sequential", device ? "device" : "host");
+    if (run_images)
+      printf("  images: %s, %zu bytes per sample, batch %zu\n", img.label, img.info.sample_bytes,
+             batch);
+    if (run_tokens)
+      printf("  tokens: %s, %llu windows per epoch, batch %zu\n", tok.label,
+             (unsigned long long)tok.info.samples, tbatch);
+  }
+
+  if (run_images) {
+    const result_t *pinned = NULL;
+    if (B.o.pin != 0) {
+      pinned = run_case(&B, &img, "images_pinned", true, busy, batch);
+      if (B.o.json) emit_json(&B, &img, pinned, batch);
+    }
+    if (B.o.pin != 1) {
+      const result_t *r = run_case(&B, &img, "images_pageable", false, busy, batch);
+      if (B.o.json) emit_json(&B, &img, r, batch);
+    }
+    if (pinned && device) {
+      /* The kernel outlasts the batch's copy: 1.5x its measured device time (at least 1 ms). */
+      double copy = pinned->copy_per_batch;
+      if (!(copy > 0)) copy = (double)pinned->bytes / (double)PM__MAX(pinned->batches, 1) / 10e9;
+      double kb = PM__MAX(1.5 * copy, 1e-3);
+      const result_t *r = run_case(&B, &img, "images_pinned_compute", true, kb, batch);
+      if (B.o.json) emit_json(&B, &img, r, batch);
+    }
+  }
+  if (run_tokens) {
+    if (B.o.pin != 0) {
+      const result_t *r = run_case(&B, &tok, "tokens_pinned", true, tbusy, tbatch);
+      if (B.o.json) emit_json(&B, &tok, r, tbatch);
+    }
+    if (B.o.pin == 0 || (B.o.tokens && B.o.pin == 2)) {
+      const result_t *r = run_case(&B, &tok, "tokens_pageable", false, tbusy, tbatch);
+      if (B.o.json) emit_json(&B, &tok, r, tbatch);
+    }
+  }
+  if (!B.o.json) print_table(&B);
+  print_targets(&B, run_images ? &img : NULL, batch);
+
+  if (run_images) pm_dataset_destroy(img.ds);
+  if (run_tokens) pm_dataset_destroy(tok.ds);
+  free(table);
+  if (B.verify_failed) {
+    fprintf(stderr,
+            "pinmem: the loader delivered wrong or missing data (see VERIFY FAILED above)\n");
+    return CLI_EXIT_FAILURE;
+  }
+  return 0;
+}
