@@ -102,6 +102,15 @@ pm_status_t pm_init(void) {
     }
   }
   if (chosen) {
+    /* Every call goes through fault.c's forwarding table (it injects nothing unless armed). */
+    const pm__backend_t *started = chosen;
+    st = pm__fault_wrap(&chosen);
+    if (st != PM_OK) {
+      started->shutdown();
+      chosen = NULL;
+    }
+  }
+  if (chosen) {
     pm__clear_error(); /* a failed cuda probe under auto is not this thread's error */
     atomic_store_explicit(&active_backend, chosen, memory_order_release);
   }

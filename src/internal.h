@@ -47,6 +47,8 @@ typedef enum pm__opt {
   PM__OPT_COPY_SLOTS,     /* int: bounce-buffer ring depth (copy.c) */
   PM__OPT_COPY_THREADS,   /* int: staging memcpy threads, 0 = auto (copy.c) */
   PM__OPT_COPY_STAGE_MIN, /* size: pageable copies below this use the plain backend copy */
+  PM__OPT_LOADER_WORKERS, /* int: loader reader threads, 0 = auto (loader.c) */
+  PM__OPT_LOADER_PREFETCH, /* int: loader batch slots (loader.c) */
   PM__OPT_COUNT
 } pm__opt_t;
 
@@ -134,5 +136,159 @@ pm_status_t pm__fast_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
  * are allowed (they share the workers). */
 void pm__parallel_for(int threads, size_t n, void (*fn)(void *ctx, size_t i), void *ctx);
 void pm__threadpool_shutdown(void); /* pm_finalize only */
+
+/* ---- fault.c ------------------------------------------------------------------------------ */
+
+/* Fault injection at the backend contract (tests, PINMEM_FAULT; see fault.c for the spec). */
+typedef enum pm__fault_op {
+  PM__FAULT_ALL = -1, /* every op except the release calls */
+  PM__FAULT_HOST_ALLOC = 0,
+  PM__FAULT_HOST_FREE,       /* release call */
+  PM__FAULT_HOST_REGISTER,
+  PM__FAULT_HOST_UNREGISTER, /* release call */
+  PM__FAULT_HOST_DEVICE_POINTER,
+  PM__FAULT_DEVICE_ALLOC,
+  PM__FAULT_DEVICE_FREE, /* release call */
+  PM__FAULT_MANAGED_ALLOC,
+  PM__FAULT_MANAGED_FREE, /* release call */
+  PM__FAULT_MEMCPY,       /* memcpy_async and memcpy_sync */
+  PM__FAULT_MEMSET,
+  PM__FAULT_PREFETCH,
+  PM__FAULT_STREAM_CREATE,
+  PM__FAULT_STREAM_DESTROY, /* release call */
+  PM__FAULT_STREAM_SYNC,    /* stream_synchronize and device_synchronize */
+  PM__FAULT_STREAM_QUERY,
+  PM__FAULT_STREAM_WAIT_EVENT,
+  PM__FAULT_EVENT_CREATE,
+  PM__FAULT_EVENT_DESTROY, /* release call */
+  PM__FAULT_EVENT_RECORD,
+  PM__FAULT_EVENT_QUERY,
+  PM__FAULT_EVENT_SYNC,
+  PM__FAULT_EVENT_ELAPSED,
+  PM__FAULT_LAUNCH,       /* launch_busy and launch_host_func */
+  PM__FAULT_DEVICE_QUERY, /* device_count, device_info, set_device, get_device */
+  PM__FAULT_IO,           /* the loader's file reads (pm__fault_io) */
+  PM__FAULT_COUNT
+} pm__fault_op_t;
+
+typedef struct pm__fault_counts {
+  uint64_t calls[PM__FAULT_COUNT];    /* calls seen since the op was last armed or reset */
+  uint64_t injected[PM__FAULT_COUNT]; /* of those, failed on purpose */
+  uint64_t total_calls, total_injected;
+} pm__fault_counts_t;
+
+/* pm_init (api.c) passes the backend it started; *backend becomes the forwarding table that
+ * injects faults. Reads PINMEM_FAULT at the first call: PM_ERR_CONFIG if it is malformed. */
+pm_status_t pm__fault_wrap(const pm__backend_t **backend);
+/* Arm op (or PM__FAULT_ALL): fail its nth call from now (0: none) and each call with
+ * probability rate (0: none). Resets that op's counters. Counting starts with the first arming. */
+pm_status_t pm__fault_set(pm__fault_op_t op, uint64_t nth, double rate);
+/* Arm from a PINMEM_FAULT-style spec ("host_alloc=3,memcpy=rate:0.1,event_query=2+,seed=7").
+ * PM_ERR_CONFIG (and nothing armed) if it does not parse. */
+pm_status_t pm__fault_configure(const char *spec);
+void pm__fault_seed(uint64_t seed);
+/* Disarm everything and zero the counters; wrapped calls go straight through again. */
+void pm__fault_reset(void);
+void pm__fault_counts(pm__fault_counts_t *out);
+const char *pm__fault_op_name(pm__fault_op_t op);
+/* For file reads (loader): true when this read must fail; pm_last_error() then holds a detail
+ * naming `what` and "injected fault", and the caller returns PM_ERR_IO. */
+bool pm__fault_io(const char *what);
+
+/* ---- loader.c (with sampler.c, dataset.c, dataset_npy.c, dataset_tokens.c) ---------------- */
+
+/* sampler.c: the order of one rank's samples in each epoch, computed per position (no arrays,
+ * so a position can be found in O(1) for any epoch: workers and resume need no shared state). */
+typedef struct pm__sampler {
+  uint64_t n;        /* samples in the dataset */
+  uint64_t batch;    /* batch size */
+  uint64_t seed;
+  int rank, world;
+  bool shuffle, drop_last;
+  uint64_t per_rank; /* samples of one epoch on this rank (padding included) */
+  uint64_t batches;  /* batches of one epoch on this rank */
+} pm__sampler_t;
+
+/* PM_ERR_INVALID with the reason when the combination leaves this rank nothing to deliver. */
+pm_status_t pm__sampler_init(pm__sampler_t *s, uint64_t n, uint64_t batch, bool shuffle,
+                             uint64_t seed, bool drop_last, int rank, int world);
+/* Rows of batch `b` of an epoch (b < batches). */
+uint64_t pm__sampler_rows(const pm__sampler_t *s, uint64_t b);
+/* Dataset index at position `pos` (< per_rank) of this rank's order in `epoch`. */
+uint64_t pm__sampler_index(const pm__sampler_t *s, uint64_t epoch, uint64_t pos);
+/* A bijection of [0, n) keyed by `key` (cycle-walking Feistel network); i < n. */
+uint64_t pm__permute(uint64_t i, uint64_t n, uint64_t key);
+uint64_t pm__mix64(uint64_t x); /* splitmix64 finaliser */
+
+/* dataset.c: the dataset object, the callback dataset and file reading for the file kinds. */
+typedef struct pm__scratch { /* one thread's aligned bounce buffer for O_DIRECT reads */
+  void *buf;
+  size_t cap;
+} pm__scratch_t;
+void pm__scratch_free(pm__scratch_t *s);
+
+typedef struct pm__file {
+  char *path;
+  int fd;          /* buffered reads (always open) */
+  int dfd;         /* O_DIRECT descriptor, or -1 */
+  uint64_t size;   /* bytes at open */
+  const unsigned char *map; /* PM_IO_MMAP: the whole file, or NULL */
+  pm_io_mode_t io; /* the mode in force */
+} pm__file_t;
+
+/* Open `path` for reads in mode `io`. Where O_DIRECT is refused the file falls back to
+ * buffered pread and a sentence saying why is written to note (else note is left alone). */
+pm_status_t pm__file_open(pm__file_t *f, const char *path, pm_io_mode_t io, char *note,
+                          size_t note_len);
+/* Exactly `len` bytes at `off` into dst, or PM_ERR_IO naming the file (short files too). */
+pm_status_t pm__file_read(pm__file_t *f, uint64_t off, void *dst, size_t len,
+                          pm__scratch_t *scratch);
+void pm__file_close(pm__file_t *f);
+/* Test hook: when non-zero, opening with O_DIRECT behaves as if the filesystem refused it. */
+extern atomic_int pm__io_refuse_direct;
+
+struct pm_dataset_s {
+  pm_dataset_info_t info;
+  /* Write sample `index` of `epoch` to dst (and its targets to tdst, token datasets) or return
+   * a status with its detail set. Called from many threads at once. */
+  pm_status_t (*read)(pm_dataset_t *ds, uint64_t epoch, uint64_t index, void *dst, void *tdst,
+                      pm__scratch_t *scratch);
+  void (*destroy_impl)(pm_dataset_t *ds); /* the kind's own parts (NULL: none) */
+  void *impl;
+  pm__file_t *files;
+  int nfiles;
+  atomic_int users; /* loaders using the dataset: destroy refuses while > 0 */
+};
+
+/* A zeroed dataset with its files array for nfiles files (fds -1), or PM_ERR_NOMEM. */
+pm_status_t pm__dataset_alloc(int nfiles, pm_dataset_t **ds_out);
+void pm__dataset_free(pm_dataset_t *ds); /* closes the files, runs destroy_impl */
+
+/* dataset_npy.c: the .npy header. */
+typedef struct pm__npy_header {
+  int major, minor;
+  size_t data_offset;  /* where the array's bytes start */
+  bool fortran_order;
+  int ndim;            /* of the whole array */
+  uint64_t shape[PM_DATASET_MAX_DIMS + 1];
+  char descr[128];     /* normalised (explicit byte order); structured: compact text */
+  size_t itemsize;
+  pm_dtype_t dtype;
+  uint64_t count;        /* shape[0] */
+  size_t sample_bytes;   /* itemsize * prod(shape[1:]) */
+  uint64_t data_bytes;   /* count * sample_bytes */
+} pm__npy_header_t;
+
+#define PM__NPY_PREAMBLE 12      /* magic, version and header length fit in this */
+#define PM__NPY_HEADER_MAX (1u << 20)
+
+/* From the first `len` bytes of a file: the total header size (the data offset). PM_ERR_FORMAT
+ * for a bad magic, an unknown version or a header above PM__NPY_HEADER_MAX. */
+pm_status_t pm__npy_preamble(const unsigned char *buf, size_t len, size_t *total_out);
+/* Parse a whole header (buf holds at least the total from pm__npy_preamble). Every check that
+ * needs no file size: PM_ERR_FORMAT with the reason. */
+pm_status_t pm__npy_parse(const unsigned char *buf, size_t len, pm__npy_header_t *out);
+/* A dtype text ("<f4", "u1", "|u1", "float32" is not one) in the normalised form of descr. */
+pm_status_t pm__npy_normalize_descr(const char *text, char *out, size_t out_len);
 
 #endif /* PINMEM_INTERNAL_H */
