@@ -1,0 +1,291 @@
+"""Pinned buffers: empty, pin, the buffer protocol, DLPack, lifetime."""
+import array
+import gc
+import sys
+
+import numpy as np
+import pytest
+
+import pinmem
+from conftest import random_bytes
+
+
+def addr(a):
+    return a.__array_interface__["data"][0]
+
+
+DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+          "float16", "float32", "float64", "complex64", "complex128"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_dtypes_round_trip_through_numpy(dtype, rng):
+    b = pinmem.empty((3, 5), dtype)
+    assert b.dtype == dtype and b.shape == (3, 5) and b.kind == "pool"
+    assert b.nbytes == 15 * np.dtype(dtype).itemsize
+    a = np.asarray(b)
+    assert a.dtype == np.dtype(dtype) and a.shape == (3, 5)
+    assert addr(a) == b.ptr
+    src = (rng.random((3, 5)) * 100).astype(dtype)
+    a[...] = src
+    d = np.from_dlpack(b)
+    assert d.dtype == np.dtype(dtype) and addr(d) == b.ptr
+    np.testing.assert_array_equal(d, src)
+    info = pinmem.pointer_info(b)
+    assert info["kind"] == "pool" and info["in_use"]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.dtype("<i8"), "f4", "<u2", "|u1", float, int,
+                                   bool, "double", "torch.float16", "d"])
+def test_dtype_spellings(dtype):
+    b = pinmem.empty(4, dtype)
+    assert np.asarray(b).dtype == np.dtype(dtype.replace("torch.", "")
+                                           if isinstance(dtype, str) else dtype)
+
+
+def test_bad_dtype_and_shape():
+    with pytest.raises(pinmem.InvalidError) as e:
+        pinmem.empty(4, "float128x")
+    assert e.value.status == "PM_ERR_INVALID"
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.empty((2, -1), "uint8")
+    with pytest.raises(TypeError):
+        pinmem.empty((2, "x"), "uint8")
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.empty((1 << 62, 1 << 62), "uint8")
+
+
+def test_writes_visible_both_ways(rng):
+    b = pinmem.empty(4096, "uint8")
+    a = np.asarray(b)
+    m = memoryview(b)
+    d = np.from_dlpack(b)
+    data = random_bytes(rng, 4096)
+    a[:] = data
+    assert bytes(m) == data.tobytes()
+    np.testing.assert_array_equal(d, data)
+    m[9] = 0x5A
+    assert a[9] == 0x5A and d[9] == 0x5A
+    # NumPy marks arrays from legacy (pre-1.0) DLPack capsules read-only; with a DLPack >= 1.0
+    # header pinmem exports versioned capsules and the array is writable.
+    assert d.flags.writeable == bool(pinmem._pinmem.DLPACK_VERSIONED)
+    if d.flags.writeable:
+        d[7] = data[7] ^ 0xFF
+        assert m[7] == data[7] ^ 0xFF and a[7] == data[7] ^ 0xFF
+
+
+def test_memoryview_shape_and_format():
+    b = pinmem.empty((2, 3, 4), "float32")
+    m = memoryview(b)
+    assert m.shape == (2, 3, 4) and m.format == "f" and m.itemsize == 4 and not m.readonly
+    assert m.nbytes == b.nbytes == 96 and m.c_contiguous
+    assert b.strides == (48, 16, 4)
+    flat = m.cast("B")
+    assert flat.nbytes == 96
+
+
+def test_empty_zero_size():
+    b = pinmem.empty((0, 4), "float32")
+    assert b.nbytes == 0
+    a = np.asarray(b)
+    assert a.shape == (0, 4)
+    assert np.from_dlpack(b).shape == (0, 4)
+
+
+def test_dlpack_device_is_cpu():
+    b = pinmem.empty(8, "uint8")
+    assert b.__dlpack_device__() == (pinmem._pinmem.DLPACK_CPU, 0)
+    with pytest.raises(BufferError):
+        b.__dlpack__(copy=True)
+
+
+def test_pin_numpy_in_place(rng):
+    x = rng.random(10000)
+    before = pinmem.stats()["registered_bytes"]
+    p = pinmem.pin(x)
+    assert p.kind == "registered" and p.base is x and p.ptr == addr(x)
+    assert p.shape == x.shape and p.dtype == "float64" and not p.readonly
+    assert pinmem.stats()["registered_bytes"] == before + x.nbytes
+    info = pinmem.pointer_info(x)
+    assert info["kind"] == "registered" and info["base"] == addr(x) and info["size"] == x.nbytes
+    v = np.asarray(p)
+    assert addr(v) == addr(x)
+    v[0] = -1.0
+    assert x[0] == -1.0
+    del v
+    p.release()
+    assert p.released and pinmem.pointer_info(x)["kind"] == "pageable"
+    assert pinmem.stats()["registered_bytes"] == before
+
+
+def test_pin_twice_overlaps(rng):
+    x = rng.random(1000)
+    p = pinmem.pin(x)
+    with pytest.raises(pinmem.OverlapError) as e:
+        pinmem.pin(x[10:20])
+    assert e.value.status == "PM_ERR_OVERLAP" and e.value.message
+    with pytest.raises(pinmem.OverlapError):
+        pinmem.pin(p)
+    p.release()
+    pinmem.pin(x[10:20]).release()
+
+
+def test_pin_read_only_buffers(rng):
+    data = random_bytes(rng, 3000).tobytes()
+    p = pinmem.pin(data)
+    assert p.readonly and p.nbytes == 3000
+    m = memoryview(p)
+    assert m.readonly and bytes(m) == data
+    if pinmem._pinmem.DLPACK_VERSIONED:
+        d = np.from_dlpack(p)  # a versioned capsule says read-only
+        assert not d.flags.writeable and d.tobytes() == data
+        del d
+    else:
+        with pytest.raises(BufferError):
+            np.from_dlpack(p)  # legacy DLPack cannot say read-only
+    a = np.asarray(p)
+    assert not a.flags.writeable
+    x = np.arange(100, dtype=np.int32)
+    x.flags.writeable = False
+    q = pinmem.pin(x)
+    assert q.readonly and np.asarray(q)[99] == 99
+
+
+def test_pin_other_buffers(rng):
+    ba = bytearray(random_bytes(rng, 5000).tobytes())
+    p = pinmem.pin(ba)
+    assert p.nbytes == 5000 and not p.readonly
+    with pytest.raises(BufferError):
+        ba.extend(b"x")  # pinned memory cannot move
+    memoryview(p)[0] = 17
+    assert ba[0] == 17
+    p.release()
+    ba.extend(b"x")
+    arr = array.array("d", range(50))
+    q = pinmem.pin(arr)
+    assert q.dtype == "float64" and q.shape == (50,)
+    assert np.asarray(q)[49] == 49.0
+
+
+def test_pin_fortran_and_noncontiguous(rng):
+    f = np.asfortranarray(rng.random((30, 40)))
+    p = pinmem.pin(f)
+    a = np.asarray(p)
+    assert addr(a) == addr(f) and a.flags.f_contiguous
+    np.testing.assert_array_equal(a, f)
+    np.testing.assert_array_equal(np.from_dlpack(p), f)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.pin(rng.random((10, 10))[:, ::2])
+
+
+def test_pin_errors():
+    with pytest.raises(TypeError):
+        pinmem.pin(object())
+    with pytest.raises(pinmem.InvalidError) as e:
+        pinmem.pin(np.zeros(0))
+    assert "0 bytes" in e.value.message
+
+
+def test_lifetime_numpy_view_outlives_buffer(rng):
+    """Delete the PinnedBuffer while a NumPy view exists: the view stays valid and the memory
+    stays pinned until the view goes."""
+    b = pinmem.empty(1 << 16, "uint8")
+    ptr = b.ptr
+    a = np.asarray(b)
+    data = random_bytes(rng, 1 << 16)
+    a[:] = data
+    del b
+    gc.collect()
+    info = pinmem.pointer_info(ptr)
+    assert info["kind"] == "pool" and info["in_use"]
+    np.testing.assert_array_equal(a, data)
+    in_use = pinmem.stats()["in_use_bytes"]
+    del a
+    gc.collect()
+    assert pinmem.pointer_info(ptr)["in_use"] is False
+    assert pinmem.stats()["in_use_bytes"] < in_use
+
+
+def test_lifetime_dlpack_outlives_buffer(rng):
+    x = rng.random(2048)
+    p = pinmem.pin(x)
+    d = np.from_dlpack(p)
+    assert p.exports == 1
+    x5 = x[5]
+    del p, x
+    gc.collect()
+    ptr = addr(d)
+    assert pinmem.pointer_info(ptr)["kind"] == "registered"
+    assert d[5] == x5
+    del d
+    gc.collect()
+    assert pinmem.pointer_info(ptr)["kind"] == "pageable"
+
+
+def test_unconsumed_capsule_releases():
+    b = pinmem.empty(100, "uint8")
+    cap = b.__dlpack__()
+    assert b.exports == 1
+    del cap
+    assert b.exports == 0
+    b.release()
+
+
+def test_release_refused_while_exported():
+    b = pinmem.empty(64, "int32")
+    m = memoryview(b)
+    with pytest.raises(pinmem.BusyError) as e:
+        b.release()
+    assert e.value.status == "PM_ERR_BUSY"
+    m.release()
+    b.release()
+    assert b.released and b.ptr == 0
+    b.release()  # idempotent
+    with pytest.raises(BufferError):
+        memoryview(b)
+    with pytest.raises(pinmem.StateError):
+        pinmem.pointer_info(b)
+
+
+def test_context_manager():
+    with pinmem.empty(10, "uint8") as b:
+        ptr = b.ptr
+        assert pinmem.pointer_info(ptr)["in_use"]
+    assert b.released and pinmem.pointer_info(ptr)["in_use"] is False
+
+
+def test_buffers_cannot_be_built_directly():
+    with pytest.raises(TypeError):
+        pinmem.PinnedBuffer()
+
+
+def test_refcounts_do_not_leak():
+    b = pinmem.empty(16, "uint8")
+    base = sys.getrefcount(b)
+    for _ in range(100):
+        np.from_dlpack(b)
+        memoryview(b)
+        np.asarray(b)
+    gc.collect()
+    assert sys.getrefcount(b) == base and b.exports == 0
+
+
+def test_empty_like():
+    x = np.zeros((4, 7), dtype=np.int16)
+    b = pinmem.empty_like(x)
+    assert b.shape == (4, 7) and b.dtype == "int16"
+
+
+def test_pool_reuse_and_stats():
+    pinmem.trim()
+    s0 = pinmem.stats()
+    b = pinmem.empty(1 << 20, "uint8")
+    s1 = pinmem.stats()
+    assert s1["allocs"] == s0["allocs"] + 1 and s1["in_use_bytes"] >= 1 << 20
+    b.release()
+    c = pinmem.empty(1 << 20, "uint8")
+    s2 = pinmem.stats()
+    assert s2["cache_hits"] >= s1["cache_hits"] + 1
+    c.release()
+    assert pinmem.trim() >= 0

@@ -1,0 +1,236 @@
+"""pinmem.copy, Completion and Stream on whatever backend is in force (host without a GPU)."""
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import pinmem
+from conftest import SMALL, random_bytes
+
+SIZES = [1, 255, 4096, 65537, (1 << 20) + 3] + ([] if SMALL else [(3 << 20) + 17])
+
+
+def round_trip(src_host, dst_host, n, stream=None, **kw):
+    dev = pinmem.device_empty(n, "uint8")
+    c1 = pinmem.copy(dev, src_host, stream, **kw)
+    c2 = pinmem.copy(dst_host, dev, stream, **kw)
+    c2.wait()
+    assert c1.done() and c2.done()
+    return c1, c2
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_pinned_round_trip(n, rng):
+    src = pinmem.empty(n, "uint8")
+    dst = pinmem.empty(n, "uint8")
+    data = random_bytes(rng, n)
+    np.asarray(src)[:] = data
+    np.asarray(dst)[:] = ~data
+    c1, c2 = round_trip(src, dst, n)
+    np.testing.assert_array_equal(np.asarray(dst), data)
+    assert c1.path == "direct" and c2.path == "direct"
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_pageable_round_trip(n, rng):
+    data = random_bytes(rng, n)
+    out = np.zeros(n, dtype=np.uint8)
+    round_trip(data, out, n)
+    np.testing.assert_array_equal(out, data)
+
+
+def test_pageable_large_is_staged(rng):
+    n = 4 << 20
+    data = random_bytes(rng, n)
+    out = np.zeros(n, dtype=np.uint8)
+    c1, c2 = round_trip(data, out, n)
+    np.testing.assert_array_equal(out, data)
+    assert c1.path == "staged" and c2.path == "staged"
+
+
+def test_pinned_numpy_array_is_direct(rng):
+    x = rng.random(1 << 18)
+    y = np.zeros_like(x)
+    with pinmem.pin(x), pinmem.pin(y):
+        c1, c2 = round_trip(x, y, x.nbytes)
+        assert c1.path == "direct" and c2.path == "direct"
+    np.testing.assert_array_equal(x, y)
+
+
+def test_unaligned_and_typed(rng):
+    x = rng.random(10001).astype(np.float32)
+    src = pinmem.empty(x.shape, "float32")
+    np.asarray(src)[:] = x
+    dev = pinmem.device_empty(x.shape, "float32")
+    pinmem.copy(dev, src).wait()
+    raw = bytearray(x.nbytes + 3)
+    view = memoryview(raw)[3:]  # an unaligned destination
+    pinmem.copy(view, dev).wait()
+    np.testing.assert_array_equal(np.frombuffer(view, dtype=np.float32), x)
+
+
+def test_on_a_stream_and_wait_stream(rng):
+    n = 1 << 20
+    data = random_bytes(rng, n)
+    src = pinmem.empty(n, "uint8")
+    np.asarray(src)[:] = data
+    dev = pinmem.device_empty(n, "uint8")
+    out = pinmem.empty(n, "uint8")
+    np.asarray(out)[:] = 0
+    with pinmem.Stream() as s1, pinmem.Stream() as s2:
+        assert s1.ptr != 0 and s1.cuda_stream == s1.ptr
+        c1 = pinmem.copy(dev, src, s1)
+        c1.wait_stream(s2)  # s2's later work waits for the H2D copy
+        c2 = pinmem.copy(out, dev, s2)
+        s2.synchronize()
+        assert s2.query()
+        assert c2.done()
+    np.testing.assert_array_equal(np.asarray(out), data)
+
+
+def test_stream_handles_as_ints(rng):
+    n = 4096
+    data = random_bytes(rng, n)
+    s = pinmem.Stream()
+    out = np.zeros(n, dtype=np.uint8)
+    dev = pinmem.device_empty(n, "uint8")
+    pinmem.copy(dev, data, s.ptr).wait()
+
+    class Like:  # torch.cuda.Stream-style and CuPy-style stream objects
+        def __init__(self, h, attr):
+            setattr(self, attr, h)
+    pinmem.copy(out, dev, Like(s.ptr, "cuda_stream")).wait()
+    np.testing.assert_array_equal(out, data)
+    out[:] = 0
+    pinmem.copy(out, dev, Like(s.ptr, "ptr")).wait()
+    np.testing.assert_array_equal(out, data)
+    s.close()
+    with pytest.raises(pinmem.StateError):
+        pinmem.copy(out, dev, s)
+    with pytest.raises(TypeError):
+        pinmem.copy(out, dev, "stream")
+
+
+def test_dropped_completion_keeps_memory_alive(rng):
+    """Drop the Completion and the buffers right after submitting: the copy still lands."""
+    n = 2 << 20
+    data = random_bytes(rng, n)
+    out = pinmem.empty(n, "uint8")
+    view = np.asarray(out)
+    view[:] = 0
+    s = pinmem.Stream()
+    for _ in range(4):
+        src = pinmem.empty(n, "uint8")
+        np.asarray(src)[:] = data
+        dev = pinmem.device_empty(n, "uint8")
+        pinmem.copy(dev, src, s)
+        pinmem.copy(out, dev, s)
+        del src, dev  # only the parked copies hold them now
+        gc.collect()
+    s.synchronize()
+    np.testing.assert_array_equal(view, data)
+    assert pinmem._pinmem._pending_copies() == 0
+
+
+def test_completion_holds_buffer_busy(rng):
+    n = 1 << 20
+    src = pinmem.empty(n, "uint8")
+    np.asarray(src)[:] = random_bytes(rng, n)
+    dev = pinmem.device_empty(n, "uint8")
+    c = pinmem.copy(dev, src)
+    c.wait()
+    src.release()  # done: nothing holds it any more
+    assert src.released
+    dev.release()
+
+
+def test_nbytes_and_size_checks(rng):
+    data = random_bytes(rng, 1000)
+    small = np.zeros(10, dtype=np.uint8)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.copy(small, data)
+    pinmem.copy(small, data, nbytes=10).wait()
+    np.testing.assert_array_equal(small, data[:10])
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.copy(small, data, nbytes=11)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.copy(bytes(10), data, nbytes=5)  # read-only destination
+    with pytest.raises(TypeError):
+        pinmem.copy(small, object())
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.copy(small, data, nbytes=4, path="sideways")
+    c = pinmem.copy(small, data, nbytes=0)
+    c.wait()
+    assert c.done()
+
+
+def test_wrong_path_is_an_error_with_status(rng):
+    a = np.zeros(100, dtype=np.uint8)
+    b = random_bytes(rng, 100)
+    with pytest.raises(pinmem.InvalidError) as e:
+        pinmem.copy(a, b, path="staged")  # host to host cannot be staged
+    assert e.value.status == "PM_ERR_INVALID" and "pm_copy_async" in e.value.message
+
+
+def test_device_buffer_fill_and_dlpack_ordering(rng):
+    dev = pinmem.device_empty((64, 16), "uint8")
+    assert dev.kind == "device"
+    with pytest.raises(BufferError):
+        memoryview(dev)  # no CPU view
+    s = pinmem.Stream()
+    dev.fill(0xA5, stream=s)
+    out = np.zeros((64, 16), dtype=np.uint8)
+    pinmem.copy(out, dev, s).wait()
+    assert (out == 0xA5).all()
+    if pinmem.backend() == "host":
+        # On the host backend device memory is host memory: DLPack exports it as CPU memory,
+        # after the pending write is complete.
+        dev.fill(0x3C, stream=s)
+        a = np.from_dlpack(dev)
+        assert a.shape == (64, 16) and (a == 0x3C).all()
+
+
+def test_concurrent_waiters(rng):
+    n = 4 << 20
+    data = random_bytes(rng, n)
+    out = np.zeros(n, dtype=np.uint8)
+    dev = pinmem.device_empty(n, "uint8")
+    pinmem.copy(dev, data).wait()
+    c = pinmem.copy(out, dev)
+    errors = []
+
+    def waiter():
+        try:
+            c.wait()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=waiter) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and c.done() and c.path == "staged"
+    np.testing.assert_array_equal(out, data)
+
+
+def test_threads_copy_at_once(rng):
+    n = 256 << 10
+    results = {}
+
+    def worker(k):
+        r = np.random.default_rng(k)
+        data = random_bytes(r, n)
+        out = np.zeros(n, dtype=np.uint8)
+        with pinmem.Stream() as s:
+            for _ in range(3):
+                dev = pinmem.device_empty(n, "uint8")
+                pinmem.copy(dev, data, s)
+                pinmem.copy(out, dev, s).wait()
+        results[k] = np.array_equal(out, data)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: True, 1: True, 2: True, 3: True}

@@ -1,0 +1,281 @@
+"""pinmem.Loader on whatever backend is in force (the host backend without a GPU)."""
+import gc
+
+import numpy as np
+import pytest
+
+import pinmem
+from conftest import SMALL
+
+
+def host(a):
+    """A batch array's contents as a NumPy array (copied out through pinmem)."""
+    out = np.empty(a.shape, dtype=a.dtype)
+    pinmem.copy(out, a).wait()
+    return out
+
+
+@pytest.fixture
+def xy(rng):
+    n = 1000 if not SMALL else 200
+    X = rng.random((n, 3, 4), dtype=np.float32)
+    Y = rng.integers(0, 1 << 40, size=n, dtype=np.int64)
+    return X, Y
+
+
+def epoch_of(loader):
+    rows = []
+    for b in loader.batches():
+        x, y = host(b[0]), host(b[1])
+        idx = np.frombuffer(b.indices, dtype=np.uint64).astype(np.int64)
+        rows.append((b.epoch, b.index, idx, x, y))
+    return rows
+
+
+def test_array_dataset_in_order(xy):
+    X, Y = xy
+    loader = pinmem.Loader((X, Y), batch_size=64)
+    assert len(loader) == -(-len(X) // 64)
+    rows = epoch_of(loader)
+    assert [r[1] for r in rows] == list(range(len(loader)))
+    idx = np.concatenate([r[2] for r in rows])
+    np.testing.assert_array_equal(idx, np.arange(len(X)))
+    np.testing.assert_array_equal(np.concatenate([r[3] for r in rows]), X)
+    np.testing.assert_array_equal(np.concatenate([r[4] for r in rows]), Y)
+    assert rows[-1][3].shape[0] == len(X) % 64 or len(X) % 64 == 0
+    assert rows[0][3].shape == (64, 3, 4) and rows[0][4].shape == (64,)
+
+
+def test_shuffle_is_a_permutation_per_epoch_and_seeded(xy):
+    X, Y = xy
+    loader = pinmem.Loader((X, Y), batch_size=50, shuffle=True, seed=7, num_workers=2)
+    e0 = epoch_of(loader)
+    e1 = epoch_of(loader)
+    assert {r[0] for r in e0} == {0} and {r[0] for r in e1} == {1}
+    o0 = np.concatenate([r[2] for r in e0])
+    o1 = np.concatenate([r[2] for r in e1])
+    assert sorted(o0) == list(range(len(X))) and sorted(o1) == list(range(len(X)))
+    assert not np.array_equal(o0, o1) and not np.array_equal(o0, np.arange(len(X)))
+    for r in e0:
+        np.testing.assert_array_equal(r[3], X[r[2]])
+        np.testing.assert_array_equal(r[4], Y[r[2]])
+    again = pinmem.Loader((X, Y), batch_size=50, shuffle=True, seed=7)
+    np.testing.assert_array_equal(np.concatenate([r[2] for r in epoch_of(again)]), o0)
+    other = pinmem.Loader((X, Y), batch_size=50, shuffle=True, seed=8)
+    assert not np.array_equal(np.concatenate([r[2] for r in epoch_of(other)]), o0)
+
+
+def test_drop_last_and_epochs(xy):
+    X, Y = xy
+    bs = len(X) * 3 // 10
+    loader = pinmem.Loader((X, Y), batch_size=bs, drop_last=True, epochs=2)
+    assert len(loader) == len(X) // bs
+    n = 0
+    for x, y in loader:
+        assert x.shape[0] == bs
+        n += 1
+    for x, y in loader:
+        n += 1
+    assert n == 2 * (len(X) // bs)
+    assert list(loader) == []  # both epochs delivered
+
+
+def test_single_array_yields_arrays(rng):
+    X = rng.integers(0, 255, size=(100, 16), dtype=np.uint8)
+    loader = pinmem.Loader(X, batch_size=32)
+    got = [host(x) for x in loader]
+    np.testing.assert_array_equal(np.concatenate(got), X)
+
+
+def test_host_delivery_is_zero_copy_pinned(xy):
+    X, Y = xy
+    loader = pinmem.Loader((X, Y), batch_size=100, device="cpu")
+    assert loader.device == "cpu"
+    n = 0
+    for b in loader.batches():
+        a = np.asarray(b[0])  # host memory: the buffer protocol works, no copy
+        assert a.__array_interface__["data"][0] == b[0].ptr
+        assert pinmem.pointer_info(b[0].ptr)["kind"] == "pool"
+        idx = np.frombuffer(b.indices, dtype=np.uint64).astype(np.int64)
+        np.testing.assert_array_equal(a, X[idx])
+        np.testing.assert_array_equal(np.from_dlpack(b[1]), Y[idx])
+        n += len(idx)
+    assert n == len(X)
+
+
+def test_state_dict_resume(xy):
+    X, Y = xy
+    kw = dict(batch_size=len(X) // 14, shuffle=True, seed=3)
+    ref = pinmem.Loader((X, Y), **kw)
+    full = epoch_of(ref) + epoch_of(ref)
+    loader = pinmem.Loader((X, Y), **kw)
+    it = loader.batches()
+    for _ in range(5):
+        b = next(it)
+    del b
+    it.close()
+    gc.collect()
+    state = loader.state_dict()
+    assert state["epoch"] == 0 and state["batch"] == 5
+    loader.close()
+    resumed = pinmem.Loader((X, Y), **kw)
+    resumed.load_state_dict(state)
+    rest = epoch_of(resumed) + epoch_of(resumed)
+    assert len(rest) == len(full) - 5
+    for a, b in zip(rest, full[5:]):
+        assert a[:2] == b[:2]
+        np.testing.assert_array_equal(a[2], b[2])
+        np.testing.assert_array_equal(a[3], b[3])
+    bad = dict(state, seed=4)
+    with pytest.raises(pinmem.InvalidError):
+        resumed.load_state_dict(bad)
+
+
+def test_holding_too_many_batches_is_busy(rng):
+    X = rng.random((64, 8))
+    loader = pinmem.Loader(X, batch_size=4, prefetch_factor=2, num_workers=1)
+    prefetch = loader.stats()["prefetch"]
+    held = []
+    with pytest.raises(pinmem.BusyError) as e:
+        for b in loader.batches():
+            held.append(b)
+    assert len(held) == prefetch and e.value.status == "PM_ERR_BUSY"
+    with pytest.raises(pinmem.BusyError):
+        loader.close()
+    held.clear()
+    del b
+    gc.collect()
+    assert loader.stats()["held"] == 0
+    rest = [host(x) for x in loader]  # continues where it stopped
+    assert sum(len(r) for r in rest) == 64 - 4 * prefetch
+    loader.close()
+
+
+def test_batch_outlives_loader_object(rng):
+    X = rng.random((40, 5))
+    loader = pinmem.Loader(X, batch_size=10)
+    x = next(iter(loader))
+    del loader
+    gc.collect()
+    np.testing.assert_array_equal(host(x), X[:10])  # the C loader lives while its batch does
+
+
+def test_npy_files(tmp_path, rng):
+    a = rng.random((30, 6), dtype=np.float32)
+    b = rng.random((20, 6), dtype=np.float32)
+    pa, pb = tmp_path / "a.npy", tmp_path / "b.npy"
+    np.save(pa, a)
+    np.save(pb, b)
+    loader = pinmem.Loader([pa, pb], batch_size=16)
+    got = np.concatenate([host(x) for x in loader])
+    np.testing.assert_array_equal(got, np.concatenate([a, b]))
+    mm = pinmem.Loader(pinmem.NpyDataset(str(pa), io="mmap"), batch_size=7)
+    np.testing.assert_array_equal(np.concatenate([host(x) for x in mm]), a)
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(b"not a numpy file at all")
+    with pytest.raises(pinmem.FormatError) as e:
+        pinmem.Loader(bad, batch_size=4)
+    assert e.value.status == "PM_ERR_FORMAT"
+    with pytest.raises(pinmem.IoError):
+        pinmem.Loader(tmp_path / "missing.npy", batch_size=4)
+
+
+def test_token_dataset(tmp_path, rng):
+    tokens = rng.integers(0, 50000, size=5000, dtype=np.uint16)
+    path = tmp_path / "train.bin"
+    tokens.tofile(path)
+    loader = pinmem.Loader(pinmem.TokenDataset(path, seq_len=32, random=False), batch_size=8)
+    n = 0
+    for x, y in loader:
+        xi, yi = host(x), host(y)
+        assert xi.shape == (8, 32) or xi.shape[0] < 8
+        np.testing.assert_array_equal(xi[:, 1:], yi[:, :-1])  # targets: inputs shifted by one
+        for row in xi:
+            start = int(np.flatnonzero((tokens[:-32] == row[0]))[0])
+            assert start >= 0
+        n += len(xi)
+    assert n == (5000 - 1) // 32
+
+
+class MapDataset:
+    def __init__(self, X, Y, fail_at=None):
+        self.X, self.Y, self.fail_at = X, Y, fail_at
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise KeyError(f"sample {i} is broken")
+        return self.X[i].tolist(), int(self.Y[i])
+
+
+def test_python_map_dataset(rng):
+    X = rng.random((90, 4))
+    Y = rng.integers(0, 10, size=90)
+    loader = pinmem.Loader(MapDataset(X, Y), batch_size=20, shuffle=True, seed=1)
+    seen = []
+    for b in loader.batches():
+        idx = np.frombuffer(b.indices, dtype=np.uint64).astype(np.int64)
+        np.testing.assert_array_equal(host(b[0]), X[idx])
+        np.testing.assert_array_equal(host(b[1]), Y[idx])
+        assert host(b[1]).shape == (len(idx),)
+        seen.extend(idx)
+    assert sorted(seen) == list(range(90))
+
+
+def test_python_dataset_error_propagates(rng):
+    X = rng.random((40, 4))
+    loader = pinmem.Loader(MapDataset(X, np.zeros(40), fail_at=25), batch_size=10)
+    it = iter(loader)
+    first = [next(it), next(it)]  # batches before the broken one still arrive
+    assert len(first) == 2
+    with pytest.raises(KeyError) as e:
+        for _ in range(3):
+            next(it)
+    assert "sample 25 is broken" in str(e.value)
+    assert isinstance(e.value.__cause__, pinmem.Error)
+
+
+def test_bad_arguments(rng):
+    X = rng.random((10, 2))
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.Loader(X, batch_size=0)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.Loader(X, batch_size=2, device="tpu")
+    with pytest.raises(TypeError):
+        pinmem.Loader(object(), batch_size=2)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.Loader((X, X[:5]), batch_size=2)
+
+
+def test_copy_from_batch_orders_after_its_copy(rng):
+    X = rng.random((256, 64))
+    loader = pinmem.Loader(X, batch_size=128, prefetch_factor=2)
+    s = pinmem.Stream()
+    out = pinmem.empty((128, 64), "float64")
+    for i, x in enumerate(loader):
+        pinmem.copy(out, x, s).wait()
+        np.testing.assert_array_equal(np.asarray(out), X[i * 128:(i + 1) * 128])
+
+
+def test_training_loop_learns_numpy(rng):
+    """Logistic regression fed by the loader: the loss must fall well below its start."""
+    n, d = 2000 if not SMALL else 400, 10
+    w_true = rng.normal(size=d)
+    X = rng.normal(size=(n, d)).astype(np.float32)
+    Y = (X @ w_true > 0).astype(np.float32)
+    loader = pinmem.Loader((X, Y), batch_size=100, shuffle=True, seed=0)
+    w = np.zeros(d)
+
+    def loss(w):
+        p = 1 / (1 + np.exp(-(X @ w)))
+        return -np.mean(Y * np.log(p + 1e-9) + (1 - Y) * np.log(1 - p + 1e-9))
+    start = loss(w)
+    for epoch in range(5):
+        for x, y in loader:
+            xb, yb = host(x).astype(np.float64), host(y)
+            p = 1 / (1 + np.exp(-(xb @ w)))
+            w -= 0.5 * xb.T @ (p - yb) / len(yb)
+    assert loss(w) < 0.5 * start
+    assert loader.epoch == 5

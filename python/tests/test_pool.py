@@ -1,0 +1,154 @@
+"""Pool control, options, errors and introspection."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import pinmem
+
+
+def test_backend_and_version():
+    assert pinmem.backend() in ("cuda", "host")
+    assert pinmem.init() == pinmem.backend()
+    assert pinmem.__version__.count(".") == 2
+    assert pinmem.device_count() >= 1
+    info = pinmem.device_info(0)
+    assert info["index"] == 0 and info["name"]
+    with pytest.raises(pinmem.Error):
+        pinmem.device_info(1000)
+
+
+def test_error_hierarchy():
+    assert issubclass(pinmem.BudgetError, pinmem.Error)
+    assert issubclass(pinmem.InvalidError, ValueError)
+    assert issubclass(pinmem.NomemError, MemoryError)
+    assert issubclass(pinmem.TimeoutError, TimeoutError)
+    for name in ["BudgetError", "MemlockError", "NoDeviceError", "BackendError", "NotFoundError",
+                 "OverlapError", "DoubleFreeError", "WrongKindError", "BusyError",
+                 "UnsupportedError", "ConfigError", "IoError", "FormatError", "StateError",
+                 "DeviceMemoryError", "InternalError"]:
+        assert issubclass(getattr(pinmem, name), pinmem.Error), name
+    with pytest.raises(pinmem.FormatError) as e:
+        pinmem._pinmem._raise(-16, "a detail")
+    assert e.value.status == "PM_ERR_FORMAT" and e.value.code == -16
+    assert e.value.message == "a detail"
+    assert str(e.value) == "PM_ERR_FORMAT: malformed input data: a detail"
+
+
+def test_parse_size():
+    assert pinmem.parse_size("64K") == 64 << 10
+    assert pinmem.parse_size("1.5M") == 3 << 19
+    assert pinmem.parse_size(12345) == 12345
+    with pytest.raises(pinmem.Error) as e:
+        pinmem.parse_size("12 parsecs")
+    assert e.value.status.startswith("PM_ERR_")
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.parse_size(-1)
+
+
+def test_options_listing_and_setting():
+    opts = pinmem.options()
+    assert "budget" in opts and "backend" in opts
+    b = opts["budget"]
+    assert set(b) == {"value", "default", "env", "source", "doc"}
+    assert b["env"] == "PINMEM_BUDGET" and b["doc"]
+    old = pinmem.get_option("copy_chunk")
+    pinmem.set_option("copy_chunk", "2M")
+    assert pinmem.options()["copy_chunk"]["source"] == "set"
+    assert pinmem.parse_size(pinmem.get_option("copy_chunk")) == 2 << 20
+    pinmem.set_option("copy_chunk", old)
+    with pytest.raises(pinmem.ConfigError) as e:
+        pinmem.set_option("copy_chunk", "lots")
+    assert e.value.status == "PM_ERR_CONFIG" and e.value.message
+    with pytest.raises(pinmem.Error) as e:
+        pinmem.set_option("no_such_option", "1")
+    with pytest.raises(pinmem.Error):
+        pinmem.get_option("no_such_option")
+
+
+def test_stats_keys():
+    s = pinmem.stats()
+    for k in ["budget", "pinned_bytes", "pinned_peak", "in_use_bytes", "requested_bytes",
+              "cached_bytes", "pending_bytes", "registered_bytes", "segments", "allocs",
+              "frees", "cache_hits", "backend_allocs", "backend_frees", "budget_waits",
+              "budget_failures", "backend_alloc_seconds", "backend_free_seconds"]:
+        assert k in s, k
+    assert s["budget"] == pinmem.budget() > 0
+    pinmem.reset_peak()
+    assert pinmem.stats()["pinned_peak"] == pinmem.stats()["pinned_bytes"]
+
+
+def test_reserve_and_trim():
+    pinmem.trim()
+    before = pinmem.stats()["cached_bytes"]
+    pinmem.reserve("8M")
+    s = pinmem.stats()
+    assert s["cached_bytes"] >= before + (8 << 20)
+    b = pinmem.empty(8 << 20, "uint8")
+    assert pinmem.stats()["cache_hits"] > s["cache_hits"]
+    b.release()
+    assert pinmem.trim() >= 8 << 20
+
+
+def test_budget_errors():
+    pinmem.trim()
+    old = pinmem.budget()
+    held = pinmem.stats()["pinned_bytes"]
+    try:
+        pinmem.set_budget(held + (6 << 20))
+        assert pinmem.budget() == held + (6 << 20)
+        keep = pinmem.empty(4 << 20, "uint8")
+        with pytest.raises(pinmem.BudgetError) as e:
+            pinmem.empty(4 << 20, "uint8")  # fits the budget, but not beside `keep`
+        assert e.value.status == "PM_ERR_BUDGET" and e.value.code == -3
+        assert e.value.message  # the detail names the limit
+        assert pinmem.stats()["budget_failures"] >= 1
+        x = np.ones(4 << 20, dtype=np.uint8)
+        with pytest.raises(pinmem.BudgetError):
+            pinmem.pin(x)  # registrations count against the budget too
+        assert pinmem.pointer_info(x)["kind"] == "pageable"
+        with pytest.raises(pinmem.BusyError):
+            pinmem.set_budget(1 << 20)  # below what is in use
+        keep.release()
+    finally:
+        pinmem.set_budget(old)
+    assert pinmem.budget() == old
+    pinmem.empty(16 << 20, "uint8").release()
+
+
+def test_pointer_info_kinds():
+    x = np.arange(100)
+    assert pinmem.pointer_info(x)["kind"] == "pageable"
+    assert pinmem.pointer_info(x.ctypes.data)["kind"] == "pageable"
+    d = pinmem.device_empty(100, "uint8")
+    assert pinmem.pointer_info(d)["kind"] == "device"
+    with pytest.raises(TypeError):
+        pinmem.pointer_info("nowhere")
+
+
+def test_env_options_in_a_fresh_process():
+    """PINMEM_* variables reach the option table; a bad one is ignored, not fatal."""
+    code = textwrap.dedent("""
+        import pinmem
+        o = pinmem.options()
+        print(o["copy_slots"]["value"], o["copy_slots"]["source"], pinmem.budget())
+    """)
+    env = dict(os.environ, PINMEM_COPY_SLOTS="7", PINMEM_BUDGET="64M")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["7", "env", str(64 << 20)]
+
+
+def test_backend_cuda_without_device_raises():
+    if pinmem.backend() == "cuda":
+        pytest.skip("a CUDA device is present")
+    code = "import pinmem\ntry:\n    pinmem.init()\nexcept pinmem.Error as e:\n" \
+           "    print(e.status)\n"
+    env = dict(os.environ, PINMEM_BACKEND="cuda")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    # No device here; a build without the cuda backend cannot offer it either.
+    assert out in ("PM_ERR_NO_DEVICE", "PM_ERR_UNSUPPORTED")

@@ -1,0 +1,133 @@
+"""PyTorch interop. CPU tests need torch; GPU tests need torch with CUDA and pinmem's cuda
+backend. Each skips with the reason when that is missing (on the lent GPU machine they run)."""
+import gc
+
+import numpy as np
+import pytest
+
+import pinmem
+from conftest import skip_unless_torch, skip_unless_torch_cuda
+
+
+def test_torch_from_dlpack_zero_copy(rng):
+    torch = skip_unless_torch()
+    b = pinmem.empty((8, 16), "float32")
+    np.asarray(b)[:] = rng.random((8, 16), dtype=np.float32)
+    t = torch.from_dlpack(b)
+    assert t.data_ptr() == b.ptr and t.shape == (8, 16) and t.dtype == torch.float32
+    assert t.device.type == "cpu"
+    t[3, 4] = 42.0  # torch tensors are writable: visible through NumPy
+    assert np.asarray(b)[3, 4] == 42.0
+    del b
+    gc.collect()
+    assert float(t[3, 4]) == 42.0  # the tensor keeps the memory
+
+
+def test_pin_torch_cpu_tensor_in_place(rng):
+    torch = skip_unless_torch()
+    t = torch.from_numpy(rng.random((256, 33)))
+    p = pinmem.pin(t)
+    assert p.ptr == t.data_ptr() and p.shape == (256, 33) and p.dtype == "float64"
+    assert pinmem.pointer_info(t.data_ptr())["kind"] == "registered"
+    v = torch.from_dlpack(p)
+    assert v.data_ptr() == t.data_ptr()
+    del v
+    p.release()
+    assert pinmem.pointer_info(t.data_ptr())["kind"] == "pageable"
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.pin(t.t())  # not contiguous
+
+
+def test_pin_tensor_then_copy_to_cuda(rng):
+    torch = skip_unless_torch_cuda()
+    t = torch.from_numpy(rng.random(1 << 20).astype(np.float32))
+    with pinmem.pin(t):
+        d = torch.empty_like(t, device="cuda")
+        s = torch.cuda.Stream()
+        c = pinmem.copy(d, t, stream=s)  # torch stream handle through .cuda_stream
+        c.wait_stream(torch.cuda.current_stream())
+        assert torch.equal(d.cpu(), t)
+        c.wait()
+        assert c.path == "direct"
+        back = torch.empty_like(t)
+        with pinmem.pin(back):
+            pinmem.copy(back, d).wait()
+        assert torch.equal(back, t)
+
+
+def test_device_buffer_to_torch_with_stream_order(rng):
+    torch = skip_unless_torch_cuda()
+    n = 1 << 22
+    src = pinmem.empty(n, "uint8")
+    np.asarray(src)[:] = rng.integers(1, 255, size=n, dtype=np.uint8)
+    dev = pinmem.device_empty(n, "uint8")
+    s = pinmem.Stream()
+    pinmem.copy(dev, src, s)  # not waited for: torch's stream must wait on its own
+    t = torch.from_dlpack(dev)
+    assert t.device.type == "cuda" and t.data_ptr() == dev.ptr
+    assert torch.equal(t.cpu(), torch.from_numpy(np.asarray(src)))
+
+
+def _loader_vs_dataloader(torch, device):
+    from torch.utils.data import DataLoader, TensorDataset
+    g = np.random.default_rng(1)
+    X = torch.from_numpy(g.random((1000, 12), dtype=np.float32))
+    Y = torch.from_numpy(g.integers(0, 5, size=1000))
+    loader = pinmem.Loader(TensorDataset(X, Y), batch_size=64, shuffle=True, seed=5,
+                           device=device)
+    order = []
+    batches = []
+    for b in loader.batches():
+        order.extend(int(i) for i in b.indices)
+        batches.append(tuple(torch.from_dlpack(a).cpu().clone() for a in b))
+        del b
+    # torch's DataLoader over the same data in the same (seeded) order: equal batches.
+    ref = DataLoader(TensorDataset(X, Y), batch_size=64, sampler=order)
+    n = 0
+    for (x, y), (rx, ry) in zip(batches, ref):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+        n += 1
+    assert n == len(loader) == len(ref)
+    # Without shuffling both take the natural order.
+    plain = pinmem.Loader((X, Y), batch_size=100, device=device)
+    for (x, y), (rx, ry) in zip(plain.as_torch(), DataLoader(TensorDataset(X, Y),
+                                                            batch_size=100)):
+        assert torch.equal(x.cpu(), rx) and torch.equal(y.cpu(), ry)
+
+
+def test_loader_matches_torch_dataloader_cpu():
+    torch = skip_unless_torch()
+    _loader_vs_dataloader(torch, "cpu")
+
+
+def test_loader_matches_torch_dataloader_cuda():
+    torch = skip_unless_torch_cuda()
+    _loader_vs_dataloader(torch, "cuda")
+
+
+def test_training_loop_learns_cuda():
+    """A small MLP fed by pinmem.Loader on the GPU: the loss must fall."""
+    torch = skip_unless_torch_cuda()
+    torch.manual_seed(0)
+    g = np.random.default_rng(0)
+    X = g.normal(size=(4096, 20)).astype(np.float32)
+    w = g.normal(size=(20,)).astype(np.float32)
+    Y = (X @ w > 0).astype(np.int64)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 2)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = pinmem.Loader((X, Y), batch_size=128, shuffle=True, seed=0, num_workers=2)
+    losses = []
+    for epoch in range(5):
+        total = 0.0
+        for x, y in loader.as_torch():
+            assert x.is_cuda and y.is_cuda
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss)
+        losses.append(total / len(loader))
+    assert losses[-1] < 0.5 * losses[0], losses
+    s = loader.stats()
+    assert s["batches"] >= 5 * len(loader) and s["copy_seconds"] > 0
