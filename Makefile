@@ -6,8 +6,9 @@ BUILD      ?= build
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_ARGS ?=
 CTEST      := ctest --output-on-failure --no-tests=error
+PYTHON     ?= python3
 
-.PHONY: all build test test-host test-asan test-tsan test-valgrind test-gpu bench install clean
+.PHONY: all build test test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python bench install clean
 
 all: build
 
@@ -15,7 +16,7 @@ build:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: test-host test-asan test-tsan test-valgrind test-gpu
+test: test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python
 	@echo "make test: all suites passed"
 
 test-host: build
@@ -38,6 +39,14 @@ test-valgrind:
 	cd $(BUILD)-host && PINMEM_TEST_SMALL=1 $(CTEST) -L host -E cli -j $(JOBS) -T memcheck --overwrite MemoryCheckCommand=$$(command -v valgrind) \
 	  --overwrite MemoryCheckCommandOptions="--error-exitcode=97 --leak-check=full --errors-for-leak-kinds=definite,indirect --track-origins=no"
 
+# libFuzzer smoke runs (tests/fuzz): clang, ASan+UBSan, FUZZ_SECONDS per target from the
+# committed seed corpus.
+FUZZ_SECONDS ?= 20
+test-fuzz:
+	cmake -S . -B $(BUILD)-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=address -DPINMEM_FUZZ=ON -DPINMEM_FUZZ_SECONDS=$(FUZZ_SECONDS) $(CMAKE_ARGS)
+	cmake --build $(BUILD)-fuzz -j $(JOBS) --target fuzz_targets
+	cd $(BUILD)-fuzz && $(CTEST) -L fuzz -j $(JOBS)
+
 # GPU tests: run when a CUDA device is visible, otherwise say so plainly.
 test-gpu: build
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
@@ -45,6 +54,23 @@ test-gpu: build
 	else \
 	  echo "test-gpu: no NVIDIA GPU on this machine: the gpu-labelled tests did not run (run 'make test-gpu' on a GPU machine)"; \
 	fi
+
+# Python package: the extension module from the same CMake build (PINMEM_PYTHON=ON) in
+# $(BUILD)-py, then pytest over python/tests with that tree on PYTHONPATH (the cuda backend where
+# a GPU is present, else the host backend; torch tests skip, saying why, without torch+CUDA).
+# Then the packaging itself: `pip wheel .` through scikit-build-core with PINMEM_CUDA=OFF (as on
+# a machine without a toolkit), and the buffer and copy tests again against the unpacked wheel.
+test-python:
+	cmake -S . -B $(BUILD)-py -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINMEM_PYTHON=ON -DPINMEM_TESTS=OFF \
+	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
+	cmake --build $(BUILD)-py -j $(JOBS) --target _pinmem
+	PYTHONPATH=$(CURDIR)/$(BUILD)-py/python $(PYTHON) -m pytest -q -p no:cacheprovider python/tests
+	rm -rf $(BUILD)-py/wheel $(BUILD)-py/site
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps \
+	  -w $(BUILD)-py/wheel -Ccmake.define.PINMEM_CUDA=OFF -Cbuild-dir=$(BUILD)-py/wheel-build .
+	$(PYTHON) -m zipfile -e $(BUILD)-py/wheel/pinmem-*.whl $(BUILD)-py/site
+	PYTHONPATH=$(CURDIR)/$(BUILD)-py/site $(PYTHON) -m pytest -q -p no:cacheprovider \
+	  python/tests/test_buffers.py python/tests/test_copy.py
 
 bench: build
 	./$(BUILD)/pinmem info
@@ -54,4 +80,4 @@ install: build
 	cmake --install $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz

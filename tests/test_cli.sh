@@ -341,6 +341,22 @@ bad_lines=(
   "bench alloc --summarize"
   "bench alloc --summarize x --sizes 4M"
 )
+# The loader's CI target: 3 shuffled epochs, 2 ranks x 2 workers, every delivered sample
+# checked against its source, each exactly once per epoch.
+run loader_verify "$bin" bench loader --verify --world 2 --workers 2 --epochs 3 --pin on
+expect_rc loader_verify 0 &&
+  expect_grep loader_verify out '^TARGET --verify: 3 epochs, shuffle, 2 ranks x 2 workers: .* PASS$'
+run loader_verify_json "$bin" --json bench loader --verify --world 2 --workers 2 --epochs 2 --pin both
+expect_rc loader_verify_json 0 &&
+  json_check loader_verify_json '
+cases = [r for r in rows if r.get("bench") == "loader"]
+if len(cases) < 2: bad("expected loader rows for pinned and pageable, got %d" % len(cases))
+for r in cases:
+    for k in ("case", "bytes", "seconds", "gbps", "verified"):
+        if k not in r: bad("loader row without %s: %r" % (k, r))
+    if r.get("verified") is not True: bad("loader row not verified: %r" % r)
+'
+
 i=0
 for line in "${bad_lines[@]}"; do
   i=$((i + 1))

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "bench.h"
+#include "bench_loader.h"
 #include "cli.h"
 
 void cli_print_usage(FILE *out) {
@@ -25,6 +26,8 @@ void cli_print_usage(FILE *out) {
       "  bench copy           host<->device bandwidth by path: plain vs pinmem, pageable vs\n"
       "                       pinned, write-combined, zero-copy, managed, batched (--help)\n"
       "  bench overlap        a copy beside a kernel of equal length: serial vs two streams\n"
+      "  bench loader         the data loader feeding a simulated training loop, pinned vs\n"
+      "                       pageable batches (--help)\n"
       "  help                 this text\n"
       "  --version            the version\n"
       "\n"
@@ -87,6 +90,7 @@ static int dispatch_own_parser(int argc, char **argv, int *handled) {
   } benches[] = {
       {"copy", pm_cli_bench_copy},
       {"overlap", pm_cli_bench_overlap},
+      {"loader", pm_cli_bench_loader},
   };
   *handled = 0;
   int k = 1;
@@ -200,9 +204,9 @@ int main(int argc, char **argv) {
     return cli_cmd_info(json);
   }
   if (strcmp(words[0], "bench") == 0) {
-    if (nwords < 2) cli_usage_error("bench needs a benchmark name: alloc, copy or overlap");
+    if (nwords < 2) cli_usage_error("bench needs a benchmark name: alloc, copy, overlap or loader");
     if (!bench_alloc)
-      cli_usage_error("unknown benchmark '%s' (known: alloc, copy, overlap)", words[1]);
+      cli_usage_error("unknown benchmark '%s' (known: alloc, copy, overlap, loader)", words[1]);
     cli_bench_alloc_args_t args;
     memset(&args, 0, sizeof args);
     args.json = json;
