@@ -437,8 +437,15 @@ static pm_status_t device_alloc(size_t bytes, void **dptr_out) {
 }
 
 /* cudaFree releases device and managed memory alike; so do device_free and managed_free. */
+static pm_status_t device_synchronize(void);
+
 static pm_status_t device_release(const char *fn, void *ptr) {
   if (!ptr) return pm__set_error(PM_ERR_INVALID, "%s: ptr is NULL", fn);
+  /* cudaFree synchronizes the device before it returns memory: queued copies and kernels that
+   * still use it finish first. Model that, so freeing after a failed or skipped stream
+   * synchronize cannot pull memory out from under a stream's worker. */
+  pm_status_t sync = device_synchronize();
+  if (sync != PM_OK) return pm__wrap_error(sync, "%s(%p)", fn, ptr);
   pthread_mutex_lock(&mem_lock);
   long i = tbl_find(&device_tbl, (uintptr_t)ptr);
   pm_status_t st = PM_OK;
