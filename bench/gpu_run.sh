@@ -2,12 +2,24 @@
 # One batch for a GPU machine: build with the cuda backend, run the GPU-labelled tests and the
 # benchmarks, and leave logs and JSON lines in $OUT (default ./gpu-out). Used on the lent H200;
 # works on any Linux machine with a CUDA toolkit and an NVIDIA GPU.
-#   bench/gpu_run.sh [steps...]   steps: build tests alloc copy overlap (default: all)
+#   bench/gpu_run.sh [steps...]
+#   steps: build tests alloc copy overlap loader torch python (default: all; plan two calls on
+#   a 10-minute lease: "build tests alloc copy overlap" then "build loader torch python")
+# The Python steps need dlpack/dlpack.h: carry it in .carry/dlpack/ (DLPACK_INCLUDE_DIR).
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
+# Everything lands in $OUT/run and is packed into $OUT/gpu-run.tgz at exit (a lent machine
+# returns only a few files), with the JSON lines also left beside it.
+DEST=${OUT:-$PWD/gpu-out}
+OUT=$DEST/run
 mkdir -p "$OUT"
+pack() {
+  tar czf "$DEST/gpu-run.tgz" -C "$OUT" . 2>/dev/null
+  cat "$OUT"/bench-*.jsonl >"$DEST/bench.jsonl" 2>/dev/null
+  rm -rf "$OUT"
+}
+trap pack EXIT
 BUILD=${BUILD:-build-gpu}
-STEPS=${*:-build tests alloc copy overlap}
+STEPS=${*:-build tests alloc copy overlap loader torch python}
 log() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
@@ -40,5 +52,31 @@ for b in alloc copy overlap; do
   timeout 400 "./$BUILD/pinmem" bench "$b" --json >"$OUT/bench-$b.jsonl" 2>"$OUT/bench-$b.err" || { status=1; tail -20 "$OUT/bench-$b.err"; }
   timeout 30 "./$BUILD/pinmem" bench "$b" --summarize "$OUT/bench-$b.jsonl" 2>/dev/null || tail -40 "$OUT/bench-$b.jsonl"
 done
+if has loader; then
+  log "bench loader"
+  timeout 300 "./$BUILD/pinmem" bench loader --json >"$OUT/bench-loader.jsonl" 2>"$OUT/bench-loader.err" || { status=1; tail -20 "$OUT/bench-loader.err"; }
+  tail -12 "$OUT/bench-loader.err"
+  grep -h TARGET "$OUT/bench-loader.err" "$OUT/bench-loader.jsonl" 2>/dev/null | head
+fi
+
+if has python; then
+  log "python extension and tests"
+  export DLPACK_INCLUDE_DIR=${DLPACK_INCLUDE_DIR:-$PWD/.carry}
+  cmake -S . -B "$BUILD-py" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DPINMEM_PYTHON=ON -DPINMEM_TESTS=OFF -DPINMEM_DLPACK_INCLUDE_DIR="$DLPACK_INCLUDE_DIR" \
+    -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/python.log" 2>&1 &&
+    cmake --build "$BUILD-py" -j "$(nproc)" --target _pinmem >>"$OUT/python.log" 2>&1 &&
+    PYTHONPATH=$PWD/$BUILD-py/python timeout 300 python3 -m pytest -q -p no:cacheprovider python/tests >>"$OUT/python.log" 2>&1 || status=1
+  tail -15 "$OUT/python.log"
+fi
+
+if has torch; then
+  log "torch side by side"
+  export PYTHONPATH=$PWD/$BUILD-py/python${PYTHONPATH:+:$PYTHONPATH}
+  timeout 240 python3 bench/compare_torch.py --pinmem "./$BUILD/pinmem" --json >"$OUT/compare-torch.jsonl" 2>"$OUT/compare-torch.err" || status=1
+  tail -15 "$OUT/compare-torch.err"
+  timeout 120 python3 bench/pin_vs_torch.py --size 1G >"$OUT/pin-vs-torch.jsonl" 2>"$OUT/pin-vs-torch.err" || status=1
+  tail -8 "$OUT/pin-vs-torch.err"; tail -4 "$OUT/pin-vs-torch.jsonl"
+fi
 "./$BUILD/pinmem" info --json >"$OUT/info.jsonl" 2>&1 || true
 exit $status
