@@ -92,23 +92,9 @@ static void row_init(row_t *r, const char *name, const char *op, size_t bytes) {
   r->target_met = -1;
 }
 
-static void check(pm_status_t st) {
-  if (st != PM_OK) cli_fail(st);
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 static void summarize(row_t *r, double *v, int n) {
   r->runs = n;
-  r->seconds = median(v, n); /* sorts v */
+  r->seconds = cli_median(v, n); /* sorts v */
   r->min_s = v[0];
   r->max_s = v[n - 1];
 }
@@ -150,8 +136,8 @@ static bool verify_block(bench_t *bn, void *p, size_t n, uint64_t seed) {
   size_t off = ((n - piece) / 2) & ~(size_t)4095;
   unsigned char *src = (unsigned char *)p + off;
   memset(bn->scratch, 0x3c, piece);
-  check(pm_memcpy(bn->dev, src, piece, PM_COPY_H2D));
-  check(pm_memcpy(bn->scratch, bn->dev, piece, PM_COPY_D2H));
+  cli_check(pm_memcpy(bn->dev, src, piece, PM_COPY_H2D));
+  cli_check(pm_memcpy(bn->scratch, bn->dev, piece, PM_COPY_D2H));
   return memcmp(bn->scratch, src, piece) == 0;
 }
 
@@ -316,7 +302,7 @@ static pm_pool_t *fresh_pool(bench_t *bn) {
   pm_pool_t *pool;
   pm_pool_config_init(&c);
   if (bn->args->threads > 0) c.pin_threads = bn->args->threads;
-  check(pm_pool_create(&c, &pool));
+  cli_check(pm_pool_create(&c, &pool));
   return pool;
 }
 
@@ -326,14 +312,14 @@ static void run_pinmem(bench_t *bn, size_t bytes, uint64_t seed, double *t_alloc
   pm_pool_stats_t st;
   void *p;
   double t0 = pm__now();
-  check(pm_host_alloc(pool, bytes, PM_HOST_DEFAULT, &p));
+  cli_check(pm_host_alloc(pool, bytes, PM_HOST_DEFAULT, &p));
   double t1 = pm__now();
-  check(pm_pool_get_stats(pool, &st));
+  cli_check(pm_pool_get_stats(pool, &st));
   *t_backend = st.backend_alloc_seconds;
   *ok = verify_block(bn, p, bytes, seed) && *ok;
   double t2 = pm__now();
-  check(pm_host_free(p));
-  check(pm_pool_destroy(pool));
+  cli_check(pm_host_free(p));
+  cli_check(pm_pool_destroy(pool));
   double t3 = pm__now();
   *t_alloc = t1 - t0;
   *t_free = t3 - t2;
@@ -343,11 +329,11 @@ static void run_backend(bench_t *bn, size_t bytes, uint64_t seed, double *t_allo
                         bool *ok) {
   void *p;
   double t0 = pm__now();
-  check(bn->b->host_alloc(bytes, PM_HOST_DEFAULT, &p));
+  cli_check(bn->b->host_alloc(bytes, PM_HOST_DEFAULT, &p));
   double t1 = pm__now();
   *ok = verify_block(bn, p, bytes, seed) && *ok;
   double t2 = pm__now();
-  check(bn->b->host_free(p, bytes));
+  cli_check(bn->b->host_free(p, bytes));
   double t3 = pm__now();
   *t_alloc = t1 - t0;
   *t_free = t3 - t2;
@@ -359,7 +345,7 @@ static void run_register(bench_t *bn, size_t bytes, uint64_t seed, double *t_all
   double t0 = pm__now();
   /* Page aligned, as large mallocs are in practice (glibc mmaps them). */
   if (posix_memalign(&p, pm__page_size(), bytes) != 0 || !p)
-    check(pm__set_error(PM_ERR_NOMEM, "posix_memalign(%zu bytes) failed", bytes));
+    cli_check(pm__set_error(PM_ERR_NOMEM, "posix_memalign(%zu bytes) failed", bytes));
   pm_status_t st = bn->b->host_register(p, bytes, PM_REGISTER_DEFAULT);
   if (st != PM_OK) {
     free(p);
@@ -370,7 +356,7 @@ static void run_register(bench_t *bn, size_t bytes, uint64_t seed, double *t_all
   double t2 = pm__now();
   st = bn->b->host_unregister(p, bytes);
   free(p);
-  check(st);
+  cli_check(st);
   double t3 = pm__now();
   *t_alloc = t1 - t0;
   *t_free = t3 - t2;
@@ -417,7 +403,7 @@ static void bench_cold(bench_t *bn, size_t bytes) {
   summarize(&pin_f, pf, runs);
   summarize(&reg_a, ra, runs);
   summarize(&reg_f, rf, runs);
-  pin_a.backend_alloc_seconds = median(pb, runs);
+  pin_a.backend_alloc_seconds = cli_median(pb, runs);
   base_a.verified = base_f.verified = ok_b;
   pin_a.verified = pin_f.verified = ok_p;
   reg_a.verified = reg_f.verified = ok_r;
@@ -445,8 +431,8 @@ static void bench_pair(bench_t *bn, size_t bytes) {
   for (int i = 0; i < BASELINE_PAIR_RUNS; i++) {
     void *p;
     double t0 = pm__now();
-    check(bn->b->host_alloc(bytes, PM_HOST_DEFAULT, &p));
-    check(bn->b->host_free(p, bytes));
+    cli_check(bn->b->host_alloc(bytes, PM_HOST_DEFAULT, &p));
+    cli_check(bn->b->host_free(p, bytes));
     base[i] = pm__now() - t0;
   }
   row_t br;
@@ -457,30 +443,30 @@ static void bench_pair(bench_t *bn, size_t bytes) {
   {
     /* The baseline's memory is checked like every other measured block. */
     void *p;
-    check(bn->b->host_alloc(bytes, PM_HOST_DEFAULT, &p));
+    cli_check(bn->b->host_alloc(bytes, PM_HOST_DEFAULT, &p));
     br.verified = verify_block(bn, p, bytes, bytes ^ 0x77);
-    check(bn->b->host_free(p, bytes));
+    cli_check(bn->b->host_free(p, bytes));
   }
 
   pm_pool_t *pool = fresh_pool(bn);
   pm_pool_stats_t before, after;
   void *p;
-  check(pm_host_alloc(pool, bytes, PM_HOST_DEFAULT, &p)); /* the cold pin, not measured */
-  check(pm_host_free(p));
-  check(pm_pool_get_stats(pool, &before));
+  cli_check(pm_host_alloc(pool, bytes, PM_HOST_DEFAULT, &p)); /* the cold pin, not measured */
+  cli_check(pm_host_free(p));
+  cli_check(pm_pool_get_stats(pool, &before));
   for (int b = 0; b < PAIR_BATCHES; b++) {
     double t0 = pm__now();
     for (int i = 0; i < PAIRS_PER_BATCH; i++) {
-      check(pm_host_alloc(pool, bytes, PM_HOST_DEFAULT, &p));
-      check(pm_host_free(p));
+      cli_check(pm_host_alloc(pool, bytes, PM_HOST_DEFAULT, &p));
+      cli_check(pm_host_free(p));
     }
     batches[b] = (pm__now() - t0) / PAIRS_PER_BATCH;
   }
-  check(pm_pool_get_stats(pool, &after));
-  check(pm_host_alloc(pool, bytes, PM_HOST_DEFAULT, &p));
+  cli_check(pm_pool_get_stats(pool, &after));
+  cli_check(pm_host_alloc(pool, bytes, PM_HOST_DEFAULT, &p));
   bool ok = verify_block(bn, p, bytes, bytes ^ 0x99);
-  check(pm_host_free(p));
-  check(pm_pool_destroy(pool));
+  cli_check(pm_host_free(p));
+  cli_check(pm_pool_destroy(pool));
 
   row_t pr;
   row_init(&pr, "pinmem_cached_pair", "pair", bytes);
@@ -512,7 +498,7 @@ static size_t random_size(uint64_t *s) {
 static void bench_overhead(bench_t *bn) {
   pm_pool_t *pool = fresh_pool(bn);
   pm_pool_stats_t st;
-  check(pm_pool_get_stats(pool, &st));
+  cli_check(pm_pool_get_stats(pool, &st));
   size_t total = bn->args->overhead_total;
   /* Stay well inside the budget: the pool must never have to fail or trim here. */
   if (st.budget && total > st.budget / 4 * 3) total = st.budget / 4 * 3;
@@ -527,12 +513,12 @@ static void bench_overhead(bench_t *bn) {
   while (n < MAX_BLOCKS) {
     size_t sz = random_size(&rng);
     if (requested + sz > total && n >= 1) break;
-    check(pm_host_alloc(pool, sz, PM_HOST_DEFAULT, &blocks[n]));
+    cli_check(pm_host_alloc(pool, sz, PM_HOST_DEFAULT, &blocks[n]));
     sizes[n++] = sz;
     requested += sz;
   }
   double t_alloc = pm__now() - t0;
-  check(pm_pool_get_stats(pool, &st));
+  cli_check(pm_pool_get_stats(pool, &st));
   for (int i = 0; i < n; i++) {
     fill_pattern(blocks[i], sizes[i], (uint64_t)i * 7919);
   }
@@ -556,7 +542,7 @@ static void bench_overhead(bench_t *bn) {
   size_t freed = 0;
   for (int i = 0; i < n; i += 2) {
     freed += sizes[i];
-    check(pm_host_free(blocks[i]));
+    cli_check(pm_host_free(blocks[i]));
     blocks[i] = NULL;
   }
   size_t again = 0;
@@ -565,12 +551,12 @@ static void bench_overhead(bench_t *bn) {
   while (again < freed && n < MAX_BLOCKS) {
     size_t sz = random_size(&rng);
     if (again + sz > freed) sz = freed - again < MIB ? MIB : freed - again;
-    check(pm_host_alloc(pool, sz, PM_HOST_DEFAULT, &blocks[n]));
+    cli_check(pm_host_alloc(pool, sz, PM_HOST_DEFAULT, &blocks[n]));
     sizes[n++] = sz;
     again += sz;
   }
   t_alloc = pm__now() - t0;
-  check(pm_pool_get_stats(pool, &st));
+  cli_check(pm_pool_get_stats(pool, &st));
   ok = true;
   for (int i = extra_from; i < n; i++) {
     fill_pattern(blocks[i], sizes[i], (uint64_t)i * 104729);
@@ -592,8 +578,8 @@ static void bench_overhead(bench_t *bn) {
   emit(bn, &c);
 
   for (int i = 0; i < n; i++)
-    if (blocks[i]) check(pm_host_free(blocks[i]));
-  check(pm_pool_destroy(pool));
+    if (blocks[i]) cli_check(pm_host_free(blocks[i]));
+  cli_check(pm_pool_destroy(pool));
   free(blocks);
   free(sizes);
 }
@@ -673,7 +659,7 @@ int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args) {
   bench_t bn;
   memset(&bn, 0, sizeof bn);
   bn.args = args;
-  check(pm_init());
+  cli_check(pm_init());
   bn.b = pm__backend();
   if (!bn.b) cli_fail(PM_ERR_NO_DEVICE);
   bn.cuda = bn.b->kind == PM_BACKEND_CUDA;
@@ -685,7 +671,7 @@ int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args) {
   bn.n_pair = bn.cuda ? "cudaHostAlloc+cudaFreeHost" : "host_alloc+host_free";
   bn.pin_threads = args->threads > 0 ? args->threads : (int)pm__opt_int(PM__OPT_PIN_THREADS);
 
-  check(pm_device_alloc(MIB, &bn.dev));
+  cli_check(pm_device_alloc(MIB, &bn.dev));
   bn.scratch = cli_xmalloc(MIB);
 
   if (!args->json) {
@@ -722,7 +708,7 @@ int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args) {
   bench_overhead(&bn);
   if (!args->json) print_targets(&bn.sum);
 
-  check(pm_device_free(bn.dev));
+  cli_check(pm_device_free(bn.dev));
   free(bn.scratch);
   if (!bn.sum.all_verified) {
     fflush(stdout);

@@ -287,20 +287,6 @@ typedef struct bench {
   int nres;
 } bench_t;
 
-static void check(pm_status_t st) {
-  if (st != PM_OK) cli_fail(st);
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 static const result_t *find_result(const bench_t *b, const char *name, const char *dir,
                                    size_t bytes) {
   for (int i = 0; i < b->nres; i++)
@@ -321,13 +307,13 @@ static void add_result(bench_t *b, const char *name, const char *dir, size_t byt
 }
 
 static void sync_all(bench_t *b) {
-  check(pm_stream_synchronize(b->s1));
-  check(pm_stream_synchronize(b->s2));
+  cli_check(pm_stream_synchronize(b->s1));
+  cli_check(pm_stream_synchronize(b->s2));
 }
 
 static void *pinned(size_t n, unsigned flags) {
   void *p;
-  check(pm_host_alloc(NULL, n, flags, &p));
+  cli_check(pm_host_alloc(NULL, n, flags, &p));
   return p;
 }
 
@@ -339,17 +325,17 @@ static void *pageable(size_t n) {
 
 static void *device(size_t n) {
   void *p;
-  check(pm_device_alloc(n, &p));
+  cli_check(pm_device_alloc(n, &p));
   return p;
 }
 
 static void bench_setup(bench_t *b, size_t cap, bool copy_bench) {
   b->cap = cap;
-  check(pm_stream_create(&b->s1));
-  check(pm_stream_create(&b->s2));
-  check(pm_event_create(PM_EVENT_TIMING, &b->e0));
-  check(pm_event_create(PM_EVENT_TIMING, &b->e1));
-  check(pm_event_create(PM_EVENT_DEFAULT, &b->ex));
+  cli_check(pm_stream_create(&b->s1));
+  cli_check(pm_stream_create(&b->s2));
+  cli_check(pm_event_create(PM_EVENT_TIMING, &b->e0));
+  cli_check(pm_event_create(PM_EVENT_TIMING, &b->e1));
+  cli_check(pm_event_create(PM_EVENT_DEFAULT, &b->ex));
   b->hsrc = pageable(cap);
   b->psrc = pinned(cap, PM_HOST_DEFAULT);
   b->vbuf = pinned(cap, PM_HOST_DEFAULT);
@@ -363,7 +349,7 @@ static void bench_setup(bench_t *b, size_t cap, bool copy_bench) {
   b->d2 = device(cap);
   b->man = NULL;
   pat_fill(b->wsrc, cap, 0);
-  check(pm_memcpy(b->d2, b->psrc, cap, PM_COPY_H2D));
+  cli_check(pm_memcpy(b->d2, b->psrc, cap, PM_COPY_H2D));
   if (pm_managed_alloc(cap, (void **)&b->man) == PM_OK)
     pat_fill(b->man, cap, 0);
   else
@@ -376,7 +362,7 @@ static void bench_setup(bench_t *b, size_t cap, bool copy_bench) {
   if (b->have_checksum) {
     b->msrc = pinned(cap, PM_HOST_MAPPED);
     pat_fill(b->msrc, cap, 0);
-    check(pm_host_device_pointer(b->msrc, &b->msrc_dev));
+    cli_check(pm_host_device_pointer(b->msrc, &b->msrc_dev));
     b->dres = device(sizeof(uint64_t));
   }
 }
@@ -409,10 +395,10 @@ typedef const char *(*verify_fn)(bench_t *b, size_t n, const char *what);
 typedef void (*prep_fn)(bench_t *b, size_t n);
 
 static void h2d_plain(bench_t *b, size_t n, const void *src) {
-  check(pm_memcpy_async(b->d1, src, n, PM_COPY_H2D, b->s1));
+  cli_check(pm_memcpy_async(b->d1, src, n, PM_COPY_H2D, b->s1));
 }
 static void d2h_plain(bench_t *b, size_t n, void *dst, pm_stream_t s) {
-  check(pm_memcpy_async(dst, b->d2, n, PM_COPY_D2H, s));
+  cli_check(pm_memcpy_async(dst, b->d2, n, PM_COPY_D2H, s));
 }
 
 static void op_h2d_plain_pageable(bench_t *b, size_t n) {
@@ -425,18 +411,18 @@ static void op_h2d_plain_wc(bench_t *b, size_t n) {
   h2d_plain(b, n, b->wsrc);
 }
 static void op_h2d_pinmem_pageable(bench_t *b, size_t n) {
-  check(pm_copy_async(b->d1, b->hsrc, n, b->s1, NULL, NULL));
+  cli_check(pm_copy_async(b->d1, b->hsrc, n, b->s1, NULL, NULL));
 }
 static void op_h2d_pinmem_pinned(bench_t *b, size_t n) {
-  check(pm_copy_async(b->d1, b->psrc, n, b->s1, NULL, NULL));
+  cli_check(pm_copy_async(b->d1, b->psrc, n, b->s1, NULL, NULL));
 }
 static void op_h2d_zerocopy(bench_t *b, size_t n) {
-  check(pm__launch_checksum(b->msrc_dev, n, b->dres, (struct CUstream_st *)b->s1));
+  cli_check(pm__launch_checksum(b->msrc_dev, n, b->dres, (struct CUstream_st *)b->s1));
 }
 static void op_h2d_managed(bench_t *b, size_t n) {
   int dev = 0;
-  check(pm_device_get(&dev));
-  check(pm_managed_prefetch(b->man, n, dev, b->s1));
+  cli_check(pm_device_get(&dev));
+  cli_check(pm_managed_prefetch(b->man, n, dev, b->s1));
 }
 static void op_d2h_plain_pageable(bench_t *b, size_t n) {
   d2h_plain(b, n, b->hdst, b->s1);
@@ -445,13 +431,13 @@ static void op_d2h_plain_pinned(bench_t *b, size_t n) {
   d2h_plain(b, n, b->pdst, b->s1);
 }
 static void op_d2h_pinmem_pageable(bench_t *b, size_t n) {
-  check(pm_copy_async(b->hdst, b->d2, n, b->s1, NULL, NULL));
+  cli_check(pm_copy_async(b->hdst, b->d2, n, b->s1, NULL, NULL));
 }
 static void op_d2h_pinmem_pinned(bench_t *b, size_t n) {
-  check(pm_copy_async(b->pdst, b->d2, n, b->s1, NULL, NULL));
+  cli_check(pm_copy_async(b->pdst, b->d2, n, b->s1, NULL, NULL));
 }
 static void op_d2h_managed(bench_t *b, size_t n) {
-  check(pm_managed_prefetch(b->man, n, PM_CPU_DEVICE, b->s1));
+  cli_check(pm_managed_prefetch(b->man, n, PM_CPU_DEVICE, b->s1));
 }
 /* Both directions at once: D2H on s2 first (it does not block the caller on these paths, or
  * blocks it anyway on the plain pageable one), then H2D on s1. */
@@ -464,12 +450,12 @@ static void op_bi_plain_pinned(bench_t *b, size_t n) {
   h2d_plain(b, n, b->psrc);
 }
 static void op_bi_pinmem_pageable(bench_t *b, size_t n) {
-  check(pm_copy_async(b->hdst, b->d2, n, b->s2, NULL, NULL));
-  check(pm_copy_async(b->d1, b->hsrc, n, b->s1, NULL, NULL));
+  cli_check(pm_copy_async(b->hdst, b->d2, n, b->s2, NULL, NULL));
+  cli_check(pm_copy_async(b->d1, b->hsrc, n, b->s1, NULL, NULL));
 }
 static void op_bi_pinmem_pinned(bench_t *b, size_t n) {
-  check(pm_copy_async(b->pdst, b->d2, n, b->s2, NULL, NULL));
-  check(pm_copy_async(b->d1, b->psrc, n, b->s1, NULL, NULL));
+  cli_check(pm_copy_async(b->pdst, b->d2, n, b->s2, NULL, NULL));
+  cli_check(pm_copy_async(b->d1, b->psrc, n, b->s1, NULL, NULL));
 }
 
 static void clear_host(char *p, size_t n) {
@@ -477,7 +463,7 @@ static void clear_host(char *p, size_t n) {
 }
 
 static void prep_d1(bench_t *b, size_t n) {
-  check(pm_device_memset_async(b->d1, 0, n, b->s1));
+  cli_check(pm_device_memset_async(b->d1, 0, n, b->s1));
 }
 static void prep_hdst(bench_t *b, size_t n) {
   clear_host(b->hdst, n);
@@ -494,7 +480,7 @@ static void prep_bi_pinned(bench_t *b, size_t n) {
   prep_pdst(b, n);
 }
 static void prep_zerocopy(bench_t *b, size_t n) {
-  check(pm_device_memset_async(b->dres, 0, sizeof(uint64_t), b->s1));
+  cli_check(pm_device_memset_async(b->dres, 0, sizeof(uint64_t), b->s1));
   if (b->sum_bytes != n) { /* the expected checksum, once per size */
     b->want_sum = pm__checksum_host(b->msrc, n);
     b->sum_bytes = n;
@@ -502,17 +488,17 @@ static void prep_zerocopy(bench_t *b, size_t n) {
 }
 /* The data must be where the prefetch takes it from, and must be the pattern. */
 static void prep_managed_h2d(bench_t *b, size_t n) {
-  check(pm_managed_prefetch(b->man, n, PM_CPU_DEVICE, b->s1));
-  check(pm_stream_synchronize(b->s1));
+  cli_check(pm_managed_prefetch(b->man, n, PM_CPU_DEVICE, b->s1));
+  cli_check(pm_stream_synchronize(b->s1));
 }
 static void prep_managed_d2h(bench_t *b, size_t n) {
   int dev = 0;
-  check(pm_device_get(&dev));
-  check(pm_managed_prefetch(b->man, n, dev, b->s1));
+  cli_check(pm_device_get(&dev));
+  cli_check(pm_managed_prefetch(b->man, n, dev, b->s1));
 }
 
 static const char *v_d1(bench_t *b, size_t n, const char *what) {
-  check(pm_memcpy(b->vbuf, b->d1, n, PM_COPY_D2H));
+  cli_check(pm_memcpy(b->vbuf, b->d1, n, PM_COPY_D2H));
   return pat_verify(what, b->vbuf, n, 0);
 }
 static const char *v_hdst(bench_t *b, size_t n, const char *what) {
@@ -532,14 +518,14 @@ static const char *v_bi_pinned(bench_t *b, size_t n, const char *what) {
 static const char *v_zerocopy(bench_t *b, size_t n, const char *what) {
   (void)n; /* prep_zerocopy computed the expected sum for n */
   uint64_t got = 0;
-  check(pm_memcpy(&got, b->dres, sizeof got, PM_COPY_D2H));
+  cli_check(pm_memcpy(&got, b->dres, sizeof got, PM_COPY_D2H));
   if (got == b->want_sum) return "checksum";
   fprintf(stderr, "pinmem: VERIFY FAILED: %s: device checksum %016llx, host %016llx\n", what,
           (unsigned long long)got, (unsigned long long)b->want_sum);
   return NULL;
 }
 static const char *v_managed(bench_t *b, size_t n, const char *what) {
-  check(pm_stream_synchronize(b->s1));
+  cli_check(pm_stream_synchronize(b->s1));
   return pat_verify(what, b->man, n, 0);
 }
 
@@ -600,11 +586,11 @@ static const char *pinmem_path(bench_t *b, const ccase_t *c, size_t n) {
   void *dst = h2d ? (void *)b->d1 : (pageable_src ? b->hdst : b->pdst);
   const void *src = h2d ? (pageable_src ? b->hsrc : b->psrc) : b->d2;
   pm_fence_t f;
-  check(pm_copy_async(dst, src, n, b->s1, NULL, &f));
-  check(pm_fence_wait(f));
+  cli_check(pm_copy_async(dst, src, n, b->s1, NULL, &f));
+  cli_check(pm_fence_wait(f));
   pm_copy_path_t p;
-  check(pm_fence_path(f, &p));
-  check(pm_fence_release(f));
+  cli_check(pm_fence_path(f, &p));
+  cli_check(pm_fence_release(f));
   return path_name(p);
 }
 
@@ -668,18 +654,18 @@ static void run_case(bench_t *b, const ccase_t *c, size_t n) {
   for (int r = -1; r < runs; r++) { /* r == -1: warm-up (bounce buffers, page state) */
     c->prep(b, n);
     sync_all(b);
-    check(pm_event_record(b->e0, b->s1));
-    if (bidir) check(pm_stream_wait_event(b->s2, b->e0));
+    cli_check(pm_event_record(b->e0, b->s1));
+    if (bidir) cli_check(pm_stream_wait_event(b->s2, b->e0));
     for (int k = 0; k < inner; k++) c->op(b, n);
     if (bidir) {
-      check(pm_event_record(b->ex, b->s2));
-      check(pm_stream_wait_event(b->s1, b->ex));
+      cli_check(pm_event_record(b->ex, b->s2));
+      cli_check(pm_stream_wait_event(b->s1, b->ex));
     }
-    check(pm_event_record(b->e1, b->s1));
-    check(pm_event_synchronize(b->e1));
+    cli_check(pm_event_record(b->e1, b->s1));
+    cli_check(pm_event_synchronize(b->e1));
     sync_all(b);
     double s;
-    check(pm_event_elapsed(b->e0, b->e1, &s));
+    cli_check(pm_event_elapsed(b->e0, b->e1, &s));
     const char *m = c->verify(b, n, what);
     if (!m) {
       ok = false;
@@ -689,7 +675,7 @@ static void run_case(bench_t *b, const ccase_t *c, size_t n) {
     }
     if (r >= 0) t[r] = s / inner;
   }
-  double med = median(t, runs), lo = t[0], hi = t[runs - 1];
+  double med = cli_median(t, runs), lo = t[0], hi = t[runs - 1];
   free(t);
   double gbps = (double)moved / med / 1e9;
   const char *path = c->pinmem ? pinmem_path(b, c, n) : "plain";
@@ -787,21 +773,22 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
     else
       clear_host(host, total);
     sync_all(b);
-    check(pm_event_record(b->e0, b->s1));
+    cli_check(pm_event_record(b->e0, b->s1));
     if (bc->engine) {
-      check(pm_copy_batch_async(it, count, b->s1, NULL, NULL));
+      cli_check(pm_copy_batch_async(it, count, b->s1, NULL, NULL));
     } else {
       for (size_t i = 0; i < count; i++)
-        check(pm_memcpy_async(it[i].dst, it[i].src, piece, h2d ? PM_COPY_H2D : PM_COPY_D2H, b->s1));
+        cli_check(
+            pm_memcpy_async(it[i].dst, it[i].src, piece, h2d ? PM_COPY_H2D : PM_COPY_D2H, b->s1));
     }
-    check(pm_event_record(b->e1, b->s1));
-    check(pm_event_synchronize(b->e1));
+    cli_check(pm_event_record(b->e1, b->s1));
+    cli_check(pm_event_synchronize(b->e1));
     double s;
-    check(pm_event_elapsed(b->e0, b->e1, &s));
+    cli_check(pm_event_elapsed(b->e0, b->e1, &s));
     if (r >= 0) t[r] = s;
     /* Piece i must hold the pattern of its source offset. */
     const char *got = h2d ? b->vbuf : host;
-    if (h2d) check(pm_memcpy(b->vbuf, b->d1, total, PM_COPY_D2H));
+    if (h2d) cli_check(pm_memcpy(b->vbuf, b->d1, total, PM_COPY_D2H));
     for (size_t i = 0; i < count && ok; i++) {
       size_t doff = h2d ? perm[i] * piece : i * piece;
       size_t soff = h2d ? i * piece : perm[i] * piece;
@@ -809,7 +796,7 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
     }
     if (!ok) b->failed = true;
   }
-  double med = median(t, runs);
+  double med = cli_median(t, runs);
   free(t);
   double gbps = (double)total / med / 1e9;
   char base[40];
@@ -953,7 +940,7 @@ int pm_cli_bench_copy(int argc, char **argv) {
     free(b);
     return rc;
   }
-  check(pm_init());
+  cli_check(pm_init());
   b->cuda = pm_backend_kind() == PM_BACKEND_CUDA;
   if (!b->o.repeat) b->o.repeat = 5;
   if (!b->o.nsizes) {
@@ -1019,11 +1006,11 @@ typedef enum { OV_PINNED, OV_PAGEABLE, OV_STAGED } ov_copy_t;
 
 static void ov_copy(bench_t *b, ov_copy_t kind, size_t n, pm_stream_t s) {
   if (kind == OV_PINNED)
-    check(pm_copy_async(b->d1, b->psrc, n, s, NULL, NULL));
+    cli_check(pm_copy_async(b->d1, b->psrc, n, s, NULL, NULL));
   else if (kind == OV_PAGEABLE)
-    check(pm_memcpy_async(b->d1, b->hsrc, n, PM_COPY_H2D, s));
+    cli_check(pm_memcpy_async(b->d1, b->hsrc, n, PM_COPY_H2D, s));
   else
-    check(pm_copy_async(b->d1, b->hsrc, n, s, NULL, NULL));
+    cli_check(pm_copy_async(b->d1, b->hsrc, n, s, NULL, NULL));
 }
 
 /* Seconds from e0 (on s1) to the end of the work issued by fn on s1 and s2. */
@@ -1036,21 +1023,21 @@ typedef struct ov_run {
 
 static double ov_time(bench_t *b, const ov_run_t *r, size_t n, double kernel_s, bool *ok,
                       const char *what) {
-  check(pm_device_memset_async(b->d1, 0, n, b->s1));
+  cli_check(pm_device_memset_async(b->d1, 0, n, b->s1));
   sync_all(b);
-  check(pm_event_record(b->e0, b->s1));
-  check(pm_stream_wait_event(b->s2, b->e0));
+  cli_check(pm_event_record(b->e0, b->s1));
+  cli_check(pm_stream_wait_event(b->s2, b->e0));
   if (r->copy) ov_copy(b, r->kind, n, b->s1);
-  if (r->kernel) check(pm_launch_busy(r->two_streams ? b->s2 : b->s1, kernel_s));
-  check(pm_event_record(b->ex, b->s2));
-  check(pm_stream_wait_event(b->s1, b->ex));
-  check(pm_event_record(b->e1, b->s1));
-  check(pm_event_synchronize(b->e1));
+  if (r->kernel) cli_check(pm_launch_busy(r->two_streams ? b->s2 : b->s1, kernel_s));
+  cli_check(pm_event_record(b->ex, b->s2));
+  cli_check(pm_stream_wait_event(b->s1, b->ex));
+  cli_check(pm_event_record(b->e1, b->s1));
+  cli_check(pm_event_synchronize(b->e1));
   sync_all(b);
   double s;
-  check(pm_event_elapsed(b->e0, b->e1, &s));
+  cli_check(pm_event_elapsed(b->e0, b->e1, &s));
   if (r->copy) {
-    check(pm_memcpy(b->vbuf, b->d1, n, PM_COPY_D2H));
+    cli_check(pm_memcpy(b->vbuf, b->d1, n, PM_COPY_D2H));
     if (!pat_verify(what, b->vbuf, n, 0)) {
       *ok = false;
       b->failed = true;
@@ -1065,7 +1052,7 @@ static double ov_median(bench_t *b, const ov_run_t *r, size_t n, double kernel_s
   double *t = cli_xmalloc(sizeof(double) * (size_t)runs);
   (void)ov_time(b, r, n, kernel_s, ok, what); /* warm-up */
   for (int i = 0; i < runs; i++) t[i] = ov_time(b, r, n, kernel_s, ok, what);
-  double m = median(t, runs);
+  double m = cli_median(t, runs);
   free(t);
   return m;
 }
@@ -1081,7 +1068,7 @@ int pm_cli_bench_overlap(int argc, char **argv) {
     free(b);
     return rc;
   }
-  check(pm_init());
+  cli_check(pm_init());
   b->cuda = pm_backend_kind() == PM_BACKEND_CUDA;
   if (!b->o.repeat) b->o.repeat = 5;
   size_t n = b->o.bytes ? b->o.bytes : (b->cuda ? 256 * MIB : 64 * MIB);

@@ -474,11 +474,6 @@ typedef struct bench {
   bool tty;
 } bench_t;
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 static void progress(bench_t *B, const char *name, uint64_t done, uint64_t total, double gbps,
                      bool final) {
   if (B->o.json && !B->tty) return;
@@ -698,7 +693,7 @@ static void run_once(bench_t *B, src_t *s, const char *name, bool pinned, double
   /* Per rank stream, so the share is of W streams' run time. */
   r->idle = busy > 0 ? idle : NAN;
   r->idle_pct = busy > 0 && secs > 0 ? 100.0 * idle / (secs * W) : NAN;
-  qsort(lat, nlat, sizeof *lat, cmp_double);
+  qsort(lat, nlat, sizeof *lat, cli_cmp_double);
   r->ready_calls = ready_calls;
   r->next_p50 = nlat ? lat[nlat / 2] : NAN;
   r->next_p99 = nlat ? lat[(size_t)((double)(nlat - 1) * 0.99)] : NAN;

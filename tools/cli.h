@@ -69,6 +69,11 @@ const char *cli_fmt_bytes(size_t bytes, char *buf, size_t len);
 
 /* Print "pinmem: <status name>: <pm_last_error()>" to stderr and exit 1. */
 _Noreturn void cli_fail(pm_status_t status);
+/* cli_fail unless st is PM_OK: for benchmark set-up calls that must not fail. */
+void cli_check(pm_status_t st);
+/* qsort comparator for doubles, and the median of v[0..n) (sorts v). */
+int cli_cmp_double(const void *a, const void *b);
+double cli_median(double *v, int n);
 /* Print "pinmem: <message>" and the usage to stderr and exit 2. */
 _Noreturn void cli_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void cli_print_usage(FILE *out);

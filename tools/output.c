@@ -422,3 +422,17 @@ const cli_jfield_t *cli_json_get(const cli_jfield_t *fields, int n, const char *
     if (strcmp(fields[i].key, key) == 0) return &fields[i];
   return NULL;
 }
+
+void cli_check(pm_status_t st) {
+  if (st != PM_OK) cli_fail(st);
+}
+
+int cli_cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+double cli_median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cli_cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
