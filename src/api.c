@@ -128,6 +128,7 @@ const pm__backend_t *pm__backend(void) {
 pm_status_t pm_finalize(void) {
   /* The default pool first: it frees through the backend and removes its registry ranges.
    * init_lock is not held here because the pool calls pm__backend(). */
+  pm__copy_shutdown(); /* drains the copy engine's queue, which may still free bounce blocks */
   pm_status_t st = pm__pool_default_destroy();
   if (st != PM_OK) return pm__wrap_error(st, "pm_finalize: destroying the default pool");
   pm__threadpool_shutdown();

@@ -110,6 +110,8 @@ static pthread_cond_t g_cq_cv = PTHREAD_COND_INITIALIZER;
 static cq_node_t *g_cq_head, *g_cq_tail;
 static size_t g_cq_len;
 static int g_cq_threads, g_cq_idle;
+static bool g_cq_quit;                                         /* pm_finalize: idle threads go */
+static pthread_cond_t g_cq_exit_cv = PTHREAD_COND_INITIALIZER; /* a completion thread left */
 
 static void cq_run(cq_node_t *node);
 
@@ -135,11 +137,12 @@ static void *cq_main(void *arg) {
       deadline.tv_sec += PM__CQ_IDLE_S;
       int rc = 0;
       g_cq_idle++;
-      while (!g_cq_head && rc != ETIMEDOUT)
+      while (!g_cq_head && rc != ETIMEDOUT && !g_cq_quit)
         rc = pthread_cond_timedwait(&g_cq_cv, &g_cq_mu, &deadline);
       g_cq_idle--;
       if (!g_cq_head) {
         g_cq_threads--;
+        pthread_cond_broadcast(&g_cq_exit_cv);
         pthread_mutex_unlock(&g_cq_mu);
         return NULL;
       }
@@ -193,6 +196,20 @@ static void cq_post(cq_node_t *node, int type, void *ptr) {
     if (!next) break;
     cq_run(next);
   }
+}
+
+void pm__copy_shutdown(void) {
+  /* Completion threads are detached and leave after a short idle time; at pm_finalize they go
+   * at once, once the queue is empty, so leak checkers see no thread of ours still running. */
+  pthread_mutex_lock(&g_cq_mu);
+  g_cq_quit = true;
+  pthread_cond_broadcast(&g_cq_cv);
+  while (g_cq_threads > 0) pthread_cond_wait(&g_cq_exit_cv, &g_cq_mu);
+  g_cq_quit = false;
+  pthread_mutex_unlock(&g_cq_mu);
+  /* The last ones have only their return left to run; give them that moment. */
+  struct timespec ms = {0, 1000000};
+  nanosleep(&ms, NULL);
 }
 
 /* ---- events --------------------------------------------------------------------------------- */

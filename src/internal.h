@@ -137,6 +137,11 @@ pm_status_t pm__fast_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
 void pm__parallel_for(int threads, size_t n, void (*fn)(void *ctx, size_t i), void *ctx);
 void pm__threadpool_shutdown(void); /* pm_finalize only */
 
+/* ---- copy.c ------------------------------------------------------------------------------ */
+
+/* Let the copy engine's idle completion threads go now (pm_finalize only). */
+void pm__copy_shutdown(void);
+
 /* ---- fault.c ------------------------------------------------------------------------------ */
 
 /* Fault injection at the backend contract (tests, PINMEM_FAULT; see fault.c for the spec). */
