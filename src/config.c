@@ -80,6 +80,20 @@ static bool parse_policy(const char *t, pm__optval_t *out, char *why, size_t n) 
   return true;
 }
 
+static bool parse_bounce(const char *t, pm__optval_t *out, char *why, size_t n) {
+  if (!strcasecmp(t, "whole"))
+    out->i = PM__BOUNCE_WHOLE;
+  else if (!strcasecmp(t, "ring"))
+    out->i = PM__BOUNCE_RING;
+  else if (!strcasecmp(t, "auto"))
+    out->i = PM__BOUNCE_AUTO;
+  else {
+    snprintf(why, n, "not whole, ring or auto");
+    return false;
+  }
+  return true;
+}
+
 static bool parse_long_range(const char *t, long lo, long hi, pm__optval_t *out, char *why,
                              size_t n) {
   char *end;
@@ -247,6 +261,12 @@ static const pm__opt_def_t opt_table[] = {
                                  "ahead of the consumer; each holds one batch in pinned and in "
                                  "device memory",
                                  parse_slots, PM__T_INT},
+    [PM__OPT_COPY_BOUNCE] = {"copy_bounce", "PINMEM_COPY_BOUNCE", "whole",
+                             "bounce memory of staged H2D copies: whole (one pool block the size "
+                             "of the copy; the call never waits for the stream), ring (copy_slots "
+                             "chunk buffers reused in turn; waits for the stream's earlier work) "
+                             "or auto (the ring when the stream is idle)",
+                             parse_bounce, PM__T_INT},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");
@@ -284,6 +304,11 @@ static void canonical_text(pm__opt_t opt, const pm__optval_t *v, char *text, siz
     snprintf(text, len, "%s", v->i == PM_EXHAUST_WAIT ? "wait" : "fail");
   else if (opt == PM__OPT_HUGE_PAGES)
     snprintf(text, len, "%ld", v->i);
+  else if (opt == PM__OPT_COPY_BOUNCE)
+    snprintf(text, len, "%s",
+             v->i == PM__BOUNCE_RING   ? "ring"
+             : v->i == PM__BOUNCE_AUTO ? "auto"
+                                       : "whole");
 }
 
 static void opt_resolve(pm__opt_t opt, pm__opt_resolved_t *r) {

@@ -86,6 +86,7 @@ void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   cfg->slots = (int)slots;
   cfg->threads = (int)threads;
   cfg->stage_min = stage_min;
+  cfg->bounce = (int)pm__opt_int(PM__OPT_COPY_BOUNCE);
 }
 
 void pm_copy_options_init(pm_copy_options_t *options) {

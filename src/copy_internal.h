@@ -13,6 +13,7 @@ typedef struct pm__copy_cfg {
   int slots;        /* ring depth when the budget forbids a whole-copy bounce buffer */
   int threads;      /* memcpy threads, the calling thread included */
   size_t stage_min; /* pageable copies below this take the plain backend copy */
+  int bounce;       /* pm__copy_bounce_t: whole-copy block, ring, or ring when idle */
 } pm__copy_cfg_t;
 
 void pm__copy_cfg(pm__copy_cfg_t *cfg);

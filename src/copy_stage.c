@@ -294,7 +294,15 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
 
   char *bounce = NULL;
-  st = whole_bounce(req, total, &bounce);
+  /* The ring reuses a few chunk buffers, which stay hot in the TLB and caches, but a slot can
+   * only be refilled after its DMA ran, which waits behind the stream's earlier work; a
+   * whole-copy block never waits. copy_bounce picks; auto takes the ring on an idle stream. */
+  bool ring_first = req->cfg.bounce == PM__BOUNCE_RING ||
+                    (req->cfg.bounce == PM__BOUNCE_AUTO && pm_stream_query(req->stream) == PM_OK);
+  if (ring_first)
+    st = PM_ERR_BUDGET;
+  else
+    st = whole_bounce(req, total, &bounce);
   if (st == PM_OK) {
     c.bounce = bounce;
     pm__parallel_for(tasks, (size_t)tasks, h2d_whole_task, &c);

@@ -49,6 +49,7 @@ typedef enum pm__opt {
   PM__OPT_COPY_STAGE_MIN, /* size: pageable copies below this use the plain backend copy */
   PM__OPT_LOADER_WORKERS, /* int: loader reader threads, 0 = auto (loader.c) */
   PM__OPT_LOADER_PREFETCH, /* int: loader batch slots (loader.c) */
+  PM__OPT_COPY_BOUNCE,     /* whole|ring|auto -> pm__copy_bounce_t (copy_stage.c) */
   PM__OPT_COUNT
 } pm__opt_t;
 
@@ -57,6 +58,13 @@ long pm__opt_int(pm__opt_t opt);
 double pm__opt_double(pm__opt_t opt);
 /* Current value as text (for enum-like options such as backend). Thread-safe copy into buf. */
 void pm__opt_text(pm__opt_t opt, char *buf, size_t len);
+
+/* Values of the copy_bounce option: how staged H2D copies use pinned bounce memory. */
+typedef enum pm__copy_bounce {
+  PM__BOUNCE_WHOLE = 0, /* one pool block the size of the copy (ring only if the budget refuses) */
+  PM__BOUNCE_RING = 1,  /* always the ring of copy_slots chunk buffers */
+  PM__BOUNCE_AUTO = 2   /* the ring when the stream is idle, else a whole-copy block */
+} pm__copy_bounce_t;
 
 /* ---- sysinfo.c --------------------------------------------------------------------------- */
 
