@@ -1156,6 +1156,18 @@ int main(void) {
   RUN(test_batches(s));
   RUN(test_threads());
 
+  /* Both staging layouts of copy_bounce give the same bytes: the ring always, and auto (the
+   * ring on an idle stream, a whole-copy block behind queued work). */
+  static const char *modes[] = {"ring", "auto"};
+  for (int m = 0; m < 2; m++) {
+    CHECK_OK(pm_option_set("copy_bounce", modes[m]));
+    roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 9 * g_chunk + 4093, 3, 5, 7, s, PM_PATH_AUTO, 9100 + m);
+    CHECK_OK(pm_launch_busy(s, 0.02)); /* auto must take the whole block here */
+    roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 3 * g_chunk + 17, 1, 0, 4095, s, PM_PATH_AUTO, 9200 + m);
+  }
+  CHECK_ST(pm_option_set("copy_bounce", "sideways"), PM_ERR_CONFIG);
+  CHECK_OK(pm_option_set("copy_bounce", NULL));
+
   /* The default stream works too. */
   roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 2 * g_chunk + 1, 1, 1, 1, NULL, PM_PATH_AUTO, 9000);
 
