@@ -106,6 +106,7 @@ struct pm_pool_s {
 
   /* resolved configuration */
   size_t budget;
+  bool budget_memlock; /* the automatic budget was cut to RLIMIT_MEMLOCK (host backend) */
   int policy;
   double wait_timeout_s;
   int pin_threads;
@@ -733,10 +734,14 @@ pm_status_t pm_pool_create(const pm_pool_config_t *config, pm_pool_t **pool_out)
                          c.huge_pages);
 
   size_t budget = c.budget ? c.budget : pm__opt_size(PM__OPT_BUDGET);
+  bool budget_memlock = false;
   if (budget == 0) { /* auto */
     size_t ram = pm__physical_memory();
     budget = ram ? ram / 2 : (size_t)1 << 30;
-    if (be->kind == PM_BACKEND_HOST) budget = PM__MIN(budget, pm__memlock_limit());
+    if (be->kind == PM_BACKEND_HOST && pm__memlock_limit() < budget) {
+      budget = pm__memlock_limit();
+      budget_memlock = true;
+    }
   }
   int policy = c.exhaust_policy >= 0 ? c.exhaust_policy : (int)pm__opt_int(PM__OPT_BUDGET_POLICY);
   double timeout =
@@ -762,6 +767,7 @@ pm_status_t pm_pool_create(const pm_pool_config_t *config, pm_pool_t **pool_out)
   pthread_mutex_init(&p->lock, NULL);
   p->b = be;
   p->budget = budget;
+  p->budget_memlock = budget_memlock;
   p->policy = policy == PM_EXHAUST_WAIT ? PM_EXHAUST_WAIT : PM_EXHAUST_FAIL;
   p->wait_timeout_s = timeout >= 0 ? timeout : 0;
   p->pin_threads = (int)PM__MIN(threads, 1024);
@@ -890,10 +896,14 @@ pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **
   pthread_mutex_lock(&p->lock);
   if (bytes > p->budget) {
     size_t budget = p->budget;
+    bool memlock = p->budget_memlock;
     pthread_mutex_unlock(&p->lock);
     return pm__set_error(PM_ERR_INVALID,
-                         "pm_host_alloc: %zu bytes is more than the pool's budget of %zu bytes",
-                         bytes, budget);
+                         "pm_host_alloc: %zu bytes is more than the pool's budget of %zu bytes%s",
+                         bytes, budget,
+                         memlock ? " (the automatic budget is capped by RLIMIT_MEMLOCK: raise it "
+                                   "with `ulimit -l`, or set PINMEM_BUDGET within it)"
+                                 : "");
   }
   st = acquire_locked(p, &a);
   if (st == PM_OK && !a.block) st = grow_locked(p, &a, flags);
@@ -1155,6 +1165,7 @@ pm_status_t pm_pool_set_budget(pm_pool_t *pool, size_t budget) {
                        p->budget);
   } else {
     p->budget = budget;
+    p->budget_memlock = false;
     wake_locked(p);
   }
   pthread_mutex_unlock(&p->lock);
