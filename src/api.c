@@ -26,6 +26,7 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -482,6 +483,51 @@ pm_status_t pm_memcpy_async(void *dst, const void *src, size_t bytes, pm_copy_ki
   pm_status_t st = check_copy("pm_memcpy_async", b, dst, src, bytes, &kind);
   if (st != PM_OK || bytes == 0) return st;
   return b->memcpy_async(dst, src, bytes, kind, stream);
+}
+
+pm_status_t pm__memcpy_batch_async(const pm_copy_item_t *items, size_t count, pm_copy_kind_t kind,
+                                   pm_stream_t stream) {
+  PM__BACKEND_OR_RETURN(b);
+  /* Every item is checked as pm_memcpy_async checks one, before anything is queued. */
+  size_t live = 0;
+  for (size_t i = 0; i < count; i++) {
+    pm_copy_kind_t k = kind;
+    pm_status_t st =
+        check_copy("pm_copy_batch_async", b, items[i].dst, items[i].src, items[i].bytes, &k);
+    if (st != PM_OK) return pm__wrap_error(st, "item %zu", i);
+    if (items[i].bytes) live++;
+  }
+  if (!b->memcpy_batch_async || live < 2) {
+    for (size_t i = 0; i < count; i++) {
+      if (!items[i].bytes) continue;
+      pm_copy_kind_t k = kind;
+      (void)check_copy("pm_copy_batch_async", b, items[i].dst, items[i].src, items[i].bytes, &k);
+      pm_status_t st = b->memcpy_async(items[i].dst, items[i].src, items[i].bytes, k, stream);
+      if (st != PM_OK) return st;
+    }
+    return PM_OK;
+  }
+  void **dsts = malloc(live * sizeof *dsts);
+  const void **srcs = malloc(live * sizeof *srcs);
+  size_t *sizes = malloc(live * sizeof *sizes);
+  pm_status_t st = PM_OK;
+  if (!dsts || !srcs || !sizes) {
+    st = pm__set_error(PM_ERR_NOMEM, "pm_copy_batch_async: out of memory for %zu items", live);
+  } else {
+    size_t j = 0;
+    for (size_t i = 0; i < count; i++) {
+      if (!items[i].bytes) continue;
+      dsts[j] = items[i].dst;
+      srcs[j] = items[i].src;
+      sizes[j] = items[i].bytes;
+      j++;
+    }
+    st = b->memcpy_batch_async(dsts, srcs, sizes, live, stream);
+  }
+  free(dsts);
+  free((void *)srcs);
+  free(sizes);
+  return st;
 }
 
 pm_status_t pm_memcpy(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind) {

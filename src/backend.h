@@ -75,6 +75,12 @@ typedef struct pm__backend {
   /* Is this address device memory from device_alloc (or managed)? Used to infer copy
    * directions. 1 device, 0 host. */
   int (*is_device_pointer)(const void *ptr);
+
+  /* Optional (NULL where the backend has none): `count` copies, stream-ordered on `stream`, in
+   * one call (cudaMemcpyBatchAsync); the direction of each follows from its pointers. Callers
+   * fall back to a loop of memcpy_async. */
+  pm_status_t (*memcpy_batch_async)(void *const *dsts, const void *const *srcs, const size_t *sizes,
+                                    size_t count, pm_stream_t stream);
 } pm__backend_t;
 
 /* backend_host.c */

@@ -686,6 +686,33 @@ static pm_status_t cuda_memcpy_async(void *dst, const void *src, size_t bytes, p
   return PM_OK;
 }
 
+/* cudaMemcpyBatchAsync: one driver call for many copies, which the driver may spread over the
+ * copy engines; a loop of cudaMemcpyAsync pays a launch per piece (17.5 GB/s for 64 KiB pieces
+ * on an H200, against 40 in one batch). It refuses the legacy NULL stream: loop there. */
+static pm_status_t cuda_memcpy_batch_async(void *const *dsts, const void *const *srcs,
+                                           const size_t *sizes, size_t count, pm_stream_t stream) {
+  if (count == 0) return PM_OK;
+  if (!dsts || !srcs || !sizes)
+    return pm__set_error(PM_ERR_INVALID, "memcpy_batch_async: NULL array");
+  if (!stream || count == 1) {
+    for (size_t i = 0; i < count; i++) {
+      pm_status_t st = cuda_memcpy_async(dsts[i], srcs[i], sizes[i], PM_COPY_DEFAULT, stream);
+      if (st != PM_OK) return st;
+    }
+    return PM_OK;
+  }
+  struct cudaMemcpyAttributes attr;
+  memset(&attr, 0, sizeof attr);
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream; /* as cudaMemcpyAsync: after earlier work */
+  size_t first = 0;
+  cudaError_t e =
+      cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &first, 1, cu_stream(stream));
+  if (e != cudaSuccess)
+    return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaMemcpyBatchAsync(%zu copies, stream %p)", count,
+                         (void *)stream);
+  return PM_OK;
+}
+
 static pm_status_t cuda_memcpy_sync(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind) {
   enum cudaMemcpyKind ck = cudaMemcpyDefault;
   if (to_cuda_kind(kind, &ck) != 0)
@@ -773,4 +800,5 @@ const pm__backend_t pm__backend_cuda = {
     .launch_busy = cuda_launch_busy,
     .launch_host_func = cuda_launch_host_func,
     .is_device_pointer = cuda_is_device_pointer,
+    .memcpy_batch_async = cuda_memcpy_batch_async,
 };

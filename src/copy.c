@@ -771,11 +771,7 @@ static pm_status_t read_options(const pm_copy_options_t *options, const char *fn
 
 /* ---- submission ----------------------------------------------------------------------------- */
 
-typedef struct op {
-  void *dst;
-  const void *src;
-  size_t bytes;
-} op_t;
+typedef pm_copy_item_t op_t; /* one plain backend copy */
 
 static pm_status_t resolve_pool(pm_pool_t *pool, pm_pool_t **out) {
   if (pool) {
@@ -841,8 +837,8 @@ static pm_status_t submit(pm_copy_kind_t kind, const op_t *direct, size_t ndirec
     if (st != PM_OK) goto fail;
   }
 
-  for (size_t i = 0; i < ndirect; i++) {
-    st = pm_memcpy_async(direct[i].dst, direct[i].src, direct[i].bytes, kind, stream);
+  if (ndirect) {
+    st = pm__memcpy_batch_async(direct, ndirect, kind, stream);
     if (st != PM_OK) goto fail;
   }
   if (nsegs) {

@@ -104,7 +104,8 @@ static bool should_fail(pm__fault_op_t op, uint64_t *call) {
   fault_state_t *s = &g_state[op];
   uint64_t k = atomic_fetch_add_explicit(&s->calls, 1, memory_order_relaxed) + 1;
   uint64_t nth = atomic_load_explicit(&s->nth, memory_order_relaxed);
-  bool hit = nth && (k == nth || (k > nth && atomic_load_explicit(&s->sticky, memory_order_relaxed)));
+  bool hit =
+      nth && (k == nth || (k > nth && atomic_load_explicit(&s->sticky, memory_order_relaxed)));
   if (!hit) {
     uint64_t th = atomic_load_explicit(&s->threshold, memory_order_relaxed);
     if (th) {
@@ -122,8 +123,8 @@ static pm_status_t injected(pm__fault_op_t op, uint64_t call, const char *what) 
   const pm__backend_t *real = atomic_load_explicit(&g_real, memory_order_acquire);
   /* The host backend's pinning is mlock, whose failure it reports as the memlock limit. */
   if (op == PM__FAULT_HOST_REGISTER && real && real->kind == PM_BACKEND_HOST) st = PM_ERR_MEMLOCK;
-  return pm__set_error(st, "%s: injected fault (%s call %llu; PINMEM_FAULT or pm__fault_set)",
-                       what, fault_ops[op].name, (unsigned long long)call);
+  return pm__set_error(st, "%s: injected fault (%s call %llu; PINMEM_FAULT or pm__fault_set)", what,
+                       fault_ops[op].name, (unsigned long long)call);
 }
 
 bool pm__fault_io(const char *what) {
@@ -139,14 +140,18 @@ static inline const pm__backend_t *real_backend(void) {
   return atomic_load_explicit(&g_real, memory_order_acquire);
 }
 
-#define FAULT_CHECK(op, what)                                         \
-  do {                                                                \
-    uint64_t call_;                                                   \
-    if (should_fail(op, &call_)) return injected(op, call_, what);    \
+#define FAULT_CHECK(op, what)                                      \
+  do {                                                             \
+    uint64_t call_;                                                \
+    if (should_fail(op, &call_)) return injected(op, call_, what); \
   } while (0)
 
-static pm_status_t f_init(void) { return real_backend()->init(); }
-static void f_shutdown(void) { real_backend()->shutdown(); }
+static pm_status_t f_init(void) {
+  return real_backend()->init();
+}
+static void f_shutdown(void) {
+  real_backend()->shutdown();
+}
 
 static pm_status_t f_device_count(int *count_out) {
   FAULT_CHECK(PM__FAULT_DEVICE_QUERY, "device_count");
@@ -282,8 +287,16 @@ static pm_status_t f_launch_host_func(pm_stream_t stream, void (*fn)(void *), vo
   return real_backend()->launch_host_func(stream, fn, arg);
 }
 
+static pm_status_t f_memcpy_batch_async(void *const *dsts, const void *const *srcs,
+                                        const size_t *sizes, size_t count, pm_stream_t stream) {
+  FAULT_CHECK(PM__FAULT_MEMCPY, "memcpy_batch_async");
+  return real_backend()->memcpy_batch_async(dsts, srcs, sizes, count, stream);
+}
+
 /* Not fallible: a plain question about an address. */
-static int f_is_device_pointer(const void *ptr) { return real_backend()->is_device_pointer(ptr); }
+static int f_is_device_pointer(const void *ptr) {
+  return real_backend()->is_device_pointer(ptr);
+}
 
 /* One table per backend kind, filled once: name and kind are the real backend's, so nothing
  * above the contract can tell the wrapper from the backend. */
@@ -340,6 +353,7 @@ pm_status_t pm__fault_wrap(const pm__backend_t **backend) {
     FWD(launch_busy);
     FWD(launch_host_func);
     FWD(is_device_pointer);
+    FWD(memcpy_batch_async);
     t->name = real->name; /* last: it marks the table as filled */
   }
   atomic_store_explicit(&g_real, real, memory_order_release);
@@ -391,7 +405,9 @@ pm_status_t pm__fault_set(pm__fault_op_t op, uint64_t nth, double rate) {
   return arm(op, nth, false, rate);
 }
 
-void pm__fault_seed(uint64_t seed) { atomic_store_explicit(&g_seed, seed, memory_order_relaxed); }
+void pm__fault_seed(uint64_t seed) {
+  atomic_store_explicit(&g_seed, seed, memory_order_relaxed);
+}
 
 void pm__fault_reset(void) {
   atomic_store_explicit(&g_active, false, memory_order_relaxed);

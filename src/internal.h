@@ -34,22 +34,22 @@ void pm__clear_error(void);
 /* ---- config.c ---------------------------------------------------------------------------- */
 
 typedef enum pm__opt {
-  PM__OPT_BACKEND,        /* auto|cuda|host */
-  PM__OPT_DEVICE,         /* int, default device */
-  PM__OPT_BUDGET,         /* size or "auto" -> pm__opt_size returns 0 for auto */
-  PM__OPT_BUDGET_POLICY,  /* fail|wait -> pm__opt_int returns pm_exhaust_policy_t */
-  PM__OPT_BUDGET_TIMEOUT, /* seconds (double) */
-  PM__OPT_PIN_THREADS,    /* int, 0 = auto (min(16, cores)) -> pm__opt_int returns resolved */
-  PM__OPT_FAST_PIN_MIN,   /* size */
-  PM__OPT_HUGE_PAGES,     /* 0|1 */
+  PM__OPT_BACKEND,            /* auto|cuda|host */
+  PM__OPT_DEVICE,             /* int, default device */
+  PM__OPT_BUDGET,             /* size or "auto" -> pm__opt_size returns 0 for auto */
+  PM__OPT_BUDGET_POLICY,      /* fail|wait -> pm__opt_int returns pm_exhaust_policy_t */
+  PM__OPT_BUDGET_TIMEOUT,     /* seconds (double) */
+  PM__OPT_PIN_THREADS,        /* int, 0 = auto (min(16, cores)) -> pm__opt_int returns resolved */
+  PM__OPT_FAST_PIN_MIN,       /* size */
+  PM__OPT_HUGE_PAGES,         /* 0|1 */
   PM__OPT_HOST_DEVICE_MEMORY, /* size: device memory the host backend simulates */
-  PM__OPT_COPY_CHUNK,     /* size: staging chunk (copy.c) */
-  PM__OPT_COPY_SLOTS,     /* int: bounce-buffer ring depth (copy.c) */
-  PM__OPT_COPY_THREADS,   /* int: staging memcpy threads, 0 = auto (copy.c) */
-  PM__OPT_COPY_STAGE_MIN, /* size: pageable copies below this use the plain backend copy */
-  PM__OPT_LOADER_WORKERS, /* int: loader reader threads, 0 = auto (loader.c) */
-  PM__OPT_LOADER_PREFETCH, /* int: loader batch slots (loader.c) */
-  PM__OPT_COPY_BOUNCE,     /* whole|ring|auto -> pm__copy_bounce_t (copy_stage.c) */
+  PM__OPT_COPY_CHUNK,         /* size: staging chunk (copy.c) */
+  PM__OPT_COPY_SLOTS,         /* int: bounce-buffer ring depth (copy.c) */
+  PM__OPT_COPY_THREADS,       /* int: staging memcpy threads, 0 = auto (copy.c) */
+  PM__OPT_COPY_STAGE_MIN,     /* size: pageable copies below this use the plain backend copy */
+  PM__OPT_LOADER_WORKERS,     /* int: loader reader threads, 0 = auto (loader.c) */
+  PM__OPT_LOADER_PREFETCH,    /* int: loader batch slots (loader.c) */
+  PM__OPT_COPY_BOUNCE,        /* whole|ring|auto -> pm__copy_bounce_t (copy_stage.c) */
   PM__OPT_COUNT
 } pm__opt_t;
 
@@ -68,26 +68,33 @@ typedef enum pm__copy_bounce {
 
 /* ---- sysinfo.c --------------------------------------------------------------------------- */
 
-double pm__now(void);              /* monotonic seconds */
+double pm__now(void); /* monotonic seconds */
 size_t pm__page_size(void);
-size_t pm__physical_memory(void);  /* bytes of RAM */
-int pm__cpu_count(void);           /* online CPUs */
+size_t pm__physical_memory(void); /* bytes of RAM */
+int pm__cpu_count(void);          /* online CPUs */
 /* RLIMIT_MEMLOCK soft limit in bytes; SIZE_MAX when unlimited or when the process has
  * CAP_IPC_LOCK (root), which makes the limit irrelevant to mlock. */
 size_t pm__memlock_limit(void);
 size_t pm__memlock_rlimit_raw(void); /* the soft limit itself, SIZE_MAX if RLIM_INFINITY */
 bool pm__has_cap_ipc_lock(void);
 /* Round up to a multiple of `align` (a power of two). */
-static inline size_t pm__align_up(size_t v, size_t align) { return (v + align - 1) & ~(align - 1); }
+static inline size_t pm__align_up(size_t v, size_t align) {
+  return (v + align - 1) & ~(align - 1);
+}
 
 /* ---- api.c ------------------------------------------------------------------------------- */
 
 /* The active backend, initialising on first use. NULL (and pm__set_error) if none could start. */
 const pm__backend_t *pm__backend(void);
 /* Shorthand used at the top of public calls: */
-#define PM__BACKEND_OR_RETURN(b)                                                                \
-  const pm__backend_t *b = pm__backend();                                                       \
+#define PM__BACKEND_OR_RETURN(b)          \
+  const pm__backend_t *b = pm__backend(); \
   if (!b) return pm__wrap_error(PM_ERR_NO_DEVICE, "no backend")
+
+/* Plain backend copies of many items, each validated as pm_memcpy_async validates one, queued
+ * with the backend's batch call where it has one (else a loop). */
+pm_status_t pm__memcpy_batch_async(const pm_copy_item_t *items, size_t count, pm_copy_kind_t kind,
+                                   pm_stream_t stream);
 
 /* ---- registry.c -------------------------------------------------------------------------- */
 
@@ -97,8 +104,8 @@ typedef struct pm__range {
   size_t size;
   pm_memory_kind_t kind;
   unsigned flags;
-  void *owner;     /* pm_pool_t* for pool segments, NULL otherwise */
-  void *dev_base;  /* device address of base when mapped, else NULL */
+  void *owner;    /* pm_pool_t* for pool segments, NULL otherwise */
+  void *dev_base; /* device address of base when mapped, else NULL */
 } pm__range_t;
 
 /* Add a range; PM_ERR_OVERLAP (with both ranges in the detail) if any byte is tracked. */
@@ -133,8 +140,8 @@ pm_status_t pm__pool_default_destroy(void);
 
 /* Fast cold pinning: mmap (2 MiB aligned, MADV_HUGEPAGE if huge_pages), first touch from
  * `threads` threads, then backend host_register. *ptr_out is page aligned. */
-pm_status_t pm__fast_pin(const pm__backend_t *b, size_t bytes, unsigned register_flags,
-                         int threads, bool huge_pages, void **ptr_out);
+pm_status_t pm__fast_pin(const pm__backend_t *b, size_t bytes, unsigned register_flags, int threads,
+                         bool huge_pages, void **ptr_out);
 pm_status_t pm__fast_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
 
 /* ---- threadpool.c ------------------------------------------------------------------------ */
@@ -156,7 +163,7 @@ void pm__copy_shutdown(void);
 typedef enum pm__fault_op {
   PM__FAULT_ALL = -1, /* every op except the release calls */
   PM__FAULT_HOST_ALLOC = 0,
-  PM__FAULT_HOST_FREE,       /* release call */
+  PM__FAULT_HOST_FREE, /* release call */
   PM__FAULT_HOST_REGISTER,
   PM__FAULT_HOST_UNREGISTER, /* release call */
   PM__FAULT_HOST_DEVICE_POINTER,
@@ -213,8 +220,8 @@ bool pm__fault_io(const char *what);
 /* sampler.c: the order of one rank's samples in each epoch, computed per position (no arrays,
  * so a position can be found in O(1) for any epoch: workers and resume need no shared state). */
 typedef struct pm__sampler {
-  uint64_t n;        /* samples in the dataset */
-  uint64_t batch;    /* batch size */
+  uint64_t n;     /* samples in the dataset */
+  uint64_t batch; /* batch size */
   uint64_t seed;
   int rank, world;
   bool shuffle, drop_last;
@@ -242,11 +249,11 @@ void pm__scratch_free(pm__scratch_t *s);
 
 typedef struct pm__file {
   char *path;
-  int fd;          /* buffered reads (always open) */
-  int dfd;         /* O_DIRECT descriptor, or -1 */
-  uint64_t size;   /* bytes at open */
+  int fd;                   /* buffered reads (always open) */
+  int dfd;                  /* O_DIRECT descriptor, or -1 */
+  uint64_t size;            /* bytes at open */
   const unsigned char *map; /* PM_IO_MMAP: the whole file, or NULL */
-  pm_io_mode_t io; /* the mode in force */
+  pm_io_mode_t io;          /* the mode in force */
 } pm__file_t;
 
 /* Open `path` for reads in mode `io`. Where O_DIRECT is refused the file falls back to
@@ -280,19 +287,19 @@ void pm__dataset_free(pm_dataset_t *ds); /* closes the files, runs destroy_impl 
 /* dataset_npy.c: the .npy header. */
 typedef struct pm__npy_header {
   int major, minor;
-  size_t data_offset;  /* where the array's bytes start */
+  size_t data_offset; /* where the array's bytes start */
   bool fortran_order;
-  int ndim;            /* of the whole array */
+  int ndim; /* of the whole array */
   uint64_t shape[PM_DATASET_MAX_DIMS + 1];
-  char descr[128];     /* normalised (explicit byte order); structured: compact text */
+  char descr[128]; /* normalised (explicit byte order); structured: compact text */
   size_t itemsize;
   pm_dtype_t dtype;
-  uint64_t count;        /* shape[0] */
-  size_t sample_bytes;   /* itemsize * prod(shape[1:]) */
-  uint64_t data_bytes;   /* count * sample_bytes */
+  uint64_t count;      /* shape[0] */
+  size_t sample_bytes; /* itemsize * prod(shape[1:]) */
+  uint64_t data_bytes; /* count * sample_bytes */
 } pm__npy_header_t;
 
-#define PM__NPY_PREAMBLE 12      /* magic, version and header length fit in this */
+#define PM__NPY_PREAMBLE 12 /* magic, version and header length fit in this */
 #define PM__NPY_HEADER_MAX (1u << 20)
 
 /* From the first `len` bytes of a file: the total header size (the data offset). PM_ERR_FORMAT
