@@ -793,16 +793,20 @@ static PyBufferProcs Buffer_as_buffer = {
 
 /* ---- DLPack export ------------------------------------------------------------------------ */
 
-static void export_deleter(DLManagedTensor *mt) {
-  if (!mt) return;
-  PyObject *owner = mt->manager_ctx;
-  /* After finalisation there is no interpreter to give the reference back to: leak it. */
+/* A consumer let go of an export: give the buffer its reference back. Deleters may run on any
+ * thread, hence the GIL; after finalisation there is no interpreter to give it to: leak it. */
+static void export_release_owner(PyObject *owner) {
   if (owner && Py_IsInitialized() && !interp_finalizing()) {
     PyGILState_STATE g = PyGILState_Ensure();
     ((BufferObject *)owner)->exports--;
     Py_DECREF(owner);
     PyGILState_Release(g);
   }
+}
+
+static void export_deleter(DLManagedTensor *mt) {
+  if (!mt) return;
+  export_release_owner(mt->manager_ctx);
   PyMem_RawFree(mt);
 }
 
@@ -819,13 +823,7 @@ static void capsule_destructor(PyObject *cap) {
 #ifdef PMPY_DLPACK_VERSIONED
 static void export_deleter_v(DLManagedTensorVersioned *mt) {
   if (!mt) return;
-  PyObject *owner = mt->manager_ctx;
-  if (owner && Py_IsInitialized() && !interp_finalizing()) {
-    PyGILState_STATE g = PyGILState_Ensure();
-    ((BufferObject *)owner)->exports--;
-    Py_DECREF(owner);
-    PyGILState_Release(g);
-  }
+  export_release_owner(mt->manager_ctx);
   PyMem_RawFree(mt);
 }
 
