@@ -623,6 +623,26 @@ static bool wanted(const bench_t *b, const char *name) {
   return strstr(b->o.cases, key) != NULL;
 }
 
+/* The keys every bench copy row starts with; `verified` names the check ("full", "sampled",
+ * "checksum") or is false. */
+static void copy_row_json(cli_json_t *j, const char *name, const char *dir, size_t bytes,
+                          double seconds, double gbps, bool ok, const char *method, double ratio,
+                          const char *baseline) {
+  cli_json_begin(j);
+  cli_json_str(j, "bench", "copy");
+  cli_json_str(j, "case", name);
+  cli_json_str(j, "dir", dir);
+  cli_json_uint(j, "bytes", bytes);
+  cli_json_double(j, "seconds", seconds);
+  cli_json_double(j, "gbps", gbps);
+  if (ok)
+    cli_json_str(j, "verified", method);
+  else
+    cli_json_bool(j, "verified", false);
+  cli_json_double(j, "ratio_vs_plain", ratio);
+  cli_json_str(j, "baseline", baseline);
+}
+
 /* One measured case: median over the timed runs; each run verified. */
 static void run_case(bench_t *b, const ccase_t *c, size_t n) {
   const char *skip = NULL;
@@ -701,19 +721,7 @@ static void run_case(bench_t *b, const ccase_t *c, size_t n) {
 
   if (b->o.json) {
     cli_json_t j;
-    cli_json_begin(&j);
-    cli_json_str(&j, "bench", "copy");
-    cli_json_str(&j, "case", c->name);
-    cli_json_str(&j, "dir", c->dir);
-    cli_json_uint(&j, "bytes", moved);
-    cli_json_double(&j, "seconds", med);
-    cli_json_double(&j, "gbps", gbps);
-    if (ok)
-      cli_json_str(&j, "verified", method);
-    else
-      cli_json_bool(&j, "verified", false);
-    cli_json_double(&j, "ratio_vs_plain", ratio);
-    cli_json_str(&j, "baseline", base);
+    copy_row_json(&j, c->name, c->dir, moved, med, gbps, ok, method, ratio, base);
     cli_json_str(&j, "path", path);
     cli_json_str(&j, "timing", "events");
     cli_json_int(&j, "runs", runs);
@@ -819,19 +827,8 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
   add_result(b, bc->name, bc->dir, total, gbps, ok);
   if (b->o.json) {
     cli_json_t j;
-    cli_json_begin(&j);
-    cli_json_str(&j, "bench", "copy");
-    cli_json_str(&j, "case", bc->name);
-    cli_json_str(&j, "dir", bc->dir);
-    cli_json_uint(&j, "bytes", total);
-    cli_json_double(&j, "seconds", med);
-    cli_json_double(&j, "gbps", gbps);
-    if (ok)
-      cli_json_str(&j, "verified", method);
-    else
-      cli_json_bool(&j, "verified", false);
-    cli_json_double(&j, "ratio_vs_plain", ratio);
-    cli_json_str(&j, "baseline", bc->engine ? base : NULL);
+    copy_row_json(&j, bc->name, bc->dir, total, med, gbps, ok, method, ratio,
+                  bc->engine ? base : NULL);
     cli_json_uint(&j, "items", count);
     cli_json_uint(&j, "item_bytes", piece);
     cli_json_str(&j, "timing", "events");
