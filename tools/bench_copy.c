@@ -933,16 +933,15 @@ static void print_targets(const bench_t *b, size_t batch_total) {
   }
 }
 
-/* ---- pinmem bench copy --------------------------------------------------------------------------
- */
-
-int pm_cli_bench_copy(int argc, char **argv) {
+/* Shared start of both benchmarks: parse the options, start pinmem, fill the defaults. Returns
+ * 0 with *out set, or the exit code (usage errors, out of memory). */
+static int bench_begin(const char *name, int argc, char **argv, bench_t **out) {
   bench_t *b = calloc(1, sizeof *b);
   if (!b) {
     fprintf(stderr, "pinmem: out of memory\n");
     return CLI_EXIT_FAILURE;
   }
-  int rc = parse_args("copy", argc, argv, &b->o);
+  int rc = parse_args(name, argc, argv, &b->o);
   if (rc) {
     free(b);
     return rc;
@@ -950,6 +949,17 @@ int pm_cli_bench_copy(int argc, char **argv) {
   cli_check(pm_init());
   b->cuda = pm_backend_kind() == PM_BACKEND_CUDA;
   if (!b->o.repeat) b->o.repeat = 5;
+  *out = b;
+  return 0;
+}
+
+/* ---- pinmem bench copy --------------------------------------------------------------------------
+ */
+
+int pm_cli_bench_copy(int argc, char **argv) {
+  bench_t *b = NULL;
+  int rc = bench_begin("copy", argc, argv, &b);
+  if (rc) return rc;
   if (!b->o.nsizes) {
     static const size_t def[] = {4 * KIB, 64 * KIB, MIB, 8 * MIB, 64 * MIB, 256 * MIB, GIB};
     int n = b->cuda ? 7 : 5; /* host backend: up to 64 MiB */
@@ -1065,19 +1075,9 @@ static double ov_median(bench_t *b, const ov_run_t *r, size_t n, double kernel_s
 }
 
 int pm_cli_bench_overlap(int argc, char **argv) {
-  bench_t *b = calloc(1, sizeof *b);
-  if (!b) {
-    fprintf(stderr, "pinmem: out of memory\n");
-    return CLI_EXIT_FAILURE;
-  }
-  int rc = parse_args("overlap", argc, argv, &b->o);
-  if (rc) {
-    free(b);
-    return rc;
-  }
-  cli_check(pm_init());
-  b->cuda = pm_backend_kind() == PM_BACKEND_CUDA;
-  if (!b->o.repeat) b->o.repeat = 5;
+  bench_t *b = NULL;
+  int rc = bench_begin("overlap", argc, argv, &b);
+  if (rc) return rc;
   size_t n = b->o.bytes ? b->o.bytes : (b->cuda ? 256 * MIB : 64 * MIB);
   bench_setup(b, n, false);
 
