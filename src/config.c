@@ -54,44 +54,58 @@ typedef struct pm__opt_def {
 
 /* ---- parsers --------------------------------------------------------------------------- */
 
+/* Keyword options: the words each takes, with the value stored, in the order the error message
+ * lists them; the first word of a value is its canonical spelling. */
+typedef struct pm__keyword {
+  const char *word;
+  long value;
+} pm__keyword_t;
+
+static const pm__keyword_t kw_backend[] = {
+    {"auto", PM_BACKEND_NONE}, {"cuda", PM_BACKEND_CUDA}, {"host", PM_BACKEND_HOST}, {NULL, 0}};
+static const pm__keyword_t kw_policy[] = {
+    {"fail", PM_EXHAUST_FAIL}, {"wait", PM_EXHAUST_WAIT}, {NULL, 0}};
+static const pm__keyword_t kw_bounce[] = {
+    {"whole", PM__BOUNCE_WHOLE}, {"ring", PM__BOUNCE_RING}, {"auto", PM__BOUNCE_AUTO}, {NULL, 0}};
+static const pm__keyword_t kw_memcpy[] = {{"libc", PM__MEMCPY_LIBC},
+                                          {"movsb", PM__MEMCPY_MOVSB},
+                                          {"stream", PM__MEMCPY_STREAM},
+                                          {NULL, 0}};
+
+static bool parse_keyword(const pm__keyword_t *kw, const char *t, pm__optval_t *out, char *why,
+                          size_t n) {
+  for (const pm__keyword_t *k = kw; k->word; k++) {
+    if (!strcasecmp(t, k->word)) {
+      out->i = k->value;
+      return true;
+    }
+  }
+  /* "not a, b or c" */
+  size_t used = (size_t)snprintf(why, n, "not ");
+  for (const pm__keyword_t *k = kw; k->word && used < n; k++) {
+    const char *sep = k == kw ? "" : k[1].word ? ", " : " or ";
+    used += (size_t)snprintf(why + used, n - used, "%s%s", sep, k->word);
+  }
+  return false;
+}
+
+static const char *keyword_text(const pm__keyword_t *kw, long value) {
+  for (const pm__keyword_t *k = kw; k->word; k++)
+    if (k->value == value) return k->word;
+  return kw[0].word;
+}
+
 static bool parse_backend(const char *t, pm__optval_t *out, char *why, size_t n) {
-  if (!strcasecmp(t, "auto"))
-    out->i = PM_BACKEND_NONE;
-  else if (!strcasecmp(t, "cuda"))
-    out->i = PM_BACKEND_CUDA;
-  else if (!strcasecmp(t, "host"))
-    out->i = PM_BACKEND_HOST;
-  else {
-    snprintf(why, n, "not auto, cuda or host");
-    return false;
-  }
-  return true;
+  return parse_keyword(kw_backend, t, out, why, n);
 }
-
 static bool parse_policy(const char *t, pm__optval_t *out, char *why, size_t n) {
-  if (!strcasecmp(t, "fail"))
-    out->i = PM_EXHAUST_FAIL;
-  else if (!strcasecmp(t, "wait"))
-    out->i = PM_EXHAUST_WAIT;
-  else {
-    snprintf(why, n, "not fail or wait");
-    return false;
-  }
-  return true;
+  return parse_keyword(kw_policy, t, out, why, n);
 }
-
 static bool parse_bounce(const char *t, pm__optval_t *out, char *why, size_t n) {
-  if (!strcasecmp(t, "whole"))
-    out->i = PM__BOUNCE_WHOLE;
-  else if (!strcasecmp(t, "ring"))
-    out->i = PM__BOUNCE_RING;
-  else if (!strcasecmp(t, "auto"))
-    out->i = PM__BOUNCE_AUTO;
-  else {
-    snprintf(why, n, "not whole, ring or auto");
-    return false;
-  }
-  return true;
+  return parse_keyword(kw_bounce, t, out, why, n);
+}
+static bool parse_memcpy(const char *t, pm__optval_t *out, char *why, size_t n) {
+  return parse_keyword(kw_memcpy, t, out, why, n);
 }
 
 static bool parse_long_range(const char *t, long lo, long hi, pm__optval_t *out, char *why,
@@ -245,10 +259,10 @@ static const pm__opt_def_t opt_table[] = {
                             "pinned bounce buffers in the staging ring (1..4096)", parse_slots,
                             PM__T_INT},
     [PM__OPT_COPY_THREADS] = {"copy_threads", "PINMEM_COPY_THREADS", "0",
-                              "threads that memcpy chunks of staged copies; 0 = auto (the copy "
-                              "engine picks)",
+                              "threads that memcpy chunks of staged copies; 0 = auto = min(16, "
+                              "usable CPUs)",
                               parse_threads, PM__T_INT},
-    [PM__OPT_COPY_STAGE_MIN] = {"copy_stage_min", "PINMEM_COPY_STAGE_MIN", "1M",
+    [PM__OPT_COPY_STAGE_MIN] = {"copy_stage_min", "PINMEM_COPY_STAGE_MIN", "8M",
                                 "pageable copies smaller than this use the plain backend copy "
                                 "instead of staging",
                                 parse_size_any, PM__T_SIZE},
@@ -262,11 +276,17 @@ static const pm__opt_def_t opt_table[] = {
                                  "device memory",
                                  parse_slots, PM__T_INT},
     [PM__OPT_COPY_BOUNCE] = {"copy_bounce", "PINMEM_COPY_BOUNCE", "whole",
-                             "bounce memory of staged H2D copies: whole (one pool block the size "
-                             "of the copy; the call never waits for the stream), ring (copy_slots "
-                             "chunk buffers reused in turn; waits for the stream's earlier work) "
-                             "or auto (the ring when the stream is idle)",
+                             "bounce memory of staged copies: whole (one pool block the size of "
+                             "the copy; the call never waits for the stream), ring (copy_slots "
+                             "chunk buffers reused in turn; the call waits for the stream's "
+                             "earlier work, and a D2H copy is complete when it returns) or auto "
+                             "(the ring when the stream is idle)",
                              parse_bounce, PM__T_INT},
+    [PM__OPT_COPY_MEMCPY] = {"copy_memcpy", "PINMEM_COPY_MEMCPY", "libc",
+                             "how staging threads copy to and from bounce memory: libc (memcpy), "
+                             "movsb (x86-64 rep movsb) or stream (x86-64 AVX2 non-temporal "
+                             "stores); without the CPU feature, libc",
+                             parse_memcpy, PM__T_INT},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");
@@ -296,19 +316,15 @@ static void trim_copy(char *dst, size_t len, const char *src) {
 /* Enum-like options show their canonical spelling whatever case was given. */
 static void canonical_text(pm__opt_t opt, const pm__optval_t *v, char *text, size_t len) {
   if (opt == PM__OPT_BACKEND)
-    snprintf(text, len, "%s",
-             v->i == PM_BACKEND_CUDA   ? "cuda"
-             : v->i == PM_BACKEND_HOST ? "host"
-                                       : "auto");
+    snprintf(text, len, "%s", keyword_text(kw_backend, v->i));
   else if (opt == PM__OPT_BUDGET_POLICY)
-    snprintf(text, len, "%s", v->i == PM_EXHAUST_WAIT ? "wait" : "fail");
+    snprintf(text, len, "%s", keyword_text(kw_policy, v->i));
   else if (opt == PM__OPT_HUGE_PAGES)
     snprintf(text, len, "%ld", v->i);
   else if (opt == PM__OPT_COPY_BOUNCE)
-    snprintf(text, len, "%s",
-             v->i == PM__BOUNCE_RING   ? "ring"
-             : v->i == PM__BOUNCE_AUTO ? "auto"
-                                       : "whole");
+    snprintf(text, len, "%s", keyword_text(kw_bounce, v->i));
+  else if (opt == PM__OPT_COPY_MEMCPY)
+    snprintf(text, len, "%s", keyword_text(kw_memcpy, v->i));
 }
 
 static void opt_resolve(pm__opt_t opt, pm__opt_resolved_t *r) {

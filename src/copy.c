@@ -9,11 +9,11 @@
  * costs are lower than staging's. options->path forces a path.
  *
  * What each path blocks on: direct: nothing. Staged H2D: until the source was read (it may be
- * changed after the return), never on the stream's earlier work (budget-bound ring: the call
- * also waits for reused slots' DMAs, hence for the stream). Staged D2H: nothing; a completion
- * thread copies the bytes out once their DMAs land, and the stream's later work waits for that
- * (budget-bound ring: the whole copy happens inside the call). Plain pageable copies block as
- * the backend's own copy does.
+ * changed after the return), never on the stream's earlier work (ring, chosen by copy_bounce or
+ * forced by the budget: the call also waits for reused slots' DMAs, hence for the stream).
+ * Staged D2H: nothing; a completion thread copies the bytes out once their DMAs land, and the
+ * stream's later work waits for that (ring: the whole copy happens inside the call, which
+ * returns with the bytes in dst). Plain pageable copies block as the backend's own copy does.
  *
  * Fences. A fence is a refcounted object: the user's handle (if fence_out was given), the
  * engine's reference while completion work is pending (a callback or a D2H copy-out), and the
@@ -25,11 +25,14 @@
  * stream order. The gate starts only after every DMA it depends on, so it waits for CPU work
  * alone (as CUDA requires of host functions), and that work makes no backend call at all: a
  * backend call can wait behind another thread's synchronizing call (cudaFree) that waits for
- * the gate (copy_stage.c). Event calls on a gated fence happen only after data_done. A fence with a
- * callback or a copy-out is a "host" fence with two steps under its mutex: data_done (every byte in
- * place; the gate opens) and finished (the callback returned too); pm_fence_query/pm_fence_wait
- * report finished. Live handles sit in a hash set, so a released or unknown fence is an error, not
- * a crash.
+ * the gate (copy_stage.c). The copy-out is in a completion thread's hands before the gate is
+ * queued (submit_d2h_gate): otherwise a backend call of the submitter between the two could wait
+ * behind such a synchronizing call and nobody would open the gate. Event calls on a gated fence
+ * happen only after data_done. A fence with a callback or a copy-out is a "host" fence with
+ * two steps under its mutex: data_done (every byte in place; the gate opens) and finished (the
+ * callback returned too; without a callback, the same moment); pm_fence_query/pm_fence_wait
+ * report finished. Live handles sit in a hash set, so a released or unknown fence is an error,
+ * not a crash.
  *
  * Completion service: a queue served by detached threads that start on demand (one per job
  * waiting when none is idle, at most PM__CQ_MAX_THREADS) and exit after PM__CQ_IDLE_S idle.
@@ -56,8 +59,8 @@
 
 #define PM__COPY_DEF_CHUNK ((size_t)4 << 20)
 #define PM__COPY_DEF_SLOTS 32
-#define PM__COPY_DEF_THREADS_MAX 8
-#define PM__COPY_DEF_STAGE_MIN ((size_t)256 << 10)
+#define PM__COPY_DEF_THREADS_MAX 16
+#define PM__COPY_DEF_STAGE_MIN ((size_t)8 << 20)
 #define PM__CQ_MAX_THREADS 256
 #define PM__CQ_IDLE_S 2
 #define PM__SPIN_S 100e-6 /* event polling spins this long before it sleeps */
@@ -65,7 +68,10 @@
 /* ---- options -------------------------------------------------------------------------------- */
 
 /* pm__opt_* gives 0 for "auto" and for an option without a table row: fall back to the
- * defaults tuned on the H200 (4 MiB chunks, 32 slots, min(8, cores) threads, 256 KiB). */
+ * defaults tuned on the H200 (4 MiB chunks, 32 slots, min(16, cores) threads, 8 MiB). There,
+ * staged H2D of 1 GiB ran at 27 GB/s with 8 memcpy threads and 35-37.5 with 16 (same run), and
+ * staging lost to the plain pageable copy at 1 MiB (0.77x H2D, 0.56x D2H) but won at 8 MiB
+ * (1.19x, 1.09x): bench/NOTES.md. */
 void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   size_t chunk = pm__opt_size(PM__OPT_COPY_CHUNK);
   long slots = pm__opt_int(PM__OPT_COPY_SLOTS);
@@ -87,6 +93,7 @@ void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   cfg->threads = (int)threads;
   cfg->stage_min = stage_min;
   cfg->bounce = (int)pm__opt_int(PM__OPT_COPY_BOUNCE);
+  cfg->mover = (int)pm__opt_int(PM__OPT_COPY_MEMCPY);
 }
 
 void pm_copy_options_init(pm_copy_options_t *options) {
@@ -155,9 +162,11 @@ static void *cq_main(void *arg) {
   }
 }
 
-/* Queue a job. Never fails: if no completion thread can be started at all, the caller runs the
- * queue itself (a degraded mode that only a thread-creation failure reaches). */
-static void cq_post(cq_node_t *node, int type, void *ptr) {
+/* Queue a job. Returns true once a completion thread will run it. If no completion thread can
+ * be started at all: with `inline_ok` the caller runs the queue itself (a degraded mode that only
+ * a thread-creation failure reaches) and true is returned; without it the job is taken back out
+ * and false is returned (a D2H copy-out must run beside the caller, never inside it). */
+static bool cq_post_ex(cq_node_t *node, int type, void *ptr, bool inline_ok) {
   node->next = NULL;
   node->type = type;
   node->ptr = ptr;
@@ -175,7 +184,7 @@ static void cq_post(cq_node_t *node, int type, void *ptr) {
   }
   pthread_cond_signal(&g_cq_cv);
   pthread_mutex_unlock(&g_cq_mu);
-  if (!spawn) return;
+  if (!spawn) return true;
 
   pthread_attr_t attr;
   pthread_t tid;
@@ -185,10 +194,25 @@ static void cq_post(cq_node_t *node, int type, void *ptr) {
     rc = pthread_create(&tid, &attr, cq_main, NULL);
     pthread_attr_destroy(&attr);
   }
-  if (rc == 0) return;
+  if (rc == 0) return true;
   pthread_mutex_lock(&g_cq_mu);
   g_cq_threads--;
   bool alone = g_cq_threads == 0;
+  if (alone && !inline_ok) {
+    /* Take the node back out: nobody else can have popped it, as no thread runs. */
+    cq_node_t **pp = &g_cq_head, *prev = NULL;
+    while (*pp && *pp != node) {
+      prev = *pp;
+      pp = &(*pp)->next;
+    }
+    if (*pp) {
+      *pp = node->next;
+      if (g_cq_tail == node) g_cq_tail = prev;
+      g_cq_len--;
+    }
+    pthread_mutex_unlock(&g_cq_mu);
+    return false;
+  }
   pthread_mutex_unlock(&g_cq_mu);
   while (alone) {
     pthread_mutex_lock(&g_cq_mu);
@@ -197,6 +221,11 @@ static void cq_post(cq_node_t *node, int type, void *ptr) {
     if (!next) break;
     cq_run(next);
   }
+  return true;
+}
+
+static void cq_post(cq_node_t *node, int type, void *ptr) {
+  (void)cq_post_ex(node, type, ptr, true);
 }
 
 void pm__copy_shutdown(void) {
@@ -317,6 +346,8 @@ struct pm_fence_s {
   cq_node_t node;
   pthread_mutex_t mu;
   pthread_cond_t cv;
+  bool armed;     /* under mu: the submitting call is over (set at once unless staged D2H) */
+  bool cancelled; /* under mu: that call failed, so no callback runs */
   bool data_done; /* under mu */
   bool finished;  /* under mu */
   pm_status_t status;
@@ -335,6 +366,7 @@ static pm_status_t fence_new(pm_copy_path_t path, bool with_event, const pm_copy
     }
   }
   atomic_init(&f->refs, 0);
+  f->armed = true;
   f->path = path;
   f->cb = opt->callback;
   f->cb_arg = opt->callback_arg;
@@ -378,11 +410,18 @@ static void fence_complete(pm_fence_t f) {
   f->status = st;
   memcpy(f->msg, msg, sizeof msg);
   f->data_done = true;
-  if (!f->cb) f->finished = true;
+  void (*cb)(void *, pm_status_t) = f->cb;
+  if (cb) {
+    /* A staged D2H copy is armed by its submitter once the call is over; a failed call cancels
+     * the callback (its caller got the error instead). Without a callback nothing waits. */
+    while (!f->armed) pthread_cond_wait(&f->cv, &f->mu);
+    if (f->cancelled) cb = NULL;
+  }
+  if (!cb) f->finished = true;
   pthread_cond_broadcast(&f->cv);
   pthread_mutex_unlock(&f->mu);
-  if (f->cb) {
-    f->cb(f->cb_arg, st);
+  if (cb) {
+    cb(f->cb_arg, st);
     pthread_mutex_lock(&f->mu);
     f->finished = true;
     pthread_cond_broadcast(&f->cv);
@@ -804,6 +843,57 @@ static pm_status_t submit_empty(const pm_copy_options_t *opt, pm_fence_t *fence_
   return PM_OK;
 }
 
+/* A staged D2H copy whose DMAs are queued: hand the copy-out to a completion thread, then queue
+ * the gate and the fence's event. The order matters. The gate blocks the stream (and, under
+ * CUDA, the one thread that runs every host function) until the copy-out is done, so the
+ * copy-out must already be in a completion thread's hands when the gate is queued: a backend
+ * call made by this thread after the gate (the event record) can wait behind another thread's
+ * synchronizing call (cudaFree), which waits for the gate. Were the copy-out posted only after
+ * that call, nothing could ever open the gate. On a failure after the post, this thread lets
+ * the copy-out finish (it never touches dst once the call returned) and returns the error. */
+static pm_status_t submit_d2h_gate(pm_fence_t f, pm__d2h_job_t *job, pm_stream_t stream,
+                                   pm_fence_t *fence_out) {
+  atomic_fetch_add(&f->refs, 1); /* this call's own, so f outlives the waits below */
+  f->armed = false;
+  if (!cq_post_ex(&f->node, CQ_FENCE, f, false)) {
+    pm__set_error(PM_ERR_NOMEM, "staged D2H copy: no completion thread could be started");
+    pm__stage_d2h_abort(job, stream); /* nothing was copied out: dst is untouched */
+    if (fence_out) live_remove(f);
+    fence_free(f);
+    return PM_ERR_NOMEM;
+  }
+  pm_status_t st = pm_launch_host_func(stream, fence_gate, f);
+  if (st != PM_OK) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", pm_last_error());
+    atomic_fetch_sub(&f->refs, 1); /* no gate will run */
+    /* Every DMA and group signal is queued: once the stream passed them the copy-out can end.
+     * If even that wait fails, the copy-out skips what it has not copied yet. */
+    if (pm_stream_synchronize(stream) != PM_OK) pm__stage_d2h_discard(job);
+    pm__stage_d2h_dmas_done(job);
+    st = pm__set_error(st, "%s", msg);
+  } else {
+    st = pm_event_record(f->event, stream);
+  }
+  pthread_mutex_lock(&f->mu);
+  f->armed = true;
+  f->cancelled = st != PM_OK;
+  pthread_cond_broadcast(&f->cv);
+  if (st != PM_OK) /* the copy-out must be over before the caller may reuse dst */
+    while (!f->data_done) pthread_cond_wait(&f->cv, &f->mu);
+  pthread_mutex_unlock(&f->mu);
+  if (st != PM_OK) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", pm_last_error());
+    if (fence_out && live_remove(f)) fence_unref(f, false); /* no handle */
+    fence_unref(f, false);
+    return pm__set_error(st, "%s", msg);
+  }
+  fence_unref(f, false);
+  if (fence_out) *fence_out = f;
+  return PM_OK;
+}
+
 /* Queue `direct` (plain backend copies) and stage `segs`, then set up the completion. */
 static pm_status_t submit(pm_copy_kind_t kind, const op_t *direct, size_t ndirect,
                           const pm__stage_seg_t *segs, size_t nsegs, pm_stream_t stream,
@@ -855,22 +945,10 @@ static pm_status_t submit(pm_copy_kind_t kind, const op_t *direct, size_t ndirec
   f->gate_job = job;
   f->host = job != NULL || f->cb != NULL;
   atomic_init(&f->refs, (fence_out ? 1 : 0) + (f->host ? 1 : 0) + (job ? 1 : 0));
-  if (job) {
-    st = pm_launch_host_func(stream, fence_gate, f);
-    if (st != PM_OK) {
-      pm__stage_d2h_abort(job, stream); /* no gate: clean up here, touching no dst byte */
-      f->job = NULL;
-      goto fail;
-    }
-  }
+  if (job) return submit_d2h_gate(f, job, stream, fence_out);
   st = pm_event_record(f->event, stream);
-  if (st != PM_OK) {
-    if (job) goto fail_job;
-    goto fail;
-  }
-  if (job) {
-    cq_post(&f->node, CQ_FENCE, f);
-  } else if (f->cb) {
+  if (st != PM_OK) goto fail;
+  if (f->cb) {
     st = pm_launch_host_func(stream, fence_notify, f);
     if (st != PM_OK) goto fail;
   } else if (!fence_out) {
@@ -880,20 +958,6 @@ static pm_status_t submit(pm_copy_kind_t kind, const op_t *direct, size_t ndirec
   if (fence_out) *fence_out = f;
   return PM_OK;
 
-fail_job : {
-  /* The gate is queued and waits for the job: it must still run, without touching dst. The
-   * caller gets the error, so no callback and no handle. */
-  char msg[512];
-  snprintf(msg, sizeof msg, "%s", pm_last_error());
-  f->cb = NULL;
-  pm__stage_d2h_discard(job);
-  if (fence_out) {
-    live_remove(f);
-    atomic_fetch_sub(&f->refs, 1);
-  }
-  cq_post(&f->node, CQ_FENCE, f);
-  return pm__set_error(st, "%s", msg);
-}
 fail : {
   char msg[512];
   snprintf(msg, sizeof msg, "%s", pm_last_error());

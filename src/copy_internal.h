@@ -14,6 +14,7 @@ typedef struct pm__copy_cfg {
   int threads;      /* memcpy threads, the calling thread included */
   size_t stage_min; /* pageable copies below this take the plain backend copy */
   int bounce;       /* pm__copy_bounce_t: whole-copy block, ring, or ring when idle */
+  int mover;        /* pm__copy_memcpy_t: how bytes go to and from bounce memory */
 } pm__copy_cfg_t;
 
 void pm__copy_cfg(pm__copy_cfg_t *cfg);
@@ -54,8 +55,9 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
 pm_status_t pm__stage_d2h_finish(pm__d2h_job_t *job, char *msg, size_t msg_len);
 /* Called by the gate (a host function queued behind the copy's last DMA): every DMA is done. */
 void pm__stage_d2h_dmas_done(pm__d2h_job_t *job);
-/* Make pm__stage_d2h_finish skip the copy-out (the submit failed after the gate was queued, so
- * dst may no longer be the caller's): it only waits for the DMAs and releases everything. */
+/* Make pm__stage_d2h_finish skip the copy-out it has not done yet (the DMAs' completion cannot
+ * be known: a failed stream wait). Called before pm__stage_d2h_dmas_done; the bounce block then
+ * goes back to the pool stream-ordered. */
 void pm__stage_d2h_discard(pm__d2h_job_t *job);
 /* The submit failed before the gate was queued: wait for the stream, then free the job and its
  * bounce block without copying anything out. Keeps pm_last_error's detail. */

@@ -237,6 +237,7 @@ typedef struct h2d_ctx {
   char *bounce; /* whole-copy mode */
   ring_t *ring; /* ring mode */
   pm_stream_t stream;
+  int mover;
   first_error_t err;
 } h2d_ctx_t;
 
@@ -248,7 +249,7 @@ static void h2d_whole_task(void *vctx, size_t task) {
     if (i >= c->n) return;
     if (first_error_any(&c->err)) continue;
     const unit_t *u = &c->u[i];
-    memcpy(c->bounce + u->boff, u->host, u->bytes);
+    pm__memcpy_mode(c->bounce + u->boff, u->host, u->bytes, c->mover);
     pm_status_t st = pm_memcpy_async(u->dev, c->bounce + u->boff, u->bytes, PM_COPY_H2D, c->stream);
     if (st != PM_OK) first_error_set(&c->err, st);
   }
@@ -268,7 +269,7 @@ static void h2d_ring_task(void *vctx, size_t task) {
       if (i >= (size_t)r->n) st = pm__copy_wait_event(r->ev[s], 50); /* the slot's last DMA */
       if (st == PM_OK) {
         const unit_t *u = &c->u[i];
-        memcpy(r->slot[s], u->host, u->bytes);
+        pm__memcpy_mode(r->slot[s], u->host, u->bytes, c->mover);
         st = pm_memcpy_async(u->dev, r->slot[s], u->bytes, PM_COPY_H2D, c->stream);
         if (st == PM_OK) st = pm_event_record(r->ev[s], c->stream);
       }
@@ -291,6 +292,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   atomic_init(&c.next, 0);
   atomic_init(&c.err.status, PM_OK);
   c.stream = req->stream;
+  c.mover = req->cfg.mover;
   int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
 
   char *bounce = NULL;
@@ -331,7 +333,9 @@ struct pm__d2h_job {
   size_t n;
   char *bounce;
   int threads;
-  bool discard;
+  int mover;
+  pm_stream_t stream;
+  atomic_bool discard; /* skip the copy-out still to do (the DMAs' completion is unknown) */
   uint32_t ngroups;
   /* Groups whose DMAs completed, counted by host functions on the stream (no backend call is
    * needed to learn it, see the design note). */
@@ -346,7 +350,7 @@ struct pm__d2h_job {
 };
 
 void pm__stage_d2h_discard(pm__d2h_job_t *job) {
-  job->discard = true;
+  atomic_store(&job->discard, true);
 }
 
 static void d2h_job_free(pm__d2h_job_t *job) {
@@ -390,6 +394,7 @@ typedef struct d2h_ring_ctx {
   atomic_size_t next;
   ring_t *ring;
   pm_stream_t stream;
+  int mover;
   first_error_t err;
 } d2h_ring_ctx_t;
 
@@ -408,7 +413,7 @@ static void d2h_ring_task(void *vctx, size_t task) {
       if (st == PM_OK) st = pm_event_record(r->ev[s], c->stream);
       if (st == PM_OK) st = pm__copy_wait_event(r->ev[s], 50);
       if (st == PM_OK)
-        memcpy(u->host, r->slot[s], u->bytes);
+        pm__memcpy_mode(u->host, r->slot[s], u->bytes, c->mover);
       else
         first_error_set(&c->err, st);
     }
@@ -428,6 +433,7 @@ static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
   atomic_init(&c.err.status, PM_OK);
   c.ring = &ring;
   c.stream = req->stream;
+  c.mover = req->cfg.mover;
   int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
   pm__parallel_for(tasks, (size_t)tasks, d2h_ring_task, &c);
   st = first_error_raise(&c.err);
@@ -442,8 +448,13 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
   pm_status_t st = plan_units(req, &u, &n, &total);
   if (st != PM_OK) return st;
 
+  /* copy_bounce=ring (or auto on an idle stream) takes the ring at once: a few chunk buffers
+   * that stay in the caches, at the price of a call that returns only once dst holds the bytes.
+   * Otherwise the ring is the fallback when the budget refuses a whole-copy block. */
   char *bounce = NULL;
-  st = whole_bounce(req, total, &bounce);
+  bool ring_first = req->cfg.bounce == PM__BOUNCE_RING ||
+                    (req->cfg.bounce == PM__BOUNCE_AUTO && pm_stream_query(req->stream) == PM_OK);
+  st = ring_first ? PM_ERR_BUDGET : whole_bounce(req, total, &bounce);
   if (st == PM_ERR_BUDGET) {
     st = d2h_ring(req, u, n);
     free(u);
@@ -465,6 +476,9 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
   job->n = n;
   job->bounce = bounce;
   job->threads = req->cfg.threads;
+  job->stream = req->stream;
+  job->mover = req->cfg.mover;
+  atomic_init(&job->discard, false);
   pthread_mutex_init(&job->mu, NULL);
   pthread_cond_init(&job->cv, NULL);
   atomic_init(&job->next, 0);
@@ -519,7 +533,8 @@ static void d2h_out_task(void *vctx, size_t task) {
     if (i >= job->n) return;
     const unit_t *u = &job->u[i];
     wait_group(job, u->group);
-    memcpy(u->host, job->bounce + u->boff, u->bytes);
+    if (atomic_load_explicit(&job->discard, memory_order_relaxed)) return;
+    pm__memcpy_mode(u->host, job->bounce + u->boff, u->bytes, job->mover);
   }
 }
 
@@ -529,16 +544,19 @@ pm_status_t pm__stage_d2h_finish(pm__d2h_job_t *job, char *msg, size_t msg_len) 
    * from the host functions behind each group and from the gate. */
   (void)msg;
   (void)msg_len;
-  if (!job->discard) {
-    /* Wait for the first group alone, so the copy-out threads are not all parked on a stream
-     * that still runs earlier work; later groups follow at link speed. */
-    wait_group(job, 0);
+  /* Wait for the first group alone, so the copy-out threads are not all parked on a stream that
+   * still runs earlier work; later groups follow at link speed. */
+  wait_group(job, 0);
+  if (!atomic_load(&job->discard)) {
     int tasks = (int)PM__MIN((size_t)job->threads, job->n);
     pm__parallel_for(tasks, (size_t)tasks, d2h_out_task, job);
   }
   /* Every DMA into the bounce block is over before it goes back to the pool (and every host
    * function that touches the job has run). */
   wait_group(job, job->ngroups - 1);
+  /* Discarded: the stream could not be waited for, so DMAs may still write into the block; the
+   * pool keeps it out of use until the stream passed them (no gate waits for this thread then). */
+  if (atomic_load(&job->discard)) (void)pm_host_record_stream(job->bounce, job->stream);
   (void)pm_host_free(job->bounce);
   d2h_job_free(job);
   return PM_OK;

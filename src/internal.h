@@ -50,6 +50,7 @@ typedef enum pm__opt {
   PM__OPT_LOADER_WORKERS,     /* int: loader reader threads, 0 = auto (loader.c) */
   PM__OPT_LOADER_PREFETCH,    /* int: loader batch slots (loader.c) */
   PM__OPT_COPY_BOUNCE,        /* whole|ring|auto -> pm__copy_bounce_t (copy_stage.c) */
+  PM__OPT_COPY_MEMCPY,        /* libc|movsb|stream -> pm__copy_memcpy_t (memcpy.c) */
   PM__OPT_COUNT
 } pm__opt_t;
 
@@ -65,6 +66,20 @@ typedef enum pm__copy_bounce {
   PM__BOUNCE_RING = 1,  /* always the ring of copy_slots chunk buffers */
   PM__BOUNCE_AUTO = 2   /* the ring when the stream is idle, else a whole-copy block */
 } pm__copy_bounce_t;
+
+/* Values of the copy_memcpy option: how staging threads move bytes to and from bounce memory. */
+typedef enum pm__copy_memcpy {
+  PM__MEMCPY_LIBC = 0,  /* the C library's memcpy */
+  PM__MEMCPY_MOVSB = 1, /* x86-64 rep movsb (fast strings); libc elsewhere */
+  PM__MEMCPY_STREAM = 2 /* x86-64 AVX2 non-temporal stores; libc without AVX2 */
+} pm__copy_memcpy_t;
+
+/* ---- memcpy.c ------------------------------------------------------------------------------ */
+
+/* Copy n bytes as copy_memcpy says (the value from pm__copy_cfg). */
+void pm__memcpy_mode(void *dst, const void *src, size_t n, int mode);
+/* The mode that will really run for `mode` on this CPU (a missing feature falls back to libc). */
+int pm__memcpy_effective(int mode);
 
 /* ---- sysinfo.c --------------------------------------------------------------------------- */
 

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "internal.h" /* pm__memcpy_mode: the staging byte movers, tested directly too */
 
 static bool g_small;
 static size_t g_chunk = (size_t)4 << 20; /* the staging chunk in force */
@@ -1119,6 +1120,48 @@ static void test_threads(void) {
   CHECK_EQ_INT(fails, 0);
 }
 
+/* ---- byte movers (copy_memcpy) --------------------------------------------------------------- */
+
+/* Every mover copies exactly [dst, dst + n) from src, for every size class its loops have (the
+ * unaligned head, whole 128-byte steps, the tail) and every alignment of both sides; the guard
+ * bytes around dst stay untouched. Modes the CPU lacks fall back to libc, and say so. */
+static void test_movers(void) {
+  static const size_t sizes[] = {
+      1, 2, 31, 32, 33, 127, 128, 129, 255, 256, 1000, 4095, 4096, 65536 + 77, (1u << 20) + 13};
+  const size_t cap = (1u << 20) + 13 + 128;
+  unsigned char *src = malloc(cap), *dst = malloc(cap + 64), *want = malloc(cap + 64);
+  REQUIRE(src && dst && want);
+  pm_test_fill(src, cap, 4242);
+  for (int mode = PM__MEMCPY_LIBC; mode <= PM__MEMCPY_STREAM; mode++) {
+    int eff = pm__memcpy_effective(mode);
+    CHECK(eff == mode || eff == PM__MEMCPY_LIBC);
+    printf("copy_memcpy mode %d runs as %d\n", mode, eff);
+    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+      for (size_t so = 0; so < 33; so += (sizes[k] > 4096 ? 11 : 1)) {
+        for (size_t d0 = 0; d0 < 33; d0 += (sizes[k] > 4096 ? 16 : 3)) {
+          size_t n = sizes[k];
+          memset(dst, 0xA5, cap + 64);
+          memset(want, 0xA5, cap + 64);
+          memcpy(want + 16 + d0, src + so, n);
+          pm__memcpy_mode(dst + 16 + d0, src + so, n, mode);
+          pm_test_checks++;
+          if (memcmp(dst, want, n + 16 + d0 + 16) != 0) {
+            PM_TEST_FAIL_AT(__FILE__, __LINE__,
+                            "mover %d: %zu bytes, src offset %zu, dst offset %zu", mode, n, so, d0);
+            goto out;
+          }
+        }
+      }
+    }
+    pm__memcpy_mode(dst, src, 0, mode); /* nothing to do, nothing touched */
+  }
+out:
+  CHECK_ST(pm_option_set("copy_memcpy", "quickly"), PM_ERR_CONFIG);
+  free(src);
+  free(dst);
+  free(want);
+}
+
 /* ---- main ------------------------------------------------------------------------------------ */
 
 int main(void) {
@@ -1167,6 +1210,18 @@ int main(void) {
   }
   CHECK_ST(pm_option_set("copy_bounce", "sideways"), PM_ERR_CONFIG);
   CHECK_OK(pm_option_set("copy_bounce", NULL));
+
+  /* Staged copies give the same bytes with every byte mover, whole block and ring alike. */
+  RUN(test_movers());
+  static const char *movers[] = {"movsb", "stream", "libc"};
+  for (int m = 0; m < 3; m++) {
+    CHECK_OK(pm_option_set("copy_memcpy", movers[m]));
+    roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 5 * g_chunk + 4093, 3, 5, 7, s, PM_PATH_AUTO, 9300 + m);
+    CHECK_OK(pm_option_set("copy_bounce", "ring"));
+    roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 3 * g_chunk + 129, 1, 31, 2, s, PM_PATH_AUTO, 9400 + m);
+    CHECK_OK(pm_option_set("copy_bounce", NULL));
+  }
+  CHECK_OK(pm_option_set("copy_memcpy", NULL));
 
   /* The default stream works too. */
   roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 2 * g_chunk + 1, 1, 1, 1, NULL, PM_PATH_AUTO, 9000);

@@ -40,8 +40,13 @@ def test_pageable_round_trip(n, rng):
     np.testing.assert_array_equal(out, data)
 
 
+def staged_size():
+    """A pageable copy size the engine stages: just above copy_stage_min (odd on purpose)."""
+    return pinmem.parse_size(pinmem.get_option("copy_stage_min")) + 4096 + 7
+
+
 def test_pageable_large_is_staged(rng):
-    n = 4 << 20
+    n = staged_size()
     data = random_bytes(rng, n)
     out = np.zeros(n, dtype=np.uint8)
     c1, c2 = round_trip(data, out, n)
@@ -192,7 +197,7 @@ def test_device_buffer_fill_and_dlpack_ordering(rng):
 
 
 def test_concurrent_waiters(rng):
-    n = 4 << 20
+    n = staged_size()
     data = random_bytes(rng, n)
     out = np.zeros(n, dtype=np.uint8)
     dev = pinmem.device_empty(n, "uint8")
