@@ -42,7 +42,15 @@ fi
 
 if has tests; then
   log "gpu tests"
-  (cd "$BUILD" && ctest --output-on-failure -L gpu -j 4 --timeout 300) >"$OUT/tests.log" 2>&1 || status=1
+  # A test still running after HANG_S seconds has its threads' stacks dumped (gdb, if present),
+  # so a hang on a lent machine leaves evidence behind.
+  (sleep "${HANG_S:-90}"; command -v gdb >/dev/null || exit 0
+   for pid in $(pgrep -f "$BUILD/tests/" || true); do
+     gdb -p "$pid" -batch -ex "thread apply all bt" >"$OUT/hang-$pid.txt" 2>&1
+   done) &
+  watchdog=$!
+  (cd "$BUILD" && ctest --output-on-failure -L gpu -j 4 --timeout "${TEST_TIMEOUT:-300}") >"$OUT/tests.log" 2>&1 || status=1
+  kill "$watchdog" 2>/dev/null
   tail -40 "$OUT/tests.log"
 fi
 

@@ -6,14 +6,25 @@
 #   stress      tests/test_stress for longer (16 threads, faults phase included) on cuda
 #   memcheck    compute-sanitizer memcheck (leak check on) over every gpu-labelled test
 #   racecheck   compute-sanitizer racecheck over the same tests
-# Logs, JSON lines and a summary (summary.txt: one PASS/FAIL line per step) go to $OUT
-# (default ./soak-out). Exit status 0 only if every step passed.
+# Logs, JSON lines and a summary (summary.txt: one PASS/FAIL line per step) are packed into
+# $OUT/soak.tgz (default ./soak-out), the summary also left as $OUT/summary.txt. Exit status 0
+# only if every step passed.
 #   bench/gpu_soak.sh [steps...]      steps: build loader copy stress memcheck racecheck
 # Knobs (environment): SOAK_EPOCHS (50), SOAK_COPIES (20000), SOAK_MAX_BYTES (64M), SOAK_SEED (1),
-# STRESS_SECONDS (30), SANITIZER_TIMEOUT (900 s per test), BUILD (build-soak).
+# STRESS_SECONDS (30), SANITIZER_TIMEOUT (900 s per test), SANITIZE_ONLY (test names, space
+# separated: only those under the sanitizers), BUILD (build-soak).
 set -uo pipefail
-OUT=${OUT:-$PWD/soak-out}
+# Everything lands in $OUT/soak and is packed into $OUT/soak.tgz at exit (a lent machine returns
+# only a few files), with the summary also left beside it.
+DEST=${OUT:-$PWD/soak-out}
+OUT=$DEST/soak
 mkdir -p "$OUT"
+pack() {
+  tar czf "$DEST/soak.tgz" -C "$OUT" . 2>/dev/null
+  cp "$OUT/summary.txt" "$DEST/summary.txt" 2>/dev/null
+  rm -rf "$OUT"
+}
+trap pack EXIT
 BUILD=${BUILD:-build-soak}
 STEPS=${*:-build loader copy stress memcheck racecheck}
 SOAK_EPOCHS=${SOAK_EPOCHS:-50}
@@ -124,17 +135,22 @@ sanitize() { # TOOL EXTRA-ARGS...
     return
   fi
   mkdir -p "$OUT/$tool"
-  local failed=0 ran=0 skipped=0
+  local failed=0 ran=0 skipped=0 timedout=0
   for t in "$TESTS"/test_*; do
     [[ -x $t && ! -d $t ]] || continue
     local name
     name=$(basename "$t")
+    [[ -z ${SANITIZE_ONLY:-} || " $SANITIZE_ONLY " == *" $name "* ]] || continue
     # PINMEM_TEST_SMALL: the sanitizer slows device work and host threads a lot.
     PINMEM_TEST_SMALL=1 PINMEM_STRESS_SECONDS=2 timeout "$SANITIZER_TIMEOUT" \
       "$cs" --tool "$tool" --error-exitcode 99 "$@" "$t" >"$OUT/$tool/$name.log" 2>&1
     local rc=$?
     if [[ $rc -eq 77 ]]; then
       skipped=$((skipped + 1))
+    elif [[ $rc -eq 124 ]]; then
+      timedout=$((timedout + 1))
+      echo "$tool $name: no result within ${SANITIZER_TIMEOUT} s"
+      tail -3 "$OUT/$tool/$name.log"
     elif [[ $rc -ne 0 ]]; then
       failed=$((failed + 1))
       echo "$tool $name: exit $rc"
@@ -143,10 +159,10 @@ sanitize() { # TOOL EXTRA-ARGS...
       ran=$((ran + 1))
     fi
   done
-  if [[ $failed -eq 0 && $ran -gt 0 ]]; then
+  if [[ $failed -eq 0 && $timedout -eq 0 && $ran -gt 0 ]]; then
     result "$tool" PASS "$ran tests clean, $skipped skipped"
   else
-    result "$tool" FAIL "$failed of $((ran + failed)) tests reported errors ($skipped skipped); see $tool/"
+    result "$tool" FAIL "$ran clean, $failed reported errors, $timedout timed out (${SANITIZER_TIMEOUT} s), $skipped skipped; see $tool/"
   fi
 }
 

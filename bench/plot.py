@@ -15,7 +15,7 @@ from collections import defaultdict
 
 DIRS = [("h2d", "host to device"), ("d2h", "device to host"), ("bidir", "both at once")]
 CASES = ["pinmem_pageable", "pinmem_pinned", "plain_pageable", "plain_pinned", "plain_wc_pinned",
-         "zerocopy_mapped", "managed_prefetch"]
+         "zerocopy_mapped", "managed_prefetch", "pinmem_pageable_ring"]
 
 
 def load(path):
@@ -64,6 +64,7 @@ def main(argv):
     backend = rows[0].get("backend", "?")
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     names = CASES + sorted({r["case"] for r in rows} - set(CASES))
+    # A fixed colour per case (the known ones first), the same in every panel and every plot.
     color = {c: palette[i % len(palette)] for i, c in enumerate(names)}
     sizes_seen = set()
     for ax, (d, title) in zip(axes[0], dirs):
