@@ -277,6 +277,46 @@ class Batch(tuple):
         return self
 
 
+class _EpochIterator:
+    """The batches of one epoch. An iterator object rather than a generator: a generator keeps
+    the batch it last yielded in its frame, and on some Python versions (3.12) even close()
+    does not let it go, which would keep the batch's slot from the loader. This object holds
+    nothing between calls: the caller owns each batch outright."""
+
+    __slots__ = ("_loader", "_mode", "_convert", "_per_epoch", "_done")
+
+    def __init__(self, loader, mode, convert=None):
+        self._loader = loader
+        self._mode = mode
+        self._convert = convert
+        self._per_epoch = len(loader)
+        self._done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        b = self._loader._next()
+        if b is None:
+            self._done = True
+            raise StopIteration
+        if b.index + 1 >= self._per_epoch:
+            self._done = True  # the epoch ends with this batch
+        if self._mode == "batch":
+            return b
+        if self._mode == "torch":
+            t = tuple(self._convert(a) for a in b)
+            del b
+            return t if self._loader._tuple else t[0]
+        return b if self._loader._tuple else b[0]
+
+    def close(self):
+        """Stop early (as generator.close() does); the loader keeps its position."""
+        self._done = True
+
+
 class Loader:
     """Batches of a dataset, read by worker threads straight into pinned slots and copied to the
     device while the previous batch computes: DataLoader(pin_memory=True) plus
@@ -362,29 +402,16 @@ class Loader:
 
     def batches(self):
         """Batch objects of one epoch (from the current position to the end of its epoch)."""
-        per_epoch = len(self)
-        while True:
-            b = self._next()
-            if b is None:
-                return
-            last = b.index + 1 >= per_epoch
-            yield b
-            del b
-            if last:
-                return
+        return _EpochIterator(self, "batch")
 
     def __iter__(self):
-        for b in self.batches():
-            yield b if self._tuple else b[0]
+        return _EpochIterator(self, "plain")
 
     def as_torch(self):
         """Like iterating, but each array becomes a torch tensor (torch.from_dlpack: the
         current torch stream waits for the batch's copy, without blocking the host)."""
         import torch
-        for b in self.batches():
-            t = tuple(torch.from_dlpack(a) for a in b)
-            del b
-            yield t if self._tuple else t[0]
+        return _EpochIterator(self, "torch", torch.from_dlpack)
 
     def __len__(self):
         """Batches per epoch (on this rank)."""

@@ -131,6 +131,31 @@ def test_state_dict_resume(xy):
         resumed.load_state_dict(bad)
 
 
+def test_iterators_hold_no_batch(xy):
+    """An epoch iterator keeps no reference to the batch it returned (a generator would, and on
+    Python 3.12 even after close()), so dropping the batch gives its slot back at once."""
+    import weakref
+    X, Y = xy
+    loader = pinmem.Loader((X, Y), batch_size=100)
+    it = loader.batches()
+    b = next(it)
+    ref = weakref.ref(b[0])
+    del b
+    assert ref() is None
+    b = next(it)
+    it.close()
+    with pytest.raises(StopIteration):
+        next(it)
+    del b
+    loader.close()  # no batch alive: no BusyError
+    plain = pinmem.Loader(X, batch_size=100)
+    it = iter(plain)
+    ref = weakref.ref(next(it))
+    assert ref() is None
+    assert 1 + sum(1 for _ in it) == len(plain)
+    plain.close()
+
+
 def test_holding_too_many_batches_is_busy(rng):
     X = rng.random((64, 8))
     loader = pinmem.Loader(X, batch_size=4, prefetch_factor=2, num_workers=1)
