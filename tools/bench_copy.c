@@ -863,19 +863,20 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
 /* ---- targets -----------------------------------------------------------------------------------
  */
 
+/* TARGET lines go with the table on stdout, or to stderr with --json (stdout stays JSON lines),
+ * so the targets are in every run's output. */
 static void target(const bench_t *b, const char *what, bool measured, bool met, const char *fig) {
-  if (b->o.json) return;
+  FILE *out = b->o.json ? stderr : stdout;
   if (!measured)
-    printf("TARGET %s: not measured in this run\n", what);
+    fprintf(out, "TARGET %s: not measured in this run\n", what);
   else if (!b->cuda)
-    printf("TARGET %s: %s  (speed targets apply to the cuda backend only)\n", what, fig);
+    fprintf(out, "TARGET %s: %s  (speed targets apply to the cuda backend only)\n", what, fig);
   else
-    printf("TARGET %s: %s  %s\n", what, fig, met ? "PASS" : "MISS");
+    fprintf(out, "TARGET %s: %s  %s\n", what, fig, met ? "PASS" : "MISS");
 }
 
 static void print_targets(const bench_t *b, size_t batch_total) {
-  if (b->o.json) return;
-  printf("\n");
+  fprintf(b->o.json ? stderr : stdout, "\n");
   char fig[256];
   /* pinmem from pinned >= 0.99x plain pinned, every size >= 8 MiB, H2D and D2H */
   {
@@ -1167,10 +1168,10 @@ int pm_cli_bench_overlap(int argc, char **argv) {
              case_ok ? (n <= FULL_VERIFY_MAX ? "full" : "sampled") : "NO (FAILED)");
     }
   }
-  if (!b->o.json) {
+  {
     char fig[96];
     snprintf(fig, sizeof fig, "%.3fx", pinned_ratio);
-    printf("\n");
+    fprintf(b->o.json ? stderr : stdout, "\n");
     target(b, "pinned copy + equal kernel on two streams <= 1.05x max(copy, kernel)", true,
            pinned_ratio <= T_OVERLAP_RATIO, fig);
   }
