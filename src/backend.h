@@ -18,6 +18,7 @@
 #ifndef PINMEM_BACKEND_H
 #define PINMEM_BACKEND_H
 
+#include "kernels.h" /* pm__copy_desc_t */
 #include "pinmem.h"
 
 typedef struct pm__backend {
@@ -81,6 +82,15 @@ typedef struct pm__backend {
    * fall back to a loop of memcpy_async. */
   pm_status_t (*memcpy_batch_async)(void *const *dsts, const void *const *srcs, const size_t *sizes,
                                     size_t count, pm_stream_t stream);
+
+  /* Optional: copy desc[0..count) by the device itself (one kernel per 1024 pieces, cuda; a
+   * stream op, host), stream-ordered on `stream`. desc is read during the call only. Every src
+   * and dst must be addressable by the device where it is: device or managed memory, or pinned
+   * host memory when kernel_host_access() says so. */
+  pm_status_t (*launch_batch_copy)(const pm__copy_desc_t *desc, size_t count, pm_stream_t stream);
+  /* Optional: 1 if kernels on the current device can use pinned host memory at its host address
+   * (unified addressing and cudaDevAttrCanUseHostPointerForRegisteredMem), else 0. */
+  int (*kernel_host_access)(void);
 } pm__backend_t;
 
 /* backend_host.c */

@@ -733,6 +733,26 @@ static pm_status_t cuda_memcpy_sync(void *dst, const void *src, size_t bytes, pm
   return PM_OK;
 }
 
+static pm_status_t cuda_launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
+                                          pm_stream_t stream) {
+  if (count == 0) return PM_OK;
+  return pm__launch_batch_copy(desc, count, (struct CUstream_st *)cu_stream(stream));
+}
+
+/* Asked per call (the current device may differ between calls and threads); a device attribute
+ * query is a lookup in the runtime, well under a microsecond. */
+static int cuda_kernel_host_access(void) {
+  int dev = 0, uva = 0, host_ptr = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&uva, cudaDevAttrUnifiedAddressing, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, dev) !=
+          cudaSuccess) {
+    (void)cudaGetLastError(); /* "no" is the answer; leave no error behind for others */
+    return 0;
+  }
+  return uva && host_ptr;
+}
+
 static pm_status_t cuda_launch_busy(pm_stream_t stream, double seconds) {
   /* !(x >= 0) also rejects NaN. */
   if (!(seconds >= 0.0) || seconds > PM__BUSY_MAX_SECONDS)
@@ -801,4 +821,6 @@ const pm__backend_t pm__backend_cuda = {
     .launch_host_func = cuda_launch_host_func,
     .is_device_pointer = cuda_is_device_pointer,
     .memcpy_batch_async = cuda_memcpy_batch_async,
+    .launch_batch_copy = cuda_launch_batch_copy,
+    .kernel_host_access = cuda_kernel_host_access,
 };

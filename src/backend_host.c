@@ -547,7 +547,8 @@ typedef enum {
   OP_WAIT,
   OP_HOST_FUNC,
   OP_PREFETCH,
-  OP_GATE
+  OP_GATE,
+  OP_BATCH
 } hb_op_kind_t;
 
 typedef struct hb_op {
@@ -573,6 +574,10 @@ typedef struct hb_op {
     struct {
       bool reached, released; /* guarded by the stream's mu */
     } gate;
+    struct {
+      const pm__copy_desc_t *desc; /* stored after the op, in the same allocation */
+      size_t count;
+    } batch;
   } u;
 } hb_op_t;
 
@@ -694,6 +699,11 @@ static void op_run(hb_op_t *op) {
       break;
     case OP_HOST_FUNC:
       op->u.func.fn(op->u.func.arg);
+      break;
+    case OP_BATCH:
+      for (size_t i = 0; i < op->u.batch.count; i++)
+        memmove(op->u.batch.desc[i].dst, op->u.batch.desc[i].src,
+                (size_t)op->u.batch.desc[i].bytes);
       break;
     case OP_PREFETCH: /* one memory: nothing moves, but it is ordered like the real thing */
     case OP_GATE:     /* handled by the worker loop */
@@ -1269,6 +1279,43 @@ static pm_status_t managed_prefetch(const void *ptr, size_t bytes, int device, p
   return submit(fn, stream, op);
 }
 
+/* The CPU plays the kernel: a stream op that copies every piece when the stream reaches it. The
+ * pieces are checked now as a kernel's pointers would have to be valid: device or managed memory,
+ * or pinned host memory (pageable memory is an error, as a kernel could not reach it). */
+static pm_status_t launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
+                                     pm_stream_t stream) {
+  static const char fn[] = "launch_batch_copy";
+  if (count == 0) return PM_OK;
+  if (!desc) return pm__set_error(PM_ERR_INVALID, "%s: desc is NULL", fn);
+  if (count > (SIZE_MAX - sizeof(hb_op_t)) / sizeof *desc)
+    return pm__set_error(PM_ERR_INVALID, "%s: %zu pieces", fn, count);
+  for (size_t i = 0; i < count; i++) {
+    pm_copy_kind_t kind = PM_COPY_DEFAULT;
+    bool blocking = false;
+    pm_status_t st =
+        copy_prepare(fn, desc[i].dst, desc[i].src, (size_t)desc[i].bytes, &kind, &blocking);
+    if (st != PM_OK) return pm__wrap_error(st, "piece %zu", i);
+    if (blocking)
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: piece %zu (%p -> %p, %llu bytes) touches pageable host memory "
+                           "or goes host to host: a kernel copies only device, managed and "
+                           "pinned memory",
+                           fn, i, desc[i].src, desc[i].dst, (unsigned long long)desc[i].bytes);
+  }
+  hb_op_t *op = calloc(1, sizeof *op + count * sizeof *desc);
+  if (!op) return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for %zu pieces", fn, count);
+  op->kind = OP_BATCH;
+  pm__copy_desc_t *copy = (pm__copy_desc_t *)(void *)(op + 1);
+  memcpy(copy, desc, count * sizeof *desc);
+  op->u.batch.desc = copy;
+  op->u.batch.count = count;
+  return submit(fn, stream, op);
+}
+
+static int kernel_host_access(void) {
+  return 1; /* the "device" is the CPU: every pinned byte is at hand */
+}
+
 static pm_status_t launch_busy(pm_stream_t stream, double seconds) {
   if (!(seconds >= 0.0) || seconds > HB_BUSY_MAX_SECONDS) /* !(x >= 0) also rejects NaN */
     return pm__set_error(PM_ERR_INVALID, "launch_busy: %g seconds is not in [0, %g]", seconds,
@@ -1444,6 +1491,8 @@ const pm__backend_t pm__backend_host = {
     .memcpy_async = memcpy_async,
     .memcpy_sync = memcpy_sync,
     .launch_busy = launch_busy,
+    .launch_batch_copy = launch_batch_copy,
+    .kernel_host_access = kernel_host_access,
     .launch_host_func = launch_host_func,
     .is_device_pointer = is_device_pointer,
 };

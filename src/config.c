@@ -72,6 +72,9 @@ static const pm__keyword_t kw_memcpy[] = {{"libc", PM__MEMCPY_LIBC},
                                           {"stream", PM__MEMCPY_STREAM},
                                           {NULL, 0}};
 
+static const pm__keyword_t kw_batch[] = {
+    {"dma", PM__BATCH_DMA}, {"kernel", PM__BATCH_KERNEL}, {"auto", PM__BATCH_AUTO}, {NULL, 0}};
+
 static bool parse_keyword(const pm__keyword_t *kw, const char *t, pm__optval_t *out, char *why,
                           size_t n) {
   for (const pm__keyword_t *k = kw; k->word; k++) {
@@ -106,6 +109,9 @@ static bool parse_bounce(const char *t, pm__optval_t *out, char *why, size_t n) 
 }
 static bool parse_memcpy(const char *t, pm__optval_t *out, char *why, size_t n) {
   return parse_keyword(kw_memcpy, t, out, why, n);
+}
+static bool parse_batch(const char *t, pm__optval_t *out, char *why, size_t n) {
+  return parse_keyword(kw_batch, t, out, why, n);
 }
 
 static bool parse_long_range(const char *t, long lo, long hi, pm__optval_t *out, char *why,
@@ -287,6 +293,13 @@ static const pm__opt_def_t opt_table[] = {
                              "movsb (x86-64 rep movsb) or stream (x86-64 AVX2 non-temporal "
                              "stores); without the CPU feature, libc",
                              parse_memcpy, PM__T_INT},
+    [PM__OPT_COPY_BATCH] = {"copy_batch", "PINMEM_COPY_BATCH", "dma",
+                            "how a batch moves its pieces between pinned (or managed) and device "
+                            "memory: dma (cudaMemcpyBatchAsync, else a copy per piece), kernel "
+                            "(one kernel reads and writes the pieces where they lie, where the "
+                            "device can address pinned memory) or auto (the kernel for 64 pieces "
+                            "or more of at most 1 MiB on average)",
+                            parse_batch, PM__T_INT},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");
@@ -325,6 +338,8 @@ static void canonical_text(pm__opt_t opt, const pm__optval_t *v, char *text, siz
     snprintf(text, len, "%s", keyword_text(kw_bounce, v->i));
   else if (opt == PM__OPT_COPY_MEMCPY)
     snprintf(text, len, "%s", keyword_text(kw_memcpy, v->i));
+  else if (opt == PM__OPT_COPY_BATCH)
+    snprintf(text, len, "%s", keyword_text(kw_batch, v->i));
 }
 
 static void opt_resolve(pm__opt_t opt, pm__opt_resolved_t *r) {

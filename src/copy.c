@@ -735,6 +735,10 @@ static bool can_host(side_kind_t k) {
 static bool can_dev(side_kind_t k) {
   return k == SIDE_DEVICE || k == SIDE_MANAGED;
 }
+/* Memory a kernel can address where it is (pinned host memory: where the backend says so). */
+static bool can_kernel(side_kind_t k) {
+  return k != SIDE_PAGEABLE;
+}
 
 static pm_status_t resolve_kind(pm_copy_kind_t asked, side_kind_t s, side_kind_t d, where_t w,
                                 pm_copy_kind_t *out) {
@@ -895,7 +899,7 @@ static pm_status_t submit_d2h_gate(pm_fence_t f, pm__d2h_job_t *job, pm_stream_t
 }
 
 /* Queue `direct` (plain backend copies) and stage `segs`, then set up the completion. */
-static pm_status_t submit(pm_copy_kind_t kind, const op_t *direct, size_t ndirect,
+static pm_status_t submit(pm_copy_kind_t kind, const op_t *direct, size_t ndirect, bool kernel_ok,
                           const pm__stage_seg_t *segs, size_t nsegs, pm_stream_t stream,
                           const pm_copy_options_t *opt, pm_fence_t *fence_out) {
   bool d2h_staged = nsegs && kind == PM_COPY_D2H;
@@ -928,7 +932,7 @@ static pm_status_t submit(pm_copy_kind_t kind, const op_t *direct, size_t ndirec
   }
 
   if (ndirect) {
-    st = pm__memcpy_batch_async(direct, ndirect, kind, stream);
+    st = pm__memcpy_batch_async(direct, ndirect, kind, stream, kernel_ok);
     if (st != PM_OK) goto fail;
   }
   if (nsegs) {
@@ -1010,10 +1014,10 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
     seg.host = kind == PM_COPY_H2D ? (char *)(uintptr_t)src : (char *)dst;
     seg.dev = kind == PM_COPY_H2D ? (char *)dst : (char *)(uintptr_t)src;
     seg.bytes = bytes;
-    st = submit(kind, NULL, 0, &seg, 1, stream, &opt, fence_out);
+    st = submit(kind, NULL, 0, false, &seg, 1, stream, &opt, fence_out);
   } else {
     op_t op = {dst, src, bytes};
-    st = submit(kind, &op, 1, NULL, 0, stream, &opt, fence_out);
+    st = submit(kind, &op, 1, false, NULL, 0, stream, &opt, fence_out);
   }
   return st == PM_OK ? PM_OK : pm__wrap_error(st, "pm_copy_async");
 }
@@ -1032,6 +1036,7 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
   size_t nops = 0, nsegs = 0;
   pm_copy_kind_t kind = PM_COPY_DEFAULT;
   size_t first = SIZE_MAX;
+  bool kernel_ok = true; /* every direct item between kernel-addressable memory */
   qcache_t sc = {0}, dc = {0};
   if (count) {
     ops = malloc(count * sizeof *ops);
@@ -1090,20 +1095,23 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
       segs[nsegs].dev = kind == PM_COPY_H2D ? (char *)it->dst : (char *)(uintptr_t)it->src;
       segs[nsegs].bytes = it->bytes;
       nsegs++;
-    } else if (nops && (const char *)ops[nops - 1].src + ops[nops - 1].bytes == it->src &&
-               (char *)ops[nops - 1].dst + ops[nops - 1].bytes == it->dst) {
-      ops[nops - 1].bytes += it->bytes; /* adjacent pieces: one DMA */
     } else {
-      ops[nops].dst = it->dst;
-      ops[nops].src = it->src;
-      ops[nops].bytes = it->bytes;
-      nops++;
+      kernel_ok = kernel_ok && can_kernel(s) && can_kernel(d);
+      if (nops && (const char *)ops[nops - 1].src + ops[nops - 1].bytes == it->src &&
+          (char *)ops[nops - 1].dst + ops[nops - 1].bytes == it->dst) {
+        ops[nops - 1].bytes += it->bytes; /* adjacent pieces: one DMA */
+      } else {
+        ops[nops].dst = it->dst;
+        ops[nops].src = it->src;
+        ops[nops].bytes = it->bytes;
+        nops++;
+      }
     }
   }
   if (nops == 0 && nsegs == 0)
     st = submit_empty(&opt, fence_out);
   else
-    st = submit(kind, ops, nops, segs, nsegs, stream, &opt, fence_out);
+    st = submit(kind, ops, nops, kernel_ok, segs, nsegs, stream, &opt, fence_out);
   if (st != PM_OK) st = pm__wrap_error(st, "%s", fn);
 out:
   free(ops);

@@ -293,9 +293,19 @@ static pm_status_t f_memcpy_batch_async(void *const *dsts, const void *const *sr
   return real_backend()->memcpy_batch_async(dsts, srcs, sizes, count, stream);
 }
 
+static pm_status_t f_launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
+                                       pm_stream_t stream) {
+  FAULT_CHECK(PM__FAULT_LAUNCH, "launch_batch_copy");
+  return real_backend()->launch_batch_copy(desc, count, stream);
+}
+
 /* Not fallible: a plain question about an address. */
 static int f_is_device_pointer(const void *ptr) {
   return real_backend()->is_device_pointer(ptr);
+}
+/* Nor this one, about the device. */
+static int f_kernel_host_access(void) {
+  return real_backend()->kernel_host_access();
 }
 
 /* One table per backend kind, filled once: name and kind are the real backend's, so nothing
@@ -354,6 +364,8 @@ pm_status_t pm__fault_wrap(const pm__backend_t **backend) {
     FWD(launch_host_func);
     FWD(is_device_pointer);
     FWD(memcpy_batch_async);
+    FWD(launch_batch_copy);
+    FWD(kernel_host_access);
     t->name = real->name; /* last: it marks the table as filled */
   }
   atomic_store_explicit(&g_real, real, memory_order_release);

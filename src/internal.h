@@ -51,6 +51,7 @@ typedef enum pm__opt {
   PM__OPT_LOADER_PREFETCH,    /* int: loader batch slots (loader.c) */
   PM__OPT_COPY_BOUNCE,        /* whole|ring|auto -> pm__copy_bounce_t (copy_stage.c) */
   PM__OPT_COPY_MEMCPY,        /* libc|movsb|stream -> pm__copy_memcpy_t (memcpy.c) */
+  PM__OPT_COPY_BATCH,         /* dma|kernel|auto -> pm__copy_batch_t (api.c) */
   PM__OPT_COUNT
 } pm__opt_t;
 
@@ -73,6 +74,13 @@ typedef enum pm__copy_memcpy {
   PM__MEMCPY_MOVSB = 1, /* x86-64 rep movsb (fast strings); libc elsewhere */
   PM__MEMCPY_STREAM = 2 /* x86-64 AVX2 non-temporal stores; libc without AVX2 */
 } pm__copy_memcpy_t;
+
+/* Values of the copy_batch option: how the direct pieces of a batch move. */
+typedef enum pm__copy_batch {
+  PM__BATCH_DMA = 0,    /* the copy engines: cudaMemcpyBatchAsync, else one copy per piece */
+  PM__BATCH_KERNEL = 1, /* one kernel that reads and writes the pieces where they lie */
+  PM__BATCH_AUTO = 2    /* the kernel for many small pieces, else dma */
+} pm__copy_batch_t;
 
 /* ---- memcpy.c ------------------------------------------------------------------------------ */
 
@@ -107,9 +115,11 @@ const pm__backend_t *pm__backend(void);
   if (!b) return pm__wrap_error(PM_ERR_NO_DEVICE, "no backend")
 
 /* Plain backend copies of many items, each validated as pm_memcpy_async validates one, queued
- * with the backend's batch call where it has one (else a loop). */
+ * with the backend's batch call where it has one (else a loop). kernel_ok: every item joins
+ * device, managed or pinned memory and none goes host to host, so the copy_batch option may
+ * hand them to the batch copy kernel. */
 pm_status_t pm__memcpy_batch_async(const pm_copy_item_t *items, size_t count, pm_copy_kind_t kind,
-                                   pm_stream_t stream);
+                                   pm_stream_t stream, bool kernel_ok);
 
 /* ---- registry.c -------------------------------------------------------------------------- */
 
@@ -200,7 +210,7 @@ typedef enum pm__fault_op {
   PM__FAULT_EVENT_QUERY,
   PM__FAULT_EVENT_SYNC,
   PM__FAULT_EVENT_ELAPSED,
-  PM__FAULT_LAUNCH,       /* launch_busy and launch_host_func */
+  PM__FAULT_LAUNCH,       /* launch_busy, launch_batch_copy and launch_host_func */
   PM__FAULT_DEVICE_QUERY, /* device_count, device_info, set_device, get_device */
   PM__FAULT_IO,           /* the loader's file reads (pm__fault_io) */
   PM__FAULT_COUNT

@@ -8,6 +8,9 @@
  *   Each thread sums the terms of a grid-stride set of words, a warp adds its threads' sums with
  *   shuffles, and one atomicAdd per warp folds them into the result; addition mod 2^64 is
  *   commutative, so the result does not depend on the scheduling.
+ * - batch copy kernel: many pieces in one launch, one thread block each, reading and writing
+ *   wherever the pointers lead (device memory, or pinned host memory through PCIe): a gather or
+ *   scatter that costs one launch per 1024 pieces instead of one DMA setup per piece.
  *
  * Launches go through cudaLaunchKernel, whose return code is the launch's own status (rather
  * than whatever cudaGetLastError holds from earlier calls).
@@ -29,6 +32,8 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <pthread.h>
 
 #include "kernels.h"
 
@@ -89,10 +94,83 @@ __global__ void __launch_bounds__(kChecksumThreads)
 
 }  // namespace
 
+/* ---- batch copy ------------------------------------------------------------------------------ */
+
+constexpr int kBatchThreads = 256;
+
+struct BatchParams {
+  unsigned count;
+  pm__copy_desc_t d[PM__BATCH_DESCS_PER_LAUNCH];
+};
+static_assert(sizeof(BatchParams) <= 32000, "kernel parameters are limited to 32 KiB");
+
+/* One block per piece. Pieces whose source and destination share their alignment modulo 16 are
+ * copied in 16-byte words (4 loads in flight per thread before the stores, so each SM keeps
+ * enough reads outstanding to cover the latency of reading host memory over PCIe); the rest byte
+ * by byte. __grid_constant__ keeps the descriptors in the parameter bank: indexing them needs no
+ * per-thread copy of the whole array. */
+__global__ void __launch_bounds__(kBatchThreads)
+    batch_copy_kernel(const __grid_constant__ BatchParams p) {
+  for (unsigned i = blockIdx.x; i < p.count; i += gridDim.x) {
+    const unsigned char *s = static_cast<const unsigned char *>(p.d[i].src);
+    unsigned char *t = static_cast<unsigned char *>(p.d[i].dst);
+    size_t n = (size_t)p.d[i].bytes;
+    const size_t tid = threadIdx.x, step = blockDim.x;
+    size_t head = (16 - ((uintptr_t)t & 15u)) & 15u;
+    if (head > n) head = n;
+    if ((((uintptr_t)s + head) & 15u) != 0) head = n; /* alignments differ: bytes only */
+    for (size_t k = tid; k < head; k += step) t[k] = s[k];
+    const uint4 *sv = reinterpret_cast<const uint4 *>(s + head);
+    uint4 *tv = reinterpret_cast<uint4 *>(t + head);
+    const size_t nv = (n - head) / 16;
+    size_t j = tid;
+    for (; j + 3 * step < nv; j += 4 * step) {
+      uint4 a = sv[j], b = sv[j + step], c = sv[j + 2 * step], e = sv[j + 3 * step];
+      tv[j] = a;
+      tv[j + step] = b;
+      tv[j + 2 * step] = c;
+      tv[j + 3 * step] = e;
+    }
+    for (; j < nv; j += step) tv[j] = sv[j];
+    for (size_t k = head + nv * 16 + tid; k < n; k += step) t[k] = s[k];
+  }
+}
+
+/* File scope, not function-local (see the note on statics above): 24 KiB is too much for the
+ * stack of a caller's thread; cudaLaunchKernel copies the parameters before it returns, and the
+ * lock keeps two threads from filling the struct at once. */
+static BatchParams g_batch_params;
+static pthread_mutex_t g_batch_params_mu = PTHREAD_MUTEX_INITIALIZER;
+
+extern "C" pm_status_t pm__launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
+                                             struct CUstream_st *stream) {
+  if (count && !desc)
+    return pm__set_error(PM_ERR_INVALID, "pm__launch_batch_copy: NULL descriptors");
+  for (size_t done = 0; done < count;) {
+    unsigned n = (unsigned)(count - done < PM__BATCH_DESCS_PER_LAUNCH ? count - done
+                                                                      : PM__BATCH_DESCS_PER_LAUNCH);
+    pthread_mutex_lock(&g_batch_params_mu);
+    g_batch_params.count = n;
+    memcpy(g_batch_params.d, desc + done, n * sizeof *desc);
+    void *args[] = {&g_batch_params};
+    cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void *>(&batch_copy_kernel), dim3(n),
+                                     dim3(kBatchThreads), args, 0, stream);
+    pthread_mutex_unlock(&g_batch_params_mu);
+    if (e != cudaSuccess)
+      return pm__cuda_fail((int)e, PM_ERR_BACKEND,
+                           "cudaLaunchKernel(batch copy kernel, %u pieces from %zu of %zu, stream "
+                           "%p)",
+                           n, done, count, (void *)stream);
+    done += n;
+  }
+  return PM_OK;
+}
+
 extern "C" pm_status_t pm__kernels_preload(void) {
   struct cudaFuncAttributes attr;
   cudaError_t e = cudaFuncGetAttributes(&attr, (const void *)busy_kernel);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, (const void *)checksum_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, (const void *)batch_copy_kernel);
   if (e != cudaSuccess)
     return pm__cuda_fail((int)e, PM_ERR_BACKEND,
                          "cudaFuncGetAttributes (loading pinmem's kernels)");

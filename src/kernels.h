@@ -34,6 +34,19 @@ extern "C" {
 
 struct CUstream_st; /* cudaStream_t is `struct CUstream_st *` */
 
+/* One piece of a kernel-driven batch copy (backend op launch_batch_copy): every byte of
+ * [src, src + bytes) goes to dst; both addresses must be usable in a kernel. */
+typedef struct pm__copy_desc {
+  const void *src;
+  void *dst;
+  uint64_t bytes;
+} pm__copy_desc_t;
+
+/* Descriptors per kernel launch: they travel as the kernel's parameters (a __grid_constant__
+ * struct of about 24 KiB, within the 32 KiB that sm_70 and newer accept), so no descriptor
+ * memory has to outlive the call. */
+#define PM__BATCH_DESCS_PER_LAUNCH 1024
+
 /* splitmix64's finaliser over the word and its index: a cheap, well-mixed 64-bit function. */
 PM__HOST_DEVICE static inline uint64_t pm__checksum_mix(uint64_t word, uint64_t index) {
   uint64_t x = word ^ (index * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull);
@@ -84,6 +97,10 @@ pm_status_t pm__kernels_preload(void);
 
 /* Queue a kernel (one thread) that spins for `ns` nanoseconds of %globaltimer on `stream`. */
 pm_status_t pm__launch_busy_kernel(uint64_t ns, struct CUstream_st *stream);
+/* Copy desc[0..count) on `stream`, one thread block per descriptor, in launches of at most
+ * PM__BATCH_DESCS_PER_LAUNCH descriptors. desc is read during the call only. */
+pm_status_t pm__launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
+                                  struct CUstream_st *stream);
 
 /* backend_cuda.c: record a failed CUDA call. `cuda_error` is a cudaError_t; `oom_status` is what
  * cudaErrorMemoryAllocation means for this call (PM_ERR_NOMEM or PM_ERR_DEVICE_MEMORY). The

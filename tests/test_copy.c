@@ -1120,6 +1120,95 @@ static void test_threads(void) {
   CHECK_EQ_INT(fails, 0);
 }
 
+/* ---- batch copy kernel (copy_batch)
+ * -------------------------------------------------------------- */
+
+static void batch_check(const pm_copy_item_t *it, size_t n, const dbuf_t *dev, bool to_dev,
+                        const char *what) {
+  char *d = to_dev ? dbuf_read(dev) : NULL;
+  for (size_t i = 0; i < n; i++) {
+    const char *got = to_dev ? d + ((const char *)it[i].dst - dev->p) : (const char *)it[i].dst;
+    CHECK_BYTES(got, it[i].src, it[i].bytes, "%s: item %zu (%zu bytes)", what, i, it[i].bytes);
+  }
+  free(d);
+}
+
+/* copy_batch=kernel|auto|dma give the same bytes for pinned, managed and device pieces of odd
+ * sizes and alignments (alike and different modulo 16, one piece over several 64 KiB tiles); a
+ * launch fault shows which way a batch went. */
+static void test_batch_kernel(pm_stream_t s) {
+  const size_t n = g_small ? 70 : 200, slot = 4096 + 64, big = 3 * (64u << 10) + 7;
+  const size_t span = n * slot + big + 64;
+  hbuf_t pin, man, back;
+  hbuf_make(&pin, MEM_POOL, span, 5);
+  hbuf_make(&man, MEM_MANAGED, span, 3);
+  hbuf_make(&back, MEM_POOL, span, 1);
+  pm_test_fill(pin.p, span, 300);
+  dbuf_t dev;
+  dbuf_make(&dev, span, 301);
+  pm_copy_item_t *it = calloc(n + 1, sizeof *it), *rev = calloc(n + 1, sizeof *rev);
+  REQUIRE(it && rev);
+  for (size_t i = 0; i < n; i++) {
+    it[i].src = pin.p + i * slot + (i % 17);
+    it[i].dst = dev.p + (n - 1 - i) * slot + (i % 5) * 16 + (i % 3);
+    it[i].bytes = 1 + (i * 977) % 4096;
+  }
+  it[n].src = pin.p + n * slot + 16;
+  it[n].dst = dev.p + n * slot + 48;
+  it[n].bytes = big;
+  static const char *modes[] = {"kernel", "auto", "dma"};
+  for (int m = 0; m < 3; m++) {
+    CHECK_OK(pm_option_set("copy_batch", modes[m]));
+    CHECK_OK(pm_copy_batch_async(it, n + 1, s, NULL, NULL));
+    CHECK_OK(pm_stream_synchronize(s));
+    batch_check(it, n + 1, &dev, true, modes[m]);
+    /* Back out: device -> pinned and device -> managed (the reverse layout). */
+    for (size_t i = 0; i <= n; i++) {
+      rev[i].src = it[i].dst;
+      rev[i].dst = (m == 1 ? man.p : back.p) + ((const char *)it[i].src - pin.p);
+      rev[i].bytes = it[i].bytes;
+    }
+    CHECK_OK(pm_copy_batch_async(rev, n + 1, s, NULL, NULL));
+    CHECK_OK(pm_stream_synchronize(s));
+    batch_check(rev, n + 1, NULL, false, modes[m]);
+  }
+
+  /* Which way went the batch: with the next launch set to fail, the kernel way fails (and says
+   * so) while the dma way, and auto below 64 items, never launch anything. */
+  CHECK_OK(pm_option_set("copy_batch", "kernel"));
+  CHECK_OK(pm__fault_set(PM__FAULT_LAUNCH, 1, 0.0));
+  CHECK_ST(pm_copy_batch_async(it, n + 1, s, NULL, NULL), PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "launch_batch_copy") != NULL);
+  pm__fault_reset();
+  CHECK_OK(pm_option_set("copy_batch", "dma"));
+  CHECK_OK(pm__fault_set(PM__FAULT_LAUNCH, 1, 0.0));
+  CHECK_OK(pm_copy_batch_async(it, n + 1, s, NULL, NULL));
+  CHECK_OK(pm_option_set("copy_batch", "auto"));
+  CHECK_OK(pm_copy_batch_async(it, 10, s, NULL, NULL)); /* too few pieces for the kernel */
+  /* A pageable piece sent direct cannot be reached by a kernel: that batch goes by dma. */
+  CHECK_OK(pm_option_set("copy_batch", "kernel"));
+  char *pageable = malloc(4096);
+  REQUIRE(pageable != NULL);
+  pm_test_fill(pageable, 4096, 302);
+  pm_copy_item_t mixed[2] = {{dev.p, pin.p, 1000}, {dev.p + 8192, pageable, 4096}};
+  pm_copy_options_t o;
+  pm_copy_options_init(&o);
+  o.path = PM_PATH_DIRECT;
+  CHECK_OK(pm_copy_batch_async(mixed, 2, s, &o, NULL));
+  CHECK_OK(pm_stream_synchronize(s));
+  pm__fault_reset();
+  batch_check(mixed, 2, &dev, true, "pageable piece sent direct");
+  CHECK_OK(pm_option_set("copy_batch", NULL));
+
+  free(pageable);
+  free(it);
+  free(rev);
+  dbuf_free(&dev);
+  hbuf_free(&pin);
+  hbuf_free(&man);
+  hbuf_free(&back);
+}
+
 /* ---- byte movers (copy_memcpy) --------------------------------------------------------------- */
 
 /* Every mover copies exactly [dst, dst + n) from src, for every size class its loops have (the
@@ -1197,6 +1286,7 @@ int main(void) {
   RUN(test_fence_stream_wait(s, s2));
   RUN(test_tiny_budget(s));
   RUN(test_batches(s));
+  RUN(test_batch_kernel(s));
   RUN(test_threads());
 
   /* Both staging layouts of copy_bounce give the same bytes: the ring always, and auto (the
