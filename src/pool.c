@@ -679,6 +679,15 @@ static pm_status_t grow_locked(pm_pool_t *p, pm__acquire_t *a, unsigned flags) {
   pm__segment_t *s = NULL;
   double secs = 0;
   pm_status_t st = segment_create(p, size, flags, &s, &secs);
+  if (st != PM_OK && size > a->seg_min && (st == PM_ERR_MEMLOCK || st == PM_ERR_NOMEM)) {
+    /* A small request asked for a shared 2 MiB segment; the system would not pin that much
+     * (RLIMIT_MEMLOCK below the budget, or memory short). The request itself may still fit. */
+    pthread_mutex_lock(&p->lock);
+    unreserve_locked(p, size - a->seg_min);
+    pthread_mutex_unlock(&p->lock);
+    size = a->reserved = a->seg_min;
+    st = segment_create(p, size, flags, &s, &secs);
+  }
   pthread_mutex_lock(&p->lock);
   if (st != PM_OK) {
     unreserve_locked(p, size);
