@@ -236,7 +236,9 @@ PM_API pm_status_t pm_host_record_stream(void *ptr, pm_stream_t stream);
 /** Usable size of the block that ptr starts. */
 PM_API pm_status_t pm_host_usable_size(const void *ptr, size_t *bytes_out);
 
-/** Release cached blocks whose stream uses are complete back to the system. */
+/** Release cached blocks whose stream uses are complete back to the system. If the backend
+ * fails to release a segment, the error is returned; the pool no longer counts that segment
+ * (its bytes are in *released_bytes_out too), so the budget cannot wedge on it. */
 PM_API pm_status_t pm_pool_trim(pm_pool_t *pool, size_t *released_bytes_out);
 /** Pin `bytes` now (one block, cached) so later allocations up to that size cost no pinning. */
 PM_API pm_status_t pm_pool_reserve(pm_pool_t *pool, size_t bytes, unsigned flags);

@@ -82,9 +82,15 @@ pm_status_t pm__fast_unpin(const pm__backend_t *b, void *ptr, size_t bytes) {
     return pm__set_error(PM_ERR_INVALID, "pm__fast_unpin: NULL pointer or 0 bytes");
   size_t size = pm__align_up(bytes, pm__page_size());
   pm_status_t st = b->host_unregister(ptr, size);
-  /* Unmap even when unregistering failed: the memory is ours and would leak otherwise; the
-   * backend already dropped or never had the registration. */
-  if (munmap(ptr, size) != 0 && st == PM_OK) {
+  if (st != PM_OK) {
+    /* Keep the mapping. The backend may still hold the registration, and with it the pages
+     * (they stay locked whatever we do); unmapped, the address range could be handed to a later
+     * mmap of ours, whose registration would then fail as overlapping. Leaking the range is
+     * the lesser harm, and the error says so. */
+    return pm__wrap_error(st, "unpinning %p (%zu bytes): the range stays mapped and is not reused",
+                          ptr, size);
+  }
+  if (munmap(ptr, size) != 0) {
     int e = errno;
     st = pm__set_error(PM_ERR_INVALID, "munmap(%p, %zu) failed: %s", ptr, size, strerror(e));
   }

@@ -441,8 +441,9 @@ static void segment_unlink_locked(pm_pool_t *p, pm__segment_t *s) {
 }
 
 /* Release every segment that is one free block. Returns the bytes given back. Called with the
- * lock held; drops it around the backend calls. The bytes stay charged until those returned. */
-static size_t trim_locked(pm_pool_t *p) {
+ * lock held; drops it around the backend calls. The bytes stay charged until those returned.
+ * *failed (may be NULL) gets the first failed release's status, its detail in pm_last_error. */
+static size_t trim_locked(pm_pool_t *p, pm_status_t *failed) {
   pm__segment_t *list = NULL;
   for (pm__segment_t *s = p->segments, *next; s; s = next) {
     next = s->next;
@@ -464,8 +465,14 @@ static size_t trim_locked(pm_pool_t *p) {
   for (pm__segment_t *s = list, *next; s; s = next) {
     next = s->next;
     /* A failed unpin cannot be retried usefully (the backend already reported the memory as
-     * gone or broken); the pool stops counting it either way so the budget does not wedge. */
-    (void)segment_release(p, s);
+     * gone or broken); the pool stops counting it either way so the budget does not wedge, and
+     * pm_pool_trim reports it. */
+    pm_status_t st = segment_release(p, s);
+    if (st != PM_OK && failed && *failed == PM_OK) {
+      *failed = pm__wrap_error(st, "releasing a %zu-byte segment at %p (the pool no longer "
+                                   "counts it)",
+                               s->size, (void *)s->base);
+    }
     released += s->size;
     count++;
     free(s->first);
@@ -568,7 +575,7 @@ static pm_status_t acquire_locked(pm_pool_t *p, pm__acquire_t *a) {
     }
     if (!trimmed) {
       trimmed = true;
-      if (trim_locked(p) > 0) continue;
+      if (trim_locked(p, NULL) > 0) continue;
     }
     if (p->releasers > 0) {
       /* Another thread holds detached blocks or segments that may free budget: let it finish. */
@@ -1125,10 +1132,11 @@ pm_status_t pm_pool_trim(pm_pool_t *pool, size_t *released_bytes_out) {
   if (st != PM_OK) return st;
   pthread_mutex_lock(&pool->lock);
   poll_pending_locked(pool);
-  size_t released = trim_locked(pool);
+  pm_status_t failed = PM_OK;
+  size_t released = trim_locked(pool, &failed);
   pthread_mutex_unlock(&pool->lock);
   if (released_bytes_out) *released_bytes_out = released;
-  return PM_OK;
+  return failed == PM_OK ? PM_OK : pm__wrap_error(failed, "pm_pool_trim");
 }
 
 pm_status_t pm_pool_reserve(pm_pool_t *pool, size_t bytes, unsigned flags) {
@@ -1164,7 +1172,7 @@ pm_status_t pm_pool_set_budget(pm_pool_t *pool, size_t budget) {
   pthread_mutex_lock(&p->lock);
   if (p->pinned > budget) {
     poll_pending_locked(p);
-    trim_locked(p);
+    trim_locked(p, NULL);
   }
   if (p->pinned > budget) {
     st = pm__set_error(PM_ERR_BUSY,
