@@ -633,7 +633,14 @@ static const char *where_str(where_t w, char *buf, size_t len) {
   return buf;
 }
 
-typedef enum side_kind { SIDE_PAGEABLE, SIDE_PINNED, SIDE_MANAGED, SIDE_DEVICE } side_kind_t;
+/* SIDE_PINNED_RO: registered with PM_REGISTER_READ_ONLY (the device may only read it). */
+typedef enum side_kind {
+  SIDE_PAGEABLE,
+  SIDE_PINNED,
+  SIDE_PINNED_RO,
+  SIDE_MANAGED,
+  SIDE_DEVICE
+} side_kind_t;
 
 static const char *side_name(side_kind_t k) {
   switch (k) {
@@ -641,6 +648,8 @@ static const char *side_name(side_kind_t k) {
       return "pageable host";
     case SIDE_PINNED:
       return "pinned host";
+    case SIDE_PINNED_RO:
+      return "read-only registered host";
     case SIDE_MANAGED:
       return "managed";
     case SIDE_DEVICE:
@@ -698,7 +707,7 @@ static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes,
       k = SIDE_PINNED;
       break;
     case PM_MEMORY_REGISTERED:
-      k = SIDE_PINNED;
+      k = (info.flags & PM_REGISTER_READ_ONLY) ? SIDE_PINNED_RO : SIDE_PINNED;
       break;
     case PM_MEMORY_MANAGED:
       k = SIDE_MANAGED;
@@ -735,9 +744,11 @@ static bool can_host(side_kind_t k) {
 static bool can_dev(side_kind_t k) {
   return k == SIDE_DEVICE || k == SIDE_MANAGED;
 }
-/* Memory a kernel can address where it is (pinned host memory: where the backend says so). */
-static bool can_kernel(side_kind_t k) {
-  return k != SIDE_PAGEABLE;
+/* Memory a kernel can read (src) or write (dst) where it is (pinned host memory: where the
+ * backend says so). Read-only registrations are never a kernel's destination: the device would
+ * fault, where a DMA only fails. */
+static bool can_kernel(side_kind_t k, bool write) {
+  return k != SIDE_PAGEABLE && !(write && k == SIDE_PINNED_RO);
 }
 
 static pm_status_t resolve_kind(pm_copy_kind_t asked, side_kind_t s, side_kind_t d, where_t w,
@@ -1096,7 +1107,7 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
       segs[nsegs].bytes = it->bytes;
       nsegs++;
     } else {
-      kernel_ok = kernel_ok && can_kernel(s) && can_kernel(d);
+      kernel_ok = kernel_ok && can_kernel(s, false) && can_kernel(d, true);
       if (nops && (const char *)ops[nops - 1].src + ops[nops - 1].bytes == it->src &&
           (char *)ops[nops - 1].dst + ops[nops - 1].bytes == it->dst) {
         ops[nops - 1].bytes += it->bytes; /* adjacent pieces: one DMA */

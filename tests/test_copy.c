@@ -1198,6 +1198,31 @@ static void test_batch_kernel(pm_stream_t s) {
   CHECK_OK(pm_stream_synchronize(s));
   pm__fault_reset();
   batch_check(mixed, 2, &dev, true, "pageable piece sent direct");
+
+  /* Read-only registered memory: a kernel may read it (an H2D batch takes the kernel) but never
+   * write it, so a D2H batch into it goes by dma (checked on the host backend, where a DMA into
+   * it is allowed; the device would refuse either). */
+  size_t ro_n = 64 * 1024;
+  char *ro = NULL;
+  REQUIRE(posix_memalign((void **)&ro, g_page, ro_n) == 0);
+  pm_test_fill(ro, ro_n, 303);
+  REQUIRE_OK(pm_register(ro, ro_n, PM_REGISTER_READ_ONLY));
+  pm_copy_item_t ro_items[2] = {{dev.p, ro, 3000}, {dev.p + 4096, ro + 5000, 777}};
+  CHECK_OK(pm__fault_set(PM__FAULT_LAUNCH, 1, 0.0));
+  CHECK_ST(pm_copy_batch_async(ro_items, 2, s, NULL, NULL), PM_ERR_BACKEND);
+  pm__fault_reset();
+  CHECK_OK(pm_copy_batch_async(ro_items, 2, s, NULL, NULL));
+  CHECK_OK(pm_stream_synchronize(s));
+  batch_check(ro_items, 2, &dev, true, "read-only registered source");
+  if (pm_backend_kind() == PM_BACKEND_HOST) {
+    pm_copy_item_t into_ro[2] = {{ro, dev.p, 100}, {ro + 200, dev.p + 4096, 100}};
+    CHECK_OK(pm__fault_set(PM__FAULT_LAUNCH, 1, 0.0));
+    CHECK_OK(pm_copy_batch_async(into_ro, 2, s, NULL, NULL));
+    CHECK_OK(pm_stream_synchronize(s));
+    pm__fault_reset();
+  }
+  CHECK_OK(pm_unregister(ro));
+  free(ro);
   CHECK_OK(pm_option_set("copy_batch", NULL));
 
   free(pageable);
