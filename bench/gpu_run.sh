@@ -3,8 +3,9 @@
 # benchmarks, and leave logs and JSON lines in $OUT (default ./gpu-out). Used on the lent H200;
 # works on any Linux machine with a CUDA toolkit and an NVIDIA GPU.
 #   bench/gpu_run.sh [steps...]
-#   steps: build tests alloc copy overlap loader torch python (default: all; plan two calls on
-#   a 10-minute lease: "build tests alloc copy overlap" then "build loader torch python")
+#   steps: build tests alloc copy overlap sweep loader torch python (default: all but sweep;
+#   plan calls of under 10 minutes, e.g. "build tests copy overlap sweep" then
+#   "build loader python torch")
 # The Python steps need dlpack/dlpack.h: carry it in .carry/dlpack/ (DLPACK_INCLUDE_DIR).
 set -uo pipefail
 # Everything lands in $OUT/run and is packed into $OUT/gpu-run.tgz at exit (a lent machine
@@ -20,6 +21,8 @@ pack() {
 trap pack EXIT
 BUILD=${BUILD:-build-gpu}
 STEPS=${*:-build tests alloc copy overlap loader torch python}
+[[ " $STEPS " == *" torch "* && " $STEPS " != *" python "* ]] &&
+  echo "note: the torch step uses the Python package that the python step builds" >&2
 log() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
@@ -64,6 +67,21 @@ for b in alloc copy overlap; do
     tail -40 "$OUT/bench-$b.err" # the text targets; the rows are in the .jsonl
   fi
 done
+if has sweep; then
+  log "staging sweep (bench/gpu_sweep.sh)"
+  timeout 300 bash bench/gpu_sweep.sh "./$BUILD/pinmem" 1G >"$OUT/bench-sweep.jsonl" 2>"$OUT/sweep.err" || status=1
+  python3 - "$OUT/bench-sweep.jsonl" <<'PY' || true
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    print("%-4s %-6s %2s thr %4s x %-3s %-22s %6.2f GB/s" % (r["dir"], r.get("copy_memcpy", "?"),
+          r["copy_threads"], r["copy_chunk"], r["copy_slots"], r["case"], r["gbps"]))
+PY
+fi
+
 if has loader; then
   log "bench loader"
   timeout 300 "./$BUILD/pinmem" bench loader --json >"$OUT/bench-loader.jsonl" 2>"$OUT/bench-loader.err" || { status=1; tail -20 "$OUT/bench-loader.err"; }
