@@ -413,13 +413,16 @@ static void op_h2d_plain_wc(bench_t *b, size_t n) {
 static void op_h2d_pinmem_pageable(bench_t *b, size_t n) {
   cli_check(pm_copy_async(b->d1, b->hsrc, n, b->s1, NULL, NULL));
 }
-/* The same through the ring of chunk buffers (option copy_bounce=ring), to weigh the two
+/* A staged copy through the ring of chunk buffers (option copy_bounce=ring), to weigh the two
  * staging layouts in one run; the option is set around the call only. */
-static void op_h2d_pinmem_pageable_ring(bench_t *b, size_t n) {
+static void copy_through_ring(bench_t *b, void *dst, const void *src, size_t n) {
   cli_check(pm_option_set("copy_bounce", "ring"));
-  pm_status_t st = pm_copy_async(b->d1, b->hsrc, n, b->s1, NULL, NULL);
+  pm_status_t st = pm_copy_async(dst, src, n, b->s1, NULL, NULL);
   cli_check(pm_option_set("copy_bounce", NULL));
   cli_check(st);
+}
+static void op_h2d_pinmem_pageable_ring(bench_t *b, size_t n) {
+  copy_through_ring(b, b->d1, b->hsrc, n);
 }
 static void op_h2d_pinmem_pinned(bench_t *b, size_t n) {
   cli_check(pm_copy_async(b->d1, b->psrc, n, b->s1, NULL, NULL));
@@ -442,10 +445,7 @@ static void op_d2h_pinmem_pageable(bench_t *b, size_t n) {
   cli_check(pm_copy_async(b->hdst, b->d2, n, b->s1, NULL, NULL));
 }
 static void op_d2h_pinmem_pageable_ring(bench_t *b, size_t n) {
-  cli_check(pm_option_set("copy_bounce", "ring"));
-  pm_status_t st = pm_copy_async(b->hdst, b->d2, n, b->s1, NULL, NULL);
-  cli_check(pm_option_set("copy_bounce", NULL));
-  cli_check(st);
+  copy_through_ring(b, b->hdst, b->d2, n);
 }
 static void op_d2h_pinmem_pinned(bench_t *b, size_t n) {
   cli_check(pm_copy_async(b->pdst, b->d2, n, b->s1, NULL, NULL));
