@@ -77,8 +77,8 @@ for line in open(sys.argv[1]):
         r = json.loads(line)
     except ValueError:
         continue
-    print("%-4s %-6s %2s thr %4s x %-3s %-22s %6.2f GB/s" % (r["dir"], r.get("copy_memcpy", "?"),
-          r["copy_threads"], r["copy_chunk"], r["copy_slots"], r["case"], r["gbps"]))
+    print("%-4s %-6s %2s thr %5d KiB x %-3s %-22s %6.2f GB/s" % (r["dir"], r["copy_memcpy"],
+          r["copy_threads"], r["copy_chunk"] // 1024, r["copy_slots"], r["case"], r["gbps"]))
 PY
 fi
 

@@ -633,6 +633,28 @@ static bool wanted(const bench_t *b, const char *name) {
 
 /* The keys every bench copy row starts with; `verified` names the check ("full", "sampled",
  * "checksum") or is false. */
+/* The option's current value (keyword options), for the record of a run. */
+static const char *opt_value(const char *name, char *buf, size_t len) {
+  pm_option_info_t oi;
+  snprintf(buf, len, "%s", pm_option_find(name, &oi) == PM_OK ? oi.value : "?");
+  return buf;
+}
+
+/* The copy engine's configuration as it stands, in every row, so a result file says what it
+ * measured (rows that force a layout or a batch mode say so in their case name). */
+static void copy_cfg_json(cli_json_t *j) {
+  pm__copy_cfg_t cfg;
+  pm__copy_cfg(&cfg);
+  char v[sizeof((pm_option_info_t *)0)->value];
+  cli_json_uint(j, "copy_chunk", cfg.chunk);
+  cli_json_int(j, "copy_slots", cfg.slots);
+  cli_json_int(j, "copy_threads", cfg.threads);
+  cli_json_uint(j, "copy_stage_min", cfg.stage_min);
+  cli_json_str(j, "copy_bounce", opt_value("copy_bounce", v, sizeof v));
+  cli_json_str(j, "copy_memcpy", opt_value("copy_memcpy", v, sizeof v));
+  cli_json_str(j, "copy_batch", opt_value("copy_batch", v, sizeof v));
+}
+
 static void copy_row_json(cli_json_t *j, const char *name, const char *dir, size_t bytes,
                           double seconds, double gbps, bool ok, const char *method, double ratio,
                           const char *baseline) {
@@ -649,6 +671,7 @@ static void copy_row_json(cli_json_t *j, const char *name, const char *dir, size
     cli_json_bool(j, "verified", false);
   cli_json_double(j, "ratio_vs_plain", ratio);
   cli_json_str(j, "baseline", baseline);
+  copy_cfg_json(j);
 }
 
 /* One measured case: median over the timed runs; each run verified. */
@@ -989,11 +1012,15 @@ int pm_cli_bench_copy(int argc, char **argv) {
   if (!b->o.json) {
     pm__copy_cfg_t cfg;
     pm__copy_cfg(&cfg);
+    char bounce[sizeof((pm_option_info_t *)0)->value], mover[sizeof bounce], batch[sizeof bounce];
     printf(
         "pinmem bench copy: backend %s, %d timed runs per case (median); copy engine: "
-        "chunk %zu KiB, %d threads, %d ring slots, staging from %zu KiB\n",
+        "chunk %zu KiB, %d threads, %d ring slots, staging from %zu KiB, bounce %s, mover %s, "
+        "batch %s\n",
         pm_backend_name(), b->o.repeat, cfg.chunk / KIB, cfg.threads, cfg.slots,
-        cfg.stage_min / KIB);
+        cfg.stage_min / KIB, opt_value("copy_bounce", bounce, sizeof bounce),
+        opt_value("copy_memcpy", mover, sizeof mover),
+        opt_value("copy_batch", batch, sizeof batch));
     if (!b->cuda)
       printf(
           "host backend: the CPU plays the device, so these runs prove correctness, not "
