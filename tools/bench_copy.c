@@ -631,8 +631,6 @@ static bool wanted(const bench_t *b, const char *name) {
   return strstr(b->o.cases, key) != NULL;
 }
 
-/* The keys every bench copy row starts with; `verified` names the check ("full", "sampled",
- * "checksum") or is false. */
 /* The option's current value (keyword options), for the record of a run. */
 static const char *opt_value(const char *name, char *buf, size_t len) {
   pm_option_info_t oi;
@@ -655,6 +653,8 @@ static void copy_cfg_json(cli_json_t *j) {
   cli_json_str(j, "copy_batch", opt_value("copy_batch", v, sizeof v));
 }
 
+/* The keys every bench copy row starts with; `verified` names the check ("full", "sampled",
+ * "checksum") or is false. */
 static void copy_row_json(cli_json_t *j, const char *name, const char *dir, size_t bytes,
                           double seconds, double gbps, bool ok, const char *method, double ratio,
                           const char *baseline) {
@@ -887,6 +887,83 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
   free(perm);
 }
 
+/* ---- the host's share: pageable -> pinned memcpy ------------------------------------------------
+ */
+
+/* A staged H2D copy can go no faster than its threads move pageable bytes into pinned memory.
+ * These rows measure that alone (no device involved), once per byte mover of copy_memcpy, with
+ * copy_threads threads in copy_chunk pieces, timed by the wall clock. */
+typedef struct mv_job {
+  char *dst;
+  const char *src;
+  size_t n, piece;
+  int mode;
+} mv_job_t;
+
+static void mv_piece(void *vctx, size_t i) {
+  const mv_job_t *j = vctx;
+  size_t off = i * j->piece;
+  pm__memcpy_mode(j->dst + off, j->src + off, PM__MIN(j->piece, j->n - off), j->mode);
+}
+
+static void run_movers(bench_t *b, size_t n) {
+  static const struct {
+    const char *name;
+    int mode;
+  } mv[] = {{"memcpy_libc", PM__MEMCPY_LIBC},
+            {"memcpy_movsb", PM__MEMCPY_MOVSB},
+            {"memcpy_stream", PM__MEMCPY_STREAM}};
+  static const char *mode_names[] = {"libc", "movsb", "stream"};
+  pm__copy_cfg_t cfg;
+  pm__copy_cfg(&cfg);
+  for (size_t m = 0; m < sizeof mv / sizeof mv[0]; m++) {
+    if (!wanted(b, mv[m].name)) continue;
+    mv_job_t job = {b->pdst, b->hsrc, n, cfg.chunk, mv[m].mode};
+    size_t pieces = (n + cfg.chunk - 1) / cfg.chunk;
+    int runs = b->o.repeat;
+    double *t = cli_xmalloc(sizeof(double) * (size_t)runs);
+    bool ok = true;
+    const char *method = "full";
+    char what[96];
+    snprintf(what, sizeof what, "h2h %s", mv[m].name);
+    for (int r = -1; r < runs; r++) {
+      clear_host(b->pdst, n);
+      double t0 = pm__now();
+      pm__parallel_for(cfg.threads, pieces, mv_piece, &job);
+      double dt = pm__now() - t0;
+      if (r >= 0) t[r] = dt;
+      const char *v = pat_verify(what, b->pdst, n, 0);
+      if (!v)
+        ok = false;
+      else
+        method = v;
+    }
+    if (!ok) b->failed = true;
+    double med = cli_median(t, runs);
+    free(t);
+    double gbps = (double)n / med / 1e9;
+    add_result(b, mv[m].name, "h2h", n, gbps, ok);
+    const char *ran = mode_names[pm__memcpy_effective(mv[m].mode)];
+    if (b->o.json) {
+      cli_json_t j;
+      copy_row_json(&j, mv[m].name, "h2h", n, med, gbps, ok, method, NAN, NULL);
+      cli_json_str(&j, "path", "host");
+      cli_json_str(&j, "mover_ran", ran);
+      cli_json_str(&j, "timing", "wall");
+      cli_json_int(&j, "runs", runs);
+      cli_json_str(&j, "backend", pm_backend_name());
+      cli_json_end(&j);
+    } else {
+      char sz[32], g[32];
+      cli_fmt_bytes(n, sz, sizeof sz);
+      fmt_gbps(gbps, g, sizeof g);
+      printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n", "h2h", sz, mv[m].name, g, "-", ran,
+             ok ? method : "NO (FAILED)");
+      fflush(stdout);
+    }
+  }
+}
+
 /* ---- targets -----------------------------------------------------------------------------------
  */
 
@@ -1038,6 +1115,16 @@ int pm_cli_bench_copy(int argc, char **argv) {
           run_case(b, &cases[c], b->o.sizes[s]);
     }
     if (!b->o.json) printf("\n");
+  }
+
+  /* The host's own ceiling for staging, at the largest size of the run. */
+  {
+    size_t top = 0;
+    for (int i = 0; i < b->o.nsizes; i++) top = PM__MAX(top, b->o.sizes[i]);
+    if (top >= 8 * MIB) {
+      run_movers(b, top);
+      if (!b->o.json) printf("\n");
+    }
   }
 
   /* The pinmem rows use copy_batch as it stands; the _dma and _kernel rows force each way, so
