@@ -231,19 +231,21 @@ static void ring_done_turn(ring_t *r, int s, long long unit) {
 
 /* ---- H2D ------------------------------------------------------------------------------------ */
 
-typedef struct h2d_ctx {
+/* One parallel staging step (H2D whole or ring, D2H ring): its units, the next to claim, where
+ * the bytes go, and the first error. */
+typedef struct stage_ctx {
   const unit_t *u;
   size_t n;
   atomic_size_t next;
-  char *bounce; /* whole-copy mode */
+  char *bounce; /* H2D whole-copy mode */
   ring_t *ring; /* ring mode */
   pm_stream_t stream;
   int mover;
   first_error_t err;
-} h2d_ctx_t;
+} stage_ctx_t;
 
 static void h2d_whole_task(void *vctx, size_t task) {
-  h2d_ctx_t *c = vctx;
+  stage_ctx_t *c = vctx;
   (void)task;
   for (;;) {
     size_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
@@ -257,7 +259,7 @@ static void h2d_whole_task(void *vctx, size_t task) {
 }
 
 static void h2d_ring_task(void *vctx, size_t task) {
-  h2d_ctx_t *c = vctx;
+  stage_ctx_t *c = vctx;
   ring_t *r = c->ring;
   (void)task;
   for (;;) {
@@ -286,7 +288,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   pm_status_t st = plan_units(req, &u, &n, &total);
   if (st != PM_OK) return st;
 
-  h2d_ctx_t c;
+  stage_ctx_t c;
   memset(&c, 0, sizeof c);
   c.u = u;
   c.n = n;
@@ -389,18 +391,8 @@ static void wait_group(pm__d2h_job_t *job, uint32_t g) {
   pthread_mutex_unlock(&job->mu);
 }
 
-typedef struct d2h_ring_ctx {
-  const unit_t *u;
-  size_t n;
-  atomic_size_t next;
-  ring_t *ring;
-  pm_stream_t stream;
-  int mover;
-  first_error_t err;
-} d2h_ring_ctx_t;
-
 static void d2h_ring_task(void *vctx, size_t task) {
-  d2h_ring_ctx_t *c = vctx;
+  stage_ctx_t *c = vctx;
   ring_t *r = c->ring;
   (void)task;
   for (;;) {
@@ -426,7 +418,7 @@ static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
   ring_t ring;
   pm_status_t st = ring_create(req, n, &ring);
   if (st != PM_OK) return st;
-  d2h_ring_ctx_t c;
+  stage_ctx_t c;
   memset(&c, 0, sizeof c);
   c.u = u;
   c.n = n;

@@ -32,8 +32,7 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
-
-#include <pthread.h>
+#include <stdlib.h>
 
 #include "kernels.h"
 
@@ -136,34 +135,34 @@ __global__ void __launch_bounds__(kBatchThreads)
   }
 }
 
-/* File scope, not function-local (see the note on statics above): 24 KiB is too much for the
- * stack of a caller's thread; cudaLaunchKernel copies the parameters before it returns, and the
- * lock keeps two threads from filling the struct at once. */
-static BatchParams g_batch_params;
-static pthread_mutex_t g_batch_params_mu = PTHREAD_MUTEX_INITIALIZER;
-
 extern "C" pm_status_t pm__launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
                                              struct CUstream_st *stream) {
   if (count && !desc)
     return pm__set_error(PM_ERR_INVALID, "pm__launch_batch_copy: NULL descriptors");
-  for (size_t done = 0; done < count;) {
+  if (count == 0) return PM_OK;
+  /* On the heap (24 KiB is much for a caller thread's stack); cudaLaunchKernel copies the
+   * parameters before it returns, so one buffer serves every launch of this call. */
+  BatchParams *params = static_cast<BatchParams *>(malloc(sizeof(BatchParams)));
+  if (!params)
+    return pm__set_error(PM_ERR_NOMEM, "pm__launch_batch_copy: out of host memory");
+  pm_status_t st = PM_OK;
+  for (size_t done = 0; done < count && st == PM_OK;) {
     unsigned n = (unsigned)(count - done < PM__BATCH_DESCS_PER_LAUNCH ? count - done
                                                                       : PM__BATCH_DESCS_PER_LAUNCH);
-    pthread_mutex_lock(&g_batch_params_mu);
-    g_batch_params.count = n;
-    memcpy(g_batch_params.d, desc + done, n * sizeof *desc);
-    void *args[] = {&g_batch_params};
+    params->count = n;
+    memcpy(params->d, desc + done, n * sizeof *desc);
+    void *args[] = {params};
     cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void *>(&batch_copy_kernel), dim3(n),
                                      dim3(kBatchThreads), args, 0, stream);
-    pthread_mutex_unlock(&g_batch_params_mu);
     if (e != cudaSuccess)
-      return pm__cuda_fail((int)e, PM_ERR_BACKEND,
-                           "cudaLaunchKernel(batch copy kernel, %u pieces from %zu of %zu, stream "
-                           "%p)",
-                           n, done, count, (void *)stream);
+      st = pm__cuda_fail((int)e, PM_ERR_BACKEND,
+                         "cudaLaunchKernel(batch copy kernel, %u pieces from %zu of %zu, stream "
+                         "%p)",
+                         n, done, count, (void *)stream);
     done += n;
   }
-  return PM_OK;
+  free(params);
+  return st;
 }
 
 extern "C" pm_status_t pm__kernels_preload(void) {
