@@ -320,8 +320,9 @@ static void test_out_of_order(void) {
   pm_stream_t slow = NULL, fast = NULL;
   REQUIRE_OK(pm_stream_create(&slow));
   REQUIRE_OK(pm_stream_create(&fast));
-  gate_t g;
+  gate_t g, gf;
   gate_init(&g);
+  gate_init(&gf);
   /* >= 1 MiB: each block is a whole segment, so no other free block can answer the request. */
   const size_t n = 2 * MiB;
   void *a = NULL, *b = NULL, *c = NULL;
@@ -331,16 +332,18 @@ static void test_out_of_order(void) {
   pm_test_fill(b, n, 12);
   CHECK_OK(pm_host_record_stream(a, slow));
   CHECK_OK(pm_host_record_stream(b, fast));
-  /* The fast stream's kernel is launched first: a tool that runs kernels one at a time in
-   * launch order (compute-sanitizer) would otherwise hold it behind the slow stream's kernel,
-   * which waits for the gate that this thread opens only after the fast stream finished. */
-  CHECK_OK(pm_launch_busy(fast, 0.01));
+  /* Gates, not kernels, hold both streams. compute-sanitizer, when a stream is synchronized,
+   * waits for every kernel launched since its last report; a kernel anywhere behind the slow
+   * gate, or on the fast stream, hung the synchronization of the fast stream below (on the H200,
+   * under memcheck and racecheck alike). */
+  CHECK_OK(pm_launch_host_func(fast, gate_wait, &gf));
   CHECK_OK(pm_launch_host_func(slow, gate_wait, &g));
-  CHECK_OK(pm_launch_busy(slow, 0.05));
   step("streams loaded");
   CHECK_OK(pm_host_free(a)); /* freed first, on the slow stream */
   CHECK_OK(pm_host_free(b));
   step("freed");
+  CHECK_EQ_SIZE(stats(pool).pending_bytes, 2 * n); /* both streams are held */
+  gate_open(&gf);
   CHECK_OK(pm_stream_synchronize(fast));
   step("fast stream synchronized");
 
@@ -357,6 +360,7 @@ static void test_out_of_order(void) {
   CHECK_OK(pm_host_free(c));
   CHECK_OK(pm_stream_destroy(slow));
   CHECK_OK(pm_stream_destroy(fast));
+  gate_destroy(&gf);
   gate_destroy(&g);
   CHECK_OK(pm_pool_destroy(pool));
 }
