@@ -355,12 +355,15 @@ PM_API void pm_copy_options_init(pm_copy_options_t *options);
  *  stream sees the result). options may be NULL. fence_out may be NULL (then completion is
  *  only observable through the stream or the callback). What the call blocks on, by path:
  *  direct: nothing. staged H2D from pageable memory: until the source has been read (it may be
- *  changed after the return), never on the stream's earlier work. staged D2H into pageable
- *  memory: nothing; the fence completes once the bytes are in dst. */
+ *  changed after the return), never on the stream's earlier work (copy_bounce=ring excepted).
+ *  staged D2H into pageable memory: with copy_bounce=auto (the default) on an idle stream, until
+ *  the bytes are in dst, as CUDA's pageable copy; behind queued work (or copy_bounce=whole),
+ *  nothing: the fence completes once the bytes are in dst. */
 PM_API pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t stream,
                                  const pm_copy_options_t *options, pm_fence_t *fence_out);
-/** Many (dst, src, bytes) triples in one call (cudaMemcpyBatchAsync where available); small
- *  pageable pieces are packed into one bounce buffer. All items share one direction. */
+/** Many (dst, src, bytes) triples in one call; small pageable pieces are packed into one bounce
+ *  buffer. Pinned, managed and device pieces go through one gather/scatter kernel or
+ *  cudaMemcpyBatchAsync (option copy_batch). All items share one direction. */
 PM_API pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count,
                                        pm_stream_t stream, const pm_copy_options_t *options,
                                        pm_fence_t *fence_out);

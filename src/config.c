@@ -281,19 +281,19 @@ static const pm__opt_def_t opt_table[] = {
                                  "ahead of the consumer; each holds one batch in pinned and in "
                                  "device memory",
                                  parse_slots, PM__T_INT},
-    [PM__OPT_COPY_BOUNCE] = {"copy_bounce", "PINMEM_COPY_BOUNCE", "whole",
+    [PM__OPT_COPY_BOUNCE] = {"copy_bounce", "PINMEM_COPY_BOUNCE", "auto",
                              "bounce memory of staged copies: whole (one pool block the size of "
                              "the copy; the call never waits for the stream), ring (copy_slots "
                              "chunk buffers reused in turn; the call waits for the stream's "
                              "earlier work, and a D2H copy is complete when it returns) or auto "
                              "(the ring when the stream is idle)",
                              parse_bounce, PM__T_INT},
-    [PM__OPT_COPY_MEMCPY] = {"copy_memcpy", "PINMEM_COPY_MEMCPY", "libc",
+    [PM__OPT_COPY_MEMCPY] = {"copy_memcpy", "PINMEM_COPY_MEMCPY", "stream",
                              "how staging threads copy to and from bounce memory: libc (memcpy), "
                              "movsb (x86-64 rep movsb) or stream (x86-64 AVX2 non-temporal "
                              "stores); without the CPU feature, libc",
                              parse_memcpy, PM__T_INT},
-    [PM__OPT_COPY_BATCH] = {"copy_batch", "PINMEM_COPY_BATCH", "dma",
+    [PM__OPT_COPY_BATCH] = {"copy_batch", "PINMEM_COPY_BATCH", "auto",
                             "how a batch moves its pieces between pinned (or managed) and device "
                             "memory: dma (cudaMemcpyBatchAsync, else a copy per piece), kernel "
                             "(one kernel reads and writes the pieces where they lie, where the "

@@ -6,13 +6,14 @@
  * into units of at most copy_chunk bytes and several threads move the units through pinned
  * bounce memory while the DMA engine drains the units already staged.
  *
- * Bounce memory. First choice: one pool block as large as the whole copy. The pool caches it,
- * so repeated copies pin nothing, and its reuse is gated by the stream (pm_host_record_stream),
- * so an H2D call never waits for the stream. When the budget refuses that block, or copy_bounce
- * asks for it (ring; auto on an idle stream), a ring of up to copy_slots chunk-sized blocks is
- * used instead; a slot is reused only after the event of its last DMA completed (never a wait
- * after every chunk). The ring makes the call wait for the stream (see "What each path blocks
- * on" in copy.c). The bytes move by copy_memcpy's mover (memcpy.c).
+ * Bounce memory, by copy_bounce. The ring (ring; auto, the default, on an idle stream): up to
+ * copy_slots chunk-sized blocks that stay in the caches and overlap a D2H copy's DMA with its
+ * copy-out. The whole block (whole; auto behind queued work): one pool block as large as the
+ * copy. The pool caches it, so repeated copies pin nothing, and its reuse is gated by the stream
+ * (pm_host_record_stream), so the call never waits for the stream. When the budget refuses the
+ * whole block the ring is used instead. A ring slot is reused only after the event of its last
+ * DMA completed (never a wait after every chunk). The ring makes the call wait for the stream
+ * (see "What each path blocks on" in copy.c). The bytes move by copy_memcpy's mover (memcpy.c).
  *
  * Work distribution: pm__parallel_for starts `threads` tasks (the caller is one); each task
  * claims units from an atomic counter, so units are claimed in ascending order. That order is
