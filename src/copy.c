@@ -817,8 +817,9 @@ static pm_status_t read_options(const pm_copy_options_t *options, const char *fn
                          (int)options->path);
   if (options->path == PM_PATH_REGISTER)
     return pm__set_error(PM_ERR_UNSUPPORTED,
-                         "%s: PM_PATH_REGISTER (register in place) is not available yet; use "
-                         "PM_PATH_AUTO or PM_PATH_STAGED, or pm_register the buffer once",
+                         "%s: PM_PATH_REGISTER (register in place) is not supported: a cached "
+                         "registration outlives a free of the buffer; use PM_PATH_AUTO or "
+                         "PM_PATH_STAGED, or pm_register the buffer once",
                          fn);
   *out = *options;
   return PM_OK;
