@@ -8,7 +8,10 @@
  * (zero-copy) pinned memory, and managed-memory prefetch. Then 4096 x 64 KiB pieces in one
  * pm_copy_batch_async against a loop of plain copies.
  *
- * Method: every case gets a warm-up run, then --repeat timed runs; the median is reported. A run
+ * Method: every case gets a warm-up run, then --repeat timed runs; the median is reported. The
+ * timed runs of the cases of one direction and size are interleaved in rounds, each round
+ * starting one case later, so drift of the machine during the run hits a case and its baseline
+ * alike ("order": "interleaved" in each row; the batch rows run case after case). A run
  * is timed with PM_EVENT_TIMING events recorded on the stream around the submission (for calls
  * that block the caller, like plain pageable copies, the end event is recorded after they
  * return, so their host-side time counts too; a staged D2H holds the stream until its bytes are
@@ -674,70 +677,89 @@ static void copy_row_json(cli_json_t *j, const char *name, const char *dir, size
   copy_cfg_json(j);
 }
 
-/* One measured case: median over the timed runs; each run verified. */
-static void run_case(bench_t *b, const ccase_t *c, size_t n) {
-  const char *skip = NULL;
+/* Why a case cannot run here, or NULL. */
+static const char *case_skip(const bench_t *b, const ccase_t *c) {
   if (c->need == 1 && !b->have_checksum)
-    skip = b->cuda ? "the device checksum kernel is not in this build"
+    return b->cuda ? "the device checksum kernel is not in this build"
                    : "needs a device kernel (cuda backend)";
-  if (c->need == 2 && !b->man) skip = "managed memory is not available here";
-  char sz[32], what[96];
-  cli_fmt_bytes(n, sz, sizeof sz);
-  snprintf(what, sizeof what, "%s %s %s", c->dir, sz, c->name);
-  bool bidir = strcmp(c->dir, "bidir") == 0;
-  size_t moved = bidir ? 2 * n : n;
-  if (skip) {
-    if (b->o.json) {
-      cli_json_t j;
-      cli_json_begin(&j);
-      cli_json_str(&j, "bench", "copy");
-      cli_json_str(&j, "case", c->name);
-      cli_json_str(&j, "dir", c->dir);
-      cli_json_uint(&j, "bytes", moved);
-      cli_json_null(&j, "seconds");
-      cli_json_null(&j, "gbps");
-      cli_json_bool(&j, "verified", false);
-      cli_json_str(&j, "skipped", skip);
-      cli_json_str(&j, "backend", pm_backend_name());
-      cli_json_end(&j);
-    } else {
-      printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  skipped: %s\n", c->dir, sz, c->name, "-", "-",
-             "-", skip);
-    }
-    return;
-  }
+  if (c->need == 2 && !b->man) return "managed memory is not available here";
+  return NULL;
+}
 
-  int inner = n >= INNER_BYTES ? 1 : (int)PM__MIN((size_t)INNER_MAX, INNER_BYTES / n);
-  int runs = b->o.repeat;
-  double *t = cli_xmalloc(sizeof(double) * (size_t)runs);
-  const char *method = "full";
-  bool ok = true;
-  for (int r = -1; r < runs; r++) { /* r == -1: warm-up (bounce buffers, page state) */
-    c->prep(b, n);
-    sync_all(b);
-    cli_check(pm_event_record(b->e0, b->s1));
-    if (bidir) cli_check(pm_stream_wait_event(b->s2, b->e0));
-    for (int k = 0; k < inner; k++) c->op(b, n);
-    if (bidir) {
-      cli_check(pm_event_record(b->ex, b->s2));
-      cli_check(pm_stream_wait_event(b->s1, b->ex));
-    }
-    cli_check(pm_event_record(b->e1, b->s1));
-    cli_check(pm_event_synchronize(b->e1));
-    sync_all(b);
-    double s;
-    cli_check(pm_event_elapsed(b->e0, b->e1, &s));
-    const char *m = c->verify(b, n, what);
-    if (!m) {
-      ok = false;
-      b->failed = true;
-    } else if (strcmp(m, "full") != 0) {
-      method = m;
-    }
-    if (r >= 0) t[r] = s / inner;
+static void report_skip(const bench_t *b, const ccase_t *c, size_t n, const char *skip) {
+  char sz[32];
+  cli_fmt_bytes(n, sz, sizeof sz);
+  size_t moved = strcmp(c->dir, "bidir") == 0 ? 2 * n : n;
+  if (b->o.json) {
+    cli_json_t j;
+    cli_json_begin(&j);
+    cli_json_str(&j, "bench", "copy");
+    cli_json_str(&j, "case", c->name);
+    cli_json_str(&j, "dir", c->dir);
+    cli_json_uint(&j, "bytes", moved);
+    cli_json_null(&j, "seconds");
+    cli_json_null(&j, "gbps");
+    cli_json_bool(&j, "verified", false);
+    cli_json_str(&j, "skipped", skip);
+    cli_json_str(&j, "backend", pm_backend_name());
+    cli_json_end(&j);
+  } else {
+    printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  skipped: %s\n", c->dir, sz, c->name, "-", "-", "-",
+           skip);
   }
-  double med = cli_median(t, runs), lo = t[0], hi = t[runs - 1];
-  free(t);
+}
+
+/* The timed runs of one case at one size, filled in as the group's rounds go. */
+typedef struct case_runs {
+  const ccase_t *c;
+  double *t; /* seconds per copy, one per timed run */
+  int inner; /* copies per run */
+  const char *method;
+  bool ok;
+  char what[96];
+} case_runs_t;
+
+/* The end of a timed run begun with e0 recorded on s1: with two streams, s2's work joins s1
+ * first; then e1 on s1, and the seconds between the two events once everything finished. */
+static double end_timing(bench_t *b, bool two_streams) {
+  if (two_streams) {
+    cli_check(pm_event_record(b->ex, b->s2));
+    cli_check(pm_stream_wait_event(b->s1, b->ex));
+  }
+  cli_check(pm_event_record(b->e1, b->s1));
+  cli_check(pm_event_synchronize(b->e1));
+  sync_all(b);
+  double s;
+  cli_check(pm_event_elapsed(b->e0, b->e1, &s));
+  return s;
+}
+
+/* One run of a case: `inner` copies between two events, then the bytes verified. Returns the
+ * seconds per copy. */
+static double time_once(bench_t *b, case_runs_t *cr, size_t n) {
+  const ccase_t *c = cr->c;
+  bool bidir = strcmp(c->dir, "bidir") == 0;
+  c->prep(b, n);
+  sync_all(b);
+  cli_check(pm_event_record(b->e0, b->s1));
+  if (bidir) cli_check(pm_stream_wait_event(b->s2, b->e0));
+  for (int k = 0; k < cr->inner; k++) c->op(b, n);
+  double s = end_timing(b, bidir);
+  const char *m = c->verify(b, n, cr->what);
+  if (!m) {
+    cr->ok = false;
+    b->failed = true;
+  } else if (strcmp(m, "full") != 0) {
+    cr->method = m;
+  }
+  return s / cr->inner;
+}
+
+/* One row: the median of the case's timed runs, with its ratio to the baseline case. */
+static void report_case(bench_t *b, const case_runs_t *cr, size_t n, int runs) {
+  const ccase_t *c = cr->c;
+  size_t moved = strcmp(c->dir, "bidir") == 0 ? 2 * n : n;
+  double med = cli_median(cr->t, runs), lo = cr->t[0], hi = cr->t[runs - 1];
   double gbps = (double)moved / med / 1e9;
   const char *path = c->pinmem ? pinmem_path(b, c, n) : "plain";
   if (!strcmp(c->name, "zerocopy_mapped")) path = "kernel";
@@ -748,29 +770,73 @@ static void run_case(bench_t *b, const ccase_t *c, size_t n) {
     const result_t *br = find_result(b, base, c->dir, moved);
     if (br && br->gbps > 0) ratio = gbps / br->gbps;
   }
-  add_result(b, c->name, c->dir, moved, gbps, ok);
+  add_result(b, c->name, c->dir, moved, gbps, cr->ok);
 
   if (b->o.json) {
     cli_json_t j;
-    copy_row_json(&j, c->name, c->dir, moved, med, gbps, ok, method, ratio, base);
+    copy_row_json(&j, c->name, c->dir, moved, med, gbps, cr->ok, cr->method, ratio, base);
     cli_json_str(&j, "path", path);
     cli_json_str(&j, "timing", "events");
     cli_json_int(&j, "runs", runs);
-    cli_json_int(&j, "copies_per_run", inner);
+    cli_json_int(&j, "copies_per_run", cr->inner);
+    cli_json_str(&j, "order", "interleaved");
     cli_json_double(&j, "min_seconds", lo);
     cli_json_double(&j, "max_seconds", hi);
     cli_json_str(&j, "backend", pm_backend_name());
     cli_json_end(&j);
   } else {
-    char g[32], ra[32];
+    char sz[32], g[32], ra[32];
+    cli_fmt_bytes(n, sz, sizeof sz);
     fmt_gbps(gbps, g, sizeof g);
     if (isfinite(ratio))
       snprintf(ra, sizeof ra, "%.2fx", ratio);
     else
       snprintf(ra, sizeof ra, "-");
     printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n", c->dir, sz, c->name, g, ra, path,
-           ok ? method : "NO (FAILED)");
+           cr->ok ? cr->method : "NO (FAILED)");
     fflush(stdout);
+  }
+}
+
+/* Every wanted case of one direction at one size. After one warm-up run each (bounce buffers,
+ * page state), the timed runs go in rounds: each round runs every case once, starting one case
+ * later than the round before, so drift of the machine (clocks, other tenants, the kernel
+ * reclaiming memory) hits a case and its baseline alike instead of landing on whichever case
+ * ran during it. Each case's median is reported, in the table's order (baselines first). */
+static void run_group(bench_t *b, const char *dir, size_t n) {
+  enum { MAX_GROUP = sizeof cases / sizeof cases[0] };
+  case_runs_t cr[MAX_GROUP];
+  const ccase_t *order[MAX_GROUP]; /* the group in the table's order, skipped cases included */
+  int m = 0, all = 0, runs = b->o.repeat;
+  char sz[32];
+  cli_fmt_bytes(n, sz, sizeof sz);
+  for (size_t i = 0; i < MAX_GROUP; i++) {
+    const ccase_t *c = &cases[i];
+    if (strcmp(c->dir, dir) != 0 || !wanted(b, c->name)) continue;
+    order[all++] = c;
+    if (case_skip(b, c)) continue;
+    case_runs_t *r = &cr[m++];
+    r->c = c;
+    r->t = cli_xmalloc(sizeof(double) * (size_t)runs);
+    r->inner = n >= INNER_BYTES ? 1 : (int)PM__MIN((size_t)INNER_MAX, INNER_BYTES / n);
+    r->method = "full";
+    r->ok = true;
+    snprintf(r->what, sizeof r->what, "%s %s %s", c->dir, sz, c->name);
+  }
+  for (int i = 0; i < m; i++) (void)time_once(b, &cr[i], n); /* warm-up */
+  for (int round = 0; round < runs; round++)
+    for (int k = 0; k < m; k++) {
+      case_runs_t *r = &cr[(k + round) % m];
+      r->t[round] = time_once(b, r, n);
+    }
+  for (int i = 0, k = 0; i < all; i++) {
+    const char *skip = case_skip(b, order[i]);
+    if (skip) {
+      report_skip(b, order[i], n, skip);
+    } else {
+      report_case(b, &cr[k], n, runs);
+      free(cr[k++].t);
+    }
   }
 }
 
@@ -1110,9 +1176,7 @@ int pm_cli_bench_copy(int argc, char **argv) {
   static const char *dirs[] = {"h2d", "d2h", "bidir"};
   for (int d = 0; d < 3; d++) {
     for (int s = 0; s < b->o.nsizes; s++) {
-      for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
-        if (!strcmp(cases[c].dir, dirs[d]) && wanted(b, cases[c].name))
-          run_case(b, &cases[c], b->o.sizes[s]);
+      run_group(b, dirs[d], b->o.sizes[s]);
     }
     if (!b->o.json) printf("\n");
   }
@@ -1188,13 +1252,7 @@ static double ov_time(bench_t *b, const ov_run_t *r, size_t n, double kernel_s, 
    * the copy's host work and no pageable row could overlap at all. */
   if (r->kernel) cli_check(pm_launch_busy(r->two_streams ? b->s2 : b->s1, kernel_s));
   if (r->copy) ov_copy(b, r->kind, n, b->s1);
-  cli_check(pm_event_record(b->ex, b->s2));
-  cli_check(pm_stream_wait_event(b->s1, b->ex));
-  cli_check(pm_event_record(b->e1, b->s1));
-  cli_check(pm_event_synchronize(b->e1));
-  sync_all(b);
-  double s;
-  cli_check(pm_event_elapsed(b->e0, b->e1, &s));
+  double s = end_timing(b, true);
   if (r->copy) {
     cli_check(pm_memcpy(b->vbuf, b->d1, n, PM_COPY_D2H));
     if (!pat_verify(what, b->vbuf, n, 0)) {
