@@ -14,7 +14,8 @@
  * Staged D2H through the whole block (copy_bounce=whole, or auto behind queued work): nothing;
  * a completion thread copies the bytes out once their DMAs land, and the stream's later work
  * waits for that. Through the ring (ring, or auto on an idle stream, the default): the whole
- * copy happens inside the call, which returns with the bytes in dst. Plain pageable copies block as the backend's own copy does.
+ * copy happens inside the call, which returns with the bytes in dst. Plain pageable copies
+ * block as the backend's own copy does.
  *
  * Fences. A fence is a refcounted object: the user's handle (if fence_out was given), the
  * engine's reference while completion work is pending (a callback or a D2H copy-out), and the
