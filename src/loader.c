@@ -132,9 +132,10 @@ static pm_status_t open_slot(pm_loader_t *L, slot_t *s, uint64_t g, bool sync, d
   return PM_OK;
 }
 
-static pm_status_t submit_copy(pm_loader_t *L, slot_t *s) {
+/* Queue a slot's host -> device copy on the copy stream, behind the consumer's release of the
+ * slot's device buffer, between the slot's start and done events. */
+static pm_status_t queue_copy(pm_loader_t *L, slot_t *s, const char *what) {
   pm_status_t st = PM_OK;
-  pthread_mutex_lock(&L->submit_mu);
   if (s->release_pending) {
     st = pm_stream_wait_event(L->copy_stream, s->ev_release);
     if (st == PM_OK) s->release_pending = false;
@@ -143,10 +144,16 @@ static pm_status_t submit_copy(pm_loader_t *L, slot_t *s) {
   if (st == PM_OK)
     st = pm_memcpy_async(s->dev, s->host, copy_bytes(L, s->rows), PM_COPY_H2D, L->copy_stream);
   if (st == PM_OK) st = pm_event_record(s->ev_done, L->copy_stream);
-  pthread_mutex_unlock(&L->submit_mu);
-  if (st != PM_OK) return pm__wrap_error(st, "device copy of a batch");
+  if (st != PM_OK) return pm__wrap_error(st, "%s", what);
   s->copy_pending = true;
   return PM_OK;
+}
+
+static pm_status_t submit_copy(pm_loader_t *L, slot_t *s) {
+  pthread_mutex_lock(&L->submit_mu);
+  pm_status_t st = queue_copy(L, s, "device copy of a batch");
+  pthread_mutex_unlock(&L->submit_mu);
+  return st;
 }
 
 /* ---- workers ------------------------------------------------------------------------------ */
@@ -564,18 +571,7 @@ static pm_status_t check_loader(const char *fn, const pm_loader_t *L) {
 
 /* The plain copy of a pageable slot, on the consumer's thread (pin_memory 0). */
 static pm_status_t pageable_copy(pm_loader_t *L, slot_t *s) {
-  pm_status_t st = PM_OK;
-  if (s->release_pending) {
-    st = pm_stream_wait_event(L->copy_stream, s->ev_release);
-    if (st == PM_OK) s->release_pending = false;
-  }
-  if (st == PM_OK) st = pm_event_record(s->ev_start, L->copy_stream);
-  if (st == PM_OK)
-    st = pm_memcpy_async(s->dev, s->host, copy_bytes(L, s->rows), PM_COPY_H2D, L->copy_stream);
-  if (st == PM_OK) st = pm_event_record(s->ev_done, L->copy_stream);
-  if (st != PM_OK) return pm__wrap_error(st, "plain copy of a pageable batch");
-  s->copy_pending = true;
-  return PM_OK;
+  return queue_copy(L, s, "plain copy of a pageable batch");
 }
 
 pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
