@@ -255,12 +255,7 @@ static void emit(bench_t *bn, const row_t *r) {
     return;
   }
   cli_json_t j;
-  cli_json_begin(&j);
-  cli_json_str(&j, "bench", "alloc");
-  cli_json_str(&j, "case", r->name);
-  cli_json_uint(&j, "bytes", r->bytes);
-  cli_json_double(&j, "seconds", r->seconds);
-  cli_json_double(&j, "gbps", r->gbps);
+  cli_json_row(&j, "alloc", r->name, r->bytes, r->seconds, r->gbps);
   cli_json_bool(&j, "verified", r->verified);
   cli_json_str(&j, "backend", pm_backend_name());
   cli_json_double(&j, "ratio_vs_cudaHostAlloc", r->ratio);

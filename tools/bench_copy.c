@@ -661,13 +661,8 @@ static void copy_cfg_json(cli_json_t *j) {
 static void copy_row_json(cli_json_t *j, const char *name, const char *dir, size_t bytes,
                           double seconds, double gbps, bool ok, const char *method, double ratio,
                           const char *baseline) {
-  cli_json_begin(j);
-  cli_json_str(j, "bench", "copy");
-  cli_json_str(j, "case", name);
+  cli_json_row(j, "copy", name, bytes, seconds, gbps);
   cli_json_str(j, "dir", dir);
-  cli_json_uint(j, "bytes", bytes);
-  cli_json_double(j, "seconds", seconds);
-  cli_json_double(j, "gbps", gbps);
   if (ok)
     cli_json_str(j, "verified", method);
   else
@@ -692,13 +687,8 @@ static void report_skip(const bench_t *b, const ccase_t *c, size_t n, const char
   size_t moved = strcmp(c->dir, "bidir") == 0 ? 2 * n : n;
   if (b->o.json) {
     cli_json_t j;
-    cli_json_begin(&j);
-    cli_json_str(&j, "bench", "copy");
-    cli_json_str(&j, "case", c->name);
+    cli_json_row(&j, "copy", c->name, moved, NAN, NAN);
     cli_json_str(&j, "dir", c->dir);
-    cli_json_uint(&j, "bytes", moved);
-    cli_json_null(&j, "seconds");
-    cli_json_null(&j, "gbps");
     cli_json_bool(&j, "verified", false);
     cli_json_str(&j, "skipped", skip);
     cli_json_str(&j, "backend", pm_backend_name());
@@ -1333,12 +1323,7 @@ int pm_cli_bench_overlap(int argc, char **argv) {
     ok = ok && case_ok;
     if (b->o.json) {
       cli_json_t j;
-      cli_json_begin(&j);
-      cli_json_str(&j, "bench", "overlap");
-      cli_json_str(&j, "case", ov[i].name);
-      cli_json_uint(&j, "bytes", n);
-      cli_json_double(&j, "seconds", total);
-      cli_json_double(&j, "gbps", (double)n / total / 1e9);
+      cli_json_row(&j, "overlap", ov[i].name, n, total, (double)n / total / 1e9);
       if (case_ok)
         cli_json_str(&j, "verified", n <= FULL_VERIFY_MAX ? "full" : "sampled");
       else

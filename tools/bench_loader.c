@@ -743,12 +743,7 @@ static const result_t *run_case(bench_t *B, src_t *s, const char *name, bool pin
 
 static void emit_json(const bench_t *B, const src_t *s, const result_t *r, size_t batch) {
   cli_json_t j;
-  cli_json_begin(&j);
-  cli_json_str(&j, "bench", "loader");
-  cli_json_str(&j, "case", r->name);
-  cli_json_uint(&j, "bytes", r->bytes);
-  cli_json_double(&j, "seconds", r->seconds);
-  cli_json_double(&j, "gbps", r->gbps);
+  cli_json_row(&j, "loader", r->name, r->bytes, r->seconds, r->gbps);
   cli_json_bool(&j, "verified", r->verified);
   cli_json_str(&j, "backend", pm_backend_name());
   cli_json_str(&j, "verify", B->o.verify ? "full" : "first_batch+coverage");

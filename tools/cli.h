@@ -28,6 +28,10 @@ typedef struct cli_json {
 } cli_json_t;
 
 void cli_json_begin(cli_json_t *j);
+/* Begin a benchmark result row with the keys every row has, in this order: bench, case, bytes,
+ * seconds, gbps (NaN is written as null). */
+void cli_json_row(cli_json_t *j, const char *bench, const char *name, unsigned long long bytes,
+                  double seconds, double gbps);
 void cli_json_str(cli_json_t *j, const char *key, const char *value); /* NULL -> null */
 void cli_json_int(cli_json_t *j, const char *key, long long value);
 void cli_json_uint(cli_json_t *j, const char *key, unsigned long long value);

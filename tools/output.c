@@ -129,6 +129,16 @@ void cli_json_begin(cli_json_t *j) {
   json_put(j, "{", 1);
 }
 
+void cli_json_row(cli_json_t *j, const char *bench, const char *name, unsigned long long bytes,
+                  double seconds, double gbps) {
+  cli_json_begin(j);
+  cli_json_str(j, "bench", bench);
+  cli_json_str(j, "case", name);
+  cli_json_uint(j, "bytes", bytes);
+  cli_json_double(j, "seconds", seconds);
+  cli_json_double(j, "gbps", gbps);
+}
+
 void cli_json_str(cli_json_t *j, const char *key, const char *value) {
   json_key(j, key);
   if (value)
