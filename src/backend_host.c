@@ -841,7 +841,7 @@ static void user_leave_locked(struct pm_stream_s *s) {
 
 /* Queue op on the stream; on failure the op is freed. */
 static pm_status_t submit(const char *fn, pm_stream_t h, hb_op_t *op) {
-  struct pm_stream_s *s;
+  struct pm_stream_s *s = NULL;
   pthread_mutex_lock(&obj_lock);
   pm_status_t st = stream_lookup_locked(fn, h, true, &s);
   if (st != PM_OK) {
@@ -867,7 +867,7 @@ static hb_op_t *op_new(const char *fn, hb_op_kind_t kind) {
 
 static pm_status_t stream_create(pm_stream_t *stream_out) {
   if (!stream_out) return pm__set_error(PM_ERR_INVALID, "stream_create: stream_out is NULL");
-  struct pm_stream_s *s;
+  struct pm_stream_s *s = NULL;
   pm_status_t st = stream_new(&s);
   if (st != PM_OK) return st;
   pthread_mutex_lock(&obj_lock);
@@ -884,7 +884,7 @@ static pm_status_t stream_create(pm_stream_t *stream_out) {
 static pm_status_t stream_destroy(pm_stream_t h) {
   if (!h) return pm__set_error(PM_ERR_INVALID, "stream_destroy: NULL is the default stream");
   pthread_mutex_lock(&obj_lock);
-  struct pm_stream_s *s;
+  struct pm_stream_s *s = NULL;
   pm_status_t st = stream_lookup_locked("stream_destroy", h, false, &s);
   if (st == PM_OK && on_own_worker(s))
     st = pm__set_error(PM_ERR_STATE,
@@ -898,7 +898,7 @@ static pm_status_t stream_destroy(pm_stream_t h) {
 }
 
 static pm_status_t stream_synchronize(pm_stream_t h) {
-  struct pm_stream_s *s;
+  struct pm_stream_s *s = NULL;
   pthread_mutex_lock(&obj_lock);
   pm_status_t st = stream_lookup_locked("stream_synchronize", h, false, &s);
   if (st == PM_OK && s && on_own_worker(s))
@@ -919,7 +919,7 @@ static pm_status_t stream_synchronize(pm_stream_t h) {
 }
 
 static pm_status_t stream_query(pm_stream_t h) {
-  struct pm_stream_s *s;
+  struct pm_stream_s *s = NULL;
   pthread_mutex_lock(&obj_lock);
   pm_status_t st = stream_lookup_locked("stream_query", h, false, &s);
   if (st != PM_OK || !s) {
@@ -947,7 +947,7 @@ static pm_status_t stream_wait_event(pm_stream_t h, pm_event_t ev) {
   if (!ev) return pm__set_error(PM_ERR_INVALID, "%s: event is NULL", fn);
   hb_op_t *op = op_new(fn, OP_WAIT);
   if (!op) return PM_ERR_NOMEM;
-  struct pm_stream_s *s;
+  struct pm_stream_s *s = NULL;
   pthread_mutex_lock(&obj_lock);
   pm_status_t st = event_lookup_locked(fn, ev);
   if (st == PM_OK) st = stream_lookup_locked(fn, h, true, &s);
@@ -1023,7 +1023,7 @@ static pm_status_t event_record(pm_event_t ev, pm_stream_t h) {
   }
   r->refs = 2; /* the event and the op */
   op->u.rec = r;
-  struct pm_stream_s *s;
+  struct pm_stream_s *s = NULL;
   pthread_mutex_lock(&obj_lock);
   pm_status_t st = event_lookup_locked(fn, ev);
   if (st == PM_OK) st = stream_lookup_locked(fn, h, true, &s);
@@ -1194,7 +1194,7 @@ static pm_status_t copy_blocking(const char *fn, void *dst, const void *src, siz
                                  pm_stream_t h) {
   hb_op_t *op = op_new(fn, OP_GATE);
   if (!op) return PM_ERR_NOMEM;
-  struct pm_stream_s *s;
+  struct pm_stream_s *s = NULL;
   pthread_mutex_lock(&obj_lock);
   pm_status_t st = stream_lookup_locked(fn, h, true, &s);
   if (st == PM_OK && on_own_worker(s))

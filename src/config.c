@@ -70,6 +70,7 @@ static const pm__keyword_t kw_bounce[] = {
 static const pm__keyword_t kw_memcpy[] = {{"libc", PM__MEMCPY_LIBC},
                                           {"movsb", PM__MEMCPY_MOVSB},
                                           {"stream", PM__MEMCPY_STREAM},
+                                          {"auto", PM__MEMCPY_AUTO},
                                           {NULL, 0}};
 
 static const pm__keyword_t kw_batch[] = {
@@ -290,8 +291,10 @@ static const pm__opt_def_t opt_table[] = {
                              parse_bounce, PM__T_INT},
     [PM__OPT_COPY_MEMCPY] = {"copy_memcpy", "PINMEM_COPY_MEMCPY", "stream",
                              "how staging threads copy to and from bounce memory: libc (memcpy), "
-                             "movsb (x86-64 rep movsb) or stream (x86-64 AVX2 non-temporal "
-                             "stores); without the CPU feature, libc",
+                             "movsb (x86-64 rep movsb), stream (x86-64 AVX2 non-temporal "
+                             "stores) or auto (movsb into the ring of an H2D copy, where the "
+                             "DMA reads the bytes from the cache; stream elsewhere); without "
+                             "the CPU feature, libc",
                              parse_memcpy, PM__T_INT},
     [PM__OPT_COPY_BATCH] = {"copy_batch", "PINMEM_COPY_BATCH", "auto",
                             "how a batch moves its pieces between pinned (or managed) and device "
@@ -300,6 +303,10 @@ static const pm__opt_def_t opt_table[] = {
                             "device can address pinned memory) or auto (the kernel for 64 pieces "
                             "or more of at most 1 MiB on average)",
                             parse_batch, PM__T_INT},
+    [PM__OPT_COPY_RAMP] = {"copy_ramp", "PINMEM_COPY_RAMP", "1",
+                           "0|1: start a staged H2D copy with units growing from chunk/threads to "
+                           "chunk, so its first DMA starts after a fraction of a chunk's copy",
+                           parse_bool01, PM__T_INT},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");
@@ -332,7 +339,7 @@ static void canonical_text(pm__opt_t opt, const pm__optval_t *v, char *text, siz
     snprintf(text, len, "%s", keyword_text(kw_backend, v->i));
   else if (opt == PM__OPT_BUDGET_POLICY)
     snprintf(text, len, "%s", keyword_text(kw_policy, v->i));
-  else if (opt == PM__OPT_HUGE_PAGES)
+  else if (opt == PM__OPT_HUGE_PAGES || opt == PM__OPT_COPY_RAMP)
     snprintf(text, len, "%ld", v->i);
   else if (opt == PM__OPT_COPY_BOUNCE)
     snprintf(text, len, "%s", keyword_text(kw_bounce, v->i));

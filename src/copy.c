@@ -96,6 +96,7 @@ void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   cfg->stage_min = stage_min;
   cfg->bounce = (int)pm__opt_int(PM__OPT_COPY_BOUNCE);
   cfg->mover = (int)pm__opt_int(PM__OPT_COPY_MEMCPY);
+  cfg->ramp = pm__opt_int(PM__OPT_COPY_RAMP) != 0;
 }
 
 void pm_copy_options_init(pm_copy_options_t *options) {

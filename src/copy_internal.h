@@ -15,6 +15,7 @@ typedef struct pm__copy_cfg {
   size_t stage_min; /* pageable copies below this take the plain backend copy */
   int bounce;       /* pm__copy_bounce_t: whole-copy block, ring, or ring when idle */
   int mover;        /* pm__copy_memcpy_t: how bytes go to and from bounce memory */
+  bool ramp;        /* H2D staging starts with growing units (copy_ramp) */
 } pm__copy_cfg_t;
 
 void pm__copy_cfg(pm__copy_cfg_t *cfg);

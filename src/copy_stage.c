@@ -83,11 +83,34 @@ static pm_status_t first_error_raise(first_error_t *e) {
   return st;
 }
 
-/* Cut the segments into units of at most `chunk` bytes, packed into one bounce layout. */
-static pm_status_t plan_units(const pm__stage_req_t *req, unit_t **units_out, size_t *n_out,
-                              size_t *total_out) {
-  size_t chunk = req->cfg.chunk, n = 0;
+/* The sizes of the first units of an H2D copy: `ramp` units growing from chunk / ramp to chunk
+ * (multiples of 4 KiB), or 0 when the first segment is too small to be worth it.
+ *
+ * Why: the threads claim the first units together and copy at the same rate, so with equal
+ * units none is ready before all are, and the DMA engine idles for one whole chunk's copy time
+ * (about 1 ms for 4 MiB at 16 threads on the H200 machine, some 5% of a 1 GiB copy). Growing
+ * first units finish one after another from chunk / ramp on, so the DMA starts almost at once,
+ * and the threads stay staggered afterwards. */
+static size_t ramp_len(size_t chunk, size_t ramp, size_t k) {
+  size_t len = chunk / ramp * (k + 1) & ~(size_t)4095;
+  return len ? len : PM__MIN(chunk, (size_t)4096);
+}
+
+static size_t ramp_units(const pm__stage_req_t *req, bool ramp) {
+  size_t chunk = req->cfg.chunk, r = (size_t)req->cfg.threads;
+  if (!ramp || !req->cfg.ramp || r < 2 || req->nsegs == 0 || chunk < r * 4096) return 0;
+  size_t sum = 0;
+  for (size_t k = 0; k < r; k++) sum += ramp_len(chunk, r, k);
+  return req->segs[0].bytes >= 2 * sum + 4 * chunk ? r : 0;
+}
+
+/* Cut the segments into units of at most `chunk` bytes, packed into one bounce layout (the first
+ * segment starting with the ramp of ramp_units when `ramp`). */
+static pm_status_t plan_units(const pm__stage_req_t *req, bool ramp, unit_t **units_out,
+                              size_t *n_out, size_t *total_out) {
+  size_t chunk = req->cfg.chunk, n = 0, r = ramp_units(req, ramp);
   for (size_t s = 0; s < req->nsegs; s++) n += (req->segs[s].bytes + chunk - 1) / chunk;
+  n += r; /* the ramp cuts its bytes into at most r more units */
   if (n == 0) return pm__set_error(PM_ERR_INTERNAL, "staging: empty plan");
   unit_t *u = malloc(n * sizeof *u);
   if (!u) return pm__set_error(PM_ERR_NOMEM, "staging: malloc of %zu units failed", n);
@@ -96,8 +119,10 @@ static pm_status_t plan_units(const pm__stage_req_t *req, unit_t **units_out, si
     const pm__stage_seg_t *seg = &req->segs[s];
     if (seg->bytes == 0) continue;
     off = pm__align_up(off, PM__BOUNCE_ALIGN);
-    for (size_t done = 0; done < seg->bytes; done += chunk) {
-      size_t len = PM__MIN(chunk, seg->bytes - done);
+    size_t len;
+    for (size_t done = 0; done < seg->bytes; done += len) {
+      len = PM__MIN(chunk, seg->bytes - done);
+      if (s == 0 && k < r) len = ramp_len(chunk, r, k);
       u[k].host = seg->host + done;
       u[k].dev = seg->dev + done;
       u[k].bytes = len;
@@ -286,7 +311,7 @@ static void h2d_ring_task(void *vctx, size_t task) {
 pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   unit_t *u = NULL;
   size_t n = 0, total = 0;
-  pm_status_t st = plan_units(req, &u, &n, &total);
+  pm_status_t st = plan_units(req, true, &u, &n, &total);
   if (st != PM_OK) return st;
 
   stage_ctx_t c;
@@ -296,7 +321,6 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   atomic_init(&c.next, 0);
   atomic_init(&c.err.status, PM_OK);
   c.stream = req->stream;
-  c.mover = req->cfg.mover;
   int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
 
   char *bounce = NULL;
@@ -311,6 +335,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
     st = whole_bounce(req, total, &bounce);
   if (st == PM_OK) {
     c.bounce = bounce;
+    c.mover = pm__memcpy_for(req->cfg.mover, false);
     pm__parallel_for(tasks, (size_t)tasks, h2d_whole_task, &c);
     st = first_error_raise(&c.err);
     free_after_stream(bounce, req->stream);
@@ -320,6 +345,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
     st = ring_create(req, n, &ring);
     if (st == PM_OK) {
       c.ring = &ring;
+      c.mover = pm__memcpy_for(req->cfg.mover, true);
       pm__parallel_for(tasks, (size_t)tasks, h2d_ring_task, &c);
       st = first_error_raise(&c.err);
       ring_destroy(&ring, req->stream, true);
@@ -427,7 +453,7 @@ static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
   atomic_init(&c.err.status, PM_OK);
   c.ring = &ring;
   c.stream = req->stream;
-  c.mover = req->cfg.mover;
+  c.mover = pm__memcpy_for(req->cfg.mover, false); /* D2H: the destination is not read back soon */
   int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
   pm__parallel_for(tasks, (size_t)tasks, d2h_ring_task, &c);
   st = first_error_raise(&c.err);
@@ -439,7 +465,7 @@ static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
 pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job_out) {
   unit_t *u = NULL;
   size_t n = 0, total = 0;
-  pm_status_t st = plan_units(req, &u, &n, &total);
+  pm_status_t st = plan_units(req, false, &u, &n, &total);
   if (st != PM_OK) return st;
 
   /* copy_bounce=ring (or auto on an idle stream) takes the ring at once: a few chunk buffers
@@ -471,7 +497,7 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
   job->bounce = bounce;
   job->threads = req->cfg.threads;
   job->stream = req->stream;
-  job->mover = req->cfg.mover;
+  job->mover = pm__memcpy_for(req->cfg.mover, false);
   atomic_init(&job->discard, false);
   pthread_mutex_init(&job->mu, NULL);
   pthread_cond_init(&job->cv, NULL);

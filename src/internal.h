@@ -52,6 +52,7 @@ typedef enum pm__opt {
   PM__OPT_COPY_BOUNCE,        /* whole|ring|auto -> pm__copy_bounce_t (copy_stage.c) */
   PM__OPT_COPY_MEMCPY,        /* libc|movsb|stream -> pm__copy_memcpy_t (memcpy.c) */
   PM__OPT_COPY_BATCH,         /* dma|kernel|auto -> pm__copy_batch_t (api.c) */
+  PM__OPT_COPY_RAMP,          /* 0|1: growing first units of an H2D staging (copy_stage.c) */
   PM__OPT_COUNT
 } pm__opt_t;
 
@@ -72,7 +73,8 @@ typedef enum pm__copy_bounce {
 typedef enum pm__copy_memcpy {
   PM__MEMCPY_LIBC = 0,  /* the C library's memcpy */
   PM__MEMCPY_MOVSB = 1, /* x86-64 rep movsb (fast strings); libc elsewhere */
-  PM__MEMCPY_STREAM = 2 /* x86-64 AVX2 non-temporal stores; libc without AVX2 */
+  PM__MEMCPY_STREAM = 2, /* x86-64 AVX2 non-temporal stores; libc without AVX2 */
+  PM__MEMCPY_AUTO = 3    /* per step: movsb into the ring of an H2D copy, stream elsewhere */
 } pm__copy_memcpy_t;
 
 /* Values of the copy_batch option: how the direct pieces of a batch move. */
@@ -86,8 +88,13 @@ typedef enum pm__copy_batch {
 
 /* Copy n bytes as copy_memcpy says (the value from pm__copy_cfg). */
 void pm__memcpy_mode(void *dst, const void *src, size_t n, int mode);
-/* The mode that will really run for `mode` on this CPU (a missing feature falls back to libc). */
+/* The mode that will really run for `mode` on this CPU (a missing feature falls back to libc;
+ * auto must be resolved by pm__memcpy_for first, else it runs as stream). */
 int pm__memcpy_effective(int mode);
+/* The mover for one staging step under copy_memcpy = `mode`: an explicit mode stands; auto
+ * takes movsb for bytes the DMA engine reads again soon from a cache-sized buffer (H2D into the
+ * ring) and stream for everything else. */
+int pm__memcpy_for(int mode, bool into_ring);
 
 /* ---- sysinfo.c --------------------------------------------------------------------------- */
 

@@ -707,7 +707,7 @@ static pm_status_t batch_slot(const char *fn, const pm_batch_t *b, slot_t **s_ou
 
 pm_status_t pm_batch_wait_stream(const pm_batch_t *batch, pm_stream_t stream) {
   const char *fn = "pm_batch_wait_stream";
-  slot_t *s;
+  slot_t *s = NULL;
   pm_status_t st = batch_slot(fn, batch, &s);
   if (st != PM_OK) return st;
   if (!batch->event) return PM_OK; /* host delivery: the data is in place already */
@@ -718,7 +718,7 @@ pm_status_t pm_batch_wait_stream(const pm_batch_t *batch, pm_stream_t stream) {
 
 pm_status_t pm_batch_release(pm_batch_t *batch, pm_stream_t stream) {
   const char *fn = "pm_batch_release";
-  slot_t *s;
+  slot_t *s = NULL;
   pm_status_t st = batch_slot(fn, batch, &s);
   if (st != PM_OK) return st;
   pm_loader_t *L = batch->internal.loader;

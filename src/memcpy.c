@@ -13,9 +13,15 @@
  * - stream: AVX2 loads and non-temporal (streaming) stores: no read for ownership, no cache
  *   pollution; the DMA engine then reads from DRAM.
  *
- * Which wins is a measurement (bench/gpu_sweep.sh); libc stays the default until one does. A
- * mode the CPU cannot run falls back to libc (pm__memcpy_effective says which ran). The result
- * is always the same bytes: the tests run every mode over odd sizes and alignments.
+ * - auto: per step. Into the ring of an H2D copy, movsb: the ring is small enough to stay in
+ *   the last-level cache, so the DMA engine reads the bytes from there instead of DRAM, and
+ *   the host's writes stop competing with the DMA's reads for DRAM (the dma_under_h2h rows of
+ *   bench copy measure that competition). Everywhere else (a whole-copy bounce block, D2H
+ *   copy-out into the caller's memory) stream: those bytes are not read again soon.
+ *
+ * Which wins is a measurement (bench/gpu_sweep.sh, bench/NOTES.md). A mode the CPU cannot run
+ * falls back to libc (pm__memcpy_effective says which ran). The result is always the same
+ * bytes: the tests run every mode over odd sizes and alignments.
  */
 #include <stdint.h>
 #include <string.h>
@@ -70,7 +76,13 @@ static int have_avx2(void) {
 }
 #endif
 
+int pm__memcpy_for(int mode, bool into_ring) {
+  if (mode != PM__MEMCPY_AUTO) return mode;
+  return into_ring ? PM__MEMCPY_MOVSB : PM__MEMCPY_STREAM;
+}
+
 int pm__memcpy_effective(int mode) {
+  if (mode == PM__MEMCPY_AUTO) mode = PM__MEMCPY_STREAM;
 #if PM__X86_64
   if (mode == PM__MEMCPY_MOVSB) return PM__MEMCPY_MOVSB;
   if (mode == PM__MEMCPY_STREAM && have_avx2()) return PM__MEMCPY_STREAM;

@@ -66,7 +66,8 @@ static void test_defaults(void) {
                   {"budget_timeout", "10"}, {"pin_threads", "0"},         {"fast_pin_min", "4M"},
                   {"huge_pages", "1"},      {"host_device_memory", "4G"}, {"copy_chunk", "4M"},
                   {"copy_slots", "32"},     {"copy_threads", "0"},        {"copy_stage_min", "8M"},
-                  {"copy_memcpy", "stream"},  {"copy_batch", "auto"},        {"copy_bounce", "auto"}};
+                  {"copy_memcpy", "stream"},  {"copy_batch", "auto"},        {"copy_bounce", "auto"},
+                  {"copy_ramp", "1"}};
   for (size_t i = 0; i < sizeof defaults / sizeof defaults[0]; i++) {
     pm_option_info_t info = find(defaults[i].name);
     CHECK_EQ_INT(info.source, PM_OPTION_DEFAULT);
@@ -87,6 +88,7 @@ static void test_defaults(void) {
   CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_SLOTS), 32);
   CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_THREADS), 0); /* auto: the copy engine resolves it */
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_STAGE_MIN), 8u << 20);
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_RAMP), 1);
   /* Under CTest PINMEM_BACKEND is set: that option comes from the environment, and names the
    * backend that started (auto would not). */
   const char *env_backend = getenv("PINMEM_BACKEND");

@@ -1276,6 +1276,12 @@ static void test_movers(void) {
     pm__memcpy_mode(dst, src, 0, mode); /* nothing to do, nothing touched */
   }
 out:
+  /* auto picks per step: movsb into the ring of an H2D copy, stream elsewhere; explicit modes
+   * stand whatever the step. */
+  CHECK(pm__memcpy_for(PM__MEMCPY_AUTO, true) == PM__MEMCPY_MOVSB);
+  CHECK(pm__memcpy_for(PM__MEMCPY_AUTO, false) == PM__MEMCPY_STREAM);
+  for (int mode = PM__MEMCPY_LIBC; mode <= PM__MEMCPY_STREAM; mode++)
+    CHECK(pm__memcpy_for(mode, true) == mode && pm__memcpy_for(mode, false) == mode);
   CHECK_ST(pm_option_set("copy_memcpy", "quickly"), PM_ERR_CONFIG);
   free(src);
   free(dst);
@@ -1334,8 +1340,8 @@ int main(void) {
 
   /* Staged copies give the same bytes with every byte mover, whole block and ring alike. */
   RUN(test_movers());
-  static const char *movers[] = {"movsb", "stream", "libc"};
-  for (int m = 0; m < 3; m++) {
+  static const char *movers[] = {"movsb", "stream", "libc", "auto"};
+  for (int m = 0; m < 4; m++) {
     CHECK_OK(pm_option_set("copy_memcpy", movers[m]));
     roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 5 * g_chunk + 4093, 3, 5, 7, s, PM_PATH_AUTO, 9300 + m);
     CHECK_OK(pm_option_set("copy_bounce", "ring"));

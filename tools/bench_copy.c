@@ -31,6 +31,8 @@
  * max(copy alone, kernel alone).
  */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1020,6 +1022,187 @@ static void run_movers(bench_t *b, size_t n) {
   }
 }
 
+/* ---- the two halves of staging at once -----------------------------------------------------------
+ */
+
+/* A staged H2D copy runs its two halves at once: threads move pageable bytes into pinned memory
+ * while the DMA engine reads earlier chunks out of pinned memory, through the same memory
+ * controllers. These rows measure each half while the other runs: a plain DMA of pinned memory
+ * (psrc -> d1, timed with events) while copy_threads threads run copy_memcpy's mover from
+ * pageable to pinned memory (hsrc -> pdst, over and over), or only read the pageable source. The
+ * host rate is counted over the DMA's timed runs only. Together with the rows of each half alone
+ * (plain_pinned h2d, memcpy_*) they show the ceiling that sharing puts on staging on this
+ * machine, whatever the staging code does. */
+typedef struct load {
+  const char *src;
+  char *dst; /* NULL: read the source only */
+  size_t n, piece, pieces;
+  int mode, threads;
+  atomic_size_t next;    /* pieces claimed; piece = next % pieces */
+  atomic_size_t moved;   /* bytes finished */
+  atomic_int started;    /* tasks running */
+  atomic_bool stop;
+  atomic_uint_fast64_t sink; /* the read load's sums, so the reads cannot be dropped */
+} load_t;
+
+static uint64_t read_words(const char *p, size_t len) {
+  const uint64_t *w = (const uint64_t *)(const void *)p;
+  uint64_t a = 0, b = 0, c = 0, d = 0;
+  size_t k = 0, words = len / 8;
+  for (; k + 4 <= words; k += 4) {
+    a += w[k];
+    b ^= w[k + 1];
+    c += w[k + 2];
+    d ^= w[k + 3];
+  }
+  for (; k < words; k++) a += w[k];
+  return a ^ b ^ c ^ d;
+}
+
+static void load_task(void *vctx, size_t task) {
+  load_t *l = vctx;
+  (void)task;
+  uint64_t acc = 0;
+  atomic_fetch_add(&l->started, 1);
+  while (!atomic_load_explicit(&l->stop, memory_order_relaxed)) {
+    size_t i = atomic_fetch_add_explicit(&l->next, 1, memory_order_relaxed) % l->pieces;
+    size_t off = i * l->piece, len = PM__MIN(l->piece, l->n - off);
+    if (l->dst)
+      pm__memcpy_mode(l->dst + off, l->src + off, len, l->mode);
+    else
+      acc += read_words(l->src + off, len);
+    atomic_fetch_add_explicit(&l->moved, len, memory_order_relaxed);
+  }
+  atomic_fetch_add(&l->sink, acc);
+}
+
+static void *load_main(void *vctx) {
+  load_t *l = vctx;
+  pm__parallel_for(l->threads, (size_t)l->threads, load_task, l);
+  return NULL;
+}
+
+static void contention_row(bench_t *b, const char *name, const char *dir, size_t n, double secs,
+                           bool ok, const char *method, const char *base, const char *load,
+                           int threads, const char *timing) {
+  double gbps = (double)n / secs / 1e9;
+  const result_t *br = base ? find_result(b, base, dir, n) : NULL;
+  double ratio = br && br->gbps > 0 ? gbps / br->gbps : NAN;
+  add_result(b, name, dir, n, gbps, ok);
+  if (b->o.json) {
+    cli_json_t j;
+    copy_row_json(&j, name, dir, n, secs, gbps, ok, method, ratio, base);
+    cli_json_str(&j, "path", strcmp(dir, "h2d") ? "host" : "plain");
+    cli_json_str(&j, "load", load);
+    cli_json_int(&j, "load_threads", threads);
+    cli_json_str(&j, "timing", timing);
+    cli_json_int(&j, "runs", b->o.repeat);
+    cli_json_str(&j, "backend", pm_backend_name());
+    cli_json_end(&j);
+  } else {
+    char sz[32], g[32], ra[32];
+    cli_fmt_bytes(n, sz, sizeof sz);
+    fmt_gbps(gbps, g, sizeof g);
+    if (isfinite(ratio))
+      snprintf(ra, sizeof ra, "%.2fx", ratio);
+    else
+      snprintf(ra, sizeof ra, "-");
+    printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n", dir, sz, name, g, ra,
+           strcmp(dir, "h2d") ? "host" : "plain",
+           ok ? method : "NO (FAILED)");
+    fflush(stdout);
+  }
+}
+
+static void run_contention(bench_t *b, size_t n) {
+  static const char *mover_rows[] = {"memcpy_libc", "memcpy_movsb", "memcpy_stream"};
+  pm__copy_cfg_t cfg;
+  pm__copy_cfg(&cfg);
+  const char *mover_row = mover_rows[pm__memcpy_effective(pm__memcpy_for(cfg.mover, false))];
+  for (int kind = 0; kind < 2; kind++) {
+    bool copy = kind == 0;
+    const char *dma_name = copy ? "dma_under_h2h" : "dma_under_read";
+    const char *host_name = copy ? "h2h_under_dma" : "read_under_dma";
+    if (!wanted(b, dma_name) && !wanted(b, host_name)) continue;
+    load_t *l = cli_xmalloc(sizeof *l);
+    memset(l, 0, sizeof *l);
+    l->src = b->hsrc;
+    l->dst = copy ? b->pdst : NULL;
+    l->n = n;
+    l->piece = cfg.chunk;
+    l->pieces = (n + cfg.chunk - 1) / cfg.chunk;
+    l->mode = pm__memcpy_for(cfg.mover, false); /* into a 1 GiB block, as a whole-copy bounce */
+    l->threads = cfg.threads;
+    atomic_init(&l->next, 0);
+    atomic_init(&l->moved, 0);
+    atomic_init(&l->started, 0);
+    atomic_init(&l->stop, false);
+    atomic_init(&l->sink, 0);
+    if (copy) clear_host(b->pdst, n);
+    pthread_t th;
+    if (pthread_create(&th, NULL, load_main, l) != 0) {
+      fprintf(stderr, "pinmem: cannot start the load thread for %s\n", dma_name);
+      free(l);
+      b->failed = true;
+      return;
+    }
+    /* Time only with every load task running (the pool may take a moment to start them). */
+    double give_up = pm__now() + 5.0;
+    while (atomic_load(&l->started) < l->threads && pm__now() < give_up) sched_yield();
+    int running = atomic_load(&l->started);
+    int runs = b->o.repeat;
+    double *t = cli_xmalloc(sizeof(double) * (size_t)runs);
+    double host_s = 0;
+    size_t host_bytes = 0;
+    for (int r = -1; r < runs; r++) {
+      prep_d1(b, n);
+      sync_all(b);
+      size_t m0 = atomic_load(&l->moved);
+      double w0 = pm__now();
+      cli_check(pm_event_record(b->e0, b->s1));
+      h2d_plain(b, n, b->psrc);
+      double s = end_timing(b, false);
+      double w1 = pm__now();
+      size_t m1 = atomic_load(&l->moved);
+      if (r < 0) continue;
+      t[r] = s;
+      host_s += w1 - w0;
+      host_bytes += m1 - m0;
+    }
+    atomic_store(&l->stop, true);
+    pthread_join(th, NULL);
+    char what[96];
+    snprintf(what, sizeof what, "h2d %s", dma_name);
+    const char *m = v_d1(b, n, what);
+    bool dma_ok = m != NULL;
+    /* Every claimed piece is finished once the load joined: check what was written. */
+    bool host_ok = true;
+    const char *hm = "none";
+    if (copy) {
+      size_t claimed = atomic_load(&l->next);
+      size_t span = claimed >= l->pieces ? n : claimed * l->piece;
+      snprintf(what, sizeof what, "h2h %s", host_name);
+      hm = pat_verify(what, b->pdst, span, 0);
+      host_ok = hm != NULL;
+    }
+    if (!dma_ok || !host_ok) b->failed = true;
+    double med = cli_median(t, runs);
+    char load[64];
+    snprintf(load, sizeof load, copy ? "h2h %s" : "read", mover_row + strlen("memcpy_"));
+    if (wanted(b, dma_name))
+      contention_row(b, dma_name, "h2d", n, med, dma_ok, dma_ok ? m : "", "plain_pinned", load,
+                     running, "events");
+    if (wanted(b, host_name) && host_bytes > 0) {
+      /* Seconds per n bytes at the rate the load kept during the DMAs. */
+      double per_n = host_s * (double)n / (double)host_bytes;
+      contention_row(b, host_name, copy ? "h2h" : "read", n, per_n, host_ok, host_ok ? hm : "",
+                     copy ? mover_row : NULL, "dma h2d", running, "wall");
+    }
+    free(t);
+    free(l);
+  }
+}
+
 /* ---- targets -----------------------------------------------------------------------------------
  */
 
@@ -1068,7 +1251,13 @@ static void print_targets(const bench_t *b, size_t batch_total) {
     const result_t *r = find_result(b, "pinmem_pageable", "h2d", GIB);
     const result_t *p = find_result(b, "plain_pageable", "h2d", GIB);
     double q = r && p && p->gbps > 0 ? r->gbps / p->gbps : NAN;
-    snprintf(fig, sizeof fig, "%.1f GB/s, %.1fx plain pageable", r ? r->gbps : NAN, q);
+    int len = snprintf(fig, sizeof fig, "%.1f GB/s, %.1fx plain pageable", r ? r->gbps : NAN, q);
+    /* The ceiling the shared memory puts on staging here, when the run measured it. */
+    const result_t *dl = find_result(b, "dma_under_h2h", "h2d", GIB);
+    const result_t *hl = find_result(b, "h2h_under_dma", "h2h", GIB);
+    if (dl && hl && len > 0 && (size_t)len < sizeof fig)
+      snprintf(fig + len, sizeof fig - (size_t)len,
+               "; both halves at once: DMA %.1f GB/s, host copy %.1f GB/s", dl->gbps, hl->gbps);
     target(b, "pageable H2D 1 GiB >= 50 GB/s and >= 5x plain pageable", r != NULL,
            r && r->verified && r->gbps >= T_PAGEABLE_H2D_GBPS && q >= T_PAGEABLE_H2D_RATIO, fig);
   }
@@ -1177,6 +1366,7 @@ int pm_cli_bench_copy(int argc, char **argv) {
     for (int i = 0; i < b->o.nsizes; i++) top = PM__MAX(top, b->o.sizes[i]);
     if (top >= 8 * MIB) {
       run_movers(b, top);
+      run_contention(b, top);
       if (!b->o.json) printf("\n");
     }
   }
