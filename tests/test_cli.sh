@@ -340,7 +340,98 @@ bad_lines=(
   "--version info"
   "bench alloc --summarize"
   "bench alloc --summarize x --sizes 4M"
+  "bench copy --sizes 0"
+  "bench copy --repeat 0"
+  "bench copy --cases"
+  "bench copy --bytes 4M"
+  "bench copy extra"
+  "bench overlap --bytes x"
+  "bench overlap --sizes 4M"
 )
+# ---- bench copy and bench overlap: on the host backend they prove correctness, not speed -------
+# Every case of bench copy at 4 KiB, one staged size and one above the mover rows' 8 MiB floor;
+# every row must say its bytes were checked (or why the case cannot run here), the staged and
+# direct paths must be the ones pinmem picked, and the TARGET lines must say they apply to cuda.
+run copy_json env PINMEM_COPY_STAGE_MIN=1M "$bin" bench copy --json --sizes 4K,3M,9M --repeat 2
+expect_rc copy_json 0 &&
+  json_check copy_json "
+rows = [r for r in rows if r.get('bench') == 'copy']
+MIB = 1 << 20
+for r in rows:
+    if r.get('backend') != 'host':
+        bad('backend: %r' % r)
+    if r.get('skipped'):
+        if r.get('case') not in ('zerocopy_mapped',) or r.get('verified') is not False:
+            bad('unexpected skip: %r' % r)
+        continue
+    if r.get('verified') not in ('full', 'sampled', 'none'):
+        bad('row not verified: %r' % r)
+    if r.get('verified') == 'none' and r.get('case') != 'read_under_dma':
+        bad('only the read-only load has nothing to verify: %r' % r)
+    if not (isinstance(r.get('gbps'), float) and r['gbps'] > 0):
+        bad('gbps: %r' % r)
+def one(case, d, n):
+    got = [r for r in rows if r['case'] == case and r['dir'] == d and r['bytes'] == n]
+    if len(got) != 1:
+        bad('want one %s %s %d row, got %d' % (case, d, n, len(got)))
+        return {}
+    return got[0]
+for d in ('h2d', 'd2h'):
+    for n in (4096, 3 * MIB, 9 * MIB):
+        for c in ('plain_pageable', 'plain_pinned', 'pinmem_pageable', 'pinmem_pageable_ring',
+                  'pinmem_pinned', 'managed_prefetch'):
+            one(c, d, n)
+    if one('pinmem_pageable', d, 9 * MIB).get('path') != 'staged':
+        bad('a 9 MiB pageable copy should be staged')
+    if one('pinmem_pinned', d, 9 * MIB).get('path') != 'direct':
+        bad('a pinned copy should be direct')
+for n in (4096, 3 * MIB, 9 * MIB):
+    for c in ('plain_pageable', 'plain_pinned', 'pinmem_pageable', 'pinmem_pinned'):
+        one(c, 'bidir', 2 * n)
+r = one('pinmem_pinned', 'h2d', 9 * MIB)
+if r and r.get('baseline') != 'plain_pinned':
+    bad('pinmem_pinned is measured against plain_pinned: %r' % r)
+for c in ('memcpy_libc', 'memcpy_movsb', 'memcpy_stream', 'h2h_under_dma'):
+    one(c, 'h2h', 9 * MIB)
+one('read_under_dma', 'read', 9 * MIB)
+for c in ('dma_under_h2h', 'dma_under_read'):
+    if one(c, 'h2d', 9 * MIB).get('baseline') != 'plain_pinned':
+        bad('%s is measured against plain_pinned' % c)
+for c in ('batch_pinned_loop', 'batch_pinned_pinmem', 'batch_pinned_dma', 'batch_pinned_kernel'):
+    for d in ('h2d', 'd2h'):
+        if one(c, d, 1024 * 64 * 1024).get('items') != 1024:
+            bad('%s %s: want 1024 items' % (c, d))
+for c in ('batch_pageable_loop', 'batch_pageable_pinmem'):
+    one(c, 'h2d', 1024 * 64 * 1024)
+if any(r.get('order') != 'interleaved' for r in rows
+       if r['dir'] in ('h2d', 'd2h', 'bidir') and 'items' not in r and 'load' not in r
+       and not r.get('skipped')):
+    bad('the case rows should say their runs were interleaved')"
+expect_grep copy_json err '^TARGET pinmem from pinned .*cuda backend only\)$'
+expect_grep copy_json err '^TARGET pageable H2D 1 GiB .*: not measured in this run$'
+
+run copy_text "$bin" bench copy --sizes 64K --repeat 1 --cases plain_pinned,pinmem_pinned
+if expect_rc copy_text 0; then
+  expect_grep copy_text out '^h2d +64\.0 KiB +plain_pinned +[0-9.]+ +- +plain +full$'
+  expect_grep copy_text out '^d2h +64\.0 KiB +pinmem_pinned +[0-9.]+ +[0-9.]+x +direct +full$'
+  if grep -q 'pinmem_pageable' "$tmp/copy_text.out"; then fail "copy_text: --cases was not kept"; fi
+fi
+
+run overlap_json "$bin" bench overlap --json --bytes 8M --repeat 2
+expect_rc overlap_json 0 &&
+  json_check overlap_json "
+rows = [r for r in rows if r.get('bench') == 'overlap']
+want = ['serial_one_stream', 'pinned_two_streams', 'pageable_plain_two_streams',
+        'pageable_pinmem_two_streams']
+if [r.get('case') for r in rows] != want:
+    bad('cases: %r' % [r.get('case') for r in rows])
+for r in rows:
+    if r.get('verified') != 'full' or r.get('bytes') != 8 << 20 or r.get('backend') != 'host':
+        bad('row: %r' % r)
+    if not (r.get('ratio_vs_max', 0) > 0 and r.get('copy_seconds', 0) > 0 and r.get('kernel_seconds', 0) > 0):
+        bad('times: %r' % r)"
+expect_grep overlap_json err '^TARGET pinned copy \+ equal kernel .*cuda backend only\)$'
+
 # The loader's CI target: 3 shuffled epochs, 2 ranks x 2 workers, every delivered sample
 # checked against its source, each exactly once per epoch.
 run loader_verify "$bin" bench loader --verify --world 2 --workers 2 --epochs 3 --pin on
