@@ -22,7 +22,9 @@
  *
  * H2D: claim a unit, memcpy it into bounce memory, queue its DMA at once. The DMAs of one copy
  * may be queued in any order (they write disjoint bytes); all are queued before the call
- * returns, so the stream's order with earlier and later work is kept.
+ * returns, so the stream's order with earlier and later work is kept. With copy_ramp the first
+ * `threads` units grow from chunk / threads to chunk (ramp_units), so the DMA engine starts
+ * after a fraction of one chunk's copy instead of idling until the first whole chunk is in.
  * D2H (whole bounce): the caller queues every DMA device -> bounce, with a host function after
  * each group of units (at most 32 groups) that counts the group as landed, and returns a job;
  * a completion thread copies units out to the destination with several threads as their
