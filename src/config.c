@@ -307,6 +307,12 @@ static const pm__opt_def_t opt_table[] = {
                            "0|1: start a staged H2D copy with units growing from chunk/threads to "
                            "chunk, so its first DMA starts after a fraction of a chunk's copy",
                            parse_bool01, PM__T_INT},
+    [PM__OPT_COPY_PIECE] = {"copy_piece", "PINMEM_COPY_PIECE", "0",
+                            "0 = off, or a size below copy_chunk: a staged H2D copy through the "
+                            "ring has all threads fill each slot in pieces of this size (the "
+                            "slot's last piece queues its DMA), so a few slots kept in the cache "
+                            "suffice; see the README for the measured setting",
+                            parse_size_any, PM__T_SIZE},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");

@@ -97,6 +97,9 @@ void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   cfg->bounce = (int)pm__opt_int(PM__OPT_COPY_BOUNCE);
   cfg->mover = (int)pm__opt_int(PM__OPT_COPY_MEMCPY);
   cfg->ramp = pm__opt_int(PM__OPT_COPY_RAMP) != 0;
+  size_t piece = pm__opt_size(PM__OPT_COPY_PIECE);
+  if (piece && piece < 4096) piece = 4096;
+  cfg->piece = piece < chunk ? piece : 0; /* a piece as large as a slot is the plain ring */
 }
 
 void pm_copy_options_init(pm_copy_options_t *options) {

@@ -16,6 +16,7 @@ typedef struct pm__copy_cfg {
   int bounce;       /* pm__copy_bounce_t: whole-copy block, ring, or ring when idle */
   int mover;        /* pm__copy_memcpy_t: how bytes go to and from bounce memory */
   bool ramp;        /* H2D staging starts with growing units (copy_ramp) */
+  size_t piece;     /* copy_piece: ring slots filled in pieces by all threads; 0 = off */
 } pm__copy_cfg_t;
 
 void pm__copy_cfg(pm__copy_cfg_t *cfg);
@@ -44,6 +45,8 @@ typedef struct pm__d2h_job pm__d2h_job_t;
  * is queued on req->stream. With a whole-copy bounce buffer it never waits for the stream; with
  * the ring fallback it waits for the DMAs of reused slots. *ring_out (may be NULL) tells which. */
 pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out);
+/* H2D copies staged through slots filled in pieces (copy_piece) since the process started. */
+unsigned long pm__stage_slab_count(void);
 
 /* Staged D2H: queue every DMA device -> bounce on req->stream. *job_out gets the copy-out still
  * to run (pm__stage_d2h_finish), or NULL when the ring fallback was used, which copies

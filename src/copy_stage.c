@@ -25,6 +25,9 @@
  * returns, so the stream's order with earlier and later work is kept. With copy_ramp the first
  * `threads` units grow from chunk / threads to chunk (ramp_units), so the DMA engine starts
  * after a fraction of one chunk's copy instead of idling until the first whole chunk is in.
+ * With copy_piece (one-segment copies through the ring) all threads fill each slot in pieces
+ * instead, and the slot's last piece queues its DMA (stage_h2d_slab): a ring of a few slots
+ * then keeps up, small enough to stay in the cache.
  * D2H (whole bounce): the caller queues every DMA device -> bounce, with a host function after
  * each group of units (at most 32 groups) that counts the group as landed, and returns a job;
  * a completion thread copies units out to the destination with several threads as their
@@ -310,6 +313,109 @@ static void h2d_ring_task(void *vctx, size_t task) {
   }
 }
 
+/* ---- H2D through slots filled in pieces (copy_piece) ---------------------------------------- */
+
+/* Group g of the copy is bytes [g * chunk, (g + 1) * chunk) of its one segment and goes through
+ * ring slot g % n. Its pieces are units g * per .. g * per + per - 1 of one counter that all
+ * threads claim from, so a group fills at the threads' combined rate; the thread that finishes
+ * a group's last piece queues the group's DMA and records the slot's event. A piece of group g
+ * first waits for its slot's turn (group g - n's DMA queued) and that DMA's event. The ring
+ * stays small enough for the cache, so the DMA engine reads the bytes from there instead of a
+ * second pass through DRAM (with a cache-keeping mover: copy_memcpy movsb or auto).
+ * Deadlock-free as the unit ring: a piece waits only for pieces claimed before it. */
+typedef struct slab_ctx {
+  const pm__stage_seg_t *seg;
+  pm_stream_t stream;
+  ring_t *ring;
+  size_t chunk, piece, per, units;
+  atomic_size_t next;
+  atomic_size_t *filled; /* pieces of the slot's current group finished */
+  int mover;
+  first_error_t err;
+} slab_ctx_t;
+
+static void h2d_slab_task(void *vctx, size_t task) {
+  slab_ctx_t *c = vctx;
+  ring_t *r = c->ring;
+  (void)task;
+  for (;;) {
+    size_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
+    if (i >= c->units) return;
+    size_t g = i / c->per, p = i % c->per;
+    size_t goff = g * c->chunk, glen = PM__MIN(c->chunk, c->seg->bytes - goff);
+    size_t pieces = (glen + c->piece - 1) / c->piece;
+    if (p >= pieces) continue; /* the last group is short; its missing pieces are no-ops */
+    int s = (int)(g % (size_t)r->n);
+    ring_wait_turn(r, s, (long long)g);
+    if (!first_error_any(&c->err)) {
+      pm_status_t st = PM_OK;
+      if (g >= (size_t)r->n) st = pm__copy_wait_event(r->ev[s], 50); /* the slot's last DMA */
+      if (st == PM_OK) {
+        size_t poff = p * c->piece;
+        pm__memcpy_mode(r->slot[s] + poff, c->seg->host + goff + poff,
+                        PM__MIN(c->piece, glen - poff), c->mover);
+      } else {
+        first_error_set(&c->err, st);
+      }
+    }
+    /* Every piece is counted, failed or not, so the group always completes and the ring's
+     * turns advance: nothing waits forever after an error. */
+    if (atomic_fetch_add(&c->filled[s], 1) + 1 == pieces) {
+      atomic_store(&c->filled[s], 0); /* before the turn passes: group g + n counts afresh */
+      if (!first_error_any(&c->err)) {
+        pm_status_t st = pm_memcpy_async(c->seg->dev + goff, r->slot[s], glen, PM_COPY_H2D,
+                                         c->stream);
+        if (st == PM_OK) st = pm_event_record(r->ev[s], c->stream);
+        if (st != PM_OK) first_error_set(&c->err, st);
+      }
+      ring_done_turn(r, s, (long long)g);
+    }
+  }
+}
+
+static bool slab_eligible(const pm__stage_req_t *req) {
+  return req->cfg.piece && req->cfg.piece < req->cfg.chunk && req->nsegs == 1 &&
+         req->segs[0].bytes > 0;
+}
+
+static atomic_ulong g_slab_count;
+
+unsigned long pm__stage_slab_count(void) {
+  return atomic_load(&g_slab_count);
+}
+
+static pm_status_t stage_h2d_slab(const pm__stage_req_t *req) {
+  atomic_fetch_add(&g_slab_count, 1);
+  slab_ctx_t c;
+  memset(&c, 0, sizeof c);
+  c.seg = &req->segs[0];
+  c.stream = req->stream;
+  c.chunk = req->cfg.chunk;
+  c.piece = req->cfg.piece;
+  c.per = (c.chunk + c.piece - 1) / c.piece;
+  size_t groups = (c.seg->bytes + c.chunk - 1) / c.chunk;
+  c.units = groups * c.per;
+  atomic_init(&c.next, 0);
+  atomic_init(&c.err.status, PM_OK);
+  c.mover = pm__memcpy_for(req->cfg.mover, true);
+  ring_t ring;
+  pm_status_t st = ring_create(req, groups, &ring);
+  if (st != PM_OK) return st;
+  c.ring = &ring;
+  c.filled = malloc((size_t)ring.n * sizeof *c.filled);
+  if (!c.filled) {
+    ring_destroy(&ring, NULL, false);
+    return pm__set_error(PM_ERR_NOMEM, "staging: malloc of %d slot counters failed", ring.n);
+  }
+  for (int s = 0; s < ring.n; s++) atomic_init(&c.filled[s], 0);
+  int tasks = (int)PM__MIN((size_t)req->cfg.threads, c.units);
+  pm__parallel_for(tasks, (size_t)tasks, h2d_slab_task, &c);
+  st = first_error_raise(&c.err);
+  ring_destroy(&ring, req->stream, true);
+  free(c.filled);
+  return st;
+}
+
 pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   unit_t *u = NULL;
   size_t n = 0, total = 0;
@@ -342,6 +448,9 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
     st = first_error_raise(&c.err);
     free_after_stream(bounce, req->stream);
     if (ring_out) *ring_out = false;
+  } else if (st == PM_ERR_BUDGET && slab_eligible(req)) {
+    st = stage_h2d_slab(req);
+    if (ring_out) *ring_out = true;
   } else if (st == PM_ERR_BUDGET) {
     ring_t ring;
     st = ring_create(req, n, &ring);

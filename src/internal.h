@@ -53,6 +53,7 @@ typedef enum pm__opt {
   PM__OPT_COPY_MEMCPY,        /* libc|movsb|stream -> pm__copy_memcpy_t (memcpy.c) */
   PM__OPT_COPY_BATCH,         /* dma|kernel|auto -> pm__copy_batch_t (api.c) */
   PM__OPT_COPY_RAMP,          /* 0|1: growing first units of an H2D staging (copy_stage.c) */
+  PM__OPT_COPY_PIECE,         /* size: ring slots filled by all threads in pieces; 0 = off */
   PM__OPT_COUNT
 } pm__opt_t;
 

@@ -16,7 +16,8 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "internal.h" /* pm__memcpy_mode: the staging byte movers, tested directly too */
+#include "copy_internal.h" /* pm__stage_slab_count: which staging layout ran */
+#include "internal.h"      /* pm__memcpy_mode: the staging byte movers, tested directly too */
 
 static bool g_small;
 static size_t g_chunk = (size_t)4 << 20; /* the staging chunk in force */
@@ -1349,6 +1350,37 @@ int main(void) {
     CHECK_OK(pm_option_set("copy_bounce", NULL));
   }
   CHECK_OK(pm_option_set("copy_memcpy", NULL));
+
+  /* Slots filled in pieces by all threads (copy_piece): one-segment H2D copies through the
+   * ring, with a short last group, pieces that do not divide the chunk, a ring of one slot and
+   * one of more slots than groups; each must take that layout and deliver every byte. */
+  static const struct {
+    const char *piece, *slots;
+    size_t bytes, soff;
+  } slab[] = {{"16K", "2", 9 * 65536 + 4093, 3},  {"20000", "3", 5 * 65536, 0},
+              {"4K", "1", 2 * 65536 + 1, 1},      {"16K", "32", 65536 - 1, 5},
+              {"32K", "4", 3 * 65536 + 32768, 7}, {"8K", "2", 17 * 65536 + 999, 4095}};
+  CHECK_OK(pm_option_set("copy_bounce", "ring"));
+  for (size_t k = 0; k < sizeof slab / sizeof slab[0]; k++) {
+    CHECK_OK(pm_option_set("copy_piece", slab[k].piece));
+    CHECK_OK(pm_option_set("copy_slots", slab[k].slots));
+    CHECK_OK(pm_option_set("copy_memcpy", k % 2 ? "auto" : "stream"));
+    if (slab[k].bytes < g_stage_min) continue;
+    unsigned long before = pm__stage_slab_count();
+    roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, slab[k].bytes, slab[k].soff, 1, 2, s, PM_PATH_AUTO,
+              9500 + k);
+    CHECK(pm__stage_slab_count() == before + 1);
+  }
+  /* A piece as large as the chunk is the plain ring. */
+  CHECK_OK(pm_option_set("copy_piece", "64K"));
+  unsigned long before = pm__stage_slab_count();
+  roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 3 * g_chunk + 5, 0, 0, 0, s, PM_PATH_AUTO, 9600);
+  CHECK(pm__stage_slab_count() == before);
+  CHECK_ST(pm_option_set("copy_piece", "lots"), PM_ERR_CONFIG);
+  CHECK_OK(pm_option_set("copy_piece", NULL));
+  CHECK_OK(pm_option_set("copy_slots", NULL));
+  CHECK_OK(pm_option_set("copy_memcpy", NULL));
+  CHECK_OK(pm_option_set("copy_bounce", NULL));
 
   /* The default stream works too. */
   roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 2 * g_chunk + 1, 1, 1, 1, NULL, PM_PATH_AUTO, 9000);

@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "copy_internal.h" /* pm__stage_slab_count */
 #include "internal.h"
 
 static bool g_small, g_host;
@@ -1271,6 +1272,12 @@ int main(int argc, char **argv) {
          rate_runs);
   for (size_t i = 0; i < sizeof scenarios / sizeof scenarios[0]; i++)
     sweep(&scenarios[i], K, rate_runs);
+  /* The copy scenario again with ring slots filled in pieces by both threads (copy_piece). */
+  REQUIRE_OK(pm_option_set("copy_piece", "64K"));
+  unsigned long slabs = pm__stage_slab_count();
+  sweep(&scenarios[3], K, rate_runs);
+  CHECK(pm__stage_slab_count() > slabs);
+  CHECK_OK(pm_option_set("copy_piece", NULL));
   printf("total: %llu runs, %llu public calls, %llu faults injected; runs with a fault: %llu "
          "surfaced as an error status, %llu absorbed with verified results; %llu error statuses "
          "(%llu naming the injected fault), %llu byte checks passed\n",

@@ -4,7 +4,8 @@
  *
  * bench copy: for each size and for H2D, D2H and both at once (two streams), the plain backend
  * copy (cudaMemcpyAsync) from pageable, pinned and write-combined pinned memory, pinmem's
- * pm_copy_async from pageable memory (staged) and from pinned memory, a kernel reading mapped
+ * pm_copy_async from pageable memory (staged; also forced through the ring, and H2D through the
+ * slab layout of copy_piece) and from pinned memory, a kernel reading mapped
  * (zero-copy) pinned memory, and managed-memory prefetch. Then 4096 x 64 KiB pieces in one
  * pm_copy_batch_async against a loop of plain copies.
  *
@@ -429,6 +430,19 @@ static void copy_through_ring(bench_t *b, void *dst, const void *src, size_t n) 
 static void op_h2d_pinmem_pageable_ring(bench_t *b, size_t n) {
   copy_through_ring(b, b->d1, b->hsrc, n);
 }
+/* The slab layout measured on the H200 (bench/NOTES.md, fourth session): a ring of 8 slots
+ * filled by all threads in 256 KiB pieces with the cache-keeping mover (copy_piece=256K,
+ * copy_slots=8, copy_memcpy=auto, copy_bounce=ring), set around the call only, beside the
+ * default in every run. */
+static void op_h2d_pinmem_pageable_slab(bench_t *b, size_t n) {
+  static const char *opts[][2] = {
+      {"copy_bounce", "ring"}, {"copy_piece", "256K"}, {"copy_slots", "8"}, {"copy_memcpy", "auto"}};
+  enum { NOPTS = sizeof opts / sizeof opts[0] };
+  for (int i = 0; i < NOPTS; i++) cli_check(pm_option_set(opts[i][0], opts[i][1]));
+  pm_status_t st = pm_copy_async(b->d1, b->hsrc, n, b->s1, NULL, NULL);
+  for (int i = 0; i < NOPTS; i++) cli_check(pm_option_set(opts[i][0], NULL));
+  cli_check(st);
+}
 static void op_h2d_pinmem_pinned(bench_t *b, size_t n) {
   cli_check(pm_copy_async(b->d1, b->psrc, n, b->s1, NULL, NULL));
 }
@@ -565,6 +579,8 @@ static const ccase_t cases[] = {
     {"plain_wc_pinned", "h2d", "plain_pinned", op_h2d_plain_wc, prep_d1, v_d1, 0, false},
     {"pinmem_pageable", "h2d", "plain_pageable", op_h2d_pinmem_pageable, prep_d1, v_d1, 0, true},
     {"pinmem_pageable_ring", "h2d", "plain_pageable", op_h2d_pinmem_pageable_ring, prep_d1, v_d1, 0,
+     true},
+    {"pinmem_pageable_slab", "h2d", "plain_pageable", op_h2d_pinmem_pageable_slab, prep_d1, v_d1, 0,
      true},
     {"pinmem_pinned", "h2d", "plain_pinned", op_h2d_pinmem_pinned, prep_d1, v_d1, 0, true},
     {"zerocopy_mapped", "h2d", "plain_pinned", op_h2d_zerocopy, prep_zerocopy, v_zerocopy, 1,
@@ -1033,6 +1049,10 @@ static void run_movers(bench_t *b, size_t n) {
  * host rate is counted over the DMA's timed runs only. Together with the rows of each half alone
  * (plain_pinned h2d, memcpy_*) they show the ceiling that sharing puts on staging on this
  * machine, whatever the staging code does. */
+#define LOAD_STEP (256 * 1024)
+#define LOAD_MIN_WINDOW 0.05 /* seconds of DMA under load at least, for the host's rate */
+#define LOAD_MAX_RUNS 1000
+
 typedef struct load {
   const char *src;
   char *dst; /* NULL: read the source only */
@@ -1066,12 +1086,16 @@ static void load_task(void *vctx, size_t task) {
   atomic_fetch_add(&l->started, 1);
   while (!atomic_load_explicit(&l->stop, memory_order_relaxed)) {
     size_t i = atomic_fetch_add_explicit(&l->next, 1, memory_order_relaxed) % l->pieces;
-    size_t off = i * l->piece, len = PM__MIN(l->piece, l->n - off);
-    if (l->dst)
-      pm__memcpy_mode(l->dst + off, l->src + off, len, l->mode);
-    else
-      acc += read_words(l->src + off, len);
-    atomic_fetch_add_explicit(&l->moved, len, memory_order_relaxed);
+    size_t off = i * l->piece, end = off + PM__MIN(l->piece, l->n - off);
+    /* Progress is counted every 256 KiB, so even a short DMA window sees some. */
+    for (size_t at = off; at < end; at += LOAD_STEP) {
+      size_t len = PM__MIN((size_t)LOAD_STEP, end - at);
+      if (l->dst)
+        pm__memcpy_mode(l->dst + at, l->src + at, len, l->mode);
+      else
+        acc += read_words(l->src + at, len);
+      atomic_fetch_add_explicit(&l->moved, len, memory_order_relaxed);
+    }
   }
   atomic_fetch_add(&l->sink, acc);
 }
@@ -1084,7 +1108,7 @@ static void *load_main(void *vctx) {
 
 static void contention_row(bench_t *b, const char *name, const char *dir, size_t n, double secs,
                            bool ok, const char *method, const char *base, const char *load,
-                           int threads, const char *timing) {
+                           int threads, int runs, const char *timing) {
   double gbps = (double)n / secs / 1e9;
   const result_t *br = base ? find_result(b, base, dir, n) : NULL;
   double ratio = br && br->gbps > 0 ? gbps / br->gbps : NAN;
@@ -1096,7 +1120,7 @@ static void contention_row(bench_t *b, const char *name, const char *dir, size_t
     cli_json_str(&j, "load", load);
     cli_json_int(&j, "load_threads", threads);
     cli_json_str(&j, "timing", timing);
-    cli_json_int(&j, "runs", b->o.repeat);
+    cli_json_int(&j, "runs", runs);
     cli_json_str(&j, "backend", pm_backend_name());
     cli_json_end(&j);
   } else {
@@ -1150,11 +1174,13 @@ static void run_contention(bench_t *b, size_t n) {
     double give_up = pm__now() + 5.0;
     while (atomic_load(&l->started) < l->threads && pm__now() < give_up) sched_yield();
     int running = atomic_load(&l->started);
-    int runs = b->o.repeat;
-    double *t = cli_xmalloc(sizeof(double) * (size_t)runs);
+    /* At least --repeat timed DMAs, and more (small sizes) until the window is long enough for
+     * the host's rate to mean something; every timed DMA is a sample of the DMA under load. */
+    int cap = PM__MAX(b->o.repeat, LOAD_MAX_RUNS), runs = 0;
+    double *t = cli_xmalloc(sizeof(double) * (size_t)cap);
     double host_s = 0;
     size_t host_bytes = 0;
-    for (int r = -1; r < runs; r++) {
+    for (int r = -1; r < cap && (r < b->o.repeat || host_s < LOAD_MIN_WINDOW); r++) {
       prep_d1(b, n);
       sync_all(b);
       size_t m0 = atomic_load(&l->moved);
@@ -1165,7 +1191,7 @@ static void run_contention(bench_t *b, size_t n) {
       double w1 = pm__now();
       size_t m1 = atomic_load(&l->moved);
       if (r < 0) continue;
-      t[r] = s;
+      t[runs++] = s;
       host_s += w1 - w0;
       host_bytes += m1 - m0;
     }
@@ -1191,12 +1217,19 @@ static void run_contention(bench_t *b, size_t n) {
     snprintf(load, sizeof load, copy ? "h2h %s" : "read", mover_row + strlen("memcpy_"));
     if (wanted(b, dma_name))
       contention_row(b, dma_name, "h2d", n, med, dma_ok, dma_ok ? m : "", "plain_pinned", load,
-                     running, "events");
-    if (wanted(b, host_name) && host_bytes > 0) {
-      /* Seconds per n bytes at the rate the load kept during the DMAs. */
-      double per_n = host_s * (double)n / (double)host_bytes;
+                     running, runs, "events");
+    if (wanted(b, host_name)) {
+      /* Seconds per n bytes at the rate the load kept during the DMAs (infinite if the load
+       * made no progress at all: reported, and the run fails). */
+      if (host_bytes == 0) {
+        fprintf(stderr, "pinmem: %s: the load threads moved nothing in %.3f s of DMA\n",
+                host_name, host_s);
+        host_ok = false;
+        b->failed = true;
+      }
+      double per_n = host_bytes ? host_s * (double)n / (double)host_bytes : INFINITY;
       contention_row(b, host_name, copy ? "h2h" : "read", n, per_n, host_ok, host_ok ? hm : "",
-                     copy ? mover_row : NULL, "dma h2d", running, "wall");
+                     copy ? mover_row : NULL, "dma h2d", running, runs, "wall");
     }
     free(t);
     free(l);
