@@ -640,9 +640,23 @@ static void fmt_gbps(double v, char *buf, size_t len) {
     snprintf(buf, len, "-");
 }
 
+#define ROW_FMT "%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n"
+
 static void print_header(void) {
-  printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n", "dir", "size", "case", "GB/s", "ratio", "path",
-         "verified");
+  printf(ROW_FMT, "dir", "size", "case", "GB/s", "ratio", "path", "verified");
+}
+
+/* One row of the text table; `size` is the size column's label, a NAN ratio prints "-". */
+static void text_row(const char *dir, const char *size, const char *name, double gbps,
+                     double ratio, const char *path, bool ok, const char *method) {
+  char g[32], ra[32];
+  fmt_gbps(gbps, g, sizeof g);
+  if (isfinite(ratio))
+    snprintf(ra, sizeof ra, "%.2fx", ratio);
+  else
+    snprintf(ra, sizeof ra, "-");
+  printf(ROW_FMT, dir, size, name, g, ra, path, ok ? method : "NO (FAILED)");
+  fflush(stdout);
 }
 
 static bool wanted(const bench_t *b, const char *name) {
@@ -793,16 +807,9 @@ static void report_case(bench_t *b, const case_runs_t *cr, size_t n, int runs) {
     cli_json_str(&j, "backend", pm_backend_name());
     cli_json_end(&j);
   } else {
-    char sz[32], g[32], ra[32];
+    char sz[32];
     cli_fmt_bytes(n, sz, sizeof sz);
-    fmt_gbps(gbps, g, sizeof g);
-    if (isfinite(ratio))
-      snprintf(ra, sizeof ra, "%.2fx", ratio);
-    else
-      snprintf(ra, sizeof ra, "-");
-    printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n", c->dir, sz, c->name, g, ra, path,
-           cr->ok ? cr->method : "NO (FAILED)");
-    fflush(stdout);
+    text_row(c->dir, sz, c->name, gbps, ratio, path, cr->ok, cr->method);
   }
 }
 
@@ -945,17 +952,10 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
     cli_json_str(&j, "backend", pm_backend_name());
     cli_json_end(&j);
   } else {
-    char sz[32], g[32], ra[32], label[48];
+    char sz[32], label[48];
     cli_fmt_bytes(piece, sz, sizeof sz);
     snprintf(label, sizeof label, "%zux%s", count, sz);
-    fmt_gbps(gbps, g, sizeof g);
-    if (isfinite(ratio))
-      snprintf(ra, sizeof ra, "%.2fx", ratio);
-    else
-      snprintf(ra, sizeof ra, "-");
-    printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n", bc->dir, label, bc->name, g, ra,
-           bc->engine ? "batch" : "loop", ok ? method : "NO (FAILED)");
-    fflush(stdout);
+    text_row(bc->dir, label, bc->name, gbps, ratio, bc->engine ? "batch" : "loop", ok, method);
   }
   free(it);
   free(perm);
@@ -1028,12 +1028,9 @@ static void run_movers(bench_t *b, size_t n) {
       cli_json_str(&j, "backend", pm_backend_name());
       cli_json_end(&j);
     } else {
-      char sz[32], g[32];
+      char sz[32];
       cli_fmt_bytes(n, sz, sizeof sz);
-      fmt_gbps(gbps, g, sizeof g);
-      printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n", "h2h", sz, mv[m].name, g, "-", ran,
-             ok ? method : "NO (FAILED)");
-      fflush(stdout);
+      text_row("h2h", sz, mv[m].name, gbps, NAN, ran, ok, method);
     }
   }
 }
@@ -1124,17 +1121,9 @@ static void contention_row(bench_t *b, const char *name, const char *dir, size_t
     cli_json_str(&j, "backend", pm_backend_name());
     cli_json_end(&j);
   } else {
-    char sz[32], g[32], ra[32];
+    char sz[32];
     cli_fmt_bytes(n, sz, sizeof sz);
-    fmt_gbps(gbps, g, sizeof g);
-    if (isfinite(ratio))
-      snprintf(ra, sizeof ra, "%.2fx", ratio);
-    else
-      snprintf(ra, sizeof ra, "-");
-    printf("%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n", dir, sz, name, g, ra,
-           strcmp(dir, "h2d") ? "host" : "plain",
-           ok ? method : "NO (FAILED)");
-    fflush(stdout);
+    text_row(dir, sz, name, gbps, ratio, strcmp(dir, "h2d") ? "host" : "plain", ok, method);
   }
 }
 
