@@ -373,9 +373,9 @@ static void h2d_slab_task(void *vctx, size_t task) {
   }
 }
 
+/* cfg.piece is 0 or below the chunk (pm__copy_cfg). */
 static bool slab_eligible(const pm__stage_req_t *req) {
-  return req->cfg.piece && req->cfg.piece < req->cfg.chunk && req->nsegs == 1 &&
-         req->segs[0].bytes > 0;
+  return req->cfg.piece && req->nsegs == 1 && req->segs[0].bytes > 0;
 }
 
 static atomic_ulong g_slab_count;

@@ -13,10 +13,11 @@
  * - stream: AVX2 loads and non-temporal (streaming) stores: no read for ownership, no cache
  *   pollution; the DMA engine then reads from DRAM.
  *
- * - auto: per step. Into the ring of an H2D copy, movsb: the ring is small enough to stay in
- *   the last-level cache, so the DMA engine reads the bytes from there instead of DRAM, and
- *   the host's writes stop competing with the DMA's reads for DRAM (the dma_under_h2h rows of
- *   bench copy measure that competition). Everywhere else (a whole-copy bounce block, D2H
+ * - auto: per step. Into the ring of an H2D copy, movsb, so the bytes stay in the cache for
+ *   the DMA engine instead of taking a second pass through DRAM, where the host's writes slow
+ *   the DMA's reads (bench copy's dma_under_h2h rows). On the H200 machine that paid off only
+ *   with a ring small enough for the cache, filled in pieces (copy_piece); with the default
+ *   128 MiB ring it did not (bench/NOTES.md). Everywhere else (a whole-copy bounce block, D2H
  *   copy-out into the caller's memory) stream: those bytes are not read again soon.
  *
  * Which wins is a measurement (bench/gpu_sweep.sh, bench/NOTES.md). A mode the CPU cannot run

@@ -1109,11 +1109,12 @@ static void contention_row(bench_t *b, const char *name, const char *dir, size_t
   double gbps = (double)n / secs / 1e9;
   const result_t *br = base ? find_result(b, base, dir, n) : NULL;
   double ratio = br && br->gbps > 0 ? gbps / br->gbps : NAN;
+  const char *path = strcmp(dir, "h2d") ? "host" : "plain"; /* the DMA row is a plain copy */
   add_result(b, name, dir, n, gbps, ok);
   if (b->o.json) {
     cli_json_t j;
     copy_row_json(&j, name, dir, n, secs, gbps, ok, method, ratio, base);
-    cli_json_str(&j, "path", strcmp(dir, "h2d") ? "host" : "plain");
+    cli_json_str(&j, "path", path);
     cli_json_str(&j, "load", load);
     cli_json_int(&j, "load_threads", threads);
     cli_json_str(&j, "timing", timing);
@@ -1123,7 +1124,7 @@ static void contention_row(bench_t *b, const char *name, const char *dir, size_t
   } else {
     char sz[32];
     cli_fmt_bytes(n, sz, sizeof sz);
-    text_row(dir, sz, name, gbps, ratio, strcmp(dir, "h2d") ? "host" : "plain", ok, method);
+    text_row(dir, sz, name, gbps, ratio, path, ok, method);
   }
 }
 
