@@ -27,7 +27,8 @@
  * after a fraction of one chunk's copy instead of idling until the first whole chunk is in.
  * With copy_piece (one-segment copies through the ring) all threads fill each slot in pieces
  * instead, and the slot's last piece queues its DMA (stage_h2d_slab): a ring of a few slots
- * then keeps up, small enough to stay in the cache.
+ * then keeps up, small enough to stay in the cache. Its slots go to groups from a free queue,
+ * so a stalled thread holds up one slot, not the ring.
  * D2H (whole bounce): the caller queues every DMA device -> bounce, with a host function after
  * each group of units (at most 32 groups) that counts the group as landed, and returns a job;
  * a completion thread copies units out to the destination with several threads as their
@@ -315,24 +316,80 @@ static void h2d_ring_task(void *vctx, size_t task) {
 
 /* ---- H2D through slots filled in pieces (copy_piece) ---------------------------------------- */
 
-/* Group g of the copy is bytes [g * chunk, (g + 1) * chunk) of its one segment and goes through
- * ring slot g % n. Its pieces are units g * per .. g * per + per - 1 of one counter that all
- * threads claim from, so a group fills at the threads' combined rate; the thread that finishes
- * a group's last piece queues the group's DMA and records the slot's event. A piece of group g
- * first waits for its slot's turn (group g - n's DMA queued) and that DMA's event. The ring
- * stays small enough for the cache, so the DMA engine reads the bytes from there instead of a
- * second pass through DRAM (with a cache-keeping mover: copy_memcpy movsb or auto).
- * Deadlock-free as the unit ring: a piece waits only for pieces claimed before it. */
+/* Group g of the copy is bytes [g * chunk, (g + 1) * chunk) of its one segment. Its pieces are
+ * units g * per .. g * per + per - 1 of one counter that all threads claim from, so a group
+ * fills at the threads' combined rate; the thread that finishes a group's last piece queues the
+ * group's DMA, records the slot's event and returns the slot to the free queue. The ring stays
+ * small enough for the cache, so the DMA engine reads the bytes from there instead of a second
+ * pass through DRAM (with a cache-keeping mover: copy_memcpy movsb or auto).
+ *
+ * Slots are handed to groups in group order from a FIFO of free slots, not by g % n: a thread
+ * that stalls inside a piece (descheduled, or on a slow vCPU) then holds up only its own
+ * group's slot and DMA, while the other groups go on through the remaining slots. With a fixed
+ * slot per group the whole ring stopped at its next wrap behind such a thread (measured on the
+ * H200 machine: single processes fell from 50 to 24-31 GB/s).
+ *
+ * The thread that takes a slot for its group waits for the slot's last DMA (its event) before
+ * publishing it, so no piece writes under a running DMA. Deadlock-free: a piece waits only for
+ * its group's slot; slots are handed out in group order, the groups that hold slots have all
+ * their pieces claimed by threads that are copying (they wait for nothing), so slots keep
+ * coming back. */
 typedef struct slab_ctx {
   const pm__stage_seg_t *seg;
   pm_stream_t stream;
   ring_t *ring;
-  size_t chunk, piece, per, units;
+  size_t chunk, piece, per, units, groups;
   atomic_size_t next;
-  atomic_size_t *filled; /* pieces of the slot's current group finished */
+  atomic_size_t *filled; /* per slot: pieces of its current group finished */
   int mover;
   first_error_t err;
+  /* Under ring->mu: */
+  int *gslot;        /* per group: its slot, -1 none yet, -2 being handed over */
+  size_t assign;     /* the lowest group without a slot */
+  int *freeq;        /* FIFO of free slots (ring->n entries) */
+  int fhead, fcount; /* its head and length */
+  bool *recorded;    /* the slot's event was recorded (a DMA may still read the slot) */
 } slab_ctx_t;
+
+/* The slot of group g, taking one from the free queue when it is g's turn. */
+static int slab_slot(slab_ctx_t *c, size_t g) {
+  ring_t *r = c->ring;
+  pthread_mutex_lock(&r->mu);
+  for (;;) {
+    int s = c->gslot[g];
+    if (s >= 0) break;
+    if (s == -1 && c->assign == g && c->fcount > 0) {
+      s = c->freeq[c->fhead];
+      c->fhead = (c->fhead + 1) % r->n;
+      c->fcount--;
+      c->gslot[g] = -2;
+      c->assign++;
+      bool wait = c->recorded[s];
+      pthread_mutex_unlock(&r->mu);
+      /* The slot's last DMA must be done before any piece of g writes into it. */
+      pm_status_t st = wait ? pm__copy_wait_event(r->ev[s], 50) : PM_OK;
+      if (st != PM_OK) first_error_set(&c->err, st);
+      pthread_mutex_lock(&r->mu);
+      c->gslot[g] = s;
+      pthread_cond_broadcast(&r->cv); /* g's other pieces, and group g + 1 */
+      break;
+    }
+    pthread_cond_wait(&r->cv, &r->mu);
+  }
+  int s = c->gslot[g];
+  pthread_mutex_unlock(&r->mu);
+  return s;
+}
+
+static void slab_release(slab_ctx_t *c, int s, bool recorded) {
+  ring_t *r = c->ring;
+  pthread_mutex_lock(&r->mu);
+  if (recorded) c->recorded[s] = true;
+  c->freeq[(c->fhead + c->fcount) % r->n] = s;
+  c->fcount++;
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+}
 
 static void h2d_slab_task(void *vctx, size_t task) {
   slab_ctx_t *c = vctx;
@@ -345,30 +402,27 @@ static void h2d_slab_task(void *vctx, size_t task) {
     size_t goff = g * c->chunk, glen = PM__MIN(c->chunk, c->seg->bytes - goff);
     size_t pieces = (glen + c->piece - 1) / c->piece;
     if (p >= pieces) continue; /* the last group is short; its missing pieces are no-ops */
-    int s = (int)(g % (size_t)r->n);
-    ring_wait_turn(r, s, (long long)g);
+    int s = slab_slot(c, g);
     if (!first_error_any(&c->err)) {
-      pm_status_t st = PM_OK;
-      if (g >= (size_t)r->n) st = pm__copy_wait_event(r->ev[s], 50); /* the slot's last DMA */
-      if (st == PM_OK) {
-        size_t poff = p * c->piece;
-        pm__memcpy_mode(r->slot[s] + poff, c->seg->host + goff + poff,
-                        PM__MIN(c->piece, glen - poff), c->mover);
-      } else {
-        first_error_set(&c->err, st);
-      }
+      size_t poff = p * c->piece;
+      pm__memcpy_mode(r->slot[s] + poff, c->seg->host + goff + poff,
+                      PM__MIN(c->piece, glen - poff), c->mover);
     }
-    /* Every piece is counted, failed or not, so the group always completes and the ring's
-     * turns advance: nothing waits forever after an error. */
+    /* Every piece is counted, failed or not, so the group always completes and its slot comes
+     * back: nothing waits forever after an error. */
     if (atomic_fetch_add(&c->filled[s], 1) + 1 == pieces) {
-      atomic_store(&c->filled[s], 0); /* before the turn passes: group g + n counts afresh */
+      atomic_store(&c->filled[s], 0); /* before the slot is freed: its next group counts afresh */
+      bool recorded = false;
       if (!first_error_any(&c->err)) {
         pm_status_t st = pm_memcpy_async(c->seg->dev + goff, r->slot[s], glen, PM_COPY_H2D,
                                          c->stream);
         if (st == PM_OK) st = pm_event_record(r->ev[s], c->stream);
-        if (st != PM_OK) first_error_set(&c->err, st);
+        if (st == PM_OK)
+          recorded = true;
+        else
+          first_error_set(&c->err, st);
       }
-      ring_done_turn(r, s, (long long)g);
+      slab_release(c, s, recorded);
     }
   }
 }
@@ -393,26 +447,38 @@ static pm_status_t stage_h2d_slab(const pm__stage_req_t *req) {
   c.chunk = req->cfg.chunk;
   c.piece = req->cfg.piece;
   c.per = (c.chunk + c.piece - 1) / c.piece;
-  size_t groups = (c.seg->bytes + c.chunk - 1) / c.chunk;
-  c.units = groups * c.per;
+  c.groups = (c.seg->bytes + c.chunk - 1) / c.chunk;
+  c.units = c.groups * c.per;
   atomic_init(&c.next, 0);
   atomic_init(&c.err.status, PM_OK);
   c.mover = pm__memcpy_for(req->cfg.mover, true);
   ring_t ring;
-  pm_status_t st = ring_create(req, groups, &ring);
+  pm_status_t st = ring_create(req, c.groups, &ring);
   if (st != PM_OK) return st;
   c.ring = &ring;
   c.filled = malloc((size_t)ring.n * sizeof *c.filled);
-  if (!c.filled) {
-    ring_destroy(&ring, NULL, false);
-    return pm__set_error(PM_ERR_NOMEM, "staging: malloc of %d slot counters failed", ring.n);
+  c.gslot = malloc(c.groups * sizeof *c.gslot);
+  c.freeq = malloc((size_t)ring.n * sizeof *c.freeq);
+  c.recorded = calloc((size_t)ring.n, sizeof *c.recorded);
+  if (!c.filled || !c.gslot || !c.freeq || !c.recorded) {
+    st = pm__set_error(PM_ERR_NOMEM, "staging: malloc of the slab state (%zu groups) failed",
+                       c.groups);
+  } else {
+    for (int s = 0; s < ring.n; s++) {
+      atomic_init(&c.filled[s], 0);
+      c.freeq[s] = s;
+    }
+    c.fcount = ring.n;
+    for (size_t g = 0; g < c.groups; g++) c.gslot[g] = -1;
+    int tasks = (int)PM__MIN((size_t)req->cfg.threads, c.units);
+    pm__parallel_for(tasks, (size_t)tasks, h2d_slab_task, &c);
+    st = first_error_raise(&c.err);
   }
-  for (int s = 0; s < ring.n; s++) atomic_init(&c.filled[s], 0);
-  int tasks = (int)PM__MIN((size_t)req->cfg.threads, c.units);
-  pm__parallel_for(tasks, (size_t)tasks, h2d_slab_task, &c);
-  st = first_error_raise(&c.err);
   ring_destroy(&ring, req->stream, true);
   free(c.filled);
+  free(c.gslot);
+  free(c.freeq);
+  free(c.recorded);
   return st;
 }
 
