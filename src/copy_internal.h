@@ -47,6 +47,9 @@ typedef struct pm__d2h_job pm__d2h_job_t;
 pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out);
 /* H2D copies staged through slots filled in pieces (copy_piece) since the process started. */
 unsigned long pm__stage_slab_count(void);
+/* Tests only: when set, called by a slab worker after it copied piece `piece` of group `group`
+ * (before the piece is counted), so a test can stall one piece and watch the others go on. */
+extern void (*pm__stage_piece_hook)(size_t group, size_t piece);
 
 /* Staged D2H: queue every DMA device -> bounce on req->stream. *job_out gets the copy-out still
  * to run (pm__stage_d2h_finish), or NULL when the ring fallback was used, which copies

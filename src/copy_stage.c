@@ -334,6 +334,8 @@ static void h2d_ring_task(void *vctx, size_t task) {
  * its group's slot; slots are handed out in group order, the groups that hold slots have all
  * their pieces claimed by threads that are copying (they wait for nothing), so slots keep
  * coming back. */
+void (*pm__stage_piece_hook)(size_t group, size_t piece);
+
 typedef struct slab_ctx {
   const pm__stage_seg_t *seg;
   pm_stream_t stream;
@@ -408,6 +410,7 @@ static void h2d_slab_task(void *vctx, size_t task) {
       pm__memcpy_mode(r->slot[s] + poff, c->seg->host + goff + poff,
                       PM__MIN(c->piece, glen - poff), c->mover);
     }
+    if (pm__stage_piece_hook) pm__stage_piece_hook(g, p);
     /* Every piece is counted, failed or not, so the group always completes and its slot comes
      * back: nothing waits forever after an error. */
     if (atomic_fetch_add(&c->filled[s], 1) + 1 == pieces) {

@@ -1291,6 +1291,30 @@ out:
 
 /* ---- main ------------------------------------------------------------------------------------ */
 
+/* pm__stage_piece_hook for the stalled-piece test: piece 0 of group 1 waits (at most 10 s)
+ * until other pieces of group g_stall_target or later were copied. */
+static pthread_mutex_t g_stall_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_stall_cv = PTHREAD_COND_INITIALIZER;
+static size_t g_stall_target, g_stall_max;
+static bool g_stall_seen;
+
+static void stall_hook(size_t group, size_t piece) {
+  pthread_mutex_lock(&g_stall_mu);
+  if (group > g_stall_max) {
+    g_stall_max = group;
+    pthread_cond_broadcast(&g_stall_cv);
+  }
+  if (group == 1 && piece == 0) {
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += 10;
+    while (g_stall_max < g_stall_target)
+      if (pthread_cond_timedwait(&g_stall_cv, &g_stall_mu, &dl) != 0) break;
+    g_stall_seen = g_stall_max >= g_stall_target;
+  }
+  pthread_mutex_unlock(&g_stall_mu);
+}
+
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0); /* progress lines show where a hung run stopped */
   g_small = getenv("PINMEM_TEST_SMALL") && atoi(getenv("PINMEM_TEST_SMALL")) != 0;
@@ -1371,6 +1395,18 @@ int main(void) {
               9500 + k);
     CHECK(pm__stage_slab_count() == before + 1);
   }
+  /* A stalled piece holds up its own group's slot only: while piece 0 of group 1 stalls, the
+   * other threads take groups past the ring's width (with slots fixed per group they would all
+   * wait at the first wrap), and every byte still arrives. */
+  CHECK_OK(pm_option_set("copy_piece", "16K"));
+  CHECK_OK(pm_option_set("copy_slots", "4"));
+  g_stall_target = 1 + 4 + 3;
+  g_stall_max = 0;
+  g_stall_seen = false;
+  pm__stage_piece_hook = stall_hook;
+  roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 16 * g_chunk + 77, 1, 1, 1, s, PM_PATH_AUTO, 9550);
+  pm__stage_piece_hook = NULL;
+  CHECK(g_stall_seen);
   /* A piece as large as the chunk is the plain ring. */
   CHECK_OK(pm_option_set("copy_piece", "64K"));
   unsigned long before = pm__stage_slab_count();

@@ -952,7 +952,7 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
     cli_json_str(&j, "backend", pm_backend_name());
     cli_json_end(&j);
   } else {
-    char sz[32], label[48];
+    char sz[32], label[64]; /* a 20-digit count, 'x' and sz fit */
     cli_fmt_bytes(piece, sz, sizeof sz);
     snprintf(label, sizeof label, "%zux%s", count, sz);
     text_row(bc->dir, label, bc->name, gbps, ratio, bc->engine ? "batch" : "loop", ok, method);
