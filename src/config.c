@@ -225,6 +225,10 @@ static bool parse_slots(const char *t, pm__optval_t *out, char *why, size_t n) {
   return parse_long_range(t, 1, 4096, out, why, n);
 }
 
+static bool parse_slots_or_0(const char *t, pm__optval_t *out, char *why, size_t n) {
+  return parse_long_range(t, 0, 4096, out, why, n);
+}
+
 /* Rows in pm__opt_t order; the static assert below catches an enum value without a row. */
 static const pm__opt_def_t opt_table[] = {
     [PM__OPT_BACKEND] = {"backend", "PINMEM_BACKEND", "auto",
@@ -313,6 +317,10 @@ static const pm__opt_def_t opt_table[] = {
                             "slot's last piece queues its DMA), so a few slots kept in the cache "
                             "suffice; see the README for the measured setting",
                             parse_size_any, PM__T_SIZE},
+    [PM__OPT_COPY_PIECE_SLOTS] = {"copy_piece_slots", "PINMEM_COPY_PIECE_SLOTS", "0",
+                                  "ring slots of a staged H2D copy filled in pieces (copy_piece), "
+                                  "0..4096; 0 = copy_slots",
+                                  parse_slots_or_0, PM__T_INT},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");

@@ -100,6 +100,8 @@ void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   size_t piece = pm__opt_size(PM__OPT_COPY_PIECE);
   if (piece && piece < 4096) piece = 4096;
   cfg->piece = piece < chunk ? piece : 0; /* a piece as large as a slot is the plain ring */
+  long piece_slots = pm__opt_int(PM__OPT_COPY_PIECE_SLOTS);
+  cfg->piece_slots = piece_slots > 0 && piece_slots <= 4096 ? (int)piece_slots : (int)slots;
 }
 
 void pm_copy_options_init(pm_copy_options_t *options) {

@@ -17,6 +17,7 @@ typedef struct pm__copy_cfg {
   int mover;        /* pm__copy_memcpy_t: how bytes go to and from bounce memory */
   bool ramp;        /* H2D staging starts with growing units (copy_ramp) */
   size_t piece;     /* copy_piece: ring slots filled in pieces by all threads; 0 = off */
+  int piece_slots;  /* copy_piece_slots: that ring's depth (copy_slots when the option is 0) */
 } pm__copy_cfg_t;
 
 void pm__copy_cfg(pm__copy_cfg_t *cfg);

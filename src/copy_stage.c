@@ -197,9 +197,9 @@ static void ring_destroy(ring_t *r, pm_stream_t stream, bool dmas_may_run) {
   pthread_cond_destroy(&r->cv);
 }
 
-static pm_status_t ring_create(const pm__stage_req_t *req, size_t nunits, ring_t *r) {
+static pm_status_t ring_create(const pm__stage_req_t *req, int slots, size_t nunits, ring_t *r) {
   size_t chunk = req->cfg.chunk;
-  size_t want = PM__MIN((size_t)req->cfg.slots, nunits);
+  size_t want = PM__MIN((size_t)slots, nunits);
   pm_pool_stats_t stats;
   if (pm_pool_get_stats(req->pool, &stats) == PM_OK && stats.budget) {
     size_t fit = stats.budget / pm__size_class(chunk);
@@ -456,7 +456,7 @@ static pm_status_t stage_h2d_slab(const pm__stage_req_t *req) {
   atomic_init(&c.err.status, PM_OK);
   c.mover = pm__memcpy_for(req->cfg.mover, true);
   ring_t ring;
-  pm_status_t st = ring_create(req, c.groups, &ring);
+  pm_status_t st = ring_create(req, req->cfg.piece_slots, c.groups, &ring);
   if (st != PM_OK) return st;
   c.ring = &ring;
   c.filled = malloc((size_t)ring.n * sizeof *c.filled);
@@ -522,7 +522,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
     if (ring_out) *ring_out = true;
   } else if (st == PM_ERR_BUDGET) {
     ring_t ring;
-    st = ring_create(req, n, &ring);
+    st = ring_create(req, req->cfg.slots, n, &ring);
     if (st == PM_OK) {
       c.ring = &ring;
       c.mover = pm__memcpy_for(req->cfg.mover, true);
@@ -623,7 +623,7 @@ static void d2h_ring_task(void *vctx, size_t task) {
 
 static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
   ring_t ring;
-  pm_status_t st = ring_create(req, n, &ring);
+  pm_status_t st = ring_create(req, req->cfg.slots, n, &ring);
   if (st != PM_OK) return st;
   stage_ctx_t c;
   memset(&c, 0, sizeof c);

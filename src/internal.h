@@ -54,6 +54,7 @@ typedef enum pm__opt {
   PM__OPT_COPY_BATCH,         /* dma|kernel|auto -> pm__copy_batch_t (api.c) */
   PM__OPT_COPY_RAMP,          /* 0|1: growing first units of an H2D staging (copy_stage.c) */
   PM__OPT_COPY_PIECE,         /* size: ring slots filled by all threads in pieces; 0 = off */
+  PM__OPT_COPY_PIECE_SLOTS,   /* int: ring depth of the copy_piece layout; 0 = copy_slots */
   PM__OPT_COUNT
 } pm__opt_t;
 

@@ -1397,9 +1397,11 @@ int main(void) {
   }
   /* A stalled piece holds up its own group's slot only: while piece 0 of group 1 stalls, the
    * other threads take groups past the ring's width (with slots fixed per group they would all
-   * wait at the first wrap), and every byte still arrives. */
+   * wait at the first wrap), and every byte still arrives. The ring is copy_piece_slots deep
+   * (with copy_slots' one slot the stalled group would hold the only one). */
   CHECK_OK(pm_option_set("copy_piece", "16K"));
-  CHECK_OK(pm_option_set("copy_slots", "4"));
+  CHECK_OK(pm_option_set("copy_slots", "1"));
+  CHECK_OK(pm_option_set("copy_piece_slots", "4"));
   g_stall_target = 1 + 4 + 3;
   g_stall_max = 0;
   g_stall_seen = false;
@@ -1407,6 +1409,9 @@ int main(void) {
   roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 16 * g_chunk + 77, 1, 1, 1, s, PM_PATH_AUTO, 9550);
   pm__stage_piece_hook = NULL;
   CHECK(g_stall_seen);
+  CHECK_OK(pm_option_set("copy_piece_slots", NULL));
+  CHECK_ST(pm_option_set("copy_piece_slots", "-1"), PM_ERR_CONFIG);
+  CHECK_ST(pm_option_set("copy_piece_slots", "4097"), PM_ERR_CONFIG);
   /* A piece as large as the chunk is the plain ring. */
   CHECK_OK(pm_option_set("copy_piece", "64K"));
   unsigned long before = pm__stage_slab_count();

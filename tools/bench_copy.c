@@ -686,6 +686,8 @@ static void copy_cfg_json(cli_json_t *j) {
   cli_json_str(j, "copy_bounce", opt_value("copy_bounce", v, sizeof v));
   cli_json_str(j, "copy_memcpy", opt_value("copy_memcpy", v, sizeof v));
   cli_json_str(j, "copy_batch", opt_value("copy_batch", v, sizeof v));
+  cli_json_uint(j, "copy_piece", cfg.piece);
+  cli_json_int(j, "copy_piece_slots", cfg.piece_slots);
 }
 
 /* The keys every bench copy row starts with; `verified` names the check ("full", "sampled",
@@ -1361,11 +1363,11 @@ int pm_cli_bench_copy(int argc, char **argv) {
     printf(
         "pinmem bench copy: backend %s, %d timed runs per case (median); copy engine: "
         "chunk %zu KiB, %d threads, %d ring slots, staging from %zu KiB, bounce %s, mover %s, "
-        "batch %s\n",
+        "batch %s, H2D pieces %zu KiB (0 = off) into %d slots\n",
         pm_backend_name(), b->o.repeat, cfg.chunk / KIB, cfg.threads, cfg.slots,
         cfg.stage_min / KIB, opt_value("copy_bounce", bounce, sizeof bounce),
         opt_value("copy_memcpy", mover, sizeof mover),
-        opt_value("copy_batch", batch, sizeof batch));
+        opt_value("copy_batch", batch, sizeof batch), cfg.piece / KIB, cfg.piece_slots);
     if (!b->cuda)
       printf(
           "host backend: the CPU plays the device, so these runs prove correctness, not "
