@@ -436,7 +436,8 @@ static void op_h2d_pinmem_pageable_ring(bench_t *b, size_t n) {
  * default in every run. */
 static void op_h2d_pinmem_pageable_slab(bench_t *b, size_t n) {
   static const char *opts[][2] = {
-      {"copy_bounce", "ring"}, {"copy_piece", "256K"}, {"copy_slots", "8"}, {"copy_memcpy", "auto"}};
+      {"copy_bounce", "ring"}, {"copy_piece", "256K"}, {"copy_piece_slots", "8"},
+      {"copy_memcpy", "auto"}};
   enum { NOPTS = sizeof opts / sizeof opts[0] };
   for (int i = 0; i < NOPTS; i++) cli_check(pm_option_set(opts[i][0], opts[i][1]));
   pm_status_t st = pm_copy_async(b->d1, b->hsrc, n, b->s1, NULL, NULL);
