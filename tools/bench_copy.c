@@ -432,7 +432,7 @@ static void op_h2d_pinmem_pageable_ring(bench_t *b, size_t n) {
 }
 /* The slab layout measured on the H200 (bench/NOTES.md, fourth session): a ring of 8 slots
  * filled by all threads in 256 KiB pieces with the cache-keeping mover (copy_piece=256K,
- * copy_slots=8, copy_memcpy=auto, copy_bounce=ring), set around the call only, beside the
+ * copy_piece_slots=8, copy_memcpy=auto, copy_bounce=ring), set around the call only, beside the
  * default in every run. */
 static void op_h2d_pinmem_pageable_slab(bench_t *b, size_t n) {
   static const char *opts[][2] = {
