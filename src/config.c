@@ -270,7 +270,7 @@ static const pm__opt_def_t opt_table[] = {
                             "pinned bounce buffers in the staging ring (1..4096)", parse_slots,
                             PM__T_INT},
     [PM__OPT_COPY_THREADS] = {"copy_threads", "PINMEM_COPY_THREADS", "0",
-                              "threads that memcpy chunks of staged copies; 0 = auto = min(16, "
+                              "threads that memcpy chunks of staged copies; 0 = auto = min(12, "
                               "usable CPUs)",
                               parse_threads, PM__T_INT},
     [PM__OPT_COPY_STAGE_MIN] = {"copy_stage_min", "PINMEM_COPY_STAGE_MIN", "8M",
@@ -293,7 +293,7 @@ static const pm__opt_def_t opt_table[] = {
                              "earlier work, and a D2H copy is complete when it returns) or auto "
                              "(the ring when the stream is idle)",
                              parse_bounce, PM__T_INT},
-    [PM__OPT_COPY_MEMCPY] = {"copy_memcpy", "PINMEM_COPY_MEMCPY", "stream",
+    [PM__OPT_COPY_MEMCPY] = {"copy_memcpy", "PINMEM_COPY_MEMCPY", "auto",
                              "how staging threads copy to and from bounce memory: libc (memcpy), "
                              "movsb (x86-64 rep movsb), stream (x86-64 AVX2 non-temporal "
                              "stores) or auto (movsb into the ring of an H2D copy, where the "
@@ -311,13 +311,13 @@ static const pm__opt_def_t opt_table[] = {
                            "0|1: start a staged H2D copy with units growing from chunk/threads to "
                            "chunk, so its first DMA starts after a fraction of a chunk's copy",
                            parse_bool01, PM__T_INT},
-    [PM__OPT_COPY_PIECE] = {"copy_piece", "PINMEM_COPY_PIECE", "0",
+    [PM__OPT_COPY_PIECE] = {"copy_piece", "PINMEM_COPY_PIECE", "256K",
                             "0 = off, or a size below copy_chunk: a staged H2D copy through the "
                             "ring has all threads fill each slot in pieces of this size (the "
                             "slot's last piece queues its DMA), so a few slots kept in the cache "
                             "suffice; see the README for the measured setting",
                             parse_size_any, PM__T_SIZE},
-    [PM__OPT_COPY_PIECE_SLOTS] = {"copy_piece_slots", "PINMEM_COPY_PIECE_SLOTS", "0",
+    [PM__OPT_COPY_PIECE_SLOTS] = {"copy_piece_slots", "PINMEM_COPY_PIECE_SLOTS", "8",
                                   "ring slots of a staged H2D copy filled in pieces (copy_piece), "
                                   "0..4096; 0 = copy_slots",
                                   parse_slots_or_0, PM__T_INT},

@@ -61,7 +61,7 @@
 
 #define PM__COPY_DEF_CHUNK ((size_t)4 << 20)
 #define PM__COPY_DEF_SLOTS 32
-#define PM__COPY_DEF_THREADS_MAX 16
+#define PM__COPY_DEF_THREADS_MAX 12
 #define PM__COPY_DEF_STAGE_MIN ((size_t)8 << 20)
 #define PM__CQ_MAX_THREADS 256
 #define PM__CQ_IDLE_S 2
@@ -70,10 +70,11 @@
 /* ---- options -------------------------------------------------------------------------------- */
 
 /* pm__opt_* gives 0 for "auto" and for an option without a table row: fall back to the
- * defaults tuned on the H200 (4 MiB chunks, 32 slots, min(16, cores) threads, 8 MiB). There,
- * staged H2D of 1 GiB ran at 27 GB/s with 8 memcpy threads and 35-37.5 with 16 (same run), and
+ * defaults tuned on the H200 (4 MiB chunks, 32 slots, min(12, cores) threads, 8 MiB). There,
  * staging lost to the plain pageable copy at 1 MiB (0.77x H2D, 0.56x D2H) but won at 8 MiB
- * (1.19x, 1.09x): bench/NOTES.md. */
+ * (1.19x, 1.09x); 8 threads were too few (27 GB/s against 35-37.5 with 16, whole chunks per
+ * thread), and with slots filled in pieces 12 threads ran 1 GiB H2D at 50.2-51.1 GB/s against
+ * 49.8-50.3 with 16, while D2H kept 49.5-51.4: bench/NOTES.md. */
 void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   size_t chunk = pm__opt_size(PM__OPT_COPY_CHUNK);
   long slots = pm__opt_int(PM__OPT_COPY_SLOTS);

@@ -386,9 +386,9 @@ for d in ('h2d', 'd2h'):
     if one('pinmem_pinned', d, 9 * MIB).get('path') != 'direct':
         bad('a pinned copy should be direct')
 for n in (4096, 3 * MIB, 9 * MIB):
-    one('pinmem_pageable_slab', 'h2d', n)
-if any(r['case'] == 'pinmem_pageable_slab' and r['dir'] != 'h2d' for r in rows):
-    bad('the slab layout is an H2D case')
+    one('pinmem_pageable_units', 'h2d', n)
+if any(r['case'] == 'pinmem_pageable_units' and r['dir'] != 'h2d' for r in rows):
+    bad('the unit layout is an H2D case')
 for n in (4096, 3 * MIB, 9 * MIB):
     for c in ('plain_pageable', 'plain_pinned', 'pinmem_pageable', 'pinmem_pinned'):
         one(c, 'bidir', 2 * n)

@@ -66,9 +66,9 @@ static void test_defaults(void) {
                   {"budget_timeout", "10"}, {"pin_threads", "0"},         {"fast_pin_min", "4M"},
                   {"huge_pages", "1"},      {"host_device_memory", "4G"}, {"copy_chunk", "4M"},
                   {"copy_slots", "32"},     {"copy_threads", "0"},        {"copy_stage_min", "8M"},
-                  {"copy_memcpy", "stream"},  {"copy_batch", "auto"},        {"copy_bounce", "auto"},
-                  {"copy_ramp", "1"},         {"copy_piece", "0"},
-                  {"copy_piece_slots", "0"}};
+                  {"copy_memcpy", "auto"},  {"copy_batch", "auto"},        {"copy_bounce", "auto"},
+                  {"copy_ramp", "1"},         {"copy_piece", "256K"},
+                  {"copy_piece_slots", "8"}};
   for (size_t i = 0; i < sizeof defaults / sizeof defaults[0]; i++) {
     pm_option_info_t info = find(defaults[i].name);
     CHECK_EQ_INT(info.source, PM_OPTION_DEFAULT);
