@@ -385,6 +385,12 @@ for d in ('h2d', 'd2h'):
         bad('a 9 MiB pageable copy should be staged')
     if one('pinmem_pinned', d, 9 * MIB).get('path') != 'direct':
         bad('a pinned copy should be direct')
+    # Each managed run is one prefetch: a repeat would find the pages already moved.
+    for n in (4096, 3 * MIB, 9 * MIB):
+        if one('managed_prefetch', d, n).get('copies_per_run') != 1:
+            bad('managed_prefetch %s %d: one prefetch per run' % (d, n))
+    if one('plain_pinned', d, 4096).get('copies_per_run', 0) <= 1:
+        bad('small copies repeat within a run')
 for n in (4096, 3 * MIB, 9 * MIB):
     one('pinmem_pageable_units', 'h2d', n)
 if any(r['case'] == 'pinmem_pageable_units' and r['dir'] != 'h2d' for r in rows):
