@@ -15,7 +15,8 @@ from collections import defaultdict
 
 DIRS = [("h2d", "host to device"), ("d2h", "device to host"), ("bidir", "both at once")]
 CASES = ["pinmem_pageable", "pinmem_pinned", "plain_pageable", "plain_pinned", "plain_wc_pinned",
-         "zerocopy_mapped", "managed_prefetch", "pinmem_pageable_ring"]
+         "zerocopy_mapped", "managed_prefetch", "pinmem_pageable_ring", "pinmem_pageable_units",
+         "dma_under_h2h", "dma_under_read"]
 
 
 def load(path):
@@ -62,9 +63,11 @@ def main(argv):
     dirs = [d for d in DIRS if any(r.get("dir") == d[0] and "items" not in r for r in rows)]
     fig, axes = plt.subplots(1, len(dirs), figsize=(6.5 * len(dirs), 5.2), squeeze=False)
     backend = rows[0].get("backend", "?")
-    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     names = CASES + sorted({r["case"] for r in rows} - set(CASES))
-    # A fixed colour per case (the known ones first), the same in every panel and every plot.
+    # A fixed colour per case (the known ones first), the same in every panel and every plot;
+    # tab20 so the dozen cases of one run never share a colour.
+    palette = [plt.get_cmap("tab20")(i) for i in range(20)]
+    palette = palette[0::2] + palette[1::2]  # the strong shades first, then the light ones
     color = {c: palette[i % len(palette)] for i, c in enumerate(names)}
     sizes_seen = set()
     for ax, (d, title) in zip(axes[0], dirs):
