@@ -75,11 +75,17 @@
  * (1.19x, 1.09x); 8 threads were too few (27 GB/s against 35-37.5 with 16, whole chunks per
  * thread), and with slots filled in pieces 12 threads ran 1 GiB H2D at 50.2-51.1 GB/s against
  * 49.8-50.3 with 16, while D2H kept 49.5-51.4: bench/NOTES.md. */
+/* The one option the path choice needs: resolving the whole table (about a microsecond, a
+ * mutex and a getenv per option) would cost a small pageable copy more than its DMA. */
+static size_t copy_stage_min(void) {
+  size_t stage_min = pm__opt_size(PM__OPT_COPY_STAGE_MIN);
+  return stage_min ? stage_min : PM__COPY_DEF_STAGE_MIN;
+}
+
 void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   size_t chunk = pm__opt_size(PM__OPT_COPY_CHUNK);
   long slots = pm__opt_int(PM__OPT_COPY_SLOTS);
   long threads = pm__opt_int(PM__OPT_COPY_THREADS);
-  size_t stage_min = pm__opt_size(PM__OPT_COPY_STAGE_MIN);
   if (chunk == 0) chunk = PM__COPY_DEF_CHUNK;
   if (chunk < 4096) chunk = 4096;
   if (slots <= 0) slots = PM__COPY_DEF_SLOTS;
@@ -90,11 +96,10 @@ void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   }
   if (threads < 1) threads = 1;
   if (threads > 256) threads = 256;
-  if (stage_min == 0) stage_min = PM__COPY_DEF_STAGE_MIN;
   cfg->chunk = chunk;
   cfg->slots = (int)slots;
   cfg->threads = (int)threads;
-  cfg->stage_min = stage_min;
+  cfg->stage_min = copy_stage_min();
   cfg->bounce = (int)pm__opt_int(PM__OPT_COPY_BOUNCE);
   cfg->mover = (int)pm__opt_int(PM__OPT_COPY_MEMCPY);
   cfg->ramp = pm__opt_int(PM__OPT_COPY_RAMP) != 0;
@@ -1020,9 +1025,7 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
     if (opt.path == PM_PATH_STAGED) {
       stage = true;
     } else if (opt.path == PM_PATH_AUTO && host == SIDE_PAGEABLE) {
-      pm__copy_cfg_t cfg;
-      pm__copy_cfg(&cfg);
-      stage = bytes >= cfg.stage_min;
+      stage = bytes >= copy_stage_min();
     }
   } else if (opt.path == PM_PATH_STAGED) {
     return pm__set_error(PM_ERR_INVALID,
