@@ -21,6 +21,9 @@
 #include "kernels.h" /* pm__copy_desc_t */
 #include "pinmem.h"
 
+/* pointer_kind's answers. */
+enum { PM__PTR_OTHER = 0, PM__PTR_DEVICE = 1, PM__PTR_PINNED = 2 };
+
 typedef struct pm__backend {
   const char *name;
   pm_backend_kind_t kind;
@@ -76,6 +79,14 @@ typedef struct pm__backend {
   /* Is this address device memory from device_alloc (or managed)? Used to infer copy
    * directions. 1 device, 0 host. */
   int (*is_device_pointer)(const void *ptr);
+
+  /* Optional (NULL: is_device_pointer alone): the same question with one more answer, for an
+   * address pinmem's registry does not track: PM__PTR_DEVICE (device or managed memory),
+   * PM__PTR_PINNED (host memory another library page-locked through the backend:
+   * cudaHostAlloc, cudaHostRegister, PyTorch's pin_memory) or PM__PTR_OTHER (pageable memory,
+   * or nothing the backend knows). One query, no dearer than is_device_pointer: the copy engine
+   * asks it instead, so pinned memory it did not allocate is copied by one DMA, not staged. */
+  int (*pointer_kind)(const void *ptr);
 
   /* Optional (NULL where the backend has none): `count` copies, stream-ordered on `stream`, in
    * one call (cudaMemcpyBatchAsync); the direction of each follows from its pointers. Callers

@@ -771,16 +771,22 @@ static pm_status_t cuda_launch_host_func(pm_stream_t stream, void (*fn)(void *),
   return PM_OK;
 }
 
-static int cuda_is_device_pointer(const void *ptr) {
-  if (!ptr) return 0;
+static int cuda_pointer_kind(const void *ptr) {
+  if (!ptr) return PM__PTR_OTHER;
   struct cudaPointerAttributes a;
   memset(&a, 0, sizeof a);
   cudaError_t e = cudaPointerGetAttributes(&a, ptr);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    return 0;
+    return PM__PTR_OTHER;
   }
-  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) return PM__PTR_DEVICE;
+  /* cudaMemoryTypeHost: page-locked by cudaHostAlloc or cudaHostRegister, whoever called it. */
+  return a.type == cudaMemoryTypeHost ? PM__PTR_PINNED : PM__PTR_OTHER;
+}
+
+static int cuda_is_device_pointer(const void *ptr) {
+  return cuda_pointer_kind(ptr) == PM__PTR_DEVICE;
 }
 
 const pm__backend_t pm__backend_cuda = {
@@ -820,6 +826,7 @@ const pm__backend_t pm__backend_cuda = {
     .launch_busy = cuda_launch_busy,
     .launch_host_func = cuda_launch_host_func,
     .is_device_pointer = cuda_is_device_pointer,
+    .pointer_kind = cuda_pointer_kind,
     .memcpy_batch_async = cuda_memcpy_batch_async,
     .launch_batch_copy = cuda_launch_batch_copy,
     .kernel_host_access = cuda_kernel_host_access,

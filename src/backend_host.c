@@ -503,6 +503,22 @@ static int is_device_pointer(const void *ptr) {
   return i >= 0;
 }
 
+/* As a driver answers it: the device table, then what this backend mlock'd (a registration
+ * still pending is not pinned yet). */
+static int pointer_kind(const void *ptr) {
+  if (!ptr) return PM__PTR_OTHER;
+  int kind = PM__PTR_OTHER;
+  pthread_mutex_lock(&mem_lock);
+  if (tbl_find(&device_tbl, (uintptr_t)ptr) >= 0) {
+    kind = PM__PTR_DEVICE;
+  } else {
+    long i = tbl_find(&pinned_tbl, (uintptr_t)ptr);
+    if (i >= 0 && !pinned_tbl.v[i].pending) kind = PM__PTR_PINNED;
+  }
+  pthread_mutex_unlock(&mem_lock);
+  return kind;
+}
+
 /* [ptr, ptr+bytes) must lie in one device-table range (of `kind`, or any kind if kind < 0). */
 static pm_status_t check_device_span(const char *fn, const char *what, const void *ptr,
                                      size_t bytes, int kind) {
@@ -1495,4 +1511,5 @@ const pm__backend_t pm__backend_host = {
     .kernel_host_access = kernel_host_access,
     .launch_host_func = launch_host_func,
     .is_device_pointer = is_device_pointer,
+    .pointer_kind = pointer_kind,
 };

@@ -1,10 +1,12 @@
 /*
  * DESIGN: the copy engine: pm_copy_async, pm_copy_batch_async and their fences.
  *
- * Path choice. The registry says what each host pointer is (pm_pointer_query). Pinned, registered
- * or managed host memory, and device memory, take the direct path: one pm_memcpy_async on the
- * caller's stream and nothing else, unless a fence or a callback was asked for (then one event,
- * plus one host function for a callback). Pageable host memory of at least copy_stage_min bytes
+ * Path choice. The registry says what each host pointer is (pm_pointer_query); for an address
+ * it does not track, the backend (pointer_kind: device memory of another allocator, or host
+ * memory another library pinned). Pinned, registered or managed host memory, whoever pinned it,
+ * and device memory take the direct path: one pm_memcpy_async on the caller's stream and
+ * nothing else, unless a fence or a callback was asked for (then one event, plus one host
+ * function for a callback). Pageable host memory of at least copy_stage_min bytes
  * is staged (copy_stage.c); smaller pageable copies take the plain backend copy, whose fixed
  * costs are lower than staging's. options->path forces a path.
  *
@@ -647,11 +649,15 @@ static const char *where_str(where_t w, char *buf, size_t len) {
   return buf;
 }
 
-/* SIDE_PINNED_RO: registered with PM_REGISTER_READ_ONLY (the device may only read it). */
+/* SIDE_PINNED_RO: registered with PM_REGISTER_READ_ONLY (the device may only read it).
+ * SIDE_PINNED_OTHER: page-locked by another library (cudaHostAlloc, cudaHostRegister, PyTorch's
+ * pin_memory), as the backend reports it: one DMA like pinmem's own, but never a kernel's
+ * (whether it is mapped for kernels is not known). */
 typedef enum side_kind {
   SIDE_PAGEABLE,
   SIDE_PINNED,
   SIDE_PINNED_RO,
+  SIDE_PINNED_OTHER,
   SIDE_MANAGED,
   SIDE_DEVICE
 } side_kind_t;
@@ -664,6 +670,8 @@ static const char *side_name(side_kind_t k) {
       return "pinned host";
     case SIDE_PINNED_RO:
       return "read-only registered host";
+    case SIDE_PINNED_OTHER:
+      return "pinned host (pinned outside pinmem)";
     case SIDE_MANAGED:
       return "managed";
     case SIDE_DEVICE:
@@ -696,6 +704,22 @@ typedef struct qcache {
   side_kind_t kind;
 } qcache_t;
 
+/* An address the registry does not track, as the backend sees it. Pinned memory of another
+ * library takes the direct path when the copy's last byte is pinned too: a range running on into
+ * pageable memory is staged, as pageable memory is. That second question is asked only where the
+ * answer changes the path (staging starts at copy_stage_min), so a small copy asks one. */
+static side_kind_t foreign_side(const pm__backend_t *b, const void *p, size_t bytes) {
+  int k = b->pointer_kind ? b->pointer_kind(p)
+          : (b->is_device_pointer && b->is_device_pointer(p)) ? PM__PTR_DEVICE
+                                                               : PM__PTR_OTHER;
+  if (k == PM__PTR_DEVICE) return SIDE_DEVICE;
+  if (k != PM__PTR_PINNED) return SIDE_PAGEABLE;
+  if (bytes > 1 && bytes >= copy_stage_min() &&
+      b->pointer_kind((const char *)p + bytes - 1) != PM__PTR_PINNED)
+    return SIDE_PAGEABLE;
+  return SIDE_PINNED_OTHER;
+}
+
 static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes, const char *name,
                             where_t w, qcache_t *cache, side_kind_t *out) {
   uintptr_t a = (uintptr_t)p;
@@ -711,8 +735,9 @@ static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes,
   side_kind_t k;
   switch (info.kind) {
     case PM_MEMORY_PAGEABLE:
-      /* Device memory of other allocators is unknown to the registry; the backend knows it. */
-      *out = (b->is_device_pointer && b->is_device_pointer(p)) ? SIDE_DEVICE : SIDE_PAGEABLE;
+      /* Device memory of other allocators, and host memory other libraries pinned, are unknown
+       * to the registry; the backend knows them. */
+      *out = foreign_side(b, p, bytes);
       return PM_OK;
     case PM_MEMORY_POOL:
       if (!info.in_use)
@@ -762,7 +787,7 @@ static bool can_dev(side_kind_t k) {
  * backend says so). Read-only registrations are never a kernel's destination: the device would
  * fault, where a DMA only fails. */
 static bool can_kernel(side_kind_t k, bool write) {
-  return k != SIDE_PAGEABLE && !(write && k == SIDE_PINNED_RO);
+  return k != SIDE_PAGEABLE && k != SIDE_PINNED_OTHER && !(write && k == SIDE_PINNED_RO);
 }
 
 static pm_status_t resolve_kind(pm_copy_kind_t asked, side_kind_t s, side_kind_t d, where_t w,

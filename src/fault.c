@@ -303,6 +303,9 @@ static pm_status_t f_launch_batch_copy(const pm__copy_desc_t *desc, size_t count
 static int f_is_device_pointer(const void *ptr) {
   return real_backend()->is_device_pointer(ptr);
 }
+static int f_pointer_kind(const void *ptr) {
+  return real_backend()->pointer_kind(ptr);
+}
 /* Nor this one, about the device. */
 static int f_kernel_host_access(void) {
   return real_backend()->kernel_host_access();
@@ -363,6 +366,7 @@ pm_status_t pm__fault_wrap(const pm__backend_t **backend) {
     FWD(launch_busy);
     FWD(launch_host_func);
     FWD(is_device_pointer);
+    FWD(pointer_kind);
     FWD(memcpy_batch_async);
     FWD(launch_batch_copy);
     FWD(kernel_host_access);

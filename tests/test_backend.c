@@ -293,6 +293,27 @@ static void test_device_memory(void) {
   int local = 0;
   CHECK(!B->is_device_pointer(&local));
   CHECK(!B->is_device_pointer(h));
+  /* The three answers of pointer_kind, each end of each range. */
+  REQUIRE(B->pointer_kind != NULL);
+  CHECK_EQ_INT(B->pointer_kind(d), PM__PTR_DEVICE);
+  CHECK_EQ_INT(B->pointer_kind(d + n - 1), PM__PTR_DEVICE);
+  CHECK_EQ_INT(B->pointer_kind(h), PM__PTR_PINNED);
+  CHECK_EQ_INT(B->pointer_kind(h + n - 1), PM__PTR_PINNED);
+  CHECK_EQ_INT(B->pointer_kind(&local), PM__PTR_OTHER);
+  CHECK_EQ_INT(B->pointer_kind(NULL), PM__PTR_OTHER);
+  {
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    unsigned char *r = NULL;
+    REQUIRE(posix_memalign((void **)&r, pg, 2 * pg) == 0);
+    CHECK_EQ_INT(B->pointer_kind(r), PM__PTR_OTHER);
+    CHECK_OK(B->host_register(r, pg, 0));
+    CHECK_EQ_INT(B->pointer_kind(r), PM__PTR_PINNED);
+    CHECK_EQ_INT(B->pointer_kind(r + pg - 1), PM__PTR_PINNED);
+    CHECK_EQ_INT(B->pointer_kind(r + pg), PM__PTR_OTHER);
+    CHECK_OK(B->host_unregister(r, pg));
+    CHECK_EQ_INT(B->pointer_kind(r), PM__PTR_OTHER);
+    free(r);
+  }
 
   /* memset, then the bytes as seen through a copy back */
   CHECK_OK(B->device_memset_async(d, 0x5a, n, NULL));
@@ -375,6 +396,7 @@ static void test_managed(void) {
   REQUIRE_OK(B->managed_alloc(n, (void **)&m));
   CHECK(B->is_device_pointer(m));
   CHECK(B->is_device_pointer(m + n - 1));
+  CHECK_EQ_INT(B->pointer_kind(m), PM__PTR_DEVICE);
   pm_test_fill(m, n, 41);
   unsigned char *want = malloc(n);
   REQUIRE(want);

@@ -39,8 +39,10 @@ static void sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
-typedef enum { MEM_PAGEABLE, MEM_POOL, MEM_REGISTERED, MEM_MANAGED } mem_t;
-static const char *mem_name[] = {"pageable", "pool", "registered", "managed"};
+/* MEM_FOREIGN: pinned by the backend directly, as cudaHostAlloc from PyTorch or CuPy would be:
+ * page-locked, yet unknown to pinmem's registry. */
+typedef enum { MEM_PAGEABLE, MEM_POOL, MEM_REGISTERED, MEM_MANAGED, MEM_FOREIGN } mem_t;
+static const char *mem_name[] = {"pageable", "pool", "registered", "managed", "foreign pinned"};
 
 typedef struct hbuf {
   mem_t kind;
@@ -70,6 +72,9 @@ static void hbuf_make(hbuf_t *h, mem_t kind, size_t bytes, size_t off) {
     case MEM_MANAGED:
       REQUIRE_OK(pm_managed_alloc(h->size, &a));
       break;
+    case MEM_FOREIGN:
+      REQUIRE_OK(pm__backend()->host_alloc(h->size, 0, &a));
+      break;
   }
   h->alloc = a;
   h->p = h->alloc + off;
@@ -89,6 +94,9 @@ static void hbuf_free(hbuf_t *h) {
       break;
     case MEM_MANAGED:
       CHECK_OK(pm_managed_free(h->alloc));
+      break;
+    case MEM_FOREIGN:
+      CHECK_OK(pm__backend()->host_free(h->alloc, h->size));
       break;
   }
   h->alloc = h->p = NULL;
@@ -258,6 +266,48 @@ static pm_copy_path_t expect_path(mem_t host, size_t bytes, pm_copy_path_t force
   return host == MEM_PAGEABLE && bytes >= g_stage_min ? PM_PATH_STAGED : PM_PATH_DIRECT;
 }
 
+/* The path of one H2D copy whose bytes must all arrive (a fence tells which path ran). */
+static pm_copy_path_t h2d_path(const char *src, size_t bytes, pm_stream_t s, const char *what) {
+  dbuf_t dev;
+  dbuf_make(&dev, bytes, 77);
+  pm_fence_t f = NULL;
+  pm_copy_path_t path = (pm_copy_path_t)-1;
+  CHECK_OK(pm_copy_async(dev.p, src, bytes, s, NULL, &f));
+  if (f) {
+    CHECK_OK(pm_fence_wait(f));
+    CHECK_OK(pm_fence_path(f, &path));
+    CHECK_OK(pm_fence_release(f));
+  }
+  char *d = dbuf_read(&dev);
+  CHECK_BYTES(d, src, bytes, "%s", what);
+  free(d);
+  dbuf_free(&dev);
+  return path;
+}
+
+/* Memory pinned outside pinmem (registered through the backend directly) is copied by one DMA
+ * only while the whole range is pinned: a copy that starts in it and runs on into pageable
+ * memory is staged like pageable memory, and its bytes arrive either way. */
+static void test_foreign_pinned(pm_stream_t s) {
+  const pm__backend_t *b = pm__backend();
+  size_t half = (g_stage_min + g_page - 1) / g_page * g_page * 2;
+  char *buf = NULL;
+  REQUIRE(posix_memalign((void **)&buf, g_page, 2 * half) == 0);
+  pm_test_fill(buf, 2 * half, 3500);
+  REQUIRE_OK(b->host_register(buf, half, 0));
+  pm_pointer_info_t info;
+  CHECK_OK(pm_pointer_query(buf, &info));
+  CHECK_EQ_INT(info.kind, PM_MEMORY_PAGEABLE); /* the registry does not know it */
+  CHECK_EQ_INT(h2d_path(buf + 1, half - 1, s, "all pinned"), PM_PATH_DIRECT);
+  CHECK_EQ_INT(h2d_path(buf + half - 4096, g_stage_min + 4096, s, "pinned, then pageable"),
+               PM_PATH_STAGED);
+  CHECK_EQ_INT(h2d_path(buf + half - 10, 20, s, "small, across the edge"), PM_PATH_DIRECT);
+  CHECK_EQ_INT(h2d_path(buf + half, g_stage_min, s, "past the pinned part"), PM_PATH_STAGED);
+  CHECK_OK(b->host_unregister(buf, half));
+  CHECK_EQ_INT(h2d_path(buf, g_stage_min, s, "unregistered again"), PM_PATH_STAGED);
+  free(buf);
+}
+
 /* ---- round trips ----------------------------------------------------------------------------- */
 
 /* host(src_kind) -> device -> host(back_kind), each leg through pm_copy_async with a fence; the
@@ -355,6 +405,12 @@ static void test_roundtrips(pm_stream_t s) {
   }
   /* Managed memory takes the direct path both ways. */
   roundtrip(MEM_MANAGED, MEM_MANAGED, 3 * c + 9, 1, 2, 3, s, PM_PATH_AUTO, 3300);
+  /* So does memory another library pinned, small or above copy_stage_min, either leg. */
+  roundtrip(MEM_FOREIGN, MEM_PAGEABLE, g_stage_min + 4093, 1, 2, 3, s, PM_PATH_AUTO, 3400);
+  roundtrip(MEM_PAGEABLE, MEM_FOREIGN, 3 * c + 17, 5, 0, 7, s, PM_PATH_AUTO, 3401);
+  roundtrip(MEM_FOREIGN, MEM_FOREIGN, 77, 3, 1, 0, s, PM_PATH_AUTO, 3402);
+  roundtrip(MEM_FOREIGN, MEM_POOL, 2 * g_stage_min, 0, 0, 0, s, PM_PATH_STAGED, 3403);
+  cases += 5;
   /* Random sizes and offsets. */
   int nrand = g_small ? 4 : 24;
   for (int i = 0; i < nrand; i++) {
@@ -1341,6 +1397,7 @@ int main(void) {
   } while (0)
   RUN(test_errors(s));
   RUN(test_roundtrips(s));
+  RUN(test_foreign_pinned(s));
   RUN(test_d2d_h2h(s));
   RUN(test_h2d_source_reuse(s));
   RUN(test_d2h_completion(s, s2));
