@@ -55,6 +55,30 @@ def test_pin_tensor_then_copy_to_cuda(rng):
         assert torch.equal(back, t)
 
 
+def test_torch_pinned_tensor_copies_by_one_dma(rng):
+    # Pinned by torch, not by pinmem: above copy_stage_min (8 MiB) still one DMA each way,
+    # not staged as pageable memory would be.
+    torch = skip_unless_torch_cuda()
+    n = 3 << 22  # 12 MiB of float32
+    t = torch.from_numpy(rng.random(n // 4).astype(np.float32)).pin_memory()
+    assert t.is_pinned()
+    assert pinmem.pointer_info(t.data_ptr())["kind"] == "pageable"  # unknown to pinmem
+    d = torch.empty_like(t, device="cuda")
+    c = pinmem.copy(d, t)
+    c.wait()
+    assert c.path == "direct"
+    assert torch.equal(d.cpu(), t)
+    back = torch.empty_like(t).pin_memory()
+    c = pinmem.copy(back, d)
+    c.wait()
+    assert c.path == "direct" and torch.equal(back, t)
+    # A pageable tensor of the same size is staged.
+    page = torch.empty_like(t)
+    c = pinmem.copy(page, d)
+    c.wait()
+    assert c.path == "staged" and torch.equal(page, t)
+
+
 def test_device_buffer_to_torch_with_stream_order(rng):
     torch = skip_unless_torch_cuda()
     n = 1 << 22
