@@ -652,12 +652,15 @@ static const char *where_str(where_t w, char *buf, size_t len) {
 /* SIDE_PINNED_RO: registered with PM_REGISTER_READ_ONLY (the device may only read it).
  * SIDE_PINNED_OTHER: page-locked by another library (cudaHostAlloc, cudaHostRegister, PyTorch's
  * pin_memory), as the backend reports it: one DMA like pinmem's own, but never a kernel's
- * (whether it is mapped for kernels is not known). */
+ * (whether it is mapped for kernels is not known).
+ * SIDE_PINNED_PART: starts in such memory and runs on past it. CUDA refuses a DMA over that
+ * range (cudaErrorInvalidValue, seen on the H200), so it is staged whatever its size. */
 typedef enum side_kind {
   SIDE_PAGEABLE,
   SIDE_PINNED,
   SIDE_PINNED_RO,
   SIDE_PINNED_OTHER,
+  SIDE_PINNED_PART,
   SIDE_MANAGED,
   SIDE_DEVICE
 } side_kind_t;
@@ -672,6 +675,8 @@ static const char *side_name(side_kind_t k) {
       return "read-only registered host";
     case SIDE_PINNED_OTHER:
       return "pinned host (pinned outside pinmem)";
+    case SIDE_PINNED_PART:
+      return "host, pinned outside pinmem in part";
     case SIDE_MANAGED:
       return "managed";
     case SIDE_DEVICE:
@@ -705,18 +710,17 @@ typedef struct qcache {
 } qcache_t;
 
 /* An address the registry does not track, as the backend sees it. Pinned memory of another
- * library takes the direct path when the copy's last byte is pinned too: a range running on into
- * pageable memory is staged, as pageable memory is. That second question is asked only where the
- * answer changes the path (staging starts at copy_stage_min), so a small copy asks one. */
+ * library takes the direct path when the copy's last byte is pinned too (the backend gives no
+ * extent; a second query costs 0.07-0.2 us on the H200, bench/NOTES.md); a range running on past
+ * it is staged. */
 static side_kind_t foreign_side(const pm__backend_t *b, const void *p, size_t bytes) {
   int k = b->pointer_kind ? b->pointer_kind(p)
           : (b->is_device_pointer && b->is_device_pointer(p)) ? PM__PTR_DEVICE
                                                                : PM__PTR_OTHER;
   if (k == PM__PTR_DEVICE) return SIDE_DEVICE;
   if (k != PM__PTR_PINNED) return SIDE_PAGEABLE;
-  if (bytes > 1 && bytes >= copy_stage_min() &&
-      b->pointer_kind((const char *)p + bytes - 1) != PM__PTR_PINNED)
-    return SIDE_PAGEABLE;
+  if (bytes > 1 && b->pointer_kind((const char *)p + bytes - 1) != PM__PTR_PINNED)
+    return SIDE_PINNED_PART;
   return SIDE_PINNED_OTHER;
 }
 
@@ -787,7 +791,8 @@ static bool can_dev(side_kind_t k) {
  * backend says so). Read-only registrations are never a kernel's destination: the device would
  * fault, where a DMA only fails. */
 static bool can_kernel(side_kind_t k, bool write) {
-  return k != SIDE_PAGEABLE && k != SIDE_PINNED_OTHER && !(write && k == SIDE_PINNED_RO);
+  return k != SIDE_PAGEABLE && k != SIDE_PINNED_OTHER && k != SIDE_PINNED_PART &&
+         !(write && k == SIDE_PINNED_RO);
 }
 
 static pm_status_t resolve_kind(pm_copy_kind_t asked, side_kind_t s, side_kind_t d, where_t w,
@@ -1051,6 +1056,8 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
       stage = true;
     } else if (opt.path == PM_PATH_AUTO && host == SIDE_PAGEABLE) {
       stage = bytes >= copy_stage_min();
+    } else if (opt.path == PM_PATH_AUTO && host == SIDE_PINNED_PART) {
+      stage = true;
     }
   } else if (opt.path == PM_PATH_STAGED) {
     return pm__set_error(PM_ERR_INVALID,
@@ -1130,7 +1137,8 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
     bool hd = kind == PM_COPY_H2D || kind == PM_COPY_D2H;
     side_kind_t host = kind == PM_COPY_H2D ? s : d;
     bool stage =
-        hd && (opt.path == PM_PATH_STAGED || (opt.path == PM_PATH_AUTO && host == SIDE_PAGEABLE));
+        hd && (opt.path == PM_PATH_STAGED ||
+               (opt.path == PM_PATH_AUTO && (host == SIDE_PAGEABLE || host == SIDE_PINNED_PART)));
     if (!hd && opt.path == PM_PATH_STAGED) {
       char wb[96];
       st = pm__set_error(PM_ERR_INVALID,

@@ -287,7 +287,8 @@ static pm_copy_path_t h2d_path(const char *src, size_t bytes, pm_stream_t s, con
 
 /* Memory pinned outside pinmem (registered through the backend directly) is copied by one DMA
  * only while the whole range is pinned: a copy that starts in it and runs on into pageable
- * memory is staged like pageable memory, and its bytes arrive either way. */
+ * memory is staged, small or not (CUDA refuses one DMA over such a range), and its bytes arrive
+ * either way. */
 static void test_foreign_pinned(pm_stream_t s) {
   const pm__backend_t *b = pm__backend();
   size_t half = (g_stage_min + g_page - 1) / g_page * g_page * 2;
@@ -301,7 +302,23 @@ static void test_foreign_pinned(pm_stream_t s) {
   CHECK_EQ_INT(h2d_path(buf + 1, half - 1, s, "all pinned"), PM_PATH_DIRECT);
   CHECK_EQ_INT(h2d_path(buf + half - 4096, g_stage_min + 4096, s, "pinned, then pageable"),
                PM_PATH_STAGED);
-  CHECK_EQ_INT(h2d_path(buf + half - 10, 20, s, "small, across the edge"), PM_PATH_DIRECT);
+  CHECK_EQ_INT(h2d_path(buf + half - 10, 20, s, "small, across the edge"), PM_PATH_STAGED);
+  CHECK_EQ_INT(h2d_path(buf + half - 20, 20, s, "small, up to the edge"), PM_PATH_DIRECT);
+  {
+    /* The same in one batch: a piece inside, a piece across the edge, a piece past it. */
+    dbuf_t dev;
+    dbuf_make(&dev, 3 * 4096, 78);
+    pm_copy_item_t it[3] = {{dev.p, buf + 100, 4096},
+                            {dev.p + 4096, buf + half - 7, 4096},
+                            {dev.p + 8192, buf + half + 5, 4096}};
+    CHECK_OK(pm_copy_batch_async(it, 3, s, NULL, NULL));
+    CHECK_OK(pm_stream_synchronize(s));
+    char *d = dbuf_read(&dev);
+    for (int i = 0; i < 3; i++)
+      CHECK_BYTES(d + i * 4096, (const char *)it[i].src, 4096, "batch piece %d", i);
+    free(d);
+    dbuf_free(&dev);
+  }
   CHECK_EQ_INT(h2d_path(buf + half, g_stage_min, s, "past the pinned part"), PM_PATH_STAGED);
   CHECK_OK(b->host_unregister(buf, half));
   CHECK_EQ_INT(h2d_path(buf, g_stage_min, s, "unregistered again"), PM_PATH_STAGED);
