@@ -415,7 +415,7 @@ static pm_status_t check_device_side(const char *fn, const char *what, const pm_
   }
   /* Not ours: device memory of another library (PyTorch, CuPy) is fine when the backend
    * recognises it. */
-  if (b->is_device_pointer && b->is_device_pointer(ptr)) return PM_OK;
+  if (b->pointer_kind(ptr) == PM__PTR_DEVICE) return PM_OK;
   return pm__set_error(PM_ERR_INVALID, "%s: %s %p is not device memory", fn, what, ptr);
 }
 
@@ -458,11 +458,11 @@ static pm_status_t check_copy(const char *fn, const pm__backend_t *b, void *dst,
 
   if (*kind == PM_COPY_DEFAULT) {
     /* Inferred here for every backend, so the backend always gets an explicit direction.
-     * Managed memory counts as device memory (the contract's is_device_pointer does too). */
+     * Managed memory counts as device memory (the backend's pointer_kind says so too). */
     int dd = kd ? (rd.kind == PM_MEMORY_DEVICE || rd.kind == PM_MEMORY_MANAGED)
-                : (b->is_device_pointer ? b->is_device_pointer(dst) : 0);
+                : b->pointer_kind(dst) == PM__PTR_DEVICE;
     int sd = ks ? (rs.kind == PM_MEMORY_DEVICE || rs.kind == PM_MEMORY_MANAGED)
-                : (b->is_device_pointer ? b->is_device_pointer(src) : 0);
+                : b->pointer_kind(src) == PM__PTR_DEVICE;
     *kind = dd ? (sd ? PM_COPY_D2D : PM_COPY_H2D) : (sd ? PM_COPY_D2H : PM_COPY_H2H);
     return PM_OK;
   }
@@ -631,7 +631,7 @@ pm_status_t pm_managed_prefetch(const void *ptr, size_t bytes, int device, pm_st
   if (known && r.kind != PM_MEMORY_MANAGED)
     return pm__set_error(PM_ERR_WRONG_KIND, "%s(%p): the address is %s, not managed memory", fn,
                          ptr, kind_desc(r.kind));
-  if (!known && !(b->is_device_pointer && b->is_device_pointer(ptr)))
+  if (!known && b->pointer_kind(ptr) != PM__PTR_DEVICE)
     return pm__set_error(PM_ERR_NOT_FOUND, "%s(%p): not managed memory (use pm_managed_alloc)", fn,
                          ptr);
   if (bytes == 0) return PM_OK;

@@ -76,16 +76,11 @@ typedef struct pm__backend {
   pm_status_t (*launch_busy)(pm_stream_t stream, double seconds);
   pm_status_t (*launch_host_func)(pm_stream_t stream, void (*fn)(void *), void *arg);
 
-  /* Is this address device memory from device_alloc (or managed)? Used to infer copy
-   * directions. 1 device, 0 host. */
-  int (*is_device_pointer)(const void *ptr);
-
-  /* Optional (NULL: is_device_pointer alone): the same question with one more answer, for an
-   * address pinmem's registry does not track: PM__PTR_DEVICE (device or managed memory),
-   * PM__PTR_PINNED (host memory another library page-locked through the backend:
-   * cudaHostAlloc, cudaHostRegister, PyTorch's pin_memory) or PM__PTR_OTHER (pageable memory,
-   * or nothing the backend knows). One query, no dearer than is_device_pointer: the copy engine
-   * asks it instead, so pinned memory it did not allocate is copied by one DMA, not staged. */
+  /* What the backend knows of an address, whoever allocated it: PM__PTR_DEVICE (device or
+   * managed memory: copy directions are inferred from it), PM__PTR_PINNED (page-locked host
+   * memory, also when another library pinned it: cudaHostAlloc, cudaHostRegister, PyTorch's
+   * pin_memory; the copy engine gives it one DMA instead of staging it) or PM__PTR_OTHER
+   * (pageable memory, or nothing the backend knows). One cheap query (0.07-0.2 us on the H200). */
   int (*pointer_kind)(const void *ptr);
 
   /* Optional (NULL where the backend has none): `count` copies, stream-ordered on `stream`, in

@@ -785,10 +785,6 @@ static int cuda_pointer_kind(const void *ptr) {
   return a.type == cudaMemoryTypeHost ? PM__PTR_PINNED : PM__PTR_OTHER;
 }
 
-static int cuda_is_device_pointer(const void *ptr) {
-  return cuda_pointer_kind(ptr) == PM__PTR_DEVICE;
-}
-
 const pm__backend_t pm__backend_cuda = {
     .name = "cuda",
     .kind = PM_BACKEND_CUDA,
@@ -825,7 +821,6 @@ const pm__backend_t pm__backend_cuda = {
     .memcpy_sync = cuda_memcpy_sync,
     .launch_busy = cuda_launch_busy,
     .launch_host_func = cuda_launch_host_func,
-    .is_device_pointer = cuda_is_device_pointer,
     .pointer_kind = cuda_pointer_kind,
     .memcpy_batch_async = cuda_memcpy_batch_async,
     .launch_batch_copy = cuda_launch_batch_copy,

@@ -495,14 +495,6 @@ static pm_status_t managed_free(void *ptr) {
   return device_release("managed_free", ptr);
 }
 
-static int is_device_pointer(const void *ptr) {
-  if (!ptr) return 0;
-  pthread_mutex_lock(&mem_lock);
-  long i = tbl_find(&device_tbl, (uintptr_t)ptr);
-  pthread_mutex_unlock(&mem_lock);
-  return i >= 0;
-}
-
 /* As a driver answers it: the device table, then what this backend mlock'd (a registration
  * still pending is not pinned yet). */
 static int pointer_kind(const void *ptr) {
@@ -1510,6 +1502,5 @@ const pm__backend_t pm__backend_host = {
     .launch_batch_copy = launch_batch_copy,
     .kernel_host_access = kernel_host_access,
     .launch_host_func = launch_host_func,
-    .is_device_pointer = is_device_pointer,
     .pointer_kind = pointer_kind,
 };

@@ -714,9 +714,7 @@ typedef struct qcache {
  * extent; a second query costs 0.07-0.2 us on the H200, bench/NOTES.md); a range running on past
  * it is staged. */
 static side_kind_t foreign_side(const pm__backend_t *b, const void *p, size_t bytes) {
-  int k = b->pointer_kind ? b->pointer_kind(p)
-          : (b->is_device_pointer && b->is_device_pointer(p)) ? PM__PTR_DEVICE
-                                                               : PM__PTR_OTHER;
+  int k = b->pointer_kind(p);
   if (k == PM__PTR_DEVICE) return SIDE_DEVICE;
   if (k != PM__PTR_PINNED) return SIDE_PAGEABLE;
   if (bytes > 1 && b->pointer_kind((const char *)p + bytes - 1) != PM__PTR_PINNED)
@@ -1054,10 +1052,8 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
     side_kind_t host = kind == PM_COPY_H2D ? s : d;
     if (opt.path == PM_PATH_STAGED) {
       stage = true;
-    } else if (opt.path == PM_PATH_AUTO && host == SIDE_PAGEABLE) {
-      stage = bytes >= copy_stage_min();
-    } else if (opt.path == PM_PATH_AUTO && host == SIDE_PINNED_PART) {
-      stage = true;
+    } else if (opt.path == PM_PATH_AUTO) {
+      stage = host == SIDE_PINNED_PART || (host == SIDE_PAGEABLE && bytes >= copy_stage_min());
     }
   } else if (opt.path == PM_PATH_STAGED) {
     return pm__set_error(PM_ERR_INVALID,

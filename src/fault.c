@@ -300,9 +300,6 @@ static pm_status_t f_launch_batch_copy(const pm__copy_desc_t *desc, size_t count
 }
 
 /* Not fallible: a plain question about an address. */
-static int f_is_device_pointer(const void *ptr) {
-  return real_backend()->is_device_pointer(ptr);
-}
 static int f_pointer_kind(const void *ptr) {
   return real_backend()->pointer_kind(ptr);
 }
@@ -365,7 +362,6 @@ pm_status_t pm__fault_wrap(const pm__backend_t **backend) {
     FWD(memcpy_sync);
     FWD(launch_busy);
     FWD(launch_host_func);
-    FWD(is_device_pointer);
     FWD(pointer_kind);
     FWD(memcpy_batch_async);
     FWD(launch_batch_copy);
