@@ -45,7 +45,7 @@
  * dropped while pending. Host functions only post jobs; they never call the backend. User
  * callbacks run on a completion thread with no lock held.
  *
- * Lock order: g_live_mu, g_cq_mu, g_reap_mu and each fence's mu are leaves: no two are ever
+ * Lock order: the handle set (handles.c), g_cq_mu, g_reap_mu and each fence's mu are leaves: no two are ever
  * held together, and none is held across a backend, pool or registry call or a user callback.
  */
 #include <errno.h>
@@ -478,96 +478,13 @@ static void cq_run(cq_node_t *node) {
   }
 }
 
-/* ---- live fence handles (open addressing; 0 empty, 1 deleted) ---------------------------- */
+/* ---- live fence handles (handles.c) ---------------------------------------------------- */
 
-static pthread_mutex_t g_live_mu = PTHREAD_MUTEX_INITIALIZER;
-static uintptr_t *g_live;
-static size_t g_live_cap, g_live_used; /* used: live + deleted slots */
-
-static size_t live_hash(uintptr_t key, size_t cap) {
-  return (size_t)(((uint64_t)key >> 4) * 0x9E3779B97F4A7C15ull >> 17) & (cap - 1);
-}
-
-/* Slot of key, or of the first free slot on its probe path when absent. Needs the lock. */
-static size_t live_find_locked(uintptr_t key, bool *found) {
-  size_t i = live_hash(key, g_live_cap), first_free = SIZE_MAX;
-  for (;;) {
-    uintptr_t v = g_live[i];
-    if (v == key) {
-      *found = true;
-      return i;
-    }
-    if (v <= 1 && first_free == SIZE_MAX) first_free = i;
-    if (v == 0) {
-      *found = false;
-      return first_free;
-    }
-    i = (i + 1) & (g_live_cap - 1);
-  }
-}
-
-static pm_status_t live_add(pm_fence_t f) {
-  pm_status_t st = PM_OK;
-  pthread_mutex_lock(&g_live_mu);
-  if ((g_live_used + 1) * 2 > g_live_cap) {
-    size_t live = 0;
-    for (size_t i = 0; i < g_live_cap; i++) live += g_live[i] > 1;
-    size_t cap = 64;
-    while (cap < (live + 1) * 4) cap *= 2;
-    uintptr_t *t = calloc(cap, sizeof *t);
-    if (!t) {
-      st = pm__set_error(PM_ERR_NOMEM, "malloc of the fence table (%zu slots) failed", cap);
-      goto out;
-    }
-    uintptr_t *old = g_live;
-    size_t old_cap = g_live_cap;
-    g_live = t;
-    g_live_cap = cap;
-    g_live_used = 0;
-    for (size_t i = 0; i < old_cap; i++) {
-      if (old[i] <= 1) continue;
-      bool found;
-      g_live[live_find_locked(old[i], &found)] = old[i];
-      g_live_used++;
-    }
-    free(old);
-  }
-  bool found;
-  size_t i = live_find_locked((uintptr_t)f, &found);
-  if (!found) {
-    if (g_live[i] == 0) g_live_used++;
-    g_live[i] = (uintptr_t)f;
-  }
-out:
-  pthread_mutex_unlock(&g_live_mu);
-  return st;
-}
-
-static bool live_remove(pm_fence_t f) {
-  bool found = false;
-  pthread_mutex_lock(&g_live_mu);
-  if (g_live_cap) {
-    size_t i = live_find_locked((uintptr_t)f, &found);
-    if (found) g_live[i] = 1;
-  }
-  pthread_mutex_unlock(&g_live_mu);
-  return found;
-}
-
-static bool live_has(pm_fence_t f) {
-  bool found = false;
-  pthread_mutex_lock(&g_live_mu);
-  if (g_live_cap) (void)live_find_locked((uintptr_t)f, &found);
-  pthread_mutex_unlock(&g_live_mu);
-  return found;
-}
+static pm_status_t live_add(pm_fence_t f) { return pm__handle_add(f, PM__HANDLE_FENCE); }
+static bool live_remove(pm_fence_t f) { return pm__handle_remove(f, PM__HANDLE_FENCE); }
 
 static pm_status_t fence_check(pm_fence_t f, const char *fn) {
-  if (!f) return pm__set_error(PM_ERR_INVALID, "%s: fence is NULL", fn);
-  if (!live_has(f))
-    return pm__set_error(PM_ERR_INVALID, "%s: fence %p is unknown or was already released", fn,
-                         (void *)f);
-  return PM_OK;
+  return pm__handle_check(f, PM__HANDLE_FENCE, fn);
 }
 
 /* ---- public fence calls --------------------------------------------------------------------- */

@@ -31,6 +31,25 @@ pm_status_t pm__set_error(pm_status_t status, const char *fmt, ...) PM__PRINTF(2
 pm_status_t pm__wrap_error(pm_status_t status, const char *fmt, ...) PM__PRINTF(2, 3);
 void pm__clear_error(void);
 
+/* ---- handles.c --------------------------------------------------------------------------- */
+
+/* The live set of user-held handles: entered at create, removed at destroy, checked by every
+ * public call, so a stale or foreign pointer gets PM_ERR_INVALID instead of a use after free. */
+typedef enum pm__handle_kind {
+  PM__HANDLE_FENCE = 1,
+  PM__HANDLE_POOL,
+  PM__HANDLE_DATASET,
+  PM__HANDLE_LOADER,
+} pm__handle_kind_t;
+
+pm_status_t pm__handle_add(const void *h, pm__handle_kind_t kind); /* PM_ERR_NOMEM only */
+/* false when h was not live (already removed, or never added): the caller's double destroy. */
+bool pm__handle_remove(const void *h, pm__handle_kind_t kind);
+bool pm__handle_live(const void *h, pm__handle_kind_t kind);
+/* PM_OK, or PM_ERR_INVALID with "<fn>: <kind> <h> is unknown or was already destroyed". */
+pm_status_t pm__handle_check(const void *h, pm__handle_kind_t kind, const char *fn);
+void pm__handles_atfork_child(void); /* a fresh lock in a forked child */
+
 /* ---- config.c ---------------------------------------------------------------------------- */
 
 typedef enum pm__opt {
