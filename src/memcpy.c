@@ -23,6 +23,9 @@
  * Which wins is a measurement (bench/gpu_sweep.sh, docs/performance.md). A mode the CPU
  * cannot run falls back to libc (pm__memcpy_effective says which ran). The result is always
  * the same bytes: the tests run every mode over odd sizes and alignments.
+ *
+ * Threads: no locks and no shared state but the CPU-feature answer, a relaxed atomic that every
+ * thread computes alike; a mover touches only the caller's two buffers.
  */
 #include <stdint.h>
 #include <string.h>
