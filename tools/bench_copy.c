@@ -25,10 +25,10 @@
  * exits 1. Speed targets (TARGET lines) apply to the cuda backend; on the host backend the runs
  * prove correctness only, so the default sizes stop at 64 MiB there.
  *
- * bench overlap: a copy of N bytes and a busy kernel as long as the pinned copy, issued copy
- * first (as a training loop does): on one stream, from pinned memory on two streams, from
- * pageable memory with the plain copy on two streams (it blocks the caller, so the kernel starts
- * late), and with pinmem's staged copy on two streams. Each total is reported against
+ * bench overlap: a copy of N bytes and a busy kernel as long as the pinned copy, the kernel
+ * issued first (as a training step issues its compute before the next batch's copy): on one
+ * stream, from pinned memory on two streams, from pageable memory with the plain copy on two
+ * streams (it holds the calling thread), and with pinmem's staged copy on two streams. Each total is reported against
  * max(copy alone, kernel alone).
  */
 #include <math.h>
