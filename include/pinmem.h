@@ -332,7 +332,7 @@ typedef enum pm_copy_path {
   PM_PATH_AUTO = 0,    /* pick from the registry (default) */
   PM_PATH_DIRECT = 1,  /* one DMA from/to pinned, registered or device memory */
   PM_PATH_STAGED = 2,  /* pageable memory through pinned bounce buffers */
-  PM_PATH_REGISTER = 3 /* reserved: PM_ERR_UNSUPPORTED (README: register in place) */
+  PM_PATH_REGISTER = 3 /* reserved: PM_ERR_UNSUPPORTED (docs/copy-engine.md: register in place) */
 } pm_copy_path_t;
 
 typedef struct pm_copy_options {
