@@ -258,12 +258,20 @@ pm_status_t pm__dataset_alloc(int nfiles, pm_dataset_t **ds_out) {
   }
   ds->nfiles = nfiles;
   atomic_init(&ds->users, 0);
+  /* Live from here, so that every pm_dataset_* call and the loader can check it (handles.c). */
+  pm_status_t st = pm__handle_add(ds, PM__HANDLE_DATASET);
+  if (st != PM_OK) {
+    free(ds->files);
+    free(ds);
+    return st;
+  }
   *ds_out = ds;
   return PM_OK;
 }
 
 void pm__dataset_free(pm_dataset_t *ds) {
   if (!ds) return;
+  (void)pm__handle_remove(ds, PM__HANDLE_DATASET);
   if (ds->destroy_impl) ds->destroy_impl(ds);
   for (int i = 0; i < ds->nfiles; i++) pm__file_close(&ds->files[i]);
   free(ds->files);
@@ -271,7 +279,14 @@ void pm__dataset_free(pm_dataset_t *ds) {
 }
 
 pm_status_t pm_dataset_destroy(pm_dataset_t *dataset) {
-  if (!dataset) return pm__set_error(PM_ERR_INVALID, "pm_dataset_destroy: dataset is NULL");
+  if (pm__handle_foreign(dataset, PM__HANDLE_DATASET)) {
+    /* The parent's dataset, in a forked child: forgotten (its callbacks belong to the parent's
+     * objects and its loaders are the parent's too). */
+    (void)pm__handle_remove(dataset, PM__HANDLE_DATASET);
+    return PM_OK;
+  }
+  pm_status_t st = pm__handle_check(dataset, PM__HANDLE_DATASET, "pm_dataset_destroy");
+  if (st != PM_OK) return st;
   int users = atomic_load(&dataset->users);
   if (users > 0)
     return pm__set_error(PM_ERR_BUSY, "pm_dataset_destroy: %d loader%s still use%s the dataset",
@@ -281,6 +296,8 @@ pm_status_t pm_dataset_destroy(pm_dataset_t *dataset) {
 }
 
 pm_status_t pm_dataset_get_info(const pm_dataset_t *dataset, pm_dataset_info_t *info_out) {
+  pm_status_t st = pm__handle_check(dataset, PM__HANDLE_DATASET, "pm_dataset_get_info");
+  if (st != PM_OK) return st;
   if (!dataset || !info_out)
     return pm__set_error(PM_ERR_INVALID, "pm_dataset_get_info: %s is NULL",
                          !dataset ? "dataset" : "info_out");
@@ -290,6 +307,8 @@ pm_status_t pm_dataset_get_info(const pm_dataset_t *dataset, pm_dataset_info_t *
 
 pm_status_t pm_dataset_read_sample(pm_dataset_t *dataset, uint64_t epoch, uint64_t index, void *dst,
                                    void *targets_dst) {
+  pm_status_t st = pm__handle_check(dataset, PM__HANDLE_DATASET, "pm_dataset_read_sample");
+  if (st != PM_OK) return st;
   if (!dataset || !dst)
     return pm__set_error(PM_ERR_INVALID, "pm_dataset_read_sample: %s is NULL",
                          !dataset ? "dataset" : "dst");
@@ -304,7 +323,7 @@ pm_status_t pm_dataset_read_sample(pm_dataset_t *dataset, uint64_t epoch, uint64
     targets_dst = tmp;
   }
   pm__scratch_t scratch = {NULL, 0};
-  pm_status_t st = dataset->read(dataset, epoch, index, dst, targets_dst, &scratch);
+  st = dataset->read(dataset, epoch, index, dst, targets_dst, &scratch);
   pm__scratch_free(&scratch);
   free(tmp);
   return st;
