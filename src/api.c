@@ -849,6 +849,14 @@ pm_status_t pm_host_record_stream(void *ptr, pm_stream_t stream) {
   pm__range_t r = {0};
   pm_status_t st = lookup_kind("pm_host_record_stream", ptr, PM_MEMORY_POOL, false, &r);
   if (st != PM_OK) return st;
+  /* The stream is used only at pm_host_free, where a bad one could no longer be reported to the
+   * caller who made the mistake (the block would be quarantined). Ask the backend now: the host
+   * backend knows its streams; CUDA answers a destroyed stream with an error. */
+  PM__BACKEND_OR_RETURN(b);
+  st = b->stream_query(stream);
+  if (st != PM_OK && st != PM_NOT_READY)
+    return pm__wrap_error(st, "pm_host_record_stream(%p, stream %p): not a usable stream", ptr,
+                          (void *)stream);
   return pm__pool_record_stream((pm_pool_t *)r.owner, ptr, stream);
 }
 
