@@ -10,9 +10,11 @@
  *
  * File reads by mode:
  * - pread: a loop of pread(2) straight into the destination (a place in a pinned slot).
- * - mmap: a read-only shared mapping of the whole file, memcpy from it. A file truncated by
- *   another process after it was mapped raises SIGBUS, as with any mapping; pread reports it as
- *   PM_ERR_IO instead, which is one reason pread is the default.
+ * - mmap: a read-only shared mapping of the whole file, memcpy from it. Touching a page of a file
+ *   truncated after it was mapped raises SIGBUS, so each read first asks the file's size
+ *   (fstat) and refuses with PM_ERR_IO what the file no longer holds. A truncation between that
+ *   check and the memcpy still raises SIGBUS; pread has no such window, which is one reason
+ *   pread is the default.
  * - O_DIRECT: the page cache is bypassed, so the offset, the length and the memory address must
  *   all be multiples of the logical block size (4 KiB covers every device). The part of a read
  *   whose destination has the same alignment as its file offset goes straight into the
@@ -228,6 +230,19 @@ pm_status_t pm__file_read(pm__file_t *f, uint64_t off, void *dst, size_t len,
     return pm__wrap_error(PM_ERR_IO, "reading %zu bytes at %llu", len, (unsigned long long)off);
   if (f->map) {
     if (off > f->size || len > f->size - off) return read_error(f, "read", off, len, ENODATA);
+    /* Touching a mapped page past the file's current end raises SIGBUS, which would kill the
+     * process: ask the file's size first and refuse a read the file no longer holds. A
+     * truncation between this check and the copy still raises SIGBUS (the window is one
+     * memcpy); io=pread has no such window. */
+    struct stat stt;
+    if (fstat(f->fd, &stt) != 0) return read_error(f, "fstat", off, len, errno);
+    if ((uint64_t)stt.st_size < off + len)
+      return pm__set_error(PM_ERR_IO,
+                           "read(%s, %zu bytes at %llu): the file shrank to %llu bytes after it "
+                           "was mapped (%llu bytes at open); reading the mapping would raise "
+                           "SIGBUS",
+                           f->path, len, (unsigned long long)off,
+                           (unsigned long long)stt.st_size, (unsigned long long)f->size);
     memcpy(dst, f->map + off, len);
     return PM_OK;
   }
