@@ -23,7 +23,7 @@
  * objects (a pool's, a stream's, a loader's) are not taken: those objects are foreign in the
  * child and never locked there.
  *
- * Lock order taken by prepare: api (init_lock, reg_lock) -> pool default_lock -> config ->
+ * Lock order taken by prepare: pool default_lock -> api (init_lock, reg_lock) -> config ->
  * copy engine (completion queue, reaper) -> thread pool -> host backend (obj_lock, rec_lock,
  * mem_lock) -> registry -> handles. Each is a leaf or follows the order its file documents.
  */
@@ -40,8 +40,9 @@ unsigned pm__fork_generation(void) {
 }
 
 static void prepare(void) {
-  pm__api_atfork(PM__FORK_PREPARE);
+  /* pm_pool_default holds default_lock while pm_pool_create starts the backend (init_lock). */
   pm__pool_atfork(PM__FORK_PREPARE);
+  pm__api_atfork(PM__FORK_PREPARE);
   pm__config_atfork(PM__FORK_PREPARE);
   pm__copy_atfork(PM__FORK_PREPARE);
   pm__threadpool_atfork(PM__FORK_PREPARE);
@@ -57,8 +58,8 @@ static void parent(void) {
   pm__threadpool_atfork(PM__FORK_PARENT);
   pm__copy_atfork(PM__FORK_PARENT);
   pm__config_atfork(PM__FORK_PARENT);
-  pm__pool_atfork(PM__FORK_PARENT);
   pm__api_atfork(PM__FORK_PARENT);
+  pm__pool_atfork(PM__FORK_PARENT);
 }
 
 static void child(void) {
