@@ -362,11 +362,19 @@ int main(void) {
   if (g_cuda) {
     CHECK(in_child("cuda child", child_cuda));
   } else {
+#ifdef PM_TEST_TSAN
+    /* ThreadSanitizer keeps the parent's threads in its registry of a forked child and aborts
+     * ("dup thread with used id") when the child's new thread reuses a stack glibc reclaimed
+     * from one of them: a limit of the tool, not of pinmem. These two children start several
+     * threads each; the plain, ASan and valgrind runs check them. */
+    printf("SKIP under ThreadSanitizer: the 'copy' and 'new loader' children (see comment)\n");
+#else
     CHECK(in_child("copy", child_copy));
+    CHECK(in_child("new loader", child_new_loader));
+#endif
     CHECK(in_child("pool", child_pool));
     CHECK(in_child("registry", child_registry));
     CHECK(in_child("foreign objects", child_foreign));
-    CHECK(in_child("new loader", child_new_loader));
 
     /* Forks while another thread copies, allocates and queries: any lock it held at fork()
      * would hang the child's copy (and the alarm would kill it). */
