@@ -368,6 +368,8 @@ int main(void) {
      * from one of them: a limit of the tool, not of pinmem. These two children start several
      * threads each; the plain, ASan and valgrind runs check them. */
     printf("SKIP under ThreadSanitizer: the 'copy' and 'new loader' children (see comment)\n");
+    (void)child_copy;
+    (void)child_new_loader;
 #else
     CHECK(in_child("copy", child_copy));
     CHECK(in_child("new loader", child_new_loader));
