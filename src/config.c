@@ -634,3 +634,15 @@ pm_status_t pm_parse_size(const char *text, size_t *bytes_out) {
   *bytes_out = v;
   return PM_OK;
 }
+
+/* fork.c: the option values carry over to a child; only the lock is fresh. */
+void pm__config_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE) {
+    pthread_mutex_lock(&opt_lock);
+  } else if (phase == PM__FORK_PARENT) {
+    pthread_mutex_unlock(&opt_lock);
+  } else {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    opt_lock = fresh;
+  }
+}

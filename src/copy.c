@@ -347,6 +347,36 @@ static void reaper_run(void) {
   }
 }
 
+/* fork.c: completion threads and the reaper are the parent's; in a child none runs, so the queue
+ * (the parent's fences and copy-outs, foreign here) is dropped and new threads start on demand. */
+static cq_node_t *parent_cq_head; /* left behind, still reachable */
+static reap_node_t *parent_reap;
+
+void pm__copy_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE) {
+    pthread_mutex_lock(&g_cq_mu);
+    pthread_mutex_lock(&g_reap_mu);
+  } else if (phase == PM__FORK_PARENT) {
+    pthread_mutex_unlock(&g_reap_mu);
+    pthread_mutex_unlock(&g_cq_mu);
+  } else {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t fresh_cv = PTHREAD_COND_INITIALIZER;
+    g_cq_mu = fresh;
+    g_reap_mu = fresh;
+    g_cq_cv = fresh_cv;
+    g_cq_exit_cv = fresh_cv;
+    parent_cq_head = g_cq_head;
+    parent_reap = g_reap;
+    g_cq_head = g_cq_tail = NULL;
+    g_cq_len = 0;
+    g_cq_threads = g_cq_idle = 0;
+    g_cq_quit = false;
+    g_reap = NULL; /* events of the parent's streams */
+    g_reaper_on = false;
+  }
+}
+
 /* ---- fences --------------------------------------------------------------------------------- */
 
 struct pm_fence_s {

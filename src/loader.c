@@ -333,6 +333,7 @@ static void loader_free(pm_loader_t *L) {
   pthread_cond_destroy(&L->work_cv);
   pthread_cond_destroy(&L->ready_cv);
   L->magic = 0;
+  (void)pm__handle_remove(L, PM__HANDLE_LOADER);
   free(L);
 }
 
@@ -536,6 +537,8 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
     }
     L->started++;
   }
+  st = pm__handle_add(L, PM__HANDLE_LOADER); /* so that a forked child can tell it is foreign */
+  if (st != PM_OK) goto fail;
   atomic_fetch_add(&dataset->users, 1);
   *loader_out = L;
   return PM_OK;
@@ -550,10 +553,18 @@ fail : {
 }
 
 pm_status_t pm_loader_destroy(pm_loader_t *loader) {
+  if (pm__handle_foreign(loader, PM__HANDLE_LOADER)) {
+    /* The parent's loader, in a forked child: its workers do not exist here (joining them would
+     * wait for ever) and its slots are not pinned. It is forgotten; its memory is left alone. */
+    (void)pm__handle_remove(loader, PM__HANDLE_LOADER);
+    return PM_OK;
+  }
   if (!loader) return pm__set_error(PM_ERR_INVALID, "pm_loader_destroy: loader is NULL");
   if (loader->magic != LOADER_MAGIC)
     return pm__set_error(PM_ERR_INVALID, "pm_loader_destroy: %p is not a live loader",
                          (void *)loader);
+  pm_status_t st = pm__handle_check(loader, PM__HANDLE_LOADER, "pm_loader_destroy");
+  if (st != PM_OK) return st;
   pm_dataset_t *ds = loader->ds;
   loader_free(loader);
   atomic_fetch_sub(&ds->users, 1);
@@ -566,7 +577,7 @@ static pm_status_t check_loader(const char *fn, const pm_loader_t *L) {
   if (!L) return pm__set_error(PM_ERR_INVALID, "%s: loader is NULL", fn);
   if (L->magic != LOADER_MAGIC)
     return pm__set_error(PM_ERR_INVALID, "%s: %p is not a live loader", fn, (const void *)L);
-  return PM_OK;
+  return pm__handle_check(L, PM__HANDLE_LOADER, fn); /* PM_ERR_STATE for the parent's, after fork */
 }
 
 /* The plain copy of a pageable slot, on the consumer's thread (pin_memory 0). */
