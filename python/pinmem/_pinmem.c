@@ -531,8 +531,9 @@ typedef struct BufferObject {
   int readonly;
   int released;
   int ndim;
+  int ndim_cap;        /* dimensions `shape` has room for (>= ndim, >= 1) */
   Py_ssize_t itemsize;
-  Py_ssize_t *shape;   /* ndim entries, then ndim strides (bytes); PyMem */
+  Py_ssize_t *shape;   /* ndim_cap entries, then ndim_cap strides (bytes); PyMem */
   char *format;        /* struct format for the buffer protocol; PyMem */
   const pmpy_dtype_t *dtype; /* NULL when the format has no DLPack equivalent */
   int dl_device_type, dl_device_id;
@@ -559,7 +560,8 @@ static PyTypeObject BufferType, PinnedBufferType, DeviceBufferType;
 
 #define Buffer_Check(o) PyObject_TypeCheck((o), &BufferType)
 
-static Py_ssize_t *buf_strides(BufferObject *b) { return b->shape + b->ndim; }
+/* The strides sit after room for ndim_cap dimensions, so changing ndim never moves them. */
+static Py_ssize_t *buf_strides(BufferObject *b) { return b->shape + b->ndim_cap; }
 
 /* Give the memory back (GIL held; drops it around slow calls). Errors are returned, with
  * pm_last_error() set; the buffer counts as released anyway (there is nothing to retry). */
@@ -624,19 +626,43 @@ static void Buffer_dealloc(BufferObject *self) {
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Give the descriptor `ndim` dimensions, growing its shape/strides storage when it has room
+ * for fewer: the only way ndim changes, so no writer can run past the arrays. Shape and strides
+ * of the dimensions kept are kept; new ones are 0. */
+static int buffer_set_ndim(BufferObject *b, int ndim) {
+  if (ndim < 0 || ndim > PMPY_MAX_NDIM) {
+    raise_fmt(PM_ERR_INVALID, "%d dimensions; at most %d", ndim, PMPY_MAX_NDIM);
+    return -1;
+  }
+  if (ndim > b->ndim_cap || !b->shape) {
+    int cap = ndim > 1 ? ndim : 1;
+    Py_ssize_t *shape = PyMem_Calloc(2 * (size_t)cap, sizeof(Py_ssize_t));
+    if (!shape) {
+      PyErr_NoMemory();
+      return -1;
+    }
+    if (b->shape) {
+      int keep = b->ndim < ndim ? b->ndim : ndim;
+      memcpy(shape, b->shape, (size_t)keep * sizeof *shape);
+      memcpy(shape + cap, buf_strides(b), (size_t)keep * sizeof *shape);
+      PyMem_Free(b->shape);
+    }
+    b->shape = shape;
+    b->ndim_cap = cap;
+  }
+  b->ndim = ndim;
+  return 0;
+}
+
 static BufferObject *buffer_alloc(PyTypeObject *type, int ndim) {
   BufferObject *b = (BufferObject *)type->tp_alloc(type, 0);
   if (!b) return NULL;
-  b->ndim = ndim;
-  b->shape = PyMem_Calloc(2 * (size_t)(ndim > 1 ? ndim : 1), sizeof(Py_ssize_t));
-  if (!b->shape) {
-    b->released = 1;
+  b->released = 1; /* until memory is attached */
+  b->dl_device_type = kDLCPU;
+  if (buffer_set_ndim(b, ndim) < 0) {
     Py_DECREF(b);
-    PyErr_NoMemory();
     return NULL;
   }
-  b->dl_device_type = kDLCPU;
-  b->released = 1; /* until memory is attached */
   return b;
 }
 
@@ -1399,7 +1425,7 @@ static PyObject *py_pin(PyObject *mod, PyObject *args, PyObject *kw) {
     if (!b->dtype) {
       /* Unknown element type: export it as bytes, shape (nbytes,). */
       b->itemsize = 1;
-      b->ndim = 1;
+      if (buffer_set_ndim(b, 1) < 0) goto fail;
       b->shape[0] = (Py_ssize_t)bytes;
     } else {
       for (int i = 0; i < t->ndim; i++) b->shape[i] = (Py_ssize_t)t->shape[i];
@@ -2263,12 +2289,13 @@ static BufferObject *batch_buffer(BatchObject *batch, void *ptr, size_t nbytes) 
     if (batch->loader->dataset->scalar && pb->ndim == 2 && pb->shape[1] == 1) buf->ndim = 1;
   } else {
     /* Records without a dtype of their own: bytes, one row per sample. */
-    buf->ndim = 2;
+    if (buffer_set_ndim(buf, 2) < 0) {
+      Py_DECREF(buf);
+      return NULL;
+    }
     buf->itemsize = 1;
     buf->shape[0] = (Py_ssize_t)pb->samples;
     buf->shape[1] = pb->samples ? (Py_ssize_t)(nbytes / pb->samples) : 0;
-    buf->shape[2] = buf->shape[1];
-    buf->shape[3] = 1;
   }
   size_t n;
   if (buffer_set_format(buf, dt ? dt->format : "B") < 0 || buffer_set_c_strides(buf, &n) < 0) {
