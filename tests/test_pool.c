@@ -545,7 +545,7 @@ static void test_bad_input(void) {
   CHECK_ERR_MSG(pm_host_alloc(pool, 0, 0, &p), PM_ERR_INVALID);
   CHECK_ERR_MSG(pm_host_alloc(pool, 64, 0x100, &p), PM_ERR_INVALID);
   CHECK_ERR_MSG(pm_host_alloc(pool, 64, 0, NULL), PM_ERR_INVALID);
-  CHECK_ERR_MSG(pm_host_alloc(pool, 17 * MiB, 0, &p), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_host_alloc(pool, 17 * MiB, 0, &p), PM_ERR_BUDGET);
   CHECK_ERR_MSG(pm_host_alloc(pool, SIZE_MAX, 0, &p), PM_ERR_INVALID);
   CHECK(p == NULL); /* outputs untouched on failure */
 
