@@ -209,6 +209,8 @@ def _as_array(a):
             return a
     except TypeError:
         pass
+    except ValueError as e:  # NumPy cannot describe it (datetime64, non-native long double)
+        _pinmem._raise(_pinmem.PM_ERR_INVALID, f"pinmem.Loader cannot read this array: {e}")
     import numpy
     return numpy.ascontiguousarray(a)
 

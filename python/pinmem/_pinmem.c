@@ -235,6 +235,30 @@ static int checked_mul(size_t *n, size_t factor) {
   return 0;
 }
 
+/* Does a struct format hold Python object pointers ('O', also as a field of a record)? Their
+ * bytes are references: copied or pinned as plain bytes they would be freed twice. Field names
+ * (between colons) are skipped. */
+static int format_has_objects(const char *f) {
+  for (int in_name = 0; f && *f; f++) {
+    if (*f == ':') in_name = !in_name;
+    else if (!in_name && *f == 'O') return 1;
+  }
+  return 0;
+}
+
+/* Does `o` export Python object pointers through the buffer protocol? (A request with the
+ * format; exporters that cannot describe theirs, e.g. NumPy's datetime64, hold none.) */
+static int buffer_holds_objects(PyObject *o) {
+  Py_buffer v;
+  if (PyObject_GetBuffer(o, &v, PyBUF_RECORDS_RO) < 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  int r = format_has_objects(v.format);
+  PyBuffer_Release(&v);
+  return r;
+}
+
 /* An address given as an int (pointers of other libraries: data_ptr(), stream handles). */
 static int parse_address(PyObject *o, uintptr_t *out) {
   if (!PyLong_Check(o)) {
@@ -1453,8 +1477,27 @@ static PyObject *py_pin(PyObject *mod, PyObject *args, PyObject *kw) {
     int readonly = 0;
     if (PyObject_GetBuffer(obj, &v, PyBUF_RECORDS) < 0) {
       PyErr_Clear();
-      if (PyObject_GetBuffer(obj, &v, PyBUF_RECORDS_RO) < 0) return NULL;
+      if (PyObject_GetBuffer(obj, &v, PyBUF_RECORDS_RO) < 0) {
+        /* The exporter cannot describe its memory (NumPy: datetime64): say so as pinmem. */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *text = ev ? PyObject_Str(ev) : NULL;
+        const char *msg = text ? PyUnicode_AsUTF8(text) : NULL;
+        if (!msg) PyErr_Clear();
+        raise_fmt(PM_ERR_INVALID, "pin: %.100s does not export its memory: %.200s",
+                  Py_TYPE(obj)->tp_name, msg ? msg : "?");
+        Py_XDECREF(text);
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        return NULL;
+      }
       readonly = 1;
+    }
+    if (format_has_objects(v.format)) {
+      PyBuffer_Release(&v);
+      return raise_fmt(PM_ERR_INVALID, "pin: the array holds Python objects (dtype object); "
+                                       "only plain data can be pinned");
     }
     readonly |= v.readonly;
     if (!PyBuffer_IsContiguous(&v, 'A')) {
@@ -1753,7 +1796,7 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
       PyObject *et, *ev, *tb;
       PyErr_Fetch(&et, &ev, &tb);
       Py_buffer any;
-      if (PyObject_GetBuffer(o, &any, PyBUF_RECORDS_RO) == 0) {
+      if (PyObject_GetBuffer(o, &any, PyBUF_STRIDES) == 0) {
         int c = PyBuffer_IsContiguous(&any, 'C');
         PyBuffer_Release(&any);
         if (!c) {
@@ -1772,6 +1815,13 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
     }
     h->has_view = 1;
     h->obj = Py_NewRef(o);
+    if (buffer_holds_objects(o)) {
+      holder_release(h);
+      raise_fmt(PM_ERR_INVALID, "copy: %s holds Python objects (dtype object); only plain data "
+                                "can be copied",
+                what);
+      return -1;
+    }
     *ptr = h->view.buf;
     *bytes = (size_t)h->view.len;
     return 0;
