@@ -357,3 +357,32 @@ def test_status_constants_match_exceptions():
         assert e.value.code == code and e.value.status == name
     codes = [v for k, v in vars(pinmem).items() if k.startswith("PM_ERR_")]
     assert len(codes) == len(set(codes)) >= 15
+
+
+def test_object_arrays_refused_by_pin_and_copy():
+    """Their bytes are references: copied as bytes they would be freed twice."""
+    objs = np.array([object(), "x", 3], dtype=object)
+    rec = np.zeros(2, dtype=[("Olive", "<i4"), ("o", "O")])
+    for a in (objs, rec):
+        with pytest.raises(pinmem.InvalidError, match="Python objects"):
+            pinmem.pin(a)
+        with pytest.raises(pinmem.InvalidError, match="Python objects"):
+            pinmem.copy(np.zeros(a.nbytes, np.uint8), a)
+        with pytest.raises(pinmem.InvalidError, match="Python objects"):
+            pinmem.copy(a, np.zeros(a.nbytes, np.uint8))
+    # A field named with an O is not an object field.
+    plain = np.zeros(2, dtype=[("Olive", "<i4")])
+    with pinmem.pin(plain) as b:
+        assert b.nbytes == 8
+
+
+def test_unexportable_dtype_is_a_pinmem_error():
+    """NumPy cannot describe datetime64 through the buffer protocol: pin said ValueError."""
+    a = np.arange(4).astype("datetime64[s]")
+    with pytest.raises(pinmem.InvalidError, match="does not export"):
+        pinmem.pin(a)
+    with pytest.raises(pinmem.InvalidError, match="cannot read"):
+        pinmem.Loader(a, device="cpu")
+    out = np.zeros(4, "datetime64[s]")
+    pinmem.copy(out, a).wait()  # a plain byte copy needs no description
+    np.testing.assert_array_equal(out, a)
