@@ -45,6 +45,7 @@
 
 #include <dlpack/dlpack.h>
 
+#include "batch_layout.h"
 #include "pinmem.h"
 
 #if defined(DLPACK_MAJOR_VERSION) && DLPACK_MAJOR_VERSION >= 1
@@ -2528,25 +2529,25 @@ static BufferObject *batch_buffer(BatchObject *batch, void *ptr, size_t nbytes) 
   BufferObject *buf = buffer_alloc(&BufferType, pb->ndim);
   if (!buf) return NULL;
   const pmpy_dtype_t *dt = dtype_from_text(pm_dtype_name(pb->dtype));
-  if (dt) {
-    buf->dtype = dt;
-    buf->itemsize = dt->bits / 8;
-    for (int i = 0; i < pb->ndim; i++) buf->shape[i] = (Py_ssize_t)pb->shape[i];
-    if (batch->loader->dataset->scalar && pb->ndim == 2 && pb->shape[1] == 1) buf->ndim = 1;
-  } else {
-    /* Records without a dtype of their own: bytes, one row per sample. */
-    if (buffer_set_ndim(buf, 2) < 0) {
-      Py_DECREF(buf);
-      return NULL;
-    }
-    buf->itemsize = 1;
-    buf->shape[0] = (Py_ssize_t)pb->samples;
-    buf->shape[1] = pb->samples ? (Py_ssize_t)(nbytes / pb->samples) : 0;
+  /* The descriptor (shape, strides) comes from batch_layout.h, which the .npy fuzz target
+   * drives too. */
+  pmpy_layout_t lay;
+  const char *why = NULL;
+  if (pmpy_batch_layout(dt ? dt->bits / 8 : 0, pb->ndim, pb->shape, pb->samples, nbytes,
+                        batch->loader->dataset->scalar, &lay, &why) < 0) {
+    Py_DECREF(buf);
+    raise_fmt(PM_ERR_INTERNAL, "a loader batch cannot be described: %s", why);
+    return NULL;
   }
-  size_t n;
-  if (buffer_set_format(buf, dt ? dt->format : "B") < 0 || buffer_set_c_strides(buf, &n) < 0) {
+  if (buffer_set_ndim(buf, lay.ndim) < 0 || buffer_set_format(buf, dt ? dt->format : "B") < 0) {
     Py_DECREF(buf);
     return NULL;
+  }
+  buf->dtype = dt;
+  buf->itemsize = (Py_ssize_t)lay.itemsize;
+  for (int i = 0; i < lay.ndim; i++) {
+    buf->shape[i] = (Py_ssize_t)lay.shape[i];
+    buf_strides(buf)[i] = (Py_ssize_t)lay.strides[i];
   }
   buf->kind = BUF_EXTERNAL;
   buf->ptr = ptr;
