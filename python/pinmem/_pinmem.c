@@ -1732,7 +1732,8 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
     dims[i] = PyIndex_Check(d) ? PyNumber_AsSsize_t(d, NULL) : -1;
     if (dims[i] < 0) {
       PyErr_Clear();
-      raise_fmt(PM_ERR_INVALID, "copy: %s has a negative or non-integer dimension in its shape", what);
+      raise_fmt(PM_ERR_INVALID, "copy: %s has a negative or non-integer dimension in its shape",
+                what);
       return -1;
     }
     if (checked_mul(&n, (size_t)dims[i]) < 0) return -1;

@@ -30,8 +30,8 @@ typedef struct pmpy_layout {
 /* itemsize: the element size of the batch's dtype, 0 for raw records (PM_DTYPE_OTHER). ndim and
  * shape: the batch's ([rows, sample shape...]). scalar: one element per sample (the batch is
  * 1-D even where the library says [rows, 1]). Returns 0, or -1 with the reason in *why. */
-static inline int pmpy_batch_layout(size_t itemsize, int ndim, const uint64_t *shape,
-                                    size_t rows, size_t nbytes, int scalar, pmpy_layout_t *out,
+static inline int pmpy_batch_layout(size_t itemsize, int ndim, const uint64_t *shape, size_t rows,
+                                    size_t nbytes, int scalar, pmpy_layout_t *out,
                                     const char **why) {
   const uint64_t lim = (uint64_t)INT64_MAX;
   if (itemsize) {

@@ -19,8 +19,10 @@ from pinmem import _pinmem
 
 
 def run_child(code, tmp_path, timeout=120):
-    """Run `code` in a fresh interpreter with the debug allocator; -> its stdout."""
-    env = dict(os.environ, PYTHONMALLOC="debug", PYTHONFAULTHANDLER="1")
+    """Run `code` in a fresh interpreter with the debug allocator (or the PYTHONMALLOC in
+    force: malloc under valgrind --trace-children=yes); -> its stdout."""
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    env.setdefault("PYTHONMALLOC", "debug")
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=timeout)

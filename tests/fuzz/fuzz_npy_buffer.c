@@ -32,8 +32,7 @@ static void check_batch(const pm__npy_header_t *h, size_t rows, int scalar) {
   }
   if (lay.ndim < 1 || lay.ndim > PMPY_LAYOUT_MAX_DIMS || lay.itemsize < 1) abort();
   if (itemsize && lay.itemsize != itemsize) abort();
-  if (!itemsize && (lay.ndim != 2 || lay.itemsize != 1 || lay.shape[0] != (int64_t)rows))
-    abort();
+  if (!itemsize && (lay.ndim != 2 || lay.itemsize != 1 || lay.shape[0] != (int64_t)rows)) abort();
   uint64_t n = lay.itemsize;
   for (int i = lay.ndim - 1; i >= 0; i--) {
     if (lay.shape[i] < 0 || lay.strides[i] != (int64_t)n) abort();
