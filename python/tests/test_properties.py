@@ -8,6 +8,8 @@ classes (or TypeError for a wrong kind of argument); nothing may crash.
 
 Deterministic (derandomize) and bounded (max_examples) so the suite costs seconds in CI.
 """
+import gc
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,7 @@ PINMEM_ERRORS = (pinmem.Error, TypeError)
 def small_budget():
     """A budget far below the huge shapes, so they are refused without touching the memory."""
     old = pinmem.budget()
+    gc.collect()  # buffers of earlier tests still held would keep the budget from shrinking
     pinmem.trim()
     pinmem.set_budget("256M")
     yield
