@@ -931,7 +931,7 @@ pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **
     size_t budget = p->budget;
     bool memlock = p->budget_memlock;
     pthread_mutex_unlock(&p->lock);
-    return pm__set_error(PM_ERR_INVALID,
+    return pm__set_error(PM_ERR_BUDGET,
                          "pm_host_alloc: %zu bytes is more than the pool's budget of %zu bytes%s",
                          bytes, budget,
                          memlock ? " (the automatic budget is capped by RLIMIT_MEMLOCK: raise it "
