@@ -115,7 +115,9 @@ PY
 python_env() {
   local own=0 base=${PINMEM_SYSTEM_PYTHON:-python3}
   # Our venv is the one at $venv; any other interpreter belongs to the user: look, never touch.
-  [[ $(realpath -m "$python") == $(realpath -m "$venv/bin/python") ]] && own=1
+  # Compare the folders, not the interpreters: every venv's python links to the same base.
+  [[ ${python##*/} == python && $(realpath -m "${python%/*}") == $(realpath -m "$venv/bin") ]] &&
+    own=1
   if ((own)) && ! "$python" -c '' 2>/dev/null; then
     # Absent, or made by an interpreter that is gone: make it (again).
     [[ -e $venv ]] && say "$venv is broken (its python does not start): making it again"
@@ -128,7 +130,10 @@ python_env() {
   missing=$(missing_python "$python") || fail "$python does not start"
   [[ -z $missing ]] && return 0
   if ((!own)); then
-    fail "$python lacks $missing; install them with: $python -m pip install $missing (or leave PYTHON unset to use $venv)"
+    local quoted
+    # shellcheck disable=SC2086 # one word per requirement
+    quoted=$(printf "'%s' " $missing)
+    fail "$python lacks $missing; install them with: $python -m pip install ${quoted% } (or leave PYTHON unset to use $venv)"
   fi
   local r
   for r in $missing; do say "installing $r into $venv (pip)"; done
