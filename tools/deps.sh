@@ -142,10 +142,15 @@ python_env() {
     fail "pip install $missing into $venv failed (above)"
 }
 
+# The system packages of all groups first, in one apt-get run; then the venv, which needs them.
+wanted=()
+want_python=0
 for g in "${groups[@]}"; do
   case $g in
-  c) system_packages "${c_packages[@]}" ;;
-  test) system_packages "${test_packages[@]}" ;;
-  python) python_env ;;
+  c) wanted+=("${c_packages[@]}") ;;
+  test) wanted+=("${test_packages[@]}") ;;
+  python) want_python=1 ;;
   esac
 done
+((${#wanted[@]} == 0)) || system_packages "${wanted[@]}"
+((!want_python)) || python_env
