@@ -78,7 +78,7 @@ cc=${CC:-cc}
 
 # ---- pkg-config --------------------------------------------------------------------------------
 command -v pkg-config >/dev/null ||
-  die "pkg-config is not installed (Debian: apt-get install pkg-config; .ci/run installs it)"
+  die "pkg-config is not installed (Debian: apt-get install pkg-config; make test installs it)"
 export PKG_CONFIG_PATH=${pc%/*}
 cflags=$(pkg-config --cflags pinmem) || die "pkg-config --cflags pinmem failed"
 libs=$(pkg-config --libs pinmem) || die "pkg-config --libs pinmem failed"
