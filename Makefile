@@ -2,38 +2,57 @@
 #   make bench  - build, then the pinned-memory report for this machine
 #   make test   - build and run every test that can run here (host backend; the same tests
 #                 under ASan+UBSan, TSan and valgrind; the GPU tests when a GPU is present)
+# Both first check what they need and install what is missing (tools/deps.sh: the one list):
+# Debian packages through apt-get as root or with passwordless sudo, Python packages into the
+# project's own venv $(VENV). Without the rights to install, they stop at once and say what to run.
 BUILD      ?= build
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_ARGS ?=
 CTEST      := ctest --output-on-failure --no-tests=error
-PYTHON     ?= python3
+# The Python suites run in the project's venv (made and filled by tools/deps.sh); another
+# PYTHON (one that has the packages) is checked, never installed into.
+VENV       ?= .venv
+PYTHON     ?= $(abspath $(VENV))/bin/python
+# The interpreter a user has: the base of $(VENV) and of the fresh venv of test-python-install.
+SYSTEM_PYTHON ?= python3
+DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VENV) --python $(PYTHON)
 
-.PHONY: all build test test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python bench install clean
+.PHONY: all build deps deps-c deps-test test test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install bench install clean
 
 all: build
 
-build:
+# What each target needs (tools/deps.sh): c for the C build, test for the suites, python for
+# the Python suites. `make test` checks all three first, in its first seconds; the later checks
+# of a part find it present (a few milliseconds).
+deps-c:
+	@$(DEPS) c
+deps-test:
+	@$(DEPS) c test
+deps:
+	@$(DEPS) c test python
+
+build: deps-c
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python
+test: deps test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install
 	@echo "make test: all suites passed"
 
-test-host: build
+test-host: deps-test build
 	cd $(BUILD) && $(CTEST) -L host -j $(JOBS)
 
-test-asan:
+test-asan: deps-test
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=address $(CMAKE_ARGS)
 	cmake --build $(BUILD)-asan -j $(JOBS)
 	cd $(BUILD)-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST) -L host -j $(JOBS)
 
-test-tsan:
+test-tsan: deps-test
 	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=thread $(CMAKE_ARGS)
 	cmake --build $(BUILD)-tsan -j $(JOBS)
 	cd $(BUILD)-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $(CTEST) -L host -j $(JOBS)
 
 # valgrind over the host-backend build without CUDA (cudart is not valgrind clean by itself).
-test-valgrind:
+test-valgrind: deps-test
 	cmake -S . -B $(BUILD)-host -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF $(CMAKE_ARGS)
 	cmake --build $(BUILD)-host -j $(JOBS)
 	cd $(BUILD)-host && PINMEM_TEST_SMALL=1 $(CTEST) -L host -E cli -j $(JOBS) -T memcheck --overwrite MemoryCheckCommand=$$(command -v valgrind) \
@@ -42,7 +61,7 @@ test-valgrind:
 # libFuzzer smoke runs (tests/fuzz): clang, ASan+UBSan, FUZZ_SECONDS per target from the
 # committed seed corpus.
 FUZZ_SECONDS ?= 20
-test-fuzz:
+test-fuzz: deps-test
 	cmake -S . -B $(BUILD)-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=address -DPINMEM_FUZZ=ON -DPINMEM_FUZZ_SECONDS=$(FUZZ_SECONDS) $(CMAKE_ARGS)
 	cmake --build $(BUILD)-fuzz -j $(JOBS) --target fuzz_targets
 	cd $(BUILD)-fuzz && $(CTEST) -L fuzz -j $(JOBS)
@@ -60,7 +79,7 @@ test-gpu: build
 # a GPU is present, else the host backend; torch tests skip, saying why, without torch+CUDA).
 # Then the packaging itself: `pip wheel .` through scikit-build-core with PINMEM_CUDA=OFF (as on
 # a machine without a toolkit), and the buffer and copy tests again against the unpacked wheel.
-test-python:
+test-python: deps
 	cmake -S . -B $(BUILD)-py -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINMEM_PYTHON=ON -DPINMEM_TESTS=OFF \
 	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
 	cmake --build $(BUILD)-py -j $(JOBS) --target _pinmem
@@ -71,6 +90,26 @@ test-python:
 	$(PYTHON) -m zipfile -e $(BUILD)-py/wheel/pinmem-*.whl $(BUILD)-py/site
 	PYTHONPATH=$(CURDIR)/$(BUILD)-py/site $(PYTHON) -m pytest -q -p no:cacheprovider \
 	  python/tests/test_buffers.py python/tests/test_copy.py
+
+# The documented install, as a user runs it: a fresh venv from $(SYSTEM_PYTHON), `pip install .`
+# of this source tree (build requirements from PyPI, no system DLPack header; the cuda backend
+# when a CUDA toolkit is found, else the host backend alone), then the first ```python block of
+# README.md (the quickstart), verbatim, with that venv's python; then numpy.from_dlpack of a
+# pinmem buffer must be writable (DLPack 1.x versioned capsule).
+FRESH := $(BUILD)-py/fresh-venv
+test-python-install: deps
+	rm -rf $(FRESH) $(BUILD)-py/quickstart.py
+	$(SYSTEM_PYTHON) -m venv $(FRESH)
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(FRESH)/bin/python -m pip install --disable-pip-version-check .
+	@mkdir -p $(BUILD)-py && awk '/^```python$$/ {c = 1; next} c && /^```$$/ {exit} c {print}' README.md >$(BUILD)-py/quickstart.py
+	@test -s $(BUILD)-py/quickstart.py || { echo "test-python-install: README.md has no python code block"; exit 1; }
+	@echo "== README.md's Python quickstart ($(BUILD)-py/quickstart.py) with $(FRESH)/bin/python:"
+	@sed 's/^/   | /' $(BUILD)-py/quickstart.py
+	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python quickstart.py
+	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python -c 'import numpy as np, pinmem; \
+	  a = np.from_dlpack(pinmem.empty(4, "float32")); a[:] = 1; assert a.sum() == 4; \
+	  assert pinmem._pinmem.DLPACK_VERSIONED == 1; print("numpy.from_dlpack: writable")'
+	@echo "test-python-install: passed"
 
 bench: build
 	./$(BUILD)/pinmem info

@@ -2,12 +2,16 @@
 # Install test (CTest: host_install): `cmake --install BUILD_DIR --prefix <scratch>`, then build
 # examples/hello.c against the installed copy twice, as a user would: with
 # `pkg-config --cflags --libs pinmem`, and with a small CMake project that calls
-# find_package(pinmem) (shared and static targets). Every program built must run and say it
-# copied its bytes. Nothing outside the scratch folder is touched.
+# find_package(pinmem) (shared and static targets), then again with the CUDA toolkit hidden
+# (the shared library must need none). Every program built must run and say it copied its
+# bytes, and the installed tool and the pkg-config program must run without LD_LIBRARY_PATH.
+# Nothing outside the scratch folder is touched.
 set -euo pipefail
 
-src=${1:?usage: test_install.sh SOURCE_DIR BUILD_DIR}
-build=${2:?usage: test_install.sh SOURCE_DIR BUILD_DIR}
+usage="usage: test_install.sh SOURCE_DIR BUILD_DIR [HAVE_CUDA (ON/OFF)]"
+src=${1:?$usage}
+build=${2:?$usage}
+have_cuda=${3:-OFF}
 src=$(cd "$src" && pwd)
 build=$(cd "$build" && pwd)
 hello=$src/examples/hello.c
@@ -65,12 +69,16 @@ compgen -G "$libdir/libpinmem.so*" >/dev/null || die "libpinmem.so not in $libdi
 
 "$prefix/bin/pinmem" --version | grep -Eq '^pinmem [0-9]+\.[0-9]+\.[0-9]+$' ||
   die "installed pinmem --version does not print its version"
+# The installed tool starts as a user starts it, with no LD_LIBRARY_PATH.
+out=$(env -u LD_LIBRARY_PATH "$prefix/bin/pinmem" info 2>&1) ||
+  die "installed pinmem info without LD_LIBRARY_PATH: exit status $?: $(head -n 5 <<<"$out")"
+echo "  installed pinmem info (no LD_LIBRARY_PATH): $(head -n 1 <<<"$out")"
 
 cc=${CC:-cc}
 
 # ---- pkg-config --------------------------------------------------------------------------------
 command -v pkg-config >/dev/null ||
-  die "pkg-config is not installed (Debian: apt-get install pkg-config; .ci/run installs it)"
+  die "pkg-config is not installed (Debian: apt-get install pkg-config; make test installs it)"
 export PKG_CONFIG_PATH=${pc%/*}
 cflags=$(pkg-config --cflags pinmem) || die "pkg-config --cflags pinmem failed"
 libs=$(pkg-config --libs pinmem) || die "pkg-config --libs pinmem failed"
@@ -89,9 +97,18 @@ has_dir -I "$cflags" "$prefix/include" ||
   die "pkg-config --cflags gives '$cflags', not -I$prefix/include (pinmem.pc does not follow the install prefix)"
 has_dir -L "$libs" "$libdir" ||
   die "pkg-config --libs gives '$libs', not -L$libdir (pinmem.pc does not follow the install prefix)"
+has_dir -Wl,-rpath, "$libs" "$libdir" ||
+  die "pkg-config --libs gives '$libs', without -Wl,-rpath,$libdir (programs would need LD_LIBRARY_PATH)"
 # shellcheck disable=SC2086
 quiet cc_pc "$cc" -std=c11 -Wall -Wextra -Werror -o "$tmp/hello_pc" "$hello" $cflags $libs
-expect_hello "pkg-config build" env LD_LIBRARY_PATH="$libdir" "$tmp/hello_pc"
+# As the documented recipe promises: it starts with no LD_LIBRARY_PATH, and the library it
+# loads is the one just installed.
+expect_hello "pkg-config build (no LD_LIBRARY_PATH)" env -u LD_LIBRARY_PATH "$tmp/hello_pc"
+if command -v ldd >/dev/null; then
+  so=$(env -u LD_LIBRARY_PATH ldd "$tmp/hello_pc" | awk '$1 ~ /^libpinmem\.so/ {print $3}')
+  [[ -n $so && $(realpath "$so") == $(realpath "$libdir")/* ]] ||
+    die "the pkg-config build loads libpinmem from '$so', not from $libdir"
+fi
 
 # ---- CMake find_package ------------------------------------------------------------------------
 mkdir -p "$tmp/consumer"
@@ -115,6 +132,47 @@ expect_hello "CMake build, pinmem::pinmem" "$tmp/consumer/build/hello_shared"
 expect_hello "CMake build, pinmem::pinmem_static" "$tmp/consumer/build/hello_static"
 if command -v ldd >/dev/null && ldd "$tmp/consumer/build/hello_static" | grep -q libpinmem; then
   die "hello_static links libpinmem dynamically"
+fi
+
+# ---- find_package(pinmem) without the CUDA toolkit ---------------------------------------------
+# The shared library has cudart inside: pinmem::pinmem must work where the toolkit is absent.
+# pinmem::pinmem_static needs the toolkit only when the library was built with it.
+mkdir -p "$tmp/nocuda"
+cat >"$tmp/nocuda/CMakeLists.txt" <<'CMAKE'
+cmake_minimum_required(VERSION 3.18)
+project(pinmem_nocuda LANGUAGES C)
+find_package(pinmem 0.1 REQUIRED)
+add_executable(hello_shared ${HELLO})
+target_link_libraries(hello_shared PRIVATE pinmem::pinmem)
+if(TARGET pinmem::pinmem_static)
+  add_executable(hello_static ${HELLO})
+  target_link_libraries(hello_static PRIVATE pinmem::pinmem_static)
+endif()
+if(WANT_STATIC)
+  find_package(pinmem 0.1 REQUIRED COMPONENTS static)
+endif()
+CMAKE
+nocuda=(-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON -DCMAKE_PREFIX_PATH="$prefix"
+  -DHELLO="$hello" -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="-Wall -Wextra -Werror")
+echo "== find_package(pinmem) with the CUDA toolkit hidden (CMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit)"
+quiet nocuda_configure cmake -S "$tmp/nocuda" -B "$tmp/nocuda/build" "${nocuda[@]}"
+quiet nocuda_build cmake --build "$tmp/nocuda/build"
+expect_hello "CMake build without the toolkit, pinmem::pinmem" "$tmp/nocuda/build/hello_shared"
+if [[ $have_cuda == ON ]]; then
+  [[ ! -e $tmp/nocuda/build/hello_static ]] ||
+    die "pinmem::pinmem_static was defined without the CUDA toolkit it links"
+  grep -q 'pinmem::pinmem_static needs the CUDA toolkit' "$tmp/nocuda_configure.log" ||
+    die "find_package(pinmem) did not say why pinmem::pinmem_static is missing"
+  if cmake -S "$tmp/nocuda" -B "$tmp/nocuda/build2" "${nocuda[@]}" -DWANT_STATIC=ON \
+    >"$tmp/nocuda_static.log" 2>&1; then
+    die "find_package(pinmem COMPONENTS static) succeeded without the CUDA toolkit"
+  fi
+  grep -q 'needs the CUDA toolkit' "$tmp/nocuda_static.log" ||
+    die "find_package(pinmem COMPONENTS static) failed without saying why: $(tail -n 5 "$tmp/nocuda_static.log")"
+  echo "  pinmem::pinmem_static without the toolkit: refused, saying why"
+else
+  expect_hello "CMake build without the toolkit, pinmem::pinmem_static" \
+    "$tmp/nocuda/build/hello_static"
 fi
 
 echo "test_install: passed"

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# DESIGN: the one list of what pinmem's build, tests and benchmarks need, and the check that
+# `make` runs before it builds (`make build`/`make bench`: group c; `make test`: all groups).
+# It installs what is missing and says so, one line per package: Debian/Ubuntu packages through
+# apt-get when it runs as root or has passwordless sudo, and the Python packages into the
+# project's own virtual environment (.venv, made with `python3 -m venv`), never into the
+# system Python. Where it cannot install, it stops at once with one line that names what is
+# missing and the command that gets it. When everything is present it only looks (one
+# dpkg-query, one Python start): no apt-get update, no network.
+#
+#   tools/deps.sh [--python PY] [--venv DIR] GROUP...
+#     c       the C build: compiler, cmake, make
+#     test    the test suites: pkg-config (install test), valgrind (memcheck), clang and its
+#             sanitizer and libFuzzer runtimes (fuzz), python3 with venv and headers (Python)
+#     python  the Python build and test packages, in PY (default .venv/bin/python). Only
+#             the venv DIR (default .venv) is created and filled; any other PY is just checked.
+set -euo pipefail
+
+# ---- the lists -------------------------------------------------------------------------------
+# Debian package:command that shows it is there on other systems (empty: no such command).
+c_packages=(build-essential:cc cmake:cmake make:make)
+# libclang-rt-dev: the runtimes (ASan/UBSan, libFuzzer) of the distribution's default clang.
+# python3-venv: ensurepip, which `python3 -m venv` needs on Debian. python3-dev: Python.h.
+test_packages=(pkg-config:pkg-config valgrind:valgrind clang:clang libclang-rt-dev:
+  python3:python3 python3-venv: python3-dev:)
+# pytest, hypothesis: the Python tests; numpy: the tests and the README's Python example;
+# scikit-build-core and apache-tvm-ffi (its DLPack header): `pip wheel --no-build-isolation`
+# in make test-python, the same build requirements pyproject.toml names for `pip install .`.
+python_packages=(pytest hypothesis numpy "scikit-build-core>=0.10" "apache-tvm-ffi>=0.1")
+
+# ---- arguments -------------------------------------------------------------------------------
+venv=.venv
+python=
+groups=()
+while (($#)); do
+  case $1 in
+  --python) python=$2; shift 2 ;;
+  --venv) venv=$2; shift 2 ;;
+  c | test | python) groups+=("$1"); shift ;;
+  *) echo "usage: tools/deps.sh [--python PY] [--venv DIR] c|test|python..." >&2; exit 2 ;;
+  esac
+done
+python=${python:-$venv/bin/python}
+
+say() { echo "deps: $*"; }
+fail() {
+  echo "deps: $*" >&2
+  exit 1
+}
+
+# ---- system packages -------------------------------------------------------------------------
+system_packages() { # ENTRY...: install or name the missing ones
+  local names=() e
+  for e in "$@"; do names+=("${e%%:*}"); done
+  local missing=()
+  if command -v dpkg-query >/dev/null; then
+    local installed
+    installed=$(dpkg-query -W -f='${Package} ${db:Status-Status}\n' "${names[@]}" 2>/dev/null || true)
+    for e in "${names[@]}"; do
+      grep -qx "$e installed" <<<"$installed" || missing+=("$e")
+    done
+  else
+    # Not Debian: look for the commands; name the Debian packages as the equivalents to get.
+    for e in "$@"; do
+      [[ -z ${e#*:} ]] || command -v "${e#*:}" >/dev/null || missing+=("${e%%:*}")
+    done
+    ((${#missing[@]} == 0)) && return 0
+    fail "missing: ${missing[*]} (Debian package names); install their equivalents with your system's package manager"
+  fi
+  ((${#missing[@]} == 0)) && return 0
+
+  local sudo=()
+  if [[ $(id -u) -ne 0 ]]; then
+    if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+      sudo=(sudo -n)
+    else
+      fail "missing Debian packages: ${missing[*]}; install them with: sudo apt-get install ${missing[*]}"
+    fi
+  fi
+  for e in "${missing[@]}"; do say "installing $e (apt-get)"; done
+  local log
+  log=$(mktemp "${TMPDIR:-/tmp}/pinmem-deps.XXXXXX")
+  if ! { "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+    tail -n 20 "$log" >&2
+    rm -f "$log"
+    fail "apt-get install ${missing[*]} failed (above)"
+  fi
+  rm -f "$log"
+}
+
+# ---- Python packages -------------------------------------------------------------------------
+# Prints the requirements of python_packages that PY lacks (name>=min only; no import, so quick).
+missing_python() {
+  "$1" - "${python_packages[@]}" <<'PY'
+import re, sys
+from importlib import metadata
+def ver(s):
+    return tuple(int(x) for x in re.findall(r"\d+", s)[:3])
+missing = []
+for req in sys.argv[1:]:
+    name, _, least = req.partition(">=")
+    try:
+        have = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        missing.append(req)
+        continue
+    if least and ver(have) < ver(least):
+        missing.append(req)
+print(" ".join(missing))
+PY
+}
+
+python_env() {
+  local own=0 base=${PINMEM_SYSTEM_PYTHON:-python3}
+  # Our venv is the one at $venv; any other interpreter belongs to the user: look, never touch.
+  # Compare the folders, not the interpreters: every venv's python links to the same base.
+  [[ ${python##*/} == python && $(realpath -m "${python%/*}") == $(realpath -m "$venv/bin") ]] &&
+    own=1
+  if ((own)) && ! "$python" -c '' 2>/dev/null; then
+    # Absent, or made by an interpreter that is gone: make it (again).
+    [[ -e $venv ]] && say "$venv is broken (its python does not start): making it again"
+    rm -rf "$venv"
+    say "creating $venv ($base -m venv, $("$base" --version 2>&1))"
+    "$base" -m venv "$venv" >/dev/null ||
+      fail "$base -m venv $venv failed; on Debian/Ubuntu: sudo apt-get install python3-venv"
+  fi
+  local missing
+  missing=$(missing_python "$python") || fail "$python does not start"
+  [[ -z $missing ]] && return 0
+  if ((!own)); then
+    local quoted
+    # shellcheck disable=SC2086 # one word per requirement
+    quoted=$(printf "'%s' " $missing)
+    fail "$python lacks $missing; install them with: $python -m pip install ${quoted% } (or leave PYTHON unset to use $venv)"
+  fi
+  local r
+  for r in $missing; do say "installing $r into $venv (pip)"; done
+  # shellcheck disable=SC2086
+  "$python" -m pip install -q --disable-pip-version-check $missing ||
+    fail "pip install $missing into $venv failed (above)"
+}
+
+# The system packages of all groups first, in one apt-get run; then the venv, which needs them.
+wanted=()
+want_python=0
+for g in "${groups[@]}"; do
+  case $g in
+  c) wanted+=("${c_packages[@]}") ;;
+  test) wanted+=("${test_packages[@]}") ;;
+  python) want_python=1 ;;
+  esac
+done
+((${#wanted[@]} == 0)) || system_packages "${wanted[@]}"
+((!want_python)) || python_env
