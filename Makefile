@@ -35,7 +35,7 @@ build: deps-c
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: deps test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install
+test: deps check-docs test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install
 	@echo "make test: all suites passed"
 
 test-host: deps-test build
@@ -124,5 +124,5 @@ clean:
 # The docs' relative links and the results files they name exist (tests/check_docs.py;
 # --unused lists results files no doc names).
 .PHONY: check-docs
-check-docs:
+check-docs: deps-test
 	$(PYTHON) tests/check_docs.py
