@@ -125,4 +125,4 @@ clean:
 # --unused lists results files no doc names).
 .PHONY: check-docs
 check-docs: deps-test
-	$(PYTHON) tests/check_docs.py
+	python3 tests/check_docs.py
