@@ -781,8 +781,8 @@ int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args) {
         "median of the runs; RATIO = time / the backend's own call of the same size\n"
         "(overhead rows: pinned bytes / requested bytes)\n");
   }
-  cli_host_note(args->json, "these timings");
   if (!args->json) {
+    cli_host_note(false, "these timings");
     printf("\n");
     print_header();
   }
@@ -807,6 +807,7 @@ int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args) {
   bench_overhead(&bn);
   cli_progress_clear();
   if (!args->json) print_targets(&bn.sum);
+  if (args->json) cli_host_note(true, "these timings");
 
   cli_check(pm_device_free(bn.dev));
   free(bn.scratch);

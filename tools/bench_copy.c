@@ -1547,8 +1547,8 @@ int pm_cli_bench_copy(int argc, char **argv) {
         opt_value("copy_memcpy", mover, sizeof mover),
         opt_value("copy_batch", batch, sizeof batch), cfg.piece / KIB, cfg.piece_slots);
   }
-  cli_host_note(b->o.json, "these figures");
   if (!b->o.json) {
+    cli_host_note(false, "these figures");
     if (!b->cuda)
       printf(
           "default sizes stop at 64 MiB here; managed_prefetch and zerocopy_mapped measure GPU "
@@ -1585,6 +1585,7 @@ int pm_cli_bench_copy(int argc, char **argv) {
   for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++)
     if (wanted(b, bcases[i].name)) run_batch(b, &bcases[i], count, piece);
   cli_progress_clear();
+  if (b->o.json) cli_host_note(true, "these figures");
   print_targets(b, count * piece);
   bench_teardown(b);
   bool failed = b->failed;
@@ -1663,7 +1664,6 @@ int pm_cli_bench_overlap(int argc, char **argv) {
   if (rc) return rc;
   size_t n = b->o.bytes ? b->o.bytes : (b->cuda ? 256 * MIB : 64 * MIB);
   b->steps = 8; /* four cases alone, four together */
-  if (b->o.json) cli_host_note(true, "these figures");
   bench_setup(b, n, false);
 
   bool ok = true;
@@ -1737,6 +1737,7 @@ int pm_cli_bench_overlap(int argc, char **argv) {
     char fig[96];
     snprintf(fig, sizeof fig, "%.3fx", pinned_ratio);
     cli_progress_clear();
+    if (b->o.json) cli_host_note(true, "these figures");
     fprintf(b->o.json ? stderr : stdout, "\n");
     target(b, "pinned copy + equal kernel on two streams <= 1.05x max(copy, kernel)", true,
            pinned_ratio <= T_OVERLAP_RATIO, fig);

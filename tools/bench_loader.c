@@ -1037,7 +1037,6 @@ int pm_cli_bench_loader(int argc, char **argv) {
     }
   }
 
-  if (B.o.json) cli_host_note(true, "these figures");
   if (!B.o.json) {
     cli_progress_clear();
     printf(
@@ -1086,6 +1085,7 @@ int pm_cli_bench_loader(int argc, char **argv) {
   }
   cli_progress_clear();
   if (!B.o.json) print_table(&B);
+  if (B.o.json) cli_host_note(true, "these figures");
   print_targets(&B, run_images ? &img : NULL, batch);
 
   if (run_images) pm_dataset_destroy(img.ds);

@@ -89,8 +89,9 @@ char *cli_xstrdup(const char *s);
  * first empty one ("1M,,2M" -> 2, "1M," -> 2, "" -> 1). */
 int cli_list_empty_item(const char *text);
 
-/* The one-time note of the host backend, for every bench: on stdout with the text table, on
- * stderr with --json (stdout stays JSON lines). */
+/* The one-time note of the host backend, for every bench: on stdout with the text table's
+ * header, on stderr with --json (stdout stays JSON lines), there at the end beside the TARGET
+ * lines, so a run that fails early leaves only its error on stderr. */
 void cli_host_note(bool json, const char *what);
 
 /* Progress on stderr while a benchmark runs: one line rewritten with \r, only when stderr is a
