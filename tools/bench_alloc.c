@@ -382,8 +382,8 @@ static void bench_cold(bench_t *bn, size_t bytes) {
     uint64_t seed = (uint64_t)bytes * 31 + (uint64_t)r;
     for (int k = 0; k < 3; k++) {
       static const char *const what[] = {"pinmem_cold_pin", "backend alloc", "malloc+register"};
-      cli_progress(bn->steps_done++, bn->steps, "cold pin %s: %s, run %d/%d", sz,
-                   what[(r + k) % 3], r + 1, runs);
+      cli_progress(bn->steps_done++, bn->steps, "cold pin %s: %s, run %d/%d", sz, what[(r + k) % 3],
+                   r + 1, runs);
       switch ((r + k) % 3) {
         case 0:
           run_pinmem(bn, bytes, seed, &pa[r], &pf[r], &pb[r], &ok_p);
@@ -644,8 +644,8 @@ static int summarize_file(const char *path) {
     lineno++;
     if (line[strspn(line, " \t\r\n")] == '\0') continue; /* a blank line */
     int n = cli_json_parse_flat(line, fields, MAXF);
-    const char *bad = n < 0 ? "not a flat JSON object (one result per line, as --json writes)"
-                            : NULL;
+    const char *bad =
+        n < 0 ? "not a flat JSON object (one result per line, as --json writes)" : NULL;
     const cli_jfield_t *bench = n < 0 ? NULL : cli_json_get(fields, n, "bench");
     if (!bad && (!bench || bench->type != 's' || strcmp(bench->str, "alloc") != 0)) continue;
     if (!bad) bad = row_problem(fields, n);
@@ -738,7 +738,8 @@ int cli_bench_alloc_help(void) {
       cuda ? "malloc+cudaHostRegister" : "malloc+host_register",
       cuda ? "cudaFreeHost" : "host_free",
       cuda ? "cudaHostUnregister+free" : "host_unregister+free",
-      cuda ? "cudaHostAlloc+cudaFreeHost" : "host_alloc+host_free", pm__opt_int(PM__OPT_PIN_THREADS));
+      cuda ? "cudaHostAlloc+cudaFreeHost" : "host_alloc+host_free",
+      pm__opt_int(PM__OPT_PIN_THREADS));
   return 0;
 }
 

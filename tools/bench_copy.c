@@ -135,9 +135,10 @@ static void print_help(bool is_copy) {
            cuda ? "4K,64K,1M,8M,64M,256M,1G" : "4K,64K,1M,8M,64M");
     printf("  --cases LIST   only these rows, comma-separated (default: all)\n");
     printf("  --repeat N     timed runs per case, the median is reported (default 5)\n");
-    printf("  batch rows: %d x 64 KiB pieces; mover and contention rows at the largest size\n"
-           "  when it is 8 MiB or more\n",
-           cuda ? 4096 : 1024);
+    printf(
+        "  batch rows: %d x 64 KiB pieces; mover and contention rows at the largest size\n"
+        "  when it is 8 MiB or more\n",
+        cuda ? 4096 : 1024);
   } else {
     printf(
         "cases: serial_one_stream, pinned_two_streams, pageable_plain_two_streams,\n"
@@ -746,17 +747,17 @@ static void print_header(void) {
   printf(ROW_FMT, "dir", "size", "case", "GB/s", "ratio", "path", "verified");
 }
 
-/* One row of the text table; `size` is the size column's label, a NAN ratio prints "-". */
-static void text_row(const char *dir, const char *size, const char *name, double gbps,
-                     double ratio, const char *path, bool ok, const char *method) {
+/* One row of the text table; `size` is the size column's label, a NAN ratio prints "-". A case
+ * that is not applicable on this backend prints "n/a" for its speed and ratio. */
+static void text_row(const char *dir, const char *size, const char *name, double gbps, double ratio,
+                     const char *path, bool ok, const char *method, bool applicable) {
   char g[32], ra[32];
   cli_progress_clear();
   fmt_gbps(gbps, g, sizeof g);
-  if (isnan(gbps) && ratio == INFINITY) /* not applicable on this backend */
+  if (!applicable) {
     snprintf(g, sizeof g, "n/a");
-  if (ratio == INFINITY)
     snprintf(ra, sizeof ra, "n/a");
-  else if (isfinite(ratio))
+  } else if (isfinite(ratio))
     snprintf(ra, sizeof ra, "%.2fx", ratio);
   else
     snprintf(ra, sizeof ra, "-");
@@ -928,9 +929,7 @@ static void report_case(bench_t *b, const case_runs_t *cr, size_t n, int runs) {
   } else {
     char sz[32];
     cli_fmt_bytes(n, sz, sizeof sz);
-    bool app = case_applicable(b, c);
-    text_row(c->dir, sz, c->name, app ? gbps : NAN, app ? ratio : INFINITY, path, cr->ok,
-             cr->method);
+    text_row(c->dir, sz, c->name, gbps, ratio, path, cr->ok, cr->method, case_applicable(b, c));
   }
 }
 
@@ -1014,8 +1013,8 @@ static const batch_case_t bcases[] = {
 };
 
 static const char *const mover_names[] = {"memcpy_libc", "memcpy_movsb", "memcpy_stream"};
-static const char *const contention_names[] = {"dma_under_h2h", "h2h_under_dma",
-                                               "dma_under_read", "read_under_dma"};
+static const char *const contention_names[] = {"dma_under_h2h", "h2h_under_dma", "dma_under_read",
+                                               "read_under_dma"};
 
 static int add_name(const char **out, int n, int max, const char *name) {
   for (int i = 0; i < n; i++)
@@ -1026,7 +1025,8 @@ static int add_name(const char **out, int n, int max, const char *name) {
 
 static int case_names(const char **out, int max) {
   int n = 0;
-  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) n = add_name(out, n, max, cases[i].name);
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    n = add_name(out, n, max, cases[i].name);
   for (size_t i = 0; i < 3; i++) n = add_name(out, n, max, mover_names[i]);
   for (size_t i = 0; i < 4; i++) n = add_name(out, n, max, contention_names[i]);
   for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++)
@@ -1125,7 +1125,8 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
     char sz[32], label[64]; /* a 20-digit count, 'x' and sz fit */
     cli_fmt_bytes(piece, sz, sizeof sz);
     snprintf(label, sizeof label, "%zux%s", count, sz);
-    text_row(bc->dir, label, bc->name, gbps, ratio, bc->engine ? "batch" : "loop", ok, method);
+    text_row(bc->dir, label, bc->name, gbps, ratio, bc->engine ? "batch" : "loop", ok, method,
+             true);
   }
   free(it);
   free(perm);
@@ -1201,7 +1202,7 @@ static void run_movers(bench_t *b, size_t n) {
     } else {
       char sz[32];
       cli_fmt_bytes(n, sz, sizeof sz);
-      text_row("h2h", sz, mv[m].name, gbps, NAN, ran, ok, method);
+      text_row("h2h", sz, mv[m].name, gbps, NAN, ran, ok, method, true);
     }
   }
 }
@@ -1295,7 +1296,7 @@ static void contention_row(bench_t *b, const char *name, const char *dir, size_t
   } else {
     char sz[32];
     cli_fmt_bytes(n, sz, sizeof sz);
-    text_row(dir, sz, name, gbps, ratio, path, ok, method);
+    text_row(dir, sz, name, gbps, ratio, path, ok, method, true);
   }
 }
 
@@ -1530,7 +1531,8 @@ int pm_cli_bench_copy(int argc, char **argv) {
   /* Progress counts groups of rows: a direction at a size, the movers, the contention rows, a
    * batch case. */
   b->steps = 3 * (unsigned long long)b->o.nsizes + (top >= 8 * MIB ? 2 : 0);
-  for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++) b->steps += wanted(b, bcases[i].name);
+  for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++)
+    b->steps += wanted(b, bcases[i].name);
 
   /* The header comes before the set-up, which allocates and fills several buffers of the
    * largest size (seconds at 1 GiB). */

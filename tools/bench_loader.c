@@ -527,8 +527,7 @@ typedef struct bench {
 /* Progress on a terminal only (cli_progress): the case, the run, batches done of the run's
  * total and the rate so far. */
 static void progress(bench_t *B, const char *name, uint64_t done, uint64_t total, double gbps) {
-  cli_progress(done, total, "%s run %d/%d: batches, %.2f GB/s", name, B->run + 1, B->repeat,
-               gbps);
+  cli_progress(done, total, "%s run %d/%d: batches, %.2f GB/s", name, B->run + 1, B->repeat, gbps);
 }
 
 /* Check one delivered batch against its source: 0 bad rows, else the count (message printed
@@ -980,10 +979,11 @@ int pm_cli_bench_loader(int argc, char **argv) {
     printf("%s", usage_text);
     pm_status_t hs = pm_init();
     bool cuda = hs == PM_OK && pm_backend_kind() == PM_BACKEND_CUDA;
-    printf("defaults on the backend that starts here (%s): batch %d, epochs %d, samples %d, "
-           "repeat %d\n",
-           hs == PM_OK ? pm_backend_name() : "none; host shown", cuda ? 256 : 64, cuda ? 5 : 2,
-           cuda ? 8192 : 512, cuda ? 3 : 1);
+    printf(
+        "defaults on the backend that starts here (%s): batch %d, epochs %d, samples %d, "
+        "repeat %d\n",
+        hs == PM_OK ? pm_backend_name() : "none; host shown", cuda ? 256 : 64, cuda ? 5 : 2,
+        cuda ? 8192 : 512, cuda ? 3 : 1);
     return 0;
   }
   pm_status_t st = pm_init();

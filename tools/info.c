@@ -174,8 +174,8 @@ int cli_cmd_info(bool json) {
     if (init_st == PM_OK)
       snprintf(msg, sizeof msg, "%s (%s)", backend, reason);
     else
-      snprintf(msg, sizeof msg, "none (%s cannot start: %s: %s)", reason,
-               pm_status_name(init_st), fail.detail);
+      snprintf(msg, sizeof msg, "none (%s cannot start: %s: %s)", reason, pm_status_name(init_st),
+               fail.detail);
     cli_table_row(&t, "backend", msg);
     char cpus_txt[32], mem_txt[128], lim_txt[256], thp_txt[400];
     snprintf(cpus_txt, sizeof cpus_txt, "%d", cpus);
