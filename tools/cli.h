@@ -97,7 +97,7 @@ void cli_host_note(bool json, const char *what);
 /* Progress on stderr while a benchmark runs: one line rewritten with \r, only when stderr is a
  * terminal and --quiet was not given (so logs and pipes never see it), at most ten times a
  * second. The line is cleared before anything else is printed (cli_progress_clear, called by
- * the printing helpers above and by each benchmark before its own lines). */
+ * the printing functions above and by each benchmark before its own lines). */
 void cli_progress_init(bool quiet);
 bool cli_progress_enabled(void);
 void cli_progress(unsigned long long done, unsigned long long total, const char *fmt, ...)
