@@ -30,14 +30,21 @@ def load(path):
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if r.get("bench") == "copy" and isinstance(r.get("gbps"), (int, float)):
+            # Rows with "applicable": false measure a GPU feature the host backend only
+            # imitates: their GB/s mean nothing, so they are not plotted.
+            if (r.get("bench") == "copy" and isinstance(r.get("gbps"), (int, float))
+                    and r.get("applicable", True) is not False):
                 rows.append(r)
     return rows
 
 
 def verified(r):
+    """True when the row's bytes were checked and matched. `verified` is a boolean (the check
+    that ran is in `verify_method`); older files held the check's name there instead."""
     v = r.get("verified")
-    return bool(v) and v != "false"
+    if isinstance(v, bool):
+        return v
+    return isinstance(v, str) and v not in ("", "false")
 
 
 def size_label(n):

@@ -26,6 +26,7 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,6 +34,9 @@
 
 static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
 static const pm__backend_t *_Atomic active_backend;
+/* Why pm_init took the backend it took (pm__backend_reason): written under init_lock before
+ * active_backend is published, so a reader that saw the backend sees its reason. */
+static char backend_reason[600];
 
 static pthread_mutex_t reg_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -98,6 +102,7 @@ pm_status_t pm_init(void) {
   if (want == PM_BACKEND_CUDA) {
 #ifdef PINMEM_HAVE_CUDA
     st = start_backend(&pm__backend_cuda);
+    snprintf(backend_reason, sizeof backend_reason, "asked for (option backend)");
     if (st == PM_OK) {
       chosen = &pm__backend_cuda;
     } else if (st != PM_ERR_CONFIG) {
@@ -112,9 +117,20 @@ pm_status_t pm_init(void) {
 #ifdef PINMEM_HAVE_CUDA
     if (want != PM_BACKEND_HOST) {
       /* auto: a machine without a usable GPU is normal; fall back to the host backend. */
-      if (start_backend(&pm__backend_cuda) == PM_OK) chosen = &pm__backend_cuda;
+      if (start_backend(&pm__backend_cuda) == PM_OK) {
+        chosen = &pm__backend_cuda;
+        snprintf(backend_reason, sizeof backend_reason, "auto: a CUDA device is present");
+      } else {
+        snprintf(backend_reason, sizeof backend_reason, "auto: cuda not available: %s",
+                 pm_last_error());
+      }
     }
+#else
+    if (want != PM_BACKEND_HOST)
+      snprintf(backend_reason, sizeof backend_reason, "auto: this pinmem was built without CUDA");
 #endif
+    if (want == PM_BACKEND_HOST)
+      snprintf(backend_reason, sizeof backend_reason, "asked for (option backend)");
     if (!chosen) {
       st = start_backend(&pm__backend_host);
       if (st == PM_OK)
@@ -145,6 +161,10 @@ const pm__backend_t *pm__backend(void) {
   if (b) return b;
   if (pm_init() != PM_OK) return NULL;
   return atomic_load_explicit(&active_backend, memory_order_acquire);
+}
+
+const char *pm__backend_reason(void) {
+  return atomic_load_explicit(&active_backend, memory_order_acquire) ? backend_reason : "";
 }
 
 pm_status_t pm_finalize(void) {

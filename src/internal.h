@@ -163,6 +163,9 @@ static inline size_t pm__align_up(size_t v, size_t align) {
 
 /* The active backend, initialising on first use. NULL (and pm__set_error) if none could start. */
 const pm__backend_t *pm__backend(void);
+/* Why pm_init chose the backend in force, for `pinmem info` ("auto: cuda not available: <the
+ * CUDA error>", "asked for (option backend)"); "" when none is started. */
+const char *pm__backend_reason(void);
 /* Shorthand used at the top of public calls: */
 #define PM__BACKEND_OR_RETURN(b)          \
   const pm__backend_t *b = pm__backend(); \

@@ -110,7 +110,7 @@ expect_rc help 0 && expect_grep help out '^usage: pinmem' && expect_grep help ou
 run info "$bin" info
 if expect_rc info 0; then
   expect_grep info out "^pinmem $version"
-  expect_grep info out '^backend +host'
+  expect_grep info out '^backend +host \(PINMEM_BACKEND=host\)$'
   expect_grep info out '^RLIMIT_MEMLOCK +'
   expect_grep info out '^transparent huge pages +'
   expect_grep info out '^physical memory +[0-9]'
@@ -133,6 +133,8 @@ if len(head) != 1:
     bad('want one {\"info\":\"pinmem\"} line, got %d' % len(head))
 elif head[0].get('version') != '$version' or head[0].get('backend') != 'host':
     bad('pinmem line: %r' % head[0])
+elif head[0].get('backend_reason') != 'PINMEM_BACKEND=host':
+    bad('pinmem line: backend_reason %r' % head[0].get('backend_reason'))
 for k in ('system', 'memlock', 'pool'):
     if kinds.count(k) != 1:
         bad('want one %r line, got %d' % (k, kinds.count(k)))
@@ -237,8 +239,8 @@ for r in rows:
             bad('row lacks %r: %r' % (k, r))
     if r.get('bench') != 'alloc' or r.get('backend') != 'host':
         bad('bench/backend: %r' % r)
-    if r.get('verified') is not True:
-        bad('not verified: %r' % r)
+    if r.get('verified') is not True or r.get('verify_method') != 'full':
+        bad('not verified (a boolean, with verify_method full): %r' % r)
     s = r.get('seconds')
     if not isinstance(s, (int, float)) or not (s > 0 and math.isfinite(s)):
         bad('seconds: %r' % r)
@@ -347,6 +349,21 @@ bad_lines=(
   "bench copy extra"
   "bench overlap --bytes x"
   "bench overlap --sizes 4M"
+  # empty list items, repeated options, unknown cases, --quiet outside a bench
+  "bench alloc --sizes 1M,,2M"
+  "bench alloc --sizes 1M,"
+  "bench copy --sizes 1M,,2M"
+  "bench copy --cases plain_pinned,,pinmem_pinned"
+  "bench alloc --sizes 4M --sizes 8M"
+  "bench alloc --repeat=1 --repeat 2"
+  "bench alloc --summarize a --summarize b"
+  "bench copy --repeat 1 --repeat 2"
+  "bench copy --sizes 4K --sizes=8K"
+  "bench overlap --bytes 1M --bytes 2M"
+  "bench loader --batch 2 --batch 3"
+  "bench loader --data a,,b"
+  "bench copy --cases bogus"
+  "info --quiet"
 )
 # ---- bench copy and bench overlap: on the host backend they prove correctness, not speed -------
 # Every case of bench copy at 4 KiB, one staged size and one above the mover rows' 8 MiB floor;
@@ -360,13 +377,20 @@ MIB = 1 << 20
 for r in rows:
     if r.get('backend') != 'host':
         bad('backend: %r' % r)
+    # verified is one boolean in every bench; the check that ran is verify_method.
+    if not isinstance(r.get('verified'), bool) or r.get('verify_method') not in ('full', 'sampled', 'checksum', 'none'):
+        bad('verified must be a bool with a verify_method: %r' % r)
+    # GPU-only cases are kept but marked: their speed means nothing on the host backend.
+    gpu_only = r.get('case') in ('zerocopy_mapped', 'managed_prefetch')
+    if r.get('applicable') is not (not gpu_only):
+        bad('applicable should be %r: %r' % (not gpu_only, r))
     if r.get('skipped'):
         if r.get('case') not in ('zerocopy_mapped',) or r.get('verified') is not False:
             bad('unexpected skip: %r' % r)
         continue
-    if r.get('verified') not in ('full', 'sampled', 'none'):
+    if r.get('verified') is not True:
         bad('row not verified: %r' % r)
-    if r.get('verified') == 'none' and r.get('case') != 'read_under_dma':
+    if r.get('verify_method') == 'none' and r.get('case') != 'read_under_dma':
         bad('only the read-only load has nothing to verify: %r' % r)
     if not (isinstance(r.get('gbps'), float) and r['gbps'] > 0):
         bad('gbps: %r' % r)
@@ -420,7 +444,7 @@ if any(r.get('order') != 'interleaved' for r in rows
 expect_grep copy_json err '^TARGET pinmem from pinned .*cuda backend only\)$'
 expect_grep copy_json err '^TARGET pageable H2D 1 GiB .*: not measured in this run$'
 
-run copy_text "$bin" bench copy --sizes 64K --repeat 1 --cases plain_pinned,pinmem_pinned
+run copy_text "$bin" bench copy --sizes 64K --repeat 1 --cases plain_pinned,pinmem_pinned,managed_prefetch
 if expect_rc copy_text 0; then
   expect_grep copy_text out '^h2d +64\.0 KiB +plain_pinned +[0-9.]+ +- +plain +full$'
   expect_grep copy_text out '^d2h +64\.0 KiB +pinmem_pinned +[0-9.]+ +[0-9.]+x +direct +full$'
@@ -436,7 +460,7 @@ want = ['serial_one_stream', 'pinned_two_streams', 'pageable_plain_two_streams',
 if [r.get('case') for r in rows] != want:
     bad('cases: %r' % [r.get('case') for r in rows])
 for r in rows:
-    if r.get('verified') != 'full' or r.get('bytes') != 8 << 20 or r.get('backend') != 'host':
+    if r.get('verified') is not True or r.get('verify_method') != 'full' or r.get('bytes') != 8 << 20 or r.get('backend') != 'host':
         bad('row: %r' % r)
     if not (r.get('ratio_vs_max', 0) > 0 and r.get('copy_seconds', 0) > 0 and r.get('kernel_seconds', 0) > 0):
         bad('times: %r' % r)"
@@ -456,7 +480,185 @@ for r in cases:
     for k in ("case", "bytes", "seconds", "gbps", "verified"):
         if k not in r: bad("loader row without %s: %r" % (k, r))
     if r.get("verified") is not True: bad("loader row not verified: %r" % r)
+    if r.get("verify_method") != "full": bad("loader --verify row: verify_method %r" % r.get("verify_method"))
 '
+
+# ---- tools that talk: help, refusals, host labels, progress ----------------------------------
+# Each bench's --help lists its cases and its options with the defaults of this (host) backend.
+run help_alloc "$bin" bench alloc --help
+expect_rc help_alloc 0 && {
+  expect_grep help_alloc out '^usage: pinmem bench alloc'
+  expect_grep help_alloc out 'pinmem_cold_pin'
+  expect_grep help_alloc out '^  host_alloc +the backend'
+  expect_grep help_alloc out '--sizes LIST .*\(16M,256M,1G\)'
+  expect_grep help_alloc out '--quiet'
+}
+run help_copy "$bin" bench copy --help
+expect_rc help_copy 0 && {
+  expect_grep help_copy out 'backend that starts here: host'
+  for c in plain_pageable pinmem_pinned managed_prefetch zerocopy_mapped memcpy_stream \
+    dma_under_read batch_pageable_pinmem; do
+    expect_grep help_copy out "(^|[ ,])$c(,|$)"
+  done
+  expect_grep help_copy out '--sizes LIST .*default 4K,64K,1M,8M,64M\)'
+  expect_grep help_copy out '--repeat N .*default 5\)'
+  expect_grep help_copy out '--quiet'
+}
+run help_overlap "$bin" bench overlap --help
+expect_rc help_overlap 0 && {
+  expect_grep help_overlap out 'pinned_two_streams'
+  expect_grep help_overlap out '--bytes SIZE .*default 64M\)'
+}
+run help_loader "$bin" bench loader --help
+expect_rc help_loader 0 && {
+  expect_grep help_loader out 'images_pinned_compute'
+  expect_grep help_loader out 'tokens_pinned'
+  expect_grep help_loader out '^defaults on the backend that starts here \(host\): batch 64, epochs 2'
+}
+
+# An unknown --cases name is refused with the list of the valid ones.
+run cases_bogus "$bin" bench copy --cases plain_pinned,bogus --sizes 4K --repeat 1
+expect_rc cases_bogus 2 && {
+  expect_grep cases_bogus err "^pinmem: --cases: unknown case 'bogus'"
+  expect_grep cases_bogus err '^  plain_pinned$'
+  expect_grep cases_bogus err '^  batch_pinned_pinmem$'
+}
+run empty_item "$bin" bench copy --sizes 1M,,2M
+expect_rc empty_item 2 && expect_grep empty_item err "item 2 of '1M,,2M' is empty"
+run twice "$bin" bench alloc --sizes 4M --sizes 8M
+expect_rc twice 2 && expect_grep twice err '^pinmem: --sizes given twice'
+
+# On the host backend each bench says once that its figures prove correctness, not speed (on
+# stdout with the table, on stderr with --json); GPU-only cases read n/a, not a ratio.
+for b in alloc_text:bench_text copy_text:copy_text; do
+  name=${b#*:}
+  checks=$((checks + 1))
+  n=$(grep -c 'correctness, not speed' "$tmp/$name.out")
+  [[ $n -eq 1 ]] || { fail "$name: want the host note once on stdout, got $n"; show "$name"; }
+done
+for name in bench_json copy_json overlap_json loader_verify_json; do
+  expect_grep "$name" err '^host backend: .*correctness, not speed'
+done
+run overlap_text "$bin" bench overlap --bytes 1M --repeat 1
+expect_rc overlap_text 0 && expect_grep overlap_text out 'correctness, not speed'
+expect_grep loader_verify out 'correctness, not speed'
+expect_grep copy_text out '^h2d +64\.0 KiB +managed_prefetch +n/a +n/a +prefetch +full$'
+expect_grep copy_text out '^d2h +64\.0 KiB +managed_prefetch +n/a +n/a +prefetch +full$'
+# The TARGET lines name the baseline the ratio was taken against: host_alloc here.
+expect_grep bench_text out '^TARGET cold pin 1 GiB .*1/6 of host_alloc'
+checks=$((checks + 1))
+if grep -q '^TARGET.*cudaHostAlloc' "$tmp/bench_text.out" "$tmp/summarize.out"; then
+  fail "bench alloc on the host backend names cudaHostAlloc in a TARGET line"
+  show bench_text
+fi
+
+# pinmem info says why the backend in force was taken: auto gives the CUDA error (or that the
+# build has no CUDA, or that a device is present).
+run info_auto env -u PINMEM_BACKEND "$bin" info
+expect_rc info_auto 0 &&
+  expect_grep info_auto out '^backend +(host|cuda) \(auto: (cuda not available: .+|this pinmem was built without CUDA|a CUDA device is present)\)$'
+run info_auto_json env -u PINMEM_BACKEND "$bin" info --json
+expect_rc info_auto_json 0 &&
+  json_check info_auto_json "
+head = [r for r in rows if r.get('info') == 'pinmem']
+if not head or not str(head[0].get('backend_reason', '')).startswith('auto: '):
+    bad('backend_reason under auto: %r' % head)"
+if [[ -s $tmp/cuda.err ]]; then
+  # cuda asked for and not startable (checked above with --json): the text says so too.
+  run cuda_text env PINMEM_BACKEND=cuda "$bin" info
+  expect_rc cuda_text 1 && expect_grep cuda_text out '^backend +none \(PINMEM_BACKEND=cuda cannot start: PM_ERR_'
+fi
+
+# Progress: nothing on stderr when it is not a terminal (every bench above wrote its text table
+# with stderr to a file), a line rewritten with \r when it is one, none with --quiet.
+for name in bench_text copy_text overlap_text loader_verify; do
+  checks=$((checks + 1))
+  if [[ -s $tmp/$name.err ]]; then fail "$name: stderr is not a terminal, yet it got output"; show "$name"; fi
+done
+# A small .npy for the loader's runs here: 256 samples of 64 bytes, not zeros.
+python3 - "$tmp/small.npy" <<'PY'
+import struct, sys
+h = "{'descr': '<u4', 'fortran_order': False, 'shape': (256, 16), }"
+h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
+with open(sys.argv[1], "wb") as f:
+    f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h.encode())
+    f.write(struct.pack("<4096I", *[(i * 2654435761 + 12345) & 0xffffffff for i in range(4096)]))
+PY
+have_script=0
+command -v script >/dev/null && script -qec true /dev/null >/dev/null 2>&1 && have_script=1
+for q in alloc copy overlap loader; do
+  case $q in
+    alloc) args=(bench alloc --sizes 4M --repeat 1 --overhead-total 64M) ;;
+    copy) args=(bench copy --sizes 64K --repeat 1 --cases plain_pinned) ;;
+    overlap) args=(bench overlap --bytes 1M --repeat 1) ;;
+    loader) args=(bench loader --data "$tmp/small.npy" --pin on --epochs 2 --batch 16) ;;
+  esac
+  if ((have_script)); then
+    # script(1) gives the command a terminal; its stdout and stderr both land in the file.
+    run "tty_$q" script -qec "$(printf '%q ' "$bin" "${args[@]}")" /dev/null
+    expect_rc "tty_$q" 0 && expect_grep "tty_$q" out $'\r  \\[[0-9]+/[0-9]+\\] .+ \\([0-9]+\\.[0-9] s\\)'
+    run "tty_quiet_$q" script -qec "$(printf '%q ' "$bin" "${args[@]}" --quiet)" /dev/null
+    expect_rc "tty_quiet_$q" 0
+    checks=$((checks + 1))
+    if grep -q $'\r  \\[' "$tmp/tty_quiet_$q.out"; then
+      fail "tty_quiet_$q: progress printed despite --quiet"
+      show "tty_quiet_$q"
+    fi
+  else
+    # No script(1): at least --quiet is taken and nothing reaches a stderr that is no terminal.
+    run "quiet_$q" "$bin" "${args[@]}" --quiet
+    expect_rc "quiet_$q" 0
+    checks=$((checks + 1))
+    [[ -s $tmp/quiet_$q.err ]] && { fail "quiet_$q: --quiet run wrote to stderr"; show "quiet_$q"; }
+  fi
+done
+
+# ---- bench loader: what it refuses, what it keeps ----------------------------------------------
+# A device or a FIFO as --data is refused at once (it used to be read for ever while warming).
+run data_zero timeout 60 "$bin" bench loader --data /dev/zero --pin on --epochs 1
+expect_rc data_zero 2 && expect_grep data_zero err "^pinmem: --data: '/dev/zero' is a character device"
+mkfifo "$tmp/fifo"
+run data_fifo timeout 60 "$bin" bench loader --data "$tmp/fifo" --pin on --epochs 1
+expect_rc data_fifo 2 && expect_grep data_fifo err "is a FIFO"
+run tokens_dir timeout 60 "$bin" bench loader --tokens "$tmp" --seq-len 8
+expect_rc tokens_dir 2 && expect_grep tokens_dir err "is a folder"
+# 300 one-sample .npy files: every one of them is in the dataset.
+python3 - "$tmp/npy" <<'PY'
+import os, struct, sys
+d = sys.argv[1]
+os.mkdir(d)
+for i in range(300):
+    h = "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 4), }"
+    h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
+    with open(os.path.join(d, "f%03d.npy" % i), "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h.encode())
+        f.write(struct.pack("<4f", i, i + 0.25, i + 0.5, i + 0.75))
+PY
+files=$(printf '%s,' "$tmp"/npy/f*.npy)
+run data_300 timeout 120 "$bin" bench loader --json --data "${files%,}" --pin on --epochs 1 --batch 16
+expect_rc data_300 0 &&
+  json_check data_300 "
+rows = [r for r in rows if r.get('bench') == 'loader']
+if not rows:
+    bad('no loader rows')
+for r in rows:
+    if r.get('samples') != 300:
+        bad('want all 300 files (one sample each) in the dataset, got samples=%r' % r.get('samples'))
+    if r.get('verified') is not True or r.get('verify_method') != 'first_batch+coverage':
+        bad('row: %r' % r)"
+
+# ---- bench alloc --summarize of a damaged file ---------------------------------------------------
+{ head -n 1 "$tmp/bench_json.out"; echo 'not json at all'; tail -n +2 "$tmp/bench_json.out"; } >"$tmp/damaged.jsonl"
+run summ_damaged "$bin" bench alloc --summarize "$tmp/damaged.jsonl"
+expect_rc summ_damaged 1 && expect_grep summ_damaged err "damaged\.jsonl:2: not a flat JSON object"
+{ cat "$tmp/bench_json.out"; echo '{"bench":"alloc","case":"x"}'; } >"$tmp/partial.jsonl"
+run summ_partial "$bin" bench alloc --summarize "$tmp/partial.jsonl"
+expect_rc summ_partial 1 &&
+  expect_grep summ_partial err "partial\.jsonl:$(($(wc -l <"$tmp/bench_json.out") + 1)): a bench alloc row without \"bytes\""
+# Lines of other benches and blank lines are passed over.
+{ cat "$tmp/bench_json.out"; echo; head -n 2 "$tmp/copy_json.out"; } >"$tmp/mixed.jsonl"
+run summ_mixed "$bin" bench alloc --summarize "$tmp/mixed.jsonl"
+expect_rc summ_mixed 0 && expect_grep summ_mixed out '^4\.00 MiB +pinmem_cold_pin +'
 
 i=0
 for line in "${bad_lines[@]}"; do

@@ -53,6 +53,7 @@ typedef struct summary {
 typedef struct bench {
   const cli_bench_alloc_args_t *args;
   summary_t sum;
+  unsigned long long steps, steps_done; /* progress: measured runs in all */
   const pm__backend_t *b;
   bool cuda;
   int pin_threads; /* resolved */
@@ -163,6 +164,7 @@ static void print_header(void) {
 }
 
 static void print_row(const row_t *r) {
+  cli_progress_clear();
   char sz[32], med[32], lo[32], hi[32], range[64], gbps[32], ratio[32];
   cli_fmt_bytes(r->bytes, sz, sizeof sz);
   fmt_seconds(r->seconds, med, sizeof med);
@@ -216,20 +218,23 @@ static void target_line(const char *what, const char *figure, bool met, bool app
 }
 
 static void print_targets(const summary_t *s) {
-  char fig[200], b1[32], b2[32];
+  char fig[200], what[120], b1[32], b2[32];
+  /* The baseline the ratio was taken against: cudaHostAlloc on cuda, the host backend's own
+   * allocation there. */
+  const char *base_name = s->cuda ? "cudaHostAlloc" : "host_alloc";
+  cli_progress_clear();
   printf("\n");
   if (isfinite(s->gib_pin)) {
     double base = s->gib_pin / s->gib_ratio;
     snprintf(fig, sizeof fig, "%s", fmt_seconds(s->gib_pin, b1, sizeof b1));
     target_line("cold pin 1 GiB <= 60 ms", fig, s->gib_pin <= TARGET_COLD_SECONDS, s->cuda);
     snprintf(fig, sizeof fig, "%.3f (%s vs %s for %s)", s->gib_ratio, b1,
-             fmt_seconds(base, b2, sizeof b2), s->cuda ? "cudaHostAlloc" : "host_alloc");
-    target_line("cold pin 1 GiB <= 1/6 of cudaHostAlloc", fig,
-                isfinite(s->gib_ratio) && s->gib_ratio <= TARGET_COLD_RATIO, s->cuda);
+             fmt_seconds(base, b2, sizeof b2), base_name);
+    snprintf(what, sizeof what, "cold pin 1 GiB <= 1/6 of %s", base_name);
+    target_line(what, fig, isfinite(s->gib_ratio) && s->gib_ratio <= TARGET_COLD_RATIO, s->cuda);
   } else {
-    printf(
-        "TARGET cold pin 1 GiB <= 60 ms and <= 1/6 of cudaHostAlloc: not measured "
-        "(add 1G to --sizes)\n");
+    printf("TARGET cold pin 1 GiB <= 60 ms and <= 1/6 of %s: not measured (add 1G to --sizes)\n",
+           base_name);
   }
   if (s->worst_pair_bytes) {
     snprintf(fig, sizeof fig, "worst %s (at %s)", fmt_seconds(s->worst_pair, b1, sizeof b1),
@@ -257,6 +262,9 @@ static void emit(bench_t *bn, const row_t *r) {
   cli_json_t j;
   cli_json_row(&j, "alloc", r->name, r->bytes, r->seconds, r->gbps);
   cli_json_bool(&j, "verified", r->verified);
+  /* Every block is checked over its whole length (pattern written and read back) plus a 1 MiB
+   * round trip through device memory. */
+  cli_json_str(&j, "verify_method", "full");
   cli_json_str(&j, "backend", pm_backend_name());
   cli_json_double(&j, "ratio_vs_cudaHostAlloc", r->ratio);
   cli_json_str(&j, "baseline", r->baseline);
@@ -368,9 +376,14 @@ static void bench_cold(bench_t *bn, size_t bytes) {
   double *pa = v, *pf = v + runs, *ba = v + 2 * runs, *bf = v + 3 * runs, *ra = v + 4 * runs,
          *rf = v + 5 * runs, *pb = v + 6 * runs;
   bool ok_p = true, ok_b = true, ok_r = true;
+  char sz[32];
+  cli_fmt_bytes(bytes, sz, sizeof sz);
   for (int r = 0; r < runs; r++) {
     uint64_t seed = (uint64_t)bytes * 31 + (uint64_t)r;
     for (int k = 0; k < 3; k++) {
+      static const char *const what[] = {"pinmem_cold_pin", "backend alloc", "malloc+register"};
+      cli_progress(bn->steps_done++, bn->steps, "cold pin %s: %s, run %d/%d", sz, what[(r + k) % 3],
+                   r + 1, runs);
       switch ((r + k) % 3) {
         case 0:
           run_pinmem(bn, bytes, seed, &pa[r], &pf[r], &pb[r], &ok_p);
@@ -412,7 +425,8 @@ static void bench_cold(bench_t *bn, size_t bytes) {
     r->baseline = base->name;
   }
   if (bytes == GIB) {
-    pin_a.target = "cold pin of 1 GiB <= 0.060 s and <= 1/6 of cudaHostAlloc";
+    pin_a.target = bn->cuda ? "cold pin of 1 GiB <= 0.060 s and <= 1/6 of cudaHostAlloc"
+                            : "cold pin of 1 GiB <= 0.060 s and <= 1/6 of host_alloc";
     if (backend_target_applies(bn))
       pin_a.target_met = pin_a.seconds <= TARGET_COLD_SECONDS && pin_a.ratio <= TARGET_COLD_RATIO;
   }
@@ -423,6 +437,9 @@ static void bench_cold(bench_t *bn, size_t bytes) {
 /* Cached alloc+free pairs of one size from a pool that already holds the block. */
 static void bench_pair(bench_t *bn, size_t bytes) {
   double base[BASELINE_PAIR_RUNS], batches[PAIR_BATCHES];
+  char sz[32];
+  cli_progress(bn->steps_done++, bn->steps, "cached alloc+free pairs %s",
+               cli_fmt_bytes(bytes, sz, sizeof sz));
   for (int i = 0; i < BASELINE_PAIR_RUNS; i++) {
     void *p;
     double t0 = pm__now();
@@ -491,6 +508,7 @@ static size_t random_size(uint64_t *s) {
 
 /* Pinned bytes held / bytes requested for sizes of 1 MiB to 64 MiB. */
 static void bench_overhead(bench_t *bn) {
+  cli_progress(bn->steps_done++, bn->steps, "pool overhead (1-64 MiB requests)");
   pm_pool_t *pool = fresh_pool(bn);
   pm_pool_stats_t st;
   cli_check(pm_pool_get_stats(pool, &st));
@@ -581,7 +599,34 @@ static void bench_overhead(bench_t *bn) {
 
 /* ---- the command ------------------------------------------------------------------------- */
 
-/* Print the table and TARGET lines of a results file written with --json. */
+/* A row of bench alloc read back must have what the table needs, with the types --json writes;
+ * NULL when it does, else what is wrong. */
+static const char *row_problem(const cli_jfield_t *fields, int n) {
+  static const struct {
+    const char *key;
+    const char *types; /* allowed cli_jfield_t types */
+  } need[] = {{"case", "s"}, {"bytes", "n"}, {"seconds", "nz"}, {"verified", "b"}};
+  static char why[160];
+  for (size_t i = 0; i < sizeof need / sizeof need[0]; i++) {
+    const cli_jfield_t *v = cli_json_get(fields, n, need[i].key);
+    if (!v) {
+      snprintf(why, sizeof why, "a bench alloc row without \"%s\"", need[i].key);
+      return why;
+    }
+    if (!strchr(need[i].types, v->type)) {
+      snprintf(why, sizeof why, "\"%s\" has the wrong type", need[i].key);
+      return why;
+    }
+  }
+  const cli_jfield_t *b = cli_json_get(fields, n, "bytes");
+  if (!(b->num >= 0) || b->num != floor(b->num)) return "\"bytes\" is not a whole number";
+  return NULL;
+}
+
+/* Print the table and TARGET lines of a results file written with --json. Lines of other
+ * benchmarks are passed over; a line that is not a JSON object, or a bench alloc row that lacks
+ * what the table needs, stops it with the line's number (exit 1): a summary of a damaged file
+ * would print rows that were never measured. */
 static int summarize_file(const char *path) {
   FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "r");
   if (!f) {
@@ -597,13 +642,21 @@ static int summarize_file(const char *path) {
   cli_jfield_t *fields = cli_xmalloc(sizeof *fields * MAXF);
   while (getline(&line, &cap, f) > 0) {
     lineno++;
+    if (line[strspn(line, " \t\r\n")] == '\0') continue; /* a blank line */
     int n = cli_json_parse_flat(line, fields, MAXF);
-    if (n < 0) {
-      fprintf(stderr, "pinmem: %s:%ld: not a flat JSON object; skipped\n", path, lineno);
-      continue;
+    const char *bad =
+        n < 0 ? "not a flat JSON object (one result per line, as --json writes)" : NULL;
+    const cli_jfield_t *bench = n < 0 ? NULL : cli_json_get(fields, n, "bench");
+    if (!bad && (!bench || bench->type != 's' || strcmp(bench->str, "alloc") != 0)) continue;
+    if (!bad) bad = row_problem(fields, n);
+    if (bad) {
+      fflush(stdout);
+      fprintf(stderr, "pinmem: %s:%ld: %s\n", path, lineno, bad);
+      free(line);
+      free(fields);
+      if (f != stdin) fclose(f);
+      return CLI_EXIT_FAILURE;
     }
-    const cli_jfield_t *bench = cli_json_get(fields, n, "bench");
-    if (!bench || bench->type != 's' || strcmp(bench->str, "alloc") != 0) continue;
     const cli_jfield_t *v;
     row_t r;
     char name[512] = "?", op[64] = "";
@@ -648,6 +701,48 @@ static int summarize_file(const char *path) {
   return 0;
 }
 
+int cli_bench_alloc_help(void) {
+  pm_status_t st = pm_init();
+  bool cuda = st == PM_OK && pm_backend_kind() == PM_BACKEND_CUDA;
+  const char *a = cuda ? "cudaHostAlloc" : "host_alloc";
+  printf(
+      "usage: pinmem bench alloc [--json] [--quiet] [--sizes LIST] [--repeat N] [--threads N]\n"
+      "                          [--overhead-total SIZE]\n"
+      "       pinmem bench alloc --summarize FILE\n"
+      "\n"
+      "cases (backend %s%s):\n"
+      "  pinmem_cold_pin            pm_host_alloc from a fresh pool (nothing cached)\n"
+      "  %-26s the backend's own pinned allocation (the RATIO baseline)\n"
+      "  %-26s malloc, then the backend's registration\n"
+      "  pinmem_free+destroy, %s, %s\n"
+      "                             the matching releases\n"
+      "  pinmem_cached_pair         pm_host_alloc + pm_host_free of a cached block, at 4K, 64K,\n"
+      "                             1M and 16M, beside %s\n"
+      "  pinmem_overhead, pinmem_overhead_churn\n"
+      "                             pinned bytes / requested bytes for 1-64 MiB requests\n"
+      "\n"
+      "options (default on this backend):\n"
+      "  --sizes LIST           cold pin sizes, K/M/G suffixes (16M,256M,1G)\n"
+      "  --repeat N             runs per size, median reported (5; 3 for sizes >= 1 GiB)\n"
+      "  --threads N            first-touch threads of the pools measured (0: option\n"
+      "                         pin_threads, now %ld)\n"
+      "  --overhead-total SIZE  bytes requested in the overhead rows (1G)\n"
+      "  --summarize FILE       the table and TARGET lines of a --json results file ('-':\n"
+      "                         standard input); a malformed line is an error\n"
+      "  --json                 one JSON object per line: bench, case, bytes, seconds, gbps,\n"
+      "                         verified (bool), verify_method (\"full\"), ratio_vs_cudaHostAlloc\n"
+      "                         (against the row's baseline), baseline, op, runs, ...\n"
+      "  --quiet                no progress on stderr (shown only when it is a terminal)\n",
+      st == PM_OK ? pm_backend_name() : "none",
+      st == PM_OK ? "" : ": it did not start, names shown for host", a,
+      cuda ? "malloc+cudaHostRegister" : "malloc+host_register",
+      cuda ? "cudaFreeHost" : "host_free",
+      cuda ? "cudaHostUnregister+free" : "host_unregister+free",
+      cuda ? "cudaHostAlloc+cudaFreeHost" : "host_alloc+host_free",
+      pm__opt_int(PM__OPT_PIN_THREADS));
+  return 0;
+}
+
 int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args) {
   if (args->summarize) return summarize_file(args->summarize);
 
@@ -668,6 +763,12 @@ int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args) {
 
   cli_check(pm_device_alloc(MIB, &bn.dev));
   bn.scratch = cli_xmalloc(MIB);
+  cli_progress_init(args->quiet);
+  for (int i = 0; i < args->nsizes; i++) {
+    size_t sz = args->sizes[i];
+    bn.steps += 3 * (unsigned long long)(args->repeat > 0 ? args->repeat : (sz >= GIB ? 3 : 5));
+  }
+  bn.steps += 4 + 1; /* the cached pair sizes, the overhead */
 
   if (!args->json) {
     char dev[300] = "";
@@ -679,7 +780,11 @@ int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args) {
            dev, bn.pin_threads);
     printf(
         "median of the runs; RATIO = time / the backend's own call of the same size\n"
-        "(overhead rows: pinned bytes / requested bytes)\n\n");
+        "(overhead rows: pinned bytes / requested bytes)\n");
+  }
+  if (!args->json) {
+    cli_host_note(false, "these timings");
+    printf("\n");
     print_header();
   }
 
@@ -701,7 +806,9 @@ int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args) {
   for (size_t i = 0; i < sizeof pair_sizes / sizeof pair_sizes[0]; i++)
     bench_pair(&bn, pair_sizes[i]);
   bench_overhead(&bn);
+  cli_progress_clear();
   if (!args->json) print_targets(&bn.sum);
+  if (args->json) cli_host_note(true, "these timings");
 
   cli_check(pm_device_free(bn.dev));
   free(bn.scratch);

@@ -71,7 +71,7 @@ pm_status_t pm__launch_checksum(const void *dptr, size_t bytes, uint64_t *dresul
 /* ---- argument parsing ------------------------------------------------------------------------ */
 
 typedef struct bopts {
-  bool json;
+  bool json, quiet;
   size_t sizes[32];
   int nsizes;
   int repeat;
@@ -79,19 +79,86 @@ typedef struct bopts {
   char cases[512]; /* ",name,name," or empty: all */
 } bopts_t;
 
+/* Every row name --cases can pick, in the table's order (the case table, the byte movers, the
+ * contention rows, the batch rows); defined with the cases below. */
+static int case_names(const char **out, int max);
+
+static const char *copy_usage =
+    "copy [--json] [--quiet] [--sizes LIST] [--repeat N] [--cases LIST]";
+static const char *ov_usage = "overlap [--json] [--quiet] [--bytes SIZE] [--repeat N]";
+
 static int usage(const char *cmd, const char *fmt, const char *arg) {
+  cli_progress_clear();
   fprintf(stderr, "pinmem: ");
   fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\nusage: pinmem bench %s\n", cmd);
+  fprintf(stderr, "\nusage: pinmem bench %s\n(--help lists the cases and options)\n", cmd);
   return CLI_EXIT_USAGE;
+}
+
+/* `pinmem bench copy|overlap --help`: the cases and the options with their defaults on the
+ * backend that starts here. */
+static void print_help(bool is_copy) {
+  pm_status_t st = pm_init();
+  bool cuda = st == PM_OK && pm_backend_kind() == PM_BACKEND_CUDA;
+  printf("usage: pinmem bench %s\n\n", is_copy ? copy_usage : ov_usage);
+  printf("defaults below are for the backend that starts here: %s%s\n\n",
+         st == PM_OK ? pm_backend_name() : "none",
+         st == PM_OK ? "" : " (it did not start; host defaults shown)");
+  if (is_copy) {
+    const char *names[64];
+    int n = case_names(names, 64);
+    printf("cases (--cases picks rows by these names; default all):\n");
+    size_t col = 0;
+    for (int i = 0; i < n; i++) {
+      size_t len = strlen(names[i]);
+      if (col && col + 2 + len > 90) {
+        printf(",\n");
+        col = 0;
+      } else if (col) {
+        printf(", ");
+        col += 2;
+      }
+      if (!col) {
+        printf("  ");
+        col = 2;
+      }
+      printf("%s", names[i]);
+      col += len;
+    }
+    printf("\n");
+    printf(
+        "  zerocopy_mapped and managed_prefetch measure GPU features: on the host backend the\n"
+        "  first is skipped and the second runs for its bytes only (GB/s and ratio \"n/a\",\n"
+        "  \"applicable\": false in JSON)\n\n");
+    printf("options:\n");
+    printf("  --sizes LIST   copy sizes, K/M/G suffixes (default %s)\n",
+           cuda ? "4K,64K,1M,8M,64M,256M,1G" : "4K,64K,1M,8M,64M");
+    printf("  --cases LIST   only these rows, comma-separated (default: all)\n");
+    printf("  --repeat N     timed runs per case, the median is reported (default 5)\n");
+    printf(
+        "  batch rows: %d x 64 KiB pieces; mover and contention rows at the largest size\n"
+        "  when it is 8 MiB or more\n",
+        cuda ? 4096 : 1024);
+  } else {
+    printf(
+        "cases: serial_one_stream, pinned_two_streams, pageable_plain_two_streams,\n"
+        "  pageable_pinmem_two_streams: a copy and a busy kernel as long as the pinned copy\n\n"
+        "options:\n");
+    printf("  --bytes SIZE   bytes copied (default %s)\n", cuda ? "256M" : "64M");
+    printf("  --repeat N     runs per case, the median is reported (default 5)\n");
+  }
+  printf(
+      "  --json         one JSON object per line: bench, case, bytes, seconds, gbps, verified\n"
+      "                 (true/false), verify_method (full, sampled, checksum or none), ...\n"
+      "  --quiet        no progress on stderr (shown only when stderr is a terminal)\n"
+      "An option with a value may be given once; --json and --quiet more than once.\n");
 }
 
 /* 0 ok, else the exit code. */
 static int parse_args(const char *cmd, int argc, char **argv, bopts_t *o) {
-  static const char *copy_usage = "copy [--json] [--sizes LIST] [--repeat N] [--cases LIST]";
-  static const char *ov_usage = "overlap [--json] [--bytes SIZE] [--repeat N]";
   bool is_copy = strcmp(cmd, "copy") == 0;
   const char *u = is_copy ? copy_usage : ov_usage;
+  bool seen_sizes = false, seen_repeat = false, seen_bytes = false, seen_cases = false;
   memset(o, 0, sizeof *o);
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *val = NULL;
@@ -101,8 +168,12 @@ static int parse_args(const char *cmd, int argc, char **argv, bopts_t *o) {
       o->json = true;
       continue;
     }
+    if (strcmp(a, "--quiet") == 0) {
+      o->quiet = true;
+      continue;
+    }
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      printf("usage: pinmem bench %s\n", u);
+      print_help(is_copy);
       exit(0);
     }
     bool sizes = is_copy && nl == 7 && strncmp(a, "--sizes", 7) == 0;
@@ -110,11 +181,24 @@ static int parse_args(const char *cmd, int argc, char **argv, bopts_t *o) {
     bool bytes = !is_copy && nl == 7 && strncmp(a, "--bytes", 7) == 0;
     bool cases = is_copy && nl == 7 && strncmp(a, "--cases", 7) == 0;
     if (!sizes && !repeat && !bytes && !cases) return usage(u, "unknown argument '%s'", a);
+    bool *seen = sizes ? &seen_sizes : repeat ? &seen_repeat : bytes ? &seen_bytes : &seen_cases;
+    if (*seen) {
+      char opt[32];
+      snprintf(opt, sizeof opt, "%.*s", (int)(nl < 20 ? nl : 20), a);
+      return usage(u, "%s given twice", opt);
+    }
+    *seen = true;
     if (eq) {
       val = eq + 1;
     } else {
       if (i + 1 >= argc) return usage(u, "%s needs a value", a);
       val = argv[++i];
+    }
+    if ((sizes || cases) && cli_list_empty_item(val)) {
+      char msg[96];
+      snprintf(msg, sizeof msg, "%s: item %d of '%%s' is empty", sizes ? "--sizes" : "--cases",
+               cli_list_empty_item(val));
+      return usage(u, msg, val);
     }
     if (repeat) {
       char *end;
@@ -125,6 +209,22 @@ static int parse_args(const char *cmd, int argc, char **argv, bopts_t *o) {
     } else if (cases) {
       if (strlen(val) + 3 > sizeof o->cases) return usage(u, "--cases: list too long: '%s'", val);
       snprintf(o->cases, sizeof o->cases, ",%s,", val);
+      /* Every name must be a row of this benchmark: a typo would otherwise run nothing. */
+      const char *names[64];
+      int n = case_names(names, 64);
+      char *copy = cli_xstrdup(val), *save = NULL;
+      for (char *t = strtok_r(copy, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        bool known = false;
+        for (int k = 0; k < n && !known; k++) known = strcmp(t, names[k]) == 0;
+        if (known) continue;
+        cli_progress_clear();
+        fprintf(stderr, "pinmem: --cases: unknown case '%s'; the cases are:\n", t);
+        for (int k = 0; k < n; k++) fprintf(stderr, "  %s\n", names[k]);
+        fprintf(stderr, "usage: pinmem bench %s\n", u);
+        free(copy);
+        return CLI_EXIT_USAGE;
+      }
+      free(copy);
     } else if (bytes) {
       if (pm_parse_size(val, &o->bytes) != PM_OK || o->bytes == 0)
         return usage(u, "--bytes: bad size '%s'", val);
@@ -291,6 +391,7 @@ typedef struct bench {
   bool failed;
   result_t res[512];
   int nres;
+  unsigned long long steps, steps_done; /* progress: groups of rows */
 } bench_t;
 
 static const result_t *find_result(const bench_t *b, const char *name, const char *dir,
@@ -646,12 +747,17 @@ static void print_header(void) {
   printf(ROW_FMT, "dir", "size", "case", "GB/s", "ratio", "path", "verified");
 }
 
-/* One row of the text table; `size` is the size column's label, a NAN ratio prints "-". */
-static void text_row(const char *dir, const char *size, const char *name, double gbps,
-                     double ratio, const char *path, bool ok, const char *method) {
+/* One row of the text table; `size` is the size column's label, a NAN ratio prints "-". A case
+ * that is not applicable on this backend prints "n/a" for its speed and ratio. */
+static void text_row(const char *dir, const char *size, const char *name, double gbps, double ratio,
+                     const char *path, bool ok, const char *method, bool applicable) {
   char g[32], ra[32];
+  cli_progress_clear();
   fmt_gbps(gbps, g, sizeof g);
-  if (isfinite(ratio))
+  if (!applicable) {
+    snprintf(g, sizeof g, "n/a");
+    snprintf(ra, sizeof ra, "n/a");
+  } else if (isfinite(ratio))
     snprintf(ra, sizeof ra, "%.2fx", ratio);
   else
     snprintf(ra, sizeof ra, "-");
@@ -690,17 +796,19 @@ static void copy_cfg_json(cli_json_t *j) {
   cli_json_int(j, "copy_piece_slots", cfg.piece_slots);
 }
 
-/* The keys every bench copy row starts with; `verified` names the check ("full", "sampled",
- * "checksum") or is false. */
+/* The keys every bench copy row starts with: `verified` is true when no check of the row's bytes
+ * failed, `verify_method` says which check ran ("full", "sampled", "checksum", or "none" for a
+ * row that delivers nothing to check), `applicable` is false for a case that measures a GPU
+ * feature the host backend only imitates (its bytes are still checked; its speed means
+ * nothing). */
 static void copy_row_json(cli_json_t *j, const char *name, const char *dir, size_t bytes,
                           double seconds, double gbps, bool ok, const char *method, double ratio,
-                          const char *baseline) {
+                          const char *baseline, bool applicable) {
   cli_json_row(j, "copy", name, bytes, seconds, gbps);
   cli_json_str(j, "dir", dir);
-  if (ok)
-    cli_json_str(j, "verified", method);
-  else
-    cli_json_bool(j, "verified", false);
+  cli_json_bool(j, "verified", ok);
+  cli_json_str(j, "verify_method", method && method[0] ? method : "none");
+  cli_json_bool(j, "applicable", applicable);
   cli_json_double(j, "ratio_vs_plain", ratio);
   cli_json_str(j, "baseline", baseline);
   copy_cfg_json(j);
@@ -715,8 +823,15 @@ static const char *case_skip(const bench_t *b, const ccase_t *c) {
   return NULL;
 }
 
+/* A case that measures a GPU feature (the zero-copy kernel, managed memory) means nothing for
+ * speed on the host backend, which only imitates the feature. */
+static bool case_applicable(const bench_t *b, const ccase_t *c) {
+  return b->cuda || c->need == 0;
+}
+
 static void report_skip(const bench_t *b, const ccase_t *c, size_t n, const char *skip) {
   char sz[32];
+  cli_progress_clear();
   cli_fmt_bytes(n, sz, sizeof sz);
   size_t moved = strcmp(c->dir, "bidir") == 0 ? 2 * n : n;
   if (b->o.json) {
@@ -724,6 +839,8 @@ static void report_skip(const bench_t *b, const ccase_t *c, size_t n, const char
     cli_json_row(&j, "copy", c->name, moved, NAN, NAN);
     cli_json_str(&j, "dir", c->dir);
     cli_json_bool(&j, "verified", false);
+    cli_json_str(&j, "verify_method", "none");
+    cli_json_bool(&j, "applicable", case_applicable(b, c));
     cli_json_str(&j, "skipped", skip);
     cli_json_str(&j, "backend", pm_backend_name());
     cli_json_end(&j);
@@ -798,7 +915,8 @@ static void report_case(bench_t *b, const case_runs_t *cr, size_t n, int runs) {
 
   if (b->o.json) {
     cli_json_t j;
-    copy_row_json(&j, c->name, c->dir, moved, med, gbps, cr->ok, cr->method, ratio, base);
+    copy_row_json(&j, c->name, c->dir, moved, med, gbps, cr->ok, cr->method, ratio, base,
+                  case_applicable(b, c));
     cli_json_str(&j, "path", path);
     cli_json_str(&j, "timing", "events");
     cli_json_int(&j, "runs", runs);
@@ -811,7 +929,7 @@ static void report_case(bench_t *b, const case_runs_t *cr, size_t n, int runs) {
   } else {
     char sz[32];
     cli_fmt_bytes(n, sz, sizeof sz);
-    text_row(c->dir, sz, c->name, gbps, ratio, path, cr->ok, cr->method);
+    text_row(c->dir, sz, c->name, gbps, ratio, path, cr->ok, cr->method, case_applicable(b, c));
   }
 }
 
@@ -845,12 +963,18 @@ static void run_group(bench_t *b, const char *dir, size_t n) {
     r->ok = true;
     snprintf(r->what, sizeof r->what, "%s %s %s", c->dir, sz, c->name);
   }
-  for (int i = 0; i < m; i++) (void)time_once(b, &cr[i], n); /* warm-up */
+  for (int i = 0; i < m; i++) {
+    cli_progress(b->steps_done, b->steps, "%s %s: %s, warm-up", dir, sz, cr[i].c->name);
+    (void)time_once(b, &cr[i], n);
+  }
   for (int round = 0; round < runs; round++)
     for (int k = 0; k < m; k++) {
       case_runs_t *r = &cr[(k + round) % m];
+      cli_progress(b->steps_done, b->steps, "%s %s: %s, round %d/%d", dir, sz, r->c->name,
+                   round + 1, runs);
       r->t[round] = time_once(b, r, n);
     }
+  b->steps_done++;
   for (int i = 0, k = 0; i < all; i++) {
     const char *skip = case_skip(b, order[i]);
     if (skip) {
@@ -872,6 +996,43 @@ typedef struct batch_case {
   bool engine;      /* pm_copy_batch_async (else a loop of plain copies) */
   const char *mode; /* copy_batch for the call (NULL: the option as it stands) */
 } batch_case_t;
+
+/* The pinmem rows use copy_batch as it stands; the _dma and _kernel rows force each way, so
+ * one run weighs the two (and tells which default to take). */
+static const batch_case_t bcases[] = {
+    {"batch_pinned_loop", "h2d", false, false, NULL},
+    {"batch_pinned_pinmem", "h2d", false, true, NULL},
+    {"batch_pinned_dma", "h2d", false, true, "dma"},
+    {"batch_pinned_kernel", "h2d", false, true, "kernel"},
+    {"batch_pinned_loop", "d2h", false, false, NULL},
+    {"batch_pinned_pinmem", "d2h", false, true, NULL},
+    {"batch_pinned_dma", "d2h", false, true, "dma"},
+    {"batch_pinned_kernel", "d2h", false, true, "kernel"},
+    {"batch_pageable_loop", "h2d", true, false, NULL},
+    {"batch_pageable_pinmem", "h2d", true, true, NULL},
+};
+
+static const char *const mover_names[] = {"memcpy_libc", "memcpy_movsb", "memcpy_stream"};
+static const char *const contention_names[] = {"dma_under_h2h", "h2h_under_dma", "dma_under_read",
+                                               "read_under_dma"};
+
+static int add_name(const char **out, int n, int max, const char *name) {
+  for (int i = 0; i < n; i++)
+    if (!strcmp(out[i], name)) return n;
+  if (n < max) out[n++] = name;
+  return n;
+}
+
+static int case_names(const char **out, int max) {
+  int n = 0;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    n = add_name(out, n, max, cases[i].name);
+  for (size_t i = 0; i < 3; i++) n = add_name(out, n, max, mover_names[i]);
+  for (size_t i = 0; i < 4; i++) n = add_name(out, n, max, contention_names[i]);
+  for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++)
+    n = add_name(out, n, max, bcases[i].name);
+  return n;
+}
 
 static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t piece) {
   size_t total = count * piece;
@@ -906,6 +1067,7 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
   char what[96];
   snprintf(what, sizeof what, "%s batch %s", bc->dir, bc->name);
   for (int r = -1; r < runs; r++) {
+    cli_progress(b->steps_done, b->steps, "%s %s, run %d/%d", bc->dir, bc->name, r + 2, runs + 1);
     if (h2d)
       prep_d1(b, total);
     else
@@ -937,6 +1099,7 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
     }
     if (!ok) b->failed = true;
   }
+  b->steps_done++;
   double med = cli_median(t, runs);
   free(t);
   double gbps = (double)total / med / 1e9;
@@ -951,7 +1114,7 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
   if (b->o.json) {
     cli_json_t j;
     copy_row_json(&j, bc->name, bc->dir, total, med, gbps, ok, method, ratio,
-                  bc->engine ? base : NULL);
+                  bc->engine ? base : NULL, true);
     cli_json_uint(&j, "items", count);
     cli_json_uint(&j, "item_bytes", piece);
     cli_json_str(&j, "timing", "events");
@@ -962,7 +1125,8 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
     char sz[32], label[64]; /* a 20-digit count, 'x' and sz fit */
     cli_fmt_bytes(piece, sz, sizeof sz);
     snprintf(label, sizeof label, "%zux%s", count, sz);
-    text_row(bc->dir, label, bc->name, gbps, ratio, bc->engine ? "batch" : "loop", ok, method);
+    text_row(bc->dir, label, bc->name, gbps, ratio, bc->engine ? "batch" : "loop", ok, method,
+             true);
   }
   free(it);
   free(perm);
@@ -1008,6 +1172,7 @@ static void run_movers(bench_t *b, size_t n) {
     char what[96];
     snprintf(what, sizeof what, "h2h %s", mv[m].name);
     for (int r = -1; r < runs; r++) {
+      cli_progress(b->steps_done, b->steps, "h2h %s, run %d/%d", mv[m].name, r + 2, runs + 1);
       clear_host(b->pdst, n);
       double t0 = pm__now();
       pm__parallel_for(cfg.threads, pieces, mv_piece, &job);
@@ -1027,7 +1192,7 @@ static void run_movers(bench_t *b, size_t n) {
     const char *ran = mode_names[pm__memcpy_effective(mv[m].mode)];
     if (b->o.json) {
       cli_json_t j;
-      copy_row_json(&j, mv[m].name, "h2h", n, med, gbps, ok, method, NAN, NULL);
+      copy_row_json(&j, mv[m].name, "h2h", n, med, gbps, ok, method, NAN, NULL, true);
       cli_json_str(&j, "path", "host");
       cli_json_str(&j, "mover_ran", ran);
       cli_json_str(&j, "timing", "wall");
@@ -1037,7 +1202,7 @@ static void run_movers(bench_t *b, size_t n) {
     } else {
       char sz[32];
       cli_fmt_bytes(n, sz, sizeof sz);
-      text_row("h2h", sz, mv[m].name, gbps, NAN, ran, ok, method);
+      text_row("h2h", sz, mv[m].name, gbps, NAN, ran, ok, method, true);
     }
   }
 }
@@ -1120,7 +1285,7 @@ static void contention_row(bench_t *b, const char *name, const char *dir, size_t
   add_result(b, name, dir, n, gbps, ok);
   if (b->o.json) {
     cli_json_t j;
-    copy_row_json(&j, name, dir, n, secs, gbps, ok, method, ratio, base);
+    copy_row_json(&j, name, dir, n, secs, gbps, ok, method, ratio, base, true);
     cli_json_str(&j, "path", path);
     cli_json_str(&j, "load", load);
     cli_json_int(&j, "load_threads", threads);
@@ -1131,7 +1296,7 @@ static void contention_row(bench_t *b, const char *name, const char *dir, size_t
   } else {
     char sz[32];
     cli_fmt_bytes(n, sz, sizeof sz);
-    text_row(dir, sz, name, gbps, ratio, path, ok, method);
+    text_row(dir, sz, name, gbps, ratio, path, ok, method, true);
   }
 }
 
@@ -1145,6 +1310,7 @@ static void run_contention(bench_t *b, size_t n) {
     const char *dma_name = copy ? "dma_under_h2h" : "dma_under_read";
     const char *host_name = copy ? "h2h_under_dma" : "read_under_dma";
     if (!wanted(b, dma_name) && !wanted(b, host_name)) continue;
+    cli_progress(b->steps_done, b->steps, "%s and %s", dma_name, host_name);
     load_t *l = cli_xmalloc(sizeof *l);
     memset(l, 0, sizeof *l);
     l->src = b->hsrc;
@@ -1339,6 +1505,7 @@ static int bench_begin(const char *name, int argc, char **argv, bench_t **out) {
   cli_check(pm_init());
   b->cuda = pm_backend_kind() == PM_BACKEND_CUDA;
   if (!b->o.repeat) b->o.repeat = 5;
+  cli_progress_init(b->o.quiet);
   *out = b;
   return 0;
 }
@@ -1359,8 +1526,16 @@ int pm_cli_bench_copy(int argc, char **argv) {
   size_t count = b->cuda ? 4096 : 1024, piece = 64 * KIB;
   size_t cap = count * piece;
   for (int i = 0; i < b->o.nsizes; i++) cap = PM__MAX(cap, b->o.sizes[i]);
-  bench_setup(b, cap, true);
+  size_t top = 0;
+  for (int i = 0; i < b->o.nsizes; i++) top = PM__MAX(top, b->o.sizes[i]);
+  /* Progress counts groups of rows: a direction at a size, the movers, the contention rows, a
+   * batch case. */
+  b->steps = 3 * (unsigned long long)b->o.nsizes + (top >= 8 * MIB ? 2 : 0);
+  for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++)
+    b->steps += wanted(b, bcases[i].name);
 
+  /* The header comes before the set-up, which allocates and fills several buffers of the
+   * largest size (seconds at 1 GiB). */
   if (!b->o.json) {
     pm__copy_cfg_t cfg;
     pm__copy_cfg(&cfg);
@@ -1373,13 +1548,23 @@ int pm_cli_bench_copy(int argc, char **argv) {
         cfg.stage_min / KIB, opt_value("copy_bounce", bounce, sizeof bounce),
         opt_value("copy_memcpy", mover, sizeof mover),
         opt_value("copy_batch", batch, sizeof batch), cfg.piece / KIB, cfg.piece_slots);
+  }
+  if (!b->o.json) {
+    cli_host_note(false, "these figures");
     if (!b->cuda)
       printf(
-          "host backend: the CPU plays the device, so these runs prove correctness, not "
-          "speed; default sizes stop at 64 MiB.\n");
+          "default sizes stop at 64 MiB here; managed_prefetch and zerocopy_mapped measure GPU "
+          "features: n/a.\n");
     printf(
         "ratio: against the plain copy of the same kind of host memory (pinned for wc, "
         "zero-copy and managed).\n\n");
+  }
+  char capsz[32];
+  cli_progress(0, b->steps, "allocating and filling the buffers (%s each)",
+               cli_fmt_bytes(cap, capsz, sizeof capsz));
+  bench_setup(b, cap, true);
+  if (!b->o.json) {
+    cli_progress_clear();
     print_header();
   }
   static const char *dirs[] = {"h2d", "d2h", "bidir"};
@@ -1391,32 +1576,18 @@ int pm_cli_bench_copy(int argc, char **argv) {
   }
 
   /* The host's own ceiling for staging, at the largest size of the run. */
-  {
-    size_t top = 0;
-    for (int i = 0; i < b->o.nsizes; i++) top = PM__MAX(top, b->o.sizes[i]);
-    if (top >= 8 * MIB) {
-      run_movers(b, top);
-      run_contention(b, top);
-      if (!b->o.json) printf("\n");
-    }
+  if (top >= 8 * MIB) {
+    run_movers(b, top);
+    b->steps_done++;
+    run_contention(b, top);
+    b->steps_done++;
+    if (!b->o.json) printf("\n");
   }
 
-  /* The pinmem rows use copy_batch as it stands; the _dma and _kernel rows force each way, so
-   * one run weighs the two (and tells which default to take). */
-  static const batch_case_t bcases[] = {
-      {"batch_pinned_loop", "h2d", false, false, NULL},
-      {"batch_pinned_pinmem", "h2d", false, true, NULL},
-      {"batch_pinned_dma", "h2d", false, true, "dma"},
-      {"batch_pinned_kernel", "h2d", false, true, "kernel"},
-      {"batch_pinned_loop", "d2h", false, false, NULL},
-      {"batch_pinned_pinmem", "d2h", false, true, NULL},
-      {"batch_pinned_dma", "d2h", false, true, "dma"},
-      {"batch_pinned_kernel", "d2h", false, true, "kernel"},
-      {"batch_pageable_loop", "h2d", true, false, NULL},
-      {"batch_pageable_pinmem", "h2d", true, true, NULL},
-  };
   for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++)
     if (wanted(b, bcases[i].name)) run_batch(b, &bcases[i], count, piece);
+  cli_progress_clear();
+  if (b->o.json) cli_host_note(true, "these figures");
   print_targets(b, count * piece);
   bench_teardown(b);
   bool failed = b->failed;
@@ -1477,8 +1648,13 @@ static double ov_median(bench_t *b, const ov_run_t *r, size_t n, double kernel_s
                         const char *what) {
   int runs = b->o.repeat;
   double *t = cli_xmalloc(sizeof(double) * (size_t)runs);
+  cli_progress(b->steps_done, b->steps, "%s, warm-up", what);
   (void)ov_time(b, r, n, kernel_s, ok, what); /* warm-up */
-  for (int i = 0; i < runs; i++) t[i] = ov_time(b, r, n, kernel_s, ok, what);
+  for (int i = 0; i < runs; i++) {
+    cli_progress(b->steps_done, b->steps, "%s, run %d/%d", what, i + 1, runs);
+    t[i] = ov_time(b, r, n, kernel_s, ok, what);
+  }
+  b->steps_done++;
   double m = cli_median(t, runs);
   free(t);
   return m;
@@ -1489,6 +1665,7 @@ int pm_cli_bench_overlap(int argc, char **argv) {
   int rc = bench_begin("overlap", argc, argv, &b);
   if (rc) return rc;
   size_t n = b->o.bytes ? b->o.bytes : (b->cuda ? 256 * MIB : 64 * MIB);
+  b->steps = 8; /* four cases alone, four together */
   bench_setup(b, n, false);
 
   bool ok = true;
@@ -1516,14 +1693,13 @@ int pm_cli_bench_overlap(int argc, char **argv) {
   char sz[32];
   cli_fmt_bytes(n, sz, sizeof sz);
   if (!b->o.json) {
+    cli_progress_clear();
     printf(
         "pinmem bench overlap: backend %s, copy of %s H2D + a busy kernel of %.3f ms, copy "
         "issued first, median of %d runs\n",
         pm_backend_name(), sz, kernel_s * 1e3, b->o.repeat);
-    if (!b->cuda)
-      printf(
-          "host backend: the kernel is a sleep on the stream's thread; this proves the "
-          "ordering, not the speed.\n");
+    cli_host_note(false, "these figures");
+    if (!b->cuda) printf("(the kernel is a sleep on the stream's thread: the ordering is real)\n");
     printf(
         "copy alone: pinned %.3f ms, pageable (plain) %.3f ms, pageable (pinmem) %.3f ms; "
         "kernel alone %.3f ms\n\n",
@@ -1544,10 +1720,8 @@ int pm_cli_bench_overlap(int argc, char **argv) {
     if (b->o.json) {
       cli_json_t j;
       cli_json_row(&j, "overlap", ov[i].name, n, total, (double)n / total / 1e9);
-      if (case_ok)
-        cli_json_str(&j, "verified", n <= FULL_VERIFY_MAX ? "full" : "sampled");
-      else
-        cli_json_bool(&j, "verified", false);
+      cli_json_bool(&j, "verified", case_ok);
+      cli_json_str(&j, "verify_method", n <= FULL_VERIFY_MAX ? "full" : "sampled");
       cli_json_double(&j, "copy_seconds", ov[i].copy_alone);
       cli_json_double(&j, "kernel_seconds", t_kernel);
       cli_json_double(&j, "ratio_vs_max", ratio);
@@ -1556,6 +1730,7 @@ int pm_cli_bench_overlap(int argc, char **argv) {
       cli_json_str(&j, "backend", pm_backend_name());
       cli_json_end(&j);
     } else {
+      cli_progress_clear();
       printf("%-28s  %10.3f  %14.3f  %11.3fx  %s\n", ov[i].name, total * 1e3, mx * 1e3, ratio,
              case_ok ? (n <= FULL_VERIFY_MAX ? "full" : "sampled") : "NO (FAILED)");
     }
@@ -1563,6 +1738,8 @@ int pm_cli_bench_overlap(int argc, char **argv) {
   {
     char fig[96];
     snprintf(fig, sizeof fig, "%.3fx", pinned_ratio);
+    cli_progress_clear();
+    if (b->o.json) cli_host_note(true, "these figures");
     fprintf(b->o.json ? stderr : stdout, "\n");
     target(b, "pinned copy + equal kernel on two streams <= 1.05x max(copy, kernel)", true,
            pinned_ratio <= T_OVERLAP_RATIO, fig);

@@ -72,7 +72,7 @@
 /* ---- options ---------------------------------------------------------------------------- */
 
 typedef struct lopts {
-  bool json, verify, shuffle, help;
+  bool json, verify, shuffle, help, quiet;
   const char *data;   /* comma list of .npy files */
   const char *tokens; /* token file */
   size_t seq_len;
@@ -94,7 +94,7 @@ static const char *usage_text =
     "  --tokens FILE          a raw token file (nanoGPT train.bin) instead; needs --seq-len\n"
     "  --seq-len N            tokens per sample (default 1024 for the synthetic tokens)\n"
     "  --token-bytes 2|4      uint16 (default) or uint32 tokens\n"
-    "  --batch N              samples per batch (default 256; tokens: 64)\n"
+    "  --batch N              samples per batch (default 256 on cuda, 64 on host; tokens: 64)\n"
     "  --workers N            reader threads per loader (default: option loader_workers)\n"
     "  --prefetch N           batch slots per loader (default: option loader_prefetch)\n"
     "  --epochs N             epochs per run (default 5 on cuda, 2 on host)\n"
@@ -112,9 +112,17 @@ static const char *usage_text =
     "  --repeat N             runs per case, median reported (default 3 on cuda, 1 on host)\n"
     "  --verify               check every delivered sample (slower: the speed is not the "
     "loader's)\n"
-    "  --json                 one JSON object per line\n";
+    "  --json                 one JSON object per line: bench, case, bytes, seconds, gbps,\n"
+    "                         verified (true/false), verify_method (\"full\" with --verify,\n"
+    "                         else \"first_batch+coverage\"), ...\n"
+    "  --quiet                no progress on stderr (shown only when it is a terminal)\n"
+    "cases: images_pinned, images_pageable, images_pinned_compute (images or --data);\n"
+    "  tokens_pinned, tokens_pageable (synthetic tokens or --tokens); --pin picks them\n"
+    "An option with a value may be given once; a switch (--json, --verify, ...) more than once.\n"
+    "--data and --tokens take regular files (not devices, FIFOs or folders).\n";
 
 static int lusage(const char *fmt, const char *arg) {
+  cli_progress_clear();
   fprintf(stderr, "pinmem: ");
   fprintf(stderr, fmt, arg);
   fprintf(stderr, "\n%s", usage_text);
@@ -140,6 +148,22 @@ static bool parse_secs(const char *s, double *out) {
   return true;
 }
 
+/* 0 when path is a regular file, or cannot be looked at (the dataset's open says why), else the
+ * usage exit code with the reason. */
+static int check_regular(const char *opt, const char *path) {
+  struct stat sb;
+  if (stat(path, &sb) != 0 || S_ISREG(sb.st_mode)) return 0;
+  const char *kind = S_ISDIR(sb.st_mode)    ? "a folder"
+                     : S_ISCHR(sb.st_mode)  ? "a character device"
+                     : S_ISBLK(sb.st_mode)  ? "a block device"
+                     : S_ISFIFO(sb.st_mode) ? "a FIFO"
+                     : S_ISSOCK(sb.st_mode) ? "a socket"
+                                            : "not a regular file";
+  char msg[600];
+  snprintf(msg, sizeof msg, "%s: '%%s' is %s; a dataset must be a regular file", opt, kind);
+  return lusage(msg, path);
+}
+
 static int parse_args(int argc, char **argv, lopts_t *o) {
   memset(o, 0, sizeof *o);
   o->shuffle = true;
@@ -149,6 +173,7 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
   o->token_bytes = 2;
   o->io = PM_IO_PREAD;
   o->delivery = PM_DELIVER_DEVICE;
+  unsigned seen = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (!strcmp(a, "--json")) {
@@ -167,6 +192,10 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
       o->help = true;
       continue;
     }
+    if (!strcmp(a, "--quiet")) {
+      o->quiet = true;
+      continue;
+    }
     if (strncmp(a, "--", 2) != 0) return lusage("unexpected argument '%s'", a);
     const char *eq = strchr(a, '=');
     char name[32];
@@ -178,9 +207,15 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
         "--data",     "--tokens", "--seq-len",    "--token-bytes", "--batch", "--workers",
         "--prefetch", "--epochs", "--samples",    "--windows",     "--seed",  "--world",
         "--repeat",   "--busy",   "--token-busy", "--pin",         "--io",    "--delivery"};
-    bool is_known = false;
-    for (size_t k = 0; k < sizeof known / sizeof known[0]; k++) is_known |= !strcmp(name, known[k]);
-    if (!is_known) return lusage("unknown option '%s'", a);
+    enum { NKNOWN = sizeof known / sizeof known[0] };
+    _Static_assert(NKNOWN <= 32, "seen is a 32-bit mask");
+    int which = -1;
+    for (int k = 0; k < NKNOWN; k++)
+      if (!strcmp(name, known[k])) which = k;
+    if (which < 0) return lusage("unknown option '%s'", a);
+    /* An option given twice is refused rather than the last one silently winning. */
+    if (seen & (1u << which)) return lusage("%s given twice", known[which]);
+    seen |= 1u << which;
     const char *v;
     if (eq) {
       v = eq + 1;
@@ -190,6 +225,12 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
     }
     uint64_t u;
     if (!strcmp(name, "--data")) {
+      int empty = cli_list_empty_item(v);
+      if (empty) {
+        char msg[64];
+        snprintf(msg, sizeof msg, "--data: item %d of '%%s' is empty", empty);
+        return lusage(msg, v);
+      }
       o->data = v;
     } else if (!strcmp(name, "--tokens")) {
       o->tokens = v;
@@ -264,7 +305,17 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
   if (o->tokens && !o->seq_len) return lusage("%s", "--tokens needs --seq-len");
   if (o->seq_len && !o->tokens && o->data)
     return lusage("%s", "--seq-len belongs to --tokens (or the synthetic tokens)");
-  return 0;
+  /* The files are read once to warm the page cache before any run: a device, a FIFO or a
+   * folder would block there or never end (/dev/zero), so only regular files are taken. */
+  int rc = 0;
+  if (o->tokens) rc = check_regular("--tokens", o->tokens);
+  if (!rc && o->data) {
+    char *copy = cli_xstrdup(o->data), *save = NULL;
+    for (char *t = strtok_r(copy, ",", &save); t && !rc; t = strtok_r(NULL, ",", &save))
+      rc = check_regular("--data", t);
+    free(copy);
+  }
+  return rc;
 }
 
 /* ---- checksums and synthetic data ------------------------------------------------------- */
@@ -470,22 +521,13 @@ typedef struct bench {
   bool verify_failed;
   result_t res[16];
   int nres;
-  double last_progress;
-  bool tty;
+  int run; /* of the case now running, for the progress line */
 } bench_t;
 
-static void progress(bench_t *B, const char *name, uint64_t done, uint64_t total, double gbps,
-                     bool final) {
-  if (B->o.json && !B->tty) return;
-  double now = pm__now();
-  if (!final && now - B->last_progress < (B->tty ? 0.25 : 5.0)) return;
-  B->last_progress = now;
-  if (B->tty)
-    fprintf(stderr, "\r  %-28s batch %llu/%llu  %.2f GB/s   %s", name, (unsigned long long)done,
-            (unsigned long long)total, gbps, final ? "\n" : "");
-  else if (!final)
-    fprintf(stderr, "  %s: batch %llu/%llu, %.2f GB/s\n", name, (unsigned long long)done,
-            (unsigned long long)total, gbps);
+/* Progress on a terminal only (cli_progress): the case, the run, batches done of the run's
+ * total and the rate so far. */
+static void progress(bench_t *B, const char *name, uint64_t done, uint64_t total, double gbps) {
+  cli_progress(done, total, "%s run %d/%d: batches, %.2f GB/s", name, B->run + 1, B->repeat, gbps);
 }
 
 /* Check one delivered batch against its source: 0 bad rows, else the count (message printed
@@ -520,7 +562,7 @@ static uint64_t check_batch(bench_t *B, src_t *s, const pm_batch_t *b, pm_stream
         ok = memcmp(rt, tmp_tg, tb) == 0 && memcmp(rt, ri + isz, sb - isz) == 0;
       }
     }
-    if (!ok && bad++ == 0)
+    if (!ok && bad++ == 0 && (cli_progress_clear(), true))
       fprintf(stderr,
               "pinmem: VERIFY FAILED: epoch %llu batch %llu row %zu (sample %llu) differs "
               "from its source\n",
@@ -628,7 +670,7 @@ static void run_once(bench_t *B, src_t *s, const char *name, bool pinned, double
         }
       }
       double el = pm__now() - t0;
-      progress(B, name, step + 1, total, el > 0 ? (double)counted_bytes / el / 1e9 : 0, false);
+      progress(B, name, step + 1, total, el > 0 ? (double)counted_bytes / el / 1e9 : 0);
     }
   }
   for (int k = 0; k < W; k++)
@@ -699,7 +741,6 @@ static void run_once(bench_t *B, src_t *s, const char *name, bool pinned, double
   r->next_p99 = nlat ? lat[(size_t)((double)(nlat - 1) * 0.99)] : NAN;
   r->verified = bad == 0;
   if (bad) B->verify_failed = true;
-  progress(B, name, total, total, r->gbps, true);
 
   for (int k = 0; k < W; k++) {
     if ((rc = pm_loader_destroy(ld[k])) != PM_OK) cli_fail(rc);
@@ -728,6 +769,7 @@ static const result_t *run_case(bench_t *B, src_t *s, const char *name, bool pin
   int n = PM__MIN(B->repeat, 64);
   bool all_ok = true;
   for (int i = 0; i < n; i++) {
+    B->run = i;
     run_once(B, s, name, pinned, busy, batch, &runs[i]);
     all_ok &= runs[i].verified;
   }
@@ -746,8 +788,9 @@ static void emit_json(const bench_t *B, const src_t *s, const result_t *r, size_
   cli_json_row(&j, "loader", r->name, r->bytes, r->seconds, r->gbps);
   cli_json_bool(&j, "verified", r->verified);
   cli_json_str(&j, "backend", pm_backend_name());
-  cli_json_str(&j, "verify", B->o.verify ? "full" : "first_batch+coverage");
+  cli_json_str(&j, "verify_method", B->o.verify ? "full" : "first_batch+coverage");
   cli_json_str(&j, "dataset", s->label);
+  cli_json_uint(&j, "samples", s->info.samples);
   cli_json_uint(&j, "sample_bytes", s->info.sample_bytes + s->info.target_bytes);
   cli_json_uint(&j, "batch", batch);
   cli_json_bool(&j, "pin_memory", r->pinned);
@@ -886,18 +929,26 @@ static void open_src(bench_t *B, src_t *s, const char *kind, const char *path, s
   memset(s, 0, sizeof *s);
   pm_status_t rc;
   if (!strcmp(kind, "npy")) {
+    /* Every file of the list is kept, however many (the dataset takes any number). */
     char *copy = cli_xstrdup(path), *save = NULL;
-    const char *paths[256];
+    size_t cap = 1;
+    for (const char *p = path; *p; p++) cap += *p == ',';
+    const char **paths = cli_xmalloc(cap * sizeof *paths);
     size_t np = 0;
-    for (char *t = strtok_r(copy, ",", &save); t && np < 256; t = strtok_r(NULL, ",", &save))
+    for (char *t = strtok_r(copy, ",", &save); t && np < cap; t = strtok_r(NULL, ",", &save))
       paths[np++] = t;
-    for (size_t i = 0; i < np; i++) warm_file(paths[i]);
+    for (size_t i = 0; i < np; i++) {
+      cli_progress(i, np, "reading %s once (page cache)", paths[i]);
+      warm_file(paths[i]);
+    }
     pm_npy_options_t o;
     pm_npy_options_init(&o);
     o.io = B->o.io;
     rc = pm_dataset_open_npy(paths, np, &o, &s->ds);
+    free(paths);
     free(copy);
   } else {
+    cli_progress(0, 0, "reading %s once (page cache)", path);
     warm_file(path);
     pm_tokens_options_t o;
     pm_tokens_options_init(&o);
@@ -913,7 +964,10 @@ static void open_src(bench_t *B, src_t *s, const char *kind, const char *path, s
   if (rc != PM_OK) cli_fail(rc);
   pm_dataset_get_info(s->ds, &s->info);
   snprintf(s->label, sizeof s->label, "%s", path);
-  if (s->info.note[0]) fprintf(stderr, "pinmem: note: %s\n", s->info.note);
+  if (s->info.note[0]) {
+    cli_progress_clear();
+    fprintf(stderr, "pinmem: note: %s\n", s->info.note);
+  }
 }
 
 int pm_cli_bench_loader(int argc, char **argv) {
@@ -923,12 +977,19 @@ int pm_cli_bench_loader(int argc, char **argv) {
   if (rc) return rc;
   if (B.o.help) {
     printf("%s", usage_text);
+    pm_status_t hs = pm_init();
+    bool cuda = hs == PM_OK && pm_backend_kind() == PM_BACKEND_CUDA;
+    printf(
+        "defaults on the backend that starts here (%s): batch %d, epochs %d, samples %d, "
+        "repeat %d\n",
+        hs == PM_OK ? pm_backend_name() : "none; host shown", cuda ? 256 : 64, cuda ? 5 : 2,
+        cuda ? 8192 : 512, cuda ? 3 : 1);
     return 0;
   }
   pm_status_t st = pm_init();
   if (st != PM_OK) cli_fail(st);
   B.cuda = pm_backend_kind() == PM_BACKEND_CUDA;
-  B.tty = isatty(STDERR_FILENO);
+  cli_progress_init(B.o.quiet);
   B.world = B.o.world ? B.o.world : 1;
   B.epochs = B.o.epochs ? B.o.epochs : B.cuda ? 5 : 2;
   B.repeat = B.o.repeat ? B.o.repeat : B.cuda ? 3 : 1;
@@ -949,9 +1010,8 @@ int pm_cli_bench_loader(int argc, char **argv) {
       uint64_t n = B.o.samples ? B.o.samples : B.cuda ? 8192 : 512;
       table = malloc(sizeof(uint64_t) * (size_t)n);
       if (!table) cli_fail(PM_ERR_NOMEM);
-      if (!B.o.json)
-        fprintf(stderr, "  generating %llu synthetic 3x224x224 uint8 images (%.2f GB)...\n",
-                (unsigned long long)n, (double)(n * IMG_BYTES) / 1e9);
+      cli_progress(0, 0, "generating %llu synthetic 3x224x224 uint8 images (%.2f GB)",
+                   (unsigned long long)n, (double)(n * IMG_BYTES) / 1e9);
       if (gen_images(n, path, sizeof path, table)) return CLI_EXIT_FAILURE;
       open_src(&B, &img, "npy", path, 0, 0);
       img.table = table;
@@ -967,6 +1027,7 @@ int pm_cli_bench_loader(int argc, char **argv) {
     if (synthetic) {
       char path[600];
       uint64_t ntok = B.cuda ? (uint64_t)64 << 20 : (uint64_t)4 << 20;
+      cli_progress(0, 0, "generating %llu synthetic tokens", (unsigned long long)ntok);
       if (gen_tokens(ntok, B.o.token_bytes, path, sizeof path)) return CLI_EXIT_FAILURE;
       open_src(&B, &tok, "tokens", path, L, windows);
       snprintf(tok.label, sizeof tok.label, "synthetic uint%d tokens x %llu, seq_len %zu",
@@ -977,6 +1038,7 @@ int pm_cli_bench_loader(int argc, char **argv) {
   }
 
   if (!B.o.json) {
+    cli_progress_clear();
     printf(
         "pinmem bench loader: backend %s, %d rank%s, %llu epoch%s per run, %d run%s per case, "
         "%s, %s delivery\n",
@@ -984,11 +1046,12 @@ int pm_cli_bench_loader(int argc, char **argv) {
         B.epochs == 1 ? "" : "s", B.repeat, B.repeat == 1 ? "" : "s",
         B.o.shuffle ? "shuffled" : "sequential", device ? "device" : "host");
     if (run_images)
-      printf("  images: %s, %zu bytes per sample, batch %zu\n", img.label, img.info.sample_bytes,
-             batch);
+      printf("  images: %s, %llu samples of %zu bytes, batch %zu\n", img.label,
+             (unsigned long long)img.info.samples, img.info.sample_bytes, batch);
     if (run_tokens)
       printf("  tokens: %s, %llu windows per epoch, batch %zu\n", tok.label,
              (unsigned long long)tok.info.samples, tbatch);
+    cli_host_note(false, "these figures");
   }
 
   if (run_images) {
@@ -1020,7 +1083,9 @@ int pm_cli_bench_loader(int argc, char **argv) {
       if (B.o.json) emit_json(&B, &tok, r, tbatch);
     }
   }
+  cli_progress_clear();
   if (!B.o.json) print_table(&B);
+  if (B.o.json) cli_host_note(true, "these figures");
   print_targets(&B, run_images ? &img : NULL, batch);
 
   if (run_images) pm_dataset_destroy(img.ds);

@@ -85,6 +85,25 @@ void cli_print_usage(FILE *out);
 void *cli_xmalloc(size_t bytes);
 char *cli_xstrdup(const char *s);
 
+/* 0 when every comma-separated item of `text` is non-empty, else the 1-based position of the
+ * first empty one ("1M,,2M" -> 2, "1M," -> 2, "" -> 1). */
+int cli_list_empty_item(const char *text);
+
+/* The one-time note of the host backend, for every bench: on stdout with the text table's
+ * header, on stderr with --json (stdout stays JSON lines), there at the end beside the TARGET
+ * lines, so a run that fails early leaves only its error on stderr. */
+void cli_host_note(bool json, const char *what);
+
+/* Progress on stderr while a benchmark runs: one line rewritten with \r, only when stderr is a
+ * terminal and --quiet was not given (so logs and pipes never see it), at most ten times a
+ * second. The line is cleared before anything else is printed (cli_progress_clear, called by
+ * the printing functions above and by each benchmark before its own lines). */
+void cli_progress_init(bool quiet);
+bool cli_progress_enabled(void);
+void cli_progress(unsigned long long done, unsigned long long total, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void cli_progress_clear(void);
+
 /* ---- info.c ------------------------------------------------------------------------------ */
 
 int cli_cmd_info(bool json);
@@ -93,6 +112,7 @@ int cli_cmd_info(bool json);
 
 typedef struct cli_bench_alloc_args {
   bool json;
+  bool quiet; /* no progress on stderr */
   size_t sizes[32];
   int nsizes;
   int repeat;            /* 0: 5 runs, 3 for sizes of 1 GiB and more */
@@ -102,5 +122,7 @@ typedef struct cli_bench_alloc_args {
 } cli_bench_alloc_args_t;
 
 int cli_cmd_bench_alloc(const cli_bench_alloc_args_t *args);
+/* `pinmem bench alloc --help`: its cases and options with their defaults on this backend. */
+int cli_bench_alloc_help(void);
 
 #endif /* PINMEM_CLI_H */

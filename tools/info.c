@@ -93,6 +93,25 @@ static void add_wrapped(cli_table_t *t, const char *key, const char *text, size_
   } while (*p);
 }
 
+/* Why the backend in force was chosen: the variable or call that asked for it, else the
+ * library's own account of its auto choice (with the CUDA error that ruled cuda out). */
+static void backend_reason(bool started, char *buf, size_t len) {
+  pm_option_info_t oi;
+  bool have = pm_option_find("backend", &oi) == PM_OK;
+  const char *why = started ? pm__backend_reason() : "";
+  bool is_auto = strncmp(why, "auto: ", 6) == 0;
+  if (have && oi.source == PM_OPTION_ENV)
+    snprintf(buf, len, "%s=%s%s%s", oi.env, getenv(oi.env) ? getenv(oi.env) : oi.value,
+             is_auto ? ": " : "", is_auto ? why + 6 : "");
+  else if (have && oi.source == PM_OPTION_SET)
+    snprintf(buf, len, "option backend set to %s%s%s", oi.value, is_auto ? ": " : "",
+             is_auto ? why + 6 : "");
+  else if (started)
+    snprintf(buf, len, "%s", pm__backend_reason());
+  else
+    snprintf(buf, len, "auto");
+}
+
 int cli_cmd_info(bool json) {
   info_failure_t fail = {PM_OK, ""};
   char b1[64], b2[64], b3[64];
@@ -100,6 +119,8 @@ int cli_cmd_info(bool json) {
   pm_status_t init_st = pm_init();
   if (init_st != PM_OK) note_failure(&fail, init_st);
   const char *backend = pm_backend_name();
+  char reason[700];
+  backend_reason(init_st == PM_OK, reason, sizeof reason);
 
   /* ---- pinmem and the system ---- */
   size_t ram = pm__physical_memory();
@@ -117,6 +138,7 @@ int cli_cmd_info(bool json) {
     cli_json_str(&j, "info", "pinmem");
     cli_json_str(&j, "version", pm_version());
     cli_json_str(&j, "backend", backend);
+    cli_json_str(&j, "backend_reason", reason);
     cli_json_str(&j, "backend_status", pm_status_name(init_st));
     if (init_st != PM_OK) cli_json_str(&j, "backend_error", fail.detail);
     cli_json_end(&j);
@@ -148,13 +170,13 @@ int cli_cmd_info(bool json) {
     cli_table_t t;
     printf("pinmem %s\n\n", pm_version());
     cli_table_init(&t, 2);
+    char msg[1900];
     if (init_st == PM_OK)
-      cli_table_row(&t, "backend", backend);
-    else {
-      char msg[1200];
-      snprintf(msg, sizeof msg, "none (%s: %s)", pm_status_name(init_st), fail.detail);
-      cli_table_row(&t, "backend", msg);
-    }
+      snprintf(msg, sizeof msg, "%s (%s)", backend, reason);
+    else
+      snprintf(msg, sizeof msg, "none (%s cannot start: %s: %s)", reason, pm_status_name(init_st),
+               fail.detail);
+    cli_table_row(&t, "backend", msg);
     char cpus_txt[32], mem_txt[128], lim_txt[256], thp_txt[400];
     snprintf(cpus_txt, sizeof cpus_txt, "%d", cpus);
     snprintf(mem_txt, sizeof mem_txt, "%s (page size %s)", cli_fmt_bytes(ram, b1, sizeof b1),

@@ -6,6 +6,8 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -184,6 +186,7 @@ void cli_json_null(cli_json_t *j, const char *key) {
 
 void cli_json_end(cli_json_t *j) {
   json_put(j, "}\n", 2);
+  cli_progress_clear();
   fputs(j->buf, stdout);
   fflush(stdout);
   free(j->buf);
@@ -219,6 +222,7 @@ void cli_table_row(cli_table_t *t, ...) {
 
 void cli_table_print(cli_table_t *t, int indent) {
   size_t width[16] = {0};
+  cli_progress_clear();
   int ncols = t->ncols < 16 ? t->ncols : 16;
   for (size_t r = 0; r < t->nrows; r++)
     for (int c = 0; c < ncols; c++) {
@@ -263,10 +267,84 @@ const char *cli_fmt_bytes(size_t bytes, char *buf, size_t len) {
   return buf;
 }
 
+int cli_list_empty_item(const char *text) {
+  int item = 1;
+  const char *start = text;
+  for (const char *p = text;; p++) {
+    if (*p == ',' || *p == '\0') {
+      if (p == start) return item;
+      if (*p == '\0') return 0;
+      item++;
+      start = p + 1;
+    }
+  }
+}
+
+void cli_host_note(bool json, const char *what) {
+  if (pm_backend_kind() != PM_BACKEND_HOST) return;
+  cli_progress_clear();
+  fprintf(json ? stderr : stdout,
+          "host backend: the CPU plays the device, so %s prove correctness, not speed.\n", what);
+  fflush(json ? stderr : stdout);
+}
+
+/* ---- progress ------------------------------------------------------------------------------ */
+
+static struct {
+  bool on, shown;
+  double t0, last;
+} g_progress;
+
+static double mono_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void cli_progress_init(bool quiet) {
+  g_progress.on = !quiet && isatty(STDERR_FILENO);
+  g_progress.shown = false;
+  g_progress.t0 = mono_now();
+  g_progress.last = -1.0;
+}
+
+bool cli_progress_enabled(void) {
+  return g_progress.on;
+}
+
+void cli_progress(unsigned long long done, unsigned long long total, const char *fmt, ...) {
+  if (!g_progress.on) return;
+  double now = mono_now();
+  if (g_progress.shown && now - g_progress.last < 0.1) return;
+  g_progress.last = now;
+  char text[200];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(text, sizeof text, fmt, ap);
+  va_end(ap);
+  /* stdout first, so a row buffered there is not printed over the progress line later. */
+  fflush(stdout);
+  if (total)
+    fprintf(stderr, "\r  [%llu/%llu] %s  (%.1f s)\033[K", done, total, text, now - g_progress.t0);
+  else
+    fprintf(stderr, "\r  %s  (%.1f s)\033[K", text, now - g_progress.t0);
+  fflush(stderr);
+  g_progress.shown = true;
+}
+
+void cli_progress_clear(void) {
+  if (!g_progress.shown) return;
+  fputs("\r\033[K", stderr);
+  fflush(stderr);
+  g_progress.shown = false;
+  g_progress.last = -1.0;
+}
+
 /* ---- failures ------------------------------------------------------------------------------ */
 
 void cli_fail(pm_status_t status) {
   const char *detail = pm_last_error();
+  cli_progress_clear();
   fflush(stdout);
   fprintf(stderr, "pinmem: %s: %s\n", pm_status_name(status),
           detail && detail[0] ? detail : pm_strerror(status));
@@ -275,6 +353,7 @@ void cli_fail(pm_status_t status) {
 
 void cli_usage_error(const char *fmt, ...) {
   va_list ap;
+  cli_progress_clear();
   fflush(stdout);
   fprintf(stderr, "pinmem: ");
   va_start(ap, fmt);

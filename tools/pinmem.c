@@ -33,6 +33,8 @@ void cli_print_usage(FILE *out) {
       "\n"
       "options:\n"
       "  --json               one JSON object per line instead of tables (every command)\n"
+      "  --quiet              no progress line on stderr while a benchmark runs (it is shown\n"
+      "                       only when stderr is a terminal)\n"
       "  --sizes LIST         bench alloc: sizes with K/M/G suffixes (default 16M,256M,1G)\n"
       "  --repeat N           bench alloc: runs per size, the median is reported\n"
       "                       (default 5, and 3 for sizes of 1 GiB and more)\n"
@@ -43,6 +45,8 @@ void cli_print_usage(FILE *out) {
       "                       (default 1G)\n"
       "  --summarize FILE     bench alloc: print the table and TARGET lines of a results\n"
       "                       file written with --json ('-': standard input)\n"
+      "  (`pinmem bench NAME --help` lists each benchmark's cases and options; an option with\n"
+      "  a value may be given once, a switch like --json more than once)\n"
       "\n"
       "Options of the library come from PINMEM_<NAME> environment variables (see `pinmem\n"
       "info`); PINMEM_BACKEND=auto|cuda|host selects the backend.\n");
@@ -66,6 +70,8 @@ static size_t parse_size_arg(const char *opt, const char *text) {
 }
 
 static void parse_sizes(const char *text, cli_bench_alloc_args_t *args) {
+  int empty = cli_list_empty_item(text);
+  if (empty) cli_usage_error("--sizes: item %d of '%s' is empty", empty, text);
   char *copy = cli_xstrdup(text), *save = NULL;
   args->nsizes = 0;
   for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
@@ -94,9 +100,10 @@ static int dispatch_own_parser(int argc, char **argv, int *handled) {
   };
   *handled = 0;
   int k = 1;
-  bool json_before = false;
+  bool json_before = false, quiet_before = false;
   while (k < argc && argv[k][0] == '-') {
     if (strcmp(argv[k], "--json") == 0) json_before = true;
+    if (strcmp(argv[k], "--quiet") == 0) quiet_before = true;
     k++;
   }
   if (k + 1 >= argc || strcmp(argv[k], "bench") != 0) return 0;
@@ -106,6 +113,7 @@ static int dispatch_own_parser(int argc, char **argv, int *handled) {
     int n = 0;
     sub[n++] = argv[k + 1];
     if (json_before) sub[n++] = (char *)"--json";
+    if (quiet_before) sub[n++] = (char *)"--quiet";
     for (int i = k + 2; i < argc; i++) {
       if (n == (int)(sizeof sub / sizeof sub[0]) - 1) cli_usage_error("too many arguments");
       sub[n++] = argv[i];
@@ -118,10 +126,12 @@ static int dispatch_own_parser(int argc, char **argv, int *handled) {
 }
 
 int main(int argc, char **argv) {
+  /* Rows reach a pipe or a file as they are produced, not when a buffer fills or at exit. */
+  setvbuf(stdout, NULL, _IOLBF, 0);
   int handled = 0;
   int rc = dispatch_own_parser(argc, argv, &handled);
   if (handled) return rc;
-  bool json = false;
+  bool json = false, quiet = false, help = false;
   const char *words[4];
   int nwords = 0;
   bool version = false;
@@ -143,9 +153,13 @@ int main(int argc, char **argv) {
       version = true;
       continue;
     }
+    if (strcmp(a, "--quiet") == 0) {
+      quiet = true;
+      continue;
+    }
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      cli_print_usage(stdout);
-      return 0;
+      help = true;
+      continue;
     }
     if (namelen == 7 && strncmp(name, "--sizes", 7) == 0)
       slot = &sizes;
@@ -158,6 +172,7 @@ int main(int argc, char **argv) {
     else if (namelen == 11 && strncmp(name, "--summarize", 11) == 0)
       slot = &summ;
     if (slot) {
+      if (*slot) cli_usage_error("%.*s given twice", (int)namelen, name);
       if (strncmp(a, "--", 2) == 0 && eq) {
         *slot = eq + 1;
       } else {
@@ -171,6 +186,12 @@ int main(int argc, char **argv) {
     words[nwords++] = a;
   }
 
+  if (help) {
+    if (nwords == 2 && strcmp(words[0], "bench") == 0 && strcmp(words[1], "alloc") == 0)
+      return cli_bench_alloc_help();
+    cli_print_usage(stdout);
+    return 0;
+  }
   if (version || (nwords == 1 && strcmp(words[0], "version") == 0)) {
     if (nwords > 1 || (version && nwords > 0)) cli_usage_error("--version takes no command");
     if (json) {
@@ -187,6 +208,7 @@ int main(int argc, char **argv) {
 
   bool bench_alloc =
       nwords == 2 && strcmp(words[0], "bench") == 0 && strcmp(words[1], "alloc") == 0;
+  if (quiet && !bench_alloc) cli_usage_error("--quiet belongs to the benchmarks");
   if (!bench_alloc && (sizes || repeat || threads || overhead || summ))
     cli_usage_error(
         "--sizes, --repeat, --threads, --overhead-total and --summarize belong to "
@@ -210,6 +232,7 @@ int main(int argc, char **argv) {
     cli_bench_alloc_args_t args;
     memset(&args, 0, sizeof args);
     args.json = json;
+    args.quiet = quiet;
     if (sizes) {
       parse_sizes(sizes, &args);
     } else {
