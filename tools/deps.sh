@@ -56,8 +56,14 @@ system_packages() { # ENTRY...: install or name the missing ones
   if command -v dpkg-query >/dev/null; then
     local installed
     installed=$(dpkg-query -W -f='${Package} ${db:Status-Status}\n' "${names[@]}" 2>/dev/null || true)
-    for e in "${names[@]}"; do
-      grep -qx "$e installed" <<<"$installed" || missing+=("$e")
+    # A package counts as present when dpkg has it, or when the command it stands for is on
+    # the PATH (cmake from pip, a compiler from a toolchain image): a working tool is not
+    # reinstalled, and a machine without network is not sent to apt-get for nothing.
+    for e in "$@"; do
+      local n=${e%%:*} c=${e#*:}
+      grep -qx "$n installed" <<<"$installed" && continue
+      [[ -n $c ]] && command -v "$c" >/dev/null && continue
+      missing+=("$n")
     done
   else
     # Not Debian: look for the commands; name the Debian packages as the equivalents to get.
