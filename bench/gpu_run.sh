@@ -3,10 +3,12 @@
 # benchmarks, and leave logs and JSON lines in $OUT (default ./gpu-out). Works on any
 # Linux machine with a CUDA toolkit and an NVIDIA GPU.
 #   bench/gpu_run.sh [steps...]
-#   steps: build tests alloc copy overlap sweep loader torch python (default: all but sweep;
+#   steps: build tests alloc copy overlap sweep loader torch python train (default: all but
+#   sweep; train and torch use the Python package that the python step builds;
 #   where a machine limits how long one command may run, split them, e.g.
 #   "build tests copy overlap sweep" then "build loader python torch")
-# The Python steps need dlpack/dlpack.h: carry it in .carry/dlpack/ (DLPACK_INCLUDE_DIR).
+# The Python steps need a DLPack 1.x dlpack/dlpack.h where no PyPI is reachable: carry it in
+# .carry/dlpack/ (DLPACK_INCLUDE_DIR), e.g. from the apache-tvm-ffi wheel's tvm_ffi/include.
 set -uo pipefail
 # Everything lands in $OUT/run and is packed into $OUT/gpu-run.tgz at exit (a remote
 # machine may hand back only a few files), with the JSON lines also left beside it.
@@ -20,7 +22,7 @@ pack() {
 }
 trap pack EXIT
 BUILD=${BUILD:-build-gpu}
-STEPS=${*:-build tests alloc copy overlap loader torch python}
+STEPS=${*:-build tests alloc copy overlap loader python torch train}
 [[ " $STEPS " == *" torch "* && " $STEPS " != *" python "* ]] &&
   echo "note: the torch step uses the Python package that the python step builds" >&2
 log() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
@@ -107,6 +109,12 @@ if has torch; then
   tail -15 "$OUT/compare-torch.err"
   timeout 120 python3 bench/pin_vs_torch.py --size 1G >"$OUT/pin-vs-torch.jsonl" 2>"$OUT/pin-vs-torch.err" || status=1
   tail -8 "$OUT/pin-vs-torch.err"; tail -4 "$OUT/pin-vs-torch.jsonl"
+fi
+if has train; then
+  log "training loop against its ceiling (bench/train_ceiling.py)"
+  export PYTHONPATH=$PWD/$BUILD-py/python${PYTHONPATH:+:$PYTHONPATH}
+  timeout 300 python3 bench/train_ceiling.py --json >"$OUT/train-ceiling.jsonl" 2>"$OUT/train-ceiling.err" || status=1
+  tail -12 "$OUT/train-ceiling.err"
 fi
 "./$BUILD/pinmem" info --json >"$OUT/info.jsonl" 2>&1 || true
 exit $status
