@@ -398,6 +398,10 @@ PM_API pm_status_t pm_fence_path(pm_fence_t fence, pm_copy_path_t *path_out);
  *     pm_batch_release(&b, s);                     // the buffers come back once s is past here
  *   }
  *   pm_loader_destroy(ld);  pm_dataset_destroy(ds);
+ *
+ * Several fields (images and labels, X.npy and Y.npy): one dataset of n fields, from
+ * pm_dataset_zip or pm_dataset_create_fields; each batch then has b.nfields arrays,
+ * b.fields[k].data, all in one slot behind one event (b.inputs / b.targets are fields 0 and 1).
  */
 
 #define PM_DATASET_MAX_DIMS 32 /* dimensions of one sample (numpy allows 32 in all) */
@@ -612,8 +616,10 @@ typedef struct pm_loader_config {
   int shuffle;        /* 1: a new permutation every epoch, a function of (seed, epoch) */
   uint64_t seed;
   int drop_last;      /* 1: deliver no partial batch and no padding (below) */
-  int rank;           /* -1 (config_init): from RANK, else 0 */
-  int world_size;     /* -1 (config_init): from WORLD_SIZE, else 1 */
+  int rank;           /* -1 (config_init): from RANK, else 0; below -1: PM_ERR_INVALID */
+  int world_size;     /* -1 (config_init) or 0: from WORLD_SIZE, else 1; below -1:
+                         PM_ERR_INVALID. RANK / WORLD_SIZE that are not integers in range are
+                         PM_ERR_CONFIG */
   int pin_memory;     /* 1 (config_init): pinned slots, async copies. 0: pageable slots and a
                          plain copy inside pm_loader_next (the consumer waits for it), to
                          compare */
