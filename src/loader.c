@@ -838,18 +838,24 @@ pm_status_t pm_batch_release(pm_batch_t *batch, pm_stream_t stream) {
                          fn, (unsigned long long)batch->index, (unsigned long long)batch->epoch);
   }
   s->state = SLOT_RELEASING;
+  bool gone = L->destroyed;
   pthread_mutex_unlock(&L->mu);
 
   double copy_t = 0;
   if (L->device) {
     st = pm_event_record(s->ev_release, stream);
-    if (st != PM_OK) {
+    if (st == PM_OK) {
+      s->release_pending = true;
+    } else if (gone) {
+      /* Nothing can retry for a destroyed loader: wait for the stream itself instead (a
+       * stream that fails that is broken, its work ended), then free the slot below. */
+      (void)pm_stream_synchronize(stream);
+    } else {
       pthread_mutex_lock(&L->mu);
       s->state = SLOT_HELD; /* still the caller's: it may retry or destroy the loader */
       pthread_mutex_unlock(&L->mu);
       return pm__wrap_error(st, "%s: recording the release on the consumer's stream", fn);
     }
-    s->release_pending = true;
     if (s->copy_pending && pm_event_query(s->ev_done) == PM_OK) {
       add_copy_time(L, s, &copy_t);
       s->copy_pending = false;
