@@ -211,10 +211,12 @@ pm_status_t pm_dataset_create_fields(const pm_dataset_fields_callbacks_t *callba
   pm_field_t *tab = calloc((size_t)c->nfields, sizeof *tab);
   if (!tab) return pm__set_error(PM_ERR_NOMEM, "%s: field table", fn);
   pm_status_t st = PM_OK;
-  for (int k = 0; k < c->nfields && st == PM_OK; k++) st = check_field(fn, k, &c->fields[k], &tab[k]);
+  for (int k = 0; k < c->nfields && st == PM_OK; k++)
+    st = check_field(fn, k, &c->fields[k], &tab[k]);
   fields_cb_t *f = NULL;
   pm_dataset_t *ds = NULL;
-  if (st == PM_OK && !(f = malloc(sizeof *f))) st = pm__set_error(PM_ERR_NOMEM, "%s: callbacks", fn);
+  if (st == PM_OK && !(f = malloc(sizeof *f)))
+    st = pm__set_error(PM_ERR_NOMEM, "%s: callbacks", fn);
   if (st == PM_OK) st = pm__dataset_alloc(0, &ds);
   if (st == PM_OK) st = pm__handle_add(ds, PM__HANDLE_DATASET);
   if (st != PM_OK) {
@@ -241,7 +243,8 @@ static pm_status_t zip_read(pm_dataset_t *ds, uint64_t epoch, uint64_t index, vo
                             pm__scratch_t *scratch) {
   const zip_t *z = ds->impl;
   for (size_t j = 0; j < z->n; j++) {
-    pm_status_t st = pm__dataset_read_fields(z->parts[j], epoch, index, dsts + z->first[j], scratch);
+    pm_status_t st =
+        pm__dataset_read_fields(z->parts[j], epoch, index, dsts + z->first[j], scratch);
     if (st != PM_OK) return pm__wrap_error(st, "zipped dataset %zu", j);
   }
   return PM_OK;

@@ -233,7 +233,8 @@ static void *worker_main(void *arg) {
     double t0 = pm__now();
     for (uint64_t r = r0; r < r1 && st == PM_OK; r++) {
       if (atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) break;
-      for (int k = 0; k < L->nfields; k++) dsts[k] = s->host + L->foff[k] + (size_t)r * L->fbytes[k];
+      for (int k = 0; k < L->nfields; k++)
+        dsts[k] = s->host + L->foff[k] + (size_t)r * L->fbytes[k];
       st = pm__dataset_read_fields(ds, epoch, s->indices[r], dsts, &scratch);
       if (st != PM_OK) {
         snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu: %s", (unsigned long long)epoch,
