@@ -81,3 +81,9 @@ install: build
 
 clean:
 	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz
+
+# The docs' relative links and the results files they name exist (tests/check_docs.py;
+# --unused lists results files no doc names).
+.PHONY: check-docs
+check-docs:
+	$(PYTHON) tests/check_docs.py

@@ -13,7 +13,7 @@ to a temporary folder and removed afterwards) and the same batch size go through
 Both are timed the same way: the clock starts once the first batch is on the device (worker
 start-up excluded, that batch not counted) and stops after a final synchronisation; GB/s is the
 bytes delivered to the device over that time. The report shows each configuration, the ratio of
-pinmem to the best torch configuration, and the issue's target (pinmem >= 10x the best torch
+pinmem to the best torch configuration, and pinmem's target (pinmem >= 10x the best torch
 configuration). Without torch, numpy or a CUDA device it says so and exits with status 0.
 
   bench/compare_torch.py [--data FILE.npy] [--batch 256] [--epochs 2] [--workers 0,4,8]

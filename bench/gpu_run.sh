@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One batch for a GPU machine: build with the cuda backend, run the GPU-labelled tests and the
-# benchmarks, and leave logs and JSON lines in $OUT (default ./gpu-out). Used on the lent H200;
-# works on any Linux machine with a CUDA toolkit and an NVIDIA GPU.
+# benchmarks, and leave logs and JSON lines in $OUT (default ./gpu-out). Works on any
+# Linux machine with a CUDA toolkit and an NVIDIA GPU.
 #   bench/gpu_run.sh [steps...]
 #   steps: build tests alloc copy overlap sweep loader torch python (default: all but sweep;
-#   plan calls of under 10 minutes, e.g. "build tests copy overlap sweep" then
-#   "build loader python torch")
+#   where a machine limits how long one command may run, split them, e.g.
+#   "build tests copy overlap sweep" then "build loader python torch")
 # The Python steps need dlpack/dlpack.h: carry it in .carry/dlpack/ (DLPACK_INCLUDE_DIR).
 set -uo pipefail
-# Everything lands in $OUT/run and is packed into $OUT/gpu-run.tgz at exit (a lent machine
-# returns only a few files), with the JSON lines also left beside it.
+# Everything lands in $OUT/run and is packed into $OUT/gpu-run.tgz at exit (a remote
+# machine may hand back only a few files), with the JSON lines also left beside it.
 DEST=${OUT:-$PWD/gpu-out}
 OUT=$DEST/run
 mkdir -p "$OUT"
@@ -46,7 +46,7 @@ fi
 if has tests; then
   log "gpu tests"
   # A test still running after HANG_S seconds has its threads' stacks dumped (gdb, if present),
-  # so a hang on a lent machine leaves evidence behind.
+  # so a hang on a remote machine leaves evidence behind.
   (sleep "${HANG_S:-90}"; command -v gdb >/dev/null || exit 0
    for pid in $(pgrep -f "$BUILD/tests/" || true); do
      gdb -p "$pid" -batch -ex "thread apply all bt" >"$OUT/hang-$pid.txt" 2>&1

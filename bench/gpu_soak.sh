@@ -14,8 +14,8 @@
 # STRESS_SECONDS (30), SANITIZER_TIMEOUT (900 s per test), SANITIZE_ONLY (test names, space
 # separated: only those under the sanitizers), BUILD (build-soak).
 set -uo pipefail
-# Everything lands in $OUT/soak and is packed into $OUT/soak.tgz at exit (a lent machine returns
-# only a few files), with the summary also left beside it.
+# Everything lands in $OUT/soak and is packed into $OUT/soak.tgz at exit (a remote machine may
+# hand back only a few files), with the summary also left beside it.
 DEST=${OUT:-$PWD/soak-out}
 OUT=$DEST/soak
 mkdir -p "$OUT"

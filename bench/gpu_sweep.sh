@@ -2,7 +2,7 @@
 # Sweep the staging of pageable copies (copy_memcpy x copy_chunk x copy_slots x copy_threads) at
 # one size: the whole-copy bounce block and the ring side by side with the plain pageable copy,
 # H2D and D2H, one JSON line per row (each row names the configuration). Used to pick the copy
-# engine's defaults on a GPU machine (bench/NOTES.md).
+# engine's defaults on a GPU machine (docs/performance.md).
 #   bench/gpu_sweep.sh [PINMEM_BINARY] [SIZE]   (defaults: build-gpu/pinmem, 1G)
 # MOVERS and CONFIGS (chunk:slots pairs) and THREADS override the lists below.
 set -uo pipefail

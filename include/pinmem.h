@@ -87,6 +87,18 @@ typedef enum pm_backend_kind {
 /** Select and start the backend (PINMEM_BACKEND / pm_option_set("backend")). Idempotent and
  *  thread-safe; every other call does it implicitly. PM_ERR_NO_DEVICE if "cuda" was asked for
  *  and no device is usable. */
+/*  fork(): a child forked after pinmem was used starts afresh; nothing of the parent is claimed.
+ *  - host backend: every call works in the child. Threads pinmem needs (streams, completion,
+ *    staging, loader workers) start there on demand; the parent's registrations and pool blocks
+ *    are not pinned in the child (mlock is not inherited) and pm_pointer_query says pageable.
+ *  - the parent's pools, datasets, loaders and fences are foreign in the child: every call on one
+ *    fails with PM_ERR_STATE, and its destroy only forgets it (returns PM_OK at once, frees and
+ *    joins nothing). The parent's streams, events and device memory are unknown there
+ *    (PM_ERR_INVALID / PM_ERR_NOT_FOUND).
+ *  - cuda backend: the CUDA driver cannot be used in a forked child, so the child's first call
+ *    that needs the backend fails at once with PM_ERR_STATE ("use the spawn or forkserver start
+ *    method"); pinmem makes no CUDA call in such a child, pm_finalize included.
+ *  A child that forks before any pinmem call, or never calls pinmem, is unaffected. */
 PM_API pm_status_t pm_init(void);
 /** Release the default pool and global state. Only for orderly shutdown (leak checkers); no
  *  other pinmem call may run concurrently, and no pinmem memory may be in use. */
@@ -332,7 +344,7 @@ typedef enum pm_copy_path {
   PM_PATH_AUTO = 0,    /* pick from the registry (default) */
   PM_PATH_DIRECT = 1,  /* one DMA from/to pinned, registered or device memory */
   PM_PATH_STAGED = 2,  /* pageable memory through pinned bounce buffers */
-  PM_PATH_REGISTER = 3 /* reserved: PM_ERR_UNSUPPORTED (README: register in place) */
+  PM_PATH_REGISTER = 3 /* reserved: PM_ERR_UNSUPPORTED (docs/copy-engine.md: register in place) */
 } pm_copy_path_t;
 
 typedef struct pm_copy_options {

@@ -35,6 +35,10 @@ static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
 static const pm__backend_t *_Atomic active_backend;
 
 static pthread_mutex_t reg_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Set in a forked child (fork.c) by the backend the parent had started: the host backend starts
+ * afresh in the child without probing CUDA; after the cuda backend nothing may start. */
+static bool fork_child_host, fork_child_cuda;
 /* Private flag on a registry entry whose registration has not finished yet. */
 #define PM__REG_PENDING (1u << 31)
 #define PM__REGISTER_ALL (PM_REGISTER_MAPPED | PM_REGISTER_PORTABLE | PM_REGISTER_READ_ONLY)
@@ -62,15 +66,32 @@ static pm_status_t start_backend(const pm__backend_t *b) {
   return PM_OK;
 }
 
+static pm_status_t forked_after_cuda(void) {
+  return pm__set_error(PM_ERR_STATE,
+                       "pinmem was used by the parent before fork(); the CUDA driver cannot be "
+                       "used in a forked child: use the spawn or forkserver start method "
+                       "(multiprocessing.set_start_method('spawn')), or fork before using pinmem");
+}
+
+pm_status_t pm__backend_failed(void) {
+  if (fork_child_cuda) return forked_after_cuda();
+  return pm__wrap_error(PM_ERR_NO_DEVICE, "no backend");
+}
+
 pm_status_t pm_init(void) {
   if (atomic_load_explicit(&active_backend, memory_order_acquire)) return PM_OK;
+  pm__fork_watch();
 
   pthread_mutex_lock(&init_lock);
   if (atomic_load_explicit(&active_backend, memory_order_relaxed)) {
     pthread_mutex_unlock(&init_lock);
     return PM_OK;
   }
-  long want = pm__opt_int(PM__OPT_BACKEND);
+  if (fork_child_cuda) {
+    pthread_mutex_unlock(&init_lock);
+    return forked_after_cuda();
+  }
+  long want = fork_child_host ? PM_BACKEND_HOST : pm__opt_int(PM__OPT_BACKEND);
   const pm__backend_t *chosen = NULL;
   pm_status_t st = PM_OK;
 
@@ -142,6 +163,26 @@ pm_status_t pm_finalize(void) {
   if (b) b->shutdown();
   pthread_mutex_unlock(&init_lock);
   return PM_OK;
+}
+
+void pm__api_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE) {
+    pthread_mutex_lock(&init_lock);
+    pthread_mutex_lock(&reg_lock);
+  } else if (phase == PM__FORK_PARENT) {
+    pthread_mutex_unlock(&reg_lock);
+    pthread_mutex_unlock(&init_lock);
+  } else {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    init_lock = fresh;
+    reg_lock = fresh;
+    const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_relaxed);
+    if (b && b->kind == PM_BACKEND_CUDA) fork_child_cuda = true;
+    if (b && b->kind == PM_BACKEND_HOST) fork_child_host = true;
+    /* The backend starts again on first use (host), or never (cuda): its threads, streams and
+     * tables of the parent are gone. */
+    atomic_store_explicit(&active_backend, NULL, memory_order_relaxed);
+  }
 }
 
 pm_backend_kind_t pm_backend_kind(void) {
@@ -808,6 +849,14 @@ pm_status_t pm_host_record_stream(void *ptr, pm_stream_t stream) {
   pm__range_t r = {0};
   pm_status_t st = lookup_kind("pm_host_record_stream", ptr, PM_MEMORY_POOL, false, &r);
   if (st != PM_OK) return st;
+  /* The stream is used only at pm_host_free, where a bad one could no longer be reported to the
+   * caller who made the mistake (the block would be quarantined). Ask the backend now: the host
+   * backend knows its streams; CUDA answers a destroyed stream with an error. */
+  PM__BACKEND_OR_RETURN(b);
+  st = b->stream_query(stream);
+  if (st != PM_OK && st != PM_NOT_READY)
+    return pm__wrap_error(st, "pm_host_record_stream(%p, stream %p): not a usable stream", ptr,
+                          (void *)stream);
   return pm__pool_record_stream((pm_pool_t *)r.owner, ptr, stream);
 }
 

@@ -1504,3 +1504,35 @@ const pm__backend_t pm__backend_host = {
     .launch_host_func = launch_host_func,
     .pointer_kind = pointer_kind,
 };
+
+/* fork.c: in a forked child no stream worker runs and nothing is mlock'd (locks of memory are not
+ * inherited), so the child starts with empty tables and creates its own streams; the parent's
+ * streams, events and allocations are unknown to it (a call on one is an error, not a hang). */
+static struct pm_stream_s *parent_default_stream; /* left behind, still reachable */
+
+void pm__host_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE) {
+    pthread_mutex_lock(&obj_lock);
+    pthread_mutex_lock(&rec_lock);
+    pthread_mutex_lock(&mem_lock);
+  } else if (phase == PM__FORK_PARENT) {
+    pthread_mutex_unlock(&mem_lock);
+    pthread_mutex_unlock(&rec_lock);
+    pthread_mutex_unlock(&obj_lock);
+  } else {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t fresh_cv = PTHREAD_COND_INITIALIZER;
+    obj_lock = fresh;
+    rec_lock = fresh;
+    mem_lock = fresh;
+    rec_cv = fresh_cv;
+    pinned_tbl.n = 0;
+    device_tbl.n = 0;
+    device_used = 0;
+    pinned_bytes = 0;
+    stream_set.n = 0;
+    event_set.n = 0;
+    parent_default_stream = default_stream;
+    default_stream = NULL;
+  }
+}

@@ -229,6 +229,11 @@ static bool parse_slots_or_0(const char *t, pm__optval_t *out, char *why, size_t
   return parse_long_range(t, 0, 4096, out, why, n);
 }
 
+/* The loader's own limit (loader.c MAX_WORKERS), so the option refuses what the argument does. */
+static bool parse_loader_workers(const char *t, pm__optval_t *out, char *why, size_t n) {
+  return parse_long_range(t, 0, 256, out, why, n);
+}
+
 /* Rows in pm__opt_t order; the static assert below catches an enum value without a row. */
 static const pm__opt_def_t opt_table[] = {
     [PM__OPT_BACKEND] = {"backend", "PINMEM_BACKEND", "auto",
@@ -278,9 +283,9 @@ static const pm__opt_def_t opt_table[] = {
                                 "instead of staging",
                                 parse_size_any, PM__T_SIZE},
     [PM__OPT_LOADER_WORKERS] = {"loader_workers", "PINMEM_LOADER_WORKERS", "0",
-                                "threads that read samples into a loader's batch slots; 0 = auto "
-                                "= min(16, usable CPUs)",
-                                parse_threads, PM__T_INT},
+                                "threads that read samples into a loader's batch slots (0..256); "
+                                "0 = auto = min(16, usable CPUs)",
+                                parse_loader_workers, PM__T_INT},
     [PM__OPT_LOADER_PREFETCH] = {"loader_prefetch", "PINMEM_LOADER_PREFETCH", "4",
                                  "batch slots of a loader (1..4096): batches read and copied "
                                  "ahead of the consumer; each holds one batch in pinned and in "
@@ -633,4 +638,16 @@ pm_status_t pm_parse_size(const char *text, size_t *bytes_out) {
         PM_ERR_CONFIG, "pm_parse_size('%.64s'): %s (want e.g. 4096, 64K, 1.5M, 2G, 1T)", text, why);
   *bytes_out = v;
   return PM_OK;
+}
+
+/* fork.c: the option values carry over to a child; only the lock is fresh. */
+void pm__config_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE) {
+    pthread_mutex_lock(&opt_lock);
+  } else if (phase == PM__FORK_PARENT) {
+    pthread_mutex_unlock(&opt_lock);
+  } else {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    opt_lock = fresh;
+  }
 }

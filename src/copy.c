@@ -72,11 +72,10 @@
 /* ---- options -------------------------------------------------------------------------------- */
 
 /* pm__opt_* gives 0 for "auto" and for an option without a table row: fall back to the
- * defaults tuned on the H200 (4 MiB chunks, 32 slots, min(12, cores) threads, 8 MiB). There,
- * staging lost to the plain pageable copy at 1 MiB (0.77x H2D, 0.56x D2H) but won at 8 MiB
- * (1.19x, 1.09x); 8 threads were too few (27 GB/s against 35-37.5 with 16, whole chunks per
- * thread), and with slots filled in pieces 12 threads ran 1 GiB H2D at 50.2-51.1 GB/s against
- * 49.8-50.3 with 16, while D2H kept 49.5-51.4: bench/NOTES.md. */
+ * measured defaults (4 MiB chunks, 32 slots, min(12, cores) threads, 8 MiB): staging loses to
+ * the plain pageable copy at 1 MiB and wins from 8 MiB, and with slots filled in pieces 12
+ * threads do as well as 16 while leaving cores to the driver and the caller (the figures are
+ * in docs/performance.md). */
 /* The one option the path choice needs: resolving the whole table (about a microsecond, a
  * mutex and a getenv per option) would cost a small pageable copy more than its DMA. */
 static size_t copy_stage_min(void) {
@@ -345,6 +344,36 @@ static void reaper_run(void) {
       nanosleep(&ts, NULL);
       us = us * 2 > 2000 ? 2000 : us * 2;
     }
+  }
+}
+
+/* fork.c: completion threads and the reaper are the parent's; in a child none runs, so the queue
+ * (the parent's fences and copy-outs, foreign here) is dropped and new threads start on demand. */
+static cq_node_t *parent_cq_head; /* left behind, still reachable */
+static reap_node_t *parent_reap;
+
+void pm__copy_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE) {
+    pthread_mutex_lock(&g_cq_mu);
+    pthread_mutex_lock(&g_reap_mu);
+  } else if (phase == PM__FORK_PARENT) {
+    pthread_mutex_unlock(&g_reap_mu);
+    pthread_mutex_unlock(&g_cq_mu);
+  } else {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t fresh_cv = PTHREAD_COND_INITIALIZER;
+    g_cq_mu = fresh;
+    g_reap_mu = fresh;
+    g_cq_cv = fresh_cv;
+    g_cq_exit_cv = fresh_cv;
+    parent_cq_head = g_cq_head;
+    parent_reap = g_reap;
+    g_cq_head = g_cq_tail = NULL;
+    g_cq_len = 0;
+    g_cq_threads = g_cq_idle = 0;
+    g_cq_quit = false;
+    g_reap = NULL; /* events of the parent's streams */
+    g_reaper_on = false;
   }
 }
 
@@ -628,7 +657,7 @@ typedef struct qcache {
 
 /* An address the registry does not track, as the backend sees it. Pinned memory of another
  * library takes the direct path when the copy's last byte is pinned too (the backend gives no
- * extent; a second query costs 0.07-0.2 us on the H200, bench/NOTES.md); a range running on past
+ * extent; a second query is cheap: docs/performance.md, small copies); a range running on past
  * it is staged. */
 static side_kind_t foreign_side(const pm__backend_t *b, const void *p, size_t bytes) {
   int k = b->pointer_kind(p);

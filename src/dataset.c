@@ -10,9 +10,11 @@
  *
  * File reads by mode:
  * - pread: a loop of pread(2) straight into the destination (a place in a pinned slot).
- * - mmap: a read-only shared mapping of the whole file, memcpy from it. A file truncated by
- *   another process after it was mapped raises SIGBUS, as with any mapping; pread reports it as
- *   PM_ERR_IO instead, which is one reason pread is the default.
+ * - mmap: a read-only shared mapping of the whole file, memcpy from it. Touching a page of a file
+ *   truncated after it was mapped raises SIGBUS, so each read first asks the file's size
+ *   (fstat) and refuses with PM_ERR_IO what the file no longer holds. A truncation between that
+ *   check and the memcpy still raises SIGBUS; pread has no such window, which is one reason
+ *   pread is the default.
  * - O_DIRECT: the page cache is bypassed, so the offset, the length and the memory address must
  *   all be multiples of the logical block size (4 KiB covers every device). The part of a read
  *   whose destination has the same alignment as its file offset goes straight into the
@@ -228,6 +230,19 @@ pm_status_t pm__file_read(pm__file_t *f, uint64_t off, void *dst, size_t len,
     return pm__wrap_error(PM_ERR_IO, "reading %zu bytes at %llu", len, (unsigned long long)off);
   if (f->map) {
     if (off > f->size || len > f->size - off) return read_error(f, "read", off, len, ENODATA);
+    /* Touching a mapped page past the file's current end raises SIGBUS, which would kill the
+     * process: ask the file's size first and refuse a read the file no longer holds. A
+     * truncation between this check and the copy still raises SIGBUS (the window is one
+     * memcpy); io=pread has no such window. */
+    struct stat stt;
+    if (fstat(f->fd, &stt) != 0) return read_error(f, "fstat", off, len, errno);
+    if ((uint64_t)stt.st_size < off + len)
+      return pm__set_error(PM_ERR_IO,
+                           "read(%s, %zu bytes at %llu): the file shrank to %llu bytes after it "
+                           "was mapped (%llu bytes at open); reading the mapping would raise "
+                           "SIGBUS",
+                           f->path, len, (unsigned long long)off,
+                           (unsigned long long)stt.st_size, (unsigned long long)f->size);
     memcpy(dst, f->map + off, len);
     return PM_OK;
   }
@@ -258,12 +273,20 @@ pm_status_t pm__dataset_alloc(int nfiles, pm_dataset_t **ds_out) {
   }
   ds->nfiles = nfiles;
   atomic_init(&ds->users, 0);
+  /* Live from here, so that every pm_dataset_* call and the loader can check it (handles.c). */
+  pm_status_t st = pm__handle_add(ds, PM__HANDLE_DATASET);
+  if (st != PM_OK) {
+    free(ds->files);
+    free(ds);
+    return st;
+  }
   *ds_out = ds;
   return PM_OK;
 }
 
 void pm__dataset_free(pm_dataset_t *ds) {
   if (!ds) return;
+  (void)pm__handle_remove(ds, PM__HANDLE_DATASET);
   if (ds->destroy_impl) ds->destroy_impl(ds);
   for (int i = 0; i < ds->nfiles; i++) pm__file_close(&ds->files[i]);
   free(ds->files);
@@ -271,7 +294,14 @@ void pm__dataset_free(pm_dataset_t *ds) {
 }
 
 pm_status_t pm_dataset_destroy(pm_dataset_t *dataset) {
-  if (!dataset) return pm__set_error(PM_ERR_INVALID, "pm_dataset_destroy: dataset is NULL");
+  if (pm__handle_foreign(dataset, PM__HANDLE_DATASET)) {
+    /* The parent's dataset, in a forked child: forgotten (its callbacks belong to the parent's
+     * objects and its loaders are the parent's too). */
+    (void)pm__handle_remove(dataset, PM__HANDLE_DATASET);
+    return PM_OK;
+  }
+  pm_status_t st = pm__handle_check(dataset, PM__HANDLE_DATASET, "pm_dataset_destroy");
+  if (st != PM_OK) return st;
   int users = atomic_load(&dataset->users);
   if (users > 0)
     return pm__set_error(PM_ERR_BUSY, "pm_dataset_destroy: %d loader%s still use%s the dataset",
@@ -281,6 +311,8 @@ pm_status_t pm_dataset_destroy(pm_dataset_t *dataset) {
 }
 
 pm_status_t pm_dataset_get_info(const pm_dataset_t *dataset, pm_dataset_info_t *info_out) {
+  pm_status_t st = pm__handle_check(dataset, PM__HANDLE_DATASET, "pm_dataset_get_info");
+  if (st != PM_OK) return st;
   if (!dataset || !info_out)
     return pm__set_error(PM_ERR_INVALID, "pm_dataset_get_info: %s is NULL",
                          !dataset ? "dataset" : "info_out");
@@ -290,6 +322,8 @@ pm_status_t pm_dataset_get_info(const pm_dataset_t *dataset, pm_dataset_info_t *
 
 pm_status_t pm_dataset_read_sample(pm_dataset_t *dataset, uint64_t epoch, uint64_t index, void *dst,
                                    void *targets_dst) {
+  pm_status_t st = pm__handle_check(dataset, PM__HANDLE_DATASET, "pm_dataset_read_sample");
+  if (st != PM_OK) return st;
   if (!dataset || !dst)
     return pm__set_error(PM_ERR_INVALID, "pm_dataset_read_sample: %s is NULL",
                          !dataset ? "dataset" : "dst");
@@ -304,7 +338,7 @@ pm_status_t pm_dataset_read_sample(pm_dataset_t *dataset, uint64_t epoch, uint64
     targets_dst = tmp;
   }
   pm__scratch_t scratch = {NULL, 0};
-  pm_status_t st = dataset->read(dataset, epoch, index, dst, targets_dst, &scratch);
+  st = dataset->read(dataset, epoch, index, dst, targets_dst, &scratch);
   pm__scratch_free(&scratch);
   free(tmp);
   return st;

@@ -12,6 +12,7 @@
  * function for pm_dataset_read_sample goes through read_fields.
  *
  * A zip holds its datasets as a loader does (`users`), so they cannot be destroyed under it.
+ * Both kinds are in the live handle set through pm__dataset_alloc, as every dataset.
  * Reads take no locks (many worker threads read at once); the kinds hold no mutable state.
  */
 #include <stdio.h>
@@ -68,6 +69,8 @@ pm_status_t pm_dataset_get_field(const pm_dataset_t *dataset, int field, pm_fiel
   const char *fn = "pm_dataset_get_field";
   if (!dataset || !field_out)
     return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, !dataset ? "dataset" : "field_out");
+  pm_status_t st = pm__handle_check(dataset, PM__HANDLE_DATASET, fn);
+  if (st != PM_OK) return st;
   int n = pm__dataset_nfields(dataset);
   if (field < 0 || field >= n)
     return pm__set_error(PM_ERR_INVALID, "%s: field %d is not in 0..%d", fn, field, n - 1);
@@ -99,11 +102,13 @@ pm_status_t pm_dataset_read_fields(pm_dataset_t *dataset, uint64_t epoch, uint64
   const char *fn = "pm_dataset_read_fields";
   if (!dataset || !dsts)
     return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, !dataset ? "dataset" : "dsts");
+  pm_status_t st = pm__handle_check(dataset, PM__HANDLE_DATASET, fn);
+  if (st != PM_OK) return st;
   if (index >= dataset->info.samples)
     return pm__set_error(PM_ERR_INVALID, "%s: index %llu out of range (%llu samples)", fn,
                          (unsigned long long)index, (unsigned long long)dataset->info.samples);
   pm__scratch_t scratch = {NULL, 0};
-  pm_status_t st = read_with_temps(dataset, epoch, index, dsts, &scratch);
+  st = read_with_temps(dataset, epoch, index, dsts, &scratch);
   pm__scratch_free(&scratch);
   return st;
 }
@@ -154,7 +159,6 @@ static void fcb_destroy(pm_dataset_t *ds) {
   if (f && f->cb.destroy) f->cb.destroy(f->cb.user); /* not under any lock */
   free(f);
   free(ds->fields_tab);
-  (void)pm__handle_remove(ds, PM__HANDLE_DATASET);
 }
 
 /* Check one spec and complete it (bytes, itemsize, descr). */
@@ -218,7 +222,6 @@ pm_status_t pm_dataset_create_fields(const pm_dataset_fields_callbacks_t *callba
   if (st == PM_OK && !(f = malloc(sizeof *f)))
     st = pm__set_error(PM_ERR_NOMEM, "%s: callbacks", fn);
   if (st == PM_OK) st = pm__dataset_alloc(0, &ds);
-  if (st == PM_OK) st = pm__handle_add(ds, PM__HANDLE_DATASET);
   if (st != PM_OK) {
     if (ds) pm__dataset_free(ds);
     free(f);
@@ -259,7 +262,6 @@ static void zip_destroy(pm_dataset_t *ds) {
     free(z);
   }
   free(ds->fields_tab);
-  (void)pm__handle_remove(ds, PM__HANDLE_DATASET);
 }
 
 pm_status_t pm_dataset_zip(pm_dataset_t *const *datasets, size_t n, pm_dataset_t **dataset_out) {
@@ -271,6 +273,8 @@ pm_status_t pm_dataset_zip(pm_dataset_t *const *datasets, size_t n, pm_dataset_t
   int total = 0;
   for (size_t j = 0; j < n; j++) {
     if (!datasets[j]) return pm__set_error(PM_ERR_INVALID, "%s: datasets[%zu] is NULL", fn, j);
+    pm_status_t hst = pm__handle_check(datasets[j], PM__HANDLE_DATASET, fn);
+    if (hst != PM_OK) return hst;
     if (datasets[j]->info.samples != datasets[0]->info.samples)
       return pm__set_error(PM_ERR_INVALID,
                            "%s: datasets[%zu] has %llu samples, datasets[0] has %llu (a zip "
@@ -291,7 +295,6 @@ pm_status_t pm_dataset_zip(pm_dataset_t *const *datasets, size_t n, pm_dataset_t
   }
   if (!z || !tab || !z->parts || !z->first) st = pm__set_error(PM_ERR_NOMEM, "%s: tables", fn);
   if (st == PM_OK) st = pm__dataset_alloc(0, &ds);
-  if (st == PM_OK) st = pm__handle_add(ds, PM__HANDLE_DATASET);
   if (st != PM_OK) {
     if (ds) pm__dataset_free(ds);
     if (z) {

@@ -12,8 +12,14 @@
  * when live + tombstones pass half of it. The kind is part of the key, so a freed pool whose
  * address is reused by a loader is not taken for a live pool.
  *
- * Lock order: g_mu is a leaf; nothing is called while holding it. After fork() the child gets
- * a fresh lock (pm__handles_atfork_child), since a thread of the parent may have held it.
+ * Fork: each entry keeps the fork generation it was made in (fork.c counts the forks this
+ * process went through). In a forked child the parent's objects stay in the set but are
+ * "foreign": their threads do not exist here and their memory is not pinned, so every call on one
+ * is refused with PM_ERR_STATE, and its destroy only forgets it (pm__handle_foreign).
+ *
+ * Lock order: g_mu is a leaf; nothing is called while holding it. fork.c takes it before fork()
+ * (pm__handles_atfork_prepare) so the table is never copied half-rebuilt, and the child starts
+ * with a fresh lock.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -23,6 +29,7 @@
 typedef struct entry {
   uintptr_t addr; /* 0 empty, 1 deleted */
   int kind;
+  unsigned gen; /* pm__fork_generation() when it was entered */
 } entry_t;
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -65,6 +72,7 @@ static const char *kind_name(pm__handle_kind_t kind) {
 pm_status_t pm__handle_add(const void *h, pm__handle_kind_t kind) {
   uintptr_t addr = (uintptr_t)h;
   pm_status_t st = PM_OK;
+  pm__fork_watch(); /* a process holding handles must reset this lock in a forked child */
   pthread_mutex_lock(&g_mu);
   if ((g_used + 1) * 2 > g_cap) {
     size_t live = 0;
@@ -94,8 +102,9 @@ pm_status_t pm__handle_add(const void *h, pm__handle_kind_t kind) {
   size_t i = find_locked(addr, (int)kind, &found);
   if (!found) {
     if (g_tab[i].addr == 0) g_used++;
-    g_tab[i] = (entry_t){addr, (int)kind};
+    g_tab[i] = (entry_t){addr, (int)kind, 0};
   }
+  g_tab[i].gen = pm__fork_generation();
 out:
   pthread_mutex_unlock(&g_mu);
   return st;
@@ -112,22 +121,46 @@ bool pm__handle_remove(const void *h, pm__handle_kind_t kind) {
   return found;
 }
 
-bool pm__handle_live(const void *h, pm__handle_kind_t kind) {
+/* 0: not in the set; 1: live, made in this process; 2: made before the latest fork (foreign). */
+static int handle_state(const void *h, pm__handle_kind_t kind) {
   bool found = false;
-  if (!h) return false;
+  int state = 0;
+  if (!h) return 0;
+  unsigned gen = pm__fork_generation();
   pthread_mutex_lock(&g_mu);
-  if (g_cap) (void)find_locked((uintptr_t)h, (int)kind, &found);
+  if (g_cap) {
+    size_t i = find_locked((uintptr_t)h, (int)kind, &found);
+    if (found) state = g_tab[i].gen == gen ? 1 : 2;
+  }
   pthread_mutex_unlock(&g_mu);
-  return found;
+  return state;
+}
+
+bool pm__handle_live(const void *h, pm__handle_kind_t kind) {
+  return handle_state(h, kind) == 1;
+}
+
+bool pm__handle_foreign(const void *h, pm__handle_kind_t kind) {
+  return handle_state(h, kind) == 2;
 }
 
 pm_status_t pm__handle_check(const void *h, pm__handle_kind_t kind, const char *fn) {
   if (!h) return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, kind_name(kind));
-  if (!pm__handle_live(h, kind))
+  int state = handle_state(h, kind);
+  if (state == 2)
+    return pm__set_error(PM_ERR_STATE,
+                         "%s: %s %p was made by the parent process before fork(); its threads "
+                         "and pinned memory do not exist in this child (destroy it, which only "
+                         "forgets it, and make a new one)",
+                         fn, kind_name(kind), h);
+  if (state == 0)
     return pm__set_error(PM_ERR_INVALID, "%s: %s %p is unknown or was already destroyed", fn,
                          kind_name(kind), h);
   return PM_OK;
 }
+
+void pm__handles_atfork_prepare(void) { pthread_mutex_lock(&g_mu); }
+void pm__handles_atfork_parent(void) { pthread_mutex_unlock(&g_mu); }
 
 void pm__handles_atfork_child(void) {
   pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;

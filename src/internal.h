@@ -43,12 +43,38 @@ typedef enum pm__handle_kind {
 } pm__handle_kind_t;
 
 pm_status_t pm__handle_add(const void *h, pm__handle_kind_t kind); /* PM_ERR_NOMEM only */
-/* false when h was not live (already removed, or never added): the caller's double destroy. */
+/* false when h was not in the set (already removed, or never added): the caller's double
+ * destroy. Removes foreign handles too. */
 bool pm__handle_remove(const void *h, pm__handle_kind_t kind);
+/* In the set and made in this process (not before the latest fork). */
 bool pm__handle_live(const void *h, pm__handle_kind_t kind);
-/* PM_OK, or PM_ERR_INVALID with "<fn>: <kind> <h> is unknown or was already destroyed". */
+/* In the set but made by the parent before the latest fork(): the object's threads and pinned
+ * memory do not exist here. Its destroy must only forget it:
+ *   if (pm__handle_foreign(h, K)) { (void)pm__handle_remove(h, K); return PM_OK; } */
+bool pm__handle_foreign(const void *h, pm__handle_kind_t kind);
+/* PM_OK; PM_ERR_INVALID with "<fn>: <kind> <h> is unknown or was already destroyed"; or
+ * PM_ERR_STATE for a foreign handle (made before fork()). */
 pm_status_t pm__handle_check(const void *h, pm__handle_kind_t kind, const char *fn);
-void pm__handles_atfork_child(void); /* a fresh lock in a forked child */
+void pm__handles_atfork_prepare(void); /* fork.c: take the lock before fork() */
+void pm__handles_atfork_parent(void);  /* release it in the parent */
+void pm__handles_atfork_child(void);   /* a fresh lock in a forked child */
+
+/* ---- fork.c ------------------------------------------------------------------------------ */
+
+/* How many fork()s separate this process from the one that loaded pinmem (0 in the original). */
+unsigned pm__fork_generation(void);
+/* Install the pthread_atfork handlers (once; pm_init and the first handle call it). */
+void pm__fork_watch(void);
+/* Each module's part: PREPARE takes its process-wide locks, PARENT releases them, CHILD gives it
+ * fresh locks and drops what belongs to the parent's threads and pinned memory. */
+typedef enum pm__fork_phase { PM__FORK_PREPARE, PM__FORK_PARENT, PM__FORK_CHILD } pm__fork_phase_t;
+void pm__api_atfork(pm__fork_phase_t phase);
+void pm__pool_atfork(pm__fork_phase_t phase);
+void pm__config_atfork(pm__fork_phase_t phase);
+void pm__copy_atfork(pm__fork_phase_t phase);
+void pm__threadpool_atfork(pm__fork_phase_t phase);
+void pm__host_atfork(pm__fork_phase_t phase); /* backend_host.c */
+void pm__registry_atfork(pm__fork_phase_t phase);
 
 /* ---- config.c ---------------------------------------------------------------------------- */
 
@@ -140,7 +166,10 @@ const pm__backend_t *pm__backend(void);
 /* Shorthand used at the top of public calls: */
 #define PM__BACKEND_OR_RETURN(b)          \
   const pm__backend_t *b = pm__backend(); \
-  if (!b) return pm__wrap_error(PM_ERR_NO_DEVICE, "no backend")
+  if (!b) return pm__backend_failed()
+/* The status of a failed pm__backend(): PM_ERR_STATE in a child forked after the cuda backend
+ * started, else PM_ERR_NO_DEVICE with the start's detail. */
+pm_status_t pm__backend_failed(void);
 
 /* Plain backend copies of many items, each validated as pm_memcpy_async validates one, queued
  * with the backend's batch call where it has one (else a loop). kernel_ok: every item joins

@@ -352,8 +352,8 @@ static void loader_free(pm_loader_t *L) {
   pthread_mutex_destroy(&L->submit_mu);
   pthread_cond_destroy(&L->work_cv);
   pthread_cond_destroy(&L->ready_cv);
-  (void)pm__handle_remove(L, PM__HANDLE_LOADER);
   L->magic = 0;
+  (void)pm__handle_remove(L, PM__HANDLE_LOADER);
   free(L);
 }
 
@@ -400,6 +400,8 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
                          !dataset  ? "dataset"
                          : !config ? "config"
                                    : "loader_out");
+  pm_status_t hst = pm__handle_check(dataset, PM__HANDLE_DATASET, fn);
+  if (hst != PM_OK) return hst;
   const pm_loader_config_t *c = config;
   if (c->batch_size == 0) return pm__set_error(PM_ERR_INVALID, "%s: batch_size is 0", fn);
   if (c->workers < 0 || c->workers > MAX_WORKERS)
@@ -593,7 +595,7 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
     }
     L->started++;
   }
-  st = pm__handle_add(L, PM__HANDLE_LOADER);
+  st = pm__handle_add(L, PM__HANDLE_LOADER); /* so that a forked child can tell it is foreign */
   if (st != PM_OK) goto fail;
   atomic_fetch_add(&dataset->users, 1);
   *loader_out = L;
@@ -621,6 +623,12 @@ static pm_status_t check_loader(const char *fn, pm_loader_t *L) {
 }
 
 pm_status_t pm_loader_destroy(pm_loader_t *loader) {
+  if (pm__handle_foreign(loader, PM__HANDLE_LOADER)) {
+    /* The parent's loader, in a forked child: its workers do not exist here (joining them would
+     * wait for ever) and its slots are not pinned. It is forgotten; its memory is left alone. */
+    (void)pm__handle_remove(loader, PM__HANDLE_LOADER);
+    return PM_OK;
+  }
   const char *fn = "pm_loader_destroy";
   pm_status_t st = pm__handle_check(loader, PM__HANDLE_LOADER, fn);
   if (st != PM_OK) return st;

@@ -3,8 +3,8 @@
  *
  * A staged copy of pageable memory moves every byte twice through host DRAM: a thread copies it
  * into pinned bounce memory, then the DMA engine reads it from there. How the thread stores its
- * bytes decides how much DRAM traffic that costs, and on the H200 machine the staged rate
- * follows the host's memory bandwidth, not the link (bench/NOTES.md). Three movers:
+ * bytes decides how much DRAM traffic that costs, and the staged rate can follow the host's
+ * memory bandwidth rather than the link (docs/performance.md). Three movers:
  *
  * - libc: the C library's memcpy. Its strategy changes with size and CPU (ordinary stores, which
  *   first read each destination line for ownership; or non-temporal stores for large copies).
@@ -15,14 +15,17 @@
  *
  * - auto: per step. Into the ring of an H2D copy, movsb, so the bytes stay in the cache for
  *   the DMA engine instead of taking a second pass through DRAM, where the host's writes slow
- *   the DMA's reads (bench copy's dma_under_h2h rows). On the H200 machine that paid off only
- *   with a ring small enough for the cache, filled in pieces (copy_piece); with the default
- *   128 MiB ring it did not (bench/NOTES.md). Everywhere else (a whole-copy bounce block, D2H
+ *   the DMA's reads (bench copy's dma_under_h2h rows). That pays off only with a ring small
+ *   enough for the cache, filled in pieces (copy_piece), not with a 128 MiB ring of whole
+ *   chunks (docs/performance.md). Everywhere else (a whole-copy bounce block, D2H
  *   copy-out into the caller's memory) stream: those bytes are not read again soon.
  *
- * Which wins is a measurement (bench/gpu_sweep.sh, bench/NOTES.md). A mode the CPU cannot run
- * falls back to libc (pm__memcpy_effective says which ran). The result is always the same
- * bytes: the tests run every mode over odd sizes and alignments.
+ * Which wins is a measurement (bench/gpu_sweep.sh, docs/performance.md). A mode the CPU
+ * cannot run falls back to libc (pm__memcpy_effective says which ran). The result is always
+ * the same bytes: the tests run every mode over odd sizes and alignments.
+ *
+ * Threads: no locks and no shared state but the CPU-feature answer, a relaxed atomic that every
+ * thread computes alike; a mover touches only the caller's two buffers.
  */
 #include <stdint.h>
 #include <string.h>

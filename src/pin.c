@@ -1,9 +1,9 @@
 /*
- * DESIGN: fast cold pinning. cudaHostAlloc of 1 GiB takes 0.4-0.7 s because the driver faults
- * in and locks the pages one thread at a time. Here the pool instead maps anonymous memory,
- * asks for transparent huge pages (512x fewer page faults), faults it in from several threads at
- * once (pm__parallel_for), and only then registers it with the backend (cudaHostRegister / mlock),
- * which is quick on memory that is already present.
+ * DESIGN: fast cold pinning. cudaHostAlloc of a large block is slow because the driver faults
+ * in and locks the pages one thread at a time (docs/performance.md, cold pinning). Here the
+ * pool instead maps anonymous memory, asks for transparent huge pages (512x fewer page faults),
+ * faults it in from several threads at once (pm__parallel_for), and only then registers it with
+ * the backend (cudaHostRegister / mlock), which is quick on memory that is already present.
  *
  * The mapping starts on a 2 MiB boundary (over-map by 2 MiB and trim both ends) so the kernel
  * can back it with huge pages from the first byte, and the touch work is cut into 2 MiB-aligned

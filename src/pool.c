@@ -789,6 +789,14 @@ pm_status_t pm_pool_create(const pm_pool_config_t *config, pm_pool_t **pool_out)
   p->pin_threads = (int)PM__MIN(threads, 1024);
   p->fast_pin_min = fast_min ? fast_min : 1;
   p->huge_pages = huge != 0;
+  pm_status_t st = pm__handle_add(p, PM__HANDLE_POOL);
+  if (st != PM_OK) {
+    pthread_mutex_destroy(&p->lock);
+    pthread_cond_destroy(&p->cv);
+    free(p->hash);
+    free(p);
+    return pm__wrap_error(st, "pm_pool_create");
+  }
   *pool_out = p;
   return PM_OK;
 }
@@ -807,6 +815,8 @@ static pm_status_t pool_destroy(pm_pool_t *p) {
   pm__block_t *pending = p->pending;
   p->pending = NULL;
   pthread_mutex_unlock(&p->lock);
+  /* From here the handle is dead: a second destroy, or any call, gets PM_ERR_INVALID. */
+  (void)pm__handle_remove(p, PM__HANDLE_POOL);
 
   /* No other thread may use the pool now (the caller's contract), so from here on the lock
    * is not needed. Freed blocks may still be read or written by queued device work: wait. */
@@ -840,7 +850,14 @@ static pm_status_t pool_destroy(pm_pool_t *p) {
 }
 
 pm_status_t pm_pool_destroy(pm_pool_t *pool) {
-  if (!pool) return pm__set_error(PM_ERR_INVALID, "pm_pool_destroy: pool is NULL");
+  if (pm__handle_foreign(pool, PM__HANDLE_POOL)) {
+    /* A pool of the parent, in a forked child: its memory is not pinned here and its events
+     * belong to streams that do not exist; it is forgotten, and its memory left as it is. */
+    (void)pm__handle_remove(pool, PM__HANDLE_POOL);
+    return PM_OK;
+  }
+  pm_status_t st = pm__handle_check(pool, PM__HANDLE_POOL, "pm_pool_destroy");
+  if (st != PM_OK) return st;
   if (pool == atomic_load_explicit(&default_pool, memory_order_acquire))
     return pm__set_error(PM_ERR_INVALID,
                          "pm_pool_destroy: the default pool is released by pm_finalize");
@@ -880,7 +897,7 @@ pm_status_t pm__pool_default_destroy(void) {
 }
 
 static pm_status_t resolve_pool(pm_pool_t **pool, const char *what) {
-  if (*pool) return PM_OK;
+  if (*pool) return pm__handle_check(*pool, PM__HANDLE_POOL, what);
   pm_status_t st = pm_pool_default(pool);
   return st == PM_OK ? st : pm__wrap_error(st, "%s", what);
 }
@@ -914,7 +931,7 @@ pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **
     size_t budget = p->budget;
     bool memlock = p->budget_memlock;
     pthread_mutex_unlock(&p->lock);
-    return pm__set_error(PM_ERR_INVALID,
+    return pm__set_error(PM_ERR_BUDGET,
                          "pm_host_alloc: %zu bytes is more than the pool's budget of %zu bytes%s",
                          bytes, budget,
                          memlock ? " (the automatic budget is capped by RLIMIT_MEMLOCK: raise it "
@@ -1252,4 +1269,22 @@ void pm__pool_uncharge(pm_pool_t *pool, size_t bytes) {
   pool->registered -= b;
   unreserve_locked(pool, b);
   pthread_mutex_unlock(&pool->lock);
+}
+
+/* fork.c: the parent's default pool holds memory that is not pinned in the child and events of
+ * the parent's streams; the child leaves it behind (foreign, like every pool of the parent) and
+ * makes its own on first use. */
+static pm_pool_t *parent_default_pool; /* kept so leak checkers see it is still reachable */
+
+void pm__pool_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE) {
+    pthread_mutex_lock(&default_lock);
+  } else if (phase == PM__FORK_PARENT) {
+    pthread_mutex_unlock(&default_lock);
+  } else {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    default_lock = fresh;
+    parent_default_pool = atomic_load_explicit(&default_pool, memory_order_relaxed);
+    atomic_store_explicit(&default_pool, NULL, memory_order_relaxed);
+  }
 }

@@ -152,3 +152,20 @@ void pm__registry_clear(void) {
   reg_count = reg_cap = 0;
   pthread_rwlock_unlock(&reg_lock);
 }
+
+/* fork.c: the parent's ranges are not the child's (mlock is not inherited, device memory is the
+ * parent's), so a forked child starts with an empty registry. The array itself is left behind:
+ * freeing it is safe too, but nothing in the child can still hold a pointer into it. */
+void pm__registry_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE) {
+    pthread_rwlock_wrlock(&reg_lock);
+  } else if (phase == PM__FORK_PARENT) {
+    pthread_rwlock_unlock(&reg_lock);
+  } else {
+    pthread_rwlock_t fresh = PTHREAD_RWLOCK_INITIALIZER;
+    reg_lock = fresh;
+    free(reg_ranges);
+    reg_ranges = NULL;
+    reg_count = reg_cap = 0;
+  }
+}

@@ -7,6 +7,8 @@
  * the limit. pm__memlock_limit() folds both into the one number callers budget against.
  * Nothing here is cached except the page size: limits and capabilities can change at run time
  * (setrlimit, capset) and these calls are rare (pool creation, `pinmem info`).
+ *
+ * Threads: no locks; the cached page size is a relaxed atomic (every thread stores the same).
  */
 #include <sched.h>
 #include <stdio.h>

@@ -167,3 +167,23 @@ void pm__threadpool_shutdown(void) {
   tp_stop = false; /* a later pm_init may use the pool again */
   pthread_mutex_unlock(&tp_lock);
 }
+
+/* fork.c: the workers are the parent's threads; in a child none exists, so the child starts with
+ * none (and starts its own on its first parallel_for). Jobs queued by other threads of the parent
+ * live on those threads' stacks: dropped. */
+void pm__threadpool_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE) {
+    pthread_mutex_lock(&tp_lock);
+  } else if (phase == PM__FORK_PARENT) {
+    pthread_mutex_unlock(&tp_lock);
+  } else {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t fresh_cv = PTHREAD_COND_INITIALIZER;
+    tp_lock = fresh;
+    tp_work = fresh_cv;
+    tp_head = tp_tail = NULL;
+    tp_count = 0;
+    tp_idle = 0;
+    tp_stop = false;
+  }
+}

@@ -996,7 +996,7 @@ static void test_budget_limits(void) {
   CHECK(x == (void *)0x1);
   printf("  budget 4 MiB, 3 MiB held, 2 MiB more: %s\n", pm_last_error());
   CHECK(strstr(pm_last_error(), "4194304") != NULL); /* the budget, in the detail */
-  CHECK_ERR_MSG(pm_host_alloc(p, 5 * MiB, 0, &x), PM_ERR_INVALID); /* can never fit */
+  CHECK_ERR_MSG(pm_host_alloc(p, 5 * MiB, 0, &x), PM_ERR_BUDGET); /* can never fit: at once */
   CHECK(strstr(pm_last_error(), "budget") != NULL);
   CHECK_OK(pm_host_free(a));
   CHECK_OK(pm_host_alloc(p, 2 * MiB, 0, &b)); /* the cache is trimmed to make room */

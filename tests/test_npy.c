@@ -528,6 +528,57 @@ static void cleanup(void) {
   if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
 }
 
+/* io=mmap over a file truncated after it was opened: a clean PM_ERR_IO for the samples that are
+ * gone (touching the mapping there would raise SIGBUS), the rest still read. */
+static void test_mmap_truncated(void) {
+  const uint64_t n = 64;
+  const size_t sb = 4096;
+  unsigned char *data = malloc(n * sb);
+  REQUIRE(data != NULL);
+  pm_test_fill(data, n * sb, 21);
+  const char *p =
+      write_npy(1, "{'descr': '|u1', 'fortran_order': False, 'shape': (64, 4096), }", data, n * sb);
+  pm_dataset_t *ds = NULL;
+  REQUIRE_OK(open1(p, PM_IO_MMAP, &ds));
+  pm_dataset_info_t info;
+  CHECK_OK(pm_dataset_get_info(ds, &info));
+  CHECK_EQ_INT(info.io, PM_IO_MMAP);
+  struct stat stt;
+  REQUIRE(stat(p, &stt) == 0);
+  size_t header = (size_t)stt.st_size - n * sb;
+  REQUIRE(truncate(p, (off_t)(header + 8 * sb)) == 0); /* 8 samples left */
+  unsigned char *buf = malloc(sb);
+  REQUIRE(buf != NULL);
+  CHECK_OK(pm_dataset_read_sample(ds, 0, 3, buf, NULL));
+  CHECK(memcmp(buf, data + 3 * sb, sb) == 0);
+  CHECK_ERR_MSG(pm_dataset_read_sample(ds, 0, 40, buf, NULL), PM_ERR_IO);
+  CHECK(strstr(pm_last_error(), "shrank") != NULL);
+  CHECK_ERR_MSG(pm_dataset_read_sample(ds, 0, 63, buf, NULL), PM_ERR_IO);
+
+  /* A loader over it stops with the read's error instead of dying. */
+  pm_loader_config_t c;
+  pm_loader_config_init(&c);
+  c.batch_size = 16;
+  c.workers = 2;
+  c.rank = 0;
+  c.world_size = 1;
+  pm_loader_t *ld = NULL;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  pm_batch_t b;
+  pm_status_t st;
+  int ok = 0;
+  while ((st = pm_loader_next(ld, &b)) == PM_OK) {
+    ok++;
+    CHECK_OK(pm_batch_release(&b, NULL));
+  }
+  CHECK_ST(st, PM_ERR_IO);
+  CHECK_EQ_INT(ok, 0); /* the first batch already holds samples 8..15 */
+  CHECK_OK(pm_loader_destroy(ld));
+  CHECK_OK(pm_dataset_destroy(ds));
+  free(buf);
+  free(data);
+}
+
 int main(void) {
   pm_test_init();
   const char *tmp = getenv("TMPDIR");
@@ -539,6 +590,7 @@ int main(void) {
   test_multi();
   test_io_modes();
   test_loader_file();
+  test_mmap_truncated();
   cleanup();
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_npy");

@@ -392,8 +392,8 @@ static void test_budget_fail(void) {
   CHECK_EQ_INT(s.budget_failures, 1);
   CHECK_LE_SIZE(s.pinned_bytes, 4 * MiB);
   CHECK_EQ_SIZE(s.budget, 4 * MiB);
-  /* Larger than the whole budget: invalid at once. */
-  CHECK_ERR_MSG(pm_host_alloc(pool, 5 * MiB, 0, &b), PM_ERR_INVALID);
+  /* Larger than the whole budget: a budget error at once (as pm_register says it). */
+  CHECK_ERR_MSG(pm_host_alloc(pool, 5 * MiB, 0, &b), PM_ERR_BUDGET);
   /* Freed but cached (and too small to serve 4 MiB): the cache is trimmed before failing, so
    * this succeeds. */
   CHECK_OK(pm_host_free(a));
@@ -545,7 +545,7 @@ static void test_bad_input(void) {
   CHECK_ERR_MSG(pm_host_alloc(pool, 0, 0, &p), PM_ERR_INVALID);
   CHECK_ERR_MSG(pm_host_alloc(pool, 64, 0x100, &p), PM_ERR_INVALID);
   CHECK_ERR_MSG(pm_host_alloc(pool, 64, 0, NULL), PM_ERR_INVALID);
-  CHECK_ERR_MSG(pm_host_alloc(pool, 17 * MiB, 0, &p), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_host_alloc(pool, 17 * MiB, 0, &p), PM_ERR_BUDGET);
   CHECK_ERR_MSG(pm_host_alloc(pool, SIZE_MAX, 0, &p), PM_ERR_INVALID);
   CHECK(p == NULL); /* outputs untouched on failure */
 

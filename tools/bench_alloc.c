@@ -29,7 +29,7 @@
 #define MIB ((size_t)1 << 20)
 #define GIB ((size_t)1 << 30)
 
-/* The targets. */
+/* pinmem's targets. */
 #define TARGET_COLD_SECONDS 0.060
 #define TARGET_COLD_RATIO (1.0 / 6.0)
 #define TARGET_PAIR_SECONDS 1e-6

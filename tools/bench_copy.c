@@ -25,10 +25,10 @@
  * exits 1. Speed targets (TARGET lines) apply to the cuda backend; on the host backend the runs
  * prove correctness only, so the default sizes stop at 64 MiB there.
  *
- * bench overlap: a copy of N bytes and a busy kernel as long as the pinned copy, issued copy
- * first (as a training loop does): on one stream, from pinned memory on two streams, from
- * pageable memory with the plain copy on two streams (it blocks the caller, so the kernel starts
- * late), and with pinmem's staged copy on two streams. Each total is reported against
+ * bench overlap: a copy of N bytes and a busy kernel as long as the pinned copy, the kernel
+ * issued first (as a training step issues its compute before the next batch's copy): on one
+ * stream, from pinned memory on two streams, from pageable memory with the plain copy on two
+ * streams (it holds the calling thread), and with pinmem's staged copy on two streams. Each total is reported against
  * max(copy alone, kernel alone).
  */
 #include <math.h>
@@ -58,7 +58,7 @@ pm_status_t pm__launch_checksum(const void *dptr, size_t bytes, uint64_t *dresul
 #define INNER_MAX 256
 #define PAT_SEED 0x5DEECE66Dull
 
-/* The issue's targets (cuda backend). */
+/* pinmem's targets (cuda backend). */
 #define T_PINNED_RATIO 0.99
 #define T_PINNED_MIN_BYTES (8 * MIB)
 #define T_PAGEABLE_H2D_GBPS 50.0
@@ -430,7 +430,7 @@ static void copy_through_ring(bench_t *b, void *dst, const void *src, size_t n) 
 static void op_h2d_pinmem_pageable_ring(bench_t *b, size_t n) {
   copy_through_ring(b, b->d1, b->hsrc, n);
 }
-/* The H2D layout that was the default until the fifth session (bench/NOTES.md): each thread
+/* The whole-chunk H2D layout (docs/performance.md, pageable host to device): each thread
  * stages whole chunks into a 32-slot ring with non-temporal stores (copy_piece=0,
  * copy_memcpy=stream, copy_bounce=ring), set around the call only, beside the default (slots
  * filled in pieces) in every run, so each run shows what the pieces bring. */

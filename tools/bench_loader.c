@@ -2,7 +2,7 @@
  * `pinmem bench loader`: what pinmem's data loader delivers to the device in a training loop.
  *
  * Data: with no --data/--tokens, two synthetic files written to a temporary folder (removed at
- * exit): an .npy of 3x224x224 uint8 images (150 KB samples, the issue's case; 8192 of them on
+ * exit): an .npy of 3x224x224 uint8 images (150 KB samples, the target case; 8192 of them on
  * the cuda backend, 512 on the host backend) and a raw uint16 token file (nanoGPT layout). With
  * --data the given .npy file(s), with --tokens FILE --seq-len N a token file. Before the runs
  * the files are read once, so they are in the page cache.
@@ -39,7 +39,7 @@
  * other samples against pm_dataset_read_sample of the same file, and token targets against
  * their inputs shifted by one. A failed check makes "verified" false and the exit status 1.
  *
- * TARGET lines (text mode; on stderr with --json) compare with the issue's targets; speed
+ * TARGET lines (text mode; on stderr with --json) compare with pinmem's targets; speed
  * targets apply to the cuda backend.
  */
 #include "bench_loader.h"
@@ -63,7 +63,7 @@
 #define IMG_W 224
 #define IMG_BYTES ((size_t)IMG_C * IMG_H * IMG_W)
 
-/* The targets. */
+/* pinmem's targets. */
 #define T_IMG_GBPS 40.0
 #define T_TOKEN_STALL_FRACTION 0.01 /* of a step */
 #define T_TOKEN_NEXT_US 20.0

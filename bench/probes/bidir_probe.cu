@@ -1,5 +1,5 @@
 /* DESIGN: a stand-alone probe of the both-ways link ceiling, kept so the figures in
- * bench/NOTES.md can be measured again. It asks one question: does anything beat one DMA per
+ * docs/performance.md can be measured again. It asks one question: does anything beat one DMA per
  * direction when host->device and device->host run at the same time? Variants, all on pinned
  * memory, 1 GiB each way by default, timed with events, rotated within each round so drift in
  * the link does not favour one variant:

@@ -1,5 +1,5 @@
 /* DESIGN: a stand-alone probe of the fixed cost of a small copy, kept so the figures in
- * bench/NOTES.md can be measured again. pm_copy_async of a small pageable buffer must ask the
+ * docs/performance.md can be measured again. pm_copy_async of a small pageable buffer must ask the
  * backend whether an address the registry does not know is device memory
  * (cudaPointerGetAttributes); this times that question beside the copies, per call, in one
  * process:

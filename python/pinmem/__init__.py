@@ -45,6 +45,9 @@ from ._pinmem import (  # noqa: F401  (re-exported)
 # NomemError and DeviceMemoryError MemoryErrors, TimeoutError the built-in TimeoutError).
 globals().update({k: v for k, v in vars(_pinmem).items()
                   if isinstance(v, type) and issubclass(v, Error)})
+# The status codes by name (PM_OK, PM_ERR_BUDGET, ...): what Error.code holds.
+globals().update({k: v for k, v in vars(_pinmem).items()
+                  if k.startswith("PM_") and isinstance(v, int)})
 
 __version__ = _pinmem.version
 
@@ -88,11 +91,19 @@ def empty(shape, dtype="float64", *, mapped=False, write_combined=False, portabl
 
 
 def empty_like(array, **kwargs):
-    """A PinnedBuffer with the shape and dtype of `array` (NumPy array, torch tensor, buffer)."""
+    """A PinnedBuffer with the shape and dtype of `array` (NumPy array, torch tensor, pinmem
+    buffer, or any buffer-protocol object such as bytearray or memoryview)."""
     dtype = getattr(array, "dtype", None)
-    if dtype is None:
-        dtype = memoryview(array).format
-    return empty(tuple(array.shape), dtype, **kwargs)
+    shape = getattr(array, "shape", None)
+    if dtype is None or shape is None:
+        try:
+            view = memoryview(array)
+        except TypeError:
+            raise TypeError(f"pinmem.empty_like: {type(array).__name__} is not an array, tensor "
+                            "or buffer-protocol object") from None
+        with view:
+            dtype, shape = view.format, view.shape
+    return empty(tuple(shape), dtype, **kwargs)
 
 
 def device_empty(shape, dtype="float64"):
@@ -391,12 +402,8 @@ _STATE_KEYS = ("magic", "flags", "epoch", "batch", "seed", "samples", "batch_siz
                "world_size")
 
 
-# The library's status code (exported by the extension where it has the constants).
-_PM_ERR_STATE = getattr(_pinmem, "PM_ERR_STATE", -17)
-
-
 def _closed():
-    _pinmem._raise(_PM_ERR_STATE, "the loader was closed")
+    _pinmem._raise(_pinmem.PM_ERR_STATE, "the loader was closed")
 
 
 class Loader:

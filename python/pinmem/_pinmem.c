@@ -45,6 +45,7 @@
 
 #include <dlpack/dlpack.h>
 
+#include "batch_layout.h"
 #include "pinmem.h"
 
 #if defined(DLPACK_MAJOR_VERSION) && DLPACK_MAJOR_VERSION >= 1
@@ -165,6 +166,12 @@ static int init_exceptions(PyObject *m) {
     g_status_exc[-st] = e;
     if (PyModule_AddObjectRef(m, cls, e) < 0) return -1;
   }
+  /* The status codes as module constants (PM_OK, PM_ERR_STATE, ...), from the same X-macro as
+   * the C status map, so Python code names a status instead of writing its number. */
+#define PMPY_ST_CONST(name, value, msg) \
+  if (PyModule_AddIntConstant(m, #name, (long)(value)) < 0) return -1;
+  PM_STATUS_MAP(PMPY_ST_CONST)
+#undef PMPY_ST_CONST
   return 0;
 }
 
@@ -217,6 +224,40 @@ static int parse_size_obj(PyObject *o, size_t *out) {
   PyErr_Format(PyExc_TypeError, "a size must be an int or a string like '64M', not %.100s",
                Py_TYPE(o)->tp_name);
   return -1;
+}
+
+/* *n *= factor, refused (PM_ERR_INVALID) when the product does not fit in memory's sizes. */
+static int checked_mul(size_t *n, size_t factor) {
+  if (factor && *n > (size_t)PY_SSIZE_T_MAX / factor) {
+    raise_fmt(PM_ERR_INVALID, "the shape is too large for memory (its byte count overflows)");
+    return -1;
+  }
+  *n *= factor;
+  return 0;
+}
+
+/* Does a struct format hold Python object pointers ('O', also as a field of a record)? Their
+ * bytes are references: copied or pinned as plain bytes they would be freed twice. Field names
+ * (between colons) are skipped. */
+static int format_has_objects(const char *f) {
+  for (int in_name = 0; f && *f; f++) {
+    if (*f == ':') in_name = !in_name;
+    else if (!in_name && *f == 'O') return 1;
+  }
+  return 0;
+}
+
+/* Does `o` export Python object pointers through the buffer protocol? (A request with the
+ * format; exporters that cannot describe theirs, e.g. NumPy's datetime64, hold none.) */
+static int buffer_holds_objects(PyObject *o) {
+  Py_buffer v;
+  if (PyObject_GetBuffer(o, &v, PyBUF_RECORDS_RO) < 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  int r = format_has_objects(v.format);
+  PyBuffer_Release(&v);
+  return r;
 }
 
 /* An address given as an int (pointers of other libraries: data_ptr(), stream handles). */
@@ -531,8 +572,9 @@ typedef struct BufferObject {
   int readonly;
   int released;
   int ndim;
+  int ndim_cap;        /* dimensions `shape` has room for (>= ndim, >= 1) */
   Py_ssize_t itemsize;
-  Py_ssize_t *shape;   /* ndim entries, then ndim strides (bytes); PyMem */
+  Py_ssize_t *shape;   /* ndim_cap entries, then ndim_cap strides (bytes); PyMem */
   char *format;        /* struct format for the buffer protocol; PyMem */
   const pmpy_dtype_t *dtype; /* NULL when the format has no DLPack equivalent */
   int dl_device_type, dl_device_id;
@@ -559,7 +601,8 @@ static PyTypeObject BufferType, PinnedBufferType, DeviceBufferType;
 
 #define Buffer_Check(o) PyObject_TypeCheck((o), &BufferType)
 
-static Py_ssize_t *buf_strides(BufferObject *b) { return b->shape + b->ndim; }
+/* The strides sit after room for ndim_cap dimensions, so changing ndim never moves them. */
+static Py_ssize_t *buf_strides(BufferObject *b) { return b->shape + b->ndim_cap; }
 
 /* Give the memory back (GIL held; drops it around slow calls). Errors are returned, with
  * pm_last_error() set; the buffer counts as released anyway (there is nothing to retry). */
@@ -624,19 +667,43 @@ static void Buffer_dealloc(BufferObject *self) {
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Give the descriptor `ndim` dimensions, growing its shape/strides storage when it has room
+ * for fewer: the only way ndim changes, so no writer can run past the arrays. Shape and strides
+ * of the dimensions kept are kept; new ones are 0. */
+static int buffer_set_ndim(BufferObject *b, int ndim) {
+  if (ndim < 0 || ndim > PMPY_MAX_NDIM) {
+    raise_fmt(PM_ERR_INVALID, "%d dimensions; at most %d", ndim, PMPY_MAX_NDIM);
+    return -1;
+  }
+  if (ndim > b->ndim_cap || !b->shape) {
+    int cap = ndim > 1 ? ndim : 1;
+    Py_ssize_t *shape = PyMem_Calloc(2 * (size_t)cap, sizeof(Py_ssize_t));
+    if (!shape) {
+      PyErr_NoMemory();
+      return -1;
+    }
+    if (b->shape) {
+      int keep = b->ndim < ndim ? b->ndim : ndim;
+      memcpy(shape, b->shape, (size_t)keep * sizeof *shape);
+      memcpy(shape + cap, buf_strides(b), (size_t)keep * sizeof *shape);
+      PyMem_Free(b->shape);
+    }
+    b->shape = shape;
+    b->ndim_cap = cap;
+  }
+  b->ndim = ndim;
+  return 0;
+}
+
 static BufferObject *buffer_alloc(PyTypeObject *type, int ndim) {
   BufferObject *b = (BufferObject *)type->tp_alloc(type, 0);
   if (!b) return NULL;
-  b->ndim = ndim;
-  b->shape = PyMem_Calloc(2 * (size_t)(ndim > 1 ? ndim : 1), sizeof(Py_ssize_t));
-  if (!b->shape) {
-    b->released = 1;
+  b->released = 1; /* until memory is attached */
+  b->dl_device_type = kDLCPU;
+  if (buffer_set_ndim(b, ndim) < 0) {
     Py_DECREF(b);
-    PyErr_NoMemory();
     return NULL;
   }
-  b->dl_device_type = kDLCPU;
-  b->released = 1; /* until memory is attached */
   return b;
 }
 
@@ -1032,6 +1099,37 @@ static PyObject *Buffer_exit(BufferObject *self, PyObject *args) {
   return Buffer_release(self, NULL);
 }
 
+/* numpy.asarray(buffer): NumPy takes host memory through the buffer protocol before it asks
+ * __array__, so this runs for memory the CPU cannot read (or when NumPy insists): refuse that
+ * plainly instead of letting NumPy wrap the object in a 0-d object array. */
+static PyObject *Buffer_array(BufferObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"dtype", "copy", NULL};
+  PyObject *dtype = Py_None, *copy = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO:__array__", kwlist, &dtype, &copy)) return NULL;
+  if (self->released) {
+    PyErr_SetString(PyExc_BufferError, "pinmem: the buffer was released");
+    return NULL;
+  }
+  if (!self->host_visible) {
+    PyErr_SetString(PyExc_TypeError,
+                    "pinmem: device memory is not readable by the CPU; copy it to host memory "
+                    "first (pinmem.copy into a pinmem.empty buffer or a NumPy array, then "
+                    "Completion.wait()), or hand it to a device library through DLPack");
+    return NULL;
+  }
+  PyObject *np = PyImport_ImportModule("numpy");
+  if (!np) return NULL;
+  PyObject *mv = PyMemoryView_FromObject((PyObject *)self);
+  PyObject *r = NULL;
+  if (mv) {
+    int want_copy = copy != Py_None && PyObject_IsTrue(copy) == 1;
+    r = PyObject_CallMethod(np, want_copy ? "array" : "asarray", "OO", mv, dtype);
+  }
+  Py_XDECREF(mv);
+  Py_DECREF(np);
+  return r;
+}
+
 static PyObject *Buffer_get_ptr(BufferObject *self, void *unused) {
   return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)self->ptr);
 }
@@ -1117,6 +1215,9 @@ static PyMethodDef Buffer_methods[] = {
      "for pinmem's last write; the caller does not block."},
     {"__dlpack_device__", (PyCFunction)Buffer_dlpack_device, METH_NOARGS,
      "(device_type, device_id) as DLPack numbers them."},
+    {"__array__", (PyCFunction)(void (*)(void))Buffer_array, METH_VARARGS | METH_KEYWORDS,
+     "__array__(dtype=None, copy=None): a NumPy array over host memory; TypeError for device "
+     "memory, which must be copied to the host first."},
     {0}};
 
 static PyGetSetDef Buffer_getset[] = {
@@ -1260,7 +1361,15 @@ static PyObject *py_device_empty(PyObject *mod, PyObject *args, PyObject *kw) {
 static int dl_device_of(PyObject *o, int *type, int *id) {
   PyObject *d = PyObject_CallMethod(o, "__dlpack_device__", NULL);
   if (!d) return -1;
-  int ok = PyArg_ParseTuple(d, "ii;__dlpack_device__ must return (type, id)", type, id);
+  int ok = PyTuple_Check(d) && PyTuple_GET_SIZE(d) == 2 &&
+           PyArg_ParseTuple(d, "ii;__dlpack_device__ must return (type, id)", type, id);
+  if (!ok) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError,
+                 "%.100s.__dlpack_device__() must return a (device_type, device_id) tuple of "
+                 "ints, not %.200R",
+                 Py_TYPE(o)->tp_name, d);
+  }
   Py_DECREF(d);
   return ok ? 0 : -1;
 }
@@ -1289,6 +1398,21 @@ static DLManagedTensor *dl_import(PyObject *o, pm_stream_t stream) {
     cap = PyObject_CallMethod(o, "__dlpack__", NULL);
   }
   if (!cap) return NULL;
+  if (!PyCapsule_IsValid(cap, "dltensor")) {
+    const char *name = PyCapsule_CheckExact(cap) ? PyCapsule_GetName(cap) : NULL;
+    PyErr_Clear();
+    if (PyCapsule_CheckExact(cap))
+      PyErr_Format(PyExc_TypeError,
+                   "%.100s.__dlpack__() returned a capsule named '%.60s', not an unused "
+                   "'dltensor' capsule",
+                   Py_TYPE(o)->tp_name, name ? name : "(null)");
+    else
+      PyErr_Format(PyExc_TypeError,
+                   "%.100s.__dlpack__() must return a 'dltensor' PyCapsule, not %.100s",
+                   Py_TYPE(o)->tp_name, Py_TYPE(cap)->tp_name);
+    Py_DECREF(cap);
+    return NULL;
+  }
   DLManagedTensor *mt = PyCapsule_GetPointer(cap, "dltensor");
   if (!mt) {
     Py_DECREF(cap);
@@ -1304,9 +1428,21 @@ static DLManagedTensor *dl_import(PyObject *o, pm_stream_t stream) {
 
 /* Bytes of a compact row-major DLTensor, or -1 (with an error) when it is not compact. */
 static int dl_compact_bytes(const DLTensor *t, size_t *bytes_out) {
+  if (t->ndim < 0 || t->ndim > PMPY_MAX_NDIM || (t->ndim > 0 && !t->shape)) {
+    raise_fmt(PM_ERR_INVALID, "the DLPack tensor has a bad ndim %d (or no shape)", t->ndim);
+    return -1;
+  }
   size_t item = ((size_t)t->dtype.bits * t->dtype.lanes + 7) / 8;
-  size_t n = 1;
-  for (int i = 0; i < t->ndim; i++) n *= (size_t)t->shape[i];
+  size_t n = item;
+  for (int i = 0; i < t->ndim; i++) {
+    if (t->shape[i] < 0) {
+      raise_fmt(PM_ERR_INVALID, "the DLPack tensor has a negative dimension %lld",
+                (long long)t->shape[i]);
+      return -1;
+    }
+    if (checked_mul(&n, (size_t)t->shape[i]) < 0) return -1;
+  }
+  n = item ? n / item : 0; /* elements */
   if (t->strides && n) {
     int64_t expect = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
@@ -1318,7 +1454,7 @@ static int dl_compact_bytes(const DLTensor *t, size_t *bytes_out) {
       expect *= t->shape[i];
     }
   }
-  *bytes_out = n * item;
+  *bytes_out = n * item; /* no overflow: checked above */
   return 0;
 }
 
@@ -1342,8 +1478,27 @@ static PyObject *py_pin(PyObject *mod, PyObject *args, PyObject *kw) {
     int readonly = 0;
     if (PyObject_GetBuffer(obj, &v, PyBUF_RECORDS) < 0) {
       PyErr_Clear();
-      if (PyObject_GetBuffer(obj, &v, PyBUF_RECORDS_RO) < 0) return NULL;
+      if (PyObject_GetBuffer(obj, &v, PyBUF_RECORDS_RO) < 0) {
+        /* The exporter cannot describe its memory (NumPy: datetime64): say so as pinmem. */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *text = ev ? PyObject_Str(ev) : NULL;
+        const char *msg = text ? PyUnicode_AsUTF8(text) : NULL;
+        if (!msg) PyErr_Clear();
+        raise_fmt(PM_ERR_INVALID, "pin: %.100s does not export its memory: %.200s",
+                  Py_TYPE(obj)->tp_name, msg ? msg : "?");
+        Py_XDECREF(text);
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        return NULL;
+      }
       readonly = 1;
+    }
+    if (format_has_objects(v.format)) {
+      PyBuffer_Release(&v);
+      return raise_fmt(PM_ERR_INVALID, "pin: the array holds Python objects (dtype object); "
+                                       "only plain data can be pinned");
     }
     readonly |= v.readonly;
     if (!PyBuffer_IsContiguous(&v, 'A')) {
@@ -1399,7 +1554,7 @@ static PyObject *py_pin(PyObject *mod, PyObject *args, PyObject *kw) {
     if (!b->dtype) {
       /* Unknown element type: export it as bytes, shape (nbytes,). */
       b->itemsize = 1;
-      b->ndim = 1;
+      if (buffer_set_ndim(b, 1) < 0) goto fail;
       b->shape[0] = (Py_ssize_t)bytes;
     } else {
       for (int i = 0; i < t->ndim; i++) b->shape[i] = (Py_ssize_t)t->shape[i];
@@ -1488,6 +1643,122 @@ static void holder_release(holder_t *h) {
   Py_CLEAR(h->obj);
 }
 
+/* Is the buffer's layout C order (what a byte copy assumes)? Size-1 and empty arrays are. */
+static int buffer_is_c_contiguous(BufferObject *b) {
+  if (b->nbytes == 0) return 1;
+  Py_ssize_t expect = b->itemsize;
+  for (int i = b->ndim - 1; i >= 0; i--) {
+    if (b->shape[i] != 1 && buf_strides(b)[i] != expect) return 0;
+    expect *= b->shape[i];
+  }
+  return 1;
+}
+
+/* Memory another library says is on the device (__cuda_array_interface__, a non-CPU DLPack
+ * tensor). The host backend made every device allocation there is, so [ptr, ptr + bytes) must
+ * lie in one of them: a bogus pointer would otherwise be read or written as host memory. Under
+ * cuda, device memory of other allocators is unknown to pinmem (CUDA checks it); ranges pinmem
+ * does know are held to their ends all the same. */
+static int check_device_side(const void *ptr, size_t bytes, const char *what) {
+  if (bytes == 0) return 0;
+  if (pm_backend_kind() == PM_BACKEND_NONE) {
+    pm_status_t st;
+    Py_BEGIN_ALLOW_THREADS st = pm_init();
+    Py_END_ALLOW_THREADS if (st != PM_OK) {
+      raise_status(st);
+      return -1;
+    }
+  }
+  pm_pointer_info_t info;
+  pm_status_t st = pm_pointer_query(ptr, &info);
+  if (st != PM_OK) {
+    raise_status(st);
+    return -1;
+  }
+  if (info.kind == PM_MEMORY_PAGEABLE) {
+    if (is_cuda_backend()) return 0;
+    raise_fmt(PM_ERR_INVALID,
+              "copy: %s says it is device memory at %p, but the host backend allocated no device "
+              "memory there",
+              what, ptr);
+    return -1;
+  }
+  uintptr_t p = (uintptr_t)ptr, base = (uintptr_t)info.base;
+  if (p < base || bytes > info.size - (p - base)) {
+    raise_fmt(PM_ERR_INVALID, "copy: %s [%p, +%zu) runs past the end of its allocation [%p, +%zu)",
+              what, ptr, bytes, info.base, info.size);
+    return -1;
+  }
+  return 0;
+}
+
+/* A __cuda_array_interface__ dict -> address, read-only flag and byte count (checked: a shape
+ * whose product overflows is refused, not wrapped). Only C-contiguous layouts. */
+static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro, size_t *bytes) {
+  PyObject *data = PyDict_Check(cai) ? PyDict_GetItemString(cai, "data") : NULL;
+  PyObject *shape = PyDict_Check(cai) ? PyDict_GetItemString(cai, "shape") : NULL;
+  PyObject *typestr = PyDict_Check(cai) ? PyDict_GetItemString(cai, "typestr") : NULL;
+  PyObject *strides = PyDict_Check(cai) ? PyDict_GetItemString(cai, "strides") : NULL;
+  const char *ts = typestr && PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
+  if (!data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2 || !shape ||
+      !PyTuple_Check(shape) || !ts) {
+    PyErr_Clear();
+    raise_fmt(PM_ERR_INVALID,
+              "copy: %s has a malformed __cuda_array_interface__ (it needs data=(ptr, readonly), "
+              "a shape tuple and a typestr)",
+              what);
+    return -1;
+  }
+  if (parse_address(PyTuple_GET_ITEM(data, 0), addr) < 0) return -1;
+  *ro = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
+  if (*ro < 0) return -1;
+  /* typestr: byte order, kind letter, item size in bytes ("<f4", "|u1"). */
+  char *end = NULL;
+  long item = strlen(ts) >= 3 && strchr("<>|=", ts[0]) ? strtol(ts + 2, &end, 10) : 0;
+  if (item <= 0 || item > 1024 || !end || *end) {
+    raise_fmt(PM_ERR_INVALID, "copy: %s has a bad typestr '%.40s' in __cuda_array_interface__",
+              what, ts);
+    return -1;
+  }
+  Py_ssize_t nd = PyTuple_GET_SIZE(shape);
+  if (nd > PMPY_MAX_NDIM) {
+    raise_fmt(PM_ERR_INVALID, "copy: %s has %zd dimensions; at most %d", what, nd, PMPY_MAX_NDIM);
+    return -1;
+  }
+  Py_ssize_t dims[PMPY_MAX_NDIM];
+  size_t n = (size_t)item;
+  for (Py_ssize_t i = 0; i < nd; i++) {
+    PyObject *d = PyTuple_GET_ITEM(shape, i);
+    dims[i] = PyIndex_Check(d) ? PyNumber_AsSsize_t(d, NULL) : -1;
+    if (dims[i] < 0) {
+      PyErr_Clear();
+      raise_fmt(PM_ERR_INVALID, "copy: %s has a negative or non-integer dimension in its shape",
+                what);
+      return -1;
+    }
+    if (checked_mul(&n, (size_t)dims[i]) < 0) return -1;
+  }
+  if (strides && strides != Py_None && n) {
+    if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != nd) {
+      raise_fmt(PM_ERR_INVALID, "copy: %s has strides that do not match its shape", what);
+      return -1;
+    }
+    Py_ssize_t expect = item;
+    for (Py_ssize_t i = nd - 1; i >= 0; i--) {
+      PyObject *si = PyTuple_GET_ITEM(strides, i);
+      Py_ssize_t sv = PyIndex_Check(si) ? PyNumber_AsSsize_t(si, NULL) : -1;
+      PyErr_Clear();
+      if (dims[i] != 1 && sv != expect) {
+        raise_fmt(PM_ERR_INVALID, "copy: %s is not contiguous", what);
+        return -1;
+      }
+      expect *= dims[i];
+    }
+  }
+  *bytes = n;
+  return 0;
+}
+
 /* One side of a copy -> pointer and size. */
 static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const char *what,
                         holder_t *h, void **ptr, size_t *bytes) {
@@ -1497,6 +1768,13 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
     if (buffer_check_live(b) < 0) return -1;
     if (writable && b->readonly) {
       raise_fmt(PM_ERR_INVALID, "copy: %s is read-only", what);
+      return -1;
+    }
+    if (!buffer_is_c_contiguous(b)) {
+      raise_fmt(PM_ERR_INVALID,
+                "copy: %s is not C-contiguous (memory pinned in Fortran order keeps that "
+                "layout; copy bytes in C order, e.g. from numpy.ascontiguousarray)",
+                what);
       return -1;
     }
     h->obj = Py_NewRef(o);
@@ -1514,11 +1792,38 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
         PyBuffer_Release(&h->view);
         PyErr_Clear();
         raise_fmt(PM_ERR_INVALID, "copy: %s is read-only", what);
+        return -1;
       }
+      /* Refused for its layout (NumPy says ValueError, others BufferError): say so as pinmem. */
+      PyObject *et, *ev, *tb;
+      PyErr_Fetch(&et, &ev, &tb);
+      Py_buffer any;
+      if (PyObject_GetBuffer(o, &any, PyBUF_STRIDES) == 0) {
+        int c = PyBuffer_IsContiguous(&any, 'C');
+        PyBuffer_Release(&any);
+        if (!c) {
+          Py_XDECREF(et);
+          Py_XDECREF(ev);
+          Py_XDECREF(tb);
+          raise_fmt(PM_ERR_INVALID,
+                    "copy: %s is not C-contiguous; pass numpy.ascontiguousarray(...) of it",
+                    what);
+          return -1;
+        }
+      }
+      PyErr_Clear();
+      PyErr_Restore(et, ev, tb);
       return -1;
     }
     h->has_view = 1;
     h->obj = Py_NewRef(o);
+    if (buffer_holds_objects(o)) {
+      holder_release(h);
+      raise_fmt(PM_ERR_INVALID, "copy: %s holds Python objects (dtype object); only plain data "
+                                "can be copied",
+                what);
+      return -1;
+    }
     *ptr = h->view.buf;
     *bytes = (size_t)h->view.len;
     return 0;
@@ -1533,58 +1838,27 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
       return -1;
     }
     *ptr = (char *)mt->dl_tensor.data + mt->dl_tensor.byte_offset;
+    int dt = mt->dl_tensor.device.device_type;
+    if (dt != kDLCPU && dt != kDLCUDAHost && check_device_side(*ptr, *bytes, what) < 0) {
+      holder_release(h);
+      return -1;
+    }
     return 0;
   }
   PyObject *cai = PyObject_GetAttrString(o, "__cuda_array_interface__");
   if (cai) {
-    /* {"data": (ptr, readonly), "shape": (...), "typestr": "<f4", "strides": None, ...} */
-    PyObject *data = PyDict_Check(cai) ? PyDict_GetItemString(cai, "data") : NULL;
-    PyObject *shape = PyDict_Check(cai) ? PyDict_GetItemString(cai, "shape") : NULL;
-    PyObject *typestr = PyDict_Check(cai) ? PyDict_GetItemString(cai, "typestr") : NULL;
-    PyObject *strides = PyDict_Check(cai) ? PyDict_GetItemString(cai, "strides") : NULL;
-    unsigned long long addr;
-    int ro = 0;
-    const char *ts = typestr && PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
-    if (!data || !shape || !ts || !PyArg_ParseTuple(data, "Kp", &addr, &ro)) {
-      Py_DECREF(cai);
-      if (!PyErr_Occurred())
-        PyErr_Format(PyExc_TypeError, "copy: %s has a malformed __cuda_array_interface__", what);
-      return -1;
-    }
-    long item = strlen(ts) >= 3 ? strtol(ts + 2, NULL, 10) : 0;
-    size_t n = 1;
-    Py_ssize_t nd = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
-    for (Py_ssize_t i = 0; i < nd; i++) n *= PyLong_AsSize_t(PyTuple_GET_ITEM(shape, i));
-    if (PyErr_Occurred() || nd < 0 || item <= 0) {
-      Py_DECREF(cai);
-      if (!PyErr_Occurred())
-        PyErr_Format(PyExc_TypeError, "copy: %s has a malformed __cuda_array_interface__", what);
-      return -1;
-    }
-    if (strides && strides != Py_None) {
-      size_t expect = (size_t)item;
-      for (Py_ssize_t i = nd - 1; i >= 0; i--) {
-        size_t d = PyLong_AsSize_t(PyTuple_GET_ITEM(shape, i));
-        PyObject *si = PyTuple_Check(strides) && PyTuple_GET_SIZE(strides) == nd
-                           ? PyTuple_GET_ITEM(strides, i)
-                           : NULL;
-        if (!si || (d != 1 && PyLong_AsSize_t(si) != expect)) {
-          Py_DECREF(cai);
-          PyErr_Clear();
-          raise_fmt(PM_ERR_INVALID, "copy: %s is not contiguous", what);
-          return -1;
-        }
-        expect *= d;
-      }
-    }
+    uintptr_t addr;
+    int ro;
+    int rc = cai_extent(cai, what, &addr, &ro, bytes);
     Py_DECREF(cai);
+    if (rc < 0) return -1;
     if (writable && ro) {
       raise_fmt(PM_ERR_INVALID, "copy: %s is read-only", what);
       return -1;
     }
+    if (check_device_side((void *)addr, *bytes, what) < 0) return -1;
     h->obj = Py_NewRef(o);
-    *ptr = (void *)(uintptr_t)addr;
-    *bytes = n * (size_t)item;
+    *ptr = (void *)addr;
     return 0;
   }
   PyErr_Clear();
@@ -2442,18 +2716,25 @@ static BufferObject *batch_buffer(BatchObject *batch, int k) {
   int ndim = dt ? f->ndim : 1;
   BufferObject *buf = buffer_alloc(&BufferType, ndim);
   if (!buf) return NULL;
-  if (dt) {
-    buf->dtype = dt;
-    buf->itemsize = dt->bits / 8;
-    for (int i = 0; i < ndim; i++) buf->shape[i] = (Py_ssize_t)f->shape[i];
-  } else {
-    buf->itemsize = 1;
-    buf->shape[0] = (Py_ssize_t)f->bytes;
+  /* The descriptor (shape, strides) comes from batch_layout.h, which the .npy fuzz target
+   * drives too. */
+  pmpy_layout_t lay;
+  const char *why = NULL;
+  if (pmpy_batch_layout(dt ? dt->bits / 8 : 0, f->ndim, f->shape, batch->b.samples, f->bytes, 0,
+                        &lay, &why) < 0) {
+    Py_DECREF(buf);
+    raise_fmt(PM_ERR_INTERNAL, "a loader batch cannot be described: %s", why);
+    return NULL;
   }
-  size_t n;
-  if (buffer_set_format(buf, dt ? dt->format : "B") < 0 || buffer_set_c_strides(buf, &n) < 0) {
+  if (buffer_set_ndim(buf, lay.ndim) < 0 || buffer_set_format(buf, dt ? dt->format : "B") < 0) {
     Py_DECREF(buf);
     return NULL;
+  }
+  buf->dtype = dt;
+  buf->itemsize = (Py_ssize_t)lay.itemsize;
+  for (int i = 0; i < lay.ndim; i++) {
+    buf->shape[i] = (Py_ssize_t)lay.shape[i];
+    buf_strides(buf)[i] = (Py_ssize_t)lay.strides[i];
   }
   buf->kind = BUF_EXTERNAL;
   buf->ptr = f->data;

@@ -1,5 +1,5 @@
 """PyTorch interop. CPU tests need torch; GPU tests need torch with CUDA and pinmem's cuda
-backend. Each skips with the reason when that is missing (on the lent GPU machine they run)."""
+backend. Each skips with the reason when that is missing (on a GPU machine with torch they run)."""
 import gc
 
 import numpy as np

@@ -1,0 +1,255 @@
+"""Property-based tests of the Python glue, with NumPy as the oracle.
+
+Generated dtypes (every NumPy kind, both byte orders, records, strings, datetimes, objects),
+shapes (empty, single, large and overflowing) and layouts (C, Fortran, transposed, strided)
+go through pinmem.empty, pinmem.pin, pinmem.copy and pinmem.Loader. What pinmem accepts must
+round-trip exactly (the bytes NumPy has); what it refuses must raise one of pinmem's error
+classes (or TypeError for a wrong kind of argument); nothing may crash.
+
+Deterministic (derandomize) and bounded (max_examples) so the suite costs seconds in CI.
+"""
+import gc
+
+import numpy as np
+import pytest
+
+import pinmem
+
+hypothesis = pytest.importorskip(
+    "hypothesis", reason="hypothesis is not installed (pip install hypothesis; `make test` "
+    "installs it): the property-based tests of the Python glue did not run")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.extra import numpy as npst  # noqa: E402
+
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# pinmem's element types: native byte order (or none), kinds b/i/u/f/c, these sizes.
+SUPPORTED = {np.dtype(t) for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                                   "uint32", "uint64", "float16", "float32", "float64",
+                                   "complex64", "complex128")}
+
+
+def dtypes():
+    """Every kind NumPy has, in both byte orders where it has one."""
+    return st.one_of(
+        npst.boolean_dtypes(),
+        npst.integer_dtypes(endianness="?"),
+        npst.unsigned_integer_dtypes(endianness="?"),
+        npst.floating_dtypes(endianness="?", sizes=(16, 32, 64, 128)),
+        npst.complex_number_dtypes(endianness="?", sizes=(64, 128, 256)),
+        npst.datetime64_dtypes(endianness="?"),
+        npst.timedelta64_dtypes(endianness="?"),
+        npst.byte_string_dtypes(endianness="?", min_len=1, max_len=6),
+        npst.unicode_string_dtypes(endianness="?", min_len=1, max_len=6),
+        npst.array_dtypes(subtype_strategy=npst.scalar_dtypes(), min_size=1, max_size=3),
+        st.just(np.dtype("V5")),
+        st.just(np.dtype(object)),
+    )
+
+
+def small_shapes():
+    return npst.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6)
+
+
+def huge_shapes():
+    """Shapes whose byte count is beyond any budget, or beyond size_t."""
+    return st.lists(st.sampled_from([1, 3, 2**31, 2**40, 2**62 + 1]), min_size=1,
+                    max_size=4).filter(lambda s: max(s) > 3)
+
+
+def filled(dtype, shape, seed):
+    """A C-ordered array of `dtype` and `shape` holding seeded random bytes (never all zero)."""
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.random.default_rng(seed).integers(1, 256, size=n, dtype=np.uint8)
+    if dtype.hasobject:
+        return np.full(shape, None, dtype=dtype)  # random bytes would be bogus pointers
+    return raw.view(dtype).reshape(shape) if n else np.empty(shape, dtype)
+
+
+def laid_out(a, layout):
+    """`a` (or a view of a copy of it) in one of several memory layouts."""
+    if layout == "C":
+        return a
+    if layout == "F":
+        return np.asfortranarray(a)
+    if layout == "T":
+        return a.T
+    if layout == "step" and a.ndim:
+        return np.repeat(a, 2, axis=0)[::2]
+    if layout == "neg" and a.ndim:
+        return a[::-1]
+    return a
+
+
+def numpy_exports(a):
+    """Can NumPy describe the array through the buffer protocol (format included)?"""
+    try:
+        memoryview(a).release()
+        return True
+    except (ValueError, TypeError, BufferError):
+        return False
+
+
+LAYOUTS = st.sampled_from(["C", "F", "T", "step", "neg"])
+PINMEM_ERRORS = (pinmem.Error, TypeError)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_budget():
+    """A budget far below the huge shapes, so they are refused without touching the memory."""
+    old = pinmem.budget()
+    gc.collect()  # buffers of earlier tests still held would keep the budget from shrinking
+    pinmem.trim()
+    pinmem.set_budget("256M")
+    yield
+    pinmem.trim()
+    pinmem.set_budget(old)
+
+
+# -- empty ----------------------------------------------------------------------------------
+
+@SETTINGS
+@given(dtype=dtypes(), shape=small_shapes(), seed=st.integers(0, 2**32 - 1))
+def test_empty_matches_numpy(dtype, shape, seed):
+    if dtype not in SUPPORTED:
+        with pytest.raises(pinmem.InvalidError):
+            pinmem.empty(shape, dtype)
+        return
+    b = pinmem.empty(shape, dtype)
+    a = np.asarray(b)
+    assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+    assert b.nbytes == a.nbytes and b.shape == shape and b.strides == a.strides
+    want = filled(dtype, shape, seed)
+    a[...] = want
+    assert np.asarray(b).tobytes() == want.tobytes()
+    assert np.from_dlpack(b).tobytes() == want.tobytes()
+    del a, b
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(sorted(SUPPORTED, key=str)), shape=huge_shapes())
+def test_empty_huge_is_refused_cleanly(dtype, shape):
+    with pytest.raises((pinmem.InvalidError, pinmem.BudgetError)) as e:
+        pinmem.empty(shape, dtype)
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    if nbytes > 2**63 - 1:
+        assert isinstance(e.value, pinmem.InvalidError)  # the byte count overflows
+    else:
+        assert isinstance(e.value, pinmem.BudgetError)
+
+
+# -- pin ------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(dtype=dtypes(), shape=small_shapes(), layout=LAYOUTS, seed=st.integers(0, 2**32 - 1))
+def test_pin_matches_numpy(dtype, shape, layout, seed):
+    a = laid_out(filled(dtype, shape, seed), layout)
+    contiguous = a.flags.c_contiguous or a.flags.f_contiguous
+    exportable = numpy_exports(a) and not dtype.hasobject
+    try:
+        b = pinmem.pin(a)
+    except PINMEM_ERRORS as e:
+        # Refused exactly when NumPy's own view of it has nothing to pin, or no layout or
+        # element type pinmem can keep.
+        assert a.nbytes == 0 or not contiguous or not exportable, (a.dtype, a.strides, e)
+        assert isinstance(e, pinmem.InvalidError), e
+        return
+    assert a.nbytes and contiguous and exportable
+    with b:
+        assert b.nbytes == a.nbytes and b.kind == "registered"
+        info = pinmem.pointer_info(b)
+        assert info["kind"] == "registered"
+        got = np.asarray(b)
+        assert got.shape == a.shape and got.tobytes() == a.tobytes()
+        del got
+    assert pinmem.pointer_info(a.__array_interface__["data"][0])["kind"] == "pageable"
+
+
+# -- copy -----------------------------------------------------------------------------------
+
+@SETTINGS
+@given(dtype=dtypes(), shape=small_shapes(), layout=LAYOUTS, seed=st.integers(0, 2**32 - 1),
+       dst_kind=st.sampled_from(["numpy", "pinned", "device"]))
+def test_copy_matches_numpy(dtype, shape, layout, seed, dst_kind):
+    src = laid_out(filled(dtype, shape, seed), layout)
+    n = src.nbytes
+    if dst_kind == "numpy":
+        dst = np.zeros(n, np.uint8)
+    elif dst_kind == "pinned":
+        dst = pinmem.empty(n, "uint8")
+        np.asarray(dst)[:] = 0
+    else:
+        dst = pinmem.device_empty(n, "uint8")
+    try:
+        pinmem.copy(dst, src).wait()
+    except PINMEM_ERRORS as e:
+        assert not src.flags.c_contiguous or dtype.hasobject, (src.strides, e)
+        assert isinstance(e, pinmem.InvalidError), e
+        return
+    assert src.flags.c_contiguous and not dtype.hasobject
+    if dst_kind == "device":
+        back = np.zeros(n, np.uint8)
+        pinmem.copy(back, dst).wait()
+        dst = back
+    assert np.asarray(dst).tobytes() == src.tobytes()
+
+
+@SETTINGS
+@given(shape=huge_shapes(), typestr=st.sampled_from(["<f4", "|u1", "<c16", "<i8"]))
+def test_copy_cuda_array_interface_huge_or_bogus(shape, typestr):
+    """A __cuda_array_interface__ or DLPack shape past any memory: refused, not wrapped."""
+    class CAI:
+        __cuda_array_interface__ = dict(data=(0x1000, False), shape=tuple(shape),
+                                        typestr=typestr, version=3)
+    out = np.zeros(16, np.uint8)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.copy(out, CAI())
+    assert not out.any()
+
+
+# -- Loader over NumPy arrays -----------------------------------------------------------------
+
+@SETTINGS
+@given(dtype=dtypes(), sample_shape=npst.array_shapes(min_dims=0, max_dims=3, min_side=1,
+                                                      max_side=4),
+       n=st.integers(1, 40), batch_size=st.integers(1, 16), drop_last=st.booleans(),
+       layout=LAYOUTS, seed=st.integers(0, 2**32 - 1))
+def test_loader_batches_match_numpy(dtype, sample_shape, n, batch_size, drop_last, layout, seed):
+    a = laid_out(filled(dtype, (n,) + sample_shape, seed), layout)
+    n = a.shape[0]  # a transposed layout has its own samples
+    try:
+        loader = pinmem.Loader(a, batch_size=batch_size, drop_last=drop_last, num_workers=2,
+                               device="cpu", epochs=1)
+    except PINMEM_ERRORS as e:
+        # Refused: what has no pinmem element type, or no whole batch with drop_last.
+        assert dtype not in SUPPORTED or (drop_last and n < batch_size), e
+        assert isinstance(e, pinmem.InvalidError), e
+        return
+    rows = []
+    try:
+        with loader:
+            for batch in loader:
+                x = np.array(batch)  # a copy: the slot goes back
+                del batch
+                rows.append(x)
+    except PINMEM_ERRORS as e:
+        assert dtype not in SUPPORTED, e
+        return
+    full = n // batch_size * batch_size if drop_last else n
+    want = np.ascontiguousarray(a)[:full]
+    if not rows:
+        assert full == 0
+        return
+    got = np.concatenate(rows)
+    if got.dtype == np.uint8 and dtype != np.uint8:
+        # Records pinmem has no element type for arrive as their bytes, a row per sample.
+        assert got.shape == (full, want.nbytes // max(full, 1))
+        assert got.tobytes() == want.tobytes()
+    else:
+        assert got.dtype.kind == dtype.kind
+        assert got.shape == want.shape
+        assert got.astype(dtype).tobytes() == want.tobytes()
