@@ -410,6 +410,10 @@ PM_API pm_status_t pm_fence_path(pm_fence_t fence, pm_copy_path_t *path_out);
  *     pm_batch_release(&b, s);                     // the buffers come back once s is past here
  *   }
  *   pm_loader_destroy(ld);  pm_dataset_destroy(ds);
+ *
+ * Several fields (images and labels, X.npy and Y.npy): one dataset of n fields, from
+ * pm_dataset_zip or pm_dataset_create_fields; each batch then has b.nfields arrays,
+ * b.fields[k].data, all in one slot behind one event (b.inputs / b.targets are fields 0 and 1).
  */
 
 #define PM_DATASET_MAX_DIMS 32 /* dimensions of one sample (numpy allows 32 in all) */
@@ -463,6 +467,10 @@ typedef struct pm_dataset_info {
   pm_io_mode_t io;       /* the read mode in force */
   char note[256];        /* why the mode in force differs from the one asked for, or "" */
   uint64_t tokens;       /* token datasets: tokens in the file; 0 otherwise */
+  int fields;            /* fields of a sample (see pm_field_t): 1, 2 for token datasets
+                            (inputs, targets), n for zipped and multi-field datasets. The fields
+                            above (sample_bytes, shape, dtype...) describe field 0, target_bytes
+                            field 1 */
 } pm_dataset_info_t;
 
 typedef struct pm_npy_options {
@@ -520,11 +528,71 @@ typedef struct pm_dataset_callbacks {
  *  pinned slot. The struct is copied. */
 PM_API pm_status_t pm_dataset_create(const pm_dataset_callbacks_t *callbacks,
                                      pm_dataset_t **dataset_out);
+
+/* Fields. A sample may have several fields (an image and its label, token inputs and targets):
+ * one loader then reads every field of a sample into one slot per batch, copies the slot with
+ * one copy and delivers one pm_batch_t with an array per field (pm_batch_t.fields). Datasets of
+ * several fields come from pm_dataset_open_tokens (inputs, targets), pm_dataset_zip (the fields
+ * of several datasets side by side) and pm_dataset_create_fields (one callback writing every
+ * field of a sample in one call). */
+
+#define PM_MAX_FIELDS 16 /* fields of one sample */
+
+/** One field of a sample. */
+typedef struct pm_field {
+  size_t bytes;      /* bytes of this field of one sample (0 in a spec: itemsize * prod(shape)) */
+  pm_dtype_t dtype;  /* PM_DTYPE_OTHER: fixed-size records of `itemsize` bytes, see descr */
+  size_t itemsize;   /* bytes of one element (0 in a spec: from dtype; required for OTHER) */
+  int ndim;          /* dimensions of the field of one sample; 0: a scalar (a label) */
+  uint64_t shape[PM_DATASET_MAX_DIMS];
+  char descr[128];   /* numpy dtype text ("<f4", ">f4", "<U10", "<M8[s]", "[('a','<i4')]"); ""
+                        in a spec: from dtype. Carried through to the batch unchanged, so a
+                        consumer (NumPy) can rebuild dtypes pinmem has no code for */
+} pm_field_t;
+
+/** Field `field` of a dataset (0 <= field < info.fields). PM_ERR_INVALID out of range. */
+PM_API pm_status_t pm_dataset_get_field(const pm_dataset_t *dataset, int field,
+                                        pm_field_t *field_out);
+
+/** Write every field of sample `index`: dsts[k] receives field k (fields[k].bytes bytes), each
+ *  a place in a pinned batch slot. Called from several worker threads at once, once per
+ *  sample (random augmentation therefore stays consistent across the fields). Return as
+ *  pm_dataset_callbacks_t.read. */
+typedef int (*pm_fields_read_fn)(uint64_t index, void *const *dsts, void *user);
+
+typedef struct pm_dataset_fields_callbacks {
+  uint64_t samples;
+  int nfields;              /* 1..PM_MAX_FIELDS */
+  const pm_field_t *fields; /* nfields specs (copied) */
+  pm_fields_read_fn read;
+  void *user;
+  void (*destroy)(void *user); /* optional: called by pm_dataset_destroy */
+} pm_dataset_fields_callbacks_t;
+
+/** A callback dataset of several fields. Each spec is checked: bytes == itemsize * prod(shape)
+ *  (bytes 0: computed), itemsize > 0 (PM_DTYPE_OTHER needs it), a descr that fits. The struct
+ *  and the specs are copied. */
+PM_API pm_status_t pm_dataset_create_fields(const pm_dataset_fields_callbacks_t *callbacks,
+                                            pm_dataset_t **dataset_out);
+
+/** One dataset whose sample i is sample i of each of `datasets`, their fields side by side in
+ *  order (X and Y .npy files; a token dataset and a weight per window...). PM_ERR_INVALID unless
+ *  every dataset has the same number of samples and the fields total at most PM_MAX_FIELDS.
+ *  The zip uses the datasets (pm_dataset_destroy of one of them is PM_ERR_BUSY until the zip is
+ *  destroyed); for a token dataset, epoch-dependent windows stay as they are. */
+PM_API pm_status_t pm_dataset_zip(pm_dataset_t *const *datasets, size_t n,
+                                  pm_dataset_t **dataset_out);
+
+/** Read every field of one sample into ordinary memory (dsts[k]: fields[k].bytes bytes; a NULL
+ *  entry skips that field). What a loader delivers for it in `epoch`. */
+PM_API pm_status_t pm_dataset_read_fields(pm_dataset_t *dataset, uint64_t epoch, uint64_t index,
+                                          void *const *dsts);
 /** PM_ERR_BUSY while a loader still uses the dataset. */
 PM_API pm_status_t pm_dataset_destroy(pm_dataset_t *dataset);
 PM_API pm_status_t pm_dataset_get_info(const pm_dataset_t *dataset, pm_dataset_info_t *info_out);
 /** Read one sample into ordinary memory (what a loader delivers for it in `epoch`; the epoch
- *  matters only for random token windows). targets_dst: token datasets only (may be NULL). */
+ *  matters only for random token windows). targets_dst: field 1 of a dataset of several fields
+ *  (token targets; may be NULL); other fields: pm_dataset_read_fields. */
 PM_API pm_status_t pm_dataset_read_sample(pm_dataset_t *dataset, uint64_t epoch, uint64_t index,
                                           void *dst, void *targets_dst);
 
@@ -560,8 +628,10 @@ typedef struct pm_loader_config {
   int shuffle;        /* 1: a new permutation every epoch, a function of (seed, epoch) */
   uint64_t seed;
   int drop_last;      /* 1: deliver no partial batch and no padding (below) */
-  int rank;           /* -1 (config_init): from RANK, else 0 */
-  int world_size;     /* -1 (config_init): from WORLD_SIZE, else 1 */
+  int rank;           /* -1 (config_init): from RANK, else 0; below -1: PM_ERR_INVALID */
+  int world_size;     /* -1 (config_init) or 0: from WORLD_SIZE, else 1; below -1:
+                         PM_ERR_INVALID. RANK / WORLD_SIZE that are not integers in range are
+                         PM_ERR_CONFIG */
   int pin_memory;     /* 1 (config_init): pinned slots, async copies. 0: pageable slots and a
                          plain copy inside pm_loader_next (the consumer waits for it), to
                          compare */
@@ -586,12 +656,26 @@ PM_API void pm_loader_config_init(pm_loader_config_t *config);
  *  status when the slots cannot be pinned, PM_ERR_DEVICE_MEMORY for the device buffers. */
 PM_API pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *config,
                                     pm_loader_t **loader_out);
-/** Stops the workers (mid-epoch too) and frees slots, buffers and threads. Batches not
- *  released are invalid afterwards; released ones are waited for. No other call on the loader
- *  may run at the same time. */
+/** Stops the workers at once (mid-epoch too) and frees the slots, buffers and threads; succeeds
+ *  while batches are still held (as torch's DataLoader shuts down with tensors alive): a held
+ *  batch stays valid until its pm_batch_release, which then frees its slot (the last one frees
+ *  what is left of the loader). Every other call on a destroyed loader, and a second destroy,
+ *  is PM_ERR_INVALID. No other call on the loader may run at the same time. */
 PM_API pm_status_t pm_loader_destroy(pm_loader_t *loader);
 
-/** One batch. Valid from pm_loader_next until pm_batch_release. */
+/** One field of a batch: rows of the field, one per sample, in the slot. */
+typedef struct pm_batch_field {
+  void *data;             /* device buffer (PM_DELIVER_DEVICE) or the host slot (PM_DELIVER_HOST) */
+  void *host;             /* the field in its host slot (pinned unless pin_memory is 0) */
+  size_t bytes;           /* samples * bytes_per_sample */
+  size_t bytes_per_sample;
+  int ndim;               /* 1 + the field's dimensions */
+  uint64_t shape[PM_DATASET_MAX_DIMS + 1]; /* [samples, the field's shape...] */
+  const pm_field_t *info; /* dtype, itemsize, descr (the loader's copy, valid with the batch) */
+} pm_batch_field_t;
+
+/** One batch. Valid from pm_loader_next until pm_batch_release. inputs/targets (and their host_,
+ *  _bytes, shape, dtype) are fields[0] and fields[1], kept for one- and two-field datasets. */
 typedef struct pm_batch {
   void *inputs;         /* device buffer (PM_DELIVER_DEVICE) or the host slot (PM_DELIVER_HOST) */
   void *targets;        /* token datasets: the targets, else NULL */
@@ -608,6 +692,9 @@ typedef struct pm_batch {
   uint64_t index;       /* its index within the epoch */
   const uint64_t *indices; /* the dataset index of each row (host memory) */
   pm_event_t event;     /* completes when the device buffer holds the batch (NULL when host) */
+  int nfields;          /* fields of a sample (1 + targets for token datasets, n for zips) */
+  const pm_batch_field_t *fields; /* nfields arrays, all behind one event (the loader's memory,
+                                     valid until pm_batch_release) */
   struct {              /* the loader's bookkeeping: do not touch */
     pm_loader_t *loader;
     uint64_t seq;

@@ -454,6 +454,11 @@ pm_status_t pm_dataset_create(const pm_dataset_callbacks_t *callbacks, pm_datase
   }
   snprintf(in->descr, sizeof in->descr, "%s", dtype_descr(c->dtype));
   in->io = PM_IO_PREAD;
+  in->fields = 1;
   *dataset_out = ds;
   return PM_OK;
 }
+
+/* For dataset_fields.c: the element size and numpy text of a dtype code. */
+size_t pm__dtype_itemsize(pm_dtype_t dtype) { return dtype_itemsize(dtype); }
+const char *pm__dtype_descr(pm_dtype_t dtype) { return dtype_descr(dtype); }

@@ -652,6 +652,7 @@ pm_status_t pm_dataset_open_npy(const char *const *paths, size_t npaths,
   in->itemsize = h0.itemsize;
   snprintf(in->descr, sizeof in->descr, "%s", h0.descr);
   in->files = (int)npaths;
+  in->fields = 1;
   in->io = ds->files[0].io;
   for (size_t i = 0; i < npaths; i++)
     if (ds->files[i].io != in->io) in->io = PM_IO_PREAD; /* mixed: some fell back */

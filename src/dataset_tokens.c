@@ -133,6 +133,7 @@ pm_status_t pm_dataset_open_tokens(const char *path, const pm_tokens_options_t *
   in->itemsize = tb;
   snprintf(in->descr, sizeof in->descr, "%s", tb == 2 ? "<u2" : "<u4");
   in->files = 1;
+  in->fields = 2; /* inputs, targets */
   in->io = ds->files[0].io;
   in->tokens = t->tokens;
   ds->read = tok_read;

@@ -359,6 +359,12 @@ struct pm_dataset_s {
   pm_status_t (*read)(pm_dataset_t *ds, uint64_t epoch, uint64_t index, void *dst, void *tdst,
                       pm__scratch_t *scratch);
   void (*destroy_impl)(pm_dataset_t *ds); /* the kind's own parts (NULL: none) */
+  /* Multi-field kinds (dataset_fields.c): every field of sample `index` to dsts[k] (a NULL
+   * entry: skip that field), and the field table. NULL / 0 for the kinds whose fields follow
+   * from info (one field, or inputs and targets): see pm__dataset_field. */
+  pm_status_t (*read_fields)(pm_dataset_t *ds, uint64_t epoch, uint64_t index, void *const *dsts,
+                             pm__scratch_t *scratch);
+  pm_field_t *fields_tab;
   void *impl;
   pm__file_t *files;
   int nfiles;
@@ -368,6 +374,17 @@ struct pm_dataset_s {
 /* A zeroed dataset with its files array for nfiles files (fds -1), or PM_ERR_NOMEM. */
 pm_status_t pm__dataset_alloc(int nfiles, pm_dataset_t **ds_out);
 void pm__dataset_free(pm_dataset_t *ds); /* closes the files, runs destroy_impl */
+
+size_t pm__dtype_itemsize(pm_dtype_t dtype); /* 0: not a dtype code; OTHER: 1 */
+const char *pm__dtype_descr(pm_dtype_t dtype); /* "<f4"...; OTHER: "|V1" */
+
+/* dataset_fields.c: fields of any dataset, multi-field callbacks and zips. */
+int pm__dataset_nfields(const pm_dataset_t *ds);
+void pm__dataset_field(const pm_dataset_t *ds, int k, pm_field_t *out); /* k < nfields */
+/* Every field of one sample: dsts[k] for field k (NULL entries skipped; the single-field and
+ * token kinds need dsts[0]). */
+pm_status_t pm__dataset_read_fields(pm_dataset_t *ds, uint64_t epoch, uint64_t index,
+                                    void *const *dsts, pm__scratch_t *scratch);
 
 /* dataset_npy.c: the .npy header. */
 typedef struct pm__npy_header {

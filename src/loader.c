@@ -8,8 +8,9 @@
  * the pool, or malloc'd with pin_memory 0), a device buffer of the same size, the dataset index
  * of each row, and three events: copy start/done on the copy stream (timing events: the copy's
  * device time) and "release", recorded on the consumer's stream when the batch is given back.
- * Layout of a buffer: inputs [rows_max * sample_bytes], then at targets_off (256-aligned) the
- * targets of token datasets.
+ * Layout of a buffer: the fields of the dataset one after another, field k at foff[k] (256-aligned)
+ * holding rows_max rows of fbytes[k] bytes; all fields go in one copy, behind one event. A slot
+ * also holds its pm_batch_field_t table, filled at create; delivery only sets the row count.
  *
  * Slot life: FREE -> OPENING (one worker waits for the slot's previous copy to finish and
  * writes the row indices) -> FILLING (workers claim chunks of rows in order and read each
@@ -20,6 +21,12 @@
  * pm_loader_next on the consumer's thread (it blocks as cudaMemcpyAsync from pageable memory
  * does), which is what DataLoader(pin_memory=False) + .to(device) costs. Host delivery has no
  * device buffers, events or stream.
+ *
+ * Destroy with batches held (as torch's DataLoader shuts down with tensors alive): destroy stops
+ * the workers, frees every slot not held and marks the loader destroyed; each held slot is freed
+ * by its pm_batch_release (SLOT_GONE), and the party that sees held == 0 after the teardown frees
+ * the loader itself. The loader stays in the handle set until then, so a release (or a misuse
+ * with a stale pointer) finds it; every pm_loader_* call checks `destroyed` and refuses.
  *
  * Invariants: fill_g (the batch whose rows are being claimed) only moves forward, so every batch
  * below it has all its rows claimed; a slot is opened for batch g only when it is FREE, i.e. batch
@@ -39,6 +46,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,7 +58,7 @@
 #define MAX_SLOTS 4096
 #define TARGET_ALIGN ((size_t)256)
 
-enum { SLOT_FREE, SLOT_OPENING, SLOT_FILLING, SLOT_READY, SLOT_HELD, SLOT_RELEASING };
+enum { SLOT_FREE, SLOT_OPENING, SLOT_FILLING, SLOT_READY, SLOT_HELD, SLOT_RELEASING, SLOT_GONE };
 
 typedef struct slot {
   int state;
@@ -62,6 +70,7 @@ typedef struct slot {
   unsigned char *host;
   unsigned char *dev;
   uint64_t *indices;
+  pm_batch_field_t *bf; /* nfields entries: the batch's arrays in this slot */
   pm_event_t ev_start, ev_done, ev_release;
 } slot_t;
 
@@ -70,7 +79,10 @@ struct pm_loader_s {
   pm_dataset_t *ds;
   pm__sampler_t sampler;
   pm_loader_config_t cfg;
-  size_t sample_bytes, target_bytes, targets_off, slot_bytes;
+  int nfields;
+  pm_field_t finfo[PM_MAX_FIELDS];                 /* the dataset's fields (a copy) */
+  size_t fbytes[PM_MAX_FIELDS], foff[PM_MAX_FIELDS]; /* a row of field k; its offset in a slot */
+  size_t slot_bytes;
   uint64_t rows_per_claim;
   int nslots, nworkers, started;
   slot_t *slots;
@@ -88,6 +100,8 @@ struct pm_loader_s {
   uint64_t fill_g, deliver_g;
   int held;
   bool stop, in_next;
+  bool destroyed; /* pm_loader_destroy ran; held slots are freed by their release */
+  bool torn_down; /* ... and has finished: the last release frees the loader */
   uint64_t err_g;
   pm_status_t err;
   char err_msg[512];
@@ -97,8 +111,8 @@ struct pm_loader_s {
 /* ---- helpers ------------------------------------------------------------------------------- */
 
 static size_t copy_bytes(const pm_loader_t *L, uint64_t rows) {
-  if (L->target_bytes) return L->targets_off + (size_t)rows * L->target_bytes;
-  return (size_t)rows * L->sample_bytes;
+  int last = L->nfields - 1;
+  return L->foff[last] + (size_t)rows * L->fbytes[last];
 }
 
 /* Record the first error by batch order (with mu held). */
@@ -215,13 +229,13 @@ static void *worker_main(void *arg) {
 
     uint64_t epoch = g / L->sampler.batches;
     pm_status_t st = PM_OK;
+    void *dsts[PM_MAX_FIELDS];
     double t0 = pm__now();
     for (uint64_t r = r0; r < r1 && st == PM_OK; r++) {
       if (atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) break;
-      unsigned char *dst = s->host + (size_t)r * L->sample_bytes;
-      unsigned char *tdst =
-          L->target_bytes ? s->host + L->targets_off + (size_t)r * L->target_bytes : NULL;
-      st = ds->read(ds, epoch, s->indices[r], dst, tdst, &scratch);
+      for (int k = 0; k < L->nfields; k++)
+        dsts[k] = s->host + L->foff[k] + (size_t)r * L->fbytes[k];
+      st = pm__dataset_read_fields(ds, epoch, s->indices[r], dsts, &scratch);
       if (st != PM_OK) {
         snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu: %s", (unsigned long long)epoch,
                  (unsigned long long)(g % L->sampler.batches), (unsigned long long)r,
@@ -289,23 +303,29 @@ static pm_status_t env_int(const char *name, long lo, long hi, int dflt, int *ou
   return PM_OK;
 }
 
+/* A slot's buffers and events (after the consumer's stream is past its release). */
+static void free_slot(pm_loader_t *L, slot_t *s) {
+  if (s->release_pending && s->ev_release) (void)pm_event_synchronize(s->ev_release);
+  if (s->copy_pending && s->ev_done) (void)pm_event_synchronize(s->ev_done);
+  if (s->dev) (void)pm_device_free(s->dev);
+  if (s->ev_start) (void)pm_event_destroy(s->ev_start);
+  if (s->ev_done) (void)pm_event_destroy(s->ev_done);
+  if (s->ev_release) (void)pm_event_destroy(s->ev_release);
+  if (s->host) {
+    if (L->pinned)
+      (void)pm_host_free(s->host);
+    else
+      free(s->host);
+  }
+  free(s->indices);
+  free(s->bf);
+  memset(s, 0, sizeof *s);
+  s->state = SLOT_GONE;
+}
+
 static void free_slots(pm_loader_t *L) {
   if (!L->slots) return;
-  for (int i = 0; i < L->nslots; i++) {
-    slot_t *s = &L->slots[i];
-    if (s->release_pending && s->ev_release) (void)pm_event_synchronize(s->ev_release);
-    if (s->dev) (void)pm_device_free(s->dev);
-    if (s->ev_start) (void)pm_event_destroy(s->ev_start);
-    if (s->ev_done) (void)pm_event_destroy(s->ev_done);
-    if (s->ev_release) (void)pm_event_destroy(s->ev_release);
-    if (s->host) {
-      if (L->pinned)
-        (void)pm_host_free(s->host);
-      else
-        free(s->host);
-    }
-    free(s->indices);
-  }
+  for (int i = 0; i < L->nslots; i++) free_slot(L, &L->slots[i]);
   free(L->slots);
   L->slots = NULL;
 }
@@ -321,7 +341,7 @@ static void stop_workers(pm_loader_t *L) {
   L->started = 0;
 }
 
-/* Teardown shared by destroy and a failed create. */
+/* The last of a loader: what the slots still hold, the stream, the locks, the handle. */
 static void loader_free(pm_loader_t *L) {
   stop_workers(L);
   if (L->copy_stream) (void)pm_stream_synchronize(L->copy_stream);
@@ -380,6 +400,8 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
                          !dataset  ? "dataset"
                          : !config ? "config"
                                    : "loader_out");
+  pm_status_t hst = pm__handle_check(dataset, PM__HANDLE_DATASET, fn);
+  if (hst != PM_OK) return hst;
   const pm_loader_config_t *c = config;
   if (c->batch_size == 0) return pm__set_error(PM_ERR_INVALID, "%s: batch_size is 0", fn);
   if (c->workers < 0 || c->workers > MAX_WORKERS)
@@ -392,6 +414,12 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
     return pm__set_error(PM_ERR_INVALID, "%s: unknown delivery %d", fn, (int)c->delivery);
   int rank = c->rank, world = c->world_size;
   pm_status_t st = PM_OK;
+  if (rank < -1 || world < -1)
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: %s %d: give a value (rank >= 0, world_size >= 1), or -1 for the "
+                         "environment's %s",
+                         fn, rank < -1 ? "rank" : "world_size", rank < -1 ? rank : world,
+                         rank < -1 ? "RANK" : "WORLD_SIZE");
   if (world <= 0) st = env_int("WORLD_SIZE", 1, 1 << 20, 1, &world);
   if (st == PM_OK && rank < 0) st = env_int("RANK", 0, (1 << 20) - 1, 0, &rank);
   if (st != PM_OK) return st;
@@ -423,25 +451,28 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
   }
   if (c->resume && (st = check_resume(L, c->resume)) != PM_OK) goto fail;
 
-  L->sample_bytes = dataset->info.sample_bytes;
-  L->target_bytes = dataset->info.target_bytes;
   uint64_t rows_max = PM__MIN((uint64_t)c->batch_size, L->sampler.per_rank);
-  size_t need;
-  if (rows_max > (SIZE_MAX / 4) / L->sample_bytes ||
-      (L->target_bytes && rows_max > (SIZE_MAX / 4) / L->target_bytes)) {
-    st = pm__set_error(PM_ERR_INVALID, "%s: a batch of %llu samples of %zu bytes overflows", fn,
-                       (unsigned long long)rows_max, L->sample_bytes);
-    goto fail;
+  size_t need = 0, sample_bytes = 0;
+  L->nfields = pm__dataset_nfields(dataset);
+  for (int k = 0; k < L->nfields; k++) {
+    pm__dataset_field(dataset, k, &L->finfo[k]);
+    L->fbytes[k] = L->finfo[k].bytes;
+    sample_bytes += L->fbytes[k];
+    if (L->fbytes[k] == 0 || rows_max > (SIZE_MAX / 4) / L->fbytes[k] ||
+        need > SIZE_MAX / 4 - (size_t)rows_max * L->fbytes[k]) {
+      st = pm__set_error(PM_ERR_INVALID, "%s: a batch of %llu samples of %zu bytes overflows", fn,
+                         (unsigned long long)rows_max, L->fbytes[k]);
+      goto fail;
+    }
+    L->foff[k] = pm__align_up(need, TARGET_ALIGN);
+    need = L->foff[k] + (size_t)rows_max * L->fbytes[k];
   }
-  L->targets_off = pm__align_up((size_t)rows_max * L->sample_bytes, TARGET_ALIGN);
-  need = L->target_bytes ? L->targets_off + (size_t)rows_max * L->target_bytes
-                         : (size_t)rows_max * L->sample_bytes;
   if (c->slot_bytes && need > c->slot_bytes) {
     st = pm__set_error(PM_ERR_INVALID,
                        "%s: a batch of %llu samples of %zu bytes%s needs %zu bytes, more than "
                        "slot_bytes %zu",
-                       fn, (unsigned long long)rows_max, L->sample_bytes,
-                       L->target_bytes ? " (and their targets)" : "", need, c->slot_bytes);
+                       fn, (unsigned long long)rows_max, sample_bytes,
+                       L->nfields > 1 ? " (all fields)" : "", need, c->slot_bytes);
     goto fail;
   }
   L->slot_bytes = c->slot_bytes ? c->slot_bytes : need;
@@ -454,6 +485,22 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
   if (L->nslots <= 0) L->nslots = 4;
   if (L->nslots > MAX_SLOTS) L->nslots = MAX_SLOTS;
   L->rows_per_claim = PM__MAX(rows_max / (uint64_t)(2 * L->nworkers), (uint64_t)1);
+
+  if (L->pinned) {
+    /* The slots stay pinned together: when they can never all fit the budget, say so now
+     * rather than wait (budget_policy wait) for frees of the loader's own slots. */
+    pm_pool_stats_t ps;
+    size_t slot_class = pm__size_class(L->slot_bytes);
+    if (pm_pool_get_stats(c->pool, &ps) == PM_OK && ps.budget &&
+        (slot_class > ps.budget || (size_t)L->nslots > ps.budget / slot_class)) {
+      st = pm__set_error(PM_ERR_BUDGET,
+                         "%s: %d pinned slots of %zu bytes (%zu with the pool's rounding) are "
+                         "more than the whole budget of %zu bytes: lower prefetch or "
+                         "batch_size, or raise the budget",
+                         fn, L->nslots, L->slot_bytes, slot_class, ps.budget);
+      goto fail;
+    }
+  }
 
   uint64_t bpe = L->sampler.batches;
   L->end_g = c->epochs == 0 || c->epochs > UINT64_MAX / bpe ? UINT64_MAX : c->epochs * bpe;
@@ -477,7 +524,8 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
     slot_t *s = &L->slots[i];
     s->state = SLOT_FREE;
     s->indices = malloc(sizeof(uint64_t) * (size_t)rows_max);
-    if (!s->indices) {
+    s->bf = calloc((size_t)L->nfields, sizeof *s->bf);
+    if (!s->indices || !s->bf) {
       st = pm__set_error(PM_ERR_NOMEM, "%s: row indices", fn);
       goto fail;
     }
@@ -508,6 +556,16 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
                        L->slot_bytes);
         goto fail;
       }
+    }
+    for (int k = 0; k < L->nfields; k++) {
+      pm_batch_field_t *f = &s->bf[k];
+      const pm_field_t *fi = &L->finfo[k];
+      f->host = s->host + L->foff[k];
+      f->data = L->device ? (void *)(s->dev + L->foff[k]) : f->host;
+      f->bytes_per_sample = L->fbytes[k];
+      f->ndim = 1 + fi->ndim;
+      memcpy(f->shape + 1, fi->shape, sizeof(uint64_t) * (size_t)fi->ndim);
+      f->info = fi;
     }
   }
   L->st.batches_per_epoch = bpe;
@@ -552,6 +610,18 @@ fail : {
 }
 }
 
+/* A live, not destroyed loader (the destroyed flag is read under mu: a release may run). */
+static pm_status_t check_loader(const char *fn, pm_loader_t *L) {
+  pm_status_t st = pm__handle_check(L, PM__HANDLE_LOADER, fn);
+  if (st != PM_OK) return st;
+  pthread_mutex_lock(&L->mu);
+  bool gone = L->destroyed;
+  pthread_mutex_unlock(&L->mu);
+  if (gone)
+    return pm__set_error(PM_ERR_INVALID, "%s: loader %p was already destroyed", fn, (void *)L);
+  return PM_OK;
+}
+
 pm_status_t pm_loader_destroy(pm_loader_t *loader) {
   if (pm__handle_foreign(loader, PM__HANDLE_LOADER)) {
     /* The parent's loader, in a forked child: its workers do not exist here (joining them would
@@ -559,76 +629,101 @@ pm_status_t pm_loader_destroy(pm_loader_t *loader) {
     (void)pm__handle_remove(loader, PM__HANDLE_LOADER);
     return PM_OK;
   }
-  if (!loader) return pm__set_error(PM_ERR_INVALID, "pm_loader_destroy: loader is NULL");
-  if (loader->magic != LOADER_MAGIC)
-    return pm__set_error(PM_ERR_INVALID, "pm_loader_destroy: %p is not a live loader",
-                         (void *)loader);
-  pm_status_t st = pm__handle_check(loader, PM__HANDLE_LOADER, "pm_loader_destroy");
+  const char *fn = "pm_loader_destroy";
+  pm_status_t st = pm__handle_check(loader, PM__HANDLE_LOADER, fn);
   if (st != PM_OK) return st;
-  pm_dataset_t *ds = loader->ds;
-  loader_free(loader);
+  pm_loader_t *L = loader;
+  pthread_mutex_lock(&L->mu);
+  if (L->destroyed) {
+    pthread_mutex_unlock(&L->mu);
+    return pm__set_error(PM_ERR_INVALID, "%s: loader %p was already destroyed", fn, (void *)L);
+  }
+  L->destroyed = true;
+  pthread_mutex_unlock(&L->mu);
+
+  pm_dataset_t *ds = L->ds;
+  stop_workers(L);
+  if (L->copy_stream) (void)pm_stream_synchronize(L->copy_stream);
   atomic_fetch_sub(&ds->users, 1);
+
+  /* Free every slot nobody holds now; a held one is freed by its release. */
+  pthread_mutex_lock(&L->mu);
+  for (int i = 0; i < L->nslots; i++) {
+    slot_t *s = &L->slots[i];
+    if (s->state == SLOT_HELD || s->state == SLOT_RELEASING || s->state == SLOT_GONE) continue;
+    s->state = SLOT_GONE;
+    pthread_mutex_unlock(&L->mu);
+    free_slot(L, s); /* backend calls: not under mu */
+    pthread_mutex_lock(&L->mu);
+  }
+  L->torn_down = true;
+  bool last = L->held == 0;
+  pthread_mutex_unlock(&L->mu);
+  if (last) loader_free(L);
   return PM_OK;
 }
 
 /* ---- the consumer side -------------------------------------------------------------------- */
-
-static pm_status_t check_loader(const char *fn, const pm_loader_t *L) {
-  if (!L) return pm__set_error(PM_ERR_INVALID, "%s: loader is NULL", fn);
-  if (L->magic != LOADER_MAGIC)
-    return pm__set_error(PM_ERR_INVALID, "%s: %p is not a live loader", fn, (const void *)L);
-  return pm__handle_check(L, PM__HANDLE_LOADER, fn); /* PM_ERR_STATE for the parent's, after fork */
-}
 
 /* The plain copy of a pageable slot, on the consumer's thread (pin_memory 0). */
 static pm_status_t pageable_copy(pm_loader_t *L, slot_t *s) {
   return queue_copy(L, s, "plain copy of a pageable batch");
 }
 
+/* Leave pm_loader_next with an error (mu held on entry, released here). */
+static pm_status_t next_fail_locked(pm_loader_t *L, pm_status_t st, const char *fmt, ...)
+    PM__PRINTF(3, 4);
+static pm_status_t next_fail_locked(pm_loader_t *L, pm_status_t st, const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  L->in_next = false;
+  pthread_mutex_unlock(&L->mu);
+  return pm__set_error(st, "pm_loader_next: %s", msg);
+}
+
 pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
   const char *fn = "pm_loader_next";
-  pm_status_t st = check_loader(fn, loader);
+  pm_status_t st = pm__handle_check(loader, PM__HANDLE_LOADER, fn);
   if (st != PM_OK) return st;
   if (!batch_out) return pm__set_error(PM_ERR_INVALID, "%s: batch_out is NULL", fn);
   pm_loader_t *L = loader;
   double t0 = pm__now();
 
   pthread_mutex_lock(&L->mu);
+  if (L->destroyed) {
+    pthread_mutex_unlock(&L->mu);
+    return pm__set_error(PM_ERR_INVALID, "%s: loader %p was already destroyed", fn, (void *)L);
+  }
   if (L->in_next) {
     pthread_mutex_unlock(&L->mu);
     return pm__set_error(PM_ERR_BUSY, "%s: another thread is inside pm_loader_next", fn);
   }
+  /* Taken before any wait: a second consumer gets PM_ERR_BUSY instead of the same batch. */
+  L->in_next = true;
   uint64_t g = L->deliver_g;
-  if (g >= L->end_g && g < L->err_g) {
-    pthread_mutex_unlock(&L->mu);
-    return pm__set_error(PM_ERR_STATE,
-                         "%s: end of data: all %llu epochs (%llu batches each) "
-                         "were delivered",
-                         fn, (unsigned long long)L->cfg.epochs,
-                         (unsigned long long)L->sampler.batches);
-  }
+  if (g >= L->end_g && g < L->err_g)
+    return next_fail_locked(L, PM_ERR_STATE,
+                            "end of data: all %llu epochs (%llu batches each) were delivered",
+                            (unsigned long long)L->cfg.epochs,
+                            (unsigned long long)L->sampler.batches);
   slot_t *s = &L->slots[g % (uint64_t)L->nslots];
   bool waited = false;
   double tw = 0;
   for (;;) {
-    if (L->err_g <= g) {
-      char msg[sizeof L->err_msg];
-      st = L->err;
-      memcpy(msg, L->err_msg, sizeof msg);
-      pthread_mutex_unlock(&L->mu);
-      return pm__set_error(st, "%s: %s", fn, msg);
-    }
+    if (L->err_g <= g) return next_fail_locked(L, L->err, "%s", L->err_msg);
     if (s->state == SLOT_READY && s->seq == g) break;
     if (s->state == SLOT_HELD && s->seq < g) {
       /* Batch g reuses the slot of a batch the caller still holds: waiting would never end. */
       uint64_t old = s->seq;
-      pthread_mutex_unlock(&L->mu);
-      return pm__set_error(PM_ERR_BUSY,
-                           "%s: the next batch needs the slot of batch %llu of epoch %llu, which "
-                           "the caller still holds (%d slots: release batches in time, or raise "
-                           "prefetch)",
-                           fn, (unsigned long long)(old % L->sampler.batches),
-                           (unsigned long long)(old / L->sampler.batches), L->nslots);
+      return next_fail_locked(L, PM_ERR_BUSY,
+                              "the next batch needs the slot of batch %llu of epoch %llu, which "
+                              "the caller still holds (%d slots: release batches in time, or "
+                              "raise prefetch)",
+                              (unsigned long long)(old % L->sampler.batches),
+                              (unsigned long long)(old / L->sampler.batches), L->nslots);
     }
     if (!waited) tw = pm__now();
     waited = true;
@@ -638,7 +733,6 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
   s->state = SLOT_HELD;
   L->held++;
   L->deliver_g = g + 1;
-  L->in_next = true;
   pthread_mutex_unlock(&L->mu);
 
   if (L->device && !L->pinned) {
@@ -660,27 +754,36 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
     }
   }
 
-  const pm_dataset_info_t *in = &L->ds->info;
+  /* The slot's field table was filled at create; only the row count changes. */
+  pm_batch_field_t *bf = s->bf;
+  size_t rows = (size_t)s->rows;
+  size_t bytes = 0;
+  for (int k = 0; k < L->nfields; k++) {
+    bf[k].bytes = rows * bf[k].bytes_per_sample;
+    bf[k].shape[0] = rows;
+    bytes += bf[k].bytes;
+  }
   pm_batch_t b;
   memset(&b, 0, sizeof b);
-  b.host_inputs = s->host;
-  b.host_targets = L->target_bytes ? s->host + L->targets_off : NULL;
-  b.inputs = L->device ? (void *)s->dev : b.host_inputs;
-  b.targets = !L->target_bytes ? NULL
-              : L->device      ? (void *)(s->dev + L->targets_off)
-                               : b.host_targets;
-  b.samples = (size_t)s->rows;
-  b.inputs_bytes = b.samples * L->sample_bytes;
-  b.targets_bytes = b.samples * L->target_bytes;
-  b.ndim = in->ndim + 1;
-  b.shape[0] = s->rows;
-  memcpy(b.shape + 1, in->shape, sizeof(uint64_t) * (size_t)in->ndim);
-  b.dtype = in->dtype;
-  b.itemsize = in->itemsize;
+  b.inputs = bf[0].data;
+  b.host_inputs = bf[0].host;
+  b.inputs_bytes = bf[0].bytes;
+  if (L->nfields > 1) {
+    b.targets = bf[1].data;
+    b.host_targets = bf[1].host;
+    b.targets_bytes = bf[1].bytes;
+  }
+  b.samples = rows;
+  b.ndim = bf[0].ndim;
+  memcpy(b.shape, bf[0].shape, sizeof(uint64_t) * (size_t)bf[0].ndim);
+  b.dtype = L->finfo[0].dtype;
+  b.itemsize = L->finfo[0].itemsize;
   b.epoch = g / L->sampler.batches;
   b.index = g % L->sampler.batches;
   b.indices = s->indices;
   b.event = L->device ? s->ev_done : NULL;
+  b.nfields = L->nfields;
+  b.fields = bf;
   b.internal.loader = L;
   b.internal.seq = g;
   b.internal.slot = (int)(g % (uint64_t)L->nslots);
@@ -690,7 +793,7 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
   L->in_next = false;
   L->st.batches++;
   L->st.samples += s->rows;
-  L->st.bytes += b.inputs_bytes + b.targets_bytes;
+  L->st.bytes += bytes;
   L->st.waits += waited;
   L->st.stall_seconds += stall;
   L->st.next_seconds += pm__now() - t0;
@@ -698,7 +801,8 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
   return PM_OK;
 }
 
-/* The slot of a delivered batch, or an error. */
+/* The slot of a delivered batch, or an error. The batch's loader may be destroyed already (its
+ * held slots live on until released), so only the handle is checked here. */
 static pm_status_t batch_slot(const char *fn, const pm_batch_t *b, slot_t **s_out) {
   if (!b) return pm__set_error(PM_ERR_INVALID, "%s: batch is NULL", fn);
   pm_loader_t *L = b->internal.loader;
@@ -707,7 +811,7 @@ static pm_status_t batch_slot(const char *fn, const pm_batch_t *b, slot_t **s_ou
                          "%s: the batch was released already (or never "
                          "delivered)",
                          fn);
-  pm_status_t st = check_loader(fn, L);
+  pm_status_t st = pm__handle_check(L, PM__HANDLE_LOADER, fn);
   if (st != PM_OK) return st;
   if (b->internal.slot < 0 || b->internal.slot >= L->nslots)
     return pm__set_error(PM_ERR_INVALID, "%s: the batch is corrupt (slot %d)", fn,
@@ -743,24 +847,44 @@ pm_status_t pm_batch_release(pm_batch_t *batch, pm_stream_t stream) {
                          fn, (unsigned long long)batch->index, (unsigned long long)batch->epoch);
   }
   s->state = SLOT_RELEASING;
+  bool gone = L->destroyed;
   pthread_mutex_unlock(&L->mu);
 
   double copy_t = 0;
   if (L->device) {
     st = pm_event_record(s->ev_release, stream);
-    if (st != PM_OK) {
+    if (st == PM_OK) {
+      s->release_pending = true;
+    } else if (gone) {
+      /* Nothing can retry for a destroyed loader: wait for the stream itself instead (a
+       * stream that fails that is broken, its work ended), then free the slot below. */
+      (void)pm_stream_synchronize(stream);
+    } else {
       pthread_mutex_lock(&L->mu);
       s->state = SLOT_HELD; /* still the caller's: it may retry or destroy the loader */
       pthread_mutex_unlock(&L->mu);
       return pm__wrap_error(st, "%s: recording the release on the consumer's stream", fn);
     }
-    s->release_pending = true;
     if (s->copy_pending && pm_event_query(s->ev_done) == PM_OK) {
       add_copy_time(L, s, &copy_t);
       s->copy_pending = false;
     }
   }
   pthread_mutex_lock(&L->mu);
+  if (L->destroyed) {
+    /* The loader is gone: free this slot (once the stream is past it), and the loader with
+     * the last one. held drops only after the free, so the loader outlives it. */
+    s->state = SLOT_GONE;
+    pthread_mutex_unlock(&L->mu);
+    free_slot(L, s);
+    pthread_mutex_lock(&L->mu);
+    L->held--;
+    bool last = L->held == 0 && L->torn_down;
+    pthread_mutex_unlock(&L->mu);
+    memset(batch, 0, sizeof *batch);
+    if (last) loader_free(L);
+    return PM_OK;
+  }
   s->state = SLOT_FREE;
   L->held--;
   L->st.copy_seconds += copy_t;

@@ -5,7 +5,11 @@
  * 3 epochs shuffled on 2 ranks x 2 workers with each sample exactly once per epoch, padding,
  * host delivery, pageable slots, resume from a saved state, end of data, a read error at sample
  * k (the complete batches before it, then the error, every time), injected copy faults, slots
- * held by the caller, bad input, and destroying loaders mid-epoch.
+ * held by the caller, bad input, and destroying loaders mid-epoch. Then fields: a multi-field
+ * callback dataset (one call per sample for all fields) and zips, delivered through one slot per
+ * batch; two consumers in pm_loader_next at once; destroy with batches held (their slots freed
+ * at release, pinned memory back in the pool) and use after destroy; a budget the loader's own
+ * slots can never fit. A hang fails through alarm().
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -682,9 +686,320 @@ static void test_destroy_midway(void) {
       if (variant == 1) CHECK_OK(pm_batch_release(&b, NULL));
     }
     CHECK_OK(pm_loader_destroy(ld)); /* variant 2, 3: a batch still held */
+    if (variant >= 2) {
+      check_batch(&b, size, c.delivery == PM_DELIVER_DEVICE); /* still valid */
+      CHECK_OK(pm_batch_release(&b, NULL));                   /* frees the slot and the loader */
+    }
   }
   long reads = atomic_load(&p.reads);
   CHECK(reads < 4 * 400); /* stopped early, not after reading everything */
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+/* ---- fields --------------------------------------------------------------------------------- */
+
+/* Three fields from one random draw per call: an image [3][5] of u8 (all = the draw's low byte),
+ * a float32 label (the draw), an int64 pair (index, draw). A field from another call than the
+ * others would not match. */
+typedef struct multi_ds {
+  atomic_long calls;
+  atomic_ulong rng;
+} multi_ds_t;
+
+static int multi_read(uint64_t index, void *const *dsts, void *user) {
+  multi_ds_t *m = user;
+  atomic_fetch_add(&m->calls, 1);
+  uint64_t draw = pm__mix64(atomic_fetch_add(&m->rng, 1) + 12345) & 0xffffff;
+  memset(dsts[0], (int)(draw & 0xff), 15);
+  float label = (float)draw;
+  memcpy(dsts[1], &label, sizeof label);
+  int64_t pair[2] = {(int64_t)index, (int64_t)draw};
+  memcpy(dsts[2], pair, sizeof pair);
+  return 0;
+}
+
+static void test_fields(pm_delivery_t delivery) {
+  const uint64_t n = 203;
+  multi_ds_t m;
+  atomic_init(&m.calls, 0);
+  atomic_init(&m.rng, 7);
+  pm_field_t f[3];
+  memset(f, 0, sizeof f);
+  f[0].dtype = PM_DTYPE_UINT8;
+  f[0].ndim = 2;
+  f[0].shape[0] = 3;
+  f[0].shape[1] = 5;
+  f[1].dtype = PM_DTYPE_FLOAT32; /* ndim 0: a scalar */
+  f[2].dtype = PM_DTYPE_INT64;
+  f[2].ndim = 1;
+  f[2].shape[0] = 2;
+  pm_dataset_fields_callbacks_t cb;
+  memset(&cb, 0, sizeof cb);
+  cb.samples = n;
+  cb.nfields = 3;
+  cb.fields = f;
+  cb.read = multi_read;
+  cb.user = &m;
+  pm_dataset_t *ds;
+  REQUIRE_OK(pm_dataset_create_fields(&cb, &ds));
+  pm_dataset_info_t in;
+  CHECK_OK(pm_dataset_get_info(ds, &in));
+  CHECK_EQ_INT(in.fields, 3);
+  CHECK_EQ_SIZE(in.sample_bytes, 15);
+  CHECK_EQ_SIZE(in.target_bytes, 4);
+  pm_field_t got;
+  CHECK_OK(pm_dataset_get_field(ds, 2, &got));
+  CHECK_EQ_SIZE(got.bytes, 16);
+  CHECK(strcmp(got.descr, "<i8") == 0);
+  CHECK_OK(pm_dataset_get_field(ds, 1, &got));
+  CHECK_EQ_INT(got.ndim, 0);
+  CHECK_ERR_MSG(pm_dataset_get_field(ds, 3, &got), PM_ERR_INVALID);
+
+  pm_loader_config_t c = base_config(16);
+  c.shuffle = 1;
+  c.epochs = 2;
+  c.delivery = delivery;
+  c.workers = 3;
+  pm_loader_t *ld;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  pm_batch_t b;
+  uint64_t rows = 0;
+  int bad = 0;
+  while (pm_loader_next(ld, &b) == PM_OK) {
+    CHECK_EQ_INT(b.nfields, 3);
+    CHECK(b.fields[0].data == b.inputs && b.fields[1].data == b.targets);
+    CHECK_EQ_SIZE(b.inputs_bytes, b.samples * 15);
+    CHECK_EQ_SIZE(b.targets_bytes, b.samples * 4);
+    CHECK_EQ_INT(b.fields[0].ndim, 3);
+    CHECK_EQ_SIZE(b.fields[0].shape[2], 5);
+    CHECK_EQ_INT(b.fields[1].ndim, 1); /* [samples]: scalar labels */
+    CHECK_EQ_SIZE(b.fields[2].shape[1], 2);
+    CHECK(b.fields[2].info->dtype == PM_DTYPE_INT64);
+    if (b.event) CHECK_OK(pm_event_synchronize(b.event));
+    unsigned char *f0 = malloc(b.fields[0].bytes), *f1 = malloc(b.fields[1].bytes),
+                  *f2 = malloc(b.fields[2].bytes);
+    REQUIRE(f0 && f1 && f2);
+    const pm_copy_kind_t k = delivery == PM_DELIVER_DEVICE ? PM_COPY_D2H : PM_COPY_H2H;
+    CHECK_OK(pm_memcpy(f0, b.fields[0].data, b.fields[0].bytes, k));
+    CHECK_OK(pm_memcpy(f1, b.fields[1].data, b.fields[1].bytes, k));
+    CHECK_OK(pm_memcpy(f2, b.fields[2].data, b.fields[2].bytes, k));
+    for (size_t r = 0; r < b.samples; r++) {
+      int64_t pair[2];
+      float label;
+      memcpy(pair, f2 + r * 16, 16);
+      memcpy(&label, f1 + r * 4, 4);
+      if ((uint64_t)pair[0] != b.indices[r]) bad++;
+      if ((float)pair[1] != label) bad++;
+      for (int i = 0; i < 15; i++)
+        if (f0[r * 15 + (size_t)i] != (unsigned char)(pair[1] & 0xff)) bad++;
+    }
+    free(f0);
+    free(f1);
+    free(f2);
+    rows += b.samples;
+    CHECK_OK(pm_batch_release(&b, NULL));
+  }
+  CHECK_EQ_INT(bad, 0);
+  CHECK_EQ_SIZE(rows, 2 * n);
+  CHECK_OK(pm_loader_destroy(ld));
+  CHECK_EQ_INT(atomic_load(&m.calls), 2 * n); /* one call per sample for all its fields */
+
+  /* Read outside a loader, with a field skipped. */
+  unsigned char img[15];
+  int64_t pair[2];
+  void *dsts[3] = {img, NULL, pair};
+  CHECK_OK(pm_dataset_read_fields(ds, 0, 9, dsts));
+  CHECK_EQ_INT(pair[0], 9);
+  CHECK_EQ_INT(img[4], pair[1] & 0xff);
+  CHECK_ERR_MSG(pm_dataset_read_fields(ds, 0, n, dsts), PM_ERR_INVALID);
+
+  /* Bad specs. */
+  pm_dataset_t *x = NULL;
+  cb.nfields = 0;
+  CHECK_ERR_MSG(pm_dataset_create_fields(&cb, &x), PM_ERR_INVALID);
+  cb.nfields = PM_MAX_FIELDS + 1;
+  CHECK_ERR_MSG(pm_dataset_create_fields(&cb, &x), PM_ERR_INVALID);
+  cb.nfields = 3;
+  f[2].bytes = 15; /* shape says 16 */
+  CHECK_ERR_MSG(pm_dataset_create_fields(&cb, &x), PM_ERR_INVALID);
+  f[2].bytes = 0;
+  f[2].dtype = PM_DTYPE_OTHER; /* no itemsize */
+  CHECK_ERR_MSG(pm_dataset_create_fields(&cb, &x), PM_ERR_INVALID);
+  f[2].itemsize = 16;
+  f[2].ndim = 0;
+  snprintf(f[2].descr, sizeof f[2].descr, ">c16");
+  REQUIRE_OK(pm_dataset_create_fields(&cb, &x));
+  CHECK_OK(pm_dataset_get_field(x, 2, &got));
+  CHECK(strcmp(got.descr, ">c16") == 0); /* carried through as given */
+  CHECK_EQ_SIZE(got.bytes, 16);
+  CHECK_OK(pm_dataset_destroy(x));
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+static void test_zip(void) {
+  const size_t sx = 48, sy = 8;
+  pat_ds_t px, py;
+  pm_dataset_t *dx = make_ds(&px, 150, sx), *dy = make_ds(&py, 150, sy), *dz = NULL, *bad = NULL;
+  pat_ds_t pb;
+  pm_dataset_t *dshort = make_ds(&pb, 149, 8);
+  pm_dataset_t *parts[3] = {dx, dy, dshort};
+  CHECK_ERR_MSG(pm_dataset_zip(parts, 3, &bad), PM_ERR_INVALID); /* 150 against 149 samples */
+  CHECK(strstr(pm_last_error(), "149") != NULL);
+  CHECK_ERR_MSG(pm_dataset_zip(parts, 0, &bad), PM_ERR_INVALID);
+  REQUIRE_OK(pm_dataset_zip(parts, 2, &dz));
+  CHECK_ERR_MSG(pm_dataset_destroy(dx), PM_ERR_BUSY); /* the zip uses it */
+  for (int delivery = 0; delivery < 2; delivery++) {
+    pm_loader_config_t c = base_config(7);
+    c.shuffle = 1;
+    c.delivery = delivery ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(dz, &c, &ld));
+    pm_batch_t b;
+    uint64_t rows = 0;
+    int badrows = 0;
+    while (pm_loader_next(ld, &b) == PM_OK) {
+      CHECK_EQ_INT(b.nfields, 2);
+      if (b.event) CHECK_OK(pm_event_synchronize(b.event));
+      for (size_t r = 0; r < b.samples; r++) {
+        if (!row_ok((unsigned char *)b.fields[0].host + r * sx, sx, b.indices[r])) badrows++;
+        if (!row_ok((unsigned char *)b.fields[1].host + r * sy, sy, b.indices[r])) badrows++;
+      }
+      unsigned char dev[8 * 7];
+      CHECK_OK(pm_memcpy(dev, b.targets, b.targets_bytes, delivery ? PM_COPY_H2H : PM_COPY_D2H));
+      for (size_t r = 0; r < b.samples; r++)
+        if (!row_ok(dev + r * sy, sy, b.indices[r])) badrows++;
+      rows += b.samples;
+      CHECK_OK(pm_batch_release(&b, NULL));
+    }
+    CHECK_EQ_INT(badrows, 0);
+    CHECK_EQ_SIZE(rows, 150);
+    CHECK_OK(pm_loader_destroy(ld));
+  }
+  CHECK_OK(pm_dataset_destroy(dz));
+  CHECK_OK(pm_dataset_destroy(dx));
+  CHECK_OK(pm_dataset_destroy(dy));
+  CHECK_OK(pm_dataset_destroy(dshort));
+}
+
+/* ---- two consumers, destroy with batches held, budget -------------------------------------- */
+
+typedef struct consumer {
+  pm_loader_t *ld;
+  pm_status_t st;
+  pm_batch_t b;
+} consumer_t;
+
+static void *consume_one(void *arg) {
+  consumer_t *c = arg;
+  c->st = pm_loader_next(c->ld, &c->b);
+  return NULL;
+}
+
+static void test_two_consumers(void) {
+  const size_t size = 64;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 40, size);
+  p.sleep_us = 2000; /* both threads reach the wait */
+  int rounds = g_small ? 3 : 10;
+  for (int round = 0; round < rounds; round++) {
+    pm_loader_config_t c = base_config(4);
+    c.workers = 1;
+    c.delivery = round % 2 ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+    consumer_t a = {ld, PM_OK, {0}}, b2 = {ld, PM_OK, {0}};
+    pthread_t ta, tb;
+    REQUIRE(pthread_create(&ta, NULL, consume_one, &a) == 0);
+    REQUIRE(pthread_create(&tb, NULL, consume_one, &b2) == 0);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    /* One got batch 0 and the other PM_ERR_BUSY, or (when the first was already out) both
+     * got a batch each, in order: never the same batch, never a hang. */
+    int ok = (a.st == PM_OK) + (b2.st == PM_OK);
+    int busy = (a.st == PM_ERR_BUSY) + (b2.st == PM_ERR_BUSY);
+    CHECK_EQ_INT(ok + busy, 2);
+    CHECK(ok >= 1);
+    if (ok == 2) CHECK(a.b.index != b2.b.index);
+    if (a.st == PM_OK) CHECK_OK(pm_batch_release(&a.b, NULL));
+    if (b2.st == PM_OK) CHECK_OK(pm_batch_release(&b2.b, NULL));
+    CHECK_OK(pm_loader_destroy(ld));
+  }
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+static void test_destroy_held(void) {
+  const size_t size = 4000;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 64, size);
+  pm_pool_t *pool;
+  REQUIRE_OK(pm_pool_default(&pool));
+  pm_pool_stats_t before, held, after;
+  REQUIRE_OK(pm_pool_get_stats(pool, &before));
+  pm_loader_config_t c = base_config(8);
+  c.prefetch = 4;
+  pm_loader_t *ld;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  pm_batch_t b0, b1;
+  REQUIRE_OK(pm_loader_next(ld, &b0));
+  REQUIRE_OK(pm_loader_next(ld, &b1));
+  pm_batch_t stale = b1;
+  CHECK_OK(pm_loader_destroy(ld)); /* two batches held: not an error */
+  CHECK_OK(pm_pool_get_stats(pool, &held));
+  CHECK_EQ_SIZE(held.in_use_bytes - before.in_use_bytes, 2 * pm__size_class(8 * size));
+  /* The loader is destroyed: every call on it is refused, the held batches still work. */
+  CHECK_ERR_MSG(pm_loader_next(ld, &b0), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_destroy(ld), PM_ERR_INVALID);
+  pm_loader_state_t ls;
+  CHECK_ERR_MSG(pm_loader_state(ld, &ls), PM_ERR_INVALID);
+  check_batch(&b0, size, true);
+  CHECK_OK(pm_batch_wait_stream(&b1, NULL));
+  CHECK_OK(pm_batch_release(&b0, NULL));
+  CHECK_OK(pm_dataset_destroy(ds)); /* the loader no longer uses it */
+  check_batch(&b1, size, true);
+  CHECK_OK(pm_batch_release(&b1, NULL)); /* the last one: frees the loader */
+  CHECK_OK(pm_pool_get_stats(pool, &after));
+  CHECK_EQ_SIZE(after.in_use_bytes, before.in_use_bytes);
+  /* Everything is gone now: stale handles are refused, not dereferenced (ASan). */
+  CHECK_ERR_MSG(pm_batch_release(&stale, NULL), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_destroy(ld), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_next(ld, &b0), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_get_stats(ld, &(pm_loader_stats_t){0}), PM_ERR_INVALID);
+
+  /* Destroy with nothing held frees at once; a second destroy is refused. */
+  ds = make_ds(&p, 64, size);
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  CHECK_OK(pm_loader_destroy(ld));
+  CHECK_ERR_MSG(pm_loader_destroy(ld), PM_ERR_INVALID);
+  CHECK_OK(pm_pool_get_stats(pool, &after));
+  CHECK_EQ_SIZE(after.in_use_bytes, before.in_use_bytes);
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+static void test_budget_wait(void) {
+  const size_t size = 4096;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 64, size);
+  pm_pool_config_t pc;
+  pm_pool_config_init(&pc);
+  pc.budget = 3 * pm__size_class(4 * size) + 4096; /* room for 3 slots of 4 samples, not 4 */
+  pc.exhaust_policy = PM_EXHAUST_WAIT;
+  pc.wait_timeout_s = 1e6; /* a wait would outlast the test's alarm */
+  pm_pool_t *pool;
+  REQUIRE_OK(pm_pool_create(&pc, &pool));
+  pm_loader_config_t c = base_config(4);
+  c.pool = pool;
+  c.prefetch = 4;
+  pm_loader_t *ld = NULL;
+  CHECK_ERR_MSG(pm_loader_create(ds, &c, &ld), PM_ERR_BUDGET);
+  CHECK(strstr(pm_last_error(), "whole budget") != NULL);
+  c.prefetch = 3; /* fits: created, and works */
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  pm_batch_t b;
+  REQUIRE_OK(pm_loader_next(ld, &b));
+  check_batch(&b, size, true);
+  CHECK_OK(pm_batch_release(&b, NULL));
+  CHECK_OK(pm_loader_destroy(ld));
+  CHECK_OK(pm_pool_destroy(pool));
   CHECK_OK(pm_dataset_destroy(ds));
 }
 
@@ -705,6 +1020,14 @@ int main(void) {
   test_copy_fault();
   test_misuse();
   test_destroy_midway();
+  alarm(240); /* the tests below hung on the old code: a hang fails */
+  test_fields(PM_DELIVER_DEVICE);
+  test_fields(PM_DELIVER_HOST);
+  test_zip();
+  test_two_consumers();
+  test_destroy_held();
+  test_budget_wait();
+  alarm(0);
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_loader");
 }

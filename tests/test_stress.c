@@ -677,6 +677,16 @@ static bool check_batch(lworker_t *w, const pm_batch_t *b, int dsi, char *scratc
   return true;
 }
 
+/* A release can fail on an injected fault (the batch is then still held): try again, since a
+ * batch never given back keeps its slot (and the loader) for ever. */
+static pm_status_t release_retry(pm_batch_t *b, pm_stream_t stream) {
+  pm_status_t st;
+  int tries = 0;
+  do st = pm_batch_release(b, stream);
+  while (st != PM_OK && st != PM_ERR_INVALID && ++tries < 1000);
+  return st;
+}
+
 static void loader_round(lworker_t *w, char *scratch) {
   int dsi = (int)(lrnd(w) & 1);
   pm_loader_config_t c;
@@ -714,7 +724,8 @@ static void loader_round(lworker_t *w, char *scratch) {
       break;
     }
     if (st == PM_ERR_BUSY && nheld) {
-      pm_batch_release(&held[--nheld], w->stream);
+      if ((st = release_retry(&held[--nheld], w->stream)) != PM_OK)
+        lfailure(w, "pm_batch_release", st);
       continue;
     }
     if (st != PM_OK) {
@@ -725,12 +736,14 @@ static void loader_round(lworker_t *w, char *scratch) {
     w->batches++;
     check_batch(w, &b, dsi, scratch);
     if (nheld < 4 && lrnd(w) % 4 == 0)
-      held[nheld++] = b; /* keep it: released later, or never (destroy with batches out) */
-    else if ((st = pm_batch_release(&b, (lrnd(w) & 1) ? w->stream : NULL)) != PM_OK)
+      held[nheld++] = b; /* keep it: released later, before or after the destroy */
+    else if ((st = release_retry(&b, (lrnd(w) & 1) ? w->stream : NULL)) != PM_OK)
       lfailure(w, "pm_batch_release", st);
   }
   if (lrnd(w) & 1) {
-    while (nheld) pm_batch_release(&held[--nheld], w->stream);
+    while (nheld)
+      if ((st = release_retry(&held[--nheld], w->stream)) != PM_OK)
+        lfailure(w, "pm_batch_release", st);
   }
   w->held_at_destroy += (uint64_t)nheld;
   if (ended)
@@ -742,6 +755,17 @@ static void loader_round(lworker_t *w, char *scratch) {
     w->unexpected++;
     snprintf(w->first_unexpected, sizeof w->first_unexpected, "pm_loader_destroy: %s: %s",
              pm_status_name(st), pm_last_error());
+  }
+  /* Batches held over the destroy stay valid; each release frees its slot (the last one the
+   * loader). */
+  while (nheld) {
+    pm_batch_t *b = &held[--nheld];
+    check_batch(w, b, dsi, scratch);
+    if ((st = release_retry(b, (lrnd(w) & 1) ? w->stream : NULL)) != PM_OK) {
+      w->unexpected++;
+      snprintf(w->first_unexpected, sizeof w->first_unexpected,
+               "pm_batch_release after destroy: %s: %s", pm_status_name(st), pm_last_error());
+    }
   }
 }
 

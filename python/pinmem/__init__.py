@@ -177,7 +177,7 @@ class NpyDataset:
         self.dtype = None if dtype is None else _dtype_name(dtype)
 
     def _open(self):
-        return [_pinmem._dataset_npy(self.paths, self.io, self.dtype)]
+        return _pinmem._dataset_npy(self.paths, self.io, self.dtype)
 
 
 class TokenDataset:
@@ -192,86 +192,149 @@ class TokenDataset:
                            windows=windows, seed=seed, io=io)
 
     def _open(self):
-        return [_pinmem._dataset_tokens(*self.args, **self.kwargs)]
+        return _pinmem._dataset_tokens(*self.args, **self.kwargs)
 
 
 def _as_array(a):
-    """An in-memory C-contiguous array (shares memory where it can)."""
+    """An in-memory C-contiguous NumPy array (shares memory where it can)."""
+    import numpy
     if type(a).__module__.startswith("torch"):
         a = a.detach()
         if a.device.type != "cpu":
             raise InvalidError("PM_ERR_INVALID: pinmem.Loader reads CPU tensors; this one is on "
                                f"{a.device}")
         a = a.contiguous().numpy()
-    try:
-        m = memoryview(a)
-        if m.c_contiguous and m.ndim >= 1:
-            return a
-    except TypeError:
-        pass
-    except ValueError as e:  # NumPy cannot describe it (datetime64, non-native long double)
-        _pinmem._raise(_pinmem.PM_ERR_INVALID, f"pinmem.Loader cannot read this array: {e}")
-    import numpy
     return numpy.ascontiguousarray(a)
 
 
-def _python_fields(dataset):
-    """Datasets for a map-style Python dataset (dataset[i], len(dataset)): one per field of a
-    sample (tuple samples, e.g. (image, label)), read through the GIL by the worker threads."""
+def _descr_text(dtype, what):
+    """NumPy's descr of a dtype as text ('<f4', '>i8', '<U10', "[('a', '<i4')]"), refusing
+    dtypes without fixed-size bytes (objects: their bytes are pointers)."""
+    import numpy
+    if dtype.hasobject:
+        raise InvalidError(f"PM_ERR_INVALID: {what} has dtype {dtype}, which holds Python "
+                           "objects (pointers): pinmem.Loader delivers fixed-size numbers and "
+                           "records only")
+    if dtype.itemsize == 0:
+        raise InvalidError(f"PM_ERR_INVALID: {what} has dtype {dtype}, which has no fixed size")
+    d = numpy.lib.format.dtype_to_descr(dtype)
+    return d if isinstance(d, str) else repr(d)
+
+
+def _dtype_from_descr(text):
+    """The NumPy dtype a field's descr text names (structured types as .npy headers write them)."""
+    import numpy
+    if text.startswith("["):
+        import ast
+        return numpy.lib.format.descr_to_dtype(ast.literal_eval(text))
+    return numpy.dtype(text)
+
+
+def _python_dataset(dataset):
+    """One C dataset over a map-style Python dataset (dataset[i], len(dataset)): dataset[i] is
+    called once per sample (plus once for sample 0 to learn the fields), for all its fields, so
+    random augmentation stays consistent across them. -> (C dataset, tuple samples?)"""
     import numpy
     n = len(dataset)
     if n == 0:
         raise InvalidError("PM_ERR_INVALID: the dataset is empty")
     first = dataset[0]
     tuple_sample = isinstance(first, (tuple, list))
-    fields = list(first) if tuple_sample else [first]
-    out = []
-    for k, value in enumerate(fields):
-        probe = numpy.asarray(value)
-        dtype = probe.dtype
-        if dtype == numpy.float64 and not isinstance(value, numpy.ndarray) and \
-                type(value).__module__ != "torch" and probe.ndim == 0:
-            dtype = numpy.dtype(numpy.float64)
-        if dtype.kind not in "biufc":
-            raise InvalidError(f"PM_ERR_INVALID: field {k} of the samples has dtype {dtype}, "
-                               "which pinmem.Loader cannot deliver")
+    nf = len(first) if tuple_sample else 1
+    probes = [numpy.asarray(v) for v in (first if tuple_sample else (first,))]
+    if nf == 0:
+        raise InvalidError("PM_ERR_INVALID: sample 0 of the dataset has no fields")
+    dtypes = [p.dtype for p in probes]
+    shapes = [p.shape for p in probes]
+    specs = [(p.shape, _descr_text(p.dtype, f"field {k} of sample 0"), p.dtype.itemsize)
+             for k, p in enumerate(probes)]
+    asarray, contiguous = numpy.asarray, numpy.ascontiguousarray
 
-        def fetch(i, k=k, dtype=dtype):
-            v = dataset[i]
-            if tuple_sample:
-                v = v[k]
-            return numpy.ascontiguousarray(v, dtype=dtype)
-        out.append(_pinmem._dataset_python(fetch, n, probe.shape, dtype.str))
-    return out, tuple_sample
+    def fetch(i):
+        v = dataset[i]
+        if not tuple_sample:
+            v = (v,)
+        elif not isinstance(v, (tuple, list)) or len(v) != nf:
+            raise InvalidError(f"PM_ERR_INVALID: sample {i} is not a tuple of {nf} fields as "
+                               "sample 0 was")
+        out = []
+        for k in range(nf):
+            a = asarray(v[k])
+            if a.dtype != dtypes[k] or a.shape != shapes[k]:
+                raise InvalidError(
+                    f"PM_ERR_INVALID: sample {i}, field {k}: dtype {a.dtype} shape {a.shape}, "
+                    f"but sample 0 had dtype {dtypes[k]} shape {shapes[k]} (every sample must "
+                    "have the same: convert in the dataset)")
+            out.append(contiguous(a))
+        return out
+
+    return _pinmem._dataset_python(fetch, n, specs), tuple_sample
 
 
-def _open_fields(dataset, io):
-    """-> (list of C datasets, one per field; whether batches are tuples)."""
-    if isinstance(dataset, (NpyDataset, TokenDataset)):
-        return dataset._open(), isinstance(dataset, TokenDataset)
-    if isinstance(dataset, (str, _os.PathLike)):
+def _is_path(x):
+    return isinstance(x, (str, _os.PathLike))
+
+
+def _is_array(x):
+    return hasattr(x, "shape") or hasattr(x, "__array_interface__") or \
+        isinstance(x, (bytes, bytearray, memoryview))
+
+
+def _open_arrays(arrays):
+    arrays = [_as_array(a) for a in arrays]
+    if any(a.ndim == 0 or len(a) == 0 for a in arrays):
+        raise InvalidError("PM_ERR_INVALID: an array dataset needs at least one sample along "
+                           "axis 0")
+    n = {len(a) for a in arrays}
+    if len(n) != 1:
+        raise InvalidError("PM_ERR_INVALID: the arrays of a dataset need the same length "
+                           f"(got {sorted(n)})")
+    import numpy
+    specs = [(a.shape[1:], _descr_text(a.dtype, f"field {k}"), a.dtype.itemsize)
+             for k, a in enumerate(arrays)]
+    # Samples travel as bytes (NumPy cannot export every dtype through the buffer protocol:
+    # datetimes); the spec says what they are.
+    rows = [a.reshape(len(a), -1).view(numpy.uint8) for a in arrays]
+    return _pinmem._dataset_arrays(rows, specs)
+
+
+def _open_part(x, io):
+    """One element of a tuple dataset: a path, an NpyDataset/TokenDataset or an array."""
+    if isinstance(x, (NpyDataset, TokenDataset)):
+        return x._open()
+    if _is_path(x):
+        return NpyDataset(x, io=io or "pread")._open()
+    if _is_array(x):
+        return _open_arrays([x])
+    raise TypeError(f"pinmem.Loader: a tuple dataset holds arrays, .npy paths, NpyDataset or "
+                    f"TokenDataset objects, not {type(x).__name__}")
+
+
+def _open_dataset(dataset, io):
+    """-> (one C dataset holding every field; whether batches are tuples)."""
+    if isinstance(dataset, NpyDataset):
+        return dataset._open(), False
+    if isinstance(dataset, TokenDataset):
+        return dataset._open(), True
+    if _is_path(dataset):
         return NpyDataset(dataset, io=io or "pread")._open(), False
-    if isinstance(dataset, (list, tuple)) and dataset and \
-            all(isinstance(p, (str, _os.PathLike)) for p in dataset):
-        return NpyDataset(dataset, io=io or "pread")._open(), False
+    if isinstance(dataset, list) and dataset and all(_is_path(p) for p in dataset):
+        return NpyDataset(dataset, io=io or "pread")._open(), False  # files one after another
     tensors = getattr(dataset, "tensors", None)  # torch.utils.data.TensorDataset
     if isinstance(tensors, (list, tuple)) and len(tensors) > 0:
         dataset = tuple(tensors)
-    if isinstance(dataset, tuple) and dataset and \
-            all(hasattr(a, "shape") or hasattr(a, "__buffer__") for a in dataset):
-        arrays = [_as_array(a) for a in dataset]
-        n = {len(a) for a in arrays}
-        if len(n) != 1:
-            raise InvalidError("PM_ERR_INVALID: the arrays of a dataset need the same length "
-                               f"(got {sorted(n)})")
-        return [_pinmem._dataset_array(a) for a in arrays], True
-    if hasattr(dataset, "shape") or isinstance(dataset, (bytes, bytearray, memoryview)):
-        return [_pinmem._dataset_array(_as_array(dataset))], False
+    if isinstance(dataset, tuple) and dataset:
+        if all(_is_array(a) for a in dataset):
+            return _open_arrays(dataset), True  # one dataset, read without the GIL
+        return _pinmem._dataset_zip([_open_part(x, io) for x in dataset]), True
+    if _is_array(dataset):
+        return _open_arrays([dataset]), False
     if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        return _python_fields(dataset)
+        return _python_dataset(dataset)
     raise TypeError("pinmem.Loader: the dataset must be .npy path(s), an NpyDataset or "
                     "TokenDataset, an array or tuple of arrays (NumPy, torch CPU tensors, "
-                    "TensorDataset), or a map-style dataset with __getitem__ and __len__")
+                    "TensorDataset), a tuple of .npy paths (one field each), or a map-style "
+                    "dataset with __getitem__ and __len__")
 
 
 class Batch(tuple):
@@ -279,15 +342,20 @@ class Batch(tuple):
     pinmem.Buffer exporting DLPack: on the device by default (kDLCUDA, with stream ordering:
     torch.from_dlpack / __dlpack__(stream=s) makes s wait for the batch's copy, nobody blocks),
     or in host memory (device='cpu'). Attributes: epoch, index (within the epoch) and indices
-    (the dataset index of each row). The slot goes back to the loader once every array and
-    every DLPack tensor made from it is gone (after the work queued on the consumer's stream)."""
+    (the dataset index of each row). All fields come from one slot of the loader, copied by one
+    copy; the slot goes back to the loader once every array and every DLPack tensor made from
+    it is gone (after the work queued on the consumer's stream), also after the loader was
+    closed."""
 
-    def __new__(cls, arrays, epoch, index, indices):
-        self = super().__new__(cls, arrays)
-        self.epoch = epoch
-        self.index = index
-        self.indices = indices
-        return self
+    @property
+    def indices(self):
+        import array
+        a = array.array("Q")
+        a.frombytes(self._indices)
+        return a
+
+
+_pinmem._set_batch_class(Batch)
 
 
 class _EpochIterator:
@@ -320,7 +388,7 @@ class _EpochIterator:
         if self._mode == "batch":
             return b
         if self._mode == "torch":
-            t = tuple(self._convert(a) for a in b)
+            t = tuple(map(self._convert, b))
             del b
             return t if self._loader._tuple else t[0]
         return b if self._loader._tuple else b[0]
@@ -330,27 +398,40 @@ class _EpochIterator:
         self._done = True
 
 
+_STATE_KEYS = ("magic", "flags", "epoch", "batch", "seed", "samples", "batch_size", "rank",
+               "world_size")
+
+
+def _closed():
+    _pinmem._raise(_pinmem.PM_ERR_STATE, "the loader was closed")
+
+
 class Loader:
     """Batches of a dataset, read by worker threads straight into pinned slots and copied to the
     device while the previous batch computes: DataLoader(pin_memory=True) plus
     .to(device, non_blocking=True), without the second copy.
 
-    dataset: .npy path(s) or an NpyDataset, a TokenDataset, an array or a tuple of arrays (NumPy
-    arrays, torch CPU tensors, a TensorDataset: read without the GIL), or a map-style dataset
-    (dataset[i] -> array or tuple of arrays, len(dataset); read through the GIL, slower).
+    dataset: .npy path(s) (a list: files one after another) or an NpyDataset, a TokenDataset,
+    an array, or a tuple of fields: arrays (NumPy arrays, torch CPU tensors, a TensorDataset:
+    read without the GIL), .npy paths, NpyDataset or TokenDataset objects; or a map-style
+    dataset (dataset[i] -> array or tuple of arrays, len(dataset): called once per sample,
+    through the GIL, slower). Every field of a sample goes into one slot per batch, behind one
+    copy: one loader for all fields.
 
     Knobs named as torch.utils.data's: batch_size, shuffle, num_workers (0: pinmem's option
     loader_workers; workers are threads), drop_last, prefetch_factor (slots = prefetch_factor *
     max(1, num_workers); None: option loader_prefetch), pin_memory (False: pageable slots and a
     blocking copy, to compare), seed (the shuffle order is a function of (seed, epoch)).
     Also: device (None/'cuda': batches on the current device; 'cpu': in host memory, no copy),
-    epochs (None: no end), rank/world_size (sharding as DistributedSampler; default from RANK and
+    epochs (None: no end), rank/world_size (sharding as DistributedSampler; None: from RANK and
     WORLD_SIZE), io (for .npy paths).
 
     Iterating yields one epoch's batches, as a DataLoader does: an array for single-array
     datasets, else a Batch (tuple). batches() yields Batch objects with epoch/index/indices. A
     new iterator continues where the last one stopped. Keep at most `prefetch` batches alive at
-    once (pinmem.BusyError otherwise): copy out what you need to keep.
+    once while iterating (pinmem.BusyError otherwise): copy out what you need to keep. close()
+    (and `with`, and interpreter exit) never fails because batches are alive: it stops the
+    workers, and each slot still held returns to the pool when its batch goes.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=False, num_workers=0, drop_last=False,
@@ -364,54 +445,60 @@ class Loader:
         else:
             raise InvalidError(f"PM_ERR_INVALID: device must be None, 'cuda' or 'cpu', not "
                                f"{device!r}")
-        self._fields, self._tuple = _open_fields(dataset, io)
+        # None means "from the environment" (RANK, WORLD_SIZE, checked by the library); an
+        # explicit value must be valid, never silently replaced by the environment's.
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise InvalidError(f"PM_ERR_INVALID: rank must be None or an int >= 0, not {rank!r}")
+        if world_size is not None and (not isinstance(world_size, int) or
+                                       isinstance(world_size, bool) or world_size < 1):
+            raise InvalidError("PM_ERR_INVALID: world_size must be None or an int >= 1, not "
+                               f"{world_size!r}")
+        if epochs is not None and int(epochs) <= 0:
+            raise InvalidError("PM_ERR_INVALID: epochs must be None or > 0")
+        self._ds, self._tuple = _open_dataset(dataset, io)
+        fields = self._ds.fields()
+        # Dtypes pinmem's buffers cannot express (big-endian, strings, records, datetimes)
+        # arrive as bytes and are viewed here with their real dtype: in host memory only.
+        self._odd = [(k, _dtype_from_descr(f["descr"]), f["shape"])
+                     for k, f in enumerate(fields) if not f["native"]]
+        if self._odd and to_device:
+            k, dt, _ = self._odd[0]
+            raise InvalidError(f"PM_ERR_INVALID: field {k} has dtype {dt} ({fields[k]['descr']}),"
+                               " which has no DLPack type for the device: use device='cpu', or "
+                               "store it as a native number type")
         self._config = dict(
             batch_size=int(batch_size), workers=int(num_workers),
             prefetch=int(prefetch_factor) * max(1, int(num_workers)) if prefetch_factor else 0,
             shuffle=bool(shuffle), seed=int(seed), drop_last=bool(drop_last),
-            rank=-1 if rank is None else int(rank),
-            world_size=-1 if world_size is None else int(world_size),
+            rank=-1 if rank is None else rank,
+            world_size=-1 if world_size is None else world_size,
             pin_memory=bool(pin_memory), device=to_device,
             epochs=0 if epochs is None else int(epochs))
-        if epochs is not None and int(epochs) <= 0:
-            raise InvalidError("PM_ERR_INVALID: epochs must be None or > 0")
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.device = "cuda" if to_device else "cpu"
-        self._loaders = []
-        self._open(None)
+        self._c = None
+        self._c = _pinmem._Loader(self._ds, **self._config)
         _live_loaders.add(self)
-
-    def _open(self, resume):
-        loaders = []
-        try:
-            for ds in self._fields:
-                loaders.append(_pinmem._Loader(ds, resume=resume, **self._config))
-        except BaseException:
-            for ld in loaders:
-                ld.close()
-            raise
-        self._loaders = loaders
 
     def _next(self):
         """The next Batch, or None once every epoch was delivered."""
-        if not self._loaders:
-            _pinmem._raise(-17, "the loader was closed")
-        got = [ld.next() for ld in self._loaders]
-        if any(g is None for g in got):
-            return None
-        first = got[0]
-        arrays = []
-        for x, y, epoch, index, _ in got:
-            if (epoch, index) != (first[2], first[3]):
-                _pinmem._raise(-19, "loader fields went out of step")
-            arrays.append(x)
-            if y is not None:
-                arrays.append(y)
-        import array as _array
-        indices = _array.array("Q")
-        indices.frombytes(first[4])
-        return Batch(arrays, first[2], first[3], indices)
+        c = self._c
+        if c is None:
+            _closed()
+        b = c.next()
+        if b is not None and self._odd:
+            b = self._view_odd(b)
+        return b
+
+    def _view_odd(self, b):
+        import numpy
+        arrays = list(b)
+        for k, dt, shape in self._odd:
+            arrays[k] = numpy.frombuffer(arrays[k], dtype=dt).reshape((-1,) + tuple(shape))
+        nb = tuple.__new__(Batch, arrays)
+        nb.__dict__.update(b.__dict__)
+        return nb
 
     def batches(self):
         """Batch objects of one epoch (from the current position to the end of its epoch)."""
@@ -428,7 +515,9 @@ class Loader:
 
     def __len__(self):
         """Batches per epoch (on this rank)."""
-        return self._loaders[0].stats()["batches_per_epoch"]
+        if self._c is None:
+            _closed()
+        return self._c.stats()["batches_per_epoch"]
 
     @property
     def epoch(self):
@@ -437,37 +526,53 @@ class Loader:
 
     def state_dict(self):
         """Where the loader stands: the next batch it will deliver (plain ints: checkpoint it)."""
-        if not self._loaders:
-            _pinmem._raise(-17, "the loader was closed")
-        return _pinmem._loader_state_fields(self._loaders[0].state())
+        if self._c is None:
+            _closed()
+        return _pinmem._loader_state_fields(self._c.state())
 
     def load_state_dict(self, state):
         """Continue from a state_dict(): the next batch delivered is the one it names. The
-        dataset, batch_size, shuffle, seed, drop_last and sharding must be the same."""
-        packed = _pinmem._loader_state_pack(**{k: int(state[k]) for k in (
-            "magic", "flags", "epoch", "batch", "seed", "samples", "batch_size", "rank",
-            "world_size")})
-        self.close()
-        self._open(packed)
+        dataset, batch_size, shuffle, seed, drop_last and sharding must be the same. A state
+        that does not fit is refused with the loader left as it was."""
+        if self._c is None:
+            _closed()
+        try:
+            values = {k: int(state[k]) for k in _STATE_KEYS}
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidError(f"PM_ERR_INVALID: not a loader state_dict ({e!r})") from None
+        packed = _pinmem._loader_state_pack(**values)
+        old = self._c.state()
+        # Check what the library would refuse before anything is closed.
+        cur = _pinmem._loader_state_fields(old)
+        shuffle = cur["flags"] & 1
+        for k in ("magic", "flags", "samples", "batch_size", "rank", "world_size") + \
+                (("seed",) if shuffle else ()):
+            if values[k] != cur[k]:
+                raise InvalidError(f"PM_ERR_INVALID: the state was saved with {k} {values[k]}, "
+                                   f"this loader has {cur[k]}: the order of the samples would "
+                                   "differ")
+        c, self._c = self._c, None
+        c.close()  # batches still held keep their slots until they go
+        try:
+            self._c = _pinmem._Loader(self._ds, resume=packed, **self._config)
+        except BaseException:
+            self._c = _pinmem._Loader(self._ds, resume=old, **self._config)
+            raise
 
     def stats(self):
-        """The loader's statistics (summed over the fields of tuple datasets)."""
-        if not self._loaders:
-            _pinmem._raise(-17, "the loader was closed")
-        all_stats = [ld.stats() for ld in self._loaders]
-        out = dict(all_stats[0])
-        for s in all_stats[1:]:
-            for k in ("bytes", "read_seconds", "collate_seconds", "copy_seconds",
-                      "device_bytes", "host_bytes", "slot_bytes"):
-                out[k] += s[k]
-        out["fields"] = len(all_stats)
+        """The loader's statistics."""
+        if self._c is None:
+            _closed()
+        out = self._c.stats()
+        out["fields"] = len(self._ds.fields())
         return out
 
     def close(self):
-        """Stop the workers and free the slots. BusyError while batches are still in use."""
-        for ld in self._loaders:
-            ld.close()
-        self._loaders = []
+        """Stop the workers and free the slots. Never fails because batches are still alive:
+        each of those returns its slot to the pool when it goes. Closing twice is harmless."""
+        c, self._c = self._c, None
+        if c is not None:
+            c.close()
 
     def __enter__(self):
         return self

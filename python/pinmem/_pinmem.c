@@ -2147,17 +2147,18 @@ fail:
 /* ------------------------------------------------------------------------------------------ */
 
 /* A pm_dataset_t plus what its samples come from: .npy or token files (the C library reads
- * them), an in-memory array (read without the GIL), or a Python fetch(index) function (called
- * from the loader's worker threads, which take the GIL for it). */
+ * them), in-memory arrays (one per field, read without the GIL), a Python fetch(index) function
+ * returning every field of a sample (called once per sample from the loader's worker threads,
+ * which take the GIL for it), or a zip of such datasets (the fields side by side). */
 typedef struct {
   PyObject_HEAD pm_dataset_t *ds;
-  Py_buffer view; /* array datasets: the array, exported for the dataset's life */
-  int has_view;
-  size_t sample_bytes;
-  PyObject *fetch; /* Python datasets: fetch(index) -> a buffer of sample_bytes bytes */
+  int nviews;      /* array datasets: the arrays, exported for the dataset's life */
+  Py_buffer views[PM_MAX_FIELDS];
+  int nfields;
+  size_t fbytes[PM_MAX_FIELDS]; /* bytes of field k of one sample */
+  PyObject *fetch; /* Python datasets: fetch(index) -> a sequence of nfields buffers */
   PyObject *error; /* the first exception a fetch raised: (type, value, traceback) */
-  int scalar;      /* one element per sample: batches are 1-D (callback datasets cannot say
-                      "scalar", so the library sees shape [1]) */
+  PyObject *parts; /* zips: the datasets zipped (kept alive with the zip) */
 } DatasetObject;
 
 static PyTypeObject DatasetType;
@@ -2172,9 +2173,10 @@ static void Dataset_dealloc(DatasetObject *self) {
                          pm_status_name(st), pm_last_error()) < 0)
       PyErr_WriteUnraisable((PyObject *)self);
   }
-  if (self->has_view) PyBuffer_Release(&self->view);
+  for (int i = 0; i < self->nviews; i++) PyBuffer_Release(&self->views[i]);
   Py_CLEAR(self->fetch);
   Py_CLEAR(self->error);
+  Py_CLEAR(self->parts);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -2182,12 +2184,27 @@ static DatasetObject *dataset_new(void) {
   DatasetObject *d = PyObject_New(DatasetObject, &DatasetType);
   if (!d) return NULL;
   d->ds = NULL;
-  d->has_view = 0;
-  d->sample_bytes = 0;
+  d->nviews = 0;
+  d->nfields = 0;
   d->fetch = NULL;
   d->error = NULL;
-  d->scalar = 0;
+  d->parts = NULL;
   return d;
+}
+
+/* The exception a Python dataset (or a zipped part of one) raised, taken out; NULL if none. */
+static PyObject *dataset_take_error(DatasetObject *d) {
+  if (d->error) {
+    PyObject *e = d->error;
+    d->error = NULL;
+    return e;
+  }
+  if (d->parts)
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(d->parts); i++) {
+      PyObject *e = dataset_take_error((DatasetObject *)PyTuple_GET_ITEM(d->parts, i));
+      if (e) return e;
+    }
+  return NULL;
 }
 
 static int parse_io(const char *io, pm_io_mode_t *out) {
@@ -2282,76 +2299,157 @@ static pm_dtype_t pm_dtype_of(const pmpy_dtype_t *dt) {
   return PM_DTYPE_OTHER;
 }
 
-static int array_read(uint64_t index, void *dst, void *user) {
-  DatasetObject *d = user;
-  memcpy(dst, (const char *)d->view.buf + index * d->sample_bytes, d->sample_bytes);
+/* A field spec from a dtype text (NumPy's descr: "<f4", ">f4", "<U10", "[('a', '<i4')]"), its
+ * itemsize and the sample shape. Types without a code of their own travel as records of
+ * itemsize bytes with their descr, which the Python side turns back into the real dtype. */
+static int field_spec(int k, const char *descr, size_t itemsize, int ndim, const Py_ssize_t *shape,
+                      pm_field_t *f) {
+  memset(f, 0, sizeof *f);
+  if (!descr || !descr[0] || strlen(descr) >= sizeof f->descr) {
+    raise_fmt(PM_ERR_INVALID, "field %d: dtype text '%.60s' is empty or too long", k,
+              descr ? descr : "");
+    return -1;
+  }
+  const char *base = strchr("<>=|", descr[0]) ? descr + 1 : descr;
+  if (base[0] == 'O' || strstr(descr, "'|O'") || strstr(descr, "'O'")) {
+    raise_fmt(PM_ERR_INVALID,
+              "field %d: dtype %.60s holds Python objects (pointers): pinmem.Loader delivers "
+              "fixed-size numbers and records only",
+              k, descr);
+    return -1;
+  }
+  if (itemsize == 0) {
+    raise_fmt(PM_ERR_INVALID, "field %d: dtype %.60s has no fixed size (itemsize 0)", k, descr);
+    return -1;
+  }
+  if (ndim > PM_DATASET_MAX_DIMS) {
+    raise_fmt(PM_ERR_INVALID, "field %d: more than %d dimensions per sample", k,
+              PM_DATASET_MAX_DIMS);
+    return -1;
+  }
+  const pmpy_dtype_t *dt = dtype_from_text(descr);
+  f->dtype = pm_dtype_of(dt);
+  if (f->dtype != PM_DTYPE_OTHER && (size_t)(dt->bits / 8) != itemsize) f->dtype = PM_DTYPE_OTHER;
+  f->itemsize = itemsize;
+  f->ndim = ndim;
+  for (int i = 0; i < ndim; i++) f->shape[i] = (uint64_t)shape[i];
+  snprintf(f->descr, sizeof f->descr, "%s", descr);
   return 0;
 }
 
-/* Samples along axis 0 of an in-memory C-contiguous array; read without the GIL. */
-static PyObject *py_dataset_array(PyObject *mod, PyObject *arg) {
-  DatasetObject *d = dataset_new();
-  if (!d) return NULL;
-  if (PyObject_GetBuffer(arg, &d->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-    Py_DECREF(d);
-    return NULL;
-  }
-  d->has_view = 1;
-  if (d->view.ndim < 1 || d->view.shape[0] == 0 || d->view.ndim > PM_DATASET_MAX_DIMS + 1) {
-    Py_DECREF(d);
-    return raise_fmt(PM_ERR_INVALID, "an array dataset needs at least one sample along axis 0 "
-                                     "(and at most %d dimensions)",
-                     PM_DATASET_MAX_DIMS + 1);
-  }
-  pm_dataset_callbacks_t cb;
-  memset(&cb, 0, sizeof cb);
-  cb.samples = (uint64_t)d->view.shape[0];
-  d->sample_bytes = (size_t)(d->view.len / d->view.shape[0]);
-  cb.sample_bytes = d->sample_bytes;
-  cb.read = array_read;
-  cb.user = d;
-  const pmpy_dtype_t *dt = dtype_from_format(d->view.format, d->view.itemsize);
-  cb.dtype = pm_dtype_of(dt);
-  if (cb.dtype == PM_DTYPE_OTHER) {
-    cb.ndim = 1; /* raw records of itemsize bytes */
-    cb.shape[0] = d->sample_bytes;
-  } else {
-    cb.ndim = d->view.ndim - 1;
-    for (int i = 1; i < d->view.ndim; i++) cb.shape[i - 1] = (uint64_t)d->view.shape[i];
-    d->scalar = cb.ndim == 0;
-  }
-  if (d->sample_bytes == 0) {
-    Py_DECREF(d);
-    return raise_fmt(PM_ERR_INVALID, "the array's samples have 0 bytes");
-  }
-  pm_status_t st = pm_dataset_create(&cb, &d->ds);
-  if (st != PM_OK) {
-    Py_DECREF(d);
-    return raise_status(st);
-  }
-  return (PyObject *)d;
+static int arrays_read(uint64_t index, void *const *dsts, void *user) {
+  DatasetObject *d = user;
+  for (int k = 0; k < d->nfields; k++)
+    memcpy(dsts[k], (const char *)d->views[k].buf + index * d->fbytes[k], d->fbytes[k]);
+  return 0;
 }
 
-/* A worker thread reads one sample of a Python dataset. */
-static int python_read(uint64_t index, void *dst, void *user) {
+/* One dataset over in-memory C-contiguous arrays: field k = samples along axis 0 of
+ * arrays[k] (same length; any buffer, e.g. a uint8 view of a datetime array), described by
+ * specs[k] = (sample shape, dtype text, itemsize). Read without the GIL. */
+static PyObject *py_dataset_arrays(PyObject *mod, PyObject *args) {
+  PyObject *arrays, *specs;
+  if (!PyArg_ParseTuple(args, "OO:_dataset_arrays", &arrays, &specs)) return NULL;
+  PyObject *seq = PySequence_Fast(arrays, "arrays must be a sequence");
+  if (!seq) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  if (n < 1 || n > PM_MAX_FIELDS || PySequence_Size(specs) != n) {
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) return NULL;
+    return raise_fmt(PM_ERR_INVALID, "a dataset has 1..%d arrays (fields), one spec each",
+                     PM_MAX_FIELDS);
+  }
+  DatasetObject *d = dataset_new();
+  if (!d) {
+    Py_DECREF(seq);
+    return NULL;
+  }
+  pm_field_t f[PM_MAX_FIELDS];
+  for (Py_ssize_t k = 0; k < n; k++) {
+    Py_buffer *v = &d->views[k];
+    if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, k), v, PyBUF_C_CONTIGUOUS) < 0)
+      goto fail;
+    d->nviews++;
+    if (v->ndim < 1 || v->shape[0] == 0) {
+      raise_fmt(PM_ERR_INVALID,
+                "field %zd: an array dataset needs at least one sample along axis 0", k);
+      goto fail;
+    }
+    if (v->shape[0] != d->views[0].shape[0]) {
+      raise_fmt(PM_ERR_INVALID,
+                "the arrays of a dataset need the same length (field 0 has %zd, field %zd "
+                "has %zd)",
+                d->views[0].shape[0], k, v->shape[0]);
+      goto fail;
+    }
+    PyObject *spec = PySequence_GetItem(specs, k), *shape;
+    const char *descr;
+    Py_ssize_t itemsize, dims[PMPY_MAX_NDIM];
+    int ndim, ok = spec && PyArg_ParseTuple(spec, "Osn:_dataset_arrays spec", &shape, &descr,
+                                            &itemsize) &&
+                   parse_shape(shape, dims, &ndim) == 0 &&
+                   field_spec((int)k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims,
+                              &f[k]) == 0;
+    Py_XDECREF(spec); /* descr lives in the caller's specs */
+    if (!ok) goto fail;
+    d->fbytes[k] = (size_t)(v->len / v->shape[0]);
+    size_t want = f[k].itemsize;
+    for (int i = 0; i < ndim; i++) want *= (size_t)dims[i];
+    if (d->fbytes[k] != want || want == 0) {
+      raise_fmt(PM_ERR_INVALID, "field %zd: samples of %zu bytes, the spec says %zu", k,
+                d->fbytes[k], want);
+      goto fail;
+    }
+  }
+  d->nfields = (int)n;
+  pm_dataset_fields_callbacks_t cb;
+  memset(&cb, 0, sizeof cb);
+  cb.samples = (uint64_t)d->views[0].shape[0];
+  cb.nfields = (int)n;
+  cb.fields = f;
+  cb.read = arrays_read;
+  cb.user = d;
+  pm_status_t st = pm_dataset_create_fields(&cb, &d->ds);
+  if (st != PM_OK) {
+    raise_status(st);
+    goto fail;
+  }
+  Py_DECREF(seq);
+  return (PyObject *)d;
+fail:
+  Py_DECREF(seq);
+  Py_DECREF(d);
+  return NULL;
+}
+
+/* A worker thread reads one sample of a Python dataset: one fetch call for all its fields. */
+static int python_read(uint64_t index, void *const *dsts, void *user) {
   DatasetObject *d = user;
   if (!Py_IsInitialized() || interp_finalizing()) return PM_ERR_STATE;
   PyGILState_STATE g = PyGILState_Ensure();
   int rc = 0;
   PyObject *item = PyObject_CallFunction(d->fetch, "K", (unsigned long long)index);
-  Py_buffer v;
-  if (item && PyObject_GetBuffer(item, &v, PyBUF_C_CONTIGUOUS) == 0) {
-    if ((size_t)v.len == d->sample_bytes) {
-      memcpy(dst, v.buf, d->sample_bytes);
+  PyObject *seq = item ? PySequence_Fast(item, "fetch must return a sequence of arrays") : NULL;
+  if (seq && PySequence_Fast_GET_SIZE(seq) != d->nfields) {
+    PyErr_Format(PyExc_ValueError, "pinmem.Loader: sample %llu has %zd fields, the first had %d",
+                 (unsigned long long)index, PySequence_Fast_GET_SIZE(seq), d->nfields);
+    rc = PM_ERR_FORMAT;
+  }
+  for (int k = 0; seq && !rc && k < d->nfields; k++) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, k), &v, PyBUF_C_CONTIGUOUS) < 0) break;
+    if ((size_t)v.len == d->fbytes[k]) {
+      memcpy(dsts[k], v.buf, d->fbytes[k]);
     } else {
       PyErr_Format(PyExc_ValueError,
-                   "pinmem.Loader: sample %llu has %zd bytes, but the first sample had %zu (every "
-                   "sample must have the same shape and dtype)",
-                   (unsigned long long)index, v.len, d->sample_bytes);
+                   "pinmem.Loader: sample %llu, field %d has %zd bytes, but the first sample "
+                   "had %zu (every sample must have the same shape and dtype)",
+                   (unsigned long long)index, k, v.len, d->fbytes[k]);
       rc = PM_ERR_FORMAT;
     }
     PyBuffer_Release(&v);
   }
+  Py_XDECREF(seq);
   Py_XDECREF(item);
   if (PyErr_Occurred()) {
     if (!rc) rc = PM_ERR_IO;
@@ -2369,45 +2467,124 @@ static int python_read(uint64_t index, void *dst, void *user) {
   return rc;
 }
 
+/* _dataset_python(fetch, samples, specs): specs = [(sample shape, dtype text, itemsize)], one
+ * per field; fetch(i) returns the fields of sample i (C-contiguous, checked by the caller). */
 static PyObject *py_dataset_python(PyObject *mod, PyObject *args) {
-  PyObject *fetch, *shape;
+  PyObject *fetch, *specs;
   unsigned long long samples;
-  const char *dtype_name;
-  if (!PyArg_ParseTuple(args, "OKOs:_dataset_python", &fetch, &samples, &shape, &dtype_name))
+  if (!PyArg_ParseTuple(args, "OKO:_dataset_python", &fetch, &samples, &specs)) return NULL;
+  PyObject *seq = PySequence_Fast(specs, "specs must be a sequence");
+  if (!seq) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  if (n < 1 || n > PM_MAX_FIELDS) {
+    Py_DECREF(seq);
+    return raise_fmt(PM_ERR_INVALID, "a sample has 1..%d fields, not %zd", PM_MAX_FIELDS, n);
+  }
+  pm_field_t f[PM_MAX_FIELDS];
+  DatasetObject *d = dataset_new();
+  if (!d) {
+    Py_DECREF(seq);
     return NULL;
-  Py_ssize_t dims[PMPY_MAX_NDIM];
-  int ndim;
-  if (parse_shape(shape, dims, &ndim) < 0) return NULL;
-  if (ndim > PM_DATASET_MAX_DIMS) return raise_fmt(PM_ERR_INVALID, "too many dimensions");
-  PyObject *dn = PyUnicode_FromString(dtype_name);
-  if (!dn) return NULL;
-  const pmpy_dtype_t *dt = parse_dtype(dn);
-  Py_DECREF(dn);
-  if (!dt) return NULL;
-  pm_dataset_callbacks_t cb;
+  }
+  for (Py_ssize_t k = 0; k < n; k++) {
+    PyObject *shape;
+    const char *descr;
+    Py_ssize_t itemsize;
+    Py_ssize_t dims[PMPY_MAX_NDIM];
+    int ndim;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "Osn:_dataset_python spec", &shape,
+                          &descr, &itemsize) ||
+        parse_shape(shape, dims, &ndim) < 0 ||
+        field_spec((int)k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims, &f[k]) < 0)
+      goto fail;
+    size_t bytes = f[k].itemsize;
+    for (int i = 0; i < ndim; i++) bytes *= (size_t)dims[i];
+    d->fbytes[k] = bytes;
+  }
+  d->nfields = (int)n;
+  d->fetch = Py_NewRef(fetch);
+  pm_dataset_fields_callbacks_t cb;
   memset(&cb, 0, sizeof cb);
   cb.samples = samples;
-  size_t bytes = dt->bits / 8;
-  for (int i = 0; i < ndim; i++) {
-    cb.shape[i] = (uint64_t)dims[i];
-    bytes *= (size_t)dims[i];
-  }
-  cb.ndim = ndim;
-  cb.dtype = pm_dtype_of(dt);
-  cb.sample_bytes = bytes;
+  cb.nfields = (int)n;
+  cb.fields = f;
   cb.read = python_read;
-  DatasetObject *d = dataset_new();
-  if (!d) return NULL;
-  d->scalar = ndim == 0; /* a scalar per sample (labels) */
-  d->fetch = Py_NewRef(fetch);
-  d->sample_bytes = bytes;
   cb.user = d;
-  pm_status_t st = pm_dataset_create(&cb, &d->ds);
+  pm_status_t st = pm_dataset_create_fields(&cb, &d->ds);
+  if (st != PM_OK) {
+    raise_status(st);
+    goto fail;
+  }
+  Py_DECREF(seq);
+  return (PyObject *)d;
+fail:
+  Py_DECREF(seq);
+  Py_DECREF(d);
+  return NULL;
+}
+
+/* _dataset_zip(datasets): one dataset with the fields of each, side by side. */
+static PyObject *py_dataset_zip(PyObject *mod, PyObject *arg) {
+  PyObject *parts = PySequence_Tuple(arg);
+  if (!parts) return NULL;
+  Py_ssize_t n = PyTuple_GET_SIZE(parts);
+  pm_dataset_t *ds[PM_MAX_FIELDS];
+  if (n < 1 || n > PM_MAX_FIELDS) {
+    Py_DECREF(parts);
+    return raise_fmt(PM_ERR_INVALID, "a zip of 1..%d datasets, not %zd", PM_MAX_FIELDS, n);
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *o = PyTuple_GET_ITEM(parts, i);
+    if (!PyObject_TypeCheck(o, &DatasetType)) {
+      Py_DECREF(parts);
+      return PyErr_Format(PyExc_TypeError, "_dataset_zip takes pinmem datasets, not %.100s",
+                          Py_TYPE(o)->tp_name);
+    }
+    ds[i] = ((DatasetObject *)o)->ds;
+  }
+  DatasetObject *d = dataset_new();
+  if (!d) {
+    Py_DECREF(parts);
+    return NULL;
+  }
+  d->parts = parts;
+  pm_status_t st = pm_dataset_zip(ds, (size_t)n, &d->ds);
   if (st != PM_OK) {
     Py_DECREF(d);
     return raise_status(st);
   }
   return (PyObject *)d;
+}
+
+/* fields() -> [{"descr", "shape", "itemsize", "bytes", "dtype", "native"}]: native is False for
+ * dtypes pinmem's buffers cannot express (delivered as raw bytes, rebuilt from descr). */
+static PyObject *Dataset_fields(DatasetObject *self, PyObject *unused) {
+  pm_dataset_info_t in;
+  pm_status_t st = pm_dataset_get_info(self->ds, &in);
+  if (st != PM_OK) return raise_status(st);
+  PyObject *out = PyList_New(0);
+  for (int k = 0; out && k < in.fields; k++) {
+    pm_field_t f;
+    st = pm_dataset_get_field(self->ds, k, &f);
+    if (st != PM_OK) {
+      Py_DECREF(out);
+      return raise_status(st);
+    }
+    PyObject *shape = PyTuple_New(f.ndim);
+    if (!shape) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    for (int i = 0; i < f.ndim; i++)
+      PyTuple_SET_ITEM(shape, i, PyLong_FromUnsignedLongLong(f.shape[i]));
+    PyObject *e = Py_BuildValue("{s:s,s:N,s:n,s:n,s:s,s:O}", "descr", f.descr, "shape", shape,
+                                "itemsize", (Py_ssize_t)f.itemsize, "bytes", (Py_ssize_t)f.bytes,
+                                "dtype", pm_dtype_name(f.dtype), "native",
+                                dtype_from_text(f.descr) ? Py_True : Py_False);
+    if (!e || PyList_Append(out, e) < 0) Py_CLEAR(out);
+    Py_XDECREF(e);
+  }
+  return out;
 }
 
 static PyObject *Dataset_info(DatasetObject *self, PyObject *unused) {
@@ -2467,6 +2644,8 @@ static PyMethodDef Dataset_methods[] = {
     {"info", (PyCFunction)Dataset_info, METH_NOARGS, "info() -> dict"},
     {"read_sample", (PyCFunction)Dataset_read_sample, METH_VARARGS,
      "read_sample(index, epoch=0) -> (inputs bytes, targets bytes or None)"},
+    {"fields", (PyCFunction)Dataset_fields, METH_NOARGS,
+     "fields() -> [dict(descr, shape, itemsize, bytes, dtype, native)], one per field"},
     {0}};
 
 static PyTypeObject DatasetType = {
@@ -2479,15 +2658,16 @@ static PyTypeObject DatasetType = {
 };
 
 typedef struct {
-  PyObject_HEAD pm_loader_t *loader;
+  PyObject_HEAD pm_loader_t *loader; /* NULL once closed */
   DatasetObject *dataset;
   Py_ssize_t held; /* batches delivered and not given back yet */
   int device;      /* batches in device memory */
   int dev_index;
 } LoaderObject;
 
-/* One delivered batch. Its buffers (inputs, targets) hold it; when the last of them goes, the
- * batch goes back to the loader, ordered after the consumer stream DLPack named. */
+/* One delivered batch. Its buffers (one per field) hold it; when the last of them goes, the
+ * batch goes back to the loader, ordered after the consumer stream DLPack named. This works
+ * after the loader was closed too: pm_batch_release then frees the batch's slot. */
 typedef struct {
   PyObject_HEAD pm_batch_t b;
   LoaderObject *loader;
@@ -2495,6 +2675,8 @@ typedef struct {
 } BatchObject;
 
 static PyTypeObject LoaderType, BatchType;
+static PyObject *g_batch_class; /* pinmem.Batch (a tuple subclass), set by _set_batch_class */
+static PyObject *g_str_epoch, *g_str_index, *g_str_indices;
 
 static void Batch_dealloc(BatchObject *self) {
   if (self->loader) {
@@ -2524,18 +2706,22 @@ static void batch_buffer_released(BufferObject *b) {
   if (batch && b->has_consumer_stream) batch->release_stream = b->consumer_stream;
 }
 
-/* A buffer over one array of a batch. */
-static BufferObject *batch_buffer(BatchObject *batch, void *ptr, size_t nbytes) {
-  const pm_batch_t *pb = &batch->b;
-  BufferObject *buf = buffer_alloc(&BufferType, pb->ndim);
+/* A buffer over field k of a batch: its dtype and shape, or (a dtype pinmem's buffers cannot
+ * express: big-endian, strings, records, datetimes) its bytes, flat, for the Python side to
+ * view with the field's real dtype. */
+static BufferObject *batch_buffer(BatchObject *batch, int k) {
+  const pm_batch_field_t *f = &batch->b.fields[k];
+  const pmpy_dtype_t *dt = dtype_from_text(f->info->descr);
+  if (dt && (size_t)(dt->bits / 8) != f->info->itemsize) dt = NULL;
+  int ndim = dt ? f->ndim : 1;
+  BufferObject *buf = buffer_alloc(&BufferType, ndim);
   if (!buf) return NULL;
-  const pmpy_dtype_t *dt = dtype_from_text(pm_dtype_name(pb->dtype));
   /* The descriptor (shape, strides) comes from batch_layout.h, which the .npy fuzz target
    * drives too. */
   pmpy_layout_t lay;
   const char *why = NULL;
-  if (pmpy_batch_layout(dt ? dt->bits / 8 : 0, pb->ndim, pb->shape, pb->samples, nbytes,
-                        batch->loader->dataset->scalar, &lay, &why) < 0) {
+  if (pmpy_batch_layout(dt ? dt->bits / 8 : 0, f->ndim, f->shape, batch->b.samples, f->bytes, 0,
+                        &lay, &why) < 0) {
     Py_DECREF(buf);
     raise_fmt(PM_ERR_INTERNAL, "a loader batch cannot be described: %s", why);
     return NULL;
@@ -2551,20 +2737,31 @@ static BufferObject *batch_buffer(BatchObject *batch, void *ptr, size_t nbytes) 
     buf_strides(buf)[i] = (Py_ssize_t)lay.strides[i];
   }
   buf->kind = BUF_EXTERNAL;
-  buf->ptr = ptr;
-  buf->nbytes = nbytes;
+  buf->ptr = f->data;
+  buf->nbytes = f->bytes;
   buf->released = 0;
   buf->host_visible = !batch->loader->device;
   if (batch->loader->device) {
     buf->dl_device_type = is_cuda_backend() ? kDLCUDA : kDLCPU;
     buf->dl_device_id = is_cuda_backend() ? batch->loader->dev_index : 0;
-    buf->ready = pb->event;
-    buf->ready_recorded = pb->event != NULL;
+    buf->ready = batch->b.event;
+    buf->ready_recorded = batch->b.event != NULL;
     buf->ready_owned = 0;
   }
   buf->keep = Py_NewRef(batch);
   buf->on_release = batch_buffer_released;
   return buf;
+}
+
+static PyObject *py_set_batch_class(PyObject *mod, PyObject *cls) {
+  if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type))
+    return PyErr_Format(PyExc_TypeError, "the batch class must be a tuple subclass");
+  Py_XSETREF(g_batch_class, Py_NewRef(cls));
+  if (!g_str_epoch) g_str_epoch = PyUnicode_InternFromString("epoch");
+  if (!g_str_index) g_str_index = PyUnicode_InternFromString("index");
+  if (!g_str_indices) g_str_indices = PyUnicode_InternFromString("_indices");
+  if (!g_str_epoch || !g_str_index || !g_str_indices) return NULL;
+  Py_RETURN_NONE;
 }
 
 static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
@@ -2621,6 +2818,8 @@ static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   return (PyObject *)self;
 }
 
+/* Stops the workers and frees the slots nobody holds; a batch still alive frees its own slot
+ * when it goes (pm_loader_destroy allows held batches). */
 static pm_status_t loader_destroy(LoaderObject *self) {
   if (!self->loader) return PM_OK;
   pm_loader_t *l = self->loader;
@@ -2650,19 +2849,16 @@ static int loader_check(LoaderObject *self) {
 }
 
 static PyObject *Loader_close(LoaderObject *self, PyObject *unused) {
-  if (self->held > 0)
-    return raise_fmt(PM_ERR_BUSY,
-                     "close: %zd batch(es) are still in use (their arrays or DLPack tensors are "
-                     "alive); the loader closes when they and it are gone",
-                     self->held);
   pm_status_t st = loader_destroy(self);
   if (st != PM_OK) return raise_status(st);
   Py_RETURN_NONE;
 }
 
-/* next() -> (inputs, targets or None, epoch, index, indices bytes) or None at the end. */
+/* next() -> a pinmem.Batch (one buffer per field; attributes epoch, index, _indices), or None
+ * once every epoch was delivered. */
 static PyObject *Loader_next(LoaderObject *self, PyObject *unused) {
   if (loader_check(self) < 0) return NULL;
+  if (!g_batch_class) return raise_fmt(PM_ERR_STATE, "the batch class is not set");
   BatchObject *batch = PyObject_New(BatchObject, &BatchType);
   if (!batch) return NULL;
   batch->loader = NULL;
@@ -2673,22 +2869,21 @@ static PyObject *Loader_next(LoaderObject *self, PyObject *unused) {
   Py_END_ALLOW_THREADS if (st != PM_OK) {
     Py_DECREF(batch);
     if (st == PM_ERR_STATE) Py_RETURN_NONE; /* every epoch was delivered */
-    DatasetObject *d = self->dataset;
-    if (d->error) {
+    PyObject *e = dataset_take_error(self->dataset);
+    if (e) {
       /* A Python dataset raised: re-raise that, chained to pinmem's error. */
-      PyObject *cause = NULL;
       raise_status(st);
       PyObject *et, *ev, *tb;
       PyErr_Fetch(&et, &ev, &tb);
       PyErr_NormalizeException(&et, &ev, &tb);
-      cause = ev;
       Py_XDECREF(et);
       Py_XDECREF(tb);
-      PyObject *err = PyTuple_GET_ITEM(d->error, 1);
-      if (cause && err != Py_None) PyException_SetCause(err, cause);
+      PyObject *err = PyTuple_GET_ITEM(e, 1);
+      if (ev && err != Py_None) PyException_SetCause(err, ev);
       else
-        Py_XDECREF(cause);
-      PyErr_SetObject(PyTuple_GET_ITEM(d->error, 0), err);
+        Py_XDECREF(ev);
+      PyErr_SetObject(PyTuple_GET_ITEM(e, 0), err);
+      Py_DECREF(e);
       return NULL;
     }
     return raise_status(st);
@@ -2696,19 +2891,32 @@ static PyObject *Loader_next(LoaderObject *self, PyObject *unused) {
   batch->loader = (LoaderObject *)Py_NewRef(self);
   self->held++;
   const pm_batch_t *pb = &batch->b;
-  PyObject *x = (PyObject *)batch_buffer(batch, pb->inputs, pb->inputs_bytes);
-  PyObject *y = !x ? NULL
-                : pb->targets ? (PyObject *)batch_buffer(batch, pb->targets, pb->targets_bytes)
-                              : Py_NewRef(Py_None);
-  PyObject *idx = PyBytes_FromStringAndSize((const char *)pb->indices,
-                                            (Py_ssize_t)(pb->samples * sizeof(uint64_t)));
-  PyObject *r = NULL;
-  if (x && y && idx)
-    r = Py_BuildValue("(OOKKO)", x, y, (unsigned long long)pb->epoch,
-                      (unsigned long long)pb->index, idx);
-  Py_XDECREF(x);
-  Py_XDECREF(y);
+  PyObject *r = NULL, *arrays = PyTuple_New(pb->nfields), *idx = NULL, *epoch = NULL,
+           *index = NULL;
+  for (int k = 0; arrays && k < pb->nfields; k++) {
+    PyObject *x = (PyObject *)batch_buffer(batch, k);
+    if (!x) Py_CLEAR(arrays);
+    else
+      PyTuple_SET_ITEM(arrays, k, x);
+  }
+  if (arrays) {
+    PyObject *a = PyTuple_Pack(1, arrays);
+    r = a ? PyTuple_Type.tp_new((PyTypeObject *)g_batch_class, a, NULL) : NULL;
+    Py_XDECREF(a);
+  }
+  if (r) {
+    idx = PyBytes_FromStringAndSize((const char *)pb->indices,
+                                    (Py_ssize_t)(pb->samples * sizeof(uint64_t)));
+    epoch = PyLong_FromUnsignedLongLong(pb->epoch);
+    index = PyLong_FromUnsignedLongLong(pb->index);
+    if (!idx || !epoch || !index || PyObject_SetAttr(r, g_str_epoch, epoch) < 0 ||
+        PyObject_SetAttr(r, g_str_index, index) < 0 || PyObject_SetAttr(r, g_str_indices, idx) < 0)
+      Py_CLEAR(r);
+  }
+  Py_XDECREF(arrays);
   Py_XDECREF(idx);
+  Py_XDECREF(epoch);
+  Py_XDECREF(index);
   Py_DECREF(batch); /* the buffers hold it now */
   return r;
 }
@@ -2779,10 +2987,11 @@ static PyObject *Loader_stats(LoaderObject *self, PyObject *unused) {
 
 static PyMethodDef Loader_methods[] = {
     {"next", (PyCFunction)Loader_next, METH_NOARGS,
-     "next() -> (inputs, targets or None, epoch, index, indices bytes), or None at the end"},
+     "next() -> a pinmem.Batch (one buffer per field), or None at the end"},
     {"state", (PyCFunction)Loader_state, METH_NOARGS, "state() -> bytes (pm_loader_state_t)"},
     {"stats", (PyCFunction)Loader_stats, METH_NOARGS, "stats() -> dict"},
-    {"close", (PyCFunction)Loader_close, METH_NOARGS, "close(): stop the workers, free the slots"},
+    {"close", (PyCFunction)Loader_close, METH_NOARGS,
+     "close(): stop the workers, free the slots (a held batch frees its own when it goes)"},
     {0}};
 
 static PyTypeObject LoaderType = {
@@ -3091,9 +3300,12 @@ static PyMethodDef module_methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "_dataset_tokens(path, seq_len, token_bytes=2, random=True, stride=0, windows=0, seed=0, "
      "io=None)"},
-    {"_dataset_array", py_dataset_array, METH_O, "_dataset_array(array)"},
+    {"_dataset_arrays", py_dataset_arrays, METH_VARARGS,
+     "_dataset_arrays(arrays, [(sample shape, dtype text, itemsize)]): field k from arrays[k]"},
     {"_dataset_python", py_dataset_python, METH_VARARGS,
-     "_dataset_python(fetch, samples, sample_shape, dtype)"},
+     "_dataset_python(fetch, samples, [(sample shape, dtype text, itemsize)] per field)"},
+    {"_dataset_zip", py_dataset_zip, METH_O, "_dataset_zip(datasets): their fields side by side"},
+    {"_set_batch_class", py_set_batch_class, METH_O, "_set_batch_class(cls): pinmem.Batch"},
     {"_loader_state_fields", py_loader_state_fields, METH_O, NULL},
     {"_loader_state_pack", (PyCFunction)(void (*)(void))py_loader_state_pack,
      METH_VARARGS | METH_KEYWORDS, NULL},

@@ -165,8 +165,6 @@ def test_holding_too_many_batches_is_busy(rng):
         for b in loader.batches():
             held.append(b)
     assert len(held) == prefetch and e.value.status == "PM_ERR_BUSY"
-    with pytest.raises(pinmem.BusyError):
-        loader.close()
     held.clear()
     del b
     gc.collect()
@@ -304,3 +302,246 @@ def test_training_loop_learns_numpy(rng):
             w -= 0.5 * xb.T @ (p - yb) / len(yb)
     assert loss(w) < 0.5 * start
     assert loader.epoch == 5
+
+
+# ---- one loader for all fields, and what a user can get wrong ----------------------------------
+
+def test_tuple_of_npy_paths_is_one_loader_of_fields(tmp_path, rng):
+    X = rng.random((50, 3, 2), dtype=np.float32)
+    Y = rng.integers(0, 9, size=50, dtype=np.int16)
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "Y.npy", Y)
+    loader = pinmem.Loader((tmp_path / "X.npy", tmp_path / "Y.npy"), batch_size=16,
+                           shuffle=True, seed=3)
+    st = loader.stats()
+    assert st["fields"] == 2
+    # One slot per batch holds both fields (X rows, 256-aligned, then Y rows).
+    assert st["slot_bytes"] >= 16 * (24 + 2)
+    n = 0
+    for b in loader.batches():
+        idx = np.frombuffer(b.indices, dtype=np.uint64).astype(np.int64)
+        np.testing.assert_array_equal(host(b[0]), X[idx])
+        np.testing.assert_array_equal(host(b[1]), Y[idx])
+        n += len(idx)
+    assert n == 50
+    loader.close()
+
+
+class RandomAugmented:
+    """x and y come from one random draw per call; counts the calls."""
+
+    def __init__(self, n):
+        import threading
+        self.n, self.calls = n, 0
+        self.rng = np.random.default_rng(5)
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        with self.lock:
+            self.calls += 1
+            draw = int(self.rng.integers(0, 1 << 30))
+        return np.full(4, draw, dtype=np.int64), np.int64(draw), np.int64(i)
+
+
+def test_map_dataset_is_called_once_per_sample(rng):
+    n = 300 if not SMALL else 60
+    ds = RandomAugmented(n)
+    loader = pinmem.Loader(ds, batch_size=32, shuffle=True, seed=2, num_workers=3,
+                           device="cpu", epochs=1)
+    rows = 0
+    for x, y, i in loader:
+        x, y, i = np.asarray(x), np.asarray(y), np.asarray(i)
+        assert (x == y[:, None]).all()  # every field of a row from the same call
+        rows += len(y)
+    assert rows == n
+    assert ds.calls == n + 1  # once per sample, and once for sample 0 to learn the fields
+    loader.close()
+
+
+def test_two_threads_in_next(rng):
+    import threading
+
+    class Slow:
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            import time
+            time.sleep(0.002)
+            return np.full(3, i, dtype=np.int32)
+
+    for _ in range(3 if SMALL else 8):
+        loader = pinmem.Loader(Slow(), batch_size=8, num_workers=1, device="cpu")
+        out = []
+
+        def take():
+            try:
+                out.append(loader._next())
+            except pinmem.Error as e:
+                out.append(e)
+        threads = [threading.Thread(target=take, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a consumer hung in next()"
+        got = [b for b in out if isinstance(b, pinmem.Batch)]
+        busy = [e for e in out if isinstance(e, pinmem.BusyError)]
+        assert len(got) + len(busy) == 2 and got
+        assert len({b.index for b in got}) == len(got)  # never the same batch twice
+        del got, out
+        loader.close()
+
+
+def test_sample_that_differs_from_the_first_is_refused():
+    class Drifting:
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            x = np.arange(3) if i < 13 else np.arange(3) + 0.5  # int64, then float64
+            return x, np.int64(i)
+    loader = pinmem.Loader(Drifting(), batch_size=5, device="cpu")
+    with pytest.raises(pinmem.InvalidError) as e:
+        for _ in loader:
+            pass
+    msg = str(e.value)
+    assert "sample 13" in msg and "field 0" in msg and "float64" in msg and "int64" in msg
+
+    class Reshaped(Drifting):
+        def __getitem__(self, i):
+            return np.zeros((2, 2) if i == 7 else (4,), np.float32), np.int64(i)
+    with pytest.raises(pinmem.InvalidError) as e:
+        for _ in pinmem.Loader(Reshaped(), batch_size=5, device="cpu"):
+            pass
+    assert "sample 7" in str(e.value) and "(2, 2)" in str(e.value)
+
+
+def test_object_and_sizeless_dtypes_are_refused():
+    objs = np.array([object() for _ in range(8)], dtype=object)
+    with pytest.raises(pinmem.InvalidError) as e:
+        pinmem.Loader(objs, batch_size=2)
+    assert "object" in str(e.value)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.Loader((np.zeros(8), objs), batch_size=2)
+
+    class Objects:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.array([None, i], dtype=object)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.Loader(Objects(), batch_size=2)
+
+
+@pytest.mark.parametrize("dtype", [">f4", "<U10", "<M8[s]", [("a", "<i4"), ("b", ">f8")]])
+def test_dtypes_without_a_code_keep_their_dtype(tmp_path, rng, dtype):
+    dt = np.dtype(dtype)
+    raw = rng.integers(0, 1000, size=40)
+    if dt.kind == "U":
+        a = np.array([f"s{v}" for v in raw], dtype=dt)
+    elif dt.names:
+        a = np.zeros(40, dtype=dt)
+        a["a"], a["b"] = raw, raw / 7
+    else:
+        a = raw.astype(dt)
+    np.save(tmp_path / "a.npy", a)
+    for source in (tmp_path / "a.npy", (a, raw)):
+        loader = pinmem.Loader(source, batch_size=16, device="cpu", shuffle=True, seed=1)
+        n = 0
+        for b in loader.batches():
+            got = b[0]
+            idx = np.frombuffer(b.indices, dtype=np.uint64).astype(np.int64)
+            assert isinstance(got, np.ndarray) and got.dtype == dt and got.shape == (len(idx),)
+            np.testing.assert_array_equal(got, a[idx])
+            n += len(idx)
+        assert n == 40
+        loader.close()
+        with pytest.raises(pinmem.InvalidError) as e:
+            pinmem.Loader(source, batch_size=16)  # to the device: no DLPack type for it
+        assert "device='cpu'" in str(e.value)
+
+
+def test_rank_and_world_size_are_checked(rng, monkeypatch):
+    X = rng.random((16, 2))
+    for kw in (dict(rank=-5), dict(world_size=0), dict(world_size=-1), dict(rank=1.5)):
+        with pytest.raises(pinmem.InvalidError):
+            pinmem.Loader(X, batch_size=4, **kw)
+    with pytest.raises(pinmem.InvalidError):
+        pinmem.Loader(X, batch_size=4, rank=2, world_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "0")
+    with pytest.raises(pinmem.ConfigError):
+        pinmem.Loader(X, batch_size=4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "-5")
+    with pytest.raises(pinmem.ConfigError):
+        pinmem.Loader(X, batch_size=4)
+    monkeypatch.setenv("RANK", "1")
+    loader = pinmem.Loader(X, batch_size=4)
+    assert loader.state_dict()["rank"] == 1 and loader.state_dict()["world_size"] == 2
+    loader.close()
+
+
+def test_refused_state_leaves_the_loader_working(xy):
+    X, Y = xy
+    loader = pinmem.Loader((X, Y), batch_size=50, shuffle=True, seed=7)
+    other = pinmem.Loader((X, Y), batch_size=50, shuffle=True, seed=8)
+    foreign = other.state_dict()
+    other.close()
+    it = loader.batches()
+    held = next(it)  # a batch alive through the refused load
+    want = loader.state_dict()
+    with pytest.raises(pinmem.InvalidError) as e:
+        loader.load_state_dict(foreign)
+    assert "seed" in str(e.value)
+    assert loader.state_dict() == want and len(loader) == len(X) // 50
+    b = next(iter(loader.batches()))
+    assert b.index == 1
+    idx = np.frombuffer(b.indices, dtype=np.uint64).astype(np.int64)
+    np.testing.assert_array_equal(host(b[1]), Y[idx])
+    np.testing.assert_array_equal(host(held[0]),
+                                  X[np.frombuffer(held.indices, dtype=np.uint64).astype(np.int64)])
+    # A valid state with a batch held: the loader moves there.
+    loader.load_state_dict(dict(want, batch=3))
+    assert next(iter(loader.batches())).index == 3
+    del b, held
+    loader.close()
+    for op in (len, iter, lambda ld: ld._next(), lambda ld: ld.state_dict(),
+               lambda ld: ld.load_state_dict(want), lambda ld: ld.stats()):
+        with pytest.raises(pinmem.StateError) as e:
+            op(loader)
+        assert "closed" in str(e.value)
+    loader.close()  # twice: harmless
+
+
+def test_close_with_batches_alive_returns_memory(xy):
+    X, Y = xy
+    gc.collect()
+    before = pinmem.stats()["in_use_bytes"]
+    loader = pinmem.Loader((X, Y), batch_size=100, shuffle=True, prefetch_factor=2,
+                           num_workers=2)
+    assert pinmem.stats()["in_use_bytes"] > before
+    for x, y in loader:  # as a training loop with .as_torch() does
+        break
+    it = loader.batches()
+    z = next(it)
+    loader.close()  # no BusyError: x, y and z are alive
+    assert host(y).shape == (100,) and host(x).shape == (100, 3, 4)  # still valid after close
+    idx = np.frombuffer(z.indices, dtype=np.uint64).astype(np.int64)
+    np.testing.assert_array_equal(host(z[0]), X[idx])  # still valid after close
+    assert pinmem.stats()["in_use_bytes"] > before
+    del x, y
+    gc.collect()
+    assert pinmem.stats()["in_use_bytes"] > before  # z still holds its slot
+    del z, it
+    gc.collect()
+    assert pinmem.stats()["in_use_bytes"] == before
+    with pinmem.Loader((X, Y), batch_size=100) as ld:
+        kept = next(iter(ld))
+    del kept
+    gc.collect()
+    assert pinmem.stats()["in_use_bytes"] == before
