@@ -18,7 +18,7 @@ import pinmem
 hypothesis = pytest.importorskip(
     "hypothesis", reason="hypothesis is not installed (pip install hypothesis; `make test` "
     "installs it): the property-based tests of the Python glue did not run")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as npst  # noqa: E402
 
@@ -92,6 +92,29 @@ def numpy_exports(a):
         return False
 
 
+def numpy_reads_back(a):
+    """Does NumPy read its own buffer view of `a` back as `a`? Not always: some NumPy versions
+    lose padding or field names in the format of record dtypes, or misread Fortran-ordered void
+    arrays (np.asarray(memoryview(a)) differs from a). Where NumPy cannot, the oracle compares
+    pinmem's view with NumPy's view field by field instead of reading it back."""
+    try:
+        got = np.asarray(memoryview(a))
+        return got.shape == a.shape and got.tobytes() == a.tobytes()
+    except (ValueError, TypeError, BufferError, RuntimeError):
+        return False
+
+
+def same_view(x, y):
+    """The buffer-protocol description of x and y is the same (format, itemsize, shape, strides)."""
+    mx, my = memoryview(x), memoryview(y)
+    try:
+        return (mx.format, mx.itemsize, mx.shape, mx.strides, mx.nbytes) == \
+            (my.format, my.itemsize, my.shape, my.strides, my.nbytes)
+    finally:
+        mx.release()
+        my.release()
+
+
 LAYOUTS = st.sampled_from(["C", "F", "T", "step", "neg"])
 PINMEM_ERRORS = (pinmem.Error, TypeError)
 
@@ -146,6 +169,11 @@ def test_empty_huge_is_refused_cleanly(dtype, shape):
 
 @SETTINGS
 @given(dtype=dtypes(), shape=small_shapes(), layout=LAYOUTS, seed=st.integers(0, 2**32 - 1))
+# Cases NumPy 2.5 cannot read back from its own buffer view (found on the GPU machine's
+# versions of NumPy and Hypothesis), kept so every version runs them.
+@example(dtype=np.dtype([("f0", "<i2"), ("f7", "?")]), shape=(), layout="step", seed=87671)
+@example(dtype=np.dtype([("\x00", "?")]), shape=(), layout="C", seed=0)
+@example(dtype=np.dtype("V5"), shape=(2, 2), layout="F", seed=0)
 def test_pin_matches_numpy(dtype, shape, layout, seed):
     a = laid_out(filled(dtype, shape, seed), layout)
     contiguous = a.flags.c_contiguous or a.flags.f_contiguous
@@ -163,9 +191,11 @@ def test_pin_matches_numpy(dtype, shape, layout, seed):
         assert b.nbytes == a.nbytes and b.kind == "registered"
         info = pinmem.pointer_info(b)
         assert info["kind"] == "registered"
-        got = np.asarray(b)
-        assert got.shape == a.shape and got.tobytes() == a.tobytes()
-        del got
+        assert same_view(b, a)
+        if numpy_reads_back(a):
+            got = np.asarray(b)
+            assert got.shape == a.shape and got.tobytes() == a.tobytes()
+            del got
     assert pinmem.pointer_info(a.__array_interface__["data"][0])["kind"] == "pageable"
 
 
