@@ -11,6 +11,9 @@ pipeline would. Three feeds, same data, same model, same number of steps, interl
   * torch   - torch.utils.data.DataLoader(TensorDataset(X, Y), shuffle=True, pin_memory=True,
               num_workers=W, persistent_workers=True) + .to("cuda", non_blocking=True)
   * pinmem  - pinmem.Loader((X, Y), batch_size, shuffle=True).as_torch()
+  * pinmem_w4, pinmem_host (with --variants): the same loader with 4 worker threads; and with
+              device='cpu' (pinned host batches) moved by .to("cuda", non_blocking=True), to
+              place a gap between the loader's reads, its copy and the hand-over to torch
 
 Each round times `--steps` steps after `--warmup` steps, between two device synchronisations;
 the figure per feed is the median over `--rounds` rounds, reported as images/s and as a
@@ -19,7 +22,7 @@ next(), waits for a batch), so any remaining gap can be placed. Needs torch with
 numpy; without them it says so and exits 0.
 
   bench/train_ceiling.py [--samples 4096] [--batch 256] [--steps 60] [--warmup 10]
-                         [--rounds 3] [--workers 8] [--json]
+                         [--rounds 3] [--workers 8] [--settle 1] [--variants] [--json]
 
 TARGET: pinmem >= 0.98 of the gpu feed.
 """
@@ -62,8 +65,14 @@ class Trainer:
         self.opt.step()
 
 
-def timed(torch, trainer, batches, warmup, steps):
-    """Seconds for `steps` steps after `warmup` steps, taken from the iterator `batches`."""
+def timed(torch, trainer, batches, warmup, steps, settle):
+    """Seconds for `steps` steps after `warmup` steps, taken from the iterator `batches`.
+
+    Each round first waits `settle` seconds: torch's DataLoader goes on working after its own
+    round ends (its pin-memory thread pins the batches its workers prefetched, 38 MB each), and
+    that work would otherwise land in the next feed's round (seen on the H200: single rounds
+    60-100% slower, only in the feed timed right after torch's)."""
+    time.sleep(settle)
     it = iter(batches)
     for _ in range(warmup):
         trainer.step(*next(it))
@@ -96,6 +105,12 @@ def pinmem_feed(loader):
             yield x, y
 
 
+def pinmem_host_feed(torch, loader):
+    while True:
+        for x, y in loader.as_torch():
+            yield x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=4096)
@@ -104,6 +119,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=8, help="torch DataLoader workers")
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="seconds of quiet before each timed round (default 1)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also pinmem with 4 workers, and with host batches + .to()")
     ap.add_argument("--json", action="store_true", help="JSON lines on stdout")
     args = ap.parse_args()
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
@@ -141,8 +160,17 @@ def main():
     if not ok:
         say("train_ceiling: pinmem.Loader delivered bytes that differ from the dataset's rows")
         return 1
-    feeds = {"gpu": gpu_feed(torch, Xg, Yg, args.batch), "torch": torch_feed(torch, tl),
-             "pinmem": pinmem_feed(pl)}
+    feeds = {"gpu": gpu_feed(torch, Xg, Yg, args.batch), "torch": torch_feed(torch, tl)}
+    extra = []
+    if args.variants:
+        p4 = pinmem.Loader((X, Y), batch_size=args.batch, shuffle=True, drop_last=True, seed=1,
+                           num_workers=4)
+        ph = pinmem.Loader((X, Y), batch_size=args.batch, shuffle=True, drop_last=True, seed=1,
+                           device="cpu")
+        extra = [p4, ph]
+        feeds["pinmem_w4"] = pinmem_feed(p4)
+        feeds["pinmem_host"] = pinmem_host_feed(torch, ph)
+    feeds["pinmem"] = pinmem_feed(pl)  # last: the TARGET row
     say(f"train_ceiling: {args.samples} images 3x224x224 uint8, batch {args.batch}, "
         f"{args.steps} steps x {args.rounds} rounds, torch workers {args.workers}, "
         f"{torch.cuda.get_device_name()}")
@@ -151,7 +179,7 @@ def main():
     stats_before = pl.stats()
     for r in range(args.rounds):
         for name, feed in feeds.items():
-            secs[name].append(timed(torch, trainer, feed, args.warmup, args.steps))
+            secs[name].append(timed(torch, trainer, feed, args.warmup, args.steps, args.settle))
     stats_after = pl.stats()
 
     imgs = args.steps * args.batch
@@ -168,8 +196,9 @@ def main():
              if isinstance(stats_after.get(k), (int, float)) and k in stats_before}
     rows[-1]["loader_stats_delta"] = delta
     for row in rows:
-        say("  %-7s %9.0f images/s  %.3f of the gpu feed" % (row["case"], row["images_per_s"],
-                                                              row["fraction_of_gpu"]))
+        say("  %-11s %9.0f images/s  %.3f of the gpu feed  (rounds: %s s)" % (
+            row["case"], row["images_per_s"], row["fraction_of_gpu"],
+            ", ".join("%.3f" % t for t in row["round_seconds"])))
         if args.json:
             print(json.dumps(row), flush=True)
     say("  pinmem loader stats over the timed rounds (warm-up steps included): " +
@@ -182,6 +211,8 @@ def main():
     if args.json:
         print(json.dumps(line), flush=True)
     pl.close()
+    for ld in extra:
+        ld.close()
     return 0
 
 
