@@ -1,0 +1,202 @@
+/*
+ * DESIGN: pinmem._pinmem, the CPython extension over libpinmem (linked in statically), and the
+ * private header its files share: the types more than one of them uses, and the functions and
+ * type objects one file takes from another (prefix pmpy_, hidden: the module exports
+ * PyInit__pinmem alone), each documented where it is defined. What a single file uses stays
+ * static there.
+ *
+ * Objects. A Buffer (base type of PinnedBuffer and DeviceBuffer) owns one piece of memory: a
+ * block of the default pool (empty), a registration of memory someone else owns (pin: the Buffer
+ * also holds that object's buffer export or DLPack tensor, so the memory can neither move nor
+ * vanish while it is pinned), or device memory (device_empty). Every consumer holds a strong
+ * reference to the Buffer: a memoryview or NumPy array through the buffer protocol, a DLPack
+ * tensor through its manager_ctx, a copy in flight through its Completion. So the memory is freed
+ * or unpinned when the last of them lets go (Python's refcount), never earlier. `exports` counts
+ * the live consumers so that an explicit release() can refuse (BusyError) while any exists.
+ *
+ * Threads. Everything runs under the GIL except pinmem calls that may block or take long
+ * (pinning, unpinning, waits, staged copies, stream destruction), which release it; whatever
+ * they touch is kept alive by references taken before. DLPack deleters may run on any thread and
+ * take the GIL. A fence is released only by the last thread that waited on it (Completion.busy).
+ *
+ * Files, in the order of the layers (each uses only those above it):
+ *   exceptions.c  pinmem.Error, one exception per status, the raise helpers
+ *   helpers.c     small parsers and checks (sizes, addresses, overflow, object formats)
+ *   dtypes.c      the element types and their names in NumPy, struct formats and DLPack
+ *   streams.c     pinmem.Stream and the stream argument parser
+ *   dlpack.c      Buffer.__dlpack__, a device buffer's ready event, importing DLPack tensors
+ *   buffers.c     Buffer, PinnedBuffer, DeviceBuffer: descriptor, release, buffer protocol
+ *   empty_pin.c   empty, device_empty, pin
+ *   copy.c        copy and its Completion, parked copies
+ *   datasets.c    the dataset constructors and _Dataset
+ *   loader.c      _Loader and its batches (batch_layout.h describes their buffers)
+ *   pool.c        the default pool, options, introspection
+ *   _pinmem.c     the module: types, functions of each file, exceptions, constants
+ */
+#ifndef PINMEM_PY_PINMEM_H
+#define PINMEM_PY_PINMEM_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <dlpack/dlpack.h>
+
+#include "pinmem.h"
+
+#if defined(DLPACK_MAJOR_VERSION) && DLPACK_MAJOR_VERSION >= 1
+/* dlpack >= 1.0: versioned capsules for consumers that ask (max_version >= (1, 0)); they can
+ * say read-only, and NumPy makes writable arrays of them. Legacy capsules for the others. */
+#define PMPY_DLPACK_VERSIONED 1
+#elif !defined(DLPACK_VERSION) || DLPACK_VERSION < 60
+#error "pinmem needs dlpack.h 0.6 or newer (kDLCUDA, kDLCUDAHost); set PINMEM_DLPACK_INCLUDE_DIR"
+#endif
+
+#define PMPY_MAX_NDIM 64
+
+#pragma GCC visibility push(hidden)
+
+/* ---- exceptions.c ------------------------------------------------------------------------- */
+
+PyObject *pmpy_raise_detail(pm_status_t st, const char *detail);
+PyObject *pmpy_raise_status(pm_status_t st);
+PyObject *pmpy_raise_fmt(pm_status_t st, const char *fmt, ...);
+int pmpy_init_exceptions(PyObject *m);
+
+/* ---- helpers.c ---------------------------------------------------------------------------- */
+
+int pmpy_interp_finalizing(void);
+int pmpy_is_cuda_backend(void);
+int pmpy_parse_size_obj(PyObject *o, size_t *out);
+int pmpy_checked_mul(size_t *n, size_t factor);
+int pmpy_format_has_objects(const char *f);
+int pmpy_buffer_holds_objects(PyObject *o);
+int pmpy_parse_address(PyObject *o, uintptr_t *out);
+
+/* ---- dtypes.c ----------------------------------------------------------------------------- */
+
+typedef struct pmpy_dtype {
+  const char *name;   /* NumPy's name */
+  const char *format; /* buffer-protocol (struct) format */
+  char kind;          /* NumPy's kind letter */
+  uint8_t code;       /* DLDataTypeCode */
+  uint8_t bits;
+} pmpy_dtype_t;
+
+const pmpy_dtype_t *pmpy_dtype_by_dl(DLDataType t);
+const pmpy_dtype_t *pmpy_dtype_from_format(const char *f, Py_ssize_t itemsize);
+const pmpy_dtype_t *pmpy_dtype_from_text(const char *s);
+const pmpy_dtype_t *pmpy_parse_dtype(PyObject *o);
+
+/* ---- streams.c ---------------------------------------------------------------------------- */
+
+extern PyTypeObject pmpy_StreamType;
+int pmpy_parse_stream(PyObject *o, pm_stream_t *out);
+
+/* ---- buffers.c ---------------------------------------------------------------------------- */
+
+typedef enum { BUF_POOL = 0, BUF_REGISTERED = 1, BUF_DEVICE = 2, BUF_EXTERNAL = 3 } buf_kind_t;
+extern const char *const pmpy_kind_names[];
+
+typedef struct BufferObject {
+  PyObject_HEAD void *ptr; /* NULL once released */
+  size_t nbytes;           /* bytes of the array (may be 0) */
+  int kind;                /* buf_kind_t */
+  int readonly;
+  int released;
+  int ndim;
+  int ndim_cap;        /* dimensions `shape` has room for (>= ndim, >= 1) */
+  Py_ssize_t itemsize;
+  Py_ssize_t *shape;   /* ndim_cap entries, then ndim_cap strides (bytes); PyMem */
+  char *format;        /* struct format for the buffer protocol; PyMem */
+  const pmpy_dtype_t *dtype; /* NULL when the format has no DLPack equivalent */
+  int dl_device_type, dl_device_id;
+  Py_ssize_t exports;  /* live consumers: buffer views, DLPack tensors, copies in flight */
+  /* pin(): what keeps the pinned memory in place */
+  PyObject *base;          /* the pinned object (or None) */
+  Py_buffer src_view;      /* its buffer export, when pinned through the buffer protocol */
+  int has_src_view;
+  DLManagedTensor *src_dl; /* its DLPack tensor, when pinned through __dlpack__ */
+  int host_visible;         /* the CPU may read it (buffer protocol) */
+  /* device memory: the last pinmem write, for DLPack stream semantics */
+  pm_event_t ready;
+  int ready_recorded;
+  int ready_owned; /* ours to destroy (not a loader's batch event) */
+  /* external memory (a loader's batch): `keep` owns it; on_release runs when this view goes */
+  PyObject *keep;
+  void (*on_release)(struct BufferObject *self);
+  uintptr_t consumer_stream; /* the last stream a DLPack consumer named (device memory) */
+  int has_consumer_stream;
+  PyObject *weakrefs;
+} BufferObject;
+
+extern PyTypeObject pmpy_BufferType, pmpy_PinnedBufferType, pmpy_DeviceBufferType;
+
+#define Buffer_Check(o) PyObject_TypeCheck((o), &pmpy_BufferType)
+
+/* The strides sit after room for ndim_cap dimensions, so changing ndim never moves them. */
+static inline Py_ssize_t *pmpy_buf_strides(BufferObject *b) { return b->shape + b->ndim_cap; }
+
+pm_status_t pmpy_buffer_release_memory(BufferObject *b);
+int pmpy_buffer_set_ndim(BufferObject *b, int ndim);
+BufferObject *pmpy_buffer_alloc(PyTypeObject *type, int ndim);
+int pmpy_buffer_set_format(BufferObject *b, const char *format);
+int pmpy_buffer_set_c_strides(BufferObject *b, size_t *nbytes_out);
+int pmpy_parse_shape(PyObject *o, Py_ssize_t *dims, int *ndim_out);
+BufferObject *pmpy_buffer_shaped(PyTypeObject *type, PyObject *shape_obj, PyObject *dtype_obj,
+                                 size_t *nbytes_out);
+int pmpy_buffer_check_live(BufferObject *b);
+
+/* ---- dlpack.c ----------------------------------------------------------------------------- */
+
+int pmpy_buffer_order_before(BufferObject *b, pm_stream_t stream);
+int pmpy_buffer_record_write(BufferObject *b, pm_stream_t stream);
+PyObject *pmpy_Buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw);
+PyObject *pmpy_Buffer_dlpack_device(BufferObject *self, PyObject *unused);
+int pmpy_dl_device_of(PyObject *o, int *type, int *id);
+DLManagedTensor *pmpy_dl_import(PyObject *o, pm_stream_t stream);
+int pmpy_dl_compact_bytes(const DLTensor *t, size_t *bytes_out);
+
+/* ---- copy.c ------------------------------------------------------------------------------- */
+
+extern PyTypeObject pmpy_CompletionType;
+void pmpy_pending_sweep(int wait);
+
+/* ---- datasets.c --------------------------------------------------------------------------- */
+
+/* A pm_dataset_t plus what its samples come from: .npy or token files (the C library reads
+ * them), in-memory arrays (one per field, read without the GIL), a Python fetch(index) function
+ * returning every field of a sample (called once per sample from the loader's worker threads,
+ * which take the GIL for it), or a zip of such datasets (the fields side by side). */
+typedef struct {
+  PyObject_HEAD pm_dataset_t *ds;
+  int nviews;      /* array datasets: the arrays, exported for the dataset's life */
+  Py_buffer views[PM_MAX_FIELDS];
+  int nfields;
+  size_t fbytes[PM_MAX_FIELDS]; /* bytes of field k of one sample */
+  PyObject *fetch; /* Python datasets: fetch(index) -> a sequence of nfields buffers */
+  PyObject *error; /* the first exception a fetch raised: (type, value, traceback) */
+  PyObject *parts; /* zips: the datasets zipped (kept alive with the zip) */
+} DatasetObject;
+
+extern PyTypeObject pmpy_DatasetType;
+PyObject *pmpy_dataset_take_error(DatasetObject *d);
+
+/* ---- loader.c ----------------------------------------------------------------------------- */
+
+extern PyTypeObject pmpy_LoaderType, pmpy_BatchType;
+
+/* ---- the module functions of each file, added by _pinmem.c -------------------------------- */
+
+extern PyMethodDef pmpy_empty_pin_functions[];
+extern PyMethodDef pmpy_copy_functions[];
+extern PyMethodDef pmpy_pool_functions[];
+extern PyMethodDef pmpy_datasets_functions[];
+extern PyMethodDef pmpy_loader_functions[];
+
+#pragma GCC visibility pop
+
+#endif /* PINMEM_PY_PINMEM_H */

@@ -1,0 +1,273 @@
+/*
+ * DESIGN: the module functions over the default pool (stats, budget, trim, reserve, peak), the
+ * option table, and introspection: pointer_info, the backend, devices, synchronize, and the
+ * status names and exceptions for the Python side.
+ */
+#include "_pinmem.h"
+
+static int default_pool(pm_pool_t **pool) {
+  pm_status_t st = pm_pool_default(pool);
+  if (st != PM_OK) {
+    pmpy_raise_status(st);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *py_stats(PyObject *mod, PyObject *unused) {
+  pm_pool_t *pool;
+  if (default_pool(&pool) < 0) return NULL;
+  pm_pool_stats_t s;
+  pm_status_t st = pm_pool_get_stats(pool, &s);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  return Py_BuildValue(
+      "{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d,s:d}", "budget",
+      (Py_ssize_t)s.budget, "pinned_bytes", (Py_ssize_t)s.pinned_bytes, "pinned_peak",
+      (Py_ssize_t)s.pinned_peak, "in_use_bytes", (Py_ssize_t)s.in_use_bytes, "requested_bytes",
+      (Py_ssize_t)s.requested_bytes, "cached_bytes", (Py_ssize_t)s.cached_bytes, "pending_bytes",
+      (Py_ssize_t)s.pending_bytes, "registered_bytes", (Py_ssize_t)s.registered_bytes, "segments",
+      (unsigned long long)s.segments, "allocs", (unsigned long long)s.allocs, "frees",
+      (unsigned long long)s.frees, "cache_hits", (unsigned long long)s.cache_hits,
+      "backend_allocs", (unsigned long long)s.backend_allocs, "backend_frees",
+      (unsigned long long)s.backend_frees, "budget_waits", (unsigned long long)s.budget_waits,
+      "budget_failures", (unsigned long long)s.budget_failures, "backend_alloc_seconds",
+      s.backend_alloc_seconds, "backend_free_seconds", s.backend_free_seconds);
+}
+
+static PyObject *py_budget(PyObject *mod, PyObject *unused) {
+  pm_pool_t *pool;
+  if (default_pool(&pool) < 0) return NULL;
+  pm_pool_stats_t s;
+  pm_status_t st = pm_pool_get_stats(pool, &s);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  return PyLong_FromSize_t(s.budget);
+}
+
+static PyObject *py_set_budget(PyObject *mod, PyObject *arg) {
+  size_t bytes;
+  if (pmpy_parse_size_obj(arg, &bytes) < 0) return NULL;
+  pm_pool_t *pool;
+  if (default_pool(&pool) < 0) return NULL;
+  pm_status_t st;
+  Py_BEGIN_ALLOW_THREADS st = pm_pool_set_budget(pool, bytes);
+  Py_END_ALLOW_THREADS if (st != PM_OK) return pmpy_raise_status(st);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_trim(PyObject *mod, PyObject *unused) {
+  pmpy_pending_sweep(0);
+  pm_pool_t *pool;
+  if (default_pool(&pool) < 0) return NULL;
+  size_t released = 0;
+  pm_status_t st;
+  Py_BEGIN_ALLOW_THREADS st = pm_pool_trim(pool, &released);
+  Py_END_ALLOW_THREADS if (st != PM_OK) return pmpy_raise_status(st);
+  return PyLong_FromSize_t(released);
+}
+
+static PyObject *py_reserve(PyObject *mod, PyObject *arg) {
+  size_t bytes;
+  if (pmpy_parse_size_obj(arg, &bytes) < 0) return NULL;
+  pm_pool_t *pool;
+  if (default_pool(&pool) < 0) return NULL;
+  pm_status_t st;
+  Py_BEGIN_ALLOW_THREADS st = pm_pool_reserve(pool, bytes, PM_HOST_DEFAULT);
+  Py_END_ALLOW_THREADS if (st != PM_OK) return pmpy_raise_status(st);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_reset_peak(PyObject *mod, PyObject *unused) {
+  pm_pool_t *pool;
+  if (default_pool(&pool) < 0) return NULL;
+  pm_status_t st = pm_pool_reset_peak(pool);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  Py_RETURN_NONE;
+}
+
+static const char *const g_source_names[] = {"default", "env", "set"};
+
+static PyObject *option_dict(const pm_option_info_t *o) {
+  return Py_BuildValue("{s:s,s:s,s:s,s:s,s:s}", "value", o->value, "default", o->default_value,
+                       "env", o->env, "source",
+                       (unsigned)o->source < 3 ? g_source_names[o->source] : "?", "doc", o->doc);
+}
+
+static PyObject *py_options(PyObject *mod, PyObject *unused) {
+  PyObject *d = PyDict_New();
+  if (!d) return NULL;
+  int n = pm_option_count();
+  for (int i = 0; i < n; i++) {
+    pm_option_info_t o;
+    pm_status_t st = pm_option_get(i, &o);
+    if (st != PM_OK) {
+      Py_DECREF(d);
+      return pmpy_raise_status(st);
+    }
+    PyObject *v = option_dict(&o);
+    if (!v || PyDict_SetItemString(d, o.name, v) < 0) {
+      Py_XDECREF(v);
+      Py_DECREF(d);
+      return NULL;
+    }
+    Py_DECREF(v);
+  }
+  return d;
+}
+
+static PyObject *py_get_option(PyObject *mod, PyObject *arg) {
+  const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+  if (!name) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "option name must be a string");
+    return NULL;
+  }
+  pm_option_info_t o;
+  pm_status_t st = pm_option_find(name, &o);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  return PyUnicode_FromString(o.value);
+}
+
+static PyObject *py_set_option(PyObject *mod, PyObject *args) {
+  const char *name;
+  PyObject *value;
+  if (!PyArg_ParseTuple(args, "sO:set_option", &name, &value)) return NULL;
+  PyObject *text = PyUnicode_Check(value) ? Py_NewRef(value)
+                   : PyBool_Check(value)  ? PyUnicode_FromString(value == Py_True ? "1" : "0")
+                                          : PyObject_Str(value);
+  if (!text) return NULL;
+  const char *v = PyUnicode_AsUTF8(text);
+  if (!v) {
+    Py_DECREF(text);
+    return NULL;
+  }
+  pm_status_t st = pm_option_set(name, v);
+  Py_DECREF(text);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_parse_size(PyObject *mod, PyObject *arg) {
+  size_t v;
+  if (pmpy_parse_size_obj(arg, &v) < 0) return NULL;
+  return PyLong_FromSize_t(v);
+}
+
+static PyObject *py_pointer_info(PyObject *mod, PyObject *arg) {
+  static const char *const kinds[] = {"pageable", "pool", "registered", "managed", "device"};
+  const void *p;
+  if (Buffer_Check(arg)) {
+    if (pmpy_buffer_check_live((BufferObject *)arg) < 0) return NULL;
+    p = ((BufferObject *)arg)->ptr;
+  } else if (PyLong_Check(arg)) {
+    uintptr_t v;
+    if (pmpy_parse_address(arg, &v) < 0) return NULL;
+    p = (const void *)v;
+  } else if (PyObject_CheckBuffer(arg)) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0) return NULL;
+    p = v.buf;
+    PyBuffer_Release(&v);
+  } else {
+    PyErr_Format(PyExc_TypeError, "pointer_info takes an int address, a pinmem buffer or a "
+                                  "buffer-protocol object, not %.100s",
+                 Py_TYPE(arg)->tp_name);
+    return NULL;
+  }
+  pm_pointer_info_t info;
+  pm_status_t st = pm_pointer_query(p, &info);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  return Py_BuildValue("{s:s,s:K,s:n,s:I,s:K,s:O}", "kind",
+                       (unsigned)info.kind < 5 ? kinds[info.kind] : "?", "base",
+                       (unsigned long long)(uintptr_t)info.base, "size", (Py_ssize_t)info.size,
+                       "flags", info.flags, "device_ptr",
+                       (unsigned long long)(uintptr_t)info.device_ptr, "in_use",
+                       info.in_use ? Py_True : Py_False);
+}
+
+static PyObject *py_init(PyObject *mod, PyObject *unused) {
+  pm_status_t st;
+  Py_BEGIN_ALLOW_THREADS st = pm_init();
+  Py_END_ALLOW_THREADS if (st != PM_OK) return pmpy_raise_status(st);
+  return PyUnicode_FromString(pm_backend_name());
+}
+
+static PyObject *py_backend(PyObject *mod, PyObject *unused) {
+  if (pm_backend_kind() == PM_BACKEND_NONE) {
+    pm_status_t st;
+    Py_BEGIN_ALLOW_THREADS st = pm_init();
+    Py_END_ALLOW_THREADS if (st != PM_OK) return pmpy_raise_status(st);
+  }
+  return PyUnicode_FromString(pm_backend_name());
+}
+
+static PyObject *py_device_count(PyObject *mod, PyObject *unused) {
+  int n = 0;
+  pm_status_t st = pm_device_count(&n);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  return PyLong_FromLong(n);
+}
+
+static PyObject *py_device_info(PyObject *mod, PyObject *args) {
+  int dev = 0;
+  if (!PyArg_ParseTuple(args, "|i:device_info", &dev)) return NULL;
+  pm_device_info_t d;
+  pm_status_t st = pm_device_get_info(dev, &d);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  return Py_BuildValue(
+      "{s:i,s:s,s:(ii),s:n,s:n,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:O,s:O,s:O,s:O,s:O,s:O}", "index",
+      d.index, "name", d.name, "compute_capability", d.cc_major, d.cc_minor, "total_memory",
+      (Py_ssize_t)d.total_memory, "free_memory", (Py_ssize_t)d.free_memory, "pci_bus_id",
+      d.pci_bus_id, "pcie_gen", d.pcie_gen, "pcie_width", d.pcie_width, "pcie_max_gen",
+      d.pcie_max_gen, "pcie_max_width", d.pcie_max_width, "numa_node", d.numa_node,
+      "async_engines", d.async_engines, "can_map_host_memory",
+      d.can_map_host_memory ? Py_True : Py_False, "unified_addressing",
+      d.unified_addressing ? Py_True : Py_False, "managed_memory",
+      d.managed_memory ? Py_True : Py_False, "concurrent_managed_access",
+      d.concurrent_managed_access ? Py_True : Py_False, "host_register_supported",
+      d.host_register_supported ? Py_True : Py_False, "host_register_read_only",
+      d.host_register_read_only ? Py_True : Py_False);
+}
+
+static PyObject *py_synchronize(PyObject *mod, PyObject *unused) {
+  pm_status_t st;
+  Py_BEGIN_ALLOW_THREADS st = pm_device_synchronize();
+  Py_END_ALLOW_THREADS if (st != PM_OK) return pmpy_raise_status(st);
+  pmpy_pending_sweep(0);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_status_name(PyObject *mod, PyObject *arg) {
+  long v = PyLong_AsLong(arg);
+  if (v == -1 && PyErr_Occurred()) return NULL;
+  return PyUnicode_FromString(pm_status_name((pm_status_t)v));
+}
+
+static PyObject *py_raise_status(PyObject *mod, PyObject *args) {
+  int st;
+  const char *detail = "";
+  if (!PyArg_ParseTuple(args, "i|s:_raise", &st, &detail)) return NULL;
+  return pmpy_raise_detail((pm_status_t)st, detail);
+}
+
+PyMethodDef pmpy_pool_functions[] = {
+    {"stats", py_stats, METH_NOARGS, "stats() -> dict: the default pool's statistics"},
+    {"budget", py_budget, METH_NOARGS, "budget() -> int: the default pool's budget in bytes"},
+    {"set_budget", py_set_budget, METH_O, "set_budget(size): change the default pool's budget"},
+    {"trim", py_trim, METH_NOARGS, "trim() -> int: give cached pinned memory back; bytes released"},
+    {"reserve", py_reserve, METH_O, "reserve(size): pin size bytes now, cached for later use"},
+    {"reset_peak", py_reset_peak, METH_NOARGS, "reset_peak(): restart stats()['pinned_peak']"},
+    {"options", py_options, METH_NOARGS,
+     "options() -> {name: {value, default, env, source, doc}}: the option table in force"},
+    {"get_option", py_get_option, METH_O, "get_option(name) -> str: the value in force"},
+    {"set_option", py_set_option, METH_VARARGS,
+     "set_option(name, value): set an option (wins over the environment)"},
+    {"parse_size", py_parse_size, METH_O, "parse_size('1.5M') -> 1572864"},
+    {"pointer_info", py_pointer_info, METH_O,
+     "pointer_info(addr_or_buffer) -> dict: what pinmem knows of the address"},
+    {"init", py_init, METH_NOARGS, "init() -> backend name: start the library now"},
+    {"backend", py_backend, METH_NOARGS, "backend() -> 'cuda' or 'host'"},
+    {"device_count", py_device_count, METH_NOARGS, "device_count() -> int"},
+    {"device_info", py_device_info, METH_VARARGS, "device_info(device=0) -> dict"},
+    {"synchronize", py_synchronize, METH_NOARGS, "synchronize(): wait for the current device"},
+    {"_status_name", py_status_name, METH_O, NULL},
+    {"_raise", py_raise_status, METH_VARARGS, NULL},
+    {0}};
