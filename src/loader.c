@@ -1,17 +1,18 @@
 /*
- * DESIGN: the data loader: worker threads read samples straight into pinned batch slots, a copy
- * stage moves each full slot to a device buffer on the loader's own stream, and the consumer
+ * DESIGN: the data loader: worker threads read samples straight into pinned batch slots, each
+ * slot goes to a device buffer on the loader's own stream in parts as it fills, and the consumer
  * takes the batches in order with pm_loader_next.
  *
  * Data structure: a ring of `nslots` slots (the prefetch depth). Global batch number g (epoch *
  * batches_per_epoch + index) lives in slot g % nslots. A slot holds a host buffer (pinned from
  * the pool, or malloc'd with pin_memory 0), a device buffer of the same size, the dataset index
- * of each row, timing events around the runs of its copy on the copy stream (two per part: the
- * copy's device time without the waits between parts), the "copy done" event (ev_done: the end
- * event of the slot's last run) and "release", recorded on the consumer's stream when the batch
- * is given back. Layout of a buffer: the fields of the dataset one after another, field k at
- * foff[k] (256-aligned) holding rows_max rows of fbytes[k] bytes; all fields go behind one event.
- * A slot also holds its pm_batch_field_t table, filled at create; delivery only sets the row count.
+ * of each row, timing events around the runs of its copy on the copy stream (two per run of
+ * parts, so at most two per part: the copy's device time without the waits between runs), the
+ * "copy done" event (ev_done: the end event of the slot's last run) and "release", recorded on
+ * the consumer's stream when the batch is given back. Layout of a buffer: the fields of the dataset
+ * one after another, field k at foff[k] (256-aligned) holding rows_max rows of fbytes[k] bytes; all
+ * fields go behind one event. A slot also holds its pm_batch_field_t table, filled at create;
+ * delivery only sets the row count.
  *
  * Parts (option loader_piece, default 4 MiB; 0 = one copy of the whole slot): the copied bytes of
  * a slot, [0, foff[last] + rows * fbytes[last]), are cut into byte ranges of `piece` bytes, and
@@ -38,10 +39,10 @@
  * sample into its place; the parts of the device copy are queued as their rows are written,
  * the first after the copy stream waits for the slot's release event, so the device buffer is
  * not overwritten while the consumer's stream may still read it) -> READY once the last part is
- * queued -> HELD (delivered) -> RELEASING -> FREE. With pin_memory 0 the copy is a plain pageable copy done inside
- * pm_loader_next on the consumer's thread (it blocks as cudaMemcpyAsync from pageable memory
- * does), which is what DataLoader(pin_memory=False) + .to(device) costs. Host delivery has no
- * device buffers, events or stream.
+ * queued -> HELD (delivered) -> RELEASING -> FREE. With pin_memory 0 the copy is one plain
+ * pageable copy done inside pm_loader_next on the consumer's thread (it blocks as
+ * cudaMemcpyAsync from pageable memory does), which is what DataLoader(pin_memory=False) +
+ * .to(device) costs. Host delivery has no device buffers, events or stream.
  *
  * Destroy with batches held (as torch's DataLoader shuts down with tensors alive): destroy stops
  * the workers, frees every slot not held and marks the loader destroyed; each held slot is freed
@@ -51,19 +52,21 @@
  *
  * Invariants: fill_g (the batch whose rows are being claimed) only moves forward, so every batch
  * below it has all its rows claimed; a slot is opened for batch g only when it is FREE, i.e. batch
- * g - nslots was released; deliver_g <= fill_g; a batch is delivered only when READY, so never
- * short. An error at batch e (a read, an event, a copy) sets err_g = min(err_g, e): workers stop
- * claiming, the batches before e are still delivered (their rows were all claimed before e's),
- * and pm_loader_next returns the error from batch e on, every time (pm_loader_state then points at
- * e, so a resumed job retries it).
+ * g - nslots was released; deliver_g <= sub_g <= fill_g (sub_g: the batch whose parts are
+ * queued next); a batch is READY only once its last part is queued, and the last part needs
+ * every row, so a delivered batch is never short. An error at batch e (a read, an event, a copy)
+ * sets err_g = min(err_g, e): workers stop claiming, the batches before e are still delivered
+ * (their rows were all claimed before e's), and pm_loader_next returns the error from batch e on,
+ * every time (pm_loader_state then points at e, so a resumed job retries it).
  *
  * Threads: workers are the loader's own threads (a long-running pipeline, not a fork-join job for
  * pm__parallel_for). Lock order: mu, then nothing; submit_mu (around each run of backend calls on
  * the copy stream) is taken without mu and holds only backend calls. Only the party that set
  * `submitting` (under mu) queues a slot's parts, and its run of backend calls goes outside mu.
  * No dataset read, user callback or backend call runs under mu. A slot's buffers and events are
- * touched only by the one party its state gives them to (the opener, the worker finishing it,
- * the consumer while HELD/RELEASING); state changes happen under mu, which orders those phases.
+ * touched only by the one party its state gives them to (the opener, the submitter while it
+ * holds `submitting`, the consumer while HELD/RELEASING); state changes happen under mu, which
+ * orders those phases.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -85,12 +88,12 @@ enum { SLOT_FREE, SLOT_OPENING, SLOT_FILLING, SLOT_READY, SLOT_HELD, SLOT_RELEAS
 
 typedef struct slot {
   int state;
-  uint64_t seq;                 /* global batch number (not FREE) */
-  uint64_t rows, claimed, done; /* rows of the batch, claimed and completed by workers */
-  uint64_t rows_ready;          /* rows 0..rows_ready-1 are all written */
-  unsigned char *chunk_done;    /* per claim (rows_per_claim rows): written */
+  uint64_t seq;                  /* global batch number (not FREE) */
+  uint64_t rows, claimed, done;  /* rows of the batch, claimed and completed by workers */
+  uint64_t rows_ready;           /* rows 0..rows_ready-1 are all written */
+  unsigned char *chunk_done;     /* per claim (rows_per_claim rows): written */
   uint32_t nparts, parts_queued; /* parts of this batch's copy; queued on the copy stream */
-  uint32_t nruns;               /* runs of parts queued (ev_copy[2i], ev_copy[2i + 1] around run i) */
+  uint32_t nruns; /* runs of parts queued (ev_copy[2i], ev_copy[2i + 1] around run i) */
   bool failed;
   bool copy_pending;    /* ev_done recorded and its time not yet counted */
   bool release_pending; /* ev_release recorded since the last copy into dev */
@@ -109,10 +112,10 @@ struct pm_loader_s {
   pm__sampler_t sampler;
   pm_loader_config_t cfg;
   int nfields;
-  pm_field_t finfo[PM_MAX_FIELDS];                 /* the dataset's fields (a copy) */
+  pm_field_t finfo[PM_MAX_FIELDS];                   /* the dataset's fields (a copy) */
   size_t fbytes[PM_MAX_FIELDS], foff[PM_MAX_FIELDS]; /* a row of field k; its offset in a slot */
   size_t slot_bytes;
-  size_t piece;      /* bytes of a part of a slot's copy; 0: one copy of the whole slot */
+  size_t piece;       /* bytes of a part of a slot's copy; 0: one copy of the whole slot */
   uint32_t max_parts; /* parts of a full batch's copy */
   uint64_t rows_per_claim;
   int nslots, nworkers, started;

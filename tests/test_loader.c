@@ -1099,9 +1099,10 @@ static void test_parts(void) {
       pm_status_t st;
       while ((st = pm_loader_next(ld, &b)) == PM_OK) {
         bad += part_check(&b, !count);
-        if (!full) full = (size_t)((const unsigned char *)b.fields[2].host -
-                                   (const unsigned char *)b.fields[0].host) +
-                          (size_t)batch * part_fb[2];
+        if (!full)
+          full = (size_t)((const unsigned char *)b.fields[2].host -
+                          (const unsigned char *)b.fields[0].host) +
+                 (size_t)batch * part_fb[2];
         parts += expected_parts(&b, piece, full);
         rows += b.samples;
         batches++;

@@ -78,7 +78,7 @@
 
 /* pinmem's targets. */
 #define T_IMG_GBPS 40.0
-#define T_IMG_GBPS_LINK 48.0 /* the link's 55.5 GB/s less the gaps a loader may keep */
+#define T_IMG_GBPS_LINK 48.0        /* the link's 55.5 GB/s less the gaps a loader may keep */
 #define T_TOKEN_STALL_FRACTION 0.01 /* of a step */
 #define T_TOKEN_NEXT_US 20.0
 #define T_COMPUTE_STALL_FRACTION 0.02 /* of the run */
@@ -540,7 +540,7 @@ typedef struct bench {
   bool verify_failed;
   result_t res[24];
   int nres;
-  int run; /* of the case now running, for the progress line */
+  int run;                /* of the case now running, for the progress line */
   pm_delivery_t delivery; /* of the case now running */
   /* The two halves at once (NAN: not measured). */
   double dma_alone, dma_under_reads, reads_under_dma;
@@ -854,7 +854,7 @@ typedef struct feed {
   pm_loader_t *ld;
   atomic_bool stop;
   atomic_uint_fast64_t bytes, batches;
-  uint8_t *count;                    /* [FEED_EPOCHS][samples] deliveries */
+  uint8_t *count;                      /* [FEED_EPOCHS][samples] deliveries */
   uint64_t epoch_batches[FEED_EPOCHS]; /* batches delivered per epoch */
   uint64_t bad;
   unsigned char *tmp_in, *tmp_tg;
@@ -997,8 +997,8 @@ static void run_halves(bench_t *B, src_t *s, size_t batch) {
   runs = 0;
   double host_s = 0;
   uint64_t host_bytes = 0;
-  for (int r = -1; r < cap && (r < PM__MAX(B->repeat, HALVES_MIN_RUNS) || host_s < HALVES_MIN_WINDOW);
-       r++) {
+  for (int r = -1;
+       r < cap && (r < PM__MAX(B->repeat, HALVES_MIN_RUNS) || host_s < HALVES_MIN_WINDOW); r++) {
     uint64_t b0 = atomic_load(&f->bytes);
     double w0 = pm__now();
     double sec = timed_dma(dev, src, n, stream, e0, e1);
@@ -1024,11 +1024,14 @@ static void run_halves(bench_t *B, src_t *s, size_t batch) {
   cli_check(pm_memcpy(back, dev, n, PM_COPY_D2H));
   bool dma_ok = memcmp(back, src, n) == 0;
   if (!dma_ok)
-    fprintf(stderr, "pinmem: VERIFY FAILED: slot_dma: the device holds other bytes than were "
-                    "sent\n");
+    fprintf(stderr,
+            "pinmem: VERIFY FAILED: slot_dma: the device holds other bytes than were "
+            "sent\n");
   if (host_bytes == 0)
-    fprintf(stderr, "pinmem: VERIFY FAILED: reads_under_dma: the loader delivered nothing in "
-                    "%.3f s of DMA\n", host_s);
+    fprintf(stderr,
+            "pinmem: VERIFY FAILED: reads_under_dma: the loader delivered nothing in "
+            "%.3f s of DMA\n",
+            host_s);
   f->bad += feed_coverage(f, ls.batches_per_epoch, ls.samples_per_epoch);
   B->halves_ok = dma_ok && !f->err && host_bytes > 0 && f->bad == 0;
   if (!B->halves_ok) B->verify_failed = true;
@@ -1093,7 +1096,8 @@ static void print_halves(const bench_t *B, const result_t *reads) {
       snprintf(ratio, sizeof ratio, "%.2fx", g[i] / base);
     else
       snprintf(ratio, sizeof ratio, "-");
-    snprintf(runs, sizeof runs, "%d", i == 0 ? PM__MAX(B->repeat, HALVES_MIN_RUNS) : B->halves_runs);
+    snprintf(runs, sizeof runs, "%d",
+             i == 0 ? PM__MAX(B->repeat, HALVES_MIN_RUNS) : B->halves_runs);
     cli_table_row(&t, names[i], gb, ratio, runs, B->halves_ok ? "yes" : "NO");
   }
   cli_table_print(&t, 2);
@@ -1387,9 +1391,10 @@ int pm_cli_bench_loader(int argc, char **argv) {
              (unsigned long long)img.info.samples, img.info.sample_bytes, batch);
     if (run_images && device && B.o.pin != 0) {
       pm_option_info_t oi;
-      printf("  images_pinned copies a slot in parts of %s bytes (loader_piece), "
-             "images_pinned_whole in one copy once the slot is full\n",
-             pm_option_find("loader_piece", &oi) == PM_OK ? oi.value : "?");
+      printf(
+          "  images_pinned copies a slot in parts of %s bytes (loader_piece), "
+          "images_pinned_whole in one copy once the slot is full\n",
+          pm_option_find("loader_piece", &oi) == PM_OK ? oi.value : "?");
     }
     if (run_tokens)
       printf("  tokens: %s, %llu windows per epoch, batch %zu\n", tok.label,
