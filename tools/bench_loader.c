@@ -860,6 +860,7 @@ typedef struct feed {
   uint64_t epoch_batches[FEED_EPOCHS]; /* batches delivered per epoch */
   uint64_t bad;
   unsigned char *tmp_in, *tmp_tg;
+  atomic_bool failed; /* err and msg are set (read them after the join) */
   pm_status_t err;
   char msg[256];
 } feed_t;
@@ -889,6 +890,7 @@ static void *feed_main(void *arg) {
     if (st != PM_OK) {
       f->err = st;
       snprintf(f->msg, sizeof f->msg, "%s", pm_last_error());
+      atomic_store(&f->failed, true);
       break;
     }
   }
@@ -951,6 +953,7 @@ static void run_halves(bench_t *B, src_t *s, size_t batch) {
   f->tmp_tg = malloc(s->info.target_bytes + 1);
   if (!f->count || !f->tmp_in || !f->tmp_tg) cli_fail(PM_ERR_NOMEM);
   atomic_init(&f->stop, false);
+  atomic_init(&f->failed, false);
   atomic_init(&f->bytes, 0);
   atomic_init(&f->batches, 0);
   /* A first loader tells the slot's size; the DMA alone runs before the loader that reads. */
@@ -993,7 +996,8 @@ static void run_halves(bench_t *B, src_t *s, size_t batch) {
   }
   /* Time only once the pipeline runs: a slot's worth of batches delivered. */
   double give_up = pm__now() + 30.0;
-  while (atomic_load(&f->batches) < (uint64_t)ls.prefetch + 2 && !f->err && pm__now() < give_up)
+  while (atomic_load(&f->batches) < (uint64_t)ls.prefetch + 2 && !atomic_load(&f->failed) &&
+         pm__now() < give_up)
     sched_yield();
   cli_progress(0, 0, "slot_dma_under_reads and reads_under_dma");
   runs = 0;
