@@ -326,6 +326,12 @@ static const pm__opt_def_t opt_table[] = {
                                   "ring slots of a staged H2D copy filled in pieces (copy_piece), "
                                   "0..4096; 0 = copy_slots",
                                   parse_slots_or_0, PM__T_INT},
+    [PM__OPT_LOADER_PIECE] = {"loader_piece", "PINMEM_LOADER_PIECE", "4M",
+                              "0 = off (one copy per batch once the slot is full), or a size: a "
+                              "loader's batch slot goes to the device in parts of this size, each "
+                              "queued as soon as its rows are written, so the DMA reads them while "
+                              "they are still in the cache (at most 1024 parts a slot)",
+                              parse_size_any, PM__T_SIZE},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");

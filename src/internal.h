@@ -100,6 +100,7 @@ typedef enum pm__opt {
   PM__OPT_COPY_RAMP,          /* 0|1: growing first units of an H2D staging (copy_stage.c) */
   PM__OPT_COPY_PIECE,         /* size: ring slots filled by all threads in pieces; 0 = off */
   PM__OPT_COPY_PIECE_SLOTS,   /* int: ring depth of the copy_piece layout; 0 = copy_slots */
+  PM__OPT_LOADER_PIECE,       /* size: a loader slot's copy in parts of this size; 0 = whole */
   PM__OPT_COUNT
 } pm__opt_t;
 

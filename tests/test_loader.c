@@ -1003,6 +1003,187 @@ static void test_budget_wait(void) {
   CHECK_OK(pm_dataset_destroy(ds));
 }
 
+/* ---- a slot's copy in parts (option loader_piece) ------------------------------------------- */
+
+/* Three fields of odd sizes, each a pattern of (index, field): a large first field, a small one
+ * (labels) and a large later one, so parts cover field boundaries, rows cut in two and the
+ * 256-byte padding between fields. */
+static const size_t part_fb[3] = {1001, 7, 2503};
+
+static int part_read(uint64_t index, void *const *dsts, void *user) {
+  (void)user;
+  for (int k = 0; k < 3; k++) pm_test_fill(dsts[k], part_fb[k], index * 3 + (uint64_t)k + 1);
+  return 0;
+}
+
+static pm_dataset_t *make_part_ds(uint64_t n) {
+  pm_field_t f[3];
+  memset(f, 0, sizeof f);
+  for (int k = 0; k < 3; k++) {
+    f[k].dtype = PM_DTYPE_UINT8;
+    f[k].ndim = 1;
+    f[k].shape[0] = part_fb[k];
+  }
+  pm_dataset_fields_callbacks_t cb;
+  memset(&cb, 0, sizeof cb);
+  cb.samples = n;
+  cb.nfields = 3;
+  cb.fields = f;
+  cb.read = part_read;
+  pm_dataset_t *ds = NULL;
+  REQUIRE_OK(pm_dataset_create_fields(&cb, &ds));
+  return ds;
+}
+
+/* Bad rows of a delivered batch: its host slot, and (device) its device buffer read back. */
+static int part_check(const pm_batch_t *b, bool device) {
+  int bad = 0;
+  unsigned char want[4096];
+  CHECK_EQ_INT(b->nfields, 3);
+  if (device) CHECK_OK(pm_event_synchronize(b->event));
+  for (int k = 0; k < 3; k++) {
+    const pm_batch_field_t *f = &b->fields[k];
+    CHECK_EQ_SIZE(f->bytes, b->samples * part_fb[k]);
+    const unsigned char *rows = f->host;
+    unsigned char *copy = NULL;
+    if (device) {
+      copy = malloc(f->bytes);
+      REQUIRE(copy != NULL);
+      CHECK_OK(pm_memcpy(copy, f->data, f->bytes, PM_COPY_D2H));
+    }
+    for (size_t r = 0; r < b->samples; r++) {
+      pm_test_fill(want, part_fb[k], b->indices[r] * 3 + (uint64_t)k + 1);
+      if (memcmp(rows + r * part_fb[k], want, part_fb[k]) != 0) bad++;
+      if (copy && memcmp(copy + r * part_fb[k], want, part_fb[k]) != 0) bad++;
+    }
+    free(copy);
+  }
+  return bad;
+}
+
+/* Parts of the copy of a batch, as the loader cuts it: the copied bytes run from field 0 to the
+ * end of the last field's rows; parts of `piece` bytes, at most 1024 for a full batch. */
+static uint64_t expected_parts(const pm_batch_t *b, size_t piece, size_t full) {
+  const unsigned char *h0 = b->fields[0].host, *h2 = b->fields[2].host;
+  size_t total = (size_t)(h2 - h0) + b->samples * part_fb[2];
+  if (piece && full / piece >= 1024) piece = (full + 1023) / 1024;
+  if (!piece || total <= piece) return 1;
+  return (total + piece - 1) / piece;
+}
+
+/* Every part setting delivers every byte of every field, on the host and on the device,
+ * shuffled, with a partial last batch; the number of copies is the number of parts. */
+static void test_parts(void) {
+  const uint64_t n = 97, batch = 13; /* 8 batches an epoch, the last one of 6 rows */
+  pm_dataset_t *ds = make_part_ds(n);
+  static const char *pieces[] = {"0", "1000", "777", "4096", "1", "1M"};
+  for (size_t i = 0; i < sizeof pieces / sizeof pieces[0]; i++) {
+    REQUIRE_OK(pm_option_set("loader_piece", pieces[i]));
+    size_t piece = (size_t)pm__opt_size(PM__OPT_LOADER_PIECE);
+    for (int count = 0; count < 2; count++) {
+      /* count 1: the backend's copies are counted (host slots checked only, so that every
+       * copy counted is the loader's); count 0: the device buffers are read back too. */
+      pm_loader_config_t c = base_config(batch);
+      c.shuffle = 1;
+      c.seed = 5 + i;
+      c.epochs = 2;
+      c.workers = 1 + (int)(i % 4);
+      c.prefetch = 2 + (int)(i % 3);
+      if (count) REQUIRE_OK(pm__fault_set(PM__FAULT_MEMCPY, 0, 0)); /* counts, injects none */
+      pm_loader_t *ld;
+      REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+      pm_batch_t b;
+      int bad = 0;
+      uint64_t rows = 0, parts = 0, batches = 0;
+      size_t full = 0;
+      pm_status_t st;
+      while ((st = pm_loader_next(ld, &b)) == PM_OK) {
+        bad += part_check(&b, !count);
+        if (!full)
+          full = (size_t)((const unsigned char *)b.fields[2].host -
+                          (const unsigned char *)b.fields[0].host) +
+                 (size_t)batch * part_fb[2];
+        parts += expected_parts(&b, piece, full);
+        rows += b.samples;
+        batches++;
+        CHECK_OK(pm_batch_release(&b, NULL));
+      }
+      CHECK_ST(st, PM_ERR_STATE);
+      CHECK_EQ_INT(bad, 0);
+      CHECK_EQ_SIZE(rows, 2 * n);
+      CHECK_EQ_SIZE(batches, 16);
+      if (count) {
+        pm__fault_counts_t fc;
+        pm__fault_counts(&fc);
+        pm__fault_reset();
+        CHECK_EQ_SIZE(fc.calls[PM__FAULT_MEMCPY], parts);
+        if (piece == 1000) CHECK(parts > 16 * 20); /* rows were cut: many parts a batch */
+      }
+      pm_loader_stats_t ls;
+      CHECK_OK(pm_loader_get_stats(ld, &ls));
+      CHECK(ls.copy_seconds >= 0);
+      CHECK_OK(pm_loader_destroy(ld));
+    }
+  }
+  /* A bad value is refused and leaves the option as it was. */
+  CHECK_ERR_MSG(pm_option_set("loader_piece", "4Q"), PM_ERR_CONFIG);
+  CHECK_EQ_SIZE(pm__opt_size(PM__OPT_LOADER_PIECE), 1u << 20);
+  REQUIRE_OK(pm_option_set("loader_piece", NULL));
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+/* A copy fails in the middle of a batch's parts: the batches before it arrive whole (host and
+ * device bytes), then that batch reports the error, every time, and the state points at it;
+ * never a short or torn batch. The parts go to the stream in order, so the Kth copy after
+ * arming is part K mod P of batch K / P. */
+static void test_part_fault(void) {
+  const uint64_t n = 120, batch = 10;
+  pm_dataset_t *ds = make_part_ds(n);
+  REQUIRE_OK(pm_option_set("loader_piece", "3000"));
+  for (int variant = 0; variant < 3; variant++) {
+    pm_loader_config_t c = base_config(batch);
+    c.shuffle = 1;
+    c.workers = 3;
+    c.prefetch = 6;
+    /* slot: 10 x 1001 -> pad to 10240, + 10 x 7 -> pad to 10496, + 10 x 2503 = 35526 bytes:
+     * 12 parts of 3000 bytes. */
+    const uint64_t P = 12, fail_batch = variant == 0 ? 2 : variant == 1 ? 0 : 3;
+    const uint64_t part = variant == 0 ? 5 : variant == 1 ? 1 : P; /* 1-based */
+    REQUIRE_OK(pm__fault_set(PM__FAULT_MEMCPY, fail_batch * P + part, 0));
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+    pm_batch_t held[6];
+    for (uint64_t i = 0; i < fail_batch; i++) {
+      REQUIRE_OK(pm_loader_next(ld, &held[i]));
+      CHECK_EQ_SIZE(held[i].samples, batch);
+      CHECK_EQ_SIZE(held[i].index, i);
+      CHECK_EQ_INT(part_check(&held[i], false), 0);
+    }
+    pm_batch_t b;
+    memset(&b, 0x5a, sizeof b);
+    CHECK_ERR_MSG(pm_loader_next(ld, &b), PM_ERR_BACKEND);
+    CHECK(strstr(pm_last_error(), "injected") != NULL);
+    char want[64];
+    snprintf(want, sizeof want, "(part %llu of %llu)", (unsigned long long)part,
+             (unsigned long long)P);
+    CHECK(strstr(pm_last_error(), want) != NULL);
+    CHECK_EQ_INT(b.samples, 0x5a5a5a5a5a5a5a5a); /* output untouched */
+    pm__fault_reset();
+    CHECK_ERR_MSG(pm_loader_next(ld, &b), PM_ERR_BACKEND); /* sticky */
+    pm_loader_state_t s;
+    CHECK_OK(pm_loader_state(ld, &s));
+    CHECK_EQ_SIZE(s.batch, fail_batch);
+    /* The batches delivered before it are whole on the device too. */
+    for (uint64_t i = 0; i < fail_batch; i++) {
+      CHECK_EQ_INT(part_check(&held[i], true), 0);
+      CHECK_OK(pm_batch_release(&held[i], NULL));
+    }
+    CHECK_OK(pm_loader_destroy(ld));
+  }
+  REQUIRE_OK(pm_option_set("loader_piece", NULL));
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
 int main(void) {
   const char *small = getenv("PINMEM_TEST_SMALL");
   g_small = small && small[0] == '1';
@@ -1027,6 +1208,8 @@ int main(void) {
   test_two_consumers();
   test_destroy_held();
   test_budget_wait();
+  test_parts();
+  test_part_fault();
   alarm(0);
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_loader");

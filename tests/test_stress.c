@@ -9,10 +9,11 @@
  * when the threads stop everything must come back (pools empty and destroyable, registrations
  * gone). Runs under TSan in make test; counts are printed.
  *
- * Then loaders: 6 threads create loaders with random configurations over a callback dataset and
- * a .npy file, on the shared pools and the default one, take a random number of batches (most
- * loaders are destroyed mid-epoch, some with batches still held), verify every row, and destroy
- * them; again with faults in every backend op and in the file reads.
+ * Then loaders: 6 threads create loaders with random configurations (copies whole or in parts)
+ * over a callback dataset and a .npy file, on the shared pools and the default one, take a
+ * random number of batches (most loaders are destroyed mid-epoch, some with batches still held),
+ * verify every row, and destroy them; again with faults in every backend op and in the file
+ * reads.
  *
  * PINMEM_STRESS_SECONDS overrides the time per phase (default 2 s, 0.5 s with PINMEM_TEST_SMALL).
  */
@@ -704,6 +705,10 @@ static void loader_round(lworker_t *w, char *scratch) {
   c.epochs = lrnd(w) % 3; /* 0: no end */
   uint64_t pr = lrnd(w) % 3;
   c.pool = pr == 2 ? NULL : g_pools[pr];
+  /* The slot's copy whole, or in parts (cut inside rows), set just before the create (another
+   * thread may set it in between: each loader still takes one of these). */
+  static const char *pieces[] = {"0", "2500", "1", "4M"};
+  (void)pm_option_set("loader_piece", pieces[lrnd(w) % 4]);
   pm_loader_t *ld = NULL;
   pm_status_t st = pm_loader_create(g_ds[dsi], &c, &ld);
   if (st != PM_OK) {
@@ -893,6 +898,7 @@ int main(void) {
   CHECK_OK(pm_option_set("copy_chunk", NULL));
   CHECK_OK(pm_option_set("copy_stage_min", NULL));
   CHECK_OK(pm_option_set("copy_threads", NULL));
+  CHECK_OK(pm_option_set("loader_piece", NULL));
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_stress");
 }

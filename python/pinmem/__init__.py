@@ -13,6 +13,7 @@ Errors are pinmem.Error subclasses carrying .status (e.g. 'PM_ERR_BUDGET') and .
 """
 
 import atexit as _atexit
+from time import perf_counter as _perf_counter
 
 from . import _pinmem
 from ._pinmem import (  # noqa: F401  (re-exported)
@@ -379,19 +380,27 @@ class _EpochIterator:
     def __next__(self):
         if self._done:
             raise StopIteration
-        b = self._loader._next()
-        if b is None:
-            self._done = True
-            raise StopIteration
-        if b.index + 1 >= self._per_epoch:
-            self._done = True  # the epoch ends with this batch
-        if self._mode == "batch":
-            return b
-        if self._mode == "torch":
-            t = tuple(map(self._convert, b))
-            del b
-            return t if self._loader._tuple else t[0]
-        return b if self._loader._tuple else b[0]
+        loader = self._loader
+        t0 = _perf_counter()
+        try:
+            b = loader._next()
+            if b is None:
+                self._done = True
+                raise StopIteration
+            if b.index + 1 >= self._per_epoch:
+                self._done = True  # the epoch ends with this batch
+            if self._mode == "batch":
+                return b
+            if self._mode == "torch":
+                t1 = _perf_counter()
+                t = tuple(map(self._convert, b))
+                del b
+                loader._conversion_s += _perf_counter() - t1
+                return t if loader._tuple else t[0]
+            return b if loader._tuple else b[0]
+        finally:
+            # Everything the loop waited for here, so stats() can tell next() from the rest.
+            loader._iteration_s += _perf_counter() - t0
 
     def close(self):
         """Stop early (as generator.close() does); the loader keeps its position."""
@@ -477,6 +486,7 @@ class Loader:
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.device = "cuda" if to_device else "cpu"
+        self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
         self._c = None
         self._c = _pinmem._Loader(self._ds, **self._config)
         _live_loaders.add(self)
@@ -488,7 +498,9 @@ class Loader:
             _closed()
         b = c.next()
         if b is not None and self._odd:
+            t0 = _perf_counter()
             b = self._view_odd(b)
+            self._conversion_s += _perf_counter() - t0
         return b
 
     def _view_odd(self, b):
@@ -558,13 +570,26 @@ class Loader:
         except BaseException:
             self._c = _pinmem._Loader(self._ds, resume=old, **self._config)
             raise
+        finally:
+            self._iteration_s = self._conversion_s = 0.0  # as the library's counters
 
     def stats(self):
-        """The loader's statistics."""
+        """The loader's statistics (since it was created or last given a state_dict): the
+        library's counters (batches, stall_seconds: time next() waited for data, next_seconds:
+        all time inside the library's next(), read/copy seconds...) and where the rest of a
+        training loop's wait for its batches went: conversion_seconds (the batches' arrays made
+        into the caller's type: as_torch()'s torch.from_dlpack, views of odd dtypes),
+        iteration_seconds (all time inside the iterators' __next__: next(), conversion and the
+        glue) and glue_seconds (iteration less next() and conversion: Python's own work per
+        batch)."""
         if self._c is None:
             _closed()
         out = self._c.stats()
         out["fields"] = len(self._ds.fields())
+        out["conversion_seconds"] = self._conversion_s
+        out["iteration_seconds"] = self._iteration_s
+        out["glue_seconds"] = max(0.0, self._iteration_s - out["next_seconds"] -
+                                  self._conversion_s)
         return out
 
     def close(self):

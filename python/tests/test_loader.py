@@ -545,3 +545,48 @@ def test_close_with_batches_alive_returns_memory(xy):
     del kept
     gc.collect()
     assert pinmem.stats()["in_use_bytes"] == before
+
+
+# ---- where a training loop's time goes ---------------------------------------------------------
+
+def test_stats_account_for_time_outside_next(xy):
+    """stats() splits the iterators' time into the library's next(), the conversion of the
+    arrays and Python's glue; a slow conversion shows as conversion, not as next() or glue."""
+    import time
+    X, Y = xy
+    loader = pinmem.Loader((X, Y), batch_size=100, epochs=2)
+    st = loader.stats()
+    assert st["conversion_seconds"] == st["iteration_seconds"] == st["glue_seconds"] == 0.0
+    for x, y in loader:  # plain iteration converts nothing
+        host(x), host(y)
+    del x, y  # the last batch's slot goes back
+    st = loader.stats()
+    assert st["conversion_seconds"] == 0.0
+    assert st["iteration_seconds"] >= st["next_seconds"] > 0
+    assert st["glue_seconds"] == pytest.approx(st["iteration_seconds"] - st["next_seconds"])
+
+    calls = []
+
+    def slow_convert(a):  # as torch.from_dlpack in as_torch(), with a known cost
+        calls.append(a.shape)  # (not the array: it would hold the batch's slot)
+        time.sleep(0.002)
+        return host(a)
+
+    before = loader.stats()
+    it = pinmem._EpochIterator(loader, "torch", slow_convert)  # what as_torch() returns
+    rows = sum(len(x) for x, y in it)
+    assert rows == len(X) and len(calls) == 2 * len(loader)
+    st = loader.stats()
+    conv = st["conversion_seconds"]
+    assert conv >= 0.002 * len(calls)  # each conversion slept that long, at least
+    assert st["iteration_seconds"] - before["iteration_seconds"] >= conv + \
+        (st["next_seconds"] - before["next_seconds"])
+    assert st["glue_seconds"] == pytest.approx(
+        st["iteration_seconds"] - st["next_seconds"] - conv)
+    assert st["batches"] == 2 * len(loader)
+
+    # A new position starts the counters again, the library's and these.
+    loader.load_state_dict(loader.state_dict() | {"epoch": 0, "batch": 0})
+    st = loader.stats()
+    assert st["batches"] == 0 and st["iteration_seconds"] == st["conversion_seconds"] == 0.0
+    loader.close()
