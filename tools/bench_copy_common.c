@@ -184,13 +184,8 @@ static int parse_args(const char *cmd, int argc, char **argv, bopts_t *o) {
 /* Byte k of the pattern is byte k % 8 (little-endian) of pat_word(k / 8): any range of any
  * buffer can be checked against its absolute offset without a reference copy. */
 static inline uint64_t pat_word(uint64_t i) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + PAT_SEED;
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return x;
+  /* splitmix64's value number i from PAT_SEED (pm__mix64 adds one step itself). */
+  return pm__mix64((i - 1) * 0x9E3779B97F4A7C15ull + PAT_SEED);
 }
 
 static inline unsigned char pat_byte(uint64_t k) {
