@@ -89,15 +89,6 @@ static bool g_env_loaded; /* only touched inside pm_init's lock */
 
 /* ---- deciding ------------------------------------------------------------------------------ */
 
-static uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return x;
-}
-
 /* Count the call; true (and the call number in *call) when it must fail. */
 static bool should_fail(pm__fault_op_t op, uint64_t *call) {
   if (!atomic_load_explicit(&g_active, memory_order_relaxed)) return false;
@@ -110,7 +101,7 @@ static bool should_fail(pm__fault_op_t op, uint64_t *call) {
     uint64_t th = atomic_load_explicit(&s->threshold, memory_order_relaxed);
     if (th) {
       uint64_t seed = atomic_load_explicit(&g_seed, memory_order_relaxed);
-      hit = mix64(seed ^ mix64(((uint64_t)op << 56) ^ k)) < th;
+      hit = pm__mix64(seed ^ pm__mix64(((uint64_t)op << 56) ^ k)) < th;
     }
   }
   if (hit) atomic_fetch_add_explicit(&s->injected, 1, memory_order_relaxed);

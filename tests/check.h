@@ -1,8 +1,9 @@
 /*
  * A small assertion helper for pinmem's C tests: each CHECK prints the expression, both values
  * and pm_last_error() on failure, counts it, and the test goes on so one run shows every
- * failure. pm_test_main() wraps a test's body and turns the counts into an exit code (77 means
- * skipped, with the reason printed, for CTest's SKIP_RETURN_CODE).
+ * failure. pm_test_finish() turns the counts into the program's exit code (pm_test_init() exits
+ * 77, skipped with the reason printed, for CTest's SKIP_RETURN_CODE). The functions tests share,
+ * and the counts themselves, are in helpers.{c,h}.
  */
 #ifndef PINMEM_TEST_CHECK_H
 #define PINMEM_TEST_CHECK_H
@@ -12,10 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "helpers.h"
 #include "pinmem.h"
-
-static int pm_test_failures;
-static int pm_test_checks;
 
 #define PM_TEST_FAIL_AT(file, line, ...)                                        \
   do {                                                                          \
@@ -95,44 +94,5 @@ static int pm_test_checks;
       exit(1);                                                                  \
     }                                                                           \
   } while (0)
-
-#define PM_TEST_SKIP 77
-
-/* If the test was asked to run on the cuda backend (PINMEM_BACKEND=cuda) and no device is
- * usable, print why and exit with the skip code. Otherwise initialise and go on. */
-static inline void pm_test_init(void) {
-  pm_status_t st = pm_init();
-  if (st == PM_ERR_NO_DEVICE) {
-    const char *want = getenv("PINMEM_BACKEND");
-    printf("SKIP: backend '%s' not available here: %s\n", want ? want : "auto", pm_last_error());
-    exit(PM_TEST_SKIP);
-  }
-  if (st != PM_OK) {
-    fprintf(stderr, "pm_init failed: %s: %s\n", pm_status_name(st), pm_last_error());
-    exit(1);
-  }
-  printf("backend: %s\n", pm_backend_name());
-}
-
-/* Deterministic bytes that are never all zero: xorshift64* seeded per buffer. */
-static inline void pm_test_fill(void *p, size_t n, uint64_t seed) {
-  unsigned char *b = (unsigned char *)p;
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x1234567ull;
-  for (size_t i = 0; i < n; i++) {
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    b[i] = (unsigned char)((x * 0x2545F4914F6CDD1Dull) >> 56);
-  }
-}
-
-static inline int pm_test_finish(const char *name) {
-  if (pm_test_failures) {
-    printf("%s: %d of %d checks failed\n", name, pm_test_failures, pm_test_checks);
-    return 1;
-  }
-  printf("%s: all %d checks passed\n", name, pm_test_checks);
-  return 0;
-}
 
 #endif

@@ -28,10 +28,7 @@
 
 static uint64_t rng_state;
 static uint64_t rnd(void) {
-  uint64_t x = rng_state += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
+  return pm_test_rand(&rng_state);
 }
 
 static uint64_t fnv(const void *p, size_t n) {

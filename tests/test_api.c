@@ -6,10 +6,6 @@
 #include "check.h"
 #include "internal.h"
 
-static int small_run(void) {
-  return getenv("PINMEM_TEST_SMALL") != NULL;
-}
-
 /* ---- init ---- */
 
 static void *init_thread(void *arg) {
@@ -168,7 +164,7 @@ static void test_bad_input(void) {
 /* ---- device memory ---- */
 
 static void test_device_memory(void) {
-  const size_t sizes[] = {1, 255, 4097, (1u << 20) + 3, small_run() ? 65536 : (8u << 20) + 1};
+  const size_t sizes[] = {1, 255, 4097, (1u << 20) + 3, pm_test_small() ? 65536 : (8u << 20) + 1};
   pm_stream_t s = NULL;
   REQUIRE_OK(pm_stream_create(&s));
   for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
@@ -281,7 +277,7 @@ static void test_streams(void) {
 static void test_managed(void) {
   pm_device_info_t info;
   REQUIRE_OK(pm_device_get_info(0, &info));
-  size_t n = small_run() ? 65536 + 7 : (4u << 20) + 7;
+  size_t n = pm_test_small() ? 65536 + 7 : (4u << 20) + 7;
   unsigned char *m = NULL;
   pm_status_t st = pm_managed_alloc(n, (void **)&m);
   if (!info.managed_memory) {

@@ -44,37 +44,6 @@ static bool small;
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
-typedef struct gate {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  bool open;
-} gate_t;
-
-static void gate_init(gate_t *g) {
-  pthread_mutex_init(&g->mu, NULL);
-  pthread_cond_init(&g->cv, NULL);
-  g->open = false;
-}
-
-static void gate_fn(void *arg) {
-  gate_t *g = arg;
-  pthread_mutex_lock(&g->mu);
-  while (!g->open) pthread_cond_wait(&g->cv, &g->mu);
-  pthread_mutex_unlock(&g->mu);
-}
-
-static void gate_open(gate_t *g) {
-  pthread_mutex_lock(&g->mu);
-  g->open = true;
-  pthread_cond_broadcast(&g->cv);
-  pthread_mutex_unlock(&g->mu);
-}
-
-static void gate_fini(gate_t *g) {
-  pthread_cond_destroy(&g->cv);
-  pthread_mutex_destroy(&g->mu);
-}
-
 static void set_flag(void *arg) {
   atomic_store((atomic_int *)arg, 1);
 }
@@ -103,34 +72,6 @@ static pm_event_t new_event(unsigned flags) {
   return e;
 }
 
-/* Bytes of locked memory of this process, from /proc/self/status (VmLck), or -1. */
-static long long vm_locked_raw(void) {
-  FILE *f = fopen("/proc/self/status", "r");
-  if (!f) return -1;
-  char line[256];
-  long long kb = -1;
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "VmLck: %lld kB", &kb) == 1) break;
-  fclose(f);
-  return kb < 0 ? -1 : kb * 1024;
-}
-
-/* Bytes of locked memory of this process, from /proc/self/status (VmLck), or -1 where that
- * cannot tell (no /proc, or a sanitizer build, whose runtime makes mlock a no-op). */
-static long long vm_locked(void) {
-  static int works = -1;
-  if (works < 0) {
-    size_t pg = pm__page_size();
-    void *m = mmap(NULL, 4 * pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    long long before = vm_locked_raw();
-    works = m != MAP_FAILED && before >= 0 && mlock(m, 4 * pg) == 0 &&
-            vm_locked_raw() - before >= (long long)(4 * pg);
-    if (m != MAP_FAILED) munmap(m, 4 * pg);
-    if (!works) printf("note: VmLck checks skipped: mlock is not observable here\n");
-  }
-  return works ? vm_locked_raw() : -1;
-}
-
 /* ---- RLIMIT_MEMLOCK: in a child that cannot lock more than 64 KiB ------------------------- */
 
 static void test_memlock_limit(void) {
@@ -138,11 +79,7 @@ static void test_memlock_limit(void) {
   pid_t pid = fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
-    struct rlimit rl = {64 * 1024, 64 * 1024};
-    if (setrlimit(RLIMIT_MEMLOCK, &rl) != 0) _exit(77);
-    /* root's CAP_IPC_LOCK makes the limit moot: become nobody, which drops it. */
-    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(77);
-    if (pm__memlock_limit() == SIZE_MAX) _exit(77);
+    if (!pm_test_limit_memlock(64 * 1024)) _exit(PM_TEST_SKIP);
     /* Sanitizer runtimes replace mlock with a no-op that never fails. */
     char probe[2 * 65536];
     if (mlock(probe, sizeof probe) == 0) _exit(78);
@@ -187,7 +124,7 @@ static void test_memlock_limit(void) {
 
 static void test_host_alloc(void) {
   const size_t n = 100003;
-  long long lck0 = vm_locked();
+  long long lck0 = pm_test_vm_locked();
   void *p = NULL;
   REQUIRE_OK(B->host_alloc(n, PM_HOST_MAPPED, &p));
   CHECK(((uintptr_t)p & (pm__page_size() - 1)) == 0);
@@ -197,7 +134,7 @@ static void test_host_alloc(void) {
   CHECK(d != NULL);
   if (is_host) {
     CHECK(d == (char *)p + 17);
-    long long lck1 = vm_locked();
+    long long lck1 = pm_test_vm_locked();
     if (lck0 >= 0 && lck1 >= 0) CHECK(lck1 - lck0 >= (long long)n); /* it really is mlock'd */
   }
   void *w = NULL;
@@ -205,7 +142,7 @@ static void test_host_alloc(void) {
   CHECK_OK(B->host_free(w, 4096));
   CHECK_OK(B->host_free(p, n));
   if (is_host) {
-    long long lck2 = vm_locked();
+    long long lck2 = pm_test_vm_locked();
     if (lck0 >= 0 && lck2 >= 0) CHECK_EQ_INT(lck2, lck0);
   }
 
@@ -468,11 +405,11 @@ static void test_cross_stream(void) {
   unsigned char *src = pinned(n), *dst = pinned(n), *d = device(n);
   pm_test_fill(src, n, 61);
   memset(dst, 0xcc, n);
-  gate_t g;
-  gate_init(&g);
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
 
   /* a: [gate] H2D, record ea.   b: wait ea, D2H, record eb. */
-  CHECK_OK(B->launch_host_func(a, gate_fn, &g));
+  CHECK_OK(B->launch_host_func(a, pm_test_gate_wait, &g));
   CHECK_OK(B->memcpy_async(d, src, n, PM_COPY_H2D, a));
   CHECK_OK(B->event_record(ea, a));
   CHECK_OK(B->stream_wait_event(b, ea));
@@ -491,7 +428,7 @@ static void test_cross_stream(void) {
   CHECK_ST(B->event_query(eb), PM_NOT_READY);
   CHECK(dst[0] == 0xcc && dst[n - 1] == 0xcc); /* b's copy cannot have run */
 
-  gate_open(&g);
+  pm_test_gate_open(&g);
   CHECK_OK(B->event_synchronize(eb));
   CHECK(memcmp(dst, src, n) == 0);
   CHECK_OK(B->stream_synchronize(a));
@@ -504,14 +441,14 @@ static void test_cross_stream(void) {
   CHECK_OK(B->stream_query(c));
 
   /* the default stream waits too */
-  gate_t g2;
-  gate_init(&g2);
-  CHECK_OK(B->launch_host_func(a, gate_fn, &g2));
+  pm_test_gate_t g2;
+  pm_test_gate_init(&g2);
+  CHECK_OK(B->launch_host_func(a, pm_test_gate_wait, &g2));
   CHECK_OK(B->event_record(ea, a));
   CHECK_OK(B->stream_wait_event(NULL, ea));
   CHECK_OK(B->event_record(eb, NULL));
   CHECK_ST(B->event_query(eb), PM_NOT_READY);
-  gate_open(&g2);
+  pm_test_gate_open(&g2);
   CHECK_OK(B->event_synchronize(eb));
   CHECK_OK(B->event_query(ea));
 
@@ -521,8 +458,8 @@ static void test_cross_stream(void) {
   CHECK_OK(B->stream_destroy(a));
   CHECK_OK(B->stream_destroy(b));
   CHECK_OK(B->stream_destroy(c));
-  gate_fini(&g);
-  gate_fini(&g2);
+  pm_test_gate_destroy(&g);
+  pm_test_gate_destroy(&g2);
   CHECK_OK(B->device_free(d));
   CHECK_OK(B->host_free(src, n));
   CHECK_OK(B->host_free(dst, n));
@@ -533,26 +470,26 @@ static void test_event_query(void) {
   pm_event_t e = new_event(0);
   CHECK_OK(B->event_query(e)); /* never recorded */
   CHECK_OK(B->event_synchronize(e));
-  gate_t g;
-  gate_init(&g);
-  CHECK_OK(B->launch_host_func(s, gate_fn, &g));
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
+  CHECK_OK(B->launch_host_func(s, pm_test_gate_wait, &g));
   CHECK_OK(B->event_record(e, s));
   CHECK_ST(B->event_query(e), PM_NOT_READY);
   CHECK_ST(B->stream_query(s), PM_NOT_READY);
-  gate_open(&g);
+  pm_test_gate_open(&g);
   CHECK_OK(B->event_synchronize(e));
   CHECK_OK(B->event_query(e));
   CHECK_OK(B->stream_synchronize(s));
   CHECK_OK(B->stream_query(s));
   /* an event destroyed while its record is still queued */
-  gate_t g2;
-  gate_init(&g2);
+  pm_test_gate_t g2;
+  pm_test_gate_init(&g2);
   pm_event_t e2 = new_event(PM_EVENT_TIMING);
-  CHECK_OK(B->launch_host_func(s, gate_fn, &g2));
+  CHECK_OK(B->launch_host_func(s, pm_test_gate_wait, &g2));
   CHECK_OK(B->event_record(e2, s));
   CHECK_OK(B->stream_wait_event(s, e2));
   CHECK_OK(B->event_destroy(e2));
-  gate_open(&g2);
+  pm_test_gate_open(&g2);
   CHECK_OK(B->stream_synchronize(s));
   if (is_host) {
     CHECK_ERR_MSG(B->event_query(e2), PM_ERR_INVALID);
@@ -567,8 +504,8 @@ static void test_event_query(void) {
   CHECK_ERR_MSG(B->event_create(0, NULL), PM_ERR_INVALID);
   CHECK_OK(B->event_destroy(e));
   CHECK_OK(B->stream_destroy(s));
-  gate_fini(&g);
-  gate_fini(&g2);
+  pm_test_gate_destroy(&g);
+  pm_test_gate_destroy(&g2);
 }
 
 typedef struct hf_arg {
@@ -690,17 +627,17 @@ static void test_pinned_async(void) {
   unsigned char *src = pinned(n), *dst = pinned(n), *d = device(n);
   pm_test_fill(src, n, 91);
   memset(dst, 0xab, n);
-  gate_t g;
-  gate_init(&g);
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
 
   /* behind a gate: the calls return, nothing has run */
-  CHECK_OK(B->launch_host_func(s, gate_fn, &g));
+  CHECK_OK(B->launch_host_func(s, pm_test_gate_wait, &g));
   CHECK_OK(B->memcpy_async(d, src, n, PM_COPY_H2D, s));
   CHECK_ST(B->stream_query(s), PM_NOT_READY);
   CHECK_OK(B->memcpy_async(dst, d, n, PM_COPY_D2H, s));
   CHECK_ST(B->stream_query(s), PM_NOT_READY);
   CHECK(dst[0] == 0xab && dst[n / 2] == 0xab && dst[n - 1] == 0xab);
-  gate_open(&g);
+  pm_test_gate_open(&g);
   CHECK_OK(B->stream_synchronize(s));
   CHECK_OK(B->stream_query(s));
   CHECK(memcmp(dst, src, n) == 0);
@@ -715,15 +652,15 @@ static void test_pinned_async(void) {
   CHECK(memcmp(dst, src, n) == 0);
 
   /* D2D is queued too */
-  gate_t g2;
-  gate_init(&g2);
+  pm_test_gate_t g2;
+  pm_test_gate_init(&g2);
   unsigned char *d2 = device(n);
   pm_test_fill(src, n, 93);
   CHECK_OK(B->memcpy_sync(d, src, n, PM_COPY_H2D));
-  CHECK_OK(B->launch_host_func(s, gate_fn, &g2));
+  CHECK_OK(B->launch_host_func(s, pm_test_gate_wait, &g2));
   CHECK_OK(B->memcpy_async(d2, d, n, PM_COPY_D2D, s));
   CHECK_ST(B->stream_query(s), PM_NOT_READY);
-  gate_open(&g2);
+  pm_test_gate_open(&g2);
   CHECK_OK(B->stream_synchronize(s));
   memset(dst, 0, n);
   CHECK_OK(B->memcpy_sync(dst, d2, n, PM_COPY_D2H));
@@ -741,8 +678,8 @@ static void test_pinned_async(void) {
   CHECK_OK(B->stream_synchronize(s));
 
   CHECK_OK(B->stream_destroy(s));
-  gate_fini(&g);
-  gate_fini(&g2);
+  pm_test_gate_destroy(&g);
+  pm_test_gate_destroy(&g2);
   CHECK_OK(B->device_free(d));
   CHECK_OK(B->device_free(d2));
   CHECK_OK(B->host_free(src, n));
@@ -790,16 +727,16 @@ static void test_elapsed(void) {
   double sec = -42.0;
   /* never recorded */
   CHECK_ERR_MSG(B->event_elapsed(t0, t1, &sec), PM_ERR_INVALID);
-  gate_t g;
-  gate_init(&g);
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
   CHECK_OK(B->event_record(t0, s));
-  CHECK_OK(B->launch_host_func(s, gate_fn, &g));
+  CHECK_OK(B->launch_host_func(s, pm_test_gate_wait, &g));
   CHECK_OK(B->launch_busy(s, 0.01));
   CHECK_OK(B->event_record(t1, s));
   /* recorded, not complete: an error, and no time is written */
   CHECK_ERR_MSG(B->event_elapsed(t0, t1, &sec), PM_ERR_STATE);
   CHECK(sec == -42.0);
-  gate_open(&g);
+  pm_test_gate_open(&g);
   CHECK_OK(B->event_synchronize(t1));
   CHECK_OK(B->event_elapsed(t0, t1, &sec));
   CHECK(sec >= 0.0 && isfinite(sec));
@@ -819,7 +756,7 @@ static void test_elapsed(void) {
   CHECK_OK(B->event_destroy(t1));
   CHECK_OK(B->event_destroy(plain));
   CHECK_OK(B->stream_destroy(s));
-  gate_fini(&g);
+  pm_test_gate_destroy(&g);
 }
 
 /* ---- copy validation and direction inference ---------------------------------------------- */
@@ -955,13 +892,6 @@ typedef struct st_arg {
   int copies;
 } st_arg_t;
 
-static uint64_t rng_next(uint64_t *x) {
-  *x ^= *x << 13;
-  *x ^= *x >> 7;
-  *x ^= *x << 17;
-  return *x;
-}
-
 static void *stress_thread(void *p) {
   st_arg_t *a = p;
   const size_t slack = 64;
@@ -977,12 +907,13 @@ static void *stress_thread(void *p) {
   }
   uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(a->id + 1);
   for (int it = 0; it < a->iters; it++) {
-    uint64_t r = rng_next(&x);
+    uint64_t r = pm_test_rand(&x);
     int si = (int)(r % (ST_STREAMS + 1));
     pm_stream_t s = si == ST_STREAMS ? NULL : a->streams[si]; /* the default stream too */
-    size_t bytes = 1 + (size_t)(rng_next(&x) % a->max);
-    size_t os = rng_next(&x) % slack, od = rng_next(&x) % slack, oh = rng_next(&x) % slack;
-    int mode = (int)(rng_next(&x) % 4);
+    size_t bytes = 1 + (size_t)(pm_test_rand(&x) % a->max);
+    size_t os = pm_test_rand(&x) % slack, od = pm_test_rand(&x) % slack,
+           oh = pm_test_rand(&x) % slack;
+    int mode = (int)(pm_test_rand(&x) % 4);
     uint64_t seed = ((uint64_t)a->id << 32) | (uint64_t)it;
     pm_test_fill(src + os, bytes, seed);
     pm_status_t st = B->memcpy_async(d + od, src + os, bytes, PM_COPY_H2D, s);
@@ -1051,8 +982,7 @@ static void test_stress(void) {
 }
 
 int main(void) {
-  const char *sm = getenv("PINMEM_TEST_SMALL");
-  small = sm && sm[0] == '1';
+  small = pm_test_small();
   test_memlock_limit(); /* forks: before any thread exists */
   pm_test_init();
   B = pm__backend();

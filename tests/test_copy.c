@@ -28,15 +28,7 @@ static size_t g_page;
 
 static uint64_t g_rng = 0x243F6A8885A308D3ull;
 static uint64_t rnd(void) {
-  g_rng ^= g_rng << 13;
-  g_rng ^= g_rng >> 7;
-  g_rng ^= g_rng << 17;
-  return g_rng;
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
+  return pm_test_rand(&g_rng);
 }
 
 /* MEM_FOREIGN: pinned by the backend directly, as cudaHostAlloc from PyTorch or CuPy would be:
@@ -195,7 +187,7 @@ static void cb_init(cb_rec_t *r) {
 
 /* For callbacks without a fence: wait until it ran (or 20 s passed). */
 static void cb_wait(cb_rec_t *r) {
-  for (int i = 0; i < 20000 && atomic_load(&r->calls) == 0; i++) sleep_ms(1);
+  for (int i = 0; i < 20000 && atomic_load(&r->calls) == 0; i++) pm_test_sleep_ms(1);
 }
 
 /* A host function that holds a stream until the test opens it. A watchdog opens it after 30 s
@@ -673,7 +665,7 @@ static void test_callbacks(pm_stream_t s) {
             cb_wait(&cb);
           }
           CHECK_OK(pm_stream_synchronize(s));
-          sleep_ms(g_small ? 5 : 1); /* a second (wrong) call would come now */
+          pm_test_sleep_ms(g_small ? 5 : 1); /* a second (wrong) call would come now */
           CHECK_EQ_INT(atomic_load(&cb.calls), 1);
           CHECK_EQ_INT(atomic_load(&cb.status), PM_OK);
           hbuf_free(&hb);
@@ -793,7 +785,7 @@ static void test_tiny_budget(pm_stream_t s) {
   CHECK_ERR_MSG(pm_copy_async(back.p, dev.p, n, s, &o, &f), PM_ERR_BUDGET);
   CHECK(f == NULL);
   CHECK_OK(pm_stream_synchronize(s));
-  sleep_ms(5);
+  pm_test_sleep_ms(5);
   CHECK_EQ_INT(atomic_load(&cb.calls), 0);
   CHECK_OK(pm_pool_get_stats(none, &st));
   CHECK_EQ_SIZE(st.in_use_bytes, 0);
@@ -1101,7 +1093,7 @@ static void test_errors(pm_stream_t s) {
 
   CHECK(f == NULL); /* no failed call wrote its output */
   CHECK_OK(pm_stream_synchronize(s));
-  sleep_ms(5);
+  pm_test_sleep_ms(5);
   CHECK_EQ_INT(atomic_load(&cb.calls), 0); /* no failed submit ran its callback */
   pm_copy_options_init(NULL);              /* harmless */
   dbuf_free(&dev);
@@ -1125,12 +1117,10 @@ static void *worker_main(void *arg) {
   }
   uint64_t x = 0x9E3779B97F4A7C15ull * (uint64_t)(w->id + 1);
   for (int it = 0; it < w->iters; it++) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    size_t n = 1 + x % (6 * g_chunk);
-    bool pinned = (x >> 20) & 1;
-    size_t off = (x >> 24) % 16;
+    uint64_t r = pm_test_rand(&x);
+    size_t n = 1 + r % (6 * g_chunk);
+    bool pinned = (r >> 20) & 1;
+    size_t off = (r >> 24) % 16;
     char *src = NULL, *back = malloc(n + 16);
     void *p = NULL;
     if (pinned) {
@@ -1390,7 +1380,7 @@ static void stall_hook(size_t group, size_t piece) {
 
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0); /* progress lines show where a hung run stopped */
-  g_small = getenv("PINMEM_TEST_SMALL") && atoi(getenv("PINMEM_TEST_SMALL")) != 0;
+  g_small = pm_test_small();
   g_page = (size_t)sysconf(_SC_PAGESIZE);
   /* Small chunks and threshold so the many-chunk paths run fast; more threads than cores so
    * the parallel staging is exercised here too. */
@@ -1502,7 +1492,7 @@ int main(void) {
 
   CHECK_OK(pm_stream_destroy(s));
   CHECK_OK(pm_stream_destroy(s2));
-  sleep_ms(20);            /* let the completion service drop the last events */
+  pm_test_sleep_ms(20);    /* let the completion service drop the last events */
   CHECK_OK(pm_finalize()); /* fails with PM_ERR_BUSY if a bounce block leaked */
   return pm_test_finish("test_copy");
 }

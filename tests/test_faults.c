@@ -121,36 +121,12 @@ static void on_alarm(int sig) {
   _exit(3);
 }
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 /* ---- locked memory (host backend) ------------------------------------------------------------ */
 
-static long long vm_locked_raw(void) {
-  FILE *f = fopen("/proc/self/status", "r");
-  if (!f) return -1;
-  char line[256];
-  long long kb = -1;
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "VmLck: %lld kB", &kb) == 1) break;
-  fclose(f);
-  return kb < 0 ? -1 : kb * 1024;
-}
-
-/* -1 where it cannot tell (no /proc, or a sanitizer runtime that makes mlock a no-op). */
+/* -1 where it cannot tell (no /proc, or a sanitizer runtime that makes mlock a no-op), and on
+ * the cuda backend, whose pinned memory VmLck does not count. */
 static long long vm_locked(void) {
-  static int works = -1;
-  if (works < 0) {
-    void *m = mmap(NULL, 4 * g_page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    long long before = vm_locked_raw();
-    works = g_host && m != MAP_FAILED && before >= 0 && mlock(m, 4 * g_page) == 0 &&
-            vm_locked_raw() - before >= (long long)(4 * g_page);
-    if (m != MAP_FAILED) munmap(m, 4 * g_page);
-    if (!works) printf("note: locked-memory checks skipped: mlock is not observable here\n");
-  }
-  return works ? vm_locked_raw() : -1;
+  return g_host ? pm_test_vm_locked() : -1;
 }
 
 /* ---- what a scenario leaves behind ----------------------------------------------------------- */
@@ -256,8 +232,8 @@ static void cleanup(ctx_t *c) {
   for (int i = 0; i < c->ncbs; i++) {
     cb_rec_t *r = &c->cbs[i];
     int want = r->accepted ? 1 : 0;
-    for (int t = 0; t < 10000 && atomic_load(&r->calls) < want; t++) sleep_ms(1);
-    if (!want) sleep_ms(1);
+    for (int t = 0; t < 10000 && atomic_load(&r->calls) < want; t++) pm_test_sleep_ms(1);
+    if (!want) pm_test_sleep_ms(1);
     pm_test_checks++;
     if (atomic_load(&r->calls) != want)
       PM_TEST_FAIL_AT(__FILE__, __LINE__, "[%s, %s] callback %d ran %d times, want %d",
@@ -830,7 +806,7 @@ static void test_staged_d2h_abort(void) {
   for (int i = 0; i < 10000; i++) {
     CHECK_OK(pm_pool_get_stats(NULL, &ps));
     if (ps.in_use_bytes == 0) break;
-    sleep_ms(1);
+    pm_test_sleep_ms(1);
   }
   CHECK_EQ_SIZE(ps.in_use_bytes, 0);
   CHECK_OK(pm_stream_destroy(s));
@@ -1217,10 +1193,7 @@ static void test_memlock_limit(const char *self) {
   pid_t pid = fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
-    struct rlimit rl = {MEMLOCK_LIMIT, MEMLOCK_LIMIT};
-    if (setrlimit(RLIMIT_MEMLOCK, &rl) != 0) _exit(77);
-    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(77);
-    if (pm__memlock_limit() == SIZE_MAX) _exit(77);
+    if (!pm_test_limit_memlock(MEMLOCK_LIMIT)) _exit(PM_TEST_SKIP);
     if (access(self, X_OK) != 0) _exit(76); /* the build tree is closed to nobody */
     execl(self, self, "memlock", (char *)NULL);
     _exit(127);
@@ -1246,7 +1219,7 @@ static void test_memlock_limit(const char *self) {
 int main(int argc, char **argv) {
   if (argc > 1) return strcmp(argv[1], "memlock") ? env_child(argv[1]) : memlock_child();
   pm_test_init();
-  g_small = getenv("PINMEM_TEST_SMALL") != NULL;
+  g_small = pm_test_small();
   g_light = g_small || PM_TSAN;
   g_host = pm_backend_kind() == PM_BACKEND_HOST;
   g_page = pm__page_size();

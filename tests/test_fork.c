@@ -383,7 +383,7 @@ int main(void) {
     pthread_t t;
     atomic_store(&g_stop, 0);
     REQUIRE(pthread_create(&t, NULL, busy_main, NULL) == 0);
-    int ok = 0, rounds = getenv("PINMEM_TEST_SMALL") ? 4 : 16;
+    int ok = 0, rounds = pm_test_small() ? 4 : 16;
     for (int i = 0; i < rounds; i++) ok += in_child("fork under load", child_small_copy);
     atomic_store(&g_stop, 1);
     pthread_join(t, NULL);

@@ -1185,8 +1185,7 @@ static void test_part_fault(void) {
 }
 
 int main(void) {
-  const char *small = getenv("PINMEM_TEST_SMALL");
-  g_small = small && small[0] == '1';
+  g_small = pm_test_small();
   pm_test_init();
   unsetenv("RANK");
   unsetenv("WORLD_SIZE");

@@ -522,12 +522,6 @@ static void test_loader_file(void) {
   free(data);
 }
 
-static void cleanup(void) {
-  char cmd[600];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
-}
-
 /* io=mmap over a file truncated after it was opened: a clean PM_ERR_IO for the samples that are
  * gone (touching the mapping there would raise SIGBUS), the rest still read. */
 static void test_mmap_truncated(void) {
@@ -581,9 +575,7 @@ static void test_mmap_truncated(void) {
 
 int main(void) {
   pm_test_init();
-  const char *tmp = getenv("TMPDIR");
-  snprintf(g_dir, sizeof g_dir, "%s/pinmem-npy.XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
-  REQUIRE(mkdtemp(g_dir) != NULL);
+  REQUIRE(pm_test_tmpdir(g_dir, sizeof g_dir, "npy"));
   test_versions();
   test_dtypes();
   test_bad();
@@ -591,7 +583,7 @@ int main(void) {
   test_io_modes();
   test_loader_file();
   test_mmap_truncated();
-  cleanup();
+  pm_test_rmtree(g_dir);
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_npy");
 }

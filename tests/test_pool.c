@@ -22,22 +22,10 @@ static int g_limited; /* host backend under a low RLIMIT_MEMLOCK (8 MiB by defau
 
 static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
 static uint64_t rnd(void) {
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return rng_state * 0x2545F4914F6CDD1Dull;
+  return pm_test_rand(&rng_state);
 }
 static size_t rnd_range(size_t lo, size_t hi) {
   return lo + (size_t)(rnd() % (hi - lo + 1));
-}
-
-static int check_fill(const void *p, size_t n, uint64_t seed) {
-  unsigned char *want = malloc(n);
-  if (!want) return 0;
-  pm_test_fill(want, n, seed);
-  int ok = memcmp(p, want, n) == 0;
-  free(want);
-  return ok;
 }
 
 static int g_verbose; /* PINMEM_TEST_VERBOSE=1: print the steps of the stream tests */
@@ -68,38 +56,6 @@ static pm_pool_stats_t stats(pm_pool_t *p) {
   memset(&s, 0, sizeof s);
   CHECK_OK(pm_pool_get_stats(p, &s));
   return s;
-}
-
-/* A gate a stream waits on: the stream stays busy until the test opens it. */
-typedef struct gate {
-  pthread_mutex_t m;
-  pthread_cond_t cv;
-  int open;
-} gate_t;
-
-static void gate_wait(void *arg) {
-  gate_t *g = arg;
-  pthread_mutex_lock(&g->m);
-  while (!g->open) pthread_cond_wait(&g->cv, &g->m);
-  pthread_mutex_unlock(&g->m);
-}
-
-static void gate_init(gate_t *g) {
-  pthread_mutex_init(&g->m, NULL);
-  pthread_cond_init(&g->cv, NULL);
-  g->open = 0;
-}
-
-static void gate_open(gate_t *g) {
-  pthread_mutex_lock(&g->m);
-  g->open = 1;
-  pthread_cond_broadcast(&g->cv);
-  pthread_mutex_unlock(&g->m);
-}
-
-static void gate_destroy(gate_t *g) {
-  pthread_mutex_destroy(&g->m);
-  pthread_cond_destroy(&g->cv);
 }
 
 /* ---- size classes ------------------------------------------------------------------------ */
@@ -150,7 +106,7 @@ static void test_alloc_rw(void) {
   }
   /* Large blocks are whole segments: page aligned. */
   CHECK(((uintptr_t)ptr[7] & (pm__page_size() - 1)) == 0);
-  for (int i = 0; i < N; i++) CHECK(check_fill(ptr[i], sizes[i], 100 + i));
+  for (int i = 0; i < N; i++) CHECK(pm_test_fill_ok(ptr[i], sizes[i], 100 + i));
   pm_pool_stats_t s = stats(pool);
   size_t req = 0;
   for (int i = 0; i < N; i++) req += sizes[i];
@@ -178,7 +134,7 @@ static void test_cache_reuse(void) {
     REQUIRE_OK(pm_host_alloc(pool, 100000, 0, &q));
     CHECK(q == p); /* the same block, straight from its bin */
     pm_test_fill(q, 100000, 2 + i);
-    CHECK(check_fill(q, 100000, 2 + i));
+    CHECK(pm_test_fill_ok(q, 100000, 2 + i));
     CHECK_OK(pm_host_free(q));
   }
   pm_pool_stats_t s1 = stats(pool);
@@ -215,7 +171,7 @@ static void test_split_coalesce(void) {
   CHECK_EQ_SIZE(s1.in_use_bytes + s1.cached_bytes, big);
   /* No two blocks overlap: every pattern survived every later allocation's fill. */
   int intact = 1;
-  for (int i = 0; i < N; i++) intact &= check_fill(ptr[i], size[i], 1000 + i);
+  for (int i = 0; i < N; i++) intact &= pm_test_fill_ok(ptr[i], size[i], 1000 + i);
   CHECK(intact);
   /* Free in a shuffled order so coalescing meets free neighbours on both sides. */
   int order[N];
@@ -239,7 +195,7 @@ static void test_split_coalesce(void) {
   CHECK_EQ_SIZE(s3.cached_bytes, 0);
   if (whole) {
     pm_test_fill(whole, big, 77);
-    CHECK(check_fill(whole, big, 77));
+    CHECK(pm_test_fill_ok(whole, big, 77));
     CHECK_OK(pm_host_free(whole));
   }
   CHECK_OK(pm_pool_destroy(pool));
@@ -251,8 +207,8 @@ static void test_stream_reuse(void) {
   pm_pool_t *pool = make_pool(64 * MiB, PM_EXHAUST_FAIL, -1);
   pm_stream_t s = NULL;
   REQUIRE_OK(pm_stream_create(&s));
-  gate_t g;
-  gate_init(&g);
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
   const size_t n = 64 * KiB;
 
   void *p = NULL, *q = NULL, *r = NULL;
@@ -260,7 +216,7 @@ static void test_stream_reuse(void) {
   pm_test_fill(p, n, 5);
   CHECK_OK(pm_host_record_stream(p, s));
   CHECK_OK(pm_host_record_stream(p, s)); /* once per stream is enough */
-  CHECK_OK(pm_launch_host_func(s, gate_wait, &g));
+  CHECK_OK(pm_launch_host_func(s, pm_test_gate_wait, &g));
   step("gate closed");
   CHECK_OK(pm_launch_busy(s, 0.2));
   step("busy queued");
@@ -279,7 +235,7 @@ static void test_stream_reuse(void) {
   CHECK_EQ_INT(info.in_use, 0);
 
   step("queried");
-  gate_open(&g);
+  pm_test_gate_open(&g);
   CHECK_OK(pm_stream_synchronize(s));
   step("synchronized");
   pm_pool_stats_t s2 = stats(pool); /* polls the pending block */
@@ -290,18 +246,18 @@ static void test_stream_reuse(void) {
   CHECK_OK(pm_host_free(r));
 
   /* A block used by two streams waits for both. */
-  gate_t g2;
-  gate_init(&g2);
+  pm_test_gate_t g2;
+  pm_test_gate_init(&g2);
   pm_stream_t s2s = NULL;
   REQUIRE_OK(pm_stream_create(&s2s));
   REQUIRE_OK(pm_host_alloc(pool, 3 * MiB, 0, &p));
   CHECK_OK(pm_host_record_stream(p, s));
   CHECK_OK(pm_host_record_stream((char *)p + 4096, s2s)); /* interior pointers name the block */
-  CHECK_OK(pm_launch_host_func(s2s, gate_wait, &g2));
+  CHECK_OK(pm_launch_host_func(s2s, pm_test_gate_wait, &g2));
   CHECK_OK(pm_host_free(p));
   CHECK_OK(pm_stream_synchronize(s));
   CHECK_EQ_SIZE(stats(pool).pending_bytes, 3 * MiB);
-  gate_open(&g2);
+  pm_test_gate_open(&g2);
   CHECK_OK(pm_stream_synchronize(s2s));
   CHECK_EQ_SIZE(stats(pool).pending_bytes, 0);
 
@@ -310,8 +266,8 @@ static void test_stream_reuse(void) {
 
   CHECK_OK(pm_stream_destroy(s2s));
   CHECK_OK(pm_stream_destroy(s));
-  gate_destroy(&g2);
-  gate_destroy(&g);
+  pm_test_gate_destroy(&g2);
+  pm_test_gate_destroy(&g);
   CHECK_OK(pm_pool_destroy(pool));
 }
 
@@ -320,9 +276,9 @@ static void test_out_of_order(void) {
   pm_stream_t slow = NULL, fast = NULL;
   REQUIRE_OK(pm_stream_create(&slow));
   REQUIRE_OK(pm_stream_create(&fast));
-  gate_t g, gf;
-  gate_init(&g);
-  gate_init(&gf);
+  pm_test_gate_t g, gf;
+  pm_test_gate_init(&g);
+  pm_test_gate_init(&gf);
   /* >= 1 MiB: each block is a whole segment, so no other free block can answer the request. */
   const size_t n = 2 * MiB;
   void *a = NULL, *b = NULL, *c = NULL;
@@ -336,14 +292,14 @@ static void test_out_of_order(void) {
    * waits for every kernel launched since its last report; a kernel anywhere behind the slow
    * gate, or on the fast stream, hung the synchronization of the fast stream below (on the H200,
    * under memcheck and racecheck alike). */
-  CHECK_OK(pm_launch_host_func(fast, gate_wait, &gf));
-  CHECK_OK(pm_launch_host_func(slow, gate_wait, &g));
+  CHECK_OK(pm_launch_host_func(fast, pm_test_gate_wait, &gf));
+  CHECK_OK(pm_launch_host_func(slow, pm_test_gate_wait, &g));
   step("streams loaded");
   CHECK_OK(pm_host_free(a)); /* freed first, on the slow stream */
   CHECK_OK(pm_host_free(b));
   step("freed");
   CHECK_EQ_SIZE(stats(pool).pending_bytes, 2 * n); /* both streams are held */
-  gate_open(&gf);
+  pm_test_gate_open(&gf);
   CHECK_OK(pm_stream_synchronize(fast));
   step("fast stream synchronized");
 
@@ -354,14 +310,14 @@ static void test_out_of_order(void) {
   CHECK_EQ_INT(s1.backend_allocs, s0.backend_allocs);
   CHECK_EQ_SIZE(s1.pending_bytes, n);
 
-  gate_open(&g);
+  pm_test_gate_open(&g);
   CHECK_OK(pm_stream_synchronize(slow));
   CHECK_EQ_SIZE(stats(pool).pending_bytes, 0);
   CHECK_OK(pm_host_free(c));
   CHECK_OK(pm_stream_destroy(slow));
   CHECK_OK(pm_stream_destroy(fast));
-  gate_destroy(&gf);
-  gate_destroy(&g);
+  pm_test_gate_destroy(&gf);
+  pm_test_gate_destroy(&g);
   CHECK_OK(pm_pool_destroy(pool));
 }
 
@@ -439,7 +395,7 @@ static void test_budget_wait(void) {
   CHECK_LE_SIZE(s.pinned_bytes, 4 * MiB);
   if (b) {
     pm_test_fill(b, 2 * MiB, 4);
-    CHECK(check_fill(b, 2 * MiB, 4));
+    CHECK(pm_test_fill_ok(b, 2 * MiB, 4));
   }
   CHECK_OK(pm_host_free(b));
   CHECK_OK(pm_pool_destroy(pool));
@@ -618,7 +574,7 @@ static void test_mapped(void) {
    * unified addressing the device address may equal the host address). */
   CHECK_OK(pm_memcpy(dev, dp, n, PM_COPY_DEFAULT));
   CHECK_OK(pm_memcpy(back, dev, n, PM_COPY_D2H));
-  CHECK(check_fill(back, n, 21));
+  CHECK(pm_test_fill_ok(back, n, 21));
   free(back);
   CHECK_OK(pm_device_free(dev));
 
@@ -771,7 +727,7 @@ static void test_fast_pin(void) {
   if (!p) return;
   CHECK(((uintptr_t)p & (2 * MiB - 1)) == 0);
   pm_test_fill(p, n, 31);
-  CHECK(check_fill(p, n, 31));
+  CHECK(pm_test_fill_ok(p, n, 31));
   CHECK_OK(pm__fast_unpin(b, p, n));
   CHECK_ERR_MSG(pm__fast_pin(b, 0, 0, 4, true, &p), PM_ERR_INVALID);
 }
@@ -809,8 +765,7 @@ int main(void) {
   const char *verbose = getenv("PINMEM_TEST_VERBOSE");
   g_verbose = verbose && verbose[0] == '1';
   warm_up();
-  const char *small = getenv("PINMEM_TEST_SMALL");
-  g_small = small && small[0] == '1';
+  g_small = pm_test_small();
   if (pm_backend_kind() == PM_BACKEND_HOST && pm__memlock_limit() < 256 * MiB) {
     g_limited = g_small = 1;
     printf("note: RLIMIT_MEMLOCK allows %zu bytes: running with small sizes\n",

@@ -31,13 +31,6 @@ typedef struct worker {
   uint64_t allocs, frees, budget_errors, other_errors, corrupt, recorded;
 } worker_t;
 
-static uint64_t wrnd(worker_t *w) {
-  w->rng ^= w->rng >> 12;
-  w->rng ^= w->rng << 25;
-  w->rng ^= w->rng >> 27;
-  return w->rng * 0x2545F4914F6CDD1Dull;
-}
-
 /* A nonzero stamp unique to (owner, allocation, slot). */
 static inline uint64_t stamp(int owner, uint64_t seq, size_t slot) {
   return ((uint64_t)(owner + 1) << 56) ^ (seq << 24) ^ (uint64_t)slot ^ 0x5A5A5A5A00000000ull;
@@ -85,10 +78,10 @@ typedef struct held {
 } held_t;
 
 static size_t pick_size(worker_t *w) {
-  uint64_t r = wrnd(w) % 100;
-  if (r < 70) return 1 + (size_t)(wrnd(w) % (64 * KiB));
-  if (r < 95) return 64 * KiB + (size_t)(wrnd(w) % (960 * KiB));
-  return MiB + (size_t)(wrnd(w) % (2 * MiB));
+  uint64_t r = pm_test_rand(&w->rng) % 100;
+  if (r < 70) return 1 + (size_t)(pm_test_rand(&w->rng) % (64 * KiB));
+  if (r < 95) return 64 * KiB + (size_t)(pm_test_rand(&w->rng) % (960 * KiB));
+  return MiB + (size_t)(pm_test_rand(&w->rng) % (2 * MiB));
 }
 
 static void release(worker_t *w, held_t *h) {
@@ -105,7 +98,7 @@ static void *worker_main(void *arg) {
   held_t held[HOLD] = {{0}};
   uint64_t seq = 0;
   for (int it = 0; it < g_iters; it++) {
-    int slot = (int)(wrnd(w) % HOLD);
+    int slot = (int)(pm_test_rand(&w->rng) % HOLD);
     if (held[slot].p) {
       release(w, &held[slot]);
       continue;
@@ -127,13 +120,13 @@ static void *worker_main(void *arg) {
     w->allocs++;
     held[slot] = (held_t){p, n, ++seq};
     stamp_block(p, n, w->id, seq);
-    if (wrnd(w) % 4 == 0) {
-      pm_stream_t s = g_streams[wrnd(w) % STREAMS];
+    if (pm_test_rand(&w->rng) % 4 == 0) {
+      pm_stream_t s = g_streams[pm_test_rand(&w->rng) % STREAMS];
       if (pm_host_record_stream(p, s) == PM_OK)
         w->recorded++;
       else
         w->other_errors++;
-      if (wrnd(w) % 8 == 0 && pm_launch_busy(s, 0.0005) != PM_OK) w->other_errors++;
+      if (pm_test_rand(&w->rng) % 8 == 0 && pm_launch_busy(s, 0.0005) != PM_OK) w->other_errors++;
     }
   }
   for (int k = 0; k < HOLD; k++)
@@ -167,8 +160,7 @@ static void *checker_main(void *arg) {
 
 int main(void) {
   pm_test_init();
-  const char *small = getenv("PINMEM_TEST_SMALL");
-  int is_small = small && small[0] == '1';
+  int is_small = pm_test_small();
   g_iters = is_small ? 40 : 1500;
   g_budget = 24 * MiB;
   if (pm_backend_kind() == PM_BACKEND_HOST && pm__memlock_limit() < 64 * MiB) {

@@ -6,10 +6,6 @@
 #include "check.h"
 #include "internal.h"
 
-static int small_run(void) {
-  return getenv("PINMEM_TEST_SMALL") != NULL;
-}
-
 /* Fake addresses for the direct tests: the registry never dereferences them, and nothing real
  * that pinmem tracks lives this high in a test process. */
 #define FAKE ((uintptr_t)0x6a0000000000ull)
@@ -100,15 +96,12 @@ static void test_basic(void) {
 
 static uint64_t rng_state = 88172645463325252ull;
 static uint64_t rnd(void) {
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return rng_state;
+  return pm_test_rand(&rng_state);
 }
 
 /* Many ranges added and removed in random order; every lookup agrees with a linear scan. */
 static void test_many(void) {
-  size_t n = small_run() ? 300 : 3000;
+  size_t n = pm_test_small() ? 300 : 3000;
   size_t n0 = pm__registry_count();
   pm__range_t *r = calloc(n, sizeof *r);
   size_t *order = calloc(n, sizeof *order);
@@ -144,7 +137,7 @@ static void test_many(void) {
     bool hit = pm__registry_find((void *)p, &got);
     if (hit != (want >= 0) || (hit && (got.base != r[want].base || got.kind != r[want].kind)))
       bad++;
-    if (small_run() && probe > 1000) break;
+    if (pm_test_small() && probe > 1000) break;
   }
   CHECK_EQ_INT(bad, 0);
   for (size_t i = 0; i < n; i++) {
@@ -369,7 +362,7 @@ typedef struct {
 static void *reg_worker(void *arg) {
   worker_t *w = arg;
   size_t n = 4 * page();
-  int iters = small_run() ? 10 : 50;
+  int iters = pm_test_small() ? 10 : 50;
   for (int i = 0; i < iters; i++) {
     pm_pointer_info_t info;
     if (pm_register(w->mem, n, 0) != PM_OK) w->failures++;

@@ -75,19 +75,12 @@ typedef struct worker {
   char first_wrong[256];
 } worker_t;
 
-static uint64_t rnd(worker_t *w) {
-  uint64_t x = w->rng += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 /* Log-uniform size in [1, max]. */
 static size_t rsize(worker_t *w, size_t max) {
   int bits = 0;
   while (((size_t)1 << (bits + 1)) <= max) bits++;
-  size_t b = (size_t)1 << (rnd(w) % (unsigned)(bits + 1));
-  size_t n = b + rnd(w) % b;
+  size_t b = (size_t)1 << (pm_test_rand(&w->rng) % (unsigned)(bits + 1));
+  size_t n = b + pm_test_rand(&w->rng) % b;
   return n > max ? max : n;
 }
 
@@ -162,7 +155,7 @@ static pm_status_t fence_done(pm_fence_t f) {
 
 /* Pool memory from one of the shared pools or the default one. */
 static pm_pool_t *pick_pool(worker_t *w) {
-  uint64_t r = rnd(w) % 3;
+  uint64_t r = pm_test_rand(&w->rng) % 3;
   return r == 2 ? NULL : g_pools[r];
 }
 
@@ -172,7 +165,7 @@ static void op_alloc(worker_t *w) {
     return;
   }
   size_t n = rsize(w, (size_t)1 << 20);
-  unsigned flags = (unsigned)(rnd(w) % 8) & (PM_HOST_MAPPED | PM_HOST_PORTABLE);
+  unsigned flags = (unsigned)(pm_test_rand(&w->rng) % 8) & (PM_HOST_MAPPED | PM_HOST_PORTABLE);
   void *p = NULL;
   pm_status_t st = pm_host_alloc(pick_pool(w), n, flags, &p);
   if (st != PM_OK) return failure(w, OP_ALLOC, st);
@@ -187,7 +180,7 @@ static void op_free(worker_t *w) {
     w->ops[OP_FREE]--;
     return;
   }
-  int i = (int)(rnd(w) % (uint64_t)w->nheld);
+  int i = (int)(pm_test_rand(&w->rng) % (uint64_t)w->nheld);
   void *p = w->held[i];
   size_t n = w->held_n[i];
   /* Nobody else wrote it. */
@@ -205,8 +198,8 @@ static void op_register(worker_t *w) {
   size_t n = pm__align_up(rsize(w, (size_t)512 << 10), 4096);
   char *buf = NULL;
   if (posix_memalign((void **)&buf, 4096, n) != 0) return;
-  pm_test_fill(buf, n, rnd(w));
-  pm_status_t st = pm_register(buf, n, (rnd(w) & 1) ? PM_REGISTER_MAPPED : 0);
+  pm_test_fill(buf, n, pm_test_rand(&w->rng));
+  pm_status_t st = pm_register(buf, n, (pm_test_rand(&w->rng) & 1) ? PM_REGISTER_MAPPED : 0);
   if (st != PM_OK) {
     free(buf);
     return failure(w, OP_REGISTER, st);
@@ -263,7 +256,7 @@ static void op_copy_direct(worker_t *w) {
     pm_host_free(a);
     return failure(w, OP_COPY_DIRECT, st);
   }
-  pm_test_fill(a, n, rnd(w));
+  pm_test_fill(a, n, pm_test_rand(&w->rng));
   st = round_trip(w, b, a, n, NULL);
   if (st == PM_OK) {
     verify(w, b, a, n);
@@ -282,13 +275,13 @@ static void op_copy_direct(worker_t *w) {
 
 static void op_copy_staged(worker_t *w) {
   size_t n = rsize(w, DEV_BYTES);
-  size_t off = rnd(w) % 64;
+  size_t off = pm_test_rand(&w->rng) % 64;
   if (n + off > DEV_BYTES) n = DEV_BYTES - off;
   pm_copy_options_t o;
   pm_copy_options_init(&o);
-  o.path = (rnd(w) & 1) ? PM_PATH_STAGED : PM_PATH_AUTO;
+  o.path = (pm_test_rand(&w->rng) & 1) ? PM_PATH_STAGED : PM_PATH_AUTO;
   o.pool = pick_pool(w);
-  pm_test_fill(w->pageable + off, n, rnd(w));
+  pm_test_fill(w->pageable + off, n, pm_test_rand(&w->rng));
   pm_status_t st = round_trip(w, w->pageable2 + off, w->pageable + off, n, &o);
   if (st != PM_OK) return failure(w, OP_COPY_STAGED, st);
   verify(w, w->pageable2 + off, w->pageable + off, n);
@@ -297,15 +290,15 @@ static void op_copy_staged(worker_t *w) {
 
 static void op_copy_batch(worker_t *w) {
   pm_copy_item_t items[8];
-  size_t k = 1 + rnd(w) % 8, off = 0;
+  size_t k = 1 + pm_test_rand(&w->rng) % 8, off = 0;
   for (size_t i = 0; i < k; i++) {
     size_t n = 1 + rsize(w, DEV_BYTES / 16);
     items[i].dst = w->dev + off;
     items[i].src = w->pageable + off;
     items[i].bytes = n;
-    off += n + rnd(w) % 100;
+    off += n + pm_test_rand(&w->rng) % 100;
   }
-  pm_test_fill(w->pageable, off, rnd(w));
+  pm_test_fill(w->pageable, off, pm_test_rand(&w->rng));
   pm_copy_options_t o;
   pm_copy_options_init(&o);
   o.pool = pick_pool(w);
@@ -340,7 +333,7 @@ static void op_copy_small(worker_t *w) {
   pm_copy_options_init(&o);
   o.callback = cb_count;
   o.callback_arg = &calls;
-  pm_test_fill(w->pageable, n, rnd(w));
+  pm_test_fill(w->pageable, n, pm_test_rand(&w->rng));
   pm_status_t st = pm_copy_async(w->dev, w->pageable, n, w->stream, &o, NULL);
   if (st == PM_OK) {
     /* Without a fence the callback is the completion: wait for it (it runs exactly once). */
@@ -371,7 +364,7 @@ static void op_async_free(worker_t *w) {
     pm_host_free(a);
     return;
   }
-  pm_test_fill(a, n, rnd(w));
+  pm_test_fill(a, n, pm_test_rand(&w->rng));
   memcpy(want, a, n);
   st = pm_launch_busy(w->stream, 0.0001);
   if (st == PM_OK) st = pm_memcpy_async(w->dev, a, n, PM_COPY_H2D, w->stream);
@@ -439,7 +432,7 @@ static void *worker_main(void *arg) {
   int total = 0;
   for (int i = 0; i < OP_KINDS; i++) total += weights[i];
   while (!atomic_load_explicit(&g_stop, memory_order_relaxed)) {
-    int r = (int)(rnd(w) % (uint64_t)total), op = 0;
+    int r = (int)(pm_test_rand(&w->rng) % (uint64_t)total), op = 0;
     while (r >= weights[op]) r -= weights[op++];
     if (!w->dev && op != OP_ALLOC && op != OP_FREE && op != OP_TRIM && op != OP_PRIVATE_POOL)
       continue; /* no device buffer left (its allocations kept failing) */
@@ -638,13 +631,6 @@ typedef struct lworker {
   char first_unexpected[256];
 } lworker_t;
 
-static uint64_t lrnd(lworker_t *w) {
-  uint64_t x = w->rng += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 static void lfailure(lworker_t *w, const char *what, pm_status_t st) {
   if (st == PM_ERR_BUDGET) return;
   bool ok = g_faults && pm_last_error()[0] && st != PM_ERR_INVALID && st != PM_ERR_INTERNAL &&
@@ -689,21 +675,21 @@ static pm_status_t release_retry(pm_batch_t *b, pm_stream_t stream) {
 }
 
 static void loader_round(lworker_t *w, char *scratch) {
-  int dsi = (int)(lrnd(w) & 1);
+  int dsi = (int)(pm_test_rand(&w->rng) & 1);
   pm_loader_config_t c;
   pm_loader_config_init(&c);
-  c.batch_size = 1 + lrnd(w) % 64;
-  c.workers = 1 + (int)(lrnd(w) % 3);
-  c.prefetch = 1 + (int)(lrnd(w) % 4);
-  c.shuffle = (int)(lrnd(w) & 1);
-  c.seed = lrnd(w);
-  c.drop_last = (int)(lrnd(w) % 4 == 0);
+  c.batch_size = 1 + pm_test_rand(&w->rng) % 64;
+  c.workers = 1 + (int)(pm_test_rand(&w->rng) % 3);
+  c.prefetch = 1 + (int)(pm_test_rand(&w->rng) % 4);
+  c.shuffle = (int)(pm_test_rand(&w->rng) & 1);
+  c.seed = pm_test_rand(&w->rng);
+  c.drop_last = (int)(pm_test_rand(&w->rng) % 4 == 0);
   c.rank = 0;
   c.world_size = 1;
-  c.delivery = (lrnd(w) % 3 == 0) ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
-  c.pin_memory = lrnd(w) % 8 != 0;
-  c.epochs = lrnd(w) % 3; /* 0: no end */
-  uint64_t pr = lrnd(w) % 3;
+  c.delivery = (pm_test_rand(&w->rng) % 3 == 0) ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
+  c.pin_memory = pm_test_rand(&w->rng) % 8 != 0;
+  c.epochs = pm_test_rand(&w->rng) % 3; /* 0: no end */
+  uint64_t pr = pm_test_rand(&w->rng) % 3;
   c.pool = pr == 2 ? NULL : g_pools[pr];
   /* The slot's copy whole, or in parts (cut inside rows), set just before the create (another
    * thread may set it in between: each loader still takes one of these). */
@@ -717,7 +703,7 @@ static void loader_round(lworker_t *w, char *scratch) {
   }
   w->created++;
   uint64_t per_epoch = SAMPLES / c.batch_size + (SAMPLES % c.batch_size && !c.drop_last);
-  uint64_t want = lrnd(w) % (per_epoch + per_epoch / 2 + 2); /* often mid-epoch */
+  uint64_t want = pm_test_rand(&w->rng) % (per_epoch + per_epoch / 2 + 2); /* often mid-epoch */
   pm_batch_t held[4];
   int nheld = 0;
   bool ended = false;
@@ -740,12 +726,12 @@ static void loader_round(lworker_t *w, char *scratch) {
     }
     w->batches++;
     check_batch(w, &b, dsi, scratch);
-    if (nheld < 4 && lrnd(w) % 4 == 0)
+    if (nheld < 4 && pm_test_rand(&w->rng) % 4 == 0)
       held[nheld++] = b; /* keep it: released later, before or after the destroy */
-    else if ((st = release_retry(&b, (lrnd(w) & 1) ? w->stream : NULL)) != PM_OK)
+    else if ((st = release_retry(&b, (pm_test_rand(&w->rng) & 1) ? w->stream : NULL)) != PM_OK)
       lfailure(w, "pm_batch_release", st);
   }
-  if (lrnd(w) & 1) {
+  if (pm_test_rand(&w->rng) & 1) {
     while (nheld)
       if ((st = release_retry(&held[--nheld], w->stream)) != PM_OK)
         lfailure(w, "pm_batch_release", st);
@@ -766,7 +752,7 @@ static void loader_round(lworker_t *w, char *scratch) {
   while (nheld) {
     pm_batch_t *b = &held[--nheld];
     check_batch(w, b, dsi, scratch);
-    if ((st = release_retry(b, (lrnd(w) & 1) ? w->stream : NULL)) != PM_OK) {
+    if ((st = release_retry(b, (pm_test_rand(&w->rng) & 1) ? w->stream : NULL)) != PM_OK) {
       w->unexpected++;
       snprintf(w->first_unexpected, sizeof w->first_unexpected,
                "pm_batch_release after destroy: %s: %s", pm_status_name(st), pm_last_error());
@@ -849,7 +835,7 @@ static void loader_phase(const char *name, double seconds, bool faults) {
 
 int main(void) {
   pm_test_init();
-  g_small = getenv("PINMEM_TEST_SMALL") != NULL;
+  g_small = pm_test_small();
   double secs = g_small ? 0.5 : 2.0;
   const char *e = getenv("PINMEM_STRESS_SECONDS");
   if (e && atof(e) > 0) secs = atof(e);

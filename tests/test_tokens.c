@@ -303,16 +303,12 @@ static void test_loader(void) {
 
 int main(void) {
   pm_test_init();
-  const char *tmp = getenv("TMPDIR");
-  snprintf(g_dir, sizeof g_dir, "%s/pinmem-tok.XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
-  REQUIRE(mkdtemp(g_dir) != NULL);
+  REQUIRE(pm_test_tmpdir(g_dir, sizeof g_dir, "tok"));
   test_strided();
   test_random();
   test_bad();
   test_loader();
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_dir);
+  pm_test_rmtree(g_dir);
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_tokens");
 }

@@ -1,5 +1,5 @@
 /*
- * Entry points of the copy benchmarks (tools/bench_copy.c) for the pinmem CLI.
+ * Entry points of the copy benchmarks (tools/bench_copy.c, tools/bench_overlap.c) for the CLI.
  *
  * Each takes the arguments that follow the benchmark's name: argv[0] is the name itself
  * ("copy" or "overlap") and is ignored; the options come after it. The CLI's global --json may

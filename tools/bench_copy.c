@@ -1,13 +1,14 @@
 /*
- * `pinmem bench copy` and `pinmem bench overlap`: what pinned memory and pinmem's copy engine buy
- * for host<->device copies, side by side in one run.
+ * `pinmem bench copy`: what pinned memory and pinmem's copy engine buy for host<->device copies,
+ * side by side in one run (bench_copy_common.h names the files of the other parts).
  *
  * bench copy: for each size and for H2D, D2H and both at once (two streams), the plain backend
  * copy (cudaMemcpyAsync) from pageable, pinned and write-combined pinned memory, pinmem's
  * pm_copy_async from pageable memory (staged; also forced through the ring, and H2D through the
  * slab layout of copy_piece) and from pinned memory, a kernel reading mapped
  * (zero-copy) pinned memory, and managed-memory prefetch. Then 4096 x 64 KiB pieces in one
- * pm_copy_batch_async against a loop of plain copies.
+ * pm_copy_batch_async against a loop of plain copies. At the largest size, the host's share of
+ * staging (bench_movers.c).
  *
  * Method: every case gets a warm-up run, then --repeat timed runs; the median is reported. The
  * timed runs of the cases of one direction and size are interleaved in rounds, each round
@@ -24,39 +25,16 @@
  * checksum of the buffer ("checksum"). A failed check reports "verified": false and the command
  * exits 1. Speed targets (TARGET lines) apply to the cuda backend; on the host backend the runs
  * prove correctness only, so the default sizes stop at 64 MiB there.
- *
- * bench overlap: a copy of N bytes and a busy kernel as long as the pinned copy, the kernel
- * issued first (as a training step issues its compute before the next batch's copy): on one
- * stream, from pinned memory on two streams, from pageable memory with the plain copy on two
- * streams (it holds the calling thread), and with pinmem's staged copy on two streams. Each total is reported against
- * max(copy alone, kernel alone).
  */
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bench.h"
-#include "cli.h"
-#include "copy_internal.h"
-#include "kernels.h"
+#include "bench_copy_common.h"
 
-#if !defined(PINMEM_HAVE_CUDA)
-/* The tool is not compiled with PINMEM_HAVE_CUDA; in cuda builds of the library this launcher
- * is linked in with the backend (kernels.cu). */
-pm_status_t pm__launch_checksum(const void *dptr, size_t bytes, uint64_t *dresult,
-                                struct CUstream_st *stream) __attribute__((weak));
-#endif
-
-#define KIB ((size_t)1 << 10)
-#define MIB ((size_t)1 << 20)
-#define GIB ((size_t)1 << 30)
-#define FULL_VERIFY_MAX (256 * MIB)
 #define INNER_BYTES (64 * MIB) /* small copies repeat within a run up to this many bytes */
 #define INNER_MAX 256
-#define PAT_SEED 0x5DEECE66Dull
 
 /* pinmem's targets (cuda backend). */
 #define T_PINNED_RATIO 0.99
@@ -66,433 +44,6 @@ pm_status_t pm__launch_checksum(const void *dptr, size_t bytes, uint64_t *dresul
 #define T_PAGEABLE_D2H_GBPS 45.0
 #define T_BIDIR_GBPS 100.0
 #define T_BATCH_GBPS 40.0
-#define T_OVERLAP_RATIO 1.05
-
-/* ---- argument parsing ------------------------------------------------------------------------ */
-
-typedef struct bopts {
-  bool json, quiet;
-  size_t sizes[32];
-  int nsizes;
-  int repeat;
-  size_t bytes;    /* overlap */
-  char cases[512]; /* ",name,name," or empty: all */
-} bopts_t;
-
-/* Every row name --cases can pick, in the table's order (the case table, the byte movers, the
- * contention rows, the batch rows); defined with the cases below. */
-static int case_names(const char **out, int max);
-
-static const char *copy_usage =
-    "copy [--json] [--quiet] [--sizes LIST] [--repeat N] [--cases LIST]";
-static const char *ov_usage = "overlap [--json] [--quiet] [--bytes SIZE] [--repeat N]";
-
-static int usage(const char *cmd, const char *fmt, const char *arg) {
-  cli_progress_clear();
-  fprintf(stderr, "pinmem: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\nusage: pinmem bench %s\n(--help lists the cases and options)\n", cmd);
-  return CLI_EXIT_USAGE;
-}
-
-/* `pinmem bench copy|overlap --help`: the cases and the options with their defaults on the
- * backend that starts here. */
-static void print_help(bool is_copy) {
-  pm_status_t st = pm_init();
-  bool cuda = st == PM_OK && pm_backend_kind() == PM_BACKEND_CUDA;
-  printf("usage: pinmem bench %s\n\n", is_copy ? copy_usage : ov_usage);
-  printf("defaults below are for the backend that starts here: %s%s\n\n",
-         st == PM_OK ? pm_backend_name() : "none",
-         st == PM_OK ? "" : " (it did not start; host defaults shown)");
-  if (is_copy) {
-    const char *names[64];
-    int n = case_names(names, 64);
-    printf("cases (--cases picks rows by these names; default all):\n");
-    size_t col = 0;
-    for (int i = 0; i < n; i++) {
-      size_t len = strlen(names[i]);
-      if (col && col + 2 + len > 90) {
-        printf(",\n");
-        col = 0;
-      } else if (col) {
-        printf(", ");
-        col += 2;
-      }
-      if (!col) {
-        printf("  ");
-        col = 2;
-      }
-      printf("%s", names[i]);
-      col += len;
-    }
-    printf("\n");
-    printf(
-        "  zerocopy_mapped and managed_prefetch measure GPU features: on the host backend the\n"
-        "  first is skipped and the second runs for its bytes only (GB/s and ratio \"n/a\",\n"
-        "  \"applicable\": false in JSON)\n\n");
-    printf("options:\n");
-    printf("  --sizes LIST   copy sizes, K/M/G suffixes (default %s)\n",
-           cuda ? "4K,64K,1M,8M,64M,256M,1G" : "4K,64K,1M,8M,64M");
-    printf("  --cases LIST   only these rows, comma-separated (default: all)\n");
-    printf("  --repeat N     timed runs per case, the median is reported (default 5)\n");
-    printf(
-        "  batch rows: %d x 64 KiB pieces; mover and contention rows at the largest size\n"
-        "  when it is 8 MiB or more\n",
-        cuda ? 4096 : 1024);
-  } else {
-    printf(
-        "cases: serial_one_stream, pinned_two_streams, pageable_plain_two_streams,\n"
-        "  pageable_pinmem_two_streams: a copy and a busy kernel as long as the pinned copy\n\n"
-        "options:\n");
-    printf("  --bytes SIZE   bytes copied (default %s)\n", cuda ? "256M" : "64M");
-    printf("  --repeat N     runs per case, the median is reported (default 5)\n");
-  }
-  printf(
-      "  --json         one JSON object per line: bench, case, bytes, seconds, gbps, verified\n"
-      "                 (true/false), verify_method (full, sampled, checksum or none), ...\n"
-      "  --quiet        no progress on stderr (shown only when stderr is a terminal)\n"
-      "An option with a value may be given once; --json and --quiet more than once.\n");
-}
-
-/* 0 ok, else the exit code. */
-static int parse_args(const char *cmd, int argc, char **argv, bopts_t *o) {
-  bool is_copy = strcmp(cmd, "copy") == 0;
-  const char *u = is_copy ? copy_usage : ov_usage;
-  bool seen_sizes = false, seen_repeat = false, seen_bytes = false, seen_cases = false;
-  memset(o, 0, sizeof *o);
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *val = NULL;
-    const char *eq = strncmp(a, "--", 2) == 0 ? strchr(a, '=') : NULL;
-    size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-    if (strcmp(a, "--json") == 0) {
-      o->json = true;
-      continue;
-    }
-    if (strcmp(a, "--quiet") == 0) {
-      o->quiet = true;
-      continue;
-    }
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      print_help(is_copy);
-      exit(0);
-    }
-    bool sizes = is_copy && nl == 7 && strncmp(a, "--sizes", 7) == 0;
-    bool repeat = nl == 8 && strncmp(a, "--repeat", 8) == 0;
-    bool bytes = !is_copy && nl == 7 && strncmp(a, "--bytes", 7) == 0;
-    bool cases = is_copy && nl == 7 && strncmp(a, "--cases", 7) == 0;
-    if (!sizes && !repeat && !bytes && !cases) return usage(u, "unknown argument '%s'", a);
-    bool *seen = sizes ? &seen_sizes : repeat ? &seen_repeat : bytes ? &seen_bytes : &seen_cases;
-    if (*seen) {
-      char opt[32];
-      snprintf(opt, sizeof opt, "%.*s", (int)(nl < 20 ? nl : 20), a);
-      return usage(u, "%s given twice", opt);
-    }
-    *seen = true;
-    if (eq) {
-      val = eq + 1;
-    } else {
-      if (i + 1 >= argc) return usage(u, "%s needs a value", a);
-      val = argv[++i];
-    }
-    if ((sizes || cases) && cli_list_empty_item(val)) {
-      char msg[96];
-      snprintf(msg, sizeof msg, "%s: item %d of '%%s' is empty", sizes ? "--sizes" : "--cases",
-               cli_list_empty_item(val));
-      return usage(u, msg, val);
-    }
-    if (repeat) {
-      char *end;
-      long v = strtol(val, &end, 10);
-      if (end == val || *end || v < 1 || v > 10000)
-        return usage(u, "--repeat wants a whole number from 1 to 10000, not '%s'", val);
-      o->repeat = (int)v;
-    } else if (cases) {
-      if (strlen(val) + 3 > sizeof o->cases) return usage(u, "--cases: list too long: '%s'", val);
-      snprintf(o->cases, sizeof o->cases, ",%s,", val);
-      /* Every name must be a row of this benchmark: a typo would otherwise run nothing. */
-      const char *names[64];
-      int n = case_names(names, 64);
-      char *copy = cli_xstrdup(val), *save = NULL;
-      for (char *t = strtok_r(copy, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        bool known = false;
-        for (int k = 0; k < n && !known; k++) known = strcmp(t, names[k]) == 0;
-        if (known) continue;
-        cli_progress_clear();
-        fprintf(stderr, "pinmem: --cases: unknown case '%s'; the cases are:\n", t);
-        for (int k = 0; k < n; k++) fprintf(stderr, "  %s\n", names[k]);
-        fprintf(stderr, "usage: pinmem bench %s\n", u);
-        free(copy);
-        return CLI_EXIT_USAGE;
-      }
-      free(copy);
-    } else if (bytes) {
-      if (pm_parse_size(val, &o->bytes) != PM_OK || o->bytes == 0)
-        return usage(u, "--bytes: bad size '%s'", val);
-    } else {
-      char *copy = cli_xstrdup(val), *save = NULL;
-      for (char *t = strtok_r(copy, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        size_t v;
-        if (o->nsizes == 32 || pm_parse_size(t, &v) != PM_OK || v == 0) {
-          free(copy);
-          return usage(u, "--sizes: bad or too many sizes in '%s'", val);
-        }
-        o->sizes[o->nsizes++] = v;
-      }
-      free(copy);
-      if (o->nsizes == 0) return usage(u, "--sizes: no sizes in '%s'", val);
-    }
-  }
-  return 0;
-}
-
-/* ---- the byte pattern and its checks ----------------------------------------------------------
- */
-
-/* Byte k of the pattern is byte k % 8 (little-endian) of pat_word(k / 8): any range of any
- * buffer can be checked against its absolute offset without a reference copy. */
-static inline uint64_t pat_word(uint64_t i) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + PAT_SEED;
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return x;
-}
-
-static inline unsigned char pat_byte(uint64_t k) {
-  return (unsigned char)(pat_word(k / 8) >> (8 * (k % 8)));
-}
-
-#define PAT_PIECE (16 * MIB)
-
-typedef struct pat_job {
-  char *p;
-  const char *cp;
-  size_t n;
-  uint64_t at;       /* pattern offset of p[0] */
-  atomic_ullong bad; /* first bad offset + 1, or 0 */
-} pat_job_t;
-
-static void pat_fill_piece(void *vctx, size_t i) {
-  pat_job_t *j = vctx;
-  size_t lo = i * PAT_PIECE, hi = PM__MIN(j->n, lo + PAT_PIECE);
-  for (size_t k = lo; k < hi;) {
-    uint64_t abs = j->at + k;
-    if (abs % 8 == 0 && k + 8 <= hi) {
-      uint64_t w = pat_word(abs / 8);
-      memcpy(j->p + k, &w, 8);
-      k += 8;
-    } else {
-      j->p[k] = (char)pat_byte(abs);
-      k++;
-    }
-  }
-}
-
-static void pat_fill(void *p, size_t n, uint64_t at) {
-  pat_job_t j = {.p = p, .n = n, .at = at};
-  atomic_init(&j.bad, 0);
-  pm__parallel_for(pm__cpu_count(), (n + PAT_PIECE - 1) / PAT_PIECE, pat_fill_piece, &j);
-}
-
-/* First offset in [lo, hi) of cp that differs from the pattern, or SIZE_MAX. */
-static size_t pat_check_span(const char *cp, size_t lo, size_t hi, uint64_t at) {
-  for (size_t k = lo; k < hi;) {
-    uint64_t abs = at + k;
-    if (abs % 8 == 0 && k + 8 <= hi) {
-      uint64_t w;
-      memcpy(&w, cp + k, 8);
-      if (w != pat_word(abs / 8)) {
-        for (size_t b = 0; b < 8; b++)
-          if ((unsigned char)cp[k + b] != pat_byte(abs + b)) return k + b;
-      }
-      k += 8;
-    } else {
-      if ((unsigned char)cp[k] != pat_byte(abs)) return k;
-      k++;
-    }
-  }
-  return SIZE_MAX;
-}
-
-static void pat_check_piece(void *vctx, size_t i) {
-  pat_job_t *j = vctx;
-  size_t lo = i * PAT_PIECE, hi = PM__MIN(j->n, lo + PAT_PIECE);
-  size_t at = pat_check_span(j->cp, lo, hi, j->at);
-  if (at != SIZE_MAX) {
-    unsigned long long want = 0, v = (unsigned long long)at + 1;
-    while (!atomic_compare_exchange_weak(&j->bad, &want, v))
-      if (want && want <= v) break;
-  }
-}
-
-/* Check n bytes at cp against the pattern from offset `at`: all of them up to FULL_VERIFY_MAX,
- * else a sample. Returns "full" / "sampled", or NULL (and prints where) on a mismatch. */
-static const char *pat_verify(const char *what, const void *cp, size_t n, uint64_t at) {
-  pat_job_t j = {.cp = cp, .n = n, .at = at};
-  atomic_init(&j.bad, 0);
-  const char *method;
-  if (n <= FULL_VERIFY_MAX) {
-    pm__parallel_for(pm__cpu_count(), (n + PAT_PIECE - 1) / PAT_PIECE, pat_check_piece, &j);
-    method = "full";
-  } else {
-    size_t edge = 64 * KIB;
-    size_t bad = pat_check_span(cp, 0, edge, at);
-    if (bad == SIZE_MAX) bad = pat_check_span(cp, n - edge, n, at);
-    uint64_t x = 0x2545F4914F6CDD1Dull ^ n;
-    for (int w = 0; w < 4096 && bad == SIZE_MAX; w++) {
-      x ^= x << 13;
-      x ^= x >> 7;
-      x ^= x << 17;
-      size_t lo = (size_t)(x % (n - 4 * KIB));
-      bad = pat_check_span(cp, lo, lo + 4 * KIB, at);
-    }
-    if (bad != SIZE_MAX) atomic_store(&j.bad, (unsigned long long)bad + 1);
-    method = "sampled";
-  }
-  unsigned long long b = atomic_load(&j.bad);
-  if (b) {
-    size_t k = (size_t)(b - 1);
-    fprintf(stderr, "pinmem: VERIFY FAILED: %s: byte %zu of %zu is 0x%02x, expected 0x%02x\n", what,
-            k, n, ((const unsigned char *)cp)[k], pat_byte(at + k));
-    return NULL;
-  }
-  return method;
-}
-
-/* ---- shared state -----------------------------------------------------------------------------
- */
-
-typedef struct result {
-  char name[40];
-  char dir[8];
-  size_t bytes;
-  double gbps;
-  bool verified;
-} result_t;
-
-typedef struct bench {
-  bopts_t o;
-  bool cuda;
-  bool have_checksum;
-  size_t cap; /* buffer size */
-  pm_stream_t s1, s2;
-  pm_event_t e0, e1, ex;
-  char *hsrc, *hdst;               /* pageable, pre-faulted */
-  char *psrc, *pdst, *wsrc, *vbuf; /* pinned (pool) */
-  char *msrc;                      /* mapped pinned */
-  void *msrc_dev;
-  char *d1, *d2;     /* device: d1 destination, d2 source (holds the pattern) */
-  char *man;         /* managed */
-  uint64_t *dres;    /* device word for the checksum kernel */
-  uint64_t want_sum; /* host checksum of msrc[0, sum_bytes) */
-  size_t sum_bytes;
-  bool failed;
-  result_t res[512];
-  int nres;
-  unsigned long long steps, steps_done; /* progress: groups of rows */
-} bench_t;
-
-static const result_t *find_result(const bench_t *b, const char *name, const char *dir,
-                                   size_t bytes) {
-  for (int i = 0; i < b->nres; i++)
-    if (!strcmp(b->res[i].name, name) && !strcmp(b->res[i].dir, dir) && b->res[i].bytes == bytes)
-      return &b->res[i];
-  return NULL;
-}
-
-static void add_result(bench_t *b, const char *name, const char *dir, size_t bytes, double gbps,
-                       bool verified) {
-  if (b->nres == (int)(sizeof b->res / sizeof b->res[0])) return;
-  result_t *r = &b->res[b->nres++];
-  snprintf(r->name, sizeof r->name, "%s", name);
-  snprintf(r->dir, sizeof r->dir, "%s", dir);
-  r->bytes = bytes;
-  r->gbps = gbps;
-  r->verified = verified;
-}
-
-static void sync_all(bench_t *b) {
-  cli_check(pm_stream_synchronize(b->s1));
-  cli_check(pm_stream_synchronize(b->s2));
-}
-
-static void *pinned(size_t n, unsigned flags) {
-  void *p;
-  cli_check(pm_host_alloc(NULL, n, flags, &p));
-  return p;
-}
-
-static void *pageable(size_t n) {
-  char *p = cli_xmalloc(n);
-  memset(p, 0, n); /* fault the pages in now, not inside a timed run */
-  return p;
-}
-
-static void *device(size_t n) {
-  void *p;
-  cli_check(pm_device_alloc(n, &p));
-  return p;
-}
-
-static void bench_setup(bench_t *b, size_t cap, bool copy_bench) {
-  b->cap = cap;
-  cli_check(pm_stream_create(&b->s1));
-  cli_check(pm_stream_create(&b->s2));
-  cli_check(pm_event_create(PM_EVENT_TIMING, &b->e0));
-  cli_check(pm_event_create(PM_EVENT_TIMING, &b->e1));
-  cli_check(pm_event_create(PM_EVENT_DEFAULT, &b->ex));
-  b->hsrc = pageable(cap);
-  b->psrc = pinned(cap, PM_HOST_DEFAULT);
-  b->vbuf = pinned(cap, PM_HOST_DEFAULT);
-  b->d1 = device(cap);
-  pat_fill(b->hsrc, cap, 0);
-  pat_fill(b->psrc, cap, 0);
-  if (!copy_bench) return;
-  b->hdst = pageable(cap);
-  b->pdst = pinned(cap, PM_HOST_DEFAULT);
-  b->wsrc = pinned(cap, PM_HOST_WRITE_COMBINED);
-  b->d2 = device(cap);
-  b->man = NULL;
-  pat_fill(b->wsrc, cap, 0);
-  cli_check(pm_memcpy(b->d2, b->psrc, cap, PM_COPY_H2D));
-  if (pm_managed_alloc(cap, (void **)&b->man) == PM_OK)
-    pat_fill(b->man, cap, 0);
-  else
-    b->man = NULL;
-#if defined(PINMEM_HAVE_CUDA)
-  b->have_checksum = b->cuda;
-#else
-  b->have_checksum = b->cuda && pm__launch_checksum != NULL;
-#endif
-  if (b->have_checksum) {
-    b->msrc = pinned(cap, PM_HOST_MAPPED);
-    pat_fill(b->msrc, cap, 0);
-    cli_check(pm_host_device_pointer(b->msrc, &b->msrc_dev));
-    b->dres = device(sizeof(uint64_t));
-  }
-}
-
-static void bench_teardown(bench_t *b) {
-  sync_all(b);
-  free(b->hsrc);
-  free(b->hdst);
-  pm_host_free(b->psrc);
-  pm_host_free(b->pdst);
-  pm_host_free(b->wsrc);
-  pm_host_free(b->vbuf);
-  pm_host_free(b->msrc);
-  pm_device_free(b->d1);
-  pm_device_free(b->d2);
-  pm_device_free(b->dres);
-  if (b->man) pm_managed_free(b->man);
-  pm_event_destroy(b->e0);
-  pm_event_destroy(b->e1);
-  pm_event_destroy(b->ex);
-  pm_stream_destroy(b->s1);
-  pm_stream_destroy(b->s2);
-}
 
 /* ---- cases ------------------------------------------------------------------------------------
  */
@@ -501,21 +52,18 @@ typedef void (*op_fn)(bench_t *b, size_t n);
 typedef const char *(*verify_fn)(bench_t *b, size_t n, const char *what);
 typedef void (*prep_fn)(bench_t *b, size_t n);
 
-static void h2d_plain(bench_t *b, size_t n, const void *src) {
-  cli_check(pm_memcpy_async(b->d1, src, n, PM_COPY_H2D, b->s1));
-}
 static void d2h_plain(bench_t *b, size_t n, void *dst, pm_stream_t s) {
   cli_check(pm_memcpy_async(dst, b->d2, n, PM_COPY_D2H, s));
 }
 
 static void op_h2d_plain_pageable(bench_t *b, size_t n) {
-  h2d_plain(b, n, b->hsrc);
+  bc_h2d_plain(b, n, b->hsrc);
 }
 static void op_h2d_plain_pinned(bench_t *b, size_t n) {
-  h2d_plain(b, n, b->psrc);
+  bc_h2d_plain(b, n, b->psrc);
 }
 static void op_h2d_plain_wc(bench_t *b, size_t n) {
-  h2d_plain(b, n, b->wsrc);
+  bc_h2d_plain(b, n, b->wsrc);
 }
 static void op_h2d_pinmem_pageable(bench_t *b, size_t n) {
   cli_check(pm_copy_async(b->d1, b->hsrc, n, b->s1, NULL, NULL));
@@ -577,11 +125,11 @@ static void op_d2h_managed(bench_t *b, size_t n) {
  * blocks it anyway on the plain pageable one), then H2D on s1. */
 static void op_bi_plain_pageable(bench_t *b, size_t n) {
   d2h_plain(b, n, b->hdst, b->s2);
-  h2d_plain(b, n, b->hsrc);
+  bc_h2d_plain(b, n, b->hsrc);
 }
 static void op_bi_plain_pinned(bench_t *b, size_t n) {
   d2h_plain(b, n, b->pdst, b->s2);
-  h2d_plain(b, n, b->psrc);
+  bc_h2d_plain(b, n, b->psrc);
 }
 static void op_bi_pinmem_pageable(bench_t *b, size_t n) {
   cli_check(pm_copy_async(b->hdst, b->d2, n, b->s2, NULL, NULL));
@@ -592,25 +140,18 @@ static void op_bi_pinmem_pinned(bench_t *b, size_t n) {
   cli_check(pm_copy_async(b->d1, b->psrc, n, b->s1, NULL, NULL));
 }
 
-static void clear_host(char *p, size_t n) {
-  memset(p, 0, n);
-}
-
-static void prep_d1(bench_t *b, size_t n) {
-  cli_check(pm_device_memset_async(b->d1, 0, n, b->s1));
-}
 static void prep_hdst(bench_t *b, size_t n) {
-  clear_host(b->hdst, n);
+  bc_clear_host(b->hdst, n);
 }
 static void prep_pdst(bench_t *b, size_t n) {
-  clear_host(b->pdst, n);
+  bc_clear_host(b->pdst, n);
 }
 static void prep_bi_pageable(bench_t *b, size_t n) {
-  prep_d1(b, n);
+  bc_prep_d1(b, n);
   prep_hdst(b, n);
 }
 static void prep_bi_pinned(bench_t *b, size_t n) {
-  prep_d1(b, n);
+  bc_prep_d1(b, n);
   prep_pdst(b, n);
 }
 static void prep_zerocopy(bench_t *b, size_t n) {
@@ -631,22 +172,18 @@ static void prep_managed_d2h(bench_t *b, size_t n) {
   cli_check(pm_managed_prefetch(b->man, n, dev, b->s1));
 }
 
-static const char *v_d1(bench_t *b, size_t n, const char *what) {
-  cli_check(pm_memcpy(b->vbuf, b->d1, n, PM_COPY_D2H));
-  return pat_verify(what, b->vbuf, n, 0);
-}
 static const char *v_hdst(bench_t *b, size_t n, const char *what) {
-  return pat_verify(what, b->hdst, n, 0);
+  return bc_pat_verify(what, b->hdst, n, 0);
 }
 static const char *v_pdst(bench_t *b, size_t n, const char *what) {
-  return pat_verify(what, b->pdst, n, 0);
+  return bc_pat_verify(what, b->pdst, n, 0);
 }
 static const char *v_bi_pageable(bench_t *b, size_t n, const char *what) {
-  const char *m = v_d1(b, n, what);
+  const char *m = bc_v_d1(b, n, what);
   return m && v_hdst(b, n, what) ? m : NULL;
 }
 static const char *v_bi_pinned(bench_t *b, size_t n, const char *what) {
-  const char *m = v_d1(b, n, what);
+  const char *m = bc_v_d1(b, n, what);
   return m && v_pdst(b, n, what) ? m : NULL;
 }
 static const char *v_zerocopy(bench_t *b, size_t n, const char *what) {
@@ -660,7 +197,7 @@ static const char *v_zerocopy(bench_t *b, size_t n, const char *what) {
 }
 static const char *v_managed(bench_t *b, size_t n, const char *what) {
   cli_check(pm_stream_synchronize(b->s1));
-  return pat_verify(what, b->man, n, 0);
+  return bc_pat_verify(what, b->man, n, 0);
 }
 
 typedef struct ccase {
@@ -675,15 +212,16 @@ typedef struct ccase {
 } ccase_t;
 
 static const ccase_t cases[] = {
-    {"plain_pageable", "h2d", NULL, op_h2d_plain_pageable, prep_d1, v_d1, 0, false},
-    {"plain_pinned", "h2d", NULL, op_h2d_plain_pinned, prep_d1, v_d1, 0, false},
-    {"plain_wc_pinned", "h2d", "plain_pinned", op_h2d_plain_wc, prep_d1, v_d1, 0, false},
-    {"pinmem_pageable", "h2d", "plain_pageable", op_h2d_pinmem_pageable, prep_d1, v_d1, 0, true},
-    {"pinmem_pageable_ring", "h2d", "plain_pageable", op_h2d_pinmem_pageable_ring, prep_d1, v_d1, 0,
+    {"plain_pageable", "h2d", NULL, op_h2d_plain_pageable, bc_prep_d1, bc_v_d1, 0, false},
+    {"plain_pinned", "h2d", NULL, op_h2d_plain_pinned, bc_prep_d1, bc_v_d1, 0, false},
+    {"plain_wc_pinned", "h2d", "plain_pinned", op_h2d_plain_wc, bc_prep_d1, bc_v_d1, 0, false},
+    {"pinmem_pageable", "h2d", "plain_pageable", op_h2d_pinmem_pageable, bc_prep_d1, bc_v_d1, 0,
      true},
-    {"pinmem_pageable_units", "h2d", "plain_pageable", op_h2d_pinmem_pageable_units, prep_d1, v_d1,
-     0, true},
-    {"pinmem_pinned", "h2d", "plain_pinned", op_h2d_pinmem_pinned, prep_d1, v_d1, 0, true},
+    {"pinmem_pageable_ring", "h2d", "plain_pageable", op_h2d_pinmem_pageable_ring, bc_prep_d1,
+     bc_v_d1, 0, true},
+    {"pinmem_pageable_units", "h2d", "plain_pageable", op_h2d_pinmem_pageable_units, bc_prep_d1,
+     bc_v_d1, 0, true},
+    {"pinmem_pinned", "h2d", "plain_pinned", op_h2d_pinmem_pinned, bc_prep_d1, bc_v_d1, 0, true},
     {"zerocopy_mapped", "h2d", "plain_pinned", op_h2d_zerocopy, prep_zerocopy, v_zerocopy, 1,
      false},
     {"managed_prefetch", "h2d", "plain_pinned", op_h2d_managed, prep_managed_h2d, v_managed, 2,
@@ -734,86 +272,6 @@ static const char *pinmem_path(bench_t *b, const ccase_t *c, size_t n) {
   return path_name(p);
 }
 
-static void fmt_gbps(double v, char *buf, size_t len) {
-  if (isfinite(v))
-    snprintf(buf, len, "%.2f", v);
-  else
-    snprintf(buf, len, "-");
-}
-
-#define ROW_FMT "%-5s  %-13s  %-22s  %9s  %8s  %-8s  %s\n"
-
-static void print_header(void) {
-  printf(ROW_FMT, "dir", "size", "case", "GB/s", "ratio", "path", "verified");
-}
-
-/* One row of the text table; `size` is the size column's label, a NAN ratio prints "-". A case
- * that is not applicable on this backend prints "n/a" for its speed and ratio. */
-static void text_row(const char *dir, const char *size, const char *name, double gbps, double ratio,
-                     const char *path, bool ok, const char *method, bool applicable) {
-  char g[32], ra[32];
-  cli_progress_clear();
-  fmt_gbps(gbps, g, sizeof g);
-  if (!applicable) {
-    snprintf(g, sizeof g, "n/a");
-    snprintf(ra, sizeof ra, "n/a");
-  } else if (isfinite(ratio))
-    snprintf(ra, sizeof ra, "%.2fx", ratio);
-  else
-    snprintf(ra, sizeof ra, "-");
-  printf(ROW_FMT, dir, size, name, g, ra, path, ok ? method : "NO (FAILED)");
-  fflush(stdout);
-}
-
-static bool wanted(const bench_t *b, const char *name) {
-  if (!b->o.cases[0]) return true;
-  char key[64];
-  snprintf(key, sizeof key, ",%s,", name);
-  return strstr(b->o.cases, key) != NULL;
-}
-
-/* The option's current value (keyword options), for the record of a run. */
-static const char *opt_value(const char *name, char *buf, size_t len) {
-  pm_option_info_t oi;
-  snprintf(buf, len, "%s", pm_option_find(name, &oi) == PM_OK ? oi.value : "?");
-  return buf;
-}
-
-/* The copy engine's configuration as it stands, in every row, so a result file says what it
- * measured (rows that force a layout or a batch mode say so in their case name). */
-static void copy_cfg_json(cli_json_t *j) {
-  pm__copy_cfg_t cfg;
-  pm__copy_cfg(&cfg);
-  char v[sizeof((pm_option_info_t *)0)->value];
-  cli_json_uint(j, "copy_chunk", cfg.chunk);
-  cli_json_int(j, "copy_slots", cfg.slots);
-  cli_json_int(j, "copy_threads", cfg.threads);
-  cli_json_uint(j, "copy_stage_min", cfg.stage_min);
-  cli_json_str(j, "copy_bounce", opt_value("copy_bounce", v, sizeof v));
-  cli_json_str(j, "copy_memcpy", opt_value("copy_memcpy", v, sizeof v));
-  cli_json_str(j, "copy_batch", opt_value("copy_batch", v, sizeof v));
-  cli_json_uint(j, "copy_piece", cfg.piece);
-  cli_json_int(j, "copy_piece_slots", cfg.piece_slots);
-}
-
-/* The keys every bench copy row starts with: `verified` is true when no check of the row's bytes
- * failed, `verify_method` says which check ran ("full", "sampled", "checksum", or "none" for a
- * row that delivers nothing to check), `applicable` is false for a case that measures a GPU
- * feature the host backend only imitates (its bytes are still checked; its speed means
- * nothing). */
-static void copy_row_json(cli_json_t *j, const char *name, const char *dir, size_t bytes,
-                          double seconds, double gbps, bool ok, const char *method, double ratio,
-                          const char *baseline, bool applicable) {
-  cli_json_row(j, "copy", name, bytes, seconds, gbps);
-  cli_json_str(j, "dir", dir);
-  cli_json_bool(j, "verified", ok);
-  cli_json_str(j, "verify_method", method && method[0] ? method : "none");
-  cli_json_bool(j, "applicable", applicable);
-  cli_json_double(j, "ratio_vs_plain", ratio);
-  cli_json_str(j, "baseline", baseline);
-  copy_cfg_json(j);
-}
-
 /* Why a case cannot run here, or NULL. */
 static const char *case_skip(const bench_t *b, const ccase_t *c) {
   if (c->need == 1 && !b->have_checksum)
@@ -860,32 +318,17 @@ typedef struct case_runs {
   char what[96];
 } case_runs_t;
 
-/* The end of a timed run begun with e0 recorded on s1: with two streams, s2's work joins s1
- * first; then e1 on s1, and the seconds between the two events once everything finished. */
-static double end_timing(bench_t *b, bool two_streams) {
-  if (two_streams) {
-    cli_check(pm_event_record(b->ex, b->s2));
-    cli_check(pm_stream_wait_event(b->s1, b->ex));
-  }
-  cli_check(pm_event_record(b->e1, b->s1));
-  cli_check(pm_event_synchronize(b->e1));
-  sync_all(b);
-  double s;
-  cli_check(pm_event_elapsed(b->e0, b->e1, &s));
-  return s;
-}
-
 /* One run of a case: `inner` copies between two events, then the bytes verified. Returns the
  * seconds per copy. */
 static double time_once(bench_t *b, case_runs_t *cr, size_t n) {
   const ccase_t *c = cr->c;
   bool bidir = strcmp(c->dir, "bidir") == 0;
   c->prep(b, n);
-  sync_all(b);
+  bc_sync_all(b);
   cli_check(pm_event_record(b->e0, b->s1));
   if (bidir) cli_check(pm_stream_wait_event(b->s2, b->e0));
   for (int k = 0; k < cr->inner; k++) c->op(b, n);
-  double s = end_timing(b, bidir);
+  double s = bc_end_timing(b, bidir);
   const char *m = c->verify(b, n, cr->what);
   if (!m) {
     cr->ok = false;
@@ -908,15 +351,15 @@ static void report_case(bench_t *b, const case_runs_t *cr, size_t n, int runs) {
   double ratio = NAN;
   const char *base = c->baseline;
   if (base) {
-    const result_t *br = find_result(b, base, c->dir, moved);
+    const result_t *br = bc_find_result(b, base, c->dir, moved);
     if (br && br->gbps > 0) ratio = gbps / br->gbps;
   }
-  add_result(b, c->name, c->dir, moved, gbps, cr->ok);
+  bc_add_result(b, c->name, c->dir, moved, gbps, cr->ok);
 
   if (b->o.json) {
     cli_json_t j;
-    copy_row_json(&j, c->name, c->dir, moved, med, gbps, cr->ok, cr->method, ratio, base,
-                  case_applicable(b, c));
+    bc_copy_row_json(&j, c->name, c->dir, moved, med, gbps, cr->ok, cr->method, ratio, base,
+                     case_applicable(b, c));
     cli_json_str(&j, "path", path);
     cli_json_str(&j, "timing", "events");
     cli_json_int(&j, "runs", runs);
@@ -929,7 +372,7 @@ static void report_case(bench_t *b, const case_runs_t *cr, size_t n, int runs) {
   } else {
     char sz[32];
     cli_fmt_bytes(n, sz, sizeof sz);
-    text_row(c->dir, sz, c->name, gbps, ratio, path, cr->ok, cr->method, case_applicable(b, c));
+    bc_text_row(c->dir, sz, c->name, gbps, ratio, path, cr->ok, cr->method, case_applicable(b, c));
   }
 }
 
@@ -947,7 +390,7 @@ static void run_group(bench_t *b, const char *dir, size_t n) {
   cli_fmt_bytes(n, sz, sizeof sz);
   for (size_t i = 0; i < MAX_GROUP; i++) {
     const ccase_t *c = &cases[i];
-    if (strcmp(c->dir, dir) != 0 || !wanted(b, c->name)) continue;
+    if (strcmp(c->dir, dir) != 0 || !bc_wanted(b, c->name)) continue;
     order[all++] = c;
     if (case_skip(b, c)) continue;
     case_runs_t *r = &cr[m++];
@@ -956,9 +399,8 @@ static void run_group(bench_t *b, const char *dir, size_t n) {
     /* A managed prefetch moves the pages once: a second prefetch to where they already are
      * does nothing, so repeating it inside a run would time no-ops (and report more than the
      * link can carry). One prefetch per run, small sizes included. */
-    r->inner = (n >= INNER_BYTES || c->need == 2)
-                   ? 1
-                   : (int)PM__MIN((size_t)INNER_MAX, INNER_BYTES / n);
+    r->inner =
+        (n >= INNER_BYTES || c->need == 2) ? 1 : (int)PM__MIN((size_t)INNER_MAX, INNER_BYTES / n);
     r->method = "full";
     r->ok = true;
     snprintf(r->what, sizeof r->what, "%s %s %s", c->dir, sz, c->name);
@@ -1012,10 +454,6 @@ static const batch_case_t bcases[] = {
     {"batch_pageable_pinmem", "h2d", true, true, NULL},
 };
 
-static const char *const mover_names[] = {"memcpy_libc", "memcpy_movsb", "memcpy_stream"};
-static const char *const contention_names[] = {"dma_under_h2h", "h2h_under_dma", "dma_under_read",
-                                               "read_under_dma"};
-
 static int add_name(const char **out, int n, int max, const char *name) {
   for (int i = 0; i < n; i++)
     if (!strcmp(out[i], name)) return n;
@@ -1023,12 +461,12 @@ static int add_name(const char **out, int n, int max, const char *name) {
   return n;
 }
 
-static int case_names(const char **out, int max) {
+int bc_case_names(const char **out, int max) {
   int n = 0;
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
     n = add_name(out, n, max, cases[i].name);
-  for (size_t i = 0; i < 3; i++) n = add_name(out, n, max, mover_names[i]);
-  for (size_t i = 0; i < 4; i++) n = add_name(out, n, max, contention_names[i]);
+  for (size_t i = 0; i < 3; i++) n = add_name(out, n, max, bc_mover_names[i]);
+  for (size_t i = 0; i < 4; i++) n = add_name(out, n, max, bc_contention_names[i]);
   for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++)
     n = add_name(out, n, max, bcases[i].name);
   return n;
@@ -1069,10 +507,10 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
   for (int r = -1; r < runs; r++) {
     cli_progress(b->steps_done, b->steps, "%s %s, run %d/%d", bc->dir, bc->name, r + 2, runs + 1);
     if (h2d)
-      prep_d1(b, total);
+      bc_prep_d1(b, total);
     else
-      clear_host(host, total);
-    sync_all(b);
+      bc_clear_host(host, total);
+    bc_sync_all(b);
     cli_check(pm_event_record(b->e0, b->s1));
     if (bc->engine) {
       if (bc->mode) cli_check(pm_option_set("copy_batch", bc->mode));
@@ -1095,7 +533,7 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
     for (size_t i = 0; i < count && ok; i++) {
       size_t doff = h2d ? perm[i] * piece : i * piece;
       size_t soff = h2d ? i * piece : perm[i] * piece;
-      if (!pat_verify(what, got + doff, piece, soff)) ok = false;
+      if (!bc_pat_verify(what, got + doff, piece, soff)) ok = false;
     }
     if (!ok) b->failed = true;
   }
@@ -1108,13 +546,13 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
   char *us = strrchr(base, '_');
   if (us) strcpy(us, "_loop");
   double ratio = NAN;
-  const result_t *br = find_result(b, base, bc->dir, total);
+  const result_t *br = bc_find_result(b, base, bc->dir, total);
   if (br && bc->engine && br->gbps > 0) ratio = gbps / br->gbps;
-  add_result(b, bc->name, bc->dir, total, gbps, ok);
+  bc_add_result(b, bc->name, bc->dir, total, gbps, ok);
   if (b->o.json) {
     cli_json_t j;
-    copy_row_json(&j, bc->name, bc->dir, total, med, gbps, ok, method, ratio,
-                  bc->engine ? base : NULL, true);
+    bc_copy_row_json(&j, bc->name, bc->dir, total, med, gbps, ok, method, ratio,
+                     bc->engine ? base : NULL, true);
     cli_json_uint(&j, "items", count);
     cli_json_uint(&j, "item_bytes", piece);
     cli_json_str(&j, "timing", "events");
@@ -1125,294 +563,15 @@ static void run_batch(bench_t *b, const batch_case_t *bc, size_t count, size_t p
     char sz[32], label[64]; /* a 20-digit count, 'x' and sz fit */
     cli_fmt_bytes(piece, sz, sizeof sz);
     snprintf(label, sizeof label, "%zux%s", count, sz);
-    text_row(bc->dir, label, bc->name, gbps, ratio, bc->engine ? "batch" : "loop", ok, method,
-             true);
+    bc_text_row(bc->dir, label, bc->name, gbps, ratio, bc->engine ? "batch" : "loop", ok, method,
+                true);
   }
   free(it);
   free(perm);
 }
 
-/* ---- the host's share: pageable -> pinned memcpy ------------------------------------------------
- */
-
-/* A staged H2D copy can go no faster than its threads move pageable bytes into pinned memory.
- * These rows measure that alone (no device involved), once per byte mover of copy_memcpy, with
- * copy_threads threads in copy_chunk pieces, timed by the wall clock. */
-typedef struct mv_job {
-  char *dst;
-  const char *src;
-  size_t n, piece;
-  int mode;
-} mv_job_t;
-
-static void mv_piece(void *vctx, size_t i) {
-  const mv_job_t *j = vctx;
-  size_t off = i * j->piece;
-  pm__memcpy_mode(j->dst + off, j->src + off, PM__MIN(j->piece, j->n - off), j->mode);
-}
-
-static void run_movers(bench_t *b, size_t n) {
-  static const struct {
-    const char *name;
-    int mode;
-  } mv[] = {{"memcpy_libc", PM__MEMCPY_LIBC},
-            {"memcpy_movsb", PM__MEMCPY_MOVSB},
-            {"memcpy_stream", PM__MEMCPY_STREAM}};
-  static const char *mode_names[] = {"libc", "movsb", "stream"};
-  pm__copy_cfg_t cfg;
-  pm__copy_cfg(&cfg);
-  for (size_t m = 0; m < sizeof mv / sizeof mv[0]; m++) {
-    if (!wanted(b, mv[m].name)) continue;
-    mv_job_t job = {b->pdst, b->hsrc, n, cfg.chunk, mv[m].mode};
-    size_t pieces = (n + cfg.chunk - 1) / cfg.chunk;
-    int runs = b->o.repeat;
-    double *t = cli_xmalloc(sizeof(double) * (size_t)runs);
-    bool ok = true;
-    const char *method = "full";
-    char what[96];
-    snprintf(what, sizeof what, "h2h %s", mv[m].name);
-    for (int r = -1; r < runs; r++) {
-      cli_progress(b->steps_done, b->steps, "h2h %s, run %d/%d", mv[m].name, r + 2, runs + 1);
-      clear_host(b->pdst, n);
-      double t0 = pm__now();
-      pm__parallel_for(cfg.threads, pieces, mv_piece, &job);
-      double dt = pm__now() - t0;
-      if (r >= 0) t[r] = dt;
-      const char *v = pat_verify(what, b->pdst, n, 0);
-      if (!v)
-        ok = false;
-      else
-        method = v;
-    }
-    if (!ok) b->failed = true;
-    double med = cli_median(t, runs);
-    free(t);
-    double gbps = (double)n / med / 1e9;
-    add_result(b, mv[m].name, "h2h", n, gbps, ok);
-    const char *ran = mode_names[pm__memcpy_effective(mv[m].mode)];
-    if (b->o.json) {
-      cli_json_t j;
-      copy_row_json(&j, mv[m].name, "h2h", n, med, gbps, ok, method, NAN, NULL, true);
-      cli_json_str(&j, "path", "host");
-      cli_json_str(&j, "mover_ran", ran);
-      cli_json_str(&j, "timing", "wall");
-      cli_json_int(&j, "runs", runs);
-      cli_json_str(&j, "backend", pm_backend_name());
-      cli_json_end(&j);
-    } else {
-      char sz[32];
-      cli_fmt_bytes(n, sz, sizeof sz);
-      text_row("h2h", sz, mv[m].name, gbps, NAN, ran, ok, method, true);
-    }
-  }
-}
-
-/* ---- the two halves of staging at once -----------------------------------------------------------
- */
-
-/* A staged H2D copy runs its two halves at once: threads move pageable bytes into pinned memory
- * while the DMA engine reads earlier chunks out of pinned memory, through the same memory
- * controllers. These rows measure each half while the other runs: a plain DMA of pinned memory
- * (psrc -> d1, timed with events) while copy_threads threads run copy_memcpy's mover from
- * pageable to pinned memory (hsrc -> pdst, over and over), or only read the pageable source. The
- * host rate is counted over the DMA's timed runs only. Together with the rows of each half alone
- * (plain_pinned h2d, memcpy_*) they show the ceiling that sharing puts on staging on this
- * machine, whatever the staging code does. */
-#define LOAD_STEP (256 * 1024)
-#define LOAD_MIN_WINDOW 0.05 /* seconds of DMA under load at least, for the host's rate */
-#define LOAD_MAX_RUNS 1000
-
-typedef struct load {
-  const char *src;
-  char *dst; /* NULL: read the source only */
-  size_t n, piece, pieces;
-  int mode, threads;
-  atomic_size_t next;    /* pieces claimed; piece = next % pieces */
-  atomic_size_t moved;   /* bytes finished */
-  atomic_int started;    /* tasks running */
-  atomic_bool stop;
-  atomic_uint_fast64_t sink; /* the read load's sums, so the reads cannot be dropped */
-} load_t;
-
-static uint64_t read_words(const char *p, size_t len) {
-  const uint64_t *w = (const uint64_t *)(const void *)p;
-  uint64_t a = 0, b = 0, c = 0, d = 0;
-  size_t k = 0, words = len / 8;
-  for (; k + 4 <= words; k += 4) {
-    a += w[k];
-    b ^= w[k + 1];
-    c += w[k + 2];
-    d ^= w[k + 3];
-  }
-  for (; k < words; k++) a += w[k];
-  return a ^ b ^ c ^ d;
-}
-
-static void load_task(void *vctx, size_t task) {
-  load_t *l = vctx;
-  (void)task;
-  uint64_t acc = 0;
-  atomic_fetch_add(&l->started, 1);
-  while (!atomic_load_explicit(&l->stop, memory_order_relaxed)) {
-    size_t i = atomic_fetch_add_explicit(&l->next, 1, memory_order_relaxed) % l->pieces;
-    size_t off = i * l->piece, end = off + PM__MIN(l->piece, l->n - off);
-    /* Progress is counted every 256 KiB, so even a short DMA window sees some. */
-    for (size_t at = off; at < end; at += LOAD_STEP) {
-      size_t len = PM__MIN((size_t)LOAD_STEP, end - at);
-      if (l->dst)
-        pm__memcpy_mode(l->dst + at, l->src + at, len, l->mode);
-      else
-        acc += read_words(l->src + at, len);
-      atomic_fetch_add_explicit(&l->moved, len, memory_order_relaxed);
-    }
-  }
-  atomic_fetch_add(&l->sink, acc);
-}
-
-static void *load_main(void *vctx) {
-  load_t *l = vctx;
-  pm__parallel_for(l->threads, (size_t)l->threads, load_task, l);
-  return NULL;
-}
-
-static void contention_row(bench_t *b, const char *name, const char *dir, size_t n, double secs,
-                           bool ok, const char *method, const char *base, const char *load,
-                           int threads, int runs, const char *timing) {
-  double gbps = (double)n / secs / 1e9;
-  const result_t *br = base ? find_result(b, base, dir, n) : NULL;
-  double ratio = br && br->gbps > 0 ? gbps / br->gbps : NAN;
-  const char *path = strcmp(dir, "h2d") ? "host" : "plain"; /* the DMA row is a plain copy */
-  add_result(b, name, dir, n, gbps, ok);
-  if (b->o.json) {
-    cli_json_t j;
-    copy_row_json(&j, name, dir, n, secs, gbps, ok, method, ratio, base, true);
-    cli_json_str(&j, "path", path);
-    cli_json_str(&j, "load", load);
-    cli_json_int(&j, "load_threads", threads);
-    cli_json_str(&j, "timing", timing);
-    cli_json_int(&j, "runs", runs);
-    cli_json_str(&j, "backend", pm_backend_name());
-    cli_json_end(&j);
-  } else {
-    char sz[32];
-    cli_fmt_bytes(n, sz, sizeof sz);
-    text_row(dir, sz, name, gbps, ratio, path, ok, method, true);
-  }
-}
-
-static void run_contention(bench_t *b, size_t n) {
-  static const char *mover_rows[] = {"memcpy_libc", "memcpy_movsb", "memcpy_stream"};
-  pm__copy_cfg_t cfg;
-  pm__copy_cfg(&cfg);
-  const char *mover_row = mover_rows[pm__memcpy_effective(pm__memcpy_for(cfg.mover, false))];
-  for (int kind = 0; kind < 2; kind++) {
-    bool copy = kind == 0;
-    const char *dma_name = copy ? "dma_under_h2h" : "dma_under_read";
-    const char *host_name = copy ? "h2h_under_dma" : "read_under_dma";
-    if (!wanted(b, dma_name) && !wanted(b, host_name)) continue;
-    cli_progress(b->steps_done, b->steps, "%s and %s", dma_name, host_name);
-    load_t *l = cli_xmalloc(sizeof *l);
-    memset(l, 0, sizeof *l);
-    l->src = b->hsrc;
-    l->dst = copy ? b->pdst : NULL;
-    l->n = n;
-    l->piece = cfg.chunk;
-    l->pieces = (n + cfg.chunk - 1) / cfg.chunk;
-    l->mode = pm__memcpy_for(cfg.mover, false); /* into a 1 GiB block, as a whole-copy bounce */
-    l->threads = cfg.threads;
-    atomic_init(&l->next, 0);
-    atomic_init(&l->moved, 0);
-    atomic_init(&l->started, 0);
-    atomic_init(&l->stop, false);
-    atomic_init(&l->sink, 0);
-    if (copy) clear_host(b->pdst, n);
-    pthread_t th;
-    if (pthread_create(&th, NULL, load_main, l) != 0) {
-      fprintf(stderr, "pinmem: cannot start the load thread for %s\n", dma_name);
-      free(l);
-      b->failed = true;
-      return;
-    }
-    /* Time only with every load task running (the pool may take a moment to start them). */
-    double give_up = pm__now() + 5.0;
-    while (atomic_load(&l->started) < l->threads && pm__now() < give_up) sched_yield();
-    int running = atomic_load(&l->started);
-    /* At least --repeat timed DMAs, and more (small sizes) until the window is long enough for
-     * the host's rate to mean something; every timed DMA is a sample of the DMA under load. */
-    int cap = PM__MAX(b->o.repeat, LOAD_MAX_RUNS), runs = 0;
-    double *t = cli_xmalloc(sizeof(double) * (size_t)cap);
-    double host_s = 0;
-    size_t host_bytes = 0;
-    for (int r = -1; r < cap && (r < b->o.repeat || host_s < LOAD_MIN_WINDOW); r++) {
-      prep_d1(b, n);
-      sync_all(b);
-      size_t m0 = atomic_load(&l->moved);
-      double w0 = pm__now();
-      cli_check(pm_event_record(b->e0, b->s1));
-      h2d_plain(b, n, b->psrc);
-      double s = end_timing(b, false);
-      double w1 = pm__now();
-      size_t m1 = atomic_load(&l->moved);
-      if (r < 0) continue;
-      t[runs++] = s;
-      host_s += w1 - w0;
-      host_bytes += m1 - m0;
-    }
-    atomic_store(&l->stop, true);
-    pthread_join(th, NULL);
-    char what[96];
-    snprintf(what, sizeof what, "h2d %s", dma_name);
-    const char *m = v_d1(b, n, what);
-    bool dma_ok = m != NULL;
-    /* Every claimed piece is finished once the load joined: check what was written. */
-    bool host_ok = true;
-    const char *hm = "none";
-    if (copy) {
-      size_t claimed = atomic_load(&l->next);
-      size_t span = claimed >= l->pieces ? n : claimed * l->piece;
-      snprintf(what, sizeof what, "h2h %s", host_name);
-      hm = pat_verify(what, b->pdst, span, 0);
-      host_ok = hm != NULL;
-    }
-    if (!dma_ok || !host_ok) b->failed = true;
-    double med = cli_median(t, runs);
-    char load[64];
-    snprintf(load, sizeof load, copy ? "h2h %s" : "read", mover_row + strlen("memcpy_"));
-    if (wanted(b, dma_name))
-      contention_row(b, dma_name, "h2d", n, med, dma_ok, dma_ok ? m : "", "plain_pinned", load,
-                     running, runs, "events");
-    if (wanted(b, host_name)) {
-      /* Seconds per n bytes at the rate the load kept during the DMAs (infinite if the load
-       * made no progress at all: reported, and the run fails). */
-      if (host_bytes == 0) {
-        fprintf(stderr, "pinmem: %s: the load threads moved nothing in %.3f s of DMA\n",
-                host_name, host_s);
-        host_ok = false;
-        b->failed = true;
-      }
-      double per_n = host_bytes ? host_s * (double)n / (double)host_bytes : INFINITY;
-      contention_row(b, host_name, copy ? "h2h" : "read", n, per_n, host_ok, host_ok ? hm : "",
-                     copy ? mover_row : NULL, "dma h2d", running, runs, "wall");
-    }
-    free(t);
-    free(l);
-  }
-}
-
 /* ---- targets -----------------------------------------------------------------------------------
  */
-
-/* TARGET lines go with the table on stdout, or to stderr with --json (stdout stays JSON lines),
- * so the targets are in every run's output. */
-static void target(const bench_t *b, const char *what, bool measured, bool met, const char *fig) {
-  FILE *out = b->o.json ? stderr : stdout;
-  if (!measured)
-    fprintf(out, "TARGET %s: not measured in this run\n", what);
-  else if (!b->cuda)
-    fprintf(out, "TARGET %s: %s  (speed targets apply to the cuda backend only)\n", what, fig);
-  else
-    fprintf(out, "TARGET %s: %s  %s\n", what, fig, met ? "PASS" : "MISS");
-}
 
 static void print_targets(const bench_t *b, size_t batch_total) {
   fprintf(b->o.json ? stderr : stdout, "\n");
@@ -1427,7 +586,7 @@ static void print_targets(const bench_t *b, size_t batch_total) {
       const result_t *r = &b->res[i];
       if (strcmp(r->name, "pinmem_pinned") || !strcmp(r->dir, "bidir")) continue;
       if (r->bytes < T_PINNED_MIN_BYTES) continue;
-      const result_t *p = find_result(b, "plain_pinned", r->dir, r->bytes);
+      const result_t *p = bc_find_result(b, "plain_pinned", r->dir, r->bytes);
       if (!p || !(p->gbps > 0)) continue;
       any = true;
       double q = r->gbps / p->gbps;
@@ -1441,27 +600,27 @@ static void print_targets(const bench_t *b, size_t batch_total) {
     char sz[32];
     cli_fmt_bytes(worst_n, sz, sizeof sz);
     snprintf(fig, sizeof fig, "lowest %.3fx (%s %s)", worst, worst_dir, sz);
-    target(b, "pinmem from pinned >= 0.99x plain pinned at >= 8 MiB", any, met, fig);
+    bc_target(b, "pinmem from pinned >= 0.99x plain pinned at >= 8 MiB", any, met, fig);
   }
   {
-    const result_t *r = find_result(b, "pinmem_pageable", "h2d", GIB);
-    const result_t *p = find_result(b, "plain_pageable", "h2d", GIB);
+    const result_t *r = bc_find_result(b, "pinmem_pageable", "h2d", GIB);
+    const result_t *p = bc_find_result(b, "plain_pageable", "h2d", GIB);
     double q = r && p && p->gbps > 0 ? r->gbps / p->gbps : NAN;
     int len = snprintf(fig, sizeof fig, "%.1f GB/s, %.1fx plain pageable", r ? r->gbps : NAN, q);
     /* The ceiling the shared memory puts on staging here, when the run measured it. */
-    const result_t *dl = find_result(b, "dma_under_h2h", "h2d", GIB);
-    const result_t *hl = find_result(b, "h2h_under_dma", "h2h", GIB);
+    const result_t *dl = bc_find_result(b, "dma_under_h2h", "h2d", GIB);
+    const result_t *hl = bc_find_result(b, "h2h_under_dma", "h2h", GIB);
     if (dl && hl && len > 0 && (size_t)len < sizeof fig)
       snprintf(fig + len, sizeof fig - (size_t)len,
                "; both halves at once: DMA %.1f GB/s, host copy %.1f GB/s", dl->gbps, hl->gbps);
-    target(b, "pageable H2D 1 GiB >= 50 GB/s and >= 5x plain pageable", r != NULL,
-           r && r->verified && r->gbps >= T_PAGEABLE_H2D_GBPS && q >= T_PAGEABLE_H2D_RATIO, fig);
+    bc_target(b, "pageable H2D 1 GiB >= 50 GB/s and >= 5x plain pageable", r != NULL,
+              r && r->verified && r->gbps >= T_PAGEABLE_H2D_GBPS && q >= T_PAGEABLE_H2D_RATIO, fig);
   }
   {
-    const result_t *r = find_result(b, "pinmem_pageable", "d2h", GIB);
+    const result_t *r = bc_find_result(b, "pinmem_pageable", "d2h", GIB);
     snprintf(fig, sizeof fig, "%.1f GB/s", r ? r->gbps : NAN);
-    target(b, "pageable D2H 1 GiB >= 45 GB/s", r != NULL,
-           r && r->verified && r->gbps >= T_PAGEABLE_D2H_GBPS, fig);
+    bc_target(b, "pageable D2H 1 GiB >= 45 GB/s", r != NULL,
+              r && r->verified && r->gbps >= T_PAGEABLE_D2H_GBPS, fig);
   }
   {
     const result_t *best = NULL;
@@ -1474,40 +633,19 @@ static void print_targets(const bench_t *b, size_t batch_total) {
     char sz[32];
     cli_fmt_bytes(best ? best->bytes / 2 : 0, sz, sizeof sz);
     snprintf(fig, sizeof fig, "%.1f GB/s (pinmem, %s each way)", best ? best->gbps : NAN, sz);
-    target(b, "bidirectional pinned >= 100 GB/s", best != NULL,
-           best && best->verified && best->gbps >= T_BIDIR_GBPS, fig);
+    bc_target(b, "bidirectional pinned >= 100 GB/s", best != NULL,
+              best && best->verified && best->gbps >= T_BIDIR_GBPS, fig);
   }
   {
-    const result_t *r = find_result(b, "batch_pinned_pinmem", "h2d", batch_total);
-    const result_t *l = find_result(b, "batch_pinned_loop", "h2d", batch_total);
-    const result_t *dm = find_result(b, "batch_pinned_dma", "h2d", batch_total);
-    const result_t *kn = find_result(b, "batch_pinned_kernel", "h2d", batch_total);
+    const result_t *r = bc_find_result(b, "batch_pinned_pinmem", "h2d", batch_total);
+    const result_t *l = bc_find_result(b, "batch_pinned_loop", "h2d", batch_total);
+    const result_t *dm = bc_find_result(b, "batch_pinned_dma", "h2d", batch_total);
+    const result_t *kn = bc_find_result(b, "batch_pinned_kernel", "h2d", batch_total);
     snprintf(fig, sizeof fig, "%.1f GB/s (dma %.1f, kernel %.1f; plain loop %.1f GB/s)",
              r ? r->gbps : NAN, dm ? dm->gbps : NAN, kn ? kn->gbps : NAN, l ? l->gbps : NAN);
-    target(b, "batch 4096 x 64 KiB >= 40 GB/s", r != NULL && batch_total == 4096 * 64 * KIB,
-           r && r->verified && r->gbps >= T_BATCH_GBPS, fig);
+    bc_target(b, "batch 4096 x 64 KiB >= 40 GB/s", r != NULL && batch_total == 4096 * 64 * KIB,
+              r && r->verified && r->gbps >= T_BATCH_GBPS, fig);
   }
-}
-
-/* Shared start of both benchmarks: parse the options, start pinmem, fill the defaults. Returns
- * 0 with *out set, or the exit code (usage errors, out of memory). */
-static int bench_begin(const char *name, int argc, char **argv, bench_t **out) {
-  bench_t *b = calloc(1, sizeof *b);
-  if (!b) {
-    fprintf(stderr, "pinmem: out of memory\n");
-    return CLI_EXIT_FAILURE;
-  }
-  int rc = parse_args(name, argc, argv, &b->o);
-  if (rc) {
-    free(b);
-    return rc;
-  }
-  cli_check(pm_init());
-  b->cuda = pm_backend_kind() == PM_BACKEND_CUDA;
-  if (!b->o.repeat) b->o.repeat = 5;
-  cli_progress_init(b->o.quiet);
-  *out = b;
-  return 0;
 }
 
 /* ---- pinmem bench copy --------------------------------------------------------------------------
@@ -1515,7 +653,7 @@ static int bench_begin(const char *name, int argc, char **argv, bench_t **out) {
 
 int pm_cli_bench_copy(int argc, char **argv) {
   bench_t *b = NULL;
-  int rc = bench_begin("copy", argc, argv, &b);
+  int rc = bc_bench_begin("copy", argc, argv, &b);
   if (rc) return rc;
   if (!b->o.nsizes) {
     static const size_t def[] = {4 * KIB, 64 * KIB, MIB, 8 * MIB, 64 * MIB, 256 * MIB, GIB};
@@ -1532,7 +670,7 @@ int pm_cli_bench_copy(int argc, char **argv) {
    * batch case. */
   b->steps = 3 * (unsigned long long)b->o.nsizes + (top >= 8 * MIB ? 2 : 0);
   for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++)
-    b->steps += wanted(b, bcases[i].name);
+    b->steps += bc_wanted(b, bcases[i].name);
 
   /* The header comes before the set-up, which allocates and fills several buffers of the
    * largest size (seconds at 1 GiB). */
@@ -1545,9 +683,9 @@ int pm_cli_bench_copy(int argc, char **argv) {
         "chunk %zu KiB, %d threads, %d ring slots, staging from %zu KiB, bounce %s, mover %s, "
         "batch %s, H2D pieces %zu KiB (0 = off) into %d slots\n",
         pm_backend_name(), b->o.repeat, cfg.chunk / KIB, cfg.threads, cfg.slots,
-        cfg.stage_min / KIB, opt_value("copy_bounce", bounce, sizeof bounce),
-        opt_value("copy_memcpy", mover, sizeof mover),
-        opt_value("copy_batch", batch, sizeof batch), cfg.piece / KIB, cfg.piece_slots);
+        cfg.stage_min / KIB, bc_opt_value("copy_bounce", bounce, sizeof bounce),
+        bc_opt_value("copy_memcpy", mover, sizeof mover),
+        bc_opt_value("copy_batch", batch, sizeof batch), cfg.piece / KIB, cfg.piece_slots);
   }
   if (!b->o.json) {
     cli_host_note(false, "these figures");
@@ -1562,10 +700,10 @@ int pm_cli_bench_copy(int argc, char **argv) {
   char capsz[32];
   cli_progress(0, b->steps, "allocating and filling the buffers (%s each)",
                cli_fmt_bytes(cap, capsz, sizeof capsz));
-  bench_setup(b, cap, true);
+  bc_bench_setup(b, cap, true);
   if (!b->o.json) {
     cli_progress_clear();
-    print_header();
+    bc_print_header();
   }
   static const char *dirs[] = {"h2d", "d2h", "bidir"};
   for (int d = 0; d < 3; d++) {
@@ -1577,176 +715,22 @@ int pm_cli_bench_copy(int argc, char **argv) {
 
   /* The host's own ceiling for staging, at the largest size of the run. */
   if (top >= 8 * MIB) {
-    run_movers(b, top);
+    bc_run_movers(b, top);
     b->steps_done++;
-    run_contention(b, top);
+    bc_run_contention(b, top);
     b->steps_done++;
     if (!b->o.json) printf("\n");
   }
 
   for (size_t i = 0; i < sizeof bcases / sizeof bcases[0]; i++)
-    if (wanted(b, bcases[i].name)) run_batch(b, &bcases[i], count, piece);
+    if (bc_wanted(b, bcases[i].name)) run_batch(b, &bcases[i], count, piece);
   cli_progress_clear();
   if (b->o.json) cli_host_note(true, "these figures");
   print_targets(b, count * piece);
-  bench_teardown(b);
+  bc_bench_teardown(b);
   bool failed = b->failed;
   free(b);
   if (failed) {
-    fprintf(stderr, "pinmem: some copies delivered wrong bytes (see VERIFY FAILED above)\n");
-    return CLI_EXIT_FAILURE;
-  }
-  return 0;
-}
-
-/* ---- pinmem bench overlap
- * ------------------------------------------------------------------------ */
-
-typedef enum { OV_PINNED, OV_PAGEABLE, OV_STAGED } ov_copy_t;
-
-static void ov_copy(bench_t *b, ov_copy_t kind, size_t n, pm_stream_t s) {
-  if (kind == OV_PINNED)
-    cli_check(pm_copy_async(b->d1, b->psrc, n, s, NULL, NULL));
-  else if (kind == OV_PAGEABLE)
-    cli_check(pm_memcpy_async(b->d1, b->hsrc, n, PM_COPY_H2D, s));
-  else
-    cli_check(pm_copy_async(b->d1, b->hsrc, n, s, NULL, NULL));
-}
-
-/* Seconds from e0 (on s1) to the end of the work issued by fn on s1 and s2. */
-typedef struct ov_run {
-  bool copy;
-  ov_copy_t kind;
-  bool kernel;
-  bool two_streams;
-} ov_run_t;
-
-static double ov_time(bench_t *b, const ov_run_t *r, size_t n, double kernel_s, bool *ok,
-                      const char *what) {
-  cli_check(pm_device_memset_async(b->d1, 0, n, b->s1));
-  sync_all(b);
-  cli_check(pm_event_record(b->e0, b->s1));
-  cli_check(pm_stream_wait_event(b->s2, b->e0));
-  /* The kernel is issued first, as a training step issues its compute before the next batch's
-   * copy: a kernel launch returns at once, while a copy from pageable memory (plain or staged)
-   * holds the calling thread, so issued the other way round the kernel could only start after
-   * the copy's host work and no pageable row could overlap at all. */
-  if (r->kernel) cli_check(pm_launch_busy(r->two_streams ? b->s2 : b->s1, kernel_s));
-  if (r->copy) ov_copy(b, r->kind, n, b->s1);
-  double s = end_timing(b, true);
-  if (r->copy) {
-    cli_check(pm_memcpy(b->vbuf, b->d1, n, PM_COPY_D2H));
-    if (!pat_verify(what, b->vbuf, n, 0)) {
-      *ok = false;
-      b->failed = true;
-    }
-  }
-  return s;
-}
-
-static double ov_median(bench_t *b, const ov_run_t *r, size_t n, double kernel_s, bool *ok,
-                        const char *what) {
-  int runs = b->o.repeat;
-  double *t = cli_xmalloc(sizeof(double) * (size_t)runs);
-  cli_progress(b->steps_done, b->steps, "%s, warm-up", what);
-  (void)ov_time(b, r, n, kernel_s, ok, what); /* warm-up */
-  for (int i = 0; i < runs; i++) {
-    cli_progress(b->steps_done, b->steps, "%s, run %d/%d", what, i + 1, runs);
-    t[i] = ov_time(b, r, n, kernel_s, ok, what);
-  }
-  b->steps_done++;
-  double m = cli_median(t, runs);
-  free(t);
-  return m;
-}
-
-int pm_cli_bench_overlap(int argc, char **argv) {
-  bench_t *b = NULL;
-  int rc = bench_begin("overlap", argc, argv, &b);
-  if (rc) return rc;
-  size_t n = b->o.bytes ? b->o.bytes : (b->cuda ? 256 * MIB : 64 * MIB);
-  b->steps = 8; /* four cases alone, four together */
-  bench_setup(b, n, false);
-
-  bool ok = true;
-  /* The copies alone, and a kernel as long as the pinned copy. */
-  ov_run_t alone_pinned = {true, OV_PINNED, false, true},
-           alone_pageable = {true, OV_PAGEABLE, false, true},
-           alone_staged = {true, OV_STAGED, false, true};
-  double t_pinned = ov_median(b, &alone_pinned, n, 0, &ok, "overlap: pinned copy");
-  double t_pageable = ov_median(b, &alone_pageable, n, 0, &ok, "overlap: pageable copy");
-  double t_staged = ov_median(b, &alone_staged, n, 0, &ok, "overlap: staged copy");
-  double kernel_s = t_pinned;
-  ov_run_t alone_kernel = {false, OV_PINNED, true, true};
-  double t_kernel = ov_median(b, &alone_kernel, n, kernel_s, &ok, "overlap: kernel");
-
-  struct {
-    const char *name;
-    ov_run_t run;
-    double copy_alone;
-  } ov[] = {
-      {"serial_one_stream", {true, OV_PINNED, true, false}, t_pinned},
-      {"pinned_two_streams", {true, OV_PINNED, true, true}, t_pinned},
-      {"pageable_plain_two_streams", {true, OV_PAGEABLE, true, true}, t_pageable},
-      {"pageable_pinmem_two_streams", {true, OV_STAGED, true, true}, t_staged},
-  };
-  char sz[32];
-  cli_fmt_bytes(n, sz, sizeof sz);
-  if (!b->o.json) {
-    cli_progress_clear();
-    printf(
-        "pinmem bench overlap: backend %s, copy of %s H2D + a busy kernel of %.3f ms, copy "
-        "issued first, median of %d runs\n",
-        pm_backend_name(), sz, kernel_s * 1e3, b->o.repeat);
-    cli_host_note(false, "these figures");
-    if (!b->cuda) printf("(the kernel is a sleep on the stream's thread: the ordering is real)\n");
-    printf(
-        "copy alone: pinned %.3f ms, pageable (plain) %.3f ms, pageable (pinmem) %.3f ms; "
-        "kernel alone %.3f ms\n\n",
-        t_pinned * 1e3, t_pageable * 1e3, t_staged * 1e3, t_kernel * 1e3);
-    printf("%-28s  %10s  %14s  %12s  %s\n", "case", "total ms", "max(copy,kern)", "total/max",
-           "verified");
-  }
-  double pinned_ratio = NAN;
-  for (size_t i = 0; i < sizeof ov / sizeof ov[0]; i++) {
-    bool case_ok = true;
-    char what[96];
-    snprintf(what, sizeof what, "overlap: %s", ov[i].name);
-    double total = ov_median(b, &ov[i].run, n, kernel_s, &case_ok, what);
-    double mx = PM__MAX(ov[i].copy_alone, t_kernel);
-    double ratio = total / mx;
-    if (!strcmp(ov[i].name, "pinned_two_streams")) pinned_ratio = case_ok ? ratio : NAN;
-    ok = ok && case_ok;
-    if (b->o.json) {
-      cli_json_t j;
-      cli_json_row(&j, "overlap", ov[i].name, n, total, (double)n / total / 1e9);
-      cli_json_bool(&j, "verified", case_ok);
-      cli_json_str(&j, "verify_method", n <= FULL_VERIFY_MAX ? "full" : "sampled");
-      cli_json_double(&j, "copy_seconds", ov[i].copy_alone);
-      cli_json_double(&j, "kernel_seconds", t_kernel);
-      cli_json_double(&j, "ratio_vs_max", ratio);
-      cli_json_str(&j, "timing", "events");
-      cli_json_int(&j, "runs", b->o.repeat);
-      cli_json_str(&j, "backend", pm_backend_name());
-      cli_json_end(&j);
-    } else {
-      cli_progress_clear();
-      printf("%-28s  %10.3f  %14.3f  %11.3fx  %s\n", ov[i].name, total * 1e3, mx * 1e3, ratio,
-             case_ok ? (n <= FULL_VERIFY_MAX ? "full" : "sampled") : "NO (FAILED)");
-    }
-  }
-  {
-    char fig[96];
-    snprintf(fig, sizeof fig, "%.3fx", pinned_ratio);
-    cli_progress_clear();
-    if (b->o.json) cli_host_note(true, "these figures");
-    fprintf(b->o.json ? stderr : stdout, "\n");
-    target(b, "pinned copy + equal kernel on two streams <= 1.05x max(copy, kernel)", true,
-           pinned_ratio <= T_OVERLAP_RATIO, fig);
-  }
-  bench_teardown(b);
-  free(b);
-  if (!ok) {
     fprintf(stderr, "pinmem: some copies delivered wrong bytes (see VERIFY FAILED above)\n");
     return CLI_EXIT_FAILURE;
   }

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "helpers.h"
 #include "pinmem.h"
 
 static char g_dir[256], g_path[300];
@@ -24,8 +25,7 @@ static void cleanup(void) {
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc;
   (void)argv;
-  snprintf(g_dir, sizeof g_dir, "%s/pinmem-fuzz-XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
-  if (!mkdtemp(g_dir)) abort();
+  if (!pm_test_tmpdir(g_dir, sizeof g_dir, "fuzz")) abort();
   snprintf(g_path, sizeof g_path, "%s/input", g_dir);
   atexit(cleanup);
   return 0;

@@ -1,0 +1,152 @@
+/*
+ * Helpers shared by pinmem's C test programs: see helpers.h.
+ */
+#include "helpers.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+int pm_test_failures;
+int pm_test_checks;
+
+void pm_test_init(void) {
+  pm_status_t st = pm_init();
+  if (st == PM_ERR_NO_DEVICE) {
+    const char *want = getenv("PINMEM_BACKEND");
+    printf("SKIP: backend '%s' not available here: %s\n", want ? want : "auto", pm_last_error());
+    exit(PM_TEST_SKIP);
+  }
+  if (st != PM_OK) {
+    fprintf(stderr, "pm_init failed: %s: %s\n", pm_status_name(st), pm_last_error());
+    exit(1);
+  }
+  printf("backend: %s\n", pm_backend_name());
+}
+
+int pm_test_finish(const char *name) {
+  if (pm_test_failures) {
+    printf("%s: %d of %d checks failed\n", name, pm_test_failures, pm_test_checks);
+    return 1;
+  }
+  printf("%s: all %d checks passed\n", name, pm_test_checks);
+  return 0;
+}
+
+bool pm_test_small(void) {
+  const char *v = getenv("PINMEM_TEST_SMALL");
+  return v && v[0] && strcmp(v, "0") != 0;
+}
+
+/* One byte of the fill stream after another: pm_test_fill and its check draw the same. */
+static inline unsigned char fill_next(uint64_t *x) {
+  *x ^= *x >> 12;
+  *x ^= *x << 25;
+  *x ^= *x >> 27;
+  return (unsigned char)((*x * 0x2545F4914F6CDD1Dull) >> 56);
+}
+
+void pm_test_fill(void *p, size_t n, uint64_t seed) {
+  unsigned char *b = (unsigned char *)p;
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x1234567ull;
+  for (size_t i = 0; i < n; i++) b[i] = fill_next(&x);
+}
+
+size_t pm_test_fill_mismatch(const void *p, size_t n, uint64_t seed) {
+  const unsigned char *b = (const unsigned char *)p;
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x1234567ull;
+  for (size_t i = 0; i < n; i++)
+    if (b[i] != fill_next(&x)) return i;
+  return n;
+}
+
+bool pm_test_fill_ok(const void *p, size_t n, uint64_t seed) {
+  return pm_test_fill_mismatch(p, n, seed) == n;
+}
+
+uint64_t pm_test_rand(uint64_t *state) {
+  uint64_t x = *state;
+  *state += 0x9E3779B97F4A7C15ull;
+  return pm__mix64(x); /* splitmix64: the finaliser of the state after the step */
+}
+
+void pm_test_sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+void pm_test_gate_init(pm_test_gate_t *g) {
+  pthread_mutex_init(&g->mu, NULL);
+  pthread_cond_init(&g->cv, NULL);
+  g->open = false;
+}
+
+void pm_test_gate_wait(void *gate) {
+  pm_test_gate_t *g = gate;
+  pthread_mutex_lock(&g->mu);
+  while (!g->open) pthread_cond_wait(&g->cv, &g->mu);
+  pthread_mutex_unlock(&g->mu);
+}
+
+void pm_test_gate_open(pm_test_gate_t *g) {
+  pthread_mutex_lock(&g->mu);
+  g->open = true;
+  pthread_cond_broadcast(&g->cv);
+  pthread_mutex_unlock(&g->mu);
+}
+
+void pm_test_gate_destroy(pm_test_gate_t *g) {
+  pthread_cond_destroy(&g->cv);
+  pthread_mutex_destroy(&g->mu);
+}
+
+static long long vm_locked_raw(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return -1;
+  char line[256];
+  long long kb = -1;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmLck: %lld kB", &kb) == 1) break;
+  fclose(f);
+  return kb < 0 ? -1 : kb * 1024;
+}
+
+long long pm_test_vm_locked(void) {
+  static int works = -1; /* first call: does locking 4 pages show in VmLck? */
+  if (works < 0) {
+    size_t pg = pm__page_size();
+    void *m = mmap(NULL, 4 * pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    long long before = vm_locked_raw();
+    works = m != MAP_FAILED && before >= 0 && mlock(m, 4 * pg) == 0 &&
+            vm_locked_raw() - before >= (long long)(4 * pg);
+    if (m != MAP_FAILED) munmap(m, 4 * pg);
+    if (!works) printf("note: locked-memory checks skipped: mlock is not observable here\n");
+  }
+  return works ? vm_locked_raw() : -1;
+}
+
+bool pm_test_tmpdir(char *dir, size_t len, const char *name) {
+  const char *tmp = getenv("TMPDIR");
+  int n = snprintf(dir, len, "%s/pinmem-%s.XXXXXX", tmp && tmp[0] ? tmp : "/tmp", name);
+  return n > 0 && (size_t)n < len && mkdtemp(dir) != NULL;
+}
+
+void pm_test_rmtree(const char *dir) {
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+}
+
+bool pm_test_limit_memlock(size_t bytes) {
+  struct rlimit rl = {bytes, bytes};
+  if (setrlimit(RLIMIT_MEMLOCK, &rl) != 0) return false;
+  /* root's CAP_IPC_LOCK makes the limit moot: become nobody, which drops it. */
+  if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) return false;
+  return pm__memlock_limit() != SIZE_MAX;
+}

@@ -1,0 +1,72 @@
+/*
+ * Helpers shared by pinmem's C test programs (tests/helpers.c, linked into each of them and
+ * into the fuzz targets): start and finish a test, the PINMEM_TEST_SMALL switch, deterministic
+ * bytes and their check, one random generator, a gate for host callbacks, the locked memory the
+ * kernel reports, a scratch directory, and a child process without the right to lock memory.
+ * The assertion macros are in check.h, which includes this header.
+ */
+#ifndef PINMEM_TEST_HELPERS_H
+#define PINMEM_TEST_HELPERS_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pinmem.h"
+
+/* The counts check.h's macros keep: one pair per program. */
+extern int pm_test_failures;
+extern int pm_test_checks;
+
+/* Exit code for a skipped test (CTest's SKIP_RETURN_CODE). */
+#define PM_TEST_SKIP 77
+
+/* If the test was asked to run on the cuda backend (PINMEM_BACKEND=cuda) and no device is
+ * usable, print why and exit with the skip code. Otherwise initialise and go on. */
+void pm_test_init(void);
+/* Print the counts; the exit code of the program (1 when a check failed). */
+int pm_test_finish(const char *name);
+
+/* PINMEM_TEST_SMALL is set (and not "0"): the valgrind run, fewer and smaller cases. */
+bool pm_test_small(void);
+
+/* Deterministic bytes that are never all zero: xorshift64* seeded per buffer. */
+void pm_test_fill(void *p, size_t n, uint64_t seed);
+/* The first offset where p differs from pm_test_fill(seed)'s bytes, or n when none does; and
+ * whether none does. */
+size_t pm_test_fill_mismatch(const void *p, size_t n, uint64_t seed);
+bool pm_test_fill_ok(const void *p, size_t n, uint64_t seed);
+
+/* splitmix64: the next number of the sequence in *state (any seed, zero included). */
+uint64_t pm_test_rand(uint64_t *state);
+
+void pm_test_sleep_ms(int ms);
+
+/* A gate a host callback waits on until the test opens it: stream work held in place. */
+typedef struct pm_test_gate {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool open;
+} pm_test_gate_t;
+
+void pm_test_gate_init(pm_test_gate_t *g);
+void pm_test_gate_wait(void *gate); /* a pm_host_fn_t */
+void pm_test_gate_open(pm_test_gate_t *g);
+void pm_test_gate_destroy(pm_test_gate_t *g);
+
+/* Bytes this process has locked (VmLck of /proc/self/status), or -1 when that cannot be read
+ * or mlock does not show there (then a note is printed, once). */
+long long pm_test_vm_locked(void);
+
+/* A new empty directory <TMPDIR or /tmp>/pinmem-<name>.XXXXXX into dir; false on failure. */
+bool pm_test_tmpdir(char *dir, size_t len, const char *name);
+/* Remove the directory and what it holds (a note on stderr if that fails). */
+void pm_test_rmtree(const char *dir);
+
+/* In a child process: limit RLIMIT_MEMLOCK to `bytes` and, when root, become nobody, which drops
+ * CAP_IPC_LOCK (it would make the limit moot). False when the limit cannot be made to hold here:
+ * the child should then exit with PM_TEST_SKIP. */
+bool pm_test_limit_memlock(size_t bytes);
+
+#endif /* PINMEM_TEST_HELPERS_H */
