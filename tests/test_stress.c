@@ -694,7 +694,7 @@ static void loader_round(lworker_t *w, char *scratch) {
   /* The slot's copy whole, or in parts (cut inside rows), set just before the create (another
    * thread may set it in between: each loader still takes one of these). */
   static const char *pieces[] = {"0", "2500", "1", "4M"};
-  (void)pm_option_set("loader_piece", pieces[lrnd(w) % 4]);
+  (void)pm_option_set("loader_piece", pieces[pm_test_rand(&w->rng) % 4]);
   pm_loader_t *ld = NULL;
   pm_status_t st = pm_loader_create(g_ds[dsi], &c, &ld);
   if (st != PM_OK) {
