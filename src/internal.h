@@ -61,14 +61,14 @@ void pm__handles_atfork_child(void);   /* a fresh lock in a forked child */
 
 /* ---- fork.c ------------------------------------------------------------------------------ */
 
-/* How many fork()s separate this process from the one that loaded pinmem (0 in the original). */
+/* How many fork()s separate this process from the one that loaded pinmem (0 in the original).
+ * Kept by handles.c (a leaf); fork.c's handlers are installed at load and call down only. */
 unsigned pm__fork_generation(void);
-/* Install the pthread_atfork handlers (once; pm_init and the first handle call it). */
-void pm__fork_watch(void);
 /* Each module's part: PREPARE takes its process-wide locks, PARENT releases them, CHILD gives it
  * fresh locks and drops what belongs to the parent's threads and pinned memory. */
 typedef enum pm__fork_phase { PM__FORK_PREPARE, PM__FORK_PARENT, PM__FORK_CHILD } pm__fork_phase_t;
 void pm__api_atfork(pm__fork_phase_t phase);
+void pm__init_atfork(pm__fork_phase_t phase); /* init.c: init_lock, the backend of the parent */
 void pm__pool_atfork(pm__fork_phase_t phase);
 void pm__config_atfork(pm__fork_phase_t phase);
 void pm__copy_atfork(pm__fork_phase_t phase);
@@ -173,6 +173,8 @@ const char *pm__backend_reason(void);
 /* The status of a failed pm__backend(): PM_ERR_STATE in a child forked after the cuda backend
  * started, else PM_ERR_NO_DEVICE with the start's detail. */
 pm_status_t pm__backend_failed(void);
+/* Take the backend down (pm_finalize, after the pool and the copy engine). */
+void pm__backend_stop(void);
 
 /* Plain backend copies of many items, each validated as pm_memcpy_async validates one, queued
  * with the backend's batch call where it has one (else a loop). kernel_ok: every item joins
