@@ -4,7 +4,7 @@
  * Path choice. The registry says what each host pointer is (pm_pointer_query); for an address
  * it does not track, the backend (pointer_kind: device memory of another allocator, or host
  * memory another library pinned). Pinned, registered or managed host memory, whoever pinned it,
- * and device memory take the direct path: one pm_memcpy_async on the caller's stream and
+ * and device memory take the direct path: one backend copy on the caller's stream and
  * nothing else, unless a fence or a callback was asked for (then one event, plus one host
  * function for a callback). Pageable host memory of at least copy_stage_min bytes
  * is staged (copy_stage.c); smaller pageable copies take the plain backend copy, whose fixed
@@ -265,7 +265,7 @@ pm_status_t pm__copy_wait_event(pm_event_t event, unsigned max_sleep_us) {
   double spin_until = 0;
   unsigned us = 10;
   for (;;) {
-    pm_status_t st = pm_event_query(event);
+    pm_status_t st = pm__cb_event_query(event);
     if (st != PM_NOT_READY) return st;
     double now = pm__now();
     if (spin_until == 0) spin_until = now + PM__SPIN_S;
@@ -291,14 +291,14 @@ static cq_node_t g_reaper_node;
 
 void pm__copy_reap_event(pm_event_t event) {
   if (!event) return;
-  if (pm_event_query(event) != PM_NOT_READY) {
-    (void)pm_event_destroy(event);
+  if (pm__cb_event_query(event) != PM_NOT_READY) {
+    (void)pm__cb_event_destroy(event);
     return;
   }
   reap_node_t *r = malloc(sizeof *r);
   if (!r) {
-    (void)pm_event_synchronize(event);
-    (void)pm_event_destroy(event);
+    (void)pm__cb_event_synchronize(event);
+    (void)pm__cb_event_destroy(event);
     return;
   }
   r->ev = event;
@@ -326,8 +326,8 @@ static void reaper_run(void) {
     while (list) {
       reap_node_t *r = list;
       list = r->next;
-      if (pm_event_query(r->ev) != PM_NOT_READY) {
-        (void)pm_event_destroy(r->ev);
+      if (pm__cb_event_query(r->ev) != PM_NOT_READY) {
+        (void)pm__cb_event_destroy(r->ev);
         free(r);
       } else {
         r->next = keep;
@@ -404,7 +404,7 @@ static pm_status_t fence_new(pm_copy_path_t path, bool with_event, const pm_copy
   pm_fence_t f = calloc(1, sizeof *f);
   if (!f) return pm__set_error(PM_ERR_NOMEM, "malloc of a fence failed");
   if (with_event) {
-    pm_status_t st = pm_event_create(PM_EVENT_DEFAULT, &f->event);
+    pm_status_t st = pm__cb_event_create(PM_EVENT_DEFAULT, &f->event);
     if (st != PM_OK) {
       free(f);
       return pm__wrap_error(st, "fence event");
@@ -444,7 +444,7 @@ static void fence_complete(pm_fence_t f) {
     st = pm__stage_d2h_finish(f->job, msg, sizeof msg);
     f->job = NULL;
   } else if (f->event) {
-    st = pm_event_query(f->event);
+    st = pm__cb_event_query(f->event);
     if (st == PM_NOT_READY) st = pm__copy_wait_event(f->event, 1000);
     if (st < 0)
       snprintf(msg, sizeof msg, "%s", pm_last_error());
@@ -522,7 +522,7 @@ pm_status_t pm_fence_query(pm_fence_t fence) {
   pm_status_t st = fence_check(fence, "pm_fence_query");
   if (st != PM_OK) return st;
   if (fence->event) {
-    st = pm_event_query(fence->event);
+    st = pm__cb_event_query(fence->event);
     if (st != PM_OK) return st; /* PM_NOT_READY, or the stream's error */
   }
   if (!fence->host) return PM_OK;
@@ -539,7 +539,7 @@ pm_status_t pm_fence_wait(pm_fence_t fence) {
   pm_status_t st = fence_check(fence, "pm_fence_wait");
   if (st != PM_OK) return st;
   if (fence->event) {
-    st = pm_event_synchronize(fence->event);
+    st = pm__cb_event_synchronize(fence->event);
     if (st != PM_OK) return st;
   }
   if (!fence->host) return PM_OK;
@@ -557,7 +557,7 @@ pm_status_t pm_fence_stream_wait(pm_fence_t fence, pm_stream_t stream) {
   pm_status_t st = fence_check(fence, "pm_fence_stream_wait");
   if (st != PM_OK) return st;
   if (!fence->event) return PM_OK;
-  st = pm_stream_wait_event(stream, fence->event);
+  st = pm__cb_stream_wait_event(stream, fence->event);
   return st == PM_OK ? PM_OK : pm__wrap_error(st, "pm_fence_stream_wait");
 }
 
@@ -678,7 +678,7 @@ static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes,
     return PM_OK;
   }
   pm_pointer_info_t info;
-  pm_status_t st = pm_pointer_query(p, &info);
+  pm_status_t st = pm__pointer_info(p, &info);
   if (st != PM_OK) return pm__wrap_error(st, "%s: %s %p", where_str(w, wb, sizeof wb), name, p);
   side_kind_t k;
   switch (info.kind) {
@@ -866,18 +866,18 @@ static pm_status_t submit_d2h_gate(pm_fence_t f, pm__d2h_job_t *job, pm_stream_t
     fence_free(f);
     return PM_ERR_NOMEM;
   }
-  pm_status_t st = pm_launch_host_func(stream, fence_gate, f);
+  pm_status_t st = pm__cb_launch_host_func(stream, fence_gate, f);
   if (st != PM_OK) {
     char msg[512];
     snprintf(msg, sizeof msg, "%s", pm_last_error());
     atomic_fetch_sub(&f->refs, 1); /* no gate will run */
     /* Every DMA and group signal is queued: once the stream passed them the copy-out can end.
      * If even that wait fails, the copy-out skips what it has not copied yet. */
-    if (pm_stream_synchronize(stream) != PM_OK) pm__stage_d2h_discard(job);
+    if (pm__cb_stream_synchronize(stream) != PM_OK) pm__stage_d2h_discard(job);
     pm__stage_d2h_dmas_done(job);
     st = pm__set_error(st, "%s", msg);
   } else {
-    st = pm_event_record(f->event, stream);
+    st = pm__cb_event_record(f->event, stream);
   }
   pthread_mutex_lock(&f->mu);
   f->armed = true;
@@ -950,10 +950,10 @@ static pm_status_t submit(pm_copy_kind_t kind, const op_t *direct, size_t ndirec
   f->host = job != NULL || f->cb != NULL;
   atomic_init(&f->refs, (fence_out ? 1 : 0) + (f->host ? 1 : 0) + (job ? 1 : 0));
   if (job) return submit_d2h_gate(f, job, stream, fence_out);
-  st = pm_event_record(f->event, stream);
+  st = pm__cb_event_record(f->event, stream);
   if (st != PM_OK) goto fail;
   if (f->cb) {
-    st = pm_launch_host_func(stream, fence_notify, f);
+    st = pm__cb_launch_host_func(stream, fence_notify, f);
     if (st != PM_OK) goto fail;
   } else if (!fence_out) {
     fence_free(f); /* a D2H ring copy, done in the call, and nobody to tell */

@@ -78,4 +78,40 @@ pm_status_t pm__copy_wait_event(pm_event_t event, unsigned max_sleep_us);
  * completion thread), so no backend ever sees a pending event destroyed. */
 void pm__copy_reap_event(pm_event_t event);
 
+/* The copy engine's backend calls: the contract itself, not the front door. The engine checked
+ * its pointers once, at submission, so no call here looks anything up in the registry again
+ * (every staged chunk is one backend copy, nothing more). */
+#define PM__ENGINE_CALL(call)                    \
+  do {                                           \
+    const pm__backend_t *b_ = pm__backend();     \
+    if (!b_) return pm__backend_failed();        \
+    return b_->call;                             \
+  } while (0)
+static inline pm_status_t pm__cb_memcpy_async(void *dst, const void *src, size_t bytes,
+                                              pm_copy_kind_t kind, pm_stream_t stream) {
+  if (bytes == 0) return PM_OK;
+  PM__ENGINE_CALL(memcpy_async(dst, src, bytes, kind, stream));
+}
+static inline pm_status_t pm__cb_event_create(unsigned flags, pm_event_t *out) {
+  PM__ENGINE_CALL(event_create(flags, out));
+}
+static inline pm_status_t pm__cb_event_destroy(pm_event_t e) { PM__ENGINE_CALL(event_destroy(e)); }
+static inline pm_status_t pm__cb_event_record(pm_event_t e, pm_stream_t s) {
+  PM__ENGINE_CALL(event_record(e, s));
+}
+static inline pm_status_t pm__cb_event_query(pm_event_t e) { PM__ENGINE_CALL(event_query(e)); }
+static inline pm_status_t pm__cb_event_synchronize(pm_event_t e) {
+  PM__ENGINE_CALL(event_synchronize(e));
+}
+static inline pm_status_t pm__cb_stream_synchronize(pm_stream_t s) {
+  PM__ENGINE_CALL(stream_synchronize(s));
+}
+static inline pm_status_t pm__cb_stream_query(pm_stream_t s) { PM__ENGINE_CALL(stream_query(s)); }
+static inline pm_status_t pm__cb_stream_wait_event(pm_stream_t s, pm_event_t e) {
+  PM__ENGINE_CALL(stream_wait_event(s, e));
+}
+static inline pm_status_t pm__cb_launch_host_func(pm_stream_t s, void (*fn)(void *), void *arg) {
+  PM__ENGINE_CALL(launch_host_func(s, fn, arg));
+}
+
 #endif /* PINMEM_COPY_INTERNAL_H */

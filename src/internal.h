@@ -176,6 +176,8 @@ pm_status_t pm__backend_failed(void);
 /* Take the backend down (pm_finalize, after the pool and the copy engine). */
 void pm__backend_stop(void);
 
+/* ---- copy_batch.c ---------------------------------------------------------------------------- */
+
 /* Plain backend copies of many items, each validated as pm_memcpy_async validates one, queued
  * with the backend's batch call where it has one (else a loop). kernel_ok: every item joins
  * device, managed or pinned memory and none goes host to host, so the copy_batch option may
@@ -204,6 +206,23 @@ pm_status_t pm__registry_remove(uintptr_t base, pm_memory_kind_t kind, pm__range
 bool pm__registry_find(const void *ptr, pm__range_t *out);
 size_t pm__registry_count(void);
 void pm__registry_clear(void); /* pm_finalize only */
+
+/* ---- classify.c: what a pointer is --------------------------------------------------------- */
+
+/* Private flag on a registry entry whose registration has not finished yet (api.c). */
+#define PM__REG_PENDING (1u << 31)
+/* pm_pointer_query without the argument check: the registry's entry (a pool block's state from
+ * its pool), or PM_MEMORY_PAGEABLE for an address pinmem does not track. */
+pm_status_t pm__pointer_info(const void *ptr, pm_pointer_info_t *info_out);
+/* "a pinned block from pm_host_alloc", ...: for messages. */
+const char *pm__memory_kind_desc(pm_memory_kind_t k);
+/* If ptr is in a tracked range (then *known and *r say which), [ptr, ptr + bytes) must stay
+ * inside it. */
+pm_status_t pm__check_span(const char *fn, const char *what, const void *ptr, size_t bytes,
+                           pm__range_t *r, bool *known);
+/* Validate one plain copy as pm_memcpy_async does; resolves PM_COPY_DEFAULT in *kind. */
+pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, const void *src,
+                           size_t bytes, pm_copy_kind_t *kind);
 
 /* ---- pool.c ------------------------------------------------------------------------------ */
 
