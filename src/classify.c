@@ -77,10 +77,11 @@ pm_status_t pm__check_span(const char *fn, const char *what, const void *ptr, si
 
 static int tracked_side(const pm__range_t *r, bool known) {
   if (!known) return -1;
-  if (r->kind == PM_MEMORY_DEVICE) return 1;
+  pm__mem_t k = pm__range_mem(r);
+  if (k == PM__MEM_DEVICE) return 1;
   /* Mapped pinned memory has a device address too (the same one under unified addressing), so
    * kernels and copies may use it from either side. */
-  if ((r->kind == PM_MEMORY_POOL || r->kind == PM_MEMORY_REGISTERED) && !r->dev_base) return 0;
+  if ((k == PM__MEM_PINNED || k == PM__MEM_PINNED_RO) && !r->dev_base) return 0;
   return -1; /* managed and mapped memory are valid on both sides */
 }
 
@@ -105,9 +106,9 @@ pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, co
   if (*kind == PM_COPY_DEFAULT) {
     /* Inferred here for every backend, so the backend always gets an explicit direction.
      * Managed memory counts as device memory (the backend's pointer_kind says so too). */
-    int dd = kd ? (rd.kind == PM_MEMORY_DEVICE || rd.kind == PM_MEMORY_MANAGED)
+    int dd = kd ? (pm__range_mem(&rd) == PM__MEM_DEVICE || pm__range_mem(&rd) == PM__MEM_MANAGED)
                 : b->pointer_kind(dst) == PM__PTR_DEVICE;
-    int sd = ks ? (rs.kind == PM_MEMORY_DEVICE || rs.kind == PM_MEMORY_MANAGED)
+    int sd = ks ? (pm__range_mem(&rs) == PM__MEM_DEVICE || pm__range_mem(&rs) == PM__MEM_MANAGED)
                 : b->pointer_kind(src) == PM__PTR_DEVICE;
     *kind = dd ? (sd ? PM_COPY_D2D : PM_COPY_H2D) : (sd ? PM_COPY_D2H : PM_COPY_H2H);
     return PM_OK;
@@ -123,3 +124,99 @@ pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, co
   return PM_OK;
 }
 
+
+/* ---- one vocabulary of memory kinds --------------------------------------------------------- */
+
+const char *pm__mem_name(pm__mem_t k) {
+  switch (k) {
+    case PM__MEM_PAGEABLE:
+      return "pageable host";
+    case PM__MEM_PINNED:
+      return "pinned host";
+    case PM__MEM_PINNED_RO:
+      return "read-only registered host";
+    case PM__MEM_PINNED_OTHER:
+      return "pinned host (pinned outside pinmem)";
+    case PM__MEM_PINNED_PART:
+      return "host, pinned outside pinmem in part";
+    case PM__MEM_MANAGED:
+      return "managed";
+    case PM__MEM_DEVICE:
+      return "device";
+  }
+  return "?";
+}
+
+pm__mem_t pm__range_mem(const pm__range_t *r) {
+  switch (r->kind) {
+    case PM_MEMORY_POOL:
+      return PM__MEM_PINNED;
+    case PM_MEMORY_REGISTERED:
+      return (r->flags & PM_REGISTER_READ_ONLY) ? PM__MEM_PINNED_RO : PM__MEM_PINNED;
+    case PM_MEMORY_MANAGED:
+      return PM__MEM_MANAGED;
+    case PM_MEMORY_DEVICE:
+      return PM__MEM_DEVICE;
+    case PM_MEMORY_PAGEABLE:
+      break;
+  }
+  return PM__MEM_PAGEABLE;
+}
+
+/* An address the registry does not track, as the backend sees it. Pinned memory of another
+ * library takes the direct path when the copy's last byte is pinned too (the backend gives no
+ * extent; a second query is cheap: docs/performance.md, small copies); a range running on past
+ * it is staged. */
+static pm__mem_t foreign_side(const pm__backend_t *b, const void *p, size_t bytes) {
+  int k = b->pointer_kind(p);
+  if (k == PM__PTR_DEVICE) return PM__MEM_DEVICE;
+  if (k != PM__PTR_PINNED) return PM__MEM_PAGEABLE;
+  if (bytes > 1 && b->pointer_kind((const char *)p + bytes - 1) != PM__PTR_PINNED)
+    return PM__MEM_PINNED_PART;
+  return PM__MEM_PINNED_OTHER;
+}
+
+pm_status_t pm__classify(const pm__backend_t *b, const void *p, size_t bytes, const char *name,
+                         pm__mem_t *kind_out, uintptr_t *base_out, size_t *size_out) {
+  uintptr_t a = (uintptr_t)p;
+  pm_pointer_info_t info;
+  pm_status_t st = pm__pointer_info(p, &info);
+  if (st != PM_OK) return pm__wrap_error(st, "%s %p", name, p);
+  pm__mem_t k;
+  switch (info.kind) {
+    case PM_MEMORY_PAGEABLE:
+      /* Device memory of other allocators, and host memory other libraries pinned, are unknown
+       * to the registry; the backend knows them. */
+      *kind_out = foreign_side(b, p, bytes);
+      *base_out = 0;
+      *size_out = 0;
+      return PM_OK;
+    case PM_MEMORY_POOL:
+      if (!info.in_use)
+        return pm__set_error(PM_ERR_STATE, "%s %p lies in a pool block that was freed", name, p);
+      k = PM__MEM_PINNED;
+      break;
+    case PM_MEMORY_REGISTERED:
+      k = (info.flags & PM_REGISTER_READ_ONLY) ? PM__MEM_PINNED_RO : PM__MEM_PINNED;
+      break;
+    case PM_MEMORY_MANAGED:
+      k = PM__MEM_MANAGED;
+      break;
+    case PM_MEMORY_DEVICE:
+      k = PM__MEM_DEVICE;
+      break;
+    default:
+      return pm__set_error(PM_ERR_INTERNAL, "%s %p: unknown memory kind %d", name, p,
+                           (int)info.kind);
+  }
+  uintptr_t base = (uintptr_t)info.base;
+  if (info.size && (a < base || a - base > info.size || bytes > info.size - (a - base)))
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s range [%p, +%zu bytes) runs past the end of its %s memory "
+                         "(%p, %zu bytes)",
+                         name, p, bytes, pm__mem_name(k), info.base, info.size);
+  *kind_out = k;
+  *base_out = base;
+  *size_out = info.size;
+  return PM_OK;
+}

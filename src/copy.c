@@ -101,42 +101,6 @@ static const char *where_str(where_t w, char *buf, size_t len) {
   return buf;
 }
 
-/* SIDE_PINNED_RO: registered with PM_REGISTER_READ_ONLY (the device may only read it).
- * SIDE_PINNED_OTHER: page-locked by another library (cudaHostAlloc, cudaHostRegister, PyTorch's
- * pin_memory), as the backend reports it: one DMA like pinmem's own, but never a kernel's
- * (whether it is mapped for kernels is not known).
- * SIDE_PINNED_PART: starts in such memory and runs on past it. CUDA refuses a DMA over that
- * range (cudaErrorInvalidValue, seen on the H200), so it is staged whatever its size. */
-typedef enum side_kind {
-  SIDE_PAGEABLE,
-  SIDE_PINNED,
-  SIDE_PINNED_RO,
-  SIDE_PINNED_OTHER,
-  SIDE_PINNED_PART,
-  SIDE_MANAGED,
-  SIDE_DEVICE
-} side_kind_t;
-
-static const char *side_name(side_kind_t k) {
-  switch (k) {
-    case SIDE_PAGEABLE:
-      return "pageable host";
-    case SIDE_PINNED:
-      return "pinned host";
-    case SIDE_PINNED_RO:
-      return "read-only registered host";
-    case SIDE_PINNED_OTHER:
-      return "pinned host (pinned outside pinmem)";
-    case SIDE_PINNED_PART:
-      return "host, pinned outside pinmem in part";
-    case SIDE_MANAGED:
-      return "managed";
-    case SIDE_DEVICE:
-      return "device";
-  }
-  return "?";
-}
-
 static const char *kind_name(pm_copy_kind_t k) {
   switch (k) {
     case PM_COPY_DEFAULT:
@@ -158,24 +122,11 @@ typedef struct qcache {
   bool valid;
   uintptr_t base;
   size_t size;
-  side_kind_t kind;
+  pm__mem_t kind;
 } qcache_t;
 
-/* An address the registry does not track, as the backend sees it. Pinned memory of another
- * library takes the direct path when the copy's last byte is pinned too (the backend gives no
- * extent; a second query is cheap: docs/performance.md, small copies); a range running on past
- * it is staged. */
-static side_kind_t foreign_side(const pm__backend_t *b, const void *p, size_t bytes) {
-  int k = b->pointer_kind(p);
-  if (k == PM__PTR_DEVICE) return SIDE_DEVICE;
-  if (k != PM__PTR_PINNED) return SIDE_PAGEABLE;
-  if (bytes > 1 && b->pointer_kind((const char *)p + bytes - 1) != PM__PTR_PINNED)
-    return SIDE_PINNED_PART;
-  return SIDE_PINNED_OTHER;
-}
-
 static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes, const char *name,
-                            where_t w, qcache_t *cache, side_kind_t *out) {
+                            where_t w, qcache_t *cache, pm__mem_t *out) {
   uintptr_t a = (uintptr_t)p;
   char wb[96];
   if (cache && cache->valid && a >= cache->base && a - cache->base <= cache->size &&
@@ -183,72 +134,37 @@ static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes,
     *out = cache->kind;
     return PM_OK;
   }
-  pm_pointer_info_t info;
-  pm_status_t st = pm__pointer_info(p, &info);
-  if (st != PM_OK) return pm__wrap_error(st, "%s: %s %p", where_str(w, wb, sizeof wb), name, p);
-  side_kind_t k;
-  switch (info.kind) {
-    case PM_MEMORY_PAGEABLE:
-      /* Device memory of other allocators, and host memory other libraries pinned, are unknown
-       * to the registry; the backend knows them. */
-      *out = foreign_side(b, p, bytes);
-      return PM_OK;
-    case PM_MEMORY_POOL:
-      if (!info.in_use)
-        return pm__set_error(PM_ERR_STATE, "%s: %s %p lies in a pool block that was freed",
-                             where_str(w, wb, sizeof wb), name, p);
-      k = SIDE_PINNED;
-      break;
-    case PM_MEMORY_REGISTERED:
-      k = (info.flags & PM_REGISTER_READ_ONLY) ? SIDE_PINNED_RO : SIDE_PINNED;
-      break;
-    case PM_MEMORY_MANAGED:
-      k = SIDE_MANAGED;
-      break;
-    case PM_MEMORY_DEVICE:
-      k = SIDE_DEVICE;
-      break;
-    default:
-      return pm__set_error(PM_ERR_INTERNAL, "%s: %s %p: unknown memory kind %d",
-                           where_str(w, wb, sizeof wb), name, p, (int)info.kind);
+  uintptr_t base;
+  size_t size;
+  pm_status_t st = pm__classify(b, p, bytes, name, out, &base, &size);
+  if (st != PM_OK) return pm__wrap_error(st, "%s", where_str(w, wb, sizeof wb));
+  if (size && cache) {
+    cache->valid = true;
+    cache->base = base;
+    cache->size = size;
+    cache->kind = *out;
   }
-  uintptr_t base = (uintptr_t)info.base;
-  if (info.size) {
-    if (a < base || a - base > info.size || bytes > info.size - (a - base))
-      return pm__set_error(PM_ERR_INVALID,
-                           "%s: %s range [%p, +%zu bytes) runs past the end of its %s memory "
-                           "(%p, %zu bytes)",
-                           where_str(w, wb, sizeof wb), name, p, bytes, side_name(k), info.base,
-                           info.size);
-    if (cache) {
-      cache->valid = true;
-      cache->base = base;
-      cache->size = info.size;
-      cache->kind = k;
-    }
-  }
-  *out = k;
   return PM_OK;
 }
 
-static bool can_host(side_kind_t k) {
-  return k != SIDE_DEVICE;
+static bool can_host(pm__mem_t k) {
+  return k != PM__MEM_DEVICE;
 }
-static bool can_dev(side_kind_t k) {
-  return k == SIDE_DEVICE || k == SIDE_MANAGED;
+static bool can_dev(pm__mem_t k) {
+  return k == PM__MEM_DEVICE || k == PM__MEM_MANAGED;
 }
 /* Memory a kernel can read (src) or write (dst) where it is (pinned host memory: where the
  * backend says so). Read-only registrations are never a kernel's destination: the device would
  * fault, where a DMA only fails. */
-static bool can_kernel(side_kind_t k, bool write) {
-  return k != SIDE_PAGEABLE && k != SIDE_PINNED_OTHER && k != SIDE_PINNED_PART &&
-         !(write && k == SIDE_PINNED_RO);
+static bool can_kernel(pm__mem_t k, bool write) {
+  return k != PM__MEM_PAGEABLE && k != PM__MEM_PINNED_OTHER && k != PM__MEM_PINNED_PART &&
+         !(write && k == PM__MEM_PINNED_RO);
 }
 
-static pm_status_t resolve_kind(pm_copy_kind_t asked, side_kind_t s, side_kind_t d, where_t w,
+static pm_status_t resolve_kind(pm_copy_kind_t asked, pm__mem_t s, pm__mem_t d, where_t w,
                                 pm_copy_kind_t *out) {
   if (asked == PM_COPY_DEFAULT) {
-    bool sd = s == SIDE_DEVICE, dd = d == SIDE_DEVICE;
+    bool sd = s == PM__MEM_DEVICE, dd = d == PM__MEM_DEVICE;
     *out = sd ? (dd ? PM_COPY_D2D : PM_COPY_D2H) : (dd ? PM_COPY_H2D : PM_COPY_H2H);
     return PM_OK;
   }
@@ -274,7 +190,7 @@ static pm_status_t resolve_kind(pm_copy_kind_t asked, side_kind_t s, side_kind_t
     return pm__set_error(PM_ERR_INVALID,
                          "%s: kind %s contradicts the pointers: src is %s memory, "
                          "dst is %s memory",
-                         where_str(w, wb, sizeof wb), kind_name(asked), side_name(s), side_name(d));
+                         where_str(w, wb, sizeof wb), kind_name(asked), pm__mem_name(s), pm__mem_name(d));
   }
   *out = asked;
   return PM_OK;
@@ -417,7 +333,7 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
   PM__BACKEND_OR_RETURN(b);
   if (bytes == 0) return pm__fence_submit_empty(&opt, fence_out);
 
-  side_kind_t s, d;
+  pm__mem_t s, d;
   st = classify(b, src, bytes, "src", w, NULL, &s);
   if (st != PM_OK) return st;
   st = classify(b, dst, bytes, "dst", w, NULL, &d);
@@ -428,11 +344,11 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
 
   bool stage = false;
   if (kind == PM_COPY_H2D || kind == PM_COPY_D2H) {
-    side_kind_t host = kind == PM_COPY_H2D ? s : d;
+    pm__mem_t host = kind == PM_COPY_H2D ? s : d;
     if (opt.path == PM_PATH_STAGED) {
       stage = true;
     } else if (opt.path == PM_PATH_AUTO) {
-      stage = host == SIDE_PINNED_PART || (host == SIDE_PAGEABLE && bytes >= copy_stage_min());
+      stage = host == PM__MEM_PINNED_PART || (host == PM__MEM_PAGEABLE && bytes >= copy_stage_min());
     }
   } else if (opt.path == PM_PATH_STAGED) {
     return pm__set_error(PM_ERR_INVALID,
@@ -483,7 +399,7 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
     st = check_ranges(it->dst, it->src, it->bytes, w);
     if (st != PM_OK) goto out;
     if (it->bytes == 0) continue;
-    side_kind_t s, d;
+    pm__mem_t s, d;
     st = classify(b, it->src, it->bytes, "src", w, &sc, &s);
     if (st != PM_OK) goto out;
     st = classify(b, it->dst, it->bytes, "dst", w, &dc, &d);
@@ -500,7 +416,7 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
         st = pm__set_error(PM_ERR_INVALID,
                            "%s: is %s (src %s, dst %s) but item %zu is %s; a batch has one "
                            "direction",
-                           where_str(w, wb, sizeof wb), kind_name(k), side_name(s), side_name(d),
+                           where_str(w, wb, sizeof wb), kind_name(k), pm__mem_name(s), pm__mem_name(d),
                            first, kind_name(kind));
       }
     }
@@ -510,10 +426,10 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
       kind = k;
     }
     bool hd = kind == PM_COPY_H2D || kind == PM_COPY_D2H;
-    side_kind_t host = kind == PM_COPY_H2D ? s : d;
+    pm__mem_t host = kind == PM_COPY_H2D ? s : d;
     bool stage =
         hd && (opt.path == PM_PATH_STAGED ||
-               (opt.path == PM_PATH_AUTO && (host == SIDE_PAGEABLE || host == SIDE_PINNED_PART)));
+               (opt.path == PM_PATH_AUTO && (host == PM__MEM_PAGEABLE || host == PM__MEM_PINNED_PART)));
     if (!hd && opt.path == PM_PATH_STAGED) {
       char wb[96];
       st = pm__set_error(PM_ERR_INVALID,

@@ -211,6 +211,30 @@ void pm__registry_clear(void); /* pm_finalize only */
 
 /* Private flag on a registry entry whose registration has not finished yet (api.c). */
 #define PM__REG_PENDING (1u << 31)
+/* What a span of memory is, for the copy paths: the one vocabulary of memory kinds, used by the
+ * copy engine, the plain copy checks (classify.c) and the host backend alike. */
+typedef enum pm__mem {
+  PM__MEM_PAGEABLE,
+  PM__MEM_PINNED,    /* pinned by pinmem: a pool block or a registration */
+  PM__MEM_PINNED_RO, /* registered with PM_REGISTER_READ_ONLY (the device may only read it) */
+  /* Page-locked by another library (cudaHostAlloc, cudaHostRegister, PyTorch's pin_memory), as
+   * the backend reports it: one DMA like pinmem's own, but never a kernel's (whether it is
+   * mapped for kernels is not known). */
+  PM__MEM_PINNED_OTHER,
+  /* Starts in such memory and runs on past it. CUDA refuses a DMA over that range
+   * (cudaErrorInvalidValue, seen on the H200), so it is staged whatever its size. */
+  PM__MEM_PINNED_PART,
+  PM__MEM_MANAGED,
+  PM__MEM_DEVICE
+} pm__mem_t;
+const char *pm__mem_name(pm__mem_t k); /* "pinned host", ...: for messages */
+/* The kind of a range the registry tracks (no backend call). */
+pm__mem_t pm__range_mem(const pm__range_t *r);
+/* Classify [p, p + bytes) once, for a copy: the registry (a pool block's state from its pool),
+ * else the backend's pointer_kind. The tracked range comes back in base/size (size 0: not
+ * tracked). On error the detail starts "<name> <p>" for the caller to prefix. */
+pm_status_t pm__classify(const pm__backend_t *b, const void *p, size_t bytes, const char *name,
+                         pm__mem_t *kind_out, uintptr_t *base_out, size_t *size_out);
 /* pm_pointer_query without the argument check: the registry's entry (a pool block's state from
  * its pool), or PM_MEMORY_PAGEABLE for an address pinmem does not track. */
 pm_status_t pm__pointer_info(const void *ptr, pm_pointer_info_t *info_out);
