@@ -1,10 +1,10 @@
 /*
  * DESIGN: the library's front door, on top of every layer. It tears everything down again
- * (pm_finalize; init.c picks and starts the backend), and wraps every public call that is a thin layer over the
- * backend: devices, streams, events, device memory, plain copies, managed memory, registration
- * and pointer queries. Each wrapper validates its arguments (and, through the registry, the
- * pointers it can know about) before the backend sees them, so bad input gets a status and a
- * message instead of a CUDA error or a crash of the host backend.
+ * (pm_finalize; init.c picks and starts the backend), and wraps every public call that is a thin
+ * layer over the backend: devices, streams, events, device memory, plain copies, managed memory,
+ * registration and pointer queries. Each wrapper validates its arguments (and, through the
+ * registry, the pointers it can know about) before the backend sees them, so bad input gets a
+ * status and a message instead of a CUDA error or a crash of the host backend.
  *
  * The registry (registry.c) is the source of truth for what memory pinmem handed out or pinned:
  * device and managed allocations are added here, registrations too, pool segments by pool.c.

@@ -6,10 +6,11 @@
  *   own (no table, no lock): CUDA's per-thread current device is the only state, as it is for
  *   every other CUDA user in the process.
  * - Every CUDA return code is checked. A failure becomes a pm_status_t through one mapping
- *   (pm__cuda_fail, in kernels.cu so its launchers use it too) with the call, its arguments and CUDA's message in
- *   pm_last_error(); the runtime's last-error slot is cleared right away, so a non-sticky error
- *   of ours is not reported later to another library that checks cudaGetLastError. Sticky
- *   errors (a faulted context) cannot be cleared and keep failing every call, as they should.
+ *   (pm__cuda_fail, in kernels.cu so its launchers use it too) with the call, its arguments and
+ *   CUDA's message in pm_last_error(); the runtime's last-error slot is cleared right away, so a
+ *   non-sticky error of ours is not reported later to another library that checks
+ *   cudaGetLastError. Sticky errors (a faulted context) cannot be cleared and keep failing every
+ *   call, as they should.
  * - cudaErrorNotReady from a query is an answer (PM_NOT_READY), not a failure: no detail is set.
  * - Arguments are validated before any CUDA call, so bad input gets PM_ERR_INVALID with a clear
  *   message instead of whatever CUDA makes of it; outputs are written only on success.

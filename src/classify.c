@@ -64,7 +64,7 @@ pm_status_t pm__pointer_info(const void *ptr, pm_pointer_info_t *info_out) {
 
 /* If ptr is in a tracked range, [ptr, ptr + bytes) must stay inside it. */
 pm_status_t pm__check_span(const char *fn, const char *what, const void *ptr, size_t bytes,
-                              pm__range_t *r, bool *known) {
+                           pm__range_t *r, bool *known) {
   *known = pm__registry_find(ptr, r);
   if (!*known) return PM_OK;
   size_t room = r->base + r->size - (uintptr_t)ptr;
@@ -91,7 +91,7 @@ static const char *copy_kind_name(pm_copy_kind_t k) {
 }
 
 pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, const void *src,
-                              size_t bytes, pm_copy_kind_t *kind) {
+                           size_t bytes, pm_copy_kind_t *kind) {
   if (!dst) return pm__set_error(PM_ERR_INVALID, "%s: dst is NULL", fn);
   if (!src) return pm__set_error(PM_ERR_INVALID, "%s: src is NULL", fn);
   if ((unsigned)*kind > PM_COPY_H2H)
@@ -123,7 +123,6 @@ pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, co
                          copy_kind_name(*kind), src, pm__memory_kind_desc(rs.kind));
   return PM_OK;
 }
-
 
 /* ---- one vocabulary of memory kinds --------------------------------------------------------- */
 

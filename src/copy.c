@@ -190,7 +190,8 @@ static pm_status_t resolve_kind(pm_copy_kind_t asked, pm__mem_t s, pm__mem_t d, 
     return pm__set_error(PM_ERR_INVALID,
                          "%s: kind %s contradicts the pointers: src is %s memory, "
                          "dst is %s memory",
-                         where_str(w, wb, sizeof wb), kind_name(asked), pm__mem_name(s), pm__mem_name(d));
+                         where_str(w, wb, sizeof wb), kind_name(asked), pm__mem_name(s),
+                         pm__mem_name(d));
   }
   *out = asked;
   return PM_OK;
@@ -348,7 +349,8 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
     if (opt.path == PM_PATH_STAGED) {
       stage = true;
     } else if (opt.path == PM_PATH_AUTO) {
-      stage = host == PM__MEM_PINNED_PART || (host == PM__MEM_PAGEABLE && bytes >= copy_stage_min());
+      stage =
+          host == PM__MEM_PINNED_PART || (host == PM__MEM_PAGEABLE && bytes >= copy_stage_min());
     }
   } else if (opt.path == PM_PATH_STAGED) {
     return pm__set_error(PM_ERR_INVALID,
@@ -416,8 +418,8 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
         st = pm__set_error(PM_ERR_INVALID,
                            "%s: is %s (src %s, dst %s) but item %zu is %s; a batch has one "
                            "direction",
-                           where_str(w, wb, sizeof wb), kind_name(k), pm__mem_name(s), pm__mem_name(d),
-                           first, kind_name(kind));
+                           where_str(w, wb, sizeof wb), kind_name(k), pm__mem_name(s),
+                           pm__mem_name(d), first, kind_name(kind));
       }
     }
     if (st != PM_OK) goto out;
@@ -428,8 +430,9 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
     bool hd = kind == PM_COPY_H2D || kind == PM_COPY_D2H;
     pm__mem_t host = kind == PM_COPY_H2D ? s : d;
     bool stage =
-        hd && (opt.path == PM_PATH_STAGED ||
-               (opt.path == PM_PATH_AUTO && (host == PM__MEM_PAGEABLE || host == PM__MEM_PINNED_PART)));
+        hd &&
+        (opt.path == PM_PATH_STAGED ||
+         (opt.path == PM_PATH_AUTO && (host == PM__MEM_PAGEABLE || host == PM__MEM_PINNED_PART)));
     if (!hd && opt.path == PM_PATH_STAGED) {
       char wb[96];
       st = pm__set_error(PM_ERR_INVALID,

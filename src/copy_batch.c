@@ -72,7 +72,8 @@ pm_status_t pm__memcpy_batch_async(const pm_copy_item_t *items, size_t count, pm
     for (size_t i = 0; i < count; i++) {
       if (!items[i].bytes) continue;
       pm_copy_kind_t k = kind;
-      (void)pm__check_copy("pm_copy_batch_async", b, items[i].dst, items[i].src, items[i].bytes, &k);
+      (void)pm__check_copy("pm_copy_batch_async", b, items[i].dst, items[i].src, items[i].bytes,
+                           &k);
       pm_status_t st = b->memcpy_async(items[i].dst, items[i].src, items[i].bytes, k, stream);
       if (st != PM_OK) return st;
     }
@@ -100,4 +101,3 @@ pm_status_t pm__memcpy_batch_async(const pm_copy_item_t *items, size_t count, pm
   free(sizes);
   return st;
 }
-

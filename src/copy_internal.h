@@ -1,7 +1,8 @@
 /*
  * Internals shared by the copy engine's files, bottom to top: completion.c (completion service,
  * event waits), copy_stage.c (staging through pinned bounce buffers), fence.c (fences),
- * copy.c (API, path choice, submission), with classify.c and copy_batch.c beside them. Nothing here is installed.
+ * copy.c (API, path choice, submission), with classify.c and copy_batch.c beside them. Nothing here
+ * is installed.
  */
 #ifndef PINMEM_COPY_INTERNAL_H
 #define PINMEM_COPY_INTERNAL_H
@@ -134,11 +135,11 @@ pm_status_t pm__fence_submit_d2h_gate(pm_fence_t f, pm__d2h_job_t *job, pm_strea
 /* The copy engine's backend calls: the contract itself, not the front door. The engine checked
  * its pointers once, at submission, so no call here looks anything up in the registry again
  * (every staged chunk is one backend copy, nothing more). */
-#define PM__ENGINE_CALL(call)                    \
-  do {                                           \
-    const pm__backend_t *b_ = pm__backend();     \
-    if (!b_) return pm__backend_failed();        \
-    return b_->call;                             \
+#define PM__ENGINE_CALL(call)                \
+  do {                                       \
+    const pm__backend_t *b_ = pm__backend(); \
+    if (!b_) return pm__backend_failed();    \
+    return b_->call;                         \
   } while (0)
 static inline pm_status_t pm__cb_memcpy_async(void *dst, const void *src, size_t bytes,
                                               pm_copy_kind_t kind, pm_stream_t stream) {
@@ -148,18 +149,24 @@ static inline pm_status_t pm__cb_memcpy_async(void *dst, const void *src, size_t
 static inline pm_status_t pm__cb_event_create(unsigned flags, pm_event_t *out) {
   PM__ENGINE_CALL(event_create(flags, out));
 }
-static inline pm_status_t pm__cb_event_destroy(pm_event_t e) { PM__ENGINE_CALL(event_destroy(e)); }
+static inline pm_status_t pm__cb_event_destroy(pm_event_t e) {
+  PM__ENGINE_CALL(event_destroy(e));
+}
 static inline pm_status_t pm__cb_event_record(pm_event_t e, pm_stream_t s) {
   PM__ENGINE_CALL(event_record(e, s));
 }
-static inline pm_status_t pm__cb_event_query(pm_event_t e) { PM__ENGINE_CALL(event_query(e)); }
+static inline pm_status_t pm__cb_event_query(pm_event_t e) {
+  PM__ENGINE_CALL(event_query(e));
+}
 static inline pm_status_t pm__cb_event_synchronize(pm_event_t e) {
   PM__ENGINE_CALL(event_synchronize(e));
 }
 static inline pm_status_t pm__cb_stream_synchronize(pm_stream_t s) {
   PM__ENGINE_CALL(stream_synchronize(s));
 }
-static inline pm_status_t pm__cb_stream_query(pm_stream_t s) { PM__ENGINE_CALL(stream_query(s)); }
+static inline pm_status_t pm__cb_stream_query(pm_stream_t s) {
+  PM__ENGINE_CALL(stream_query(s));
+}
 static inline pm_status_t pm__cb_stream_wait_event(pm_stream_t s, pm_event_t e) {
   PM__ENGINE_CALL(stream_wait_event(s, e));
 }

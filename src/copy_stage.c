@@ -287,7 +287,8 @@ static void h2d_whole_task(void *vctx, size_t task) {
     if (first_error_any(&c->err)) continue;
     const unit_t *u = &c->u[i];
     pm__memcpy_mode(c->bounce + u->boff, u->host, u->bytes, c->mover);
-    pm_status_t st = pm__cb_memcpy_async(u->dev, c->bounce + u->boff, u->bytes, PM_COPY_H2D, c->stream);
+    pm_status_t st =
+        pm__cb_memcpy_async(u->dev, c->bounce + u->boff, u->bytes, PM_COPY_H2D, c->stream);
     if (st != PM_OK) first_error_set(&c->err, st);
   }
 }
@@ -506,8 +507,9 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   /* The ring reuses a few chunk buffers, which stay hot in the TLB and caches, but a slot can
    * only be refilled after its DMA ran, which waits behind the stream's earlier work; a
    * whole-copy block never waits. copy_bounce picks; auto takes the ring on an idle stream. */
-  bool ring_first = req->cfg.bounce == PM__BOUNCE_RING ||
-                    (req->cfg.bounce == PM__BOUNCE_AUTO && pm__cb_stream_query(req->stream) == PM_OK);
+  bool ring_first =
+      req->cfg.bounce == PM__BOUNCE_RING ||
+      (req->cfg.bounce == PM__BOUNCE_AUTO && pm__cb_stream_query(req->stream) == PM_OK);
   if (ring_first)
     st = PM_ERR_BUDGET;
   else
@@ -655,8 +657,9 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
    * that stay in the caches, at the price of a call that returns only once dst holds the bytes.
    * Otherwise the ring is the fallback when the budget refuses a whole-copy block. */
   char *bounce = NULL;
-  bool ring_first = req->cfg.bounce == PM__BOUNCE_RING ||
-                    (req->cfg.bounce == PM__BOUNCE_AUTO && pm__cb_stream_query(req->stream) == PM_OK);
+  bool ring_first =
+      req->cfg.bounce == PM__BOUNCE_RING ||
+      (req->cfg.bounce == PM__BOUNCE_AUTO && pm__cb_stream_query(req->stream) == PM_OK);
   st = ring_first ? PM_ERR_BUDGET : whole_bounce(req, total, &bounce);
   if (st == PM_ERR_BUDGET) {
     st = d2h_ring(req, u, n);

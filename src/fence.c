@@ -35,7 +35,6 @@
 
 #include "copy_internal.h"
 
-
 /* The completion service's jobs: a fence's node runs one of these. */
 static void fence_complete(pm_fence_t f);
 static pm_fence_t node_fence(pm__cq_node_t *node) {
@@ -53,7 +52,7 @@ void pm__fence_post(pm_fence_t f) {
 }
 
 pm_status_t pm__fence_new(pm_copy_path_t path, bool with_event, const pm_copy_options_t *opt,
-                             pm_fence_t *out) {
+                          pm_fence_t *out) {
   pm_fence_t f = calloc(1, sizeof *f);
   if (!f) return pm__set_error(PM_ERR_NOMEM, "malloc of a fence failed");
   if (with_event) {
@@ -144,11 +143,14 @@ static void fence_gate(void *arg) {
   pm__fence_unref(f, true);
 }
 
-
 /* ---- live fence handles (handles.c) ---------------------------------------------------- */
 
-pm_status_t pm__fence_live_add(pm_fence_t f) { return pm__handle_add(f, PM__HANDLE_FENCE); }
-bool pm__fence_live_remove(pm_fence_t f) { return pm__handle_remove(f, PM__HANDLE_FENCE); }
+pm_status_t pm__fence_live_add(pm_fence_t f) {
+  return pm__handle_add(f, PM__HANDLE_FENCE);
+}
+bool pm__fence_live_remove(pm_fence_t f) {
+  return pm__handle_remove(f, PM__HANDLE_FENCE);
+}
 
 static pm_status_t fence_check(pm_fence_t f, const char *fn) {
   return pm__handle_check(f, PM__HANDLE_FENCE, fn);
@@ -250,7 +252,7 @@ pm_status_t pm__fence_submit_empty(const pm_copy_options_t *opt, pm_fence_t *fen
  * that call, nothing could ever open the gate. On a failure after the post, this thread lets
  * the copy-out finish (it never touches dst once the call returned) and returns the error. */
 pm_status_t pm__fence_submit_d2h_gate(pm_fence_t f, pm__d2h_job_t *job, pm_stream_t stream,
-                                   pm_fence_t *fence_out) {
+                                      pm_fence_t *fence_out) {
   atomic_fetch_add(&f->refs, 1); /* this call's own, so f outlives the waits below */
   f->armed = false;
   if (!pm__cq_post_ex(&f->node, fence_complete_job, false)) {

@@ -13,9 +13,10 @@
  * address is reused by a loader is not taken for a live pool.
  *
  * Fork: each entry keeps the fork generation it was made in (this file counts the forks this
- * process went through, in its child hook, so the count sits in a leaf that fork.c calls down to). In a forked child the parent's objects stay in the set but are
- * "foreign": their threads do not exist here and their memory is not pinned, so every call on one
- * is refused with PM_ERR_STATE, and its destroy only forgets it (pm__handle_foreign).
+ * process went through, in its child hook, so the count sits in a leaf that fork.c calls down to).
+ * In a forked child the parent's objects stay in the set but are "foreign": their threads do not
+ * exist here and their memory is not pinned, so every call on one is refused with PM_ERR_STATE, and
+ * its destroy only forgets it (pm__handle_foreign).
  *
  * Lock order: g_mu is a leaf; nothing is called while holding it. fork.c takes it before fork()
  * (pm__handles_atfork_prepare) so the table is never copied half-rebuilt, and the child starts

@@ -26,8 +26,8 @@ static const pm__backend_t *_Atomic active_backend;
  * active_backend is published, so a reader that saw the backend sees its reason. */
 static char backend_reason[600];
 
-/* Set in a forked child (pm__init_atfork) by the backend the parent had started: the host backend starts
- * afresh in the child without probing CUDA; after the cuda backend nothing may start. */
+/* Set in a forked child (pm__init_atfork) by the backend the parent had started: the host backend
+ * starts afresh in the child without probing CUDA; after the cuda backend nothing may start. */
 static bool fork_child_host, fork_child_cuda;
 
 static pm_status_t start_backend(const pm__backend_t *b) {
@@ -182,4 +182,3 @@ const char *pm_backend_name(void) {
   const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_acquire);
   return b ? b->name : "none";
 }
-

@@ -103,7 +103,8 @@ struct BatchParams {
   unsigned count;
   pm__copy_desc_t d[PM__BATCH_DESCS_PER_LAUNCH];
 };
-/* ---- error mapping (shared with backend_cuda.c) ------------------------------------------------------------------------ */
+
+/* ---- error mapping (shared with backend_cuda.c) ---------------------------------------- */
 
 static pm_status_t map_cuda_error(cudaError_t e, pm_status_t oom_status) {
   switch (e) {
@@ -133,7 +134,8 @@ static pm_status_t map_cuda_error(cudaError_t e, pm_status_t oom_status) {
   }
 }
 
-extern "C" pm_status_t pm__cuda_fail(int cuda_error, pm_status_t oom_status, const char *call_fmt, ...) {
+extern "C" pm_status_t pm__cuda_fail(int cuda_error, pm_status_t oom_status, const char *call_fmt,
+                                      ...) {
   cudaError_t e = (cudaError_t)cuda_error;
   char call[512];
   va_list ap;
