@@ -20,23 +20,30 @@
  * static library's users keep this object through the -u pm__fork_install link option that the
  * pinmem_static target carries). fork.c sits on top of every module it resets: it calls each
  * module's atfork hook and nothing calls up into it; the fork generation lives in handles.c, a
- * leaf, which counts the forks in its child hook. Before
+ * leaf, which counts the forks in its child hook and keeps the "armed" flag: the handlers act only
+ * once pinmem was used (pm_init or the first handle). Before
  * fork() the prepare handler takes every process-wide lock in the library's lock order, so no
  * table is copied half-updated; the parent handler releases them; the child handler bumps the
  * fork generation and gives each module fresh locks and empty per-process state. Locks of
  * objects (a pool's, a stream's, a loader's) are not taken: those objects are foreign in the
  * child and never locked there.
  *
- * Lock order taken by prepare: pool default_lock -> init (init_lock) -> api (reg_lock) -> config ->
- * copy engine (completion queue, reaper) -> thread pool -> host backend (obj_lock, rec_lock,
- * mem_lock) -> registry -> handles. Each is a leaf or follows the order its file documents.
+ * Lock order taken by prepare: pool default_lock -> init (init_lock) -> api (reg_lock) ->
+ * config -> copy engine (completion queue, reaper) -> thread pool -> host backend (obj_lock,
+ * rec_lock, mem_lock) -> registry -> handles. Each is a leaf or follows the order its file documents.
  */
 #include <pthread.h>
 
 #include "internal.h"
 
 
+/* Whether prepare found pinmem in use (pm__fork_armed), for parent and child of the same fork:
+ * a process that never used pinmem forks untouched, as it did before the handlers existed. */
+static bool g_active;
+
 static void prepare(void) {
+  g_active = pm__fork_armed();
+  if (!g_active) return;
   /* pm_pool_default holds default_lock while pm_pool_create starts the backend (init_lock). */
   pm__pool_atfork(PM__FORK_PREPARE);
   pm__init_atfork(PM__FORK_PREPARE);
@@ -50,6 +57,7 @@ static void prepare(void) {
 }
 
 static void parent(void) {
+  if (!g_active) return;
   pm__handles_atfork_parent();
   pm__registry_atfork(PM__FORK_PARENT);
   pm__host_atfork(PM__FORK_PARENT);
@@ -62,6 +70,7 @@ static void parent(void) {
 }
 
 static void child(void) {
+  if (!g_active) return;
   pm__handles_atfork_child(); /* counts the fork: handles made before it are foreign now */
   pm__registry_atfork(PM__FORK_CHILD);
   pm__host_atfork(PM__FORK_CHILD);

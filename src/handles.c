@@ -36,6 +36,7 @@ typedef struct entry {
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static atomic_uint g_generation; /* forks between the process that loaded pinmem and this one */
+static atomic_bool g_fork_armed;  /* pm__fork_arm was called: fork.c's handlers act */
 static entry_t *g_tab;
 static size_t g_cap, g_used; /* used: live + deleted slots */
 
@@ -75,6 +76,7 @@ static const char *kind_name(pm__handle_kind_t kind) {
 pm_status_t pm__handle_add(const void *h, pm__handle_kind_t kind) {
   uintptr_t addr = (uintptr_t)h;
   pm_status_t st = PM_OK;
+  pm__fork_arm(); /* a process holding handles must reset this lock in a forked child */
   pthread_mutex_lock(&g_mu);
   if ((g_used + 1) * 2 > g_cap) {
     size_t live = 0;
@@ -163,6 +165,14 @@ pm_status_t pm__handle_check(const void *h, pm__handle_kind_t kind, const char *
 
 void pm__handles_atfork_prepare(void) { pthread_mutex_lock(&g_mu); }
 void pm__handles_atfork_parent(void) { pthread_mutex_unlock(&g_mu); }
+
+void pm__fork_arm(void) {
+  atomic_store_explicit(&g_fork_armed, true, memory_order_release);
+}
+
+bool pm__fork_armed(void) {
+  return atomic_load_explicit(&g_fork_armed, memory_order_acquire);
+}
 
 unsigned pm__fork_generation(void) {
   return atomic_load_explicit(&g_generation, memory_order_relaxed);

@@ -63,6 +63,7 @@ pm_status_t pm__backend_failed(void) {
 
 pm_status_t pm_init(void) {
   if (atomic_load_explicit(&active_backend, memory_order_acquire)) return PM_OK;
+  pm__fork_arm();
 
   pthread_mutex_lock(&init_lock);
   if (atomic_load_explicit(&active_backend, memory_order_relaxed)) {

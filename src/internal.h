@@ -64,6 +64,10 @@ void pm__handles_atfork_child(void);   /* a fresh lock in a forked child */
 /* How many fork()s separate this process from the one that loaded pinmem (0 in the original).
  * Kept by handles.c (a leaf); fork.c's handlers are installed at load and call down only. */
 unsigned pm__fork_generation(void);
+/* fork.c's handlers act only once pinmem was used (pm_init, the first handle): a process that
+ * forks before touching pinmem forks as any process does. Arming is a flag in handles.c. */
+void pm__fork_arm(void);
+bool pm__fork_armed(void);
 /* Each module's part: PREPARE takes its process-wide locks, PARENT releases them, CHILD gives it
  * fresh locks and drops what belongs to the parent's threads and pinned memory. */
 typedef enum pm__fork_phase { PM__FORK_PREPARE, PM__FORK_PARENT, PM__FORK_CHILD } pm__fork_phase_t;
