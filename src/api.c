@@ -1,19 +1,15 @@
 /*
- * DESIGN: the library's front door. It picks and starts the backend once (pm_init), tears
- * everything down again (pm_finalize), and wraps every public call that is a thin layer over the
- * backend: devices, streams, events, device memory, plain copies, managed memory, registration
- * and pointer queries. Each wrapper validates its arguments (and, through the registry, the
- * pointers it can know about) before the backend sees them, so bad input gets a status and a
- * message instead of a CUDA error or a crash of the host backend.
+ * DESIGN: the library's front door, on top of every layer. It tears everything down again
+ * (pm_finalize; init.c picks and starts the backend), and wraps every public call that is a thin
+ * layer over the backend: devices, streams, events, device memory, plain copies, managed memory,
+ * registration and pointer queries. Each wrapper validates its arguments (and, through the
+ * registry, the pointers it can know about) before the backend sees them, so bad input gets a
+ * status and a message instead of a CUDA error or a crash of the host backend.
  *
  * The registry (registry.c) is the source of truth for what memory pinmem handed out or pinned:
  * device and managed allocations are added here, registrations too, pool segments by pool.c.
  * Release calls check the kind so that freeing memory with the wrong call is an error that names
  * the right call.
- *
- * Initialisation: the active backend is an atomic pointer, so the fast path of every call is one
- * acquire load. pm_init takes init_lock to start a backend once; a failed start leaves the
- * pointer NULL and a later call tries again. Backends must not call pm__backend() from init.
  *
  * Registration: a registration first reserves its range in the registry (marked "registering"),
  * so the overlap check and the claim are one atomic step before any backend call; then it
@@ -21,7 +17,7 @@
  * reg_lock serialises only the registry steps of pm_register/pm_unregister (the reservation and
  * the swap), never a backend call or a budget wait.
  *
- * Lock order: init_lock, then (inside backend init) whatever the backend takes. reg_lock ->
+ * Lock order: reg_lock ->
  * registry lock (a leaf). No lock of this file is held while calling the backend or the pool.
  */
 #include <math.h>
@@ -32,140 +28,13 @@
 
 #include "internal.h"
 
-static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
-static const pm__backend_t *_Atomic active_backend;
-/* Why pm_init took the backend it took (pm__backend_reason): written under init_lock before
- * active_backend is published, so a reader that saw the backend sees its reason. */
-static char backend_reason[600];
-
 static pthread_mutex_t reg_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* Set in a forked child (fork.c) by the backend the parent had started: the host backend starts
- * afresh in the child without probing CUDA; after the cuda backend nothing may start. */
-static bool fork_child_host, fork_child_cuda;
-/* Private flag on a registry entry whose registration has not finished yet. */
-#define PM__REG_PENDING (1u << 31)
 #define PM__REGISTER_ALL (PM_REGISTER_MAPPED | PM_REGISTER_PORTABLE | PM_REGISTER_READ_ONLY)
 
 /* ------------------------------------------------------------------------------------------ */
 /* Library, backend                                                                            */
 /* ------------------------------------------------------------------------------------------ */
-
-static pm_status_t start_backend(const pm__backend_t *b) {
-  pm_status_t st = b->init();
-  if (st != PM_OK) return st;
-  long dev = pm__opt_int(PM__OPT_DEVICE);
-  if (dev != 0) {
-    int count = 0;
-    st = b->device_count(&count);
-    if (st == PM_OK && dev >= count)
-      st = pm__set_error(PM_ERR_CONFIG, "option device is %ld but the %s backend has %d device%s",
-                         dev, b->name, count, count == 1 ? "" : "s");
-    if (st == PM_OK) st = b->set_device((int)dev);
-    if (st != PM_OK) {
-      b->shutdown();
-      return st;
-    }
-  }
-  return PM_OK;
-}
-
-static pm_status_t forked_after_cuda(void) {
-  return pm__set_error(PM_ERR_STATE,
-                       "pinmem was used by the parent before fork(); the CUDA driver cannot be "
-                       "used in a forked child: use the spawn or forkserver start method "
-                       "(multiprocessing.set_start_method('spawn')), or fork before using pinmem");
-}
-
-pm_status_t pm__backend_failed(void) {
-  if (fork_child_cuda) return forked_after_cuda();
-  return pm__wrap_error(PM_ERR_NO_DEVICE, "no backend");
-}
-
-pm_status_t pm_init(void) {
-  if (atomic_load_explicit(&active_backend, memory_order_acquire)) return PM_OK;
-  pm__fork_watch();
-
-  pthread_mutex_lock(&init_lock);
-  if (atomic_load_explicit(&active_backend, memory_order_relaxed)) {
-    pthread_mutex_unlock(&init_lock);
-    return PM_OK;
-  }
-  if (fork_child_cuda) {
-    pthread_mutex_unlock(&init_lock);
-    return forked_after_cuda();
-  }
-  long want = fork_child_host ? PM_BACKEND_HOST : pm__opt_int(PM__OPT_BACKEND);
-  const pm__backend_t *chosen = NULL;
-  pm_status_t st = PM_OK;
-
-  if (want == PM_BACKEND_CUDA) {
-#ifdef PINMEM_HAVE_CUDA
-    st = start_backend(&pm__backend_cuda);
-    snprintf(backend_reason, sizeof backend_reason, "asked for (option backend)");
-    if (st == PM_OK) {
-      chosen = &pm__backend_cuda;
-    } else if (st != PM_ERR_CONFIG) {
-      st = pm__wrap_error(PM_ERR_NO_DEVICE, "pm_init: backend 'cuda' was asked for");
-    }
-#else
-    st = pm__set_error(PM_ERR_NO_DEVICE,
-                       "pm_init: backend 'cuda' was asked for (option backend / PINMEM_BACKEND) "
-                       "but this pinmem was built without CUDA");
-#endif
-  } else {
-#ifdef PINMEM_HAVE_CUDA
-    if (want != PM_BACKEND_HOST) {
-      /* auto: a machine without a usable GPU is normal; fall back to the host backend. */
-      if (start_backend(&pm__backend_cuda) == PM_OK) {
-        chosen = &pm__backend_cuda;
-        snprintf(backend_reason, sizeof backend_reason, "auto: a CUDA device is present");
-      } else {
-        snprintf(backend_reason, sizeof backend_reason, "auto: cuda not available: %s",
-                 pm_last_error());
-      }
-    }
-#else
-    if (want != PM_BACKEND_HOST)
-      snprintf(backend_reason, sizeof backend_reason, "auto: this pinmem was built without CUDA");
-#endif
-    if (want == PM_BACKEND_HOST)
-      snprintf(backend_reason, sizeof backend_reason, "asked for (option backend)");
-    if (!chosen) {
-      st = start_backend(&pm__backend_host);
-      if (st == PM_OK)
-        chosen = &pm__backend_host;
-      else
-        st = pm__wrap_error(st, "pm_init: starting the host backend");
-    }
-  }
-  if (chosen) {
-    /* Every call goes through fault.c's forwarding table (it injects nothing unless armed). */
-    const pm__backend_t *started = chosen;
-    st = pm__fault_wrap(&chosen);
-    if (st != PM_OK) {
-      started->shutdown();
-      chosen = NULL;
-    }
-  }
-  if (chosen) {
-    pm__clear_error(); /* a failed cuda probe under auto is not this thread's error */
-    atomic_store_explicit(&active_backend, chosen, memory_order_release);
-  }
-  pthread_mutex_unlock(&init_lock);
-  return chosen ? PM_OK : st;
-}
-
-const pm__backend_t *pm__backend(void) {
-  const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_acquire);
-  if (b) return b;
-  if (pm_init() != PM_OK) return NULL;
-  return atomic_load_explicit(&active_backend, memory_order_acquire);
-}
-
-const char *pm__backend_reason(void) {
-  return atomic_load_explicit(&active_backend, memory_order_acquire) ? backend_reason : "";
-}
 
 pm_status_t pm_finalize(void) {
   /* The default pool first: it frees through the backend and removes its registry ranges.
@@ -175,44 +44,19 @@ pm_status_t pm_finalize(void) {
   if (st != PM_OK) return pm__wrap_error(st, "pm_finalize: destroying the default pool");
   pm__threadpool_shutdown();
 
-  pthread_mutex_lock(&init_lock);
-  const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_relaxed);
-  atomic_store_explicit(&active_backend, NULL, memory_order_release);
-  /* Ranges the caller never released are forgotten: the contract is that nothing is in use. */
-  pm__registry_clear();
-  if (b) b->shutdown();
-  pthread_mutex_unlock(&init_lock);
+  pm__backend_stop();
   return PM_OK;
 }
 
 void pm__api_atfork(pm__fork_phase_t phase) {
   if (phase == PM__FORK_PREPARE) {
-    pthread_mutex_lock(&init_lock);
     pthread_mutex_lock(&reg_lock);
   } else if (phase == PM__FORK_PARENT) {
     pthread_mutex_unlock(&reg_lock);
-    pthread_mutex_unlock(&init_lock);
   } else {
     pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
-    init_lock = fresh;
     reg_lock = fresh;
-    const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_relaxed);
-    if (b && b->kind == PM_BACKEND_CUDA) fork_child_cuda = true;
-    if (b && b->kind == PM_BACKEND_HOST) fork_child_host = true;
-    /* The backend starts again on first use (host), or never (cuda): its threads, streams and
-     * tables of the parent are gone. */
-    atomic_store_explicit(&active_backend, NULL, memory_order_relaxed);
   }
-}
-
-pm_backend_kind_t pm_backend_kind(void) {
-  const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_acquire);
-  return b ? b->kind : PM_BACKEND_NONE;
-}
-
-const char *pm_backend_name(void) {
-  const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_acquire);
-  return b ? b->name : "none";
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -220,22 +64,6 @@ const char *pm_backend_name(void) {
 /* ------------------------------------------------------------------------------------------ */
 
 #define PM__NULL_ARG(fn, name) pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, name)
-
-static const char *kind_desc(pm_memory_kind_t k) {
-  switch (k) {
-    case PM_MEMORY_POOL:
-      return "a pinned block from pm_host_alloc";
-    case PM_MEMORY_REGISTERED:
-      return "memory registered with pm_register";
-    case PM_MEMORY_MANAGED:
-      return "managed memory from pm_managed_alloc";
-    case PM_MEMORY_DEVICE:
-      return "device memory from pm_device_alloc";
-    case PM_MEMORY_PAGEABLE:
-      break;
-  }
-  return "pageable memory";
-}
 
 static const char *release_call(pm_memory_kind_t k) {
   switch (k) {
@@ -260,30 +88,17 @@ static pm_status_t lookup_kind(const char *fn, const void *ptr, pm_memory_kind_t
   if (!pm__registry_find(ptr, &r))
     return pm__set_error(PM_ERR_NOT_FOUND,
                          "%s(%p): not %s (memory pinmem does not track, or already released)", fn,
-                         ptr, kind_desc(want));
+                         ptr, pm__memory_kind_desc(want));
   if (r.kind != want)
     return pm__set_error(PM_ERR_WRONG_KIND, "%s(%p): the address is %s; release it with %s", fn,
-                         ptr, kind_desc(r.kind), release_call(r.kind));
+                         ptr, pm__memory_kind_desc(r.kind), release_call(r.kind));
   if (exact && r.base != (uintptr_t)ptr)
     return pm__set_error(PM_ERR_NOT_FOUND,
                          "%s(%p): the address lies %zu bytes inside %s [%p, +%zu), not at its "
                          "start",
-                         fn, ptr, (size_t)((uintptr_t)ptr - r.base), kind_desc(r.kind),
+                         fn, ptr, (size_t)((uintptr_t)ptr - r.base), pm__memory_kind_desc(r.kind),
                          (void *)r.base, r.size);
   *out = r;
-  return PM_OK;
-}
-
-/* If ptr is in a tracked range, [ptr, ptr + bytes) must stay inside it. */
-static pm_status_t check_span(const char *fn, const char *what, const void *ptr, size_t bytes,
-                              pm__range_t *r, bool *known) {
-  *known = pm__registry_find(ptr, r);
-  if (!*known) return PM_OK;
-  size_t room = r->base + r->size - (uintptr_t)ptr;
-  if (bytes > room)
-    return pm__set_error(PM_ERR_INVALID,
-                         "%s: %zu bytes at %s %p overrun %s [%p, +%zu) (%zu bytes left)", fn, bytes,
-                         what, ptr, kind_desc(r->kind), (void *)r->base, r->size, room);
   return PM_OK;
 }
 
@@ -467,12 +282,12 @@ static pm_status_t check_device_side(const char *fn, const char *what, const pm_
                                      const void *ptr, size_t bytes) {
   pm__range_t r;
   bool known;
-  pm_status_t st = check_span(fn, what, ptr, bytes, &r, &known);
+  pm_status_t st = pm__check_span(fn, what, ptr, bytes, &r, &known);
   if (st != PM_OK) return st;
   if (known) {
     if (r.kind == PM_MEMORY_DEVICE || r.kind == PM_MEMORY_MANAGED) return PM_OK;
     return pm__set_error(PM_ERR_INVALID, "%s: %s %p is %s, not device memory", fn, what, ptr,
-                         kind_desc(r.kind));
+                         pm__memory_kind_desc(r.kind));
   }
   /* Not ours: device memory of another library (PyTorch, CuPy) is fine when the backend
    * recognises it. */
@@ -490,154 +305,17 @@ pm_status_t pm_device_memset_async(void *dptr, int value, size_t bytes, pm_strea
 }
 
 /* 1: device side (device or managed), 0: host side, -1: unknown to the registry. */
-static int tracked_side(const pm__range_t *r, bool known) {
-  if (!known) return -1;
-  if (r->kind == PM_MEMORY_DEVICE) return 1;
-  /* Mapped pinned memory has a device address too (the same one under unified addressing), so
-   * kernels and copies may use it from either side. */
-  if ((r->kind == PM_MEMORY_POOL || r->kind == PM_MEMORY_REGISTERED) && !r->dev_base) return 0;
-  return -1; /* managed and mapped memory are valid on both sides */
-}
-
-static const char *copy_kind_name(pm_copy_kind_t k) {
-  static const char *names[] = {"DEFAULT", "H2D", "D2H", "D2D", "H2H"};
-  return (unsigned)k < 5 ? names[k] : "?";
-}
-
-static pm_status_t check_copy(const char *fn, const pm__backend_t *b, void *dst, const void *src,
-                              size_t bytes, pm_copy_kind_t *kind) {
-  if (!dst) return PM__NULL_ARG(fn, "dst");
-  if (!src) return PM__NULL_ARG(fn, "src");
-  if ((unsigned)*kind > PM_COPY_H2H)
-    return pm__set_error(PM_ERR_INVALID, "%s: unknown copy kind %d", fn, (int)*kind);
-  pm__range_t rd, rs;
-  bool kd, ks;
-  pm_status_t st = check_span(fn, "dst", dst, bytes, &rd, &kd);
-  if (st == PM_OK) st = check_span(fn, "src", src, bytes, &rs, &ks);
-  if (st != PM_OK) return st;
-  int dside = tracked_side(&rd, kd), sside = tracked_side(&rs, ks);
-
-  if (*kind == PM_COPY_DEFAULT) {
-    /* Inferred here for every backend, so the backend always gets an explicit direction.
-     * Managed memory counts as device memory (the backend's pointer_kind says so too). */
-    int dd = kd ? (rd.kind == PM_MEMORY_DEVICE || rd.kind == PM_MEMORY_MANAGED)
-                : b->pointer_kind(dst) == PM__PTR_DEVICE;
-    int sd = ks ? (rs.kind == PM_MEMORY_DEVICE || rs.kind == PM_MEMORY_MANAGED)
-                : b->pointer_kind(src) == PM__PTR_DEVICE;
-    *kind = dd ? (sd ? PM_COPY_D2D : PM_COPY_H2D) : (sd ? PM_COPY_D2H : PM_COPY_H2H);
-    return PM_OK;
-  }
-  int want_d = (*kind == PM_COPY_H2D || *kind == PM_COPY_D2D);
-  int want_s = (*kind == PM_COPY_D2H || *kind == PM_COPY_D2D);
-  if (dside >= 0 && dside != want_d)
-    return pm__set_error(PM_ERR_INVALID, "%s: copy kind %s but dst %p is %s", fn,
-                         copy_kind_name(*kind), dst, kind_desc(rd.kind));
-  if (sside >= 0 && sside != want_s)
-    return pm__set_error(PM_ERR_INVALID, "%s: copy kind %s but src %p is %s", fn,
-                         copy_kind_name(*kind), src, kind_desc(rs.kind));
-  return PM_OK;
-}
-
 pm_status_t pm_memcpy_async(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind,
                             pm_stream_t stream) {
   PM__BACKEND_OR_RETURN(b);
-  pm_status_t st = check_copy("pm_memcpy_async", b, dst, src, bytes, &kind);
+  pm_status_t st = pm__check_copy("pm_memcpy_async", b, dst, src, bytes, &kind);
   if (st != PM_OK || bytes == 0) return st;
   return b->memcpy_async(dst, src, bytes, kind, stream);
 }
 
-/* The batch copy kernel's pieces: at most this many bytes each, so one thread block moves one
- * piece and the blocks of a launch share the work evenly whatever the item sizes. */
-#define PM__BATCH_TILE ((size_t)64 << 10)
-/* copy_batch=auto takes the kernel from this many items up, when they average at most
- * PM__BATCH_AUTO_MEAN bytes: many small pieces are where a DMA per piece loses the most. */
-#define PM__BATCH_AUTO_MIN_ITEMS 64
-#define PM__BATCH_AUTO_MEAN ((size_t)1 << 20)
-
-static bool batch_wants_kernel(const pm__backend_t *b, size_t live, size_t total, bool kernel_ok) {
-  if (!kernel_ok || live < 2 || !b->launch_batch_copy || !b->kernel_host_access) return false;
-  long mode = pm__opt_int(PM__OPT_COPY_BATCH);
-  if (mode == PM__BATCH_DMA) return false;
-  if (mode == PM__BATCH_AUTO &&
-      (live < PM__BATCH_AUTO_MIN_ITEMS || total / live > PM__BATCH_AUTO_MEAN))
-    return false;
-  return b->kernel_host_access() != 0;
-}
-
-/* The items as the kernel's pieces: each cut into tiles of at most PM__BATCH_TILE bytes. */
-static pm_status_t batch_by_kernel(const pm__backend_t *b, const pm_copy_item_t *items,
-                                   size_t count, pm_stream_t stream) {
-  size_t n = 0;
-  for (size_t i = 0; i < count; i++) n += (items[i].bytes + PM__BATCH_TILE - 1) / PM__BATCH_TILE;
-  pm__copy_desc_t *d = malloc(n * sizeof *d);
-  if (!d)
-    return pm__set_error(PM_ERR_NOMEM, "pm_copy_batch_async: out of memory for %zu pieces", n);
-  size_t k = 0;
-  for (size_t i = 0; i < count; i++) {
-    for (size_t off = 0; off < items[i].bytes; off += PM__BATCH_TILE) {
-      d[k].src = (const char *)items[i].src + off;
-      d[k].dst = (char *)items[i].dst + off;
-      d[k].bytes = (uint64_t)PM__MIN(PM__BATCH_TILE, items[i].bytes - off);
-      k++;
-    }
-  }
-  pm_status_t st = b->launch_batch_copy(d, n, stream);
-  free(d);
-  return st;
-}
-
-pm_status_t pm__memcpy_batch_async(const pm_copy_item_t *items, size_t count, pm_copy_kind_t kind,
-                                   pm_stream_t stream, bool kernel_ok) {
-  PM__BACKEND_OR_RETURN(b);
-  /* Every item is checked as pm_memcpy_async checks one, before anything is queued. */
-  size_t live = 0, total = 0;
-  for (size_t i = 0; i < count; i++) {
-    pm_copy_kind_t k = kind;
-    pm_status_t st =
-        check_copy("pm_copy_batch_async", b, items[i].dst, items[i].src, items[i].bytes, &k);
-    if (st != PM_OK) return pm__wrap_error(st, "item %zu", i);
-    if (k == PM_COPY_H2H) kernel_ok = false;
-    if (items[i].bytes) live++;
-    total += items[i].bytes;
-  }
-  if (batch_wants_kernel(b, live, total, kernel_ok))
-    return batch_by_kernel(b, items, count, stream);
-  if (!b->memcpy_batch_async || live < 2) {
-    for (size_t i = 0; i < count; i++) {
-      if (!items[i].bytes) continue;
-      pm_copy_kind_t k = kind;
-      (void)check_copy("pm_copy_batch_async", b, items[i].dst, items[i].src, items[i].bytes, &k);
-      pm_status_t st = b->memcpy_async(items[i].dst, items[i].src, items[i].bytes, k, stream);
-      if (st != PM_OK) return st;
-    }
-    return PM_OK;
-  }
-  void **dsts = malloc(live * sizeof *dsts);
-  const void **srcs = malloc(live * sizeof *srcs);
-  size_t *sizes = malloc(live * sizeof *sizes);
-  pm_status_t st = PM_OK;
-  if (!dsts || !srcs || !sizes) {
-    st = pm__set_error(PM_ERR_NOMEM, "pm_copy_batch_async: out of memory for %zu items", live);
-  } else {
-    size_t j = 0;
-    for (size_t i = 0; i < count; i++) {
-      if (!items[i].bytes) continue;
-      dsts[j] = items[i].dst;
-      srcs[j] = items[i].src;
-      sizes[j] = items[i].bytes;
-      j++;
-    }
-    st = b->memcpy_batch_async(dsts, srcs, sizes, live, stream);
-  }
-  free(dsts);
-  free((void *)srcs);
-  free(sizes);
-  return st;
-}
-
 pm_status_t pm_memcpy(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind) {
   PM__BACKEND_OR_RETURN(b);
-  pm_status_t st = check_copy("pm_memcpy", b, dst, src, bytes, &kind);
+  pm_status_t st = pm__check_copy("pm_memcpy", b, dst, src, bytes, &kind);
   if (st != PM_OK || bytes == 0) return st;
   return b->memcpy_sync(dst, src, bytes, kind);
 }
@@ -687,11 +365,11 @@ pm_status_t pm_managed_prefetch(const void *ptr, size_t bytes, int device, pm_st
   if (st != PM_OK) return st;
   pm__range_t r;
   bool known;
-  st = check_span(fn, "ptr", ptr, bytes, &r, &known);
+  st = pm__check_span(fn, "ptr", ptr, bytes, &r, &known);
   if (st != PM_OK) return st;
   if (known && r.kind != PM_MEMORY_MANAGED)
     return pm__set_error(PM_ERR_WRONG_KIND, "%s(%p): the address is %s, not managed memory", fn,
-                         ptr, kind_desc(r.kind));
+                         ptr, pm__memory_kind_desc(r.kind));
   if (!known && b->pointer_kind(ptr) != PM__PTR_DEVICE)
     return pm__set_error(PM_ERR_NOT_FOUND, "%s(%p): not managed memory (use pm_managed_alloc)", fn,
                          ptr);
@@ -802,37 +480,7 @@ pm_status_t pm_unregister(void *ptr) {
 
 pm_status_t pm_pointer_query(const void *ptr, pm_pointer_info_t *info_out) {
   if (!info_out) return PM__NULL_ARG("pm_pointer_query", "info_out");
-  pm_pointer_info_t info;
-  memset(&info, 0, sizeof info);
-  pm__range_t r;
-  if (!ptr || !pm__registry_find(ptr, &r)) {
-    info.kind = PM_MEMORY_PAGEABLE;
-    *info_out = info;
-    return PM_OK;
-  }
-  size_t off = (size_t)((uintptr_t)ptr - r.base);
-  info.kind = r.kind;
-  info.base = (void *)r.base;
-  info.size = r.size;
-  info.flags = r.flags & ~PM__REG_PENDING;
-  info.in_use = 1;
-  if (r.dev_base) info.device_ptr = (char *)r.dev_base + off;
-  if (r.kind == PM_MEMORY_DEVICE || r.kind == PM_MEMORY_MANAGED) info.device_ptr = (void *)ptr;
-  if (r.kind == PM_MEMORY_POOL) {
-    info.pool = (pm_pool_t *)r.owner;
-    info.in_use = 0;
-    pm_status_t st = pm__pool_block_info((pm_pool_t *)r.owner, ptr, &info);
-    if (st == PM_ERR_NOT_FOUND) {
-      /* The segment was released between the registry lookup and this call: the address is no
-       * longer pinned memory. */
-      memset(&info, 0, sizeof info);
-      info.kind = PM_MEMORY_PAGEABLE;
-    } else if (st != PM_OK) {
-      return pm__wrap_error(st, "pm_pointer_query(%p)", ptr);
-    }
-  }
-  *info_out = info;
-  return PM_OK;
+  return pm__pointer_info(ptr, info_out);
 }
 
 pm_status_t pm_host_device_pointer(const void *ptr, void **dptr_out) {
@@ -847,10 +495,10 @@ pm_status_t pm_host_device_pointer(const void *ptr, void **dptr_out) {
                          fn, ptr);
   if (r.kind != PM_MEMORY_POOL && r.kind != PM_MEMORY_REGISTERED)
     return pm__set_error(PM_ERR_INVALID, "%s(%p): the address is %s, not mapped pinned memory", fn,
-                         ptr, kind_desc(r.kind));
+                         ptr, pm__memory_kind_desc(r.kind));
   if (!r.dev_base)
     return pm__set_error(PM_ERR_INVALID, "%s(%p): %s that is not mapped (use %s)", fn, ptr,
-                         kind_desc(r.kind),
+                         pm__memory_kind_desc(r.kind),
                          r.kind == PM_MEMORY_POOL ? "PM_HOST_MAPPED" : "PM_REGISTER_MAPPED");
   *dptr_out = (char *)r.dev_base + ((uintptr_t)ptr - r.base);
   return PM_OK;

@@ -6,10 +6,11 @@
  *   own (no table, no lock): CUDA's per-thread current device is the only state, as it is for
  *   every other CUDA user in the process.
  * - Every CUDA return code is checked. A failure becomes a pm_status_t through one mapping
- *   (pm__cuda_fail, also used by kernels.cu) with the call, its arguments and CUDA's message in
- *   pm_last_error(); the runtime's last-error slot is cleared right away, so a non-sticky error
- *   of ours is not reported later to another library that checks cudaGetLastError. Sticky
- *   errors (a faulted context) cannot be cleared and keep failing every call, as they should.
+ *   (pm__cuda_fail, in kernels.cu so its launchers use it too) with the call, its arguments and
+ *   CUDA's message in pm_last_error(); the runtime's last-error slot is cleared right away, so a
+ *   non-sticky error of ours is not reported later to another library that checks
+ *   cudaGetLastError. Sticky errors (a faulted context) cannot be cleared and keep failing every
+ *   call, as they should.
  * - cudaErrorNotReady from a query is an answer (PM_NOT_READY), not a failure: no detail is set.
  * - Arguments are validated before any CUDA call, so bad input gets PM_ERR_INVALID with a clear
  *   message instead of whatever CUDA makes of it; outputs are written only on success.
@@ -39,51 +40,8 @@ static inline cudaEvent_t cu_event(pm_event_t e) {
   return (cudaEvent_t)e;
 }
 
-/* ---- error mapping ------------------------------------------------------------------------ */
-
-static pm_status_t map_cuda_error(cudaError_t e, pm_status_t oom_status) {
-  switch (e) {
-    case cudaSuccess:
-      return PM_OK;
-    case cudaErrorNotReady:
-      return PM_NOT_READY;
-    case cudaErrorMemoryAllocation:
-      return oom_status;
-    case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-      return PM_ERR_NO_DEVICE;
-    case cudaErrorInvalidValue:
-    case cudaErrorInvalidDevice:
-    case cudaErrorInvalidDevicePointer:
-    case cudaErrorInvalidResourceHandle:
-    case cudaErrorInvalidMemcpyDirection:
-      return PM_ERR_INVALID;
-    case cudaErrorHostMemoryAlreadyRegistered:
-      return PM_ERR_OVERLAP;
-    case cudaErrorHostMemoryNotRegistered:
-      return PM_ERR_NOT_FOUND;
-    case cudaErrorNotSupported:
-      return PM_ERR_UNSUPPORTED;
-    default:
-      return PM_ERR_BACKEND;
-  }
-}
-
-pm_status_t pm__cuda_fail(int cuda_error, pm_status_t oom_status, const char *call_fmt, ...) {
-  cudaError_t e = (cudaError_t)cuda_error;
-  char call[512];
-  va_list ap;
-  va_start(ap, call_fmt);
-  vsnprintf(call, sizeof call, call_fmt, ap);
-  va_end(ap);
-  (void)cudaGetLastError();
-  pm_status_t st = map_cuda_error(e, oom_status);
-  /* Queries handle cudaErrorNotReady themselves; anywhere else it is a failure. And a call
-   * with cudaSuccess is a bug in the caller, never a success to report. */
-  if (st == PM_NOT_READY) st = PM_ERR_BACKEND;
-  if (st == PM_OK) st = PM_ERR_INTERNAL;
-  return pm__set_error(st, "%s: %s (%s)", call, cudaGetErrorString(e), cudaGetErrorName(e));
-}
+/* Errors are recorded by pm__cuda_fail (kernels.cu, the lowest file of this backend, so the
+ * launchers there can use it without calling back up). */
 
 /* Device-memory allocation failures also say how much memory the device has left. */
 static pm_status_t device_oom_fail(cudaError_t e, const char *call, size_t bytes) {

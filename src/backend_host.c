@@ -1120,10 +1120,9 @@ static pm_status_t event_elapsed(pm_event_t start, pm_event_t end, double *secon
 /* ------------------------------------------------------------------------------------------ */
 
 typedef struct hb_side {
-  bool in_dev;    /* in the device table (device or managed) */
-  bool plain_dev; /* device memory proper (not managed) */
-  bool fits;      /* the whole span lies in that allocation */
-  bool pinned;    /* the whole span lies in one pinned range */
+  pm__mem_t kind; /* PM__MEM_DEVICE or _MANAGED (device table), _PINNED (the whole span in one
+                   * pinned range) or _PAGEABLE */
+  bool fits;      /* device table: the whole span lies in that allocation */
   hb_range_t dev;
 } hb_side_t;
 
@@ -1133,14 +1132,13 @@ static void classify_locked(const void *ptr, size_t bytes, hb_side_t *out) {
   long i = tbl_find(&device_tbl, p);
   if (i >= 0) {
     out->dev = device_tbl.v[i];
-    out->in_dev = true;
-    out->plain_dev = out->dev.kind == R_DEVICE;
+    out->kind = out->dev.kind == R_DEVICE ? PM__MEM_DEVICE : PM__MEM_MANAGED;
     out->fits = bytes <= out->dev.size - (p - out->dev.base);
   }
   i = tbl_find(&pinned_tbl, p);
-  if (i >= 0) {
+  if (i >= 0 && out->kind == PM__MEM_PAGEABLE) {
     const hb_range_t *r = &pinned_tbl.v[i];
-    out->pinned = !r->pending && bytes <= r->size - (p - r->base);
+    if (!r->pending && bytes <= r->size - (p - r->base)) out->kind = PM__MEM_PINNED;
   }
 }
 
@@ -1149,16 +1147,20 @@ static const char *copy_kind_name(pm_copy_kind_t k) {
   return (unsigned)k <= PM_COPY_H2H ? names[k] : "?";
 }
 
+static bool hb_in_dev(const hb_side_t *sd) {
+  return sd->kind == PM__MEM_DEVICE || sd->kind == PM__MEM_MANAGED;
+}
+
 static pm_status_t check_side(const char *fn, pm_copy_kind_t kind, const char *what,
                               const void *ptr, size_t bytes, const hb_side_t *sd, bool want_dev) {
-  if (want_dev && !sd->in_dev)
+  if (want_dev && !hb_in_dev(sd))
     return pm__set_error(PM_ERR_INVALID,
                          "%s: copy kind %s but the %s %p is not device memory of the host backend",
                          fn, copy_kind_name(kind), what, ptr);
-  if (!want_dev && sd->plain_dev)
+  if (!want_dev && sd->kind == PM__MEM_DEVICE)
     return pm__set_error(PM_ERR_INVALID, "%s: copy kind %s but the %s %p is device memory", fn,
                          copy_kind_name(kind), what, ptr);
-  if (sd->in_dev && !sd->fits)
+  if (hb_in_dev(sd) && !sd->fits)
     return pm__set_error(PM_ERR_INVALID,
                          "%s: the %s [%p, +%zu) runs past the end of its %s [%p, +%zu)", fn, what,
                          ptr, bytes, range_desc(sd->dev.kind), (void *)sd->dev.base, sd->dev.size);
@@ -1184,15 +1186,16 @@ static pm_status_t copy_prepare(const char *fn, void *dst, const void *src, size
 
   if (*kind == PM_COPY_DEFAULT)
     *kind =
-        s.in_dev ? (d.in_dev ? PM_COPY_D2D : PM_COPY_D2H) : (d.in_dev ? PM_COPY_H2D : PM_COPY_H2H);
+        hb_in_dev(&s) ? (hb_in_dev(&d) ? PM_COPY_D2D : PM_COPY_D2H)
+                      : (hb_in_dev(&d) ? PM_COPY_H2D : PM_COPY_H2H);
   bool dst_dev = *kind == PM_COPY_H2D || *kind == PM_COPY_D2D;
   bool src_dev = *kind == PM_COPY_D2H || *kind == PM_COPY_D2D;
   pm_status_t st = check_side(fn, *kind, "destination", dst, bytes, &d, dst_dev);
   if (st == PM_OK) st = check_side(fn, *kind, "source", src, bytes, &s, src_dev);
   if (st != PM_OK) return st;
   /* Managed memory is never pageable: the driver handles it on either side. */
-  *blocking_out = *kind == PM_COPY_H2H || (!dst_dev && !d.pinned && !d.in_dev) ||
-                  (!src_dev && !s.pinned && !s.in_dev);
+  *blocking_out = *kind == PM_COPY_H2H || (!dst_dev && d.kind == PM__MEM_PAGEABLE) ||
+                  (!src_dev && s.kind == PM__MEM_PAGEABLE);
   return PM_OK;
 }
 

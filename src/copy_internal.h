@@ -1,6 +1,8 @@
 /*
- * Internals shared by the copy engine's files (copy.c: API, path choice, fences, completion
- * service; copy_stage.c: staging through pinned bounce buffers). Nothing here is installed.
+ * Internals shared by the copy engine's files, bottom to top: completion.c (completion service,
+ * event waits), copy_stage.c (staging through pinned bounce buffers), fence.c (fences),
+ * copy.c (API, path choice, submission), with classify.c and copy_batch.c beside them. Nothing here
+ * is installed.
  */
 #ifndef PINMEM_COPY_INTERNAL_H
 #define PINMEM_COPY_INTERNAL_H
@@ -71,11 +73,105 @@ void pm__stage_d2h_discard(pm__d2h_job_t *job);
  * bounce block without copying anything out. Keeps pm_last_error's detail. */
 void pm__stage_d2h_abort(pm__d2h_job_t *job, pm_stream_t stream);
 
+/* ---- completion.c ---------------------------------------------------------------------------- */
+
+/* A job of the completion service: embedded in the object it serves; run gets the node back. */
+typedef struct pm__cq_node {
+  struct pm__cq_node *next;
+  void (*run)(struct pm__cq_node *node);
+} pm__cq_node_t;
+/* Queue a job. Returns true once a completion thread will run it. If no completion thread can
+ * be started at all: with `inline_ok` the caller runs the queue itself (a degraded mode that only
+ * a thread-creation failure reaches) and true is returned; without it the job is taken back out
+ * and false is returned (a D2H copy-out must run beside the caller, never inside it). */
+bool pm__cq_post_ex(pm__cq_node_t *node, void (*run)(pm__cq_node_t *node), bool inline_ok);
+void pm__cq_post(pm__cq_node_t *node, void (*run)(pm__cq_node_t *node));
 /* Poll an event until it completes (short sleeps, growing to max_sleep_us): waiting threads
  * neither spin a core nor need a blocking-sync event. */
 pm_status_t pm__copy_wait_event(pm_event_t event, unsigned max_sleep_us);
 /* Destroy an event that may still be pending: now if complete, else once it completed (on a
  * completion thread), so no backend ever sees a pending event destroyed. */
 void pm__copy_reap_event(pm_event_t event);
+
+/* ---- fence.c --------------------------------------------------------------------------------- */
+
+struct pm_fence_s {
+  atomic_int refs;
+  pm_copy_path_t path;
+  pm_event_t event;        /* recorded after the last DMA; NULL if nothing was queued */
+  bool host;               /* completion also needs the completion service (callback, copy-out) */
+  pm__d2h_job_t *job;      /* staged D2H copy-out, until the completion thread takes it */
+  pm__d2h_job_t *gate_job; /* the same, for the gate (never cleared) */
+  void (*cb)(void *arg, pm_status_t status);
+  void *cb_arg;
+  pm__cq_node_t node;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool armed;     /* under mu: the submitting call is over (set at once unless staged D2H) */
+  bool cancelled; /* under mu: that call failed, so no callback runs */
+  bool data_done; /* under mu */
+  bool finished;  /* under mu */
+  pm_status_t status;
+  char msg[256];
+};
+
+pm_status_t pm__fence_new(pm_copy_path_t path, bool with_event, const pm_copy_options_t *opt,
+                          pm_fence_t *out);
+void pm__fence_free(pm_fence_t f);
+/* Drop a reference; the last one frees the fence (from a completion thread when in_host_func). */
+void pm__fence_unref(pm_fence_t f, bool in_host_func);
+/* Hand the fence's completion (copy-out, then the callback) to a completion thread. */
+void pm__fence_post(pm_fence_t f);
+/* Host function behind a direct / staged-H2D copy with a callback: pm__fence_post. */
+void pm__fence_notify(void *arg);
+pm_status_t pm__fence_live_add(pm_fence_t f);
+bool pm__fence_live_remove(pm_fence_t f);
+/* A copy with nothing to move: the fence is complete at once; the callback still runs once. */
+pm_status_t pm__fence_submit_empty(const pm_copy_options_t *opt, pm_fence_t *fence_out);
+/* The completion of a staged D2H copy: the copy-out posted, then the gate and the event queued. */
+pm_status_t pm__fence_submit_d2h_gate(pm_fence_t f, pm__d2h_job_t *job, pm_stream_t stream,
+                                      pm_fence_t *fence_out);
+
+/* The copy engine's backend calls: the contract itself, not the front door. The engine checked
+ * its pointers once, at submission, so no call here looks anything up in the registry again
+ * (every staged chunk is one backend copy, nothing more). */
+#define PM__ENGINE_CALL(call)                \
+  do {                                       \
+    const pm__backend_t *b_ = pm__backend(); \
+    if (!b_) return pm__backend_failed();    \
+    return b_->call;                         \
+  } while (0)
+static inline pm_status_t pm__cb_memcpy_async(void *dst, const void *src, size_t bytes,
+                                              pm_copy_kind_t kind, pm_stream_t stream) {
+  if (bytes == 0) return PM_OK;
+  PM__ENGINE_CALL(memcpy_async(dst, src, bytes, kind, stream));
+}
+static inline pm_status_t pm__cb_event_create(unsigned flags, pm_event_t *out) {
+  PM__ENGINE_CALL(event_create(flags, out));
+}
+static inline pm_status_t pm__cb_event_destroy(pm_event_t e) {
+  PM__ENGINE_CALL(event_destroy(e));
+}
+static inline pm_status_t pm__cb_event_record(pm_event_t e, pm_stream_t s) {
+  PM__ENGINE_CALL(event_record(e, s));
+}
+static inline pm_status_t pm__cb_event_query(pm_event_t e) {
+  PM__ENGINE_CALL(event_query(e));
+}
+static inline pm_status_t pm__cb_event_synchronize(pm_event_t e) {
+  PM__ENGINE_CALL(event_synchronize(e));
+}
+static inline pm_status_t pm__cb_stream_synchronize(pm_stream_t s) {
+  PM__ENGINE_CALL(stream_synchronize(s));
+}
+static inline pm_status_t pm__cb_stream_query(pm_stream_t s) {
+  PM__ENGINE_CALL(stream_query(s));
+}
+static inline pm_status_t pm__cb_stream_wait_event(pm_stream_t s, pm_event_t e) {
+  PM__ENGINE_CALL(stream_wait_event(s, e));
+}
+static inline pm_status_t pm__cb_launch_host_func(pm_stream_t s, void (*fn)(void *), void *arg) {
+  PM__ENGINE_CALL(launch_host_func(s, fn, arg));
+}
 
 #endif /* PINMEM_COPY_INTERNAL_H */

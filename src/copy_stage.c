@@ -10,7 +10,7 @@
  * copy_slots chunk-sized blocks that stay in the caches and overlap a D2H copy's DMA with its
  * copy-out. The whole block (whole; auto behind queued work): one pool block as large as the
  * copy. The pool caches it, so repeated copies pin nothing, and its reuse is gated by the stream
- * (pm_host_record_stream), so the call never waits for the stream. When the budget refuses the
+ * (pm__pool_record_stream), so the call never waits for the stream. When the budget refuses the
  * whole block the ring is used instead. A ring slot is reused only after the event of its last
  * DMA completed (never a wait after every chunk). The ring makes the call wait for the stream
  * (see "What each path blocks on" in copy.c). The bytes move by copy_memcpy's mover (memcpy.c).
@@ -161,17 +161,18 @@ static pm_status_t whole_bounce(const pm__stage_req_t *req, size_t total, char *
 }
 
 /* Return bounce memory whose DMAs were queued on `stream` and may still be running. */
-static void free_after_stream(void *p, pm_stream_t stream) {
-  if (pm_host_record_stream(p, stream) != PM_OK) {
+static void free_after_stream(pm_pool_t *pool, void *p, pm_stream_t stream) {
+  if (pm__pool_record_stream(pool, p, stream) != PM_OK) {
     /* Without the record the pool could hand the block out under a running DMA. */
-    (void)pm_stream_synchronize(stream);
+    (void)pm__cb_stream_synchronize(stream);
   }
-  (void)pm_host_free(p);
+  (void)pm__pool_free(pool, p);
 }
 
 /* ---- ring of chunk-sized bounce slots ------------------------------------------------------ */
 
 typedef struct ring {
+  pm_pool_t *pool; /* the bounce slots' pool */
   int n;
   char **slot;
   pm_event_t *ev;
@@ -184,9 +185,9 @@ static void ring_destroy(ring_t *r, pm_stream_t stream, bool dmas_may_run) {
   for (int s = 0; s < r->n; s++) {
     if (r->slot && r->slot[s]) {
       if (dmas_may_run)
-        free_after_stream(r->slot[s], stream);
+        free_after_stream(r->pool, r->slot[s], stream);
       else
-        (void)pm_host_free(r->slot[s]);
+        (void)pm__pool_free(r->pool, r->slot[s]);
     }
     if (r->ev && r->ev[s]) pm__copy_reap_event(r->ev[s]);
   }
@@ -211,6 +212,7 @@ static pm_status_t ring_create(const pm__stage_req_t *req, int slots, size_t nun
     want = PM__MIN(want, fit);
   }
   memset(r, 0, sizeof *r);
+  r->pool = req->pool;
   pthread_mutex_init(&r->mu, NULL);
   pthread_cond_init(&r->cv, NULL);
   r->slot = calloc(want, sizeof *r->slot);
@@ -236,7 +238,7 @@ static pm_status_t ring_create(const pm__stage_req_t *req, int slots, size_t nun
   }
   r->n = (int)got;
   for (int s = 0; s < r->n; s++) {
-    pm_status_t st = pm_event_create(PM_EVENT_DEFAULT, &r->ev[s]);
+    pm_status_t st = pm__cb_event_create(PM_EVENT_DEFAULT, &r->ev[s]);
     if (st != PM_OK) {
       char msg[512];
       snprintf(msg, sizeof msg, "%s", pm_last_error());
@@ -285,7 +287,8 @@ static void h2d_whole_task(void *vctx, size_t task) {
     if (first_error_any(&c->err)) continue;
     const unit_t *u = &c->u[i];
     pm__memcpy_mode(c->bounce + u->boff, u->host, u->bytes, c->mover);
-    pm_status_t st = pm_memcpy_async(u->dev, c->bounce + u->boff, u->bytes, PM_COPY_H2D, c->stream);
+    pm_status_t st =
+        pm__cb_memcpy_async(u->dev, c->bounce + u->boff, u->bytes, PM_COPY_H2D, c->stream);
     if (st != PM_OK) first_error_set(&c->err, st);
   }
 }
@@ -305,8 +308,8 @@ static void h2d_ring_task(void *vctx, size_t task) {
       if (st == PM_OK) {
         const unit_t *u = &c->u[i];
         pm__memcpy_mode(r->slot[s], u->host, u->bytes, c->mover);
-        st = pm_memcpy_async(u->dev, r->slot[s], u->bytes, PM_COPY_H2D, c->stream);
-        if (st == PM_OK) st = pm_event_record(r->ev[s], c->stream);
+        st = pm__cb_memcpy_async(u->dev, r->slot[s], u->bytes, PM_COPY_H2D, c->stream);
+        if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
       }
       if (st != PM_OK) first_error_set(&c->err, st);
     }
@@ -417,9 +420,9 @@ static void h2d_slab_task(void *vctx, size_t task) {
       atomic_store(&c->filled[s], 0); /* before the slot is freed: its next group counts afresh */
       bool recorded = false;
       if (!first_error_any(&c->err)) {
-        pm_status_t st = pm_memcpy_async(c->seg->dev + goff, r->slot[s], glen, PM_COPY_H2D,
+        pm_status_t st = pm__cb_memcpy_async(c->seg->dev + goff, r->slot[s], glen, PM_COPY_H2D,
                                          c->stream);
-        if (st == PM_OK) st = pm_event_record(r->ev[s], c->stream);
+        if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
         if (st == PM_OK)
           recorded = true;
         else
@@ -504,8 +507,9 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   /* The ring reuses a few chunk buffers, which stay hot in the TLB and caches, but a slot can
    * only be refilled after its DMA ran, which waits behind the stream's earlier work; a
    * whole-copy block never waits. copy_bounce picks; auto takes the ring on an idle stream. */
-  bool ring_first = req->cfg.bounce == PM__BOUNCE_RING ||
-                    (req->cfg.bounce == PM__BOUNCE_AUTO && pm_stream_query(req->stream) == PM_OK);
+  bool ring_first =
+      req->cfg.bounce == PM__BOUNCE_RING ||
+      (req->cfg.bounce == PM__BOUNCE_AUTO && pm__cb_stream_query(req->stream) == PM_OK);
   if (ring_first)
     st = PM_ERR_BUDGET;
   else
@@ -515,7 +519,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
     c.mover = pm__memcpy_for(req->cfg.mover, false);
     pm__parallel_for(tasks, (size_t)tasks, h2d_whole_task, &c);
     st = first_error_raise(&c.err);
-    free_after_stream(bounce, req->stream);
+    free_after_stream(req->pool, bounce, req->stream);
     if (ring_out) *ring_out = false;
   } else if (st == PM_ERR_BUDGET && slab_eligible(req)) {
     st = stage_h2d_slab(req);
@@ -539,6 +543,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
 /* ---- D2H ------------------------------------------------------------------------------------ */
 
 struct pm__d2h_job {
+  pm_pool_t *pool; /* the bounce block's pool */
   unit_t *u;
   size_t n;
   char *bounce;
@@ -609,8 +614,8 @@ static void d2h_ring_task(void *vctx, size_t task) {
     ring_wait_turn(r, s, (long long)i); /* unit i - n has been copied out of the slot */
     if (!first_error_any(&c->err)) {
       const unit_t *u = &c->u[i];
-      pm_status_t st = pm_memcpy_async(r->slot[s], u->dev, u->bytes, PM_COPY_D2H, c->stream);
-      if (st == PM_OK) st = pm_event_record(r->ev[s], c->stream);
+      pm_status_t st = pm__cb_memcpy_async(r->slot[s], u->dev, u->bytes, PM_COPY_D2H, c->stream);
+      if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
       if (st == PM_OK) st = pm__copy_wait_event(r->ev[s], 50);
       if (st == PM_OK)
         pm__memcpy_mode(u->host, r->slot[s], u->bytes, c->mover);
@@ -652,8 +657,9 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
    * that stay in the caches, at the price of a call that returns only once dst holds the bytes.
    * Otherwise the ring is the fallback when the budget refuses a whole-copy block. */
   char *bounce = NULL;
-  bool ring_first = req->cfg.bounce == PM__BOUNCE_RING ||
-                    (req->cfg.bounce == PM__BOUNCE_AUTO && pm_stream_query(req->stream) == PM_OK);
+  bool ring_first =
+      req->cfg.bounce == PM__BOUNCE_RING ||
+      (req->cfg.bounce == PM__BOUNCE_AUTO && pm__cb_stream_query(req->stream) == PM_OK);
   st = ring_first ? PM_ERR_BUDGET : whole_bounce(req, total, &bounce);
   if (st == PM_ERR_BUDGET) {
     st = d2h_ring(req, u, n);
@@ -669,12 +675,13 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
   pm__d2h_job_t *job = calloc(1, sizeof *job);
   if (!job) {
     free(u);
-    (void)pm_host_free(bounce);
+    (void)pm__pool_free(req->pool, bounce);
     return pm__set_error(PM_ERR_NOMEM, "staging: malloc of a D2H job failed");
   }
   job->u = u;
   job->n = n;
   job->bounce = bounce;
+  job->pool = req->pool;
   job->threads = req->cfg.threads;
   job->stream = req->stream;
   job->mover = pm__memcpy_for(req->cfg.mover, false);
@@ -695,11 +702,11 @@ pm_status_t pm__stage_d2h_submit(const pm__stage_req_t *req, pm__d2h_job_t **job
   job->ngroups = g + 1;
 
   for (size_t i = 0; i < n; i++) {
-    st = pm_memcpy_async(bounce + u[i].boff, u[i].dev, u[i].bytes, PM_COPY_D2H, req->stream);
+    st = pm__cb_memcpy_async(bounce + u[i].boff, u[i].dev, u[i].bytes, PM_COPY_D2H, req->stream);
     /* The last group is signalled by the caller's gate (pm__stage_d2h_dmas_done). */
     if (st == PM_OK && i + 1 < n && u[i + 1].group != u[i].group) {
       atomic_fetch_add_explicit(&job->refs, 1, memory_order_relaxed);
-      st = pm_launch_host_func(req->stream, group_done_fn, job);
+      st = pm__cb_launch_host_func(req->stream, group_done_fn, job);
       if (st != PM_OK) atomic_fetch_sub_explicit(&job->refs, 1, memory_order_relaxed);
     }
     if (st != PM_OK) {
@@ -716,11 +723,11 @@ void pm__stage_d2h_abort(pm__d2h_job_t *job, pm_stream_t stream) {
   snprintf(msg, sizeof msg, "%s", pm_last_error());
   /* Queued DMAs write into the bounce block and queued host functions touch the job: let the
    * stream pass them all before anything is freed. */
-  (void)pm_stream_synchronize(stream);
+  (void)pm__cb_stream_synchronize(stream);
   /* If that synchronize failed, the pool still keeps the bounce block out of use until the
    * stream passed it, and the references keep the job alive for its host functions. */
-  (void)pm_host_record_stream(job->bounce, stream);
-  (void)pm_host_free(job->bounce);
+  (void)pm__pool_record_stream(job->pool, job->bounce, stream);
+  (void)pm__pool_free(job->pool, job->bounce);
   d2h_job_free(job);
   pm__set_error(PM_ERR_INTERNAL, "%s", msg); /* restore the detail; the caller keeps its status */
 }
@@ -756,8 +763,8 @@ pm_status_t pm__stage_d2h_finish(pm__d2h_job_t *job, char *msg, size_t msg_len) 
   wait_group(job, job->ngroups - 1);
   /* Discarded: the stream could not be waited for, so DMAs may still write into the block; the
    * pool keeps it out of use until the stream passed them (no gate waits for this thread then). */
-  if (atomic_load(&job->discard)) (void)pm_host_record_stream(job->bounce, job->stream);
-  (void)pm_host_free(job->bounce);
+  if (atomic_load(&job->discard)) (void)pm__pool_record_stream(job->pool, job->bounce, job->stream);
+  (void)pm__pool_free(job->pool, job->bounce);
   d2h_job_free(job);
   return PM_OK;
 }

@@ -16,32 +16,37 @@
  * pinmem call that needs the backend fails with PM_ERR_STATE and says to use spawn or
  * forkserver; pinmem makes no CUDA call in such a child (pm_finalize included).
  *
- * Mechanism: pthread_atfork handlers, installed once by the first pm_init or handle. Before
+ * Mechanism: pthread_atfork handlers, installed when the library is loaded (a constructor; the
+ * static library's users keep this object through the -u pm__fork_install link option that the
+ * pinmem_static target carries). fork.c sits on top of every module it resets: it calls each
+ * module's atfork hook and nothing calls up into it; the fork generation lives in handles.c, a
+ * leaf, which counts the forks in its child hook and keeps the "armed" flag: the handlers act only
+ * once pinmem was used (pm_init or the first handle). Before
  * fork() the prepare handler takes every process-wide lock in the library's lock order, so no
  * table is copied half-updated; the parent handler releases them; the child handler bumps the
  * fork generation and gives each module fresh locks and empty per-process state. Locks of
  * objects (a pool's, a stream's, a loader's) are not taken: those objects are foreign in the
  * child and never locked there.
  *
- * Lock order taken by prepare: pool default_lock -> api (init_lock, reg_lock) -> config ->
- * copy engine (completion queue, reaper) -> thread pool -> host backend (obj_lock, rec_lock,
- * mem_lock) -> registry -> handles. Each is a leaf or follows the order its file documents.
+ * Lock order taken by prepare: pool default_lock -> init (init_lock) -> api (reg_lock) ->
+ * config -> copy engine (completion queue, reaper) -> thread pool -> host backend (obj_lock,
+ * rec_lock, mem_lock) -> registry -> handles. Each is a leaf or follows the order its file documents.
  */
 #include <pthread.h>
-#include <stdatomic.h>
 
 #include "internal.h"
 
-static atomic_uint g_generation;
-static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
-unsigned pm__fork_generation(void) {
-  return atomic_load_explicit(&g_generation, memory_order_relaxed);
-}
+/* Whether prepare found pinmem in use (pm__fork_armed), for parent and child of the same fork:
+ * a process that never used pinmem forks untouched, as it did before the handlers existed. */
+static bool g_active;
 
 static void prepare(void) {
+  g_active = pm__fork_armed();
+  if (!g_active) return;
   /* pm_pool_default holds default_lock while pm_pool_create starts the backend (init_lock). */
   pm__pool_atfork(PM__FORK_PREPARE);
+  pm__init_atfork(PM__FORK_PREPARE);
   pm__api_atfork(PM__FORK_PREPARE);
   pm__config_atfork(PM__FORK_PREPARE);
   pm__copy_atfork(PM__FORK_PREPARE);
@@ -52,6 +57,7 @@ static void prepare(void) {
 }
 
 static void parent(void) {
+  if (!g_active) return;
   pm__handles_atfork_parent();
   pm__registry_atfork(PM__FORK_PARENT);
   pm__host_atfork(PM__FORK_PARENT);
@@ -59,12 +65,13 @@ static void parent(void) {
   pm__copy_atfork(PM__FORK_PARENT);
   pm__config_atfork(PM__FORK_PARENT);
   pm__api_atfork(PM__FORK_PARENT);
+  pm__init_atfork(PM__FORK_PARENT);
   pm__pool_atfork(PM__FORK_PARENT);
 }
 
 static void child(void) {
-  atomic_fetch_add_explicit(&g_generation, 1, memory_order_relaxed);
-  pm__handles_atfork_child();
+  if (!g_active) return;
+  pm__handles_atfork_child(); /* counts the fork: handles made before it are foreign now */
   pm__registry_atfork(PM__FORK_CHILD);
   pm__host_atfork(PM__FORK_CHILD);
   pm__threadpool_atfork(PM__FORK_CHILD);
@@ -72,12 +79,11 @@ static void child(void) {
   pm__config_atfork(PM__FORK_CHILD);
   pm__pool_atfork(PM__FORK_CHILD);
   pm__api_atfork(PM__FORK_CHILD);
+  pm__init_atfork(PM__FORK_CHILD);
 }
 
-static void install(void) {
+/* Non-static so that `-u pm__fork_install` keeps this object in a static link. */
+void pm__fork_install(void);
+__attribute__((constructor)) void pm__fork_install(void) {
   (void)pthread_atfork(prepare, parent, child);
-}
-
-void pm__fork_watch(void) {
-  (void)pthread_once(&g_once, install);
 }

@@ -12,16 +12,18 @@
  * when live + tombstones pass half of it. The kind is part of the key, so a freed pool whose
  * address is reused by a loader is not taken for a live pool.
  *
- * Fork: each entry keeps the fork generation it was made in (fork.c counts the forks this
- * process went through). In a forked child the parent's objects stay in the set but are
- * "foreign": their threads do not exist here and their memory is not pinned, so every call on one
- * is refused with PM_ERR_STATE, and its destroy only forgets it (pm__handle_foreign).
+ * Fork: each entry keeps the fork generation it was made in (this file counts the forks this
+ * process went through, in its child hook, so the count sits in a leaf that fork.c calls down to).
+ * In a forked child the parent's objects stay in the set but are "foreign": their threads do not
+ * exist here and their memory is not pinned, so every call on one is refused with PM_ERR_STATE, and
+ * its destroy only forgets it (pm__handle_foreign).
  *
  * Lock order: g_mu is a leaf; nothing is called while holding it. fork.c takes it before fork()
  * (pm__handles_atfork_prepare) so the table is never copied half-rebuilt, and the child starts
  * with a fresh lock.
  */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -33,6 +35,8 @@ typedef struct entry {
 } entry_t;
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static atomic_uint g_generation; /* forks between the process that loaded pinmem and this one */
+static atomic_bool g_fork_armed;  /* pm__fork_arm was called: fork.c's handlers act */
 static entry_t *g_tab;
 static size_t g_cap, g_used; /* used: live + deleted slots */
 
@@ -72,7 +76,7 @@ static const char *kind_name(pm__handle_kind_t kind) {
 pm_status_t pm__handle_add(const void *h, pm__handle_kind_t kind) {
   uintptr_t addr = (uintptr_t)h;
   pm_status_t st = PM_OK;
-  pm__fork_watch(); /* a process holding handles must reset this lock in a forked child */
+  pm__fork_arm(); /* a process holding handles must reset this lock in a forked child */
   pthread_mutex_lock(&g_mu);
   if ((g_used + 1) * 2 > g_cap) {
     size_t live = 0;
@@ -162,7 +166,20 @@ pm_status_t pm__handle_check(const void *h, pm__handle_kind_t kind, const char *
 void pm__handles_atfork_prepare(void) { pthread_mutex_lock(&g_mu); }
 void pm__handles_atfork_parent(void) { pthread_mutex_unlock(&g_mu); }
 
+void pm__fork_arm(void) {
+  atomic_store_explicit(&g_fork_armed, true, memory_order_release);
+}
+
+bool pm__fork_armed(void) {
+  return atomic_load_explicit(&g_fork_armed, memory_order_acquire);
+}
+
+unsigned pm__fork_generation(void) {
+  return atomic_load_explicit(&g_generation, memory_order_relaxed);
+}
+
 void pm__handles_atfork_child(void) {
+  atomic_fetch_add_explicit(&g_generation, 1, memory_order_relaxed);
   pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
   g_mu = fresh;
 }

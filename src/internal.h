@@ -61,14 +61,18 @@ void pm__handles_atfork_child(void);   /* a fresh lock in a forked child */
 
 /* ---- fork.c ------------------------------------------------------------------------------ */
 
-/* How many fork()s separate this process from the one that loaded pinmem (0 in the original). */
+/* How many fork()s separate this process from the one that loaded pinmem (0 in the original).
+ * Kept by handles.c (a leaf); fork.c's handlers are installed at load and call down only. */
 unsigned pm__fork_generation(void);
-/* Install the pthread_atfork handlers (once; pm_init and the first handle call it). */
-void pm__fork_watch(void);
+/* fork.c's handlers act only once pinmem was used (pm_init, the first handle): a process that
+ * forks before touching pinmem forks as any process does. Arming is a flag in handles.c. */
+void pm__fork_arm(void);
+bool pm__fork_armed(void);
 /* Each module's part: PREPARE takes its process-wide locks, PARENT releases them, CHILD gives it
  * fresh locks and drops what belongs to the parent's threads and pinned memory. */
 typedef enum pm__fork_phase { PM__FORK_PREPARE, PM__FORK_PARENT, PM__FORK_CHILD } pm__fork_phase_t;
 void pm__api_atfork(pm__fork_phase_t phase);
+void pm__init_atfork(pm__fork_phase_t phase); /* init.c: init_lock, the backend of the parent */
 void pm__pool_atfork(pm__fork_phase_t phase);
 void pm__config_atfork(pm__fork_phase_t phase);
 void pm__copy_atfork(pm__fork_phase_t phase);
@@ -174,6 +178,10 @@ const char *pm__backend_reason(void);
 /* The status of a failed pm__backend(): PM_ERR_STATE in a child forked after the cuda backend
  * started, else PM_ERR_NO_DEVICE with the start's detail. */
 pm_status_t pm__backend_failed(void);
+/* Take the backend down (pm_finalize, after the pool and the copy engine). */
+void pm__backend_stop(void);
+
+/* ---- copy_batch.c ---------------------------------------------------------------------------- */
 
 /* Plain backend copies of many items, each validated as pm_memcpy_async validates one, queued
  * with the backend's batch call where it has one (else a loop). kernel_ok: every item joins
@@ -203,6 +211,47 @@ pm_status_t pm__registry_remove(uintptr_t base, pm_memory_kind_t kind, pm__range
 bool pm__registry_find(const void *ptr, pm__range_t *out);
 size_t pm__registry_count(void);
 void pm__registry_clear(void); /* pm_finalize only */
+
+/* ---- classify.c: what a pointer is --------------------------------------------------------- */
+
+/* Private flag on a registry entry whose registration has not finished yet (api.c). */
+#define PM__REG_PENDING (1u << 31)
+/* What a span of memory is, for the copy paths: the one vocabulary of memory kinds, used by the
+ * copy engine, the plain copy checks (classify.c) and the host backend alike. */
+typedef enum pm__mem {
+  PM__MEM_PAGEABLE,
+  PM__MEM_PINNED,    /* pinned by pinmem: a pool block or a registration */
+  PM__MEM_PINNED_RO, /* registered with PM_REGISTER_READ_ONLY (the device may only read it) */
+  /* Page-locked by another library (cudaHostAlloc, cudaHostRegister, PyTorch's pin_memory), as
+   * the backend reports it: one DMA like pinmem's own, but never a kernel's (whether it is
+   * mapped for kernels is not known). */
+  PM__MEM_PINNED_OTHER,
+  /* Starts in such memory and runs on past it. CUDA refuses a DMA over that range
+   * (cudaErrorInvalidValue, seen on the H200), so it is staged whatever its size. */
+  PM__MEM_PINNED_PART,
+  PM__MEM_MANAGED,
+  PM__MEM_DEVICE
+} pm__mem_t;
+const char *pm__mem_name(pm__mem_t k); /* "pinned host", ...: for messages */
+/* The kind of a range the registry tracks (no backend call). */
+pm__mem_t pm__range_mem(const pm__range_t *r);
+/* Classify [p, p + bytes) once, for a copy: the registry (a pool block's state from its pool),
+ * else the backend's pointer_kind. The tracked range comes back in base/size (size 0: not
+ * tracked). On error the detail starts "<name> <p>" for the caller to prefix. */
+pm_status_t pm__classify(const pm__backend_t *b, const void *p, size_t bytes, const char *name,
+                         pm__mem_t *kind_out, uintptr_t *base_out, size_t *size_out);
+/* pm_pointer_query without the argument check: the registry's entry (a pool block's state from
+ * its pool), or PM_MEMORY_PAGEABLE for an address pinmem does not track. */
+pm_status_t pm__pointer_info(const void *ptr, pm_pointer_info_t *info_out);
+/* "a pinned block from pm_host_alloc", ...: for messages. */
+const char *pm__memory_kind_desc(pm_memory_kind_t k);
+/* If ptr is in a tracked range (then *known and *r say which), [ptr, ptr + bytes) must stay
+ * inside it. */
+pm_status_t pm__check_span(const char *fn, const char *what, const void *ptr, size_t bytes,
+                           pm__range_t *r, bool *known);
+/* Validate one plain copy as pm_memcpy_async does; resolves PM_COPY_DEFAULT in *kind. */
+pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, const void *src,
+                           size_t bytes, pm_copy_kind_t *kind);
 
 /* ---- pool.c ------------------------------------------------------------------------------ */
 

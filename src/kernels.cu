@@ -31,6 +31,8 @@
 #endif
 
 #include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -101,6 +103,54 @@ struct BatchParams {
   unsigned count;
   pm__copy_desc_t d[PM__BATCH_DESCS_PER_LAUNCH];
 };
+
+/* ---- error mapping (shared with backend_cuda.c) ---------------------------------------- */
+
+static pm_status_t map_cuda_error(cudaError_t e, pm_status_t oom_status) {
+  switch (e) {
+    case cudaSuccess:
+      return PM_OK;
+    case cudaErrorNotReady:
+      return PM_NOT_READY;
+    case cudaErrorMemoryAllocation:
+      return oom_status;
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+      return PM_ERR_NO_DEVICE;
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevice:
+    case cudaErrorInvalidDevicePointer:
+    case cudaErrorInvalidResourceHandle:
+    case cudaErrorInvalidMemcpyDirection:
+      return PM_ERR_INVALID;
+    case cudaErrorHostMemoryAlreadyRegistered:
+      return PM_ERR_OVERLAP;
+    case cudaErrorHostMemoryNotRegistered:
+      return PM_ERR_NOT_FOUND;
+    case cudaErrorNotSupported:
+      return PM_ERR_UNSUPPORTED;
+    default:
+      return PM_ERR_BACKEND;
+  }
+}
+
+extern "C" pm_status_t pm__cuda_fail(int cuda_error, pm_status_t oom_status, const char *call_fmt,
+                                      ...) {
+  cudaError_t e = (cudaError_t)cuda_error;
+  char call[512];
+  va_list ap;
+  va_start(ap, call_fmt);
+  vsnprintf(call, sizeof call, call_fmt, ap);
+  va_end(ap);
+  (void)cudaGetLastError();
+  pm_status_t st = map_cuda_error(e, oom_status);
+  /* Queries handle cudaErrorNotReady themselves; anywhere else it is a failure. And a call
+   * with cudaSuccess is a bug in the caller, never a success to report. */
+  if (st == PM_NOT_READY) st = PM_ERR_BACKEND;
+  if (st == PM_OK) st = PM_ERR_INTERNAL;
+  return pm__set_error(st, "%s: %s (%s)", call, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
 static_assert(sizeof(BatchParams) <= 32000, "kernel parameters are limited to 32 KiB");
 
 /* One block per piece. Pieces whose source and destination share their alignment modulo 16 are

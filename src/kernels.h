@@ -102,7 +102,7 @@ pm_status_t pm__launch_busy_kernel(uint64_t ns, struct CUstream_st *stream);
 pm_status_t pm__launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
                                   struct CUstream_st *stream);
 
-/* backend_cuda.c: record a failed CUDA call. `cuda_error` is a cudaError_t; `oom_status` is what
+/* kernels.cu: record a failed CUDA call. `cuda_error` is a cudaError_t; `oom_status` is what
  * cudaErrorMemoryAllocation means for this call (PM_ERR_NOMEM or PM_ERR_DEVICE_MEMORY). The
  * detail reads "<call text>: <CUDA message> (<CUDA error name>)". Returns the mapped status. */
 pm_status_t pm__cuda_fail(int cuda_error, pm_status_t oom_status, const char *call_fmt, ...)
