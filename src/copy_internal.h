@@ -7,6 +7,8 @@
 #ifndef PINMEM_COPY_INTERNAL_H
 #define PINMEM_COPY_INTERNAL_H
 
+#include <pthread.h>
+
 #include "internal.h"
 
 /* The copy options in force (copy_chunk, copy_slots, copy_threads, copy_stage_min). */
