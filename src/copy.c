@@ -61,46 +61,25 @@
 
 #include "copy_internal.h"
 
-#define PM__COPY_DEF_CHUNK ((size_t)4 << 20)
-#define PM__COPY_DEF_SLOTS 32
-#define PM__COPY_DEF_THREADS_MAX 12
-#define PM__COPY_DEF_STAGE_MIN ((size_t)8 << 20)
 #define PM__CQ_MAX_THREADS 256
 #define PM__CQ_IDLE_S 2
 #define PM__SPIN_S 100e-6 /* event polling spins this long before it sleeps */
 
 /* ---- options -------------------------------------------------------------------------------- */
 
-/* pm__opt_* gives 0 for "auto" and for an option without a table row: fall back to the
- * measured defaults (4 MiB chunks, 32 slots, min(12, cores) threads, 8 MiB): staging loses to
- * the plain pageable copy at 1 MiB and wins from 8 MiB, and with slots filled in pieces 12
- * threads do as well as 16 while leaving cores to the driver and the caller (the figures are
- * in docs/performance.md). */
-/* The one option the path choice needs: resolving the whole table (about a microsecond, a
- * mutex and a getenv per option) would cost a small pageable copy more than its DMA. */
-static size_t copy_stage_min(void) {
-  size_t stage_min = pm__opt_size(PM__OPT_COPY_STAGE_MIN);
-  return stage_min ? stage_min : PM__COPY_DEF_STAGE_MIN;
-}
-
+/* The defaults and ranges are the option table's (config.c): 4 MiB chunks, 32 slots,
+ * min(12, cores) threads, 8 MiB: staging loses to the plain pageable copy at 1 MiB and wins
+ * from 8 MiB, and with slots filled in pieces 12 threads do as well as 16 while leaving cores
+ * to the driver and the caller (the figures are in docs/performance.md). A lookup is an atomic
+ * load of the cached value, cheap next to even a small copy's DMA. */
 void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   size_t chunk = pm__opt_size(PM__OPT_COPY_CHUNK);
   long slots = pm__opt_int(PM__OPT_COPY_SLOTS);
-  long threads = pm__opt_int(PM__OPT_COPY_THREADS);
-  if (chunk == 0) chunk = PM__COPY_DEF_CHUNK;
   if (chunk < 4096) chunk = 4096;
-  if (slots <= 0) slots = PM__COPY_DEF_SLOTS;
-  if (slots > 4096) slots = 4096;
-  if (threads <= 0) {
-    int cores = pm__cpu_count();
-    threads = cores < PM__COPY_DEF_THREADS_MAX ? cores : PM__COPY_DEF_THREADS_MAX;
-  }
-  if (threads < 1) threads = 1;
-  if (threads > 256) threads = 256;
   cfg->chunk = chunk;
   cfg->slots = (int)slots;
-  cfg->threads = (int)threads;
-  cfg->stage_min = copy_stage_min();
+  cfg->threads = (int)pm__opt_int(PM__OPT_COPY_THREADS);
+  cfg->stage_min = pm__opt_size(PM__OPT_COPY_STAGE_MIN);
   cfg->bounce = (int)pm__opt_int(PM__OPT_COPY_BOUNCE);
   cfg->mover = (int)pm__opt_int(PM__OPT_COPY_MEMCPY);
   cfg->ramp = pm__opt_int(PM__OPT_COPY_RAMP) != 0;
@@ -108,7 +87,7 @@ void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   if (piece && piece < 4096) piece = 4096;
   cfg->piece = piece < chunk ? piece : 0; /* a piece as large as a slot is the plain ring */
   long piece_slots = pm__opt_int(PM__OPT_COPY_PIECE_SLOTS);
-  cfg->piece_slots = piece_slots > 0 && piece_slots <= 4096 ? (int)piece_slots : (int)slots;
+  cfg->piece_slots = piece_slots > 0 ? (int)piece_slots : (int)slots;
 }
 
 void pm_copy_options_init(pm_copy_options_t *options) {
@@ -999,7 +978,7 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
     if (opt.path == PM_PATH_STAGED) {
       stage = true;
     } else if (opt.path == PM_PATH_AUTO) {
-      stage = host == SIDE_PINNED_PART || (host == SIDE_PAGEABLE && bytes >= copy_stage_min());
+      stage = host == SIDE_PINNED_PART || (host == SIDE_PAGEABLE && bytes >= pm__opt_size(PM__OPT_COPY_STAGE_MIN));
     }
   } else if (opt.path == PM_PATH_STAGED) {
     return pm__set_error(PM_ERR_INVALID,

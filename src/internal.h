@@ -90,9 +90,9 @@ typedef enum pm__opt {
   PM__OPT_HOST_DEVICE_MEMORY, /* size: device memory the host backend simulates */
   PM__OPT_COPY_CHUNK,         /* size: staging chunk (copy.c) */
   PM__OPT_COPY_SLOTS,         /* int: bounce-buffer ring depth (copy.c) */
-  PM__OPT_COPY_THREADS,       /* int: staging memcpy threads, 0 = auto (copy.c) */
+  PM__OPT_COPY_THREADS,       /* int: staging memcpy threads, 0 = auto -> resolved (copy.c) */
   PM__OPT_COPY_STAGE_MIN,     /* size: pageable copies below this use the plain backend copy */
-  PM__OPT_LOADER_WORKERS,     /* int: loader reader threads, 0 = auto (loader.c) */
+  PM__OPT_LOADER_WORKERS,     /* int: loader reader threads, 0 = auto -> resolved (loader.c) */
   PM__OPT_LOADER_PREFETCH,    /* int: loader batch slots (loader.c) */
   PM__OPT_COPY_BOUNCE,        /* whole|ring|auto -> pm__copy_bounce_t (copy_stage.c) */
   PM__OPT_COPY_MEMCPY,        /* libc|movsb|stream -> pm__copy_memcpy_t (memcpy.c) */
@@ -103,9 +103,19 @@ typedef enum pm__opt {
   PM__OPT_COUNT
 } pm__opt_t;
 
+/* Limits the option table and the matching arguments (pm_loader_config_t) share. */
+#define PM__MAX_SLOTS 4096          /* copy_slots, copy_piece_slots, loader_prefetch */
+#define PM__LOADER_MAX_WORKERS 256  /* loader_workers */
+#define PM__COPY_MAX_THREADS 256    /* copy_threads */
+
+/* The value in force, parsed once and cached (an atomic load after the first lookup): an
+ * explicit pm_option_set value, else PINMEM_<NAME>, else the table's default. Thread counts
+ * with an auto setting come back resolved (never 0). The environment is read at the first
+ * lookup after a change: pm__opt_reload forgets every cached value (tests that setenv). */
 size_t pm__opt_size(pm__opt_t opt);
 long pm__opt_int(pm__opt_t opt);
 double pm__opt_double(pm__opt_t opt);
+void pm__opt_reload(void);
 /* Current value as text (for enum-like options such as backend). Thread-safe copy into buf. */
 void pm__opt_text(pm__opt_t opt, char *buf, size_t len);
 
