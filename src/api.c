@@ -499,10 +499,6 @@ static int tracked_side(const pm__range_t *r, bool known) {
   return -1; /* managed and mapped memory are valid on both sides */
 }
 
-static const char *copy_kind_name(pm_copy_kind_t k) {
-  static const char *names[] = {"DEFAULT", "H2D", "D2H", "D2D", "H2H"};
-  return (unsigned)k < 5 ? names[k] : "?";
-}
 
 static pm_status_t check_copy(const char *fn, const pm__backend_t *b, void *dst, const void *src,
                               size_t bytes, pm_copy_kind_t *kind) {
@@ -531,10 +527,10 @@ static pm_status_t check_copy(const char *fn, const pm__backend_t *b, void *dst,
   int want_s = (*kind == PM_COPY_D2H || *kind == PM_COPY_D2D);
   if (dside >= 0 && dside != want_d)
     return pm__set_error(PM_ERR_INVALID, "%s: copy kind %s but dst %p is %s", fn,
-                         copy_kind_name(*kind), dst, kind_desc(rd.kind));
+                         pm__copy_kind_name(*kind), dst, kind_desc(rd.kind));
   if (sside >= 0 && sside != want_s)
     return pm__set_error(PM_ERR_INVALID, "%s: copy kind %s but src %p is %s", fn,
-                         copy_kind_name(*kind), src, kind_desc(rs.kind));
+                         pm__copy_kind_name(*kind), src, kind_desc(rs.kind));
   return PM_OK;
 }
 

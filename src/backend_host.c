@@ -1144,20 +1144,16 @@ static void classify_locked(const void *ptr, size_t bytes, hb_side_t *out) {
   }
 }
 
-static const char *copy_kind_name(pm_copy_kind_t k) {
-  static const char *const names[] = {"DEFAULT", "H2D", "D2H", "D2D", "H2H"};
-  return (unsigned)k <= PM_COPY_H2H ? names[k] : "?";
-}
 
 static pm_status_t check_side(const char *fn, pm_copy_kind_t kind, const char *what,
                               const void *ptr, size_t bytes, const hb_side_t *sd, bool want_dev) {
   if (want_dev && !sd->in_dev)
     return pm__set_error(PM_ERR_INVALID,
                          "%s: copy kind %s but the %s %p is not device memory of the host backend",
-                         fn, copy_kind_name(kind), what, ptr);
+                         fn, pm__copy_kind_name(kind), what, ptr);
   if (!want_dev && sd->plain_dev)
     return pm__set_error(PM_ERR_INVALID, "%s: copy kind %s but the %s %p is device memory", fn,
-                         copy_kind_name(kind), what, ptr);
+                         pm__copy_kind_name(kind), what, ptr);
   if (sd->in_dev && !sd->fits)
     return pm__set_error(PM_ERR_INVALID,
                          "%s: the %s [%p, +%zu) runs past the end of its %s [%p, +%zu)", fn, what,

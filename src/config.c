@@ -72,18 +72,11 @@ typedef struct pm__keyword {
 
 static const pm__keyword_t kw_backend[] = {
     {"auto", PM_BACKEND_NONE}, {"cuda", PM_BACKEND_CUDA}, {"host", PM_BACKEND_HOST}, {NULL, 0}};
-static const pm__keyword_t kw_policy[] = {
-    {"fail", PM_EXHAUST_FAIL}, {"wait", PM_EXHAUST_WAIT}, {NULL, 0}};
-static const pm__keyword_t kw_bounce[] = {
-    {"whole", PM__BOUNCE_WHOLE}, {"ring", PM__BOUNCE_RING}, {"auto", PM__BOUNCE_AUTO}, {NULL, 0}};
-static const pm__keyword_t kw_memcpy[] = {{"libc", PM__MEMCPY_LIBC},
-                                          {"movsb", PM__MEMCPY_MOVSB},
-                                          {"stream", PM__MEMCPY_STREAM},
-                                          {"auto", PM__MEMCPY_AUTO},
-                                          {NULL, 0}};
-
-static const pm__keyword_t kw_batch[] = {
-    {"dma", PM__BATCH_DMA}, {"kernel", PM__BATCH_KERNEL}, {"auto", PM__BATCH_AUTO}, {NULL, 0}};
+/* (backend's "auto" is PM_BACKEND_NONE, whose name is "none": its words are its own) */
+static const pm__keyword_t kw_policy[] = {PM_EXHAUST_POLICY_MAP(PM__KEYWORD_ROW){NULL, 0}};
+static const pm__keyword_t kw_bounce[] = {PM__COPY_BOUNCE_MAP(PM__KEYWORD_ROW){NULL, 0}};
+static const pm__keyword_t kw_memcpy[] = {PM__COPY_MEMCPY_MAP(PM__KEYWORD_ROW){NULL, 0}};
+static const pm__keyword_t kw_batch[] = {PM__COPY_BATCH_MAP(PM__KEYWORD_ROW){NULL, 0}};
 
 static bool parse_keyword(const pm__keyword_t *kw, const char *t, pm__optval_t *out, char *why,
                           size_t n) {
@@ -361,9 +354,9 @@ typedef struct pm__opt_resolved {
  * that pm_option_get shows. Both are written under opt_lock only, so a lookup that fills the
  * entry cannot store a value that a concurrent pm_option_set has already replaced. */
 typedef struct pm__opt_cache {
-  _Atomic int ready;      /* 1: bits and r hold the value in force */
-  _Atomic uint64_t bits;  /* the resolved value (read without the lock) */
-  pm__opt_resolved_t r;   /* guarded by opt_lock */
+  _Atomic int ready;     /* 1: bits and r hold the value in force */
+  _Atomic uint64_t bits; /* the resolved value (read without the lock) */
+  pm__opt_resolved_t r;  /* guarded by opt_lock */
 } pm__opt_cache_t;
 _Static_assert(sizeof(pm__optval_t) == sizeof(uint64_t), "an option value fits the cache word");
 

@@ -610,21 +610,6 @@ static const char *side_name(side_kind_t k) {
   return "?";
 }
 
-static const char *kind_name(pm_copy_kind_t k) {
-  switch (k) {
-    case PM_COPY_DEFAULT:
-      return "PM_COPY_DEFAULT";
-    case PM_COPY_H2D:
-      return "PM_COPY_H2D";
-    case PM_COPY_D2H:
-      return "PM_COPY_D2H";
-    case PM_COPY_D2D:
-      return "PM_COPY_D2D";
-    case PM_COPY_H2H:
-      return "PM_COPY_H2H";
-  }
-  return "?";
-}
 
 /* The last tracked range a lookup hit: consecutive batch items mostly fall in the same block. */
 typedef struct qcache {
@@ -747,7 +732,8 @@ static pm_status_t resolve_kind(pm_copy_kind_t asked, side_kind_t s, side_kind_t
     return pm__set_error(PM_ERR_INVALID,
                          "%s: kind %s contradicts the pointers: src is %s memory, "
                          "dst is %s memory",
-                         where_str(w, wb, sizeof wb), kind_name(asked), side_name(s), side_name(d));
+                         where_str(w, wb, sizeof wb), pm__copy_kind_symbol(asked), side_name(s),
+                         side_name(d));
   }
   *out = asked;
   return PM_OK;
@@ -978,12 +964,13 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
     if (opt.path == PM_PATH_STAGED) {
       stage = true;
     } else if (opt.path == PM_PATH_AUTO) {
-      stage = host == SIDE_PINNED_PART || (host == SIDE_PAGEABLE && bytes >= pm__opt_size(PM__OPT_COPY_STAGE_MIN));
+      stage = host == SIDE_PINNED_PART ||
+              (host == SIDE_PAGEABLE && bytes >= pm__opt_size(PM__OPT_COPY_STAGE_MIN));
     }
   } else if (opt.path == PM_PATH_STAGED) {
     return pm__set_error(PM_ERR_INVALID,
                          "pm_copy_async: PM_PATH_STAGED needs one host and one device side, not %s",
-                         kind_name(kind));
+                         pm__copy_kind_symbol(kind));
   }
 
   if (stage) {
@@ -1046,8 +1033,8 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
         st = pm__set_error(PM_ERR_INVALID,
                            "%s: is %s (src %s, dst %s) but item %zu is %s; a batch has one "
                            "direction",
-                           where_str(w, wb, sizeof wb), kind_name(k), side_name(s), side_name(d),
-                           first, kind_name(kind));
+                           where_str(w, wb, sizeof wb), pm__copy_kind_symbol(k), side_name(s),
+                           side_name(d), first, pm__copy_kind_symbol(kind));
       }
     }
     if (st != PM_OK) goto out;
@@ -1065,7 +1052,7 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
       st = pm__set_error(PM_ERR_INVALID,
                          "%s: PM_PATH_STAGED needs one host and one device side, "
                          "not %s",
-                         where_str(w, wb, sizeof wb), kind_name(kind));
+                         where_str(w, wb, sizeof wb), pm__copy_kind_symbol(kind));
       goto out;
     }
     if (stage) {
