@@ -97,7 +97,7 @@ void pm__pool_atfork(pm__fork_phase_t phase);
 void pm__config_atfork(pm__fork_phase_t phase);
 void pm__copy_atfork(pm__fork_phase_t phase);
 void pm__threadpool_atfork(pm__fork_phase_t phase);
-void pm__host_atfork(pm__fork_phase_t phase); /* backend_host.c */
+void pm__host_atfork(pm__fork_phase_t phase); /* backend_host_stream.c */
 void pm__registry_atfork(pm__fork_phase_t phase);
 
 /* ---- config.c ---------------------------------------------------------------------------- */
