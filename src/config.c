@@ -245,21 +245,21 @@ static const pm__opt_def_t opt_table[] = {
     [PM__OPT_BACKEND] = {"backend", "PINMEM_BACKEND", "auto",
                          "auto|cuda|host: auto takes cuda when a device is usable, else host. "
                          "Read at pm_init.",
-                         parse_backend, PM__T_INT},
+                         parse_backend, PM__T_INT, 0},
     [PM__OPT_DEVICE] = {"device", "PINMEM_DEVICE", "0", "device index made current by pm_init",
-                        parse_device, PM__T_INT},
+                        parse_device, PM__T_INT, 0},
     [PM__OPT_BUDGET] = {"budget", "PINMEM_BUDGET", "auto",
                         "hard cap on pinned bytes a pool holds (registrations included): a size "
                         "or auto = 50% of physical RAM, and never above RLIMIT_MEMLOCK on the "
                         "host backend (auto is resolved when the pool is created)",
-                        parse_budget, PM__T_SIZE},
+                        parse_budget, PM__T_SIZE, 0},
     [PM__OPT_BUDGET_POLICY] = {"budget_policy", "PINMEM_BUDGET_POLICY", "fail",
                                "when the budget is exhausted after trimming the cache: fail "
                                "(PM_ERR_BUDGET at once) or wait (up to budget_timeout for frees)",
-                               parse_policy, PM__T_INT},
+                               parse_policy, PM__T_INT, 0},
     [PM__OPT_BUDGET_TIMEOUT] = {"budget_timeout", "PINMEM_BUDGET_TIMEOUT", "10",
                                 "seconds budget_policy=wait waits before PM_ERR_BUDGET",
-                                parse_seconds, PM__T_DOUBLE},
+                                parse_seconds, PM__T_DOUBLE, 0},
     [PM__OPT_PIN_THREADS] = {"pin_threads", "PINMEM_PIN_THREADS", "0",
                              "threads that first-touch newly pinned blocks; 0 = auto = "
                              "min(16, usable CPUs)",
@@ -267,19 +267,19 @@ static const pm__opt_def_t opt_table[] = {
     [PM__OPT_FAST_PIN_MIN] = {"fast_pin_min", "PINMEM_FAST_PIN_MIN", "4M",
                               "blocks at least this large are pinned by mmap + parallel first "
                               "touch + register instead of the backend's pinned allocator",
-                              parse_size_pos, PM__T_SIZE},
+                              parse_size_pos, PM__T_SIZE, 0},
     [PM__OPT_HUGE_PAGES] = {"huge_pages", "PINMEM_HUGE_PAGES", "1",
                             "0|1: ask for transparent huge pages on fast-pinned blocks",
-                            parse_bool01, PM__T_INT},
+                            parse_bool01, PM__T_INT, 0},
     [PM__OPT_HOST_DEVICE_MEMORY] = {"host_device_memory", "PINMEM_HOST_DEVICE_MEMORY", "4G",
                                     "device memory the host backend simulates (0 = unlimited)",
-                                    parse_size_any, PM__T_SIZE},
+                                    parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_COPY_CHUNK] = {"copy_chunk", "PINMEM_COPY_CHUNK", "4M",
                             "chunk size of staged copies of pageable memory", parse_size_pos,
-                            PM__T_SIZE},
+                            PM__T_SIZE, 0},
     [PM__OPT_COPY_SLOTS] = {"copy_slots", "PINMEM_COPY_SLOTS", "32",
                             "pinned bounce buffers in the staging ring (1..4096)", parse_slots,
-                            PM__T_INT},
+                            PM__T_INT, 0},
     [PM__OPT_COPY_THREADS] = {"copy_threads", "PINMEM_COPY_THREADS", "0",
                               "threads that memcpy chunks of staged copies (0..256); 0 = auto = "
                               "min(12, usable CPUs)",
@@ -287,7 +287,7 @@ static const pm__opt_def_t opt_table[] = {
     [PM__OPT_COPY_STAGE_MIN] = {"copy_stage_min", "PINMEM_COPY_STAGE_MIN", "8M",
                                 "pageable copies smaller than this use the plain backend copy "
                                 "instead of staging",
-                                parse_size_any, PM__T_SIZE},
+                                parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_LOADER_WORKERS] = {"loader_workers", "PINMEM_LOADER_WORKERS", "0",
                                 "threads that read samples into a loader's batch slots (0..256); "
                                 "0 = auto = min(16, usable CPUs)",
@@ -296,42 +296,42 @@ static const pm__opt_def_t opt_table[] = {
                                  "batch slots of a loader (1..4096): batches read and copied "
                                  "ahead of the consumer; each holds one batch in pinned and in "
                                  "device memory",
-                                 parse_slots, PM__T_INT},
+                                 parse_slots, PM__T_INT, 0},
     [PM__OPT_COPY_BOUNCE] = {"copy_bounce", "PINMEM_COPY_BOUNCE", "auto",
                              "bounce memory of staged copies: whole (one pool block the size of "
                              "the copy; the call never waits for the stream), ring (copy_slots "
                              "chunk buffers reused in turn; the call waits for the stream's "
                              "earlier work, and a D2H copy is complete when it returns) or auto "
                              "(the ring when the stream is idle)",
-                             parse_bounce, PM__T_INT},
+                             parse_bounce, PM__T_INT, 0},
     [PM__OPT_COPY_MEMCPY] = {"copy_memcpy", "PINMEM_COPY_MEMCPY", "auto",
                              "how staging threads copy to and from bounce memory: libc (memcpy), "
                              "movsb (x86-64 rep movsb), stream (x86-64 AVX2 non-temporal "
                              "stores) or auto (movsb into the ring of an H2D copy, where the "
                              "DMA reads the bytes from the cache; stream elsewhere); without "
                              "the CPU feature, libc",
-                             parse_memcpy, PM__T_INT},
+                             parse_memcpy, PM__T_INT, 0},
     [PM__OPT_COPY_BATCH] = {"copy_batch", "PINMEM_COPY_BATCH", "auto",
                             "how a batch moves its pieces between pinned (or managed) and device "
                             "memory: dma (cudaMemcpyBatchAsync, else a copy per piece), kernel "
                             "(one kernel reads and writes the pieces where they lie, where the "
                             "device can address pinned memory) or auto (the kernel for 64 pieces "
                             "or more of at most 1 MiB on average)",
-                            parse_batch, PM__T_INT},
+                            parse_batch, PM__T_INT, 0},
     [PM__OPT_COPY_RAMP] = {"copy_ramp", "PINMEM_COPY_RAMP", "1",
                            "0|1: start a staged H2D copy with units growing from chunk/threads to "
                            "chunk, so its first DMA starts after a fraction of a chunk's copy",
-                           parse_bool01, PM__T_INT},
+                           parse_bool01, PM__T_INT, 0},
     [PM__OPT_COPY_PIECE] = {"copy_piece", "PINMEM_COPY_PIECE", "256K",
                             "0 = off, or a size below copy_chunk: a staged H2D copy through the "
                             "ring has all threads fill each slot in pieces of this size (the "
                             "slot's last piece queues its DMA), so a few slots kept in the cache "
                             "suffice; see the README for the measured setting",
-                            parse_size_any, PM__T_SIZE},
+                            parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_COPY_PIECE_SLOTS] = {"copy_piece_slots", "PINMEM_COPY_PIECE_SLOTS", "8",
                                   "ring slots of a staged H2D copy filled in pieces (copy_piece), "
                                   "0..4096; 0 = copy_slots",
-                                  parse_slots_or_0, PM__T_INT},
+                                  parse_slots_or_0, PM__T_INT, 0},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");
