@@ -78,11 +78,16 @@ PM_API const char *pm_version(void);
 /* Library, backend, devices                                                                   */
 /* ------------------------------------------------------------------------------------------ */
 
-typedef enum pm_backend_kind {
-  PM_BACKEND_NONE = 0, /* not initialised, or initialisation failed */
-  PM_BACKEND_CUDA = 1,
-  PM_BACKEND_HOST = 2
-} pm_backend_kind_t;
+/* The small enums below are each generated from one X-macro list, X(name, value, text), as the
+ * status map is, so their name tables (pinmem's own and the tools') cannot miss a value. */
+#define PM_BACKEND_KIND_MAP(X)                                                                  \
+  X(PM_BACKEND_NONE, 0, "none") /* not initialised, or initialisation failed */                 \
+  X(PM_BACKEND_CUDA, 1, "cuda")                                                                 \
+  X(PM_BACKEND_HOST, 2, "host")
+
+#define PM__ENUM_VALUE(name, value, ...) name = value,
+
+typedef enum pm_backend_kind { PM_BACKEND_KIND_MAP(PM__ENUM_VALUE) } pm_backend_kind_t;
 
 /** Select and start the backend (PINMEM_BACKEND / pm_option_set("backend")). Idempotent and
  *  thread-safe; every other call does it implicitly. PM_ERR_NO_DEVICE if "cuda" was asked for
@@ -174,13 +179,14 @@ PM_API pm_status_t pm_launch_host_func(pm_stream_t stream, void (*fn)(void *arg)
 /* Device memory and plain copies                                                              */
 /* ------------------------------------------------------------------------------------------ */
 
-typedef enum pm_copy_kind {
-  PM_COPY_DEFAULT = 0, /* infer the direction from the pointers */
-  PM_COPY_H2D = 1,
-  PM_COPY_D2H = 2,
-  PM_COPY_D2D = 3,
-  PM_COPY_H2H = 4
-} pm_copy_kind_t;
+#define PM_COPY_KIND_MAP(X)                                                                     \
+  X(PM_COPY_DEFAULT, 0, "DEFAULT") /* infer the direction from the pointers */                  \
+  X(PM_COPY_H2D, 1, "H2D")                                                                      \
+  X(PM_COPY_D2H, 2, "D2H")                                                                      \
+  X(PM_COPY_D2D, 3, "D2D")                                                                      \
+  X(PM_COPY_H2H, 4, "H2H")
+
+typedef enum pm_copy_kind { PM_COPY_KIND_MAP(PM__ENUM_VALUE) } pm_copy_kind_t;
 
 /** Device memory on the current device (host memory standing in for it on the host backend). */
 PM_API pm_status_t pm_device_alloc(size_t bytes, void **dptr_out);
@@ -208,10 +214,11 @@ enum {
   PM_HOST_PORTABLE = 1u << 2        /* pinned for every device context, not just the current */
 };
 
-typedef enum pm_exhaust_policy {
-  PM_EXHAUST_FAIL = 0, /* return PM_ERR_BUDGET at once (after trimming the cache) */
-  PM_EXHAUST_WAIT = 1  /* wait up to wait_timeout_s for frees, then PM_ERR_BUDGET */
-} pm_exhaust_policy_t;
+#define PM_EXHAUST_POLICY_MAP(X)                                                                \
+  X(PM_EXHAUST_FAIL, 0, "fail") /* return PM_ERR_BUDGET at once (after trimming the cache) */   \
+  X(PM_EXHAUST_WAIT, 1, "wait") /* wait up to wait_timeout_s for frees, then PM_ERR_BUDGET */
+
+typedef enum pm_exhaust_policy { PM_EXHAUST_POLICY_MAP(PM__ENUM_VALUE) } pm_exhaust_policy_t;
 
 typedef struct pm_pool_s pm_pool_t;
 
@@ -308,13 +315,15 @@ PM_API pm_status_t pm_register(void *ptr, size_t bytes, unsigned flags);
 /** ptr must be the start of a registration. The caller's memory is untouched. */
 PM_API pm_status_t pm_unregister(void *ptr);
 
-typedef enum pm_memory_kind {
-  PM_MEMORY_PAGEABLE = 0, /* not known to pinmem: ordinary memory */
-  PM_MEMORY_POOL = 1,     /* a pinned block from a pm_pool_t */
-  PM_MEMORY_REGISTERED = 2,
-  PM_MEMORY_MANAGED = 3,
-  PM_MEMORY_DEVICE = 4 /* from pm_device_alloc */
-} pm_memory_kind_t;
+/* X(name, value, text, what one tracked range of the kind is called in messages) */
+#define PM_MEMORY_KIND_MAP(X)                                                                   \
+  X(PM_MEMORY_PAGEABLE, 0, "pageable", "pageable") /* not known to pinmem: ordinary memory */   \
+  X(PM_MEMORY_POOL, 1, "pool", "pool segment")     /* a pinned block from a pm_pool_t */        \
+  X(PM_MEMORY_REGISTERED, 2, "registered", "registration")                                      \
+  X(PM_MEMORY_MANAGED, 3, "managed", "managed allocation")                                      \
+  X(PM_MEMORY_DEVICE, 4, "device", "device allocation") /* from pm_device_alloc */
+
+typedef enum pm_memory_kind { PM_MEMORY_KIND_MAP(PM__ENUM_VALUE) } pm_memory_kind_t;
 
 typedef struct pm_pointer_info {
   pm_memory_kind_t kind;
@@ -340,12 +349,13 @@ PM_API pm_status_t pm_host_device_pointer(const void *ptr, void **dptr_out);
  *  not be read, and a pinned H2D source must not be changed, before the fence completed. */
 typedef struct pm_fence_s *pm_fence_t;
 
-typedef enum pm_copy_path {
-  PM_PATH_AUTO = 0,    /* pick from the registry (default) */
-  PM_PATH_DIRECT = 1,  /* one DMA from/to pinned, registered or device memory */
-  PM_PATH_STAGED = 2,  /* pageable memory through pinned bounce buffers */
-  PM_PATH_REGISTER = 3 /* reserved: PM_ERR_UNSUPPORTED (docs/copy-engine.md: register in place) */
-} pm_copy_path_t;
+#define PM_COPY_PATH_MAP(X)                                                                     \
+  X(PM_PATH_AUTO, 0, "auto")     /* pick from the registry (default) */                         \
+  X(PM_PATH_DIRECT, 1, "direct") /* one DMA from/to pinned, registered or device memory */      \
+  X(PM_PATH_STAGED, 2, "staged") /* pageable memory through pinned bounce buffers */            \
+  X(PM_PATH_REGISTER, 3, "register") /* reserved: PM_ERR_UNSUPPORTED (docs/copy-engine.md) */
+
+typedef enum pm_copy_path { PM_COPY_PATH_MAP(PM__ENUM_VALUE) } pm_copy_path_t;
 
 typedef struct pm_copy_options {
   pm_copy_kind_t kind; /* PM_COPY_DEFAULT: from the pointers */
@@ -420,37 +430,39 @@ PM_API pm_status_t pm_fence_path(pm_fence_t fence, pm_copy_path_t *path_out);
 
 /** Element types. Types without a code of their own (big-endian numbers, strings, structured
  *  records, datetimes) are PM_DTYPE_OTHER: fixed-size records of `itemsize` bytes, see descr. */
-typedef enum pm_dtype {
-  PM_DTYPE_OTHER = 0,
-  PM_DTYPE_BOOL,
-  PM_DTYPE_INT8,
-  PM_DTYPE_UINT8,
-  PM_DTYPE_INT16,
-  PM_DTYPE_UINT16,
-  PM_DTYPE_INT32,
-  PM_DTYPE_UINT32,
-  PM_DTYPE_INT64,
-  PM_DTYPE_UINT64,
-  PM_DTYPE_FLOAT16,
-  PM_DTYPE_FLOAT32,
-  PM_DTYPE_FLOAT64,
-  PM_DTYPE_COMPLEX64,
-  PM_DTYPE_COMPLEX128
-} pm_dtype_t;
+#define PM_DTYPE_MAP(X)                                                                         \
+  X(PM_DTYPE_OTHER, 0, "other")                                                                 \
+  X(PM_DTYPE_BOOL, 1, "bool")                                                                   \
+  X(PM_DTYPE_INT8, 2, "int8")                                                                   \
+  X(PM_DTYPE_UINT8, 3, "uint8")                                                                 \
+  X(PM_DTYPE_INT16, 4, "int16")                                                                 \
+  X(PM_DTYPE_UINT16, 5, "uint16")                                                               \
+  X(PM_DTYPE_INT32, 6, "int32")                                                                 \
+  X(PM_DTYPE_UINT32, 7, "uint32")                                                               \
+  X(PM_DTYPE_INT64, 8, "int64")                                                                 \
+  X(PM_DTYPE_UINT64, 9, "uint64")                                                               \
+  X(PM_DTYPE_FLOAT16, 10, "float16")                                                            \
+  X(PM_DTYPE_FLOAT32, 11, "float32")                                                            \
+  X(PM_DTYPE_FLOAT64, 12, "float64")                                                            \
+  X(PM_DTYPE_COMPLEX64, 13, "complex64")                                                        \
+  X(PM_DTYPE_COMPLEX128, 14, "complex128")
+
+typedef enum pm_dtype { PM_DTYPE_MAP(PM__ENUM_VALUE) } pm_dtype_t;
 
 /** "uint8", "float32", ..., "other"; never NULL. */
 PM_API const char *pm_dtype_name(pm_dtype_t dtype);
 
 /** How file datasets read samples. */
-typedef enum pm_io_mode {
-  PM_IO_PREAD = 0, /* pread(2) from the worker threads (default) */
-  PM_IO_MMAP = 1,  /* map the files and copy from the mapping */
-  PM_IO_DIRECT = 2 /* O_DIRECT: bypass the page cache (datasets larger than RAM). Reads that
-                      are 4 KiB-aligned in the file and in the slot go straight into pinned
-                      memory, others through a small aligned buffer. Where the filesystem
-                      refuses O_DIRECT, buffered pread is used and pm_dataset_info_t.note says
-                      why. */
-} pm_io_mode_t;
+/*  PM_IO_DIRECT: bypass the page cache (datasets larger than RAM). Reads that are 4 KiB-aligned
+ *  in the file and in the slot go straight into pinned memory, others through a small aligned
+ *  buffer. Where the filesystem refuses O_DIRECT, buffered pread is used and
+ *  pm_dataset_info_t.note says why. */
+#define PM_IO_MODE_MAP(X)                                                                       \
+  X(PM_IO_PREAD, 0, "pread") /* pread(2) from the worker threads (default) */                   \
+  X(PM_IO_MMAP, 1, "mmap")   /* map the files and copy from the mapping */                      \
+  X(PM_IO_DIRECT, 2, "direct") /* O_DIRECT, see above */
+
+typedef enum pm_io_mode { PM_IO_MODE_MAP(PM__ENUM_VALUE) } pm_io_mode_t;
 
 typedef struct pm_dataset_s pm_dataset_t;
 
@@ -598,10 +610,11 @@ PM_API pm_status_t pm_dataset_read_sample(pm_dataset_t *dataset, uint64_t epoch,
 
 typedef struct pm_loader_s pm_loader_t;
 
-typedef enum pm_delivery {
-  PM_DELIVER_DEVICE = 0, /* batches in device buffers (default) */
-  PM_DELIVER_HOST = 1    /* batches in the host slots: no device buffers, no copies (CPU jobs) */
-} pm_delivery_t;
+#define PM_DELIVERY_MAP(X)                                                                      \
+  X(PM_DELIVER_DEVICE, 0, "device") /* batches in device buffers (default) */                   \
+  X(PM_DELIVER_HOST, 1, "host") /* batches in the host slots: no device buffers, no copies */
+
+typedef enum pm_delivery { PM_DELIVERY_MAP(PM__ENUM_VALUE) } pm_delivery_t;
 
 /** Where a loader stands: saved with pm_loader_state, given back through
  *  pm_loader_config_t.resume so a job continues exactly where it stopped. Plain fixed-width
@@ -744,11 +757,12 @@ PM_API pm_status_t pm_loader_get_stats(pm_loader_t *loader, pm_loader_stats_t *s
 /* Options                                                                                     */
 /* ------------------------------------------------------------------------------------------ */
 
-typedef enum pm_option_source {
-  PM_OPTION_DEFAULT = 0,
-  PM_OPTION_ENV = 1, /* from PINMEM_<NAME> */
-  PM_OPTION_SET = 2  /* from pm_option_set */
-} pm_option_source_t;
+#define PM_OPTION_SOURCE_MAP(X)                                                                 \
+  X(PM_OPTION_DEFAULT, 0, "default")                                                            \
+  X(PM_OPTION_ENV, 1, "env") /* from PINMEM_<NAME> */                                           \
+  X(PM_OPTION_SET, 2, "set") /* from pm_option_set */
+
+typedef enum pm_option_source { PM_OPTION_SOURCE_MAP(PM__ENUM_VALUE) } pm_option_source_t;
 
 typedef struct pm_option_info {
   const char *name;          /* "budget" */

@@ -99,7 +99,7 @@ typedef struct pm__backend {
   int (*kernel_host_access)(void);
 } pm__backend_t;
 
-/* backend_host.c */
+/* backend_host_stream.c (the host backend; its memory: backend_host_memory.c) */
 extern const pm__backend_t pm__backend_host;
 /* backend_cuda.c (only when built with CUDA) */
 extern const pm__backend_t pm__backend_cuda;

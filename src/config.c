@@ -3,24 +3,32 @@
  * doc, parser, value type), so `pinmem info`, the README table and the lookups cannot disagree.
  * A static assert ties the table to pm__opt_t, so a new option cannot lack its row.
  *
- * A value comes from, in order: pm_option_set (explicit), PINMEM_<NAME>, the default. Values are
- * kept as text and parsed on every lookup: lookups are rare (pool creation, init) and reading the
- * environment at lookup time lets tests and embedding programs setenv() before the first use.
+ * A value comes from, in order: pm_option_set (explicit), PINMEM_<NAME>, the default, and is
+ * the table's alone: the defaults, the ranges (the parsers) and the "auto" thread counts live
+ * here, and the users of an option take its value as it comes. The first lookup parses the value
+ * and caches it; later lookups are one atomic load (the copy path reads its options on every
+ * copy). pm_option_set empties the option's entry, pm__opt_reload every entry (tests that
+ * setenv), and so does a fork child; the environment is therefore read at the first lookup
+ * after such a change, and a program that sets PINMEM_<NAME> sets it before pm_init.
  * An unparsable environment value never stops the program: the default is used and the reason is
  * kept in the value text that pm_option_get shows. A bad explicit value is refused at
  * pm_option_set with PM_ERR_CONFIG, so an explicit value in the table always parses;
  * pm_option_set(name, NULL) drops it again (tests and tools use that to restore the default).
  * "auto" values: budget's lookup returns 0 (the pool resolves it: half of RAM, capped at the
- * memlock limit on the host backend); pin_threads' lookup returns the resolved count.
+ * memlock limit on the host backend); pin_threads, copy_threads and loader_workers return the
+ * resolved count, min(auto_max, usable CPUs), computed when the entry is filled.
  *
- * Threads: one mutex guards the explicit values; lookups copy the text out under it and parse
- * outside it. It is a leaf lock (nothing is called while holding it).
+ * Threads: one mutex guards the explicit values and fills and empties the cache entries, so a
+ * fill cannot store a value that a concurrent pm_option_set replaced; the fast path reads the
+ * entry's ready flag (acquire) and value without it. It is a leaf lock (nothing but getenv and
+ * the CPU count is called while holding it).
  */
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +58,7 @@ typedef struct pm__opt_def {
   const char *doc;
   pm__opt_parse_fn parse;
   pm__opt_type_t type;
+  int auto_max; /* thread counts: 0 means auto = min(auto_max, usable CPUs); 0 = no auto */
 } pm__opt_def_t;
 
 /* ---- parsers --------------------------------------------------------------------------- */
@@ -63,18 +72,11 @@ typedef struct pm__keyword {
 
 static const pm__keyword_t kw_backend[] = {
     {"auto", PM_BACKEND_NONE}, {"cuda", PM_BACKEND_CUDA}, {"host", PM_BACKEND_HOST}, {NULL, 0}};
-static const pm__keyword_t kw_policy[] = {
-    {"fail", PM_EXHAUST_FAIL}, {"wait", PM_EXHAUST_WAIT}, {NULL, 0}};
-static const pm__keyword_t kw_bounce[] = {
-    {"whole", PM__BOUNCE_WHOLE}, {"ring", PM__BOUNCE_RING}, {"auto", PM__BOUNCE_AUTO}, {NULL, 0}};
-static const pm__keyword_t kw_memcpy[] = {{"libc", PM__MEMCPY_LIBC},
-                                          {"movsb", PM__MEMCPY_MOVSB},
-                                          {"stream", PM__MEMCPY_STREAM},
-                                          {"auto", PM__MEMCPY_AUTO},
-                                          {NULL, 0}};
-
-static const pm__keyword_t kw_batch[] = {
-    {"dma", PM__BATCH_DMA}, {"kernel", PM__BATCH_KERNEL}, {"auto", PM__BATCH_AUTO}, {NULL, 0}};
+/* (backend's "auto" is PM_BACKEND_NONE, whose name is "none": its words are its own) */
+static const pm__keyword_t kw_policy[] = {PM_EXHAUST_POLICY_MAP(PM__KEYWORD_ROW){NULL, 0}};
+static const pm__keyword_t kw_bounce[] = {PM__COPY_BOUNCE_MAP(PM__KEYWORD_ROW){NULL, 0}};
+static const pm__keyword_t kw_memcpy[] = {PM__COPY_MEMCPY_MAP(PM__KEYWORD_ROW){NULL, 0}};
+static const pm__keyword_t kw_batch[] = {PM__COPY_BATCH_MAP(PM__KEYWORD_ROW){NULL, 0}};
 
 static bool parse_keyword(const pm__keyword_t *kw, const char *t, pm__optval_t *out, char *why,
                           size_t n) {
@@ -222,16 +224,20 @@ static bool parse_size_any(const char *t, pm__optval_t *out, char *why, size_t n
 /* ---- the table --------------------------------------------------------------------------- */
 
 static bool parse_slots(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_long_range(t, 1, 4096, out, why, n);
+  return parse_long_range(t, 1, PM__MAX_SLOTS, out, why, n);
 }
 
 static bool parse_slots_or_0(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_long_range(t, 0, 4096, out, why, n);
+  return parse_long_range(t, 0, PM__MAX_SLOTS, out, why, n);
 }
 
-/* The loader's own limit (loader.c MAX_WORKERS), so the option refuses what the argument does. */
+/* The loader's own limit, so the option refuses what the argument does. */
 static bool parse_loader_workers(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_long_range(t, 0, 256, out, why, n);
+  return parse_long_range(t, 0, PM__LOADER_MAX_WORKERS, out, why, n);
+}
+
+static bool parse_copy_threads(const char *t, pm__optval_t *out, char *why, size_t n) {
+  return parse_long_range(t, 0, PM__COPY_MAX_THREADS, out, why, n);
 }
 
 /* Rows in pm__opt_t order; the static assert below catches an enum value without a row. */
@@ -239,99 +245,99 @@ static const pm__opt_def_t opt_table[] = {
     [PM__OPT_BACKEND] = {"backend", "PINMEM_BACKEND", "auto",
                          "auto|cuda|host: auto takes cuda when a device is usable, else host. "
                          "Read at pm_init.",
-                         parse_backend, PM__T_INT},
+                         parse_backend, PM__T_INT, 0},
     [PM__OPT_DEVICE] = {"device", "PINMEM_DEVICE", "0", "device index made current by pm_init",
-                        parse_device, PM__T_INT},
+                        parse_device, PM__T_INT, 0},
     [PM__OPT_BUDGET] = {"budget", "PINMEM_BUDGET", "auto",
                         "hard cap on pinned bytes a pool holds (registrations included): a size "
                         "or auto = 50% of physical RAM, and never above RLIMIT_MEMLOCK on the "
                         "host backend (auto is resolved when the pool is created)",
-                        parse_budget, PM__T_SIZE},
+                        parse_budget, PM__T_SIZE, 0},
     [PM__OPT_BUDGET_POLICY] = {"budget_policy", "PINMEM_BUDGET_POLICY", "fail",
                                "when the budget is exhausted after trimming the cache: fail "
                                "(PM_ERR_BUDGET at once) or wait (up to budget_timeout for frees)",
-                               parse_policy, PM__T_INT},
+                               parse_policy, PM__T_INT, 0},
     [PM__OPT_BUDGET_TIMEOUT] = {"budget_timeout", "PINMEM_BUDGET_TIMEOUT", "10",
                                 "seconds budget_policy=wait waits before PM_ERR_BUDGET",
-                                parse_seconds, PM__T_DOUBLE},
+                                parse_seconds, PM__T_DOUBLE, 0},
     [PM__OPT_PIN_THREADS] = {"pin_threads", "PINMEM_PIN_THREADS", "0",
                              "threads that first-touch newly pinned blocks; 0 = auto = "
                              "min(16, usable CPUs)",
-                             parse_threads, PM__T_INT},
+                             parse_threads, PM__T_INT, 16},
     [PM__OPT_FAST_PIN_MIN] = {"fast_pin_min", "PINMEM_FAST_PIN_MIN", "4M",
                               "blocks at least this large are pinned by mmap + parallel first "
                               "touch + register instead of the backend's pinned allocator",
-                              parse_size_pos, PM__T_SIZE},
+                              parse_size_pos, PM__T_SIZE, 0},
     [PM__OPT_HUGE_PAGES] = {"huge_pages", "PINMEM_HUGE_PAGES", "1",
                             "0|1: ask for transparent huge pages on fast-pinned blocks",
-                            parse_bool01, PM__T_INT},
+                            parse_bool01, PM__T_INT, 0},
     [PM__OPT_HOST_DEVICE_MEMORY] = {"host_device_memory", "PINMEM_HOST_DEVICE_MEMORY", "4G",
                                     "device memory the host backend simulates (0 = unlimited)",
-                                    parse_size_any, PM__T_SIZE},
+                                    parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_COPY_CHUNK] = {"copy_chunk", "PINMEM_COPY_CHUNK", "4M",
                             "chunk size of staged copies of pageable memory", parse_size_pos,
-                            PM__T_SIZE},
+                            PM__T_SIZE, 0},
     [PM__OPT_COPY_SLOTS] = {"copy_slots", "PINMEM_COPY_SLOTS", "32",
                             "pinned bounce buffers in the staging ring (1..4096)", parse_slots,
-                            PM__T_INT},
+                            PM__T_INT, 0},
     [PM__OPT_COPY_THREADS] = {"copy_threads", "PINMEM_COPY_THREADS", "0",
-                              "threads that memcpy chunks of staged copies; 0 = auto = min(12, "
-                              "usable CPUs)",
-                              parse_threads, PM__T_INT},
+                              "threads that memcpy chunks of staged copies (0..256); 0 = auto = "
+                              "min(12, usable CPUs)",
+                              parse_copy_threads, PM__T_INT, 12},
     [PM__OPT_COPY_STAGE_MIN] = {"copy_stage_min", "PINMEM_COPY_STAGE_MIN", "8M",
                                 "pageable copies smaller than this use the plain backend copy "
                                 "instead of staging",
-                                parse_size_any, PM__T_SIZE},
+                                parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_LOADER_WORKERS] = {"loader_workers", "PINMEM_LOADER_WORKERS", "0",
                                 "threads that read samples into a loader's batch slots (0..256); "
                                 "0 = auto = min(16, usable CPUs)",
-                                parse_loader_workers, PM__T_INT},
+                                parse_loader_workers, PM__T_INT, 16},
     [PM__OPT_LOADER_PREFETCH] = {"loader_prefetch", "PINMEM_LOADER_PREFETCH", "4",
                                  "batch slots of a loader (1..4096): batches read and copied "
                                  "ahead of the consumer; each holds one batch in pinned and in "
                                  "device memory",
-                                 parse_slots, PM__T_INT},
+                                 parse_slots, PM__T_INT, 0},
     [PM__OPT_COPY_BOUNCE] = {"copy_bounce", "PINMEM_COPY_BOUNCE", "auto",
                              "bounce memory of staged copies: whole (one pool block the size of "
                              "the copy; the call never waits for the stream), ring (copy_slots "
                              "chunk buffers reused in turn; the call waits for the stream's "
                              "earlier work, and a D2H copy is complete when it returns) or auto "
                              "(the ring when the stream is idle)",
-                             parse_bounce, PM__T_INT},
+                             parse_bounce, PM__T_INT, 0},
     [PM__OPT_COPY_MEMCPY] = {"copy_memcpy", "PINMEM_COPY_MEMCPY", "auto",
                              "how staging threads copy to and from bounce memory: libc (memcpy), "
                              "movsb (x86-64 rep movsb), stream (x86-64 AVX2 non-temporal "
                              "stores) or auto (movsb into the ring of an H2D copy, where the "
                              "DMA reads the bytes from the cache; stream elsewhere); without "
                              "the CPU feature, libc",
-                             parse_memcpy, PM__T_INT},
+                             parse_memcpy, PM__T_INT, 0},
     [PM__OPT_COPY_BATCH] = {"copy_batch", "PINMEM_COPY_BATCH", "auto",
                             "how a batch moves its pieces between pinned (or managed) and device "
                             "memory: dma (cudaMemcpyBatchAsync, else a copy per piece), kernel "
                             "(one kernel reads and writes the pieces where they lie, where the "
                             "device can address pinned memory) or auto (the kernel for 64 pieces "
                             "or more of at most 1 MiB on average)",
-                            parse_batch, PM__T_INT},
+                            parse_batch, PM__T_INT, 0},
     [PM__OPT_COPY_RAMP] = {"copy_ramp", "PINMEM_COPY_RAMP", "1",
                            "0|1: start a staged H2D copy with units growing from chunk/threads to "
                            "chunk, so its first DMA starts after a fraction of a chunk's copy",
-                           parse_bool01, PM__T_INT},
+                           parse_bool01, PM__T_INT, 0},
     [PM__OPT_COPY_PIECE] = {"copy_piece", "PINMEM_COPY_PIECE", "256K",
                             "0 = off, or a size below copy_chunk: a staged H2D copy through the "
                             "ring has all threads fill each slot in pieces of this size (the "
                             "slot's last piece queues its DMA), so a few slots kept in the cache "
                             "suffice; see the README for the measured setting",
-                            parse_size_any, PM__T_SIZE},
+                            parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_COPY_PIECE_SLOTS] = {"copy_piece_slots", "PINMEM_COPY_PIECE_SLOTS", "8",
                                   "ring slots of a staged H2D copy filled in pieces (copy_piece), "
                                   "0..4096; 0 = copy_slots",
-                                  parse_slots_or_0, PM__T_INT},
+                                  parse_slots_or_0, PM__T_INT, 0},
     [PM__OPT_LOADER_PIECE] = {"loader_piece", "PINMEM_LOADER_PIECE", "4M",
                               "0 = off (one copy per batch once the slot is full), or a size: a "
                               "loader's batch slot goes to the device in parts of this size, each "
                               "queued as soon as its rows are written, so the DMA reads them while "
                               "they are still in the cache (at most 1024 parts a slot)",
-                              parse_size_any, PM__T_SIZE},
+                              parse_size_any, PM__T_SIZE, 0},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");
@@ -347,6 +353,20 @@ typedef struct pm__opt_resolved {
   pm_option_source_t source;
   char text[PM__OPT_TEXT_MAX]; /* value in force (with the reason when an env value was ignored) */
 } pm__opt_resolved_t;
+
+/* The cache: one entry per option, filled by the first lookup and emptied by pm_option_set,
+ * pm__opt_reload and the fork child. `bits` holds the value in force (the pm__optval_t's bytes,
+ * "auto" thread counts already resolved) for the lock-free fast path; `r` the text and source
+ * that pm_option_get shows. Both are written under opt_lock only, so a lookup that fills the
+ * entry cannot store a value that a concurrent pm_option_set has already replaced. */
+typedef struct pm__opt_cache {
+  _Atomic int ready;     /* 1: bits and r hold the value in force */
+  _Atomic uint64_t bits; /* the resolved value (read without the lock) */
+  pm__opt_resolved_t r;  /* guarded by opt_lock */
+} pm__opt_cache_t;
+_Static_assert(sizeof(pm__optval_t) == sizeof(uint64_t), "an option value fits the cache word");
+
+static pm__opt_cache_t opt_cache[PM__OPT_COUNT];
 
 /* Copy `src` into dst without leading/trailing white space. */
 static void trim_copy(char *dst, size_t len, const char *src) {
@@ -374,22 +394,15 @@ static void canonical_text(pm__opt_t opt, const pm__optval_t *v, char *text, siz
     snprintf(text, len, "%s", keyword_text(kw_batch, v->i));
 }
 
+/* Called with opt_lock held. */
 static void opt_resolve(pm__opt_t opt, pm__opt_resolved_t *r) {
   const pm__opt_def_t *d = &opt_table[opt];
   char buf[PM__OPT_TEXT_MAX];
   char why[96];
-  bool have = false;
 
-  pthread_mutex_lock(&opt_lock);
-  if (opt_has_explicit[opt]) {
-    memcpy(buf, opt_explicit[opt], sizeof buf);
-    have = true;
-  }
-  pthread_mutex_unlock(&opt_lock);
-
-  if (have && d->parse(buf, &r->value, why, sizeof why)) {
+  if (opt_has_explicit[opt] && d->parse(opt_explicit[opt], &r->value, why, sizeof why)) {
     r->source = PM_OPTION_SET;
-    snprintf(r->text, sizeof r->text, "%s", buf);
+    snprintf(r->text, sizeof r->text, "%s", opt_explicit[opt]);
     canonical_text(opt, &r->value, r->text, sizeof r->text);
     return;
   }
@@ -418,39 +431,96 @@ static void opt_resolve(pm__opt_t opt, pm__opt_resolved_t *r) {
   }
 }
 
+/* Fill opt's cache entry if it is empty. Called with opt_lock held. */
+static void opt_fill(pm__opt_t opt) {
+  pm__opt_cache_t *c = &opt_cache[opt];
+  if (atomic_load_explicit(&c->ready, memory_order_relaxed)) return;
+  opt_resolve(opt, &c->r);
+  pm__optval_t v = c->r.value;
+  if (opt_table[opt].auto_max && v.i == 0) v.i = PM__MIN(opt_table[opt].auto_max, pm__cpu_count());
+  uint64_t bits;
+  memcpy(&bits, &v, sizeof bits);
+  atomic_store_explicit(&c->bits, bits, memory_order_relaxed);
+  atomic_store_explicit(&c->ready, 1, memory_order_release);
+}
+
+/* Called with opt_lock held. */
+static void opt_invalidate(int opt) {
+  atomic_store_explicit(&opt_cache[opt].ready, 0, memory_order_release);
+}
+
+/* The value in force: an atomic load once the entry is filled (the copy path reads options on
+ * every copy), the lock and the parse only on the first lookup after a change. */
+static pm__optval_t opt_value(pm__opt_t opt) {
+  pm__opt_cache_t *c = &opt_cache[opt];
+  uint64_t bits;
+  if (atomic_load_explicit(&c->ready, memory_order_acquire)) {
+    bits = atomic_load_explicit(&c->bits, memory_order_relaxed);
+  } else {
+    pthread_mutex_lock(&opt_lock);
+    opt_fill(opt);
+    bits = atomic_load_explicit(&c->bits, memory_order_relaxed);
+    pthread_mutex_unlock(&opt_lock);
+  }
+  pm__optval_t v;
+  memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+/* The text and source in force, for pm_option_get and pm__opt_text. */
+static void opt_resolved(pm__opt_t opt, pm__opt_resolved_t *out) {
+  pthread_mutex_lock(&opt_lock);
+  opt_fill(opt);
+  *out = opt_cache[opt].r;
+  pthread_mutex_unlock(&opt_lock);
+}
+
+void pm__opt_reload(void) {
+  pthread_mutex_lock(&opt_lock);
+  for (int i = 0; i < PM__OPT_COUNT; i++) opt_invalidate(i);
+  pthread_mutex_unlock(&opt_lock);
+}
+
 size_t pm__opt_size(pm__opt_t opt) {
   if ((unsigned)opt >= PM__OPT_COUNT) return 0;
-  if (opt_table[opt].type != PM__T_SIZE) {
-    long i = pm__opt_int(opt);
-    return i < 0 ? 0 : (size_t)i;
+  pm__optval_t v = opt_value(opt);
+  switch (opt_table[opt].type) {
+    case PM__T_SIZE:
+      return v.sz;
+    case PM__T_DOUBLE:
+      return v.d < 0 ? 0 : (size_t)v.d;
+    case PM__T_INT:
+      break;
   }
-  pm__opt_resolved_t r;
-  opt_resolve(opt, &r);
-  return r.value.sz;
+  return v.i < 0 ? 0 : (size_t)v.i;
 }
 
 long pm__opt_int(pm__opt_t opt) {
   if ((unsigned)opt >= PM__OPT_COUNT) return 0;
-  pm__opt_resolved_t r;
-  opt_resolve(opt, &r);
+  pm__optval_t v = opt_value(opt);
   switch (opt_table[opt].type) {
     case PM__T_SIZE:
-      return r.value.sz > (size_t)LONG_MAX ? LONG_MAX : (long)r.value.sz;
+      return v.sz > (size_t)LONG_MAX ? LONG_MAX : (long)v.sz;
     case PM__T_DOUBLE:
-      return (long)r.value.d;
+      return (long)v.d;
     case PM__T_INT:
       break;
   }
-  if (opt == PM__OPT_PIN_THREADS && r.value.i == 0) return PM__MIN(16, pm__cpu_count());
-  return r.value.i;
+  return v.i;
 }
 
 double pm__opt_double(pm__opt_t opt) {
   if ((unsigned)opt >= PM__OPT_COUNT) return 0;
-  if (opt_table[opt].type != PM__T_DOUBLE) return (double)pm__opt_int(opt);
-  pm__opt_resolved_t r;
-  opt_resolve(opt, &r);
-  return r.value.d;
+  pm__optval_t v = opt_value(opt);
+  switch (opt_table[opt].type) {
+    case PM__T_SIZE:
+      return (double)v.sz;
+    case PM__T_DOUBLE:
+      return v.d;
+    case PM__T_INT:
+      break;
+  }
+  return (double)v.i;
 }
 
 void pm__opt_text(pm__opt_t opt, char *buf, size_t len) {
@@ -460,7 +530,7 @@ void pm__opt_text(pm__opt_t opt, char *buf, size_t len) {
     return;
   }
   pm__opt_resolved_t r;
-  opt_resolve(opt, &r);
+  opt_resolved(opt, &r);
   if (r.source == PM_OPTION_DEFAULT)
     snprintf(buf, len, "%s", opt_table[opt].def); /* without the "ignored" note */
   else
@@ -475,7 +545,7 @@ int pm_option_count(void) {
 
 static void fill_info(pm__opt_t opt, pm_option_info_t *info) {
   pm__opt_resolved_t r;
-  opt_resolve(opt, &r);
+  opt_resolved(opt, &r);
   info->name = opt_table[opt].name;
   info->env = opt_table[opt].env;
   info->default_value = opt_table[opt].def;
@@ -526,6 +596,7 @@ pm_status_t pm_option_set(const char *name, const char *value) {
   if (!value) {
     pthread_mutex_lock(&opt_lock);
     opt_has_explicit[i] = false;
+    opt_invalidate(i);
     pthread_mutex_unlock(&opt_lock);
     return PM_OK;
   }
@@ -542,6 +613,7 @@ pm_status_t pm_option_set(const char *name, const char *value) {
   pthread_mutex_lock(&opt_lock);
   memcpy(opt_explicit[i], buf, sizeof buf);
   opt_has_explicit[i] = true;
+  opt_invalidate(i);
   pthread_mutex_unlock(&opt_lock);
   return PM_OK;
 }
@@ -646,7 +718,8 @@ pm_status_t pm_parse_size(const char *text, size_t *bytes_out) {
   return PM_OK;
 }
 
-/* fork.c: the option values carry over to a child; only the lock is fresh. */
+/* fork.c: the explicit values carry over to a child; the lock is fresh and the cache empty (the
+ * child reads its environment and CPU set again at its first lookup). */
 void pm__config_atfork(pm__fork_phase_t phase) {
   if (phase == PM__FORK_PREPARE) {
     pthread_mutex_lock(&opt_lock);
@@ -655,5 +728,6 @@ void pm__config_atfork(pm__fork_phase_t phase) {
   } else {
     pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
     opt_lock = fresh;
+    for (int i = 0; i < PM__OPT_COUNT; i++) opt_invalidate(i);
   }
 }

@@ -31,43 +31,22 @@
 
 #include "copy_internal.h"
 
-#define PM__COPY_DEF_CHUNK ((size_t)4 << 20)
-#define PM__COPY_DEF_SLOTS 32
-#define PM__COPY_DEF_THREADS_MAX 12
-#define PM__COPY_DEF_STAGE_MIN ((size_t)8 << 20)
 
 /* ---- options -------------------------------------------------------------------------------- */
 
-/* pm__opt_* gives 0 for "auto" and for an option without a table row: fall back to the
- * measured defaults (4 MiB chunks, 32 slots, min(12, cores) threads, 8 MiB): staging loses to
- * the plain pageable copy at 1 MiB and wins from 8 MiB, and with slots filled in pieces 12
- * threads do as well as 16 while leaving cores to the driver and the caller (the figures are
- * in docs/performance.md). */
-/* The one option the path choice needs: resolving the whole table (about a microsecond, a
- * mutex and a getenv per option) would cost a small pageable copy more than its DMA. */
-static size_t copy_stage_min(void) {
-  size_t stage_min = pm__opt_size(PM__OPT_COPY_STAGE_MIN);
-  return stage_min ? stage_min : PM__COPY_DEF_STAGE_MIN;
-}
-
+/* The defaults and ranges are the option table's (config.c): 4 MiB chunks, 32 slots,
+ * min(12, cores) threads, 8 MiB: staging loses to the plain pageable copy at 1 MiB and wins
+ * from 8 MiB, and with slots filled in pieces 12 threads do as well as 16 while leaving cores
+ * to the driver and the caller (the figures are in docs/performance.md). A lookup is an atomic
+ * load of the cached value, cheap next to even a small copy's DMA. */
 void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   size_t chunk = pm__opt_size(PM__OPT_COPY_CHUNK);
   long slots = pm__opt_int(PM__OPT_COPY_SLOTS);
-  long threads = pm__opt_int(PM__OPT_COPY_THREADS);
-  if (chunk == 0) chunk = PM__COPY_DEF_CHUNK;
   if (chunk < 4096) chunk = 4096;
-  if (slots <= 0) slots = PM__COPY_DEF_SLOTS;
-  if (slots > 4096) slots = 4096;
-  if (threads <= 0) {
-    int cores = pm__cpu_count();
-    threads = cores < PM__COPY_DEF_THREADS_MAX ? cores : PM__COPY_DEF_THREADS_MAX;
-  }
-  if (threads < 1) threads = 1;
-  if (threads > 256) threads = 256;
   cfg->chunk = chunk;
   cfg->slots = (int)slots;
-  cfg->threads = (int)threads;
-  cfg->stage_min = copy_stage_min();
+  cfg->threads = (int)pm__opt_int(PM__OPT_COPY_THREADS);
+  cfg->stage_min = pm__opt_size(PM__OPT_COPY_STAGE_MIN);
   cfg->bounce = (int)pm__opt_int(PM__OPT_COPY_BOUNCE);
   cfg->mover = (int)pm__opt_int(PM__OPT_COPY_MEMCPY);
   cfg->ramp = pm__opt_int(PM__OPT_COPY_RAMP) != 0;
@@ -75,7 +54,7 @@ void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   if (piece && piece < 4096) piece = 4096;
   cfg->piece = piece < chunk ? piece : 0; /* a piece as large as a slot is the plain ring */
   long piece_slots = pm__opt_int(PM__OPT_COPY_PIECE_SLOTS);
-  cfg->piece_slots = piece_slots > 0 && piece_slots <= 4096 ? (int)piece_slots : (int)slots;
+  cfg->piece_slots = piece_slots > 0 ? (int)piece_slots : (int)slots;
 }
 
 void pm_copy_options_init(pm_copy_options_t *options) {
@@ -101,21 +80,6 @@ static const char *where_str(where_t w, char *buf, size_t len) {
   return buf;
 }
 
-static const char *kind_name(pm_copy_kind_t k) {
-  switch (k) {
-    case PM_COPY_DEFAULT:
-      return "PM_COPY_DEFAULT";
-    case PM_COPY_H2D:
-      return "PM_COPY_H2D";
-    case PM_COPY_D2H:
-      return "PM_COPY_D2H";
-    case PM_COPY_D2D:
-      return "PM_COPY_D2D";
-    case PM_COPY_H2H:
-      return "PM_COPY_H2H";
-  }
-  return "?";
-}
 
 /* The last tracked range a lookup hit: consecutive batch items mostly fall in the same block. */
 typedef struct qcache {
@@ -190,7 +154,7 @@ static pm_status_t resolve_kind(pm_copy_kind_t asked, pm__mem_t s, pm__mem_t d, 
     return pm__set_error(PM_ERR_INVALID,
                          "%s: kind %s contradicts the pointers: src is %s memory, "
                          "dst is %s memory",
-                         where_str(w, wb, sizeof wb), kind_name(asked), pm__mem_name(s),
+                         where_str(w, wb, sizeof wb), pm__copy_kind_symbol(asked), pm__mem_name(s),
                          pm__mem_name(d));
   }
   *out = asked;
@@ -349,13 +313,13 @@ pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_stream_t 
     if (opt.path == PM_PATH_STAGED) {
       stage = true;
     } else if (opt.path == PM_PATH_AUTO) {
-      stage =
-          host == PM__MEM_PINNED_PART || (host == PM__MEM_PAGEABLE && bytes >= copy_stage_min());
+      stage = host == PM__MEM_PINNED_PART ||
+              (host == PM__MEM_PAGEABLE && bytes >= pm__opt_size(PM__OPT_COPY_STAGE_MIN));
     }
   } else if (opt.path == PM_PATH_STAGED) {
     return pm__set_error(PM_ERR_INVALID,
                          "pm_copy_async: PM_PATH_STAGED needs one host and one device side, not %s",
-                         kind_name(kind));
+                         pm__copy_kind_symbol(kind));
   }
 
   if (stage) {
@@ -418,8 +382,8 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
         st = pm__set_error(PM_ERR_INVALID,
                            "%s: is %s (src %s, dst %s) but item %zu is %s; a batch has one "
                            "direction",
-                           where_str(w, wb, sizeof wb), kind_name(k), pm__mem_name(s),
-                           pm__mem_name(d), first, kind_name(kind));
+                           where_str(w, wb, sizeof wb), pm__copy_kind_symbol(k), pm__mem_name(s),
+                           pm__mem_name(d), first, pm__copy_kind_symbol(kind));
       }
     }
     if (st != PM_OK) goto out;
@@ -438,7 +402,7 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
       st = pm__set_error(PM_ERR_INVALID,
                          "%s: PM_PATH_STAGED needs one host and one device side, "
                          "not %s",
-                         where_str(w, wb, sizeof wb), kind_name(kind));
+                         where_str(w, wb, sizeof wb), pm__copy_kind_symbol(kind));
       goto out;
     }
     if (stage) {

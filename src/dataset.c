@@ -40,14 +40,6 @@
 
 atomic_int pm__io_refuse_direct;
 
-const char *pm_dtype_name(pm_dtype_t dtype) {
-  static const char *names[] = {"other",   "bool",    "int8",    "uint8",     "int16",
-                                "uint16",  "int32",   "uint32",  "int64",     "uint64",
-                                "float16", "float32", "float64", "complex64", "complex128"};
-  if ((unsigned)dtype < sizeof names / sizeof names[0]) return names[dtype];
-  return "unknown";
-}
-
 /* ---- files ------------------------------------------------------------------------------- */
 
 void pm__scratch_free(pm__scratch_t *s) {

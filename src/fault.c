@@ -45,34 +45,9 @@ typedef struct fault_op_def {
   bool release;       /* not part of "all" */
 } fault_op_def_t;
 
-static const fault_op_def_t fault_ops[PM__FAULT_COUNT] = {
-    [PM__FAULT_HOST_ALLOC] = {"host_alloc", PM_ERR_NOMEM, false},
-    [PM__FAULT_HOST_FREE] = {"host_free", PM_ERR_BACKEND, true},
-    [PM__FAULT_HOST_REGISTER] = {"host_register", PM_ERR_NOMEM, false},
-    [PM__FAULT_HOST_UNREGISTER] = {"host_unregister", PM_ERR_BACKEND, true},
-    [PM__FAULT_HOST_DEVICE_POINTER] = {"host_device_pointer", PM_ERR_BACKEND, false},
-    [PM__FAULT_DEVICE_ALLOC] = {"device_alloc", PM_ERR_DEVICE_MEMORY, false},
-    [PM__FAULT_DEVICE_FREE] = {"device_free", PM_ERR_BACKEND, true},
-    [PM__FAULT_MANAGED_ALLOC] = {"managed_alloc", PM_ERR_DEVICE_MEMORY, false},
-    [PM__FAULT_MANAGED_FREE] = {"managed_free", PM_ERR_BACKEND, true},
-    [PM__FAULT_MEMCPY] = {"memcpy", PM_ERR_BACKEND, false},
-    [PM__FAULT_MEMSET] = {"memset", PM_ERR_BACKEND, false},
-    [PM__FAULT_PREFETCH] = {"prefetch", PM_ERR_BACKEND, false},
-    [PM__FAULT_STREAM_CREATE] = {"stream_create", PM_ERR_BACKEND, false},
-    [PM__FAULT_STREAM_DESTROY] = {"stream_destroy", PM_ERR_BACKEND, true},
-    [PM__FAULT_STREAM_SYNC] = {"stream_sync", PM_ERR_BACKEND, false},
-    [PM__FAULT_STREAM_QUERY] = {"stream_query", PM_ERR_BACKEND, false},
-    [PM__FAULT_STREAM_WAIT_EVENT] = {"stream_wait_event", PM_ERR_BACKEND, false},
-    [PM__FAULT_EVENT_CREATE] = {"event_create", PM_ERR_BACKEND, false},
-    [PM__FAULT_EVENT_DESTROY] = {"event_destroy", PM_ERR_BACKEND, true},
-    [PM__FAULT_EVENT_RECORD] = {"event_record", PM_ERR_BACKEND, false},
-    [PM__FAULT_EVENT_QUERY] = {"event_query", PM_ERR_BACKEND, false},
-    [PM__FAULT_EVENT_SYNC] = {"event_sync", PM_ERR_BACKEND, false},
-    [PM__FAULT_EVENT_ELAPSED] = {"event_elapsed", PM_ERR_BACKEND, false},
-    [PM__FAULT_LAUNCH] = {"launch", PM_ERR_BACKEND, false},
-    [PM__FAULT_DEVICE_QUERY] = {"device_query", PM_ERR_BACKEND, false},
-    [PM__FAULT_IO] = {"io", PM_ERR_IO, false},
-};
+#define FAULT_OP_ROW(op, name, status, release) [op] = {name, status, release},
+static const fault_op_def_t fault_ops[PM__FAULT_COUNT] = {PM__FAULT_OP_MAP(FAULT_OP_ROW)};
+#undef FAULT_OP_ROW
 
 typedef struct fault_state {
   _Atomic uint64_t calls, injected;

@@ -64,12 +64,7 @@ static size_t find_locked(uintptr_t addr, int kind, bool *found) {
 }
 
 static const char *kind_name(pm__handle_kind_t kind) {
-  switch (kind) {
-  case PM__HANDLE_FENCE: return "fence";
-  case PM__HANDLE_POOL: return "pool";
-  case PM__HANDLE_DATASET: return "dataset";
-  case PM__HANDLE_LOADER: return "loader";
-  }
+  switch (kind) { PM__HANDLE_KIND_MAP(PM__NAME_CASE) }
   return "handle";
 }
 

@@ -31,16 +31,40 @@ pm_status_t pm__set_error(pm_status_t status, const char *fmt, ...) PM__PRINTF(2
 pm_status_t pm__wrap_error(pm_status_t status, const char *fmt, ...) PM__PRINTF(2, 3);
 void pm__clear_error(void);
 
+/* ---- names.c ----------------------------------------------------------------------------- */
+
+/* Names of enum values, generated from the X-macro lists (pinmem.h, below): a value added to a
+ * list has its name. Out-of-range values give "?" (or the function's documented fallback). */
+#define PM__NAME_CASE(name, value, text, ...) \
+  case name:                                  \
+    return text;
+#define PM__SYMBOL_CASE(name, ...) \
+  case name:                       \
+    return #name;
+/* Keyword tables ({word, value}) for the option parser, from the same lists. */
+#define PM__KEYWORD_ROW(name, value, text, ...) {text, name},
+
+const char *pm__backend_kind_name(pm_backend_kind_t kind); /* "none", "cuda", "host" */
+const char *pm__copy_kind_name(pm_copy_kind_t kind);       /* "H2D" */
+const char *pm__copy_kind_symbol(pm_copy_kind_t kind);     /* "PM_COPY_H2D" */
+const char *pm__copy_path_name(pm_copy_path_t path);       /* "staged" */
+const char *pm__memory_kind_name(pm_memory_kind_t kind);   /* "registered" */
+const char *pm__exhaust_policy_name(pm_exhaust_policy_t policy);
+const char *pm__io_mode_name(pm_io_mode_t io);              /* "pread", "mmap", "direct" */
+const char *pm__delivery_name(pm_delivery_t delivery);      /* "device", "host" */
+const char *pm__option_source_name(pm_option_source_t src); /* "default", "env", "set" */
+
 /* ---- handles.c --------------------------------------------------------------------------- */
 
 /* The live set of user-held handles: entered at create, removed at destroy, checked by every
  * public call, so a stale or foreign pointer gets PM_ERR_INVALID instead of a use after free. */
-typedef enum pm__handle_kind {
-  PM__HANDLE_FENCE = 1,
-  PM__HANDLE_POOL,
-  PM__HANDLE_DATASET,
-  PM__HANDLE_LOADER,
-} pm__handle_kind_t;
+#define PM__HANDLE_KIND_MAP(X)                                                                  \
+  X(PM__HANDLE_FENCE, 1, "fence")                                                               \
+  X(PM__HANDLE_POOL, 2, "pool")                                                                 \
+  X(PM__HANDLE_DATASET, 3, "dataset")                                                           \
+  X(PM__HANDLE_LOADER, 4, "loader")
+
+typedef enum pm__handle_kind { PM__HANDLE_KIND_MAP(PM__ENUM_VALUE) } pm__handle_kind_t;
 
 pm_status_t pm__handle_add(const void *h, pm__handle_kind_t kind); /* PM_ERR_NOMEM only */
 /* false when h was not in the set (already removed, or never added): the caller's double
@@ -77,7 +101,7 @@ void pm__pool_atfork(pm__fork_phase_t phase);
 void pm__config_atfork(pm__fork_phase_t phase);
 void pm__copy_atfork(pm__fork_phase_t phase);
 void pm__threadpool_atfork(pm__fork_phase_t phase);
-void pm__host_atfork(pm__fork_phase_t phase); /* backend_host.c */
+void pm__host_atfork(pm__fork_phase_t phase); /* backend_host_stream.c */
 void pm__registry_atfork(pm__fork_phase_t phase);
 
 /* ---- config.c ---------------------------------------------------------------------------- */
@@ -94,9 +118,9 @@ typedef enum pm__opt {
   PM__OPT_HOST_DEVICE_MEMORY, /* size: device memory the host backend simulates */
   PM__OPT_COPY_CHUNK,         /* size: staging chunk (copy.c) */
   PM__OPT_COPY_SLOTS,         /* int: bounce-buffer ring depth (copy.c) */
-  PM__OPT_COPY_THREADS,       /* int: staging memcpy threads, 0 = auto (copy.c) */
+  PM__OPT_COPY_THREADS,       /* int: staging memcpy threads, 0 = auto -> resolved (copy.c) */
   PM__OPT_COPY_STAGE_MIN,     /* size: pageable copies below this use the plain backend copy */
-  PM__OPT_LOADER_WORKERS,     /* int: loader reader threads, 0 = auto (loader.c) */
+  PM__OPT_LOADER_WORKERS,     /* int: loader reader threads, 0 = auto -> resolved (loader.c) */
   PM__OPT_LOADER_PREFETCH,    /* int: loader batch slots (loader.c) */
   PM__OPT_COPY_BOUNCE,        /* whole|ring|auto -> pm__copy_bounce_t (copy_stage.c) */
   PM__OPT_COPY_MEMCPY,        /* libc|movsb|stream -> pm__copy_memcpy_t (memcpy.c) */
@@ -108,33 +132,46 @@ typedef enum pm__opt {
   PM__OPT_COUNT
 } pm__opt_t;
 
+/* Limits the option table and the matching arguments (pm_loader_config_t) share. */
+#define PM__MAX_SLOTS 4096          /* copy_slots, copy_piece_slots, loader_prefetch */
+#define PM__LOADER_MAX_WORKERS 256  /* loader_workers */
+#define PM__COPY_MAX_THREADS 256    /* copy_threads */
+
+/* The value in force, parsed once and cached (an atomic load after the first lookup): an
+ * explicit pm_option_set value, else PINMEM_<NAME>, else the table's default. Thread counts
+ * with an auto setting come back resolved (never 0). The environment is read at the first
+ * lookup after a change: pm__opt_reload forgets every cached value (tests that setenv). */
 size_t pm__opt_size(pm__opt_t opt);
 long pm__opt_int(pm__opt_t opt);
 double pm__opt_double(pm__opt_t opt);
+void pm__opt_reload(void);
 /* Current value as text (for enum-like options such as backend). Thread-safe copy into buf. */
 void pm__opt_text(pm__opt_t opt, char *buf, size_t len);
 
 /* Values of the copy_bounce option: how staged H2D copies use pinned bounce memory. */
-typedef enum pm__copy_bounce {
-  PM__BOUNCE_WHOLE = 0, /* one pool block the size of the copy (ring only if the budget refuses) */
-  PM__BOUNCE_RING = 1,  /* always the ring of copy_slots chunk buffers */
-  PM__BOUNCE_AUTO = 2   /* the ring when the stream is idle, else a whole-copy block */
-} pm__copy_bounce_t;
+#define PM__COPY_BOUNCE_MAP(X)                                                                  \
+  X(PM__BOUNCE_WHOLE, 0, "whole") /* one pool block the size of the copy (ring if refused) */   \
+  X(PM__BOUNCE_RING, 1, "ring")   /* always the ring of copy_slots chunk buffers */             \
+  X(PM__BOUNCE_AUTO, 2, "auto")   /* the ring when the stream is idle, else a whole-copy block */
+
+typedef enum pm__copy_bounce { PM__COPY_BOUNCE_MAP(PM__ENUM_VALUE) } pm__copy_bounce_t;
 
 /* Values of the copy_memcpy option: how staging threads move bytes to and from bounce memory. */
-typedef enum pm__copy_memcpy {
-  PM__MEMCPY_LIBC = 0,  /* the C library's memcpy */
-  PM__MEMCPY_MOVSB = 1, /* x86-64 rep movsb (fast strings); libc elsewhere */
-  PM__MEMCPY_STREAM = 2, /* x86-64 AVX2 non-temporal stores; libc without AVX2 */
-  PM__MEMCPY_AUTO = 3    /* per step: movsb into the ring of an H2D copy, stream elsewhere */
-} pm__copy_memcpy_t;
+#define PM__COPY_MEMCPY_MAP(X)                                                                  \
+  X(PM__MEMCPY_LIBC, 0, "libc")     /* the C library's memcpy */                                \
+  X(PM__MEMCPY_MOVSB, 1, "movsb")   /* x86-64 rep movsb (fast strings); libc elsewhere */        \
+  X(PM__MEMCPY_STREAM, 2, "stream") /* x86-64 AVX2 non-temporal stores; libc without AVX2 */    \
+  X(PM__MEMCPY_AUTO, 3, "auto") /* per step: movsb into the ring of an H2D copy, else stream */
+
+typedef enum pm__copy_memcpy { PM__COPY_MEMCPY_MAP(PM__ENUM_VALUE) } pm__copy_memcpy_t;
 
 /* Values of the copy_batch option: how the direct pieces of a batch move. */
-typedef enum pm__copy_batch {
-  PM__BATCH_DMA = 0,    /* the copy engines: cudaMemcpyBatchAsync, else one copy per piece */
-  PM__BATCH_KERNEL = 1, /* one kernel that reads and writes the pieces where they lie */
-  PM__BATCH_AUTO = 2    /* the kernel for many small pieces, else dma */
-} pm__copy_batch_t;
+#define PM__COPY_BATCH_MAP(X)                                                                   \
+  X(PM__BATCH_DMA, 0, "dma") /* the copy engines: cudaMemcpyBatchAsync, else a copy per piece */ \
+  X(PM__BATCH_KERNEL, 1, "kernel") /* one kernel that reads and writes the pieces in place */   \
+  X(PM__BATCH_AUTO, 2, "auto")     /* the kernel for many small pieces, else dma */
+
+typedef enum pm__copy_batch { PM__COPY_BATCH_MAP(PM__ENUM_VALUE) } pm__copy_batch_t;
 
 /* ---- memcpy.c ------------------------------------------------------------------------------ */
 
@@ -295,36 +332,43 @@ void pm__copy_shutdown(void);
 /* ---- fault.c ------------------------------------------------------------------------------ */
 
 /* Fault injection at the backend contract (tests, PINMEM_FAULT; see fault.c for the spec). */
+/* X(op, name, status the real backend returns when the call fails, release call?) */
+#define PM__FAULT_OP_MAP(X)                                                                     \
+  X(PM__FAULT_HOST_ALLOC, "host_alloc", PM_ERR_NOMEM, false)                                    \
+  X(PM__FAULT_HOST_FREE, "host_free", PM_ERR_BACKEND, true)                                     \
+  X(PM__FAULT_HOST_REGISTER, "host_register", PM_ERR_NOMEM, false)                              \
+  X(PM__FAULT_HOST_UNREGISTER, "host_unregister", PM_ERR_BACKEND, true)                         \
+  X(PM__FAULT_HOST_DEVICE_POINTER, "host_device_pointer", PM_ERR_BACKEND, false)                \
+  X(PM__FAULT_DEVICE_ALLOC, "device_alloc", PM_ERR_DEVICE_MEMORY, false)                        \
+  X(PM__FAULT_DEVICE_FREE, "device_free", PM_ERR_BACKEND, true)                                 \
+  X(PM__FAULT_MANAGED_ALLOC, "managed_alloc", PM_ERR_DEVICE_MEMORY, false)                      \
+  X(PM__FAULT_MANAGED_FREE, "managed_free", PM_ERR_BACKEND, true)                               \
+  X(PM__FAULT_MEMCPY, "memcpy", PM_ERR_BACKEND, false) /* memcpy_async and memcpy_sync */       \
+  X(PM__FAULT_MEMSET, "memset", PM_ERR_BACKEND, false)                                          \
+  X(PM__FAULT_PREFETCH, "prefetch", PM_ERR_BACKEND, false)                                      \
+  X(PM__FAULT_STREAM_CREATE, "stream_create", PM_ERR_BACKEND, false)                            \
+  X(PM__FAULT_STREAM_DESTROY, "stream_destroy", PM_ERR_BACKEND, true)                           \
+  X(PM__FAULT_STREAM_SYNC, "stream_sync", PM_ERR_BACKEND, false) /* and device_synchronize */   \
+  X(PM__FAULT_STREAM_QUERY, "stream_query", PM_ERR_BACKEND, false)                              \
+  X(PM__FAULT_STREAM_WAIT_EVENT, "stream_wait_event", PM_ERR_BACKEND, false)                    \
+  X(PM__FAULT_EVENT_CREATE, "event_create", PM_ERR_BACKEND, false)                              \
+  X(PM__FAULT_EVENT_DESTROY, "event_destroy", PM_ERR_BACKEND, true)                             \
+  X(PM__FAULT_EVENT_RECORD, "event_record", PM_ERR_BACKEND, false)                              \
+  X(PM__FAULT_EVENT_QUERY, "event_query", PM_ERR_BACKEND, false)                                \
+  X(PM__FAULT_EVENT_SYNC, "event_sync", PM_ERR_BACKEND, false)                                  \
+  X(PM__FAULT_EVENT_ELAPSED, "event_elapsed", PM_ERR_BACKEND, false)                            \
+  /* launch_busy, launch_batch_copy and launch_host_func */                                     \
+  X(PM__FAULT_LAUNCH, "launch", PM_ERR_BACKEND, false)                                          \
+  /* device_count, device_info, set_device, get_device */                                       \
+  X(PM__FAULT_DEVICE_QUERY, "device_query", PM_ERR_BACKEND, false)                              \
+  X(PM__FAULT_IO, "io", PM_ERR_IO, false) /* the loader's file reads (pm__fault_io) */
+
+#define PM__FAULT_ENUM(op, ...) op,
 typedef enum pm__fault_op {
   PM__FAULT_ALL = -1, /* every op except the release calls */
-  PM__FAULT_HOST_ALLOC = 0,
-  PM__FAULT_HOST_FREE, /* release call */
-  PM__FAULT_HOST_REGISTER,
-  PM__FAULT_HOST_UNREGISTER, /* release call */
-  PM__FAULT_HOST_DEVICE_POINTER,
-  PM__FAULT_DEVICE_ALLOC,
-  PM__FAULT_DEVICE_FREE, /* release call */
-  PM__FAULT_MANAGED_ALLOC,
-  PM__FAULT_MANAGED_FREE, /* release call */
-  PM__FAULT_MEMCPY,       /* memcpy_async and memcpy_sync */
-  PM__FAULT_MEMSET,
-  PM__FAULT_PREFETCH,
-  PM__FAULT_STREAM_CREATE,
-  PM__FAULT_STREAM_DESTROY, /* release call */
-  PM__FAULT_STREAM_SYNC,    /* stream_synchronize and device_synchronize */
-  PM__FAULT_STREAM_QUERY,
-  PM__FAULT_STREAM_WAIT_EVENT,
-  PM__FAULT_EVENT_CREATE,
-  PM__FAULT_EVENT_DESTROY, /* release call */
-  PM__FAULT_EVENT_RECORD,
-  PM__FAULT_EVENT_QUERY,
-  PM__FAULT_EVENT_SYNC,
-  PM__FAULT_EVENT_ELAPSED,
-  PM__FAULT_LAUNCH,       /* launch_busy, launch_batch_copy and launch_host_func */
-  PM__FAULT_DEVICE_QUERY, /* device_count, device_info, set_device, get_device */
-  PM__FAULT_IO,           /* the loader's file reads (pm__fault_io) */
-  PM__FAULT_COUNT
+  PM__FAULT_OP_MAP(PM__FAULT_ENUM) PM__FAULT_COUNT
 } pm__fault_op_t;
+#undef PM__FAULT_ENUM
 
 typedef struct pm__fault_counts {
   uint64_t calls[PM__FAULT_COUNT];    /* calls seen since the op was last armed or reset */

@@ -79,8 +79,8 @@
 #include "internal.h"
 
 #define LOADER_MAGIC 0x4c4f4144u /* "LOAD" */
-#define MAX_WORKERS 256
-#define MAX_SLOTS 4096
+#define MAX_WORKERS PM__LOADER_MAX_WORKERS
+#define MAX_SLOTS PM__MAX_SLOTS
 #define MAX_PARTS 1024 /* parts of a slot's copy (each has two timing events) */
 #define TARGET_ALIGN ((size_t)256)
 
@@ -596,13 +596,9 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
   }
   L->slot_bytes = c->slot_bytes ? c->slot_bytes : need;
 
+  /* The option table resolves auto and bounds both values (the arguments were checked above). */
   L->nworkers = c->workers ? c->workers : (int)pm__opt_int(PM__OPT_LOADER_WORKERS);
-  if (L->nworkers <= 0) L->nworkers = PM__MIN(16, pm__cpu_count());
-  if (L->nworkers <= 0) L->nworkers = 1;
-  if (L->nworkers > MAX_WORKERS) L->nworkers = MAX_WORKERS;
   L->nslots = c->prefetch ? c->prefetch : (int)pm__opt_int(PM__OPT_LOADER_PREFETCH);
-  if (L->nslots <= 0) L->nslots = 4;
-  if (L->nslots > MAX_SLOTS) L->nslots = MAX_SLOTS;
   L->rows_per_claim = PM__MAX(rows_max / (uint64_t)(2 * L->nworkers), (uint64_t)1);
   /* Parts only where a worker queues the copy (pinned slots to the device), at most MAX_PARTS a
    * slot (larger parts for a larger slot), and a claim of rows no larger than a part, so a part

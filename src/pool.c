@@ -762,8 +762,8 @@ pm_status_t pm_pool_create(const pm_pool_config_t *config, pm_pool_t **pool_out)
   int policy = c.exhaust_policy >= 0 ? c.exhaust_policy : (int)pm__opt_int(PM__OPT_BUDGET_POLICY);
   double timeout =
       c.wait_timeout_s >= 0 ? c.wait_timeout_s : pm__opt_double(PM__OPT_BUDGET_TIMEOUT);
+  /* The option table's values are in range, auto resolved (pin_threads never 0). */
   long threads = c.pin_threads > 0 ? c.pin_threads : pm__opt_int(PM__OPT_PIN_THREADS);
-  if (threads <= 0) threads = PM__MIN(16, pm__cpu_count());
   size_t fast_min = c.fast_pin_min ? c.fast_pin_min : pm__opt_size(PM__OPT_FAST_PIN_MIN);
   int huge = c.huge_pages >= 0 ? c.huge_pages : (int)pm__opt_int(PM__OPT_HUGE_PAGES);
 
@@ -785,9 +785,9 @@ pm_status_t pm_pool_create(const pm_pool_config_t *config, pm_pool_t **pool_out)
   p->budget = budget;
   p->budget_memlock = budget_memlock;
   p->policy = policy == PM_EXHAUST_WAIT ? PM_EXHAUST_WAIT : PM_EXHAUST_FAIL;
-  p->wait_timeout_s = timeout >= 0 ? timeout : 0;
-  p->pin_threads = (int)PM__MIN(threads, 1024);
-  p->fast_pin_min = fast_min ? fast_min : 1;
+  p->wait_timeout_s = timeout;
+  p->pin_threads = (int)threads;
+  p->fast_pin_min = fast_min;
   p->huge_pages = huge != 0;
   pm_status_t st = pm__handle_add(p, PM__HANDLE_POOL);
   if (st != PM_OK) {

@@ -26,18 +26,11 @@ static pm__range_t *reg_ranges;
 static size_t reg_count, reg_cap;
 
 static const char *kind_name(pm_memory_kind_t kind) {
-  switch (kind) {
-    case PM_MEMORY_PAGEABLE:
-      return "pageable";
-    case PM_MEMORY_POOL:
-      return "pool segment";
-    case PM_MEMORY_REGISTERED:
-      return "registration";
-    case PM_MEMORY_MANAGED:
-      return "managed allocation";
-    case PM_MEMORY_DEVICE:
-      return "device allocation";
-  }
+#define RANGE_CASE(name, value, text, range) \
+  case name:                                 \
+    return range;
+  switch (kind) { PM_MEMORY_KIND_MAP(RANGE_CASE) }
+#undef RANGE_CASE
   return "unknown";
 }
 

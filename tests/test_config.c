@@ -87,7 +87,8 @@ static void test_defaults(void) {
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_HOST_DEVICE_MEMORY), (size_t)4 << 30);
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_CHUNK), 4u << 20);
   CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_SLOTS), 32);
-  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_THREADS), 0); /* auto: the copy engine resolves it */
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_THREADS), cpus < 12 ? cpus : 12); /* auto, resolved */
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_LOADER_WORKERS), cpus < 16 ? cpus : 16);
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_STAGE_MIN), 8u << 20);
   CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_RAMP), 1);
   /* Under CTest PINMEM_BACKEND is set: that option comes from the environment, and names the
@@ -103,9 +104,24 @@ static void test_defaults(void) {
   }
 }
 
+/* The environment is read at the first lookup after a change: a test that changes it makes the
+ * library read it again, as a new process would. */
+static void set_env(const char *name, const char *value, int overwrite) {
+  setenv(name, value, overwrite);
+  pm__opt_reload();
+}
+static void unset_env(const char *name) {
+  unsetenv(name);
+  pm__opt_reload();
+}
+static void unset_all_env(void) {
+  for (size_t i = 0; i < sizeof option_envs / sizeof option_envs[0]; i++) unsetenv(option_envs[i]);
+  pm__opt_reload();
+}
+
 static void test_env_and_explicit(void) {
   /* environment over the default, read at lookup time */
-  setenv("PINMEM_BUDGET", "2G", 1);
+  set_env("PINMEM_BUDGET", "2G", 1);
   pm_option_info_t info = find("budget");
   CHECK_EQ_INT(info.source, PM_OPTION_ENV);
   CHECK(strcmp(info.value, "2G") == 0);
@@ -124,27 +140,54 @@ static void test_env_and_explicit(void) {
   CHECK_OK(pm_option_set("budget", NULL));
   CHECK_EQ_INT(find("budget").source, PM_OPTION_ENV);
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_BUDGET), (size_t)2 << 30);
-  unsetenv("PINMEM_BUDGET");
+  unset_env("PINMEM_BUDGET");
   CHECK_EQ_INT(find("budget").source, PM_OPTION_DEFAULT);
 
   /* one of each type through the environment */
-  setenv("PINMEM_BUDGET_POLICY", "WAIT", 1);
+  set_env("PINMEM_BUDGET_POLICY", "WAIT", 1);
   CHECK_EQ_INT(pm__opt_int(PM__OPT_BUDGET_POLICY), PM_EXHAUST_WAIT);
   CHECK(strcmp(find("budget_policy").value, "wait") == 0); /* canonical spelling */
-  setenv("PINMEM_BUDGET_TIMEOUT", "0.25", 1);
+  set_env("PINMEM_BUDGET_TIMEOUT", "0.25", 1);
   CHECK(pm__opt_double(PM__OPT_BUDGET_TIMEOUT) == 0.25);
-  setenv("PINMEM_PIN_THREADS", "3", 1);
+  set_env("PINMEM_PIN_THREADS", "3", 1);
   CHECK_EQ_INT(pm__opt_int(PM__OPT_PIN_THREADS), 3);
-  setenv("PINMEM_FAST_PIN_MIN", "64k", 1);
+  set_env("PINMEM_FAST_PIN_MIN", "64k", 1);
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_FAST_PIN_MIN), 65536);
-  setenv("PINMEM_HUGE_PAGES", " 0 ", 1); /* white space is forgiven */
+  set_env("PINMEM_HUGE_PAGES", " 0 ", 1); /* white space is forgiven */
   CHECK_EQ_INT(pm__opt_int(PM__OPT_HUGE_PAGES), 0);
-  setenv("PINMEM_HOST_DEVICE_MEMORY", "0", 1); /* 0 = unlimited is a valid value */
+  set_env("PINMEM_HOST_DEVICE_MEMORY", "0", 1); /* 0 = unlimited is a valid value */
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_HOST_DEVICE_MEMORY), 0);
   CHECK_EQ_INT(find("host_device_memory").source, PM_OPTION_ENV);
-  setenv("PINMEM_DEVICE", "2", 1);
+  set_env("PINMEM_DEVICE", "2", 1);
   CHECK_EQ_INT(pm__opt_int(PM__OPT_DEVICE), 2);
-  for (size_t i = 0; i < sizeof option_envs / sizeof option_envs[0]; i++) unsetenv(option_envs[i]);
+  unset_all_env();
+}
+
+/* A value is parsed once: a later change of the environment is not seen until something
+ * empties the cache (pm_option_set of that option, with a value or NULL, or pm__opt_reload). */
+static void test_cache(void) {
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_SLOTS), 32);
+  setenv("PINMEM_COPY_SLOTS", "7", 1);
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_SLOTS), 32); /* cached */
+  CHECK_EQ_INT(find("copy_slots").source, PM_OPTION_DEFAULT); /* info shows the value in force */
+  CHECK_OK(pm_option_set("copy_slots", NULL)); /* invalidates: the environment is read again */
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_SLOTS), 7);
+  CHECK_EQ_INT(find("copy_slots").source, PM_OPTION_ENV);
+  CHECK_OK(pm_option_set("copy_slots", "9"));
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_SLOTS), 9);
+  CHECK_OK(pm_option_set("copy_slots", NULL));
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_SLOTS), 7);
+  unsetenv("PINMEM_COPY_SLOTS");
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_SLOTS), 7);
+  pm__opt_reload();
+  CHECK_EQ_INT(pm__opt_int(PM__OPT_COPY_SLOTS), 32);
+  /* every typed lookup of every option reads the same cached value as the first */
+  for (int o = 0; o < PM__OPT_COUNT; o++) {
+    long i1 = pm__opt_int((pm__opt_t)o);
+    size_t s1 = pm__opt_size((pm__opt_t)o);
+    CHECK_EQ_INT(pm__opt_int((pm__opt_t)o), i1);
+    CHECK_EQ_SIZE(pm__opt_size((pm__opt_t)o), s1);
+  }
 }
 
 static void test_bad_env(void) {
@@ -165,7 +208,7 @@ static void test_bad_env(void) {
              {"PINMEM_COPY_SLOTS", "copy_slots", "0"},
              {"PINMEM_COPY_CHUNK", "copy_chunk", "big"}};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-    setenv(bad[i].env, bad[i].value, 1);
+    set_env(bad[i].env, bad[i].value, 1);
     pm_option_info_t info = find(bad[i].name);
     CHECK_EQ_INT(info.source, PM_OPTION_DEFAULT);
     /* the value shown is the default, with why the environment was ignored */
@@ -174,20 +217,20 @@ static void test_bad_env(void) {
     if (!strstr(info.value, want)) fprintf(stderr, "value shown: %s\n", info.value);
     CHECK(strstr(info.value, want) != NULL);
     CHECK(strncmp(info.value, info.default_value, strlen(info.default_value)) == 0);
-    unsetenv(bad[i].env);
+    unset_env(bad[i].env);
   }
-  setenv("PINMEM_BUDGET", "xyz", 1);
+  set_env("PINMEM_BUDGET", "xyz", 1);
   CHECK(strstr(find("budget").value, "not a size") != NULL);
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_BUDGET), 0); /* the default (auto) is used */
-  setenv("PINMEM_PIN_THREADS", "-3", 1);
+  set_env("PINMEM_PIN_THREADS", "-3", 1);
   CHECK(pm__opt_int(PM__OPT_PIN_THREADS) >= 1);
-  setenv("PINMEM_BUDGET_TIMEOUT", "inf", 1);
+  set_env("PINMEM_BUDGET_TIMEOUT", "inf", 1);
   CHECK(pm__opt_double(PM__OPT_BUDGET_TIMEOUT) == 10.0);
   /* a long bad value is cut short in the note, never overflowing the value field */
   char longv[400];
   memset(longv, 'q', sizeof longv - 1);
   longv[sizeof longv - 1] = '\0';
-  setenv("PINMEM_HOST_DEVICE_MEMORY", longv, 1);
+  set_env("PINMEM_HOST_DEVICE_MEMORY", longv, 1);
   pm_option_info_t info = find("host_device_memory");
   CHECK(strlen(info.value) < sizeof info.value);
   CHECK(strstr(info.value, "...") != NULL);
@@ -196,7 +239,7 @@ static void test_bad_env(void) {
   char text[64];
   pm__opt_text(PM__OPT_HOST_DEVICE_MEMORY, text, sizeof text);
   CHECK(strcmp(text, "4G") == 0);
-  for (size_t i = 0; i < sizeof option_envs / sizeof option_envs[0]; i++) unsetenv(option_envs[i]);
+  unset_all_env();
 }
 
 static void test_bad_set(void) {
@@ -246,9 +289,9 @@ static void test_bad_set(void) {
   CHECK_OK(pm_option_set("huge_pages", "off"));
   CHECK_EQ_INT(pm__opt_int(PM__OPT_HUGE_PAGES), 0);
   /* explicit beats the environment */
-  setenv("PINMEM_PIN_THREADS", "7", 1);
+  set_env("PINMEM_PIN_THREADS", "7", 1);
   CHECK_EQ_INT(pm__opt_int(PM__OPT_PIN_THREADS), 5);
-  unsetenv("PINMEM_PIN_THREADS");
+  unset_env("PINMEM_PIN_THREADS");
   for (int i = 0; i < pm_option_count(); i++) {
     pm_option_info_t info;
     REQUIRE_OK(pm_option_get(i, &info));
@@ -361,11 +404,12 @@ static void test_threads(void) {
 }
 
 int main(void) {
-  for (size_t i = 0; i < sizeof option_envs / sizeof option_envs[0]; i++) unsetenv(option_envs[i]);
+  unset_all_env();
   pm_test_init();
   test_table_rows();
   test_defaults();
   test_env_and_explicit();
+  test_cache();
   test_bad_env();
   test_bad_set();
   test_parse_size();

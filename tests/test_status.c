@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include "check.h"
+#include "internal.h"
 
 static const struct {
   pm_status_t status;
@@ -118,8 +119,43 @@ static void test_detail_content(void) {
   CHECK(strstr(pm_last_error(), "pm_device_alloc") != NULL);
 }
 
+/* The enum names come from the same X-macro lists as the enums: every value has its text, the
+ * values are the documented ones, and a value outside the list gets the fallback. */
+static void test_enum_names(void) {
+#define CHECK_NAME(fn, name, value, text)         \
+  do {                                            \
+    CHECK_EQ_INT((int)(name), (value));           \
+    CHECK(strcmp(fn(name), (text)) == 0);         \
+  } while (0);
+#define DTYPE(name, value, text, ...) CHECK_NAME(pm_dtype_name, name, value, text)
+  PM_DTYPE_MAP(DTYPE)
+#define COPY_KIND(name, value, text, ...) CHECK_NAME(pm__copy_kind_name, name, value, text)
+  PM_COPY_KIND_MAP(COPY_KIND)
+#define COPY_PATH(name, value, text, ...) CHECK_NAME(pm__copy_path_name, name, value, text)
+  PM_COPY_PATH_MAP(COPY_PATH)
+#define MEMORY_KIND(name, value, text, ...) CHECK_NAME(pm__memory_kind_name, name, value, text)
+  PM_MEMORY_KIND_MAP(MEMORY_KIND)
+#define IO_MODE(name, value, text, ...) CHECK_NAME(pm__io_mode_name, name, value, text)
+  PM_IO_MODE_MAP(IO_MODE)
+#define SOURCE(name, value, text, ...) CHECK_NAME(pm__option_source_name, name, value, text)
+  PM_OPTION_SOURCE_MAP(SOURCE)
+  CHECK(strcmp(pm_dtype_name(PM_DTYPE_FLOAT32), "float32") == 0);
+  CHECK(strcmp(pm_dtype_name((pm_dtype_t)99), "unknown") == 0);
+  CHECK(strcmp(pm__copy_kind_symbol(PM_COPY_D2H), "PM_COPY_D2H") == 0);
+  CHECK(strcmp(pm__copy_kind_name((pm_copy_kind_t)7), "?") == 0);
+  CHECK(strcmp(pm__memory_kind_name((pm_memory_kind_t)-1), "unknown") == 0);
+  CHECK(strcmp(pm__backend_kind_name(PM_BACKEND_HOST), "host") == 0);
+  CHECK(strcmp(pm__exhaust_policy_name(PM_EXHAUST_WAIT), "wait") == 0);
+  CHECK(strcmp(pm__delivery_name(PM_DELIVER_HOST), "host") == 0);
+  CHECK_EQ_INT(PM_COPY_H2H, 4); /* the public values are unchanged */
+  CHECK_EQ_INT(PM_DTYPE_COMPLEX128, 14);
+  CHECK_EQ_INT(PM_MEMORY_DEVICE, 4);
+  CHECK_EQ_INT(PM_PATH_REGISTER, 3);
+}
+
 int main(void) {
   pm_test_init();
+  test_enum_names();
   test_table();
   test_unknown();
   test_version();

@@ -1123,11 +1123,8 @@ static void emit_json(const bench_t *B, const src_t *s, const result_t *r, size_
   cli_json_uint(&j, "batch", batch);
   cli_json_bool(&j, "pin_memory", r->pinned);
   cli_json_bool(&j, "shuffle", B->o.shuffle);
-  cli_json_str(&j, "delivery", r->delivery == PM_DELIVER_DEVICE ? "device" : "host");
-  cli_json_str(&j, "io",
-               s->info.io == PM_IO_MMAP     ? "mmap"
-               : s->info.io == PM_IO_DIRECT ? "direct"
-                                            : "pread");
+  cli_json_str(&j, "delivery", pm__delivery_name(r->delivery));
+  cli_json_str(&j, "io", pm__io_mode_name(s->info.io));
   cli_json_int(&j, "world", B->world);
   cli_json_int(&j, "workers", r->workers);
   cli_json_int(&j, "prefetch", r->prefetch);

@@ -40,17 +40,6 @@ static void read_thp(char *mode, size_t mode_len, char *raw, size_t raw_len) {
   fclose(f);
 }
 
-static const char *source_name(pm_option_source_t s) {
-  switch (s) {
-    case PM_OPTION_DEFAULT:
-      return "default";
-    case PM_OPTION_ENV:
-      return "env";
-    case PM_OPTION_SET:
-      return "set";
-  }
-  return "unknown";
-}
 
 static const char *pcie_text(int gen, int width, char *buf, size_t len) {
   if (gen < 0 && width < 0)
@@ -325,7 +314,7 @@ int cli_cmd_info(bool json) {
       cli_json_str(&j, "name", o.name);
       cli_json_str(&j, "env", o.env);
       cli_json_str(&j, "value", o.value);
-      cli_json_str(&j, "source", source_name(o.source));
+      cli_json_str(&j, "source", pm__option_source_name(o.source));
       cli_json_str(&j, "default", o.default_value);
       cli_json_str(&j, "doc", o.doc);
       if (env) {
@@ -334,7 +323,7 @@ int cli_cmd_info(bool json) {
       }
       cli_json_end(&j);
     } else {
-      cli_table_row(&t, o.name, o.env, o.value, source_name(o.source), o.default_value);
+      cli_table_row(&t, o.name, o.env, o.value, pm__option_source_name(o.source), o.default_value);
       add_wrapped(&docs, o.name, o.doc, 76);
     }
   }

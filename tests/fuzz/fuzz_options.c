@@ -66,8 +66,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     pm_option_info_t info;
     if (pm_option_find(name, &info) != PM_OK) abort();
     setenv(info.env, value, 1);
+    pm__opt_reload(); /* the environment is read at the first lookup after a reload */
     lookups();
     unsetenv(info.env);
+    pm__opt_reload();
   }
   free(s);
   return 0;

@@ -1,13 +1,10 @@
 /*
- * DESIGN: the host backend: the CPU plays the device, so the whole API and every test run on a
- * machine without a GPU. It models the cuda backend's ordering rules, not its speed.
+ * DESIGN: the host backend's stream and event engine (the backend as a whole: backend_host.h;
+ * its memory: backend_host_memory.c). The CPU plays the device, so the whole API and every test
+ * run on a machine without a GPU. It models the cuda backend's ordering rules, not its speed.
  *
- * - Pinned memory is mlock'd memory: host_alloc is mmap + mlock, host_register mlocks the
- *   page-rounded range. Like a driver, the backend keeps a table of what it pinned; that table
- *   decides whether a copy touches pageable memory and answers host_device_pointer (every pinned
- *   range is "mapped", and the device address is the host address, as under CUDA's UVA).
- * - Device and managed memory are ordinary heap blocks listed in a second table; device memory
- *   is charged against the host_device_memory option (0 = unlimited).
+ * - Memory (pinned, device, managed) is backend_host_memory.c's: its tables say whether a copy
+ *   touches pageable memory, and which spans are device memory.
  * - Each stream is a thread running a FIFO of ops in order. NULL is a default stream created on
  *   first use, independent of the others (as cudaStreamNonBlocking streams are of it).
  * - An event points at its latest "record", a refcounted completion object that the stream's
@@ -19,24 +16,21 @@
  *   reaches the gate, the caller copies on its own thread while the worker holds, so the copy
  *   comes after the stream's earlier work and before its later work. Other copies are queued.
  *
- * Data structures: two sorted arrays of non-overlapping ranges (binary search) under mem_lock;
- * two sorted arrays of live stream and event handles under obj_lock, so a destroyed or foreign
- * handle is an error instead of a crash; per stream a mutex, a linked FIFO of ops and the
- * counters submitted/done (query: done == submitted; synchronize: wait until done reaches the
- * submitted count seen at the call).
+ * Data structures: two sorted arrays of live stream and event handles under obj_lock, so a
+ * destroyed or foreign handle is an error instead of a crash; per stream a mutex, a linked FIFO
+ * of ops and the counters submitted/done (query: done == submitted; synchronize: wait until
+ * done reaches the submitted count seen at the call).
  *
- * Invariants: ranges within a table never overlap. A stream is freed only after it left the
- * handle set, its worker drained the queue and exited, and no caller waits on it (users == 0);
+ * Invariants: a stream is freed only after it left the handle set, its worker drained the queue
+ * and exited, and no caller waits on it (users == 0);
  * a caller that found a handle in a set takes the object's lock before dropping obj_lock, so
  * destroy (which leaves the set first) cannot free it under that caller. A record is freed when
  * its last holder (event, queued op, waiter) lets go.
  *
  * Lock order: obj_lock -> stream.mu -> rec_lock (a stream's worker completes a record under its
- * stream.mu; event_record and stream_wait_event capture records under both). mem_lock is a leaf. No
- * lock is held while an op runs (user callbacks, sleeps, copies) or while mlock runs (a pending
- * table entry claims the range meanwhile). munlock of a range's first and last page runs under
- * mem_lock, because a neighbouring registration may share those pages and mlock does not nest; its
- * inside pages are unlocked without the lock.
+ * stream.mu; event_record and stream_wait_event capture records under both); the memory file's
+ * mem_lock comes after all of them and is a leaf. No lock is held while an op runs (user
+ * callbacks, sleeps, copies).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -44,490 +38,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "backend_host.h"
 
 #define HB_BUSY_MAX_SECONDS 1.0e6 /* same bound as the cuda backend */
-#define HB_DEVICE_ALIGN 256       /* cudaMalloc gives at least this */
-
-/* ------------------------------------------------------------------------------------------ */
-/* Range tables                                                                                */
-/* ------------------------------------------------------------------------------------------ */
-
-enum { R_PIN_ALLOC, R_PIN_REGISTER, R_DEVICE, R_MANAGED };
-
-typedef struct hb_range {
-  uintptr_t base;
-  size_t size; /* R_PIN_ALLOC: page-rounded mapping; others: the bytes asked for */
-  unsigned char kind;
-  bool pending; /* registration whose mlock has not finished: not pinned yet */
-} hb_range_t;
-
-typedef struct hb_table {
-  hb_range_t *v;
-  size_t n, cap;
-} hb_table_t;
-
-static pthread_mutex_t mem_lock = PTHREAD_MUTEX_INITIALIZER;
-static hb_table_t pinned_tbl; /* R_PIN_ALLOC, R_PIN_REGISTER */
-static hb_table_t device_tbl; /* R_DEVICE, R_MANAGED */
-static size_t device_used;    /* bytes of R_DEVICE ranges */
-static size_t pinned_bytes;   /* page-rounded bytes this backend mlock'd (for messages) */
-
-static const char *range_desc(unsigned kind) {
-  switch (kind) {
-    case R_PIN_ALLOC:
-      return "pinned allocation";
-    case R_PIN_REGISTER:
-      return "registration";
-    case R_DEVICE:
-      return "device allocation";
-    default:
-      return "managed allocation";
-  }
-}
-
-/* Index of the first range whose base is above addr. */
-static size_t tbl_upper(const hb_table_t *t, uintptr_t addr) {
-  size_t lo = 0, hi = t->n;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (t->v[mid].base <= addr)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
-/* Index of the range containing addr, or -1. */
-static long tbl_find(const hb_table_t *t, uintptr_t addr) {
-  size_t i = tbl_upper(t, addr);
-  if (i == 0) return -1;
-  const hb_range_t *r = &t->v[i - 1];
-  return addr - r->base < r->size ? (long)(i - 1) : -1;
-}
-
-/* First range overlapping [base, base+size), or NULL. */
-static const hb_range_t *tbl_overlap(const hb_table_t *t, uintptr_t base, size_t size) {
-  size_t i = tbl_upper(t, base);
-  if (i > 0 && t->v[i - 1].base + t->v[i - 1].size > base) return &t->v[i - 1];
-  if (i < t->n && t->v[i].base < base + size) return &t->v[i];
-  return NULL;
-}
-
-static pm_status_t tbl_insert(hb_table_t *t, const hb_range_t *r) {
-  const hb_range_t *o = tbl_overlap(t, r->base, r->size);
-  if (o)
-    return pm__set_error(PM_ERR_OVERLAP,
-                         "[%p, +%zu) overlaps the %s [%p, +%zu) the host backend already holds",
-                         (void *)r->base, r->size, range_desc(o->kind), (void *)o->base, o->size);
-  if (t->n == t->cap) {
-    size_t cap = t->cap ? t->cap * 2 : 16;
-    hb_range_t *v = realloc(t->v, cap * sizeof *v);
-    if (!v)
-      return pm__set_error(PM_ERR_NOMEM, "growing the host backend's range table to %zu entries",
-                           cap);
-    t->v = v;
-    t->cap = cap;
-  }
-  size_t i = tbl_upper(t, r->base);
-  memmove(&t->v[i + 1], &t->v[i], (t->n - i) * sizeof *t->v);
-  t->v[i] = *r;
-  t->n++;
-  return PM_OK;
-}
-
-static void tbl_remove_at(hb_table_t *t, size_t i) {
-  memmove(&t->v[i], &t->v[i + 1], (t->n - i - 1) * sizeof *t->v);
-  t->n--;
-}
-
-static void tbl_release(hb_table_t *t) {
-  free(t->v);
-  t->v = NULL;
-  t->n = t->cap = 0;
-}
-
-/* ------------------------------------------------------------------------------------------ */
-/* Pinned host memory                                                                          */
-/* ------------------------------------------------------------------------------------------ */
-
-static pm_status_t memlock_error(const char *call, const void *p, size_t len, int err) {
-  pthread_mutex_lock(&mem_lock);
-  size_t held = pinned_bytes;
-  pthread_mutex_unlock(&mem_lock);
-  size_t lim = pm__memlock_rlimit_raw();
-  char limit[64];
-  if (lim == SIZE_MAX)
-    snprintf(limit, sizeof limit, "unlimited");
-  else
-    snprintf(limit, sizeof limit, "%zu bytes (%zu KiB)", lim, lim / 1024);
-  return pm__set_error(PM_ERR_MEMLOCK,
-                       "%s(%p, %zu bytes) failed: %s; RLIMIT_MEMLOCK is %s and the host backend "
-                       "already holds %zu bytes locked; raise it with `ulimit -l` or lower "
-                       "PINMEM_BUDGET",
-                       call, p, len, strerror(err), limit, held);
-}
-
-/* With mem_lock held, after the range [base, base+size) left pinned_tbl at index i: munlock
- * its first/last page unless a neighbouring range still shares it (mlock does not nest), and
- * return in *lo and *hi the inside pages, which no other range can touch, to unlock unlocked. */
-static void unlock_edges_locked(uintptr_t base, size_t size, size_t i, uintptr_t *lo,
-                                uintptr_t *hi) {
-  size_t pg = pm__page_size();
-  uintptr_t ps = base & ~(uintptr_t)(pg - 1), pe = pm__align_up(base + size, pg);
-  bool first_shared = i > 0 && pinned_tbl.v[i - 1].base + pinned_tbl.v[i - 1].size > ps;
-  bool last_shared = i < pinned_tbl.n && pinned_tbl.v[i].base < pe;
-  *lo = *hi = 0;
-  if (pe - ps == pg) {
-    if (!first_shared && !last_shared) munlock((void *)ps, pg);
-    return;
-  }
-  if (!first_shared) munlock((void *)ps, pg);
-  if (!last_shared) munlock((void *)(pe - pg), pg);
-  *lo = ps + pg;
-  *hi = pe - pg;
-}
-
-static pm_status_t host_alloc(size_t bytes, unsigned flags, void **ptr_out) {
-  const unsigned known = PM_HOST_MAPPED | PM_HOST_WRITE_COMBINED | PM_HOST_PORTABLE;
-  if (!ptr_out) return pm__set_error(PM_ERR_INVALID, "host_alloc: ptr_out is NULL");
-  if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "host_alloc: size is 0");
-  if (flags & ~known)
-    return pm__set_error(PM_ERR_INVALID, "host_alloc: unknown flags 0x%x", flags & ~known);
-  size_t pg = pm__page_size();
-  if (bytes > SIZE_MAX - pg)
-    return pm__set_error(PM_ERR_NOMEM, "host_alloc(%zu bytes): larger than the address space",
-                         bytes);
-  size_t len = pm__align_up(bytes, pg);
-  void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
-    int err = errno;
-    return pm__set_error(err == ENOMEM ? PM_ERR_NOMEM : PM_ERR_BACKEND,
-                         "host_alloc: mmap(%zu bytes): %s", len, strerror(err));
-  }
-  if (mlock(p, len) != 0) {
-    int err = errno;
-    munmap(p, len);
-    if (err == EPERM || err == ENOMEM || err == EAGAIN) return memlock_error("mlock", p, len, err);
-    return pm__set_error(PM_ERR_BACKEND, "host_alloc: mlock(%p, %zu bytes): %s", p, len,
-                         strerror(err));
-  }
-  hb_range_t r = {(uintptr_t)p, len, R_PIN_ALLOC, false};
-  pthread_mutex_lock(&mem_lock);
-  pm_status_t st = tbl_insert(&pinned_tbl, &r);
-  if (st == PM_OK) pinned_bytes += len;
-  pthread_mutex_unlock(&mem_lock);
-  if (st != PM_OK) {
-    munlock(p, len);
-    munmap(p, len);
-    return pm__wrap_error(st, "host_alloc(%zu bytes)", bytes);
-  }
-  *ptr_out = p;
-  return PM_OK;
-}
-
-/* Find the non-pending pinned range starting exactly at ptr with `kind`; on a mismatch, an error
- * that says what ptr is instead. mem_lock held. */
-static pm_status_t find_pinned_start_locked(const char *fn, const void *ptr, unsigned kind,
-                                            size_t *index_out) {
-  long i = tbl_find(&pinned_tbl, (uintptr_t)ptr);
-  if (i < 0 || pinned_tbl.v[i].pending)
-    return pm__set_error(PM_ERR_NOT_FOUND,
-                         "%s(%p): not memory the host backend pinned (never pinned, or already "
-                         "released)",
-                         fn, ptr);
-  const hb_range_t *r = &pinned_tbl.v[i];
-  if (r->base != (uintptr_t)ptr)
-    return pm__set_error(PM_ERR_INVALID, "%s(%p): inside the %s [%p, +%zu); pass its start", fn,
-                         ptr, range_desc(r->kind), (void *)r->base, r->size);
-  if (r->kind != kind)
-    return pm__set_error(PM_ERR_WRONG_KIND, "%s(%p): the address starts a %s, use %s", fn, ptr,
-                         range_desc(r->kind),
-                         r->kind == R_PIN_ALLOC ? "host_free" : "host_unregister");
-  *index_out = (size_t)i;
-  return PM_OK;
-}
-
-static pm_status_t host_free(void *ptr, size_t bytes) {
-  (void)bytes; /* the table knows the mapping's length, as cudaFreeHost does */
-  if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_free: ptr is NULL");
-  size_t i;
-  pthread_mutex_lock(&mem_lock);
-  pm_status_t st = find_pinned_start_locked("host_free", ptr, R_PIN_ALLOC, &i);
-  size_t len = 0;
-  if (st == PM_OK) {
-    len = pinned_tbl.v[i].size;
-    tbl_remove_at(&pinned_tbl, i);
-    pinned_bytes -= len;
-  }
-  pthread_mutex_unlock(&mem_lock);
-  if (st != PM_OK) return st;
-  /* The whole mapping is ours (no other range can share its pages), so no edge care. */
-  munlock(ptr, len);
-  if (munmap(ptr, len) != 0)
-    return pm__set_error(PM_ERR_BACKEND, "host_free: munmap(%p, %zu bytes): %s", ptr, len,
-                         strerror(errno));
-  return PM_OK;
-}
-
-/* Is every page of [ps, pe) mapped? mincore, not msync: it reads nothing in the range, so
- * memory checkers do not object to the bytes around the caller's buffer. */
-static bool range_mapped(uintptr_t ps, uintptr_t pe, size_t pg) {
-  unsigned char vec[4096];
-  while (ps < pe) {
-    size_t chunk = PM__MIN((size_t)(pe - ps), sizeof vec * pg);
-    if (mincore((void *)ps, chunk, vec) != 0 && errno == ENOMEM) return false;
-    ps += chunk;
-  }
-  return true;
-}
-
-static pm_status_t host_register(void *ptr, size_t bytes, unsigned flags) {
-  const unsigned known = PM_REGISTER_MAPPED | PM_REGISTER_PORTABLE | PM_REGISTER_READ_ONLY;
-  if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_register: ptr is NULL");
-  if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "host_register: size is 0");
-  if (flags & ~known)
-    return pm__set_error(PM_ERR_INVALID, "host_register: unknown flags 0x%x", flags & ~known);
-  uintptr_t base = (uintptr_t)ptr;
-  size_t pg = pm__page_size();
-  if (base + bytes < base || base + bytes > UINTPTR_MAX - pg)
-    return pm__set_error(PM_ERR_INVALID, "host_register(%p, %zu bytes): the range wraps", ptr,
-                         bytes);
-
-  uintptr_t ps = base & ~(uintptr_t)(pg - 1), pe = pm__align_up(base + bytes, pg);
-  /* mlock reports unmapped memory as ENOMEM, the errno of a low RLIMIT_MEMLOCK (and sanitizer
-   * runtimes make mlock a no-op), so unmapped memory is told apart first. */
-  if (!range_mapped(ps, pe, pg))
-    return pm__set_error(PM_ERR_INVALID,
-                         "host_register(%p, %zu bytes): part of the range is not mapped memory",
-                         ptr, bytes);
-
-  /* Claim the range first (pending), so the overlap check and the claim are one step and the
-   * slow mlock runs without the lock. */
-  hb_range_t r = {base, bytes, R_PIN_REGISTER, true};
-  pthread_mutex_lock(&mem_lock);
-  const hb_range_t *dev = tbl_overlap(&device_tbl, base, bytes);
-  pm_status_t st;
-  if (dev)
-    st = pm__set_error(PM_ERR_INVALID,
-                       "host_register(%p, %zu bytes): overlaps the %s [%p, +%zu), which is not "
-                       "host memory to page-lock",
-                       ptr, bytes, range_desc(dev->kind), (void *)dev->base, dev->size);
-  else
-    st = tbl_insert(&pinned_tbl, &r);
-  pthread_mutex_unlock(&mem_lock);
-  if (st != PM_OK) return dev ? st : pm__wrap_error(st, "host_register(%p, %zu bytes)", ptr, bytes);
-
-  int rc = mlock((void *)ps, pe - ps);
-  int err = errno;
-
-  pthread_mutex_lock(&mem_lock);
-  long i = tbl_find(&pinned_tbl, base);
-  if (i < 0 || pinned_tbl.v[i].base != base || !pinned_tbl.v[i].pending) {
-    /* Only this call clears or removes its pending entry: unreachable. */
-    pthread_mutex_unlock(&mem_lock);
-    return pm__set_error(PM_ERR_INTERNAL, "host_register(%p): pending entry vanished", ptr);
-  }
-  if (rc == 0) {
-    pinned_tbl.v[i].pending = false;
-    pinned_bytes += pe - ps;
-    pthread_mutex_unlock(&mem_lock);
-    return PM_OK;
-  }
-  uintptr_t lo, hi;
-  tbl_remove_at(&pinned_tbl, (size_t)i);
-  unlock_edges_locked(base, bytes, (size_t)i, &lo, &hi);
-  pthread_mutex_unlock(&mem_lock);
-  if (hi > lo) munlock((void *)lo, hi - lo); /* mlock may have locked part of the range */
-
-  if (err == EPERM || err == ENOMEM || err == EAGAIN)
-    return memlock_error("host_register: mlock", (void *)ps, pe - ps, err);
-  return pm__set_error(PM_ERR_BACKEND, "host_register: mlock(%p, %zu bytes): %s", (void *)ps,
-                       pe - ps, strerror(err));
-}
-
-static pm_status_t host_unregister(void *ptr, size_t bytes) {
-  (void)bytes; /* cudaHostUnregister takes the start only; the table knows the length */
-  if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_unregister: ptr is NULL");
-  size_t i;
-  uintptr_t lo = 0, hi = 0;
-  pthread_mutex_lock(&mem_lock);
-  pm_status_t st = find_pinned_start_locked("host_unregister", ptr, R_PIN_REGISTER, &i);
-  if (st == PM_OK) {
-    hb_range_t r = pinned_tbl.v[i];
-    size_t pg = pm__page_size();
-    tbl_remove_at(&pinned_tbl, i);
-    pinned_bytes -= pm__align_up(r.base + r.size, pg) - (r.base & ~(uintptr_t)(pg - 1));
-    unlock_edges_locked(r.base, r.size, i, &lo, &hi);
-  }
-  pthread_mutex_unlock(&mem_lock);
-  if (st != PM_OK) return st;
-  if (hi > lo) munlock((void *)lo, hi - lo);
-  return PM_OK;
-}
-
-static pm_status_t host_device_pointer(void *host_ptr, void **dptr_out) {
-  if (!host_ptr) return pm__set_error(PM_ERR_INVALID, "host_device_pointer: ptr is NULL");
-  if (!dptr_out) return pm__set_error(PM_ERR_INVALID, "host_device_pointer: dptr_out is NULL");
-  pthread_mutex_lock(&mem_lock);
-  long i = tbl_find(&pinned_tbl, (uintptr_t)host_ptr);
-  bool ok = i >= 0 && !pinned_tbl.v[i].pending;
-  pthread_mutex_unlock(&mem_lock);
-  if (!ok)
-    return pm__set_error(PM_ERR_INVALID,
-                         "host_device_pointer(%p): not in memory the host backend pinned "
-                         "(host_alloc or host_register)",
-                         host_ptr);
-  *dptr_out = host_ptr; /* one address space, as with CUDA's unified addressing */
-  return PM_OK;
-}
-
-/* ------------------------------------------------------------------------------------------ */
-/* Device and managed memory                                                                   */
-/* ------------------------------------------------------------------------------------------ */
-
-static size_t device_total(void) {
-  size_t opt = pm__opt_size(PM__OPT_HOST_DEVICE_MEMORY);
-  return opt ? opt : pm__physical_memory();
-}
-
-static pm_status_t device_alloc(size_t bytes, void **dptr_out) {
-  if (!dptr_out) return pm__set_error(PM_ERR_INVALID, "device_alloc: dptr_out is NULL");
-  if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "device_alloc: size is 0");
-  size_t limit = pm__opt_size(PM__OPT_HOST_DEVICE_MEMORY); /* read outside mem_lock */
-
-  pthread_mutex_lock(&mem_lock);
-  size_t used = device_used;
-  bool over = limit && (bytes > limit || used > limit - bytes);
-  if (!over) device_used += bytes; /* reserve before allocating: the limit holds under races */
-  pthread_mutex_unlock(&mem_lock);
-  if (over)
-    return pm__set_error(PM_ERR_DEVICE_MEMORY,
-                         "device_alloc(%zu bytes): the host backend simulates %zu bytes of device "
-                         "memory (option host_device_memory / PINMEM_HOST_DEVICE_MEMORY) and %zu "
-                         "are in use",
-                         bytes, limit, used);
-
-  void *p = bytes <= SIZE_MAX - HB_DEVICE_ALIGN
-                ? aligned_alloc(HB_DEVICE_ALIGN, pm__align_up(bytes, HB_DEVICE_ALIGN))
-                : NULL;
-  pm_status_t st = PM_OK;
-  if (!p)
-    st = pm__set_error(PM_ERR_DEVICE_MEMORY,
-                       "device_alloc: aligned_alloc(%zu bytes) for simulated device memory failed",
-                       bytes);
-  pthread_mutex_lock(&mem_lock);
-  if (p) {
-    hb_range_t r = {(uintptr_t)p, bytes, R_DEVICE, false};
-    st = tbl_insert(&device_tbl, &r);
-  }
-  if (st != PM_OK) device_used -= bytes;
-  pthread_mutex_unlock(&mem_lock);
-  if (st != PM_OK) {
-    free(p);
-    return st;
-  }
-  *dptr_out = p;
-  return PM_OK;
-}
-
-/* cudaFree releases device and managed memory alike; so do device_free and managed_free. */
-static pm_status_t device_synchronize(void);
-
-static pm_status_t device_release(const char *fn, void *ptr) {
-  if (!ptr) return pm__set_error(PM_ERR_INVALID, "%s: ptr is NULL", fn);
-  /* cudaFree synchronizes the device before it returns memory: queued copies and kernels that
-   * still use it finish first. Model that, so freeing after a failed or skipped stream
-   * synchronize cannot pull memory out from under a stream's worker. */
-  pm_status_t sync = device_synchronize();
-  if (sync != PM_OK) return pm__wrap_error(sync, "%s(%p)", fn, ptr);
-  pthread_mutex_lock(&mem_lock);
-  long i = tbl_find(&device_tbl, (uintptr_t)ptr);
-  pm_status_t st = PM_OK;
-  if (i < 0) {
-    st = pm__set_error(PM_ERR_NOT_FOUND,
-                       "%s(%p): not device or managed memory of the host backend (never "
-                       "allocated, or already freed)",
-                       fn, ptr);
-  } else if (device_tbl.v[i].base != (uintptr_t)ptr) {
-    st = pm__set_error(PM_ERR_INVALID, "%s(%p): inside the %s [%p, +%zu); pass its start", fn, ptr,
-                       range_desc(device_tbl.v[i].kind), (void *)device_tbl.v[i].base,
-                       device_tbl.v[i].size);
-  } else {
-    if (device_tbl.v[i].kind == R_DEVICE) device_used -= device_tbl.v[i].size;
-    tbl_remove_at(&device_tbl, (size_t)i);
-  }
-  pthread_mutex_unlock(&mem_lock);
-  if (st == PM_OK) free(ptr);
-  return st;
-}
-
-static pm_status_t device_free(void *dptr) {
-  return device_release("device_free", dptr);
-}
-
-static pm_status_t managed_alloc(size_t bytes, void **ptr_out) {
-  if (!ptr_out) return pm__set_error(PM_ERR_INVALID, "managed_alloc: ptr_out is NULL");
-  if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "managed_alloc: size is 0");
-  size_t pg = pm__page_size(); /* managed memory migrates by pages */
-  void *p = bytes <= SIZE_MAX - pg ? aligned_alloc(pg, pm__align_up(bytes, pg)) : NULL;
-  if (!p)
-    return pm__set_error(PM_ERR_DEVICE_MEMORY, "managed_alloc: aligned_alloc(%zu bytes) failed",
-                         bytes);
-  hb_range_t r = {(uintptr_t)p, bytes, R_MANAGED, false};
-  pthread_mutex_lock(&mem_lock);
-  pm_status_t st = tbl_insert(&device_tbl, &r);
-  pthread_mutex_unlock(&mem_lock);
-  if (st != PM_OK) {
-    free(p);
-    return st;
-  }
-  *ptr_out = p;
-  return PM_OK;
-}
-
-static pm_status_t managed_free(void *ptr) {
-  return device_release("managed_free", ptr);
-}
-
-/* As a driver answers it: the device table, then what this backend mlock'd (a registration
- * still pending is not pinned yet). */
-static int pointer_kind(const void *ptr) {
-  if (!ptr) return PM__PTR_OTHER;
-  int kind = PM__PTR_OTHER;
-  pthread_mutex_lock(&mem_lock);
-  if (tbl_find(&device_tbl, (uintptr_t)ptr) >= 0) {
-    kind = PM__PTR_DEVICE;
-  } else {
-    long i = tbl_find(&pinned_tbl, (uintptr_t)ptr);
-    if (i >= 0 && !pinned_tbl.v[i].pending) kind = PM__PTR_PINNED;
-  }
-  pthread_mutex_unlock(&mem_lock);
-  return kind;
-}
-
-/* [ptr, ptr+bytes) must lie in one device-table range (of `kind`, or any kind if kind < 0). */
-static pm_status_t check_device_span(const char *fn, const char *what, const void *ptr,
-                                     size_t bytes, int kind) {
-  uintptr_t p = (uintptr_t)ptr;
-  pthread_mutex_lock(&mem_lock);
-  long i = tbl_find(&device_tbl, p);
-  hb_range_t r = {0, 0, 0, false};
-  if (i >= 0) r = device_tbl.v[i];
-  pthread_mutex_unlock(&mem_lock);
-  if (i < 0 || (kind >= 0 && r.kind != kind))
-    return pm__set_error(PM_ERR_INVALID, "%s: %s %p is not %s of the host backend", fn, what, ptr,
-                         kind == R_MANAGED ? "managed memory" : "device memory");
-  if (bytes > r.size - (p - r.base))
-    return pm__set_error(PM_ERR_INVALID, "%s: %s [%p, +%zu) runs past the end of its %s [%p, +%zu)",
-                         fn, what, ptr, bytes, range_desc(r.kind), (void *)r.base, r.size);
-  return PM_OK;
-}
 
 /* ------------------------------------------------------------------------------------------ */
 /* Records, ops, streams, events                                                               */
@@ -1116,54 +632,46 @@ static pm_status_t event_elapsed(pm_event_t start, pm_event_t end, double *secon
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Copies, memset, prefetch, busy, host functions                                              */
+/* Device and managed memory release                                                           */
 /* ------------------------------------------------------------------------------------------ */
 
-typedef struct hb_side {
-  pm__mem_t kind; /* PM__MEM_DEVICE or _MANAGED (device table), _PINNED (the whole span in one
-                   * pinned range) or _PAGEABLE */
-  bool fits;      /* device table: the whole span lies in that allocation */
-  hb_range_t dev;
-} hb_side_t;
+static pm_status_t device_synchronize(void);
 
-static void classify_locked(const void *ptr, size_t bytes, hb_side_t *out) {
-  uintptr_t p = (uintptr_t)ptr;
-  memset(out, 0, sizeof *out);
-  long i = tbl_find(&device_tbl, p);
-  if (i >= 0) {
-    out->dev = device_tbl.v[i];
-    out->kind = out->dev.kind == R_DEVICE ? PM__MEM_DEVICE : PM__MEM_MANAGED;
-    out->fits = bytes <= out->dev.size - (p - out->dev.base);
-  }
-  i = tbl_find(&pinned_tbl, p);
-  if (i >= 0 && out->kind == PM__MEM_PAGEABLE) {
-    const hb_range_t *r = &pinned_tbl.v[i];
-    if (!r->pending && bytes <= r->size - (p - r->base)) out->kind = PM__MEM_PINNED;
-  }
+static pm_status_t device_release(const char *fn, void *ptr) {
+  if (!ptr) return pm__set_error(PM_ERR_INVALID, "%s: ptr is NULL", fn);
+  /* cudaFree synchronizes the device before it returns memory: queued copies and kernels that
+   * still use it finish first. Model that, so freeing after a failed or skipped stream
+   * synchronize cannot pull memory out from under a stream's worker. */
+  pm_status_t sync = device_synchronize();
+  if (sync != PM_OK) return pm__wrap_error(sync, "%s(%p)", fn, ptr);
+  return pm__hb_device_release(fn, ptr);
 }
 
-static const char *copy_kind_name(pm_copy_kind_t k) {
-  static const char *const names[] = {"DEFAULT", "H2D", "D2H", "D2D", "H2H"};
-  return (unsigned)k <= PM_COPY_H2H ? names[k] : "?";
+static pm_status_t device_free(void *dptr) {
+  return device_release("device_free", dptr);
 }
 
-static bool hb_in_dev(const hb_side_t *sd) {
-  return sd->kind == PM__MEM_DEVICE || sd->kind == PM__MEM_MANAGED;
+static pm_status_t managed_free(void *ptr) {
+  return device_release("managed_free", ptr);
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* Copies, memset, prefetch, busy, host functions                                              */
+/* ------------------------------------------------------------------------------------------ */
 
 static pm_status_t check_side(const char *fn, pm_copy_kind_t kind, const char *what,
                               const void *ptr, size_t bytes, const hb_side_t *sd, bool want_dev) {
   if (want_dev && !hb_in_dev(sd))
     return pm__set_error(PM_ERR_INVALID,
                          "%s: copy kind %s but the %s %p is not device memory of the host backend",
-                         fn, copy_kind_name(kind), what, ptr);
+                         fn, pm__copy_kind_name(kind), what, ptr);
   if (!want_dev && sd->kind == PM__MEM_DEVICE)
     return pm__set_error(PM_ERR_INVALID, "%s: copy kind %s but the %s %p is device memory", fn,
-                         copy_kind_name(kind), what, ptr);
+                         pm__copy_kind_name(kind), what, ptr);
   if (hb_in_dev(sd) && !sd->fits)
     return pm__set_error(PM_ERR_INVALID,
                          "%s: the %s [%p, +%zu) runs past the end of its %s [%p, +%zu)", fn, what,
-                         ptr, bytes, range_desc(sd->dev.kind), (void *)sd->dev.base, sd->dev.size);
+                         ptr, bytes, pm__hb_range_desc(sd->dev.kind), (void *)sd->dev.base, sd->dev.size);
   return PM_OK;
 }
 
@@ -1179,10 +687,7 @@ static pm_status_t copy_prepare(const char *fn, void *dst, const void *src, size
   if ((uintptr_t)dst + bytes < (uintptr_t)dst || (uintptr_t)src + bytes < (uintptr_t)src)
     return pm__set_error(PM_ERR_INVALID, "%s: a %zu-byte span wraps the address space", fn, bytes);
   hb_side_t d, s;
-  pthread_mutex_lock(&mem_lock);
-  classify_locked(dst, bytes, &d);
-  classify_locked(src, bytes, &s);
-  pthread_mutex_unlock(&mem_lock);
+  pm__hb_classify(dst, src, bytes, &d, &s);
 
   if (*kind == PM_COPY_DEFAULT)
     *kind =
@@ -1265,7 +770,7 @@ static pm_status_t device_memset_async(void *dptr, int value, size_t bytes, pm_s
   static const char fn[] = "device_memset_async";
   if (!dptr) return pm__set_error(PM_ERR_INVALID, "%s: ptr is NULL", fn);
   if (bytes == 0) return PM_OK;
-  pm_status_t st = check_device_span(fn, "destination", dptr, bytes, -1);
+  pm_status_t st = pm__hb_check_device_span(fn, "destination", dptr, bytes, -1);
   if (st != PM_OK) return st;
   hb_op_t *op = op_new(fn, OP_MEMSET);
   if (!op) return PM_ERR_NOMEM;
@@ -1283,7 +788,7 @@ static pm_status_t managed_prefetch(const void *ptr, size_t bytes, int device, p
                          "%s: device %d out of range (the host backend has device 0; "
                          "PM_CPU_DEVICE is the host)",
                          fn, device);
-  pm_status_t st = check_device_span(fn, "range", ptr, bytes, R_MANAGED);
+  pm_status_t st = pm__hb_check_device_span(fn, "range", ptr, bytes, R_MANAGED);
   if (st != PM_OK || bytes == 0) return st;
   hb_op_t *op = op_new(fn, OP_PREFETCH);
   if (!op) return PM_ERR_NOMEM;
@@ -1362,65 +867,7 @@ static void hb_shutdown(void) {
   set_release_if_empty(&event_set);
   pthread_mutex_unlock(&obj_lock);
   if (s) stream_free(s);
-
-  /* Ranges the caller still holds stay listed, so they can still be released correctly. */
-  pthread_mutex_lock(&mem_lock);
-  if (!pinned_tbl.n) tbl_release(&pinned_tbl);
-  if (!device_tbl.n) tbl_release(&device_tbl);
-  pthread_mutex_unlock(&mem_lock);
-}
-
-static pm_status_t device_count(int *count_out) {
-  if (!count_out) return pm__set_error(PM_ERR_INVALID, "device_count: count_out is NULL");
-  *count_out = 1;
-  return PM_OK;
-}
-
-static pm_status_t check_device_index(const char *fn, int device) {
-  if (device != 0)
-    return pm__set_error(PM_ERR_INVALID,
-                         "%s: device %d out of range (the host backend has one "
-                         "device: 0)",
-                         fn, device);
-  return PM_OK;
-}
-
-static pm_status_t device_info(int device, pm_device_info_t *info_out) {
-  if (!info_out) return pm__set_error(PM_ERR_INVALID, "device_info: info_out is NULL");
-  pm_status_t st = check_device_index("device_info", device);
-  if (st != PM_OK) return st;
-  pm_device_info_t d;
-  memset(&d, 0, sizeof d);
-  d.index = device;
-  snprintf(d.name, sizeof d.name, "host (CPU plays the device)");
-  d.cc_major = d.cc_minor = 0;
-  d.total_memory = device_total();
-  pthread_mutex_lock(&mem_lock);
-  size_t used = device_used;
-  pthread_mutex_unlock(&mem_lock);
-  d.free_memory = d.total_memory > used ? d.total_memory - used : 0;
-  d.pcie_gen = d.pcie_width = d.pcie_max_gen = d.pcie_max_width = -1;
-  d.numa_node = -1;
-  d.async_engines = 2;
-  d.can_map_host_memory = 1;
-  d.unified_addressing = 1;
-  d.managed_memory = 1;
-  d.concurrent_managed_access = 1;
-  d.host_register_supported = 1;
-  d.host_register_read_only = 1;
-  d.pageable_memory_access = 0;
-  *info_out = d;
-  return PM_OK;
-}
-
-static pm_status_t set_device(int device) {
-  return check_device_index("set_device", device);
-}
-
-static pm_status_t get_device(int *device_out) {
-  if (!device_out) return pm__set_error(PM_ERR_INVALID, "get_device: device_out is NULL");
-  *device_out = 0;
-  return PM_OK;
+  pm__hb_memory_shutdown();
 }
 
 static pm_status_t device_synchronize(void) {
@@ -1472,20 +919,20 @@ const pm__backend_t pm__backend_host = {
     .kind = PM_BACKEND_HOST,
     .init = hb_init,
     .shutdown = hb_shutdown,
-    .device_count = device_count,
-    .device_info = device_info,
-    .set_device = set_device,
-    .get_device = get_device,
+    .device_count = pm__hb_device_count,
+    .device_info = pm__hb_device_info,
+    .set_device = pm__hb_set_device,
+    .get_device = pm__hb_get_device,
     .device_synchronize = device_synchronize,
-    .host_alloc = host_alloc,
-    .host_free = host_free,
-    .host_register = host_register,
-    .host_unregister = host_unregister,
-    .host_device_pointer = host_device_pointer,
-    .device_alloc = device_alloc,
+    .host_alloc = pm__hb_host_alloc,
+    .host_free = pm__hb_host_free,
+    .host_register = pm__hb_host_register,
+    .host_unregister = pm__hb_host_unregister,
+    .host_device_pointer = pm__hb_host_device_pointer,
+    .device_alloc = pm__hb_device_alloc,
     .device_free = device_free,
     .device_memset_async = device_memset_async,
-    .managed_alloc = managed_alloc,
+    .managed_alloc = pm__hb_managed_alloc,
     .managed_free = managed_free,
     .managed_prefetch = managed_prefetch,
     .stream_create = stream_create,
@@ -1505,7 +952,7 @@ const pm__backend_t pm__backend_host = {
     .launch_batch_copy = launch_batch_copy,
     .kernel_host_access = kernel_host_access,
     .launch_host_func = launch_host_func,
-    .pointer_kind = pointer_kind,
+    .pointer_kind = pm__hb_pointer_kind,
 };
 
 /* fork.c: in a forked child no stream worker runs and nothing is mlock'd (locks of memory are not
@@ -1517,9 +964,9 @@ void pm__host_atfork(pm__fork_phase_t phase) {
   if (phase == PM__FORK_PREPARE) {
     pthread_mutex_lock(&obj_lock);
     pthread_mutex_lock(&rec_lock);
-    pthread_mutex_lock(&mem_lock);
+    pm__hb_memory_atfork(phase);
   } else if (phase == PM__FORK_PARENT) {
-    pthread_mutex_unlock(&mem_lock);
+    pm__hb_memory_atfork(phase);
     pthread_mutex_unlock(&rec_lock);
     pthread_mutex_unlock(&obj_lock);
   } else {
@@ -1527,12 +974,8 @@ void pm__host_atfork(pm__fork_phase_t phase) {
     pthread_cond_t fresh_cv = PTHREAD_COND_INITIALIZER;
     obj_lock = fresh;
     rec_lock = fresh;
-    mem_lock = fresh;
     rec_cv = fresh_cv;
-    pinned_tbl.n = 0;
-    device_tbl.n = 0;
-    device_used = 0;
-    pinned_bytes = 0;
+    pm__hb_memory_atfork(phase);
     stream_set.n = 0;
     event_set.n = 0;
     parent_default_stream = default_stream;
