@@ -1,4 +1,4 @@
-/* The backend contract (src/backend.h), called through the active backend's table: stream
+/* The backend contract (src/backend/backend.h), called through the active backend's table: stream
  * order, events, cross-stream waits, host functions, pageable copies that block and pinned copies
  * that do not, memory kinds and their errors, and many threads copying on many streams.
  *

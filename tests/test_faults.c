@@ -1,5 +1,5 @@
 /*
- * Fault injection (src/fault.c) through every public entry point that reaches the backend: the
+ * Fault injection (src/backend/fault.c) through every public entry point that reaches the backend: the
  * pool (alloc, free, record_stream, trim, reserve), registration, device and managed memory,
  * plain copies, the copy engine on each path (direct, staged H2D/D2H through a whole bounce
  * block and through the ring, plain small pageable copies, batches, callbacks), streams, events

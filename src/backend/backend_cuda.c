@@ -1,5 +1,5 @@
 /*
- * DESIGN: the cuda backend: src/backend.h over the CUDA runtime (cudart, linked statically).
+ * DESIGN: the cuda backend: src/backend/backend.h over the CUDA runtime (cudart, linked statically).
  *
  * - Handles are CUDA's own: a pm_stream_t is a cudaStream_t and a pm_event_t a cudaEvent_t, so
  *   streams of other CUDA libraries pass straight through, and the backend keeps no state of its
