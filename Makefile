@@ -83,12 +83,12 @@ test-python: deps
 	cmake -S . -B $(BUILD)-py -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINMEM_PYTHON=ON -DPINMEM_TESTS=OFF \
 	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
 	cmake --build $(BUILD)-py -j $(JOBS) --target _pinmem
-	PYTHONPATH=$(CURDIR)/$(BUILD)-py/python $(PYTHON) -m pytest -q -p no:cacheprovider python/tests
+	PYTHONPATH=$(CURDIR)/$(BUILD)-py/python $(PYTHON) -m pytest -q -rs -p no:cacheprovider python/tests
 	rm -rf $(BUILD)-py/wheel $(BUILD)-py/site
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps \
 	  -w $(BUILD)-py/wheel -Ccmake.define.PINMEM_CUDA=OFF -Cbuild-dir=$(BUILD)-py/wheel-build .
 	$(PYTHON) -m zipfile -e $(BUILD)-py/wheel/pinmem-*.whl $(BUILD)-py/site
-	PYTHONPATH=$(CURDIR)/$(BUILD)-py/site $(PYTHON) -m pytest -q -p no:cacheprovider \
+	PYTHONPATH=$(CURDIR)/$(BUILD)-py/site $(PYTHON) -m pytest -q -rs -p no:cacheprovider \
 	  python/tests/test_buffers.py python/tests/test_copy.py
 
 # The documented install, as a user runs it: a fresh venv from $(SYSTEM_PYTHON), `pip install .`
