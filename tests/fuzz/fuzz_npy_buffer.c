@@ -26,9 +26,14 @@ static void check_batch(const pm__npy_header_t *h, size_t rows, int scalar) {
   memset(&lay, 0x5a, sizeof lay);
   const char *why = NULL;
   if (pmpy_batch_layout(itemsize, h->ndim, shape, rows, nbytes, scalar, &lay, &why) != 0) {
-    /* Every header the parser accepts describes its batches. */
+    /* Every batch of a header the parser accepts is described, except one that Python cannot
+     * index (its bytes or a dimension past INT64_MAX, Py_ssize_t's range: a header may promise
+     * that many rows, but no slot could hold them); that one is refused with a reason. */
     if (!why || !why[0]) abort();
-    abort();
+    int huge = nbytes > (uint64_t)INT64_MAX;
+    for (int i = 0; i < h->ndim; i++) huge |= shape[i] > (uint64_t)INT64_MAX;
+    if (!huge) abort();
+    return;
   }
   if (lay.ndim < 1 || lay.ndim > PMPY_LAYOUT_MAX_DIMS || lay.itemsize < 1) abort();
   if (itemsize && lay.itemsize != itemsize) abort();
