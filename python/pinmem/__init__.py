@@ -311,6 +311,19 @@ def _open_part(x, io):
                     f"TokenDataset objects, not {type(x).__name__}")
 
 
+def _is_python_dataset(dataset):
+    """A map-style Python dataset (dataset[i], len(dataset)) rather than arrays or files."""
+    if isinstance(dataset, (NpyDataset, TokenDataset, tuple)) or _is_path(dataset) or \
+            _is_array(dataset):
+        return False
+    if isinstance(dataset, list) and dataset and all(_is_path(p) for p in dataset):
+        return False
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(tensors, (list, tuple)) and len(tensors) > 0:
+        return False
+    return hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+
+
 def _open_dataset(dataset, io):
     """-> (one C dataset holding every field; whether batches are tuples)."""
     if isinstance(dataset, NpyDataset):
@@ -396,8 +409,8 @@ class _EpochIterator:
                 t = tuple(map(self._convert, b))
                 del b
                 loader._conversion_s += _perf_counter() - t1
-                return t if loader._tuple else t[0]
-            return b if loader._tuple else b[0]
+                return loader._shape(t)
+            return loader._shape(b)
         finally:
             # Everything the loop waited for here, so stats() can tell next() from the rest.
             loader._iteration_s += _perf_counter() - t0
@@ -416,36 +429,45 @@ def _closed():
 
 
 class Loader:
-    """Batches of a dataset, read by worker threads straight into pinned slots and copied to the
-    device while the previous batch computes: DataLoader(pin_memory=True) plus
+    """Batches of a dataset, read by workers straight into pinned slots and copied to the device
+    while the previous batch computes: DataLoader(pin_memory=True) plus
     .to(device, non_blocking=True), without the second copy.
 
     dataset: .npy path(s) (a list: files one after another) or an NpyDataset, a TokenDataset,
-    an array, or a tuple of fields: arrays (NumPy arrays, torch CPU tensors, a TensorDataset:
-    read without the GIL), .npy paths, NpyDataset or TokenDataset objects; or a map-style
-    dataset (dataset[i] -> array or tuple of arrays, len(dataset): called once per sample,
-    through the GIL, slower). Every field of a sample goes into one slot per batch, behind one
-    copy: one loader for all fields.
+    an array, or a tuple of fields: arrays (NumPy arrays, torch CPU tensors, a TensorDataset),
+    .npy paths, NpyDataset or TokenDataset objects (all read by pinmem's threads, without the
+    GIL); or a map-style Python dataset (dataset[i], len(dataset)): with num_workers > 0 its
+    samples are read by that many worker processes, each writing its samples straight into the
+    shared pinned slot (worker_mode="process", the default; "thread" reads them on threads,
+    through the GIL: for datasets that release it). A sample is an array, a CPU tensor, a number,
+    or a tuple, list or dict of those; batches have the sample's structure (default_collate's).
 
-    Knobs named as torch.utils.data's: batch_size, shuffle, num_workers (0: pinmem's option
-    loader_workers; workers are threads), drop_last, prefetch_factor (slots = prefetch_factor *
-    max(1, num_workers); None: option loader_prefetch), pin_memory (False: pageable slots and a
-    blocking copy, to compare), seed (the shuffle order is a function of (seed, epoch)).
-    Also: device (None/'cuda': batches on the current device; 'cpu': in host memory, no copy),
-    epochs (None: no end), rank/world_size (sharding as DistributedSampler; None: from RANK and
-    WORLD_SIZE), io (for .npy paths).
+    The arguments are torch.utils.data.DataLoader's, in its order: batch_size, shuffle, sampler
+    (any iterable of indices with len(): its order is the order delivered), num_workers,
+    pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+    prefetch_factor (slots = prefetch_factor * max(1, num_workers)), persistent_workers. What
+    pinmem cannot honour is refused, never ignored: batch_sampler, and a collate_fn other than
+    default_collate (do per-sample work in the dataset). Also: seed (shuffle order and worker
+    seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
+    device; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
+    DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
 
-    Iterating yields one epoch's batches, as a DataLoader does: an array for single-array
-    datasets, else a Batch (tuple). batches() yields Batch objects with epoch/index/indices. A
-    new iterator continues where the last one stopped. Keep at most `prefetch` batches alive at
-    once while iterating (pinmem.BusyError otherwise): copy out what you need to keep. close()
-    (and `with`, and interpreter exit) never fails because batches are alive: it stops the
-    workers, and each slot still held returns to the pool when its batch goes.
+    Iterating yields one epoch's batches; batches() yields flat Batch objects (one array per
+    field) with epoch/index/indices. A new iterator continues where the last one stopped. Keep
+    at most `prefetch` batches alive at once while iterating (pinmem.BusyError otherwise).
+    close() (and `with`, and interpreter exit) never fails because batches are alive: it stops
+    the workers, and each slot still held returns to the pool when its batch goes.
     """
 
-    def __init__(self, dataset, batch_size=1, shuffle=False, num_workers=0, drop_last=False,
-                 prefetch_factor=None, pin_memory=True, seed=0, *, device=None, epochs=None,
-                 rank=None, world_size=None, io=None):
+    def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=True, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                 in_order=True, seed=None, device=None, epochs=None, rank=None,
+                 world_size=None, io=None, worker_mode=None):
+        self._c = None
+        self._pool = None
+        self._base = None
         if device in (None, "cuda", "device") or (isinstance(device, str) and
                                                   device.startswith("cuda")):
             to_device = True
@@ -454,6 +476,29 @@ class Loader:
         else:
             raise InvalidError(f"PM_ERR_INVALID: device must be None, 'cuda' or 'cpu', not "
                                f"{device!r}")
+        if pin_memory_device not in ("", None) and not str(pin_memory_device).startswith("cuda"):
+            raise InvalidError(f"PM_ERR_INVALID: pin_memory_device={pin_memory_device!r}: pinmem "
+                               "pins for CUDA devices; leave it '' (or 'cuda')")
+        if batch_sampler is not None:
+            raise InvalidError("PM_ERR_INVALID: batch_sampler is not supported: pinmem.Loader "
+                               "fills fixed-size batch slots; pass sampler= (an iterable of "
+                               "indices) with batch_size and drop_last instead")
+        if collate_fn is not None and not _is_default_collate(collate_fn):
+            raise InvalidError("PM_ERR_INVALID: collate_fn is not supported: pinmem.Loader "
+                               "writes each sample straight into its row of the batch (the "
+                               "default_collate result); do per-sample work in the dataset's "
+                               "__getitem__, and per-batch work on the batch after the loader")
+        if sampler is not None and shuffle:
+            raise InvalidError("PM_ERR_INVALID: sampler and shuffle=True cannot go together "
+                               "(as in torch's DataLoader): the sampler decides the order")
+        if sampler is not None and not hasattr(sampler, "__len__"):
+            raise InvalidError("PM_ERR_INVALID: the sampler needs len() (the batches of an epoch "
+                               "are counted before it starts)")
+        if worker_mode not in (None, "process", "thread"):
+            raise InvalidError(f"PM_ERR_INVALID: worker_mode must be None, 'process' or "
+                               f"'thread', not {worker_mode!r}")
+        if timeout is None or timeout < 0:
+            raise InvalidError("PM_ERR_INVALID: timeout must be >= 0 (0: wait forever)")
         # None means "from the environment" (RANK, WORLD_SIZE, checked by the library); an
         # explicit value must be valid, never silently replaced by the environment's.
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
@@ -464,32 +509,129 @@ class Loader:
                                f"{world_size!r}")
         if epochs is not None and int(epochs) <= 0:
             raise InvalidError("PM_ERR_INVALID: epochs must be None or > 0")
-        self._ds, self._tuple = _open_dataset(dataset, io)
-        fields = self._ds.fields()
+        if seed is None:
+            seed = _seed_from(generator)
+        nw = int(num_workers)
+        if nw < 0:
+            raise InvalidError("PM_ERR_INVALID: num_workers must be >= 0")
+        python_ds = _is_python_dataset(dataset)
+        procs = python_ds and nw > 0 and worker_mode in (None, "process")
+        if worker_mode == "process" and not procs:
+            raise InvalidError("PM_ERR_INVALID: worker_mode='process' needs a map-style Python "
+                               "dataset and num_workers > 0 (arrays and files are read by "
+                               "pinmem's threads, without the GIL)")
+        if procs and not pin_memory:
+            raise InvalidError("PM_ERR_INVALID: worker processes write into shared pinned slots;"
+                               " pin_memory=False is only for worker_mode='thread'")
+        self._schema = None
+        self._timeout = float(timeout)
+        self._sampler = sampler
+        self._persistent = bool(persistent_workers)
+        self._epochs_total = None if epochs is None else int(epochs)
+        self._base_seed = int(seed)
+        self._mp = (dataset, nw, multiprocessing_context, worker_init_fn)
+        if procs:
+            self._pool = self._start_pool(0)
+            try:
+                self._schema = self._pool.describe(0, self._timeout)
+                self._pool.set_schema(self._schema, self._timeout)
+                self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), len(dataset),
+                                                    self._schema.specs(), self._timeout)
+            except BaseException:
+                self._pool.stop()
+                self._pool.close()
+                raise
+            self._tuple = not self._schema.is_single()
+        else:
+            self._base, self._tuple = _open_dataset(dataset, io)
+        fields = self._base.fields()
         # Dtypes pinmem's buffers cannot express (big-endian, strings, records, datetimes)
         # arrive as bytes and are viewed here with their real dtype: in host memory only.
         self._odd = [(k, _dtype_from_descr(f["descr"]), f["shape"])
                      for k, f in enumerate(fields) if not f["native"]]
         if self._odd and to_device:
             k, dt, _ = self._odd[0]
+            self.close()
             raise InvalidError(f"PM_ERR_INVALID: field {k} has dtype {dt} ({fields[k]['descr']}),"
                                " which has no DLPack type for the device: use device='cpu', or "
                                "store it as a native number type")
         self._config = dict(
-            batch_size=int(batch_size), workers=int(num_workers),
-            prefetch=int(prefetch_factor) * max(1, int(num_workers)) if prefetch_factor else 0,
-            shuffle=bool(shuffle), seed=int(seed), drop_last=bool(drop_last),
+            batch_size=int(batch_size), workers=nw,
+            prefetch=int(prefetch_factor) * max(1, nw) if prefetch_factor else 0,
+            shuffle=bool(shuffle), seed=self._base_seed, drop_last=bool(drop_last),
             rank=-1 if rank is None else rank,
             world_size=-1 if world_size is None else world_size,
             pin_memory=bool(pin_memory), device=to_device,
             epochs=0 if epochs is None else int(epochs))
+        if procs:
+            # One claim of rows per message; claims go to the workers in turn (reproducible).
+            self._config.update(shared_slots=True, ordered_workers=True,
+                                claim_rows=max(1, min(8, int(batch_size))))
+        if sampler is not None:
+            self._config.update(rank=0, world_size=1)  # the sampler shards, if anyone does
+        # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
+        # program's set_epoch), and workers that do not persist are started anew per epoch.
+        self._per_epoch = sampler is not None or (procs and not self._persistent)
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.device = "cuda" if to_device else "cpu"
         self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
-        self._c = None
-        self._c = _pinmem._Loader(self._ds, **self._config)
+        self._ds = self._base
+        try:
+            self._open_epoch(0, 0)
+        except BaseException:
+            self.close()
+            raise
         _live_loaders.add(self)
+
+    # ---- the C loader of an epoch (per-epoch mode) or of every epoch ----
+
+    def _start_pool(self, epoch):
+        from . import _workers
+        dataset, nw, ctx, init_fn = self._mp
+        seed = self._base_seed if epoch == 0 else _mix_seed(self._base_seed, epoch)
+        return _workers.Pool(dataset, nw, ctx, seed, init_fn)
+
+    def _open_epoch(self, epoch, batch, resume=None):
+        """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch
+        mode) a loader for this epoch alone."""
+        cfg = dict(self._config)
+        if self._per_epoch:
+            if self._pool is not None and not self._persistent and epoch > 0 and \
+                    self._pool.epoch != epoch:
+                self._swap_pool(epoch)
+            ds = self._base
+            if self._sampler is not None:
+                import array
+                order = array.array("Q", (int(i) for i in self._sampler))
+                if len(order) == 0:
+                    raise InvalidError("PM_ERR_INVALID: the sampler yielded no indices")
+                ds = _pinmem._dataset_select(self._base, order)
+            self._ds = ds
+            cfg["epochs"] = epoch + 1
+        self._c = _pinmem._Loader(self._ds, resume=resume, **cfg)
+        if self._pool is not None:
+            self._pool.epoch = epoch
+
+    def _swap_pool(self, epoch):
+        """New worker processes for `epoch` (persistent_workers=False)."""
+        old, self._pool = self._pool, None
+        if self._c is not None:
+            c, self._c = self._c, None
+            c.close()
+        old.stop()
+        old.close()
+        self._pool = self._start_pool(epoch)
+        self._pool.set_schema(self._schema, self._timeout)
+        self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), len(self.dataset),
+                                            self._schema.specs(), self._timeout)
+        self._ds = self._base
+
+    def _shape(self, values):
+        """A batch's arrays in the sample's structure."""
+        if self._schema is not None:
+            return self._schema.rebuild(values)
+        return values if self._tuple else values[0]
 
     def _next(self):
         """The next Batch, or None once every epoch was delivered."""
@@ -497,6 +639,15 @@ class Loader:
         if c is None:
             _closed()
         b = c.next()
+        if b is None and self._per_epoch:
+            st = _pinmem._loader_state_fields(c.state())
+            nxt = st["epoch"]
+            if self._epochs_total is None or nxt < self._epochs_total:
+                resume = c.state()  # (next epoch, batch 0), as the library packs it
+                self._c = None
+                c.close()
+                self._open_epoch(nxt, 0, resume=resume)
+                b = self._c.next()
         if b is not None and self._odd:
             t0 = _perf_counter()
             b = self._view_odd(b)
@@ -536,6 +687,10 @@ class Loader:
         """The epoch of the next batch."""
         return self.state_dict()["epoch"]
 
+    def worker_pids(self):
+        """The process ids of the worker processes (empty without process workers)."""
+        return [] if self._pool is None else self._pool.pids()
+
     def state_dict(self):
         """Where the loader stands: the next batch it will deliver (plain ints: checkpoint it)."""
         if self._c is None:
@@ -544,8 +699,9 @@ class Loader:
 
     def load_state_dict(self, state):
         """Continue from a state_dict(): the next batch delivered is the one it names. The
-        dataset, batch_size, shuffle, seed, drop_last and sharding must be the same. A state
-        that does not fit is refused with the loader left as it was."""
+        dataset, batch_size, shuffle, seed, drop_last and sharding must be the same (and a
+        sampler must give the same order for that epoch). A state that does not fit is refused
+        with the loader left as it was."""
         if self._c is None:
             _closed()
         try:
@@ -566,12 +722,18 @@ class Loader:
         c, self._c = self._c, None
         c.close()  # batches still held keep their slots until they go
         try:
-            self._c = _pinmem._Loader(self._ds, resume=packed, **self._config)
+            self._open_epoch(values["epoch"], values["batch"], resume=packed)
         except BaseException:
-            self._c = _pinmem._Loader(self._ds, resume=old, **self._config)
+            self._c = _pinmem._Loader(self._ds, resume=old, **self._epoch_config(cur["epoch"]))
             raise
         finally:
             self._iteration_s = self._conversion_s = 0.0  # as the library's counters
+
+    def _epoch_config(self, epoch):
+        cfg = dict(self._config)
+        if self._per_epoch:
+            cfg["epochs"] = epoch + 1
+        return cfg
 
     def stats(self):
         """The loader's statistics (since it was created or last given a state_dict): the
@@ -581,7 +743,7 @@ class Loader:
         into the caller's type: as_torch()'s torch.from_dlpack, views of odd dtypes),
         iteration_seconds (all time inside the iterators' __next__: next(), conversion and the
         glue) and glue_seconds (iteration less next() and conversion: Python's own work per
-        batch)."""
+        batch). With worker processes also `workers` ('process') and `worker_pids`."""
         if self._c is None:
             _closed()
         out = self._c.stats()
@@ -590,17 +752,61 @@ class Loader:
         out["iteration_seconds"] = self._iteration_s
         out["glue_seconds"] = max(0.0, self._iteration_s - out["next_seconds"] -
                                   self._conversion_s)
+        out["workers"] = "process" if self._pool is not None else "thread"
+        out["worker_pids"] = self.worker_pids()
         return out
 
     def close(self):
         """Stop the workers and free the slots. Never fails because batches are still alive:
-        each of those returns its slot to the pool when it goes. Closing twice is harmless."""
+        each of those returns its slot to the pool when it goes. Closing twice is harmless.
+        Worker processes are stopped and joined (terminated if they do not go within 5 s)."""
         c, self._c = self._c, None
-        if c is not None:
-            c.close()
+        pool, self._pool = self._pool, None
+        if pool is not None and self._base is not None:
+            _pinmem._procs_cancel(self._base)  # no thread waits for a worker any more
+            pool.stop()  # the processes are gone: nothing writes into the slots any more
+        try:
+            if c is not None:
+                c.close()
+        finally:
+            if pool is not None:
+                pool.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _is_default_collate(fn):
+    mod = getattr(fn, "__module__", "") or ""
+    return getattr(fn, "__name__", "") == "default_collate" and mod.startswith("torch.utils.data")
+
+
+def _seed_from(generator):
+    """A base seed as torch's DataLoader draws one from its generator; 0 without one."""
+    if generator is None:
+        return 0
+    import torch
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & \
+        ((1 << 63) - 1)
+
+
+def _mix_seed(seed, epoch):
+    """The workers' base seed for an epoch when they are started anew each epoch."""
+    from . import _pinmem as p  # noqa: F401  (keeps the module's import order)
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 1) & ((1 << 64) - 1)
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 29)) & ((1 << 62) - 1)
+
+
+def get_worker_info():
+    """Inside a worker process of a pinmem.Loader: its id, num_workers, seed and dataset (as
+    torch.utils.data.get_worker_info()); None in the main process."""
+    from . import _workers
+    return _workers.get_worker_info()
+
+
+from ._workers import WorkerError  # noqa: E402  (re-exported)

@@ -29,6 +29,7 @@
  *   empty_pin.c   empty, device_empty, pin
  *   copy.c        copy and its Completion, parked copies
  *   datasets.c    the dataset constructors and _Dataset
+ *   procs.c       datasets read by worker processes (channels, claims, their errors)
  *   loader.c      _Loader and its batches (batch_layout.h describes their buffers)
  *   pool.c        the default pool, options, introspection
  *   _pinmem.c     the module: types, functions of each file, exceptions, constants
@@ -179,11 +180,24 @@ typedef struct {
   size_t fbytes[PM_MAX_FIELDS]; /* bytes of field k of one sample */
   PyObject *fetch; /* Python datasets: fetch(index) -> a sequence of nfields buffers */
   PyObject *error; /* the first exception a fetch raised: (type, value, traceback) */
-  PyObject *parts; /* zips: the datasets zipped (kept alive with the zip) */
+  PyObject *parts; /* zips and selects: the datasets used (kept alive with this one) */
+  struct pmpy_procs *procs; /* worker-process datasets: the channels (procs.c) */
 } DatasetObject;
 
 extern PyTypeObject pmpy_DatasetType;
 PyObject *pmpy_dataset_take_error(DatasetObject *d);
+DatasetObject *pmpy_dataset_new(void);
+int pmpy_field_spec(int k, const char *descr, size_t itemsize, int ndim, const Py_ssize_t *shape,
+                    pm_field_t *f);
+
+/* ---- procs.c ------------------------------------------------------------------------------ */
+
+struct pmpy_procs;
+void pmpy_procs_free(struct pmpy_procs *p);
+/* The error a worker process reported (or its death, a timeout), as the (type, value,
+ * traceback) triple datasets keep; NULL if none. Needs the GIL. */
+PyObject *pmpy_procs_take_error(DatasetObject *d);
+extern PyMethodDef pmpy_procs_functions[];
 
 /* ---- loader.c ----------------------------------------------------------------------------- */
 

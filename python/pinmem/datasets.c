@@ -22,10 +22,12 @@ static void Dataset_dealloc(DatasetObject *self) {
   Py_CLEAR(self->fetch);
   Py_CLEAR(self->error);
   Py_CLEAR(self->parts);
+  if (self->procs) pmpy_procs_free(self->procs);
+  self->procs = NULL;
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static DatasetObject *dataset_new(void) {
+DatasetObject *pmpy_dataset_new(void) {
   DatasetObject *d = PyObject_New(DatasetObject, &pmpy_DatasetType);
   if (!d) return NULL;
   d->ds = NULL;
@@ -34,11 +36,13 @@ static DatasetObject *dataset_new(void) {
   d->fetch = NULL;
   d->error = NULL;
   d->parts = NULL;
+  d->procs = NULL;
   return d;
 }
 
 /* The exception a Python dataset (or a zipped part of one) raised, taken out; NULL if none. */
 PyObject *pmpy_dataset_take_error(DatasetObject *d) {
+  if (!d->error && d->procs) d->error = pmpy_procs_take_error(d);
   if (d->error) {
     PyObject *e = d->error;
     d->error = NULL;
@@ -91,7 +95,7 @@ static PyObject *py_dataset_npy(PyObject *mod, PyObject *args, PyObject *kw) {
       return NULL;
     }
   }
-  DatasetObject *d = dataset_new();
+  DatasetObject *d = pmpy_dataset_new();
   pm_status_t st = PM_OK;
   if (d) {
     Py_BEGIN_ALLOW_THREADS st = pm_dataset_open_npy(p, (size_t)n, &opt, &d->ds);
@@ -127,7 +131,7 @@ static PyObject *py_dataset_tokens(PyObject *mod, PyObject *args, PyObject *kw) 
   opt.windows = windows;
   opt.seed = seed;
   if (parse_io(io, &opt.io) < 0) return NULL;
-  DatasetObject *d = dataset_new();
+  DatasetObject *d = pmpy_dataset_new();
   if (!d) return NULL;
   pm_status_t st;
   Py_BEGIN_ALLOW_THREADS st = pm_dataset_open_tokens(path, &opt, &d->ds);
@@ -147,7 +151,7 @@ static pm_dtype_t pm_dtype_of(const pmpy_dtype_t *dt) {
 /* A field spec from a dtype text (NumPy's descr: "<f4", ">f4", "<U10", "[('a', '<i4')]"), its
  * itemsize and the sample shape. Types without a code of their own travel as records of
  * itemsize bytes with their descr, which the Python side turns back into the real dtype. */
-static int field_spec(int k, const char *descr, size_t itemsize, int ndim, const Py_ssize_t *shape,
+int pmpy_field_spec(int k, const char *descr, size_t itemsize, int ndim, const Py_ssize_t *shape,
                       pm_field_t *f) {
   memset(f, 0, sizeof *f);
   if (!descr || !descr[0] || strlen(descr) >= sizeof f->descr) {
@@ -205,7 +209,7 @@ static PyObject *py_dataset_arrays(PyObject *mod, PyObject *args) {
     return pmpy_raise_fmt(PM_ERR_INVALID, "a dataset has 1..%d arrays (fields), one spec each",
                           PM_MAX_FIELDS);
   }
-  DatasetObject *d = dataset_new();
+  DatasetObject *d = pmpy_dataset_new();
   if (!d) {
     Py_DECREF(seq);
     return NULL;
@@ -234,7 +238,7 @@ static PyObject *py_dataset_arrays(PyObject *mod, PyObject *args) {
     int ndim, ok = spec &&
                    PyArg_ParseTuple(spec, "Osn:_dataset_arrays spec", &shape, &descr, &itemsize) &&
                    pmpy_parse_shape(shape, dims, &ndim) == 0 &&
-                   field_spec((int)k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims,
+                   pmpy_field_spec((int)k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims,
                               &f[k]) == 0;
     Py_XDECREF(spec); /* descr lives in the caller's specs */
     if (!ok) goto fail;
@@ -327,7 +331,7 @@ static PyObject *py_dataset_python(PyObject *mod, PyObject *args) {
     return pmpy_raise_fmt(PM_ERR_INVALID, "a sample has 1..%d fields, not %zd", PM_MAX_FIELDS, n);
   }
   pm_field_t f[PM_MAX_FIELDS];
-  DatasetObject *d = dataset_new();
+  DatasetObject *d = pmpy_dataset_new();
   if (!d) {
     Py_DECREF(seq);
     return NULL;
@@ -341,7 +345,7 @@ static PyObject *py_dataset_python(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "Osn:_dataset_python spec", &shape,
                           &descr, &itemsize) ||
         pmpy_parse_shape(shape, dims, &ndim) < 0 ||
-        field_spec((int)k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims, &f[k]) < 0)
+        pmpy_field_spec((int)k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims, &f[k]) < 0)
       goto fail;
     size_t bytes = f[k].itemsize;
     for (int i = 0; i < ndim; i++) bytes *= (size_t)dims[i];
@@ -388,7 +392,7 @@ static PyObject *py_dataset_zip(PyObject *mod, PyObject *arg) {
     }
     ds[i] = ((DatasetObject *)o)->ds;
   }
-  DatasetObject *d = dataset_new();
+  DatasetObject *d = pmpy_dataset_new();
   if (!d) {
     Py_DECREF(parts);
     return NULL;
@@ -503,7 +507,45 @@ PyTypeObject pmpy_DatasetType = {
     .tp_methods = Dataset_methods,
 };
 
+/* _dataset_select(base, indices): sample i is base's sample indices[i] (a buffer of uint64):
+ * the order a sampler yields. */
+static PyObject *py_dataset_select(PyObject *mod, PyObject *args) {
+  PyObject *base, *indices;
+  if (!PyArg_ParseTuple(args, "O!O:_dataset_select", &pmpy_DatasetType, &base, &indices))
+    return NULL;
+  Py_buffer v;
+  if (PyObject_GetBuffer(indices, &v, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+  if (v.len % 8 || v.len == 0) {
+    PyBuffer_Release(&v);
+    return pmpy_raise_fmt(PM_ERR_INVALID, "a sampler gave no indices (or not uint64 ones)");
+  }
+  DatasetObject *d = pmpy_dataset_new();
+  if (!d) {
+    PyBuffer_Release(&v);
+    return NULL;
+  }
+  DatasetObject *b = (DatasetObject *)base;
+  pm_status_t st;
+  Py_BEGIN_ALLOW_THREADS st =
+      pm_dataset_select(b->ds, (const uint64_t *)v.buf, (uint64_t)(v.len / 8), &d->ds);
+  Py_END_ALLOW_THREADS PyBuffer_Release(&v);
+  if (st != PM_OK) {
+    Py_DECREF(d);
+    return pmpy_raise_status(st);
+  }
+  d->nfields = b->nfields;
+  memcpy(d->fbytes, b->fbytes, sizeof d->fbytes);
+  d->parts = PyTuple_Pack(1, base);
+  if (!d->parts) {
+    Py_DECREF(d);
+    return NULL;
+  }
+  return (PyObject *)d;
+}
+
 PyMethodDef pmpy_datasets_functions[] = {
+    {"_dataset_select", py_dataset_select, METH_VARARGS,
+     "_dataset_select(base, indices): sample i is base sample indices[i] (uint64 buffer)"},
     {"_dataset_npy", (PyCFunction)(void (*)(void))py_dataset_npy, METH_VARARGS | METH_KEYWORDS,
      "_dataset_npy(paths, io=None, dtype=None)"},
     {"_dataset_tokens", (PyCFunction)(void (*)(void))py_dataset_tokens,

@@ -119,15 +119,17 @@ static PyObject *py_set_batch_class(PyObject *mod, PyObject *cls) {
 static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"dataset",    "batch_size", "workers", "prefetch", "shuffle",
                            "seed",       "drop_last",  "rank",    "world_size", "pin_memory",
-                           "device",     "epochs",     "resume",  NULL};
+                           "device",     "epochs",     "resume",  "shared_slots",
+                           "ordered_workers", "claim_rows", NULL};
   PyObject *dataset, *resume = Py_None;
   Py_ssize_t batch_size;
   int workers = 0, prefetch = 0, shuffle = 0, drop_last = 0, rank = -1, world = -1, pin = 1,
-      device = 1;
-  unsigned long long seed = 0, epochs = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O!n|$iipKpiippKO:_Loader", kwlist, &pmpy_DatasetType,
-                                   &dataset, &batch_size, &workers, &prefetch, &shuffle, &seed,
-                                   &drop_last, &rank, &world, &pin, &device, &epochs, &resume))
+      device = 1, shared = 0, ordered = 0;
+  unsigned long long seed = 0, epochs = 0, claim = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O!n|$iipKpiippKOppK:_Loader", kwlist,
+                                   &pmpy_DatasetType, &dataset, &batch_size, &workers, &prefetch,
+                                   &shuffle, &seed, &drop_last, &rank, &world, &pin, &device,
+                                   &epochs, &resume, &shared, &ordered, &claim))
     return NULL;
   if (batch_size <= 0) return pmpy_raise_fmt(PM_ERR_INVALID, "batch_size must be > 0");
   pm_loader_config_t c;
@@ -143,6 +145,9 @@ static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   c.pin_memory = pin;
   c.delivery = device ? PM_DELIVER_DEVICE : PM_DELIVER_HOST;
   c.epochs = epochs;
+  c.shared_slots = shared;
+  c.ordered_workers = ordered;
+  c.claim_rows = claim;
   pm_loader_state_t state;
   if (resume != Py_None) {
     Py_buffer v;

@@ -1,0 +1,561 @@
+"""DESIGN: worker processes for map-style Python datasets.
+
+A pinmem.Loader over a Python dataset with num_workers > 0 starts that many processes (the
+start method is multiprocessing's, or the loader's multiprocessing_context). Each is paired with
+one of the C loader's worker threads through a SOCK_SEQPACKET socket pair: the thread sends a
+claim (the dataset indices of a run of consecutive rows of a batch slot, and where each field's
+rows are: a memfd key and an offset), the process calls dataset[i] for each index and writes
+every leaf of the sample straight into its row of the slot, a pinned memory block it has mapped
+(the memfd arrives once per block, by SCM_RIGHTS), then answers with one short reply. So no
+sample byte crosses a pipe or is touched by the main process, which only queues the DMA of the
+slot: torch's DataLoader instead pickles each batch through shared memory (copy 1) and copies it
+again into pinned memory in the main process (copy 2, under the GIL).
+
+The claims go to the threads, hence to the processes, in a fixed order (the C loader's
+ordered_workers), and each process seeds its generators from (seed, worker id) as torch's
+workers do: a run's batches, random augmentation included, are the same on every run.
+
+Faults: an exception in dataset[i] travels back as a reply (type, message, traceback text) and
+is raised in the main process at that batch; a process that dies shows as end-of-file on its
+socket (the C thread sees it at once and the loader fails the batch with the exit code or
+signal); a process whose parent died sees end-of-file on its socket and exits; workers ignore
+SIGINT, so Ctrl-C reaches only the main program. Workers never touch CUDA or pinmem's library.
+
+Messages (little-endian):
+  request  = magic u32, kind u32, epoch u64, n u64, nfields u32, nnew u32,
+             nfields x (key u64, offset u64, row_bytes u64), nnew x key u64, n x index u64;
+             the nnew memfds are attached (SCM_RIGHTS) in the order of their keys.
+  reply    = magic u32, status i32, index u64, then a payload (pickle) for status != 0 and
+             for DESCRIBE.
+"""
+
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import traceback
+
+REQ = struct.Struct("<IIQQII")
+FIELD = struct.Struct("<QQQ")
+REP = struct.Struct("<IiQ")
+MAGIC_REQ = 0x51524D50  # "PMRQ"
+MAGIC_REP = 0x50524D50  # "PMRP"
+KIND_ROWS, KIND_DESCRIBE, KIND_SCHEMA = 1, 2, 3
+ST_OK, ST_EXC, ST_INVALID, ST_INIT = 0, 1, 2, 3
+MAX_MSG = 1 << 20
+MAX_FDS = 64
+
+# ---- sample structure ------------------------------------------------------------------------
+
+
+class Schema:
+    """How a sample is built: a tree of tuples, lists, dicts and named tuples whose leaves are
+    arrays (NumPy, torch CPU tensors, Python numbers), and each leaf's dtype and shape. Batches
+    are rebuilt in this shape, each leaf batched along a new first axis (default_collate)."""
+
+    def __init__(self, tree, leaves, paths):
+        self.tree = tree        # ("leaf", k) | ("tuple"|"list", [...]) | ("dict", [(key, t)])
+        self.leaves = leaves    # [(numpy dtype, shape, kind)] kind: array|tensor|int|float|bool
+        self.paths = paths      # ["[0]", "['image']", ...] names for messages
+
+    def specs(self):
+        """(sample shape, dtype text, itemsize) per leaf, for the C dataset."""
+        return [(shape, dt.str if dt.kind != "b" else "|b1", dt.itemsize)
+                for dt, shape, _ in self.leaves]
+
+    def rebuild(self, values):
+        """The batch's structure around the leaf values (in leaf order)."""
+        return _rebuild(self.tree, values)
+
+    def is_single(self):
+        return self.tree[0] == "leaf"
+
+
+def _rebuild(t, values):
+    kind = t[0]
+    if kind == "leaf":
+        return values[t[1]]
+    if kind == "dict":
+        return {k: _rebuild(c, values) for k, c in t[1]}
+    items = [_rebuild(c, values) for c in t[1]]
+    if kind == "list":
+        return items
+    if kind == "namedtuple":
+        return t[2](*items)
+    return tuple(items)
+
+
+def _leaf(v, np, path, index):
+    """A leaf as a NumPy array and its kind, or an InvalidError naming what is wrong."""
+    if isinstance(v, np.ndarray):
+        return v, "array"
+    if isinstance(v, bool):
+        return np.asarray(v, dtype=np.bool_), "bool"
+    if isinstance(v, int):
+        return np.asarray(v, dtype=np.int64), "int"
+    if isinstance(v, float):
+        return np.asarray(v, dtype=np.float64), "float"
+    if isinstance(v, np.generic):
+        return np.asarray(v), "array"
+    mod = type(v).__module__ or ""
+    if mod.startswith("torch") and hasattr(v, "device") and hasattr(v, "numpy"):
+        if v.device.type != "cpu":
+            raise _invalid(f"dataset index {index}, field {path}: a tensor on {v.device}; worker "
+                           "samples must be CPU tensors (the loader moves the batch)")
+        try:
+            return v.detach().numpy(), "tensor"
+        except (TypeError, RuntimeError) as e:
+            raise _invalid(f"dataset index {index}, field {path}: a {v.dtype} tensor has no "
+                           f"NumPy type ({e}); convert it in the dataset (e.g. .view(torch.int16) "
+                           "for bfloat16)") from None
+    what = type(v).__name__
+    hint = (" (strings cannot go into a batch array: return an index or a code instead, or drop "
+            "the field)" if isinstance(v, (str, bytes)) else
+            " (return a NumPy array, a CPU tensor or a number)")
+    raise _invalid(f"dataset index {index}, field {path}: a {what} is not an array{hint}")
+
+
+def _invalid(msg):
+    from . import InvalidError
+    return InvalidError("PM_ERR_INVALID: pinmem.Loader: " + msg)
+
+
+def _flatten(x, np, index, out, paths, path=""):
+    """The tree of x; its leaves appended to out (arrays), their names to paths."""
+    if isinstance(x, dict):
+        return ("dict", [(k, _flatten(x[k], np, index, out, paths, f"{path}[{k!r}]"))
+                         for k in x])
+    if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+        return ("namedtuple", [_flatten(c, np, index, out, paths, f"{path}.{f}")
+                               for f, c in zip(type(x)._fields, x)], type(x))
+    if isinstance(x, (tuple, list)):
+        kind = "list" if isinstance(x, list) else "tuple"
+        return (kind, [_flatten(c, np, index, out, paths, f"{path}[{i}]")
+                       for i, c in enumerate(x)])
+    a, kind = _leaf(x, np, path or "(the sample)", index)
+    out.append((a, kind))
+    paths.append(path or "(the sample)")
+    return ("leaf", len(out) - 1)
+
+
+def _shape_tree(t):
+    """The tree without leaf indices, to compare structures."""
+    if t[0] == "leaf":
+        return "leaf"
+    if t[0] == "dict":
+        return ("dict", tuple((k, _shape_tree(c)) for k, c in t[1]))
+    return (t[0], tuple(_shape_tree(c) for c in t[1]))
+
+
+def describe(sample, index):
+    """The Schema of one sample."""
+    import numpy as np
+    leaves, paths = [], []
+    tree = _flatten(sample, np, index, leaves, paths)
+    if not leaves:
+        raise _invalid(f"dataset index {index}: the sample holds no arrays")
+    if len(leaves) > 16:
+        raise _invalid(f"dataset index {index}: the sample has {len(leaves)} arrays; a batch "
+                       "holds at most 16 (pack some together in the dataset)")
+    specs = []
+    for (a, kind), p in zip(leaves, paths):
+        dt = a.dtype
+        if dt.hasobject or dt.itemsize == 0:
+            raise _invalid(f"dataset index {index}, field {p}: dtype {dt} has no fixed-size "
+                           "bytes")
+        if dt.byteorder == ">" or dt.fields is not None or dt.kind in "OUSVMm":
+            raise _invalid(f"dataset index {index}, field {p}: dtype {dt} cannot go to the "
+                           "device; return a native number type")
+        specs.append((dt, tuple(a.shape), kind))
+    return Schema(tree, specs, paths)
+
+
+# ---- the worker process ----------------------------------------------------------------------
+
+
+class WorkerInfo:
+    """What a worker knows about itself (pinmem.get_worker_info())."""
+
+    __slots__ = ("id", "num_workers", "seed", "dataset")
+
+    def __init__(self, id, num_workers, seed, dataset):
+        self.id, self.num_workers, self.seed, self.dataset = id, num_workers, seed, dataset
+
+    def __repr__(self):
+        return (f"WorkerInfo(id={self.id}, num_workers={self.num_workers}, seed={self.seed}, "
+                f"dataset={type(self.dataset).__name__})")
+
+
+_worker_info = None
+
+
+def get_worker_info():
+    """In a worker process of a pinmem.Loader: its WorkerInfo (id, num_workers, seed, dataset);
+    None in the main process."""
+    return _worker_info
+
+
+def _seed_all(seed, wid, base_seed):
+    import random
+    random.seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(np.random.SeedSequence([wid, base_seed]).generate_state(4))
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
+
+
+def _set_torch_worker_info(info):
+    """torch.utils.data.get_worker_info() answers inside pinmem's workers too, for datasets
+    that shard themselves with it."""
+    try:
+        from torch.utils.data._utils import worker as tw
+    except Exception:
+        return
+    try:
+        tw._worker_info = tw.WorkerInfo(id=info.id, num_workers=info.num_workers,
+                                        seed=info.seed, dataset=info.dataset)
+    except Exception:
+        pass
+
+
+def _pack_error(status, index, wid, exc, where):
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    payload = {"type": type(exc), "module": type(exc).__module__,
+               "name": type(exc).__qualname__, "text": str(exc), "tb": tb,
+               "worker": wid, "pid": os.getpid(), "index": index, "where": where}
+    try:
+        return REP.pack(MAGIC_REP, status, index) + pickle.dumps(payload)
+    except Exception:
+        payload["type"] = None
+        return REP.pack(MAGIC_REP, status, index) + pickle.dumps(payload)
+
+
+def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds):
+    """The body of worker process `wid`: serve claims until the socket closes."""
+    global _worker_info
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main program
+    for fd in close_fds:  # other workers' sockets inherited through fork
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    import numpy as np
+    seed = base_seed + wid
+    _seed_all(seed, wid, base_seed)
+    _worker_info = WorkerInfo(wid, nworkers, seed, dataset)
+    _set_torch_worker_info(_worker_info)
+    init_error = None
+    if init_fn is not None:
+        try:
+            init_fn(wid)
+        except BaseException as e:  # reported with the first claim
+            init_error = e
+    maps = {}  # memfd key -> mmap
+    schema = None
+    import mmap as _mmap
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, MAX_MSG, MAX_FDS)
+        except (ConnectionError, OSError):
+            break
+        if not msg:
+            break  # the main process closed the loader or died
+        try:
+            magic, kind, epoch, n, nfields, nnew = REQ.unpack_from(msg, 0)
+            if magic != MAGIC_REQ:
+                raise RuntimeError(f"bad request magic {magic:#x}")
+            pos = REQ.size
+            fields = [FIELD.unpack_from(msg, pos + k * FIELD.size) for k in range(nfields)]
+            pos += nfields * FIELD.size
+            keys = struct.unpack_from(f"<{nnew}Q", msg, pos)
+            pos += 8 * nnew
+            indices = struct.unpack_from(f"<{n}Q", msg, pos)
+        except Exception as e:
+            for fd in fds:
+                os.close(fd)
+            if not _send(sock, _pack_error(ST_EXC, 0, wid, e, "request")):
+                break
+            continue
+        for key, fd in zip(keys, fds):
+            try:
+                size = os.fstat(fd).st_size
+                old = maps.pop(key, None)
+                maps[key] = _mmap.mmap(fd, size, _mmap.MAP_SHARED,
+                                       _mmap.PROT_READ | _mmap.PROT_WRITE)
+                if old is not None:
+                    try:
+                        old.close()
+                    except BufferError:
+                        pass
+            finally:
+                os.close(fd)
+        if init_error is not None:
+            reply = _pack_error(ST_INIT, indices[0] if indices else 0, wid, init_error,
+                                "worker_init_fn")
+        elif kind == KIND_DESCRIBE:
+            i = indices[0]
+            try:
+                reply = REP.pack(MAGIC_REP, ST_OK, i) + pickle.dumps(describe(dataset[i], i))
+            except Exception as e:
+                from . import InvalidError
+                reply = _pack_error(ST_INVALID if isinstance(e, InvalidError) else ST_EXC, i,
+                                    wid, e, "dataset")
+        elif kind == KIND_SCHEMA:
+            schema = pickle.loads(msg[pos + 8 * n:])
+            reply = REP.pack(MAGIC_REP, ST_OK, 0)
+        else:
+            reply = _serve_rows(dataset, schema, maps, fields, indices, np, wid)
+        if not _send(sock, reply):
+            break  # the loader is closing
+    for m in maps.values():
+        try:
+            m.close()
+        except BufferError:
+            pass
+    sock.close()
+
+
+def _send(sock, data):
+    try:
+        sock.send(data)
+        return True
+    except OSError:
+        return False
+
+
+def _serve_rows(dataset, schema, maps, fields, indices, np, wid):
+    n = len(indices)
+    views = []
+    for k, (key, off, row_bytes) in enumerate(fields):
+        dt, shape, _ = schema.leaves[k]
+        views.append(np.ndarray((n,) + shape, dtype=dt, buffer=maps[key], offset=off))
+    ref_tree = _shape_tree(schema.tree)
+    for j, i in enumerate(indices):
+        try:
+            sample = dataset[i]
+        except Exception as e:
+            return _pack_error(ST_EXC, i, wid, e, "dataset")
+        try:
+            leaves, paths = [], []
+            tree = _flatten(sample, np, i, leaves, paths)
+            if _shape_tree(tree) != ref_tree:
+                raise _invalid(f"dataset index {i}: the sample's structure {_describe_tree(tree)}"
+                               f" differs from the first sample's {_describe_tree(schema.tree)}")
+            for k, (a, _) in enumerate(leaves):
+                dt, shape, _ = schema.leaves[k]
+                if a.shape != shape or a.dtype != dt:
+                    raise _invalid(f"dataset index {i}, field {paths[k]}: shape {a.shape} dtype "
+                                   f"{a.dtype}, but the first sample had shape {shape} dtype "
+                                   f"{dt} (every sample must match: resize or convert in the "
+                                   "dataset)")
+                views[k][j] = a
+        except Exception as e:
+            from . import InvalidError
+            st = ST_INVALID if isinstance(e, InvalidError) else ST_EXC
+            return _pack_error(st, i, wid, e, "sample")
+    return REP.pack(MAGIC_REP, ST_OK, 0)
+
+
+def _describe_tree(t):
+    if t[0] == "leaf":
+        return "array"
+    if t[0] == "dict":
+        return "{" + ", ".join(f"{k!r}: {_describe_tree(c)}" for k, c in t[1]) + "}"
+    inner = ", ".join(_describe_tree(c) for c in t[1])
+    return f"[{inner}]" if t[0] == "list" else f"({inner})"
+
+
+# ---- the main process's side -----------------------------------------------------------------
+
+_PARENT_ENDS = set()  # fds of every live pool's sockets: closed in forked workers
+
+
+def _context(ctx):
+    import multiprocessing as mp
+    if ctx is None:
+        return mp.get_context()
+    if isinstance(ctx, str):
+        if ctx not in mp.get_all_start_methods():
+            raise _invalid(f"multiprocessing_context {ctx!r} is not one of "
+                           f"{mp.get_all_start_methods()}")
+        return mp.get_context(ctx)
+    if hasattr(ctx, "Process") and hasattr(ctx, "get_start_method"):
+        return ctx
+    raise _invalid(f"multiprocessing_context must be None, a start method name or a "
+                   f"multiprocessing context, not {ctx!r}")
+
+
+class WorkerError(RuntimeError):
+    """A worker process of a pinmem.Loader died, timed out or failed outside the dataset."""
+
+
+class Pool:
+    """The worker processes of one loader, their sockets, and what their errors mean."""
+
+    def __init__(self, dataset, nworkers, ctx, base_seed, init_fn):
+        self.ctx = _context(ctx)
+        self.method = self.ctx.get_start_method()
+        self.nworkers = nworkers
+        self.socks, self.procs = [], []
+        self.closed = self.stopped = False
+        self.epoch = 0
+        try:
+            for w in range(nworkers):
+                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                _PARENT_ENDS.add(a.fileno())
+                close_fds = sorted(_PARENT_ENDS) if self.method == "fork" else []
+                p = self.ctx.Process(target=worker_main, name=f"pinmem-worker-{w}",
+                                     args=(b, dataset, w, nworkers, base_seed, init_fn,
+                                           close_fds), daemon=True)
+                self.socks.append(a)
+                try:
+                    p.start()
+                finally:
+                    b.close()
+                self.procs.append(p)
+        except BaseException:
+            self.close()
+            raise
+
+    def fds(self):
+        return [s.fileno() for s in self.socks]
+
+    def pids(self):
+        return [p.pid for p in self.procs]
+
+    def _exchange(self, w, msg, timeout):
+        """Send one request to worker w, wait for its reply (None: the worker is gone)."""
+        import select
+        s = self.socks[w]
+        s.send(msg)
+        r, _, _ = select.select([s], [], [], timeout)
+        if not r:
+            raise WorkerError(f"pinmem.Loader: worker process {w} (pid {self.procs[w].pid}) "
+                              f"gave no answer within timeout={timeout} s")
+        data = s.recv(MAX_MSG)
+        return data or None
+
+    def describe(self, index, timeout):
+        """The Schema of dataset[index], computed by worker 0."""
+        msg = REQ.pack(MAGIC_REQ, KIND_DESCRIBE, 0, 1, 0, 0) + struct.pack("<Q", index)
+        data = self._exchange(0, msg, timeout or None)
+        if data is None:
+            raise self.died(0, [index])
+        magic, st, idx = REP.unpack_from(data, 0)
+        if st != ST_OK:
+            raise self.error(st, 0, data[REP.size:])
+        return pickle.loads(data[REP.size:])
+
+    def set_schema(self, schema, timeout):
+        blob = pickle.dumps(schema)
+        for w in range(self.nworkers):
+            data = self._exchange(w, REQ.pack(MAGIC_REQ, KIND_SCHEMA, 0, 0, 0, 0) + blob, timeout or None)
+            if data is None:
+                raise self.died(w, [])
+
+    def died(self, w, indices):
+        """The error for worker w having gone away."""
+        p = self.procs[w]
+        p.join(0.5)
+        code = p.exitcode
+        if code is None:
+            how = "closed its socket but is still running"
+        elif code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            how = f"was killed by {name}" + (" (out of memory?)" if -code == 9 else "")
+        else:
+            how = f"exited with code {code}"
+        what = (f" while reading dataset indices {list(indices)[:8]}"
+                f"{'...' if len(indices) > 8 else ''}" if indices else "")
+        return WorkerError(f"pinmem.Loader: worker process {w} (pid {p.pid}) {how}{what}")
+
+    def error(self, status, w, payload):
+        """The exception to raise for a worker's error reply."""
+        try:
+            e = pickle.loads(payload)
+        except Exception as x:
+            return WorkerError(f"pinmem.Loader: worker process {w} sent an error that cannot be "
+                               f"read ({x!r})")
+        where = {"dataset": "in dataset[%d]" % e["index"],
+                 "sample": "with the sample of dataset index %d" % e["index"],
+                 "worker_init_fn": "in worker_init_fn"}.get(e["where"], e["where"])
+        text = (f"Caught {e['name']} in pinmem worker process {e['worker']} (pid {e['pid']}) "
+                f"{where}.\nOriginal traceback in the worker:\n{e['tb']}")
+        if status == ST_INVALID:
+            from . import InvalidError
+            return InvalidError(e["text"] + f"\n(in worker process {e['worker']})")
+        t = e.get("type")
+        if isinstance(t, type) and issubclass(t, BaseException):
+            if t is KeyError:
+                text = KeyError(text).args[0]  # KeyError quotes its message: keep it readable
+            try:
+                return t(text)
+            except Exception:
+                pass
+        return WorkerError(text)
+
+    def timeout_error(self, w, seconds, indices):
+        p = self.procs[w]
+        return WorkerError(f"pinmem.Loader: worker process {w} (pid {p.pid}) gave no rows within "
+                           f"timeout={seconds:g} s (dataset indices {list(indices)}...): raise "
+                           "timeout, or find what makes dataset[i] that slow")
+
+    def plain_error(self, w, text):
+        return WorkerError(f"pinmem.Loader: worker process {w}: {text}")
+
+    def alive(self):
+        return [p.is_alive() for p in self.procs]
+
+    def stop(self, timeout=5.0):
+        """End the workers: shut the sockets down (each process sees end-of-file once its
+        current claim is done and exits), join them, terminate those that do not go. The
+        sockets' fds stay open until close(), so no thread can reach a reused fd number."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        import time
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+
+    def close(self):
+        """Stop the workers (if not yet) and close the sockets."""
+        self.stop()
+        if self.closed:
+            return
+        self.closed = True
+        for s in self.socks:
+            _PARENT_ENDS.discard(s.fileno())
+            s.close()
+        for p in self.procs:
+            try:
+                p.close()
+            except ValueError:
+                pass
+
+    def __del__(self):
+        try:
+            self.stop(1.0)
+            self.close()
+        except Exception:
+            pass

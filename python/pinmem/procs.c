@@ -1,0 +1,475 @@
+/*
+ * DESIGN: datasets read by worker processes (pinmem/_workers.py has the protocol and the
+ * process side). The dataset is a pm_dataset_create_rows dataset: the C loader's worker thread w
+ * calls read_rows once per claim of consecutive rows, and the read goes to process w over its
+ * own SOCK_SEQPACKET socket: a request naming the dataset indices and, per field, the memfd and
+ * offset of the claim's first row (the loader's slots are PM_HOST_SHARED blocks); the memfd
+ * itself travels once per process by SCM_RIGHTS. The thread then waits in poll() for the one
+ * reply, without the GIL: the main process does no per-sample work at all.
+ *
+ * Each channel has a mutex (outside a loader, worker -1 uses channel 0) and a `pending` flag: a
+ * request whose reply was not read (a wait cut short by cancel or timeout) is drained before
+ * the channel's next request, so requests and replies never get out of step. Errors are kept
+ * raw (kind, worker, status, the reply's pickled payload), first one wins, and become a Python
+ * exception only when next() asks, with the GIL, through the Pool object of _workers.py
+ * (Pool.error / Pool.died / Pool.timeout_error), which knows the processes' exit codes.
+ * Cancel (an eventfd in every poll) wakes every waiting thread at close, so stopping the loader
+ * never waits for a worker that hangs.
+ */
+#include "_pinmem.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAGIC_REQ 0x51524D50u
+#define MAGIC_REP 0x50524D50u
+#define KIND_ROWS 1u
+#define KNOWN_MAX 256
+#define ERR_INDICES 8
+
+enum { ERR_NONE, ERR_REPLY, ERR_EOF, ERR_TIMEOUT, ERR_SEND, ERR_CANCEL, ERR_SHARED };
+
+typedef struct {
+  pthread_mutex_t mu;
+  int fd;      /* the main process's end of the socket (owned by the Pool's socket object) */
+  bool pending; /* a request is out and its reply not read */
+  bool dead;    /* end of file seen: the process is gone */
+  int nknown;
+  uint64_t known[KNOWN_MAX]; /* memfd keys this process has mapped */
+} chan_t;
+
+struct pmpy_procs {
+  int nch;
+  chan_t *ch;
+  int nfields;
+  size_t fbytes[PM_MAX_FIELDS]; /* bytes of a row of field k */
+  int timeout_ms; /* -1: none */
+  int cancel_fd;  /* eventfd: readable once cancelled */
+  atomic_bool cancelled;
+  pthread_mutex_t err_mu;
+  int err_kind, err_worker, err_status, err_errno;
+  char *err_payload;
+  size_t err_len;
+  int err_nidx;
+  uint64_t err_idx[ERR_INDICES];
+  uint64_t err_n;
+};
+
+/* A reply: magic u32, status i32, index u64 (REP in _workers.py). */
+typedef struct {
+  uint32_t magic;
+  int32_t status;
+  uint64_t index;
+} reply_t;
+
+static void record(struct pmpy_procs *P, int kind, int w, int status, int err, const void *payload,
+                   size_t len, const pm_rows_request_t *rq) {
+  pthread_mutex_lock(&P->err_mu);
+  if (P->err_kind == ERR_NONE || (P->err_kind == ERR_CANCEL && kind != ERR_CANCEL)) {
+    free(P->err_payload);
+    P->err_payload = NULL;
+    P->err_len = 0;
+    if (payload && len) {
+      P->err_payload = malloc(len);
+      if (P->err_payload) {
+        memcpy(P->err_payload, payload, len);
+        P->err_len = len;
+      }
+    }
+    P->err_kind = kind;
+    P->err_worker = w;
+    P->err_status = status;
+    P->err_errno = err;
+    P->err_n = rq ? rq->n : 0;
+    P->err_nidx = rq ? (int)(rq->n < ERR_INDICES ? rq->n : ERR_INDICES) : 0;
+    for (int i = 0; i < P->err_nidx; i++) P->err_idx[i] = rq->indices[i];
+  }
+  pthread_mutex_unlock(&P->err_mu);
+}
+
+static uint64_t memfd_key(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return 0;
+  return (uint64_t)st.st_ino ^ ((uint64_t)st.st_dev << 48);
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Wait for channel c's reply and read it into *buf (malloc'd, *len bytes). Returns ERR_NONE, or
+ * the kind of failure. */
+static int wait_reply(struct pmpy_procs *P, chan_t *c, char **buf, size_t *len) {
+  double deadline = P->timeout_ms < 0 ? 0 : now_s() + P->timeout_ms / 1000.0;
+  *buf = NULL;
+  *len = 0;
+  for (;;) {
+    struct pollfd pf[2] = {{c->fd, POLLIN, 0}, {P->cancel_fd, POLLIN, 0}};
+    int ms = -1;
+    if (P->timeout_ms >= 0) {
+      double left = deadline - now_s();
+      if (left <= 0) return ERR_TIMEOUT;
+      ms = (int)(left * 1000.0) + 1;
+    }
+    int r = poll(pf, 2, ms);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return ERR_SEND;
+    }
+    if (r == 0) continue; /* the deadline check above decides */
+    if (pf[1].revents) return ERR_CANCEL;
+    if (!pf[0].revents) continue;
+    char probe;
+    ssize_t want = recv(c->fd, &probe, 1, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT);
+    if (want < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      if (errno == ECONNRESET) {
+        c->dead = true;
+        return ERR_EOF;
+      }
+      return ERR_SEND;
+    }
+    if (want == 0) {
+      c->dead = true;
+      return ERR_EOF;
+    }
+    char *b = malloc((size_t)want);
+    if (!b) return ERR_SEND;
+    ssize_t got = recv(c->fd, b, (size_t)want, MSG_DONTWAIT);
+    if (got != want) {
+      free(b);
+      if (got == 0) {
+        c->dead = true;
+        return ERR_EOF;
+      }
+      return ERR_SEND;
+    }
+    *buf = b;
+    *len = (size_t)got;
+    return ERR_NONE;
+  }
+}
+
+/* Send the request for rq on channel c (attaching the memfds process w has not mapped yet). */
+static int send_request(struct pmpy_procs *P, chan_t *c, const pm_rows_request_t *rq, int *err) {
+  uint64_t keys[PM_MAX_FIELDS], offs[PM_MAX_FIELDS], newkeys[PM_MAX_FIELDS];
+  int newfds[PM_MAX_FIELDS], nnew = 0;
+  for (int k = 0; k < P->nfields; k++) {
+    int fd;
+    uint64_t off;
+    size_t bytes;
+    if (pm_host_shared_fd(rq->dsts[k], &fd, &off, &bytes) != PM_OK) return ERR_SHARED;
+    keys[k] = memfd_key(fd);
+    offs[k] = off;
+    bool have = false;
+    for (int i = 0; i < c->nknown && !have; i++) have = c->known[i] == keys[k];
+    for (int i = 0; i < nnew && !have; i++) have = newkeys[i] == keys[k];
+    if (!have) {
+      newkeys[nnew] = keys[k];
+      newfds[nnew++] = fd;
+    }
+  }
+  size_t n = (size_t)rq->n;
+  size_t len = 32 + (size_t)P->nfields * 24 + (size_t)nnew * 8 + n * 8;
+  unsigned char stackbuf[8192], *msg = len <= sizeof stackbuf ? stackbuf : malloc(len);
+  if (!msg) return ERR_SEND;
+  unsigned char *p = msg;
+  uint32_t h32[2] = {MAGIC_REQ, KIND_ROWS};
+  uint64_t h64[2] = {rq->epoch, rq->n};
+  uint32_t t32[2] = {(uint32_t)P->nfields, (uint32_t)nnew};
+  memcpy(p, h32, 8);
+  memcpy(p + 8, h64, 16);
+  memcpy(p + 24, t32, 8);
+  p += 32;
+  for (int k = 0; k < P->nfields; k++) {
+    uint64_t f[3] = {keys[k], offs[k], (uint64_t)P->fbytes[k]};
+    memcpy(p, f, 24);
+    p += 24;
+  }
+  memcpy(p, newkeys, (size_t)nnew * 8);
+  p += (size_t)nnew * 8;
+  memcpy(p, rq->indices, n * 8);
+
+  struct iovec iov = {msg, len};
+  union {
+    char buf[CMSG_SPACE(sizeof(int) * PM_MAX_FIELDS)];
+    struct cmsghdr align;
+  } ctl;
+  struct msghdr mh;
+  memset(&mh, 0, sizeof mh);
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  if (nnew) {
+    memset(&ctl, 0, sizeof ctl);
+    mh.msg_control = ctl.buf;
+    mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nnew);
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nnew);
+    memcpy(CMSG_DATA(cm), newfds, sizeof(int) * (size_t)nnew);
+  }
+  ssize_t sent;
+  do sent = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+  while (sent < 0 && errno == EINTR);
+  int e = errno;
+  if (msg != stackbuf) free(msg);
+  if (sent != (ssize_t)len) {
+    *err = sent < 0 ? e : EMSGSIZE;
+    if (sent < 0 && (e == EPIPE || e == ECONNRESET)) {
+      c->dead = true;
+      return ERR_EOF;
+    }
+    return ERR_SEND;
+  }
+  if (nnew) {
+    if (c->nknown + nnew > KNOWN_MAX) c->nknown = 0; /* the process replaces mappings by key */
+    for (int i = 0; i < nnew; i++) c->known[c->nknown++] = newkeys[i];
+  }
+  c->pending = true;
+  return ERR_NONE;
+}
+
+static int procs_read_rows(const pm_rows_request_t *rq, void *user) {
+  struct pmpy_procs *P = user;
+  int w = rq->worker >= 0 ? rq->worker % P->nch : 0;
+  chan_t *c = &P->ch[w];
+  if (atomic_load(&P->cancelled)) {
+    record(P, ERR_CANCEL, w, 0, 0, NULL, 0, rq);
+    return PM_ERR_STATE;
+  }
+  pthread_mutex_lock(&c->mu);
+  int kind = ERR_NONE, err = 0, status = 0;
+  char *buf = NULL;
+  size_t len = 0;
+  if (c->dead) kind = ERR_EOF;
+  if (kind == ERR_NONE && c->pending) { /* a reply left over from a wait cut short */
+    kind = wait_reply(P, c, &buf, &len);
+    free(buf);
+    buf = NULL;
+    if (kind == ERR_NONE) c->pending = false;
+  }
+  if (kind == ERR_NONE) kind = send_request(P, c, rq, &err);
+  if (kind == ERR_NONE) {
+    kind = wait_reply(P, c, &buf, &len);
+    if (kind == ERR_NONE) {
+      c->pending = false;
+      reply_t r;
+      if (len < sizeof r) {
+        kind = ERR_SEND;
+        err = EPROTO;
+      } else {
+        memcpy(&r, buf, sizeof r);
+        if (r.magic != MAGIC_REP) {
+          kind = ERR_SEND;
+          err = EPROTO;
+        } else if (r.status != 0) {
+          kind = ERR_REPLY;
+          status = r.status;
+        }
+      }
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (kind != ERR_NONE) {
+    const void *pl = kind == ERR_REPLY ? buf + sizeof(reply_t) : NULL;
+    size_t pll = kind == ERR_REPLY ? len - sizeof(reply_t) : 0;
+    record(P, kind, w, status, err, pl, pll, rq);
+  }
+  free(buf);
+  switch (kind) {
+    case ERR_NONE: return 0;
+    case ERR_TIMEOUT: return PM_ERR_TIMEOUT;
+    case ERR_REPLY: return status == 2 ? PM_ERR_INVALID : PM_ERR_IO;
+    case ERR_SHARED: return PM_ERR_INVALID;
+    case ERR_CANCEL: return PM_ERR_STATE;
+    default: return PM_ERR_IO;
+  }
+}
+
+void pmpy_procs_free(struct pmpy_procs *P) {
+  if (!P) return;
+  for (int i = 0; i < P->nch; i++) pthread_mutex_destroy(&P->ch[i].mu);
+  free(P->ch);
+  if (P->cancel_fd >= 0) close(P->cancel_fd);
+  pthread_mutex_destroy(&P->err_mu);
+  free(P->err_payload);
+  free(P);
+}
+
+static void procs_destroy(void *user) { (void)user; /* freed with the DatasetObject */ }
+
+PyObject *pmpy_procs_take_error(DatasetObject *d) {
+  struct pmpy_procs *P = d->procs;
+  pthread_mutex_lock(&P->err_mu);
+  int kind = P->err_kind;
+  if (kind == ERR_NONE || kind == ERR_CANCEL) {
+    pthread_mutex_unlock(&P->err_mu);
+    return NULL;
+  }
+  int w = P->err_worker, status = P->err_status, err = P->err_errno, nidx = P->err_nidx;
+  uint64_t idx[ERR_INDICES], n = P->err_n;
+  memcpy(idx, P->err_idx, sizeof idx);
+  PyObject *payload = PyBytes_FromStringAndSize(P->err_payload ? P->err_payload : "",
+                                                (Py_ssize_t)P->err_len);
+  /* Kept: the loader fails every later next() with the same batch, and so does this error. */
+  pthread_mutex_unlock(&P->err_mu);
+  if (!payload) return NULL;
+  PyObject *indices = PyList_New(nidx);
+  for (int i = 0; indices && i < nidx; i++)
+    PyList_SET_ITEM(indices, i, PyLong_FromUnsignedLongLong(idx[i]));
+  PyObject *exc = NULL;
+  if (indices) {
+    PyObject *pool = d->fetch;
+    switch (kind) {
+      case ERR_REPLY:
+        exc = PyObject_CallMethod(pool, "error", "iiO", status, w, payload);
+        break;
+      case ERR_EOF: exc = PyObject_CallMethod(pool, "died", "iO", w, indices); break;
+      case ERR_TIMEOUT:
+        exc = PyObject_CallMethod(pool, "timeout_error", "idO", w,
+                                  P->timeout_ms / 1000.0, indices);
+        break;
+      case ERR_SHARED:
+        exc = PyObject_CallMethod(pool, "plain_error", "is", w,
+                                  "the loader's slots are not shared memory (a worker process "
+                                  "cannot write them); process workers need pin_memory=True");
+        break;
+      default: {
+        char text[256];
+        snprintf(text, sizeof text, "talking to the worker failed: %s (claim of %llu rows)",
+                 strerror(err ? err : EIO), (unsigned long long)n);
+        exc = PyObject_CallMethod(pool, "plain_error", "is", w, text);
+      }
+    }
+  }
+  Py_XDECREF(indices);
+  Py_DECREF(payload);
+  if (!exc) return NULL;
+  PyObject *t = Py_BuildValue("(OOO)", (PyObject *)Py_TYPE(exc), exc, Py_None);
+  Py_DECREF(exc);
+  return t;
+}
+
+/* _dataset_procs(pool, fds, samples, specs, timeout): a dataset whose rows are written by the
+ * worker processes behind fds (one socket each), specs as _dataset_python's. */
+static PyObject *py_dataset_procs(PyObject *mod, PyObject *args) {
+  PyObject *pool, *fds, *specs;
+  unsigned long long samples;
+  double timeout;
+  if (!PyArg_ParseTuple(args, "OOKOd:_dataset_procs", &pool, &fds, &samples, &specs, &timeout))
+    return NULL;
+  PyObject *fseq = PySequence_Fast(fds, "fds must be a sequence");
+  if (!fseq) return NULL;
+  PyObject *seq = PySequence_Fast(specs, "specs must be a sequence");
+  if (!seq) {
+    Py_DECREF(fseq);
+    return NULL;
+  }
+  Py_ssize_t nch = PySequence_Fast_GET_SIZE(fseq), n = PySequence_Fast_GET_SIZE(seq);
+  DatasetObject *d = NULL;
+  struct pmpy_procs *P = NULL;
+  if (nch < 1 || n < 1 || n > PM_MAX_FIELDS) {
+    pmpy_raise_fmt(PM_ERR_INVALID, "_dataset_procs: 1+ workers and 1..%d fields", PM_MAX_FIELDS);
+    goto fail;
+  }
+  P = calloc(1, sizeof *P);
+  if (!P || !(P->ch = calloc((size_t)nch, sizeof *P->ch))) {
+    PyErr_NoMemory();
+    goto fail;
+  }
+  P->cancel_fd = -1;
+  pthread_mutex_init(&P->err_mu, NULL);
+  for (Py_ssize_t i = 0; i < nch; i++) {
+    pthread_mutex_init(&P->ch[i].mu, NULL);
+    P->nch++;
+    long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(fseq, i));
+    if (fd < 0) {
+      if (!PyErr_Occurred()) pmpy_raise_fmt(PM_ERR_INVALID, "_dataset_procs: fd %ld", fd);
+      goto fail;
+    }
+    P->ch[i].fd = (int)fd;
+  }
+  P->cancel_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (P->cancel_fd < 0) {
+    PyErr_SetFromErrno(PyExc_OSError);
+    goto fail;
+  }
+  P->timeout_ms = timeout > 0 ? (int)(timeout * 1000.0 + 0.5) : -1;
+  pm_field_t f[PM_MAX_FIELDS];
+  for (Py_ssize_t k = 0; k < n; k++) {
+    PyObject *shape;
+    const char *descr;
+    Py_ssize_t itemsize, dims[PMPY_MAX_NDIM];
+    int ndim;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "Osn:_dataset_procs spec", &shape,
+                          &descr, &itemsize) ||
+        pmpy_parse_shape(shape, dims, &ndim) < 0 ||
+        pmpy_field_spec((int)k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims, &f[k]) <
+            0)
+      goto fail;
+    size_t bytes = f[k].itemsize;
+    for (int i = 0; i < ndim; i++) bytes *= (size_t)dims[i];
+    P->fbytes[k] = bytes;
+  }
+  P->nfields = (int)n;
+  d = pmpy_dataset_new();
+  if (!d) goto fail;
+  d->nfields = (int)n;
+  d->fetch = Py_NewRef(pool);
+  d->procs = P;
+  P = NULL;
+  pm_dataset_rows_callbacks_t cb;
+  memset(&cb, 0, sizeof cb);
+  cb.samples = samples;
+  cb.nfields = (int)n;
+  cb.fields = f;
+  cb.read_rows = procs_read_rows;
+  cb.user = d->procs;
+  cb.destroy = procs_destroy;
+  pm_status_t st = pm_dataset_create_rows(&cb, &d->ds);
+  if (st != PM_OK) {
+    pmpy_raise_status(st);
+    goto fail;
+  }
+  for (int k = 0; k < d->nfields; k++) d->fbytes[k] = d->procs->fbytes[k];
+  Py_DECREF(fseq);
+  Py_DECREF(seq);
+  return (PyObject *)d;
+fail:
+  Py_DECREF(fseq);
+  Py_DECREF(seq);
+  pmpy_procs_free(P);
+  Py_XDECREF(d);
+  return NULL;
+}
+
+/* _procs_cancel(dataset): every wait for a worker ends now (close). */
+static PyObject *py_procs_cancel(PyObject *mod, PyObject *arg) {
+  if (!PyObject_TypeCheck(arg, &pmpy_DatasetType) || !((DatasetObject *)arg)->procs)
+    return pmpy_raise_fmt(PM_ERR_INVALID, "_procs_cancel takes a worker-process dataset");
+  struct pmpy_procs *P = ((DatasetObject *)arg)->procs;
+  atomic_store(&P->cancelled, true);
+  uint64_t one = 1;
+  if (write(P->cancel_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+    return PyErr_SetFromErrno(PyExc_OSError);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef pmpy_procs_functions[] = {
+    {"_dataset_procs", py_dataset_procs, METH_VARARGS,
+     "_dataset_procs(pool, fds, samples, specs, timeout): rows written by worker processes"},
+    {"_procs_cancel", py_procs_cancel, METH_O, "_procs_cancel(dataset): stop every wait"},
+    {0}};
