@@ -211,7 +211,9 @@ enum {
   PM_HOST_DEFAULT = 0,
   PM_HOST_MAPPED = 1u << 0,         /* also give a device pointer: kernels read it directly */
   PM_HOST_WRITE_COMBINED = 1u << 1, /* fast for the device to read, very slow for the CPU to read */
-  PM_HOST_PORTABLE = 1u << 2        /* pinned for every device context, not just the current */
+  PM_HOST_PORTABLE = 1u << 2,       /* pinned for every device context, not just the current */
+  PM_HOST_SHARED = 1u << 3          /* memory another process can map (a memfd mapped MAP_SHARED,
+                                       pinned and portable in this process): pm_host_shared_fd */
 };
 
 #define PM_EXHAUST_POLICY_MAP(X)                                                                \
@@ -284,6 +286,45 @@ typedef struct pm_pool_stats {
 
 PM_API pm_status_t pm_pool_get_stats(pm_pool_t *pool, pm_pool_stats_t *stats_out);
 PM_API pm_status_t pm_pool_reset_peak(pm_pool_t *pool);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Shared pinned memory                                                                        */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A pool block allocated with PM_HOST_SHARED lives in a memfd (an unlinked file under /dev/shm
+ * where memfd_create is missing) mapped MAP_SHARED and pinned (PORTABLE) in this process. Another
+ * process that receives the fd (fork, SCM_RIGHTS, Python's pass_fds) maps the same pages with
+ * pm_shared_map, or a plain mmap(MAP_SHARED), and what one side writes the other reads: workers
+ * fill pinned slots that the parent copies to the device with one DMA. Shared blocks count
+ * against the pool's budget like others and are cached apart: a freed shared block serves only
+ * later shared allocations (docs/shared-memory.md). */
+
+/** The memfd holding ptr (anywhere inside a PM_HOST_SHARED pool block that is allocated), ptr's
+ *  offset in that memfd, and the bytes from ptr to the end of the block. The fd stays owned by
+ *  pinmem (dup it to keep it; it is close-on-exec) and is valid until the block is freed; the
+ *  memfd also holds the other shared blocks of the same pool segment. PM_ERR_INVALID for a NULL
+ *  output, memory that is not shared, or a freed block. fd_out, offset_out and bytes_out are
+ *  all required. */
+PM_API pm_status_t pm_host_shared_fd(const void *ptr, int *fd_out, uint64_t *offset_out,
+                                     size_t *bytes_out);
+
+#define PM_SHARED_PIN 1u /* pm_shared_map: also pin the mapping in this process */
+
+/** Map `bytes` at `offset` of a shared memfd received from another process (fork, SCM_RIGHTS,
+ *  pass_fds) read-write and MAP_SHARED; *ptr_out is the byte at `offset` (offsets need not be
+ *  page aligned). flags: 0, or PM_SHARED_PIN to also pin the mapping in this process (a
+ *  pm_register(PM_REGISTER_PORTABLE) of [*ptr_out, +bytes), charged to the default pool's
+ *  budget; copies from it then take the direct path). The fd may be closed after the call.
+ *  PM_ERR_INVALID for fd < 0, an fd that is not a mappable file, bytes 0, a range beyond the
+ *  file's size (fstat), unknown flags or a NULL ptr_out; the registration's status when
+ *  PM_SHARED_PIN cannot pin. Release with pm_shared_unmap. */
+PM_API pm_status_t pm_shared_map(int fd, uint64_t offset, size_t bytes, unsigned flags,
+                                 void **ptr_out);
+/** Undo pm_shared_map: unpin (when it was pinned) and unmap. ptr and bytes must be what
+ *  pm_shared_map gave and was given: PM_ERR_NOT_FOUND for a pointer it did not return (or one
+ *  already unmapped), PM_ERR_INVALID for other bytes. The memory of the other processes is
+ *  untouched. */
+PM_API pm_status_t pm_shared_unmap(void *ptr, size_t bytes);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Managed (unified) memory                                                                    */
@@ -654,6 +695,9 @@ typedef struct pm_loader_config {
   size_t slot_bytes;  /* 0: a slot is exactly one batch; else the slot size, and a batch that
                          does not fit is refused (PM_ERR_INVALID) */
   const pm_loader_state_t *resume; /* NULL: epoch 0, batch 0 */
+  int shared_slots;   /* 1: the host slots are PM_HOST_SHARED blocks, so other processes can
+                         map them and write batches in place (pm_host_shared_fd on a batch's
+                         host pointers); needs pin_memory 1 (PM_ERR_INVALID otherwise) */
 } pm_loader_config_t;
 
 /** Sharding: with world_size W, rank r gets positions r, r+W, r+2W... of the epoch's order

@@ -103,6 +103,8 @@ void pm__copy_atfork(pm__fork_phase_t phase);
 void pm__threadpool_atfork(pm__fork_phase_t phase);
 void pm__host_atfork(pm__fork_phase_t phase); /* backend_host_stream.c */
 void pm__registry_atfork(pm__fork_phase_t phase);
+void pm__shared_atfork(pm__fork_phase_t phase);     /* core/shared.c */
+void pm__shared_api_atfork(pm__fork_phase_t phase); /* shared_api.c */
 
 /* ---- config.c ---------------------------------------------------------------------------- */
 
@@ -315,6 +317,24 @@ pm_status_t pm__pool_default_destroy(void);
 pm_status_t pm__fast_pin(const pm__backend_t *b, size_t bytes, unsigned register_flags, int threads,
                          bool huge_pages, void **ptr_out);
 pm_status_t pm__fast_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
+
+/* ---- shared.c ---------------------------------------------------------------------------- */
+
+/* The memory of a PM_HOST_SHARED pool segment: a memfd (or an unlinked file under /dev/shm)
+ * sized to align_up(bytes, page), mapped MAP_SHARED, first-touched by `threads` threads and
+ * registered with register_flags | PM_REGISTER_PORTABLE. *ptr_out is page aligned. */
+pm_status_t pm__shared_pin(const pm__backend_t *b, size_t bytes, unsigned register_flags,
+                           int threads, void **ptr_out);
+/* Unregister, unmap and close the file of a segment from pm__shared_pin. */
+pm_status_t pm__shared_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
+/* The fd of the shared segment that starts at base (pinmem keeps it). PM_ERR_INTERNAL if none. */
+pm_status_t pm__shared_segment_fd(const void *base, int *fd_out);
+/* PM_ERR_INVALID (with fn in the detail) for PM_HOST_* flags that cannot be shared. */
+pm_status_t pm__shared_check_flags(const char *fn, unsigned flags);
+/* Test hooks: non-zero makes memfd_create fail as if it were missing (ENOSYS); the folder of the
+ * fallback file ("/dev/shm"). */
+extern atomic_int pm__shared_memfd_refused;
+extern _Atomic(const char *) pm__shared_dir;
 
 /* ---- threadpool.c ------------------------------------------------------------------------ */
 

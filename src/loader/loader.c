@@ -531,6 +531,13 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
                          MAX_SLOTS);
   if ((unsigned)c->delivery > PM_DELIVER_HOST)
     return pm__set_error(PM_ERR_INVALID, "%s: unknown delivery %d", fn, (int)c->delivery);
+  if (c->shared_slots != 0 && c->shared_slots != 1)
+    return pm__set_error(PM_ERR_INVALID, "%s: shared_slots %d is not 0 or 1", fn, c->shared_slots);
+  if (c->shared_slots && !c->pin_memory)
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: shared_slots 1 needs pin_memory 1 (shared slots are pinned "
+                         "PM_HOST_SHARED blocks)",
+                         fn);
   int rank = c->rank, world = c->world_size;
   pm_status_t st = PM_OK;
   if (rank < -1 || world < -1)
@@ -659,7 +666,8 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
       goto fail;
     }
     if (L->pinned) {
-      st = pm_host_alloc(c->pool, L->slot_bytes, PM_HOST_DEFAULT, (void **)&s->host);
+      st = pm_host_alloc(c->pool, L->slot_bytes, c->shared_slots ? PM_HOST_SHARED : PM_HOST_DEFAULT,
+                         (void **)&s->host);
       if (st != PM_OK) {
         pm__wrap_error(st,
                        "%s: pinned slot %d of %d (%zu bytes each; lower prefetch or "
