@@ -595,6 +595,50 @@ PM_API pm_status_t pm_dataset_create_fields(const pm_dataset_fields_callbacks_t 
 PM_API pm_status_t pm_dataset_zip(pm_dataset_t *const *datasets, size_t n,
                                   pm_dataset_t **dataset_out);
 
+/* Rows datasets: a callback that writes a run of rows (every field of n samples) in one call,
+ * for readers whose cost per call is high: worker processes reached over a socket, a remote
+ * store, a batched decoder. A loader calls it once per claim of rows (pm_loader_config_t.
+ * claim_rows), the claim's rows consecutive in the slot. */
+
+/** What one read_rows call writes. */
+typedef struct pm_rows_request {
+  uint64_t epoch;
+  uint64_t n;                 /* rows to write (>= 1) */
+  const uint64_t *indices;    /* n dataset indices (valid during the call) */
+  void *const *dsts;          /* per field k: where row 0 goes; row r of field k is at
+                                 (char *)dsts[k] + r * fields[k].bytes */
+  int worker;                 /* the loader worker calling (0..workers-1); -1 outside a loader */
+} pm_rows_request_t;
+
+/** Write every field of request->n samples. Called from several worker threads at once (each
+ *  with its own rows). Return as pm_dataset_callbacks_t.read (0 ok, a negative pm_status_t as
+ *  it is, any other non-zero value: PM_ERR_IO); a failure fails the batch of those rows. */
+typedef int (*pm_rows_read_fn)(const pm_rows_request_t *request, void *user);
+
+typedef struct pm_dataset_rows_callbacks {
+  uint64_t samples;
+  int nfields;              /* 1..PM_MAX_FIELDS */
+  const pm_field_t *fields; /* nfields specs (copied; checked as pm_dataset_create_fields) */
+  pm_rows_read_fn read_rows;
+  void *user;
+  void (*destroy)(void *user); /* optional: called by pm_dataset_destroy */
+} pm_dataset_rows_callbacks_t;
+
+/** A callback dataset that reads runs of rows. pm_dataset_read_fields and
+ *  pm_dataset_read_sample call read_rows with n = 1 and worker -1; a zip of it reads one sample
+ *  per call (worker: the loader worker, or -1). The struct and the specs are copied;
+ *  PM_ERR_INVALID for a bad spec, samples 0 or read_rows NULL. */
+PM_API pm_status_t pm_dataset_create_rows(const pm_dataset_rows_callbacks_t *callbacks,
+                                          pm_dataset_t **dataset_out);
+
+/** Sample i of the result is sample indices[i] of base (a subset, a reordering, repeats allowed:
+ *  what a sampler yields), with base's fields. indices (n >= 1 of them, each below base's
+ *  sample count: else PM_ERR_INVALID naming the position and value) are copied. base is busy
+ *  (pm_dataset_destroy: PM_ERR_BUSY) until the result is destroyed. A select over a rows
+ *  dataset reads a run of rows with one read_rows call on base, with the indices mapped. */
+PM_API pm_status_t pm_dataset_select(pm_dataset_t *base, const uint64_t *indices, uint64_t n,
+                                     pm_dataset_t **dataset_out);
+
 /** Read every field of one sample into ordinary memory (dsts[k]: fields[k].bytes bytes; a NULL
  *  entry skips that field). What a loader delivers for it in `epoch`. */
 PM_API pm_status_t pm_dataset_read_fields(pm_dataset_t *dataset, uint64_t epoch, uint64_t index,
@@ -654,6 +698,13 @@ typedef struct pm_loader_config {
   size_t slot_bytes;  /* 0: a slot is exactly one batch; else the slot size, and a batch that
                          does not fit is refused (PM_ERR_INVALID) */
   const pm_loader_state_t *resume; /* NULL: epoch 0, batch 0 */
+  int ordered_workers; /* 1: the k-th claim of rows since the loader started goes to worker
+                          k % workers (a worker waits for its turn), so which worker reads which
+                          rows is a function of the configuration alone: per-worker random
+                          state gives the same batches on every run. 0: first come */
+  uint64_t claim_rows; /* rows a worker takes at a time (one read_rows call for a rows dataset);
+                          0: automatic (a batch over 2 x workers, within a copy part); larger
+                          than the batch: the batch */
 } pm_loader_config_t;
 
 /** Sharding: with world_size W, rank r gets positions r, r+W, r+2W... of the epoch's order

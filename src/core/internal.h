@@ -463,6 +463,11 @@ struct pm_dataset_s {
   pm__file_t *files;
   int nfiles;
   atomic_int users; /* loaders using the dataset: destroy refuses while > 0 */
+  /* Rows kinds (dataset_rows.c): every field of n samples in one call, row r of field k at
+   * dsts[k] + r * its bytes; `worker` is the loader worker calling, -1 outside a loader. NULL
+   * for the kinds read one sample at a time. */
+  pm_status_t (*read_rows)(pm_dataset_t *ds, uint64_t epoch, uint64_t n, const uint64_t *indices,
+                           void *const *dsts, int worker);
 };
 
 /* A zeroed dataset with its files array for nfiles files (fds -1), or PM_ERR_NOMEM. */
@@ -479,6 +484,23 @@ void pm__dataset_field(const pm_dataset_t *ds, int k, pm_field_t *out); /* k < n
  * token kinds need dsts[0]). */
 pm_status_t pm__dataset_read_fields(pm_dataset_t *ds, uint64_t epoch, uint64_t index,
                                     void *const *dsts, pm__scratch_t *scratch);
+
+/* For dataset_rows.c: dataset_fields.c's spec check (complete one field spec of `fn`'s
+ * argument), its info from the field table, and its read_sample function for multi-field kinds. */
+pm_status_t pm__field_check(const char *fn, int k, const pm_field_t *spec, pm_field_t *out);
+void pm__dataset_info_from_fields(pm_dataset_t *ds, uint64_t samples, int n);
+pm_status_t pm__dataset_read_first_two(pm_dataset_t *ds, uint64_t epoch, uint64_t index, void *dst,
+                                       void *tdst, pm__scratch_t *scratch);
+
+/* dataset_rows.c: rows datasets (pm_dataset_create_rows) and selects (pm_dataset_select).
+ * Whether a dataset reads a run of rows in one call (a rows dataset, or a select over one). */
+bool pm__dataset_reads_rows(const pm_dataset_t *ds);
+/* n rows in one call: indices[r] to dsts[k] + r * field k's bytes (ds reads rows). */
+pm_status_t pm__dataset_read_rows(pm_dataset_t *ds, uint64_t epoch, uint64_t n,
+                                  const uint64_t *indices, void *const *dsts, int worker);
+/* The loader worker index of this thread (set once by each worker at its start; -1 in every
+ * other thread): what a rows dataset read one sample at a time (inside a zip) passes on. */
+void pm__dataset_worker_set(int worker);
 
 /* dataset_npy.c: the .npy header. */
 typedef struct pm__npy_header {
