@@ -211,7 +211,9 @@ enum {
   PM_HOST_DEFAULT = 0,
   PM_HOST_MAPPED = 1u << 0,         /* also give a device pointer: kernels read it directly */
   PM_HOST_WRITE_COMBINED = 1u << 1, /* fast for the device to read, very slow for the CPU to read */
-  PM_HOST_PORTABLE = 1u << 2        /* pinned for every device context, not just the current */
+  PM_HOST_PORTABLE = 1u << 2,       /* pinned for every device context, not just the current */
+  PM_HOST_SHARED = 1u << 3          /* memory another process can map (a memfd mapped MAP_SHARED,
+                                       pinned and portable in this process): pm_host_shared_fd */
 };
 
 #define PM_EXHAUST_POLICY_MAP(X)                                                                \
@@ -284,6 +286,45 @@ typedef struct pm_pool_stats {
 
 PM_API pm_status_t pm_pool_get_stats(pm_pool_t *pool, pm_pool_stats_t *stats_out);
 PM_API pm_status_t pm_pool_reset_peak(pm_pool_t *pool);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Shared pinned memory                                                                        */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A pool block allocated with PM_HOST_SHARED lives in a memfd (an unlinked file under /dev/shm
+ * where memfd_create is missing) mapped MAP_SHARED and pinned (PORTABLE) in this process. Another
+ * process that receives the fd (fork, SCM_RIGHTS, Python's pass_fds) maps the same pages with
+ * pm_shared_map, or a plain mmap(MAP_SHARED), and what one side writes the other reads: workers
+ * fill pinned slots that the parent copies to the device with one DMA. Shared blocks count
+ * against the pool's budget like others and are cached apart: a freed shared block serves only
+ * later shared allocations (docs/shared-memory.md). */
+
+/** The memfd holding ptr (anywhere inside a PM_HOST_SHARED pool block that is allocated), ptr's
+ *  offset in that memfd, and the bytes from ptr to the end of the block. The fd stays owned by
+ *  pinmem (dup it to keep it; it is close-on-exec) and is valid until the block is freed; the
+ *  memfd also holds the other shared blocks of the same pool segment. PM_ERR_INVALID for a NULL
+ *  output, memory that is not shared, or a freed block. fd_out, offset_out and bytes_out are
+ *  all required. */
+PM_API pm_status_t pm_host_shared_fd(const void *ptr, int *fd_out, uint64_t *offset_out,
+                                     size_t *bytes_out);
+
+#define PM_SHARED_PIN 1u /* pm_shared_map: also pin the mapping in this process */
+
+/** Map `bytes` at `offset` of a shared memfd received from another process (fork, SCM_RIGHTS,
+ *  pass_fds) read-write and MAP_SHARED; *ptr_out is the byte at `offset` (offsets need not be
+ *  page aligned). flags: 0, or PM_SHARED_PIN to also pin the mapping in this process (a
+ *  pm_register(PM_REGISTER_PORTABLE) of [*ptr_out, +bytes), charged to the default pool's
+ *  budget; copies from it then take the direct path). The fd may be closed after the call.
+ *  PM_ERR_INVALID for fd < 0, an fd that is not a mappable file, bytes 0, a range beyond the
+ *  file's size (fstat), unknown flags or a NULL ptr_out; the registration's status when
+ *  PM_SHARED_PIN cannot pin. Release with pm_shared_unmap. */
+PM_API pm_status_t pm_shared_map(int fd, uint64_t offset, size_t bytes, unsigned flags,
+                                 void **ptr_out);
+/** Undo pm_shared_map: unpin (when it was pinned) and unmap. ptr and bytes must be what
+ *  pm_shared_map gave and was given: PM_ERR_NOT_FOUND for a pointer it did not return (or one
+ *  already unmapped), PM_ERR_INVALID for other bytes. The memory of the other processes is
+ *  untouched. */
+PM_API pm_status_t pm_shared_unmap(void *ptr, size_t bytes);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Managed (unified) memory                                                                    */
@@ -595,6 +636,50 @@ PM_API pm_status_t pm_dataset_create_fields(const pm_dataset_fields_callbacks_t 
 PM_API pm_status_t pm_dataset_zip(pm_dataset_t *const *datasets, size_t n,
                                   pm_dataset_t **dataset_out);
 
+/* Rows datasets: a callback that writes a run of rows (every field of n samples) in one call,
+ * for readers whose cost per call is high: worker processes reached over a socket, a remote
+ * store, a batched decoder. A loader calls it once per claim of rows (pm_loader_config_t.
+ * claim_rows), the claim's rows consecutive in the slot. */
+
+/** What one read_rows call writes. */
+typedef struct pm_rows_request {
+  uint64_t epoch;
+  uint64_t n;                 /* rows to write (>= 1) */
+  const uint64_t *indices;    /* n dataset indices (valid during the call) */
+  void *const *dsts;          /* per field k: where row 0 goes; row r of field k is at
+                                 (char *)dsts[k] + r * fields[k].bytes */
+  int worker;                 /* the loader worker calling (0..workers-1); -1 outside a loader */
+} pm_rows_request_t;
+
+/** Write every field of request->n samples. Called from several worker threads at once (each
+ *  with its own rows). Return as pm_dataset_callbacks_t.read (0 ok, a negative pm_status_t as
+ *  it is, any other non-zero value: PM_ERR_IO); a failure fails the batch of those rows. */
+typedef int (*pm_rows_read_fn)(const pm_rows_request_t *request, void *user);
+
+typedef struct pm_dataset_rows_callbacks {
+  uint64_t samples;
+  int nfields;              /* 1..PM_MAX_FIELDS */
+  const pm_field_t *fields; /* nfields specs (copied; checked as pm_dataset_create_fields) */
+  pm_rows_read_fn read_rows;
+  void *user;
+  void (*destroy)(void *user); /* optional: called by pm_dataset_destroy */
+} pm_dataset_rows_callbacks_t;
+
+/** A callback dataset that reads runs of rows. pm_dataset_read_fields and
+ *  pm_dataset_read_sample call read_rows with n = 1 and worker -1; a zip of it reads one sample
+ *  per call (worker: the loader worker, or -1). The struct and the specs are copied;
+ *  PM_ERR_INVALID for a bad spec, samples 0 or read_rows NULL. */
+PM_API pm_status_t pm_dataset_create_rows(const pm_dataset_rows_callbacks_t *callbacks,
+                                          pm_dataset_t **dataset_out);
+
+/** Sample i of the result is sample indices[i] of base (a subset, a reordering, repeats allowed:
+ *  what a sampler yields), with base's fields. indices (n >= 1 of them, each below base's
+ *  sample count: else PM_ERR_INVALID naming the position and value) are copied. base is busy
+ *  (pm_dataset_destroy: PM_ERR_BUSY) until the result is destroyed. A select over a rows
+ *  dataset reads a run of rows with one read_rows call on base, with the indices mapped. */
+PM_API pm_status_t pm_dataset_select(pm_dataset_t *base, const uint64_t *indices, uint64_t n,
+                                     pm_dataset_t **dataset_out);
+
 /** Read every field of one sample into ordinary memory (dsts[k]: fields[k].bytes bytes; a NULL
  *  entry skips that field). What a loader delivers for it in `epoch`. */
 PM_API pm_status_t pm_dataset_read_fields(pm_dataset_t *dataset, uint64_t epoch, uint64_t index,
@@ -654,6 +739,16 @@ typedef struct pm_loader_config {
   size_t slot_bytes;  /* 0: a slot is exactly one batch; else the slot size, and a batch that
                          does not fit is refused (PM_ERR_INVALID) */
   const pm_loader_state_t *resume; /* NULL: epoch 0, batch 0 */
+  int shared_slots;   /* 1: the host slots are PM_HOST_SHARED blocks, so other processes can
+                         map them and write batches in place (pm_host_shared_fd on a batch's
+                         host pointers); needs pin_memory 1 (PM_ERR_INVALID otherwise) */
+  int ordered_workers; /* 1: the k-th claim of rows since the loader started goes to worker
+                          k % workers (a worker waits for its turn), so which worker reads which
+                          rows is a function of the configuration alone: per-worker random
+                          state gives the same batches on every run. 0: first come */
+  uint64_t claim_rows; /* rows a worker takes at a time (one read_rows call for a rows dataset);
+                          0: automatic (a batch over 2 x workers, within a copy part); larger
+                          than the batch: the batch */
 } pm_loader_config_t;
 
 /** Sharding: with world_size W, rank r gets positions r, r+W, r+2W... of the epoch's order

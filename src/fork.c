@@ -30,7 +30,7 @@
  *
  * Lock order taken by prepare: pool default_lock -> init (init_lock) -> api (reg_lock) ->
  * config -> copy engine (completion queue, reaper) -> thread pool -> host backend (obj_lock,
- * rec_lock, mem_lock) -> registry -> handles. Each is a leaf or follows the order its file documents.
+ * rec_lock, mem_lock) -> registry -> shared memory (core/shared.c, shared_api.c) -> handles. Each is a leaf or follows the order its file documents.
  */
 #include <pthread.h>
 
@@ -53,12 +53,16 @@ static void prepare(void) {
   pm__threadpool_atfork(PM__FORK_PREPARE);
   pm__host_atfork(PM__FORK_PREPARE);
   pm__registry_atfork(PM__FORK_PREPARE);
+  pm__shared_atfork(PM__FORK_PREPARE);
+  pm__shared_api_atfork(PM__FORK_PREPARE);
   pm__handles_atfork_prepare();
 }
 
 static void parent(void) {
   if (!g_active) return;
   pm__handles_atfork_parent();
+  pm__shared_api_atfork(PM__FORK_PARENT);
+  pm__shared_atfork(PM__FORK_PARENT);
   pm__registry_atfork(PM__FORK_PARENT);
   pm__host_atfork(PM__FORK_PARENT);
   pm__threadpool_atfork(PM__FORK_PARENT);
@@ -72,6 +76,8 @@ static void parent(void) {
 static void child(void) {
   if (!g_active) return;
   pm__handles_atfork_child(); /* counts the fork: handles made before it are foreign now */
+  pm__shared_api_atfork(PM__FORK_CHILD);
+  pm__shared_atfork(PM__FORK_CHILD);
   pm__registry_atfork(PM__FORK_CHILD);
   pm__host_atfork(PM__FORK_CHILD);
   pm__threadpool_atfork(PM__FORK_CHILD);

@@ -103,6 +103,8 @@ void pm__copy_atfork(pm__fork_phase_t phase);
 void pm__threadpool_atfork(pm__fork_phase_t phase);
 void pm__host_atfork(pm__fork_phase_t phase); /* backend_host_stream.c */
 void pm__registry_atfork(pm__fork_phase_t phase);
+void pm__shared_atfork(pm__fork_phase_t phase);     /* core/shared.c */
+void pm__shared_api_atfork(pm__fork_phase_t phase); /* shared_api.c */
 
 /* ---- config.c ---------------------------------------------------------------------------- */
 
@@ -316,6 +318,24 @@ pm_status_t pm__fast_pin(const pm__backend_t *b, size_t bytes, unsigned register
                          bool huge_pages, void **ptr_out);
 pm_status_t pm__fast_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
 
+/* ---- shared.c ---------------------------------------------------------------------------- */
+
+/* The memory of a PM_HOST_SHARED pool segment: a memfd (or an unlinked file under /dev/shm)
+ * sized to align_up(bytes, page), mapped MAP_SHARED, first-touched by `threads` threads and
+ * registered with register_flags | PM_REGISTER_PORTABLE. *ptr_out is page aligned. */
+pm_status_t pm__shared_pin(const pm__backend_t *b, size_t bytes, unsigned register_flags,
+                           int threads, void **ptr_out);
+/* Unregister, unmap and close the file of a segment from pm__shared_pin. */
+pm_status_t pm__shared_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
+/* The fd of the shared segment that starts at base (pinmem keeps it). PM_ERR_INTERNAL if none. */
+pm_status_t pm__shared_segment_fd(const void *base, int *fd_out);
+/* PM_ERR_INVALID (with fn in the detail) for PM_HOST_* flags that cannot be shared. */
+pm_status_t pm__shared_check_flags(const char *fn, unsigned flags);
+/* Test hooks: non-zero makes memfd_create fail as if it were missing (ENOSYS); the folder of the
+ * fallback file ("/dev/shm"). */
+extern atomic_int pm__shared_memfd_refused;
+extern _Atomic(const char *) pm__shared_dir;
+
 /* ---- threadpool.c ------------------------------------------------------------------------ */
 
 /* Run fn(ctx, i) for i in [0, n) on up to `threads` threads (the caller is one of them) and
@@ -463,6 +483,11 @@ struct pm_dataset_s {
   pm__file_t *files;
   int nfiles;
   atomic_int users; /* loaders using the dataset: destroy refuses while > 0 */
+  /* Rows kinds (dataset_rows.c): every field of n samples in one call, row r of field k at
+   * dsts[k] + r * its bytes; `worker` is the loader worker calling, -1 outside a loader. NULL
+   * for the kinds read one sample at a time. */
+  pm_status_t (*read_rows)(pm_dataset_t *ds, uint64_t epoch, uint64_t n, const uint64_t *indices,
+                           void *const *dsts, int worker);
 };
 
 /* A zeroed dataset with its files array for nfiles files (fds -1), or PM_ERR_NOMEM. */
@@ -479,6 +504,23 @@ void pm__dataset_field(const pm_dataset_t *ds, int k, pm_field_t *out); /* k < n
  * token kinds need dsts[0]). */
 pm_status_t pm__dataset_read_fields(pm_dataset_t *ds, uint64_t epoch, uint64_t index,
                                     void *const *dsts, pm__scratch_t *scratch);
+
+/* For dataset_rows.c: dataset_fields.c's spec check (complete one field spec of `fn`'s
+ * argument), its info from the field table, and its read_sample function for multi-field kinds. */
+pm_status_t pm__field_check(const char *fn, int k, const pm_field_t *spec, pm_field_t *out);
+void pm__dataset_info_from_fields(pm_dataset_t *ds, uint64_t samples, int n);
+pm_status_t pm__dataset_read_first_two(pm_dataset_t *ds, uint64_t epoch, uint64_t index, void *dst,
+                                       void *tdst, pm__scratch_t *scratch);
+
+/* dataset_rows.c: rows datasets (pm_dataset_create_rows) and selects (pm_dataset_select).
+ * Whether a dataset reads a run of rows in one call (a rows dataset, or a select over one). */
+bool pm__dataset_reads_rows(const pm_dataset_t *ds);
+/* n rows in one call: indices[r] to dsts[k] + r * field k's bytes (ds reads rows). */
+pm_status_t pm__dataset_read_rows(pm_dataset_t *ds, uint64_t epoch, uint64_t n,
+                                  const uint64_t *indices, void *const *dsts, int worker);
+/* The loader worker index of this thread (set once by each worker at its start; -1 in every
+ * other thread): what a rows dataset read one sample at a time (inside a zip) passes on. */
+void pm__dataset_worker_set(int worker);
 
 /* dataset_npy.c: the .npy header. */
 typedef struct pm__npy_header {

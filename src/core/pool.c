@@ -6,7 +6,8 @@
  *
  * Data structure
  * - A segment is one backend allocation (cudaHostAlloc, or mmap + touch + register for large
- *   ones: pin.c). It is entered in the process registry (kind PM_MEMORY_POOL, owner = pool), which
+ *   ones: pin.c; a memfd mapped MAP_SHARED + register for PM_HOST_SHARED: shared.c). It is
+ *   entered in the process registry (kind PM_MEMORY_POOL, owner = pool), which
  *   is how pm_host_free finds the pool from a bare pointer.
  * - A segment is cut into blocks that tile it exactly, doubly linked in address order. Freeing a
  *   block coalesces it with free neighbours; taking a bigger free block splits off the remainder.
@@ -14,7 +15,7 @@
  *   segment of exactly their class (page rounded), so big memory is never held hostage.
  * - Free blocks sit in size bins (one bin per size class boundary, floor mapping; a bitmap of
  *   non-empty bins finds the smallest fitting bin in a few word scans), one bin set per flag
- *   combination: mapped, write-combined and portable memory never mix.
+ *   combination: mapped, write-combined, portable and shared memory never mix.
  * - Allocated, pending and quarantined blocks are in a hash map keyed by start address (O(1)
  *   free / record_stream / usable_size). Free blocks are not: an unknown pointer is resolved by
  *   scanning the segment that holds it, which only error paths and interior-pointer queries do.
@@ -52,8 +53,8 @@
 #define PM__SMALL_SEGMENT ((size_t)2 << 20)
 #define PM__NBINS 448 /* covers every 64-bit size (max index 430) */
 #define PM__BITMAP_WORDS (PM__NBINS / 64)
-#define PM__NGROUPS 8 /* one bin set per PM_HOST_* flag combination */
-#define PM__HOST_FLAGS (PM_HOST_MAPPED | PM_HOST_WRITE_COMBINED | PM_HOST_PORTABLE)
+#define PM__NGROUPS 16 /* one bin set per PM_HOST_* flag combination */
+#define PM__HOST_FLAGS (PM_HOST_MAPPED | PM_HOST_WRITE_COMBINED | PM_HOST_PORTABLE | PM_HOST_SHARED)
 #define PM__INLINE_USES 4
 #define PM__SPARE_BLOCKS_MAX 1024
 #define PM__WAIT_SLICE_S 0.001
@@ -426,8 +427,11 @@ static bool poll_pending_locked(pm_pool_t *p) {
 
 static pm_status_t segment_release(pm_pool_t *p, pm__segment_t *s) {
   pm_status_t st = pm__registry_remove((uintptr_t)s->base, PM_MEMORY_POOL, NULL);
-  pm_status_t st2 =
-      s->fast ? pm__fast_unpin(p->b, s->base, s->size) : p->b->host_free(s->base, s->size);
+  pm_status_t st2;
+  if (s->flags & PM_HOST_SHARED)
+    st2 = pm__shared_unpin(p->b, s->base, s->size);
+  else
+    st2 = s->fast ? pm__fast_unpin(p->b, s->base, s->size) : p->b->host_free(s->base, s->size);
   return st2 != PM_OK ? st2 : st;
 }
 
@@ -618,12 +622,14 @@ static pm_status_t segment_create(pm_pool_t *p, size_t size, unsigned flags,
     free(blk);
     return pm__set_error(PM_ERR_NOMEM, "out of host memory for pool bookkeeping");
   }
-  bool fast = size >= p->fast_pin_min && !(flags & PM_HOST_WRITE_COMBINED);
+  bool shared = (flags & PM_HOST_SHARED) != 0;
+  bool fast = !shared && size >= p->fast_pin_min && !(flags & PM_HOST_WRITE_COMBINED);
   void *base = NULL;
   double t0 = pm__now();
   pm_status_t st =
-      fast ? pm__fast_pin(p->b, size, register_flags(flags), p->pin_threads, p->huge_pages, &base)
-           : p->b->host_alloc(size, flags, &base);
+      shared ? pm__shared_pin(p->b, size, register_flags(flags), p->pin_threads, &base)
+      : fast ? pm__fast_pin(p->b, size, register_flags(flags), p->pin_threads, p->huge_pages, &base)
+             : p->b->host_alloc(size, flags, &base);
   *seconds_out = pm__now() - t0;
   if (st != PM_OK) goto fail_structs;
 
@@ -657,7 +663,9 @@ static pm_status_t segment_create(pm_pool_t *p, size_t size, unsigned flags,
   return PM_OK;
 
 fail_memory:
-  if (fast)
+  if (shared)
+    (void)pm__shared_unpin(p->b, base, size);
+  else if (fast)
     (void)pm__fast_unpin(p->b, base, size);
   else
     (void)p->b->host_free(base, size);
@@ -910,7 +918,9 @@ pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **
     return pm__set_error(PM_ERR_INVALID, "pm_host_alloc: unknown flag bits 0x%x",
                          flags & ~(unsigned)PM__HOST_FLAGS);
   if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "pm_host_alloc: bytes is 0");
-  pm_status_t st = resolve_pool(&pool, "pm_host_alloc");
+  pm_status_t st = pm__shared_check_flags("pm_host_alloc", flags);
+  if (st != PM_OK) return st;
+  st = resolve_pool(&pool, "pm_host_alloc");
   if (st != PM_OK) return st;
   size_t need = pm__size_class(bytes);
   size_t page = pm__page_size();
@@ -1161,7 +1171,9 @@ pm_status_t pm_pool_reserve(pm_pool_t *pool, size_t bytes, unsigned flags) {
     return pm__set_error(PM_ERR_INVALID, "pm_pool_reserve: unknown flag bits 0x%x",
                          flags & ~(unsigned)PM__HOST_FLAGS);
   if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "pm_pool_reserve: bytes is 0");
-  pm_status_t st = resolve_pool(&pool, "pm_pool_reserve");
+  pm_status_t st = pm__shared_check_flags("pm_pool_reserve", flags);
+  if (st != PM_OK) return st;
+  st = resolve_pool(&pool, "pm_pool_reserve");
   if (st != PM_OK) return st;
   size_t need = pm__size_class(bytes);
   size_t page = pm__page_size();

@@ -327,3 +327,15 @@ pm_status_t pm_dataset_zip(pm_dataset_t *const *datasets, size_t n, pm_dataset_t
   *dataset_out = ds;
   return PM_OK;
 }
+
+/* For dataset_rows.c, which builds its kinds on the same field table. */
+pm_status_t pm__field_check(const char *fn, int k, const pm_field_t *spec, pm_field_t *out) {
+  return check_field(fn, k, spec, out);
+}
+void pm__dataset_info_from_fields(pm_dataset_t *ds, uint64_t samples, int n) {
+  info_from_fields(ds, samples, n);
+}
+pm_status_t pm__dataset_read_first_two(pm_dataset_t *ds, uint64_t epoch, uint64_t index, void *dst,
+                                       void *tdst, pm__scratch_t *scratch) {
+  return read_first_two(ds, epoch, index, dst, tdst, scratch);
+}

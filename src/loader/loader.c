@@ -34,6 +34,20 @@
  * submitter looks again after each run). The copy stream waits for the slot's release event
  * before the slot's first part; ev_done is recorded after its last part.
  *
+ * Claims: a worker takes rows_per_claim consecutive rows of the filling slot at a time (automatic:
+ * a batch over 2 x workers, within a part's rows; or cfg.claim_rows, capped at a batch). A
+ * dataset that reads runs of rows (a rows dataset, or a select over one) gets one read_rows call
+ * per claim, with the claim's first row of each field and the worker's index (0..workers-1,
+ * given to each thread at its start), so a process worker behind it gets one message per claim;
+ * other datasets are read row by row. With ordered_workers, claim k (counted under mu from the
+ * loader's start) goes to worker k % workers: a worker whose turn it is not waits on work_cv,
+ * every claim broadcasts, and stop and errors broadcast too, so no one waits past them. Opening a
+ * FREE slot is not a claim: any worker may do it, so the next in turn never waits for a slot
+ * only a busy worker could open. Why: the rows a worker reads are then a function of the
+ * configuration alone (the sampler's order and the claim size are), so workers with random
+ * state of their own (augmentation seeded by worker id) give the same batches on every run. The
+ * price: a slow worker holds up the claims after its turn, as a round-robin of torch's does.
+ *
  * Slot life: FREE -> OPENING (one worker waits for the slot's previous copy to finish and
  * writes the row indices) -> FILLING (workers claim chunks of rows in order and read each
  * sample into its place; the parts of the device copy are queued as their rows are written,
@@ -86,6 +100,11 @@
 
 enum { SLOT_FREE, SLOT_OPENING, SLOT_FILLING, SLOT_READY, SLOT_HELD, SLOT_RELEASING, SLOT_GONE };
 
+typedef struct worker_arg { /* what a worker thread starts with: its loader and its index */
+  pm_loader_t *L;
+  int index;
+} worker_arg_t;
+
 typedef struct slot {
   int state;
   uint64_t seq;                  /* global batch number (not FREE) */
@@ -119,8 +138,11 @@ struct pm_loader_s {
   uint32_t max_parts; /* parts of a full batch's copy */
   uint64_t rows_per_claim;
   int nslots, nworkers, started;
+  bool rows_reads; /* the dataset reads runs of rows: one read_rows call per claim */
+  bool ordered;    /* cfg.ordered_workers: claim k goes to worker k % nworkers */
   slot_t *slots;
   pthread_t *threads;
+  worker_arg_t *wargs;
   pm_stream_t copy_stream;
   bool device, pinned;
   int device_index;
@@ -134,6 +156,7 @@ struct pm_loader_s {
   uint64_t fill_g, deliver_g;
   uint64_t sub_g;  /* the batch whose parts are queued next (pinned device delivery) */
   bool submitting; /* a worker is queueing parts outside mu */
+  uint64_t claims; /* claims of rows taken since the loader started */
   int held;
   bool stop, in_next;
   bool destroyed; /* pm_loader_destroy ran; held slots are freed by their release */
@@ -289,11 +312,13 @@ static void submit_ready_locked(pm_loader_t *L) {
 /* ---- workers ------------------------------------------------------------------------------ */
 
 static void *worker_main(void *arg) {
-  pm_loader_t *L = arg;
+  pm_loader_t *L = ((worker_arg_t *)arg)->L;
+  const int me = ((worker_arg_t *)arg)->index;
   pm_dataset_t *ds = L->ds;
   pm__scratch_t scratch = {NULL, 0};
   char msg[512];
   if (L->device) (void)pm_device_set(L->device_index); /* events and copies need the device */
+  pm__dataset_worker_set(me); /* for a rows dataset read one sample at a time (in a zip) */
 
   pthread_mutex_lock(&L->mu);
   for (;;) {
@@ -337,13 +362,17 @@ static void *worker_main(void *arg) {
       pthread_cond_wait(&L->work_cv, &L->mu);
       continue;
     }
+    if (L->ordered && L->claims % (uint64_t)L->nworkers != (uint64_t)me) {
+      /* Another worker's turn: it claims, then wakes everyone (stop and errors do too). */
+      pthread_cond_wait(&L->work_cv, &L->mu);
+      continue;
+    }
 
     uint64_t r0 = s->claimed, r1 = PM__MIN(s->rows, r0 + L->rows_per_claim);
     s->claimed = r1;
-    if (r1 == s->rows) {
-      L->fill_g = g + 1;
-      pthread_cond_broadcast(&L->work_cv);
-    }
+    L->claims++;
+    if (r1 == s->rows) L->fill_g = g + 1;
+    if (r1 == s->rows || L->ordered) pthread_cond_broadcast(&L->work_cv);
     pthread_mutex_unlock(&L->mu);
 
     uint64_t epoch = g / L->sampler.batches;
@@ -351,15 +380,29 @@ static void *worker_main(void *arg) {
     void *dsts[PM_MAX_FIELDS];
     double t0 = pm__now();
     uint64_t r = r0;
-    for (; r < r1 && st == PM_OK; r++) {
-      if (atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) break;
-      for (int k = 0; k < L->nfields; k++)
-        dsts[k] = s->host + L->foff[k] + (size_t)r * L->fbytes[k];
-      st = pm__dataset_read_fields(ds, epoch, s->indices[r], dsts, &scratch);
-      if (st != PM_OK) {
-        snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu: %s", (unsigned long long)epoch,
-                 (unsigned long long)(g % L->sampler.batches), (unsigned long long)r,
-                 pm_last_error());
+    if (L->rows_reads) {
+      /* The claim's rows are consecutive in the slot: one call writes them all. */
+      if (!atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) {
+        for (int k = 0; k < L->nfields; k++)
+          dsts[k] = s->host + L->foff[k] + (size_t)r0 * L->fbytes[k];
+        st = pm__dataset_read_rows(ds, epoch, r1 - r0, s->indices + r0, dsts, me);
+        if (st == PM_OK) r = r1;
+        else
+          snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu (a claim of %llu rows): %s",
+                   (unsigned long long)epoch, (unsigned long long)(g % L->sampler.batches),
+                   (unsigned long long)r0, (unsigned long long)(r1 - r0), pm_last_error());
+      }
+    } else {
+      for (; r < r1 && st == PM_OK; r++) {
+        if (atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) break;
+        for (int k = 0; k < L->nfields; k++)
+          dsts[k] = s->host + L->foff[k] + (size_t)r * L->fbytes[k];
+        st = pm__dataset_read_fields(ds, epoch, s->indices[r], dsts, &scratch);
+        if (st != PM_OK) {
+          snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu: %s",
+                   (unsigned long long)epoch, (unsigned long long)(g % L->sampler.batches),
+                   (unsigned long long)r, pm_last_error());
+        }
       }
     }
     double t1 = pm__now();
@@ -467,6 +510,7 @@ static void loader_free(pm_loader_t *L) {
   free_slots(L);
   if (L->copy_stream) (void)pm_stream_destroy(L->copy_stream);
   free(L->threads);
+  free(L->wargs);
   pthread_mutex_destroy(&L->mu);
   pthread_mutex_destroy(&L->submit_mu);
   pthread_cond_destroy(&L->work_cv);
@@ -531,6 +575,13 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
                          MAX_SLOTS);
   if ((unsigned)c->delivery > PM_DELIVER_HOST)
     return pm__set_error(PM_ERR_INVALID, "%s: unknown delivery %d", fn, (int)c->delivery);
+  if (c->shared_slots != 0 && c->shared_slots != 1)
+    return pm__set_error(PM_ERR_INVALID, "%s: shared_slots %d is not 0 or 1", fn, c->shared_slots);
+  if (c->shared_slots && !c->pin_memory)
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: shared_slots 1 needs pin_memory 1 (shared slots are pinned "
+                         "PM_HOST_SHARED blocks)",
+                         fn);
   int rank = c->rank, world = c->world_size;
   pm_status_t st = PM_OK;
   if (rank < -1 || world < -1)
@@ -607,9 +658,19 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
   size_t full = copy_bytes(L, rows_max);
   if (L->piece && full / L->piece >= MAX_PARTS) L->piece = (full + MAX_PARTS - 1) / MAX_PARTS;
   L->max_parts = part_count(L, rows_max);
-  if (L->max_parts > 1)
+  if (L->max_parts > 1 && !c->claim_rows)
     L->rows_per_claim =
         PM__MAX(PM__MIN(L->rows_per_claim, (uint64_t)(L->piece / sample_bytes)), (uint64_t)1);
+  /* An explicit claim size is honoured as it is (a claim is one read_rows call, one message to
+   * a process worker), capped at a batch: a part waits for its rows either way. */
+  if (c->claim_rows) L->rows_per_claim = PM__MIN(c->claim_rows, rows_max);
+  if (c->ordered_workers != 0 && c->ordered_workers != 1) {
+    st = pm__set_error(PM_ERR_INVALID, "%s: ordered_workers %d is not 0 or 1", fn,
+                       c->ordered_workers);
+    goto fail;
+  }
+  L->ordered = c->ordered_workers == 1;
+  L->rows_reads = pm__dataset_reads_rows(dataset);
 
   if (L->pinned) {
     /* The slots stay pinned together: when they can never all fit the budget, say so now
@@ -659,7 +720,8 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
       goto fail;
     }
     if (L->pinned) {
-      st = pm_host_alloc(c->pool, L->slot_bytes, PM_HOST_DEFAULT, (void **)&s->host);
+      st = pm_host_alloc(c->pool, L->slot_bytes, c->shared_slots ? PM_HOST_SHARED : PM_HOST_DEFAULT,
+                         (void **)&s->host);
       if (st != PM_OK) {
         pm__wrap_error(st,
                        "%s: pinned slot %d of %d (%zu bytes each; lower prefetch or "
@@ -706,7 +768,8 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
   L->st.host_bytes = (size_t)L->nslots * L->slot_bytes;
 
   L->threads = calloc((size_t)L->nworkers, sizeof *L->threads);
-  if (!L->threads) {
+  L->wargs = calloc((size_t)L->nworkers, sizeof *L->wargs);
+  if (!L->threads || !L->wargs) {
     st = pm__set_error(PM_ERR_NOMEM, "%s: thread table", fn);
     goto fail;
   }
@@ -715,7 +778,9 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    int rc = pthread_create(&L->threads[i], NULL, worker_main, L);
+    L->wargs[i].L = L;
+    L->wargs[i].index = i; /* ordered claims and read_rows need to know which worker reads */
+    int rc = pthread_create(&L->threads[i], NULL, worker_main, &L->wargs[i]);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
       st = pm__set_error(PM_ERR_NOMEM, "%s: pthread_create (worker %d of %d): %s", fn, i + 1,
