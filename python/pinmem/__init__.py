@@ -232,44 +232,22 @@ def _dtype_from_descr(text):
 
 
 def _python_dataset(dataset):
-    """One C dataset over a map-style Python dataset (dataset[i], len(dataset)): dataset[i] is
-    called once per sample (plus once for sample 0 to learn the fields), for all its fields, so
-    random augmentation stays consistent across them. -> (C dataset, tuple samples?)"""
+    """One C dataset over a map-style Python dataset read on pinmem's threads (through the
+    GIL): dataset[i] is called once per sample (plus once for sample 0 to learn its structure),
+    for all its fields, so random augmentation stays consistent across them.
+    -> (C dataset, the samples' Schema)."""
     import numpy
+    from . import _workers
     n = len(dataset)
     if n == 0:
         raise InvalidError("PM_ERR_INVALID: the dataset is empty")
-    first = dataset[0]
-    tuple_sample = isinstance(first, (tuple, list))
-    nf = len(first) if tuple_sample else 1
-    probes = [numpy.asarray(v) for v in (first if tuple_sample else (first,))]
-    if nf == 0:
-        raise InvalidError("PM_ERR_INVALID: sample 0 of the dataset has no fields")
-    dtypes = [p.dtype for p in probes]
-    shapes = [p.shape for p in probes]
-    specs = [(p.shape, _descr_text(p.dtype, f"field {k} of sample 0"), p.dtype.itemsize)
-             for k, p in enumerate(probes)]
-    asarray, contiguous = numpy.asarray, numpy.ascontiguousarray
+    schema = _workers.describe(dataset[0], 0)
+    contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
 
     def fetch(i):
-        v = dataset[i]
-        if not tuple_sample:
-            v = (v,)
-        elif not isinstance(v, (tuple, list)) or len(v) != nf:
-            raise InvalidError(f"PM_ERR_INVALID: sample {i} is not a tuple of {nf} fields as "
-                               "sample 0 was")
-        out = []
-        for k in range(nf):
-            a = asarray(v[k])
-            if a.dtype != dtypes[k] or a.shape != shapes[k]:
-                raise InvalidError(
-                    f"PM_ERR_INVALID: sample {i}, field {k}: dtype {a.dtype} shape {a.shape}, "
-                    f"but sample 0 had dtype {dtypes[k]} shape {shapes[k]} (every sample must "
-                    "have the same: convert in the dataset)")
-            out.append(contiguous(a))
-        return out
+        return [contiguous(a) for a in checked(schema, dataset[i], i, numpy)]
 
-    return _pinmem._dataset_python(fetch, n, specs), tuple_sample
+    return _pinmem._dataset_python(fetch, n, schema.specs()), schema
 
 
 def _is_path(x):
@@ -344,7 +322,7 @@ def _open_dataset(dataset, io):
     if _is_array(dataset):
         return _open_arrays([dataset]), False
     if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        return _python_dataset(dataset)
+        return _python_dataset(dataset)  # (dataset, Schema)
     raise TypeError("pinmem.Loader: the dataset must be .npy path(s), an NpyDataset or "
                     "TokenDataset, an array or tuple of arrays (NumPy, torch CPU tensors, "
                     "TensorDataset), a tuple of .npy paths (one field each), or a map-style "
@@ -544,6 +522,8 @@ class Loader:
             self._tuple = not self._schema.is_single()
         else:
             self._base, self._tuple = _open_dataset(dataset, io)
+            if not isinstance(self._tuple, bool):  # a Python dataset: its Schema
+                self._schema, self._tuple = self._tuple, not self._tuple.is_single()
         fields = self._base.fields()
         # Dtypes pinmem's buffers cannot express (big-endian, strings, records, datetimes)
         # arrive as bytes and are viewed here with their real dtype: in host memory only.

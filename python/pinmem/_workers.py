@@ -59,6 +59,7 @@ class Schema:
         self.tree = tree        # ("leaf", k) | ("tuple"|"list", [...]) | ("dict", [(key, t)])
         self.leaves = leaves    # [(numpy dtype, shape, kind)] kind: array|tensor|int|float|bool
         self.paths = paths      # ["[0]", "['image']", ...] names for messages
+        self.ref = _shape_tree(tree)
 
     def specs(self):
         """(sample shape, dtype text, itemsize) per leaf, for the C dataset."""
@@ -334,31 +335,38 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid):
     for k, (key, off, row_bytes) in enumerate(fields):
         dt, shape, _ = schema.leaves[k]
         views.append(np.ndarray((n,) + shape, dtype=dt, buffer=maps[key], offset=off))
-    ref_tree = _shape_tree(schema.tree)
     for j, i in enumerate(indices):
         try:
             sample = dataset[i]
         except Exception as e:
             return _pack_error(ST_EXC, i, wid, e, "dataset")
         try:
-            leaves, paths = [], []
-            tree = _flatten(sample, np, i, leaves, paths)
-            if _shape_tree(tree) != ref_tree:
-                raise _invalid(f"dataset index {i}: the sample's structure {_describe_tree(tree)}"
-                               f" differs from the first sample's {_describe_tree(schema.tree)}")
-            for k, (a, _) in enumerate(leaves):
-                dt, shape, _ = schema.leaves[k]
-                if a.shape != shape or a.dtype != dt:
-                    raise _invalid(f"dataset index {i}, field {paths[k]}: shape {a.shape} dtype "
-                                   f"{a.dtype}, but the first sample had shape {shape} dtype "
-                                   f"{dt} (every sample must match: resize or convert in the "
-                                   "dataset)")
+            for k, a in enumerate(checked_leaves(schema, sample, i, np)):
                 views[k][j] = a
         except Exception as e:
             from . import InvalidError
             st = ST_INVALID if isinstance(e, InvalidError) else ST_EXC
             return _pack_error(st, i, wid, e, "sample")
     return REP.pack(MAGIC_REP, ST_OK, 0)
+
+
+def checked_leaves(schema, sample, i, np):
+    """The leaves of sample i (arrays), checked against the schema: the same structure, and
+    each leaf the first sample's shape and dtype; an InvalidError naming what differs."""
+    leaves, paths = [], []
+    tree = _flatten(sample, np, i, leaves, paths)
+    if _shape_tree(tree) != schema.ref:
+        raise _invalid(f"dataset index {i}: the sample's structure {_describe_tree(tree)} "
+                       f"differs from the first sample's {_describe_tree(schema.tree)}")
+    out = []
+    for k, (a, _) in enumerate(leaves):
+        dt, shape, _ = schema.leaves[k]
+        if a.shape != shape or a.dtype != dt:
+            raise _invalid(f"dataset index {i}, field {paths[k]}: shape {a.shape} dtype "
+                           f"{a.dtype}, but the first sample had shape {shape} dtype {dt} "
+                           "(every sample must match: resize or convert in the dataset)")
+        out.append(a)
+    return out
 
 
 def _describe_tree(t):
@@ -388,6 +396,13 @@ def _context(ctx):
         return ctx
     raise _invalid(f"multiprocessing_context must be None, a start method name or a "
                    f"multiprocessing context, not {ctx!r}")
+
+
+class _KeyErrorMessage(str):
+    """KeyError prints repr() of its argument; this text's repr is itself."""
+
+    def __repr__(self):
+        return str(self)
 
 
 class WorkerError(RuntimeError):
@@ -432,12 +447,15 @@ class Pool:
         """Send one request to worker w, wait for its reply (None: the worker is gone)."""
         import select
         s = self.socks[w]
-        s.send(msg)
-        r, _, _ = select.select([s], [], [], timeout)
-        if not r:
-            raise WorkerError(f"pinmem.Loader: worker process {w} (pid {self.procs[w].pid}) "
-                              f"gave no answer within timeout={timeout} s")
-        data = s.recv(MAX_MSG)
+        try:
+            s.send(msg)
+            r, _, _ = select.select([s], [], [], timeout)
+            if not r:
+                raise WorkerError(f"pinmem.Loader: worker process {w} (pid "
+                                  f"{self.procs[w].pid}) gave no answer within timeout={timeout} s")
+            data = s.recv(MAX_MSG)
+        except (ConnectionError, BrokenPipeError):
+            return None
         return data or None
 
     def describe(self, index, timeout):
@@ -495,7 +513,7 @@ class Pool:
         t = e.get("type")
         if isinstance(t, type) and issubclass(t, BaseException):
             if t is KeyError:
-                text = KeyError(text).args[0]  # KeyError quotes its message: keep it readable
+                text = _KeyErrorMessage(text)  # KeyError shows repr(): keep the lines readable
             try:
                 return t(text)
             except Exception:

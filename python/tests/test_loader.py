@@ -238,13 +238,21 @@ def test_python_map_dataset(rng):
     Y = rng.integers(0, 10, size=90)
     loader = pinmem.Loader(MapDataset(X, Y), batch_size=20, shuffle=True, seed=1)
     seen = []
+    # A sample ([4 floats], int) is batched as default_collate does: a list of 4 columns
+    # (float64) and the labels (int64); batches() gives the 5 arrays flat.
     for b in loader.batches():
         idx = np.frombuffer(b.indices, dtype=np.uint64).astype(np.int64)
-        np.testing.assert_array_equal(host(b[0]), X[idx])
-        np.testing.assert_array_equal(host(b[1]), Y[idx])
-        assert host(b[1]).shape == (len(idx),)
+        assert len(b) == 5
+        for k in range(4):
+            np.testing.assert_array_equal(host(b[k]), X[idx, k])
+        np.testing.assert_array_equal(host(b[4]), Y[idx])
+        assert host(b[4]).shape == (len(idx),) and host(b[4]).dtype == np.int64
         seen.extend(idx)
     assert sorted(seen) == list(range(90))
+    cols, labels = next(iter(pinmem.Loader(MapDataset(X, Y), batch_size=20, device="cpu")))
+    assert isinstance(cols, list) and len(cols) == 4
+    np.testing.assert_array_equal(np.asarray(cols[2]), X[:20, 2])
+    np.testing.assert_array_equal(np.asarray(labels), Y[:20])
 
 
 def test_python_dataset_error_propagates(rng):
@@ -409,7 +417,7 @@ def test_sample_that_differs_from_the_first_is_refused():
         for _ in loader:
             pass
     msg = str(e.value)
-    assert "sample 13" in msg and "field 0" in msg and "float64" in msg and "int64" in msg
+    assert "index 13" in msg and "field [0]" in msg and "float64" in msg and "int64" in msg
 
     class Reshaped(Drifting):
         def __getitem__(self, i):
