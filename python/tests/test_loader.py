@@ -357,8 +357,9 @@ class RandomAugmented:
 def test_map_dataset_is_called_once_per_sample(rng):
     n = 300 if not SMALL else 60
     ds = RandomAugmented(n)
+    # Threads: the calls are counted in this process (worker processes count their own).
     loader = pinmem.Loader(ds, batch_size=32, shuffle=True, seed=2, num_workers=3,
-                           device="cpu", epochs=1)
+                           device="cpu", epochs=1, worker_mode="thread")
     rows = 0
     for x, y, i in loader:
         x, y, i = np.asarray(x), np.asarray(y), np.asarray(i)
@@ -425,7 +426,7 @@ def test_sample_that_differs_from_the_first_is_refused():
     with pytest.raises(pinmem.InvalidError) as e:
         for _ in pinmem.Loader(Reshaped(), batch_size=5, device="cpu"):
             pass
-    assert "sample 7" in str(e.value) and "(2, 2)" in str(e.value)
+    assert "index 7" in str(e.value) and "(2, 2)" in str(e.value)
 
 
 def test_object_and_sizeless_dtypes_are_refused():
