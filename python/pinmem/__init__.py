@@ -514,7 +514,8 @@ class Loader:
                 self._schema = self._pool.describe(0, self._timeout)
                 self._pool.set_schema(self._schema, self._timeout)
                 self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), len(dataset),
-                                                    self._schema.specs(), self._timeout)
+                                                    self._schema.specs(), self._timeout,
+                                                    _PROCESS_DEPTH)
             except BaseException:
                 self._pool.stop()
                 self._pool.close()
@@ -544,9 +545,10 @@ class Loader:
             pin_memory=bool(pin_memory), device=to_device,
             epochs=0 if epochs is None else int(epochs))
         if procs:
-            # One claim of rows per message; claims go to the workers in turn (reproducible).
-            self._config.update(shared_slots=True, ordered_workers=True,
-                                claim_rows=max(1, min(8, int(batch_size))))
+            # One claim of rows per message; claims go to the workers in turn (reproducible),
+            # _PROCESS_DEPTH loader threads per process so each has its next claim queued.
+            self._config.update(workers=nw * _PROCESS_DEPTH, shared_slots=True,
+                                ordered_workers=True, claim_rows=max(1, min(8, int(batch_size))))
         if sampler is not None:
             self._config.update(rank=0, world_size=1)  # the sampler shards, if anyone does
         # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
@@ -593,18 +595,30 @@ class Loader:
         if self._pool is not None:
             self._pool.epoch = epoch
 
+    def _retire(self, c):
+        """Destroy C loader c. Over worker processes, claims may still be out: cancel the
+        waits, let the processes finish what they were given (drain) and only then free the
+        slots they write into."""
+        if self._pool is not None and c is not None:
+            _pinmem._procs_cancel(self._base)
+            if not _pinmem._procs_drain(self._base, max(self._timeout, 60.0)):
+                c.close()
+                raise WorkerError("pinmem.Loader: a worker process did not finish its rows in "
+                                  "time while the loader was stopping")
+        if c is not None:
+            c.close()
+
     def _swap_pool(self, epoch):
         """New worker processes for `epoch` (persistent_workers=False)."""
+        c, self._c = self._c, None
+        self._retire(c)  # (already done at the end of an epoch)
         old, self._pool = self._pool, None
-        if self._c is not None:
-            c, self._c = self._c, None
-            c.close()
         old.stop()
         old.close()
         self._pool = self._start_pool(epoch)
         self._pool.set_schema(self._schema, self._timeout)
         self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), len(self.dataset),
-                                            self._schema.specs(), self._timeout)
+                                            self._schema.specs(), self._timeout, _PROCESS_DEPTH)
         self._ds = self._base
 
     def _shape(self, values):
@@ -625,7 +639,7 @@ class Loader:
             if self._epochs_total is None or nxt < self._epochs_total:
                 resume = c.state()  # (next epoch, batch 0), as the library packs it
                 self._c = None
-                c.close()
+                self._retire(c)
                 self._open_epoch(nxt, 0, resume=resume)
                 b = self._c.next()
         if b is not None and self._odd:
@@ -700,7 +714,7 @@ class Loader:
                                    f"this loader has {cur[k]}: the order of the samples would "
                                    "differ")
         c, self._c = self._c, None
-        c.close()  # batches still held keep their slots until they go
+        self._retire(c)  # batches still held keep their slots until they go
         try:
             self._open_epoch(values["epoch"], values["batch"], resume=packed)
         except BaseException:
@@ -757,6 +771,11 @@ class Loader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# Loader threads per worker process: each process has its next claim of rows queued while it
+# works on one, so strictly ordered claims never wait for the slowest process (see procs.c).
+_PROCESS_DEPTH = max(1, min(8, int(_os.environ.get("PINMEM_PROCESS_DEPTH", "2") or 2)))
 
 
 def _is_default_collate(fn):

@@ -212,7 +212,10 @@ def _seed_all(seed, wid, base_seed):
 
 def _set_torch_worker_info(info):
     """torch.utils.data.get_worker_info() answers inside pinmem's workers too, for datasets
-    that shard themselves with it."""
+    that shard themselves with it. Only where torch is already imported (by fork, or by the
+    dataset's unpickling): importing it for this alone would cost every worker seconds."""
+    if "torch" not in sys.modules:
+        return
     try:
         from torch.utils.data._utils import worker as tw
     except Exception:

@@ -7,9 +7,18 @@
  * itself travels once per process by SCM_RIGHTS. The thread then waits in poll() for the one
  * reply, without the GIL: the main process does no per-sample work at all.
  *
- * Each channel has a mutex (outside a loader, worker -1 uses channel 0) and a `pending` flag: a
- * request whose reply was not read (a wait cut short by cancel or timeout) is drained before
- * the channel's next request, so requests and replies never get out of step. Errors are kept
+ * Depth: the loader runs `depth` threads per process (thread t talks to process t % nch), so a
+ * process has its next claim queued in its socket while it works on one: with strictly ordered
+ * claims and one claim in flight per process, every worker would wait for the slowest (a
+ * convoy); torch's workers likewise hold prefetch_factor batches each. Claims reach a process
+ * from its threads in a fixed cycle (claim k goes to thread k % (nch * depth), hence to depth
+ * index (k / nch) % depth), so each channel keeps two turns, send_turn and recv_turn: a thread
+ * sends when send_turn is its depth index and reads the reply when recv_turn is, and the
+ * process sees its claims in claim order (its random state then gives the same rows every
+ * run). `pending` counts requests whose replies were not read: a wait cut short by cancel or a
+ * timeout leaves them, and _procs_drain reads them (the process has then stopped writing into
+ * the slots) before another loader uses the dataset; drain also resets the turns, since a
+ * loader that stops may leave a claim it took unread. Errors are kept
  * raw (kind, worker, status, the reply's pickled payload), first one wins, and become a Python
  * exception only when next() asks, with the GIL, through the Pool object of _workers.py
  * (Pool.error / Pool.died / Pool.timeout_error), which knows the processes' exit codes.
@@ -42,15 +51,19 @@ enum { ERR_NONE, ERR_REPLY, ERR_EOF, ERR_TIMEOUT, ERR_SEND, ERR_CANCEL, ERR_SHAR
 
 typedef struct {
   pthread_mutex_t mu;
-  int fd;      /* the main process's end of the socket (owned by the Pool's socket object) */
-  bool pending; /* a request is out and its reply not read */
-  bool dead;    /* end of file seen: the process is gone */
+  pthread_cond_t cv;
+  int fd;        /* the main process's end of the socket (owned by the Pool's socket object) */
+  int pending;   /* requests out whose replies were not read */
+  int send_turn; /* the depth index whose request goes next (see DESIGN) */
+  int recv_turn; /* the depth index whose reply comes next */
+  atomic_bool dead; /* end of file seen: the process is gone (set by readers without mu) */
   int nknown;
   uint64_t known[KNOWN_MAX]; /* memfd keys this process has mapped */
 } chan_t;
 
 struct pmpy_procs {
   int nch;
+  int depth; /* loader threads per process: thread t talks to process t % nch */
   chan_t *ch;
   int nfields;
   size_t fbytes[PM_MAX_FIELDS]; /* bytes of a row of field k */
@@ -239,34 +252,44 @@ static int send_request(struct pmpy_procs *P, chan_t *c, const pm_rows_request_t
     if (c->nknown + nnew > KNOWN_MAX) c->nknown = 0; /* the process replaces mappings by key */
     for (int i = 0; i < nnew; i++) c->known[c->nknown++] = newkeys[i];
   }
-  c->pending = true;
+  c->pending++;
   return ERR_NONE;
+}
+
+/* Wait (mu held) until *turn is d, or cancel. */
+static bool wait_turn(struct pmpy_procs *P, chan_t *c, const int *turn, int d) {
+  while (*turn != d && !atomic_load(&P->cancelled)) pthread_cond_wait(&c->cv, &c->mu);
+  return *turn == d;
 }
 
 static int procs_read_rows(const pm_rows_request_t *rq, void *user) {
   struct pmpy_procs *P = user;
-  int w = rq->worker >= 0 ? rq->worker % P->nch : 0;
+  int t = rq->worker >= 0 ? rq->worker : 0;
+  int w = t % P->nch, d = rq->worker >= 0 ? (t / P->nch) % P->depth : 0;
   chan_t *c = &P->ch[w];
-  if (atomic_load(&P->cancelled)) {
-    record(P, ERR_CANCEL, w, 0, 0, NULL, 0, rq);
-    return PM_ERR_STATE;
-  }
-  pthread_mutex_lock(&c->mu);
   int kind = ERR_NONE, err = 0, status = 0;
   char *buf = NULL;
   size_t len = 0;
-  if (c->dead) kind = ERR_EOF;
-  if (kind == ERR_NONE && c->pending) { /* a reply left over from a wait cut short */
-    kind = wait_reply(P, c, &buf, &len);
-    free(buf);
-    buf = NULL;
-    if (kind == ERR_NONE) c->pending = false;
-  }
+  pthread_mutex_lock(&c->mu);
+  if (atomic_load(&P->cancelled) || !wait_turn(P, c, &c->send_turn, d)) kind = ERR_CANCEL;
+  else if (c->dead) kind = ERR_EOF;
+  /* The socket is written and read under mu (a send never blocks long: the process reads
+   * requests as soon as it is done with one), and the turns order the threads. */
   if (kind == ERR_NONE) kind = send_request(P, c, rq, &err);
   if (kind == ERR_NONE) {
+    c->send_turn = (d + 1) % P->depth;
+    pthread_cond_broadcast(&c->cv);
+    if (!wait_turn(P, c, &c->recv_turn, d)) kind = ERR_CANCEL;
+  }
+  if (kind == ERR_NONE) {
+    /* Read without mu: the other thread of this process may send meanwhile. */
+    pthread_mutex_unlock(&c->mu);
     kind = wait_reply(P, c, &buf, &len);
+    pthread_mutex_lock(&c->mu);
     if (kind == ERR_NONE) {
-      c->pending = false;
+      c->pending--;
+      c->recv_turn = (d + 1) % P->depth;
+      pthread_cond_broadcast(&c->cv);
       reply_t r;
       if (len < sizeof r) {
         kind = ERR_SEND;
@@ -302,7 +325,10 @@ static int procs_read_rows(const pm_rows_request_t *rq, void *user) {
 
 void pmpy_procs_free(struct pmpy_procs *P) {
   if (!P) return;
-  for (int i = 0; i < P->nch; i++) pthread_mutex_destroy(&P->ch[i].mu);
+  for (int i = 0; i < P->nch; i++) {
+    pthread_mutex_destroy(&P->ch[i].mu);
+    pthread_cond_destroy(&P->ch[i].cv);
+  }
   free(P->ch);
   if (P->cancel_fd >= 0) close(P->cancel_fd);
   pthread_mutex_destroy(&P->err_mu);
@@ -364,13 +390,16 @@ PyObject *pmpy_procs_take_error(DatasetObject *d) {
   return t;
 }
 
-/* _dataset_procs(pool, fds, samples, specs, timeout): a dataset whose rows are written by the
- * worker processes behind fds (one socket each), specs as _dataset_python's. */
+/* _dataset_procs(pool, fds, samples, specs, timeout, depth): a dataset whose rows are written by
+ * the worker processes behind fds (one socket each; `depth` loader threads each), specs as
+ * _dataset_python's. */
 static PyObject *py_dataset_procs(PyObject *mod, PyObject *args) {
   PyObject *pool, *fds, *specs;
   unsigned long long samples;
   double timeout;
-  if (!PyArg_ParseTuple(args, "OOKOd:_dataset_procs", &pool, &fds, &samples, &specs, &timeout))
+  int depth = 1;
+  if (!PyArg_ParseTuple(args, "OOKOd|i:_dataset_procs", &pool, &fds, &samples, &specs, &timeout,
+                        &depth))
     return NULL;
   PyObject *fseq = PySequence_Fast(fds, "fds must be a sequence");
   if (!fseq) return NULL;
@@ -382,8 +411,9 @@ static PyObject *py_dataset_procs(PyObject *mod, PyObject *args) {
   Py_ssize_t nch = PySequence_Fast_GET_SIZE(fseq), n = PySequence_Fast_GET_SIZE(seq);
   DatasetObject *d = NULL;
   struct pmpy_procs *P = NULL;
-  if (nch < 1 || n < 1 || n > PM_MAX_FIELDS) {
-    pmpy_raise_fmt(PM_ERR_INVALID, "_dataset_procs: 1+ workers and 1..%d fields", PM_MAX_FIELDS);
+  if (nch < 1 || n < 1 || n > PM_MAX_FIELDS || depth < 1 || depth > 8) {
+    pmpy_raise_fmt(PM_ERR_INVALID, "_dataset_procs: 1+ workers, 1..%d fields, depth 1..8",
+                   PM_MAX_FIELDS);
     goto fail;
   }
   P = calloc(1, sizeof *P);
@@ -392,9 +422,11 @@ static PyObject *py_dataset_procs(PyObject *mod, PyObject *args) {
     goto fail;
   }
   P->cancel_fd = -1;
+  P->depth = depth;
   pthread_mutex_init(&P->err_mu, NULL);
   for (Py_ssize_t i = 0; i < nch; i++) {
     pthread_mutex_init(&P->ch[i].mu, NULL);
+    pthread_cond_init(&P->ch[i].cv, NULL);
     P->nch++;
     long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(fseq, i));
     if (fd < 0) {
@@ -466,11 +498,61 @@ static PyObject *py_procs_cancel(PyObject *mod, PyObject *arg) {
   uint64_t one = 1;
   if (write(P->cancel_fd, &one, sizeof one) < 0 && errno != EAGAIN)
     return PyErr_SetFromErrno(PyExc_OSError);
+  for (int i = 0; i < P->nch; i++) {
+    pthread_mutex_lock(&P->ch[i].mu);
+    pthread_cond_broadcast(&P->ch[i].cv);
+    pthread_mutex_unlock(&P->ch[i].mu);
+  }
   Py_RETURN_NONE;
+}
+
+/* Read every reply still owed (the processes are then done with the slots they were given),
+ * then clear a cancel and reset the turns, ready for another loader. Only once no loader
+ * thread uses the dataset. Returns False if a process did not answer within timeout s (that
+ * channel is then dead). */
+static PyObject *py_procs_drain(PyObject *mod, PyObject *args) {
+  PyObject *ds;
+  double timeout;
+  if (!PyArg_ParseTuple(args, "Od:_procs_drain", &ds, &timeout)) return NULL;
+  if (!PyObject_TypeCheck(ds, &pmpy_DatasetType) || !((DatasetObject *)ds)->procs)
+    return pmpy_raise_fmt(PM_ERR_INVALID, "_procs_drain takes a worker-process dataset");
+  struct pmpy_procs *P = ((DatasetObject *)ds)->procs;
+  bool ok = true;
+  Py_BEGIN_ALLOW_THREADS;
+  atomic_store(&P->cancelled, false);
+  uint64_t v;
+  while (read(P->cancel_fd, &v, sizeof v) > 0) {
+  }
+  int saved = P->timeout_ms;
+  P->timeout_ms = timeout > 0 ? (int)(timeout * 1000.0) : -1;
+  for (int i = 0; i < P->nch; i++) {
+    chan_t *c = &P->ch[i];
+    pthread_mutex_lock(&c->mu);
+    while (c->pending > 0 && !c->dead) {
+      char *buf;
+      size_t len;
+      int kind = wait_reply(P, c, &buf, &len);
+      free(buf);
+      if (kind == ERR_NONE) {
+        c->pending--;
+      } else {
+        c->dead = true; /* timed out or gone: never trust this channel's order again */
+        ok = false;
+      }
+    }
+    c->pending = 0;
+    c->send_turn = c->recv_turn = 0;
+    pthread_mutex_unlock(&c->mu);
+  }
+  P->timeout_ms = saved;
+  Py_END_ALLOW_THREADS;
+  return PyBool_FromLong(ok);
 }
 
 PyMethodDef pmpy_procs_functions[] = {
     {"_dataset_procs", py_dataset_procs, METH_VARARGS,
      "_dataset_procs(pool, fds, samples, specs, timeout): rows written by worker processes"},
     {"_procs_cancel", py_procs_cancel, METH_O, "_procs_cancel(dataset): stop every wait"},
+    {"_procs_drain", py_procs_drain, METH_VARARGS,
+     "_procs_drain(dataset, timeout): read the replies still owed, reset for another loader"},
     {0}};
