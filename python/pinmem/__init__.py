@@ -601,11 +601,13 @@ class Loader:
         slots they write into."""
         if self._pool is not None and c is not None:
             _pinmem._procs_cancel(self._base)
-            if not _pinmem._procs_drain(self._base, max(self._timeout, 60.0)):
-                c.close()
+            ok = _pinmem._procs_drain(self._base, max(self._timeout, 60.0))
+            c.close()
+            _pinmem._procs_reset(self._base)
+            if not ok:
                 raise WorkerError("pinmem.Loader: a worker process did not finish its rows in "
                                   "time while the loader was stopping")
-        if c is not None:
+        elif c is not None:
             c.close()
 
     def _swap_pool(self, epoch):
@@ -765,6 +767,9 @@ class Loader:
         finally:
             if pool is not None:
                 pool.close()
+                # The worker-process dataset holds an eventfd (and the sockets' numbers): let
+                # it go now rather than when the Loader object goes.
+                self._base = self._ds = None
 
     def __enter__(self):
         return self

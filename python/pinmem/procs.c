@@ -56,6 +56,7 @@ typedef struct {
   int pending;   /* requests out whose replies were not read */
   int send_turn; /* the depth index whose request goes next (see DESIGN) */
   int recv_turn; /* the depth index whose reply comes next */
+  int readers;   /* threads inside wait_reply (which runs without mu) */
   atomic_bool dead; /* end of file seen: the process is gone (set by readers without mu) */
   int nknown;
   uint64_t known[KNOWN_MAX]; /* memfd keys this process has mapped */
@@ -283,9 +284,11 @@ static int procs_read_rows(const pm_rows_request_t *rq, void *user) {
   }
   if (kind == ERR_NONE) {
     /* Read without mu: the other thread of this process may send meanwhile. */
+    c->readers++;
     pthread_mutex_unlock(&c->mu);
     kind = wait_reply(P, c, &buf, &len);
     pthread_mutex_lock(&c->mu);
+    if (--c->readers == 0) pthread_cond_broadcast(&c->cv);
     if (kind == ERR_NONE) {
       c->pending--;
       c->recv_turn = (d + 1) % P->depth;
@@ -506,9 +509,11 @@ static PyObject *py_procs_cancel(PyObject *mod, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
-/* Read every reply still owed (the processes are then done with the slots they were given),
- * then clear a cancel and reset the turns, ready for another loader. Only once no loader
- * thread uses the dataset. Returns False if a process did not answer within timeout s (that
+/* After _procs_cancel, with the loader threads possibly still alive: read every reply still
+ * owed, so the processes are done with the slots they were given before the loader frees them.
+ * Cancel stays set (checked under each channel's mu before any send), so nothing new goes out;
+ * a thread inside wait_reply leaves at once (the eventfd) and is waited for first, so the
+ * socket has one reader. Returns False if a process did not answer within timeout s (that
  * channel is then dead). */
 static PyObject *py_procs_drain(PyObject *mod, PyObject *args) {
   PyObject *ds;
@@ -519,34 +524,57 @@ static PyObject *py_procs_drain(PyObject *mod, PyObject *args) {
   struct pmpy_procs *P = ((DatasetObject *)ds)->procs;
   bool ok = true;
   Py_BEGIN_ALLOW_THREADS;
-  atomic_store(&P->cancelled, false);
-  uint64_t v;
-  while (read(P->cancel_fd, &v, sizeof v) > 0) {
-  }
-  int saved = P->timeout_ms;
-  P->timeout_ms = timeout > 0 ? (int)(timeout * 1000.0) : -1;
   for (int i = 0; i < P->nch; i++) {
     chan_t *c = &P->ch[i];
     pthread_mutex_lock(&c->mu);
+    while (c->readers > 0) pthread_cond_wait(&c->cv, &c->mu);
+    double deadline = now_s() + (timeout > 0 ? timeout : 60.0);
     while (c->pending > 0 && !c->dead) {
-      char *buf;
-      size_t len;
-      int kind = wait_reply(P, c, &buf, &len);
-      free(buf);
-      if (kind == ERR_NONE) {
-        c->pending--;
-      } else {
-        c->dead = true; /* timed out or gone: never trust this channel's order again */
-        ok = false;
+      struct pollfd pf = {c->fd, POLLIN, 0};
+      int ms = (int)((deadline - now_s()) * 1000.0);
+      int r = ms > 0 ? poll(&pf, 1, ms) : 0;
+      if (r < 0 && errno == EINTR) continue;
+      char probe;
+      ssize_t want = r > 0 ? recv(c->fd, &probe, 1, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT) : -1;
+      if (want > 0) {
+        char *b = malloc((size_t)want);
+        ssize_t got = b ? recv(c->fd, b, (size_t)want, MSG_DONTWAIT) : -1;
+        free(b);
+        if (got == want) {
+          c->pending--;
+          continue;
+        }
       }
+      if (want < 0 && r > 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      c->dead = true; /* gone, or no answer in time: never trust this channel's order again */
+      ok = false;
     }
+    pthread_mutex_unlock(&c->mu);
+  }
+  Py_END_ALLOW_THREADS;
+  return PyBool_FromLong(ok);
+}
+
+/* Once no loader thread uses the dataset: clear a cancel and the turns, for the next loader. */
+static PyObject *py_procs_reset(PyObject *mod, PyObject *ds) {
+  if (!PyObject_TypeCheck(ds, &pmpy_DatasetType) || !((DatasetObject *)ds)->procs)
+    return pmpy_raise_fmt(PM_ERR_INVALID, "_procs_reset takes a worker-process dataset");
+  struct pmpy_procs *P = ((DatasetObject *)ds)->procs;
+  uint64_t v;
+  while (read(P->cancel_fd, &v, sizeof v) > 0) {
+  }
+  for (int i = 0; i < P->nch; i++) {
+    chan_t *c = &P->ch[i];
+    pthread_mutex_lock(&c->mu);
     c->pending = 0;
     c->send_turn = c->recv_turn = 0;
     pthread_mutex_unlock(&c->mu);
   }
-  P->timeout_ms = saved;
-  Py_END_ALLOW_THREADS;
-  return PyBool_FromLong(ok);
+  pthread_mutex_lock(&P->err_mu);
+  if (P->err_kind == ERR_CANCEL) P->err_kind = ERR_NONE;
+  pthread_mutex_unlock(&P->err_mu);
+  atomic_store(&P->cancelled, false);
+  Py_RETURN_NONE;
 }
 
 PyMethodDef pmpy_procs_functions[] = {
@@ -554,5 +582,7 @@ PyMethodDef pmpy_procs_functions[] = {
      "_dataset_procs(pool, fds, samples, specs, timeout): rows written by worker processes"},
     {"_procs_cancel", py_procs_cancel, METH_O, "_procs_cancel(dataset): stop every wait"},
     {"_procs_drain", py_procs_drain, METH_VARARGS,
-     "_procs_drain(dataset, timeout): read the replies still owed, reset for another loader"},
+     "_procs_drain(dataset, timeout): after _procs_cancel, read the replies still owed"},
+    {"_procs_reset", py_procs_reset, METH_O,
+     "_procs_reset(dataset): once no loader uses it, clear a cancel for the next loader"},
     {0}};
