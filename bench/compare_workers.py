@@ -365,7 +365,10 @@ def as_numpy(np, torch, x):
 def check(np, torch, factory, dataset, batch, workers, nbatches):
     """The first nbatches batches of a pinmem.Loader over dataset (augmentation off) against
     dataset[i] for the indices each batch names. -> (ok, message)."""
-    loader = factory.make(dataset, batch, workers)
+    try:
+        loader = factory.make(dataset, batch, workers)
+    except Exception as e:  # noqa: BLE001 - reported, and the run fails
+        return False, "pinmem.Loader(...) raised %s: %s" % (type(e).__name__, e)
     try:
         it = loader.batches()
         for k in range(nbatches):
@@ -389,6 +392,8 @@ def check(np, torch, factory, dataset, batch, workers, nbatches):
             if not np.array_equal(got[1].astype(np.int64), want_y):
                 return False, "batch %d: the labels differ from dataset[i]" % k
         return True, "%d batches of %d equal dataset[i] for their indices" % (nbatches, batch)
+    except Exception as e:  # noqa: BLE001 - reported, and the run fails
+        return False, "reading a batch raised %s: %s" % (type(e).__name__, e)
     finally:
         loader.close()
 
@@ -500,14 +505,16 @@ def main():
 
     tmp = args.data_dir or tempfile.mkdtemp(prefix="pinmem-workers.")
     os.makedirs(tmp, exist_ok=True)
-    rows, targets, failed = [], [], False
+    rows, targets, failed, errors = [], [], False, []
     try:
         for case in cases:
             built = build_case(case, np, args, tmp, say)
             if "skipped" in built:
                 say("%s: skipped: %s" % (case, built["skipped"]))
+                say("TARGET %s: not measured  MISS" % target_text(case))
                 emit({"bench": BENCH, "case": case, "skipped": built["skipped"]})
-                targets.append({"bench": BENCH, "case": "TARGET_" + case, "met": False,
+                targets.append({"bench": BENCH, "case": "TARGET_" + case,
+                                "target": target_text(case), "value": None, "met": False,
                                 "measured": False, "reason": built["skipped"]})
                 continue
             say("%s: %s; batch %d" % (case, built["what"], built["batch"]))
@@ -522,17 +529,19 @@ def main():
                 if not verified:
                     failed = True
             case_rows = measure(case, built, torch, factory, workers, args, verified, say,
-                                skip_pinmem=verified is False)
+                                verified is False, errors)
             rows += case_rows
             targets += case_targets(case, case_rows, built, say)
             for r in case_rows:
                 emit(r)
         for t in targets:
             emit(t)
+        for e in errors:
+            emit({"bench": BENCH, "case": "error", "error": e})
     finally:
         if not args.data_dir:
             shutil.rmtree(tmp, ignore_errors=True)
-    return 1 if failed else 0
+    return 1 if failed or errors else 0
 
 
 def build_case(case, np, args, tmp, say):
@@ -584,7 +593,10 @@ def build_case(case, np, args, tmp, say):
                        "jpeg_mean_bytes": round(mean), "pillow": PIL.__version__}}
 
 
-def measure(case, built, torch, factory, workers, args, verified, say, skip_pinmem):
+def measure(case, built, torch, factory, workers, args, verified, say, skip_pinmem, errors):
+    """Time every configuration of a case; -> rows. A pinmem run that raises is reported (in
+    errors, and on the console with its traceback) and ends pinmem's runs for the case."""
+    import traceback
     batch = built["batch"]
     runs = {}
     for w in workers:
@@ -599,8 +611,16 @@ def measure(case, built, torch, factory, workers, args, verified, say, skip_pinm
                     secs, cpu, _ = run_torch(torch, built["data"], batch, w, args, warmup, count)
                     mode = None
                 else:
-                    secs, cpu, _, mode = run_pinmem(torch, factory, built["data"], batch, w,
-                                                    args, warmup, count)
+                    try:
+                        secs, cpu, _, mode = run_pinmem(torch, factory, built["data"], batch,
+                                                        w, args, warmup, count)
+                    except Exception as e:  # noqa: BLE001 - reported, and the run fails
+                        say(traceback.format_exc().rstrip())
+                        errors.append("%s, pinmem, %d workers: %s: %s" %
+                                      (case, w, type(e).__name__, e))
+                        say("  pinmem %2d workers, run %d FAILED: %s" % (w, rep + 1, errors[-1]))
+                        skip_pinmem = True
+                        continue
                 r = runs.setdefault((impl, w), {"seconds": [], "cpu": [], "mode": mode,
                                                 "warmup": warmup, "count": count})
                 r["seconds"].append(secs)
@@ -655,6 +675,13 @@ def measure(case, built, torch, factory, workers, args, verified, say, skip_pinm
     return rows
 
 
+def target_text(case, workers=None):
+    if case == "jpeg":
+        return "JPEG pinmem >= %.1fx torch at %s workers" % (
+            JPEG_TARGET, "each num_workers" if workers is None else workers)
+    return "pre-decoded pinmem >= %.0fx torch's best configuration" % NPY_TARGET
+
+
 def case_targets(case, rows, built, say):
     pm = [r for r in rows if r["impl"] == "pinmem"]
     out = []
@@ -663,7 +690,7 @@ def case_targets(case, rows, built, say):
         for w in ws:
             p = next((r for r in pm if r["workers"] == w), None)
             t = next((r for r in rows if r["impl"] == "torch" and r["workers"] == w), None)
-            text = "JPEG pinmem >= %.1fx torch at %d workers" % (JPEG_TARGET, w)
+            text = target_text(case, w)
             if p and t:
                 met = p["ratio_vs_torch"] >= JPEG_TARGET and bool(p["verified"] in (True, None))
                 say("TARGET %s: %.2fx (pinmem %.0f images/s, %.4f CPU s/batch; torch %.0f, "
@@ -676,11 +703,11 @@ def case_targets(case, rows, built, say):
                             "value": p["ratio_vs_torch"], "met": met, "measured": True,
                             "verified": p["verified"]})
             else:
-                say("TARGET %s: not measured (the check failed)  MISS" % text)
+                say("TARGET %s: not measured (the check or the run failed)  MISS" % text)
                 out.append({"bench": BENCH, "case": "TARGET_jpeg_w%d" % w, "target": text,
                             "value": None, "met": False, "measured": False})
     else:
-        text = "pre-decoded pinmem >= %.0fx torch's best configuration" % NPY_TARGET
+        text = target_text(case)
         best_pm = max(pm, key=lambda r: r["images_per_s"]) if pm else None
         if best_pm and best_pm.get("ratio_vs_best_torch"):
             v = best_pm["ratio_vs_best_torch"]
@@ -693,7 +720,7 @@ def case_targets(case, rows, built, say):
                         "met": met, "measured": True, "verified": best_pm["verified"],
                         "pinmem": best_pm["case"], "torch": best_pm["best_torch"]})
         else:
-            say("TARGET %s: not measured (the check failed)  MISS" % text)
+            say("TARGET %s: not measured (the check or the run failed)  MISS" % text)
             out.append({"bench": BENCH, "case": "TARGET_npy", "target": text, "value": None,
                         "met": False, "measured": False})
     return out
