@@ -505,7 +505,7 @@ def main():
 
     tmp = args.data_dir or tempfile.mkdtemp(prefix="pinmem-workers.")
     os.makedirs(tmp, exist_ok=True)
-    rows, targets, failed, errors = [], [], False, []
+    failed, errors = False, []
     try:
         for case in cases:
             built = build_case(case, np, args, tmp, say)
@@ -513,9 +513,9 @@ def main():
                 say("%s: skipped: %s" % (case, built["skipped"]))
                 say("TARGET %s: not measured  MISS" % target_text(case))
                 emit({"bench": BENCH, "case": case, "skipped": built["skipped"]})
-                targets.append({"bench": BENCH, "case": "TARGET_" + case,
-                                "target": target_text(case), "value": None, "met": False,
-                                "measured": False, "reason": built["skipped"]})
+                emit({"bench": BENCH, "case": "TARGET_" + case, "target": target_text(case),
+                      "value": None, "met": False, "measured": False,
+                      "reason": built["skipped"]})
                 continue
             say("%s: %s; batch %d" % (case, built["what"], built["batch"]))
             verified, why = None, "no check (--check 0)"
@@ -530,12 +530,9 @@ def main():
                     failed = True
             case_rows = measure(case, built, torch, factory, workers, args, verified, say,
                                 verified is False, errors)
-            rows += case_rows
-            targets += case_targets(case, case_rows, built, say)
-            for r in case_rows:
+            targets = case_targets(case, case_rows, built, say)
+            for r in case_rows + targets:
                 emit(r)
-        for t in targets:
-            emit(t)
         for e in errors:
             emit({"bench": BENCH, "case": "error", "error": e})
     finally:
