@@ -300,13 +300,12 @@ def pinmem_batches(loader):
             yield x, y
 
 
-def timed_run(torch, batches, warmup, count, device, settle):
+def timed_run(torch, batches, warmup, count, device):
     """Consume warmup batches, then time count batches; each batch's images are summed on the
     device into one counter (so the batch is really used), synchronised at the end.
     -> (seconds, main-process CPU seconds, checksum)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     acc = torch.zeros((), dtype=torch.int64, device=device)
-    time.sleep(settle)
     for _ in range(warmup):
         x, y = next(batches)
         acc += x.sum()
@@ -327,6 +326,7 @@ def timed_run(torch, batches, warmup, count, device, settle):
 
 def run_torch(torch, dataset, batch, workers, args, warmup, count):
     from torch.utils.data import DataLoader
+    time.sleep(args.settle)
     g = torch.Generator()
     g.manual_seed(args.seed)
     kw = {}
@@ -337,18 +337,21 @@ def run_torch(torch, dataset, batch, workers, args, warmup, count):
                     drop_last=True, generator=g, **kw)
     it = torch_batches(torch, dl, args.device)
     try:
-        return timed_run(torch, it, warmup, count, args.device, args.settle)
+        return timed_run(torch, it, warmup, count, args.device)
     finally:
         it.close()
         del it, dl  # stops the workers before the next run starts
 
 
 def run_pinmem(torch, factory, dataset, batch, workers, args, warmup, count):
+    # The pause comes before the loader exists: its workers start filling slots at once, and
+    # batches filled during a pause would reach the clock for free.
+    time.sleep(args.settle)
     loader = factory.make(dataset, batch, workers)
     mode = factory.worker_mode(loader)
     it = pinmem_batches(loader)
     try:
-        secs, cpu, acc = timed_run(torch, it, warmup, count, args.device, args.settle)
+        secs, cpu, acc = timed_run(torch, it, warmup, count, args.device)
     finally:
         it.close()
         del it
@@ -724,4 +727,13 @@ def case_targets(case, rows, built, say):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run from the module compare_workers rather than __main__, so that the datasets pickle by
+    # a module name that any fresh interpreter a loader starts (spawn, forkserver, a worker
+    # started as its own process) can import: this folder goes on its PYTHONPATH.
+    _here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_here, os.environ.get("PYTHONPATH")) if p)
+    if _here not in sys.path:
+        sys.path.insert(0, _here)
+    import compare_workers
+    sys.exit(compare_workers.main())
