@@ -554,11 +554,12 @@ def build_case(case, np, args, tmp, say):
                 (args.npy_images, args.npy_images * 196608 / 1e9, path))
             make_npy(np, path, args.npy_images, args.seed)
         warm(path)
-        return {"data": NpyCrops(path, args.classes), "batch": args.npy_batch,
+        data = NpyCrops(path, args.classes)  # len(data): the file's, where --data-dir had one
+        return {"data": data, "batch": args.npy_batch,
                 "plain": NpyCrops(path, args.classes, augment=False),
-                "what": "%d pre-decoded 256x256x3 uint8 images (numpy memmap), random 224 crop "
-                        "+ flip in NumPy" % args.npy_images,
-                "fields": {"dataset_images": args.npy_images, "reader": "NpyCrops (memmap)"}}
+                "what": "%d pre-decoded %dx%dx3 uint8 images (numpy memmap), random 224 crop "
+                        "+ flip in NumPy" % (len(data), data.h, data.w),
+                "fields": {"dataset_images": len(data), "reader": "NpyCrops (memmap)"}}
     try:
         import PIL
         from PIL import Image  # noqa: F401
@@ -587,9 +588,9 @@ def build_case(case, np, args, tmp, say):
         reader = "PilImageFolder of this script (torchvision not importable: %s)" % e
     return {"data": data, "plain": plain, "batch": args.jpeg_batch,
             "what": "%d JPEGs %dx%d (mean %.0f KB), %s, RandomResizedCrop(224) + flip + "
-                    "uint8 CHW, Pillow %s" % (args.images, w, h, mean / 1e3, reader,
+                    "uint8 CHW, Pillow %s" % (len(data), w, h, mean / 1e3, reader,
                                               PIL.__version__),
-            "fields": {"dataset_images": args.images, "reader": reader,
+            "fields": {"dataset_images": len(data), "reader": reader,
                        "jpeg_mean_bytes": round(mean), "pillow": PIL.__version__}}
 
 
