@@ -33,9 +33,9 @@ synchronisation. Reported per row, medians over --repeats runs: images/s, the ma
 CPU seconds per batch (getrusage(RUSAGE_SELF), user + system: the main process's threads,
 torch's pin-memory thread included, its worker processes not; while pinmem's Python-dataset
 workers are threads of the main process, their work counts there too), and pinmem/torch at the
-same num_workers; for npy also pinmem over torch's best configuration. The runs of one
-configuration alternate torch and pinmem (torch first in even repeats, pinmem first in odd
-ones), so the machine's drift hits both.
+same num_workers; for npy also pinmem over torch's best configuration. Each repeat is a round
+over every num_workers, torch and pinmem back to back (torch first in even rounds, pinmem first
+in odd ones), so the machine's drift hits both.
 
 Before timing, --check N batches of pinmem.Loader (default 3) over the same dataset with the
 augmentation off (jpeg: a resize to 224x224; npy: the centre crop, no flip) are compared with
@@ -600,10 +600,10 @@ def measure(case, built, torch, factory, workers, args, verified, say, skip_pinm
     import traceback
     batch = built["batch"]
     runs = {}
-    for w in workers:
-        warmup = round_up(args.warmup or w, w)
-        count = round_up(args.batches, w)
-        for rep in range(args.repeats):
+    for rep in range(args.repeats):  # rounds over every configuration: drift hits them all
+        for w in workers:
+            warmup = round_up(args.warmup or w, w)
+            count = round_up(args.batches, w)
             order = ("torch", "pinmem") if rep % 2 == 0 else ("pinmem", "torch")
             for impl in order:
                 if impl == "pinmem" and skip_pinmem:
