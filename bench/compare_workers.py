@@ -561,8 +561,7 @@ def build_case(case, np, args, tmp, say):
                         "+ flip in NumPy" % (len(data), data.h, data.w),
                 "fields": {"dataset_images": len(data), "reader": "NpyCrops (memmap)"}}
     try:
-        import PIL
-        from PIL import Image  # noqa: F401
+        import PIL.Image  # the module the datasets use, not only the package
     except ImportError as e:
         return {"skipped": "PIL is not installed (%s): pip install pillow" % e}
     root = os.path.join(tmp, "jpeg")
