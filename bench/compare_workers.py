@@ -677,8 +677,8 @@ def measure(case, built, torch, factory, workers, args, verified, say, skip_pinm
 
 def target_text(case, workers=None):
     if case == "jpeg":
-        return "JPEG pinmem >= %.1fx torch at %s workers" % (
-            JPEG_TARGET, "each num_workers" if workers is None else workers)
+        return "JPEG pinmem >= %.1fx torch at %s" % (
+            JPEG_TARGET, "each worker count" if workers is None else "%d workers" % workers)
     return "pre-decoded pinmem >= %.0fx torch's best configuration" % NPY_TARGET
 
 
