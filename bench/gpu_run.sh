@@ -6,7 +6,7 @@
 #   steps: build tests alloc copy overlap sweep loader torch python train workers (default: all
 #   but sweep; train, torch and workers use the Python package that the python step builds;
 #   where a machine limits how long one command may run, split them, e.g.
-#   "build tests copy overlap sweep" then "build loader python torch")
+#   "build tests copy overlap sweep", "build loader python torch", "build python train workers")
 # The Python steps need a DLPack 1.x dlpack/dlpack.h where no PyPI is reachable: carry it in
 # .carry/dlpack/ (DLPACK_INCLUDE_DIR), e.g. from the apache-tvm-ffi wheel's tvm_ffi/include.
 set -uo pipefail
@@ -119,7 +119,7 @@ fi
 if has workers; then
   log "Python datasets with worker processes (bench/compare_workers.py)"
   export PYTHONPATH=$PWD/$BUILD-py/python${PYTHONPATH:+:$PYTHONPATH}
-  timeout 540 python3 bench/compare_workers.py --json >"$OUT/compare-workers.jsonl" 2>"$OUT/compare-workers.err" || status=1
+  timeout 420 python3 bench/compare_workers.py --json >"$OUT/compare-workers.jsonl" 2>"$OUT/compare-workers.err" || status=1
   grep -vE '^  (torch|pinmem) +[0-9]+ workers, run' "$OUT/compare-workers.err" | tail -30
 fi
 "./$BUILD/pinmem" info --json >"$OUT/info.jsonl" 2>&1 || true
