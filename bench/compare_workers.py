@@ -37,10 +37,11 @@ same num_workers; for npy also pinmem over torch's best configuration. Each repe
 over every num_workers, torch and pinmem back to back (torch first in even rounds, pinmem first
 in odd ones), so the machine's drift hits both.
 
-Before timing, --check N batches of pinmem.Loader (default 3) over the same dataset with the
+Before timing, --check N batches of pinmem.Loader (default 3) over the same files with the
 augmentation off (jpeg: a resize to 224x224; npy: the centre crop, no flip) are compared with
 dataset[i] for the indices each batch names: a loader that delivers wrong bytes fails the run
-(exit status 1) instead of posting a figure.
+(exit status 1) instead of posting a figure, and so does a pinmem.Loader that raises (its
+traceback is printed, torch's rows go on).
 
 TARGET lines: jpeg pinmem >= 1.0x torch at each num_workers; npy pinmem's best configuration
 >= 3x torch's best.
