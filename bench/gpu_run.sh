@@ -3,10 +3,10 @@
 # benchmarks, and leave logs and JSON lines in $OUT (default ./gpu-out). Works on any
 # Linux machine with a CUDA toolkit and an NVIDIA GPU.
 #   bench/gpu_run.sh [steps...]
-#   steps: build tests alloc copy overlap sweep loader torch python train (default: all but
-#   sweep; train and torch use the Python package that the python step builds;
+#   steps: build tests alloc copy overlap sweep loader torch python train workers (default: all
+#   but sweep; train, torch and workers use the Python package that the python step builds;
 #   where a machine limits how long one command may run, split them, e.g.
-#   "build tests copy overlap sweep" then "build loader python torch")
+#   "build tests copy overlap sweep", "build loader python torch", "build python train workers")
 # The Python steps need a DLPack 1.x dlpack/dlpack.h where no PyPI is reachable: carry it in
 # .carry/dlpack/ (DLPACK_INCLUDE_DIR), e.g. from the apache-tvm-ffi wheel's tvm_ffi/include.
 set -uo pipefail
@@ -22,7 +22,7 @@ pack() {
 }
 trap pack EXIT
 BUILD=${BUILD:-build-gpu}
-STEPS=${*:-build tests alloc copy overlap loader python torch train}
+STEPS=${*:-build tests alloc copy overlap loader python torch train workers}
 [[ " $STEPS " == *" torch "* && " $STEPS " != *" python "* ]] &&
   echo "note: the torch step uses the Python package that the python step builds" >&2
 log() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
@@ -115,6 +115,12 @@ if has train; then
   export PYTHONPATH=$PWD/$BUILD-py/python${PYTHONPATH:+:$PYTHONPATH}
   timeout 300 python3 bench/train_ceiling.py --json >"$OUT/train-ceiling.jsonl" 2>"$OUT/train-ceiling.err" || status=1
   tail -12 "$OUT/train-ceiling.err"
+fi
+if has workers; then
+  log "Python datasets with worker processes (bench/compare_workers.py)"
+  export PYTHONPATH=$PWD/$BUILD-py/python${PYTHONPATH:+:$PYTHONPATH}
+  timeout 420 python3 bench/compare_workers.py --json >"$OUT/compare-workers.jsonl" 2>"$OUT/compare-workers.err" || status=1
+  grep -vE '^  (torch|pinmem) +[0-9]+ workers, run' "$OUT/compare-workers.err" | tail -30
 fi
 "./$BUILD/pinmem" info --json >"$OUT/info.jsonl" 2>&1 || true
 exit $status
