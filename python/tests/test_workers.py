@@ -136,6 +136,24 @@ def fd_table():
     return out
 
 
+def used_by_another_process(path):
+    """Whether a process other than this one has path open or mapped."""
+    me = str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or entry == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                if path in f.read():
+                    return True
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                if os.readlink(f"/proc/{entry}/fd/{fd}") == path:
+                    return True
+        except OSError:  # gone, or not ours to read
+            continue
+    return False
+
+
 def resources():
     """What a loader could leak, measured after cached pinned memory went back."""
     gc.collect()
@@ -157,9 +175,10 @@ def assert_nothing_left(before, worker_pids):
     left = [p for p in worker_pids if alive(p)]
     assert not left, f"worker processes still running: {left}"
     new_shm = after["shm"] - before["shm"]
-    if new_shm:  # a name another program made and removes at once is not ours: look again
-        time.sleep(0.2)
-        new_shm &= set(os.listdir("/dev/shm"))
+    if new_shm:  # other programs on this machine make names too: a name one of them has open
+        time.sleep(0.2)  # or mapped, or that goes at once, is not one this loader left behind
+        new_shm = {n for n in new_shm & set(os.listdir("/dev/shm"))
+                   if not used_by_another_process(f"/dev/shm/{n}")}
     assert not new_shm, f"/dev/shm entries left: {sorted(new_shm)}"
     assert after["in_use"] == before["in_use"], \
         f"pool in-use bytes {after['in_use']}, before the loader {before['in_use']}"
@@ -275,16 +294,19 @@ class Nested(Tagged):
 
 
 class Scalars(Tagged):
-    """Python numbers only (int, float, bool), whatever integer type the index has."""
+    """Python numbers only (int, float, bool; the last the reading process's pid), whatever
+    integer type the index has."""
 
     def __getitem__(self, i):
         i = int(i)
-        return i, i / 4, i % 3 == 0
+        return i, i / 4, i % 3 == 0, os.getpid()
 
 
 class Single(Tagged):
+    """One array: (i, 2 i, pid of the process that read it)."""
+
     def __getitem__(self, i):
-        return np.full(3, i, dtype=np.int32)
+        return np.array([i, 2 * i, os.getpid()], dtype=np.int32)
 
 
 class Tensors(Tagged):
@@ -302,7 +324,9 @@ class Reshaped(Tagged):
 
     def __getitem__(self, i):
         image = np.zeros((3, 2) if i == BAD else (2, 3), np.float32)
-        return {"image": image, "label": np.int64(i)} if self.as_dict else (image, np.int64(i))
+        pid = np.int64(os.getpid())
+        return {"image": image, "label": np.int64(i), "pid": pid} if self.as_dict else \
+            (image, np.int64(i), pid)
 
 
 class Captioned(Tagged):
@@ -374,12 +398,17 @@ def note_init(directory, worker_id):
 
 
 class InfoProbe(Tagged):
-    """What get_worker_info() says while a sample is read."""
+    """What get_worker_info() says while a sample is read (-1 and False where it says None: the
+    loader may read a sample in the main process to learn the fields; none is delivered)."""
 
     def __getitem__(self, i):
         info = pinmem.get_worker_info()
-        return (np.int64(i), np.int64(info.id), np.int64(info.num_workers), np.int64(info.seed % (1 << 62)),
-                np.int64(os.getpid()), info.dataset is self, os.getpid() in _INIT_PIDS)
+        if info is None:
+            return (np.int64(i), np.int64(-1), np.int64(-1), np.int64(-1), np.int64(os.getpid()),
+                    False, False)
+        return (np.int64(i), np.int64(info.id), np.int64(info.num_workers),
+                np.int64(info.seed % (1 << 62)), np.int64(os.getpid()), info.dataset is self,
+                os.getpid() in _INIT_PIDS)
 
 
 class Augmented(Tagged):
@@ -479,6 +508,7 @@ def test_python_numbers_become_int64_float64_bool():
     np.testing.assert_array_equal(i, np.arange(N))
     np.testing.assert_array_equal(f, np.arange(N) / 4)
     np.testing.assert_array_equal(t, np.arange(N) % 3 == 0)
+    assert os.getpid() not in pids_of(batches, 3)
 
 
 def test_single_array_sample_gives_array_batch():
@@ -489,7 +519,9 @@ def test_single_array_sample_gives_array_batch():
         raw = None
         batches = take(loader)
     got = np.concatenate(batches)
-    np.testing.assert_array_equal(got, np.repeat(np.arange(32, N, dtype=np.int32)[:, None], 3, 1))
+    i = np.arange(32, N, dtype=np.int32)
+    np.testing.assert_array_equal(got[:, :2], np.stack([i, 2 * i], axis=1))
+    assert os.getpid() not in got[:, 2]
 
 
 def test_torch_cpu_tensor_samples():
@@ -520,6 +552,8 @@ def test_sample_of_another_shape_names_index_field_and_shapes(as_dict):
     else:
         assert re.search(r"\[0\]|field 0", msg), msg
     assert len(got) <= BAD // 100  # no batch with the odd sample in it was delivered
+    pids = {p for b in got for p in (b["pid"] if as_dict else b[2]).tolist()}
+    assert got and os.getpid() not in pids  # read by worker processes
 
 
 def test_str_leaf_is_refused_by_name():
@@ -601,12 +635,16 @@ MAIN_DIES = textwrap.dedent("""
 
 @limit(60)
 @pytest.mark.parametrize("context,how", [("fork", "exit"), ("fork", "kill"), ("spawn", "kill")])
-def test_workers_exit_when_the_main_process_dies(context, how):
-    proc = subprocess.run([sys.executable, "-c", MAIN_DIES, context, how], env=script_env(),
-                          capture_output=True, text=True, timeout=40)
-    assert proc.returncode == (3 if how == "exit" else -signal.SIGKILL), proc.stderr
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("PIDS")]
-    assert line, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+def test_workers_exit_when_the_main_process_dies(tmp_path, context, how):
+    # Output to files, not pipes: workers that outlive the script would hold a pipe open.
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.run([sys.executable, "-c", MAIN_DIES, context, how], env=script_env(),
+                              stdout=o, stderr=e, timeout=40)
+    report = f"stdout:\n{out.read_text()}\nstderr:\n{err.read_text()}"
+    assert proc.returncode == (3 if how == "exit" else -signal.SIGKILL), report
+    line = [ln for ln in out.read_text().splitlines() if ln.startswith("PIDS")]
+    assert line, report
     pids = [int(p) for p in line[0].split()[1:]]
     assert len(pids) >= 2, pids
     try:
@@ -746,6 +784,7 @@ def test_state_dict_resume_mid_epoch():
         rest = take(resumed) + take(resumed)
     assert len(rest) == len(full) - 5
     check_tagged(rest, np.concatenate([b[1] for b in full[5:]]).tolist())
+    assert os.getpid() not in pids_of(full) | pids_of(rest)  # read by worker processes
 
 
 def test_ranks_deliver_each_index_exactly_once():
@@ -755,7 +794,9 @@ def test_ranks_deliver_each_index_exactly_once():
         with pinmem.Loader(Tagged(n), batch_size=16, shuffle=True, seed=5, num_workers=2,
                            device="cpu", rank=rank, world_size=world) as loader:
             for e in range(2):
-                per_epoch[e].append(np.concatenate([b[1] for b in take(loader)]))
+                batches = take(loader)
+                assert os.getpid() not in pids_of(batches)
+                per_epoch[e].append(np.concatenate([b[1] for b in batches]))
     for epoch in per_epoch:
         assert all(len(r) == n // world for r in epoch)
         assert sorted(np.concatenate(epoch).tolist()) == list(range(n))
@@ -867,26 +908,32 @@ CTRL_C = textwrap.dedent("""
 
 
 @limit(60)
-def test_ctrl_c_stops_cleanly():
-    proc = subprocess.Popen([sys.executable, "-c", CTRL_C], env=script_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)  # its own process group, as a shell's job
+def test_ctrl_c_stops_cleanly(tmp_path):
+    # Output to files, not pipes: workers that outlive the script would hold a pipe open.
+    out, err = tmp_path / "out", tmp_path / "err"
     pids = []
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-c", CTRL_C], env=script_env(), stdout=o,
+                                stderr=e, start_new_session=True)  # its own process group
     try:
-        line = proc.stdout.readline()  # hang_guard ends a wait that never ends
-        assert line.startswith("READY"), line + proc.stdout.read() + proc.stderr.read()
-        pids = [int(p) for p in line.split()[1:]]
+        while not out.read_text().startswith("READY"):  # hang_guard ends a wait that never ends
+            assert proc.poll() is None, f"stdout:\n{out.read_text()}\nstderr:\n{err.read_text()}"
+            time.sleep(0.05)
+        pids = [int(p) for p in out.read_text().splitlines()[0].split()[1:]]
         assert len(pids) >= 2, pids
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group gets it
-        out, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        for p in pids:
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
-    assert proc.returncode != 0
-    assert "CLOSED 0" in out, f"stdout:\n{out}\nstderr:\n{err}"
-    assert err.count("Traceback") == 1 and "KeyboardInterrupt" in err, err  # the main's alone
-    assert not [p for p in pids if alive(p)]
+        survivors = [p for p in pids if alive(p)]
+        for p in survivors:
+            os.kill(p, signal.SIGKILL)
+    report = f"stdout:\n{out.read_text()}\nstderr:\n{err.read_text()}"
+    assert proc.returncode != 0, report
+    assert "CLOSED 0" in out.read_text(), report
+    # One traceback, the main process's KeyboardInterrupt: none from workers.
+    assert err.read_text().count("Traceback") == 1 and "KeyboardInterrupt" in err.read_text(), \
+        report
+    assert not survivors, f"workers outlived Ctrl-C: {survivors}"
