@@ -85,7 +85,7 @@ def hang_guard(request):
 
 # ---- processes, fds, memory --------------------------------------------------------------------
 
-_MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_MP_SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 def proc_state(pid):
@@ -104,7 +104,7 @@ def alive(pid):
 
 
 def child_pids(parent=None):
-    """Pids of the children of parent (this process), without multiprocessing's own helper
+    """Pids of the children of parent (this process), without multiprocessing's own service
     processes (resource tracker, fork server), which live for the whole run by design."""
     parent = os.getpid() if parent is None else parent
     out = []
@@ -120,7 +120,7 @@ def child_pids(parent=None):
                 cmdline = f.read().decode(errors="replace")
         except (FileNotFoundError, ProcessLookupError, ValueError):
             continue
-        if not any(h in cmdline for h in _MP_HELPERS):
+        if not any(h in cmdline for h in _MP_SERVICES):
             out.append(int(entry))
     return out
 
