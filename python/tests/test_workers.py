@@ -85,7 +85,7 @@ def hang_guard(request):
 
 # ---- processes, fds, memory --------------------------------------------------------------------
 
-_MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_MP_SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 def proc_state(pid):
@@ -104,7 +104,7 @@ def alive(pid):
 
 
 def child_pids(parent=None):
-    """Pids of the children of parent (this process), without multiprocessing's own helper
+    """Pids of the children of parent (this process), without multiprocessing's own service
     processes (resource tracker, fork server), which live for the whole run by design."""
     parent = os.getpid() if parent is None else parent
     out = []
@@ -120,7 +120,7 @@ def child_pids(parent=None):
                 cmdline = f.read().decode(errors="replace")
         except (FileNotFoundError, ProcessLookupError, ValueError):
             continue
-        if not any(h in cmdline for h in _MP_HELPERS):
+        if not any(h in cmdline for h in _MP_SERVICES):
             out.append(int(entry))
     return out
 
@@ -246,14 +246,15 @@ def image_of(i):
 
 def check_tagged(batches, order):
     """Tagged batches deliver exactly the samples `order` names, in that order."""
-    idx = np.concatenate([b[1] for b in batches])
+    idx = np.concatenate([b[1] for b in batches] or [np.zeros(0, np.int64)])
     assert idx.tolist() == list(order)
     np.testing.assert_array_equal(np.concatenate([b[0] for b in batches]), image_of(idx))
     return idx
 
 
 def pids_of(batches, leaf=2):
-    return set(np.concatenate([b[leaf] for b in batches]).tolist())
+    """The pids in the leaf of batches that says which process read each sample."""
+    return {p for b in batches for p in b[leaf].tolist()}
 
 
 def message_of(exc):
@@ -442,9 +443,10 @@ class CountingSampler:
 
 # ---- start methods and sample structures -------------------------------------------------------
 
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver", "spawn-object"])
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver", "fork-object"])
 def test_start_methods_deliver_every_sample(context):
-    ctx = mp.get_context("spawn") if context == "spawn-object" else context
+    # A name, or a context object as torch takes it.
+    ctx = mp.get_context("fork") if context == "fork-object" else context
     loader = pinmem.Loader(Tagged(), batch_size=32, num_workers=2, device="cpu",
                            multiprocessing_context=ctx)
     assert len(loader) == -(-N // 32)
@@ -553,7 +555,7 @@ def test_sample_of_another_shape_names_index_field_and_shapes(as_dict):
         assert re.search(r"\[0\]|field 0", msg), msg
     assert len(got) <= BAD // 100  # no batch with the odd sample in it was delivered
     pids = {p for b in got for p in (b["pid"] if as_dict else b[2]).tolist()}
-    assert got and os.getpid() not in pids  # read by worker processes
+    assert os.getpid() not in pids  # read by worker processes
 
 
 def test_str_leaf_is_refused_by_name():
@@ -583,7 +585,7 @@ def test_exception_in_a_worker_is_raised_at_its_batch():
     loader.close()
 
 
-@limit(30)
+@limit(20)
 def test_killed_worker_raises_worker_error(tmp_path):
     assert issubclass(pinmem.WorkerError, RuntimeError)
     note = tmp_path / "killed"
@@ -601,7 +603,7 @@ def test_killed_worker_raises_worker_error(tmp_path):
     loader.close()
 
 
-@limit(30)
+@limit(20)
 def test_timeout_raises_worker_error():
     loader = pinmem.Loader(SleepsAt(30, 3.0), batch_size=10, num_workers=2, device="cpu",
                            timeout=0.5)
@@ -633,7 +635,6 @@ MAIN_DIES = textwrap.dedent("""
 """)
 
 
-@limit(60)
 @pytest.mark.parametrize("context,how", [("fork", "exit"), ("fork", "kill"), ("spawn", "kill")])
 def test_workers_exit_when_the_main_process_dies(tmp_path, context, how):
     # Output to files, not pipes: workers that outlive the script would hold a pipe open.
@@ -658,7 +659,6 @@ def test_workers_exit_when_the_main_process_dies(tmp_path, context, how):
                 os.kill(p, signal.SIGKILL)
 
 
-@limit(60)
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_worker_init_fn_runs_once_per_worker(tmp_path, context):
     init = functools.partial(note_init, str(tmp_path))
@@ -870,7 +870,7 @@ def test_no_leaks_after_a_worker_exception():
     assert_nothing_left(before, pids_of(got))
 
 
-@limit(30)
+@limit(20)
 def test_no_leaks_after_a_killed_worker(tmp_path):
     warm_up("fork")
     before = resources()
@@ -907,7 +907,6 @@ CTRL_C = textwrap.dedent("""
 """)
 
 
-@limit(60)
 def test_ctrl_c_stops_cleanly(tmp_path):
     # Output to files, not pipes: workers that outlive the script would hold a pipe open.
     out, err = tmp_path / "out", tmp_path / "err"
