@@ -192,8 +192,9 @@ void pm__shared_api_atfork(pm__fork_phase_t phase) {
   } else if (phase == PM__FORK_PARENT) {
     pthread_mutex_unlock(&map_lock);
   } else {
-    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
-    map_lock = fresh;
+    /* The child is the thread that locked it in PREPARE: unlocking is valid, and unlike a fresh
+     * initialiser it leaves ThreadSanitizer's view of the lock consistent. */
+    pthread_mutex_unlock(&map_lock);
     for (pm__mapping_t *m = mappings; m; m = m->next) m->pinned = false;
   }
 }
