@@ -38,7 +38,7 @@ typedef struct call_rec {
 typedef struct rows_ds {
   long fail_at; /* index whose read fails, or -1 */
   int fail_rc;
-  int jitter;   /* sleep a little per call, differently per call: shakes the schedule */
+  int jitter; /* sleep a little per call, differently per call: shakes the schedule */
   pm_test_gate_t *gate;
   int gate_worker; /* whose first call waits at the gate */
   atomic_int at_gate;
@@ -154,8 +154,8 @@ typedef struct run_check {
   rows_ds_t *d;
   const uint64_t *map; /* a select's indices (the base index of row index i), or NULL */
   int workers;
-  uint64_t claim;   /* 0: learnt from the calls (the largest n) */
-  uint64_t claims;  /* claims the batches so far needed (for claim != 0) */
+  uint64_t claim;  /* 0: learnt from the calls (the largest n) */
+  uint64_t claims; /* claims the batches so far needed (for claim != 0) */
   uint64_t rows;
   unsigned char *seen; /* per call id: its rows were seen */
   int bad_bytes, bad_calls;
@@ -405,9 +405,9 @@ static void test_rows_single(void) {
 typedef struct ordered_run {
   uint64_t *seq[MAXW]; /* per worker: the (epoch << 32 | index) of its rows, in its call order */
   uint64_t len[MAXW];
-  int64_t *draws;      /* field 1's draw of every delivered row, in delivery order */
+  int64_t *draws; /* field 1's draw of every delivered row, in delivery order */
   uint64_t ndraws;
-  int bad;             /* rows whose bytes were wrong */
+  int bad;                /* rows whose bytes were wrong */
   uint64_t *expect[MAXW]; /* per worker, from the delivered batches and claim k -> k % W */
   uint64_t elen[MAXW];
 } ordered_run_t;
@@ -420,9 +420,8 @@ static void ordered_free(ordered_run_t *o) {
   free(o->draws);
 }
 
-static void ordered_run(pm_dataset_t *ds, rows_ds_t *d, uint64_t n, uint64_t batch,
-                        uint64_t epochs, int workers, uint64_t claim, pm_delivery_t delivery,
-                        ordered_run_t *o) {
+static void ordered_run(pm_dataset_t *ds, rows_ds_t *d, uint64_t n, uint64_t batch, uint64_t epochs,
+                        int workers, uint64_t claim, pm_delivery_t delivery, ordered_run_t *o) {
   memset(o, 0, sizeof *o);
   rows_reset(d);
   d->jitter = 1;
@@ -553,9 +552,9 @@ static void test_ordered_per_row(void) {
 /* ---- claim_rows --------------------------------------------------------------------------- */
 
 static void test_claim_rows(void) {
-  test_rows_loader(PM_DELIVER_HOST, 4);   /* claims of 4, 4, 2 rows per batch of 10 */
+  test_rows_loader(PM_DELIVER_HOST, 4); /* claims of 4 rows, the last of a batch shorter */
   test_rows_loader(PM_DELIVER_DEVICE, 5);
-  test_rows_loader(PM_DELIVER_HOST, 1);   /* one row per call */
+  test_rows_loader(PM_DELIVER_HOST, 1);      /* one row per call */
   test_rows_loader(PM_DELIVER_DEVICE, 1000); /* capped at the batch: one call per batch */
 }
 
@@ -624,8 +623,8 @@ static void check_select_24(pm_dataset_t *sel, const uint64_t *map, uint64_t n,
 static void test_select(void) {
   const uint64_t base_n = 20;
   /* repeats, a reordering, more samples than the base */
-  const uint64_t sel[] = {5,  0, 5, 19, 3, 3, 7, 11, 19, 2, 2, 2, 13, 0, 8, 14, 6,
-                          18, 1, 4, 9,  10, 12, 15, 16, 17, 5, 5, 19, 0, 7};
+  const uint64_t sel[] = {5, 0,  5, 19, 3, 3,  7,  11, 19, 2,  2, 2, 13, 0, 8, 14,
+                          6, 18, 1, 4,  9, 10, 12, 15, 16, 17, 5, 5, 19, 0, 7};
   const uint64_t n = sizeof sel / sizeof sel[0];
   char dir[256], path[300];
   REQUIRE(pm_test_tmpdir(dir, sizeof dir, "rows"));
