@@ -465,6 +465,8 @@ PM_API pm_status_t pm_fence_path(pm_fence_t fence, pm_copy_path_t *path_out);
  * Several fields (images and labels, X.npy and Y.npy): one dataset of n fields, from
  * pm_dataset_zip or pm_dataset_create_fields; each batch then has b.nfields arrays,
  * b.fields[k].data, all in one slot behind one event (b.inputs / b.targets are fields 0 and 1).
+ * A reader with a high cost per call (a worker process) writes runs of rows:
+ * pm_dataset_create_rows. pm_dataset_select views a dataset through a list of indices.
  */
 
 #define PM_DATASET_MAX_DIMS 32 /* dimensions of one sample (numpy allows 32 in all) */

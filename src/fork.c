@@ -30,7 +30,8 @@
  *
  * Lock order taken by prepare: pool default_lock -> init (init_lock) -> api (reg_lock) ->
  * config -> copy engine (completion queue, reaper) -> thread pool -> host backend (obj_lock,
- * rec_lock, mem_lock) -> registry -> shared memory (core/shared.c, shared_api.c) -> handles. Each is a leaf or follows the order its file documents.
+ * rec_lock, mem_lock) -> registry -> shared memory (core/shared.c, shared_api.c) -> handles.
+ * Each is a leaf or follows the order its file documents.
  */
 #include <pthread.h>
 

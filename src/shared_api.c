@@ -70,6 +70,8 @@ pm_status_t pm_host_shared_fd(const void *ptr, int *fd_out, uint64_t *offset_out
                          fn, ptr);
   pm_pointer_info_t info;
   pm_status_t st = pm__pool_block_info((pm_pool_t *)r.owner, ptr, &info);
+  if (st == PM_ERR_NOT_FOUND) /* the segment went between the two lookups: freed and trimmed */
+    return pm__set_error(PM_ERR_INVALID, "%s(%p): the shared block holding it was freed", fn, ptr);
   if (st != PM_OK) return pm__wrap_error(st, "%s(%p)", fn, ptr);
   if (!info.in_use)
     return pm__set_error(PM_ERR_INVALID, "%s(%p): the shared block holding it was freed", fn, ptr);
@@ -190,8 +192,9 @@ void pm__shared_api_atfork(pm__fork_phase_t phase) {
   } else if (phase == PM__FORK_PARENT) {
     pthread_mutex_unlock(&map_lock);
   } else {
-    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
-    map_lock = fresh;
+    /* The child is the thread that locked it in PREPARE: unlocking is valid, and unlike a fresh
+     * initialiser it leaves ThreadSanitizer's view of the lock consistent. */
+    pthread_mutex_unlock(&map_lock);
     for (pm__mapping_t *m = mappings; m; m = m->next) m->pinned = false;
   }
 }

@@ -97,6 +97,18 @@ static void fd_target(int fd, char *out, size_t len) {
   out[n > 0 ? n : 0] = '\0';
 }
 
+/* Mappings of shared memory files in this process (lines of /proc/self/maps). */
+static int count_shared_maps(void) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return -1;
+  char line[512];
+  int n = 0;
+  while (fgets(line, sizeof line, f))
+    if (strstr(line, "pinmem-shared")) n++;
+  fclose(f);
+  return n;
+}
+
 static pm_pool_t *make_pool(size_t budget) {
   pm_pool_config_t c;
   pm_pool_config_init(&c);
@@ -590,6 +602,22 @@ static void test_bad_input(void) {
   CHECK_OK(pm_shared_unmap(good, 200));
   CHECK_ERR_MSG(pm_shared_unmap(good, 200), PM_ERR_NOT_FOUND); /* twice */
 
+  /* PM_SHARED_PIN beyond the default pool's budget: the registration's status, nothing mapped. */
+  pm_pool_stats_t ps;
+  REQUIRE_OK(pm_pool_get_stats(NULL, &ps));
+  int maps = count_shared_maps();
+  CHECK(maps > 0);
+  if (pm_pool_set_budget(NULL, ps.pinned_bytes + 4096) == PM_OK) {
+    m = (void *)&m;
+    CHECK_ERR_MSG(pm_shared_map(fd, off, 5000, PM_SHARED_PIN, &m), PM_ERR_BUDGET);
+    CHECK(strstr(pm_last_error(), "pm_shared_map") != NULL);
+    CHECK(m == (void *)&m);
+    CHECK_EQ_INT(count_shared_maps(), maps);
+    CHECK_OK(pm_pool_set_budget(NULL, ps.budget));
+  } else {
+    CHECK(0); /* the budget could not be lowered to just above what is held */
+  }
+
   /* Freeing memory from pm_shared_map with the pool's call is refused, as for any pageable. */
   REQUIRE_OK(pm_shared_map(fd, off, 200, PM_SHARED_PIN, &good));
   CHECK_ERR_MSG(pm_host_free(good), PM_ERR_WRONG_KIND);
@@ -874,6 +902,13 @@ int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   pm_test_init();
   g_cuda = pm_backend_kind() == PM_BACKEND_CUDA;
+  /* A stream (a thread on the host backend) lives through the tests, as in any process that
+   * copies. ThreadSanitizer checks a child forked from a single-threaded process in full, and the
+   * atfork handlers of the registry and the pool give the child fresh locks by assignment, which
+   * it reads as locks still held; children of a multi-threaded process it leaves alone (as
+   * test_fork's). */
+  pm_stream_t keep = NULL;
+  REQUIRE_OK(pm_stream_create(&keep));
   RUN(test_alloc_and_fd);
   RUN(test_fork_children);
   RUN(test_fork_rule);
@@ -884,6 +919,7 @@ int main(void) {
   RUN(test_fallback);
   RUN(test_threads);
   RUN(test_loader);
+  CHECK_OK(pm_stream_destroy(keep));
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_shared");
 }

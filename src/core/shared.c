@@ -247,8 +247,9 @@ void pm__shared_atfork(pm__fork_phase_t phase) {
   } else if (phase == PM__FORK_PARENT) {
     pthread_mutex_unlock(&shared_lock);
   } else {
-    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
-    shared_lock = fresh;
+    /* The child is the thread that locked it in PREPARE: unlocking is valid, and unlike a fresh
+     * initialiser it leaves ThreadSanitizer's view of the lock consistent. */
+    pthread_mutex_unlock(&shared_lock);
     free(segs);
     segs = NULL;
     nsegs = capsegs = 0;

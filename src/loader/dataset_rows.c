@@ -39,9 +39,13 @@ typedef struct sel {
 
 static _Thread_local int tl_worker = -1;
 
-void pm__dataset_worker_set(int worker) { tl_worker = worker; }
+void pm__dataset_worker_set(int worker) {
+  tl_worker = worker;
+}
 
-bool pm__dataset_reads_rows(const pm_dataset_t *ds) { return ds->read_rows != NULL; }
+bool pm__dataset_reads_rows(const pm_dataset_t *ds) {
+  return ds->read_rows != NULL;
+}
 
 pm_status_t pm__dataset_read_rows(pm_dataset_t *ds, uint64_t epoch, uint64_t n,
                                   const uint64_t *indices, void *const *dsts, int worker) {
@@ -185,7 +189,9 @@ pm_status_t pm_dataset_select(pm_dataset_t *base, const uint64_t *indices, uint6
   const char *fn = "pm_dataset_select";
   if (!base || !indices || !dataset_out)
     return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn,
-                         !base ? "base" : !indices ? "indices" : "dataset_out");
+                         !base      ? "base"
+                         : !indices ? "indices"
+                                    : "dataset_out");
   pm_status_t st = pm__handle_check(base, PM__HANDLE_DATASET, fn);
   if (st != PM_OK) return st;
   if (n == 0) return pm__set_error(PM_ERR_INVALID, "%s: n is 0 (a select needs a sample)", fn);

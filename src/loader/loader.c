@@ -386,11 +386,13 @@ static void *worker_main(void *arg) {
         for (int k = 0; k < L->nfields; k++)
           dsts[k] = s->host + L->foff[k] + (size_t)r0 * L->fbytes[k];
         st = pm__dataset_read_rows(ds, epoch, r1 - r0, s->indices + r0, dsts, me);
-        if (st == PM_OK) r = r1;
-        else
+        if (st == PM_OK) {
+          r = r1;
+        } else {
           snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu (a claim of %llu rows): %s",
                    (unsigned long long)epoch, (unsigned long long)(g % L->sampler.batches),
                    (unsigned long long)r0, (unsigned long long)(r1 - r0), pm_last_error());
+        }
       }
     } else {
       for (; r < r1 && st == PM_OK; r++) {
