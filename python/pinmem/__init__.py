@@ -548,7 +548,8 @@ class Loader:
             # One claim of rows per message; claims go to the workers in turn (reproducible),
             # _PROCESS_DEPTH loader threads per process so each has its next claim queued.
             self._config.update(workers=nw * _PROCESS_DEPTH, shared_slots=True,
-                                ordered_workers=True, claim_rows=max(1, min(8, int(batch_size))))
+                                ordered_workers=True,
+                                claim_rows=max(1, min(_PROCESS_CLAIM, int(batch_size))))
         if sampler is not None:
             self._config.update(rank=0, world_size=1)  # the sampler shards, if anyone does
         # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
@@ -781,6 +782,9 @@ class Loader:
 # Loader threads per worker process: each process has its next claim of rows queued while it
 # works on one, so strictly ordered claims never wait for the slowest process (see procs.c).
 _PROCESS_DEPTH = max(1, min(8, int(_os.environ.get("PINMEM_PROCESS_DEPTH", "2") or 2)))
+# Rows per claim (one message and one reply each): small enough that a batch spreads over the
+# processes and its copy starts early, large enough that the messages cost nothing.
+_PROCESS_CLAIM = max(1, int(_os.environ.get("PINMEM_PROCESS_CLAIM", "8") or 8))
 
 
 def _is_default_collate(fn):

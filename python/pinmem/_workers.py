@@ -207,7 +207,11 @@ def _seed_all(seed, wid, base_seed):
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
     if "torch" in sys.modules:
-        sys.modules["torch"].manual_seed(seed)
+        torch = sys.modules["torch"]
+        torch.manual_seed(seed)
+        # As torch's own workers: one intra-op thread per worker process, or N processes each
+        # running a pool of threads as large as the machine fight over the cores.
+        torch.set_num_threads(1)
 
 
 def _set_torch_worker_info(info):

@@ -157,6 +157,7 @@ struct pm_loader_s {
   uint64_t sub_g;  /* the batch whose parts are queued next (pinned device delivery) */
   bool submitting; /* a worker is queueing parts outside mu */
   uint64_t claims; /* claims of rows taken since the loader started */
+  pthread_cond_t *turn_cv; /* ordered: one per worker, signalled when its turn comes */
   int held;
   bool stop, in_next;
   bool destroyed; /* pm_loader_destroy ran; held slots are freed by their release */
@@ -175,6 +176,14 @@ static size_t copy_bytes(const pm_loader_t *L, uint64_t rows) {
 }
 
 /* Record the first error by batch order (with mu held). */
+/* Wake every worker: those waiting for work and, with ordered claims, those waiting for their
+ * turn (a stop or an error concerns them all). */
+static void wake_workers_locked(pm_loader_t *L) {
+  pthread_cond_broadcast(&L->work_cv);
+  if (L->turn_cv)
+    for (int i = 0; i < L->nworkers; i++) pthread_cond_broadcast(&L->turn_cv[i]);
+}
+
 static void set_error_locked(pm_loader_t *L, uint64_t g, pm_status_t st, const char *msg) {
   if (g < L->err_g) {
     L->err_g = g;
@@ -182,7 +191,7 @@ static void set_error_locked(pm_loader_t *L, uint64_t g, pm_status_t st, const c
     snprintf(L->err_msg, sizeof L->err_msg, "%s", msg && msg[0] ? msg : pm_strerror(st));
   }
   pthread_cond_broadcast(&L->ready_cv);
-  pthread_cond_broadcast(&L->work_cv);
+  wake_workers_locked(L);
 }
 
 /* The device time of a slot's copy: its runs of parts, without the waits between them. */
@@ -363,8 +372,11 @@ static void *worker_main(void *arg) {
       continue;
     }
     if (L->ordered && L->claims % (uint64_t)L->nworkers != (uint64_t)me) {
-      /* Another worker's turn: it claims, then wakes everyone (stop and errors do too). */
-      pthread_cond_wait(&L->work_cv, &L->mu);
+      /* Another worker's turn: the claim before ours signals our own condition variable (a
+       * stop or an error wakes everyone). One variable per worker: a broadcast per claim would
+       * wake every worker for each claim, which costs more than the claims themselves at tens
+       * of thousands of rows a second. */
+      pthread_cond_wait(&L->turn_cv[me], &L->mu);
       continue;
     }
 
@@ -372,7 +384,8 @@ static void *worker_main(void *arg) {
     s->claimed = r1;
     L->claims++;
     if (r1 == s->rows) L->fill_g = g + 1;
-    if (r1 == s->rows || L->ordered) pthread_cond_broadcast(&L->work_cv);
+    if (r1 == s->rows) pthread_cond_broadcast(&L->work_cv);
+    if (L->ordered) pthread_cond_signal(&L->turn_cv[L->claims % (uint64_t)L->nworkers]);
     pthread_mutex_unlock(&L->mu);
 
     uint64_t epoch = g / L->sampler.batches;
@@ -498,7 +511,7 @@ static void stop_workers(pm_loader_t *L) {
   pthread_mutex_lock(&L->mu);
   L->stop = true;
   atomic_store(&L->stop_flag, true);
-  pthread_cond_broadcast(&L->work_cv);
+  wake_workers_locked(L);
   pthread_cond_broadcast(&L->ready_cv);
   pthread_mutex_unlock(&L->mu);
   for (int i = 0; i < L->started; i++) pthread_join(L->threads[i], NULL);
@@ -517,6 +530,10 @@ static void loader_free(pm_loader_t *L) {
   pthread_mutex_destroy(&L->submit_mu);
   pthread_cond_destroy(&L->work_cv);
   pthread_cond_destroy(&L->ready_cv);
+  if (L->turn_cv) {
+    for (int i = 0; i < L->nworkers; i++) pthread_cond_destroy(&L->turn_cv[i]);
+    free(L->turn_cv);
+  }
   L->magic = 0;
   (void)pm__handle_remove(L, PM__HANDLE_LOADER);
   free(L);
@@ -774,6 +791,14 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
   if (!L->threads || !L->wargs) {
     st = pm__set_error(PM_ERR_NOMEM, "%s: thread table", fn);
     goto fail;
+  }
+  if (L->ordered) {
+    L->turn_cv = malloc((size_t)L->nworkers * sizeof *L->turn_cv);
+    if (!L->turn_cv) {
+      st = pm__set_error(PM_ERR_NOMEM, "%s: turn table", fn);
+      goto fail;
+    }
+    for (int i = 0; i < L->nworkers; i++) pthread_cond_init(&L->turn_cv[i], NULL);
   }
   for (int i = 0; i < L->nworkers; i++) {
     /* Workers take none of the process's signals (the program's main thread may rely on them). */
