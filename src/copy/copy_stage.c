@@ -278,6 +278,15 @@ typedef struct stage_ctx {
   first_error_t err;
 } stage_ctx_t;
 
+static void stage_ctx_init(stage_ctx_t *c, const pm__stage_req_t *req, const unit_t *u, size_t n) {
+  memset(c, 0, sizeof *c);
+  c->u = u;
+  c->n = n;
+  atomic_init(&c->next, 0);
+  atomic_init(&c->err.status, PM_OK);
+  c->stream = req->stream;
+}
+
 static void h2d_whole_task(void *vctx, size_t task) {
   stage_ctx_t *c = vctx;
   (void)task;
@@ -293,28 +302,39 @@ static void h2d_whole_task(void *vctx, size_t task) {
   }
 }
 
-static void h2d_ring_task(void *vctx, size_t task) {
-  stage_ctx_t *c = vctx;
+/* Unit i goes to slot i % n in turn (ring_wait_turn), so the ring's units run in claim order;
+ * `step` moves one unit through its slot. After an error the turns still advance. */
+static void ring_run(stage_ctx_t *c, pm_status_t (*step)(stage_ctx_t *c, size_t i, int s)) {
   ring_t *r = c->ring;
-  (void)task;
   for (;;) {
     size_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
     if (i >= c->n) return;
     int s = (int)(i % (size_t)r->n);
     ring_wait_turn(r, s, (long long)i);
     if (!first_error_any(&c->err)) {
-      pm_status_t st = PM_OK;
-      if (i >= (size_t)r->n) st = pm__copy_wait_event(r->ev[s], 50); /* the slot's last DMA */
-      if (st == PM_OK) {
-        const unit_t *u = &c->u[i];
-        pm__memcpy_mode(r->slot[s], u->host, u->bytes, c->mover);
-        st = pm__cb_memcpy_async(u->dev, r->slot[s], u->bytes, PM_COPY_H2D, c->stream);
-        if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
-      }
+      pm_status_t st = step(c, i, s);
       if (st != PM_OK) first_error_set(&c->err, st);
     }
     ring_done_turn(r, s, (long long)i);
   }
+}
+
+static pm_status_t h2d_ring_step(stage_ctx_t *c, size_t i, int s) {
+  ring_t *r = c->ring;
+  pm_status_t st = PM_OK;
+  if (i >= (size_t)r->n) st = pm__copy_wait_event(r->ev[s], 50); /* the slot's last DMA */
+  if (st == PM_OK) {
+    const unit_t *u = &c->u[i];
+    pm__memcpy_mode(r->slot[s], u->host, u->bytes, c->mover);
+    st = pm__cb_memcpy_async(u->dev, r->slot[s], u->bytes, PM_COPY_H2D, c->stream);
+    if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
+  }
+  return st;
+}
+
+static void h2d_ring_task(void *vctx, size_t task) {
+  (void)task;
+  ring_run(vctx, h2d_ring_step);
 }
 
 /* ---- H2D through slots filled in pieces (copy_piece) ---------------------------------------- */
@@ -495,12 +515,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   if (st != PM_OK) return st;
 
   stage_ctx_t c;
-  memset(&c, 0, sizeof c);
-  c.u = u;
-  c.n = n;
-  atomic_init(&c.next, 0);
-  atomic_init(&c.err.status, PM_OK);
-  c.stream = req->stream;
+  stage_ctx_init(&c, req, u, n);
   int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
 
   char *bounce = NULL;
@@ -603,27 +618,20 @@ static void wait_group(pm__d2h_job_t *job, uint32_t g) {
   pthread_mutex_unlock(&job->mu);
 }
 
-static void d2h_ring_task(void *vctx, size_t task) {
-  stage_ctx_t *c = vctx;
+/* The slot's turn came once unit i - n was copied out of it. */
+static pm_status_t d2h_ring_step(stage_ctx_t *c, size_t i, int s) {
   ring_t *r = c->ring;
+  const unit_t *u = &c->u[i];
+  pm_status_t st = pm__cb_memcpy_async(r->slot[s], u->dev, u->bytes, PM_COPY_D2H, c->stream);
+  if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
+  if (st == PM_OK) st = pm__copy_wait_event(r->ev[s], 50);
+  if (st == PM_OK) pm__memcpy_mode(u->host, r->slot[s], u->bytes, c->mover);
+  return st;
+}
+
+static void d2h_ring_task(void *vctx, size_t task) {
   (void)task;
-  for (;;) {
-    size_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
-    if (i >= c->n) return;
-    int s = (int)(i % (size_t)r->n);
-    ring_wait_turn(r, s, (long long)i); /* unit i - n has been copied out of the slot */
-    if (!first_error_any(&c->err)) {
-      const unit_t *u = &c->u[i];
-      pm_status_t st = pm__cb_memcpy_async(r->slot[s], u->dev, u->bytes, PM_COPY_D2H, c->stream);
-      if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
-      if (st == PM_OK) st = pm__copy_wait_event(r->ev[s], 50);
-      if (st == PM_OK)
-        pm__memcpy_mode(u->host, r->slot[s], u->bytes, c->mover);
-      else
-        first_error_set(&c->err, st);
-    }
-    ring_done_turn(r, s, (long long)i);
-  }
+  ring_run(vctx, d2h_ring_step);
 }
 
 static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
@@ -631,13 +639,8 @@ static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
   pm_status_t st = ring_create(req, req->cfg.slots, n, &ring);
   if (st != PM_OK) return st;
   stage_ctx_t c;
-  memset(&c, 0, sizeof c);
-  c.u = u;
-  c.n = n;
-  atomic_init(&c.next, 0);
-  atomic_init(&c.err.status, PM_OK);
+  stage_ctx_init(&c, req, u, n);
   c.ring = &ring;
-  c.stream = req->stream;
   c.mover = pm__memcpy_for(req->cfg.mover, false); /* D2H: the destination is not read back soon */
   int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
   pm__parallel_for(tasks, (size_t)tasks, d2h_ring_task, &c);
