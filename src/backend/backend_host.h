@@ -143,7 +143,10 @@ extern hb_set_t pm__hb_stream_set, pm__hb_event_set;
 /* With pm__hb_rec_lock held: drop a reference to a record (NULL allowed). */
 void pm__hb_rec_unref_locked(hb_rec_t *r);
 bool pm__hb_set_has(const hb_set_t *s, const void *p);
-pm_status_t pm__hb_set_add(hb_set_t *s, const void *p);
+/* Add a new stream or event to its handle set, under pm__hb_obj_lock. */
+pm_status_t pm__hb_set_publish(hb_set_t *set, const void *p);
+/* With pm__hb_obj_lock held: ev is a live event. */
+pm_status_t pm__hb_event_lookup_locked(const char *fn, pm_event_t ev);
 void pm__hb_set_del(hb_set_t *s, const void *p);
 /* True on the stream's own worker thread (a host function running on it). */
 bool pm__hb_on_own_worker(const struct pm_stream_s *s);
@@ -157,6 +160,13 @@ void pm__hb_stream_enter(struct pm_stream_s *s);
 void pm__hb_enqueue_locked(struct pm_stream_s *s, hb_op_t *op);
 /* With the stream's mu held: the caller stops counting as a user of the stream. */
 void pm__hb_user_leave_locked(struct pm_stream_s *s);
+/* Take pm__hb_obj_lock and find the stream behind h (the default stream is created on first
+ * use), after checking ev when it is not NULL. On success pm__hb_obj_lock is held (hand it to
+ * pm__hb_queue or pm__hb_stream_enter); on failure it is not, and op (may be NULL) is freed. */
+pm_status_t pm__hb_stream_find(const char *fn, pm_stream_t h, pm_event_t ev, hb_op_t *op,
+                               struct pm_stream_s **out);
+/* With pm__hb_obj_lock held (pm__hb_stream_find): queue op on s and drop every lock. */
+void pm__hb_queue(struct pm_stream_s *s, hb_op_t *op);
 /* Queue op on the stream; on failure the op is freed. */
 pm_status_t pm__hb_submit(const char *fn, pm_stream_t h, hb_op_t *op);
 /* A zeroed op of `kind`, or NULL with PM_ERR_NOMEM's detail set. */

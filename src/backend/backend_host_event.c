@@ -12,30 +12,14 @@
 
 #include "backend_host.h"
 
-/* With pm__hb_obj_lock held. */
-static pm_status_t event_lookup_locked(const char *fn, pm_event_t ev) {
-  if (!ev) return pm__set_error(PM_ERR_INVALID, "%s: event is NULL", fn);
-  if (!pm__hb_set_has(&pm__hb_event_set, ev))
-    return pm__set_error(PM_ERR_INVALID,
-                         "%s: event %p was destroyed (or was not created by the host backend)", fn,
-                         (void *)ev);
-  return PM_OK;
-}
-
 pm_status_t pm__hb_stream_wait_event(pm_stream_t h, pm_event_t ev) {
   static const char fn[] = "stream_wait_event";
   if (!ev) return pm__set_error(PM_ERR_INVALID, "%s: event is NULL", fn);
   hb_op_t *op = pm__hb_op_new(fn, OP_WAIT);
   if (!op) return PM_ERR_NOMEM;
   struct pm_stream_s *s = NULL;
-  pthread_mutex_lock(&pm__hb_obj_lock);
-  pm_status_t st = event_lookup_locked(fn, ev);
-  if (st == PM_OK) st = pm__hb_stream_lookup_locked(fn, h, true, &s);
-  if (st != PM_OK) {
-    pthread_mutex_unlock(&pm__hb_obj_lock);
-    free(op);
-    return st;
-  }
+  pm_status_t st = pm__hb_stream_find(fn, h, ev, op, &s);
+  if (st != PM_OK) return st;
   /* Capture the record that is latest now; a never-recorded or completed one needs no wait. */
   pthread_mutex_lock(&pm__hb_rec_lock);
   hb_rec_t *r = ev->latest;
@@ -50,9 +34,7 @@ pm_status_t pm__hb_stream_wait_event(pm_stream_t h, pm_event_t ev) {
     return PM_OK;
   }
   op->u.rec = r;
-  pm__hb_stream_enter(s);
-  pm__hb_enqueue_locked(s, op);
-  pthread_mutex_unlock(&s->mu);
+  pm__hb_queue(s, op);
   return PM_OK;
 }
 
@@ -64,9 +46,7 @@ pm_status_t pm__hb_event_create(unsigned flags, pm_event_t *event_out) {
   struct pm_event_s *ev = calloc(1, sizeof *ev);
   if (!ev) return pm__set_error(PM_ERR_NOMEM, "event_create: out of memory");
   ev->flags = flags;
-  pthread_mutex_lock(&pm__hb_obj_lock);
-  pm_status_t st = pm__hb_set_add(&pm__hb_event_set, ev);
-  pthread_mutex_unlock(&pm__hb_obj_lock);
+  pm_status_t st = pm__hb_set_publish(&pm__hb_event_set, ev);
   if (st != PM_OK) {
     free(ev);
     return pm__wrap_error(st, "event_create");
@@ -77,7 +57,7 @@ pm_status_t pm__hb_event_create(unsigned flags, pm_event_t *event_out) {
 
 pm_status_t pm__hb_event_destroy(pm_event_t ev) {
   pthread_mutex_lock(&pm__hb_obj_lock);
-  pm_status_t st = event_lookup_locked("event_destroy", ev);
+  pm_status_t st = pm__hb_event_lookup_locked("event_destroy", ev);
   if (st == PM_OK) {
     pm__hb_set_del(&pm__hb_event_set, ev);
     /* A pending record lives on in its op and in waits that captured it (CUDA too lets an
@@ -104,12 +84,8 @@ pm_status_t pm__hb_event_record(pm_event_t ev, pm_stream_t h) {
   r->refs = 2; /* the event and the op */
   op->u.rec = r;
   struct pm_stream_s *s = NULL;
-  pthread_mutex_lock(&pm__hb_obj_lock);
-  pm_status_t st = event_lookup_locked(fn, ev);
-  if (st == PM_OK) st = pm__hb_stream_lookup_locked(fn, h, true, &s);
+  pm_status_t st = pm__hb_stream_find(fn, h, ev, op, &s);
   if (st != PM_OK) {
-    pthread_mutex_unlock(&pm__hb_obj_lock);
-    free(op);
     free(r);
     return st;
   }
@@ -117,15 +93,13 @@ pm_status_t pm__hb_event_record(pm_event_t ev, pm_stream_t h) {
   pm__hb_rec_unref_locked(ev->latest);
   ev->latest = r;
   pthread_mutex_unlock(&pm__hb_rec_lock);
-  pm__hb_stream_enter(s);
-  pm__hb_enqueue_locked(s, op);
-  pthread_mutex_unlock(&s->mu);
+  pm__hb_queue(s, op);
   return PM_OK;
 }
 
 pm_status_t pm__hb_event_query(pm_event_t ev) {
   pthread_mutex_lock(&pm__hb_obj_lock);
-  pm_status_t st = event_lookup_locked("event_query", ev);
+  pm_status_t st = pm__hb_event_lookup_locked("event_query", ev);
   if (st == PM_OK) {
     pthread_mutex_lock(&pm__hb_rec_lock);
     st = !ev->latest || ev->latest->done ? PM_OK : PM_NOT_READY;
@@ -137,7 +111,7 @@ pm_status_t pm__hb_event_query(pm_event_t ev) {
 
 pm_status_t pm__hb_event_synchronize(pm_event_t ev) {
   pthread_mutex_lock(&pm__hb_obj_lock);
-  pm_status_t st = event_lookup_locked("event_synchronize", ev);
+  pm_status_t st = pm__hb_event_lookup_locked("event_synchronize", ev);
   if (st != PM_OK) {
     pthread_mutex_unlock(&pm__hb_obj_lock);
     return st;
@@ -159,8 +133,8 @@ pm_status_t pm__hb_event_elapsed(pm_event_t start, pm_event_t end, double *secon
   if (!start || !end) return pm__set_error(PM_ERR_INVALID, "%s: event is NULL", fn);
   if (!seconds_out) return pm__set_error(PM_ERR_INVALID, "%s: seconds_out is NULL", fn);
   pthread_mutex_lock(&pm__hb_obj_lock);
-  pm_status_t st = event_lookup_locked(fn, start);
-  if (st == PM_OK) st = event_lookup_locked(fn, end);
+  pm_status_t st = pm__hb_event_lookup_locked(fn, start);
+  if (st == PM_OK) st = pm__hb_event_lookup_locked(fn, end);
   if (st != PM_OK) {
     pthread_mutex_unlock(&pm__hb_obj_lock);
     return st;

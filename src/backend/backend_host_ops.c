@@ -93,17 +93,15 @@ static pm_status_t copy_blocking(const char *fn, void *dst, const void *src, siz
   hb_op_t *op = pm__hb_op_new(fn, OP_GATE);
   if (!op) return PM_ERR_NOMEM;
   struct pm_stream_s *s = NULL;
-  pthread_mutex_lock(&pm__hb_obj_lock);
-  pm_status_t st = pm__hb_stream_lookup_locked(fn, h, true, &s);
-  if (st == PM_OK && pm__hb_on_own_worker(s))
-    st = pm__set_error(PM_ERR_STATE,
-                       "%s: a blocking copy (pageable memory or host to host), called from a "
-                       "host function running on the same stream (it would wait for itself)",
-                       fn);
-  if (st != PM_OK) {
+  pm_status_t st = pm__hb_stream_find(fn, h, NULL, op, &s);
+  if (st != PM_OK) return st;
+  if (pm__hb_on_own_worker(s)) {
     pthread_mutex_unlock(&pm__hb_obj_lock);
     free(op);
-    return st;
+    return pm__set_error(PM_ERR_STATE,
+                         "%s: a blocking copy (pageable memory or host to host), called from a "
+                         "host function running on the same stream (it would wait for itself)",
+                         fn);
   }
   pm__hb_stream_enter(s);
   pm__hb_enqueue_locked(s, op);

@@ -79,7 +79,7 @@ bool pm__hb_set_has(const hb_set_t *s, const void *p) {
   return i < s->n && s->v[i] == (uintptr_t)p;
 }
 
-pm_status_t pm__hb_set_add(hb_set_t *s, const void *p) {
+static pm_status_t set_add(hb_set_t *s, const void *p) {
   if (s->n == s->cap) {
     size_t cap = s->cap ? s->cap * 2 : 16;
     uintptr_t *v = realloc(s->v, cap * sizeof *v);
@@ -294,19 +294,46 @@ void pm__hb_user_leave_locked(struct pm_stream_s *s) {
   if (--s->users == 0 && s->closing) pthread_cond_broadcast(&s->cv_state);
 }
 
-/* Queue op on the stream; on failure the op is freed. */
-pm_status_t pm__hb_submit(const char *fn, pm_stream_t h, hb_op_t *op) {
-  struct pm_stream_s *s = NULL;
+pm_status_t pm__hb_set_publish(hb_set_t *set, const void *p) {
   pthread_mutex_lock(&pm__hb_obj_lock);
-  pm_status_t st = pm__hb_stream_lookup_locked(fn, h, true, &s);
+  pm_status_t st = set_add(set, p);
+  pthread_mutex_unlock(&pm__hb_obj_lock);
+  return st;
+}
+
+pm_status_t pm__hb_event_lookup_locked(const char *fn, pm_event_t ev) {
+  if (!ev) return pm__set_error(PM_ERR_INVALID, "%s: event is NULL", fn);
+  if (!pm__hb_set_has(&pm__hb_event_set, ev))
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: event %p was destroyed (or was not created by the host backend)", fn,
+                         (void *)ev);
+  return PM_OK;
+}
+
+pm_status_t pm__hb_stream_find(const char *fn, pm_stream_t h, pm_event_t ev, hb_op_t *op,
+                               struct pm_stream_s **out) {
+  pthread_mutex_lock(&pm__hb_obj_lock);
+  pm_status_t st = ev ? pm__hb_event_lookup_locked(fn, ev) : PM_OK;
+  if (st == PM_OK) st = pm__hb_stream_lookup_locked(fn, h, true, out);
   if (st != PM_OK) {
     pthread_mutex_unlock(&pm__hb_obj_lock);
     free(op);
-    return st;
   }
+  return st;
+}
+
+void pm__hb_queue(struct pm_stream_s *s, hb_op_t *op) {
   pm__hb_stream_enter(s);
   pm__hb_enqueue_locked(s, op);
   pthread_mutex_unlock(&s->mu);
+}
+
+/* Queue op on the stream; on failure the op is freed. */
+pm_status_t pm__hb_submit(const char *fn, pm_stream_t h, hb_op_t *op) {
+  struct pm_stream_s *s = NULL;
+  pm_status_t st = pm__hb_stream_find(fn, h, NULL, op, &s);
+  if (st != PM_OK) return st;
+  pm__hb_queue(s, op);
   return PM_OK;
 }
 
@@ -325,9 +352,7 @@ pm_status_t pm__hb_stream_create(pm_stream_t *stream_out) {
   struct pm_stream_s *s = NULL;
   pm_status_t st = stream_new(&s);
   if (st != PM_OK) return st;
-  pthread_mutex_lock(&pm__hb_obj_lock);
-  st = pm__hb_set_add(&pm__hb_stream_set, s);
-  pthread_mutex_unlock(&pm__hb_obj_lock);
+  st = pm__hb_set_publish(&pm__hb_stream_set, s);
   if (st != PM_OK) {
     stream_free(s);
     return pm__wrap_error(st, "stream_create");
