@@ -468,6 +468,9 @@ struct pm_dataset_s {
 /* A zeroed dataset with its files array for nfiles files (fds -1), or PM_ERR_NOMEM. */
 pm_status_t pm__dataset_alloc(int nfiles, pm_dataset_t **ds_out);
 void pm__dataset_free(pm_dataset_t *ds); /* closes the files, runs destroy_impl */
+/* The status of a read callback's return code rc for sample `index` (detail set when not 0):
+ * a pinmem status passes through, any other failure is PM_ERR_IO. */
+pm_status_t pm__dataset_cb_status(int rc, uint64_t index);
 
 size_t pm__dtype_itemsize(pm_dtype_t dtype); /* 0: not a dtype code; OTHER: 1 */
 const char *pm__dtype_descr(pm_dtype_t dtype); /* "<f4"...; OTHER: "|V1" */
