@@ -160,11 +160,15 @@ static pm_status_t whole_bounce(const pm__stage_req_t *req, size_t total, char *
   return PM_OK;
 }
 
-/* Return bounce memory whose DMAs were queued on `stream` and may still be running. */
-static void free_after_stream(pm_pool_t *pool, void *p, pm_stream_t stream) {
-  if (pm__pool_record_stream(pool, p, stream) != PM_OK) {
-    /* Without the record the pool could hand the block out under a running DMA. */
-    (void)pm__cb_stream_synchronize(stream);
+/* Return bounce memory whose DMAs were queued on `stream` and may still be running. The pool
+ * gates its reuse on the stream; without that record (no memory left for it) the stream is
+ * waited for, when `may_wait`; failing that too, the pool quarantines the block: never handed
+ * out again, released when the pool is destroyed, after a device synchronize. */
+static void free_after_stream(pm_pool_t *pool, void *p, pm_stream_t stream, bool may_wait) {
+  if (pm__pool_record_stream(pool, p, stream) != PM_OK &&
+      (!may_wait || pm__cb_stream_synchronize(stream) != PM_OK)) {
+    (void)pm__pool_quarantine(pool, p);
+    return;
   }
   (void)pm__pool_free(pool, p);
 }
@@ -185,7 +189,7 @@ static void ring_destroy(ring_t *r, pm_stream_t stream, bool dmas_may_run) {
   for (int s = 0; s < r->n; s++) {
     if (r->slot && r->slot[s]) {
       if (dmas_may_run)
-        free_after_stream(r->pool, r->slot[s], stream);
+        free_after_stream(r->pool, r->slot[s], stream, true);
       else
         (void)pm__pool_free(r->pool, r->slot[s]);
     }
@@ -534,7 +538,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
     c.mover = pm__memcpy_for(req->cfg.mover, false);
     pm__parallel_for(tasks, (size_t)tasks, h2d_whole_task, &c);
     st = first_error_raise(&c.err);
-    free_after_stream(req->pool, bounce, req->stream);
+    free_after_stream(req->pool, bounce, req->stream, true);
     if (ring_out) *ring_out = false;
   } else if (st == PM_ERR_BUDGET && slab_eligible(req)) {
     st = stage_h2d_slab(req);
@@ -726,11 +730,12 @@ void pm__stage_d2h_abort(pm__d2h_job_t *job, pm_stream_t stream) {
   snprintf(msg, sizeof msg, "%s", pm_last_error());
   /* Queued DMAs write into the bounce block and queued host functions touch the job: let the
    * stream pass them all before anything is freed. */
-  (void)pm__cb_stream_synchronize(stream);
-  /* If that synchronize failed, the pool still keeps the bounce block out of use until the
-   * stream passed it, and the references keep the job alive for its host functions. */
-  (void)pm__pool_record_stream(job->pool, job->bounce, stream);
-  (void)pm__pool_free(job->pool, job->bounce);
+  /* If that synchronize fails, the pool keeps the bounce block out of use until the stream
+   * passed it (or for good), and the references keep the job alive for its host functions. */
+  if (pm__cb_stream_synchronize(stream) == PM_OK)
+    (void)pm__pool_free(job->pool, job->bounce);
+  else
+    free_after_stream(job->pool, job->bounce, stream, false);
   d2h_job_free(job);
   pm__set_error(PM_ERR_INTERNAL, "%s", msg); /* restore the detail; the caller keeps its status */
 }
@@ -765,9 +770,11 @@ pm_status_t pm__stage_d2h_finish(pm__d2h_job_t *job, char *msg, size_t msg_len) 
    * function that touches the job has run). */
   wait_group(job, job->ngroups - 1);
   /* Discarded: the stream could not be waited for, so DMAs may still write into the block; the
-   * pool keeps it out of use until the stream passed them (no gate waits for this thread then). */
-  if (atomic_load(&job->discard)) (void)pm__pool_record_stream(job->pool, job->bounce, job->stream);
-  (void)pm__pool_free(job->pool, job->bounce);
+   * pool keeps it out of use until the stream passed them, or for good (no backend call here). */
+  if (atomic_load(&job->discard))
+    free_after_stream(job->pool, job->bounce, job->stream, false);
+  else
+    (void)pm__pool_free(job->pool, job->bounce);
   d2h_job_free(job);
   return PM_OK;
 }

@@ -278,9 +278,16 @@ static pm_status_t pool_destroy(pm_pool_t *p) {
     for (int i = 0; i < b->nuses; i++)
       if (!b->uses[i].done && b->uses[i].event) (void)p->b->event_synchronize(b->uses[i].event);
 
+  /* Quarantined blocks go back only once every device has passed all its queued work; when
+   * that cannot be known, their segments stay pinned and mapped (leaked on purpose, never
+   * reused) and only leave the registry. */
+  bool keep_quarantined = p->quarantined && !pm__pool_devices_idle(p);
   for (pm__segment_t *s = p->segments, *sn; s; s = sn) {
     sn = s->next;
-    (void)pm__pool_segment_release(p, s);
+    if (keep_quarantined && pm__pool_segment_quarantined(s))
+      (void)pm__registry_remove((uintptr_t)s->base, PM_MEMORY_POOL, NULL);
+    else
+      (void)pm__pool_segment_release(p, s);
     for (pm__block_t *b = s->first, *bn; b; b = bn) {
       bn = b->anext;
       for (int i = 0; i < b->nuses; i++)
@@ -492,6 +499,8 @@ pm_status_t pm_pool_get_stats(pm_pool_t *pool, pm_pool_stats_t *stats_out) {
   s.budget_failures = p->budget_failures;
   s.backend_alloc_seconds = p->backend_alloc_s;
   s.backend_free_seconds = p->backend_free_s;
+  s.quarantined_blocks = p->quarantined;
+  s.quarantined_bytes = p->quarantined_bytes;
   pthread_mutex_unlock(&p->lock);
   *stats_out = s;
   return PM_OK;

@@ -94,7 +94,7 @@ struct pm_pool_s {
   int releasers;  /* threads outside the lock with pending blocks or segments detached */
   size_t freeing; /* frees between "pending" and "on the list" */
   size_t in_use_blocks;
-  size_t quarantined;
+  size_t quarantined, quarantined_bytes; /* never reset: quarantined blocks stay until destroy */
 
   size_t pinned, peak, in_use, requested, cached, pending_bytes, registered;
   uint64_t nsegments, allocs, frees, cache_hits, backend_allocs, backend_frees;
@@ -151,6 +151,10 @@ void pm__pool_segment_unlink_locked(pm_pool_t *p, pm__segment_t *s);
 
 /* ---- pool_stream.c: stream-ordered frees and quarantine ----------------------------------- */
 
+/* Pool destroy (no lock): every device synchronized, so quarantined memory may go back. */
+bool pm__pool_devices_idle(pm_pool_t *p);
+/* The segment holds a quarantined block. */
+bool pm__pool_segment_quarantined(const pm__segment_t *s);
 /* Poll every pending block; true if any became free. Drops and retakes the lock. */
 bool pm__pool_poll_pending_locked(pm_pool_t *p);
 

@@ -25,6 +25,16 @@ static void return_events_locked(pm_pool_t *p, pm__block_t *b) {
   }
 }
 
+/* The block will never be handed out again: its memory may still be read or written by device
+ * work that nothing can order any more. It stays in the hash (a second free is a double free),
+ * its bytes in pending_bytes, until pool destroy releases it after a device synchronize. */
+static void quarantine_locked(pm_pool_t *p, pm__block_t *b) {
+  b->lnext = b->lprev = NULL;
+  b->state = PM__B_QUARANTINED;
+  p->quarantined++;
+  p->quarantined_bytes += b->size;
+}
+
 /* Poll every pending block independently, outside the lock. Returns true if any became free.
  * Called with the lock held; drops and retakes it. */
 bool pm__pool_poll_pending_locked(pm_pool_t *p) {
@@ -73,42 +83,49 @@ bool pm__pool_poll_pending_locked(pm_pool_t *p) {
   }
   for (pm__block_t *b = broken, *next; b; b = next) {
     next = b->lnext;
-    b->lnext = b->lprev = NULL;
-    b->state = PM__B_QUARANTINED;
-    p->quarantined++;
+    quarantine_locked(p, b);
   }
   wake_locked(p);
   return any;
+}
+
+/* The in-use block that starts at ptr, taken out of the in-use counts (a free of it), or an
+ * error naming `fn` with *b_out untouched. */
+static pm_status_t take_in_use_locked(pm_pool_t *p, void *ptr, const char *fn,
+                                      pm__block_t **b_out) {
+  bool exact = false;
+  pm__block_t *b = pm__pool_locate_locked(p, ptr, &exact);
+  if (!b)
+    return pm__set_error(PM_ERR_NOT_FOUND, "%s(%p): not in any segment of pool %p", fn, ptr,
+                         (void *)p);
+  if (b->state != PM__B_IN_USE)
+    return pm__set_error(
+        PM_ERR_DOUBLE_FREE, "%s(%p): %s", fn, ptr,
+        exact ? "block already freed" : "inside a free block of the pool (already freed?)");
+  if (!exact)
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s(%p): not the start of a block (the block holding it starts at %p, "
+                         "%zu bytes)",
+                         fn, ptr, (void *)b->ptr, b->size);
+  p->in_use -= b->size;
+  p->requested -= b->requested;
+  p->in_use_blocks--;
+  p->frees++;
+  *b_out = b;
+  return PM_OK;
 }
 
 pm_status_t pm__pool_free(pm_pool_t *p, void *ptr) {
   if (!p || !ptr) return pm__set_error(PM_ERR_INVALID, "pm_host_free: NULL pool or pointer");
   const pm__backend_t *be = p->b;
   pthread_mutex_lock(&p->lock);
-  bool exact = false;
-  pm__block_t *b = pm__pool_locate_locked(p, ptr, &exact);
-  pm_status_t st = PM_OK;
-  if (!b)
-    st = pm__set_error(PM_ERR_NOT_FOUND, "pm_host_free(%p): not in any segment of pool %p", ptr,
-                       (void *)p);
-  else if (b->state != PM__B_IN_USE)
-    st = pm__set_error(
-        PM_ERR_DOUBLE_FREE, "pm_host_free(%p): %s", ptr,
-        exact ? "block already freed" : "inside a free block of the pool (already freed?)");
-  else if (!exact)
-    st = pm__set_error(PM_ERR_INVALID,
-                       "pm_host_free(%p): not the start of a block (the block holding it starts "
-                       "at %p, %zu bytes)",
-                       ptr, (void *)b->ptr, b->size);
+  pm__block_t *b = NULL;
+  pm_status_t st = take_in_use_locked(p, ptr, "pm_host_free", &b);
   if (st != PM_OK) {
     pthread_mutex_unlock(&p->lock);
     return st;
   }
 
-  p->in_use -= b->size;
-  p->requested -= b->requested;
-  p->in_use_blocks--;
-  p->frees++;
   if (b->nuses == 0) {
     pm__pool_make_free_locked(p, b);
     wake_locked(p);
@@ -173,8 +190,7 @@ pm_status_t pm__pool_free(pm_pool_t *p, void *ptr) {
   p->freeing--;
   p->events_total -= not_created;
   if (broken) {
-    b->state = PM__B_QUARANTINED;
-    p->quarantined++;
+    quarantine_locked(p, b);
     st = pm__set_error(PM_ERR_BACKEND,
                        "pm_host_free(%p): could neither record an event on stream %p nor "
                        "synchronize it; the block is freed but kept out of use until the pool "
@@ -195,9 +211,25 @@ pm_status_t pm__pool_free(pm_pool_t *p, void *ptr) {
   return st;
 }
 
+pm_status_t pm__pool_quarantine(pm_pool_t *p, void *ptr) {
+  if (!p || !ptr) return pm__set_error(PM_ERR_INVALID, "pm__pool_quarantine: NULL pool or pointer");
+  pthread_mutex_lock(&p->lock);
+  pm__block_t *b = NULL;
+  pm_status_t st = take_in_use_locked(p, ptr, "pm__pool_quarantine", &b);
+  if (st == PM_OK) {
+    p->pending_bytes += b->size;
+    quarantine_locked(p, b);
+  }
+  pthread_mutex_unlock(&p->lock);
+  return st;
+}
+
 pm_status_t pm__pool_record_stream(pm_pool_t *p, void *ptr, pm_stream_t stream) {
   if (!p || !ptr)
     return pm__set_error(PM_ERR_INVALID, "pm_host_record_stream: NULL pool or pointer");
+  /* Tests drive the path where no memory is left for the record (op pool_record). */
+  pm_status_t fault = pm__fault_check(PM__FAULT_POOL_RECORD, "pm_host_record_stream");
+  if (fault != PM_OK) return fault;
   pthread_mutex_lock(&p->lock);
   bool exact = false;
   pm__block_t *b = pm__pool_locate_locked(p, ptr, &exact);
@@ -227,4 +259,27 @@ pm_status_t pm__pool_record_stream(pm_pool_t *p, void *ptr, pm_stream_t stream) 
 out:
   pthread_mutex_unlock(&p->lock);
   return st;
+}
+
+/* ---- releasing quarantined memory at destroy ------------------------------------------------ */
+
+bool pm__pool_devices_idle(pm_pool_t *p) {
+  /* The stream that used a quarantined block is unknown by now (or broken), so every device
+   * waits for all its work; the caller's current device is restored. */
+  const pm__backend_t *be = p->b;
+  int n = 0, cur = 0;
+  if (be->device_count(&n) != PM_OK || n < 1 || be->get_device(&cur) != PM_OK)
+    return be->device_synchronize() == PM_OK;
+  bool idle = true;
+  for (int d = 0; d < n; d++) {
+    if (be->set_device(d) != PM_OK || be->device_synchronize() != PM_OK) idle = false;
+  }
+  (void)be->set_device(cur);
+  return idle;
+}
+
+bool pm__pool_segment_quarantined(const pm__segment_t *s) {
+  for (const pm__block_t *b = s->first; b; b = b->anext)
+    if (b->state == PM__B_QUARANTINED) return true;
+  return false;
 }
