@@ -40,7 +40,8 @@
  * inside the call, with events (no gate waits for it).
  *
  * Invariant: bounce memory is returned to the pool only once no queued DMA can still touch it
- * (stream-recorded free, or after its events or group signals completed). Errors: the first
+ * (stream-recorded free, or after its events or group signals completed); when neither a record
+ * nor a wait is possible, the pool quarantines it (never reused). Errors: the first
  * failing step's status and detail are kept (worker threads have their own pm_last_error);
  * later units are skipped but the ring's bookkeeping still advances, so nothing waits forever.
  *
