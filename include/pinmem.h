@@ -282,6 +282,11 @@ typedef struct pm_pool_stats {
   uint64_t backend_allocs, backend_frees;
   uint64_t budget_waits, budget_failures;
   double backend_alloc_seconds, backend_free_seconds;
+  /* Freed blocks kept out of use for good because device work that nothing could order may
+   * still touch them (a stream that could be neither recorded nor synchronized): part of
+   * pending_bytes, released when the pool is destroyed, after a device synchronize. */
+  uint64_t quarantined_blocks;
+  size_t quarantined_bytes;
 } pm_pool_stats_t;
 
 PM_API pm_status_t pm_pool_get_stats(pm_pool_t *pool, pm_pool_stats_t *stats_out);

@@ -814,6 +814,90 @@ static void test_staged_d2h_abort(void) {
   free(dst);
 }
 
+/* RELIABILITY finding 16: a staged H2D copy returns its whole-copy bounce block to the pool
+ * while its DMAs may still run. With no memory for the pool's stream record (pool_record) and a
+ * stream that cannot be synchronized (stream_sync), the block used to be freed at once, and the
+ * next copy wrote into it under the running DMA. Now the pool quarantines it: counted in the
+ * stats, never handed out again (nor freeable twice), and released when the pool is destroyed. */
+static void test_bounce_quarantine(void) {
+  size_t n = ((size_t)1 << 20) + 3 * 4096 + 7; /* odd size; its own segment (>= 1 MiB) */
+  char *src = malloc(n), *back = malloc(n);
+  REQUIRE(src != NULL && back != NULL);
+  pm_test_fill(src, n, 16);
+  void *d = NULL;
+  REQUIRE_OK(pm_device_alloc(n, &d));
+  pm_stream_t s = NULL;
+  REQUIRE_OK(pm_stream_create(&s));
+  pm_pool_t *pool = NULL;
+  REQUIRE_OK(pm_pool_create(NULL, &pool));
+  size_t registry0 = pm__registry_count();
+  REQUIRE_OK(pm_option_set("copy_bounce", "whole"));
+
+  /* The copy's bounce block is this block: the pool caches it and hands it out again. */
+  void *bounce = NULL;
+  REQUIRE_OK(pm_host_alloc(pool, n, PM_HOST_DEFAULT, &bounce));
+  CHECK_OK(pm_host_free(bounce));
+
+  pm_copy_options_t o;
+  pm_copy_options_init(&o);
+  o.path = PM_PATH_STAGED;
+  o.pool = pool;
+  REQUIRE_OK(pm__fault_configure("pool_record=1,stream_sync=1"));
+  pm_status_t st = pm_copy_async(d, src, n, s, &o, NULL);
+  pm__fault_counts_t fc;
+  pm__fault_counts(&fc);
+  pm__fault_reset();
+  CHECK_OK(st);
+  CHECK(fc.injected[PM__FAULT_POOL_RECORD] == 1);
+  CHECK(fc.injected[PM__FAULT_STREAM_SYNC] == 1);
+
+  pm_pool_stats_t ps;
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK(ps.quarantined_blocks == 1);
+  CHECK(ps.quarantined_bytes >= n);
+  CHECK_EQ_SIZE(ps.in_use_bytes, 0);
+  CHECK(ps.pending_bytes >= ps.quarantined_bytes);
+  CHECK_EQ_SIZE(ps.pinned_bytes, ps.cached_bytes + ps.pending_bytes + ps.registered_bytes);
+  pm_pointer_info_t info;
+  CHECK_OK(pm_pointer_query(bounce, &info));
+  CHECK(info.kind == PM_MEMORY_POOL && info.pool == pool && !info.in_use);
+  CHECK_ERR_MSG(pm_host_free(bounce), PM_ERR_DOUBLE_FREE);
+
+  /* Never handed out again: not by allocations of its size or smaller, nor after a trim. */
+  size_t trimmed = 0;
+  CHECK_OK(pm_pool_trim(pool, &trimmed));
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK(ps.quarantined_blocks == 1 && ps.pinned_bytes >= ps.quarantined_bytes);
+  void *blocks[8] = {NULL};
+  for (int i = 0; i < 8; i++) {
+    size_t want = i == 0 ? n : n >> i;
+    REQUIRE_OK(pm_host_alloc(pool, want, PM_HOST_DEFAULT, &blocks[i]));
+    const char *b = blocks[i], *q = bounce;
+    pm_test_checks++;
+    if (b + want > q && b < q + n)
+      PM_TEST_FAIL_AT(__FILE__, __LINE__, "a %zu-byte block at %p overlaps the quarantined %p",
+                      want, blocks[i], bounce);
+  }
+  for (int i = 0; i < 8; i++) CHECK_OK(pm_host_free(blocks[i]));
+
+  /* The copy itself delivered its bytes. */
+  CHECK_OK(pm_stream_synchronize(s));
+  CHECK_OK(pm_memcpy(back, d, n, PM_COPY_D2H));
+  CHECK(pm_test_fill_ok(back, n, 16));
+
+  /* Destroy waits for the device and gives the quarantined memory back. */
+  CHECK_OK(pm_pool_destroy(pool));
+  pm_test_checks++;
+  if (pm__registry_count() != registry0)
+    PM_TEST_FAIL_AT(__FILE__, __LINE__, "registry holds %zu ranges after destroy, %zu before",
+                    pm__registry_count(), registry0);
+  CHECK_OK(pm_option_set("copy_bounce", NULL));
+  CHECK_OK(pm_stream_destroy(s));
+  CHECK_OK(pm_device_free(d));
+  free(src);
+  free(back);
+}
+
 /* ---- the spec parser and the hook API ------------------------------------------------------- */
 
 static void test_spec(void) {
@@ -1237,6 +1321,7 @@ int main(int argc, char **argv) {
   test_release_faults();
   printf("regressions\n");
   test_staged_d2h_abort();
+  test_bounce_quarantine();
 
   baseline();
   int K = g_small ? 3 : PM_TSAN ? 6 : 12;

@@ -14,11 +14,15 @@
  *   op=rate:R   fail each call with probability R (0..1), decided by a hash of (seed, op, call
  *               number), so a single-threaded run is reproducible from its seed
  *   op=0        disarm op
- * op is one of the names in fault_ops[] or "all" (every op except the release calls).
+ * op is one of the names in fault_ops[] or "all" (every op except the named-only ones: the
+ * release calls and pool_record).
  * Release calls (host_free, host_unregister, device_free, managed_free, stream_destroy,
  * event_destroy) are only faulted when named: their fault leaves the object as it was (nothing
  * released), as a failing driver call does, so a caller that cannot retry leaks it by design.
- * File reads of the loader go through pm__fault_io(), op "io".
+ * File reads of the loader go through pm__fault_io(), op "io". The pool's stream record on a
+ * block goes through pm__fault_check, op "pool_record" (PM_ERR_NOMEM, as when no memory is left
+ * for the record); it is named only, because with a failing stream_sync too the block is
+ * quarantined and stays pinned until its pool is destroyed, by design.
  *
  * Data: one record per op with relaxed atomic counters (calls, injected) and settings (nth,
  * sticky, threshold = rate * 2^64). g_active is false until something arms or counts; while it
@@ -98,6 +102,12 @@ bool pm__fault_io(const char *what) {
   if (!should_fail(PM__FAULT_IO, &call)) return false;
   (void)injected(PM__FAULT_IO, call, what ? what : "read");
   return true;
+}
+
+pm_status_t pm__fault_check(pm__fault_op_t op, const char *what) {
+  uint64_t call;
+  if ((unsigned)op >= PM__FAULT_COUNT || !should_fail(op, &call)) return PM_OK;
+  return injected(op, call, what);
 }
 
 /* ---- the forwarding table ------------------------------------------------------------------ */

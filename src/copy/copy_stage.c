@@ -40,7 +40,8 @@
  * inside the call, with events (no gate waits for it).
  *
  * Invariant: bounce memory is returned to the pool only once no queued DMA can still touch it
- * (stream-recorded free, or after its events or group signals completed). Errors: the first
+ * (stream-recorded free, or after its events or group signals completed); when neither a record
+ * nor a wait is possible, the pool quarantines it (never reused). Errors: the first
  * failing step's status and detail are kept (worker threads have their own pm_last_error);
  * later units are skipped but the ring's bookkeeping still advances, so nothing waits forever.
  *
@@ -160,11 +161,15 @@ static pm_status_t whole_bounce(const pm__stage_req_t *req, size_t total, char *
   return PM_OK;
 }
 
-/* Return bounce memory whose DMAs were queued on `stream` and may still be running. */
-static void free_after_stream(pm_pool_t *pool, void *p, pm_stream_t stream) {
-  if (pm__pool_record_stream(pool, p, stream) != PM_OK) {
-    /* Without the record the pool could hand the block out under a running DMA. */
-    (void)pm__cb_stream_synchronize(stream);
+/* Return bounce memory whose DMAs were queued on `stream` and may still be running. The pool
+ * gates its reuse on the stream; without that record (no memory left for it) the stream is
+ * waited for, when `may_wait`; failing that too, the pool quarantines the block: never handed
+ * out again, released when the pool is destroyed, after a device synchronize. */
+static void free_after_stream(pm_pool_t *pool, void *p, pm_stream_t stream, bool may_wait) {
+  if (pm__pool_record_stream(pool, p, stream) != PM_OK &&
+      (!may_wait || pm__cb_stream_synchronize(stream) != PM_OK)) {
+    (void)pm__pool_quarantine(pool, p);
+    return;
   }
   (void)pm__pool_free(pool, p);
 }
@@ -185,7 +190,7 @@ static void ring_destroy(ring_t *r, pm_stream_t stream, bool dmas_may_run) {
   for (int s = 0; s < r->n; s++) {
     if (r->slot && r->slot[s]) {
       if (dmas_may_run)
-        free_after_stream(r->pool, r->slot[s], stream);
+        free_after_stream(r->pool, r->slot[s], stream, true);
       else
         (void)pm__pool_free(r->pool, r->slot[s]);
     }
@@ -278,6 +283,15 @@ typedef struct stage_ctx {
   first_error_t err;
 } stage_ctx_t;
 
+static void stage_ctx_init(stage_ctx_t *c, const pm__stage_req_t *req, const unit_t *u, size_t n) {
+  memset(c, 0, sizeof *c);
+  c->u = u;
+  c->n = n;
+  atomic_init(&c->next, 0);
+  atomic_init(&c->err.status, PM_OK);
+  c->stream = req->stream;
+}
+
 static void h2d_whole_task(void *vctx, size_t task) {
   stage_ctx_t *c = vctx;
   (void)task;
@@ -293,28 +307,39 @@ static void h2d_whole_task(void *vctx, size_t task) {
   }
 }
 
-static void h2d_ring_task(void *vctx, size_t task) {
-  stage_ctx_t *c = vctx;
+/* Unit i goes to slot i % n in turn (ring_wait_turn), so the ring's units run in claim order;
+ * `step` moves one unit through its slot. After an error the turns still advance. */
+static void ring_run(stage_ctx_t *c, pm_status_t (*step)(stage_ctx_t *c, size_t i, int s)) {
   ring_t *r = c->ring;
-  (void)task;
   for (;;) {
     size_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
     if (i >= c->n) return;
     int s = (int)(i % (size_t)r->n);
     ring_wait_turn(r, s, (long long)i);
     if (!first_error_any(&c->err)) {
-      pm_status_t st = PM_OK;
-      if (i >= (size_t)r->n) st = pm__copy_wait_event(r->ev[s], 50); /* the slot's last DMA */
-      if (st == PM_OK) {
-        const unit_t *u = &c->u[i];
-        pm__memcpy_mode(r->slot[s], u->host, u->bytes, c->mover);
-        st = pm__cb_memcpy_async(u->dev, r->slot[s], u->bytes, PM_COPY_H2D, c->stream);
-        if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
-      }
+      pm_status_t st = step(c, i, s);
       if (st != PM_OK) first_error_set(&c->err, st);
     }
     ring_done_turn(r, s, (long long)i);
   }
+}
+
+static pm_status_t h2d_ring_step(stage_ctx_t *c, size_t i, int s) {
+  ring_t *r = c->ring;
+  pm_status_t st = PM_OK;
+  if (i >= (size_t)r->n) st = pm__copy_wait_event(r->ev[s], 50); /* the slot's last DMA */
+  if (st == PM_OK) {
+    const unit_t *u = &c->u[i];
+    pm__memcpy_mode(r->slot[s], u->host, u->bytes, c->mover);
+    st = pm__cb_memcpy_async(u->dev, r->slot[s], u->bytes, PM_COPY_H2D, c->stream);
+    if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
+  }
+  return st;
+}
+
+static void h2d_ring_task(void *vctx, size_t task) {
+  (void)task;
+  ring_run(vctx, h2d_ring_step);
 }
 
 /* ---- H2D through slots filled in pieces (copy_piece) ---------------------------------------- */
@@ -495,12 +520,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
   if (st != PM_OK) return st;
 
   stage_ctx_t c;
-  memset(&c, 0, sizeof c);
-  c.u = u;
-  c.n = n;
-  atomic_init(&c.next, 0);
-  atomic_init(&c.err.status, PM_OK);
-  c.stream = req->stream;
+  stage_ctx_init(&c, req, u, n);
   int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
 
   char *bounce = NULL;
@@ -519,7 +539,7 @@ pm_status_t pm__stage_h2d(const pm__stage_req_t *req, bool *ring_out) {
     c.mover = pm__memcpy_for(req->cfg.mover, false);
     pm__parallel_for(tasks, (size_t)tasks, h2d_whole_task, &c);
     st = first_error_raise(&c.err);
-    free_after_stream(req->pool, bounce, req->stream);
+    free_after_stream(req->pool, bounce, req->stream, true);
     if (ring_out) *ring_out = false;
   } else if (st == PM_ERR_BUDGET && slab_eligible(req)) {
     st = stage_h2d_slab(req);
@@ -603,27 +623,20 @@ static void wait_group(pm__d2h_job_t *job, uint32_t g) {
   pthread_mutex_unlock(&job->mu);
 }
 
-static void d2h_ring_task(void *vctx, size_t task) {
-  stage_ctx_t *c = vctx;
+/* The slot's turn came once unit i - n was copied out of it. */
+static pm_status_t d2h_ring_step(stage_ctx_t *c, size_t i, int s) {
   ring_t *r = c->ring;
+  const unit_t *u = &c->u[i];
+  pm_status_t st = pm__cb_memcpy_async(r->slot[s], u->dev, u->bytes, PM_COPY_D2H, c->stream);
+  if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
+  if (st == PM_OK) st = pm__copy_wait_event(r->ev[s], 50);
+  if (st == PM_OK) pm__memcpy_mode(u->host, r->slot[s], u->bytes, c->mover);
+  return st;
+}
+
+static void d2h_ring_task(void *vctx, size_t task) {
   (void)task;
-  for (;;) {
-    size_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
-    if (i >= c->n) return;
-    int s = (int)(i % (size_t)r->n);
-    ring_wait_turn(r, s, (long long)i); /* unit i - n has been copied out of the slot */
-    if (!first_error_any(&c->err)) {
-      const unit_t *u = &c->u[i];
-      pm_status_t st = pm__cb_memcpy_async(r->slot[s], u->dev, u->bytes, PM_COPY_D2H, c->stream);
-      if (st == PM_OK) st = pm__cb_event_record(r->ev[s], c->stream);
-      if (st == PM_OK) st = pm__copy_wait_event(r->ev[s], 50);
-      if (st == PM_OK)
-        pm__memcpy_mode(u->host, r->slot[s], u->bytes, c->mover);
-      else
-        first_error_set(&c->err, st);
-    }
-    ring_done_turn(r, s, (long long)i);
-  }
+  ring_run(vctx, d2h_ring_step);
 }
 
 static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
@@ -631,13 +644,8 @@ static pm_status_t d2h_ring(const pm__stage_req_t *req, unit_t *u, size_t n) {
   pm_status_t st = ring_create(req, req->cfg.slots, n, &ring);
   if (st != PM_OK) return st;
   stage_ctx_t c;
-  memset(&c, 0, sizeof c);
-  c.u = u;
-  c.n = n;
-  atomic_init(&c.next, 0);
-  atomic_init(&c.err.status, PM_OK);
+  stage_ctx_init(&c, req, u, n);
   c.ring = &ring;
-  c.stream = req->stream;
   c.mover = pm__memcpy_for(req->cfg.mover, false); /* D2H: the destination is not read back soon */
   int tasks = (int)PM__MIN((size_t)req->cfg.threads, n);
   pm__parallel_for(tasks, (size_t)tasks, d2h_ring_task, &c);
@@ -723,11 +731,12 @@ void pm__stage_d2h_abort(pm__d2h_job_t *job, pm_stream_t stream) {
   snprintf(msg, sizeof msg, "%s", pm_last_error());
   /* Queued DMAs write into the bounce block and queued host functions touch the job: let the
    * stream pass them all before anything is freed. */
-  (void)pm__cb_stream_synchronize(stream);
-  /* If that synchronize failed, the pool still keeps the bounce block out of use until the
-   * stream passed it, and the references keep the job alive for its host functions. */
-  (void)pm__pool_record_stream(job->pool, job->bounce, stream);
-  (void)pm__pool_free(job->pool, job->bounce);
+  /* If that synchronize fails, the pool keeps the bounce block out of use until the stream
+   * passed it (or for good), and the references keep the job alive for its host functions. */
+  if (pm__cb_stream_synchronize(stream) == PM_OK)
+    (void)pm__pool_free(job->pool, job->bounce);
+  else
+    free_after_stream(job->pool, job->bounce, stream, false);
   d2h_job_free(job);
   pm__set_error(PM_ERR_INTERNAL, "%s", msg); /* restore the detail; the caller keeps its status */
 }
@@ -762,9 +771,11 @@ pm_status_t pm__stage_d2h_finish(pm__d2h_job_t *job, char *msg, size_t msg_len) 
    * function that touches the job has run). */
   wait_group(job, job->ngroups - 1);
   /* Discarded: the stream could not be waited for, so DMAs may still write into the block; the
-   * pool keeps it out of use until the stream passed them (no gate waits for this thread then). */
-  if (atomic_load(&job->discard)) (void)pm__pool_record_stream(job->pool, job->bounce, job->stream);
-  (void)pm__pool_free(job->pool, job->bounce);
+   * pool keeps it out of use until the stream passed them, or for good (no backend call here). */
+  if (atomic_load(&job->discard))
+    free_after_stream(job->pool, job->bounce, job->stream, false);
+  else
+    (void)pm__pool_free(job->pool, job->bounce);
   d2h_job_free(job);
   return PM_OK;
 }

@@ -101,21 +101,16 @@ static const char *keyword_text(const pm__keyword_t *kw, long value) {
   return kw[0].word;
 }
 
-static bool parse_backend(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_keyword(kw_backend, t, out, why, n);
-}
-static bool parse_policy(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_keyword(kw_policy, t, out, why, n);
-}
-static bool parse_bounce(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_keyword(kw_bounce, t, out, why, n);
-}
-static bool parse_memcpy(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_keyword(kw_memcpy, t, out, why, n);
-}
-static bool parse_batch(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_keyword(kw_batch, t, out, why, n);
-}
+/* A table row's parser for a keyword option: one line per option. */
+#define PARSE_KEYWORDS(name, kw)                                            \
+  static bool name(const char *t, pm__optval_t *out, char *why, size_t n) { \
+    return parse_keyword(kw, t, out, why, n);                               \
+  }
+PARSE_KEYWORDS(parse_backend, kw_backend)
+PARSE_KEYWORDS(parse_policy, kw_policy)
+PARSE_KEYWORDS(parse_bounce, kw_bounce)
+PARSE_KEYWORDS(parse_memcpy, kw_memcpy)
+PARSE_KEYWORDS(parse_batch, kw_batch)
 
 static bool parse_long_range(const char *t, long lo, long hi, pm__optval_t *out, char *why,
                              size_t n) {
@@ -134,13 +129,13 @@ static bool parse_long_range(const char *t, long lo, long hi, pm__optval_t *out,
   return true;
 }
 
-static bool parse_device(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_long_range(t, 0, 1023, out, why, n);
-}
-
-static bool parse_threads(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_long_range(t, 0, 1024, out, why, n);
-}
+/* A table row's parser for an integer option in [lo, hi]. */
+#define PARSE_RANGE(name, lo, hi)                                           \
+  static bool name(const char *t, pm__optval_t *out, char *why, size_t n) { \
+    return parse_long_range(t, lo, hi, out, why, n);                        \
+  }
+PARSE_RANGE(parse_device, 0, 1023)
+PARSE_RANGE(parse_threads, 0, 1024)
 
 static bool parse_bool01(const char *t, pm__optval_t *out, char *why, size_t n) {
   if (!strcmp(t, "1") || !strcasecmp(t, "yes") || !strcasecmp(t, "on") || !strcasecmp(t, "true"))
@@ -188,30 +183,29 @@ static bool size_reason(const char *t, size_t *v, char *why, size_t n) {
   return false;
 }
 
-static bool parse_budget(const char *t, pm__optval_t *out, char *why, size_t n) {
-  if (!strcasecmp(t, "auto")) {
-    out->sz = 0;
-    return true;
-  }
+/* A size above 0; `or_what` names what else the option takes, for the message. */
+static bool parse_size_min1(const char *t, pm__optval_t *out, char *why, size_t n,
+                            const char *or_what) {
   size_t v;
   if (!size_reason(t, &v, why, n)) return false;
   if (v == 0) {
-    snprintf(why, n, "must be more than 0 (or auto)");
+    snprintf(why, n, "must be more than 0%s", or_what);
     return false;
   }
   out->sz = v;
   return true;
 }
 
-static bool parse_size_pos(const char *t, pm__optval_t *out, char *why, size_t n) {
-  size_t v;
-  if (!size_reason(t, &v, why, n)) return false;
-  if (v == 0) {
-    snprintf(why, n, "must be more than 0");
-    return false;
+static bool parse_budget(const char *t, pm__optval_t *out, char *why, size_t n) {
+  if (!strcasecmp(t, "auto")) {
+    out->sz = 0;
+    return true;
   }
-  out->sz = v;
-  return true;
+  return parse_size_min1(t, out, why, n, " (or auto)");
+}
+
+static bool parse_size_pos(const char *t, pm__optval_t *out, char *why, size_t n) {
+  return parse_size_min1(t, out, why, n, "");
 }
 
 static bool parse_size_any(const char *t, pm__optval_t *out, char *why, size_t n) {
@@ -223,22 +217,11 @@ static bool parse_size_any(const char *t, pm__optval_t *out, char *why, size_t n
 
 /* ---- the table --------------------------------------------------------------------------- */
 
-static bool parse_slots(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_long_range(t, 1, PM__MAX_SLOTS, out, why, n);
-}
-
-static bool parse_slots_or_0(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_long_range(t, 0, PM__MAX_SLOTS, out, why, n);
-}
-
-/* The loader's own limit, so the option refuses what the argument does. */
-static bool parse_loader_workers(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_long_range(t, 0, PM__LOADER_MAX_WORKERS, out, why, n);
-}
-
-static bool parse_copy_threads(const char *t, pm__optval_t *out, char *why, size_t n) {
-  return parse_long_range(t, 0, PM__COPY_MAX_THREADS, out, why, n);
-}
+PARSE_RANGE(parse_slots, 1, PM__MAX_SLOTS)
+PARSE_RANGE(parse_slots_or_0, 0, PM__MAX_SLOTS)
+/* The loader's and the copy engine's own limits, so the option refuses what the argument does. */
+PARSE_RANGE(parse_loader_workers, 0, PM__LOADER_MAX_WORKERS)
+PARSE_RANGE(parse_copy_threads, 0, PM__COPY_MAX_THREADS)
 
 /* Rows in pm__opt_t order; the static assert below catches an enum value without a row. */
 static const pm__opt_def_t opt_table[] = {

@@ -303,6 +303,10 @@ pm_status_t pm__pool_block_info(pm_pool_t *pool, const void *ptr, pm_pointer_inf
 /* Free a block; called by pm_host_free after the registry named the owning pool. */
 pm_status_t pm__pool_free(pm_pool_t *pool, void *ptr);
 pm_status_t pm__pool_record_stream(pm_pool_t *pool, void *ptr, pm_stream_t stream);
+/* Free a block that queued device work may still read or write when nothing can order its reuse
+ * (no record of the stream, and the stream could not be synchronized): the pool never hands it
+ * out again and releases it only at destroy, after a device synchronize. */
+pm_status_t pm__pool_quarantine(pm_pool_t *pool, void *ptr);
 pm_status_t pm__pool_usable_size(pm_pool_t *pool, const void *ptr, size_t *bytes_out);
 /* Size class: the capacity a request of `bytes` is rounded up to. At most 12.5% more for
  * requests >= 1 MiB; multiples of 256 bytes. */
@@ -352,7 +356,8 @@ void pm__copy_shutdown(void);
 /* ---- fault.c ------------------------------------------------------------------------------ */
 
 /* Fault injection at the backend contract (tests, PINMEM_FAULT; see fault.c for the spec). */
-/* X(op, name, status the real backend returns when the call fails, release call?) */
+/* X(op, name, status the real backend returns when the call fails, named only?). Named-only ops
+ * (the release calls, and pool_record) are not part of "all". */
 #define PM__FAULT_OP_MAP(X)                                                                     \
   X(PM__FAULT_HOST_ALLOC, "host_alloc", PM_ERR_NOMEM, false)                                    \
   X(PM__FAULT_HOST_FREE, "host_free", PM_ERR_BACKEND, true)                                     \
@@ -381,7 +386,9 @@ void pm__copy_shutdown(void);
   X(PM__FAULT_LAUNCH, "launch", PM_ERR_BACKEND, false)                                          \
   /* device_count, device_info, set_device, get_device */                                       \
   X(PM__FAULT_DEVICE_QUERY, "device_query", PM_ERR_BACKEND, false)                              \
-  X(PM__FAULT_IO, "io", PM_ERR_IO, false) /* the loader's file reads (pm__fault_io) */
+  X(PM__FAULT_IO, "io", PM_ERR_IO, false) /* the loader's file reads (pm__fault_io) */          \
+  /* the pool's stream record on a block (pm__pool_record_stream: no memory for it) */          \
+  X(PM__FAULT_POOL_RECORD, "pool_record", PM_ERR_NOMEM, true)
 
 #define PM__FAULT_ENUM(op, ...) op,
 typedef enum pm__fault_op {
@@ -413,6 +420,9 @@ const char *pm__fault_op_name(pm__fault_op_t op);
 /* For file reads (loader): true when this read must fail; pm_last_error() then holds a detail
  * naming `what` and "injected fault", and the caller returns PM_ERR_IO. */
 bool pm__fault_io(const char *what);
+/* For calls above the backend that take part in fault injection (pool_record): PM_OK, or the
+ * op's status with a detail naming `what` and "injected fault". */
+pm_status_t pm__fault_check(pm__fault_op_t op, const char *what);
 
 /* ---- loader.c (with sampler.c, dataset.c, dataset_npy.c, dataset_tokens.c) ---------------- */
 
@@ -493,6 +503,9 @@ struct pm_dataset_s {
 /* A zeroed dataset with its files array for nfiles files (fds -1), or PM_ERR_NOMEM. */
 pm_status_t pm__dataset_alloc(int nfiles, pm_dataset_t **ds_out);
 void pm__dataset_free(pm_dataset_t *ds); /* closes the files, runs destroy_impl */
+/* The status of a read callback's return code rc for sample `index` (detail set when not 0):
+ * a pinmem status passes through, any other failure is PM_ERR_IO. */
+pm_status_t pm__dataset_cb_status(int rc, uint64_t index);
 
 size_t pm__dtype_itemsize(pm_dtype_t dtype); /* 0: not a dtype code; OTHER: 1 */
 const char *pm__dtype_descr(pm_dtype_t dtype); /* "<f4"...; OTHER: "|V1" */

@@ -37,6 +37,12 @@
  * lock held: the pending list is detached under the lock, queried outside and merged back, and
  * segments to release are unlinked under the lock and freed outside. Stats are read under the
  * lock.
+ *
+ * Files: pool.c (this one: creating segments, the pool's life, allocation and the public cache,
+ * budget and stats calls), pool_block.c (size classes, bins, the block map, coalescing),
+ * pool_stream.c (stream-ordered frees, pending polls, quarantine), pool_budget.c (acquiring
+ * budget, waiting, trimming, registrations' charge); pool_internal.h holds their types. Calls
+ * go pool.c -> pool_budget.c -> pool_stream.c -> pool_block.c, never back.
  */
 #include <errno.h>
 #include <math.h>
@@ -46,562 +52,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "internal.h"
-
-#define PM__GRAN ((size_t)256)            /* minimum class granularity and alignment */
-#define PM__SMALL_LIMIT ((size_t)1 << 20) /* requests below this share 2 MiB segments */
-#define PM__SMALL_SEGMENT ((size_t)2 << 20)
-#define PM__NBINS 448 /* covers every 64-bit size (max index 430) */
-#define PM__BITMAP_WORDS (PM__NBINS / 64)
-#define PM__NGROUPS 16 /* one bin set per PM_HOST_* flag combination */
-#define PM__HOST_FLAGS (PM_HOST_MAPPED | PM_HOST_WRITE_COMBINED | PM_HOST_PORTABLE | PM_HOST_SHARED)
-#define PM__INLINE_USES 4
-#define PM__SPARE_BLOCKS_MAX 1024
-#define PM__WAIT_SLICE_S 0.001
-
-enum { PM__B_FREE = 0, PM__B_IN_USE, PM__B_PENDING, PM__B_QUARANTINED };
-
-typedef struct pm__use {
-  pm_stream_t stream;
-  pm_event_t event; /* recorded at free (NULL until then, or if creating one failed) */
-  bool done;        /* nothing left to wait for on this stream */
-} pm__use_t;
-
-typedef struct pm__segment pm__segment_t;
-typedef struct pm__block pm__block_t;
-
-struct pm__block {
-  char *ptr;
-  size_t size;      /* capacity */
-  size_t requested; /* what the caller asked for, while in use */
-  pm__segment_t *seg;
-  pm__block_t *aprev, *anext; /* address order within the segment */
-  pm__block_t *lprev, *lnext; /* bin list (FREE) or pending list (PENDING) */
-  pm__block_t *hnext;         /* hash chain */
-  int state;
-  int bin;
-  int nuses, cap_uses;
-  pm__use_t *uses;
-  pm__use_t inline_uses[PM__INLINE_USES];
-};
-
-struct pm__segment {
-  char *base;
-  size_t size;
-  unsigned flags;
-  bool fast; /* pinned by pm__fast_pin (else backend host_alloc) */
-  void *dev_base;
-  pm__block_t *first;
-  pm__segment_t *prev, *next;
-};
-
-typedef struct pm__group {
-  pm__block_t *bins[PM__NBINS];
-  uint64_t bitmap[PM__BITMAP_WORDS];
-} pm__group_t;
-
-struct pm_pool_s {
-  pthread_mutex_t lock;
-  pthread_cond_t cv; /* budget released, block freed, poll/trim finished */
-  const pm__backend_t *b;
-
-  /* resolved configuration */
-  size_t budget;
-  bool budget_memlock; /* the automatic budget was cut to RLIMIT_MEMLOCK (host backend) */
-  int policy;
-  double wait_timeout_s;
-  int pin_threads;
-  size_t fast_pin_min;
-  bool huge_pages;
-
-  pm__group_t groups[PM__NGROUPS];
-  pm__segment_t *segments;
-  pm__block_t **hash;
-  unsigned hash_bits;
-  size_t hash_count;
-  pm__block_t *pending;
-  pm__block_t *spare; /* recycled block structs */
-  size_t nspare;
-
-  /* event cache: capacity always >= events_total, so returning an event never allocates */
-  pm_event_t *events;
-  size_t nevents, cap_events, events_total;
-
-  int waiters;    /* threads in a timed wait on cv */
-  int releasers;  /* threads outside the lock with pending blocks or segments detached */
-  size_t freeing; /* frees between "pending" and "on the list" */
-  size_t in_use_blocks;
-  size_t quarantined;
-
-  size_t pinned, peak, in_use, requested, cached, pending_bytes, registered;
-  uint64_t nsegments, allocs, frees, cache_hits, backend_allocs, backend_frees;
-  uint64_t budget_waits, budget_failures;
-  double backend_alloc_s, backend_free_s;
-};
-
-/* ---- size classes and bins ---------------------------------------------------------------- */
-
-static inline int floor_log2(size_t v) {
-  return 63 - __builtin_clzll((unsigned long long)v);
-}
-
-size_t pm__size_class(size_t bytes) {
-  /* Eight steps per power of two: for n in [2^k, 2^(k+1)) round up to a multiple of 2^(k-3), so
-   * the waste is below 2^(k-3) <= n/8. Below 2 KiB the 256-byte floor takes over. 0 is given
-   * the smallest class; a size whose class does not fit in size_t gives 0. */
-  if (bytes <= 2048) return bytes == 0 ? PM__GRAN : pm__align_up(bytes, PM__GRAN);
-  size_t g = (size_t)1 << (floor_log2(bytes) - 3);
-  if (bytes > SIZE_MAX - (g - 1)) return 0;
-  return pm__align_up(bytes, g);
-}
-
-/* Floor mapping of a size (a multiple of 256) to its bin: every block in bin i is at least the
- * class boundary that starts bin i, so a request rounded to a class fits any block of its bin. */
-static inline int bin_index(size_t s) {
-  if (s < 2048) return (int)(s / PM__GRAN) - 1;
-  int k = floor_log2(s);
-  int j = (int)((s >> (k - 3)) & 7);
-  return 7 + (k - 11) * 8 + j;
-}
-
-static void bin_insert(pm_pool_t *p, pm__block_t *b) {
-  pm__group_t *g = &p->groups[b->seg->flags & PM__HOST_FLAGS];
-  int i = bin_index(b->size);
-  b->bin = i;
-  b->lprev = NULL;
-  b->lnext = g->bins[i];
-  if (b->lnext) b->lnext->lprev = b;
-  g->bins[i] = b;
-  g->bitmap[i >> 6] |= 1ull << (i & 63);
-  p->cached += b->size;
-}
-
-static void bin_remove(pm_pool_t *p, pm__block_t *b) {
-  pm__group_t *g = &p->groups[b->seg->flags & PM__HOST_FLAGS];
-  if (b->lprev)
-    b->lprev->lnext = b->lnext;
-  else
-    g->bins[b->bin] = b->lnext;
-  if (b->lnext) b->lnext->lprev = b->lprev;
-  if (!g->bins[b->bin]) g->bitmap[b->bin >> 6] &= ~(1ull << (b->bin & 63));
-  b->lprev = b->lnext = NULL;
-  p->cached -= b->size;
-}
-
-static pm__block_t *bin_find(pm__group_t *g, size_t need) {
-  int i = bin_index(need);
-  int w = i >> 6;
-  uint64_t m = g->bitmap[w] & (~0ull << (i & 63));
-  while (!m) {
-    if (++w == PM__BITMAP_WORDS) return NULL;
-    m = g->bitmap[w];
-  }
-  return g->bins[w * 64 + __builtin_ctzll(m)];
-}
-
-/* ---- block structs, hash ------------------------------------------------------------------ */
-
-static void uses_reset(pm__block_t *b) {
-  if (b->uses != b->inline_uses) free(b->uses);
-  b->uses = b->inline_uses;
-  b->cap_uses = PM__INLINE_USES;
-  b->nuses = 0;
-}
-
-static pm__block_t *block_get(pm_pool_t *p) {
-  pm__block_t *b = p->spare;
-  if (b) {
-    p->spare = b->lnext;
-    p->nspare--;
-  } else {
-    b = malloc(sizeof *b);
-    if (!b) return NULL;
-  }
-  memset(b, 0, sizeof *b);
-  b->uses = b->inline_uses;
-  b->cap_uses = PM__INLINE_USES;
-  return b;
-}
-
-static void block_put(pm_pool_t *p, pm__block_t *b) {
-  uses_reset(b);
-  if (p->nspare >= PM__SPARE_BLOCKS_MAX) {
-    free(b);
-    return;
-  }
-  b->lnext = p->spare;
-  p->spare = b;
-  p->nspare++;
-}
-
-static inline size_t hash_slot(const pm_pool_t *p, const void *ptr) {
-  uint64_t x = (uint64_t)((uintptr_t)ptr >> 8) * 0x9E3779B97F4A7C15ull;
-  return (size_t)(x >> (64 - p->hash_bits));
-}
-
-static void hash_grow(pm_pool_t *p) {
-  unsigned bits = p->hash_bits + 1;
-  size_t cap = (size_t)1 << bits;
-  pm__block_t **nh = calloc(cap, sizeof *nh);
-  if (!nh) return; /* longer chains, still correct */
-  pm__block_t **old = p->hash;
-  size_t oldcap = (size_t)1 << p->hash_bits;
-  p->hash = nh;
-  p->hash_bits = bits;
-  for (size_t i = 0; i < oldcap; i++) {
-    for (pm__block_t *b = old[i], *n; b; b = n) {
-      n = b->hnext;
-      size_t s = hash_slot(p, b->ptr);
-      b->hnext = nh[s];
-      nh[s] = b;
-    }
-  }
-  free(old);
-}
-
-static void hash_insert(pm_pool_t *p, pm__block_t *b) {
-  if (p->hash_count >= ((size_t)1 << p->hash_bits) && p->hash_bits < 40) hash_grow(p);
-  size_t s = hash_slot(p, b->ptr);
-  b->hnext = p->hash[s];
-  p->hash[s] = b;
-  p->hash_count++;
-}
-
-static pm__block_t *hash_find(const pm_pool_t *p, const void *ptr) {
-  for (pm__block_t *b = p->hash[hash_slot(p, ptr)]; b; b = b->hnext)
-    if (b->ptr == ptr) return b;
-  return NULL;
-}
-
-static void hash_remove(pm_pool_t *p, pm__block_t *b) {
-  pm__block_t **pp = &p->hash[hash_slot(p, b->ptr)];
-  while (*pp && *pp != b) pp = &(*pp)->hnext;
-  if (*pp) {
-    *pp = b->hnext;
-    p->hash_count--;
-  }
-  b->hnext = NULL;
-}
-
-/* The block holding ptr (any state), *exact if ptr is its start; NULL if no segment holds it. */
-static pm__block_t *locate_locked(pm_pool_t *p, const void *ptr, bool *exact) {
-  pm__block_t *b = hash_find(p, ptr);
-  if (b) {
-    *exact = true;
-    return b;
-  }
-  const char *c = ptr;
-  for (pm__segment_t *s = p->segments; s; s = s->next) {
-    if (c < s->base || c >= s->base + s->size) continue;
-    for (b = s->first; b; b = b->anext) {
-      if (c >= b->ptr && c < b->ptr + b->size) {
-        *exact = (c == b->ptr);
-        return b;
-      }
-    }
-    return NULL;
-  }
-  return NULL;
-}
-
-/* ---- budget helpers ------------------------------------------------------------------------ */
-
-static inline void wake_locked(pm_pool_t *p) {
-  if (p->waiters) pthread_cond_broadcast(&p->cv);
-}
-
-static void wait_slice_locked(pm_pool_t *p, double seconds) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  if (seconds < 1e-6) seconds = 1e-6;
-  long long ns = (long long)(seconds * 1e9) + ts.tv_nsec;
-  ts.tv_sec += (time_t)(ns / 1000000000LL);
-  ts.tv_nsec = (long)(ns % 1000000000LL);
-  p->waiters++;
-  pthread_cond_timedwait(&p->cv, &p->lock, &ts);
-  p->waiters--;
-}
-
-static void reserve_locked(pm_pool_t *p, size_t bytes) {
-  p->pinned += bytes;
-  if (p->pinned > p->peak) p->peak = p->pinned;
-}
-
-static void unreserve_locked(pm_pool_t *p, size_t bytes) {
-  p->pinned = bytes <= p->pinned ? p->pinned - bytes : 0;
-  wake_locked(p);
-}
-
-/* ---- freeing blocks, pending polls, trim ----------------------------------------------------- */
-
-/* A block whose last use is over becomes free: leave the hash, merge with free neighbours, bin. */
-static void make_free_locked(pm_pool_t *p, pm__block_t *b) {
-  hash_remove(p, b);
-  uses_reset(b);
-  b->state = PM__B_FREE;
-  b->requested = 0;
-  pm__block_t *prev = b->aprev, *next = b->anext;
-  if (prev && prev->state == PM__B_FREE) {
-    bin_remove(p, prev);
-    prev->size += b->size;
-    prev->anext = next;
-    if (next) next->aprev = prev;
-    block_put(p, b);
-    b = prev;
-  }
-  if (next && next->state == PM__B_FREE) {
-    bin_remove(p, next);
-    b->size += next->size;
-    b->anext = next->anext;
-    if (b->anext) b->anext->aprev = b;
-    block_put(p, next);
-  }
-  bin_insert(p, b);
-}
-
-/* Events of a block go back to the cache (capacity was reserved when they were counted). */
-static void return_events_locked(pm_pool_t *p, pm__block_t *b) {
-  for (int i = 0; i < b->nuses; i++) {
-    if (b->uses[i].event) {
-      p->events[p->nevents++] = b->uses[i].event;
-      b->uses[i].event = NULL;
-    }
-  }
-}
-
-/* Poll every pending block independently, outside the lock. Returns true if any became free.
- * Called with the lock held; drops and retakes it. */
-static bool poll_pending_locked(pm_pool_t *p) {
-  if (!p->pending) return false;
-  pm__block_t *list = p->pending;
-  p->pending = NULL;
-  p->releasers++;
-  pthread_mutex_unlock(&p->lock);
-
-  const pm__backend_t *be = p->b;
-  pm__block_t *ready = NULL, *waiting = NULL, *broken = NULL;
-  for (pm__block_t *b = list, *next; b; b = next) {
-    next = b->lnext;
-    int verdict = 1; /* 1 ready, 0 not yet, -1 broken */
-    for (int i = 0; i < b->nuses && verdict == 1; i++) {
-      pm__use_t *u = &b->uses[i];
-      if (u->done) continue;
-      pm_status_t st = be->event_query(u->event);
-      if (st == PM_OK)
-        u->done = true;
-      else if (st == PM_NOT_READY)
-        verdict = 0;
-      else
-        verdict = -1; /* the device can no longer tell: never hand this memory out again */
-    }
-    pm__block_t **to = verdict == 1 ? &ready : verdict == 0 ? &waiting : &broken;
-    b->lnext = *to;
-    *to = b;
-  }
-
-  pthread_mutex_lock(&p->lock);
-  p->releasers--;
-  bool any = ready != NULL;
-  for (pm__block_t *b = ready, *next; b; b = next) {
-    next = b->lnext;
-    return_events_locked(p, b);
-    p->pending_bytes -= b->size;
-    make_free_locked(p, b);
-  }
-  for (pm__block_t *b = waiting, *next; b; b = next) {
-    next = b->lnext;
-    b->lprev = NULL;
-    b->lnext = p->pending;
-    if (p->pending) p->pending->lprev = b;
-    p->pending = b;
-  }
-  for (pm__block_t *b = broken, *next; b; b = next) {
-    next = b->lnext;
-    b->lnext = b->lprev = NULL;
-    b->state = PM__B_QUARANTINED;
-    p->quarantined++;
-  }
-  wake_locked(p);
-  return any;
-}
-
-static pm_status_t segment_release(pm_pool_t *p, pm__segment_t *s) {
-  pm_status_t st = pm__registry_remove((uintptr_t)s->base, PM_MEMORY_POOL, NULL);
-  pm_status_t st2;
-  if (s->flags & PM_HOST_SHARED)
-    st2 = pm__shared_unpin(p->b, s->base, s->size);
-  else
-    st2 = s->fast ? pm__fast_unpin(p->b, s->base, s->size) : p->b->host_free(s->base, s->size);
-  return st2 != PM_OK ? st2 : st;
-}
-
-static void segment_unlink_locked(pm_pool_t *p, pm__segment_t *s) {
-  if (s->prev)
-    s->prev->next = s->next;
-  else
-    p->segments = s->next;
-  if (s->next) s->next->prev = s->prev;
-  s->prev = s->next = NULL;
-}
-
-/* Release every segment that is one free block. Returns the bytes given back. Called with the
- * lock held; drops it around the backend calls. The bytes stay charged until those returned.
- * *failed (may be NULL) gets the first failed release's status, its detail in pm_last_error. */
-static size_t trim_locked(pm_pool_t *p, pm_status_t *failed) {
-  pm__segment_t *list = NULL;
-  for (pm__segment_t *s = p->segments, *next; s; s = next) {
-    next = s->next;
-    pm__block_t *f = s->first;
-    if (f->state != PM__B_FREE || f->size != s->size) continue;
-    bin_remove(p, f);
-    segment_unlink_locked(p, s);
-    p->nsegments--;
-    s->next = list;
-    list = s;
-  }
-  if (!list) return 0;
-  p->releasers++;
-  pthread_mutex_unlock(&p->lock);
-
-  size_t released = 0;
-  uint64_t count = 0;
-  double t0 = pm__now();
-  for (pm__segment_t *s = list, *next; s; s = next) {
-    next = s->next;
-    /* A failed unpin cannot be retried usefully (the backend already reported the memory as
-     * gone or broken); the pool stops counting it either way so the budget does not wedge, and
-     * pm_pool_trim reports it. */
-    pm_status_t st = segment_release(p, s);
-    if (st != PM_OK && failed && *failed == PM_OK) {
-      *failed = pm__wrap_error(st, "releasing a %zu-byte segment at %p (the pool no longer "
-                                   "counts it)",
-                               s->size, (void *)s->base);
-    }
-    released += s->size;
-    count++;
-    free(s->first);
-    free(s);
-  }
-  double dt = pm__now() - t0;
-
-  pthread_mutex_lock(&p->lock);
-  p->releasers--;
-  p->backend_frees += count;
-  p->backend_free_s += dt;
-  unreserve_locked(p, released);
-  return released;
-}
-
-/* ---- acquiring a block or budget ------------------------------------------------------------- */
-
-typedef struct pm__acquire {
-  const char *what;
-  bool use_bins;
-  unsigned group;
-  size_t need;        /* class size, for the bins */
-  size_t bytes;       /* what the caller asked for */
-  size_t seg_pref;    /* preferred new segment */
-  size_t seg_min;     /* smallest new segment that serves the request */
-  pm__block_t *block; /* out: a cached block, now in use */
-  size_t reserved;    /* out: bytes reserved for a new segment */
-} pm__acquire_t;
-
-static void carve_locked(pm_pool_t *p, pm__block_t *b, size_t need) {
-  if (b->size - need < PM__GRAN) return;
-  pm__block_t *r = block_get(p);
-  if (!r) return; /* no memory for the struct: hand out the whole block */
-  r->ptr = b->ptr + need;
-  r->size = b->size - need;
-  r->seg = b->seg;
-  r->state = PM__B_FREE;
-  r->aprev = b;
-  r->anext = b->anext;
-  if (r->anext) r->anext->aprev = r;
-  b->anext = r;
-  b->size = need;
-  bin_insert(p, r);
-}
-
-static void mark_in_use_locked(pm_pool_t *p, pm__block_t *b, size_t bytes) {
-  b->state = PM__B_IN_USE;
-  b->requested = bytes;
-  hash_insert(p, b);
-  p->in_use += b->size;
-  p->requested += bytes;
-  p->in_use_blocks++;
-  p->allocs++;
-}
-
-static pm_status_t exhausted(pm_pool_t *p, const pm__acquire_t *a, const char *why) {
-  p->budget_failures++;
-  return pm__set_error(PM_ERR_BUDGET,
-                       "%s: pinned-memory budget exhausted%s: asked for %zu bytes (%zu to pin), "
-                       "budget %zu, held %zu (in use %zu, cached %zu, pending %zu, registered "
-                       "%zu; %zu blocks quarantined after stream errors)",
-                       a->what, why, a->bytes, a->seg_min, p->budget, p->pinned, p->in_use,
-                       p->cached, p->pending_bytes, p->registered, p->quarantined);
-}
-
-/* Serve `a` from the bins, or reserve budget for a new segment: poll pending blocks, trim the
- * cache, then follow the exhaust policy. Called with the lock held; may drop it. */
-static pm_status_t acquire_locked(pm_pool_t *p, pm__acquire_t *a) {
-  bool polled = false, trimmed = false, waited = false;
-  double deadline = 0;
-  for (;;) {
-    if (a->use_bins) {
-      pm__block_t *b = bin_find(&p->groups[a->group], a->need);
-      if (b) {
-        bin_remove(p, b);
-        carve_locked(p, b, a->need);
-        mark_in_use_locked(p, b, a->bytes);
-        p->cache_hits++;
-        a->block = b;
-        return PM_OK;
-      }
-      /* A miss looks at finished frees before pinning anything new. */
-      if (!polled && p->pending) {
-        polled = true;
-        poll_pending_locked(p);
-        continue;
-      }
-    }
-    size_t avail = p->pinned < p->budget ? p->budget - p->pinned : 0;
-    if (a->seg_pref <= avail || a->seg_min <= avail) {
-      a->reserved = a->seg_pref <= avail ? a->seg_pref : a->seg_min;
-      reserve_locked(p, a->reserved);
-      return PM_OK;
-    }
-    if (a->seg_min > p->budget) return exhausted(p, a, " (more than the whole budget)");
-    if (!polled && p->pending) {
-      polled = true;
-      poll_pending_locked(p);
-      continue;
-    }
-    if (!trimmed) {
-      trimmed = true;
-      if (trim_locked(p, NULL) > 0) continue;
-    }
-    if (p->releasers > 0) {
-      /* Another thread holds detached blocks or segments that may free budget: let it finish. */
-      wait_slice_locked(p, PM__WAIT_SLICE_S);
-      continue;
-    }
-    if (p->policy != PM_EXHAUST_WAIT) return exhausted(p, a, "");
-    double now = pm__now();
-    if (!waited) {
-      waited = true;
-      p->budget_waits++;
-      deadline = now + p->wait_timeout_s;
-    }
-    if (now >= deadline) {
-      char why[96];
-      snprintf(why, sizeof why, " (waited %.3f s for frees)", p->wait_timeout_s);
-      return exhausted(p, a, why);
-    }
-    wait_slice_locked(p, PM__MIN(PM__WAIT_SLICE_S, deadline - now));
-    polled = trimmed = false;
-  }
-}
+#include "pool_internal.h"
 
 /* ---- segments ------------------------------------------------------------------------------ */
 
@@ -710,11 +161,11 @@ static pm_status_t grow_locked(pm_pool_t *p, pm__acquire_t *a, unsigned flags) {
   }
   segment_install_locked(p, s, secs);
   if (a->use_bins) {
-    carve_locked(p, s->first, a->need);
-    mark_in_use_locked(p, s->first, a->bytes);
+    pm__pool_carve_locked(p, s->first, a->need);
+    pm__pool_mark_in_use_locked(p, s->first, a->bytes);
     a->block = s->first;
   } else {
-    bin_insert(p, s->first);
+    pm__pool_bin_insert(p, s->first);
   }
   return PM_OK;
 }
@@ -819,7 +270,7 @@ static pm_status_t pool_destroy(pm_pool_t *p) {
     pthread_mutex_unlock(&p->lock);
     return st;
   }
-  while (p->releasers > 0) wait_slice_locked(p, PM__WAIT_SLICE_S);
+  while (p->releasers > 0) pm__pool_wait_slice_locked(p, PM__WAIT_SLICE_S);
   pm__block_t *pending = p->pending;
   p->pending = NULL;
   pthread_mutex_unlock(&p->lock);
@@ -832,14 +283,21 @@ static pm_status_t pool_destroy(pm_pool_t *p) {
     for (int i = 0; i < b->nuses; i++)
       if (!b->uses[i].done && b->uses[i].event) (void)p->b->event_synchronize(b->uses[i].event);
 
+  /* Quarantined blocks go back only once every device has passed all its queued work; when
+   * that cannot be known, their segments stay pinned and mapped (leaked on purpose, never
+   * reused) and only leave the registry. */
+  bool keep_quarantined = p->quarantined && !pm__pool_devices_idle(p);
   for (pm__segment_t *s = p->segments, *sn; s; s = sn) {
     sn = s->next;
-    (void)segment_release(p, s);
+    if (keep_quarantined && pm__pool_segment_quarantined(s))
+      (void)pm__registry_remove((uintptr_t)s->base, PM_MEMORY_POOL, NULL);
+    else
+      (void)pm__pool_segment_release(p, s);
     for (pm__block_t *b = s->first, *bn; b; b = bn) {
       bn = b->anext;
       for (int i = 0; i < b->nuses; i++)
         if (b->uses[i].event) (void)p->b->event_destroy(b->uses[i].event);
-      uses_reset(b);
+      pm__pool_uses_reset(b);
       free(b);
     }
     free(s);
@@ -948,207 +406,12 @@ pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **
                                    "with `ulimit -l`, or set PINMEM_BUDGET within it)"
                                  : "");
   }
-  st = acquire_locked(p, &a);
+  st = pm__pool_acquire_locked(p, &a);
   if (st == PM_OK && !a.block) st = grow_locked(p, &a, flags);
   void *ptr = st == PM_OK ? a.block->ptr : NULL;
   pthread_mutex_unlock(&p->lock);
   if (st != PM_OK) return st;
   *ptr_out = ptr;
-  return PM_OK;
-}
-
-pm_status_t pm__pool_free(pm_pool_t *p, void *ptr) {
-  if (!p || !ptr) return pm__set_error(PM_ERR_INVALID, "pm_host_free: NULL pool or pointer");
-  const pm__backend_t *be = p->b;
-  pthread_mutex_lock(&p->lock);
-  bool exact = false;
-  pm__block_t *b = locate_locked(p, ptr, &exact);
-  pm_status_t st = PM_OK;
-  if (!b)
-    st = pm__set_error(PM_ERR_NOT_FOUND, "pm_host_free(%p): not in any segment of pool %p", ptr,
-                       (void *)p);
-  else if (b->state != PM__B_IN_USE)
-    st = pm__set_error(
-        PM_ERR_DOUBLE_FREE, "pm_host_free(%p): %s", ptr,
-        exact ? "block already freed" : "inside a free block of the pool (already freed?)");
-  else if (!exact)
-    st = pm__set_error(PM_ERR_INVALID,
-                       "pm_host_free(%p): not the start of a block (the block holding it starts "
-                       "at %p, %zu bytes)",
-                       ptr, (void *)b->ptr, b->size);
-  if (st != PM_OK) {
-    pthread_mutex_unlock(&p->lock);
-    return st;
-  }
-
-  p->in_use -= b->size;
-  p->requested -= b->requested;
-  p->in_use_blocks--;
-  p->frees++;
-  if (b->nuses == 0) {
-    make_free_locked(p, b);
-    wake_locked(p);
-    pthread_mutex_unlock(&p->lock);
-    return PM_OK;
-  }
-
-  /* Stream-ordered: one event per stream that used the block, recorded outside the lock. Take
-   * cached events now; reserve cache room for the ones we may create, so returning them later
-   * never allocates under the lock. */
-  b->state = PM__B_PENDING;
-  p->pending_bytes += b->size;
-  p->freeing++;
-  int n = b->nuses;
-  size_t fresh = 0;
-  for (int i = 0; i < n; i++) {
-    b->uses[i].done = false;
-    b->uses[i].event = p->nevents ? p->events[--p->nevents] : NULL;
-    if (!b->uses[i].event) fresh++;
-  }
-  bool may_create = true;
-  if (fresh && p->events_total + fresh > p->cap_events) {
-    size_t cap = PM__MAX(p->cap_events * 2, p->events_total + fresh + 16);
-    pm_event_t *ne = realloc(p->events, cap * sizeof *ne);
-    if (ne) {
-      p->events = ne;
-      p->cap_events = cap;
-    } else {
-      may_create = false; /* no room to keep new events: synchronize those streams instead */
-    }
-  }
-  if (may_create) p->events_total += fresh;
-  pthread_mutex_unlock(&p->lock);
-
-  size_t not_created = 0;
-  int recorded = 0;
-  bool broken = false;
-  pm_stream_t bad_stream = NULL;
-  for (int i = 0; i < n; i++) {
-    pm__use_t *u = &b->uses[i];
-    if (!u->event && may_create) {
-      pm_event_t ev = NULL;
-      if (be->event_create(PM_EVENT_DEFAULT, &ev) == PM_OK)
-        u->event = ev;
-      else
-        not_created++;
-    }
-    if (u->event && be->event_record(u->event, u->stream) == PM_OK) {
-      recorded++;
-      continue;
-    }
-    /* No event to order reuse on that stream (bad stream, or no resources): wait for the stream
-     * instead; if even that fails, nothing tells when the memory is safe again. */
-    u->done = true;
-    if (be->stream_synchronize(u->stream) != PM_OK) {
-      broken = true;
-      bad_stream = u->stream;
-    }
-  }
-
-  pthread_mutex_lock(&p->lock);
-  p->freeing--;
-  p->events_total -= not_created;
-  if (broken) {
-    b->state = PM__B_QUARANTINED;
-    p->quarantined++;
-    st = pm__set_error(PM_ERR_BACKEND,
-                       "pm_host_free(%p): could neither record an event on stream %p nor "
-                       "synchronize it; the block is freed but kept out of use until the pool "
-                       "is destroyed",
-                       ptr, (void *)bad_stream);
-  } else if (recorded == 0) {
-    return_events_locked(p, b);
-    p->pending_bytes -= b->size;
-    make_free_locked(p, b);
-  } else {
-    b->lprev = NULL;
-    b->lnext = p->pending;
-    if (p->pending) p->pending->lprev = b;
-    p->pending = b;
-  }
-  wake_locked(p);
-  pthread_mutex_unlock(&p->lock);
-  return st;
-}
-
-pm_status_t pm__pool_record_stream(pm_pool_t *p, void *ptr, pm_stream_t stream) {
-  if (!p || !ptr)
-    return pm__set_error(PM_ERR_INVALID, "pm_host_record_stream: NULL pool or pointer");
-  pthread_mutex_lock(&p->lock);
-  bool exact = false;
-  pm__block_t *b = locate_locked(p, ptr, &exact);
-  pm_status_t st = PM_OK;
-  if (!b)
-    st = pm__set_error(PM_ERR_NOT_FOUND, "pm_host_record_stream(%p): not in pool %p", ptr,
-                       (void *)p);
-  else if (b->state != PM__B_IN_USE)
-    st = pm__set_error(PM_ERR_INVALID, "pm_host_record_stream(%p): the block was freed", ptr);
-  if (st == PM_OK) {
-    for (int i = 0; i < b->nuses; i++)
-      if (b->uses[i].stream == stream) goto out;
-    if (b->nuses == b->cap_uses) {
-      int cap = b->cap_uses * 2;
-      pm__use_t *nu = malloc((size_t)cap * sizeof *nu);
-      if (!nu) {
-        st = pm__set_error(PM_ERR_NOMEM, "pm_host_record_stream: out of host memory");
-        goto out;
-      }
-      memcpy(nu, b->uses, (size_t)b->nuses * sizeof *nu);
-      if (b->uses != b->inline_uses) free(b->uses);
-      b->uses = nu;
-      b->cap_uses = cap;
-    }
-    b->uses[b->nuses++] = (pm__use_t){.stream = stream, .event = NULL, .done = false};
-  }
-out:
-  pthread_mutex_unlock(&p->lock);
-  return st;
-}
-
-pm_status_t pm__pool_usable_size(pm_pool_t *p, const void *ptr, size_t *bytes_out) {
-  if (!p || !ptr || !bytes_out)
-    return pm__set_error(PM_ERR_INVALID, "pm_host_usable_size: NULL argument");
-  pthread_mutex_lock(&p->lock);
-  bool exact = false;
-  pm__block_t *b = locate_locked(p, ptr, &exact);
-  pm_status_t st = PM_OK;
-  size_t size = 0;
-  if (!b)
-    st = pm__set_error(PM_ERR_NOT_FOUND, "pm_host_usable_size(%p): not in pool %p", ptr, (void *)p);
-  else if (b->state != PM__B_IN_USE)
-    st = pm__set_error(PM_ERR_INVALID, "pm_host_usable_size(%p): the block was freed", ptr);
-  else if (!exact)
-    st = pm__set_error(PM_ERR_INVALID,
-                       "pm_host_usable_size(%p): not the start of a block (it starts at %p)", ptr,
-                       (void *)b->ptr);
-  else
-    size = b->size;
-  pthread_mutex_unlock(&p->lock);
-  if (st == PM_OK) *bytes_out = size;
-  return st;
-}
-
-pm_status_t pm__pool_block_info(pm_pool_t *p, const void *ptr, pm_pointer_info_t *info) {
-  if (!p || !info) return pm__set_error(PM_ERR_INVALID, "pm__pool_block_info: NULL argument");
-  pthread_mutex_lock(&p->lock);
-  bool exact = false;
-  pm__block_t *b = locate_locked(p, ptr, &exact);
-  if (!b) {
-    pthread_mutex_unlock(&p->lock);
-    return pm__set_error(PM_ERR_NOT_FOUND, "%p is not in pool %p", ptr, (void *)p);
-  }
-  pm_pointer_info_t r;
-  memset(&r, 0, sizeof r);
-  r.kind = PM_MEMORY_POOL;
-  r.base = b->ptr;
-  r.size = b->size;
-  r.flags = b->seg->flags;
-  r.device_ptr =
-      b->seg->dev_base ? (char *)b->seg->dev_base + ((const char *)ptr - b->seg->base) : NULL;
-  r.pool = p;
-  r.in_use = b->state == PM__B_IN_USE;
-  pthread_mutex_unlock(&p->lock);
-  *info = r;
   return PM_OK;
 }
 
@@ -1158,9 +421,9 @@ pm_status_t pm_pool_trim(pm_pool_t *pool, size_t *released_bytes_out) {
   pm_status_t st = resolve_pool(&pool, "pm_pool_trim");
   if (st != PM_OK) return st;
   pthread_mutex_lock(&pool->lock);
-  poll_pending_locked(pool);
+  pm__pool_poll_pending_locked(pool);
   pm_status_t failed = PM_OK;
-  size_t released = trim_locked(pool, &failed);
+  size_t released = pm__pool_trim_locked(pool, &failed);
   pthread_mutex_unlock(&pool->lock);
   if (released_bytes_out) *released_bytes_out = released;
   return failed == PM_OK ? PM_OK : pm__wrap_error(failed, "pm_pool_trim");
@@ -1187,7 +450,7 @@ pm_status_t pm_pool_reserve(pm_pool_t *pool, size_t bytes, unsigned flags) {
                      .seg_pref = pm__align_up(need, page),
                      .seg_min = pm__align_up(need, page)};
   pthread_mutex_lock(&pool->lock);
-  st = acquire_locked(pool, &a);
+  st = pm__pool_acquire_locked(pool, &a);
   if (st == PM_OK) st = grow_locked(pool, &a, flags);
   pthread_mutex_unlock(&pool->lock);
   return st;
@@ -1200,8 +463,8 @@ pm_status_t pm_pool_set_budget(pm_pool_t *pool, size_t budget) {
   pm_pool_t *p = pool;
   pthread_mutex_lock(&p->lock);
   if (p->pinned > budget) {
-    poll_pending_locked(p);
-    trim_locked(p, NULL);
+    pm__pool_poll_pending_locked(p);
+    pm__pool_trim_locked(p, NULL);
   }
   if (p->pinned > budget) {
     st = pm__set_error(PM_ERR_BUSY,
@@ -1226,7 +489,7 @@ pm_status_t pm_pool_get_stats(pm_pool_t *pool, pm_pool_stats_t *stats_out) {
   pm_pool_stats_t s;
   memset(&s, 0, sizeof s);
   pthread_mutex_lock(&p->lock);
-  poll_pending_locked(p);
+  pm__pool_poll_pending_locked(p);
   s.budget = p->budget;
   s.pinned_bytes = p->pinned;
   s.pinned_peak = p->peak;
@@ -1245,6 +508,8 @@ pm_status_t pm_pool_get_stats(pm_pool_t *pool, pm_pool_stats_t *stats_out) {
   s.budget_failures = p->budget_failures;
   s.backend_alloc_seconds = p->backend_alloc_s;
   s.backend_free_seconds = p->backend_free_s;
+  s.quarantined_blocks = p->quarantined;
+  s.quarantined_bytes = p->quarantined_bytes;
   pthread_mutex_unlock(&p->lock);
   *stats_out = s;
   return PM_OK;
@@ -1257,30 +522,6 @@ pm_status_t pm_pool_reset_peak(pm_pool_t *pool) {
   pool->peak = pool->pinned;
   pthread_mutex_unlock(&pool->lock);
   return PM_OK;
-}
-
-pm_status_t pm__pool_charge(pm_pool_t *pool, size_t bytes) {
-  if (!pool) return pm__set_error(PM_ERR_INVALID, "pm__pool_charge: pool is NULL");
-  if (bytes == 0) return PM_OK;
-  pm__acquire_t a = {.what = "pm_register",
-                     .use_bins = false,
-                     .bytes = bytes,
-                     .seg_pref = bytes,
-                     .seg_min = bytes};
-  pthread_mutex_lock(&pool->lock);
-  pm_status_t st = acquire_locked(pool, &a);
-  if (st == PM_OK) pool->registered += bytes;
-  pthread_mutex_unlock(&pool->lock);
-  return st;
-}
-
-void pm__pool_uncharge(pm_pool_t *pool, size_t bytes) {
-  if (!pool || bytes == 0) return;
-  pthread_mutex_lock(&pool->lock);
-  size_t b = PM__MIN(bytes, pool->registered);
-  pool->registered -= b;
-  unreserve_locked(pool, b);
-  pthread_mutex_unlock(&pool->lock);
 }
 
 /* fork.c: the parent's default pool holds memory that is not pinned in the child and events of

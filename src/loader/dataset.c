@@ -344,7 +344,10 @@ static pm_status_t cb_read(pm_dataset_t *ds, uint64_t epoch, uint64_t index, voi
   (void)tdst;
   (void)scratch;
   const pm_dataset_callbacks_t *cb = ds->impl;
-  int rc = cb->read(index, dst, cb->user);
+  return pm__dataset_cb_status(cb->read(index, dst, cb->user), index);
+}
+
+pm_status_t pm__dataset_cb_status(int rc, uint64_t index) {
   if (rc == 0) return PM_OK;
   pm_status_t st = PM_ERR_IO;
   if (rc < 0 && strcmp(pm_status_name((pm_status_t)rc), "PM_STATUS_UNKNOWN") != 0)

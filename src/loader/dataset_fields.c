@@ -145,13 +145,7 @@ static pm_status_t fcb_read(pm_dataset_t *ds, uint64_t epoch, uint64_t index, vo
   (void)epoch;
   (void)scratch;
   const fields_cb_t *f = ds->impl;
-  int rc = f->cb.read(index, dsts, f->cb.user);
-  if (rc == 0) return PM_OK;
-  pm_status_t st = PM_ERR_IO;
-  if (rc < 0 && strcmp(pm_status_name((pm_status_t)rc), "PM_STATUS_UNKNOWN") != 0)
-    st = (pm_status_t)rc;
-  return pm__set_error(st, "dataset read callback failed for sample %llu (returned %d)",
-                       (unsigned long long)index, rc);
+  return pm__dataset_cb_status(f->cb.read(index, dsts, f->cb.user), index);
 }
 
 static void fcb_destroy(pm_dataset_t *ds) {
