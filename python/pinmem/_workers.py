@@ -60,6 +60,56 @@ class Schema:
         self.leaves = leaves    # [(numpy dtype, shape, kind)] kind: array|tensor|int|float|bool
         self.paths = paths      # ["[0]", "['image']", ...] names for messages
         self.ref = _shape_tree(tree)
+        # The common shapes (one leaf; a tuple, list or dict of leaves) get a fast check per
+        # sample; anything else, or a sample that fails it, takes the full walk (which also
+        # writes the error message).
+        self.flat = None
+        if tree[0] == "leaf":
+            self.flat = ("leaf", None)
+        elif tree[0] in ("tuple", "list") and all(c[0] == "leaf" for c in tree[1]):
+            self.flat = (tree[0], len(tree[1]))
+        elif tree[0] == "dict" and all(c[0] == "leaf" for _, c in tree[1]):
+            self.flat = ("dict", tuple(k for k, _ in tree[1]))
+
+    def fast_leaves(self, sample, np):
+        """The leaves of a sample of the common shapes when every one matches exactly (numbers
+        as they are: NumPy converts them on assignment), else None."""
+        kind, arg = self.flat
+        if kind == "leaf":
+            vals = (sample,)
+        elif kind == "dict":
+            if type(sample) is not dict or len(sample) != len(arg):
+                return None
+            try:
+                vals = [sample[k] for k in arg]
+            except KeyError:
+                return None
+        else:
+            if type(sample) is not (tuple if kind == "tuple" else list) or len(sample) != arg:
+                return None
+            vals = sample
+        out = []
+        for v, (dt, shape, k) in zip(vals, self.leaves):
+            t = type(v)
+            if t is np.ndarray:
+                if v.dtype != dt or v.shape != shape:
+                    return None
+            elif k == "int" and t is int or k == "float" and t is float or \
+                    k == "bool" and t is bool:
+                pass
+            elif k == "tensor" and getattr(v, "device", None) is not None:
+                if v.device.type != "cpu":
+                    return None
+                try:
+                    v = v.detach().numpy()
+                except (TypeError, RuntimeError):
+                    return None
+                if v.dtype != dt or v.shape != shape:
+                    return None
+            else:
+                return None
+            out.append(v)
+        return out
 
     def specs(self):
         """(sample shape, dtype text, itemsize) per leaf, for the C dataset."""
@@ -348,7 +398,10 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid):
         except Exception as e:
             return _pack_error(ST_EXC, i, wid, e, "dataset")
         try:
-            for k, a in enumerate(checked_leaves(schema, sample, i, np)):
+            leaves = schema.fast_leaves(sample, np) if schema.flat else None
+            if leaves is None:
+                leaves = checked_leaves(schema, sample, i, np)
+            for k, a in enumerate(leaves):
                 views[k][j] = a
         except Exception as e:
             from . import InvalidError
