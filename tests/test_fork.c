@@ -21,19 +21,7 @@
 
 #include "check.h"
 
-/* ThreadSanitizer ends a child of a multi-threaded process that starts threads unless told
- * not to; the children here start stream and completion threads on purpose. */
-#if defined(__SANITIZE_THREAD__)
-#define PM_TEST_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define PM_TEST_TSAN 1
-#endif
-#endif
-#ifdef PM_TEST_TSAN
-const char *__tsan_default_options(void);
-const char *__tsan_default_options(void) { return "die_after_fork=0"; }
-#endif
+#include "tsan_fork.h"
 
 /* AddressSanitizer's leak check runs at exit() and stops the world first; in a forked child of
  * a parent whose threads were busy it can hang (GCC 12's runtime, 4 runs of 6 here, never with

@@ -26,19 +26,7 @@
 #include "check.h"
 #include "internal.h"
 
-/* ThreadSanitizer ends a child of a multi-threaded process that starts threads unless told not
- * to; a child that pins a mapping starts the backend there. */
-#if defined(__SANITIZE_THREAD__)
-#define PM_TEST_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define PM_TEST_TSAN 1
-#endif
-#endif
-#ifdef PM_TEST_TSAN
-const char *__tsan_default_options(void);
-const char *__tsan_default_options(void) { return "die_after_fork=0"; }
-#endif
+#include "tsan_fork.h"
 
 #define CHILD_ALARM_S 30
 #define KiB ((size_t)1024)

@@ -189,6 +189,7 @@ PyObject *pmpy_dataset_take_error(DatasetObject *d);
 DatasetObject *pmpy_dataset_new(void);
 int pmpy_field_spec(int k, const char *descr, size_t itemsize, int ndim, const Py_ssize_t *shape,
                     pm_field_t *f);
+int pmpy_parse_spec(PyObject *spec, int k, pm_field_t *f, size_t *bytes_out);
 
 /* ---- procs.c ------------------------------------------------------------------------------ */
 

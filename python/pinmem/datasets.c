@@ -317,6 +317,23 @@ static int python_read(uint64_t index, void *const *dsts, void *user) {
   return rc;
 }
 
+/* One spec (sample shape, dtype text, itemsize) of field k into *f, and the bytes of the
+ * field of one sample. */
+int pmpy_parse_spec(PyObject *spec, int k, pm_field_t *f, size_t *bytes_out) {
+  PyObject *shape;
+  const char *descr;
+  Py_ssize_t itemsize, dims[PMPY_MAX_NDIM];
+  int ndim;
+  if (!PyArg_ParseTuple(spec, "Osn:dataset spec", &shape, &descr, &itemsize) ||
+      pmpy_parse_shape(shape, dims, &ndim) < 0 ||
+      pmpy_field_spec(k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims, f) < 0)
+    return -1;
+  size_t bytes = f->itemsize;
+  for (int i = 0; i < ndim; i++) bytes *= (size_t)dims[i];
+  *bytes_out = bytes;
+  return 0;
+}
+
 /* _dataset_python(fetch, samples, specs): specs = [(sample shape, dtype text, itemsize)], one
  * per field; fetch(i) returns the fields of sample i (C-contiguous, checked by the caller). */
 static PyObject *py_dataset_python(PyObject *mod, PyObject *args) {
@@ -337,19 +354,8 @@ static PyObject *py_dataset_python(PyObject *mod, PyObject *args) {
     return NULL;
   }
   for (Py_ssize_t k = 0; k < n; k++) {
-    PyObject *shape;
-    const char *descr;
-    Py_ssize_t itemsize;
-    Py_ssize_t dims[PMPY_MAX_NDIM];
-    int ndim;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "Osn:_dataset_python spec", &shape,
-                          &descr, &itemsize) ||
-        pmpy_parse_shape(shape, dims, &ndim) < 0 ||
-        pmpy_field_spec((int)k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims, &f[k]) < 0)
+    if (pmpy_parse_spec(PySequence_Fast_GET_ITEM(seq, k), (int)k, &f[k], &d->fbytes[k]) < 0)
       goto fail;
-    size_t bytes = f[k].itemsize;
-    for (int i = 0; i < ndim; i++) bytes *= (size_t)dims[i];
-    d->fbytes[k] = bytes;
   }
   d->nfields = (int)n;
   d->fetch = Py_NewRef(fetch);

@@ -445,21 +445,9 @@ static PyObject *py_dataset_procs(PyObject *mod, PyObject *args) {
   }
   P->timeout_ms = timeout > 0 ? (int)(timeout * 1000.0 + 0.5) : -1;
   pm_field_t f[PM_MAX_FIELDS];
-  for (Py_ssize_t k = 0; k < n; k++) {
-    PyObject *shape;
-    const char *descr;
-    Py_ssize_t itemsize, dims[PMPY_MAX_NDIM];
-    int ndim;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "Osn:_dataset_procs spec", &shape,
-                          &descr, &itemsize) ||
-        pmpy_parse_shape(shape, dims, &ndim) < 0 ||
-        pmpy_field_spec((int)k, descr, (size_t)(itemsize > 0 ? itemsize : 0), ndim, dims, &f[k]) <
-            0)
+  for (Py_ssize_t k = 0; k < n; k++)
+    if (pmpy_parse_spec(PySequence_Fast_GET_ITEM(seq, k), (int)k, &f[k], &P->fbytes[k]) < 0)
       goto fail;
-    size_t bytes = f[k].itemsize;
-    for (int i = 0; i < ndim; i++) bytes *= (size_t)dims[i];
-    P->fbytes[k] = bytes;
-  }
   P->nfields = (int)n;
   d = pmpy_dataset_new();
   if (!d) goto fail;

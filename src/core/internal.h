@@ -518,12 +518,12 @@ void pm__dataset_field(const pm_dataset_t *ds, int k, pm_field_t *out); /* k < n
 pm_status_t pm__dataset_read_fields(pm_dataset_t *ds, uint64_t epoch, uint64_t index,
                                     void *const *dsts, pm__scratch_t *scratch);
 
-/* For dataset_rows.c: dataset_fields.c's spec check (complete one field spec of `fn`'s
- * argument), its info from the field table, and its read_sample function for multi-field kinds. */
-pm_status_t pm__field_check(const char *fn, int k, const pm_field_t *spec, pm_field_t *out);
-void pm__dataset_info_from_fields(pm_dataset_t *ds, uint64_t samples, int n);
-pm_status_t pm__dataset_read_first_two(pm_dataset_t *ds, uint64_t epoch, uint64_t index, void *dst,
-                                       void *tdst, pm__scratch_t *scratch);
+/* For dataset_rows.c: the checks and allocations of a callback dataset of several fields
+ * (dataset_fields.c; the caller fills ds->impl, impl_bytes, and the read calls). */
+pm_status_t pm__dataset_callback_new(const char *fn, const void *callbacks, bool have_read,
+                                     const char *read_name, uint64_t samples, int nfields,
+                                     const pm_field_t *fields, size_t impl_bytes,
+                                     pm_dataset_t *const *dataset_out, pm_dataset_t **ds_out);
 
 /* dataset_rows.c: rows datasets (pm_dataset_create_rows) and selects (pm_dataset_select).
  * Whether a dataset reads a run of rows in one call (a rows dataset, or a select over one). */

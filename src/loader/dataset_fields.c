@@ -193,43 +193,59 @@ static pm_status_t check_field(const char *fn, int k, const pm_field_t *spec, pm
   return PM_OK;
 }
 
-pm_status_t pm_dataset_create_fields(const pm_dataset_fields_callbacks_t *callbacks,
-                                     pm_dataset_t **dataset_out) {
-  const char *fn = "pm_dataset_create_fields";
+/* What pm_dataset_create_fields and pm_dataset_create_rows share: the argument checks (the
+ * read callback `read_name` present, samples, the field specs, each completed into a new
+ * table) and the allocations (an impl of impl_bytes, the dataset, which then owns both, with
+ * its info and multi-field read_sample set). The caller fills the impl and its read calls. */
+pm_status_t pm__dataset_callback_new(const char *fn, const void *callbacks, bool have_read,
+                                     const char *read_name, uint64_t samples, int nfields,
+                                     const pm_field_t *fields, size_t impl_bytes,
+                                     pm_dataset_t *const *dataset_out, pm_dataset_t **ds_out) {
   if (!callbacks || !dataset_out)
     return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn,
                          !callbacks ? "callbacks" : "dataset_out");
-  const pm_dataset_fields_callbacks_t *c = callbacks;
-  if (!c->read) return pm__set_error(PM_ERR_INVALID, "%s: read callback is NULL", fn);
-  if (c->samples == 0) return pm__set_error(PM_ERR_INVALID, "%s: samples is 0", fn);
-  if (c->nfields < 1 || c->nfields > PM_MAX_FIELDS)
-    return pm__set_error(PM_ERR_INVALID, "%s: nfields %d is not in 1..%d", fn, c->nfields,
+  if (!have_read) return pm__set_error(PM_ERR_INVALID, "%s: %s callback is NULL", fn, read_name);
+  if (samples == 0) return pm__set_error(PM_ERR_INVALID, "%s: samples is 0", fn);
+  if (nfields < 1 || nfields > PM_MAX_FIELDS)
+    return pm__set_error(PM_ERR_INVALID, "%s: nfields %d is not in 1..%d", fn, nfields,
                          PM_MAX_FIELDS);
-  if (!c->fields) return pm__set_error(PM_ERR_INVALID, "%s: fields is NULL", fn);
-  pm_field_t *tab = calloc((size_t)c->nfields, sizeof *tab);
+  if (!fields) return pm__set_error(PM_ERR_INVALID, "%s: fields is NULL", fn);
+  pm_field_t *tab = calloc((size_t)nfields, sizeof *tab);
   if (!tab) return pm__set_error(PM_ERR_NOMEM, "%s: field table", fn);
   pm_status_t st = PM_OK;
-  for (int k = 0; k < c->nfields && st == PM_OK; k++)
-    st = check_field(fn, k, &c->fields[k], &tab[k]);
-  fields_cb_t *f = NULL;
+  for (int k = 0; k < nfields && st == PM_OK; k++) st = check_field(fn, k, &fields[k], &tab[k]);
+  void *impl = NULL;
   pm_dataset_t *ds = NULL;
-  if (st == PM_OK && !(f = malloc(sizeof *f)))
+  if (st == PM_OK && !(impl = malloc(impl_bytes)))
     st = pm__set_error(PM_ERR_NOMEM, "%s: callbacks", fn);
   if (st == PM_OK) st = pm__dataset_alloc(0, &ds);
   if (st != PM_OK) {
     if (ds) pm__dataset_free(ds);
-    free(f);
+    free(impl);
     free(tab);
     return st;
   }
-  f->cb = *c;
-  f->cb.fields = tab;
-  ds->impl = f;
+  ds->impl = impl;
   ds->fields_tab = tab;
   ds->read = read_first_two;
+  info_from_fields(ds, samples, nfields);
+  *ds_out = ds;
+  return PM_OK;
+}
+
+pm_status_t pm_dataset_create_fields(const pm_dataset_fields_callbacks_t *callbacks,
+                                     pm_dataset_t **dataset_out) {
+  const pm_dataset_fields_callbacks_t *c = callbacks;
+  pm_dataset_t *ds;
+  pm_status_t st = pm__dataset_callback_new(
+      "pm_dataset_create_fields", c, c && c->read, "read", c ? c->samples : 0,
+      c ? c->nfields : 0, c ? c->fields : NULL, sizeof(fields_cb_t), dataset_out, &ds);
+  if (st != PM_OK) return st;
+  fields_cb_t *f = ds->impl;
+  f->cb = *c;
+  f->cb.fields = ds->fields_tab;
   ds->read_fields = fcb_read;
   ds->destroy_impl = fcb_destroy;
-  info_from_fields(ds, c->samples, c->nfields);
   *dataset_out = ds;
   return PM_OK;
 }
@@ -322,14 +338,3 @@ pm_status_t pm_dataset_zip(pm_dataset_t *const *datasets, size_t n, pm_dataset_t
   return PM_OK;
 }
 
-/* For dataset_rows.c, which builds its kinds on the same field table. */
-pm_status_t pm__field_check(const char *fn, int k, const pm_field_t *spec, pm_field_t *out) {
-  return check_field(fn, k, spec, out);
-}
-void pm__dataset_info_from_fields(pm_dataset_t *ds, uint64_t samples, int n) {
-  info_from_fields(ds, samples, n);
-}
-pm_status_t pm__dataset_read_first_two(pm_dataset_t *ds, uint64_t epoch, uint64_t index, void *dst,
-                                       void *tdst, pm__scratch_t *scratch) {
-  return read_first_two(ds, epoch, index, dst, tdst, scratch);
-}

@@ -106,42 +106,18 @@ static void rows_destroy(pm_dataset_t *ds) {
 
 pm_status_t pm_dataset_create_rows(const pm_dataset_rows_callbacks_t *callbacks,
                                    pm_dataset_t **dataset_out) {
-  const char *fn = "pm_dataset_create_rows";
-  if (!callbacks || !dataset_out)
-    return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn,
-                         !callbacks ? "callbacks" : "dataset_out");
   const pm_dataset_rows_callbacks_t *c = callbacks;
-  if (!c->read_rows) return pm__set_error(PM_ERR_INVALID, "%s: read_rows callback is NULL", fn);
-  if (c->samples == 0) return pm__set_error(PM_ERR_INVALID, "%s: samples is 0", fn);
-  if (c->nfields < 1 || c->nfields > PM_MAX_FIELDS)
-    return pm__set_error(PM_ERR_INVALID, "%s: nfields %d is not in 1..%d", fn, c->nfields,
-                         PM_MAX_FIELDS);
-  if (!c->fields) return pm__set_error(PM_ERR_INVALID, "%s: fields is NULL", fn);
-  pm_field_t *tab = calloc((size_t)c->nfields, sizeof *tab);
-  if (!tab) return pm__set_error(PM_ERR_NOMEM, "%s: field table", fn);
-  pm_status_t st = PM_OK;
-  for (int k = 0; k < c->nfields && st == PM_OK; k++)
-    st = pm__field_check(fn, k, &c->fields[k], &tab[k]);
-  rows_cb_t *r = NULL;
-  pm_dataset_t *ds = NULL;
-  if (st == PM_OK && !(r = malloc(sizeof *r)))
-    st = pm__set_error(PM_ERR_NOMEM, "%s: callbacks", fn);
-  if (st == PM_OK) st = pm__dataset_alloc(0, &ds);
-  if (st != PM_OK) {
-    if (ds) pm__dataset_free(ds);
-    free(r);
-    free(tab);
-    return st;
-  }
+  pm_dataset_t *ds;
+  pm_status_t st = pm__dataset_callback_new(
+      "pm_dataset_create_rows", c, c && c->read_rows, "read_rows", c ? c->samples : 0,
+      c ? c->nfields : 0, c ? c->fields : NULL, sizeof(rows_cb_t), dataset_out, &ds);
+  if (st != PM_OK) return st;
+  rows_cb_t *r = ds->impl;
   r->cb = *c;
-  r->cb.fields = tab;
-  ds->impl = r;
-  ds->fields_tab = tab;
-  ds->read = pm__dataset_read_first_two;
+  r->cb.fields = ds->fields_tab;
   ds->read_fields = rows_read_one;
   ds->read_rows = rows_read;
   ds->destroy_impl = rows_destroy;
-  pm__dataset_info_from_fields(ds, c->samples, c->nfields);
   *dataset_out = ds;
   return PM_OK;
 }
