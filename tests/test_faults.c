@@ -647,11 +647,14 @@ static void run_one(const scenario_t *sc, int run, const char *mode, pm__fault_o
 }
 
 /* Release calls are faulted only by test_release_faults: a failed release leaves the object in
- * place by design, which callers that cannot retry (pool trim, pool destroy) then leak. */
+ * place by design, which callers that cannot retry (pool trim, pool destroy) then leak. The
+ * pool's stream record (pool_record) only by test_bounce_quarantine, which checks what its
+ * failure leads to. */
 static bool is_release(int op) {
   return op == PM__FAULT_HOST_FREE || op == PM__FAULT_HOST_UNREGISTER ||
          op == PM__FAULT_DEVICE_FREE || op == PM__FAULT_MANAGED_FREE ||
-         op == PM__FAULT_STREAM_DESTROY || op == PM__FAULT_EVENT_DESTROY;
+         op == PM__FAULT_STREAM_DESTROY || op == PM__FAULT_EVENT_DESTROY ||
+         op == PM__FAULT_POOL_RECORD;
 }
 
 static void sweep(const scenario_t *sc, int K, int rate_runs) {

@@ -165,8 +165,9 @@ pm_status_t pm__shared_pin(const pm__backend_t *b, size_t bytes, unsigned regist
   }
   /* A file in a sized tmpfs (/dev/shm is 64 MiB in many containers) that runs out of room raises
    * SIGBUS at the first touch, not ENOSPC at ftruncate: fallocate turns that into an error. A
-   * memfd has no such size (only memory limits), so it skips this single-threaded fill. */
-  if (!is_memfd && fallocate(fd, 0, 0, (off_t)size) != 0) {
+   * memfd has no such size (only memory limits), so it skips this single-threaded fill; so does a
+   * folder whose filesystem cannot fallocate (EOPNOTSUPP: no way to know its room beforehand). */
+  if (!is_memfd && fallocate(fd, 0, 0, (off_t)size) != 0 && errno != EOPNOTSUPP) {
     int e = errno;
     munmap(base, size);
     close(fd);
