@@ -778,6 +778,15 @@ class Loader:
     def __exit__(self, *exc):
         self.close()
 
+    def __del__(self):
+        # A loader dropped without close(): its worker processes go with it, in the same
+        # order as close() (cancel the waits, stop the processes, then free the slots).
+        try:
+            if getattr(self, "_pool", None) is not None:
+                self.close()
+        except Exception:
+            pass
+
 
 # Loader threads per worker process: each process has its next claim of rows queued while it
 # works on one, so strictly ordered claims never wait for the slowest process (see procs.c).
