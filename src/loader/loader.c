@@ -40,13 +40,15 @@
  * per claim, with the claim's first row of each field and the worker's index (0..workers-1,
  * given to each thread at its start), so a process worker behind it gets one message per claim;
  * other datasets are read row by row. With ordered_workers, claim k (counted under mu from the
- * loader's start) goes to worker k % workers: a worker whose turn it is not waits on work_cv,
- * every claim broadcasts, and stop and errors broadcast too, so no one waits past them. Opening a
- * FREE slot is not a claim: any worker may do it, so the next in turn never waits for a slot
- * only a busy worker could open. Why: the rows a worker reads are then a function of the
- * configuration alone (the sampler's order and the claim size are), so workers with random
- * state of their own (augmentation seeded by worker id) give the same batches on every run. The
- * price: a slow worker holds up the claims after its turn, as a round-robin of torch's does.
+ * loader's start) goes to worker k % workers: a worker whose turn it is not waits on its own
+ * turn_cv, each claim signals the one of the worker next in turn (a broadcast per claim would
+ * wake every worker for each claim), and stop and errors wake them all, so no one waits past
+ * them. Opening a FREE slot is not a claim: any worker may do it, so the next in turn never
+ * waits for a slot only a busy worker could open. Why: the rows a worker reads are then a
+ * function of the configuration alone (the sampler's order and the claim size are), so workers
+ * with random state of their own (augmentation seeded by worker id) give the same batches on
+ * every run. The price: a slow worker holds up the claims after its turn, as a round-robin of
+ * torch's does.
  *
  * Slot life: FREE -> OPENING (one worker waits for the slot's previous copy to finish and
  * writes the row indices) -> FILLING (workers claim chunks of rows in order and read each
@@ -81,370 +83,23 @@
  * touched only by the one party its state gives them to (the opener, the submitter while it
  * holds `submitting`, the consumer while HELD/RELEASING); state changes happen under mu, which
  * orders those phases.
+ *
+ * Files: loader.c (this one) creates and destroys the loader (configuration, resume checks,
+ * slots, threads, the teardown with batches held); loader_fill.c is the workers' side (opening
+ * slots, claims, reads, and queueing the parts of each slot's copy, with the part arithmetic and
+ * the error record the other files use); loader_deliver.c is the consumer's (pm_loader_next,
+ * batch wait and release, state and stats). loader_internal.h holds the types and the calls
+ * between them. Calls go one way: loader_deliver.c -> loader.c -> loader_fill.c, and
+ * loader_deliver.c -> loader_fill.c.
  */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-
-#define LOADER_MAGIC 0x4c4f4144u /* "LOAD" */
-#define MAX_WORKERS PM__LOADER_MAX_WORKERS
-#define MAX_SLOTS PM__MAX_SLOTS
-#define MAX_PARTS 1024 /* parts of a slot's copy (each has two timing events) */
-#define TARGET_ALIGN ((size_t)256)
-
-enum { SLOT_FREE, SLOT_OPENING, SLOT_FILLING, SLOT_READY, SLOT_HELD, SLOT_RELEASING, SLOT_GONE };
-
-typedef struct worker_arg { /* what a worker thread starts with: its loader and its index */
-  pm_loader_t *L;
-  int index;
-} worker_arg_t;
-
-typedef struct slot {
-  int state;
-  uint64_t seq;                  /* global batch number (not FREE) */
-  uint64_t rows, claimed, done;  /* rows of the batch, claimed and completed by workers */
-  uint64_t rows_ready;           /* rows 0..rows_ready-1 are all written */
-  unsigned char *chunk_done;     /* per claim (rows_per_claim rows): written */
-  uint32_t nparts, parts_queued; /* parts of this batch's copy; queued on the copy stream */
-  uint32_t nruns; /* runs of parts queued (ev_copy[2i], ev_copy[2i + 1] around run i) */
-  bool failed;
-  bool copy_pending;    /* ev_done recorded and its time not yet counted */
-  bool release_pending; /* ev_release recorded since the last copy into dev */
-  unsigned char *host;
-  unsigned char *dev;
-  uint64_t *indices;
-  pm_batch_field_t *bf; /* nfields entries: the batch's arrays in this slot */
-  pm_event_t *ev_copy;  /* 2 * max_parts timing events: start and end of each run of parts */
-  pm_event_t ev_done;   /* the end event of the last run: the batch's copy is done */
-  pm_event_t ev_release;
-} slot_t;
-
-struct pm_loader_s {
-  unsigned magic;
-  pm_dataset_t *ds;
-  pm__sampler_t sampler;
-  pm_loader_config_t cfg;
-  int nfields;
-  pm_field_t finfo[PM_MAX_FIELDS];                   /* the dataset's fields (a copy) */
-  size_t fbytes[PM_MAX_FIELDS], foff[PM_MAX_FIELDS]; /* a row of field k; its offset in a slot */
-  size_t slot_bytes;
-  size_t piece;       /* bytes of a part of a slot's copy; 0: one copy of the whole slot */
-  uint32_t max_parts; /* parts of a full batch's copy */
-  uint64_t rows_per_claim;
-  int nslots, nworkers, started;
-  bool rows_reads; /* the dataset reads runs of rows: one read_rows call per claim */
-  bool ordered;    /* cfg.ordered_workers: claim k goes to worker k % nworkers */
-  slot_t *slots;
-  pthread_t *threads;
-  worker_arg_t *wargs;
-  pm_stream_t copy_stream;
-  bool device, pinned;
-  int device_index;
-  uint64_t end_g; /* UINT64_MAX: no end */
-  atomic_bool stop_flag;
-
-  pthread_mutex_t mu;
-  pthread_cond_t work_cv, ready_cv;
-  pthread_mutex_t submit_mu;
-  /* guarded by mu */
-  uint64_t fill_g, deliver_g;
-  uint64_t sub_g;  /* the batch whose parts are queued next (pinned device delivery) */
-  bool submitting; /* a worker is queueing parts outside mu */
-  uint64_t claims; /* claims of rows taken since the loader started */
-  pthread_cond_t *turn_cv; /* ordered: one per worker, signalled when its turn comes */
-  int held;
-  bool stop, in_next;
-  bool destroyed; /* pm_loader_destroy ran; held slots are freed by their release */
-  bool torn_down; /* ... and has finished: the last release frees the loader */
-  uint64_t err_g;
-  pm_status_t err;
-  char err_msg[512];
-  pm_loader_stats_t st;
-};
-
-/* ---- helpers ------------------------------------------------------------------------------- */
-
-static size_t copy_bytes(const pm_loader_t *L, uint64_t rows) {
-  int last = L->nfields - 1;
-  return L->foff[last] + (size_t)rows * L->fbytes[last];
-}
-
-/* Record the first error by batch order (with mu held). */
-/* Wake every worker: those waiting for work and, with ordered claims, those waiting for their
- * turn (a stop or an error concerns them all). */
-static void wake_workers_locked(pm_loader_t *L) {
-  pthread_cond_broadcast(&L->work_cv);
-  if (L->turn_cv)
-    for (int i = 0; i < L->nworkers; i++) pthread_cond_broadcast(&L->turn_cv[i]);
-}
-
-static void set_error_locked(pm_loader_t *L, uint64_t g, pm_status_t st, const char *msg) {
-  if (g < L->err_g) {
-    L->err_g = g;
-    L->err = st;
-    snprintf(L->err_msg, sizeof L->err_msg, "%s", msg && msg[0] ? msg : pm_strerror(st));
-  }
-  pthread_cond_broadcast(&L->ready_cv);
-  wake_workers_locked(L);
-}
-
-/* The device time of a slot's copy: its runs of parts, without the waits between them. */
-static void add_copy_time(pm_loader_t *L, slot_t *s, double *acc) {
-  (void)L;
-  for (uint32_t i = 0; i < s->nruns; i++) {
-    double sec;
-    if (pm_event_elapsed(s->ev_copy[2 * i], s->ev_copy[2 * i + 1], &sec) == PM_OK && sec > 0)
-      *acc += sec;
-  }
-}
-
-/* Parts of the copy of a batch of `rows` rows. */
-static uint32_t part_count(const pm_loader_t *L, uint64_t rows) {
-  size_t total = copy_bytes(L, rows);
-  if (!L->piece || total <= L->piece) return 1;
-  return (uint32_t)((total + L->piece - 1) / L->piece);
-}
-
-/* Rows that must be written before part p of a batch of `rows` rows can be copied: one more
- * than the last row of any field with a byte in the part (0 for a part of padding alone). */
-static uint64_t part_need(const pm_loader_t *L, uint64_t rows, uint32_t nparts, uint32_t p) {
-  if (nparts == 1) return rows;
-  size_t a = (size_t)p * L->piece, b = PM__MIN(a + L->piece, copy_bytes(L, rows));
-  uint64_t need = 0;
-  for (int k = 0; k < L->nfields; k++) {
-    size_t lo = L->foff[k], hi = lo + (size_t)rows * L->fbytes[k];
-    if (b <= lo || a >= hi) continue;
-    uint64_t last = (uint64_t)((PM__MIN(b, hi) - 1 - lo) / L->fbytes[k]);
-    need = PM__MAX(need, last + 1);
-  }
-  return need;
-}
-
-/* Everything the worker does to start a slot for batch g outside the lock. */
-static pm_status_t open_slot(pm_loader_t *L, slot_t *s, uint64_t g, bool sync, double *copy_t) {
-  if (sync) {
-    /* The previous batch's copy may still read the host buffer we are about to overwrite. */
-    pm_status_t st = pm_event_synchronize(s->ev_done);
-    if (st != PM_OK) return pm__wrap_error(st, "waiting for the copy of an earlier batch");
-    add_copy_time(L, s, copy_t);
-  }
-  uint64_t bpe = L->sampler.batches;
-  uint64_t epoch = g / bpe, first = (g % bpe) * L->sampler.batch;
-  for (uint64_t r = 0; r < s->rows; r++)
-    s->indices[r] = pm__sampler_index(&L->sampler, epoch, first + r);
-  return PM_OK;
-}
-
-/* Queue parts p0..p1-1 of a slot's host -> device copy on the copy stream as one run between two
- * timing events: the first part behind the consumer's release of the slot's device buffer, and
- * the "copy done" event after the last part. Only the party that owns the slot's submission
- * calls this (the `submitting` worker, or the consumer for a pageable slot). */
-static pm_status_t queue_parts(pm_loader_t *L, slot_t *s, uint32_t p0, uint32_t p1,
-                               const char *what) {
-  size_t total = copy_bytes(L, s->rows);
-  pm_status_t st = PM_OK;
-  pthread_mutex_lock(&L->submit_mu);
-  if (p0 == 0) {
-    s->nruns = 0;
-    if (s->release_pending) {
-      st = pm_stream_wait_event(L->copy_stream, s->ev_release);
-      if (st == PM_OK) s->release_pending = false;
-    }
-  }
-  pm_event_t end = s->ev_copy[2 * s->nruns + 1];
-  if (st == PM_OK) st = pm_event_record(s->ev_copy[2 * s->nruns], L->copy_stream);
-  uint32_t failed = 0; /* the part whose copy failed, 1-based */
-  for (uint32_t p = p0; p < p1 && st == PM_OK; p++) {
-    size_t a = s->nparts == 1 ? 0 : (size_t)p * L->piece;
-    size_t n = s->nparts == 1 ? total : PM__MIN(L->piece, total - a);
-    st = pm_memcpy_async(s->dev + a, s->host + a, n, PM_COPY_H2D, L->copy_stream);
-    if (st != PM_OK) failed = p + 1;
-  }
-  if (st == PM_OK) st = pm_event_record(end, L->copy_stream);
-  if (st == PM_OK) {
-    s->nruns++;
-    if (p1 == s->nparts) {
-      s->ev_done = end;
-      s->copy_pending = true;
-    }
-  }
-  pthread_mutex_unlock(&L->submit_mu);
-  if (st != PM_OK) {
-    if (s->nparts == 1) return pm__wrap_error(st, "%s", what);
-    if (failed)
-      return pm__wrap_error(st, "%s (part %u of %u)", what, (unsigned)failed, (unsigned)s->nparts);
-    return pm__wrap_error(st, "%s (parts %u..%u of %u)", what, (unsigned)p0 + 1, (unsigned)p1,
-                          (unsigned)s->nparts);
-  }
-  return PM_OK;
-}
-
-/* With mu held (released around the backend calls, held again on return): queue every part
- * that is ready, in batch order and, within a batch, in part order, one worker at a time. A
- * batch whose last part is queued becomes READY. */
-static void submit_ready_locked(pm_loader_t *L) {
-  char msg[512];
-  while (!L->submitting && !L->stop) {
-    uint64_t g = L->sub_g;
-    if (g >= L->err_g || g >= L->end_g) return;
-    slot_t *s = &L->slots[g % (uint64_t)L->nslots];
-    if (s->state != SLOT_FILLING || s->seq != g || s->failed) return;
-    uint32_t p0 = s->parts_queued, p1 = p0;
-    while (p1 < s->nparts && part_need(L, s->rows, s->nparts, p1) <= s->rows_ready) p1++;
-    if (p1 == p0) return;
-    L->submitting = true;
-    pthread_mutex_unlock(&L->mu);
-    pm_status_t st = queue_parts(L, s, p0, p1, "device copy of a batch");
-    if (st != PM_OK) snprintf(msg, sizeof msg, "%s", pm_last_error());
-    pthread_mutex_lock(&L->mu);
-    L->submitting = false;
-    if (st != PM_OK) {
-      s->failed = true;
-      set_error_locked(L, g, st, msg);
-      return;
-    }
-    s->parts_queued = p1;
-    if (p1 == s->nparts) {
-      s->state = SLOT_READY;
-      L->sub_g = g + 1;
-      pthread_cond_broadcast(&L->ready_cv);
-    }
-  }
-}
-
-/* ---- workers ------------------------------------------------------------------------------ */
-
-static void *worker_main(void *arg) {
-  pm_loader_t *L = ((worker_arg_t *)arg)->L;
-  const int me = ((worker_arg_t *)arg)->index;
-  pm_dataset_t *ds = L->ds;
-  pm__scratch_t scratch = {NULL, 0};
-  char msg[512];
-  if (L->device) (void)pm_device_set(L->device_index); /* events and copies need the device */
-  pm__dataset_worker_set(me); /* for a rows dataset read one sample at a time (in a zip) */
-
-  pthread_mutex_lock(&L->mu);
-  for (;;) {
-    if (L->stop) break;
-    uint64_t g = L->fill_g;
-    if (g >= L->end_g || g >= L->err_g) {
-      pthread_cond_wait(&L->work_cv, &L->mu);
-      continue;
-    }
-    slot_t *s = &L->slots[g % (uint64_t)L->nslots];
-
-    if (s->state == SLOT_FREE) {
-      s->state = SLOT_OPENING;
-      s->seq = g;
-      s->rows = pm__sampler_rows(&L->sampler, g % L->sampler.batches);
-      s->claimed = s->done = s->rows_ready = 0;
-      s->nparts = part_count(L, s->rows);
-      s->parts_queued = 0;
-      memset(s->chunk_done, 0, (size_t)((s->rows + L->rows_per_claim - 1) / L->rows_per_claim));
-      s->failed = false;
-      bool sync = s->copy_pending;
-      s->copy_pending = false;
-      pthread_mutex_unlock(&L->mu);
-      double t0 = pm__now(), copy_t = 0;
-      pm_status_t st = open_slot(L, s, g, sync, &copy_t);
-      if (st != PM_OK) snprintf(msg, sizeof msg, "%s", pm_last_error());
-      double t1 = pm__now();
-      pthread_mutex_lock(&L->mu);
-      L->st.collate_seconds += t1 - t0;
-      L->st.copy_seconds += copy_t;
-      s->state = SLOT_FILLING;
-      if (st != PM_OK) {
-        s->failed = true;
-        set_error_locked(L, g, st, msg);
-      }
-      pthread_cond_broadcast(&L->work_cv);
-      continue;
-    }
-    if (s->state != SLOT_FILLING || s->seq != g) {
-      /* Being opened by another worker, or still holding batch g - nslots. */
-      pthread_cond_wait(&L->work_cv, &L->mu);
-      continue;
-    }
-    if (L->ordered && L->claims % (uint64_t)L->nworkers != (uint64_t)me) {
-      /* Another worker's turn: the claim before ours signals our own condition variable (a
-       * stop or an error wakes everyone). One variable per worker: a broadcast per claim would
-       * wake every worker for each claim, which costs more than the claims themselves at tens
-       * of thousands of rows a second. */
-      pthread_cond_wait(&L->turn_cv[me], &L->mu);
-      continue;
-    }
-
-    uint64_t r0 = s->claimed, r1 = PM__MIN(s->rows, r0 + L->rows_per_claim);
-    s->claimed = r1;
-    L->claims++;
-    if (r1 == s->rows) L->fill_g = g + 1;
-    if (r1 == s->rows) pthread_cond_broadcast(&L->work_cv);
-    if (L->ordered) pthread_cond_signal(&L->turn_cv[L->claims % (uint64_t)L->nworkers]);
-    pthread_mutex_unlock(&L->mu);
-
-    uint64_t epoch = g / L->sampler.batches;
-    pm_status_t st = PM_OK;
-    void *dsts[PM_MAX_FIELDS];
-    double t0 = pm__now();
-    uint64_t r = r0;
-    if (L->rows_reads) {
-      /* The claim's rows are consecutive in the slot: one call writes them all. */
-      if (!atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) {
-        for (int k = 0; k < L->nfields; k++)
-          dsts[k] = s->host + L->foff[k] + (size_t)r0 * L->fbytes[k];
-        st = pm__dataset_read_rows(ds, epoch, r1 - r0, s->indices + r0, dsts, me);
-        if (st == PM_OK) {
-          r = r1;
-        } else {
-          snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu (a claim of %llu rows): %s",
-                   (unsigned long long)epoch, (unsigned long long)(g % L->sampler.batches),
-                   (unsigned long long)r0, (unsigned long long)(r1 - r0), pm_last_error());
-        }
-      }
-    } else {
-      for (; r < r1 && st == PM_OK; r++) {
-        if (atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) break;
-        for (int k = 0; k < L->nfields; k++)
-          dsts[k] = s->host + L->foff[k] + (size_t)r * L->fbytes[k];
-        st = pm__dataset_read_fields(ds, epoch, s->indices[r], dsts, &scratch);
-        if (st != PM_OK) {
-          snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu: %s",
-                   (unsigned long long)epoch, (unsigned long long)(g % L->sampler.batches),
-                   (unsigned long long)r, pm_last_error());
-        }
-      }
-    }
-    double t1 = pm__now();
-
-    pthread_mutex_lock(&L->mu);
-    L->st.read_seconds += t1 - t0;
-    s->done += r1 - r0;
-    if (st != PM_OK) {
-      s->failed = true;
-      set_error_locked(L, g, st, msg);
-    } else if (r == r1) {
-      /* Every row of the claim is written (not cut short by a stop): the ready prefix grows. */
-      s->chunk_done[r0 / L->rows_per_claim] = 1;
-      while (s->rows_ready < s->rows && s->chunk_done[s->rows_ready / L->rows_per_claim])
-        s->rows_ready = PM__MIN(s->rows_ready + L->rows_per_claim, s->rows);
-    }
-    if (L->device && L->pinned) {
-      submit_ready_locked(L);
-    } else if (s->done == s->rows && !s->failed && !L->stop) {
-      s->state = SLOT_READY;
-      pthread_cond_broadcast(&L->ready_cv);
-    }
-  }
-  pthread_mutex_unlock(&L->mu);
-  pm__scratch_free(&scratch);
-  return NULL;
-}
+#include "loader_internal.h"
 
 /* ---- create / destroy ----------------------------------------------------------------------- */
 
@@ -478,7 +133,7 @@ static pm_status_t env_int(const char *name, long lo, long hi, int dflt, int *ou
 }
 
 /* A slot's buffers and events (after the consumer's stream is past its release). */
-static void free_slot(pm_loader_t *L, slot_t *s) {
+void pm__loader_free_slot(pm_loader_t *L, slot_t *s) {
   if (s->release_pending && s->ev_release) (void)pm_event_synchronize(s->ev_release);
   if (s->copy_pending && s->ev_done) (void)pm_event_synchronize(s->ev_done);
   if (s->dev) (void)pm_device_free(s->dev);
@@ -502,7 +157,7 @@ static void free_slot(pm_loader_t *L, slot_t *s) {
 
 static void free_slots(pm_loader_t *L) {
   if (!L->slots) return;
-  for (int i = 0; i < L->nslots; i++) free_slot(L, &L->slots[i]);
+  for (int i = 0; i < L->nslots; i++) pm__loader_free_slot(L, &L->slots[i]);
   free(L->slots);
   L->slots = NULL;
 }
@@ -511,7 +166,7 @@ static void stop_workers(pm_loader_t *L) {
   pthread_mutex_lock(&L->mu);
   L->stop = true;
   atomic_store(&L->stop_flag, true);
-  wake_workers_locked(L);
+  pm__loader_wake_workers_locked(L);
   pthread_cond_broadcast(&L->ready_cv);
   pthread_mutex_unlock(&L->mu);
   for (int i = 0; i < L->started; i++) pthread_join(L->threads[i], NULL);
@@ -519,7 +174,7 @@ static void stop_workers(pm_loader_t *L) {
 }
 
 /* The last of a loader: what the slots still hold, the stream, the locks, the handle. */
-static void loader_free(pm_loader_t *L) {
+void pm__loader_free(pm_loader_t *L) {
   stop_workers(L);
   if (L->copy_stream) (void)pm_stream_synchronize(L->copy_stream);
   free_slots(L);
@@ -674,9 +329,9 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
    * slot (larger parts for a larger slot), and a claim of rows no larger than a part, so a part
    * does not wait for rows far beyond it. */
   L->piece = L->device && L->pinned ? pm__opt_size(PM__OPT_LOADER_PIECE) : 0;
-  size_t full = copy_bytes(L, rows_max);
+  size_t full = pm__loader_copy_bytes(L, rows_max);
   if (L->piece && full / L->piece >= MAX_PARTS) L->piece = (full + MAX_PARTS - 1) / MAX_PARTS;
-  L->max_parts = part_count(L, rows_max);
+  L->max_parts = pm__loader_part_count(L, rows_max);
   if (L->max_parts > 1 && !c->claim_rows)
     L->rows_per_claim =
         PM__MAX(PM__MIN(L->rows_per_claim, (uint64_t)(L->piece / sample_bytes)), (uint64_t)1);
@@ -807,7 +462,7 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
     pthread_sigmask(SIG_SETMASK, &all, &old);
     L->wargs[i].L = L;
     L->wargs[i].index = i; /* ordered claims and read_rows need to know which worker reads */
-    int rc = pthread_create(&L->threads[i], NULL, worker_main, &L->wargs[i]);
+    int rc = pthread_create(&L->threads[i], NULL, pm__loader_worker_main, &L->wargs[i]);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
       st = pm__set_error(PM_ERR_NOMEM, "%s: pthread_create (worker %d of %d): %s", fn, i + 1,
@@ -826,13 +481,13 @@ fail : {
   /* Keep the detail of the failure through the teardown's own calls. */
   char keep[1024];
   snprintf(keep, sizeof keep, "%s", pm_last_error());
-  loader_free(L);
+  pm__loader_free(L);
   return pm__set_error(st, "%s", keep);
 }
 }
 
 /* A live, not destroyed loader (the destroyed flag is read under mu: a release may run). */
-static pm_status_t check_loader(const char *fn, pm_loader_t *L) {
+pm_status_t pm__loader_check(const char *fn, pm_loader_t *L) {
   pm_status_t st = pm__handle_check(L, PM__HANDLE_LOADER, fn);
   if (st != PM_OK) return st;
   pthread_mutex_lock(&L->mu);
@@ -874,276 +529,12 @@ pm_status_t pm_loader_destroy(pm_loader_t *loader) {
     if (s->state == SLOT_HELD || s->state == SLOT_RELEASING || s->state == SLOT_GONE) continue;
     s->state = SLOT_GONE;
     pthread_mutex_unlock(&L->mu);
-    free_slot(L, s); /* backend calls: not under mu */
+    pm__loader_free_slot(L, s); /* backend calls: not under mu */
     pthread_mutex_lock(&L->mu);
   }
   L->torn_down = true;
   bool last = L->held == 0;
   pthread_mutex_unlock(&L->mu);
-  if (last) loader_free(L);
-  return PM_OK;
-}
-
-/* ---- the consumer side -------------------------------------------------------------------- */
-
-/* The plain copy of a pageable slot, on the consumer's thread (pin_memory 0). */
-static pm_status_t pageable_copy(pm_loader_t *L, slot_t *s) {
-  return queue_parts(L, s, 0, 1, "plain copy of a pageable batch");
-}
-
-/* Leave pm_loader_next with an error (mu held on entry, released here). */
-static pm_status_t next_fail_locked(pm_loader_t *L, pm_status_t st, const char *fmt, ...)
-    PM__PRINTF(3, 4);
-static pm_status_t next_fail_locked(pm_loader_t *L, pm_status_t st, const char *fmt, ...) {
-  char msg[1024];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  L->in_next = false;
-  pthread_mutex_unlock(&L->mu);
-  return pm__set_error(st, "pm_loader_next: %s", msg);
-}
-
-pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
-  const char *fn = "pm_loader_next";
-  pm_status_t st = pm__handle_check(loader, PM__HANDLE_LOADER, fn);
-  if (st != PM_OK) return st;
-  if (!batch_out) return pm__set_error(PM_ERR_INVALID, "%s: batch_out is NULL", fn);
-  pm_loader_t *L = loader;
-  double t0 = pm__now();
-
-  pthread_mutex_lock(&L->mu);
-  if (L->destroyed) {
-    pthread_mutex_unlock(&L->mu);
-    return pm__set_error(PM_ERR_INVALID, "%s: loader %p was already destroyed", fn, (void *)L);
-  }
-  if (L->in_next) {
-    pthread_mutex_unlock(&L->mu);
-    return pm__set_error(PM_ERR_BUSY, "%s: another thread is inside pm_loader_next", fn);
-  }
-  /* Taken before any wait: a second consumer gets PM_ERR_BUSY instead of the same batch. */
-  L->in_next = true;
-  uint64_t g = L->deliver_g;
-  if (g >= L->end_g && g < L->err_g)
-    return next_fail_locked(L, PM_ERR_STATE,
-                            "end of data: all %llu epochs (%llu batches each) were delivered",
-                            (unsigned long long)L->cfg.epochs,
-                            (unsigned long long)L->sampler.batches);
-  slot_t *s = &L->slots[g % (uint64_t)L->nslots];
-  bool waited = false;
-  double tw = 0;
-  for (;;) {
-    if (L->err_g <= g) return next_fail_locked(L, L->err, "%s", L->err_msg);
-    if (s->state == SLOT_READY && s->seq == g) break;
-    if (s->state == SLOT_HELD && s->seq < g) {
-      /* Batch g reuses the slot of a batch the caller still holds: waiting would never end. */
-      uint64_t old = s->seq;
-      return next_fail_locked(L, PM_ERR_BUSY,
-                              "the next batch needs the slot of batch %llu of epoch %llu, which "
-                              "the caller still holds (%d slots: release batches in time, or "
-                              "raise prefetch)",
-                              (unsigned long long)(old % L->sampler.batches),
-                              (unsigned long long)(old / L->sampler.batches), L->nslots);
-    }
-    if (!waited) tw = pm__now();
-    waited = true;
-    pthread_cond_wait(&L->ready_cv, &L->mu);
-  }
-  double stall = waited ? pm__now() - tw : 0;
-  s->state = SLOT_HELD;
-  L->held++;
-  L->deliver_g = g + 1;
-  pthread_mutex_unlock(&L->mu);
-
-  if (L->device && !L->pinned) {
-    double tc = pm__now();
-    st = pageable_copy(L, s);
-    stall += pm__now() - tc;
-    if (st != PM_OK) {
-      char msg[sizeof L->err_msg];
-      snprintf(msg, sizeof msg, "%s", pm_last_error());
-      pthread_mutex_lock(&L->mu);
-      /* Not delivered: the position stays at this batch, which now reports the error. */
-      s->state = SLOT_READY;
-      L->held--;
-      L->deliver_g = g;
-      L->in_next = false;
-      set_error_locked(L, g, st, msg);
-      pthread_mutex_unlock(&L->mu);
-      return pm__set_error(st, "%s: %s", fn, msg);
-    }
-  }
-
-  /* The slot's field table was filled at create; only the row count changes. */
-  pm_batch_field_t *bf = s->bf;
-  size_t rows = (size_t)s->rows;
-  size_t bytes = 0;
-  for (int k = 0; k < L->nfields; k++) {
-    bf[k].bytes = rows * bf[k].bytes_per_sample;
-    bf[k].shape[0] = rows;
-    bytes += bf[k].bytes;
-  }
-  pm_batch_t b;
-  memset(&b, 0, sizeof b);
-  b.inputs = bf[0].data;
-  b.host_inputs = bf[0].host;
-  b.inputs_bytes = bf[0].bytes;
-  if (L->nfields > 1) {
-    b.targets = bf[1].data;
-    b.host_targets = bf[1].host;
-    b.targets_bytes = bf[1].bytes;
-  }
-  b.samples = rows;
-  b.ndim = bf[0].ndim;
-  memcpy(b.shape, bf[0].shape, sizeof(uint64_t) * (size_t)bf[0].ndim);
-  b.dtype = L->finfo[0].dtype;
-  b.itemsize = L->finfo[0].itemsize;
-  b.epoch = g / L->sampler.batches;
-  b.index = g % L->sampler.batches;
-  b.indices = s->indices;
-  b.event = L->device ? s->ev_done : NULL;
-  b.nfields = L->nfields;
-  b.fields = bf;
-  b.internal.loader = L;
-  b.internal.seq = g;
-  b.internal.slot = (int)(g % (uint64_t)L->nslots);
-  *batch_out = b;
-
-  pthread_mutex_lock(&L->mu);
-  L->in_next = false;
-  L->st.batches++;
-  L->st.samples += s->rows;
-  L->st.bytes += bytes;
-  L->st.waits += waited;
-  L->st.stall_seconds += stall;
-  L->st.next_seconds += pm__now() - t0;
-  pthread_mutex_unlock(&L->mu);
-  return PM_OK;
-}
-
-/* The slot of a delivered batch, or an error. The batch's loader may be destroyed already (its
- * held slots live on until released), so only the handle is checked here. */
-static pm_status_t batch_slot(const char *fn, const pm_batch_t *b, slot_t **s_out) {
-  if (!b) return pm__set_error(PM_ERR_INVALID, "%s: batch is NULL", fn);
-  pm_loader_t *L = b->internal.loader;
-  if (!L)
-    return pm__set_error(PM_ERR_INVALID,
-                         "%s: the batch was released already (or never "
-                         "delivered)",
-                         fn);
-  pm_status_t st = pm__handle_check(L, PM__HANDLE_LOADER, fn);
-  if (st != PM_OK) return st;
-  if (b->internal.slot < 0 || b->internal.slot >= L->nslots)
-    return pm__set_error(PM_ERR_INVALID, "%s: the batch is corrupt (slot %d)", fn,
-                         b->internal.slot);
-  *s_out = &L->slots[b->internal.slot];
-  return PM_OK;
-}
-
-pm_status_t pm_batch_wait_stream(const pm_batch_t *batch, pm_stream_t stream) {
-  const char *fn = "pm_batch_wait_stream";
-  slot_t *s = NULL;
-  pm_status_t st = batch_slot(fn, batch, &s);
-  if (st != PM_OK) return st;
-  if (!batch->event) return PM_OK; /* host delivery: the data is in place already */
-  st = pm_stream_wait_event(stream, batch->event);
-  if (st != PM_OK) return pm__wrap_error(st, "%s", fn);
-  return PM_OK;
-}
-
-pm_status_t pm_batch_release(pm_batch_t *batch, pm_stream_t stream) {
-  const char *fn = "pm_batch_release";
-  slot_t *s = NULL;
-  pm_status_t st = batch_slot(fn, batch, &s);
-  if (st != PM_OK) return st;
-  pm_loader_t *L = batch->internal.loader;
-
-  pthread_mutex_lock(&L->mu);
-  if (s->state != SLOT_HELD || s->seq != batch->internal.seq) {
-    pthread_mutex_unlock(&L->mu);
-    return pm__set_error(PM_ERR_INVALID,
-                         "%s: batch %llu of epoch %llu is not held (released "
-                         "already?)",
-                         fn, (unsigned long long)batch->index, (unsigned long long)batch->epoch);
-  }
-  s->state = SLOT_RELEASING;
-  bool gone = L->destroyed;
-  pthread_mutex_unlock(&L->mu);
-
-  double copy_t = 0;
-  if (L->device) {
-    st = pm_event_record(s->ev_release, stream);
-    if (st == PM_OK) {
-      s->release_pending = true;
-    } else if (gone) {
-      /* Nothing can retry for a destroyed loader: wait for the stream itself instead (a
-       * stream that fails that is broken, its work ended), then free the slot below. */
-      (void)pm_stream_synchronize(stream);
-    } else {
-      pthread_mutex_lock(&L->mu);
-      s->state = SLOT_HELD; /* still the caller's: it may retry or destroy the loader */
-      pthread_mutex_unlock(&L->mu);
-      return pm__wrap_error(st, "%s: recording the release on the consumer's stream", fn);
-    }
-    if (s->copy_pending && pm_event_query(s->ev_done) == PM_OK) {
-      add_copy_time(L, s, &copy_t);
-      s->copy_pending = false;
-    }
-  }
-  pthread_mutex_lock(&L->mu);
-  if (L->destroyed) {
-    /* The loader is gone: free this slot (once the stream is past it), and the loader with
-     * the last one. held drops only after the free, so the loader outlives it. */
-    s->state = SLOT_GONE;
-    pthread_mutex_unlock(&L->mu);
-    free_slot(L, s);
-    pthread_mutex_lock(&L->mu);
-    L->held--;
-    bool last = L->held == 0 && L->torn_down;
-    pthread_mutex_unlock(&L->mu);
-    memset(batch, 0, sizeof *batch);
-    if (last) loader_free(L);
-    return PM_OK;
-  }
-  s->state = SLOT_FREE;
-  L->held--;
-  L->st.copy_seconds += copy_t;
-  pthread_cond_broadcast(&L->work_cv);
-  pthread_mutex_unlock(&L->mu);
-  memset(batch, 0, sizeof *batch);
-  return PM_OK;
-}
-
-pm_status_t pm_loader_state(pm_loader_t *loader, pm_loader_state_t *state_out) {
-  pm_status_t st = check_loader("pm_loader_state", loader);
-  if (st != PM_OK) return st;
-  if (!state_out) return pm__set_error(PM_ERR_INVALID, "pm_loader_state: state_out is NULL");
-  const pm__sampler_t *s = &loader->sampler;
-  pm_loader_state_t r;
-  memset(&r, 0, sizeof r);
-  pthread_mutex_lock(&loader->mu);
-  uint64_t g = loader->deliver_g;
-  pthread_mutex_unlock(&loader->mu);
-  r.magic = PM_LOADER_STATE_MAGIC;
-  r.flags = (s->shuffle ? 1u : 0u) | (s->drop_last ? 2u : 0u);
-  r.epoch = g / s->batches;
-  r.batch = g % s->batches;
-  r.seed = s->seed;
-  r.samples = s->n;
-  r.batch_size = s->batch;
-  r.rank = s->rank;
-  r.world_size = s->world;
-  *state_out = r;
-  return PM_OK;
-}
-
-pm_status_t pm_loader_get_stats(pm_loader_t *loader, pm_loader_stats_t *stats_out) {
-  pm_status_t st = check_loader("pm_loader_get_stats", loader);
-  if (st != PM_OK) return st;
-  if (!stats_out) return pm__set_error(PM_ERR_INVALID, "pm_loader_get_stats: stats_out is NULL");
-  pthread_mutex_lock(&loader->mu);
-  *stats_out = loader->st;
-  pthread_mutex_unlock(&loader->mu);
+  if (last) pm__loader_free(L);
   return PM_OK;
 }
