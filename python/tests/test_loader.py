@@ -418,7 +418,11 @@ def test_sample_that_differs_from_the_first_is_refused():
         for _ in loader:
             pass
     msg = str(e.value)
-    assert "index 13" in msg and "field [0]" in msg and "float64" in msg and "int64" in msg
+    # Every sample from 13 on differs; which of them a worker thread meets first varies.
+    import re
+    m = re.search(r"index (\d+)", msg)
+    assert m and int(m.group(1)) >= 13, msg
+    assert "field [0]" in msg and "float64" in msg and "int64" in msg
 
     class Reshaped(Drifting):
         def __getitem__(self, i):

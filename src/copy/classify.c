@@ -178,7 +178,7 @@ static pm__mem_t foreign_side(const pm__backend_t *b, const void *p, size_t byte
 pm_status_t pm__classify(const pm__backend_t *b, const void *p, size_t bytes, const char *name,
                          pm__mem_t *kind_out, uintptr_t *base_out, size_t *size_out) {
   uintptr_t a = (uintptr_t)p;
-  pm_pointer_info_t info;
+  pm_pointer_info_t info = {0}; /* filled on success; zeroed so no path reads it unset */
   pm_status_t st = pm__pointer_info(p, &info);
   if (st != PM_OK) return pm__wrap_error(st, "%s %p", name, p);
   pm__mem_t k;
