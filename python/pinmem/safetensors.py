@@ -268,8 +268,8 @@ def _source(name, t):
         if dtype is None:
             raise TypeError(f"pinmem.safetensors: array {name!r} has dtype {t.dtype}, which "
                             "safetensors cannot store")
-        a = _np.ascontiguousarray(a)
-        return dtype, a.shape, a.nbytes, a.reshape(-1).view(_np.uint8) if a.nbytes else None, None
+        flat = _np.ascontiguousarray(a).reshape(-1)  # (ascontiguousarray makes 0-d arrays 1-d)
+        return dtype, t.shape, flat.nbytes, flat.view(_np.uint8) if flat.nbytes else None, None
     raise TypeError(f"pinmem.safetensors: {name!r} is {type(t).__name__}; expected a torch "
                     "tensor or a NumPy array")
 
