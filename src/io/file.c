@@ -51,6 +51,7 @@
 #define FILE_AUTO_MIN ((size_t)64 << 20) /* smaller ranges never go direct under io=auto */
 
 static _Thread_local char g_note[256];
+static _Thread_local bool g_injected; /* the errno xfer_fd returned last was injected */
 
 const char *pm__file_note(void) {
   return g_note;
@@ -127,9 +128,10 @@ static pm_status_t io_error(fio_t *c, int e, size_t len, uint64_t pos) {
                          c->fn, c->fd, size, (unsigned long long)c->off,
                          (unsigned long long)(c->off + c->bytes), len, (unsigned long long)pos);
   }
-  return pm__set_error(PM_ERR_IO, "%s: %s(fd %d, %zu bytes at offset %llu): %s", c->fn,
+  return pm__set_error(PM_ERR_IO, "%s: %s(fd %d, %zu bytes at offset %llu): %s%s", c->fn,
                        c->write ? "pwrite" : "pread", c->fd, len, (unsigned long long)pos,
-                       strerror(e));
+                       strerror(e),
+                       g_injected ? " (injected fault: PINMEM_FAULT or pm__fault_set)" : "");
 }
 
 /* Move len bytes between buf and the file at pos through one fd: EINTR retried, short
@@ -138,11 +140,15 @@ static pm_status_t io_error(fio_t *c, int e, size_t len, uint64_t pos) {
 static int xfer_fd(fio_t *c, int fd, char *buf, size_t len, uint64_t pos) {
   pm__fault_op_t op = c->write ? PM__FAULT_FILE_WRITE : PM__FAULT_FILE_READ;
   size_t done = 0;
+  g_injected = false;
   while (done < len) {
     size_t n = len - done;
     int fe = pm__fault_file(op, &n);
     if (fe == EINTR) continue; /* as a signal would: try again */
-    if (fe) return fe;
+    if (fe) {
+      g_injected = true;
+      return fe;
+    }
     if (fd == c->dfd && (n % FILE_ALIGN)) { /* a short direct transfer stays aligned */
       n = n / FILE_ALIGN * FILE_ALIGN;
       if (!n) n = len - done;
