@@ -63,18 +63,16 @@ static int check_device_side(const void *ptr, size_t bytes, const char *what) {
   }
   if (info.kind == PM_MEMORY_PAGEABLE) {
     if (pmpy_is_cuda_backend()) return 0;
-    pmpy_raise_fmt(
-        PM_ERR_INVALID,
-        "%s says it is device memory at %p, but the host backend allocated no device "
-        "memory there",
-        what, ptr);
+    pmpy_raise_fmt(PM_ERR_INVALID,
+                   "%s says it is device memory at %p, but the host backend allocated no device "
+                   "memory there",
+                   what, ptr);
     return -1;
   }
   uintptr_t p = (uintptr_t)ptr, base = (uintptr_t)info.base;
   if (p < base || bytes > info.size - (p - base)) {
-    pmpy_raise_fmt(PM_ERR_INVALID,
-                   "%s [%p, +%zu) runs past the end of its allocation [%p, +%zu)", what, ptr,
-                   bytes, info.base, info.size);
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s [%p, +%zu) runs past the end of its allocation [%p, +%zu)",
+                   what, ptr, bytes, info.base, info.size);
     return -1;
   }
   return 0;
@@ -91,11 +89,10 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
   if (!data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2 || !shape ||
       !PyTuple_Check(shape) || !ts) {
     PyErr_Clear();
-    pmpy_raise_fmt(
-        PM_ERR_INVALID,
-        "%s has a malformed __cuda_array_interface__ (it needs data=(ptr, readonly), "
-        "a shape tuple and a typestr)",
-        what);
+    pmpy_raise_fmt(PM_ERR_INVALID,
+                   "%s has a malformed __cuda_array_interface__ (it needs data=(ptr, readonly), "
+                   "a shape tuple and a typestr)",
+                   what);
     return -1;
   }
   if (pmpy_parse_address(PyTuple_GET_ITEM(data, 0), addr) < 0) return -1;
@@ -105,14 +102,13 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
   char *end = NULL;
   long item = strlen(ts) >= 3 && strchr("<>|=", ts[0]) ? strtol(ts + 2, &end, 10) : 0;
   if (item <= 0 || item > 1024 || !end || *end) {
-    pmpy_raise_fmt(PM_ERR_INVALID, "%s has a bad typestr '%.40s' in __cuda_array_interface__",
-                   what, ts);
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s has a bad typestr '%.40s' in __cuda_array_interface__", what,
+                   ts);
     return -1;
   }
   Py_ssize_t nd = PyTuple_GET_SIZE(shape);
   if (nd > PMPY_MAX_NDIM) {
-    pmpy_raise_fmt(PM_ERR_INVALID, "%s has %zd dimensions; at most %d", what, nd,
-                   PMPY_MAX_NDIM);
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s has %zd dimensions; at most %d", what, nd, PMPY_MAX_NDIM);
     return -1;
   }
   Py_ssize_t dims[PMPY_MAX_NDIM];
@@ -122,8 +118,8 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
     dims[i] = PyIndex_Check(d) ? PyNumber_AsSsize_t(d, NULL) : -1;
     if (dims[i] < 0) {
       PyErr_Clear();
-      pmpy_raise_fmt(PM_ERR_INVALID,
-                     "%s has a negative or non-integer dimension in its shape", what);
+      pmpy_raise_fmt(PM_ERR_INVALID, "%s has a negative or non-integer dimension in its shape",
+                     what);
       return -1;
     }
     if (pmpy_checked_mul(&n, (size_t)dims[i]) < 0) return -1;
@@ -196,8 +192,7 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
           Py_XDECREF(ev);
           Py_XDECREF(tb);
           pmpy_raise_fmt(PM_ERR_INVALID,
-                         "%s is not C-contiguous; pass numpy.ascontiguousarray(...) of it",
-                         what);
+                         "%s is not C-contiguous; pass numpy.ascontiguousarray(...) of it", what);
           return -1;
         }
       }
@@ -266,7 +261,9 @@ int pmpy_resolve_side(PyObject *o, int writable, pm_stream_t stream, const char 
   return resolve_side(o, writable, stream, what, h, ptr, bytes);
 }
 
-void pmpy_holder_release(pmpy_holder_t *h) { holder_release(h); }
+void pmpy_holder_release(pmpy_holder_t *h) {
+  holder_release(h);
+}
 
 typedef struct {
   PyObject_HEAD pm_fence_t fence; /* NULL once released */
@@ -445,8 +442,9 @@ PyTypeObject pmpy_CompletionType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pinmem.Completion",
     .tp_basicsize = sizeof(CompletionObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The completion of pinmem.copy, read_file or write_file. It keeps the memory of "
-              "the transfer alive until it is done, even if it is dropped first.",
+    .tp_doc =
+        "The completion of pinmem.copy, read_file or write_file. It keeps the memory of "
+        "the transfer alive until it is done, even if it is dropped first.",
     .tp_dealloc = (destructor)Completion_dealloc,
     .tp_repr = (reprfunc)Completion_repr,
     .tp_methods = Completion_methods,

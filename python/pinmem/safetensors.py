@@ -253,7 +253,7 @@ def _source(name, t):
         if dtype is None:
             raise TypeError(f"pinmem.safetensors: tensor {name!r} has dtype {t.dtype}, which "
                             "safetensors cannot store")
-        t = t.detach()
+        t = t.detach().resolve_conj().resolve_neg()  # lazy conjugate views: their real bytes
         if not t.is_contiguous():
             t = t.contiguous()
         n = t.numel() * _DTYPES[dtype][1]
