@@ -571,7 +571,8 @@ def test_enospc_leaves_old_file(tmp_path):
     assert_untouched(tmp_path, path, before)
 
 
-def test_save_is_durable_and_keeps_mode(tmp_path, monkeypatch):
+@pytest.mark.parametrize("save", ["save_file", "save_file_async"])
+def test_save_is_durable_and_keeps_mode(save, tmp_path, monkeypatch):
     """The data is fsync'd before the rename and the directory after it; the old file's
     permissions carry over."""
     path, _ = old_file(tmp_path)
@@ -583,7 +584,9 @@ def test_save_is_durable_and_keeps_mode(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", lambda a, b: calls.append(("rename",)) or real_replace(a, b))
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append(
         ("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
-    pinmem.safetensors.save_file({"w": np.ones(7)}, path)
+    h = getattr(pinmem.safetensors, save)({"w": np.ones(7)}, path)
+    if h is not None:
+        h.wait(timeout=60)
     assert calls == [("write", True), ("rename",), ("fsync", str(tmp_path))]
     assert os.stat(path).st_mode & 0o777 == 0o640
 
@@ -637,3 +640,14 @@ def test_save_async_torch(tmp_path, rng):
     for i in range(4):
         back = safetensors.torch.load_file(str(tmp_path / f"{i}.st"))
         assert all(same(torch, back[k], want[k]) for k in want)
+
+
+def test_save_lazy_views(tmp_path):
+    """A conjugate or negative view is saved as the values it shows, not its storage."""
+    torch = skip_unless_torch()
+    z = torch.randn(4, dtype=torch.complex64)
+    t = {"conj": z.conj(), "neg": torch._neg_view(z) if hasattr(torch, "_neg_view") else -z}
+    pinmem.safetensors.save_file(t, tmp_path / "v")
+    out = pinmem.safetensors.load_file(tmp_path / "v")
+    assert torch.equal(out["conj"], z.conj().resolve_conj())
+    assert torch.equal(out["neg"], -z)
