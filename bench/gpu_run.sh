@@ -124,7 +124,10 @@ if has workers; then
   grep -vE '^  (torch|pinmem) +[0-9]+ workers, run' "$OUT/compare-workers.err" | tail -30
 fi
 if has files; then
-  log "checkpoints between files and the GPU (bench/compare_checkpoint.py)"
+  log "files <-> device (pinmem bench file) and checkpoints (bench/compare_checkpoint.py)"
+  timeout 400 "./$BUILD/pinmem" bench file --json --dir "${CKPT_DIR:-$PWD}" \
+    >"$OUT/bench-file.jsonl" 2>"$OUT/bench-file.err" || { status=1; tail -20 "$OUT/bench-file.err"; }
+  grep -h TARGET "$OUT/bench-file.err" "$OUT/bench-file.jsonl" 2>/dev/null | head
   export PYTHONPATH=$PWD/$BUILD-py/python${PYTHONPATH:+:$PYTHONPATH}
   timeout 540 python3 bench/compare_checkpoint.py --json --dir "${CKPT_DIR:-$PWD}" \
     >"$OUT/compare-checkpoint.jsonl" 2>"$OUT/compare-checkpoint.err" || status=1
