@@ -651,3 +651,17 @@ def test_save_lazy_views(tmp_path):
     out = pinmem.safetensors.load_file(tmp_path / "v")
     assert torch.equal(out["conj"], z.conj().resolve_conj())
     assert torch.equal(out["neg"], -z)
+
+
+def test_read_write_torch_cuda_tensor(tmp_path, rng):
+    from conftest import skip_unless_torch_cuda
+    torch = skip_unless_torch_cuda()
+    n = (5 << 20) + 3
+    data = write_background(tmp_path / "f.bin", rng, n + 7)
+    d = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    for io in IOS:
+        pinmem.read_file(tmp_path / "f.bin", d, 7, io=io, stream=s).wait()
+        assert torch.equal(d.cpu(), torch.from_numpy(data[7:]))
+        pinmem.write_file(tmp_path / "g.bin", d, io=io, stream=s).wait()
+        assert (tmp_path / "g.bin").read_bytes() == data[7:].tobytes()
