@@ -192,10 +192,12 @@ def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsyn
     before the call returns. io and stream: as for read_file.
     """
     path = _os.fspath(path)
-    flags = _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC | (_os.O_TRUNC if truncate else 0)
-    fd = _os.open(path, flags, 0o666)
+    # Not O_TRUNC: the extension empties the file only once the arguments are checked, so a bad
+    # call leaves an existing file as it was.
+    fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC, 0o666)
     try:
-        return _pinmem._file_write(fd, offset, nbytes, src, stream, io, bool(fsync))
+        return _pinmem._file_write(fd, offset, nbytes, src, stream, io, bool(fsync),
+                                   bool(truncate))
     except Error as e:
         _file_error("write_file", path, e)
     finally:

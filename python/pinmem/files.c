@@ -11,6 +11,8 @@
  */
 #include "_pinmem.h"
 
+#include <unistd.h>
+
 static int parse_io(PyObject *o, const char *fn, pm_file_io_t *out) {
   static const char *const names[] = {
 #define PMPY_FILE_IO_NAME(name, value, text) text,
@@ -49,7 +51,8 @@ static int parse_offset(PyObject *o, const char *fn, uint64_t *out) {
 /* The shared body: resolve the memory, check nbytes against it, run the C call without the GIL,
  * hand back a Completion that holds the memory. */
 static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject *nbytes_obj,
-                               PyObject *mem, PyObject *stream_obj, PyObject *io_obj, int fsync) {
+                               PyObject *mem, PyObject *stream_obj, PyObject *io_obj, int fsync,
+                               int truncate) {
   const char *fn = write ? "write_file" : "read_file";
   const char *what = write ? "write_file: src" : "read_file: dst";
   pmpy_pending_sweep(0);
@@ -81,6 +84,17 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
   }
   if (h.buf && pmpy_buffer_order_before(h.buf, stream) < 0) goto fail;
 
+  /* Emptied only now that every argument is known good: a bad call leaves the file as it was. */
+  if (truncate) {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = ftruncate(fd, 0);
+    Py_END_ALLOW_THREADS;
+    if (rc != 0) {
+      PyErr_SetFromErrno(PyExc_OSError);
+      goto fail;
+    }
+  }
   pm_file_options_t opt;
   pm_file_options_init(&opt);
   opt.io = io;
@@ -115,16 +129,16 @@ static PyObject *py_file_read(PyObject *mod, PyObject *args) {
   PyObject *offset, *nbytes, *dst, *stream, *io;
   if (!PyArg_ParseTuple(args, "iOOOOO:_file_read", &fd, &offset, &nbytes, &dst, &stream, &io))
     return NULL;
-  return file_transfer(0, fd, offset, nbytes, dst, stream, io, 0);
+  return file_transfer(0, fd, offset, nbytes, dst, stream, io, 0, 0);
 }
 
 static PyObject *py_file_write(PyObject *mod, PyObject *args) {
-  int fd, fsync;
+  int fd, fsync, truncate = 0;
   PyObject *offset, *nbytes, *src, *stream, *io;
-  if (!PyArg_ParseTuple(args, "iOOOOOp:_file_write", &fd, &offset, &nbytes, &src, &stream, &io,
-                        &fsync))
+  if (!PyArg_ParseTuple(args, "iOOOOOp|p:_file_write", &fd, &offset, &nbytes, &src, &stream, &io,
+                        &fsync, &truncate))
     return NULL;
-  return file_transfer(1, fd, offset, nbytes, src, stream, io, fsync);
+  return file_transfer(1, fd, offset, nbytes, src, stream, io, fsync, truncate);
 }
 
 /* _raise(code, detail): raise the exception of a status as the extension itself does (str(e),
@@ -142,7 +156,8 @@ PyMethodDef pmpy_files_functions[] = {
      "_file_read(fd, offset, nbytes, dst, stream, io) -> Completion: read nbytes (None: all of "
      "dst) at offset of fd into dst; io 'auto', 'buffered' or 'direct'."},
     {"_file_write", py_file_write, METH_VARARGS,
-     "_file_write(fd, offset, nbytes, src, stream, io, fsync) -> Completion: write nbytes (None: "
-     "all of src) of src at offset of fd; fsync: on disk before it completes."},
+     "_file_write(fd, offset, nbytes, src, stream, io, fsync, truncate=False) -> Completion: "
+     "write nbytes (None: all of src) of src at offset of fd; fsync: on disk before it "
+     "completes; truncate: empty the file first, once the arguments are checked."},
     {"_raise", py_raise, METH_VARARGS, "_raise(code, detail): raise the error of a status."},
     {0}};

@@ -140,6 +140,18 @@ def test_write_truncates_by_default(tmp_path, rng):
     np.testing.assert_array_equal(raw[10:], data)
 
 
+def test_bad_write_leaves_file(tmp_path, rng):
+    """A write refused for its arguments does not empty the file first."""
+    path = tmp_path / "f.bin"
+    before = write_background(path, rng, 5000)
+    for kw in ({"nbytes": 64}, {"io": "fast"}, {"offset": -1}):
+        with pytest.raises(pinmem.InvalidError):
+            pinmem.write_file(path, np.zeros(32, np.uint8), **kw)
+    with pytest.raises(TypeError):
+        pinmem.write_file(path, [1, 2, 3])
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), before)
+
+
 def test_write_creates_file_and_nbytes(tmp_path, rng):
     path = tmp_path / "new.bin"
     data = random_bytes(rng, 5000)
