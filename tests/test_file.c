@@ -18,7 +18,18 @@
 #include "check.h"
 #include "internal.h" /* pm__fault_*, pm__file_note, pm__io_refuse_direct */
 
-static bool g_small;
+#if defined(__SANITIZE_THREAD__)
+#define PM_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define PM_TSAN 1
+#endif
+#endif
+#ifndef PM_TSAN
+#define PM_TSAN 0
+#endif
+
+static bool g_small; /* valgrind (PINMEM_TEST_SMALL) or ThreadSanitizer: smaller ranges */
 static char g_dir[512];
 static char g_path[600];
 static int g_fd = -1;           /* the test file, read-write */
@@ -593,7 +604,7 @@ static void test_refused_direct(void) {
 
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
-  g_small = pm_test_small();
+  g_small = pm_test_small() || PM_TSAN;
   pm_test_init();
   int fds0 = count_fds();
   REQUIRE(pm_test_tmpdir(g_dir, sizeof g_dir, "file"));
