@@ -18,7 +18,7 @@ default the system's temporary folder) and timed, each as GB/s of checkpoint byt
     loop without saves, the two run in turn --repeat times and the best of each kept: the
     slowdown in percent.
 
-TARGET lines (issue 18): hot load >= 40 GB/s and >= 6x safetensors; cold load and save >= 0.9x
+TARGET lines: hot load >= 40 GB/s and >= 6x safetensors; cold load and save >= 0.9x
 the disk's own rate measured here; async save returns in <= 1.3x the time of the D2H alone; the
 training loop that saves slows by < 5%. Targets are judged on cuda only; --device cpu (with
 --size small) is a smoke test of the script.
