@@ -3,8 +3,9 @@
 # benchmarks, and leave logs and JSON lines in $OUT (default ./gpu-out). Works on any
 # Linux machine with a CUDA toolkit and an NVIDIA GPU.
 #   bench/gpu_run.sh [steps...]
-#   steps: build tests alloc copy overlap sweep loader torch python train workers (default: all
-#   but sweep; train, torch and workers use the Python package that the python step builds;
+#   steps: build tests alloc copy overlap sweep loader torch python train workers files
+#   (default: all but sweep; train, torch, workers and files use the Python package that the
+#   python step builds; files writes its checkpoints under $CKPT_DIR, default the work tree;
 #   where a machine limits how long one command may run, split them, e.g.
 #   "build tests copy overlap sweep", "build loader python torch", "build python train workers")
 # The Python steps need a DLPack 1.x dlpack/dlpack.h where no PyPI is reachable: carry it in
@@ -22,7 +23,7 @@ pack() {
 }
 trap pack EXIT
 BUILD=${BUILD:-build-gpu}
-STEPS=${*:-build tests alloc copy overlap loader python torch train workers}
+STEPS=${*:-build tests alloc copy overlap loader python torch train workers files}
 [[ " $STEPS " == *" torch "* && " $STEPS " != *" python "* ]] &&
   echo "note: the torch step uses the Python package that the python step builds" >&2
 log() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
@@ -121,6 +122,16 @@ if has workers; then
   export PYTHONPATH=$PWD/$BUILD-py/python${PYTHONPATH:+:$PYTHONPATH}
   timeout 420 python3 bench/compare_workers.py --json >"$OUT/compare-workers.jsonl" 2>"$OUT/compare-workers.err" || status=1
   grep -vE '^  (torch|pinmem) +[0-9]+ workers, run' "$OUT/compare-workers.err" | tail -30
+fi
+if has files; then
+  log "files <-> device (pinmem bench file) and checkpoints (bench/compare_checkpoint.py)"
+  timeout 400 "./$BUILD/pinmem" bench file --json --dir "${CKPT_DIR:-$PWD}" \
+    >"$OUT/bench-file.jsonl" 2>"$OUT/bench-file.err" || { status=1; tail -20 "$OUT/bench-file.err"; }
+  grep -h TARGET "$OUT/bench-file.err" "$OUT/bench-file.jsonl" 2>/dev/null | head
+  export PYTHONPATH=$PWD/$BUILD-py/python${PYTHONPATH:+:$PYTHONPATH}
+  timeout 540 python3 bench/compare_checkpoint.py --json --dir "${CKPT_DIR:-$PWD}" \
+    >"$OUT/compare-checkpoint.jsonl" 2>"$OUT/compare-checkpoint.err" || status=1
+  tail -30 "$OUT/compare-checkpoint.err"
 fi
 "./$BUILD/pinmem" info --json >"$OUT/info.jsonl" 2>&1 || true
 exit $status

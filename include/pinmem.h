@@ -447,6 +447,57 @@ PM_API pm_status_t pm_fence_release(pm_fence_t fence);
 PM_API pm_status_t pm_fence_path(pm_fence_t fence, pm_copy_path_t *path_out);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Files                                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+/* File ranges read into, and written from, device or host memory through pinned bounce slots
+ * and pinmem's threads (docs/files.md). */
+#define PM_FILE_IO_MAP(X)                                                                       \
+  X(PM_FILE_IO_AUTO, 0, "auto")         /* direct for ranges larger than the free page cache */ \
+  X(PM_FILE_IO_BUFFERED, 1, "buffered") /* pread / pwrite through the page cache */             \
+  X(PM_FILE_IO_DIRECT, 2, "direct") /* O_DIRECT: aligned bounce slots; unaligned edges buffered */
+
+typedef enum pm_file_io { PM_FILE_IO_MAP(PM__ENUM_VALUE) } pm_file_io_t;
+
+/** Start from pm_file_options_init(); fields left at 0 take the defaults named here. */
+typedef struct pm_file_options {
+  pm_file_io_t io; /* PM_FILE_IO_AUTO. Where the filesystem refuses O_DIRECT, buffered I/O is
+                      used instead */
+  pm_pool_t *pool; /* bounce slots come from here (NULL: the default pool); budget respected */
+  size_t chunk;    /* bytes per bounce slot (0: 16 MiB; rounded up to 4 KiB) */
+  int threads;     /* I/O threads, the caller included (0: option copy_threads) */
+  int fsync;       /* writes: 1 = fdatasync before the fence completes */
+  void (*callback)(void *arg, pm_status_t status); /* as pm_copy_options_t: runs once on
+                                                      completion, on a library thread */
+  void *callback_arg;
+} pm_file_options_t;
+
+PM_API void pm_file_options_init(pm_file_options_t *options);
+/** Read `bytes` at `offset` of file `fd` into dst (device, pinned, managed or pageable host
+ *  memory), ordered on `stream` like pm_copy_async. Threads pread chunks into pinned bounce
+ *  slots and queue each slot's DMA as soon as it is full. Returns once every byte has been read
+ *  from the file and every DMA is queued (dst is written in stream order; the fence completes
+ *  when the DMAs are done). Host dst: after the stream's earlier work, read straight into dst
+ *  (the call returns with the bytes in dst). A file shorter than offset + bytes: PM_ERR_IO
+ *  naming where it ends; EINTR is retried; a short read is continued; EIO etc.: PM_ERR_IO with
+ *  the errno text, offset and fd. fd < 0, dst NULL, offset + bytes past the largest file
+ *  offset, bad options: PM_ERR_INVALID. bytes 0: a completed fence. options may be NULL,
+ *  fence_out may be NULL. If the call fails, dst may have been partly written and the
+ *  callback never runs. The caller's fd (its offset, its flags) is never changed. */
+PM_API pm_status_t pm_file_read_async(int fd, uint64_t offset, size_t bytes, void *dst,
+                                      pm_stream_t stream, const pm_file_options_t *options,
+                                      pm_fence_t *fence_out);
+/** Write `bytes` of src (device or host memory) at `offset` of fd: DMA into bounce slots after
+ *  the stream's earlier work, threads pwrite each slot as it lands (host src: after the
+ *  stream's earlier work, pwrite straight from src). Returns once the bytes are in the file
+ *  (and, with options->fsync, on disk); the fence is then complete. ENOSPC, EIO etc.:
+ *  PM_ERR_IO with the errno text, offset and fd (part of the range may have been written).
+ *  The caller's fd is never changed (O_DIRECT goes through a second open of /proc/self/fd/N). */
+PM_API pm_status_t pm_file_write_async(int fd, uint64_t offset, size_t bytes, const void *src,
+                                       pm_stream_t stream, const pm_file_options_t *options,
+                                       pm_fence_t *fence_out);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Data loader                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 

@@ -364,6 +364,12 @@ bad_lines=(
   "bench loader --data a,,b"
   "bench copy --cases bogus"
   "info --quiet"
+  "bench file --cases bogus"
+  "bench file --bytes 0"
+  "bench file --repeat x"
+  "bench file --chunk 1K"
+  "bench file extra"
+  "bench file --cases load_direct,,save_direct"
 )
 # ---- bench copy and bench overlap: on the host backend they prove correctness, not speed -------
 # Every case of bench copy at 4 KiB, one staged size and one above the mover rows' 8 MiB floor;
@@ -465,6 +471,26 @@ for r in rows:
     if not (r.get('ratio_vs_max', 0) > 0 and r.get('copy_seconds', 0) > 0 and r.get('kernel_seconds', 0) > 0):
         bad('times: %r' % r)"
 expect_grep overlap_json err '^TARGET pinned copy \+ equal kernel .*cuda backend only\)$'
+
+# bench file: every case verified (the disk-only rows say none), the TARGET lines present.
+run file_json "$bin" --json bench file --bytes 3M --repeat 1 --chunk 64K --dir "$tmp"
+expect_rc file_json 0 &&
+  json_check file_json "
+rows = [r for r in rows if r.get('bench') == 'file']
+want = ['load_hot_buffered', 'load_direct', 'load_cold_buffered', 'plain_load_hot',
+        'plain_load_cold', 'disk_read_direct', 'save_buffered', 'save_direct', 'plain_save',
+        'disk_write_direct']
+if [r.get('case') for r in rows] != want:
+    bad('cases: %r' % [r.get('case') for r in rows])
+for r in rows:
+    disk = r['case'].startswith('disk')
+    if r.get('verified') is not (None if disk else True) or r.get('bytes') != 3 << 20 or r.get('backend') != 'host':
+        bad('row: %r' % r)
+    if r.get('verify_method') != ('none' if r['case'].startswith('disk') else 'full'):
+        bad('verify_method: %r' % r)"
+expect_grep file_json err '^TARGET hot load .*cuda backend only\)$'
+expect_grep file_json err '^TARGET save .*cuda backend only\)$'
+if ls "$tmp" | grep -q pinmem-bench-file; then fail "file_json: left its files behind"; fi
 
 # The loader's CI target: 3 shuffled epochs, 2 ranks x 2 workers, every delivered sample
 # checked against its source, each exactly once per epoch.

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "bench.h"
+#include "bench_file.h"
 #include "bench_loader.h"
 #include "cli.h"
 
@@ -28,6 +29,8 @@ void cli_print_usage(FILE *out) {
       "  bench overlap        a copy beside a kernel of equal length: serial vs two streams\n"
       "  bench loader         the data loader feeding a simulated training loop, pinned vs\n"
       "                       pageable batches (--help)\n"
+      "  bench file           file <-> device through pinmem vs a plain pread + copy loop and\n"
+      "                       the disk's own O_DIRECT rate, page cache hot and cold (--help)\n"
       "  help                 this text\n"
       "  --version            the version\n"
       "\n"
@@ -97,6 +100,7 @@ static int dispatch_own_parser(int argc, char **argv, int *handled) {
       {"copy", pm_cli_bench_copy},
       {"overlap", pm_cli_bench_overlap},
       {"loader", pm_cli_bench_loader},
+      {"file", pm_cli_bench_file},
   };
   *handled = 0;
   int k = 1;
@@ -226,9 +230,9 @@ int main(int argc, char **argv) {
     return cli_cmd_info(json);
   }
   if (strcmp(words[0], "bench") == 0) {
-    if (nwords < 2) cli_usage_error("bench needs a benchmark name: alloc, copy, overlap or loader");
+    if (nwords < 2) cli_usage_error("bench needs a benchmark name: alloc, copy, overlap, loader or file");
     if (!bench_alloc)
-      cli_usage_error("unknown benchmark '%s' (known: alloc, copy, overlap, loader)", words[1]);
+      cli_usage_error("unknown benchmark '%s' (known: alloc, copy, overlap, loader, file)", words[1]);
     cli_bench_alloc_args_t args;
     memset(&args, 0, sizeof args);
     args.json = json;

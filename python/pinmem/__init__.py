@@ -143,10 +143,71 @@ def copy(dst, src, stream=None, *, nbytes=None, path=None):
 
 
 # ------------------------------------------------------------------------------------------
-# Data loader
+# Files
 # ------------------------------------------------------------------------------------------
 
 import os as _os
+
+
+def _file_error(fn, path, err):
+    """err (a pinmem.Error) again, its message naming the file."""
+    message = err.message
+    if message.startswith(fn + ": "):
+        message = message[len(fn) + 2:]
+    try:
+        _pinmem._raise(err.code, f"{fn}({path!r}): {message}")
+    except Error as named:
+        raise named from None
+
+
+def read_file(path, dst, offset=0, *, nbytes=None, io="auto", stream=None):
+    """Read nbytes (default: the size of dst) at `offset` of the file at `path` into dst;
+    return a Completion.
+
+    dst: a pinmem buffer (pinned or DeviceBuffer), a NumPy array, a torch tensor (CPU or CUDA),
+    anything with DLPack or the buffer protocol; C-contiguous. io: 'auto' (O_DIRECT for ranges
+    larger than the free page cache), 'buffered' or 'direct'. stream: as for copy(); the device
+    writes are ordered on it. The call returns once every byte has been read from the file (the
+    file is closed again); for device memory the DMAs may still be in flight until the
+    Completion is done. A file shorter than offset + nbytes raises IoError naming where it ends.
+    """
+    path = _os.fspath(path)
+    fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    try:
+        return _pinmem._file_read(fd, offset, nbytes, dst, stream, io)
+    except Error as e:
+        _file_error("read_file", path, e)
+    finally:
+        _os.close(fd)
+
+
+def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsync=False,
+               truncate=True):
+    """Write nbytes (default: all) of src at `offset` of the file at `path`; return a Completion
+    (already complete: the call returns once the bytes are in the file).
+
+    The file is created if missing and, with truncate=True (default), emptied first; with
+    truncate=False the rest of an existing file stays. src: as read_file's dst (device memory is
+    DMA'd into pinned bounce slots and written from there). fsync=True: on disk (fdatasync)
+    before the call returns. io and stream: as for read_file.
+    """
+    path = _os.fspath(path)
+    # Not O_TRUNC: the extension empties the file only once the arguments are checked, so a bad
+    # call leaves an existing file as it was.
+    fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC, 0o666)
+    try:
+        return _pinmem._file_write(fd, offset, nbytes, src, stream, io, bool(fsync),
+                                   bool(truncate))
+    except Error as e:
+        _file_error("write_file", path, e)
+    finally:
+        _os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------
+# Data loader
+# ------------------------------------------------------------------------------------------
+
 import weakref as _weakref
 
 _live_loaders = _weakref.WeakSet()
@@ -827,3 +888,4 @@ def get_worker_info():
 
 
 from ._workers import WorkerError  # noqa: E402  (re-exported)
+from . import safetensors  # noqa: E402,F401  (pinmem.safetensors; imports torch only when used)

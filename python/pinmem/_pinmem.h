@@ -28,6 +28,7 @@
  *   buffers.c     Buffer, PinnedBuffer, DeviceBuffer: descriptor, release, buffer protocol
  *   empty_pin.c   empty, device_empty, pin
  *   copy.c        copy and its Completion, parked copies
+ *   files.c       file <-> memory transfers (read_file, write_file) with a Completion
  *   datasets.c    the dataset constructors and _Dataset
  *   procs.c       datasets read by worker processes (channels, claims, their errors)
  *   loader.c      _Loader and its batches (batch_layout.h describes their buffers)
@@ -163,8 +164,21 @@ int pmpy_dl_compact_bytes(const DLTensor *t, size_t *bytes_out);
 
 /* ---- copy.c ------------------------------------------------------------------------------- */
 
+/* What keeps one side of a copy (or file transfer) alive until it is done. */
+typedef struct pmpy_holder {
+  PyObject *obj;       /* strong reference */
+  BufferObject *buf;   /* obj is a Buffer: its exports count this copy */
+  Py_buffer view;
+  int has_view;
+  DLManagedTensor *dl; /* imported through DLPack: ours to delete */
+} pmpy_holder_t;
+
 extern PyTypeObject pmpy_CompletionType;
 void pmpy_pending_sweep(int wait);
+int pmpy_resolve_side(PyObject *o, int writable, pm_stream_t stream, const char *what,
+                      pmpy_holder_t *h, void **ptr, size_t *bytes);
+void pmpy_holder_release(pmpy_holder_t *h);
+PyObject *pmpy_completion_new(pm_fence_t fence, pmpy_holder_t *hold, PyObject *stream_obj);
 
 /* ---- datasets.c --------------------------------------------------------------------------- */
 
@@ -208,6 +222,7 @@ extern PyTypeObject pmpy_LoaderType, pmpy_BatchType;
 
 extern PyMethodDef pmpy_empty_pin_functions[];
 extern PyMethodDef pmpy_copy_functions[];
+extern PyMethodDef pmpy_files_functions[];
 extern PyMethodDef pmpy_pool_functions[];
 extern PyMethodDef pmpy_datasets_functions[];
 extern PyMethodDef pmpy_loader_functions[];

@@ -9,14 +9,8 @@
  */
 #include "_pinmem.h"
 
-/* What keeps one side of a copy alive until the copy is done. */
-typedef struct holder {
-  PyObject *obj;       /* strong reference */
-  BufferObject *buf;   /* obj is a Buffer: its exports count this copy */
-  Py_buffer view;
-  int has_view;
-  DLManagedTensor *dl; /* imported through DLPack: ours to delete */
-} holder_t;
+/* What keeps one side of a copy alive until the copy is done (_pinmem.h). */
+typedef pmpy_holder_t holder_t;
 
 static void holder_release(holder_t *h) {
   if (h->has_view) {
@@ -69,18 +63,16 @@ static int check_device_side(const void *ptr, size_t bytes, const char *what) {
   }
   if (info.kind == PM_MEMORY_PAGEABLE) {
     if (pmpy_is_cuda_backend()) return 0;
-    pmpy_raise_fmt(
-        PM_ERR_INVALID,
-        "copy: %s says it is device memory at %p, but the host backend allocated no device "
-        "memory there",
-        what, ptr);
+    pmpy_raise_fmt(PM_ERR_INVALID,
+                   "%s says it is device memory at %p, but the host backend allocated no device "
+                   "memory there",
+                   what, ptr);
     return -1;
   }
   uintptr_t p = (uintptr_t)ptr, base = (uintptr_t)info.base;
   if (p < base || bytes > info.size - (p - base)) {
-    pmpy_raise_fmt(PM_ERR_INVALID,
-                   "copy: %s [%p, +%zu) runs past the end of its allocation [%p, +%zu)", what, ptr,
-                   bytes, info.base, info.size);
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s [%p, +%zu) runs past the end of its allocation [%p, +%zu)",
+                   what, ptr, bytes, info.base, info.size);
     return -1;
   }
   return 0;
@@ -97,11 +89,10 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
   if (!data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2 || !shape ||
       !PyTuple_Check(shape) || !ts) {
     PyErr_Clear();
-    pmpy_raise_fmt(
-        PM_ERR_INVALID,
-        "copy: %s has a malformed __cuda_array_interface__ (it needs data=(ptr, readonly), "
-        "a shape tuple and a typestr)",
-        what);
+    pmpy_raise_fmt(PM_ERR_INVALID,
+                   "%s has a malformed __cuda_array_interface__ (it needs data=(ptr, readonly), "
+                   "a shape tuple and a typestr)",
+                   what);
     return -1;
   }
   if (pmpy_parse_address(PyTuple_GET_ITEM(data, 0), addr) < 0) return -1;
@@ -111,14 +102,13 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
   char *end = NULL;
   long item = strlen(ts) >= 3 && strchr("<>|=", ts[0]) ? strtol(ts + 2, &end, 10) : 0;
   if (item <= 0 || item > 1024 || !end || *end) {
-    pmpy_raise_fmt(PM_ERR_INVALID, "copy: %s has a bad typestr '%.40s' in __cuda_array_interface__",
-                   what, ts);
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s has a bad typestr '%.40s' in __cuda_array_interface__", what,
+                   ts);
     return -1;
   }
   Py_ssize_t nd = PyTuple_GET_SIZE(shape);
   if (nd > PMPY_MAX_NDIM) {
-    pmpy_raise_fmt(PM_ERR_INVALID, "copy: %s has %zd dimensions; at most %d", what, nd,
-                   PMPY_MAX_NDIM);
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s has %zd dimensions; at most %d", what, nd, PMPY_MAX_NDIM);
     return -1;
   }
   Py_ssize_t dims[PMPY_MAX_NDIM];
@@ -128,15 +118,15 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
     dims[i] = PyIndex_Check(d) ? PyNumber_AsSsize_t(d, NULL) : -1;
     if (dims[i] < 0) {
       PyErr_Clear();
-      pmpy_raise_fmt(PM_ERR_INVALID,
-                     "copy: %s has a negative or non-integer dimension in its shape", what);
+      pmpy_raise_fmt(PM_ERR_INVALID, "%s has a negative or non-integer dimension in its shape",
+                     what);
       return -1;
     }
     if (pmpy_checked_mul(&n, (size_t)dims[i]) < 0) return -1;
   }
   if (strides && strides != Py_None && n) {
     if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != nd) {
-      pmpy_raise_fmt(PM_ERR_INVALID, "copy: %s has strides that do not match its shape", what);
+      pmpy_raise_fmt(PM_ERR_INVALID, "%s has strides that do not match its shape", what);
       return -1;
     }
     Py_ssize_t expect = item;
@@ -145,7 +135,7 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
       Py_ssize_t sv = PyIndex_Check(si) ? PyNumber_AsSsize_t(si, NULL) : -1;
       PyErr_Clear();
       if (dims[i] != 1 && sv != expect) {
-        pmpy_raise_fmt(PM_ERR_INVALID, "copy: %s is not contiguous", what);
+        pmpy_raise_fmt(PM_ERR_INVALID, "%s is not contiguous", what);
         return -1;
       }
       expect *= dims[i];
@@ -163,12 +153,12 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
     BufferObject *b = (BufferObject *)o;
     if (pmpy_buffer_check_live(b) < 0) return -1;
     if (writable && b->readonly) {
-      pmpy_raise_fmt(PM_ERR_INVALID, "copy: %s is read-only", what);
+      pmpy_raise_fmt(PM_ERR_INVALID, "%s is read-only", what);
       return -1;
     }
     if (!buffer_is_c_contiguous(b)) {
       pmpy_raise_fmt(PM_ERR_INVALID,
-                     "copy: %s is not C-contiguous (memory pinned in Fortran order keeps that "
+                     "%s is not C-contiguous (memory pinned in Fortran order keeps that "
                      "layout; copy bytes in C order, e.g. from numpy.ascontiguousarray)",
                      what);
       return -1;
@@ -187,7 +177,7 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
           PyObject_GetBuffer(o, &h->view, PyBUF_C_CONTIGUOUS) == 0) {
         PyBuffer_Release(&h->view);
         PyErr_Clear();
-        pmpy_raise_fmt(PM_ERR_INVALID, "copy: %s is read-only", what);
+        pmpy_raise_fmt(PM_ERR_INVALID, "%s is read-only", what);
         return -1;
       }
       /* Refused for its layout (NumPy says ValueError, others BufferError): say so as pinmem. */
@@ -202,8 +192,7 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
           Py_XDECREF(ev);
           Py_XDECREF(tb);
           pmpy_raise_fmt(PM_ERR_INVALID,
-                         "copy: %s is not C-contiguous; pass numpy.ascontiguousarray(...) of it",
-                         what);
+                         "%s is not C-contiguous; pass numpy.ascontiguousarray(...) of it", what);
           return -1;
         }
       }
@@ -216,7 +205,7 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
     if (pmpy_buffer_holds_objects(o)) {
       holder_release(h);
       pmpy_raise_fmt(PM_ERR_INVALID,
-                     "copy: %s holds Python objects (dtype object); only plain data "
+                     "%s holds Python objects (dtype object); only plain data "
                      "can be copied",
                      what);
       return -1;
@@ -250,7 +239,7 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
     Py_DECREF(cai);
     if (rc < 0) return -1;
     if (writable && ro) {
-      pmpy_raise_fmt(PM_ERR_INVALID, "copy: %s is read-only", what);
+      pmpy_raise_fmt(PM_ERR_INVALID, "%s is read-only", what);
       return -1;
     }
     if (check_device_side((void *)addr, *bytes, what) < 0) return -1;
@@ -260,10 +249,20 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
   }
   PyErr_Clear();
   PyErr_Format(PyExc_TypeError,
-               "copy: %s (%.100s) is not memory pinmem can copy: a pinmem buffer, an object with "
+               "%s (%.100s) is not memory pinmem can copy: a pinmem buffer, an object with "
                "the buffer protocol, __dlpack__ or __cuda_array_interface__",
                what, Py_TYPE(o)->tp_name);
   return -1;
+}
+
+/* For files.c: one side resolved as copy resolves it; release with pmpy_holder_release. */
+int pmpy_resolve_side(PyObject *o, int writable, pm_stream_t stream, const char *what,
+                      pmpy_holder_t *h, void **ptr, size_t *bytes) {
+  return resolve_side(o, writable, stream, what, h, ptr, bytes);
+}
+
+void pmpy_holder_release(pmpy_holder_t *h) {
+  holder_release(h);
 }
 
 typedef struct {
@@ -443,8 +442,9 @@ PyTypeObject pmpy_CompletionType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pinmem.Completion",
     .tp_basicsize = sizeof(CompletionObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The completion of pinmem.copy. It keeps both sides of the copy alive until the "
-              "copy is done, even if it is dropped first.",
+    .tp_doc =
+        "The completion of pinmem.copy, read_file or write_file. It keeps the memory of "
+        "the transfer alive until it is done, even if it is dropped first.",
     .tp_dealloc = (destructor)Completion_dealloc,
     .tp_repr = (reprfunc)Completion_repr,
     .tp_methods = Completion_methods,
@@ -493,8 +493,8 @@ static PyObject *py_copy(PyObject *mod, PyObject *args, PyObject *kw) {
 
   void *dptr, *sptr;
   size_t dbytes, sbytes, n;
-  if (resolve_side(dst, 1, stream, "dst", &c->hold[0], &dptr, &dbytes) < 0) goto fail;
-  if (resolve_side(src, 0, stream, "src", &c->hold[1], &sptr, &sbytes) < 0) goto fail;
+  if (resolve_side(dst, 1, stream, "copy: dst", &c->hold[0], &dptr, &dbytes) < 0) goto fail;
+  if (resolve_side(src, 0, stream, "copy: src", &c->hold[1], &sptr, &sbytes) < 0) goto fail;
   if (nbytes_obj != Py_None) {
     if (pmpy_parse_size_obj(nbytes_obj, &n) < 0) goto fail;
     if (n > sbytes || n > dbytes) {
@@ -537,6 +537,32 @@ fail:
   holder_release(&c->hold[1]);
   Py_DECREF(c);
   return NULL;
+}
+
+/* A Completion for work another file queued (files.c): it takes over the fence and the holder
+ * (*hold is emptied) and keeps a pinmem.Stream argument open, as copy's does. */
+PyObject *pmpy_completion_new(pm_fence_t fence, pmpy_holder_t *hold, PyObject *stream_obj) {
+  CompletionObject *c = PyObject_New(CompletionObject, &pmpy_CompletionType);
+  if (!c) { /* nothing may hold the memory now: let the work finish first */
+    if (fence) {
+      Py_BEGIN_ALLOW_THREADS pm_fence_wait(fence);
+      Py_END_ALLOW_THREADS pm_fence_release(fence);
+    }
+    holder_release(hold);
+    return NULL;
+  }
+  c->fence = fence;
+  c->hold[0] = *hold;
+  memset(hold, 0, sizeof *hold);
+  memset(&c->hold[1], 0, sizeof c->hold[1]);
+  c->stream_obj = PyObject_TypeCheck(stream_obj, &pmpy_StreamType) ? Py_NewRef(stream_obj) : NULL;
+  c->busy = 0;
+  c->finished = 0;
+  c->result = PM_OK;
+  c->path = -1;
+  c->error[0] = 0;
+  if (!fence) completion_finish(c, PM_OK); /* nothing in flight */
+  return (PyObject *)c;
 }
 
 static PyObject *py_pending_copies(PyObject *mod, PyObject *unused) {

@@ -19,7 +19,9 @@
  * Release calls (host_free, host_unregister, device_free, managed_free, stream_destroy,
  * event_destroy) are only faulted when named: their fault leaves the object as it was (nothing
  * released), as a failing driver call does, so a caller that cannot retry leaks it by design.
- * File reads of the loader go through pm__fault_io(), op "io". The pool's stream record on a
+ * File reads of the loader go through pm__fault_io(), op "io". pm_file_*_async's preads and
+ * pwrites go through pm__fault_file(), ops "file_read" and "file_write", whose fault is an errno
+ * (EIO by default; file_write=2:ENOSPC) or a short transfer (file_read=1:short). The pool's stream record on a
  * block goes through pm__fault_check, op "pool_record" (PM_ERR_NOMEM, as when no memory is left
  * for the record); it is named only, because with a failing stream_sync too the block is
  * quarantined and stays pinned until its pool is destroyed, by design.
@@ -95,6 +97,35 @@ static pm_status_t injected(pm__fault_op_t op, uint64_t call, const char *what) 
   if (op == PM__FAULT_HOST_REGISTER && real && real->kind == PM_BACKEND_HOST) st = PM_ERR_MEMLOCK;
   return pm__set_error(st, "%s: injected fault (%s call %llu; PINMEM_FAULT or pm__fault_set)", what,
                        fault_ops[op].name, (unsigned long long)call);
+}
+
+/* What a file op's fault does (pm__fault_file_errno): an errno, or PM__FAULT_SHORT. */
+static atomic_int g_file_errno[2] = {EIO, EIO};
+
+static int file_slot(pm__fault_op_t op) {
+  return op == PM__FAULT_FILE_READ ? 0 : op == PM__FAULT_FILE_WRITE ? 1 : -1;
+}
+
+pm_status_t pm__fault_file_errno(pm__fault_op_t op, int err) {
+  int k = file_slot(op);
+  if (k < 0 || (err <= 0 && err != PM__FAULT_SHORT))
+    return pm__set_error(PM_ERR_INVALID, "pm__fault_file_errno: op %d / errno %d", (int)op, err);
+  atomic_store_explicit(&g_file_errno[k], err, memory_order_relaxed);
+  return PM_OK;
+}
+
+int pm__fault_file(pm__fault_op_t op, size_t *len) {
+  uint64_t call;
+  int k = file_slot(op);
+  if (k < 0 || !should_fail(op, &call)) return 0;
+  int err = atomic_load_explicit(&g_file_errno[k], memory_order_relaxed);
+  if (err == PM__FAULT_SHORT) {
+    /* A short transfer: a part of what was asked, never nothing (0 means end of file). */
+    if (*len > 1) *len /= 2;
+    return 0;
+  }
+  (void)injected(op, call, fault_ops[op].name);
+  return err;
 }
 
 bool pm__fault_io(const char *what) {
@@ -400,6 +431,7 @@ void pm__fault_seed(uint64_t seed) {
 void pm__fault_reset(void) {
   atomic_store_explicit(&g_active, false, memory_order_relaxed);
   for (int i = 0; i < PM__FAULT_COUNT; i++) set_one(i, 0, false, 0);
+  for (int k = 0; k < 2; k++) atomic_store_explicit(&g_file_errno[k], EIO, memory_order_relaxed);
 }
 
 void pm__fault_counts(pm__fault_counts_t *out) {
@@ -489,11 +521,32 @@ static pm_status_t spec_apply(const char *spec, bool apply) {
       if (apply) arm((pm__fault_op_t)op, 0, false, r);
       continue;
     }
+    /* File ops take what the fault does after a colon: file_write=2:ENOSPC, file_read=1:short. */
+    const char *colon = memchr(val, ':', vlen);
+    int ferr = 0;
+    if (colon) {
+      if (file_slot((pm__fault_op_t)op) < 0)
+        return spec_error(spec, item, len, "only file_read and file_write take :ERRNO");
+      static const struct {
+        const char *name;
+        int err;
+      } errs[] = {{"EIO", EIO},       {"ENOSPC", ENOSPC}, {"EINTR", EINTR},
+                  {"EDQUOT", EDQUOT}, {"EFBIG", EFBIG},   {"short", PM__FAULT_SHORT}};
+      size_t elen = (size_t)(end - colon - 1);
+      for (size_t e = 0; e < sizeof errs / sizeof errs[0]; e++)
+        if (strlen(errs[e].name) == elen && !strncasecmp(colon + 1, errs[e].name, elen))
+          ferr = errs[e].err;
+      if (!ferr)
+        return spec_error(spec, item, len, "not EIO, ENOSPC, EINTR, EDQUOT, EFBIG or short");
+      end = colon;
+      vlen = (size_t)(end - val);
+    }
     bool sticky = vlen > 0 && val[vlen - 1] == '+';
     uint64_t nth;
     if (!parse_u64(val, end - (sticky ? 1 : 0), &nth))
       return spec_error(spec, item, len, "not N, N+ or rate:R");
     if (apply) arm((pm__fault_op_t)op, nth, sticky, 0);
+    if (apply && ferr) (void)pm__fault_file_errno((pm__fault_op_t)op, ferr);
   }
   return PM_OK;
 }

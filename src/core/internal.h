@@ -51,6 +51,7 @@ const char *pm__copy_path_name(pm_copy_path_t path);       /* "staged" */
 const char *pm__memory_kind_name(pm_memory_kind_t kind);   /* "registered" */
 const char *pm__exhaust_policy_name(pm_exhaust_policy_t policy);
 const char *pm__io_mode_name(pm_io_mode_t io);              /* "pread", "mmap", "direct" */
+const char *pm__file_io_name(pm_file_io_t io);              /* "auto", "buffered", "direct" */
 const char *pm__delivery_name(pm_delivery_t delivery);      /* "device", "host" */
 const char *pm__option_source_name(pm_option_source_t src); /* "default", "env", "set" */
 
@@ -387,6 +388,9 @@ void pm__copy_shutdown(void);
   /* device_count, device_info, set_device, get_device */                                       \
   X(PM__FAULT_DEVICE_QUERY, "device_query", PM_ERR_BACKEND, false)                              \
   X(PM__FAULT_IO, "io", PM_ERR_IO, false) /* the loader's file reads (pm__fault_io) */          \
+  /* pm_file_read_async's preads and pm_file_write_async's pwrites (pm__fault_file) */          \
+  X(PM__FAULT_FILE_READ, "file_read", PM_ERR_IO, false)                                         \
+  X(PM__FAULT_FILE_WRITE, "file_write", PM_ERR_IO, false)                                       \
   /* the pool's stream record on a block (pm__pool_record_stream: no memory for it) */          \
   X(PM__FAULT_POOL_RECORD, "pool_record", PM_ERR_NOMEM, true)
 
@@ -420,6 +424,16 @@ const char *pm__fault_op_name(pm__fault_op_t op);
 /* For file reads (loader): true when this read must fail; pm_last_error() then holds a detail
  * naming `what` and "injected fault", and the caller returns PM_ERR_IO. */
 bool pm__fault_io(const char *what);
+/* For pm_file_*_async's preads and pwrites (op PM__FAULT_FILE_READ or _WRITE), before each
+ * system call of *len bytes: 0 to go ahead (a "short" fault lowers *len to a part of it, so the
+ * call transfers less and the caller must continue), else the errno the call must fail with
+ * (EIO unless pm__fault_file_errno chose another; EINTR must be retried). */
+int pm__fault_file(pm__fault_op_t op, size_t *len);
+#define PM__FAULT_SHORT (-1) /* pm__fault_file_errno: a short transfer instead of an errno */
+/* What an injected fault of the file op does: an errno (EIO, ENOSPC, EINTR...) or
+ * PM__FAULT_SHORT. pm__fault_reset restores EIO. PM_ERR_INVALID for another op. In a
+ * PINMEM_FAULT spec: file_write=2:ENOSPC, file_read=1:short. */
+pm_status_t pm__fault_file_errno(pm__fault_op_t op, int err);
 /* For calls above the backend that take part in fault injection (pool_record): PM_OK, or the
  * op's status with a detail naming `what` and "injected fault". */
 pm_status_t pm__fault_check(pm__fault_op_t op, const char *what);
@@ -475,6 +489,9 @@ pm_status_t pm__file_read(pm__file_t *f, uint64_t off, void *dst, size_t len,
 void pm__file_close(pm__file_t *f);
 /* Test hook: when non-zero, opening with O_DIRECT behaves as if the filesystem refused it. */
 extern atomic_int pm__io_refuse_direct;
+/* pm_file_*_async (src/io/file.c): why the last call on this thread used buffered I/O where
+ * direct was asked for ("" if it did not); for tools and tests. */
+const char *pm__file_note(void);
 
 struct pm_dataset_s {
   pm_dataset_info_t info;

@@ -20,6 +20,7 @@ PM__NAME_FN(pm__copy_path_name, pm_copy_path_t, PM_COPY_PATH_MAP, "?")
 PM__NAME_FN(pm__memory_kind_name, pm_memory_kind_t, PM_MEMORY_KIND_MAP, "unknown")
 PM__NAME_FN(pm__exhaust_policy_name, pm_exhaust_policy_t, PM_EXHAUST_POLICY_MAP, "?")
 PM__NAME_FN(pm__io_mode_name, pm_io_mode_t, PM_IO_MODE_MAP, "?")
+PM__NAME_FN(pm__file_io_name, pm_file_io_t, PM_FILE_IO_MAP, "?")
 PM__NAME_FN(pm__delivery_name, pm_delivery_t, PM_DELIVERY_MAP, "?")
 PM__NAME_FN(pm__option_source_name, pm_option_source_t, PM_OPTION_SOURCE_MAP, "unknown")
 

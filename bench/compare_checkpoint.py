@@ -1,0 +1,387 @@
+#!/usr/bin/env python3
+"""Checkpoints between files and the GPU: pinmem.safetensors beside the usual tools, same run.
+
+One checkpoint (default: 96 bf16 tensors of 4096x4096, 3 GiB; --size for another total, e.g.
+--size 256M, or --size small = 64 MiB) is written to a folder on the disk under test (--dir,
+default the system's temporary folder) and timed, each as GB/s of checkpoint bytes:
+
+  * the disk's own rate: dd-like O_DIRECT write and read of a file the checkpoint's size in
+    16 MiB blocks (fsync'd); "unavailable" where the filesystem refuses O_DIRECT (tmpfs);
+  * loads, page cache hot and cold: safetensors.torch.load_file(device=...), torch.load(
+    mmap=True, map_location=...), pinmem.safetensors.load_file(device=...). Cold: the file's
+    pages are dropped with posix_fadvise(POSIX_FADV_DONTNEED) after an fsync, and also with
+    /proc/sys/vm/drop_caches where this process may write it; the report says which were used;
+  * saves of the device tensors, fsync included: safetensors.torch.save_file, torch.save,
+    pinmem.safetensors.save_file; save_file_async's return time beside the device-to-host copy
+    into pinned memory alone (the snapshot it takes);
+  * a training loop (a small MLP, K steps) with save_file_async every N steps against the same
+    loop without saves, the two run in turn --repeat times and the best of each kept: the
+    slowdown in percent.
+
+TARGET lines: hot load >= 40 GB/s and >= 6x safetensors; cold load and save >= 0.9x
+the disk's own rate measured here; async save returns in <= 1.3x the time of the D2H alone; the
+training loop that saves slows by < 5%. Targets are judged on cuda only; --device cpu (with
+--size small) is a smoke test of the script.
+
+  bench/compare_checkpoint.py [--size 3G|small|BYTES] [--device cuda|cpu] [--dir DIR]
+                              [--repeat 3] [--steps K] [--every N] [--no-train] [--json]
+
+Human-readable lines go to stderr; with --json one JSON object per result goes to stdout.
+"""
+import argparse
+import json
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+ROW = {"bench": "checkpoint"}
+BLOCK = 16 << 20
+
+
+def say(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def parse_size(text):
+    if text == "small":
+        return 64 << 20
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().rstrip("ib")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def make_checkpoint(torch, total, device):
+    """96 bf16 tensors of 4096 rows (as many as fit: fewer, narrower ones for small sizes)."""
+    n = max(1, min(96, total // (1 << 20)))
+    elems = max(1, total // n // 2)
+    rows = 4096 if elems >= 4096 * 16 else 1
+    cols = elems // rows
+    g = torch.Generator(device=device).manual_seed(0)  # made where they live: quick on a GPU
+    return {"layers.%02d.weight" % i: torch.randn(rows, cols, generator=g, device=device,
+                                                  dtype=torch.bfloat16) for i in range(n)}
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def sync(torch, device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_cache(path):
+    """Drop the file's pages; returns how ('fadvise' or 'fadvise+drop_caches')."""
+    fsync_path(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    how = "fadvise"
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        how = "fadvise+drop_caches"
+    except OSError:
+        pass
+    return how
+
+
+def warm(path):
+    with open(path, "rb") as f:
+        while f.read(BLOCK):
+            pass
+
+
+def disk_rate(path, total):
+    """dd-like O_DIRECT write then read of `total` bytes in 16 MiB blocks: (write s, read s),
+    or None where O_DIRECT is refused."""
+    buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT wants
+    buf.write(os.urandom(1 << 16) * (BLOCK >> 16))
+    blocks = max(1, -(-total // BLOCK))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        return None
+    try:
+        t0 = time.perf_counter()
+        for i in range(blocks):
+            os.pwritev(fd, [buf], i * BLOCK)
+        os.fsync(fd)
+        tw = time.perf_counter() - t0
+    except OSError:
+        os.close(fd)
+        return None
+    os.close(fd)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t0 = time.perf_counter()
+        for i in range(blocks):
+            os.preadv(fd, [buf], i * BLOCK)
+        tr = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return tw * total / (blocks * BLOCK), tr * total / (blocks * BLOCK)
+
+
+def best(fn, repeat):
+    """The shortest of `repeat` timed runs of fn() (fn returns its own seconds)."""
+    return min(fn() for _ in range(repeat))
+
+
+def train_loop(torch, pinmem, device, steps, every, hidden, layers, batch, path):
+    """Seconds for `steps` training steps of an MLP, with save_file_async every `every` steps
+    (0: none), the last save waited for at the end."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, dtype=dtype, device=device)
+                                  for _ in range(layers)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, hidden, dtype=dtype, device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+
+    for _ in range(5):  # warm-up
+        step()
+    sync(torch, device)
+    handle = None
+    saves = 0
+    t0 = time.perf_counter()
+    for i in range(1, steps + 1):
+        step()
+        if every and i % every == 0:
+            if handle is not None:
+                handle.wait()  # one save in flight at a time
+            handle = pinmem.safetensors.save_file_async(model.state_dict(), path)
+            saves += 1
+    sync(torch, device)
+    if handle is not None:
+        handle.wait()
+    seconds = time.perf_counter() - t0
+    ckpt = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    return seconds, saves, ckpt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="3G", help="checkpoint bytes: 3G (default), small, 256M")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
+    ap.add_argument("--dir", default=None, help="folder on the disk under test")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each hot case (best kept)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (cuda 300, cpu 40)")
+    ap.add_argument("--every", type=int, default=None, help="save every N steps (cuda 100, "
+                    "cpu 10)")
+    ap.add_argument("--no-train", action="store_true", help="skip the training loop")
+    ap.add_argument("--json", action="store_true", help="one JSON object per result on stdout")
+    args = ap.parse_args()
+    try:
+        import torch
+        import safetensors.torch as st
+        import pinmem
+        import pinmem.safetensors  # noqa: F401
+    except ImportError as e:
+        say("compare_checkpoint: skipped: %s (pip install torch safetensors; PYTHONPATH to "
+            "pinmem's build)" % e)
+        return 0
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        say("compare_checkpoint: skipped: torch sees no CUDA device (torch %s); --device cpu "
+            "runs the smoke test" % torch.__version__)
+        return 0
+    total = parse_size(args.size)
+    cuda = device.startswith("cuda")
+    results = []
+
+    def report(case, seconds, nbytes_, **extra):
+        r = dict(ROW, case=case, device=device, bytes=nbytes_, seconds=round(seconds, 6),
+                 gbps=round(nbytes_ / seconds / 1e9, 3) if seconds > 0 else None, **extra)
+        results.append(r)
+        say("  %-34s %8.3f s %9.2f GB/s%s" % (case, seconds, r["gbps"] or 0,
+            "".join("  %s=%s" % kv for kv in extra.items())))
+        if args.json:
+            print(json.dumps(r), flush=True)
+        return r
+
+    tmp = tempfile.mkdtemp(prefix="pinmem-ckpt.", dir=args.dir)
+    try:
+        tensors = make_checkpoint(torch, total, device)
+        size = nbytes(tensors)
+        gpu = torch.cuda.get_device_name(0) if cuda else "cpu"
+        say("compare_checkpoint: %d tensors, %.2f GB (%s), device %s (%s), pinmem %s backend, "
+            "torch %s; files in %s" % (len(tensors), size / 1e9, next(iter(tensors.values()))
+                                       .dtype, device, gpu, pinmem.backend(), torch.__version__,
+                                       tmp))
+        p_st = os.path.join(tmp, "st.safetensors")
+        p_pt = os.path.join(tmp, "ckpt.pt")
+        p_pm = os.path.join(tmp, "pm.safetensors")
+
+        # The disk's own rate.
+        rates = disk_rate(os.path.join(tmp, "dd.bin"), size)
+        if rates:
+            disk_w = report("disk_odirect_write", rates[0], size)
+            disk_r = report("disk_odirect_read", rates[1], size)
+        else:
+            say("  disk O_DIRECT rate: unavailable (the filesystem refuses O_DIRECT)")
+            disk_w = disk_r = None
+
+        # Saves (device tensors, fsync included).
+        def timed_save(fn, path):
+            def run():
+                sync(torch, device)
+                t0 = time.perf_counter()
+                fn(path)
+                fsync_path(path)
+                return time.perf_counter() - t0
+            return run
+
+        s_st = report("safetensors_save", best(timed_save(lambda p: st.save_file(tensors, p),
+                                                          p_st), 1), size)
+        s_pt = report("torch_save", best(timed_save(lambda p: torch.save(tensors, p), p_pt), 1),
+                      size)
+        s_pm = report("pinmem_save", best(timed_save(
+            lambda p: pinmem.safetensors.save_file(tensors, p), p_pm), args.repeat), size)
+
+        # save_file_async: its return against the D2H snapshot alone.
+        def d2h_alone():
+            sync(torch, device)
+            t0 = time.perf_counter()
+            buf = pinmem.safetensors._snapshot(tensors, None)
+            dt = time.perf_counter() - t0
+            pinmem.safetensors._free(buf)
+            return dt
+        d2h = report("pinmem_snapshot_d2h", best(d2h_alone, args.repeat), size)
+
+        def async_return():
+            sync(torch, device)
+            t0 = time.perf_counter()
+            h = pinmem.safetensors.save_file_async(tensors, p_pm)
+            dt = time.perf_counter() - t0
+            h.wait()
+            return dt
+        a_ret = report("pinmem_save_async_return", best(async_return, args.repeat), size)
+
+        # Loads, hot and cold.
+        def timed_load(fn, path, cold):
+            def run():
+                if cold:
+                    run.how = drop_cache(path)
+                else:
+                    warm(path)
+                sync(torch, device)
+                t0 = time.perf_counter()
+                out = fn(path)
+                sync(torch, device)
+                dt = time.perf_counter() - t0
+                del out
+                return dt
+            run.how = None
+            return run
+
+        loaders = [
+            ("safetensors_load", lambda p: st.load_file(p, device=device), p_st),
+            ("torch_load_mmap", lambda p: torch.load(p, map_location=device, mmap=True,
+                                                     weights_only=True), p_pt),
+            ("pinmem_load", lambda p: pinmem.safetensors.load_file(p, device=device), p_pm),
+        ]
+        loads = {}
+        cold_how = None
+        for name, fn, path in loaders:
+            loads[name + "_hot"] = report(name + "_hot", best(timed_load(fn, path, False),
+                                                              args.repeat), size)
+            run = timed_load(fn, path, True)
+            secs = best(run, 1)
+            cold_how = run.how
+            loads[name + "_cold"] = report(name + "_cold", secs, size, cold=run.how)
+        say("  cold runs dropped the page cache with: %s" % cold_how)
+
+        # The training loop.
+        train = None
+        if not args.no_train:
+            steps = args.steps or (300 if cuda else 40)
+            every = args.every or (100 if cuda else 10)
+            hidden, layers, batch = (4096, 8, 8192) if cuda else (256, 4, 64)
+            p_tr = os.path.join(tmp, "train.safetensors")
+            # Interleaved, the best of each kept: drift of the machine hits both alike.
+            base = with_saves = float("inf")
+            for _ in range(max(1, args.repeat)):
+                secs, _, ckpt = train_loop(torch, pinmem, device, steps, 0, hidden, layers, batch,
+                                           p_tr)
+                base = min(base, secs)
+                secs, saves, _ = train_loop(torch, pinmem, device, steps, every, hidden, layers,
+                                            batch, p_tr)
+                with_saves = min(with_saves, secs)
+            slowdown = (with_saves / base - 1) * 100
+            train = dict(ROW, case="train_save_every", device=device, steps=steps, every=every,
+                         saves=saves, checkpoint_bytes=ckpt, seconds_without=round(base, 4),
+                         seconds_with=round(with_saves, 4), slowdown_pct=round(slowdown, 2))
+            results.append(train)
+            say("  training loop: %d steps, %d saves of %.1f MB every %d steps: %.3f s without "
+                "saves, %.3f s with: slowdown %.2f%%" % (steps, saves, ckpt / 1e6, every, base,
+                                                         with_saves, slowdown))
+            if args.json:
+                print(json.dumps(train), flush=True)
+
+        # Targets.
+        targets = []
+        hot = loads["pinmem_load_hot"]["gbps"]
+        st_hot = loads["safetensors_load_hot"]["gbps"]
+        targets.append(("hot load >= 40 GB/s and >= 6x safetensors",
+                        "%.2f GB/s, %.1fx safetensors" % (hot, hot / st_hot),
+                        hot >= 40 and hot >= 6 * st_hot))
+        if disk_r:
+            cold = loads["pinmem_load_cold"]["gbps"]
+            targets.append(("cold load >= 0.9x the disk's O_DIRECT read",
+                            "%.2f GB/s, %.2fx the disk's %.2f" % (cold, cold / disk_r["gbps"],
+                                                                  disk_r["gbps"]),
+                            cold >= 0.9 * disk_r["gbps"]))
+            targets.append(("save >= 0.9x the disk's O_DIRECT write",
+                            "%.2f GB/s, %.2fx the disk's %.2f" % (
+                                s_pm["gbps"], s_pm["gbps"] / disk_w["gbps"], disk_w["gbps"]),
+                            s_pm["gbps"] >= 0.9 * disk_w["gbps"]))
+        else:
+            targets.append(("cold load and save >= 0.9x the disk's rate", "not measured (no "
+                            "O_DIRECT here)", None))
+        ratio = a_ret["seconds"] / d2h["seconds"]
+        targets.append(("async save returns in <= 1.3x the D2H alone",
+                        "%.2fx (%.4f s vs %.4f s)" % (ratio, a_ret["seconds"], d2h["seconds"]),
+                        ratio <= 1.3))
+        if train:
+            targets.append(("training loop saving every %d steps slows by < 5%%" % train["every"],
+                            "%.2f%%" % train["slowdown_pct"], train["slowdown_pct"] < 5))
+        say("  (for comparison: safetensors save %.2f GB/s, torch.save %.2f GB/s)" %
+            (s_st["gbps"], s_pt["gbps"]))
+        for name, value, met in targets:
+            verdict = ("not measured" if met is None else "met" if met else "MISSED")
+            if not cuda and met is not None:
+                verdict += " (not judged: device %s)" % device
+            say("TARGET %s: %s: %s" % (name, value, verdict))
+            if args.json:
+                print(json.dumps(dict(ROW, case="target", target=name, value=value,
+                                      met=met if cuda else None, device=device)), flush=True)
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

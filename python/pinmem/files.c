@@ -1,0 +1,163 @@
+/*
+ * DESIGN: file <-> memory transfers for pinmem.read_file / pinmem.write_file (__init__.py opens
+ * and closes the file; these bindings take its descriptor).
+ *
+ * The memory side is resolved exactly as copy resolves it (pinmem buffers, buffer-protocol
+ * objects, DLPack producers such as torch tensors on the CPU or the device,
+ * __cuda_array_interface__ objects) and held by the returned Completion until the transfer is
+ * done: pm_file_read_async returns with every byte read from the file but the device DMAs
+ * possibly still queued, so the destination must outlive the call. The C calls block on disk
+ * I/O, so the GIL is released around them; the holder keeps the memory in place meanwhile.
+ */
+#include "_pinmem.h"
+
+#include <unistd.h>
+
+static int parse_io(PyObject *o, const char *fn, pm_file_io_t *out) {
+  static const char *const names[] = {
+#define PMPY_FILE_IO_NAME(name, value, text) text,
+      PM_FILE_IO_MAP(PMPY_FILE_IO_NAME)
+#undef PMPY_FILE_IO_NAME
+  };
+  if (o == NULL || o == Py_None) {
+    *out = PM_FILE_IO_AUTO;
+    return 0;
+  }
+  const char *s = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
+  for (int i = 0; s && i < (int)(sizeof names / sizeof names[0]); i++)
+    if (!strcmp(s, names[i])) {
+      *out = (pm_file_io_t)i;
+      return 0;
+    }
+  if (!PyErr_Occurred())
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s: io must be 'auto', 'buffered' or 'direct'", fn);
+  return -1;
+}
+
+static int parse_offset(PyObject *o, const char *fn, uint64_t *out) {
+  PyObject *n = PyNumber_Index(o);
+  if (!n) return -1;
+  unsigned long long v = PyLong_AsUnsignedLongLong(n); /* OverflowError when negative */
+  Py_DECREF(n);
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s: offset must be between 0 and 2**64 - 1", fn);
+    return -1;
+  }
+  *out = (uint64_t)v;
+  return 0;
+}
+
+/* The shared body: resolve the memory, check nbytes against it, run the C call without the GIL,
+ * hand back a Completion that holds the memory. */
+static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject *nbytes_obj,
+                               PyObject *mem, PyObject *stream_obj, PyObject *io_obj, int fsync,
+                               int truncate) {
+  const char *fn = write ? "write_file" : "read_file";
+  const char *what = write ? "write_file: src" : "read_file: dst";
+  pmpy_pending_sweep(0);
+  if (fd < 0) return pmpy_raise_fmt(PM_ERR_INVALID, "%s: fd %d is not a file descriptor", fn, fd);
+  uint64_t offset;
+  pm_stream_t stream;
+  pm_file_io_t io;
+  if (parse_offset(offset_obj, fn, &offset) < 0 || pmpy_parse_stream(stream_obj, &stream) < 0 ||
+      parse_io(io_obj, fn, &io) < 0)
+    return NULL;
+  pmpy_holder_t h;
+  void *ptr;
+  size_t have, n;
+  if (pmpy_resolve_side(mem, !write, stream, what, &h, &ptr, &have) < 0) return NULL;
+  if (nbytes_obj == Py_None) {
+    n = have;
+  } else {
+    if (pmpy_parse_size_obj(nbytes_obj, &n) < 0) goto fail;
+    if (n > have) {
+      pmpy_raise_fmt(PM_ERR_INVALID, "%s: nbytes=%zu but %s has only %zu bytes", fn, n,
+                     write ? "src" : "dst", have);
+      goto fail;
+    }
+  }
+  if (offset > UINT64_MAX - n) {
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s: offset %llu + %zu bytes overflows", fn,
+                   (unsigned long long)offset, n);
+    goto fail;
+  }
+  if (h.buf && pmpy_buffer_order_before(h.buf, stream) < 0) goto fail;
+
+  /* Emptied only now that every argument is known good: a bad call leaves the file as it was. */
+  if (truncate) {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = ftruncate(fd, 0);
+    Py_END_ALLOW_THREADS;
+    if (rc != 0) {
+      PyErr_SetFromErrno(PyExc_OSError);
+      goto fail;
+    }
+  }
+  pm_file_options_t opt;
+  pm_file_options_init(&opt);
+  opt.io = io;
+  opt.fsync = fsync;
+  pm_fence_t fence = NULL;
+  pm_status_t st;
+  Py_BEGIN_ALLOW_THREADS;
+  st = write ? pm_file_write_async(fd, offset, n, ptr, stream, &opt, &fence)
+             : pm_file_read_async(fd, offset, n, ptr, stream, &opt, &fence);
+  Py_END_ALLOW_THREADS;
+  if (st != PM_OK) {
+    pmpy_raise_status(st);
+    goto fail;
+  }
+  BufferObject *written = write ? NULL : h.buf;
+  PyObject *c = pmpy_completion_new(fence, &h, stream_obj);
+  if (!c) return NULL;
+  /* A device buffer read into: DLPack consumers wait for this write (the Completion holds it). */
+  if (written && pmpy_buffer_record_write(written, stream) < 0) {
+    Py_DECREF(c);
+    return NULL;
+  }
+  return c;
+
+fail:
+  pmpy_holder_release(&h);
+  return NULL;
+}
+
+static PyObject *py_file_read(PyObject *mod, PyObject *args) {
+  int fd;
+  PyObject *offset, *nbytes, *dst, *stream, *io;
+  if (!PyArg_ParseTuple(args, "iOOOOO:_file_read", &fd, &offset, &nbytes, &dst, &stream, &io))
+    return NULL;
+  return file_transfer(0, fd, offset, nbytes, dst, stream, io, 0, 0);
+}
+
+static PyObject *py_file_write(PyObject *mod, PyObject *args) {
+  int fd, fsync, truncate = 0;
+  PyObject *offset, *nbytes, *src, *stream, *io;
+  if (!PyArg_ParseTuple(args, "iOOOOOp|p:_file_write", &fd, &offset, &nbytes, &src, &stream, &io,
+                        &fsync, &truncate))
+    return NULL;
+  return file_transfer(1, fd, offset, nbytes, src, stream, io, fsync, truncate);
+}
+
+/* _raise(code, detail): raise the exception of a status as the extension itself does (str(e),
+ * .status, .code, .message), for errors the pure-Python parts find (a bad safetensors header). */
+static PyObject *py_raise(PyObject *mod, PyObject *args) {
+  int code;
+  const char *detail;
+  if (!PyArg_ParseTuple(args, "is:_raise", &code, &detail)) return NULL;
+  if (code >= 0) return pmpy_raise_fmt(PM_ERR_INVALID, "_raise: %d is not an error status", code);
+  return pmpy_raise_detail((pm_status_t)code, detail);
+}
+
+PyMethodDef pmpy_files_functions[] = {
+    {"_file_read", py_file_read, METH_VARARGS,
+     "_file_read(fd, offset, nbytes, dst, stream, io) -> Completion: read nbytes (None: all of "
+     "dst) at offset of fd into dst; io 'auto', 'buffered' or 'direct'."},
+    {"_file_write", py_file_write, METH_VARARGS,
+     "_file_write(fd, offset, nbytes, src, stream, io, fsync, truncate=False) -> Completion: "
+     "write nbytes (None: all of src) of src at offset of fd; fsync: on disk before it "
+     "completes; truncate: empty the file first, once the arguments are checked."},
+    {"_raise", py_raise, METH_VARARGS, "_raise(code, detail): raise the error of a status."},
+    {0}};

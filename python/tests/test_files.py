@@ -1,0 +1,679 @@
+"""pinmem.read_file / write_file and pinmem.safetensors, on whatever backend is in force (host
+without a GPU). Files are checked byte for byte against what Python's own file I/O sees; the
+safetensors files against the `safetensors` package, both ways. Injected I/O errors run in a
+child interpreter (PINMEM_FAULT is read once, at the first pm_init) with a timeout."""
+import errno
+import gc
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import pinmem
+from conftest import SMALL, random_bytes, skip_unless_torch
+
+# Odd sizes around the 4 KiB alignment of O_DIRECT and the 16 MiB bounce slot.
+SIZES = [1, 4095, 4097, 65537, (1 << 20) + 3] + ([] if SMALL else [(17 << 20) + 5])
+OFFSETS = [0, 1, 4096, 12345]
+IOS = ["buffered", "direct", "auto"]
+
+
+def open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def no_fd_leak():
+    gc.collect()
+    before = open_fds()
+    yield
+    gc.collect()
+    leaked = open_fds() - before
+    assert not leaked, f"file descriptors left open: {sorted(leaked)}"
+
+
+def skip_unless_safetensors():
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        pytest.skip("the safetensors package is not installed (pip install safetensors; "
+                    "tools/deps.sh installs it): round-trips against it not tested here")
+
+
+def run_child(code, tmp_path, env_extra, timeout=120):
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", **env_extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"child failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def write_background(path, rng, n):
+    """A file of n random bytes (what a write at an offset must leave around its range)."""
+    data = random_bytes(rng, n)
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+    return data
+
+
+# ---- read_file / write_file --------------------------------------------------------------
+
+def make_dst(kind, n):
+    """(destination, function giving its bytes as a NumPy array)."""
+    if kind == "numpy":
+        a = np.zeros(n, np.uint8)
+        return a, lambda: a
+    if kind == "pinned":
+        b = pinmem.empty(n, "uint8")
+        np.asarray(b)[:] = 0
+        return b, lambda: np.asarray(b)
+    d = pinmem.device_empty(n, "uint8")
+
+    def back():
+        out = np.zeros(n, np.uint8)
+        pinmem.copy(out, d).wait()
+        return out
+    return d, back
+
+
+def make_src(kind, data):
+    if kind == "numpy":
+        return data
+    if kind == "pinned":
+        b = pinmem.empty(data.size, "uint8")
+        np.asarray(b)[:] = data
+        return b
+    d = pinmem.device_empty(data.size, "uint8")
+    pinmem.copy(d, data).wait()
+    return d
+
+
+@pytest.mark.parametrize("io", IOS)
+@pytest.mark.parametrize("kind", ["numpy", "pinned", "device"])
+@pytest.mark.parametrize("n", SIZES)
+def test_write_then_read_round_trip(n, kind, io, tmp_path, rng, no_fd_leak):
+    offset = OFFSETS[(n + len(kind) + len(io)) % len(OFFSETS)]
+    path = tmp_path / "f.bin"
+    around = write_background(path, rng, offset + n + 4099)
+    data = random_bytes(rng, n)
+    c = pinmem.write_file(path, make_src(kind, data), offset, io=io, truncate=False)
+    assert isinstance(c, pinmem.Completion) and c.done()
+    raw = np.fromfile(path, np.uint8)
+    assert raw.size == around.size  # truncate=False: the file keeps its length
+    np.testing.assert_array_equal(raw[offset:offset + n], data)
+    np.testing.assert_array_equal(raw[:offset], around[:offset])
+    np.testing.assert_array_equal(raw[offset + n:], around[offset + n:])
+
+    dst, contents = make_dst(kind, n)
+    c = pinmem.read_file(path, dst, offset, io=io)
+    c.wait()
+    assert c.done()
+    np.testing.assert_array_equal(contents(), data)
+
+
+@pytest.mark.parametrize("io", IOS)
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_read_part_of_dst(offset, io, tmp_path, rng):
+    n = 3 * 4096 + 11
+    file = write_background(tmp_path / "f.bin", rng, offset + n)
+    dst = pinmem.empty(n + 100, "uint8")
+    np.asarray(dst)[:] = 7
+    pinmem.read_file(tmp_path / "f.bin", dst, offset, nbytes=n, io=io).wait()
+    np.testing.assert_array_equal(np.asarray(dst)[:n], file[offset:])
+    assert (np.asarray(dst)[n:] == 7).all()  # past nbytes: untouched
+
+
+def test_write_truncates_by_default(tmp_path, rng):
+    path = tmp_path / "f.bin"
+    write_background(path, rng, 100000)
+    data = random_bytes(rng, 333)
+    pinmem.write_file(path, data, 10, fsync=True).wait()
+    raw = np.fromfile(path, np.uint8)
+    assert raw.size == 343
+    assert not raw[:10].any()  # the hole before the offset reads as zeros
+    np.testing.assert_array_equal(raw[10:], data)
+
+
+def test_bad_write_leaves_file(tmp_path, rng):
+    """A write refused for its arguments does not empty the file first."""
+    path = tmp_path / "f.bin"
+    before = write_background(path, rng, 5000)
+    for kw in ({"nbytes": 64}, {"io": "fast"}, {"offset": -1}):
+        with pytest.raises(pinmem.InvalidError):
+            pinmem.write_file(path, np.zeros(32, np.uint8), **kw)
+    with pytest.raises(TypeError):
+        pinmem.write_file(path, [1, 2, 3])
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), before)
+
+
+def test_write_creates_file_and_nbytes(tmp_path, rng):
+    path = tmp_path / "new.bin"
+    data = random_bytes(rng, 5000)
+    pinmem.write_file(str(path), data, nbytes=4097)
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), data[:4097])
+
+
+def test_write_from_bytes_and_memoryview(tmp_path, rng):
+    data = random_bytes(rng, 999).tobytes()
+    pinmem.write_file(tmp_path / "a", data)
+    pinmem.write_file(tmp_path / "b", memoryview(data)[3:])
+    assert (tmp_path / "a").read_bytes() == data
+    assert (tmp_path / "b").read_bytes() == data[3:]
+
+
+def test_read_with_stream(tmp_path, rng):
+    data = write_background(tmp_path / "f.bin", rng, 70001)
+    s = pinmem.Stream()
+    d = pinmem.device_empty(70001, "uint8")
+    c = pinmem.read_file(tmp_path / "f.bin", d, stream=s)
+    c.wait_stream(s)
+    out = np.zeros(70001, np.uint8)
+    pinmem.copy(out, d, s).wait()
+    np.testing.assert_array_equal(out, data)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.bin"):
+        pinmem.read_file(tmp_path / "nope.bin", np.zeros(4, np.uint8))
+
+
+def test_dst_too_small(tmp_path, rng, no_fd_leak):
+    write_background(tmp_path / "f.bin", rng, 100)
+    with pytest.raises(pinmem.InvalidError, match=r"f\.bin.*nbytes=64 but dst has only 32"):
+        pinmem.read_file(tmp_path / "f.bin", np.zeros(32, np.uint8), nbytes=64)
+    with pytest.raises(pinmem.InvalidError, match=r"nbytes=64 but src has only 32"):
+        pinmem.write_file(tmp_path / "g.bin", np.zeros(32, np.uint8), nbytes=64)
+
+
+@pytest.mark.parametrize("io", IOS)
+def test_range_past_end(io, tmp_path, rng, no_fd_leak):
+    write_background(tmp_path / "f.bin", rng, 10000)
+    dst = np.zeros(5000, np.uint8)
+    with pytest.raises(pinmem.IoError, match=r"read_file\('.*f\.bin'\).*ends at byte 10000") as e:
+        pinmem.read_file(tmp_path / "f.bin", dst, 6000, io=io)
+    assert e.value.status == "PM_ERR_IO"
+    with pytest.raises(pinmem.IoError, match="ends at byte 10000"):
+        pinmem.read_file(tmp_path / "f.bin", pinmem.device_empty(1, "uint8"), 10000, io=io)
+
+
+def test_bad_arguments(tmp_path, rng, no_fd_leak):
+    write_background(tmp_path / "f.bin", rng, 100)
+    with pytest.raises(pinmem.InvalidError, match="io must be"):
+        pinmem.read_file(tmp_path / "f.bin", np.zeros(4, np.uint8), io="fast")
+    with pytest.raises(pinmem.InvalidError, match="offset"):
+        pinmem.read_file(tmp_path / "f.bin", np.zeros(4, np.uint8), -1)
+    with pytest.raises(pinmem.InvalidError, match="dst is read-only"):
+        pinmem.read_file(tmp_path / "f.bin", b"1234")
+    with pytest.raises(TypeError, match="not memory pinmem can copy"):
+        pinmem.read_file(tmp_path / "f.bin", [0, 1, 2])
+    with pytest.raises(pinmem.InvalidError, match="not C-contiguous"):
+        pinmem.read_file(tmp_path / "f.bin", np.zeros((4, 4), np.uint8)[:, ::2])
+    with pytest.raises(IsADirectoryError):
+        pinmem.write_file(tmp_path, np.zeros(4, np.uint8))
+    with pytest.raises(pinmem.InvalidError, match="not a file descriptor"):
+        pinmem._pinmem._file_read(-1, 0, None, np.zeros(4, np.uint8), None, "auto")
+
+
+def test_zero_bytes(tmp_path):
+    pinmem.write_file(tmp_path / "e", np.zeros(0, np.uint8)).wait()
+    assert (tmp_path / "e").stat().st_size == 0
+    pinmem.read_file(tmp_path / "e", np.zeros(0, np.uint8)).wait()
+
+
+def test_torch_cpu_tensor_dst(tmp_path, rng):
+    torch = skip_unless_torch()
+    data = write_background(tmp_path / "f.bin", rng, 4 * 1001)
+    t = torch.zeros(1001, dtype=torch.float32)
+    pinmem.read_file(tmp_path / "f.bin", t).wait()
+    np.testing.assert_array_equal(t.numpy().view(np.uint8), data)
+    pinmem.write_file(tmp_path / "g.bin", t).wait()
+    assert (tmp_path / "g.bin").read_bytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("fault,err", [("file_read=1", "EIO|Input/output"),
+                                       ("file_read=1:short", None),
+                                       ("file_read=1:EINTR", None)])
+def test_read_faults(fault, err, tmp_path, rng):
+    """An I/O error is an IoError naming the file; a short read or EINTR is continued."""
+    data = write_background(tmp_path / "f.bin", rng, 3 << 20)
+    np.save(tmp_path / "want.npy", data)
+    out = run_child(f"""
+        import numpy as np, pinmem
+        want = np.load("want.npy")
+        for io in ("buffered", "direct"):
+            for kind in ("numpy", "device"):
+                dst = np.zeros(want.size, np.uint8) if kind == "numpy" else \\
+                    pinmem.device_empty(want.size, "uint8")
+                try:
+                    pinmem.read_file("f.bin", dst, io=io).wait()
+                except pinmem.IoError as e:
+                    print("IoError", io, kind, str(e))
+                    continue
+                out = dst if kind == "numpy" else np.zeros(want.size, np.uint8)
+                if kind == "device":
+                    pinmem.copy(out, dst).wait()
+                print("ok", io, kind, bool((out == want).all()))
+        """, tmp_path, {"PINMEM_FAULT": fault})
+    lines = out.splitlines()
+    if err is None:
+        assert all(line.endswith("True") for line in lines) and lines, out
+    else:
+        # The first read fails (the fault fires once); it names the file and the errno.
+        assert lines[0].startswith("IoError buffered numpy"), out
+        assert "read_file('f.bin')" in lines[0], out
+        assert any(w in lines[0] for w in err.split("|")), out
+        assert all(line.endswith("True") for line in lines[1:]), out
+
+
+def test_write_enospc(tmp_path, rng):
+    data = random_bytes(rng, 3 << 20)
+    np.save(tmp_path / "data.npy", data)
+    out = run_child("""
+        import numpy as np, pinmem
+        data = np.load("data.npy")
+        try:
+            pinmem.write_file("f.bin", data, io="buffered")
+        except pinmem.IoError as e:
+            print("IoError", str(e))
+        """, tmp_path, {"PINMEM_FAULT": "file_write=1:ENOSPC"})
+    assert out.startswith("IoError") and "write_file('f.bin')" in out, out
+    assert "No space left" in out or "ENOSPC" in out, out
+
+
+def test_no_fd_leak_many_calls(tmp_path, rng, no_fd_leak):
+    write_background(tmp_path / "f.bin", rng, 1000)
+    for _ in range(200):
+        pinmem.read_file(tmp_path / "f.bin", np.zeros(1000, np.uint8)).wait()
+        pinmem.write_file(tmp_path / "g.bin", np.zeros(10, np.uint8))
+        with pytest.raises(pinmem.IoError):
+            pinmem.read_file(tmp_path / "f.bin", np.zeros(2000, np.uint8))
+
+
+# ---- safetensors: headers ----------------------------------------------------------------
+
+def raw_file(path, header, data=b"", length=None, pad=True):
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    if pad:
+        text += b" " * (-len(text) % 8)
+    n = len(text) if length is None else length
+    path.write_bytes(struct.pack("<Q", n) + text + data)
+    return path
+
+
+BAD_HEADERS = {
+    "short": (lambda p: p.write_bytes(b"\x01\x02\x03"), "3 bytes long: not a safetensors"),
+    "length": (lambda p: raw_file(p, {}, length=1 << 40), "header length 1099511627776 runs "
+               "past the end of the file"),
+    "json": (lambda p: raw_file(p, b'{"a": [1, 2'), "the header is not valid JSON"),
+    "utf8": (lambda p: raw_file(p, b'{"\xff": 1}'), "the header is not valid JSON"),
+    "not object": (lambda p: raw_file(p, [1, 2]), "the header is JSON list, not an object"),
+    "entry": (lambda p: raw_file(p, {"x": 3}), "tensor 'x': its entry is not an object"),
+    "dtype": (lambda p: raw_file(p, {"x": {"dtype": "Q7", "shape": [1],
+                                           "data_offsets": [0, 1]}}, b"\0"),
+              "tensor 'x': unknown dtype 'Q7'"),
+    "shape": (lambda p: raw_file(p, {"x": {"dtype": "U8", "shape": [-1],
+                                           "data_offsets": [0, 1]}}, b"\0"),
+              r"tensor 'x': shape \[-1\] is not a list"),
+    "offsets type": (lambda p: raw_file(p, {"x": {"dtype": "U8", "shape": [1],
+                                                  "data_offsets": [0]}}, b"\0"),
+                     "data_offsets .* is not a pair"),
+    "backwards": (lambda p: raw_file(p, {"x": {"dtype": "U8", "shape": [0],
+                                               "data_offsets": [2, 1]}}, b"\0\0"),
+                  r"data_offsets \[2, 1\] end before"),
+    "past end": (lambda p: raw_file(p, {"x": {"dtype": "F32", "shape": [4],
+                                              "data_offsets": [0, 16]}}, b"\0" * 15),
+                 r"run past the end of the data \(15 bytes"),
+    "size": (lambda p: raw_file(p, {"x": {"dtype": "F32", "shape": [2, 2],
+                                          "data_offsets": [0, 12]}}, b"\0" * 16),
+             r"F32 of shape \[2, 2\] takes 16 bytes but its data_offsets \[0, 12\] hold 12"),
+    "overlap": (lambda p: raw_file(p, {"a": {"dtype": "U8", "shape": [8],
+                                             "data_offsets": [0, 8]},
+                                       "b": {"dtype": "I32", "shape": [2],
+                                             "data_offsets": [4, 12]}}, b"\0" * 12),
+                r"tensors 'a' \[0, 8\) and 'b' \[4, 12\) overlap"),
+    "metadata": (lambda p: raw_file(p, {"__metadata__": {"k": 1}}),
+                 "__metadata__ must be an object of strings"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADERS))
+def test_bad_header_refused(case, tmp_path, no_fd_leak):
+    make, message = BAD_HEADERS[case]
+    path = tmp_path / "bad.safetensors"
+    make(path)
+    with pytest.raises(pinmem.FormatError, match=message) as e:
+        pinmem.safetensors.load_file(path)
+    assert "bad.safetensors" in str(e.value) and e.value.status == "PM_ERR_FORMAT"
+
+
+# ---- safetensors: round trips against the package ----------------------------------------
+
+def numpy_tensors(rng):
+    """One array of every NumPy dtype safetensors stores, odd shapes, a 0-d and empty ones."""
+    out = {}
+    for name in ["bool", "uint8", "int8", "int16", "uint16", "float16", "int32", "uint32",
+                 "float32", "int64", "uint64", "float64", "complex64"]:
+        dt = np.dtype(name)
+        shape = (3, 5, 7) if dt.itemsize < 4 else (13,)
+        raw = random_bytes(rng, int(np.prod(shape)) * dt.itemsize)
+        a = raw.view(dt).reshape(shape) if name != "bool" else (raw % 2).astype(bool).reshape(shape)
+        out["w." + name] = a
+    out["scalar"] = np.array(2.5, np.float32)
+    out["empty"] = np.zeros((0, 3), np.int16)
+    out["empty2"] = np.zeros((4, 0), np.float64)
+    return out
+
+
+def test_ours_loads_with_safetensors_numpy(tmp_path, rng, no_fd_leak):
+    skip_unless_safetensors()
+    import safetensors
+    import safetensors.numpy
+    arrays = numpy_tensors(rng)
+    path = tmp_path / "ours.safetensors"
+    pinmem.safetensors.save_file(arrays, path, metadata={"step": "12", "ünï": "cödé"})
+    back = safetensors.numpy.load_file(str(path))
+    assert back.keys() == arrays.keys()
+    for k, a in arrays.items():
+        assert back[k].dtype == a.dtype and back[k].shape == a.shape, k
+        np.testing.assert_array_equal(back[k], a, err_msg=k)
+    with safetensors.safe_open(str(path), "np") as f:
+        assert f.metadata() == {"step": "12", "ünï": "cödé"}
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert header_len % 8 == 0  # padded as the package pads it
+
+
+def test_theirs_read_by_our_parser(tmp_path, rng, no_fd_leak):
+    """Files the package writes (from NumPy) parse, and the one read lands every tensor's bytes
+    where the header says: checked without torch."""
+    skip_unless_safetensors()
+    import safetensors.numpy
+    arrays = numpy_tensors(rng)
+    path = str(tmp_path / "theirs.safetensors")
+    safetensors.numpy.save_file(arrays, path, metadata={"a": "b"})
+    buf = []
+
+    def alloc(n):
+        b = pinmem.empty(n, "uint8")
+        buf.append(b)
+        return b, np.asarray(b), None
+
+    entries, data = pinmem.safetensors._read(path, lambda e: None, alloc)
+    assert {e[0] for e in entries} == arrays.keys()
+    for name, dtype, shape, begin, end in entries:
+        a = arrays[name]
+        assert shape == a.shape and pinmem.safetensors._DTYPES[dtype][2] == a.dtype.str, name
+        np.testing.assert_array_equal(data[begin:end], np.ascontiguousarray(a).view(np.uint8)
+                                      .reshape(-1), err_msg=name)
+
+
+def torch_tensors(torch, rng):
+    """A tensor of every dtype torch has that the safetensors package stores; 0-d and empty
+    ones of each; a non-contiguous one."""
+    from safetensors.torch import _TYPES
+    out = {}
+    for st_name, dt in _TYPES.items():
+        if dt is None or st_name not in pinmem.safetensors._DTYPES:
+            continue
+        item = torch.empty(0, dtype=dt).element_size()
+        raw = torch.from_numpy(random_bytes(rng, 6 * 5 * item))
+        if dt == torch.bool:
+            raw = raw % 2
+        t = raw.view(dt).reshape(6, 5)
+        out[st_name] = t
+        out[st_name + ".0d"] = raw[:item].clone().view(dt).reshape(())
+        out[st_name + ".empty"] = torch.empty(0, 5, dtype=dt)
+    out["transposed"] = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    return out
+
+
+def same(torch, a, b):
+    """Same dtype, shape and bytes (float8 and friends have no equality of their own)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                       b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_torch_round_trips_both_ways(tmp_path, rng, no_fd_leak):
+    skip_unless_safetensors()
+    torch = skip_unless_torch()
+    import safetensors.torch
+    tensors = torch_tensors(torch, rng)
+    assert {"F32", "BF16", "F16", "F8_E4M3", "F8_E5M2", "BOOL", "I64"} <= tensors.keys()
+    ours = tmp_path / "ours.safetensors"
+    pinmem.safetensors.save_file(tensors, ours, metadata={"format": "pt"})
+    back = safetensors.torch.load_file(str(ours))
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert same(torch, back[k], t), k
+
+    theirs = str(tmp_path / "theirs.safetensors")
+    safetensors.torch.save_file({k: t.contiguous() for k, t in tensors.items()}, theirs)
+    loaded = pinmem.safetensors.load_file(theirs)
+    assert loaded.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert loaded[k].device.type == "cpu" and same(torch, loaded[k], t), k
+    # Views of one buffer: changing one tensor leaves the others as they were.
+    loaded["F32"].zero_()
+    assert same(torch, loaded["F32.0d"], tensors["F32.0d"])
+
+
+def test_load_unaligned_offsets(tmp_path, rng):
+    """Another writer may put a tensor at an offset that is not a multiple of its item size:
+    such a tensor is copied into an aligned one; the aligned ones stay views."""
+    torch = skip_unless_torch()
+    x = random_bytes(rng, 3)
+    f = rng.random(5).astype(np.float32)
+    d = rng.random(2)
+    path = raw_file(tmp_path / "odd.safetensors", {
+        "x": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "f": {"dtype": "F32", "shape": [5], "data_offsets": [3, 23]},
+        "d": {"dtype": "F64", "shape": [2], "data_offsets": [24, 40]}},
+        x.tobytes() + f.tobytes() + b"\0" + d.tobytes())
+    out = pinmem.safetensors.load_file(path)
+    np.testing.assert_array_equal(out["x"].numpy(), x)
+    np.testing.assert_array_equal(out["f"].numpy(), f)
+    np.testing.assert_array_equal(out["d"].numpy(), d)
+    assert out["f"].data_ptr() % 4 == 0
+    assert out["d"].data_ptr() - out["x"].data_ptr() == 24  # a view of the one buffer
+
+
+def test_load_to_cuda(tmp_path, rng):
+    from conftest import skip_unless_torch_cuda
+    torch = skip_unless_torch_cuda()
+    tensors = {"a": torch.randn(1000, 33), "b": torch.arange(17, dtype=torch.int64)}
+    pinmem.safetensors.save_file({k: v.cuda() for k, v in tensors.items()}, tmp_path / "g")
+    out = pinmem.safetensors.load_file(tmp_path / "g", device="cuda")
+    for k, t in tensors.items():
+        assert out[k].device.type == "cuda" and torch.equal(out[k].cpu(), t)
+
+
+def test_save_refuses_bad_input(tmp_path):
+    with pytest.raises(TypeError, match="dict"):
+        pinmem.safetensors.save_file([np.zeros(1)], tmp_path / "x")
+    with pytest.raises(TypeError, match="metadata"):
+        pinmem.safetensors.save_file({"a": np.zeros(1)}, tmp_path / "x", metadata={"k": 1})
+    with pytest.raises(TypeError, match="complex128"):
+        pinmem.safetensors.save_file({"a": np.zeros(1, np.complex128)}, tmp_path / "x")
+    with pytest.raises(TypeError, match="list"):
+        pinmem.safetensors.save_file({"a": [1, 2]}, tmp_path / "x")
+    with pytest.raises(ValueError, match="__metadata__"):
+        pinmem.safetensors.save_file({"__metadata__": np.zeros(1)}, tmp_path / "x")
+    assert not list(tmp_path.iterdir())
+
+
+def test_save_big_endian_and_strided_arrays(tmp_path, rng):
+    a = np.arange(10, dtype=">i4")
+    b = np.arange(24, dtype=np.float64).reshape(4, 6)[:, ::2]
+    pinmem.safetensors.save_file({"a": a, "b": b}, tmp_path / "x")
+    skip_unless_safetensors()
+    import safetensors.numpy
+    back = safetensors.numpy.load_file(str(tmp_path / "x"))
+    np.testing.assert_array_equal(back["a"], a)
+    np.testing.assert_array_equal(back["b"], b)
+
+
+# ---- safetensors: failed saves leave the old file ----------------------------------------
+
+def old_file(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    pinmem.safetensors.save_file({"w": np.arange(1000, dtype=np.float32)}, path)
+    os.chmod(path, 0o640)
+    return path, path.read_bytes()
+
+
+def assert_untouched(tmp_path, path, before):
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name], "a temporary was left"
+
+
+def test_failed_write_midway_leaves_old_file(tmp_path, monkeypatch, rng, no_fd_leak):
+    path, before = old_file(tmp_path)
+    real = pinmem.write_file
+    seen = []
+
+    def half_then_fail(p, src, *args, **kw):
+        seen.append(p)
+        n = memoryview(src).nbytes // 2
+        real(p, src, nbytes=n)  # part of the file is on disk...
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)", p)
+
+    monkeypatch.setattr(pinmem, "write_file", half_then_fail)
+    with pytest.raises(OSError, match="simulated"):
+        pinmem.safetensors.save_file({"w": rng.random(100000)}, path)
+    assert seen and os.path.dirname(seen[0]) == str(tmp_path) and ".tmp-" in seen[0]
+    assert_untouched(tmp_path, path, before)
+
+
+def test_failed_rename_leaves_no_temporary(tmp_path, monkeypatch):
+    path, before = old_file(tmp_path)
+
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, "rename refused (simulated)", dst)
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(PermissionError, match="simulated"):
+        pinmem.safetensors.save_file({"w": np.zeros(3)}, path)
+    assert_untouched(tmp_path, path, before)
+
+
+def test_save_into_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        pinmem.safetensors.save_file({"w": np.zeros(3)}, tmp_path / "no" / "x.safetensors")
+    assert not list(tmp_path.iterdir())
+
+
+def test_enospc_leaves_old_file(tmp_path):
+    """A real write error (injected ENOSPC in pinmem's pwrite) through save_file."""
+    path, before = old_file(tmp_path)
+    out = run_child("""
+        import numpy as np, pinmem
+        try:
+            pinmem.safetensors.save_file({"w": np.ones(1 << 20)}, "ckpt.safetensors")
+        except pinmem.IoError as e:
+            print("IoError", e)
+        """, tmp_path, {"PINMEM_FAULT": "file_write=1:ENOSPC"})
+    assert out.startswith("IoError") and "ckpt.safetensors.tmp-" in out, out
+    assert_untouched(tmp_path, path, before)
+
+
+@pytest.mark.parametrize("save", ["save_file", "save_file_async"])
+def test_save_is_durable_and_keeps_mode(save, tmp_path, monkeypatch):
+    """The data is fsync'd before the rename and the directory after it; the old file's
+    permissions carry over."""
+    path, _ = old_file(tmp_path)
+    calls = []
+    real_write, real_fsync, real_replace = pinmem.write_file, os.fsync, os.replace
+    monkeypatch.setattr(pinmem, "write_file",
+                        lambda *a, **kw: calls.append(("write", kw.get("fsync"))) or
+                        real_write(*a, **kw))
+    monkeypatch.setattr(os, "replace", lambda a, b: calls.append(("rename",)) or real_replace(a, b))
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(
+        ("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
+    h = getattr(pinmem.safetensors, save)({"w": np.ones(7)}, path)
+    if h is not None:
+        h.wait(timeout=60)
+    assert calls == [("write", True), ("rename",), ("fsync", str(tmp_path))]
+    assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+# ---- safetensors: save_file_async --------------------------------------------------------
+
+def test_save_async_snapshot_and_done(tmp_path, rng, no_fd_leak):
+    skip_unless_safetensors()
+    import safetensors.numpy
+    arrays = {"a": rng.random((300, 301)), "b": np.arange(9, dtype=np.int8)}
+    want = {k: v.copy() for k, v in arrays.items()}
+    before = pinmem.stats()["in_use_bytes"]
+    h = pinmem.safetensors.save_file_async(arrays, tmp_path / "a.safetensors",
+                                           metadata={"k": "v"})
+    arrays["a"][:] = -1  # after the snapshot: not in the file
+    h.wait(timeout=60)
+    assert h.done() and h.exception() is None and "done" in repr(h)
+    back = safetensors.numpy.load_file(str(tmp_path / "a.safetensors"))
+    for k in want:
+        np.testing.assert_array_equal(back[k], want[k])
+    assert pinmem.stats()["in_use_bytes"] == before  # the pinned snapshot went back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
+def test_save_async_failure(tmp_path, monkeypatch):
+    path, before = old_file(tmp_path)
+
+    def fail(p, *a, **kw):
+        raise OSError(errno.EIO, "disk gone (simulated)", p)
+
+    monkeypatch.setattr(pinmem, "write_file", fail)
+    h = pinmem.safetensors.save_file_async({"w": np.zeros(5)}, path)
+    err = h.exception(timeout=60)
+    assert isinstance(err, OSError) and "simulated" in str(err) and h.done()
+    with pytest.raises(OSError, match="simulated"):
+        h.wait(timeout=60)
+    assert "failed" in repr(h)
+    assert_untouched(tmp_path, path, before)
+
+
+def test_save_async_torch(tmp_path, rng):
+    skip_unless_safetensors()
+    torch = skip_unless_torch()
+    import safetensors.torch
+    t = {"w": torch.randn(64, 65, dtype=torch.bfloat16), "s": torch.tensor(3)}
+    want = {k: v.clone() for k, v in t.items()}
+    handles = [pinmem.safetensors.save_file_async(t, tmp_path / f"{i}.st") for i in range(4)]
+    t["w"].fill_(0)
+    for h in handles:
+        h.wait(timeout=60)
+    for i in range(4):
+        back = safetensors.torch.load_file(str(tmp_path / f"{i}.st"))
+        assert all(same(torch, back[k], want[k]) for k in want)
+
+
+def test_save_lazy_views(tmp_path):
+    """A conjugate or negative view is saved as the values it shows, not its storage."""
+    torch = skip_unless_torch()
+    z = torch.randn(4, dtype=torch.complex64)
+    t = {"conj": z.conj(), "neg": torch._neg_view(z) if hasattr(torch, "_neg_view") else -z}
+    pinmem.safetensors.save_file(t, tmp_path / "v")
+    out = pinmem.safetensors.load_file(tmp_path / "v")
+    assert torch.equal(out["conj"], z.conj().resolve_conj())
+    assert torch.equal(out["neg"], -z)
+
+
+def test_read_write_torch_cuda_tensor(tmp_path, rng):
+    from conftest import skip_unless_torch_cuda
+    torch = skip_unless_torch_cuda()
+    n = (5 << 20) + 3
+    data = write_background(tmp_path / "f.bin", rng, n + 7)
+    d = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    for io in IOS:
+        pinmem.read_file(tmp_path / "f.bin", d, 7, io=io, stream=s).wait()
+        assert torch.equal(d.cpu(), torch.from_numpy(data[7:]))
+        pinmem.write_file(tmp_path / "g.bin", d, io=io, stream=s).wait()
+        assert (tmp_path / "g.bin").read_bytes() == data[7:].tobytes()

@@ -1,0 +1,604 @@
+/*
+ * DESIGN: file ranges read into, and written from, device or host memory (pm_file_read_async,
+ * pm_file_write_async), on the copy engine's pieces: bounce slots are pool blocks (the pool's
+ * budget holds), DMAs are the backend's memcpy_async with one event per slot, threads come
+ * from pm__parallel_for and completion is a copy fence (fence.c).
+ *
+ * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes that starts
+ * at offset rounded down to 4 KiB, so every unit but the first starts 4 KiB-aligned and every
+ * unit but the last ends so. Threads claim units from an atomic counter in ascending order.
+ *
+ * Ring (device memory; host memory that O_DIRECT cannot reach in place): unit i uses slot
+ * i % slots in turn, as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
+ * earlier by a running thread: no deadlock. Inside a slot the unit's bytes sit at the same
+ * offset modulo 4 KiB as in the file, so the aligned middle can go through O_DIRECT. Read:
+ * wait for the slot's last DMA (its event), pread into the slot, queue the H2D DMA and record
+ * the event; the call returns once every read is done and every DMA queued; the fence's event
+ * follows the last DMA. Write: queue the D2H DMA (behind the stream's earlier work), wait for
+ * its event, pwrite the slot; the call returns once everything is in the file.
+ * Straight (host memory): after a stream synchronize (the stream's earlier work may still use
+ * the memory), threads pread / pwrite the units in place; the call returns with the bytes
+ * moved and a completed fence.
+ *
+ * I/O: every system call goes through xfer(): EINTR is retried, a short transfer continued, the
+ * head and tail of a piece that are not 4 KiB-aligned (in the file and in memory) use the
+ * caller's fd and the middle the O_DIRECT fd (a second open of /proc/self/fd/N, so the caller's
+ * fd, its offset and flags, never change). A filesystem that refuses O_DIRECT (EINVAL at the
+ * open or at a transfer) turns the call buffered, with a note (pm__file_note). io=auto takes
+ * O_DIRECT for ranges larger than MemAvailable of /proc/meminfo (they would evict the cache
+ * and still not fit). Fault injection: ops file_read / file_write (fault.c) before each call.
+ *
+ * Errors: the first failing unit's status and detail are kept (workers have their own
+ * pm_last_error); later units are skipped but the ring's turns still advance, so nothing waits
+ * forever; slots go back to the pool gated by the stream (a DMA may still run). A failed call
+ * gives no fence and runs no callback.
+ *
+ * Lock order: the ring's mutex is a leaf: no backend, pool or system call while it is held.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "copy_internal.h"
+
+#define FILE_ALIGN 4096u
+#define FILE_CHUNK_DEFAULT ((size_t)16 << 20)
+#define FILE_AUTO_MIN ((size_t)64 << 20) /* smaller ranges never go direct under io=auto */
+
+static _Thread_local char g_note[256];
+static _Thread_local bool g_injected; /* the errno xfer_fd returned last was injected */
+
+const char *pm__file_note(void) {
+  return g_note;
+}
+
+void pm_file_options_init(pm_file_options_t *options) {
+  if (!options) return;
+  memset(options, 0, sizeof *options);
+  options->io = PM_FILE_IO_AUTO;
+}
+
+/* ---- one call's state ----------------------------------------------------------------------- */
+
+typedef struct first_error {
+  atomic_int status;
+  char msg[512];
+} first_error_t;
+
+typedef struct fio {
+  const char *fn;
+  bool write;
+  int fd;             /* the caller's */
+  int dfd;            /* O_DIRECT, or -1 */
+  atomic_bool refuse; /* a direct transfer got EINVAL: buffered from now on */
+  uint64_t off;       /* file offset of mem[0] */
+  size_t bytes;
+  char *mem;
+  bool device; /* mem is reached by DMA (device or managed memory) */
+  bool ring;
+  pm_stream_t stream;
+  pm_pool_t *pool;
+  size_t chunk;
+  uint64_t grid; /* off rounded down to FILE_ALIGN: unit k starts at grid + k * chunk */
+  size_t nunits;
+  atomic_size_t next;
+  /* ring */
+  int nslots;
+  char **slot; /* pool blocks of chunk + FILE_ALIGN bytes */
+  char **aslot; /* the same, aligned up to FILE_ALIGN */
+  pm_event_t *ev;
+  long long *gen; /* the last unit that used the slot */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  first_error_t err;
+} fio_t;
+
+static void err_set(fio_t *c, pm_status_t st) {
+  int expected = PM_OK;
+  if (atomic_compare_exchange_strong(&c->err.status, &expected, (int)st))
+    snprintf(c->err.msg, sizeof c->err.msg, "%s", pm_last_error());
+}
+
+static bool err_any(fio_t *c) {
+  return atomic_load_explicit(&c->err.status, memory_order_relaxed) != PM_OK;
+}
+
+static void unit_range(const fio_t *c, size_t k, uint64_t *start, size_t *len) {
+  uint64_t s = c->grid + (uint64_t)k * c->chunk, e = s + c->chunk, end = c->off + c->bytes;
+  if (s < c->off) s = c->off;
+  if (e > end) e = end;
+  *start = s;
+  *len = (size_t)(e - s);
+}
+
+/* ---- system calls --------------------------------------------------------------------------- */
+
+static pm_status_t io_error(fio_t *c, int e, size_t len, uint64_t pos) {
+  if (e == ENODATA) {
+    struct stat sb;
+    long long size = fstat(c->fd, &sb) == 0 ? (long long)sb.st_size : -1;
+    return pm__set_error(PM_ERR_IO,
+                         "%s: fd %d ends at byte %lld (its size), before the range [%llu, %llu) "
+                         "does (read of %zu bytes at offset %llu hit the end)",
+                         c->fn, c->fd, size, (unsigned long long)c->off,
+                         (unsigned long long)(c->off + c->bytes), len, (unsigned long long)pos);
+  }
+  return pm__set_error(PM_ERR_IO, "%s: %s(fd %d, %zu bytes at offset %llu): %s%s", c->fn,
+                       c->write ? "pwrite" : "pread", c->fd, len, (unsigned long long)pos,
+                       strerror(e),
+                       g_injected ? " (injected fault: PINMEM_FAULT or pm__fault_set)" : "");
+}
+
+/* Move len bytes between buf and the file at pos through one fd: EINTR retried, short
+ * transfers continued. 0 or an errno (ENODATA: the file ended first; EINVAL from the direct fd
+ * makes the caller go buffered). */
+static int xfer_fd(fio_t *c, int fd, char *buf, size_t len, uint64_t pos) {
+  pm__fault_op_t op = c->write ? PM__FAULT_FILE_WRITE : PM__FAULT_FILE_READ;
+  size_t done = 0;
+  g_injected = false;
+  while (done < len) {
+    size_t n = len - done;
+    int fe = pm__fault_file(op, &n);
+    if (fe == EINTR) continue; /* as a signal would: try again */
+    if (fe) {
+      g_injected = true;
+      return fe;
+    }
+    if (fd == c->dfd && (n % FILE_ALIGN)) { /* a short direct transfer stays aligned */
+      n = n / FILE_ALIGN * FILE_ALIGN;
+      if (!n) n = len - done;
+    }
+    ssize_t r = c->write ? pwrite(fd, buf + done, n, (off_t)(pos + done))
+                         : pread(fd, buf + done, n, (off_t)(pos + done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (r == 0) return c->write ? EIO : ENODATA;
+    done += (size_t)r;
+    /* A direct transfer that stopped off the alignment (the end of the file) goes on buffered. */
+    if (fd == c->dfd && done < len && ((pos + done) % FILE_ALIGN)) fd = c->fd;
+  }
+  return 0;
+}
+
+/* Move one piece: the 4 KiB-aligned middle through O_DIRECT when buf and pos agree modulo
+ * 4 KiB, the edges (and everything else) through the caller's fd. */
+static pm_status_t xfer(fio_t *c, char *buf, size_t len, uint64_t pos) {
+  size_t head = 0, mid = 0;
+  bool direct = c->dfd >= 0 && !atomic_load_explicit(&c->refuse, memory_order_relaxed) &&
+                ((uintptr_t)buf % FILE_ALIGN) == (pos % FILE_ALIGN);
+  if (direct) {
+    head = (size_t)((FILE_ALIGN - pos % FILE_ALIGN) % FILE_ALIGN);
+    if (head > len) head = len;
+    mid = (len - head) / FILE_ALIGN * FILE_ALIGN;
+  }
+  int e = head ? xfer_fd(c, c->fd, buf, head, pos) : 0;
+  if (e) return io_error(c, e, head, pos);
+  if (mid) {
+    e = xfer_fd(c, c->dfd, buf + head, mid, pos + head);
+    if (e == EINVAL) { /* the filesystem took the open but refuses the transfer */
+      atomic_store(&c->refuse, true);
+      e = xfer_fd(c, c->fd, buf + head, mid, pos + head);
+    }
+    if (e) return io_error(c, e, mid, pos + head);
+  }
+  size_t tail = len - head - mid;
+  e = tail ? xfer_fd(c, c->fd, buf + head + mid, tail, pos + head + mid) : 0;
+  return e ? io_error(c, e, tail, pos + head + mid) : PM_OK;
+}
+
+/* ---- straight: host memory in place --------------------------------------------------------- */
+
+static void straight_task(void *vctx, size_t task) {
+  fio_t *c = vctx;
+  (void)task;
+  for (;;) {
+    size_t k = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
+    if (k >= c->nunits) return;
+    if (err_any(c)) continue;
+    uint64_t pos;
+    size_t len;
+    unit_range(c, k, &pos, &len);
+    pm_status_t st = xfer(c, c->mem + (pos - c->off), len, pos);
+    if (st != PM_OK) err_set(c, st);
+  }
+}
+
+/* ---- ring of pinned slots ------------------------------------------------------------------- */
+
+static void free_after_stream(pm_pool_t *pool, void *p, pm_stream_t stream) {
+  if (pm__pool_record_stream(pool, p, stream) != PM_OK &&
+      pm__cb_stream_synchronize(stream) != PM_OK) {
+    (void)pm__pool_quarantine(pool, p);
+    return;
+  }
+  (void)pm__pool_free(pool, p);
+}
+
+static void ring_destroy(fio_t *c, bool dmas_may_run) {
+  for (int s = 0; s < c->nslots; s++) {
+    if (c->slot && c->slot[s]) {
+      if (dmas_may_run)
+        free_after_stream(c->pool, c->slot[s], c->stream);
+      else
+        (void)pm__pool_free(c->pool, c->slot[s]);
+    }
+    if (c->ev && c->ev[s]) pm__copy_reap_event(c->ev[s]);
+  }
+  free(c->slot);
+  free(c->aslot);
+  free(c->ev);
+  free(c->gen);
+  c->slot = c->aslot = NULL;
+  c->ev = NULL;
+  c->gen = NULL;
+  c->nslots = 0;
+}
+
+static pm_status_t ring_create(fio_t *c, int want) {
+  size_t sbytes = c->chunk + FILE_ALIGN;
+  if ((size_t)want > c->nunits) want = (int)c->nunits;
+  pm_pool_stats_t stats;
+  if (pm_pool_get_stats(c->pool, &stats) == PM_OK && stats.budget) {
+    size_t fit = stats.budget / pm__size_class(sbytes);
+    if (fit == 0)
+      return pm__set_error(PM_ERR_BUDGET,
+                           "%s: the pool budget (%zu bytes) cannot hold one %zu-byte bounce slot; "
+                           "lower options->chunk or raise the budget",
+                           c->fn, stats.budget, sbytes);
+    if ((size_t)want > fit) want = (int)fit;
+  }
+  c->slot = calloc((size_t)want, sizeof *c->slot);
+  c->aslot = calloc((size_t)want, sizeof *c->aslot);
+  c->ev = calloc((size_t)want, sizeof *c->ev);
+  c->gen = calloc((size_t)want, sizeof *c->gen);
+  if (!c->slot || !c->aslot || !c->ev || !c->gen) {
+    ring_destroy(c, false);
+    return pm__set_error(PM_ERR_NOMEM, "%s: malloc of a %d-slot ring failed", c->fn, want);
+  }
+  int got = 0;
+  for (; got < want; got++) {
+    void *p = NULL;
+    pm_status_t st = pm_host_alloc(c->pool, sbytes, PM_HOST_DEFAULT, &p);
+    if (st == PM_ERR_BUDGET && got > 0) break; /* fewer slots: slower, still correct */
+    if (st != PM_OK) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", pm_last_error());
+      c->nslots = got;
+      ring_destroy(c, false);
+      return pm__set_error(st, "%s: bounce slot %d of %zu bytes: %s", c->fn, got, sbytes, msg);
+    }
+    c->slot[got] = p;
+    c->aslot[got] = (char *)pm__align_up((uintptr_t)p, FILE_ALIGN);
+  }
+  c->nslots = got;
+  for (int s = 0; s < got; s++) {
+    c->gen[s] = (long long)s - got;
+    if (!c->device) continue; /* host memory: plain memcpy, no DMA to wait for */
+    pm_status_t st = pm__cb_event_create(PM_EVENT_DEFAULT, &c->ev[s]);
+    if (st != PM_OK) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", pm_last_error());
+      ring_destroy(c, false);
+      return pm__set_error(st, "%s: event for a bounce slot: %s", c->fn, msg);
+    }
+  }
+  return PM_OK;
+}
+
+static pm_status_t ring_step(fio_t *c, size_t k, int s) {
+  uint64_t pos;
+  size_t len;
+  unit_range(c, k, &pos, &len);
+  char *p = c->aslot[s] + pos % FILE_ALIGN; /* the file's alignment, for O_DIRECT */
+  char *m = c->mem + (pos - c->off);
+  pm_status_t st = PM_OK;
+  if (!c->write) {
+    if (c->device && k >= (size_t)c->nslots) st = pm__copy_wait_event(c->ev[s], 50);
+    if (st == PM_OK) st = xfer(c, p, len, pos);
+    if (st != PM_OK) return st;
+    if (!c->device) {
+      memcpy(m, p, len);
+      return PM_OK;
+    }
+    st = pm__cb_memcpy_async(m, p, len, PM_COPY_H2D, c->stream);
+    if (st == PM_OK) st = pm__cb_event_record(c->ev[s], c->stream);
+    return st == PM_OK ? PM_OK : pm__wrap_error(st, "%s: H2D DMA of %zu bytes", c->fn, len);
+  }
+  if (c->device) {
+    st = pm__cb_memcpy_async(p, m, len, PM_COPY_D2H, c->stream);
+    if (st == PM_OK) st = pm__cb_event_record(c->ev[s], c->stream);
+    if (st == PM_OK) st = pm__copy_wait_event(c->ev[s], 50);
+    if (st != PM_OK) return pm__wrap_error(st, "%s: D2H DMA of %zu bytes", c->fn, len);
+  } else {
+    memcpy(p, m, len);
+  }
+  return xfer(c, p, len, pos);
+}
+
+static void ring_task(void *vctx, size_t task) {
+  fio_t *c = vctx;
+  (void)task;
+  for (;;) {
+    size_t k = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
+    if (k >= c->nunits) return;
+    int s = (int)(k % (size_t)c->nslots);
+    pthread_mutex_lock(&c->mu);
+    while (c->gen[s] != (long long)k - c->nslots) pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    if (!err_any(c)) {
+      pm_status_t st = ring_step(c, k, s);
+      if (st != PM_OK) err_set(c, st);
+    }
+    pthread_mutex_lock(&c->mu);
+    c->gen[s] = (long long)k;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+  }
+}
+
+/* ---- set-up --------------------------------------------------------------------------------- */
+
+/* MemAvailable of /proc/meminfo in bytes, or 0 when unknown. */
+static uint64_t mem_available(void) {
+  FILE *f = fopen("/proc/meminfo", "re");
+  if (!f) return 0;
+  char line[128];
+  unsigned long long kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+  fclose(f);
+  return (uint64_t)kb * 1024;
+}
+
+/* The O_DIRECT fd for c->fd, or -1 with a note when the filesystem refuses it. */
+static pm_status_t open_direct(fio_t *c, int flags) {
+  if (atomic_load(&pm__io_refuse_direct)) {
+    snprintf(g_note, sizeof g_note, "O_DIRECT refused for fd %d (test hook): buffered I/O is used",
+             c->fd);
+    return PM_OK;
+  }
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", c->fd);
+  /* The caller's access mode, never more; never O_TRUNC, O_CREAT or O_APPEND. */
+  int dfd = open(path, (flags & O_ACCMODE) | O_DIRECT | O_CLOEXEC);
+  if (dfd >= 0) {
+    c->dfd = dfd;
+    return PM_OK;
+  }
+  int e = errno;
+  if (e == EINVAL || e == EOPNOTSUPP) {
+    snprintf(g_note, sizeof g_note,
+             "O_DIRECT refused by the filesystem of fd %d (open: %s): buffered I/O is used", c->fd,
+             strerror(e));
+    return PM_OK;
+  }
+  return pm__set_error(PM_ERR_IO, "%s: open(%s, O_DIRECT): %s", c->fn, path, strerror(e));
+}
+
+static pm_status_t read_options(const pm_file_options_t *options, const char *fn,
+                                pm_file_options_t *out) {
+  if (!options) {
+    pm_file_options_init(out);
+    return PM_OK;
+  }
+  if ((unsigned)options->io > PM_FILE_IO_DIRECT)
+    return pm__set_error(PM_ERR_INVALID, "%s: options->io %d is not a pm_file_io_t", fn,
+                         (int)options->io);
+  if (options->threads < 0)
+    return pm__set_error(PM_ERR_INVALID, "%s: options->threads %d is negative", fn,
+                         options->threads);
+  if (options->chunk > ((size_t)1 << 40))
+    return pm__set_error(PM_ERR_INVALID, "%s: options->chunk %zu is larger than 1 TiB", fn,
+                         options->chunk);
+  *out = *options;
+  return PM_OK;
+}
+
+static void copy_opts(const pm_file_options_t *o, pm_copy_options_t *co) {
+  pm_copy_options_init(co);
+  co->callback = o->callback;
+  co->callback_arg = o->callback_arg;
+}
+
+/* Validate, classify and open: everything that can fail before the first byte moves. */
+static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_t offset,
+                           size_t bytes, const void *mem, pm_stream_t stream,
+                           const pm_file_options_t *o, bool *empty) {
+  memset(c, 0, sizeof *c);
+  c->fn = fn;
+  c->write = write;
+  c->fd = fd;
+  c->dfd = -1;
+  c->off = offset;
+  c->bytes = bytes;
+  c->mem = (char *)(uintptr_t)mem;
+  c->stream = stream;
+  g_note[0] = '\0';
+  *empty = false;
+  if (fd < 0) return pm__set_error(PM_ERR_INVALID, "%s: fd %d is negative", fn, fd);
+  if (!mem) return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, write ? "src" : "dst");
+  if (offset > (uint64_t)INT64_MAX || (uint64_t)bytes > (uint64_t)INT64_MAX - offset)
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: offset %llu + %zu bytes is past the largest file offset", fn,
+                         (unsigned long long)offset, bytes);
+  if ((uintptr_t)mem > UINTPTR_MAX - bytes)
+    return pm__set_error(PM_ERR_INVALID, "%s: %zu bytes from %p wraps the address space", fn,
+                         bytes, mem);
+  int flags = fcntl(fd, F_GETFL);
+  if (flags < 0) return pm__set_error(PM_ERR_INVALID, "%s: fd %d: %s", fn, fd, strerror(errno));
+  int acc = flags & O_ACCMODE;
+  if (write ? acc == O_RDONLY : acc == O_WRONLY)
+    return pm__set_error(PM_ERR_INVALID, "%s: fd %d is not open for %s", fn, fd,
+                         write ? "writing" : "reading");
+  if (write && (flags & O_APPEND))
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: fd %d has O_APPEND, so Linux pwrite would ignore the offset", fn, fd);
+  PM__BACKEND_OR_RETURN(b);
+  if (bytes == 0) {
+    *empty = true;
+    return PM_OK;
+  }
+  pm__mem_t kind;
+  uintptr_t base;
+  size_t size;
+  pm_status_t st = pm__classify(b, mem, bytes, write ? "src" : "dst", &kind, &base, &size);
+  if (st != PM_OK) return pm__wrap_error(st, "%s", fn);
+  c->device = kind == PM__MEM_DEVICE || kind == PM__MEM_MANAGED;
+
+  size_t chunk = o->chunk ? o->chunk : FILE_CHUNK_DEFAULT;
+  c->chunk = pm__align_up(chunk, FILE_ALIGN);
+  c->grid = offset / FILE_ALIGN * FILE_ALIGN;
+  c->nunits = (size_t)((offset + bytes - c->grid + c->chunk - 1) / c->chunk);
+  atomic_init(&c->next, 0);
+  atomic_init(&c->refuse, false);
+  atomic_init(&c->err.status, PM_OK);
+
+  bool direct = o->io == PM_FILE_IO_DIRECT;
+  if (o->io == PM_FILE_IO_AUTO && bytes >= FILE_AUTO_MIN) {
+    uint64_t avail = mem_available();
+    direct = avail && (uint64_t)bytes > avail;
+  }
+  if (direct) {
+    st = open_direct(c, flags);
+    if (st != PM_OK) return st;
+  }
+  /* Host memory O_DIRECT cannot reach in place (not aligned as the file is) goes through the
+   * slots; device memory always does. */
+  c->ring = c->device || (c->dfd >= 0 && ((uintptr_t)mem % FILE_ALIGN) != offset % FILE_ALIGN);
+  if (c->ring) {
+    st = o->pool ? PM_OK : pm_pool_default(&c->pool);
+    if (o->pool) c->pool = o->pool;
+    if (st != PM_OK) {
+      if (c->dfd >= 0) close(c->dfd);
+      return pm__wrap_error(st, "%s: default pool for bounce slots", fn);
+    }
+  }
+  return PM_OK;
+}
+
+static int threads_for(const pm_file_options_t *o) {
+  int t = o->threads ? o->threads : (int)pm__opt_int(PM__OPT_COPY_THREADS);
+  return t < 1 ? 1 : t;
+}
+
+/* Move the whole range (ring or straight). */
+static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
+  int threads = threads_for(o);
+  int tasks = (int)PM__MIN((size_t)threads, c->nunits);
+  pm_status_t st;
+  if (!c->ring || !c->device) {
+    /* Host memory: the stream's earlier work may still read or write it. */
+    st = pm__cb_stream_synchronize(c->stream);
+    if (st != PM_OK) return pm__wrap_error(st, "%s: waiting for the stream's earlier work", c->fn);
+  }
+  if (!c->ring) {
+    pm__parallel_for(tasks, (size_t)tasks, straight_task, c);
+  } else {
+    st = ring_create(c, threads + 2);
+    if (st != PM_OK) return st;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    tasks = PM__MIN(tasks, c->nslots);
+    pm__parallel_for(tasks, (size_t)tasks, ring_task, c);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    ring_destroy(c, c->device);
+  }
+  if (atomic_load(&c->refuse) && !g_note[0])
+    snprintf(g_note, sizeof g_note,
+             "O_DIRECT transfers refused (EINVAL) by the filesystem of fd %d: buffered I/O is used",
+             c->fd);
+  st = (pm_status_t)atomic_load(&c->err.status);
+  if (st != PM_OK) return pm__set_error(st, "%s", c->err.msg);
+  if (c->write && o->fsync) {
+    int r;
+    do r = fdatasync(c->fd);
+    while (r != 0 && errno == EINTR);
+    if (r != 0)
+      return pm__set_error(PM_ERR_IO, "%s: fdatasync(fd %d): %s", c->fn, c->fd, strerror(errno));
+  }
+  return PM_OK;
+}
+
+pm_status_t pm_file_read_async(int fd, uint64_t offset, size_t bytes, void *dst,
+                               pm_stream_t stream, const pm_file_options_t *options,
+                               pm_fence_t *fence_out) {
+  const char *fn = "pm_file_read_async";
+  pm_file_options_t o;
+  pm_status_t st = read_options(options, fn, &o);
+  if (st != PM_OK) return st;
+  pm_copy_options_t co;
+  copy_opts(&o, &co);
+  fio_t c;
+  bool empty;
+  st = prepare(&c, fn, false, fd, offset, bytes, dst, stream, &o, &empty);
+  if (st != PM_OK) return st;
+  if (empty || !c.device) {
+    if (!empty) st = run(&c, &o);
+    if (c.dfd >= 0) close(c.dfd);
+    return st == PM_OK ? pm__fence_submit_empty(&co, fence_out) : st;
+  }
+
+  /* Device memory: the fence's event follows the last DMA. Made first, so a failure to make it
+   * has no side effect. */
+  pm_fence_t f = NULL;
+  if (fence_out || co.callback) {
+    st = pm__fence_new(PM_PATH_STAGED, true, &co, &f);
+    if (st == PM_OK && fence_out) {
+      st = pm__fence_live_add(f);
+      if (st != PM_OK) pm__fence_free(f);
+    }
+    if (st != PM_OK) {
+      if (c.dfd >= 0) close(c.dfd);
+      return st;
+    }
+  }
+  st = run(&c, &o);
+  if (c.dfd >= 0) close(c.dfd);
+  if (st == PM_OK && f) {
+    f->host = f->cb != NULL;
+    atomic_init(&f->refs, (fence_out ? 1 : 0) + (f->host ? 1 : 0));
+    st = pm__cb_event_record(f->event, stream);
+    if (st == PM_OK && f->cb) st = pm__cb_launch_host_func(stream, pm__fence_notify, f);
+    if (st != PM_OK) st = pm__wrap_error(st, "%s: fence", fn);
+  }
+  if (st != PM_OK) {
+    if (f) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", pm_last_error());
+      if (fence_out) pm__fence_live_remove(f);
+      pm__fence_free(f);
+      pm__set_error(st, "%s", msg);
+    }
+    return st;
+  }
+  if (fence_out) *fence_out = f;
+  return PM_OK;
+}
+
+pm_status_t pm_file_write_async(int fd, uint64_t offset, size_t bytes, const void *src,
+                                pm_stream_t stream, const pm_file_options_t *options,
+                                pm_fence_t *fence_out) {
+  const char *fn = "pm_file_write_async";
+  pm_file_options_t o;
+  pm_status_t st = read_options(options, fn, &o);
+  if (st != PM_OK) return st;
+  pm_copy_options_t co;
+  copy_opts(&o, &co);
+  fio_t c;
+  bool empty;
+  st = prepare(&c, fn, true, fd, offset, bytes, src, stream, &o, &empty);
+  if (st != PM_OK) return st;
+  if (!empty) st = run(&c, &o);
+  if (c.dfd >= 0) close(c.dfd);
+  if (st != PM_OK) return st;
+  /* Every byte is in the file: the fence is complete (the callback still runs once). */
+  return pm__fence_submit_empty(&co, fence_out);
+}

@@ -1,0 +1,653 @@
+/*
+ * Files: pm_file_read_async / pm_file_write_async into and from device, pinned and pageable
+ * memory, buffered and O_DIRECT, with odd sizes and offsets (every byte checked, and the bytes
+ * around a written range checked untouched); every injected I/O error (EIO, ENOSPC, EINTR
+ * retried, short transfers continued), the end of the file, bad arguments, a small pool's
+ * budget, descriptors not leaked, fences and callbacks completing exactly once, and the
+ * stream's earlier work ordered before the file's bytes.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "internal.h" /* pm__fault_*, pm__file_note, pm__io_refuse_direct */
+
+#if defined(__SANITIZE_THREAD__)
+#define PM_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define PM_TSAN 1
+#endif
+#endif
+#ifndef PM_TSAN
+#define PM_TSAN 0
+#endif
+
+static bool g_small; /* valgrind (PINMEM_TEST_SMALL) or ThreadSanitizer: smaller ranges */
+static char g_dir[512];
+static char g_path[600];
+static int g_fd = -1;           /* the test file, read-write */
+static unsigned char *g_bytes;  /* what the file holds */
+static size_t g_size;     /* the file's size now */
+static size_t g_size_max; /* the largest it gets */
+static pm_stream_t g_s;
+static bool g_direct_ok; /* the scratch directory's filesystem takes O_DIRECT */
+
+typedef enum { MEM_DEVICE, MEM_PINNED, MEM_PAGEABLE } mem_t;
+static const char *mem_name[] = {"device", "pinned", "pageable"};
+
+typedef struct buf {
+  mem_t kind;
+  char *alloc;
+  char *p;
+  size_t bytes;
+} buf_t;
+
+/* pageable buffers start `mis` bytes into their allocation, so their address agrees with no
+ * file offset's alignment (the ring path of direct I/O for host memory). */
+static void buf_make(buf_t *b, mem_t kind, size_t bytes, size_t mis) {
+  memset(b, 0, sizeof *b);
+  b->kind = kind;
+  b->bytes = bytes;
+  void *a = NULL;
+  switch (kind) {
+    case MEM_DEVICE:
+      REQUIRE_OK(pm_device_alloc(bytes, &a));
+      b->alloc = b->p = a;
+      return;
+    case MEM_PINNED:
+      REQUIRE_OK(pm_host_alloc(NULL, bytes + mis, PM_HOST_DEFAULT, &a));
+      break;
+    case MEM_PAGEABLE:
+      a = malloc(bytes + mis);
+      REQUIRE(a != NULL);
+      break;
+  }
+  b->alloc = a;
+  b->p = b->alloc + mis;
+}
+
+static void buf_free(buf_t *b) {
+  if (b->kind == MEM_DEVICE)
+    CHECK_OK(pm_device_free(b->alloc));
+  else if (b->kind == MEM_PINNED)
+    CHECK_OK(pm_host_free(b->alloc));
+  else
+    free(b->alloc);
+}
+
+/* The buffer's bytes in host memory (a copy for device memory; free with free()). */
+static unsigned char *buf_read(const buf_t *b) {
+  unsigned char *h = malloc(b->bytes ? b->bytes : 1);
+  REQUIRE(h != NULL);
+  if (b->kind == MEM_DEVICE)
+    REQUIRE_OK(pm_memcpy(h, b->p, b->bytes, PM_COPY_D2H));
+  else
+    memcpy(h, b->p, b->bytes);
+  return h;
+}
+
+static void buf_fill(buf_t *b, uint64_t seed) {
+  unsigned char *h = malloc(b->bytes);
+  REQUIRE(h != NULL);
+  pm_test_fill(h, b->bytes, seed);
+  if (b->kind == MEM_DEVICE)
+    REQUIRE_OK(pm_memcpy(b->p, h, b->bytes, PM_COPY_H2D));
+  else
+    memcpy(b->p, h, b->bytes);
+  free(h);
+}
+
+static size_t first_diff(const unsigned char *a, const unsigned char *b, size_t n) {
+  if (memcmp(a, b, n) == 0) return n;
+  for (size_t i = 0; i < n; i++)
+    if (a[i] != b[i]) return i;
+  return n;
+}
+
+static void opts(pm_file_options_t *o, pm_file_io_t io, size_t chunk) {
+  pm_file_options_init(o);
+  o->io = io;
+  o->chunk = chunk;
+  o->threads = 3;
+}
+
+/* (Re)write the test file with `size` seeded bytes through plain pwrite. */
+static void file_reset_size(uint64_t seed, size_t size) {
+  g_size = size;
+  pm_test_fill(g_bytes, g_size, seed);
+  REQUIRE(ftruncate(g_fd, 0) == 0);
+  size_t done = 0;
+  while (done < g_size) {
+    ssize_t r = pwrite(g_fd, g_bytes + done, g_size - done, (off_t)done);
+    REQUIRE(r > 0);
+    done += (size_t)r;
+  }
+}
+
+static void file_reset(uint64_t seed) {
+  file_reset_size(seed, g_size_max);
+}
+
+static unsigned char *file_contents(void) {
+  unsigned char *h = malloc(g_size + 1);
+  REQUIRE(h != NULL);
+  size_t done = 0;
+  while (done < g_size) {
+    ssize_t r = pread(g_fd, h + done, g_size - done, (off_t)done);
+    REQUIRE(r > 0);
+    done += (size_t)r;
+  }
+  REQUIRE(pread(g_fd, h, 1, (off_t)g_size) == 0); /* no longer than it was */
+  return h;
+}
+
+static int count_fds(void) {
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  int n = 0;
+  while (readdir(d)) n++;
+  closedir(d);
+  return n;
+}
+
+/* ---- round trips ---------------------------------------------------------------------------- */
+
+static void read_case(size_t bytes, uint64_t off, pm_file_io_t io, mem_t kind, size_t chunk) {
+  buf_t b;
+  buf_make(&b, kind, bytes, 5);
+  if (kind == MEM_DEVICE) CHECK_OK(pm_device_memset_async(b.p, 0xA5, bytes, g_s));
+  pm_file_options_t o;
+  opts(&o, io, chunk);
+  pm_fence_t f = NULL;
+  pm_status_t st = pm_file_read_async(g_fd, off, bytes, b.p, g_s, &o, &f);
+  CHECK_OK(st);
+  if (st == PM_OK) {
+    CHECK_OK(pm_fence_wait(f));
+    CHECK_OK(pm_fence_release(f));
+    /* Direct was used where the filesystem allows it, else the note says why not. */
+    if (io == PM_FILE_IO_DIRECT) CHECK((pm__file_note()[0] == '\0') == g_direct_ok);
+    unsigned char *h = buf_read(&b);
+    size_t d = first_diff(h, g_bytes + off, bytes);
+    if (d != bytes)
+      fprintf(stderr, "read %zu bytes at %llu, %s, %s, chunk %zu: first difference at %zu\n",
+              bytes, (unsigned long long)off, pm__file_io_name(io), mem_name[kind], chunk, d);
+    CHECK_EQ_SIZE(d, bytes);
+    free(h);
+  }
+  buf_free(&b);
+}
+
+static void write_case(size_t bytes, uint64_t off, pm_file_io_t io, mem_t kind, size_t chunk,
+                       uint64_t seed) {
+  file_reset_size(seed + 1000, (size_t)off + bytes + 5000);
+  buf_t b;
+  buf_make(&b, kind, bytes, 3);
+  buf_fill(&b, seed);
+  unsigned char *want = malloc(bytes);
+  REQUIRE(want != NULL);
+  pm_test_fill(want, bytes, seed);
+  pm_file_options_t o;
+  opts(&o, io, chunk);
+  o.fsync = (seed & 1) != 0;
+  pm_fence_t f = NULL;
+  CHECK_OK(pm_file_write_async(g_fd, off, bytes, b.p, g_s, &o, &f));
+  if (f) {
+    CHECK_OK(pm_fence_query(f)); /* complete when the call returns */
+    CHECK_OK(pm_fence_release(f));
+  }
+  unsigned char *h = file_contents();
+  /* Before and after the range: the old bytes; the range: the new ones. */
+  CHECK_EQ_SIZE(first_diff(h, g_bytes, off), off);
+  CHECK_EQ_SIZE(first_diff(h + off, want, bytes), bytes);
+  CHECK_EQ_SIZE(first_diff(h + off + bytes, g_bytes + off + bytes, g_size - off - bytes),
+                g_size - off - bytes);
+  free(h);
+  free(want);
+  buf_free(&b);
+}
+
+static void test_roundtrips(void) {
+  size_t big = g_small ? ((size_t)1 << 20) + 3 : ((size_t)16 << 20) + 3;
+  size_t sizes[] = {1, 4095, 4096, 4097, 65536 * 3 + 11, big};
+  uint64_t offs[] = {0, 1, 4093, 8192};
+  pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
+  file_reset(1);
+  int n = 0;
+  for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
+    for (size_t oi = 0; oi < sizeof offs / sizeof *offs; oi++)
+      for (int ii = 0; ii < 2; ii++)
+        for (int m = 0; m < 3; m++) {
+          if (g_small && sizes[si] == big && (m != MEM_DEVICE || oi != 2)) continue;
+          /* Small chunks so a range takes many units and the ring wraps. */
+          size_t chunk = sizes[si] == big && m == MEM_DEVICE && oi == 0 ? 0 : 65536;
+          read_case(sizes[si], offs[oi], ios[ii], (mem_t)m, chunk);
+          n++;
+        }
+  printf("  %d reads checked\n", n);
+  n = 0;
+  for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
+    for (size_t oi = 0; oi < sizeof offs / sizeof *offs; oi++)
+      for (int ii = 0; ii < 2; ii++)
+        for (int m = 0; m < 3; m++) {
+          if (sizes[si] == big && (m == MEM_PINNED || oi == 3 || (g_small && m != MEM_DEVICE)))
+            continue;
+          write_case(sizes[si], offs[oi], ios[ii], (mem_t)m, 65536, (uint64_t)(n + 7));
+          n++;
+        }
+  printf("  %d writes checked\n", n);
+  /* A write that grows the file. */
+  file_reset(2);
+  buf_t b;
+  buf_make(&b, MEM_DEVICE, 70001, 0);
+  buf_fill(&b, 77);
+  pm_file_options_t o;
+  opts(&o, PM_FILE_IO_DIRECT, 16384);
+  CHECK_OK(pm_file_write_async(g_fd, g_size - 5, 70001, b.p, g_s, &o, NULL));
+  unsigned char *want = malloc(70001);
+  unsigned char *got = malloc(70001);
+  REQUIRE(want && got);
+  pm_test_fill(want, 70001, 77);
+  CHECK_EQ_INT(pread(g_fd, got, 70001, (off_t)(g_size - 5)), 70001);
+  CHECK_EQ_SIZE(first_diff(got, want, 70001), 70001);
+  CHECK_EQ_INT(lseek(g_fd, 0, SEEK_END), (long long)(g_size - 5 + 70001));
+  free(want);
+  free(got);
+  buf_free(&b);
+  file_reset(1);
+}
+
+/* ---- errors --------------------------------------------------------------------------------- */
+
+static atomic_int g_cb_count;
+static atomic_int g_cb_status;
+static void count_cb(void *arg, pm_status_t st) {
+  (void)arg;
+  atomic_store(&g_cb_status, st);
+  atomic_fetch_add(&g_cb_count, 1);
+}
+
+static bool has(const char *s) {
+  bool ok = strstr(pm_last_error(), s) != NULL;
+  if (!ok) fprintf(stderr, "    wanted '%s' in: %s\n", s, pm_last_error());
+  return ok;
+}
+
+static void inject_case(pm__fault_op_t op, int err, const char *spec, mem_t kind,
+                        pm_file_io_t io, pm_status_t want, const char *text) {
+  file_reset_size(3, 400000);
+  size_t bytes = 300001;
+  buf_t b;
+  buf_make(&b, kind, bytes, 1);
+  bool write = op == PM__FAULT_FILE_WRITE;
+  if (write) buf_fill(&b, 99);
+  pm__fault_reset();
+  if (spec) {
+    REQUIRE_OK(pm__fault_configure(spec));
+  } else {
+    REQUIRE_OK(pm__fault_file_errno(op, err));
+    REQUIRE_OK(pm__fault_set(op, 3, 0));
+  }
+  pm_file_options_t o;
+  opts(&o, io, 65536);
+  o.callback = count_cb;
+  atomic_store(&g_cb_count, 0);
+  pm_fence_t f = NULL;
+  pm_status_t st = write ? pm_file_write_async(g_fd, 777, bytes, b.p, g_s, &o, &f)
+                         : pm_file_read_async(g_fd, 777, bytes, b.p, g_s, &o, &f);
+  pm__fault_counts_t fc;
+  pm__fault_counts(&fc);
+  pm__fault_reset();
+  CHECK(fc.injected[op] >= 1);
+  if (want == PM_OK) {
+    CHECK_OK(st);
+    if (st == PM_OK) {
+      CHECK_OK(pm_fence_wait(f));
+      CHECK_OK(pm_fence_release(f));
+      CHECK_EQ_INT(atomic_load(&g_cb_count), 1);
+      unsigned char *want_bytes = malloc(bytes);
+      REQUIRE(want_bytes != NULL);
+      if (write) {
+        pm_test_fill(want_bytes, bytes, 99);
+        unsigned char *h = file_contents();
+        CHECK_EQ_SIZE(first_diff(h + 777, want_bytes, bytes), bytes);
+        free(h);
+      } else {
+        unsigned char *h = buf_read(&b);
+        CHECK_EQ_SIZE(first_diff(h, g_bytes + 777, bytes), bytes);
+        free(h);
+      }
+      free(want_bytes);
+    }
+  } else {
+    CHECK_ERR_MSG(st, want);
+    CHECK(f == NULL);
+    CHECK(has(text));
+    CHECK(has(write ? "pwrite(fd " : "pread(fd "));
+    CHECK(has("at offset"));
+    CHECK(has("injected fault"));
+    CHECK_OK(pm_stream_synchronize(g_s));
+    pm_test_sleep_ms(20);
+    CHECK_EQ_INT(atomic_load(&g_cb_count), 0); /* a failed call never calls back */
+  }
+  buf_free(&b);
+}
+
+static void test_injected(void) {
+  pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
+  for (int ii = 0; ii < 2; ii++)
+    for (int m = 0; m < 3; m++) {
+      pm_file_io_t io = ios[ii];
+      mem_t k = (mem_t)m;
+      inject_case(PM__FAULT_FILE_READ, EIO, NULL, k, io, PM_ERR_IO, "Input/output error");
+      inject_case(PM__FAULT_FILE_WRITE, EIO, NULL, k, io, PM_ERR_IO, "Input/output error");
+      inject_case(PM__FAULT_FILE_WRITE, ENOSPC, NULL, k, io, PM_ERR_IO, "No space left");
+      inject_case(PM__FAULT_FILE_WRITE, 0, "file_write=2:ENOSPC", k, io, PM_ERR_IO,
+                  "No space left");
+      inject_case(PM__FAULT_FILE_READ, EINTR, NULL, k, io, PM_OK, NULL);
+      inject_case(PM__FAULT_FILE_WRITE, EINTR, NULL, k, io, PM_OK, NULL);
+      inject_case(PM__FAULT_FILE_READ, 0, "file_read=1+:short", k, io, PM_OK, NULL);
+      inject_case(PM__FAULT_FILE_WRITE, 0, "file_write=1+:short", k, io, PM_OK, NULL);
+    }
+  /* Specs that do not parse arm nothing. */
+  CHECK_ST(pm__fault_configure("file_read=1:EWHAT"), PM_ERR_CONFIG);
+  CHECK_ST(pm__fault_configure("memcpy=1:EIO"), PM_ERR_CONFIG);
+  CHECK_ST(pm__fault_file_errno(PM__FAULT_MEMCPY, EIO), PM_ERR_INVALID);
+  pm__fault_reset();
+}
+
+static void test_eof(void) {
+  file_reset(4);
+  pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
+  char want[64];
+  snprintf(want, sizeof want, "ends at byte %zu", g_size);
+  for (int ii = 0; ii < 2; ii++)
+    for (int m = 0; m < 3; m++) {
+      buf_t b;
+      buf_make(&b, (mem_t)m, 200000, 0);
+      pm_file_options_t o;
+      opts(&o, ios[ii], 65536);
+      pm_fence_t f = NULL;
+      CHECK_ERR_MSG(pm_file_read_async(g_fd, g_size - 100000, 200000, b.p, g_s, &o, &f),
+                    PM_ERR_IO);
+      CHECK(f == NULL);
+      CHECK(has(want));
+      /* Wholly past the end. */
+      CHECK_ERR_MSG(pm_file_read_async(g_fd, g_size + 4096, 10, b.p, g_s, &o, NULL), PM_ERR_IO);
+      CHECK(has(want));
+      /* Up to the last byte exactly: fine. */
+      CHECK_OK(pm_file_read_async(g_fd, g_size - 200000, 200000, b.p, g_s, &o, NULL));
+      CHECK_OK(pm_stream_synchronize(g_s));
+      unsigned char *h = buf_read(&b);
+      CHECK_EQ_SIZE(first_diff(h, g_bytes + g_size - 200000, 200000), 200000);
+      free(h);
+      buf_free(&b);
+    }
+}
+
+static void test_bad_args(void) {
+  file_reset(8);
+  char buf[64];
+  pm_fence_t f = NULL;
+  CHECK_ERR_MSG(pm_file_read_async(-1, 0, 10, buf, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_file_write_async(-3, 0, 10, buf, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_file_read_async(g_fd, 0, 10, NULL, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_file_write_async(g_fd, 0, 10, NULL, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_file_read_async(g_fd, UINT64_MAX, 10, buf, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_file_read_async(g_fd, (uint64_t)INT64_MAX - 5, 10, buf, g_s, NULL, &f),
+                PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_file_write_async(g_fd, (uint64_t)INT64_MAX, 1, buf, g_s, NULL, &f),
+                PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_file_read_async(g_fd, 0, SIZE_MAX, buf, g_s, NULL, &f), PM_ERR_INVALID);
+  int closed = dup(g_fd);
+  REQUIRE(closed >= 0);
+  close(closed);
+  CHECK_ERR_MSG(pm_file_read_async(closed, 0, 10, buf, g_s, NULL, &f), PM_ERR_INVALID);
+  int ro = open(g_path, O_RDONLY | O_CLOEXEC);
+  REQUIRE(ro >= 0);
+  CHECK_ERR_MSG(pm_file_write_async(ro, 0, 10, buf, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK(has("not open for writing"));
+  close(ro);
+  int ap = open(g_path, O_WRONLY | O_APPEND | O_CLOEXEC);
+  REQUIRE(ap >= 0);
+  CHECK_ERR_MSG(pm_file_write_async(ap, 0, 10, buf, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK(has("O_APPEND"));
+  CHECK_ERR_MSG(pm_file_read_async(ap, 0, 10, buf, g_s, NULL, &f), PM_ERR_INVALID);
+  close(ap);
+  pm_file_options_t o;
+  pm_file_options_init(&o);
+  o.io = (pm_file_io_t)7;
+  CHECK_ERR_MSG(pm_file_read_async(g_fd, 0, 10, buf, g_s, &o, &f), PM_ERR_INVALID);
+  pm_file_options_init(&o);
+  o.threads = -2;
+  CHECK_ERR_MSG(pm_file_write_async(g_fd, 0, 10, buf, g_s, &o, &f), PM_ERR_INVALID);
+  CHECK(f == NULL);
+  pm_file_options_init(NULL); /* no crash */
+
+  /* bytes 0: a completed fence, and the callback runs once. */
+  pm_file_options_init(&o);
+  o.callback = count_cb;
+  atomic_store(&g_cb_count, 0);
+  CHECK_OK(pm_file_read_async(g_fd, 0, 0, buf, g_s, &o, &f));
+  CHECK_OK(pm_fence_wait(f));
+  CHECK_OK(pm_fence_query(f));
+  CHECK_OK(pm_fence_release(f));
+  f = NULL;
+  CHECK_OK(pm_file_write_async(g_fd, 12345, 0, buf, g_s, &o, &f));
+  CHECK_OK(pm_fence_wait(f));
+  CHECK_OK(pm_fence_release(f));
+  CHECK_EQ_INT(atomic_load(&g_cb_count), 2);
+  CHECK_EQ_INT(lseek(g_fd, 0, SEEK_END), (long long)g_size); /* nothing written */
+}
+
+/* ---- fences, callbacks, ordering -------------------------------------------------------------- */
+
+static void test_completion(void) {
+  file_reset_size(5, 1100000);
+  size_t bytes = 1000003;
+  for (int m = 0; m < 3; m++) {
+    buf_t b;
+    buf_make(&b, (mem_t)m, bytes, 0);
+    pm_file_options_t o;
+    opts(&o, PM_FILE_IO_BUFFERED, 65536);
+    o.callback = count_cb;
+    o.callback_arg = &b;
+    for (int rep = 0; rep < 3; rep++) {
+      atomic_store(&g_cb_count, 0);
+      atomic_store(&g_cb_status, -100);
+      pm_fence_t f = NULL;
+      /* Callback with and without a fence handle. */
+      CHECK_OK(pm_file_read_async(g_fd, 11, bytes, b.p, g_s, &o, rep == 1 ? NULL : &f));
+      if (f) {
+        CHECK_OK(pm_fence_wait(f));
+        CHECK_OK(pm_fence_release(f));
+      }
+      CHECK_OK(pm_stream_synchronize(g_s));
+      for (int i = 0; i < 500 && atomic_load(&g_cb_count) == 0; i++) pm_test_sleep_ms(2);
+      pm_test_sleep_ms(10);
+      CHECK_EQ_INT(atomic_load(&g_cb_count), 1);
+      CHECK_EQ_INT(atomic_load(&g_cb_status), PM_OK);
+      atomic_store(&g_cb_count, 0);
+      f = NULL;
+      CHECK_OK(pm_file_write_async(g_fd, 5, bytes, b.p, g_s, &o, rep == 2 ? NULL : &f));
+      if (f) {
+        CHECK_OK(pm_fence_wait(f));
+        CHECK_OK(pm_fence_release(f));
+      }
+      for (int i = 0; i < 500 && atomic_load(&g_cb_count) == 0; i++) pm_test_sleep_ms(2);
+      pm_test_sleep_ms(10);
+      CHECK_EQ_INT(atomic_load(&g_cb_count), 1);
+      file_reset_size(5, 1100000);
+    }
+    buf_free(&b);
+  }
+
+  /* The stream's earlier work comes first. Device dst: a memset queued behind busy work must not
+   * land over the file's bytes. Host dst: a D2H copy queued behind busy work must not either. */
+  size_t n = 300000;
+  buf_t d, h;
+  buf_make(&d, MEM_DEVICE, n, 0);
+  buf_make(&h, MEM_PINNED, n, 0);
+  pm_file_options_t o;
+  opts(&o, PM_FILE_IO_BUFFERED, 65536);
+  CHECK_OK(pm_launch_busy(g_s, 0.05));
+  CHECK_OK(pm_device_memset_async(d.p, 0x11, n, g_s));
+  pm_fence_t f = NULL;
+  CHECK_OK(pm_file_read_async(g_fd, 100, n, d.p, g_s, &o, &f));
+  CHECK_OK(pm_fence_wait(f));
+  CHECK_OK(pm_fence_release(f));
+  unsigned char *got = buf_read(&d);
+  CHECK_EQ_SIZE(first_diff(got, g_bytes + 100, n), n);
+  free(got);
+  CHECK_OK(pm_device_memset_async(d.p, 0x22, n, g_s));
+  CHECK_OK(pm_launch_busy(g_s, 0.05));
+  CHECK_OK(pm_memcpy_async(h.p, d.p, n, PM_COPY_D2H, g_s));
+  CHECK_OK(pm_file_read_async(g_fd, 200, n, h.p, g_s, &o, NULL));
+  CHECK_OK(pm_stream_synchronize(g_s));
+  CHECK_EQ_SIZE(first_diff((unsigned char *)h.p, g_bytes + 200, n), n);
+  /* Device src for a write: the memset queued before it is what gets written. */
+  CHECK_OK(pm_launch_busy(g_s, 0.05));
+  CHECK_OK(pm_device_memset_async(d.p, 0x5A, n, g_s));
+  CHECK_OK(pm_file_write_async(g_fd, 0, n, d.p, g_s, &o, NULL));
+  unsigned char *fc = file_contents();
+  size_t bad = n;
+  for (size_t i = 0; i < n; i++)
+    if (fc[i] != 0x5A) {
+      bad = i;
+      break;
+    }
+  CHECK_EQ_SIZE(bad, n);
+  free(fc);
+  buf_free(&d);
+  buf_free(&h);
+  file_reset_size(5, 1100000);
+}
+
+/* ---- budget, refused O_DIRECT, descriptors ---------------------------------------------------- */
+
+static void test_budget(void) {
+  file_reset(6);
+  size_t chunk = 65536;
+  size_t slot = pm__size_class(chunk + 4096);
+  pm_pool_config_t pc;
+  pm_pool_config_init(&pc);
+  pc.budget = 2 * slot;
+  pc.exhaust_policy = PM_EXHAUST_FAIL;
+  pm_pool_t *pool = NULL;
+  REQUIRE_OK(pm_pool_create(&pc, &pool));
+  buf_t d;
+  size_t n = 1000001;
+  buf_make(&d, MEM_DEVICE, n, 0);
+  pm_file_options_t o;
+  opts(&o, PM_FILE_IO_DIRECT, chunk);
+  o.pool = pool;
+  o.threads = 4; /* wants 6 slots; the budget allows 2 */
+  pm_fence_t f = NULL;
+  CHECK_OK(pm_file_read_async(g_fd, 3, n, d.p, g_s, &o, &f));
+  CHECK_OK(pm_fence_wait(f));
+  CHECK_OK(pm_fence_release(f));
+  unsigned char *got = buf_read(&d);
+  CHECK_EQ_SIZE(first_diff(got, g_bytes + 3, n), n);
+  free(got);
+  CHECK_OK(pm_file_write_async(g_fd, 4097, n, d.p, g_s, &o, NULL));
+  unsigned char *fc = file_contents();
+  CHECK_EQ_SIZE(first_diff(fc + 4097, g_bytes + 3, n), n);
+  free(fc);
+  pm_pool_stats_t ps;
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK_LE_SIZE(ps.pinned_peak, pc.budget);
+  CHECK(ps.allocs >= 2);
+  CHECK_EQ_SIZE(ps.in_use_bytes, 0);
+  /* A slot larger than the whole budget: a clear PM_ERR_BUDGET. */
+  o.chunk = 4 * slot;
+  CHECK_ERR_MSG(pm_file_read_async(g_fd, 0, n, d.p, g_s, &o, NULL), PM_ERR_BUDGET);
+  CHECK(has("budget"));
+  CHECK_OK(pm_stream_synchronize(g_s));
+  buf_free(&d);
+  CHECK_OK(pm_pool_destroy(pool));
+}
+
+static void test_refused_direct(void) {
+  file_reset(7);
+  atomic_store(&pm__io_refuse_direct, 1);
+  for (int m = 0; m < 3; m++) {
+    buf_t b;
+    buf_make(&b, (mem_t)m, 100003, 0);
+    pm_file_options_t o;
+    opts(&o, PM_FILE_IO_DIRECT, 65536);
+    CHECK_OK(pm_file_read_async(g_fd, 4093, 100003, b.p, g_s, &o, NULL));
+    CHECK(strstr(pm__file_note(), "O_DIRECT refused") != NULL);
+    CHECK_OK(pm_stream_synchronize(g_s));
+    unsigned char *h = buf_read(&b);
+    CHECK_EQ_SIZE(first_diff(h, g_bytes + 4093, 100003), 100003);
+    free(h);
+    buf_free(&b);
+  }
+  atomic_store(&pm__io_refuse_direct, 0);
+  /* io=auto on a small range: buffered, no note. */
+  buf_t b;
+  buf_make(&b, MEM_DEVICE, 5000, 0);
+  CHECK_OK(pm_file_read_async(g_fd, 1, 5000, b.p, g_s, NULL, NULL));
+  CHECK(pm__file_note()[0] == '\0');
+  CHECK_OK(pm_stream_synchronize(g_s));
+  unsigned char *h = buf_read(&b);
+  CHECK_EQ_SIZE(first_diff(h, g_bytes + 1, 5000), 5000);
+  free(h);
+  buf_free(&b);
+}
+
+int main(void) {
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  g_small = pm_test_small() || PM_TSAN;
+  pm_test_init();
+  int fds0 = count_fds();
+  REQUIRE(pm_test_tmpdir(g_dir, sizeof g_dir, "file"));
+  snprintf(g_path, sizeof g_path, "%s/data.bin", g_dir);
+  g_fd = open(g_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  REQUIRE(g_fd >= 0);
+  g_size_max = (g_small ? ((size_t)1 << 20) : ((size_t)16 << 20)) + 3 + 3 * 8192;
+  g_bytes = malloc(g_size_max);
+  REQUIRE(g_bytes != NULL);
+  REQUIRE_OK(pm_stream_create(&g_s));
+  int probe = open(g_path, O_RDWR | O_DIRECT | O_CLOEXEC);
+  if (probe >= 0) {
+    void *blk = NULL;
+    REQUIRE(posix_memalign(&blk, 4096, 4096) == 0);
+    memset(blk, 1, 4096);
+    g_direct_ok = pwrite(probe, blk, 4096, 0) == 4096;
+    free(blk);
+    close(probe);
+  }
+  printf("O_DIRECT in %s: %s\n", g_dir,
+         g_direct_ok ? "works" : "refused (the direct cases run buffered, with a note)");
+  int fds1 = count_fds();
+
+#define RUN(call)             \
+  do {                        \
+    printf("== %s\n", #call); \
+    call;                     \
+  } while (0)
+  RUN(test_bad_args());
+  RUN(test_roundtrips());
+  RUN(test_injected());
+  RUN(test_eof());
+  RUN(test_completion());
+  RUN(test_budget());
+  RUN(test_refused_direct());
+
+  /* Every O_DIRECT descriptor was closed again (the stream and pool threads hold none). */
+  CHECK_EQ_INT(count_fds(), fds1);
+  CHECK_OK(pm_stream_destroy(g_s));
+  close(g_fd);
+  free(g_bytes);
+  pm_test_rmtree(g_dir);
+  CHECK_EQ_INT(count_fds(), fds0);
+  CHECK_OK(pm_finalize());
+  return pm_test_finish("test_file");
+}
