@@ -9,10 +9,12 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -35,7 +37,8 @@ static char g_path[600];
 static int g_fd = -1;           /* the test file, read-write */
 static unsigned char *g_bytes;  /* what the file holds */
 static size_t g_size;     /* the file's size now */
-static size_t g_size_max; /* the largest it gets */
+static size_t g_size_max; /* its usual size */
+static size_t g_alloc;    /* bytes of g_bytes: the most file_reset_size may write */
 static pm_stream_t g_s;
 static bool g_direct_ok; /* the scratch directory's filesystem takes O_DIRECT */
 
@@ -120,6 +123,7 @@ static void opts(pm_file_options_t *o, pm_file_io_t io, size_t chunk) {
 
 /* (Re)write the test file with `size` seeded bytes through plain pwrite. */
 static void file_reset_size(uint64_t seed, size_t size) {
+  REQUIRE(size <= g_alloc);
   g_size = size;
   pm_test_fill(g_bytes, g_size, seed);
   REQUIRE(ftruncate(g_fd, 0) == 0);
@@ -265,12 +269,40 @@ static void test_roundtrips(void) {
 
 /* ---- errors --------------------------------------------------------------------------------- */
 
+/* Callbacks: those of the current case (g_cb_count), and of the whole run against the calls that
+ * succeeded with one (checked once at the end, so a second call of a callback is seen however
+ * late it comes). Waits use a condition variable, not sleeps. */
+static pthread_mutex_t g_cb_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cb_cv = PTHREAD_COND_INITIALIZER;
+static atomic_int g_cb_total, g_cb_expected;
 static atomic_int g_cb_count;
 static atomic_int g_cb_status;
 static void count_cb(void *arg, pm_status_t st) {
   (void)arg;
   atomic_store(&g_cb_status, st);
+  pthread_mutex_lock(&g_cb_mu);
   atomic_fetch_add(&g_cb_count, 1);
+  atomic_fetch_add(&g_cb_total, 1);
+  pthread_cond_broadcast(&g_cb_cv);
+  pthread_mutex_unlock(&g_cb_mu);
+}
+
+/* Wait until `counter` reaches want (at most `ms`); its value then. */
+static int cb_wait(atomic_int *counter, int want, int ms) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += ms / 1000;
+  dl.tv_nsec += (long)(ms % 1000) * 1000000;
+  if (dl.tv_nsec >= 1000000000) {
+    dl.tv_sec++;
+    dl.tv_nsec -= 1000000000;
+  }
+  pthread_mutex_lock(&g_cb_mu);
+  while (atomic_load(counter) < want)
+    if (pthread_cond_timedwait(&g_cb_cv, &g_cb_mu, &dl) != 0) break;
+  int v = atomic_load(counter);
+  pthread_mutex_unlock(&g_cb_mu);
+  return v;
 }
 
 static bool has(const char *s) {
@@ -308,6 +340,7 @@ static void inject_case(pm__fault_op_t op, int err, const char *spec, mem_t kind
   if (want == PM_OK) {
     CHECK_OK(st);
     if (st == PM_OK) {
+      atomic_fetch_add(&g_cb_expected, 1);
       CHECK_OK(pm_fence_wait(f));
       CHECK_OK(pm_fence_release(f));
       CHECK_EQ_INT(atomic_load(&g_cb_count), 1);
@@ -333,8 +366,8 @@ static void inject_case(pm__fault_op_t op, int err, const char *spec, mem_t kind
     CHECK(has("at offset"));
     CHECK(has("injected fault"));
     CHECK_OK(pm_stream_synchronize(g_s));
-    pm_test_sleep_ms(20);
-    CHECK_EQ_INT(atomic_load(&g_cb_count), 0); /* a failed call never calls back */
+    CHECK_EQ_INT(atomic_load(&g_cb_count), 0); /* a failed call never calls back (and the
+                                                   run's total at the end would show a late one) */
   }
   buf_free(&b);
 }
@@ -434,6 +467,7 @@ static void test_bad_args(void) {
   pm_file_options_init(&o);
   o.callback = count_cb;
   atomic_store(&g_cb_count, 0);
+  atomic_fetch_add(&g_cb_expected, 2);
   CHECK_OK(pm_file_read_async(g_fd, 0, 0, buf, g_s, &o, &f));
   CHECK_OK(pm_fence_wait(f));
   CHECK_OK(pm_fence_query(f));
@@ -469,9 +503,8 @@ static void test_completion(void) {
         CHECK_OK(pm_fence_release(f));
       }
       CHECK_OK(pm_stream_synchronize(g_s));
-      for (int i = 0; i < 500 && atomic_load(&g_cb_count) == 0; i++) pm_test_sleep_ms(2);
-      pm_test_sleep_ms(10);
-      CHECK_EQ_INT(atomic_load(&g_cb_count), 1);
+      atomic_fetch_add(&g_cb_expected, 1);
+      CHECK_EQ_INT(cb_wait(&g_cb_count, 1, 10000), 1);
       CHECK_EQ_INT(atomic_load(&g_cb_status), PM_OK);
       atomic_store(&g_cb_count, 0);
       f = NULL;
@@ -480,9 +513,8 @@ static void test_completion(void) {
         CHECK_OK(pm_fence_wait(f));
         CHECK_OK(pm_fence_release(f));
       }
-      for (int i = 0; i < 500 && atomic_load(&g_cb_count) == 0; i++) pm_test_sleep_ms(2);
-      pm_test_sleep_ms(10);
-      CHECK_EQ_INT(atomic_load(&g_cb_count), 1);
+      atomic_fetch_add(&g_cb_expected, 1);
+      CHECK_EQ_INT(cb_wait(&g_cb_count, 1, 10000), 1);
       file_reset_size(5, 1100000);
     }
     buf_free(&b);
@@ -612,7 +644,9 @@ int main(void) {
   g_fd = open(g_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   REQUIRE(g_fd >= 0);
   g_size_max = (g_small ? ((size_t)1 << 20) : ((size_t)16 << 20)) + 3 + 3 * 8192;
-  g_bytes = malloc(g_size_max);
+  /* test_completion's file is 1.1 MB whatever the mode. */
+  g_alloc = PM__MAX(g_size_max, (size_t)2 << 20);
+  g_bytes = malloc(g_alloc);
   REQUIRE(g_bytes != NULL);
   REQUIRE_OK(pm_stream_create(&g_s));
   int probe = open(g_path, O_RDWR | O_DIRECT | O_CLOEXEC);
@@ -640,6 +674,11 @@ int main(void) {
   RUN(test_completion());
   RUN(test_budget());
   RUN(test_refused_direct());
+
+  /* Every callback ran exactly once: none is missing, and none came twice (a late second call
+   * would show within the wait). */
+  CHECK_EQ_INT(cb_wait(&g_cb_total, atomic_load(&g_cb_expected) + 1, 200),
+               atomic_load(&g_cb_expected));
 
   /* Every O_DIRECT descriptor was closed again (the stream and pool threads hold none). */
   CHECK_EQ_INT(count_fds(), fds1);
