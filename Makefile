@@ -56,7 +56,7 @@ test-valgrind: deps-test
 	cmake -S . -B $(BUILD)-host -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF $(CMAKE_ARGS)
 	cmake --build $(BUILD)-host -j $(JOBS)
 	cd $(BUILD)-host && PINMEM_TEST_SMALL=1 $(CTEST) -L host -E cli -j $(JOBS) -T memcheck --overwrite MemoryCheckCommand=$$(command -v valgrind) \
-	  --overwrite MemoryCheckCommandOptions="--error-exitcode=97 --leak-check=full --errors-for-leak-kinds=definite,indirect --track-origins=no"
+	  --overwrite MemoryCheckCommandOptions="--error-exitcode=97 --leak-check=full --errors-for-leak-kinds=definite,indirect --track-origins=no --suppressions=$(CURDIR)/tests/valgrind.supp"
 
 # libFuzzer smoke runs (tests/fuzz): clang, ASan+UBSan, FUZZ_SECONDS per target from the
 # committed seed corpus.
