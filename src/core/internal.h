@@ -225,10 +225,10 @@ int pm__cpus_count(const pm__cpus_t *cpus);
 bool pm__cpus_has(const pm__cpus_t *cpus, int cpu);
 
 typedef struct pm__numa_node {
-  int id;              /* N of /sys/devices/system/node/nodeN */
-  bool cpus_known;     /* cpulist read and parsed */
+  int id;          /* N of /sys/devices/system/node/nodeN */
+  bool cpus_known; /* cpulist read and parsed */
   pm__cpus_t cpus;
-  bool mem_known;      /* meminfo read with both MemTotal and MemFree */
+  bool mem_known;             /* meminfo read with both MemTotal and MemFree */
   size_t mem_total, mem_free; /* bytes */
 } pm__numa_node_t;
 
@@ -242,7 +242,7 @@ typedef struct pm__numa_device {
 typedef struct pm__topology {
   int node_count; /* nodes found; 0 when the node directory is missing (no NUMA support) */
   pm__numa_node_t nodes[PM__NUMA_MAX_NODES]; /* ascending id */
-  bool multi_node; /* more than one node */
+  bool multi_node;                           /* more than one node */
   int device_count;
   pm__numa_device_t devices[PM__NUMA_MAX_DEVICES];
   /* What could not be read, "; "-separated ("node1/cpulist: malformed '0-x'"); "" if all. */
