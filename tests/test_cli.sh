@@ -116,6 +116,8 @@ if expect_rc info 0; then
   expect_grep info out '^physical memory +[0-9]'
   expect_grep info out '^devices: [1-9]'
   expect_grep info out '^ +budget +[1-9][0-9]* bytes'
+  expect_grep info out '^NUMA: (single node|[2-9][0-9]* nodes|no NUMA information)$'
+  expect_grep info out '^ +device 0 +no PCI location \(the host backend'
   expect_grep info out '^ +NAME +ENV +VALUE +SOURCE +DEFAULT'
   for opt in backend budget budget_policy pin_threads fast_pin_min huge_pages; do
     expect_grep info out "^ +$opt +PINMEM_[A-Z_]+ +"
@@ -156,6 +158,21 @@ for d in devs:
               'host_register_read_only'):
         if k not in d:
             bad('device line lacks %r: %r' % (k, d))
+numa = [r for r in rows if r.get('info') == 'numa']
+nnodes = [r for r in rows if r.get('info') == 'numa_node']
+ndevs = [r for r in rows if r.get('info') == 'numa_device']
+if len(numa) != 1:
+    bad('want one numa line, got %d' % len(numa))
+elif numa[0].get('nodes') != len(nnodes) or numa[0].get('multi_node') != (len(nnodes) > 1):
+    bad('numa line %r does not match its %d numa_node lines' % (numa[0], len(nnodes)))
+for n in nnodes:
+    if not isinstance(n.get('node'), int) or 'cpus' not in n or 'mem_total' not in n:
+        bad('numa_node line: %r' % n)
+if len(ndevs) != len(devs):
+    bad('%d numa_device lines for %d devices' % (len(ndevs), len(devs)))
+for d in ndevs:
+    if d.get('pci_location') is not False or d.get('pci_bus_id') is not None or d.get('node') != -1:
+        bad('host device should have no PCI location: %r' % d)
 opts = [r for r in rows if r.get('info') == 'option']
 names = [o.get('name') for o in opts]
 for want in ('backend', 'device', 'budget', 'budget_policy', 'budget_timeout', 'pin_threads',

@@ -40,7 +40,6 @@ static void read_thp(char *mode, size_t mode_len, char *raw, size_t raw_len) {
   fclose(f);
 }
 
-
 static const char *pcie_text(int gen, int width, char *buf, size_t len) {
   if (gen < 0 && width < 0)
     snprintf(buf, len, "unknown");
@@ -99,6 +98,150 @@ static void backend_reason(bool started, char *buf, size_t len) {
     snprintf(buf, len, "%s", pm__backend_reason());
   else
     snprintf(buf, len, "auto");
+}
+
+/* A device's CPUs for the topology lines: its own local_cpulist, else its node's list. */
+static const char *device_cpus(const pm__topology_t *t, const pm__numa_device_t *dv, char *buf,
+                               size_t len, const char **from) {
+  *from = "local_cpulist";
+  if (dv->cpus_known) {
+    pm__cpulist_format(&dv->cpus, buf, len);
+    return buf;
+  }
+  for (int k = 0; dv->node >= 0 && k < t->node_count; k++)
+    if (t->nodes[k].id == dv->node && t->nodes[k].cpus_known) {
+      *from = "node";
+      pm__cpulist_format(&t->nodes[k].cpus, buf, len);
+      return buf;
+    }
+  *from = "none";
+  snprintf(buf, len, "unknown");
+  return buf;
+}
+
+/* NUMA: device -> PCI bus id -> node -> CPUs, each node's CPUs and memory, and how many nodes.
+ * Unreadable parts are shown as unknown and listed, never an error: many machines and
+ * containers show no NUMA information at all. */
+static void info_numa(bool json, info_failure_t *fail) {
+  char b1[64], b2[64];
+  int count = 0;
+  if (pm_device_count(&count) != PM_OK) count = 0;
+  if (count > PM__NUMA_MAX_DEVICES) count = PM__NUMA_MAX_DEVICES;
+  char ids[PM__NUMA_MAX_DEVICES][32];
+  const char *idp[PM__NUMA_MAX_DEVICES];
+  for (int d = 0; d < count; d++) {
+    pm_device_info_t di;
+    ids[d][0] = '\0';
+    if (pm_device_get_info(d, &di) == PM_OK) snprintf(ids[d], sizeof ids[d], "%s", di.pci_bus_id);
+    idp[d] = ids[d];
+  }
+  pm__topology_t *t = calloc(1, sizeof *t);
+  pm_status_t st = t ? pm__topology_read(NULL, idp, count, t)
+                     : pm__set_error(PM_ERR_NOMEM, "NUMA topology: out of memory");
+  if (st != PM_OK) {
+    note_failure(fail, st);
+    if (!json) printf("\nNUMA: %s: %s\n", pm_status_name(st), pm_last_error());
+    free(t);
+    return;
+  }
+  char cpus[1024], nodes_txt[64];
+  if (t->node_count == 0)
+    snprintf(nodes_txt, sizeof nodes_txt, "no NUMA information");
+  else if (!t->multi_node)
+    snprintf(nodes_txt, sizeof nodes_txt, "single node");
+  else
+    snprintf(nodes_txt, sizeof nodes_txt, "%d nodes", t->node_count);
+
+  if (json) {
+    cli_json_t j;
+    cli_json_begin(&j);
+    cli_json_str(&j, "info", "numa");
+    cli_json_int(&j, "nodes", t->node_count);
+    cli_json_bool(&j, "multi_node", t->multi_node);
+    cli_json_str(&j, "summary", nodes_txt);
+    cli_json_str(&j, "problems", t->problems);
+    cli_json_end(&j);
+    for (int k = 0; k < t->node_count; k++) {
+      const pm__numa_node_t *n = &t->nodes[k];
+      cli_json_begin(&j);
+      cli_json_str(&j, "info", "numa_node");
+      cli_json_int(&j, "node", n->id);
+      if (n->cpus_known) {
+        pm__cpulist_format(&n->cpus, cpus, sizeof cpus);
+        cli_json_str(&j, "cpus", cpus);
+        cli_json_int(&j, "cpu_count", pm__cpus_count(&n->cpus));
+      } else {
+        cli_json_null(&j, "cpus");
+        cli_json_null(&j, "cpu_count");
+      }
+      if (n->mem_known) {
+        cli_json_uint(&j, "mem_total", n->mem_total);
+        cli_json_uint(&j, "mem_free", n->mem_free);
+      } else {
+        cli_json_null(&j, "mem_total");
+        cli_json_null(&j, "mem_free");
+      }
+      cli_json_end(&j);
+    }
+    for (int d = 0; d < t->device_count; d++) {
+      const pm__numa_device_t *dv = &t->devices[d];
+      const char *from;
+      cli_json_begin(&j);
+      cli_json_str(&j, "info", "numa_device");
+      cli_json_int(&j, "index", d);
+      cli_json_bool(&j, "pci_location", dv->pci_bus_id[0] != '\0');
+      cli_json_str(&j, "pci_bus_id", dv->pci_bus_id[0] ? dv->pci_bus_id : NULL);
+      cli_json_int(&j, "node", dv->node);
+      device_cpus(t, dv, cpus, sizeof cpus, &from);
+      cli_json_str(&j, "cpus", strcmp(from, "none") ? cpus : NULL);
+      cli_json_str(&j, "cpus_from", from);
+      cli_json_end(&j);
+    }
+  } else {
+    printf("\nNUMA: %s\n", nodes_txt);
+    cli_table_t tb;
+    cli_table_init(&tb, 2);
+    for (int d = 0; d < t->device_count; d++) {
+      const pm__numa_device_t *dv = &t->devices[d];
+      char head[32], txt[1200], node[32];
+      const char *from;
+      snprintf(head, sizeof head, "device %d", d);
+      if (!dv->pci_bus_id[0]) {
+        snprintf(txt, sizeof txt, "no PCI location (the %s backend has no PCI device)",
+                 pm_backend_name());
+      } else {
+        device_cpus(t, dv, cpus, sizeof cpus, &from);
+        if (dv->node >= 0)
+          snprintf(node, sizeof node, "node %d", dv->node);
+        else
+          snprintf(node, sizeof node, "node unknown");
+        snprintf(txt, sizeof txt, "PCI %s -> %s -> CPUs %s%s", dv->pci_bus_id, node, cpus,
+                 strcmp(from, "node") == 0 ? " (the node's)" : "");
+      }
+      cli_table_row(&tb, head, txt);
+    }
+    for (int k = 0; k < t->node_count; k++) {
+      const pm__numa_node_t *n = &t->nodes[k];
+      char head[32], txt[1300], mem[160];
+      snprintf(head, sizeof head, "node %d", n->id);
+      if (n->mem_known)
+        snprintf(mem, sizeof mem, "memory %s (%s free)", cli_fmt_bytes(n->mem_total, b1, sizeof b1),
+                 cli_fmt_bytes(n->mem_free, b2, sizeof b2));
+      else
+        snprintf(mem, sizeof mem, "memory unknown");
+      if (n->cpus_known) {
+        pm__cpulist_format(&n->cpus, cpus, sizeof cpus);
+        snprintf(txt, sizeof txt, "CPUs %s (%d), %s", cpus[0] ? cpus : "none",
+                 pm__cpus_count(&n->cpus), mem);
+      } else {
+        snprintf(txt, sizeof txt, "CPUs unknown, %s", mem);
+      }
+      cli_table_row(&tb, head, txt);
+    }
+    if (t->problems[0]) add_wrapped(&tb, "not read", t->problems, 76);
+    cli_table_print(&tb, 2);
+  }
+  free(t);
 }
 
 int cli_cmd_info(bool json) {
@@ -260,6 +403,9 @@ int cli_cmd_info(bool json) {
       }
     }
   }
+
+  /* ---- NUMA topology ---- */
+  if (init_st == PM_OK) info_numa(json, &fail);
 
   /* ---- the default pool ---- */
   if (init_st == PM_OK) {

@@ -204,6 +204,59 @@ static inline size_t pm__align_up(size_t v, size_t align) {
   return (v + align - 1) & ~(align - 1);
 }
 
+/* ---- numa.c: topology from sysfs ----------------------------------------------------------- */
+
+#define PM__CPUS_MAX 1024 /* CPU ids at or above are rejected by the parser */
+#define PM__NUMA_MAX_NODES 64
+#define PM__NUMA_MAX_DEVICES 64
+
+/* A set of CPU ids, as a bit mask. */
+typedef struct pm__cpus {
+  uint64_t bits[PM__CPUS_MAX / 64];
+} pm__cpus_t;
+
+/* Parse a kernel cpulist ("0-3,8,10-11", trailing newline allowed, "" = empty set) into
+ * *out. PM_ERR_FORMAT with the offending text in pm_last_error() on bad input (a reversed
+ * range, a stray character, an id >= PM__CPUS_MAX); *out is set only on success. */
+pm_status_t pm__cpulist_parse(const char *text, pm__cpus_t *out);
+/* Write the set back as a cpulist ("0-3,8"); "" for the empty set; truncated to len. */
+void pm__cpulist_format(const pm__cpus_t *cpus, char *buf, size_t len);
+int pm__cpus_count(const pm__cpus_t *cpus);
+bool pm__cpus_has(const pm__cpus_t *cpus, int cpu);
+
+typedef struct pm__numa_node {
+  int id;          /* N of /sys/devices/system/node/nodeN */
+  bool cpus_known; /* cpulist read and parsed */
+  pm__cpus_t cpus;
+  bool mem_known;             /* meminfo read with both MemTotal and MemFree */
+  size_t mem_total, mem_free; /* bytes */
+} pm__numa_node_t;
+
+typedef struct pm__numa_device {
+  char pci_bus_id[32]; /* as asked for, lowercased; "" = the device has no PCI location */
+  int node;            /* numa_node; -1 unknown (file missing, unreadable, or the kernel's -1) */
+  bool cpus_known;     /* local_cpulist read and parsed */
+  pm__cpus_t cpus;
+} pm__numa_device_t;
+
+typedef struct pm__topology {
+  int node_count; /* nodes found; 0 when the node directory is missing (no NUMA support) */
+  pm__numa_node_t nodes[PM__NUMA_MAX_NODES]; /* ascending id */
+  bool multi_node;                           /* more than one node */
+  int device_count;
+  pm__numa_device_t devices[PM__NUMA_MAX_DEVICES];
+  /* What could not be read, "; "-separated ("node1/cpulist: malformed '0-x'"); "" if all. */
+  char problems[512];
+} pm__topology_t;
+
+/* Read the NUMA topology under `sysfs_root` (NULL = "/sys"; tests pass a fake tree): every
+ * node's CPUs and memory, and for each of the n PCI bus ids its node and local CPUs. Missing
+ * or malformed files do not fail the call: the part is marked unknown and named in
+ * out->problems. PM_ERR_INVALID for a NULL out, n < 0 or n > PM__NUMA_MAX_DEVICES, NULL ids
+ * with n > 0. No locks, no caching (the caller owns *out, ~21 KiB: heap or a large stack). */
+pm_status_t pm__topology_read(const char *sysfs_root, const char *const *bus_ids, int n,
+                              pm__topology_t *out);
+
 /* ---- api.c ------------------------------------------------------------------------------- */
 
 /* The active backend, initialising on first use. NULL (and pm__set_error) if none could start. */
