@@ -639,7 +639,6 @@ class Loader:
     def _open_epoch(self, epoch, batch, resume=None):
         """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch
         mode) a loader for this epoch alone."""
-        cfg = dict(self._config)
         if self._per_epoch:
             if self._pool is not None and not self._persistent and epoch > 0 and \
                     self._pool.epoch != epoch:
@@ -652,8 +651,7 @@ class Loader:
                     raise InvalidError("PM_ERR_INVALID: the sampler yielded no indices")
                 ds = _pinmem._dataset_select(self._base, order)
             self._ds = ds
-            cfg["epochs"] = epoch + 1
-        self._c = _pinmem._Loader(self._ds, resume=resume, **cfg)
+        self._c = _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch))
         if self._pool is not None:
             self._pool.epoch = epoch
 
@@ -788,6 +786,8 @@ class Loader:
             self._iteration_s = self._conversion_s = 0.0  # as the library's counters
 
     def _epoch_config(self, epoch):
+        """The C loader's configuration for a loader starting in `epoch` (per-epoch mode: that
+        epoch alone)."""
         cfg = dict(self._config)
         if self._per_epoch:
             cfg["epochs"] = epoch + 1
@@ -873,7 +873,6 @@ def _seed_from(generator):
 
 def _mix_seed(seed, epoch):
     """The workers' base seed for an epoch when they are started anew each epoch."""
-    from . import _pinmem as p  # noqa: F401  (keeps the module's import order)
     x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 1) & ((1 << 64) - 1)
     x ^= x >> 31
     x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)

@@ -113,8 +113,7 @@ class Schema:
 
     def specs(self):
         """(sample shape, dtype text, itemsize) per leaf, for the C dataset."""
-        return [(shape, dt.str if dt.kind != "b" else "|b1", dt.itemsize)
-                for dt, shape, _ in self.leaves]
+        return [(shape, dt.str, dt.itemsize) for dt, shape, _ in self.leaves]
 
     def rebuild(self, values):
         """The batch's structure around the leaf values (in leaf order)."""

@@ -187,6 +187,26 @@ int pmpy_field_spec(int k, const char *descr, size_t itemsize, int ndim, const P
   return 0;
 }
 
+/* d->ds: a callback dataset of n fields read by `read` with d as its user. -1 with the
+ * exception set on failure. */
+static int create_fields(DatasetObject *d, uint64_t samples, int n, const pm_field_t *f,
+                         pm_fields_read_fn read) {
+  d->nfields = n;
+  pm_dataset_fields_callbacks_t cb;
+  memset(&cb, 0, sizeof cb);
+  cb.samples = samples;
+  cb.nfields = n;
+  cb.fields = f;
+  cb.read = read;
+  cb.user = d;
+  pm_status_t st = pm_dataset_create_fields(&cb, &d->ds);
+  if (st != PM_OK) {
+    pmpy_raise_status(st);
+    return -1;
+  }
+  return 0;
+}
+
 static int arrays_read(uint64_t index, void *const *dsts, void *user) {
   DatasetObject *d = user;
   for (int k = 0; k < d->nfields; k++)
@@ -251,19 +271,7 @@ static PyObject *py_dataset_arrays(PyObject *mod, PyObject *args) {
       goto fail;
     }
   }
-  d->nfields = (int)n;
-  pm_dataset_fields_callbacks_t cb;
-  memset(&cb, 0, sizeof cb);
-  cb.samples = (uint64_t)d->views[0].shape[0];
-  cb.nfields = (int)n;
-  cb.fields = f;
-  cb.read = arrays_read;
-  cb.user = d;
-  pm_status_t st = pm_dataset_create_fields(&cb, &d->ds);
-  if (st != PM_OK) {
-    pmpy_raise_status(st);
-    goto fail;
-  }
+  if (create_fields(d, (uint64_t)d->views[0].shape[0], (int)n, f, arrays_read) < 0) goto fail;
   Py_DECREF(seq);
   return (PyObject *)d;
 fail:
@@ -357,20 +365,8 @@ static PyObject *py_dataset_python(PyObject *mod, PyObject *args) {
     if (pmpy_parse_spec(PySequence_Fast_GET_ITEM(seq, k), (int)k, &f[k], &d->fbytes[k]) < 0)
       goto fail;
   }
-  d->nfields = (int)n;
   d->fetch = Py_NewRef(fetch);
-  pm_dataset_fields_callbacks_t cb;
-  memset(&cb, 0, sizeof cb);
-  cb.samples = samples;
-  cb.nfields = (int)n;
-  cb.fields = f;
-  cb.read = python_read;
-  cb.user = d;
-  pm_status_t st = pm_dataset_create_fields(&cb, &d->ds);
-  if (st != PM_OK) {
-    pmpy_raise_status(st);
-    goto fail;
-  }
+  if (create_fields(d, samples, (int)n, f, python_read) < 0) goto fail;
   Py_DECREF(seq);
   return (PyObject *)d;
 fail:

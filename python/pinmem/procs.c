@@ -47,7 +47,7 @@
 #define KNOWN_MAX 256
 #define ERR_INDICES 8
 
-enum { ERR_NONE, ERR_REPLY, ERR_EOF, ERR_TIMEOUT, ERR_SEND, ERR_CANCEL, ERR_SHARED };
+enum { ERR_NONE, ERR_REPLY, ERR_EOF, ERR_TIMEOUT, ERR_SEND, ERR_CANCEL, ERR_SHARED, ERR_RETRY };
 
 typedef struct {
   pthread_mutex_t mu;
@@ -124,6 +124,31 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* Read the one reply waiting on c's socket into *buf (malloc'd, *len bytes): ERR_NONE,
+ * ERR_RETRY (nothing there after all), ERR_EOF (the process is gone) or ERR_SEND. */
+static int recv_reply(chan_t *c, char **buf, size_t *len) {
+  char probe;
+  ssize_t want = recv(c->fd, &probe, 1, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT);
+  if (want < 0 && (errno == EINTR || errno == EAGAIN)) return ERR_RETRY;
+  if (want == 0 || (want < 0 && errno == ECONNRESET)) {
+    c->dead = true;
+    return ERR_EOF;
+  }
+  if (want < 0) return ERR_SEND;
+  char *b = malloc((size_t)want);
+  if (!b) return ERR_SEND;
+  ssize_t got = recv(c->fd, b, (size_t)want, MSG_DONTWAIT);
+  if (got != want) {
+    free(b);
+    if (got != 0) return ERR_SEND;
+    c->dead = true;
+    return ERR_EOF;
+  }
+  *buf = b;
+  *len = (size_t)got;
+  return ERR_NONE;
+}
+
 /* Wait for channel c's reply and read it into *buf (malloc'd, *len bytes). Returns ERR_NONE, or
  * the kind of failure. */
 static int wait_reply(struct pmpy_procs *P, chan_t *c, char **buf, size_t *len) {
@@ -146,34 +171,8 @@ static int wait_reply(struct pmpy_procs *P, chan_t *c, char **buf, size_t *len) 
     if (r == 0) continue; /* the deadline check above decides */
     if (pf[1].revents) return ERR_CANCEL;
     if (!pf[0].revents) continue;
-    char probe;
-    ssize_t want = recv(c->fd, &probe, 1, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT);
-    if (want < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      if (errno == ECONNRESET) {
-        c->dead = true;
-        return ERR_EOF;
-      }
-      return ERR_SEND;
-    }
-    if (want == 0) {
-      c->dead = true;
-      return ERR_EOF;
-    }
-    char *b = malloc((size_t)want);
-    if (!b) return ERR_SEND;
-    ssize_t got = recv(c->fd, b, (size_t)want, MSG_DONTWAIT);
-    if (got != want) {
-      free(b);
-      if (got == 0) {
-        c->dead = true;
-        return ERR_EOF;
-      }
-      return ERR_SEND;
-    }
-    *buf = b;
-    *len = (size_t)got;
-    return ERR_NONE;
+    int kind = recv_reply(c, buf, len);
+    if (kind != ERR_RETRY) return kind;
   }
 }
 
@@ -522,18 +521,17 @@ static PyObject *py_procs_drain(PyObject *mod, PyObject *args) {
       int ms = (int)((deadline - now_s()) * 1000.0);
       int r = ms > 0 ? poll(&pf, 1, ms) : 0;
       if (r < 0 && errno == EINTR) continue;
-      char probe;
-      ssize_t want = r > 0 ? recv(c->fd, &probe, 1, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT) : -1;
-      if (want > 0) {
-        char *b = malloc((size_t)want);
-        ssize_t got = b ? recv(c->fd, b, (size_t)want, MSG_DONTWAIT) : -1;
+      if (r > 0) {
+        char *b = NULL;
+        size_t n;
+        int kind = recv_reply(c, &b, &n);
         free(b);
-        if (got == want) {
+        if (kind == ERR_RETRY) continue;
+        if (kind == ERR_NONE) {
           c->pending--;
           continue;
         }
       }
-      if (want < 0 && r > 0 && (errno == EINTR || errno == EAGAIN)) continue;
       c->dead = true; /* gone, or no answer in time: never trust this channel's order again */
       ok = false;
     }

@@ -527,18 +527,27 @@ static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
   return PM_OK;
 }
 
+/* What both calls do first: the options checked (and their copy-engine form), the call's state
+ * prepared. */
+static pm_status_t begin(fio_t *c, const char *fn, bool write, int fd, uint64_t offset,
+                         size_t bytes, const void *mem, pm_stream_t stream,
+                         const pm_file_options_t *options, pm_file_options_t *o,
+                         pm_copy_options_t *co, bool *empty) {
+  pm_status_t st = read_options(options, fn, o);
+  if (st != PM_OK) return st;
+  copy_opts(o, co);
+  return prepare(c, fn, write, fd, offset, bytes, mem, stream, o, empty);
+}
+
 pm_status_t pm_file_read_async(int fd, uint64_t offset, size_t bytes, void *dst,
                                pm_stream_t stream, const pm_file_options_t *options,
                                pm_fence_t *fence_out) {
   const char *fn = "pm_file_read_async";
   pm_file_options_t o;
-  pm_status_t st = read_options(options, fn, &o);
-  if (st != PM_OK) return st;
   pm_copy_options_t co;
-  copy_opts(&o, &co);
   fio_t c;
   bool empty;
-  st = prepare(&c, fn, false, fd, offset, bytes, dst, stream, &o, &empty);
+  pm_status_t st = begin(&c, fn, false, fd, offset, bytes, dst, stream, options, &o, &co, &empty);
   if (st != PM_OK) return st;
   if (empty || !c.device) {
     if (!empty) st = run(&c, &o);
@@ -588,13 +597,11 @@ pm_status_t pm_file_write_async(int fd, uint64_t offset, size_t bytes, const voi
                                 pm_fence_t *fence_out) {
   const char *fn = "pm_file_write_async";
   pm_file_options_t o;
-  pm_status_t st = read_options(options, fn, &o);
-  if (st != PM_OK) return st;
   pm_copy_options_t co;
-  copy_opts(&o, &co);
   fio_t c;
   bool empty;
-  st = prepare(&c, fn, true, fd, offset, bytes, src, stream, &o, &empty);
+  pm_status_t st =
+      begin(&c, fn, true, fd, offset, bytes, src, stream, options, &o, &co, &empty);
   if (st != PM_OK) return st;
   if (!empty) st = run(&c, &o);
   if (c.dfd >= 0) close(c.dfd);
