@@ -222,6 +222,21 @@ PARSE_RANGE(parse_slots_or_0, 0, PM__MAX_SLOTS)
 /* The loader's and the copy engine's own limits, so the option refuses what the argument does. */
 PARSE_RANGE(parse_loader_workers, 0, PM__LOADER_MAX_WORKERS)
 PARSE_RANGE(parse_copy_threads, 0, PM__COPY_MAX_THREADS)
+PARSE_RANGE(parse_host_devices, 1, 16)
+
+static bool parse_numa(const char *t, pm__optval_t *out, char *why, size_t n) {
+  if (!strcasecmp(t, "auto")) {
+    out->i = PM__NUMA_AUTO;
+    return true;
+  }
+  if (!strcasecmp(t, "off")) {
+    out->i = PM__NUMA_OFF;
+    return true;
+  }
+  if (parse_long_range(t, 0, PM__NUMA_MAX_NODES - 1, out, why, n)) return true;
+  snprintf(why, n, "not auto, off or a node number 0..%d", PM__NUMA_MAX_NODES - 1);
+  return false;
+}
 
 /* Rows in pm__opt_t order; the static assert below catches an enum value without a row. */
 static const pm__opt_def_t opt_table[] = {
@@ -321,6 +336,18 @@ static const pm__opt_def_t opt_table[] = {
                               "queued as soon as its rows are written, so the DMA reads them while "
                               "they are still in the cache (at most 1024 parts a slot)",
                               parse_size_any, PM__T_SIZE, 0},
+    [PM__OPT_NUMA] = {"numa", "PINMEM_NUMA", "auto",
+                      "NUMA node of newly pinned pool memory: auto (the current device's node; "
+                      "nothing on a single-node machine), off (the kernel's default policy) or "
+                      "a node number",
+                      parse_numa, PM__T_INT, 0},
+    [PM__OPT_NUMA_THREADS] = {"numa_threads", "PINMEM_NUMA_THREADS", "1",
+                              "0|1: pinmem's threads (pinning, staging, loader) run on the CPUs of "
+                              "the device's NUMA node",
+                              parse_bool01, PM__T_INT, 0},
+    [PM__OPT_HOST_DEVICES] = {"host_devices", "PINMEM_HOST_DEVICES", "1",
+                              "devices the host backend simulates (1..16). Read at pm_init.",
+                              parse_host_devices, PM__T_INT, 0},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");

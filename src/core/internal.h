@@ -132,6 +132,9 @@ typedef enum pm__opt {
   PM__OPT_COPY_PIECE,         /* size: ring slots filled by all threads in pieces; 0 = off */
   PM__OPT_COPY_PIECE_SLOTS,   /* int: ring depth of the copy_piece layout; 0 = copy_slots */
   PM__OPT_LOADER_PIECE,       /* size: a loader slot's copy in parts of this size; 0 = whole */
+  PM__OPT_NUMA,               /* auto|off|N -> pm__opt_int: PM__NUMA_AUTO, PM__NUMA_OFF or N */
+  PM__OPT_NUMA_THREADS,       /* 0|1: pinmem's threads run on CPUs of the device's node */
+  PM__OPT_HOST_DEVICES,       /* int 1..16: devices the host backend simulates */
   PM__OPT_COUNT
 } pm__opt_t;
 
@@ -256,6 +259,15 @@ typedef struct pm__topology {
  * with n > 0. No locks, no caching (the caller owns *out, ~21 KiB: heap or a large stack). */
 pm_status_t pm__topology_read(const char *sysfs_root, const char *const *bus_ids, int n,
                               pm__topology_t *out);
+
+/* numa option values other than a node number. */
+#define PM__NUMA_AUTO (-1)
+#define PM__NUMA_OFF (-2)
+
+/* Called by each pinmem thread before it works for `device` (-1: no device): keeps the
+ * thread on CPUs of the device's NUMA node when option numa_threads allows it. Cheap when
+ * nothing changes (a thread-local compare). */
+void pm__numa_thread_follow(int device);
 
 /* ---- api.c ------------------------------------------------------------------------------- */
 
