@@ -135,6 +135,10 @@ typedef enum pm__opt {
   PM__OPT_NUMA,               /* auto|off|N -> pm__opt_int: PM__NUMA_AUTO, PM__NUMA_OFF or N */
   PM__OPT_NUMA_THREADS,       /* 0|1: pinmem's threads run on CPUs of the device's node */
   PM__OPT_HOST_DEVICES,       /* int 1..16: devices the host backend simulates */
+  PM__OPT_FILE_CHUNK,         /* size: bounce slot of pm_file_* calls that leave options->chunk 0 */
+  PM__OPT_FILE_THREADS,       /* int: I/O threads of pm_file_* calls; 0 = copy_threads */
+  PM__OPT_FILE_SLOTS,         /* int: bounce slots of a pm_file_* ring; 0 = threads + 2 */
+  PM__OPT_FILE_PART,          /* size: a read slot's H2D DMA queued in parts of this size; 0 = off */
   PM__OPT_COUNT
 } pm__opt_t;
 
