@@ -637,6 +637,7 @@ static void print_row(fbench_t *b, int c, const result_t *r) {
     printf("%-18s  %-30s %9.4f  %8.2f  %-20s  %s\n", k_cases[c], combo, r->seconds, gbps, cache,
            is_disk(c) ? "n/a (the disk alone)" : r->verified ? "full" : "NO (FAILED)");
   }
+  fflush(stdout); /* each row out at once: a sweep stopped by a time limit keeps its rows */
 }
 
 int pm_cli_bench_file(int argc, char **argv) {
