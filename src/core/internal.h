@@ -561,6 +561,9 @@ extern atomic_int pm__io_refuse_direct;
 /* pm_file_*_async (src/io/file.c): why the last call on this thread used buffered I/O where
  * direct was asked for ("" if it did not); for tools and tests. */
 const char *pm__file_note(void);
+/* Test hook: io=auto's smallest range (FILE_AUTO_MIN, 64 MiB, while 0), so tests of the
+ * residency rule need not move 64 MiB. */
+extern atomic_size_t pm__file_auto_min;
 
 struct pm_dataset_s {
   pm_dataset_info_t info;

@@ -57,6 +57,8 @@ static _Thread_local bool g_injected; /* the errno xfer_fd returned last was inj
 static _Atomic uint64_t g_bytes[2][2];
 static _Atomic uint64_t g_refused;
 
+atomic_size_t pm__file_auto_min;
+
 const char *pm__file_note(void) {
   return g_note;
 }
@@ -579,7 +581,9 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
   atomic_init(&c->err.status, PM_OK);
 
   bool direct = o->io == PM_FILE_IO_DIRECT;
-  if (o->io == PM_FILE_IO_AUTO && bytes >= FILE_AUTO_MIN) direct = auto_direct(c);
+  size_t auto_min = atomic_load(&pm__file_auto_min);
+  if (o->io == PM_FILE_IO_AUTO && bytes >= (auto_min ? auto_min : FILE_AUTO_MIN))
+    direct = auto_direct(c);
   if (direct) {
     st = open_direct(c, flags);
     if (st != PM_OK) return st;
