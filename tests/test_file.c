@@ -389,6 +389,28 @@ static void test_injected(void) {
       inject_case(PM__FAULT_FILE_READ, 0, "file_read=1+:short", k, io, PM_OK, NULL);
       inject_case(PM__FAULT_FILE_WRITE, 0, "file_write=1+:short", k, io, PM_OK, NULL);
     }
+  /* A direct write's unaligned tail goes last (after every direct middle): its failure is the
+   * call's, named with the tail's own offset. The write's calls are counted first. */
+  {
+    file_reset_size(3, 400000);
+    buf_t b;
+    buf_make(&b, MEM_DEVICE, 300001, 0);
+    buf_fill(&b, 5);
+    pm_file_options_t o;
+    opts(&o, PM_FILE_IO_DIRECT, 65536);
+    pm__fault_reset();
+    REQUIRE_OK(pm__fault_set(PM__FAULT_FILE_WRITE, 0, 0));
+    CHECK_OK(pm_file_write_async(g_fd, 777, 300001, b.p, g_s, &o, NULL));
+    pm__fault_counts_t fc;
+    pm__fault_counts(&fc);
+    REQUIRE_OK(pm__fault_file_errno(PM__FAULT_FILE_WRITE, EIO));
+    REQUIRE_OK(pm__fault_set(PM__FAULT_FILE_WRITE, fc.calls[PM__FAULT_FILE_WRITE], 0));
+    CHECK_ERR_MSG(pm_file_write_async(g_fd, 777, 300001, b.p, g_s, &o, NULL), PM_ERR_IO);
+    if (g_direct_ok) CHECK(has("1770 bytes at offset 299008"));
+    CHECK(has("injected fault"));
+    pm__fault_reset();
+    buf_free(&b);
+  }
   /* Specs that do not parse arm nothing. */
   CHECK_ST(pm__fault_configure("file_read=1:EWHAT"), PM_ERR_CONFIG);
   CHECK_ST(pm__fault_configure("memcpy=1:EIO"), PM_ERR_CONFIG);
