@@ -494,7 +494,9 @@ PM_API pm_status_t pm_file_read_async(int fd, uint64_t offset, size_t bytes, voi
  *  stream's earlier work, pwrite straight from src). Returns once the bytes are in the file
  *  (and, with options->fsync, on disk); the fence is then complete. ENOSPC, EIO etc.:
  *  PM_ERR_IO with the errno text, offset and fd (part of the range may have been written).
- *  The caller's fd is never changed (O_DIRECT goes through a second open of /proc/self/fd/N). */
+ *  The caller's fd is never changed (O_DIRECT goes through a second open of /proc/self/fd/N).
+ *  With O_DIRECT the range's unaligned head and tail are written buffered after the aligned
+ *  middle (io=auto takes O_DIRECT for writes of 64 MiB or more; docs/files.md). */
 PM_API pm_status_t pm_file_write_async(int fd, uint64_t offset, size_t bytes, const void *src,
                                        pm_stream_t stream, const pm_file_options_t *options,
                                        pm_fence_t *fence_out);

@@ -4,16 +4,18 @@
  * budget holds), DMAs are the backend's memcpy_async with one event per slot, threads come
  * from pm__parallel_for and completion is a copy fence (fence.c).
  *
- * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes that starts
- * at offset rounded down to 4 KiB, so every unit but the first starts 4 KiB-aligned and every
- * unit but the last ends so. Threads claim units from an atomic counter in ascending order.
+ * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes (option
+ * file_chunk, 16 MiB) that starts at offset rounded down to 4 KiB, so every unit but the first
+ * starts 4 KiB-aligned and every unit but the last ends so. Threads (option file_threads, else
+ * copy_threads) claim units from an atomic counter in ascending order.
  *
  * Ring (device memory; host memory that O_DIRECT cannot reach in place): unit i uses slot
- * i % slots in turn, as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
+ * i % slots in turn (option file_slots, else threads + 2), as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
  * earlier by a running thread: no deadlock. Inside a slot the unit's bytes sit at the same
  * offset modulo 4 KiB as in the file, so the aligned middle can go through O_DIRECT. Read:
  * wait for the slot's last DMA (its event), pread into the slot, queue the H2D DMA and record
- * the event; the call returns once every read is done and every DMA queued; the fence's event
+ * the event (option file_part: pread and queue the DMA part by part, so the DMA starts before
+ * the slot is full and reads bytes still in the CPU cache); the call returns once every read is done and every DMA queued; the fence's event
  * follows the last DMA. Write: queue the D2H DMA (behind the stream's earlier work), wait for
  * its event, pwrite the slot; the call returns once everything is in the file.
  * Straight (host memory): after a stream synchronize (the stream's earlier work may still use
@@ -24,9 +26,18 @@
  * head and tail of a piece that are not 4 KiB-aligned (in the file and in memory) use the
  * caller's fd and the middle the O_DIRECT fd (a second open of /proc/self/fd/N, so the caller's
  * fd, its offset and flags, never change). A filesystem that refuses O_DIRECT (EINVAL at the
- * open or at a transfer) turns the call buffered, with a note (pm__file_note). io=auto takes
- * O_DIRECT for ranges larger than MemAvailable of /proc/meminfo (they would evict the cache
- * and still not fit). Fault injection: ops file_read / file_write (fault.c) before each call.
+ * open or at a transfer) turns the call buffered, with a note (pm__file_note).
+ * Writes through O_DIRECT keep the range's unaligned head and tail (at most 4 KiB each, only in
+ * the first and last unit) and write them buffered after every direct middle, so the page the
+ * kernel merges an edge into already holds the middle's new bytes (see write_edges).
+ * io=auto, for ranges of at least FILE_AUTO_MIN (64 MiB; smaller ones are buffered): writes go
+ * direct (a checkpoint written once should not evict the page cache, and the disk is fastest
+ * with several large direct writes in flight); reads go direct when most of the range is not in
+ * the page cache, from mincore on a read-only mapping of the range sampled in 64 windows
+ * (resident_fraction), else buffered (a copy from the cache beats any disk); where residency
+ * cannot be probed, direct when the range is larger than MemAvailable. pm_file_get_stats counts
+ * the bytes each way, so tests and benchmarks see what auto chose.
+ * Fault injection: ops file_read / file_write (fault.c) before each call.
  *
  * Errors: the first failing unit's status and detail are kept (workers have their own
  * pm_last_error); later units are skipped but the ring's turns still advance, so nothing waits
