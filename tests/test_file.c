@@ -842,7 +842,7 @@ static void test_file_options(void) {
   CHECK_ST(pm_option_set("file_slots", "4097"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_threads", "-1"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_chunk", "0"), PM_ERR_CONFIG);
-  REQUIRE_OK(pm_option_set("file_chunk", "16M"));
+  REQUIRE_OK(pm_option_set("file_chunk", "8M"));
   REQUIRE_OK(pm_option_set("file_threads", "0"));
   REQUIRE_OK(pm_option_set("file_slots", "0"));
   REQUIRE_OK(pm_option_set("file_part", "0"));

@@ -348,7 +348,10 @@ static const pm__opt_def_t opt_table[] = {
     [PM__OPT_HOST_DEVICES] = {"host_devices", "PINMEM_HOST_DEVICES", "1",
                               "devices the host backend simulates (1..16). Read at pm_init.",
                               parse_host_devices, PM__T_INT, 0},
-    [PM__OPT_FILE_CHUNK] = {"file_chunk", "PINMEM_FILE_CHUNK", "16M",
+    /* 8M: hot 4 GiB loads on an H200 machine held 49.1 GB/s with 8 MiB slots and 12 threads
+     * against 37.2 with 16 MiB and 47.1 with 4 MiB
+     * (bench/results/nvidia-h200-2026-12-03f-file-chunk-sweep.jsonl). */
+    [PM__OPT_FILE_CHUNK] = {"file_chunk", "PINMEM_FILE_CHUNK", "8M",
                             "bounce slot of file reads and writes (pm_file_*, read_file, "
                             "load_file, save_file) that do not set their own chunk",
                             parse_size_pos, PM__T_SIZE, 0},

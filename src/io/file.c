@@ -5,7 +5,7 @@
  * from pm__parallel_for and completion is a copy fence (fence.c).
  *
  * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes (option
- * file_chunk, 16 MiB) that starts at offset rounded down to 4 KiB, so every unit but the first
+ * file_chunk, 8 MiB) that starts at offset rounded down to 4 KiB, so every unit but the first
  * starts 4 KiB-aligned and every unit but the last ends so. Threads (option file_threads, else
  * copy_threads) claim units from an atomic counter in ascending order.
  *
