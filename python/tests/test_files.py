@@ -17,7 +17,7 @@ import pytest
 import pinmem
 from conftest import SMALL, random_bytes, skip_unless_torch
 
-# Odd sizes around the 4 KiB alignment of O_DIRECT and past the 8 MiB bounce slot (option file_chunk).
+# Odd sizes around O_DIRECT's 4 KiB alignment and past the 8 MiB bounce slot (file_chunk).
 SIZES = [1, 4095, 4097, 65537, (1 << 20) + 3] + ([] if SMALL else [(17 << 20) + 5])
 OFFSETS = [0, 1, 4096, 12345]
 IOS = ["buffered", "direct", "auto"]
