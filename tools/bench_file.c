@@ -342,13 +342,33 @@ static void fill_dev(fbench_t *b, uint64_t seed) {
 
 enum { SEED_FILE = 0x51ull, SEED_SAVE = 0xA7ull };
 
-/* The combination's options that are not pm_file_options_t fields. */
-static void set_combo_options(const combo_t *k) {
+/* The combination's options that are not pm_file_options_t fields, where the command line
+ * gave them (else PINMEM_FILE_SLOTS / PINMEM_FILE_PART or the defaults stay in force). */
+static void set_combo_options(const fopts_t *o, const combo_t *k) {
   char v[32];
-  snprintf(v, sizeof v, "%d", k->slots);
-  cli_check(pm_option_set("file_slots", v));
-  snprintf(v, sizeof v, "%zu", k->part);
-  cli_check(pm_option_set("file_part", v));
+  if (o->nslots) {
+    snprintf(v, sizeof v, "%d", k->slots);
+    cli_check(pm_option_set("file_slots", v));
+  }
+  if (o->npart) {
+    snprintf(v, sizeof v, "%zu", k->part);
+    cli_check(pm_option_set("file_part", v));
+  }
+}
+
+/* What a combination runs with, each 0 (the default) resolved as file.c resolves it, for the
+ * rows: chunk rounded up to 4 KiB, slots threads + 2 unless set, part 0 when not below chunk. */
+static combo_t combo_resolved(const combo_t *k, bool save) {
+  combo_t r;
+  size_t chunk = k->chunk ? k->chunk : pm__opt_size(PM__OPT_FILE_CHUNK);
+  r.chunk = (chunk + 4095) / 4096 * 4096;
+  r.threads = k->threads ? k->threads : (int)pm__opt_int(PM__OPT_FILE_THREADS);
+  if (!r.threads) r.threads = (int)pm__opt_int(PM__OPT_COPY_THREADS);
+  r.slots = (int)pm__opt_int(PM__OPT_FILE_SLOTS);
+  if (!r.slots) r.slots = r.threads + 2;
+  r.part = save ? 0 : (pm__opt_size(PM__OPT_FILE_PART) + 4095) / 4096 * 4096;
+  if (r.part >= r.chunk) r.part = 0;
+  return r;
 }
 
 static void pm_load(fbench_t *b, pm_file_io_t io) {
@@ -614,12 +634,13 @@ static void print_row(fbench_t *b, int c, const result_t *r) {
       cli_json_bool(&j, "verified", r->verified);
     cli_json_str(&j, "verify_method", is_disk(c) ? "none" : "full");
     cli_json_str(&j, "cache", cache);
+    combo_t k = combo_resolved(&b->cur, is_save(c));
     if (pm) {
-      /* The combination, with 0 = the option's default, and what io did. */
-      cli_json_uint(&j, "chunk", b->cur.chunk);
-      cli_json_int(&j, "threads", b->cur.threads);
-      cli_json_int(&j, "slots", b->cur.slots);
-      cli_json_uint(&j, "part", is_save(c) ? 0 : b->cur.part);
+      /* The combination in force (defaults resolved), and what io did. */
+      cli_json_uint(&j, "chunk", k.chunk);
+      cli_json_int(&j, "threads", k.threads);
+      cli_json_int(&j, "slots", k.slots);
+      cli_json_uint(&j, "part", k.part);
       cli_json_double(&j, "direct_share", r->direct_share);
       cli_json_bool(&j, "direct_refused", r->refused);
     }
@@ -630,10 +651,11 @@ static void print_row(fbench_t *b, int c, const result_t *r) {
     cli_json_end(&j);
   } else {
     cli_progress_clear();
+    combo_t k = combo_resolved(&b->cur, is_save(c));
     char combo[96] = "";
     if (pm)
-      snprintf(combo, sizeof combo, "%zu/%d/%d/%zu %.0f%%", b->cur.chunk, b->cur.threads,
-               b->cur.slots, is_save(c) ? (size_t)0 : b->cur.part, 100.0 * r->direct_share);
+      snprintf(combo, sizeof combo, "%zu/%d/%d/%zu %.0f%%", k.chunk, k.threads, k.slots, k.part,
+               100.0 * r->direct_share);
     printf("%-18s  %-30s %9.4f  %8.2f  %-20s  %s\n", k_cases[c], combo, r->seconds, gbps, cache,
            is_disk(c) ? "n/a (the disk alone)" : r->verified ? "full" : "NO (FAILED)");
   }
@@ -705,18 +727,16 @@ int pm_cli_bench_file(int argc, char **argv) {
       if (is_save(c) && ip) continue; /* part: reads only */
       combo_t k = {o->chunk[ic], o->part[ip], o->threads[it], o->slots[is]};
       b->cur = k;
-      set_combo_options(&k);
+      set_combo_options(o, &k);
       result_t r = run_case(b, c);
       print_row(b, c, &r);
       if (r.verified && (!best[c].r.ran || r.seconds < best[c].r.seconds)) {
         best[c].r = r;
-        best[c].k = k;
+        best[c].k = combo_resolved(&k, is_save(c));
       }
       if (!r.verified) best[c].r.ran = true; /* a failed row is never "best" but still ran */
     }
   }
-  combo_t dflt = {0, 0, 0, 0};
-  set_combo_options(&dflt);
   cli_progress_clear();
   if (o->json) cli_host_note(true, "these figures");
   FILE *tout = o->json ? stderr : stdout;
