@@ -499,7 +499,7 @@ expect_rc file_json 0 &&
 rows = [r for r in rows if r.get('bench') == 'file']
 want = ['load_hot_buffered', 'load_direct', 'load_cold_buffered', 'plain_load_hot',
         'plain_load_cold', 'disk_read_direct', 'save_buffered', 'save_direct', 'plain_save',
-        'disk_write_direct', 'load_hot_auto', 'load_cold_auto', 'save_auto']
+        'disk_write_direct', 'load_hot_auto', 'load_cold_auto', 'save_auto', 'load_hot_mmap']
 if [r.get('case') for r in rows] != want:
     bad('cases: %r' % [r.get('case') for r in rows])
 for r in rows:

@@ -17,6 +17,11 @@
  *   load_hot_auto, load_cold_auto, save_auto
  *                               io=auto (what load_file / save_file use), hot, cold and saved;
  *                               each row says how many of its bytes went through O_DIRECT
+ *   load_hot_mmap               the other way to read the page cache: mmap the file and copy
+ *                               the mapping (pageable memory) with pm_memcpy_async, so the copy
+ *                               engine's threads memcpy the cached pages into its pinned ring
+ *                               (faulting them in) and DMA them; mmap and munmap timed too. A
+ *                               comparison row: pm_file_read_async does not use it
  *
  * Sweeps: --chunk, --threads, --slots and --part take comma-separated lists; every pinmem case
  * (load_*, save_*) runs once per combination (save cases ignore --part, which only reads use),
@@ -36,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -123,7 +129,8 @@ static void print_help(void) {
       "  --cases LIST    only these cases, comma separated, of: load_hot_buffered,\n"
       "                  load_direct, load_cold_buffered, plain_load_hot, plain_load_cold,\n"
       "                  disk_read_direct, save_buffered, save_direct, plain_save,\n"
-      "                  disk_write_direct, load_hot_auto, load_cold_auto, save_auto\n"
+      "                  disk_write_direct, load_hot_auto, load_cold_auto, save_auto,\n"
+      "                  load_hot_mmap (mmap + pm_memcpy_async of the mapping)\n"
       "  --json          one JSON object per case on stdout (TARGET lines go to stderr)\n"
       "  --quiet         no progress line on stderr\n"
       "  Cold runs: fdatasync + posix_fadvise(DONTNEED), and /proc/sys/vm/drop_caches when\n"
@@ -227,7 +234,7 @@ static const char *const k_cases[] = {
     "load_hot_buffered", "load_direct", "load_cold_buffered", "plain_load_hot",
     "plain_load_cold",   "disk_read_direct", "save_buffered",     "save_direct",
     "plain_save",        "disk_write_direct", "load_hot_auto",   "load_cold_auto",
-    "save_auto"};
+    "save_auto",         "load_hot_mmap"};
 enum { NCASES = sizeof k_cases / sizeof k_cases[0] };
 
 static bool case_on(const fopts_t *o, const char *name) {
@@ -392,6 +399,14 @@ static void plain_load(fbench_t *b) {
   }
 }
 
+static void mmap_load(fbench_t *b) {
+  void *m = mmap(NULL, b->o.bytes, PROT_READ, MAP_SHARED, b->fd, 0);
+  if (m == MAP_FAILED) fail_errno("mmap", b->path);
+  cli_check(pm_memcpy_async(b->dev, m, b->o.bytes, PM_COPY_H2D, b->s));
+  cli_check(pm_stream_synchronize(b->s));
+  munmap(m, b->o.bytes);
+}
+
 static void disk_read(fbench_t *b) {
   int dfd = open(b->path, O_RDONLY | O_DIRECT | O_CLOEXEC);
   if (dfd < 0) fail_errno("open O_DIRECT", b->path);
@@ -450,7 +465,8 @@ enum {
   C_DISK_WRITE,
   C_LOAD_HOT_AUTO,
   C_LOAD_COLD_AUTO,
-  C_SAVE_AUTO
+  C_SAVE_AUTO,
+  C_LOAD_HOT_MMAP
 };
 
 static bool is_disk(int c) {
@@ -459,7 +475,8 @@ static bool is_disk(int c) {
 
 /* The cases that run pinmem (and so once per combination of the sweep). */
 static bool is_pm(int c) {
-  return c != C_PLAIN_HOT && c != C_PLAIN_COLD && c != C_PLAIN_SAVE && !is_disk(c);
+  return c != C_PLAIN_HOT && c != C_PLAIN_COLD && c != C_PLAIN_SAVE && c != C_LOAD_HOT_MMAP &&
+         !is_disk(c);
 }
 
 static bool is_save(int c) {
@@ -507,6 +524,7 @@ static result_t run_case(fbench_t *b, int c) {
       case C_LOAD_COLD_AUTO: pm_load(b, PM_FILE_IO_AUTO); break;
       case C_PLAIN_HOT:
       case C_PLAIN_COLD: plain_load(b); break;
+      case C_LOAD_HOT_MMAP: mmap_load(b); break;
       case C_DISK_READ: disk_read(b); break;
       case C_SAVE_BUFFERED: pm_save(b, PM_FILE_IO_BUFFERED); break;
       case C_SAVE_DIRECT: pm_save(b, PM_FILE_IO_DIRECT); break;
