@@ -30,8 +30,9 @@
  * where the process may (root); each row says which ("cold_method").
  *
  * Method: a warm-up run, then --repeat timed runs, the median reported; wall-clock time from the
- * call until the fence (or the stream) completed. Every load is verified against the file's
- * pattern (a full compare through a D2H copy), every save by reading the file back. Speed
+ * call until the fence (or the stream) completed. The warm-up run of every load is verified
+ * against the file's pattern (a full compare through a D2H copy), of every save by reading the
+ * file back (the timed runs repeat the same code path). Speed
  * targets (TARGET lines) apply to the cuda backend; on the host backend the runs prove
  * correctness only, so the default size is 64 MiB there (1 GiB on cuda).
  */
@@ -131,7 +132,7 @@ static void print_help(void) {
       "                  disk_read_direct, save_buffered, save_direct, plain_save,\n"
       "                  disk_write_direct, load_hot_auto, load_cold_auto, save_auto,\n"
       "                  load_hot_mmap (mmap + pm_memcpy_async of the mapping)\n"
-      "  --json          one JSON object per case on stdout (TARGET lines go to stderr)\n"
+      "  --json          one JSON object per row on stdout (TARGET lines go to stderr)\n"
       "  --quiet         no progress line on stderr\n"
       "  Cold runs: fdatasync + posix_fadvise(DONTNEED), and /proc/sys/vm/drop_caches when\n"
       "  writable; each row says which. TARGET: hot load >= %.0f GB/s; cold load and save >=\n"
