@@ -27,6 +27,10 @@ training loop that saves slows by < 5%. Targets are judged on cuda only; --devic
                               [--repeat 3] [--steps K] [--every N] [--no-train] [--json]
 
 Human-readable lines go to stderr; with --json one JSON object per result goes to stdout.
+pinmem's file options (PINMEM_FILE_CHUNK, PINMEM_FILE_THREADS, PINMEM_FILE_SLOTS,
+PINMEM_FILE_PART; README "Configuration") are taken from the environment as usual; pinmem's
+rows carry the values in force and direct_share, the part of the bytes its last timed run moved
+through O_DIRECT (io='auto' decides: docs/files.md).
 """
 import argparse
 import json
@@ -140,6 +144,24 @@ def disk_rate(path, total):
     return tw * total / (blocks * BLOCK), tr * total / (blocks * BLOCK)
 
 
+FILE_OPTIONS = ("file_chunk", "file_threads", "file_slots", "file_part")
+
+
+def direct_share(pinmem, fn):
+    """fn wrapped so that each call records on the wrapper the part of the bytes pinmem moved
+    through O_DIRECT during it (None when it moved none)."""
+    def run():
+        s0 = pinmem._pinmem._file_stats()
+        out = fn()
+        s1 = pinmem._pinmem._file_stats()
+        d = sum(s1[k] - s0[k] for k in ("read_direct", "write_direct"))
+        b = sum(s1[k] - s0[k] for k in ("read_buffered", "write_buffered"))
+        run.share = round(d / (d + b), 4) if d + b else None
+        return out
+    run.share = None
+    return run
+
+
 def best(fn, repeat):
     """The shortest of `repeat` timed runs of fn() (fn returns its own seconds)."""
     return min(fn() for _ in range(repeat))
@@ -222,6 +244,9 @@ def main():
             print(json.dumps(r), flush=True)
         return r
 
+    file_opts = {k: pinmem.get_option(k) for k in FILE_OPTIONS}
+    say("compare_checkpoint: pinmem file options: %s" % ", ".join("%s=%s" % kv
+                                                                  for kv in file_opts.items()))
     tmp = tempfile.mkdtemp(prefix="pinmem-ckpt.", dir=args.dir)
     try:
         tensors = make_checkpoint(torch, total, device)
@@ -258,8 +283,10 @@ def main():
                                                           p_st), 1), size)
         s_pt = report("torch_save", best(timed_save(lambda p: torch.save(tensors, p), p_pt), 1),
                       size)
-        s_pm = report("pinmem_save", best(timed_save(
-            lambda p: pinmem.safetensors.save_file(tensors, p), p_pm), args.repeat), size)
+        pm_save = direct_share(pinmem, timed_save(
+            lambda p: pinmem.safetensors.save_file(tensors, p), p_pm))
+        s_pm = report("pinmem_save", best(pm_save, args.repeat), size,
+                      direct_share=pm_save.share, **file_opts)
 
         # save_file_async: its return against the D2H snapshot alone.
         def d2h_alone():
@@ -306,12 +333,20 @@ def main():
         loads = {}
         cold_how = None
         for name, fn, path in loaders:
-            loads[name + "_hot"] = report(name + "_hot", best(timed_load(fn, path, False),
-                                                              args.repeat), size)
+            pm = name.startswith("pinmem")
+            hot = direct_share(pinmem, timed_load(fn, path, False))
+            extra = dict(direct_share=None, **file_opts) if pm else {}
+            secs = best(hot, args.repeat)
+            if pm:
+                extra["direct_share"] = hot.share
+            loads[name + "_hot"] = report(name + "_hot", secs, size, **extra)
             run = timed_load(fn, path, True)
-            secs = best(run, 1)
+            cold = direct_share(pinmem, run)
+            secs = best(cold, 1)
             cold_how = run.how
-            loads[name + "_cold"] = report(name + "_cold", secs, size, cold=run.how)
+            if pm:
+                extra["direct_share"] = cold.share
+            loads[name + "_cold"] = report(name + "_cold", secs, size, cold=run.how, **extra)
         say("  cold runs dropped the page cache with: %s" % cold_how)
 
         # The training loop.

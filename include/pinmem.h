@@ -453,7 +453,8 @@ PM_API pm_status_t pm_fence_path(pm_fence_t fence, pm_copy_path_t *path_out);
 /* File ranges read into, and written from, device or host memory through pinned bounce slots
  * and pinmem's threads (docs/files.md). */
 #define PM_FILE_IO_MAP(X)                                                                       \
-  X(PM_FILE_IO_AUTO, 0, "auto")         /* direct for ranges larger than the free page cache */ \
+  X(PM_FILE_IO_AUTO, 0, "auto") /* ranges >= 64 MiB: direct writes; direct reads when most */ \
+                                /* of the range is not in the page cache */                 \
   X(PM_FILE_IO_BUFFERED, 1, "buffered") /* pread / pwrite through the page cache */             \
   X(PM_FILE_IO_DIRECT, 2, "direct") /* O_DIRECT: aligned bounce slots; unaligned edges buffered */
 
@@ -464,8 +465,9 @@ typedef struct pm_file_options {
   pm_file_io_t io; /* PM_FILE_IO_AUTO. Where the filesystem refuses O_DIRECT, buffered I/O is
                       used instead */
   pm_pool_t *pool; /* bounce slots come from here (NULL: the default pool); budget respected */
-  size_t chunk;    /* bytes per bounce slot (0: 16 MiB; rounded up to 4 KiB) */
-  int threads;     /* I/O threads, the caller included (0: option copy_threads) */
+  size_t chunk;    /* bytes per bounce slot (0: option file_chunk, 8 MiB; rounded up to 4 KiB) */
+  int threads;     /* I/O threads, the caller included (0: option file_threads, else
+                      copy_threads) */
   int fsync;       /* writes: 1 = fdatasync before the fence completes */
   void (*callback)(void *arg, pm_status_t status); /* as pm_copy_options_t: runs once on
                                                       completion, on a library thread */
@@ -492,10 +494,22 @@ PM_API pm_status_t pm_file_read_async(int fd, uint64_t offset, size_t bytes, voi
  *  stream's earlier work, pwrite straight from src). Returns once the bytes are in the file
  *  (and, with options->fsync, on disk); the fence is then complete. ENOSPC, EIO etc.:
  *  PM_ERR_IO with the errno text, offset and fd (part of the range may have been written).
- *  The caller's fd is never changed (O_DIRECT goes through a second open of /proc/self/fd/N). */
+ *  The caller's fd is never changed (O_DIRECT goes through a second open of /proc/self/fd/N).
+ *  With O_DIRECT the range's unaligned head and tail are written buffered after the aligned
+ *  middle (io=auto takes O_DIRECT for writes of 64 MiB or more; docs/files.md). */
 PM_API pm_status_t pm_file_write_async(int fd, uint64_t offset, size_t bytes, const void *src,
                                        pm_stream_t stream, const pm_file_options_t *options,
                                        pm_fence_t *fence_out);
+
+/** Bytes the pm_file_* calls of this process moved, by path, since it started: what io=auto
+ *  chose, for tests and benchmarks. direct_refused counts calls that wanted O_DIRECT and went
+ *  buffered because the filesystem refused it. */
+typedef struct pm_file_stats {
+  uint64_t read_direct, read_buffered;   /* bytes read through O_DIRECT / the page cache */
+  uint64_t write_direct, write_buffered; /* bytes written through O_DIRECT / the page cache */
+  uint64_t direct_refused;
+} pm_file_stats_t;
+PM_API pm_status_t pm_file_get_stats(pm_file_stats_t *out);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Data loader                                                                                 */

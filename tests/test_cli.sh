@@ -387,6 +387,9 @@ bad_lines=(
   "bench file --chunk 1K"
   "bench file extra"
   "bench file --cases load_direct,,save_direct"
+  "bench file --threads 2,,4"
+  "bench file --part 1K"
+  "bench file --slots 5000"
 )
 # ---- bench copy and bench overlap: on the host backend they prove correctness, not speed -------
 # Every case of bench copy at 4 KiB, one staged size and one above the mover rows' 8 MiB floor;
@@ -496,7 +499,7 @@ expect_rc file_json 0 &&
 rows = [r for r in rows if r.get('bench') == 'file']
 want = ['load_hot_buffered', 'load_direct', 'load_cold_buffered', 'plain_load_hot',
         'plain_load_cold', 'disk_read_direct', 'save_buffered', 'save_direct', 'plain_save',
-        'disk_write_direct']
+        'disk_write_direct', 'load_hot_auto', 'load_cold_auto', 'save_auto', 'load_hot_mmap']
 if [r.get('case') for r in rows] != want:
     bad('cases: %r' % [r.get('case') for r in rows])
 for r in rows:
@@ -508,6 +511,28 @@ for r in rows:
 expect_grep file_json err '^TARGET hot load .*cuda backend only\)$'
 expect_grep file_json err '^TARGET save .*cuda backend only\)$'
 if ls "$tmp" | grep -q pinmem-bench-file; then fail "file_json: left its files behind"; fi
+# bench file's sweep: one row per combination for loads (chunk x threads x slots x part), saves
+# without the part axis, each verified and saying what it ran (defaults resolved); io=auto below
+# 64 MiB stays buffered.
+run file_sweep "$bin" --json bench file --bytes 3M --repeat 1 --chunk 64K,128K --threads 2,3 \
+  --slots 0,2 --part 0,16K --cases load_hot_buffered,save_direct,load_hot_auto --dir "$tmp"
+expect_rc file_sweep 0 &&
+  json_check file_sweep "
+rows = [r for r in rows if r.get('bench') == 'file']
+def combos(case):
+    return sorted((r['chunk'], r['threads'], r['slots'], r['part']) for r in rows if r['case'] == case)
+# slots 0 is the default, threads + 2, and the rows say so
+want = sorted((c, t, s or t + 2, p) for c in (65536, 131072) for t in (2, 3) for s in (0, 2)
+              for p in (0, 16384))
+if combos('load_hot_buffered') != want: bad('load combos: %r' % combos('load_hot_buffered'))
+if combos('save_direct') != sorted(set((c, t, s, 0) for c, t, s, p in want)):
+    bad('save combos: %r' % combos('save_direct'))
+for r in rows:
+    if r.get('verified') is not True: bad('row: %r' % r)
+    if r['case'] == 'load_hot_auto' and r.get('direct_share') != 0: bad('auto went direct: %r' % r)
+    if r['case'] == 'save_direct' and r.get('direct_share') != (0 if r.get('direct_refused') else 1):
+        bad('save_direct: %r' % r)"
+expect_grep file_sweep err '^TARGET hot load .*chunk [0-9]+ threads [23] slots [2-5] part .*cuda backend only\)$'
 
 # The loader's CI target: 3 shuffled epochs, 2 ranks x 2 workers, every delivered sample
 # checked against its source, each exactly once per epoch.

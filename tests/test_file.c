@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -388,6 +389,28 @@ static void test_injected(void) {
       inject_case(PM__FAULT_FILE_READ, 0, "file_read=1+:short", k, io, PM_OK, NULL);
       inject_case(PM__FAULT_FILE_WRITE, 0, "file_write=1+:short", k, io, PM_OK, NULL);
     }
+  /* A direct write's unaligned tail goes last (after every direct middle): its failure is the
+   * call's, named with the tail's own offset. The write's calls are counted first. */
+  {
+    file_reset_size(3, 400000);
+    buf_t b;
+    buf_make(&b, MEM_DEVICE, 300001, 0);
+    buf_fill(&b, 5);
+    pm_file_options_t o;
+    opts(&o, PM_FILE_IO_DIRECT, 65536);
+    pm__fault_reset();
+    REQUIRE_OK(pm__fault_set(PM__FAULT_FILE_WRITE, 0, 0));
+    CHECK_OK(pm_file_write_async(g_fd, 777, 300001, b.p, g_s, &o, NULL));
+    pm__fault_counts_t fc;
+    pm__fault_counts(&fc);
+    REQUIRE_OK(pm__fault_file_errno(PM__FAULT_FILE_WRITE, EIO));
+    REQUIRE_OK(pm__fault_set(PM__FAULT_FILE_WRITE, fc.calls[PM__FAULT_FILE_WRITE], 0));
+    CHECK_ERR_MSG(pm_file_write_async(g_fd, 777, 300001, b.p, g_s, &o, NULL), PM_ERR_IO);
+    if (g_direct_ok) CHECK(has("1770 bytes at offset 299008"));
+    CHECK(has("injected fault"));
+    pm__fault_reset();
+    buf_free(&b);
+  }
   /* Specs that do not parse arm nothing. */
   CHECK_ST(pm__fault_configure("file_read=1:EWHAT"), PM_ERR_CONFIG);
   CHECK_ST(pm__fault_configure("memcpy=1:EIO"), PM_ERR_CONFIG);
@@ -634,6 +657,198 @@ static void test_refused_direct(void) {
   buf_free(&b);
 }
 
+/* ---- io=auto and the file_* options ---------------------------------------------------------- */
+
+/* The test's own view: the fraction of the file's pages in the page cache (every page). */
+static double resident_now(void) {
+  long pg = sysconf(_SC_PAGESIZE);
+  REQUIRE(pg > 0);
+  void *m = mmap(NULL, g_size, PROT_READ, MAP_SHARED, g_fd, 0);
+  REQUIRE(m != MAP_FAILED);
+  size_t np = (g_size + (size_t)pg - 1) / (size_t)pg, in = 0;
+  unsigned char *v = malloc(np);
+  REQUIRE(v != NULL);
+  REQUIRE(mincore(m, g_size, v) == 0);
+  for (size_t i = 0; i < np; i++) in += v[i] & 1;
+  free(v);
+  munmap(m, g_size);
+  return (double)in / (double)np;
+}
+
+/* Out of the page cache where the filesystem lets it go (tmpfs keeps every page). */
+static void drop_cache(void) {
+  REQUIRE(fdatasync(g_fd) == 0);
+  REQUIRE(posix_fadvise(g_fd, 0, 0, POSIX_FADV_DONTNEED) == 0);
+}
+
+static pm_file_stats_t stats_now(void) {
+  pm_file_stats_t s;
+  REQUIRE_OK(pm_file_get_stats(&s));
+  return s;
+}
+
+/* io=auto reads n bytes at off into a fresh buffer of `kind`; checks the bytes and returns how
+ * many went through O_DIRECT (and the rest buffered: together exactly n). */
+static uint64_t auto_read(mem_t kind, uint64_t off, size_t n) {
+  buf_t b;
+  buf_make(&b, kind, n, 0);
+  pm_file_stats_t s0 = stats_now();
+  CHECK_OK(pm_file_read_async(g_fd, off, n, b.p, g_s, NULL, NULL)); /* options NULL: auto */
+  CHECK_OK(pm_stream_synchronize(g_s));
+  pm_file_stats_t s1 = stats_now();
+  uint64_t d = s1.read_direct - s0.read_direct, bu = s1.read_buffered - s0.read_buffered;
+  CHECK_EQ_SIZE((size_t)(d + bu), n);
+  unsigned char *h = buf_read(&b);
+  CHECK_EQ_SIZE(first_diff(h, g_bytes + off, n), n);
+  free(h);
+  buf_free(&b);
+  return d;
+}
+
+static void test_auto(void) {
+  /* The rule at a smaller scale (the 64 MiB floor is a constant; the hook lowers it). */
+  size_t amin = 256 * 1024, n = g_small ? (size_t)1 << 20 : (size_t)8 << 20;
+  atomic_store(&pm__file_auto_min, amin);
+  file_reset(11);
+  REQUIRE(g_size >= n + 4093);
+  for (int m = 0; m < 3; m++) {
+    /* Not resident: direct (the unaligned head and tail buffered). Where the pages stay
+     * (tmpfs), buffered; where the filesystem refuses O_DIRECT, buffered with the note. */
+    drop_cache();
+    double res = resident_now();
+    uint64_t d = auto_read((mem_t)m, 4093, n);
+    if (res < 0.5 && g_direct_ok) {
+      CHECK(d >= n - 8192);
+      CHECK(pm__file_note()[0] == '\0');
+    } else if (res < 0.5) {
+      CHECK_EQ_SIZE((size_t)d, 0);
+      CHECK(strstr(pm__file_note(), "refused") != NULL);
+    } else {
+      printf("  the page cache kept the file (%.0f%% resident): auto reads buffered\n",
+             100 * res);
+      CHECK_EQ_SIZE((size_t)d, 0);
+      CHECK(pm__file_note()[0] == '\0');
+    }
+    /* Resident (the whole file read through the cache): buffered, no note. */
+    free(file_contents());
+    CHECK(resident_now() > 0.9);
+    CHECK_EQ_SIZE((size_t)auto_read((mem_t)m, 4093, n), 0);
+    CHECK(pm__file_note()[0] == '\0');
+    /* Half resident, the first half: the sampled probe sees about half; either choice is
+     * right, and the bytes are. */
+    drop_cache();
+    CHECK(posix_fadvise(g_fd, 0, (off_t)(n / 2), POSIX_FADV_WILLNEED) == 0);
+    (void)auto_read((mem_t)m, 0, n);
+    /* Below the floor: buffered whatever the cache holds. */
+    drop_cache();
+    CHECK_EQ_SIZE((size_t)auto_read((mem_t)m, 1, amin - 1), 0);
+  }
+
+  /* A range that passes the end of the file (the probe maps only what the file holds) and one
+   * wholly past it (nothing to probe): the read's own error, for both states of the cache. */
+  char want[64];
+  snprintf(want, sizeof want, "ends at byte %zu", g_size);
+  for (int cold = 0; cold < 2; cold++)
+    for (int m = 0; m < 3; m++) {
+      if (cold) drop_cache();
+      buf_t b;
+      buf_make(&b, (mem_t)m, amin + 5000, 0);
+      CHECK_ERR_MSG(pm_file_read_async(g_fd, g_size - 1000, amin + 5000, b.p, g_s, NULL, NULL),
+                    PM_ERR_IO);
+      CHECK(has(want));
+      CHECK_ERR_MSG(pm_file_read_async(g_fd, g_size + 8192, amin, b.p, g_s, NULL, NULL),
+                    PM_ERR_IO);
+      CHECK(has(want));
+      CHECK_OK(pm_stream_synchronize(g_s));
+      buf_free(&b);
+    }
+
+  /* Writes: direct from the floor up (edges buffered, written last), buffered below it; every
+   * byte checked by write_case, with and without fsync. */
+  int seed = 300;
+  uint64_t offs[] = {0, 4093, 8192};
+  size_t sizes[] = {amin - 1, amin, amin + 4097, n + 5};
+  for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
+    for (size_t oi = 0; oi < sizeof offs / sizeof *offs; oi++)
+      for (int m = 0; m < 3; m++) {
+        if (g_small && sizes[si] == n + 5 && m != MEM_DEVICE) continue;
+        pm_file_stats_t s0 = stats_now();
+        write_case(sizes[si], offs[oi], PM_FILE_IO_AUTO, (mem_t)m, 65536, (uint64_t)seed++);
+        pm_file_stats_t s1 = stats_now();
+        uint64_t d = s1.write_direct - s0.write_direct, bu = s1.write_buffered - s0.write_buffered;
+        CHECK_EQ_SIZE((size_t)(d + bu), sizes[si]);
+        if (sizes[si] < amin) {
+          CHECK_EQ_SIZE((size_t)d, 0);
+        } else if (g_direct_ok) {
+          size_t head = (4096 - offs[oi] % 4096) % 4096;
+          size_t tail = (offs[oi] + sizes[si]) % 4096;
+          CHECK_EQ_SIZE((size_t)bu, head + tail);
+          CHECK(pm__file_note()[0] == '\0');
+        } else {
+          CHECK_EQ_SIZE((size_t)d, 0);
+          CHECK(strstr(pm__file_note(), "refused") != NULL);
+        }
+      }
+  atomic_store(&pm__file_auto_min, 0);
+  file_reset(1);
+}
+
+/* The options file_chunk, file_threads, file_slots and file_part in every combination that
+ * matters: parts smaller than the slot (and not dividing it), one slot, fewer slots than
+ * threads, a part as large as the slot (off). Reads byte for byte, both io modes. */
+static void test_file_options(void) {
+  file_reset(12);
+  struct {
+    const char *chunk, *threads, *slots, *part;
+  } set[] = {
+      {"64K", "0", "0", "16K"}, {"64K", "2", "1", "20000"}, {"64K", "5", "2", "4K"},
+      {"48K", "3", "0", "64K"}, {"16M", "0", "0", "1M"},
+  };
+  size_t n = g_small ? ((size_t)1 << 20) + 3 : ((size_t)4 << 20) + 3;
+  pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
+  for (size_t i = 0; i < sizeof set / sizeof *set; i++) {
+    REQUIRE_OK(pm_option_set("file_chunk", set[i].chunk));
+    REQUIRE_OK(pm_option_set("file_threads", set[i].threads));
+    REQUIRE_OK(pm_option_set("file_slots", set[i].slots));
+    REQUIRE_OK(pm_option_set("file_part", set[i].part));
+    for (int ii = 0; ii < 2; ii++)
+      for (int m = 0; m < 2; m++) {
+        uint64_t off = i % 2 ? 4093 : 8192;
+        file_reset(12 + i); /* write_case below leaves other bytes */
+        buf_t b;
+        buf_make(&b, (mem_t)m, n, 0);
+        pm_file_options_t o;
+        pm_file_options_init(&o); /* chunk and threads 0: the options */
+        o.io = ios[ii];
+        pm_fence_t f = NULL;
+        CHECK_OK(pm_file_read_async(g_fd, off, n, b.p, g_s, &o, &f));
+        if (f) {
+          CHECK_OK(pm_fence_wait(f));
+          CHECK_OK(pm_fence_release(f));
+        }
+        unsigned char *h = buf_read(&b);
+        size_t d = first_diff(h, g_bytes + off, n);
+        if (d != n)
+          fprintf(stderr, "options %s/%s/%s/%s, %s, %s: first difference at %zu\n",
+                  set[i].chunk, set[i].threads, set[i].slots, set[i].part,
+                  pm__file_io_name(ios[ii]), mem_name[m], d);
+        CHECK_EQ_SIZE(d, n);
+        free(h);
+        buf_free(&b);
+        /* A write with the same options (file_part is for reads only). */
+        write_case(n, off, ios[ii], (mem_t)m, 0, 40 + i);
+      }
+  }
+  CHECK_ST(pm_option_set("file_slots", "4097"), PM_ERR_CONFIG);
+  CHECK_ST(pm_option_set("file_threads", "-1"), PM_ERR_CONFIG);
+  CHECK_ST(pm_option_set("file_chunk", "0"), PM_ERR_CONFIG);
+  REQUIRE_OK(pm_option_set("file_chunk", "8M"));
+  REQUIRE_OK(pm_option_set("file_threads", "0"));
+  REQUIRE_OK(pm_option_set("file_slots", "0"));
+  REQUIRE_OK(pm_option_set("file_part", "0"));
+  file_reset(1);
+}
+
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   g_small = pm_test_small() || PM_TSAN;
@@ -674,6 +889,8 @@ int main(void) {
   RUN(test_completion());
   RUN(test_budget());
   RUN(test_refused_direct());
+  RUN(test_auto());
+  RUN(test_file_options());
 
   /* Every callback ran exactly once: none is missing, and none came twice (a late second call
    * would show within the wait). */

@@ -14,12 +14,25 @@
  *   plain_save                  pm_memcpy D2H of 16 MiB into one pinned buffer, pwrite, chunk
  *                               after chunk, then fdatasync
  *   disk_write_direct           O_DIRECT pwrites of 16 MiB from one aligned buffer + fdatasync
+ *   load_hot_auto, load_cold_auto, save_auto
+ *                               io=auto (what load_file / save_file use), hot, cold and saved;
+ *                               each row says how many of its bytes went through O_DIRECT
+ *   load_hot_mmap               the other way to read the page cache: mmap the file and copy
+ *                               the mapping (pageable memory) with pm_memcpy_async, so the copy
+ *                               engine's threads memcpy the cached pages into its pinned ring
+ *                               (faulting them in) and DMA them; mmap and munmap timed too. A
+ *                               comparison row: pm_file_read_async does not use it
+ *
+ * Sweeps: --chunk, --threads, --slots and --part take comma-separated lists; every pinmem case
+ * (load_*, save_*) runs once per combination (save cases ignore --part, which only reads use),
+ * one row each; the plain and disk rows run once. The TARGET lines take each target's best row.
  * Cold: fdatasync, posix_fadvise(DONTNEED) on the file, and "1" into /proc/sys/vm/drop_caches
  * where the process may (root); each row says which ("cold_method").
  *
  * Method: a warm-up run, then --repeat timed runs, the median reported; wall-clock time from the
- * call until the fence (or the stream) completed. Every load is verified against the file's
- * pattern (a full compare through a D2H copy), every save by reading the file back. Speed
+ * call until the fence (or the stream) completed. The warm-up run of every load is verified
+ * against the file's pattern (a full compare through a D2H copy), of every save by reading the
+ * file back (the timed runs repeat the same code path). Speed
  * targets (TARGET lines) apply to the cuda backend; on the host backend the runs prove
  * correctness only, so the default size is 64 MiB there (1 GiB on cuda).
  */
@@ -29,6 +42,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -46,15 +60,26 @@
 #define T_HOT_GBPS 40.0
 #define T_DISK_RATIO 0.9
 
+enum { MAX_LIST = 16 };
+
 typedef struct fopts {
   bool json, quiet, help;
   size_t bytes;
   const char *dir;
   int repeat;
-  size_t chunk;
-  int threads;
+  /* The sweep: 0 in a list = the default (options file_chunk, file_threads, file_slots,
+   * file_part). */
+  size_t chunk[MAX_LIST], part[MAX_LIST];
+  int threads[MAX_LIST], slots[MAX_LIST];
+  int nchunk, nthreads, nslots, npart;
   const char *cases;
 } fopts_t;
+
+/* One point of the sweep. */
+typedef struct combo {
+  size_t chunk, part;
+  int threads, slots;
+} combo_t;
 
 typedef struct fbench {
   fopts_t o;
@@ -70,6 +95,7 @@ typedef struct fbench {
   const char *cold_method;
   bool failed;
   int steps, steps_done;
+  combo_t cur;
 } fbench_t;
 
 static int fusage(const char *fmt, const char *arg) {
@@ -77,26 +103,36 @@ static int fusage(const char *fmt, const char *arg) {
   fprintf(stderr, fmt, arg);
   fprintf(stderr,
           "\nusage: pinmem [--json] bench file [--quiet] [--bytes SIZE] [--dir DIR] [--repeat N]\n"
-          "         [--chunk SIZE] [--threads N] [--cases LIST]   (--help lists them all)\n");
+          "         [--chunk SIZES] [--threads NS] [--slots NS] [--part SIZES] [--cases LIST]\n"
+          "         (--help lists them all)\n");
   return CLI_EXIT_USAGE;
 }
 
 static void print_help(void) {
   printf(
       "pinmem bench file [--json] [--quiet] [--bytes SIZE] [--dir DIR] [--repeat N]\n"
-      "                  [--chunk SIZE] [--threads N] [--cases LIST]\n"
+      "                  [--chunk SIZES] [--threads NS] [--slots NS] [--part SIZES]\n"
+      "                  [--cases LIST]\n"
       "  file <-> device through pinmem beside a plain pread + copy loop and the disk's own\n"
       "  O_DIRECT rate, page cache hot and cold, in one run.\n"
       "  --bytes SIZE    file size (default 1G on cuda, 64M on the host backend)\n"
       "  --dir DIR       where the test files go (default $TMPDIR, else /var/tmp); removed after\n"
       "  --repeat N      timed runs per case, the median is reported (default 3)\n"
-      "  --chunk SIZE    pinmem's bounce slot (default 16M: pm_file_options_t.chunk)\n"
-      "  --threads N     pinmem's I/O threads (default: option copy_threads)\n"
+      "  The next four take comma-separated lists (0 = the option's default); the pinmem\n"
+      "  cases run once per combination, e.g. --chunk 4M,8M,16M,32M --threads 4,8,12,16:\n"
+      "  --chunk SIZES   pinmem's bounce slot (pm_file_options_t.chunk; default: option\n"
+      "                  file_chunk)\n"
+      "  --threads NS    pinmem's I/O threads (pm_file_options_t.threads; default: option\n"
+      "                  file_threads, else copy_threads)\n"
+      "  --slots NS      bounce slots in flight (option file_slots; default threads + 2)\n"
+      "  --part SIZES    loads: a slot's DMA in parts of this size, each queued once read\n"
+      "                  (option file_part; 0 = one DMA per slot)\n"
       "  --cases LIST    only these cases, comma separated, of: load_hot_buffered,\n"
       "                  load_direct, load_cold_buffered, plain_load_hot, plain_load_cold,\n"
       "                  disk_read_direct, save_buffered, save_direct, plain_save,\n"
-      "                  disk_write_direct\n"
-      "  --json          one JSON object per case on stdout (TARGET lines go to stderr)\n"
+      "                  disk_write_direct, load_hot_auto, load_cold_auto, save_auto,\n"
+      "                  load_hot_mmap (mmap + pm_memcpy_async of the mapping)\n"
+      "  --json          one JSON object per row on stdout (TARGET lines go to stderr)\n"
       "  --quiet         no progress line on stderr\n"
       "  Cold runs: fdatasync + posix_fadvise(DONTNEED), and /proc/sys/vm/drop_caches when\n"
       "  writable; each row says which. TARGET: hot load >= %.0f GB/s; cold load and save >=\n"
@@ -137,26 +173,57 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
     if (!strcmp(name, "--bytes")) {
       if (pm_parse_size(v, &o->bytes) != PM_OK || o->bytes == 0)
         return fusage("--bytes: bad size '%s'", v);
-    } else if (!strcmp(name, "--chunk")) {
-      if (pm_parse_size(v, &o->chunk) != PM_OK || o->chunk < 4096)
-        return fusage("--chunk: bad size '%s' (at least 4K)", v);
+    } else if (!strcmp(name, "--chunk") || !strcmp(name, "--part")) {
+      bool chunk = !strcmp(name, "--chunk");
+      if (cli_list_empty_item(v)) return fusage("an empty item in '%s'", v);
+      size_t *list = chunk ? o->chunk : o->part;
+      int *n = chunk ? &o->nchunk : &o->npart;
+      char buf[64];
+      *n = 0;
+      for (const char *p = v; *p;) {
+        const char *c = strchr(p, ',');
+        size_t len = c ? (size_t)(c - p) : strlen(p);
+        snprintf(buf, sizeof buf, "%.*s", (int)(len < 63 ? len : 63), p);
+        size_t sz;
+        if (*n >= MAX_LIST) return fusage("at most 16 values in '%s'", v);
+        if (pm_parse_size(buf, &sz) != PM_OK || (sz && sz < 4096))
+          return fusage(chunk ? "--chunk: bad size '%s' (0 or at least 4K)"
+                              : "--part: bad size '%s' (0 or at least 4K)",
+                        buf);
+        list[(*n)++] = sz;
+        if (!c) break;
+        p = c + 1;
+      }
+    } else if (!strcmp(name, "--threads") || !strcmp(name, "--slots")) {
+      bool thr = !strcmp(name, "--threads");
+      if (cli_list_empty_item(v)) return fusage("an empty item in '%s'", v);
+      int *list = thr ? o->threads : o->slots;
+      int *n = thr ? &o->nthreads : &o->nslots;
+      *n = 0;
+      for (const char *p = v; *p;) {
+        char *end;
+        errno = 0;
+        long k = strtol(p, &end, 10);
+        if (*n >= MAX_LIST) return fusage("at most 16 values in '%s'", v);
+        if (errno || end == p || (*end && *end != ',') || k < 0 || k > (thr ? 256 : 4096))
+          return fusage(thr ? "--threads: bad count in '%s' (0..256)"
+                            : "--slots: bad count in '%s' (0..4096)",
+                        v);
+        list[(*n)++] = (int)k;
+        if (!*end) break;
+        p = end + 1;
+      }
     } else if (!strcmp(name, "--dir")) {
       o->dir = v;
     } else if (!strcmp(name, "--cases")) {
       if (cli_list_empty_item(v)) return fusage("--cases: an empty item in '%s'", v);
       o->cases = v;
-    } else if (!strcmp(name, "--repeat") || !strcmp(name, "--threads")) {
+    } else if (!strcmp(name, "--repeat")) {
       char *end;
       errno = 0;
       long n = strtol(v, &end, 10);
-      if (errno || *end || !v[0] || n < 1 || n > 1000)
-        return fusage(!strcmp(name, "--repeat") ? "--repeat: bad count '%s'"
-                                                : "--threads: bad count '%s'",
-                      v);
-      if (!strcmp(name, "--repeat"))
-        o->repeat = (int)n;
-      else
-        o->threads = (int)n;
+      if (errno || *end || !v[0] || n < 1 || n > 1000) return fusage("--repeat: bad count '%s'", v);
+      o->repeat = (int)n;
     } else {
       return fusage("unknown option '%s'", a);
     }
@@ -167,7 +234,8 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
 static const char *const k_cases[] = {
     "load_hot_buffered", "load_direct", "load_cold_buffered", "plain_load_hot",
     "plain_load_cold",   "disk_read_direct", "save_buffered",     "save_direct",
-    "plain_save",        "disk_write_direct"};
+    "plain_save",        "disk_write_direct", "load_hot_auto",   "load_cold_auto",
+    "save_auto",         "load_hot_mmap"};
 enum { NCASES = sizeof k_cases / sizeof k_cases[0] };
 
 static bool case_on(const fopts_t *o, const char *name) {
@@ -191,7 +259,20 @@ static double now(void) {
 
 /* The file's bytes: 8-byte words that depend on their position and the seed. */
 static void pattern(unsigned char *p, size_t n, uint64_t pos, uint64_t seed) {
-  for (size_t i = 0; i < n; i++) {
+  size_t i = 0;
+  for (; i < n && (pos + i) % 8; i++) {
+    uint64_t at = pos + i, w = (at / 8 + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    p[i] = (unsigned char)(w >> (8 * (at % 8)));
+  }
+  /* Whole words: their bytes little-endian, as the loops around write them one by one (a
+   * compiler makes this one store; it keeps setting up and verifying 4 GiB files cheap). */
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w = ((pos + i) / 8 + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    unsigned char le[8];
+    for (int k = 0; k < 8; k++) le[k] = (unsigned char)(w >> (8 * k));
+    memcpy(p + i, le, 8);
+  }
+  for (; i < n; i++) {
     uint64_t at = pos + i, w = (at / 8 + 1) * 0x9E3779B97F4A7C15ull ^ seed;
     p[i] = (unsigned char)(w >> (8 * (at % 8)));
   }
@@ -269,12 +350,41 @@ static void fill_dev(fbench_t *b, uint64_t seed) {
 
 enum { SEED_FILE = 0x51ull, SEED_SAVE = 0xA7ull };
 
+/* The combination's options that are not pm_file_options_t fields, where the command line
+ * gave them (else PINMEM_FILE_SLOTS / PINMEM_FILE_PART or the defaults stay in force). */
+static void set_combo_options(const fopts_t *o, const combo_t *k) {
+  char v[32];
+  if (o->nslots) {
+    snprintf(v, sizeof v, "%d", k->slots);
+    cli_check(pm_option_set("file_slots", v));
+  }
+  if (o->npart) {
+    snprintf(v, sizeof v, "%zu", k->part);
+    cli_check(pm_option_set("file_part", v));
+  }
+}
+
+/* What a combination runs with, each 0 (the default) resolved as file.c resolves it, for the
+ * rows: chunk rounded up to 4 KiB, slots threads + 2 unless set, part 0 when not below chunk. */
+static combo_t combo_resolved(const combo_t *k, bool save) {
+  combo_t r;
+  size_t chunk = k->chunk ? k->chunk : pm__opt_size(PM__OPT_FILE_CHUNK);
+  r.chunk = (chunk + 4095) / 4096 * 4096;
+  r.threads = k->threads ? k->threads : (int)pm__opt_int(PM__OPT_FILE_THREADS);
+  if (!r.threads) r.threads = (int)pm__opt_int(PM__OPT_COPY_THREADS);
+  r.slots = (int)pm__opt_int(PM__OPT_FILE_SLOTS);
+  if (!r.slots) r.slots = r.threads + 2;
+  r.part = save ? 0 : (pm__opt_size(PM__OPT_FILE_PART) + 4095) / 4096 * 4096;
+  if (r.part >= r.chunk) r.part = 0;
+  return r;
+}
+
 static void pm_load(fbench_t *b, pm_file_io_t io) {
   pm_file_options_t o;
   pm_file_options_init(&o);
   o.io = io;
-  o.chunk = b->o.chunk;
-  o.threads = b->o.threads;
+  o.chunk = b->cur.chunk;
+  o.threads = b->cur.threads;
   pm_fence_t f;
   cli_check(pm_file_read_async(b->fd, 0, b->o.bytes, b->dev, b->s, &o, &f));
   cli_check(pm_fence_wait(f));
@@ -288,6 +398,14 @@ static void plain_load(fbench_t *b) {
     cli_check(pm_memcpy_async((char *)b->dev + off, b->pinned, n, PM_COPY_H2D, b->s));
     cli_check(pm_stream_synchronize(b->s));
   }
+}
+
+static void mmap_load(fbench_t *b) {
+  void *m = mmap(NULL, b->o.bytes, PROT_READ, MAP_SHARED, b->fd, 0);
+  if (m == MAP_FAILED) fail_errno("mmap", b->path);
+  cli_check(pm_memcpy_async(b->dev, m, b->o.bytes, PM_COPY_H2D, b->s));
+  cli_check(pm_stream_synchronize(b->s));
+  munmap(m, b->o.bytes);
 }
 
 static void disk_read(fbench_t *b) {
@@ -305,8 +423,8 @@ static void pm_save(fbench_t *b, pm_file_io_t io) {
   pm_file_options_t o;
   pm_file_options_init(&o);
   o.io = io;
-  o.chunk = b->o.chunk;
-  o.threads = b->o.threads;
+  o.chunk = b->cur.chunk;
+  o.threads = b->cur.threads;
   o.fsync = 1;
   pm_fence_t f;
   cli_check(pm_file_write_async(b->out_fd, 0, b->o.bytes, b->dev, b->s, &o, &f));
@@ -335,20 +453,57 @@ static void disk_write(fbench_t *b) {
   close(dfd);
 }
 
+enum {
+  C_LOAD_HOT,
+  C_LOAD_DIRECT,
+  C_LOAD_COLD,
+  C_PLAIN_HOT,
+  C_PLAIN_COLD,
+  C_DISK_READ,
+  C_SAVE_BUFFERED,
+  C_SAVE_DIRECT,
+  C_PLAIN_SAVE,
+  C_DISK_WRITE,
+  C_LOAD_HOT_AUTO,
+  C_LOAD_COLD_AUTO,
+  C_SAVE_AUTO,
+  C_LOAD_HOT_MMAP
+};
+
+static bool is_disk(int c) {
+  return c == C_DISK_READ || c == C_DISK_WRITE;
+}
+
+/* The cases that run pinmem (and so once per combination of the sweep). */
+static bool is_pm(int c) {
+  return c != C_PLAIN_HOT && c != C_PLAIN_COLD && c != C_PLAIN_SAVE && c != C_LOAD_HOT_MMAP &&
+         !is_disk(c);
+}
+
+static bool is_save(int c) {
+  return c == C_SAVE_BUFFERED || c == C_SAVE_DIRECT || c == C_PLAIN_SAVE || c == C_DISK_WRITE ||
+         c == C_SAVE_AUTO;
+}
+
 typedef struct result {
   bool ran;
   double seconds;
   bool verified;
+  double direct_share; /* of the bytes the pinmem call moved, the part through O_DIRECT */
+  bool refused;        /* pm__file_note: O_DIRECT refused, buffered used */
 } result_t;
 
-/* One case: warm-up, then the timed runs. */
+/* One case: warm-up, then the timed runs. The warm-up run is verified in full (the data of
+ * the timed runs is the same code path again; checking each would make a sweep of 4 GiB runs
+ * slow). */
 static result_t run_case(fbench_t *b, int c) {
-  result_t r = {true, NAN, true};
+  result_t r = {true, NAN, true, NAN, false};
   const char *name = k_cases[c];
   bool cold = strstr(name, "cold") != NULL;
   bool load = strstr(name, "load") != NULL;
-  bool save = !load && strcmp(name, "disk_read_direct") != 0;
+  bool save = is_save(c);
   double *t = cli_xmalloc(sizeof(double) * (size_t)b->o.repeat);
+  pm_file_stats_t s0, s1;
   for (int run = -1; run < b->o.repeat; run++) {
     cli_progress((unsigned long long)b->steps_done, (unsigned long long)b->steps, "%s, %s", name,
                  run < 0 ? "warm-up" : "timed run");
@@ -360,23 +515,37 @@ static result_t run_case(fbench_t *b, int c) {
     }
     cli_check(pm_stream_synchronize(b->s));
     if (cold) make_cold(b, b->fd);
+    cli_check(pm_file_get_stats(&s0));
     double t0 = now();
     switch (c) {
-      case 0: pm_load(b, PM_FILE_IO_BUFFERED); break;
-      case 1: pm_load(b, PM_FILE_IO_DIRECT); break;
-      case 2: pm_load(b, PM_FILE_IO_BUFFERED); break;
-      case 3: plain_load(b); break;
-      case 4: plain_load(b); break;
-      case 5: disk_read(b); break;
-      case 6: pm_save(b, PM_FILE_IO_BUFFERED); break;
-      case 7: pm_save(b, PM_FILE_IO_DIRECT); break;
-      case 8: plain_save(b); break;
-      case 9: disk_write(b); break;
+      case C_LOAD_HOT:
+      case C_LOAD_COLD: pm_load(b, PM_FILE_IO_BUFFERED); break;
+      case C_LOAD_DIRECT: pm_load(b, PM_FILE_IO_DIRECT); break;
+      case C_LOAD_HOT_AUTO:
+      case C_LOAD_COLD_AUTO: pm_load(b, PM_FILE_IO_AUTO); break;
+      case C_PLAIN_HOT:
+      case C_PLAIN_COLD: plain_load(b); break;
+      case C_LOAD_HOT_MMAP: mmap_load(b); break;
+      case C_DISK_READ: disk_read(b); break;
+      case C_SAVE_BUFFERED: pm_save(b, PM_FILE_IO_BUFFERED); break;
+      case C_SAVE_DIRECT: pm_save(b, PM_FILE_IO_DIRECT); break;
+      case C_SAVE_AUTO: pm_save(b, PM_FILE_IO_AUTO); break;
+      case C_PLAIN_SAVE: plain_save(b); break;
+      case C_DISK_WRITE: disk_write(b); break;
     }
     double s = now() - t0;
+    cli_check(pm_file_get_stats(&s1));
+    if (is_pm(c)) {
+      uint64_t d = save ? s1.write_direct - s0.write_direct : s1.read_direct - s0.read_direct;
+      uint64_t bu =
+          save ? s1.write_buffered - s0.write_buffered : s1.read_buffered - s0.read_buffered;
+      r.direct_share = d + bu ? (double)d / (double)(d + bu) : NAN;
+      r.refused = pm__file_note()[0] != '\0';
+    }
     if (run >= 0) t[run] = s;
-    if (load && !verify_dev(b, SEED_FILE)) r.verified = false;
-    if (save && c != 9 && !verify_file(b, b->out_fd, SEED_SAVE)) r.verified = false;
+    if (run < 0 && load && !verify_dev(b, SEED_FILE)) r.verified = false;
+    if (run < 0 && save && c != C_DISK_WRITE && !verify_file(b, b->out_fd, SEED_SAVE))
+      r.verified = false;
   }
   b->steps_done++;
   r.seconds = cli_median(t, b->o.repeat);
@@ -440,6 +609,78 @@ static void target(const fbench_t *b, const char *what, bool measured, bool met,
     fprintf(out, "TARGET %s: %s  %s\n", what, fig, met ? "PASS" : "MISS");
 }
 
+/* The best (fastest verified) row of each case over the sweep, with its combination. */
+typedef struct best {
+  result_t r;
+  combo_t k;
+} best_t;
+
+static double gbps_of(const fbench_t *b, const best_t *x) {
+  return x->r.ran && x->r.verified ? (double)b->o.bytes / x->r.seconds / 1e9 : NAN;
+}
+
+/* "best of" several cases: the fastest, or NaN when none ran. */
+static double best_of(const fbench_t *b, const best_t *best, const int *cases, int n,
+                      char *which, size_t wlen) {
+  double v = NAN;
+  for (int i = 0; i < n; i++) {
+    double g = gbps_of(b, &best[cases[i]]);
+    if (!isnan(g) && (isnan(v) || g > v)) {
+      v = g;
+      const combo_t *k = &best[cases[i]].k;
+      snprintf(which, wlen, "%s chunk %zu threads %d slots %d part %zu", k_cases[cases[i]],
+               k->chunk, k->threads, k->slots, k->part);
+    }
+  }
+  return v;
+}
+
+static void print_row(fbench_t *b, int c, const result_t *r) {
+  double gbps = (double)b->o.bytes / r->seconds / 1e9;
+  const char *cache = strstr(k_cases[c], "cold")    ? b->cold_method
+                      : c == C_LOAD_DIRECT || c == C_SAVE_DIRECT || is_disk(c)
+                          ? "bypassed (O_DIRECT)"
+                      : is_save(c) ? "written + fdatasync"
+                                   : "hot";
+  if ((c == C_LOAD_DIRECT || c == C_SAVE_DIRECT) && r->refused) cache = "refused: buffered";
+  bool pm = is_pm(c);
+  if (b->o.json) {
+    cli_json_t j;
+    cli_json_row(&j, "file", k_cases[c], b->o.bytes, r->seconds, gbps);
+    if (is_disk(c))
+      cli_json_null(&j, "verified"); /* the disk alone: no data to check */
+    else
+      cli_json_bool(&j, "verified", r->verified);
+    cli_json_str(&j, "verify_method", is_disk(c) ? "none" : "full");
+    cli_json_str(&j, "cache", cache);
+    combo_t k = combo_resolved(&b->cur, is_save(c));
+    if (pm) {
+      /* The combination in force (defaults resolved), and what io did. */
+      cli_json_uint(&j, "chunk", k.chunk);
+      cli_json_int(&j, "threads", k.threads);
+      cli_json_int(&j, "slots", k.slots);
+      cli_json_uint(&j, "part", k.part);
+      cli_json_double(&j, "direct_share", r->direct_share);
+      cli_json_bool(&j, "direct_refused", r->refused);
+    }
+    cli_json_str(&j, "timing", "wall");
+    cli_json_int(&j, "runs", b->o.repeat);
+    cli_json_str(&j, "backend", pm_backend_name());
+    cli_json_str(&j, "dir", b->o.dir);
+    cli_json_end(&j);
+  } else {
+    cli_progress_clear();
+    combo_t k = combo_resolved(&b->cur, is_save(c));
+    char combo[96] = "";
+    if (pm)
+      snprintf(combo, sizeof combo, "%zu/%d/%d/%zu %.0f%%", k.chunk, k.threads, k.slots, k.part,
+               100.0 * r->direct_share);
+    printf("%-18s  %-30s %9.4f  %8.2f  %-20s  %s\n", k_cases[c], combo, r->seconds, gbps, cache,
+           is_disk(c) ? "n/a (the disk alone)" : r->verified ? "full" : "NO (FAILED)");
+  }
+  fflush(stdout); /* each row out at once: a sweep stopped by a time limit keeps its rows */
+}
+
 int pm_cli_bench_file(int argc, char **argv) {
   fbench_t *b = calloc(1, sizeof *b);
   if (!b) return CLI_EXIT_FAILURE;
@@ -466,77 +707,83 @@ int pm_cli_bench_file(int argc, char **argv) {
       p = c + 1;
     }
   }
-  cli_progress_init(b->o.quiet);
+  fopts_t *o = &b->o;
+  /* An empty list is the one default point. */
+  if (!o->nchunk) o->nchunk = 1;
+  if (!o->nthreads) o->nthreads = 1;
+  if (!o->nslots) o->nslots = 1;
+  if (!o->npart) o->npart = 1;
+  int ncombo = o->nchunk * o->nthreads * o->nslots * o->npart;
+  cli_progress_init(o->quiet);
   cli_check(pm_init());
   b->cuda = pm_backend_kind() == PM_BACKEND_CUDA;
-  if (!b->o.bytes) b->o.bytes = b->cuda ? 1024 * MIB : 64 * MIB;
-  if (!b->o.repeat) b->o.repeat = 3;
+  if (!o->bytes) o->bytes = b->cuda ? 1024 * MIB : 64 * MIB;
+  if (!o->repeat) o->repeat = 3;
   b->cold_method = "fadvise";
-  for (int c = 0; c < NCASES; c++) b->steps += case_on(&b->o, k_cases[c]);
+  for (int c = 0; c < NCASES; c++)
+    if (case_on(o, k_cases[c]))
+      b->steps += !is_pm(c) ? 1 : is_save(c) ? ncombo / o->npart : ncombo;
   setup(b);
 
   char sz[32];
-  cli_fmt_bytes(b->o.bytes, sz, sizeof sz);
-  if (!b->o.json) {
+  cli_fmt_bytes(o->bytes, sz, sizeof sz);
+  if (!o->json) {
     printf("pinmem bench file: backend %s, a file of %s in %s, median of %d runs\n",
-           pm_backend_name(), sz, b->path, b->o.repeat);
+           pm_backend_name(), sz, b->path, o->repeat);
     cli_host_note(false, "these figures");
-    printf("\n%-20s  %10s  %9s  %-20s  %s\n", "case", "seconds", "GB/s", "cache", "verified");
+    printf("\n%-18s  %-30s %9s  %8s  %-20s  %s\n", "case", "chunk/threads/slots/part direct",
+           "seconds", "GB/s", "cache", "verified");
   }
-  result_t res[NCASES];
-  memset(res, 0, sizeof res);
+  best_t best[NCASES];
+  memset(best, 0, sizeof best);
   for (int c = 0; c < NCASES; c++) {
-    if (!case_on(&b->o, k_cases[c])) continue;
-    res[c] = run_case(b, c);
-    double gbps = (double)b->o.bytes / res[c].seconds / 1e9;
-    const char *cache = strstr(k_cases[c], "cold") ? b->cold_method
-                        : strstr(k_cases[c], "direct") || c == 9 ? "bypassed (O_DIRECT)"
-                        : c >= 6                                ? "written + fdatasync"
-                                                                : "hot";
-    if (c == 1 || c == 7) cache = pm__file_note()[0] ? "refused: buffered" : "bypassed (O_DIRECT)";
-    if (b->o.json) {
-      cli_json_t j;
-      cli_json_row(&j, "file", k_cases[c], b->o.bytes, res[c].seconds, gbps);
-      if (c == 5 || c == 9)
-        cli_json_null(&j, "verified"); /* the disk alone: no data to check */
-      else
-        cli_json_bool(&j, "verified", res[c].verified);
-      cli_json_str(&j, "verify_method", c == 5 || c == 9 ? "none" : "full");
-      cli_json_str(&j, "cache", cache);
-      cli_json_str(&j, "timing", "wall");
-      cli_json_int(&j, "runs", b->o.repeat);
-      cli_json_str(&j, "backend", pm_backend_name());
-      cli_json_str(&j, "dir", b->o.dir);
-      cli_json_end(&j);
-    } else {
-      cli_progress_clear();
-      printf("%-20s  %10.4f  %9.2f  %-20s  %s\n", k_cases[c], res[c].seconds, gbps, cache,
-             c == 5 || c == 9 ? "n/a (the disk alone)" : res[c].verified ? "full" : "NO (FAILED)");
+    if (!case_on(o, k_cases[c])) continue;
+    int nk = is_pm(c) ? ncombo : 1;
+    for (int i = 0; i < nk; i++) {
+      int ip = i % o->npart, is = i / o->npart % o->nslots,
+          it = i / (o->npart * o->nslots) % o->nthreads,
+          ic = i / (o->npart * o->nslots * o->nthreads);
+      if (is_save(c) && ip) continue; /* part: reads only */
+      combo_t k = {o->chunk[ic], o->part[ip], o->threads[it], o->slots[is]};
+      b->cur = k;
+      set_combo_options(o, &k);
+      result_t r = run_case(b, c);
+      print_row(b, c, &r);
+      if (r.verified && (!best[c].r.ran || r.seconds < best[c].r.seconds)) {
+        best[c].r = r;
+        best[c].k = combo_resolved(&k, is_save(c));
+      }
+      if (!r.verified) best[c].r.ran = true; /* a failed row is never "best" but still ran */
     }
   }
   cli_progress_clear();
-  if (b->o.json) cli_host_note(true, "these figures");
-  fprintf(b->o.json ? stderr : stdout, "\n");
-  char fig[128];
-  double gb = (double)b->o.bytes / 1e9;
-  double hot = res[0].ran ? gb / res[0].seconds : NAN;
-  snprintf(fig, sizeof fig, "%.2f GB/s", hot);
-  target(b, "hot load (load_hot_buffered) >= 40 GB/s", res[0].ran && res[0].verified,
+  if (o->json) cli_host_note(true, "these figures");
+  FILE *tout = o->json ? stderr : stdout;
+  fprintf(tout, "\n");
+  char fig[256], which[160] = "";
+  const int hot_cases[] = {C_LOAD_HOT, C_LOAD_HOT_AUTO};
+  double hot = best_of(b, best, hot_cases, 2, which, sizeof which);
+  snprintf(fig, sizeof fig, "%.2f GB/s (%s)", hot, which);
+  target(b, "hot load (best of load_hot_buffered, load_hot_auto) >= 40 GB/s", !isnan(hot),
          hot >= T_HOT_GBPS, fig);
-  double disk_r = res[5].ran ? gb / res[5].seconds : NAN;
-  double cold = NAN;
-  if (res[2].ran) cold = gb / res[2].seconds;
-  if (res[1].ran && (isnan(cold) || gb / res[1].seconds > cold)) cold = gb / res[1].seconds;
-  snprintf(fig, sizeof fig, "%.2f GB/s = %.2fx the disk's %.2f GB/s", cold, cold / disk_r, disk_r);
-  target(b, "cold load (best of load_cold_buffered, load_direct) >= 0.9x disk_read_direct",
-         !isnan(cold) && res[5].ran, cold >= T_DISK_RATIO * disk_r, fig);
-  double disk_w = res[9].ran ? gb / res[9].seconds : NAN;
-  double save = NAN;
-  if (res[6].ran) save = gb / res[6].seconds;
-  if (res[7].ran && (isnan(save) || gb / res[7].seconds > save)) save = gb / res[7].seconds;
-  snprintf(fig, sizeof fig, "%.2f GB/s = %.2fx the disk's %.2f GB/s", save, save / disk_w, disk_w);
-  target(b, "save (best of save_buffered, save_direct, with fdatasync) >= 0.9x disk_write_direct",
-         !isnan(save) && res[9].ran, save >= T_DISK_RATIO * disk_w, fig);
+  double disk_r = gbps_of(b, &best[C_DISK_READ]);
+  const int cold_cases[] = {C_LOAD_COLD, C_LOAD_DIRECT, C_LOAD_COLD_AUTO};
+  double cold = best_of(b, best, cold_cases, 3, which, sizeof which);
+  snprintf(fig, sizeof fig, "%.2f GB/s = %.2fx the disk's %.2f GB/s (%s)", cold, cold / disk_r,
+           disk_r, which);
+  target(b,
+         "cold load (best of load_cold_buffered, load_direct, load_cold_auto) >= 0.9x "
+         "disk_read_direct",
+         !isnan(cold) && !isnan(disk_r), cold >= T_DISK_RATIO * disk_r, fig);
+  double disk_w = gbps_of(b, &best[C_DISK_WRITE]);
+  const int save_cases[] = {C_SAVE_BUFFERED, C_SAVE_DIRECT, C_SAVE_AUTO};
+  double save = best_of(b, best, save_cases, 3, which, sizeof which);
+  snprintf(fig, sizeof fig, "%.2f GB/s = %.2fx the disk's %.2f GB/s (%s)", save, save / disk_w,
+           disk_w, which);
+  target(b,
+         "save (best of save_buffered, save_direct, save_auto, with fdatasync) >= 0.9x "
+         "disk_write_direct",
+         !isnan(save) && !isnan(disk_w), save >= T_DISK_RATIO * disk_w, fig);
   teardown(b);
   bool failed = b->failed;
   free(b);

@@ -165,8 +165,8 @@ def read_file(path, dst, offset=0, *, nbytes=None, io="auto", stream=None):
     return a Completion.
 
     dst: a pinmem buffer (pinned or DeviceBuffer), a NumPy array, a torch tensor (CPU or CUDA),
-    anything with DLPack or the buffer protocol; C-contiguous. io: 'auto' (O_DIRECT for ranges
-    larger than the free page cache), 'buffered' or 'direct'. stream: as for copy(); the device
+    anything with DLPack or the buffer protocol; C-contiguous. io: 'auto' (from 64 MiB up, O_DIRECT
+    when most of the range is not in the page cache; docs/files.md), 'buffered' or 'direct'. stream: as for copy(); the device
     writes are ordered on it. The call returns once every byte has been read from the file (the
     file is closed again); for device memory the DMAs may still be in flight until the
     Completion is done. A file shorter than offset + nbytes raises IoError naming where it ends.
@@ -189,7 +189,8 @@ def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsyn
     The file is created if missing and, with truncate=True (default), emptied first; with
     truncate=False the rest of an existing file stays. src: as read_file's dst (device memory is
     DMA'd into pinned bounce slots and written from there). fsync=True: on disk (fdatasync)
-    before the call returns. io and stream: as for read_file.
+    before the call returns. io: 'auto' (O_DIRECT from 64 MiB up, the unaligned edges
+    buffered), 'buffered' or 'direct'. stream: as for read_file.
     """
     path = _os.fspath(path)
     # Not O_TRUNC: the extension empties the file only once the arguments are checked, so a bad

@@ -151,6 +151,22 @@ static PyObject *py_raise(PyObject *mod, PyObject *args) {
   return pmpy_raise_detail((pm_status_t)code, detail);
 }
 
+/* _file_stats() -> dict: pm_file_get_stats, the bytes file reads and writes moved through
+ * O_DIRECT and through the page cache since the process started (what io='auto' chose). */
+static PyObject *py_file_stats(PyObject *mod, PyObject *noargs) {
+  (void)mod;
+  (void)noargs;
+  pm_file_stats_t st;
+  pm_status_t rc = pm_file_get_stats(&st);
+  if (rc != PM_OK) return pmpy_raise_detail(rc, pm_last_error());
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K}", "read_direct",
+                       (unsigned long long)st.read_direct, "read_buffered",
+                       (unsigned long long)st.read_buffered, "write_direct",
+                       (unsigned long long)st.write_direct, "write_buffered",
+                       (unsigned long long)st.write_buffered, "direct_refused",
+                       (unsigned long long)st.direct_refused);
+}
+
 PyMethodDef pmpy_files_functions[] = {
     {"_file_read", py_file_read, METH_VARARGS,
      "_file_read(fd, offset, nbytes, dst, stream, io) -> Completion: read nbytes (None: all of "
@@ -160,4 +176,8 @@ PyMethodDef pmpy_files_functions[] = {
      "write nbytes (None: all of src) of src at offset of fd; fsync: on disk before it "
      "completes; truncate: empty the file first, once the arguments are checked."},
     {"_raise", py_raise, METH_VARARGS, "_raise(code, detail): raise the error of a status."},
+    {"_file_stats", py_file_stats, METH_NOARGS,
+     "_file_stats() -> dict: bytes read and written through O_DIRECT and through the page "
+     "cache since the process started (read_direct, read_buffered, write_direct, "
+     "write_buffered), and direct_refused: calls whose O_DIRECT the filesystem refused."},
     {0}};

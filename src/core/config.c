@@ -348,6 +348,26 @@ static const pm__opt_def_t opt_table[] = {
     [PM__OPT_HOST_DEVICES] = {"host_devices", "PINMEM_HOST_DEVICES", "1",
                               "devices the host backend simulates (1..16). Read at pm_init.",
                               parse_host_devices, PM__T_INT, 0},
+    /* 8M: hot 4 GiB loads on an H200 machine held 49.1 GB/s with 8 MiB slots and 12 threads
+     * against 37.2 with 16 MiB and 47.1 with 4 MiB
+     * (bench/results/nvidia-h200-2026-12-03f-file-chunk-sweep.jsonl). */
+    [PM__OPT_FILE_CHUNK] = {"file_chunk", "PINMEM_FILE_CHUNK", "8M",
+                            "bounce slot of file reads and writes (pm_file_*, read_file, "
+                            "load_file, save_file) that do not set their own chunk",
+                            parse_size_pos, PM__T_SIZE, 0},
+    [PM__OPT_FILE_THREADS] = {"file_threads", "PINMEM_FILE_THREADS", "0",
+                              "I/O threads of file reads and writes that do not set their own "
+                              "(0..256); 0 = copy_threads",
+                              parse_copy_threads, PM__T_INT, 0},
+    [PM__OPT_FILE_SLOTS] = {"file_slots", "PINMEM_FILE_SLOTS", "0",
+                            "bounce slots of a file read or write into or from device memory "
+                            "(0..4096); 0 = the call's threads + 2",
+                            parse_slots_or_0, PM__T_INT, 0},
+    [PM__OPT_FILE_PART] = {"file_part", "PINMEM_FILE_PART", "0",
+                           "0 = off (a file read's slot goes to the device in one DMA once it is "
+                           "full), or a size: the slot's DMA is queued in parts of this size, each "
+                           "as soon as its bytes are read",
+                           parse_size_any, PM__T_SIZE, 0},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");

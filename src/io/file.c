@@ -4,16 +4,18 @@
  * budget holds), DMAs are the backend's memcpy_async with one event per slot, threads come
  * from pm__parallel_for and completion is a copy fence (fence.c).
  *
- * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes that starts
- * at offset rounded down to 4 KiB, so every unit but the first starts 4 KiB-aligned and every
- * unit but the last ends so. Threads claim units from an atomic counter in ascending order.
+ * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes (option
+ * file_chunk, 8 MiB) that starts at offset rounded down to 4 KiB, so every unit but the first
+ * starts 4 KiB-aligned and every unit but the last ends so. Threads (option file_threads, else
+ * copy_threads) claim units from an atomic counter in ascending order.
  *
  * Ring (device memory; host memory that O_DIRECT cannot reach in place): unit i uses slot
- * i % slots in turn, as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
+ * i % slots in turn (option file_slots, else threads + 2), as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
  * earlier by a running thread: no deadlock. Inside a slot the unit's bytes sit at the same
  * offset modulo 4 KiB as in the file, so the aligned middle can go through O_DIRECT. Read:
  * wait for the slot's last DMA (its event), pread into the slot, queue the H2D DMA and record
- * the event; the call returns once every read is done and every DMA queued; the fence's event
+ * the event (option file_part: pread and queue the DMA part by part, so the DMA starts before
+ * the slot is full and reads bytes still in the CPU cache); the call returns once every read is done and every DMA queued; the fence's event
  * follows the last DMA. Write: queue the D2H DMA (behind the stream's earlier work), wait for
  * its event, pwrite the slot; the call returns once everything is in the file.
  * Straight (host memory): after a stream synchronize (the stream's earlier work may still use
@@ -24,9 +26,18 @@
  * head and tail of a piece that are not 4 KiB-aligned (in the file and in memory) use the
  * caller's fd and the middle the O_DIRECT fd (a second open of /proc/self/fd/N, so the caller's
  * fd, its offset and flags, never change). A filesystem that refuses O_DIRECT (EINVAL at the
- * open or at a transfer) turns the call buffered, with a note (pm__file_note). io=auto takes
- * O_DIRECT for ranges larger than MemAvailable of /proc/meminfo (they would evict the cache
- * and still not fit). Fault injection: ops file_read / file_write (fault.c) before each call.
+ * open or at a transfer) turns the call buffered, with a note (pm__file_note).
+ * Writes through O_DIRECT keep the range's unaligned head and tail (at most 4 KiB each, only in
+ * the first and last unit) and write them buffered after every direct middle, so the page the
+ * kernel merges an edge into already holds the middle's new bytes (see write_edges).
+ * io=auto, for ranges of at least FILE_AUTO_MIN (64 MiB; smaller ones are buffered): writes go
+ * direct (a checkpoint written once should not evict the page cache, and the disk is fastest
+ * with several large direct writes in flight); reads go direct when most of the range is not in
+ * the page cache, from mincore on a read-only mapping of the range sampled in 64 windows
+ * (resident_fraction), else buffered (a copy from the cache beats any disk); where residency
+ * cannot be probed, direct when the range is larger than MemAvailable. pm_file_get_stats counts
+ * the bytes each way, so tests and benchmarks see what auto chose.
+ * Fault injection: ops file_read / file_write (fault.c) before each call.
  *
  * Errors: the first failing unit's status and detail are kept (workers have their own
  * pm_last_error); later units are skipped but the ring's turns still advance, so nothing waits
@@ -41,20 +52,37 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "copy_internal.h"
 
 #define FILE_ALIGN 4096u
-#define FILE_CHUNK_DEFAULT ((size_t)16 << 20)
 #define FILE_AUTO_MIN ((size_t)64 << 20) /* smaller ranges never go direct under io=auto */
 
 static _Thread_local char g_note[256];
 static _Thread_local bool g_injected; /* the errno xfer_fd returned last was injected */
 
+/* pm_file_get_stats: bytes moved [write][direct], and calls whose O_DIRECT was refused. */
+static _Atomic uint64_t g_bytes[2][2];
+static _Atomic uint64_t g_refused;
+
+atomic_size_t pm__file_auto_min;
+
 const char *pm__file_note(void) {
   return g_note;
+}
+
+pm_status_t pm_file_get_stats(pm_file_stats_t *out) {
+  if (!out) return pm__set_error(PM_ERR_INVALID, "pm_file_get_stats: out is NULL");
+  memset(out, 0, sizeof *out);
+  out->read_direct = atomic_load(&g_bytes[0][1]);
+  out->read_buffered = atomic_load(&g_bytes[0][0]);
+  out->write_direct = atomic_load(&g_bytes[1][1]);
+  out->write_buffered = atomic_load(&g_bytes[1][0]);
+  out->direct_refused = atomic_load(&g_refused);
+  return PM_OK;
 }
 
 void pm_file_options_init(pm_file_options_t *options) {
@@ -84,6 +112,7 @@ typedef struct fio {
   pm_stream_t stream;
   pm_pool_t *pool;
   size_t chunk;
+  size_t part; /* reads into device memory: the slot's DMA in parts of this size; 0 = whole */
   uint64_t grid; /* off rounded down to FILE_ALIGN: unit k starts at grid + k * chunk */
   size_t nunits;
   atomic_size_t next;
@@ -96,6 +125,13 @@ typedef struct fio {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   first_error_t err;
+  /* Writes with O_DIRECT: the range's unaligned head and tail, written buffered after every
+   * direct middle (see run()). [0] head, [1] tail; len 0 = none. */
+  struct {
+    char buf[FILE_ALIGN];
+    uint64_t pos;
+    size_t len;
+  } edge[2];
 } fio_t;
 
 static void err_set(fio_t *c, pm_status_t st) {
@@ -160,6 +196,8 @@ static int xfer_fd(fio_t *c, int fd, char *buf, size_t len, uint64_t pos) {
       return errno;
     }
     if (r == 0) return c->write ? EIO : ENODATA;
+    atomic_fetch_add_explicit(&g_bytes[c->write][fd == c->dfd], (uint64_t)r,
+                              memory_order_relaxed);
     done += (size_t)r;
     /* A direct transfer that stopped off the alignment (the end of the file) goes on buffered. */
     if (fd == c->dfd && done < len && ((pos + done) % FILE_ALIGN)) fd = c->fd;
@@ -178,6 +216,27 @@ static pm_status_t xfer(fio_t *c, char *buf, size_t len, uint64_t pos) {
     if (head > len) head = len;
     mid = (len - head) / FILE_ALIGN * FILE_ALIGN;
   }
+  size_t tail = len - head - mid;
+  if (c->write && direct) {
+    /* Only the range's first piece has a head and only its last a tail (every other piece
+     * starts and ends on the 4 KiB grid): kept, and written after the direct middles. */
+    if (head) {
+      memcpy(c->edge[0].buf, buf, head);
+      c->edge[0].pos = pos;
+      c->edge[0].len = head;
+      head = 0;
+      buf += c->edge[0].len;
+      pos += c->edge[0].len;
+      len -= c->edge[0].len;
+    }
+    if (tail) {
+      memcpy(c->edge[1].buf, buf + mid, tail);
+      c->edge[1].pos = pos + mid;
+      c->edge[1].len = tail;
+      len -= tail;
+      tail = 0;
+    }
+  }
   int e = head ? xfer_fd(c, c->fd, buf, head, pos) : 0;
   if (e) return io_error(c, e, head, pos);
   if (mid) {
@@ -188,7 +247,6 @@ static pm_status_t xfer(fio_t *c, char *buf, size_t len, uint64_t pos) {
     }
     if (e) return io_error(c, e, mid, pos + head);
   }
-  size_t tail = len - head - mid;
   e = tail ? xfer_fd(c, c->fd, buf + head + mid, tail, pos + head + mid) : 0;
   return e ? io_error(c, e, tail, pos + head + mid) : PM_OK;
 }
@@ -301,15 +359,32 @@ static pm_status_t ring_step(fio_t *c, size_t k, int s) {
   pm_status_t st = PM_OK;
   if (!c->write) {
     if (c->device && k >= (size_t)c->nslots) st = pm__copy_wait_event(c->ev[s], 50);
-    if (st == PM_OK) st = xfer(c, p, len, pos);
     if (st != PM_OK) return st;
     if (!c->device) {
-      memcpy(m, p, len);
-      return PM_OK;
+      st = xfer(c, p, len, pos);
+      if (st == PM_OK) memcpy(m, p, len);
+      return st;
     }
-    st = pm__cb_memcpy_async(m, p, len, PM_COPY_H2D, c->stream);
-    if (st == PM_OK) st = pm__cb_event_record(c->ev[s], c->stream);
-    return st == PM_OK ? PM_OK : pm__wrap_error(st, "%s: H2D DMA of %zu bytes", c->fn, len);
+    /* Parts (option file_part): each part's DMA is queued as soon as its pread is done, so the
+     * DMA starts earlier and reads bytes still warm in the CPU cache. Part ends lie on the
+     * grid's multiples of part (4 KiB-aligned), so every part but the range's first and last
+     * stays whole for O_DIRECT. */
+    uint64_t end = pos + len;
+    for (uint64_t at = pos; at < end;) {
+      uint64_t to = end;
+      if (c->part) {
+        to = c->grid + ((at - c->grid) / c->part + 1) * c->part;
+        if (to > end) to = end;
+      }
+      size_t n = (size_t)(to - at);
+      st = xfer(c, p + (at - pos), n, at);
+      if (st != PM_OK) return st;
+      st = pm__cb_memcpy_async(m + (at - pos), p + (at - pos), n, PM_COPY_H2D, c->stream);
+      if (st != PM_OK) return pm__wrap_error(st, "%s: H2D DMA of %zu bytes", c->fn, n);
+      at = to;
+    }
+    st = pm__cb_event_record(c->ev[s], c->stream);
+    return st == PM_OK ? PM_OK : pm__wrap_error(st, "%s: event after an H2D DMA", c->fn);
   }
   if (c->device) {
     st = pm__cb_memcpy_async(p, m, len, PM_COPY_D2H, c->stream);
@@ -357,11 +432,64 @@ static uint64_t mem_available(void) {
   return (uint64_t)kb * 1024;
 }
 
+/* Fraction of the pages of the range that are in the page cache, from mincore on a read-only
+ * mapping of the range (made once; mapping pages it never touches costs no I/O) sampled in
+ * PROBE_WINDOWS windows of PROBE_PAGES pages spread evenly over it: a few thousand page lookups
+ * whatever the size, where mincore over every page of a 4 GiB range (a million lookups) would
+ * cost a noticeable part of a hot load. Only the part of the range inside the file is probed.
+ * -1 when unknown (not a regular file, nothing of the range in the file, mmap or mincore
+ * refused). */
+enum { PROBE_WINDOWS = 64, PROBE_PAGES = 64 };
+
+static double resident_fraction(int fd, uint64_t off, size_t bytes) {
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size <= 0) return -1;
+  uint64_t end = off + bytes;
+  if (end > (uint64_t)sb.st_size) end = (uint64_t)sb.st_size;
+  long pgl = sysconf(_SC_PAGESIZE);
+  uint64_t pg = pgl > 0 ? (uint64_t)pgl : FILE_ALIGN;
+  uint64_t first = off / pg * pg;
+  if (end <= off || end - first > (uint64_t)SIZE_MAX) return -1;
+  size_t maplen = (size_t)(end - first);
+  void *map = mmap(NULL, maplen, PROT_READ, MAP_SHARED, fd, (off_t)first);
+  if (map == MAP_FAILED) return -1;
+  uint64_t pages = (maplen + pg - 1) / pg, in = 0, seen = 0;
+  uint64_t win = PROBE_PAGES, stride = pages > win ? (pages - win) / (PROBE_WINDOWS - 1) : 0;
+  unsigned char vec[PROBE_PAGES];
+  bool ok = true;
+  for (uint64_t w = 0; w < PROBE_WINDOWS && ok; w++) {
+    uint64_t p0 = w * stride, np = pages - p0 < win ? pages - p0 : win;
+    size_t len = (size_t)(np * pg);
+    if (p0 * pg + len > maplen) len = maplen - (size_t)(p0 * pg);
+    ok = mincore((char *)map + p0 * pg, len, vec) == 0;
+    for (uint64_t k = 0; ok && k < np; k++) in += vec[k] & 1;
+    seen += np;
+    if (!stride) break; /* the whole range fit one window */
+  }
+  munmap(map, maplen);
+  return ok && seen ? (double)in / (double)seen : -1;
+}
+
+/* io=auto: O_DIRECT or not, for a range of at least FILE_AUTO_MIN bytes. Writes: direct (a
+ * checkpoint written once should not evict the page cache, and the disk is fastest with several
+ * large direct writes in flight). Reads: direct when most of the range is not in the page cache
+ * (the disk at queue depth beats readahead), buffered when most of it is (a copy from the cache
+ * beats the disk); where residency is unknown, direct when the range is larger than
+ * MemAvailable (it would evict the cache and still not fit). */
+static bool auto_direct(fio_t *c) {
+  if (c->write) return true;
+  double resident = resident_fraction(c->fd, c->off, c->bytes);
+  if (resident >= 0) return resident < 0.5;
+  uint64_t avail = mem_available();
+  return avail && (uint64_t)c->bytes > avail;
+}
+
 /* The O_DIRECT fd for c->fd, or -1 with a note when the filesystem refuses it. */
 static pm_status_t open_direct(fio_t *c, int flags) {
   if (atomic_load(&pm__io_refuse_direct)) {
     snprintf(g_note, sizeof g_note, "O_DIRECT refused for fd %d (test hook): buffered I/O is used",
              c->fd);
+    atomic_fetch_add(&g_refused, 1);
     return PM_OK;
   }
   char path[64];
@@ -377,6 +505,7 @@ static pm_status_t open_direct(fio_t *c, int flags) {
     snprintf(g_note, sizeof g_note,
              "O_DIRECT refused by the filesystem of fd %d (open: %s): buffered I/O is used", c->fd,
              strerror(e));
+    atomic_fetch_add(&g_refused, 1);
     return PM_OK;
   }
   return pm__set_error(PM_ERR_IO, "%s: open(%s, O_DIRECT): %s", c->fn, path, strerror(e));
@@ -452,8 +581,10 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
   if (st != PM_OK) return pm__wrap_error(st, "%s", fn);
   c->device = kind == PM__MEM_DEVICE || kind == PM__MEM_MANAGED;
 
-  size_t chunk = o->chunk ? o->chunk : FILE_CHUNK_DEFAULT;
+  size_t chunk = o->chunk ? o->chunk : pm__opt_size(PM__OPT_FILE_CHUNK);
   c->chunk = pm__align_up(chunk, FILE_ALIGN);
+  c->part = write ? 0 : pm__align_up(pm__opt_size(PM__OPT_FILE_PART), FILE_ALIGN);
+  if (c->part >= c->chunk) c->part = 0;
   c->grid = offset / FILE_ALIGN * FILE_ALIGN;
   c->nunits = (size_t)((offset + bytes - c->grid + c->chunk - 1) / c->chunk);
   atomic_init(&c->next, 0);
@@ -461,10 +592,9 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
   atomic_init(&c->err.status, PM_OK);
 
   bool direct = o->io == PM_FILE_IO_DIRECT;
-  if (o->io == PM_FILE_IO_AUTO && bytes >= FILE_AUTO_MIN) {
-    uint64_t avail = mem_available();
-    direct = avail && (uint64_t)bytes > avail;
-  }
+  size_t auto_min = atomic_load(&pm__file_auto_min);
+  if (o->io == PM_FILE_IO_AUTO && bytes >= (auto_min ? auto_min : FILE_AUTO_MIN))
+    direct = auto_direct(c);
   if (direct) {
     st = open_direct(c, flags);
     if (st != PM_OK) return st;
@@ -484,8 +614,24 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
 }
 
 static int threads_for(const pm_file_options_t *o) {
-  int t = o->threads ? o->threads : (int)pm__opt_int(PM__OPT_COPY_THREADS);
+  int t = o->threads ? o->threads : (int)pm__opt_int(PM__OPT_FILE_THREADS);
+  if (!t) t = (int)pm__opt_int(PM__OPT_COPY_THREADS);
   return t < 1 ? 1 : t;
+}
+
+/* The deferred head and tail of a direct write, through the caller's fd. They go last because
+ * the kernel merges a partial-page buffered write with the page's bytes on disk: once every
+ * direct middle is there, the merged page holds the new bytes whatever the page (or folio)
+ * size, where an edge written first could leave a cached page that a direct write of the same
+ * page must flush and invalidate (the kernel does, but only page-cache pages that are not
+ * busy). With 4 KiB pages the edges' pages and the middles' pages are distinct anyway. */
+static pm_status_t write_edges(fio_t *c) {
+  for (int i = 0; i < 2; i++) {
+    if (!c->edge[i].len) continue;
+    int e = xfer_fd(c, c->fd, c->edge[i].buf, c->edge[i].len, c->edge[i].pos);
+    if (e) return io_error(c, e, c->edge[i].len, c->edge[i].pos);
+  }
+  return PM_OK;
 }
 
 /* Move the whole range (ring or straight). */
@@ -501,7 +647,8 @@ static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
   if (!c->ring) {
     pm__parallel_for(tasks, (size_t)tasks, straight_task, c);
   } else {
-    st = ring_create(c, threads + 2);
+    int slots = (int)pm__opt_int(PM__OPT_FILE_SLOTS);
+    st = ring_create(c, slots ? slots : threads + 2);
     if (st != PM_OK) return st;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
@@ -511,12 +658,18 @@ static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
     pthread_cond_destroy(&c->cv);
     ring_destroy(c, c->device);
   }
-  if (atomic_load(&c->refuse) && !g_note[0])
+  if (atomic_load(&c->refuse) && !g_note[0]) {
     snprintf(g_note, sizeof g_note,
              "O_DIRECT transfers refused (EINVAL) by the filesystem of fd %d: buffered I/O is used",
              c->fd);
+    atomic_fetch_add(&g_refused, 1);
+  }
   st = (pm_status_t)atomic_load(&c->err.status);
   if (st != PM_OK) return pm__set_error(st, "%s", c->err.msg);
+  if (c->write) {
+    st = write_edges(c);
+    if (st != PM_OK) return st;
+  }
   if (c->write && o->fsync) {
     int r;
     do r = fdatasync(c->fd);
