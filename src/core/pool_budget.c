@@ -95,7 +95,8 @@ pm_status_t pm__pool_acquire_locked(pm_pool_t *p, pm__acquire_t *a) {
   double deadline = 0;
   for (;;) {
     if (a->use_bins) {
-      pm__block_t *b = pm__pool_bin_find(&p->groups[a->group], a->need);
+      pm__group_t *g = pm__pool_group(p, a->node, a->group);
+      pm__block_t *b = g ? pm__pool_bin_find(g, a->need) : NULL;
       if (b) {
         pm__pool_bin_remove(p, b);
         pm__pool_carve_locked(p, b, a->need);
