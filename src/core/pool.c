@@ -149,6 +149,9 @@ fail_structs:
 }
 
 static void segment_install_locked(pm_pool_t *p, pm__segment_t *s, double seconds) {
+  /* The node's bin set exists (node_groups_locked ran before the reservation) and lives as long
+   * as the pool. */
+  s->group = pm__pool_group(p, s->node, s->flags);
   if (s->node >= 0 && !s->bound) {
     p->numa_bind_failures++;
     p->node_bind_failures[s->node]++;

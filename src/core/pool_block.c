@@ -42,7 +42,7 @@ static inline int bin_index(size_t s) {
 }
 
 void pm__pool_bin_insert(pm_pool_t *p, pm__block_t *b) {
-  pm__group_t *g = pm__pool_group(p, b->seg->node, b->seg->flags);
+  pm__group_t *g = b->seg->group;
   int i = bin_index(b->size);
   b->bin = i;
   b->lprev = NULL;
@@ -54,7 +54,7 @@ void pm__pool_bin_insert(pm_pool_t *p, pm__block_t *b) {
 }
 
 void pm__pool_bin_remove(pm_pool_t *p, pm__block_t *b) {
-  pm__group_t *g = pm__pool_group(p, b->seg->node, b->seg->flags);
+  pm__group_t *g = b->seg->group;
   if (b->lprev)
     b->lprev->lnext = b->lnext;
   else

@@ -32,6 +32,7 @@ typedef struct pm__use {
 
 typedef struct pm__segment pm__segment_t;
 typedef struct pm__block pm__block_t;
+typedef struct pm__group pm__group_t;
 
 struct pm__block {
   char *ptr;
@@ -57,15 +58,16 @@ struct pm__segment {
    * node. bound: the placement took; false means the default policy (a counted failure). */
   int node;
   bool bound;
+  pm__group_t *group; /* its bin set: node and flags decide it once, at creation */
   void *dev_base;
   pm__block_t *first;
   pm__segment_t *prev, *next;
 };
 
-typedef struct pm__group {
+struct pm__group {
   pm__block_t *bins[PM__NBINS];
   uint64_t bitmap[PM__BITMAP_WORDS];
-} pm__group_t;
+};
 
 struct pm_pool_s {
   pthread_mutex_t lock;
