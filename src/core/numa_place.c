@@ -24,8 +24,8 @@
  * intersected with the CPUs the process was allowed at first use; a thread-local remembers the
  * node applied, so a repeated call is one compare.
  *
- * Lock order: place_lock is a leaf except that loading a device's node calls the backend's
- * device_info with it released. No other pinmem lock is taken inside it.
+ * Lock order: place_lock is a leaf, held only for loads and stores: sysfs is read and the
+ * backend's device_info called with it released. No other pinmem lock is taken inside it.
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -129,25 +129,30 @@ static void note(char *where, size_t len, const char *fmt, ...) {
   va_end(ap);
 }
 
-/* The node list, read once. Called with place_lock held. */
-static void load_nodes_locked(void) {
-  if (topo) return;
-  pm__topology_t *t = calloc(1, sizeof *t);
-  if (!t || pm__topology_read(fake_root, NULL, 0, t) != PM_OK) {
-    free(t);
-    pm__clear_error();
-    atomic_store(&multi, 0); /* nothing known: nothing to place */
-    return;
-  }
-  topo = t;
-  atomic_store(&multi, t->multi_node ? 1 : 0);
-}
-
+/* The node list, read once (again after an override). The files are read without the lock, so
+ * place_lock is only ever held for a few loads and stores (fork: a child never inherits it
+ * held across a slow read). */
 static void ensure_nodes(void) {
   if (atomic_load_explicit(&multi, memory_order_acquire) >= 0) return;
   pthread_mutex_lock(&place_lock);
-  load_nodes_locked();
+  char *root = fake_root ? strdup(fake_root) : NULL;
   pthread_mutex_unlock(&place_lock);
+  pm__topology_t *t = calloc(1, sizeof *t);
+  if (t && pm__topology_read(root, NULL, 0, t) != PM_OK) {
+    free(t);
+    t = NULL;
+  }
+  pm__clear_error();
+  free(root);
+  pthread_mutex_lock(&place_lock);
+  if (atomic_load(&multi) < 0) { /* first, or nothing known: then there is nothing to place */
+    free(topo);
+    topo = t;
+    t = NULL;
+    atomic_store(&multi, topo && topo->multi_node ? 1 : 0);
+  }
+  pthread_mutex_unlock(&place_lock);
+  free(t);
 }
 
 /* The node of `device` per sysfs, -1 when unknown. Reads it the first time. */
@@ -370,13 +375,13 @@ void pm__numa_thread_follow(int device) {
     restore_thread();
     return;
   }
+  ensure_nodes();
   pthread_mutex_lock(&place_lock);
   if (!allowed_saved) {
     CPU_ZERO(&allowed);
     if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) CPU_ZERO(&allowed);
     allowed_saved = true;
   }
-  load_nodes_locked();
   const pm__numa_node_t *nd = NULL;
   for (int i = 0; topo && i < topo->node_count; i++)
     if (topo->nodes[i].id == node) nd = &topo->nodes[i];

@@ -157,6 +157,7 @@ pm_status_t pm__pool_charge(pm_pool_t *pool, size_t bytes) {
   if (bytes == 0) return PM_OK;
   pm__acquire_t a = {.what = "pm_register",
                      .use_bins = false,
+                     .node = -1,
                      .bytes = bytes,
                      .seg_pref = bytes,
                      .seg_min = bytes};
