@@ -287,9 +287,33 @@ typedef struct pm_pool_stats {
    * pending_bytes, released when the pool is destroyed, after a device synchronize. */
   uint64_t quarantined_blocks;
   size_t quarantined_bytes;
+  /* Segments pinned for a NUMA node (option numa) that could not be bound to it and were pinned
+   * with the kernel's default policy instead (no libnuma, a node this process may not use):
+   * pm_pool_numa_stats says which node; `pinmem info` says why. */
+  uint64_t numa_bind_failures;
 } pm_pool_stats_t;
 
 PM_API pm_status_t pm_pool_get_stats(pm_pool_t *pool, pm_pool_stats_t *stats_out);
+
+/** A pool's memory by the NUMA node it was pinned for (option numa). Node -1: no placement was
+ *  asked (numa off, a single-node machine, a device whose node is unknown): the kernel's
+ *  default policy. Blocks pinned for one node only ever serve requests for that node. */
+typedef struct pm_pool_node_stats {
+  int node;
+  size_t pinned_bytes;    /* segments held for this node */
+  size_t unbound_bytes;   /* of those, pinned with the default policy: binding failed */
+  size_t cached_bytes;    /* free and ready for reuse by this node's requests */
+  size_t in_use_bytes;    /* capacity of blocks handed out */
+  uint64_t blocks;        /* blocks handed out */
+  uint64_t segments;      /* backend allocations held */
+  uint64_t bind_failures; /* segments for this node that could not be bound (since creation) */
+} pm_pool_node_stats_t;
+
+/** Per-node stats of `pool` (NULL: the default pool) into out[0..max): node -1 first, then
+ *  every node the pool pinned or tried to pin for, ascending. *count_out gets the number of
+ *  entries there are, which may exceed max (call again with more room); max 0 only counts. */
+PM_API pm_status_t pm_pool_numa_stats(pm_pool_t *pool, pm_pool_node_stats_t *out, int max,
+                                      int *count_out);
 PM_API pm_status_t pm_pool_reset_peak(pm_pool_t *pool);
 
 /* ------------------------------------------------------------------------------------------ */

@@ -173,6 +173,19 @@ if len(ndevs) != len(devs):
 for d in ndevs:
     if d.get('pci_location') is not False or d.get('pci_bus_id') is not None or d.get('node') != -1:
         bad('host device should have no PCI location: %r' % d)
+place = [r for r in rows if r.get('info') == 'numa_placement']
+if len(place) != 1:
+    bad('want one numa_placement line, got %d' % len(place))
+else:
+    pl = place[0]
+    if pl.get('mode') != 'auto' or not isinstance(pl.get('libnuma'), bool):
+        bad('numa_placement line: %r' % pl)
+    if pl.get('libnuma') is False and not pl.get('libnuma_problem'):
+        bad('numa_placement: libnuma not loaded and no reason: %r' % pl)
+    if len(nnodes) <= 1 and 'nothing to do' not in pl.get('summary', ''):
+        bad('numa_placement on one node should say it has nothing to do: %r' % pl)
+    if len(nnodes) <= 1 and any(d.get('placement_node') != -1 for d in ndevs):
+        bad('numa_device: a placement node on a single-node machine: %r' % ndevs)
 opts = [r for r in rows if r.get('info') == 'option']
 names = [o.get('name') for o in opts]
 for want in ('backend', 'device', 'budget', 'budget_policy', 'budget_timeout', 'pin_threads',

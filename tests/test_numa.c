@@ -1,7 +1,12 @@
 /* NUMA topology: the cpulist parser, pm__topology_read over a fake sysfs tree (two nodes, GPUs
  * on each, a GPU with node -1, a missing file, malformed lists), the real /sys, and where the
- * kernel actually put the pages of a pinned pool block (move_pages). */
+ * kernel actually put the pages of a pinned pool block (move_pages).
+ * NUMA placement: pool blocks of each kind bound to a node (the kernel asked where the pages are
+ * and which policy the range has), numa off and auto, a node this machine lacks (fallback,
+ * counted), per-node caches, and thread placement, over the real machine and a fake tree. */
 #include <errno.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -297,10 +302,413 @@ static void test_real_pages(void) {
   free(t);
 }
 
+/* ---- placement ---- */
+
+#define MPOL_DEFAULT_ 0
+#define MPOL_PREFERRED_ 1
+#define MPOL_F_ADDR_ (1 << 1)
+
+/* Per-node page counts of [p, p + bytes) from move_pages with no target nodes (every page).
+ * false (and a line saying why) where the kernel will not answer here. */
+static bool page_nodes(const void *p, size_t bytes, int counts[PM__NUMA_MAX_NODES]) {
+  const size_t page = pm__page_size();
+  size_t n = bytes / page;
+  void **pages = calloc(n, sizeof *pages);
+  int *status = calloc(n, sizeof *status);
+  REQUIRE(pages && status);
+  for (size_t i = 0; i < n; i++) {
+    pages[i] = (char *)p + i * page;
+    status[i] = -12345;
+  }
+  memset(counts, 0, PM__NUMA_MAX_NODES * sizeof *counts);
+  long rc = syscall(SYS_move_pages, 0, (unsigned long)n, pages, NULL, status, 0);
+  int e = errno;
+  bool ok = rc == 0;
+  if (!ok && (e == ENOSYS || e == EPERM || e == EACCES)) {
+    printf("page placement not checked: move_pages: %s\n", strerror(e));
+  } else if (!ok) {
+    fprintf(stderr, "move_pages: %s\n", strerror(e));
+    CHECK(!"move_pages failed");
+  } else {
+    for (size_t i = 0; i < n; i++) {
+      if (status[i] < 0 || status[i] >= PM__NUMA_MAX_NODES) {
+        fprintf(stderr, "page %zu: status %d (not present?)\n", i, status[i]);
+        CHECK(status[i] >= 0 && status[i] < PM__NUMA_MAX_NODES);
+        continue;
+      }
+      counts[status[i]]++;
+    }
+  }
+  free(pages);
+  free(status);
+  return ok;
+}
+
+/* The memory policy the kernel holds for the page at p (MPOL_F_ADDR), or the thread's (NULL). */
+static int policy_of(const void *p) {
+  int mode = -1;
+  unsigned long mask[1024 / (8 * sizeof(unsigned long))];
+  long rc = syscall(SYS_get_mempolicy, &mode, mask, 1025ul, p, p ? (unsigned long)MPOL_F_ADDR_ : 0ul);
+  if (rc != 0) fprintf(stderr, "get_mempolicy: %s\n", strerror(errno));
+  CHECK(rc == 0);
+  return mode;
+}
+
+static pm_pool_t *small_pool(void) {
+  pm_pool_config_t c;
+  pm_pool_config_init(&c);
+  c.fast_pin_min = (size_t)1 << 20; /* 1 MiB and up: mmap + touch + register */
+  c.pin_threads = 2;
+  pm_pool_t *p = NULL;
+  CHECK_OK(pm_pool_create(&c, &p));
+  REQUIRE(p != NULL);
+  return p;
+}
+
+/* The entry of `node` in a pool's per-node stats; node -2 entries mean "absent". */
+static pm_pool_node_stats_t node_stats(pm_pool_t *p, int node, int *count) {
+  pm_pool_node_stats_t all[PM__NUMA_MAX_NODES + 1], r;
+  memset(&r, 0, sizeof r);
+  r.node = -2;
+  int n = 0;
+  CHECK_OK(pm_pool_numa_stats(p, all, PM__NUMA_MAX_NODES + 1, &n));
+  CHECK(n >= 1 && all[0].node == -1); /* node -1 always comes first */
+  for (int i = 0; i < n && i <= PM__NUMA_MAX_NODES; i++)
+    if (all[i].node == node) r = all[i];
+  if (count) *count = n;
+  return r;
+}
+
+static bool real_multi_node(void) {
+  pm__topology_t *t = calloc(1, sizeof *t);
+  REQUIRE(t != NULL);
+  CHECK_OK(pm__topology_read(NULL, NULL, 0, t));
+  bool multi = t->multi_node;
+  free(t);
+  return multi;
+}
+
+/* numa=0 on the real machine: a fast-pinned block, a block from the backend's allocator and a
+ * shared block each have every page on node 0, the bound ones carry the preferred policy, the
+ * thread's own policy is back to what it was, and the stats say node 0 with no failure. */
+static void test_place_node0(void) {
+  CHECK_OK(pm_pool_trim(NULL, NULL)); /* RLIMIT_MEMLOCK is small here: give back what is cached */
+  CHECK_OK(pm_option_set("numa", "0"));
+  CHECK_EQ_INT(pm__numa_node_for(0), 0);
+  CHECK_EQ_INT(pm__numa_node_for(-1), 0);
+  pm__numa_state_t st0;
+  pm__numa_state(&st0);
+  if (!st0.libnuma) {
+    /* Built or run without libnuma: every placement falls back, and says so. */
+    printf("libnuma not available (%s): checking the fallback only\n", st0.libnuma_why);
+    CHECK(st0.libnuma_why[0] != '\0');
+  }
+  int thread_policy = policy_of(NULL);
+  pm_pool_t *pool = small_pool();
+  const size_t sizes[3] = {(size_t)1 << 20, 8192, 256 << 10};
+  const unsigned flags[3] = {0, 0, PM_HOST_SHARED};
+  const char *what[3] = {"fast-pinned", "backend allocator", "shared"};
+  void *p[3] = {NULL, NULL, NULL};
+  for (int k = 0; k < 3; k++) {
+    CHECK_OK(pm_host_alloc(pool, sizes[k], flags[k], &p[k]));
+    REQUIRE(p[k] != NULL);
+    pm_test_fill(p[k], sizes[k], 40 + (uint64_t)k);
+    int counts[PM__NUMA_MAX_NODES];
+    size_t span = pm__align_up(sizes[k], pm__page_size());
+    if (page_nodes(p[k], span, counts)) {
+      CHECK_EQ_INT(counts[0], (int)(span / pm__page_size()));
+      printf("numa=0 %s block: %d of %zu pages on node 0\n", what[k], counts[0],
+             span / pm__page_size());
+    }
+    CHECK(pm_test_fill_ok(p[k], sizes[k], 40 + (uint64_t)k));
+  }
+  if (st0.libnuma) {
+    /* The mappings pinmem made itself carry the policy; the backend's allocation does not (the
+     * thread preferred node 0 during the call), and the thread is back to its own policy. */
+    CHECK_EQ_INT(policy_of(p[0]), MPOL_PREFERRED_);
+    CHECK_EQ_INT(policy_of(p[2]), MPOL_PREFERRED_);
+    CHECK_EQ_INT(policy_of(NULL), thread_policy);
+    pm_pool_node_stats_t n0 = node_stats(pool, 0, NULL);
+    CHECK_EQ_INT(n0.node, 0);
+    CHECK_EQ_SIZE(n0.segments, 3);
+    CHECK_EQ_SIZE(n0.blocks, 3);
+    CHECK_EQ_SIZE(n0.bind_failures, 0);
+    CHECK_EQ_SIZE(n0.unbound_bytes, 0);
+    CHECK(n0.pinned_bytes >= sizes[0] + sizes[1] + sizes[2]);
+    pm_pool_stats_t s;
+    CHECK_OK(pm_pool_get_stats(pool, &s));
+    CHECK_EQ_SIZE(s.numa_bind_failures, 0);
+    CHECK_EQ_SIZE(s.pinned_bytes, n0.pinned_bytes);
+    pm_pool_node_stats_t none = node_stats(pool, -1, NULL);
+    CHECK_EQ_SIZE(none.segments, 0);
+  }
+  for (int k = 0; k < 3; k++) CHECK_OK(pm_host_free(p[k]));
+  CHECK_OK(pm_pool_destroy(pool));
+  CHECK_OK(pm_option_set("numa", NULL));
+}
+
+/* numa=off, and auto on a single-node machine: nothing placed, everything under node -1. */
+static void test_place_off_auto(void) {
+  const char *modes[2] = {"off", "auto"};
+  bool multi = real_multi_node();
+  for (int m = 0; m < 2; m++) {
+    CHECK_OK(pm_option_set("numa", modes[m]));
+    if (m == 1 && multi) {
+      printf("numa=auto not checked as single-node: this machine has more than one node\n");
+      continue;
+    }
+    CHECK_EQ_INT(pm__numa_node_for(0), -1);
+    CHECK_EQ_INT(pm__numa_node_for(-1), -1);
+    pm_pool_t *pool = small_pool();
+    void *a = NULL, *b = NULL;
+    CHECK_OK(pm_host_alloc(pool, (size_t)1 << 20, 0, &a));
+    CHECK_OK(pm_host_alloc(pool, 4096, 0, &b));
+    CHECK_EQ_INT(policy_of(a), MPOL_DEFAULT_);
+    int count = 0;
+    pm_pool_node_stats_t none = node_stats(pool, -1, &count);
+    CHECK_EQ_INT(count, 1); /* node -1 alone */
+    CHECK_EQ_SIZE(none.segments, 2);
+    CHECK_EQ_SIZE(none.blocks, 2);
+    CHECK_EQ_SIZE(none.bind_failures, 0);
+    pm_pool_stats_t s;
+    CHECK_OK(pm_pool_get_stats(pool, &s));
+    CHECK_EQ_SIZE(s.numa_bind_failures, 0);
+    CHECK_OK(pm_host_free(a));
+    CHECK_OK(pm_host_free(b));
+    CHECK_OK(pm_pool_destroy(pool));
+  }
+  CHECK_OK(pm_option_set("numa", NULL));
+}
+
+/* A CPU this process may run on (the last one), for a fake node that owns it. */
+static int allowed_cpu(void) {
+  cpu_set_t m;
+  REQUIRE(sched_getaffinity(0, sizeof m, &m) == 0);
+  int last = -1;
+  for (int c = 0; c < CPU_SETSIZE; c++)
+    if (CPU_ISSET(c, &m)) last = c;
+  REQUIRE(last >= 0);
+  return last;
+}
+
+/* A fake two-socket tree: device 0 on node 1, device 1 on node 0, device 2 with no node,
+ * device 3 on node 2 whose CPU the process may not use. Node 1 owns `cpu` alone. */
+static void fake_two_nodes(char *root, size_t len, int cpu) {
+  REQUIRE(pm_test_tmpdir(root, len, "numaplace"));
+  char cpus[32];
+  snprintf(cpus, sizeof cpus, "%d\n", cpu);
+  put_node(root, 0, "0-1023\n", 4194304, 3145728);
+  put_node(root, 1, cpus, 2097152, 1048576);
+  put_node(root, 2, "1000\n", 1024, 512);
+  put_gpu(root, "0000:3b:00.0", "1\n", cpus);
+  put_gpu(root, "0000:af:00.0", "0\n", "0-7\n");
+  put_gpu(root, "0000:d8:00.0", "-1\n", "0-7\n");
+  put_gpu(root, "0000:5e:00.0", "2\n", "1000\n");
+  static const char *ids[4] = {"0000:3b:00.0", "0000:af:00.0", "0000:d8:00.0", "0000:5e:00.0"};
+  pm__numa_test_override(root, ids, 4);
+}
+
+/* The chosen node follows the fake topology; an allocation for device 0 (node 1, which this
+ * machine lacks) falls back to the default policy: pages present, the failure counted in the
+ * pool's stats and in the state `pinmem info` shows. */
+static void test_place_fake(void) {
+  if (real_multi_node()) {
+    printf("fake-tree fallback not checked: this machine has more than one node (node 1 may "
+           "exist)\n");
+    return;
+  }
+  char root[512];
+  fake_two_nodes(root, sizeof root, allowed_cpu());
+  CHECK_OK(pm_option_set("numa", "auto"));
+  CHECK_EQ_INT(pm__numa_node_for(0), 1);
+  CHECK_EQ_INT(pm__numa_node_for(1), 0);
+  CHECK_EQ_INT(pm__numa_node_for(2), -1);
+  CHECK_EQ_INT(pm__numa_node_for(4), -1); /* not in the tree */
+  CHECK_EQ_INT(pm__numa_node_for(-1), -1);
+  CHECK_OK(pm_option_set("numa", "off"));
+  CHECK_EQ_INT(pm__numa_node_for(0), -1);
+  CHECK_OK(pm_option_set("numa", "1"));
+  CHECK_EQ_INT(pm__numa_node_for(1), 1);
+  CHECK_OK(pm_option_set("numa", "auto"));
+
+  pm__numa_state_t before, after;
+  pm__numa_state(&before);
+  CHECK(before.multi_node);
+  CHECK_EQ_INT(before.node_count, 3);
+  CHECK_EQ_INT(before.mode, PM__NUMA_AUTO);
+
+  int dev = -1;
+  CHECK_OK(pm_device_get(&dev));
+  REQUIRE(dev == 0); /* the host backend's current device; device 0 sits on node 1 here */
+  pm_pool_t *pool = small_pool();
+  void *a = NULL, *b = NULL;
+  CHECK_OK(pm_host_alloc(pool, (size_t)1 << 20, 0, &a));
+  CHECK_OK(pm_host_alloc(pool, 4096, 0, &b));
+  pm_test_fill(a, (size_t)1 << 20, 77);
+  int counts[PM__NUMA_MAX_NODES];
+  if (page_nodes(a, (size_t)1 << 20, counts))
+    CHECK_EQ_INT(counts[0], (int)(((size_t)1 << 20) / pm__page_size()));
+  CHECK_EQ_INT(policy_of(a), MPOL_DEFAULT_);
+  CHECK(pm_test_fill_ok(a, (size_t)1 << 20, 77));
+
+  pm_pool_node_stats_t n1 = node_stats(pool, 1, NULL);
+  CHECK_EQ_INT(n1.node, 1);
+  CHECK_EQ_SIZE(n1.segments, 2);
+  CHECK_EQ_SIZE(n1.bind_failures, 2);
+  CHECK_EQ_SIZE(n1.unbound_bytes, n1.pinned_bytes);
+  pm_pool_stats_t s;
+  CHECK_OK(pm_pool_get_stats(pool, &s));
+  CHECK_EQ_SIZE(s.numa_bind_failures, 2);
+  pm__numa_state(&after);
+  CHECK(after.bind_failures >= before.bind_failures + 2);
+  CHECK(strstr(after.last_failure, "node 1") != NULL);
+  printf("fallback reported: %s\n", after.last_failure);
+
+  CHECK_OK(pm_host_free(a));
+  CHECK_OK(pm_host_free(b));
+  CHECK_OK(pm_pool_destroy(pool));
+  CHECK_OK(pm_option_set("numa", NULL));
+  pm__numa_test_override(NULL, NULL, 0);
+  pm_test_rmtree(root);
+}
+
+/* A block freed while pinned for node 0 never serves node 1, and does serve node 0 again. */
+static void test_place_caches(void) {
+  const size_t sizes[2] = {(size_t)1 << 20, 4096};
+  for (int k = 0; k < 2; k++) {
+    pm_pool_t *pool = small_pool();
+    void *a = NULL, *b = NULL, *c = NULL;
+    CHECK_OK(pm_option_set("numa", "0"));
+    CHECK_OK(pm_host_alloc(pool, sizes[k], 0, &a));
+    CHECK_OK(pm_host_free(a));
+    CHECK_OK(pm_option_set("numa", "1"));
+    CHECK_OK(pm_host_alloc(pool, sizes[k], 0, &b));
+    CHECK(b != a);
+    pm_pool_node_stats_t n0 = node_stats(pool, 0, NULL), n1 = node_stats(pool, 1, NULL);
+    CHECK_EQ_SIZE(n0.segments, 1);
+    CHECK_EQ_SIZE(n0.blocks, 0);
+    CHECK(n0.cached_bytes >= sizes[k]);
+    CHECK_EQ_SIZE(n1.segments, 1);
+    CHECK_EQ_SIZE(n1.blocks, 1);
+    CHECK_OK(pm_option_set("numa", "0"));
+    pm_pool_stats_t s0, s1;
+    CHECK_OK(pm_pool_get_stats(pool, &s0));
+    CHECK_OK(pm_host_alloc(pool, sizes[k], 0, &c));
+    CHECK(c == a); /* node 0's cached block */
+    CHECK_OK(pm_pool_get_stats(pool, &s1));
+    CHECK_EQ_SIZE(s1.cache_hits, s0.cache_hits + 1);
+    CHECK_EQ_SIZE(s1.segments, 2);
+    /* And node 1's block, freed, serves node 1 only: node off (-1) pins anew. */
+    CHECK_OK(pm_host_free(b));
+    CHECK_OK(pm_option_set("numa", "off"));
+    void *d = NULL;
+    CHECK_OK(pm_host_alloc(pool, sizes[k], 0, &d));
+    CHECK(d != b && d != c);
+    CHECK_OK(pm_pool_get_stats(pool, &s1));
+    CHECK_EQ_SIZE(s1.segments, 3);
+    CHECK_OK(pm_host_free(c));
+    CHECK_OK(pm_host_free(d));
+    /* Trim is pool-wide: every node's cached segments go. */
+    size_t released = 0;
+    CHECK_OK(pm_pool_trim(pool, &released));
+    CHECK_OK(pm_pool_get_stats(pool, &s1));
+    CHECK_EQ_SIZE(s1.segments, 0);
+    CHECK_EQ_SIZE(s1.pinned_bytes, 0);
+    CHECK_OK(pm_pool_destroy(pool));
+  }
+  CHECK_OK(pm_option_set("numa", NULL));
+  /* Bad arguments. */
+  int n = -1;
+  CHECK_ERR_MSG(pm_pool_numa_stats(NULL, NULL, 0, NULL), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_pool_numa_stats(NULL, NULL, 2, &n), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_pool_numa_stats(NULL, NULL, -1, &n), PM_ERR_INVALID);
+  CHECK_OK(pm_pool_numa_stats(NULL, NULL, 0, &n));
+  CHECK(n >= 1);
+}
+
+typedef struct follow_case {
+  int device;
+  int failed; /* pthread_getaffinity_np calls that failed (checked by the main thread) */
+  cpu_set_t before, after, back;
+} follow_case_t;
+
+static void *follow_thread(void *arg) {
+  follow_case_t *c = arg;
+  c->failed += pthread_getaffinity_np(pthread_self(), sizeof c->before, &c->before) != 0;
+  pm__numa_thread_follow(c->device);
+  pm__numa_thread_follow(c->device); /* a repeat changes nothing */
+  c->failed += pthread_getaffinity_np(pthread_self(), sizeof c->after, &c->after) != 0;
+  pm__numa_thread_follow(-1); /* no device: back where it was */
+  c->failed += pthread_getaffinity_np(pthread_self(), sizeof c->back, &c->back) != 0;
+  return NULL;
+}
+
+static follow_case_t run_follow(int device) {
+  follow_case_t c;
+  memset(&c, 0, sizeof c);
+  c.device = device;
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, follow_thread, &c) == 0);
+  REQUIRE(pthread_join(t, NULL) == 0);
+  CHECK_EQ_INT(c.failed, 0);
+  return c;
+}
+
+/* Thread placement over the fake tree: device 0's node owns one CPU the process may use, so a
+ * thread working for device 0 ends up on exactly that CPU; device 3's node has only a CPU the
+ * process may not use, so the thread stays as it was and that is counted; numa_threads=0 leaves
+ * threads alone. */
+static void test_place_threads(void) {
+  cpu_set_t all;
+  REQUIRE(sched_getaffinity(0, sizeof all, &all) == 0);
+  if (CPU_ISSET(1000, &all)) {
+    printf("thread placement not checked: CPU 1000 is allowed here\n");
+    return;
+  }
+  int cpu = allowed_cpu();
+  char root[512];
+  fake_two_nodes(root, sizeof root, cpu);
+  CHECK_OK(pm_option_set("numa", "auto"));
+  CHECK_OK(pm_option_set("numa_threads", "1"));
+
+  follow_case_t c = run_follow(0);
+  CHECK(CPU_EQUAL(&c.before, &all));
+  CHECK_EQ_INT(CPU_COUNT(&c.after), 1);
+  CHECK(CPU_ISSET(cpu, &c.after));
+  CHECK(CPU_EQUAL(&c.back, &all));
+
+  pm__numa_state_t s0, s1;
+  pm__numa_state(&s0);
+  c = run_follow(3);
+  CHECK(CPU_EQUAL(&c.after, &all));
+  pm__numa_state(&s1);
+  CHECK_EQ_SIZE(s1.threads_refused, s0.threads_refused + 1);
+  CHECK(strstr(s1.last_thread_problem, "node 2") != NULL);
+
+  c = run_follow(2); /* a device with no node: nothing to do */
+  CHECK(CPU_EQUAL(&c.after, &all));
+
+  CHECK_OK(pm_option_set("numa_threads", "0"));
+  c = run_follow(0);
+  CHECK(CPU_EQUAL(&c.after, &all));
+  CHECK_OK(pm_option_set("numa_threads", NULL));
+  CHECK_OK(pm_option_set("numa", "off"));
+  c = run_follow(0);
+  CHECK(CPU_EQUAL(&c.after, &all));
+  CHECK_OK(pm_option_set("numa", NULL));
+  pm__numa_test_override(NULL, NULL, 0);
+  pm_test_rmtree(root);
+}
+
 int main(void) {
   pm_test_init();
   test_cpulist();
   test_fake_tree();
   test_real_pages();
+  test_place_node0();
+  test_place_off_auto();
+  test_place_fake();
+  test_place_caches();
+  test_place_threads();
   return pm_test_finish("test_numa");
 }

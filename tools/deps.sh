@@ -18,7 +18,8 @@ set -euo pipefail
 
 # ---- the lists -------------------------------------------------------------------------------
 # Debian package:command that shows it is there on other systems (empty: no such command).
-c_packages=(build-essential:cc cmake:cmake make:make)
+# libnuma-dev: <numa.h> for NUMA placement (libnuma itself is loaded at run time).
+c_packages=(build-essential:cc cmake:cmake make:make libnuma-dev:)
 # libclang-rt-dev: the runtimes (ASan/UBSan, libFuzzer) of the distribution's default clang.
 # python3-venv: ensurepip, which `python3 -m venv` needs on Debian. python3-dev: Python.h.
 test_packages=(pkg-config:pkg-config valgrind:valgrind clang:clang libclang-rt-dev:

@@ -119,6 +119,32 @@ static const char *device_cpus(const pm__topology_t *t, const pm__numa_device_t 
   return buf;
 }
 
+/* What placement does (numa_place.c): the mode in force, libnuma, the threads, any fallback. */
+static void numa_place_summary(const pm__numa_state_t *ps, char *buf, size_t len) {
+  if (ps->mode == PM__NUMA_OFF)
+    snprintf(buf, len, "off: pinned memory goes where the kernel's default policy puts it");
+  else if (ps->mode == PM__NUMA_AUTO && !ps->multi_node)
+    snprintf(buf, len, "single node: placement has nothing to do");
+  else if (ps->mode == PM__NUMA_AUTO)
+    snprintf(buf, len, "auto: each device's pinned memory on the device's node");
+  else
+    snprintf(buf, len, "node %ld: all pinned memory on it", ps->mode);
+  bool acts = ps->mode >= 0 || (ps->mode == PM__NUMA_AUTO && ps->multi_node);
+  if (acts && !ps->libnuma) {
+    size_t used = strlen(buf);
+    snprintf(buf + used, len - used, " (but %s: the default policy is used)", ps->libnuma_why);
+  }
+}
+
+static void numa_mode_text(long mode, char *buf, size_t len) {
+  if (mode == PM__NUMA_AUTO)
+    snprintf(buf, len, "auto");
+  else if (mode == PM__NUMA_OFF)
+    snprintf(buf, len, "off");
+  else
+    snprintf(buf, len, "%ld", mode);
+}
+
 /* NUMA: device -> PCI bus id -> node -> CPUs, each node's CPUs and memory, and how many nodes.
  * Unreadable parts are shown as unknown and listed, never an error: many machines and
  * containers show no NUMA information at all. */
@@ -144,6 +170,19 @@ static void info_numa(bool json, info_failure_t *fail) {
     free(t);
     return;
   }
+  pm__numa_state_t ps;
+  pm__numa_state(&ps);
+  char place[400], mode[32];
+  numa_place_summary(&ps, place, sizeof place);
+  numa_mode_text(ps.mode, mode, sizeof mode);
+  bool node_exists = ps.mode < 0;
+  for (int k = 0; k < t->node_count; k++) node_exists |= t->nodes[k].id == ps.mode;
+  if (!node_exists) {
+    size_t used = strlen(place);
+    snprintf(place + used, sizeof place - used,
+             " (this machine has no node %ld: every allocation falls back to the default policy)",
+             ps.mode);
+  }
   char cpus[1024], nodes_txt[64];
   if (t->node_count == 0)
     snprintf(nodes_txt, sizeof nodes_txt, "no NUMA information");
@@ -160,6 +199,20 @@ static void info_numa(bool json, info_failure_t *fail) {
     cli_json_bool(&j, "multi_node", t->multi_node);
     cli_json_str(&j, "summary", nodes_txt);
     cli_json_str(&j, "problems", t->problems);
+    cli_json_end(&j);
+    cli_json_begin(&j);
+    cli_json_str(&j, "info", "numa_placement");
+    cli_json_str(&j, "mode", mode);
+    cli_json_str(&j, "summary", place);
+    cli_json_bool(&j, "libnuma", ps.libnuma);
+    cli_json_str(&j, "libnuma_problem", ps.libnuma ? NULL : ps.libnuma_why);
+    cli_json_uint(&j, "bound", ps.bind_ok);
+    cli_json_uint(&j, "bind_failures", ps.bind_failures);
+    cli_json_str(&j, "last_failure", ps.last_failure[0] ? ps.last_failure : NULL);
+    cli_json_bool(&j, "threads", ps.threads);
+    cli_json_uint(&j, "threads_placed", ps.threads_placed);
+    cli_json_uint(&j, "threads_refused", ps.threads_refused);
+    cli_json_str(&j, "thread_problem", ps.last_thread_problem[0] ? ps.last_thread_problem : NULL);
     cli_json_end(&j);
     for (int k = 0; k < t->node_count; k++) {
       const pm__numa_node_t *n = &t->nodes[k];
@@ -195,6 +248,7 @@ static void info_numa(bool json, info_failure_t *fail) {
       device_cpus(t, dv, cpus, sizeof cpus, &from);
       cli_json_str(&j, "cpus", strcmp(from, "none") ? cpus : NULL);
       cli_json_str(&j, "cpus_from", from);
+      cli_json_int(&j, "placement_node", pm__numa_node_for(d));
       cli_json_end(&j);
     }
   } else {
@@ -239,6 +293,42 @@ static void info_numa(bool json, info_failure_t *fail) {
       cli_table_row(&tb, head, txt);
     }
     if (t->problems[0]) add_wrapped(&tb, "not read", t->problems, 76);
+    cli_table_print(&tb, 2);
+
+    /* Placement: what pinmem does with the topology. */
+    char txt[700];
+    printf("\nNUMA placement (option numa=%s): %s\n", mode, place);
+    cli_table_init(&tb, 2);
+    if (ps.libnuma)
+      snprintf(txt, sizeof txt, "loaded (binding with mbind, MPOL_PREFERRED)");
+    else
+      snprintf(txt, sizeof txt, "not loaded: %s", ps.libnuma_why);
+    cli_table_row(&tb, "libnuma", txt);
+    for (int d = 0; d < t->device_count; d++) {
+      char head[32];
+      int n = pm__numa_node_for(d);
+      snprintf(head, sizeof head, "device %d", d);
+      if (n >= 0)
+        snprintf(txt, sizeof txt, "pinned memory and threads on node %d", n);
+      else
+        snprintf(txt, sizeof txt, "no node chosen: the default policy");
+      cli_table_row(&tb, head, txt);
+    }
+    if (!ps.threads)
+      snprintf(txt, sizeof txt, "numa_threads=0: threads run where the scheduler puts them");
+    else
+      snprintf(txt, sizeof txt,
+               "numa_threads=1: pinmem's threads move to their device's node's CPUs (%llu moved, "
+               "%llu left in place)%s%s",
+               ps.threads_placed, ps.threads_refused, ps.last_thread_problem[0] ? ": " : "",
+               ps.last_thread_problem);
+    add_wrapped(&tb, "threads", txt, 76);
+    if (ps.bind_failures)
+      snprintf(txt, sizeof txt, "%llu range(s) pinned with the default policy instead; last: %s",
+               ps.bind_failures, ps.last_failure);
+    else
+      snprintf(txt, sizeof txt, "none (%llu range(s) bound)", ps.bind_ok);
+    add_wrapped(&tb, "fallback", txt, 76);
     cli_table_print(&tb, 2);
   }
   free(t);

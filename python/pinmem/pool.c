@@ -20,8 +20,8 @@ static PyObject *py_stats(PyObject *mod, PyObject *unused) {
   pm_pool_stats_t s;
   pm_status_t st = pm_pool_get_stats(pool, &s);
   if (st != PM_OK) return pmpy_raise_status(st);
-  return Py_BuildValue(
-      "{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d,s:d}", "budget",
+  PyObject *d = Py_BuildValue(
+      "{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:K}", "budget",
       (Py_ssize_t)s.budget, "pinned_bytes", (Py_ssize_t)s.pinned_bytes, "pinned_peak",
       (Py_ssize_t)s.pinned_peak, "in_use_bytes", (Py_ssize_t)s.in_use_bytes, "requested_bytes",
       (Py_ssize_t)s.requested_bytes, "cached_bytes", (Py_ssize_t)s.cached_bytes, "pending_bytes",
@@ -31,7 +31,36 @@ static PyObject *py_stats(PyObject *mod, PyObject *unused) {
       "backend_allocs", (unsigned long long)s.backend_allocs, "backend_frees",
       (unsigned long long)s.backend_frees, "budget_waits", (unsigned long long)s.budget_waits,
       "budget_failures", (unsigned long long)s.budget_failures, "backend_alloc_seconds",
-      s.backend_alloc_seconds, "backend_free_seconds", s.backend_free_seconds);
+      s.backend_alloc_seconds, "backend_free_seconds", s.backend_free_seconds,
+      "numa_bind_failures", (unsigned long long)s.numa_bind_failures);
+  if (!d) return NULL;
+  /* "numa": the pool's memory by the node it was pinned for (node -1: no placement asked). */
+  pm_pool_node_stats_t ns[65];
+  int n = 0;
+  st = pm_pool_numa_stats(pool, ns, 65, &n);
+  if (st != PM_OK) {
+    Py_DECREF(d);
+    return pmpy_raise_status(st);
+  }
+  PyObject *list = PyList_New(0);
+  for (int i = 0; list && i < n && i < 65; i++) {
+    PyObject *e = Py_BuildValue(
+        "{s:i,s:n,s:n,s:n,s:n,s:K,s:K,s:K}", "node", ns[i].node, "pinned_bytes",
+        (Py_ssize_t)ns[i].pinned_bytes, "unbound_bytes", (Py_ssize_t)ns[i].unbound_bytes,
+        "cached_bytes", (Py_ssize_t)ns[i].cached_bytes, "in_use_bytes",
+        (Py_ssize_t)ns[i].in_use_bytes, "blocks", (unsigned long long)ns[i].blocks, "segments",
+        (unsigned long long)ns[i].segments, "bind_failures",
+        (unsigned long long)ns[i].bind_failures);
+    if (!e || PyList_Append(list, e) < 0) Py_CLEAR(list);
+    Py_XDECREF(e);
+  }
+  if (!list || PyDict_SetItemString(d, "numa", list) < 0) {
+    Py_XDECREF(list);
+    Py_DECREF(d);
+    return NULL;
+  }
+  Py_DECREF(list);
+  return d;
 }
 
 static PyObject *py_budget(PyObject *mod, PyObject *unused) {

@@ -81,6 +81,28 @@ def test_stats_keys():
     assert pinmem.stats()["pinned_peak"] == pinmem.stats()["pinned_bytes"]
 
 
+def test_stats_numa():
+    s = pinmem.stats()
+    assert s["numa_bind_failures"] == 0
+    nodes = s["numa"]
+    assert nodes and nodes[0]["node"] == -1
+    for n in nodes:
+        assert set(n) == {"node", "pinned_bytes", "unbound_bytes", "cached_bytes", "in_use_bytes",
+                          "blocks", "segments", "bind_failures"}
+    # Memory pinned for node 0 (every machine has it) is listed under node 0, bound.
+    pinmem.set_option("numa", "0")
+    try:
+        pinmem.reserve("1M")
+        n0 = [n for n in pinmem.stats()["numa"] if n["node"] == 0]
+        assert n0 and n0[0]["pinned_bytes"] >= 1 << 20 and n0[0]["segments"] >= 1
+        assert n0[0]["cached_bytes"] >= 1 << 20
+    finally:
+        pinmem.set_option("numa", "auto")
+        pinmem.trim()
+    s = pinmem.stats()
+    assert sum(n["pinned_bytes"] for n in s["numa"]) == s["pinned_bytes"] - s["registered_bytes"]
+
+
 def test_reserve_and_trim():
     pinmem.trim()
     before = pinmem.stats()["cached_bytes"]

@@ -268,10 +268,50 @@ pm_status_t pm__topology_read(const char *sysfs_root, const char *const *bus_ids
 #define PM__NUMA_AUTO (-1)
 #define PM__NUMA_OFF (-2)
 
+/* ---- numa_place.c: placing memory and threads (state read lazily, process-wide) ---------- */
+
 /* Called by each pinmem thread before it works for `device` (-1: no device): keeps the
- * thread on CPUs of the device's NUMA node when option numa_threads allows it. Cheap when
- * nothing changes (a thread-local compare). */
+ * thread on CPUs of the device's NUMA node when option numa_threads allows it (the node's CPUs
+ * within those the process was allowed at first use); device -1, or no node, puts a thread that
+ * was moved back on those CPUs. Cheap when nothing changes (a thread-local compare). */
 void pm__numa_thread_follow(int device);
+/* The node to place memory for `device` under option numa: off -> -1; N -> N; auto -> the
+ * device's node on a machine with more than one node, else -1 (also for device -1). */
+int pm__numa_node_for(int device);
+/* pm__numa_node_for(the calling thread's current device on b). Asks b only where it matters
+ * (numa=auto on a multi-node machine); b may be NULL (then auto gives -1). */
+int pm__numa_node_current(const pm__backend_t *b);
+/* Test hook: read the topology under sysfs_root instead of /sys, device k at bus_ids[k] (k < n;
+ * other devices have no node). NULL root: back to the real machine. Drops what was read. */
+void pm__numa_test_override(const char *sysfs_root, const char *const *bus_ids, int n);
+/* Bind [addr, addr + len) (page aligned, not yet touched) to prefer `node` (MPOL_PREFERRED).
+ * false when node < 0 or binding failed: the failure (no libnuma, a node the process may not
+ * use, mbind's error) is counted and its reason kept for pm__numa_state; never an error. */
+bool pm__numa_bind(void *addr, size_t len, int node);
+/* The calling thread's memory policy, saved by pm__numa_prefer_begin. */
+typedef struct pm__numa_policy {
+  bool active;
+  int mode;
+  unsigned long mask[1024 / (8 * sizeof(unsigned long))];
+} pm__numa_policy_t;
+/* Make the calling thread prefer `node` for its new pages (around an allocator that touches
+ * inside the call, such as cudaHostAlloc); pm__numa_prefer_end restores the saved policy.
+ * false (nothing changed, failure counted as in pm__numa_bind) when it could not. */
+bool pm__numa_prefer_begin(int node, pm__numa_policy_t *saved);
+void pm__numa_prefer_end(pm__numa_policy_t *saved);
+/* What placement does in this process, for `pinmem info`. */
+typedef struct pm__numa_state {
+  long mode;       /* PM__NUMA_AUTO, PM__NUMA_OFF or the node */
+  bool threads;    /* option numa_threads */
+  bool libnuma;    /* loaded and the kernel supports NUMA */
+  char libnuma_why[200]; /* why not, "" when loaded */
+  int node_count;
+  bool multi_node;
+  unsigned long long bind_ok, bind_failures;     /* ranges bound / refused, process-wide */
+  unsigned long long threads_placed, threads_refused;
+  char last_failure[256], last_thread_problem[256]; /* "" when none */
+} pm__numa_state_t;
+void pm__numa_state(pm__numa_state_t *out);
 
 /* ---- api.c ------------------------------------------------------------------------------- */
 
@@ -390,6 +430,11 @@ pm_status_t pm__pool_default_destroy(void);
  * `threads` threads, then backend host_register. *ptr_out is page aligned. */
 pm_status_t pm__fast_pin(const pm__backend_t *b, size_t bytes, unsigned register_flags, int threads,
                          bool huge_pages, void **ptr_out);
+/* pm__fast_pin with the mapping bound to prefer `node` before the touch (node < 0: none);
+ * *bound_out says whether binding took (a failure pins with the default policy). */
+pm_status_t pm__fast_pin_node(const pm__backend_t *b, size_t bytes, unsigned register_flags,
+                              int threads, bool huge_pages, int node, bool *bound_out,
+                              void **ptr_out);
 pm_status_t pm__fast_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
 
 /* ---- shared.c ---------------------------------------------------------------------------- */
@@ -399,6 +444,9 @@ pm_status_t pm__fast_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
  * registered with register_flags | PM_REGISTER_PORTABLE. *ptr_out is page aligned. */
 pm_status_t pm__shared_pin(const pm__backend_t *b, size_t bytes, unsigned register_flags,
                            int threads, void **ptr_out);
+/* pm__shared_pin with the mapping bound to prefer `node` before the touch, as pm__fast_pin_node. */
+pm_status_t pm__shared_pin_node(const pm__backend_t *b, size_t bytes, unsigned register_flags,
+                                int threads, int node, bool *bound_out, void **ptr_out);
 /* Unregister, unmap and close the file of a segment from pm__shared_pin. */
 pm_status_t pm__shared_unpin(const pm__backend_t *b, void *ptr, size_t bytes);
 /* The fd of the shared segment that starts at base (pinmem keeps it). PM_ERR_INTERNAL if none. */

@@ -1,6 +1,6 @@
 /*
- * DESIGN: the machine's NUMA topology as sysfs describes it, for `pinmem info` now and for
- * placing pinned memory and pinmem's threads next to a GPU later.
+ * DESIGN: the machine's NUMA topology as sysfs describes it, for `pinmem info` and for placing
+ * pinned memory and pinmem's threads next to a GPU (numa_place.c acts on it).
  *
  * Sources (all plain text files the kernel writes):
  *   <root>/devices/system/node/nodeN/cpulist   CPUs of node N ("0-3,8,10-11")
@@ -268,9 +268,4 @@ pm_status_t pm__topology_read(const char *sysfs_root, const char *const *bus_ids
   for (int i = 0; i < n; i++) read_device(root, bus_ids[i], out, &out->devices[i]);
   out->device_count = n;
   return PM_OK;
-}
-
-/* Thread placement is not done yet: threads run where the scheduler puts them. */
-void pm__numa_thread_follow(int device) {
-  (void)device;
 }

@@ -9,6 +9,9 @@
  * can back it with huge pages from the first byte, and the touch work is cut into 2 MiB-aligned
  * pieces so no two threads fault the same huge page.
  *
+ * NUMA: with a node asked for, the mapping is bound to prefer it (numa_place.c) before the touch,
+ * so the touching threads, wherever they run, fault the pages in on that node.
+ *
  * Invariants: on success the range [ptr, ptr + align_up(bytes, page)) is mapped, present and
  * registered; pm__fast_unpin undoes exactly that. No locks are held here.
  */
@@ -39,6 +42,14 @@ static void touch_piece(void *vctx, size_t i) {
 
 pm_status_t pm__fast_pin(const pm__backend_t *b, size_t bytes, unsigned register_flags, int threads,
                          bool huge_pages, void **ptr_out) {
+  bool bound;
+  return pm__fast_pin_node(b, bytes, register_flags, threads, huge_pages, -1, &bound, ptr_out);
+}
+
+pm_status_t pm__fast_pin_node(const pm__backend_t *b, size_t bytes, unsigned register_flags,
+                              int threads, bool huge_pages, int node, bool *bound_out,
+                              void **ptr_out) {
+  *bound_out = false;
   if (!b || !ptr_out) return pm__set_error(PM_ERR_INVALID, "pm__fast_pin: NULL argument");
   if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "pm__fast_pin: bytes is 0");
   size_t page = pm__page_size();
@@ -63,6 +74,9 @@ pm_status_t pm__fast_pin(const pm__backend_t *b, size_t bytes, unsigned register
 
   /* Failure only means no huge pages (THP off or not built in): the touch still works. */
   if (huge_pages) (void)madvise(base, size, MADV_HUGEPAGE);
+  /* The policy must be on the mapping before the first touch places the pages; a refusal is
+   * counted by numa_place.c and the memory is pinned where the kernel puts it. */
+  bool bound = node >= 0 && pm__numa_bind(base, size, node);
 
   pm__touch_ctx_t ctx = {base, size};
   size_t pieces = (size + PM__HUGE - 1) / PM__HUGE;
@@ -73,6 +87,7 @@ pm_status_t pm__fast_pin(const pm__backend_t *b, size_t bytes, unsigned register
     munmap(base, size);
     return pm__wrap_error(st, "pinning %zu bytes (mmap + touch + register)", size);
   }
+  *bound_out = bound;
   *ptr_out = base;
   return PM_OK;
 }

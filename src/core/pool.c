@@ -16,6 +16,14 @@
  * - Free blocks sit in size bins (one bin per size class boundary, floor mapping; a bitmap of
  *   non-empty bins finds the smallest fitting bin in a few word scans), one bin set per flag
  *   combination: mapped, write-combined, portable and shared memory never mix.
+ * - NUMA (numa_place.c decides the node from option numa and the calling thread's current
+ *   device, before the pool lock): a new segment for node n >= 0 is bound to prefer n before
+ *   its first touch (pin.c, shared.c), or pinned by the backend's allocator with the thread
+ *   preferring n around the call. It remembers n, and its blocks live in node n's own bin sets
+ *   (made on the node's first request), so a block pinned for one node never serves another.
+ *   A failed binding pins with the default policy; the segment keeps n (a request for n is
+ *   served as well by it as by a new one) and counts as a bind failure and unbound bytes.
+ *   Trim and the budget are pool-wide.
  * - Allocated, pending and quarantined blocks are in a hash map keyed by start address (O(1)
  *   free / record_stream / usable_size). Free blocks are not: an unknown pointer is resolved by
  *   scanning the segment that holds it, which only error paths and interior-pointer queries do.
@@ -64,7 +72,7 @@ static unsigned register_flags(unsigned host_flags) {
 }
 
 /* Pin a new segment of `size` bytes (the budget is already reserved). No lock held. */
-static pm_status_t segment_create(pm_pool_t *p, size_t size, unsigned flags,
+static pm_status_t segment_create(pm_pool_t *p, size_t size, unsigned flags, int node,
                                   pm__segment_t **seg_out, double *seconds_out) {
   pm__segment_t *s = calloc(1, sizeof *s);
   pm__block_t *blk = calloc(1, sizeof *blk);
@@ -76,11 +84,23 @@ static pm_status_t segment_create(pm_pool_t *p, size_t size, unsigned flags,
   bool shared = (flags & PM_HOST_SHARED) != 0;
   bool fast = !shared && size >= p->fast_pin_min && !(flags & PM_HOST_WRITE_COMBINED);
   void *base = NULL;
+  bool bound = false;
   double t0 = pm__now();
-  pm_status_t st =
-      shared ? pm__shared_pin(p->b, size, register_flags(flags), p->pin_threads, &base)
-      : fast ? pm__fast_pin(p->b, size, register_flags(flags), p->pin_threads, p->huge_pages, &base)
-             : p->b->host_alloc(size, flags, &base);
+  pm_status_t st;
+  if (shared) {
+    st = pm__shared_pin_node(p->b, size, register_flags(flags), p->pin_threads, node, &bound,
+                             &base);
+  } else if (fast) {
+    st = pm__fast_pin_node(p->b, size, register_flags(flags), p->pin_threads, p->huge_pages, node,
+                           &bound, &base);
+  } else {
+    /* The backend's allocator touches the pages inside the call (cudaHostAlloc): the calling
+     * thread's policy decides where they go, so it prefers the node for the call's length. */
+    pm__numa_policy_t saved;
+    bound = node >= 0 && pm__numa_prefer_begin(node, &saved);
+    st = p->b->host_alloc(size, flags, &base);
+    if (bound) pm__numa_prefer_end(&saved);
+  }
   *seconds_out = pm__now() - t0;
   if (st != PM_OK) goto fail_structs;
 
@@ -102,6 +122,8 @@ static pm_status_t segment_create(pm_pool_t *p, size_t size, unsigned flags,
   s->size = size;
   s->flags = flags;
   s->fast = fast;
+  s->node = node;
+  s->bound = node >= 0 && bound;
   s->dev_base = dev;
   s->first = blk;
   blk->ptr = base;
@@ -127,6 +149,13 @@ fail_structs:
 }
 
 static void segment_install_locked(pm_pool_t *p, pm__segment_t *s, double seconds) {
+  /* The node's bin set exists (node_groups_locked ran before the reservation) and lives as long
+   * as the pool. */
+  s->group = pm__pool_group(p, s->node, s->flags);
+  if (s->node >= 0 && !s->bound) {
+    p->numa_bind_failures++;
+    p->node_bind_failures[s->node]++;
+  }
   s->prev = NULL;
   s->next = p->segments;
   if (p->segments) p->segments->prev = s;
@@ -144,7 +173,7 @@ static pm_status_t grow_locked(pm_pool_t *p, pm__acquire_t *a, unsigned flags) {
   pthread_mutex_unlock(&p->lock);
   pm__segment_t *s = NULL;
   double secs = 0;
-  pm_status_t st = segment_create(p, size, flags, &s, &secs);
+  pm_status_t st = segment_create(p, size, flags, a->node, &s, &secs);
   if (st != PM_OK && size > a->seg_min && (st == PM_ERR_MEMLOCK || st == PM_ERR_NOMEM)) {
     /* A small request asked for a shared 2 MiB segment; the system would not pin that much
      * (RLIMIT_MEMLOCK below the budget, or memory short). The request itself may still fit. */
@@ -152,7 +181,7 @@ static pm_status_t grow_locked(pm_pool_t *p, pm__acquire_t *a, unsigned flags) {
     unreserve_locked(p, size - a->seg_min);
     pthread_mutex_unlock(&p->lock);
     size = a->reserved = a->seg_min;
-    st = segment_create(p, size, flags, &s, &secs);
+    st = segment_create(p, size, flags, a->node, &s, &secs);
   }
   pthread_mutex_lock(&p->lock);
   if (st != PM_OK) {
@@ -167,6 +196,15 @@ static pm_status_t grow_locked(pm_pool_t *p, pm__acquire_t *a, unsigned flags) {
   } else {
     pm__pool_bin_insert(p, s->first);
   }
+  return PM_OK;
+}
+
+/* The bin sets of `node` exist (made on its first request), so its segments can be binned. */
+static pm_status_t node_groups_locked(pm_pool_t *p, int node, const char *what) {
+  if (node < 0 || p->node_groups[node]) return PM_OK;
+  p->node_groups[node] = calloc(PM__NGROUPS, sizeof *p->node_groups[node]);
+  if (!p->node_groups[node])
+    return pm__set_error(PM_ERR_NOMEM, "%s: out of host memory for node %d's bins", what, node);
   return PM_OK;
 }
 
@@ -308,6 +346,7 @@ static pm_status_t pool_destroy(pm_pool_t *p) {
     n = b->lnext;
     free(b);
   }
+  for (int n = 0; n < PM__NUMA_MAX_NODES; n++) free(p->node_groups[n]);
   free(p->hash);
   pthread_cond_destroy(&p->cv);
   pthread_mutex_destroy(&p->lock);
@@ -386,9 +425,12 @@ pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **
     return pm__set_error(PM_ERR_INVALID, "pm_host_alloc: %zu bytes is too large", bytes);
 
   pm_pool_t *p = pool;
+  /* Decided before the lock: it may read the topology or ask the backend for the device. */
+  int node = pm__numa_node_current(p->b);
   pm__acquire_t a = {.what = "pm_host_alloc",
                      .use_bins = true,
                      .group = flags,
+                     .node = node,
                      .need = need,
                      .bytes = bytes,
                      .seg_min = pm__align_up(need, page)};
@@ -406,7 +448,8 @@ pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **
                                    "with `ulimit -l`, or set PINMEM_BUDGET within it)"
                                  : "");
   }
-  st = pm__pool_acquire_locked(p, &a);
+  st = node_groups_locked(p, node, "pm_host_alloc");
+  if (st == PM_OK) st = pm__pool_acquire_locked(p, &a);
   if (st == PM_OK && !a.block) st = grow_locked(p, &a, flags);
   void *ptr = st == PM_OK ? a.block->ptr : NULL;
   pthread_mutex_unlock(&p->lock);
@@ -442,15 +485,18 @@ pm_status_t pm_pool_reserve(pm_pool_t *pool, size_t bytes, unsigned flags) {
   size_t page = pm__page_size();
   if (need == 0 || need > SIZE_MAX - page)
     return pm__set_error(PM_ERR_INVALID, "pm_pool_reserve: %zu bytes is too large", bytes);
+  int node = pm__numa_node_current(pool->b);
   pm__acquire_t a = {.what = "pm_pool_reserve",
                      .use_bins = false,
                      .group = flags,
+                     .node = node,
                      .need = need,
                      .bytes = bytes,
                      .seg_pref = pm__align_up(need, page),
                      .seg_min = pm__align_up(need, page)};
   pthread_mutex_lock(&pool->lock);
-  st = pm__pool_acquire_locked(pool, &a);
+  st = node_groups_locked(pool, node, "pm_pool_reserve");
+  if (st == PM_OK) st = pm__pool_acquire_locked(pool, &a);
   if (st == PM_OK) st = grow_locked(pool, &a, flags);
   pthread_mutex_unlock(&pool->lock);
   return st;
@@ -510,8 +556,59 @@ pm_status_t pm_pool_get_stats(pm_pool_t *pool, pm_pool_stats_t *stats_out) {
   s.backend_free_seconds = p->backend_free_s;
   s.quarantined_blocks = p->quarantined;
   s.quarantined_bytes = p->quarantined_bytes;
+  s.numa_bind_failures = p->numa_bind_failures;
   pthread_mutex_unlock(&p->lock);
   *stats_out = s;
+  return PM_OK;
+}
+
+pm_status_t pm_pool_numa_stats(pm_pool_t *pool, pm_pool_node_stats_t *out, int max,
+                               int *count_out) {
+  if (!count_out || max < 0 || (max > 0 && !out))
+    return pm__set_error(PM_ERR_INVALID,
+                         "pm_pool_numa_stats: count_out is required, and out with max > 0 "
+                         "(max %d)",
+                         max);
+  pm_status_t st = resolve_pool(&pool, "pm_pool_numa_stats");
+  if (st != PM_OK) return st;
+  /* Index 0 is node -1 (no placement), index n + 1 node n. Walking the segments here keeps the
+   * allocation path free of per-node counting; stats are not a hot call. */
+  pm_pool_node_stats_t *all = calloc(PM__NUMA_MAX_NODES + 1, sizeof *all);
+  if (!all) return pm__set_error(PM_ERR_NOMEM, "pm_pool_numa_stats: out of host memory");
+  pm_pool_t *p = pool;
+  pthread_mutex_lock(&p->lock);
+  pm__pool_poll_pending_locked(p);
+  for (pm__segment_t *s = p->segments; s; s = s->next) {
+    pm_pool_node_stats_t *n = &all[s->node + 1];
+    n->pinned_bytes += s->size;
+    if (s->node >= 0 && !s->bound) n->unbound_bytes += s->size;
+    n->segments++;
+    for (pm__block_t *b = s->first; b; b = b->anext) {
+      if (b->state == PM__B_FREE) {
+        n->cached_bytes += b->size;
+      } else if (b->state == PM__B_IN_USE) {
+        n->in_use_bytes += b->size;
+        n->blocks++;
+      }
+    }
+  }
+  bool used[PM__NUMA_MAX_NODES + 1] = {true};
+  for (int i = 0; i < PM__NUMA_MAX_NODES; i++) {
+    all[i + 1].bind_failures = p->node_bind_failures[i];
+    used[i + 1] = p->node_groups[i] != NULL;
+  }
+  pthread_mutex_unlock(&p->lock);
+  int count = 0;
+  for (int i = 0; i <= PM__NUMA_MAX_NODES; i++) {
+    pm_pool_node_stats_t *n = &all[i];
+    n->node = i - 1;
+    /* Node -1 always; another node once the pool pinned or tried to pin for it. */
+    if (!used[i] && !n->segments && !n->bind_failures) continue;
+    if (count < max) out[count] = *n;
+    count++;
+  }
+  free(all);
+  *count_out = count;
   return PM_OK;
 }
 

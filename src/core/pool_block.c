@@ -1,6 +1,8 @@
 /*
  * DESIGN: the pool's blocks (see pool.c for the whole pool). Size classes (eight per power of
- * two, at most 12.5% waste), the free bins with their bitmap (one bin set per flag group), the
+ * two, at most 12.5% waste), the free bins with their bitmap (one bin set per flag group, and
+ * per NUMA node a segment was pinned for: blocks of different nodes are different segments,
+ * so coalescing never joins them and a bin holds one node's blocks only), the
  * recycled block structs, the hash map of allocated, pending and quarantined blocks keyed by
  * start address, coalescing a freed block with its free neighbours, carving a request off a
  * bigger free block, and the lookups (usable size, pointer query) that resolve a pointer to its
@@ -40,7 +42,7 @@ static inline int bin_index(size_t s) {
 }
 
 void pm__pool_bin_insert(pm_pool_t *p, pm__block_t *b) {
-  pm__group_t *g = &p->groups[b->seg->flags & PM__HOST_FLAGS];
+  pm__group_t *g = b->seg->group;
   int i = bin_index(b->size);
   b->bin = i;
   b->lprev = NULL;
@@ -52,7 +54,7 @@ void pm__pool_bin_insert(pm_pool_t *p, pm__block_t *b) {
 }
 
 void pm__pool_bin_remove(pm_pool_t *p, pm__block_t *b) {
-  pm__group_t *g = &p->groups[b->seg->flags & PM__HOST_FLAGS];
+  pm__group_t *g = b->seg->group;
   if (b->lprev)
     b->lprev->lnext = b->lnext;
   else

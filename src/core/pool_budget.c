@@ -95,7 +95,8 @@ pm_status_t pm__pool_acquire_locked(pm_pool_t *p, pm__acquire_t *a) {
   double deadline = 0;
   for (;;) {
     if (a->use_bins) {
-      pm__block_t *b = pm__pool_bin_find(&p->groups[a->group], a->need);
+      pm__group_t *g = pm__pool_group(p, a->node, a->group);
+      pm__block_t *b = g ? pm__pool_bin_find(g, a->need) : NULL;
       if (b) {
         pm__pool_bin_remove(p, b);
         pm__pool_carve_locked(p, b, a->need);
@@ -156,6 +157,7 @@ pm_status_t pm__pool_charge(pm_pool_t *pool, size_t bytes) {
   if (bytes == 0) return PM_OK;
   pm__acquire_t a = {.what = "pm_register",
                      .use_bins = false,
+                     .node = -1,
                      .bytes = bytes,
                      .seg_pref = bytes,
                      .seg_min = bytes};

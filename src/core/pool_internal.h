@@ -32,6 +32,7 @@ typedef struct pm__use {
 
 typedef struct pm__segment pm__segment_t;
 typedef struct pm__block pm__block_t;
+typedef struct pm__group pm__group_t;
 
 struct pm__block {
   char *ptr;
@@ -53,15 +54,20 @@ struct pm__segment {
   size_t size;
   unsigned flags;
   bool fast; /* pinned by pm__fast_pin (else backend host_alloc) */
+  /* The NUMA node it was pinned for (-1: none asked): its blocks serve only requests for that
+   * node. bound: the placement took; false means the default policy (a counted failure). */
+  int node;
+  bool bound;
+  pm__group_t *group; /* its bin set: node and flags decide it once, at creation */
   void *dev_base;
   pm__block_t *first;
   pm__segment_t *prev, *next;
 };
 
-typedef struct pm__group {
+struct pm__group {
   pm__block_t *bins[PM__NBINS];
   uint64_t bitmap[PM__BITMAP_WORDS];
-} pm__group_t;
+};
 
 struct pm_pool_s {
   pthread_mutex_t lock;
@@ -77,7 +83,11 @@ struct pm_pool_s {
   size_t fast_pin_min;
   bool huge_pages;
 
-  pm__group_t groups[PM__NGROUPS];
+  pm__group_t groups[PM__NGROUPS]; /* blocks of node -1 (no placement asked) */
+  /* Blocks pinned for node n: their own bin sets, made when the first such segment is, so a
+   * block freed for one node never serves another and node -1 (the common case) pays nothing. */
+  pm__group_t *node_groups[PM__NUMA_MAX_NODES];
+  uint64_t node_bind_failures[PM__NUMA_MAX_NODES];
   pm__segment_t *segments;
   pm__block_t **hash;
   unsigned hash_bits;
@@ -98,7 +108,7 @@ struct pm_pool_s {
 
   size_t pinned, peak, in_use, requested, cached, pending_bytes, registered;
   uint64_t nsegments, allocs, frees, cache_hits, backend_allocs, backend_frees;
-  uint64_t budget_waits, budget_failures;
+  uint64_t budget_waits, budget_failures, numa_bind_failures;
   double backend_alloc_s, backend_free_s;
 };
 
@@ -123,6 +133,7 @@ typedef struct pm__acquire {
   const char *what;
   bool use_bins;
   unsigned group;
+  int node;           /* NUMA node the memory is for; -1 none */
   size_t need;        /* class size, for the bins */
   size_t bytes;       /* what the caller asked for */
   size_t seg_pref;    /* preferred new segment */
@@ -137,6 +148,11 @@ void pm__pool_bin_insert(pm_pool_t *p, pm__block_t *b);
 void pm__pool_bin_remove(pm_pool_t *p, pm__block_t *b);
 /* The first block of the smallest non-empty bin that holds `need`, or NULL. */
 pm__block_t *pm__pool_bin_find(pm__group_t *g, size_t need);
+/* The bin set of a node and flag group; NULL for a node whose set is not made yet. */
+static inline pm__group_t *pm__pool_group(pm_pool_t *p, int node, unsigned flags) {
+  if (node < 0) return &p->groups[flags & PM__HOST_FLAGS];
+  return p->node_groups[node] ? &p->node_groups[node][flags & PM__HOST_FLAGS] : NULL;
+}
 void pm__pool_uses_reset(pm__block_t *b);
 /* The block holding ptr (any state), *exact if ptr is its start; NULL if no segment holds it. */
 pm__block_t *pm__pool_locate_locked(pm_pool_t *p, const void *ptr, bool *exact);

@@ -139,6 +139,13 @@ static pm_status_t table_add(uintptr_t base, size_t size, int fd) {
 
 pm_status_t pm__shared_pin(const pm__backend_t *b, size_t bytes, unsigned register_flags,
                            int threads, void **ptr_out) {
+  bool bound;
+  return pm__shared_pin_node(b, bytes, register_flags, threads, -1, &bound, ptr_out);
+}
+
+pm_status_t pm__shared_pin_node(const pm__backend_t *b, size_t bytes, unsigned register_flags,
+                                int threads, int node, bool *bound_out, void **ptr_out) {
+  *bound_out = false;
   if (!b || !ptr_out || bytes == 0)
     return pm__set_error(PM_ERR_INVALID, "pm__shared_pin: NULL argument or 0 bytes");
   size_t page = pm__page_size();
@@ -163,6 +170,9 @@ pm_status_t pm__shared_pin(const pm__backend_t *b, size_t bytes, unsigned regist
     return pm__set_error(PM_ERR_NOMEM, "shared pinned memory: mmap(%zu bytes, MAP_SHARED): %s",
                          size, strerror(e));
   }
+  /* A policy on a MAP_SHARED tmpfs mapping becomes the file's own (shmem keeps it), so the pages
+   * that fallocate and the touch below allocate go to that node. */
+  bool bound = node >= 0 && pm__numa_bind(base, size, node);
   /* A file in a sized tmpfs (/dev/shm is 64 MiB in many containers) that runs out of room raises
    * SIGBUS at the first touch, not ENOSPC at ftruncate: fallocate turns that into an error. A
    * memfd has no such size (only memory limits), so it skips this single-threaded fill; so does a
@@ -194,6 +204,7 @@ pm_status_t pm__shared_pin(const pm__backend_t *b, size_t bytes, unsigned regist
     close(fd);
     return st;
   }
+  *bound_out = bound;
   *ptr_out = base;
   return PM_OK;
 }
