@@ -211,7 +211,8 @@ enum {
   PM_HOST_DEFAULT = 0,
   PM_HOST_MAPPED = 1u << 0,         /* also give a device pointer: kernels read it directly */
   PM_HOST_WRITE_COMBINED = 1u << 1, /* fast for the device to read, very slow for the CPU to read */
-  PM_HOST_PORTABLE = 1u << 2,       /* pinned for every device context, not just the current */
+  PM_HOST_PORTABLE = 1u << 2,       /* pinned for every device context, not just the current:
+                                       pinmem sets it on every block anyway (docs/multi-gpu.md) */
   PM_HOST_SHARED = 1u << 3          /* memory another process can map (a memfd mapped MAP_SHARED,
                                        pinned and portable in this process): pm_host_shared_fd */
 };
@@ -246,7 +247,9 @@ PM_API pm_status_t pm_pool_default(pm_pool_t **pool_out);
 
 /** Pinned host memory of at least `bytes`, aligned to 256 bytes (to the page when the block is
  *  a whole backend allocation). Served from the cache when a fitting block is free and every
- *  stream that used it has passed its free; otherwise pins new memory within the budget. */
+ *  stream that used it has passed its free; otherwise pins new memory within the budget. Every
+ *  block is portable (PM_HOST_PORTABLE whatever flags say): one block feeds copies to every
+ *  device, whichever device was current when it was pinned. */
 PM_API pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **ptr_out);
 /** Return a block to its pool (found from the pointer). Stream uses recorded with
  *  pm_host_record_stream gate its reuse; the call itself never blocks on them. */
@@ -356,7 +359,8 @@ enum {
 };
 
 /** Page-lock memory the caller owns (cudaHostRegister; mlock on the host backend). Charged to
- *  the default pool's budget. PM_ERR_OVERLAP if any byte is already pinned by pinmem. */
+ *  the default pool's budget. PM_ERR_OVERLAP if any byte is already pinned by pinmem. Always
+ *  registered PORTABLE (pinned for every device, as pool blocks are), whatever flags say. */
 PM_API pm_status_t pm_register(void *ptr, size_t bytes, unsigned flags);
 /** ptr must be the start of a registration. The caller's memory is untouched. */
 PM_API pm_status_t pm_unregister(void *ptr);

@@ -417,7 +417,8 @@ pm_status_t pm_register(void *ptr, size_t bytes, unsigned flags) {
   if (st != PM_OK) goto fail_reserved;
 
   /* 3. Pin, and find the device address when mapped. */
-  st = b->host_register(ptr, bytes, flags);
+  /* Always PORTABLE: copies of any device's streams may use it as pinned memory. */
+  st = b->host_register(ptr, bytes, flags | PM_REGISTER_PORTABLE);
   if (st != PM_OK) goto fail_charged;
   void *dev = NULL;
   if (flags & PM_REGISTER_MAPPED) {

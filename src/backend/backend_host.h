@@ -20,7 +20,8 @@ typedef struct hb_range {
   size_t size; /* R_PIN_ALLOC: page-rounded mapping; others: the bytes asked for */
   unsigned char kind;
   bool pending;       /* registration whose mlock has not finished: not pinned yet */
-  signed char device; /* R_DEVICE: the device it belongs to; -1 for the others */
+  signed char device; /* R_DEVICE: the device it belongs to; pinned ranges: the device current
+                       * at pinning unless PORTABLE (-1: every device's); managed: -1 */
 } hb_range_t;
 
 typedef struct hb_side {
@@ -28,6 +29,7 @@ typedef struct hb_side {
                    * pinned range) or _PAGEABLE */
   bool fits;      /* device table: the whole span lies in that allocation */
   hb_range_t dev;
+  int pin_device; /* _PINNED: the one device it is pinned for, or -1 (PORTABLE) */
 } hb_side_t;
 
 static inline bool hb_in_dev(const hb_side_t *sd) {

@@ -24,7 +24,10 @@
  *       of two devices fails;
  *     - a copy or memset whose device memory belongs to another device than the stream's runs,
  *       but through peer access or the host instead of the stream's own copy engine (silently
- *       the wrong device).
+ *       the wrong device);
+ *     - a copy from or to memory pinned without PORTABLE while another device was current is
+ *       a pageable copy for the stream's device (pinned for one context only): it runs, but
+ *       staged by the driver and synchronously, not as the DMA it looks like.
  *   Not mismatches, as CUDA allows them: event query and synchronize, and stream_wait_event,
  *   across devices; a copy queued on a stream of another device than the current one. The host
  *   backend counts these and carries on (so a test sees every one); it does not fail them.
@@ -274,7 +277,9 @@ pm_status_t pm__hb_host_alloc(size_t bytes, unsigned flags, void **ptr_out) {
     return pm__set_error(PM_ERR_BACKEND, "host_alloc: mlock(%p, %zu bytes): %s", p, len,
                          strerror(err));
   }
-  hb_range_t r = {(uintptr_t)p, len, R_PIN_ALLOC, false, -1};
+  /* Without PORTABLE, CUDA pins for the current device's context alone. */
+  hb_range_t r = {(uintptr_t)p, len, R_PIN_ALLOC, false,
+                  (signed char)(flags & PM_HOST_PORTABLE ? -1 : hb_cur)};
   pthread_mutex_lock(&mem_lock);
   pm_status_t st = tbl_insert(&pinned_tbl, &r);
   if (st == PM_OK) pinned_bytes += len;
@@ -368,7 +373,8 @@ pm_status_t pm__hb_host_register(void *ptr, size_t bytes, unsigned flags) {
 
   /* Claim the range first (pending), so the overlap check and the claim are one step and the
    * slow mlock runs without the lock. */
-  hb_range_t r = {base, bytes, R_PIN_REGISTER, true, -1};
+  hb_range_t r = {base, bytes, R_PIN_REGISTER, true,
+                  (signed char)(flags & PM_REGISTER_PORTABLE ? -1 : hb_cur)};
   pthread_mutex_lock(&mem_lock);
   const hb_range_t *dev = tbl_overlap(&device_tbl, base, bytes);
   pm_status_t st;
@@ -583,6 +589,7 @@ static void classify_locked(const void *ptr, size_t bytes, hb_side_t *out) {
   uintptr_t p = (uintptr_t)ptr;
   memset(out, 0, sizeof *out);
   out->kind = PM__MEM_PAGEABLE;
+  out->pin_device = -1;
   long i = tbl_find(&device_tbl, p);
   if (i >= 0) {
     out->dev = device_tbl.v[i];
@@ -592,7 +599,10 @@ static void classify_locked(const void *ptr, size_t bytes, hb_side_t *out) {
   i = tbl_find(&pinned_tbl, p);
   if (i >= 0 && out->kind == PM__MEM_PAGEABLE) {
     const hb_range_t *r = &pinned_tbl.v[i];
-    if (!r->pending && bytes <= r->size - (p - r->base)) out->kind = PM__MEM_PINNED;
+    if (!r->pending && bytes <= r->size - (p - r->base)) {
+      out->kind = PM__MEM_PINNED;
+      out->pin_device = r->device;
+    }
   }
 }
 

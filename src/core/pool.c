@@ -56,10 +56,13 @@
 
 /* ---- segments ------------------------------------------------------------------------------ */
 
+/* Every segment is PORTABLE, whatever the caller asked: pinned for every device's context, so
+ * a block allocated while device 0 was current is still one DMA for a copy on device 1 (without
+ * it CUDA treats the block as pageable there). Free under CUDA: the flag only widens where
+ * the pages count as pinned. */
 static unsigned register_flags(unsigned host_flags) {
-  unsigned r = PM_REGISTER_DEFAULT;
+  unsigned r = PM_REGISTER_PORTABLE;
   if (host_flags & PM_HOST_MAPPED) r |= PM_REGISTER_MAPPED;
-  if (host_flags & PM_HOST_PORTABLE) r |= PM_REGISTER_PORTABLE;
   return r;
 }
 
@@ -80,7 +83,7 @@ static pm_status_t segment_create(pm_pool_t *p, size_t size, unsigned flags,
   pm_status_t st =
       shared ? pm__shared_pin(p->b, size, register_flags(flags), p->pin_threads, &base)
       : fast ? pm__fast_pin(p->b, size, register_flags(flags), p->pin_threads, p->huge_pages, &base)
-             : p->b->host_alloc(size, flags, &base);
+             : p->b->host_alloc(size, flags | PM_HOST_PORTABLE, &base);
   *seconds_out = pm__now() - t0;
   if (st != PM_OK) goto fail_structs;
 

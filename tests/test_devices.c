@@ -1,0 +1,507 @@
+/*
+ * Several devices: on the host backend with simulated devices (option host_devices), every
+ * piece of work a thread does for device 1 (a staged pageable copy, a pinned copy, a staged D2H
+ * copy with its completion thread, pm_file_read_async into device memory, a loader, the
+ * participants of pm__parallel_for) makes its backend calls on device 1 alone, and breaks none of
+ * CUDA's multi-device rules, as the backend's per-device call records show; pm_init leaves the
+ * thread's device alone unless option device is given; one pinned buffer feeds copies to two
+ * devices; per-device memory limits; the records themselves catch what they must (a kernel on
+ * another device's stream, an event recorded on another device's stream, a copy queued on the
+ * wrong device's stream). On the cuda backend the portable-memory test runs where two GPUs are;
+ * with fewer it is skipped, saying so.
+ */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "internal.h" /* pm__hb_device_*, pm__parallel_for */
+
+static bool g_host; /* host backend: the call records exist */
+
+/* ---- the call records ---- */
+
+static void records_reset(void) {
+  pm__hb_device_counters_reset();
+}
+
+/* Work done for `dev` (while device 0 did nothing) made calls on `dev` and none elsewhere, and
+ * broke no rule. */
+#define CHECK_ONLY_ON(dev, what)                                                              \
+  do {                                                                                        \
+    char note_[256];                                                                          \
+    pm__hb_last_mismatch(note_, sizeof note_);                                                \
+    for (int d_ = 0; d_ < 3; d_++) {                                                          \
+      if (d_ == (dev)) continue;                                                              \
+      if (pm__hb_device_calls(d_) != 0)                                                       \
+        fprintf(stderr, "%s: %llu calls on device %d\n", what,                                \
+                (unsigned long long)pm__hb_device_calls(d_), d_);                             \
+      CHECK_EQ_SIZE(pm__hb_device_calls(d_), 0);                                              \
+    }                                                                                         \
+    CHECK(pm__hb_device_calls(dev) > 0);                                                      \
+    if (pm__hb_device_mismatches(-1)) fprintf(stderr, "%s: mismatch: %s\n", what, note_);     \
+    CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);                                           \
+  } while (0)
+
+/* Run fn on a new thread that first makes `device` current (the caller stays idle). */
+typedef struct {
+  int device;
+  void (*fn)(void);
+} on_thread_t;
+
+static void *on_thread_main(void *arg) {
+  on_thread_t *t = arg;
+  CHECK_OK(pm_device_set(t->device));
+  t->fn();
+  return NULL;
+}
+
+static void run_on_device(int device, void (*fn)(void)) {
+  on_thread_t t = {device, fn};
+  pthread_t th;
+  REQUIRE(pthread_create(&th, NULL, on_thread_main, &t) == 0);
+  pthread_join(th, NULL);
+}
+
+/* ---- the work, each done by a thread of device 1 ---- */
+
+#define BIG ((size_t)3 * 1024 * 1024 + 333) /* many 64 KiB chunks: every staging thread works */
+
+static void staged_h2d(void) {
+  char *src = malloc(BIG), *back = malloc(BIG);
+  void *dev = NULL;
+  pm_stream_t s = NULL;
+  REQUIRE(src && back);
+  pm_test_fill(src, BIG, 11);
+  CHECK_OK(pm_stream_create(&s));
+  CHECK_OK(pm_device_alloc(BIG, &dev));
+  pm_copy_options_t o;
+  pm_copy_options_init(&o);
+  o.path = PM_PATH_STAGED;
+  pm_fence_t f = NULL;
+  CHECK_OK(pm_copy_async(dev, src, BIG, s, &o, &f));
+  CHECK_OK(pm_fence_wait(f));
+  pm_copy_path_t path = PM_PATH_AUTO;
+  CHECK_OK(pm_fence_path(f, &path));
+  CHECK_EQ_INT(path, PM_PATH_STAGED);
+  CHECK_OK(pm_fence_release(f));
+  CHECK_OK(pm_memcpy(back, dev, BIG, PM_COPY_D2H));
+  CHECK(pm_test_fill_ok(back, BIG, 11));
+  CHECK_OK(pm_device_free(dev));
+  CHECK_OK(pm_stream_destroy(s));
+  free(src);
+  free(back);
+}
+
+static void pinned_h2d(void) {
+  void *src = NULL, *dev = NULL;
+  char *back = malloc(BIG);
+  pm_stream_t s = NULL;
+  REQUIRE(back);
+  CHECK_OK(pm_host_alloc(NULL, BIG, 0, &src));
+  pm_test_fill(src, BIG, 12);
+  CHECK_OK(pm_stream_create(&s));
+  CHECK_OK(pm_device_alloc(BIG, &dev));
+  pm_fence_t f = NULL;
+  CHECK_OK(pm_copy_async(dev, src, BIG, s, NULL, &f));
+  CHECK_OK(pm_fence_wait(f));
+  pm_copy_path_t path = PM_PATH_AUTO;
+  CHECK_OK(pm_fence_path(f, &path));
+  CHECK_EQ_INT(path, PM_PATH_DIRECT);
+  CHECK_OK(pm_fence_release(f));
+  CHECK_OK(pm_memcpy(back, dev, BIG, PM_COPY_D2H));
+  CHECK(pm_test_fill_ok(back, BIG, 12));
+  CHECK_OK(pm_device_free(dev));
+  CHECK_OK(pm_host_free(src));
+  CHECK_OK(pm_stream_destroy(s));
+  free(back);
+}
+
+static atomic_int g_cb_device = -2; /* the current device inside a copy's callback */
+
+static void record_cb_device(void *arg, pm_status_t status) {
+  (void)arg;
+  int d = -1;
+  if (status == PM_OK && pm_device_get(&d) == PM_OK) atomic_store(&g_cb_device, d);
+}
+
+static void staged_d2h(void) {
+  char *src = malloc(BIG), *dst = malloc(BIG);
+  void *dev = NULL;
+  pm_stream_t s = NULL;
+  REQUIRE(src && dst);
+  pm_test_fill(src, BIG, 13);
+  memset(dst, 0, BIG);
+  CHECK_OK(pm_stream_create(&s));
+  CHECK_OK(pm_device_alloc(BIG, &dev));
+  CHECK_OK(pm_memcpy(dev, src, BIG, PM_COPY_H2D));
+  /* Queued behind a busy stream, the copy-out runs on a completion thread. */
+  CHECK_OK(pm_launch_busy(s, 0.02));
+  pm_copy_options_t o;
+  pm_copy_options_init(&o);
+  o.path = PM_PATH_STAGED;
+  o.callback = record_cb_device;
+  atomic_store(&g_cb_device, -2);
+  pm_fence_t f = NULL;
+  CHECK_OK(pm_copy_async(dst, dev, BIG, s, &o, &f));
+  CHECK_OK(pm_fence_wait(f));
+  CHECK_OK(pm_fence_release(f));
+  CHECK(pm_test_fill_ok(dst, BIG, 13));
+  CHECK_OK(pm_stream_synchronize(s));
+  CHECK_OK(pm_device_free(dev));
+  CHECK_OK(pm_stream_destroy(s));
+  free(src);
+  free(dst);
+}
+
+static char g_file[600];
+
+static void file_read_device(void) {
+  const size_t n = BIG;
+  char *want = malloc(n), *back = malloc(n);
+  REQUIRE(want && back);
+  pm_test_fill(want, n, 14);
+  int fd = open(g_file, O_RDWR | O_CREAT | O_TRUNC, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(pwrite(fd, want, n, 0) == (ssize_t)n);
+  void *dev = NULL;
+  pm_stream_t s = NULL;
+  CHECK_OK(pm_stream_create(&s));
+  CHECK_OK(pm_device_alloc(n, &dev));
+  pm_file_options_t o;
+  pm_file_options_init(&o);
+  o.io = PM_FILE_IO_BUFFERED;
+  o.chunk = 64 * 1024;
+  o.threads = 4;
+  pm_fence_t f = NULL;
+  CHECK_OK(pm_file_read_async(fd, 0, n, dev, s, &o, &f));
+  CHECK_OK(pm_fence_wait(f));
+  CHECK_OK(pm_fence_release(f));
+  CHECK_OK(pm_memcpy(back, dev, n, PM_COPY_D2H));
+  CHECK(memcmp(back, want, n) == 0);
+  CHECK_OK(pm_device_free(dev));
+  CHECK_OK(pm_stream_destroy(s));
+  close(fd);
+  unlink(g_file);
+  free(want);
+  free(back);
+}
+
+#define LD_SAMPLES 96
+#define LD_BYTES 4100
+
+static int ld_read(uint64_t index, void *dst, void *user) {
+  (void)user;
+  pm_test_fill(dst, LD_BYTES, 1000 + index);
+  return 0;
+}
+
+static void loader_device(void) {
+  pm_dataset_callbacks_t cb;
+  memset(&cb, 0, sizeof cb);
+  cb.samples = LD_SAMPLES;
+  cb.sample_bytes = LD_BYTES;
+  cb.read = ld_read;
+  pm_dataset_t *ds = NULL;
+  REQUIRE(pm_dataset_create(&cb, &ds) == PM_OK);
+  pm_loader_config_t c;
+  pm_loader_config_init(&c);
+  c.batch_size = 8;
+  c.workers = 3;
+  c.shuffle = 1;
+  c.rank = 0;
+  c.world_size = 1;
+  pm_loader_t *ld = NULL;
+  REQUIRE(pm_loader_create(ds, &c, &ld) == PM_OK);
+  pm_stream_t s = NULL;
+  CHECK_OK(pm_stream_create(&s));
+  char *back = malloc(8 * LD_BYTES);
+  REQUIRE(back);
+  int seen[LD_SAMPLES] = {0};
+  pm_batch_t b;
+  size_t batches = 0;
+  while (pm_loader_next(ld, &b) == PM_OK) {
+    CHECK_OK(pm_batch_wait_stream(&b, s));
+    CHECK_OK(pm_memcpy_async(back, b.inputs, b.inputs_bytes, PM_COPY_D2H, s));
+    CHECK_OK(pm_stream_synchronize(s));
+    /* Which sample each row is: the fill's seed is found by trying (96 candidates). */
+    for (size_t r = 0; r < b.samples; r++) {
+      int found = -1;
+      for (int i = 0; i < LD_SAMPLES && found < 0; i++)
+        if (pm_test_fill_ok(back + r * LD_BYTES, LD_BYTES, 1000 + (uint64_t)i)) found = i;
+      CHECK(found >= 0);
+      if (found >= 0) seen[found]++;
+    }
+    CHECK_OK(pm_batch_release(&b, s));
+    batches++;
+  }
+  CHECK_EQ_SIZE(batches, LD_SAMPLES / 8);
+  for (int i = 0; i < LD_SAMPLES; i++) CHECK_EQ_INT(seen[i], 1);
+  CHECK_OK(pm_loader_destroy(ld));
+  CHECK_OK(pm_dataset_destroy(ds));
+  CHECK_OK(pm_stream_destroy(s));
+  free(back);
+}
+
+/* pm__parallel_for's participants work on the caller's device. Item 0 waits (up to 10 s) until
+ * an item ran on another thread, so a helper surely took part. */
+#define PF_ITEMS 16
+typedef struct {
+  int device[PF_ITEMS];
+  pthread_t thread[PF_ITEMS];
+  atomic_int others;
+  pthread_t caller;
+} pf_ctx_t;
+
+static void pf_item(void *ctx, size_t i) {
+  pf_ctx_t *c = ctx;
+  c->thread[i] = pthread_self();
+  if (!pthread_equal(pthread_self(), c->caller)) atomic_fetch_add(&c->others, 1);
+  if (pm_device_get(&c->device[i]) != PM_OK) c->device[i] = -1;
+  if (i == 0)
+    for (int k = 0; k < 10000 && atomic_load(&c->others) == 0; k++) pm_test_sleep_ms(1);
+}
+
+static void parallel_for_device(void) {
+  static pf_ctx_t c;
+  memset(&c, 0, sizeof c);
+  c.caller = pthread_self();
+  pm__parallel_for(4, PF_ITEMS, pf_item, &c);
+  CHECK(atomic_load(&c.others) > 0);
+  for (int i = 0; i < PF_ITEMS; i++) CHECK_EQ_INT(c.device[i], 1);
+  /* The helpers go back to the pool; a job of device 2 moves them there. */
+  CHECK_OK(pm_device_set(2));
+  memset(&c, 0, sizeof c);
+  c.caller = pthread_self();
+  pm__parallel_for(4, PF_ITEMS, pf_item, &c);
+  for (int i = 0; i < PF_ITEMS; i++) CHECK_EQ_INT(c.device[i], 2);
+  CHECK_OK(pm_device_set(1));
+}
+
+static void test_work_on_device1(void) {
+  static const struct {
+    const char *name;
+    void (*fn)(void);
+  } cases[] = {{"staged H2D", staged_h2d},        {"pinned H2D", pinned_h2d},
+               {"staged D2H", staged_d2h},        {"file read", file_read_device},
+               {"loader", loader_device},         {"parallel_for", parallel_for_device}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    records_reset();
+    run_on_device(1, cases[k].fn);
+    /* Completion and reaper threads may still finish up: nothing of theirs may land on 0. */
+    CHECK_OK(pm_device_set(1));
+    CHECK_OK(pm_device_synchronize());
+    CHECK_OK(pm_device_set(0));
+    if (cases[k].fn == parallel_for_device) {
+      /* parallel_for's items make no counted calls; only the device switches matter. */
+      CHECK_EQ_SIZE(pm__hb_device_calls(0), 0);
+      CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
+    } else {
+      CHECK_ONLY_ON(1, cases[k].name);
+    }
+    printf("device 1: %s: %llu calls on device 1, %llu on device 0\n", cases[k].name,
+           (unsigned long long)pm__hb_device_calls(1),
+           (unsigned long long)pm__hb_device_calls(0));
+  }
+  CHECK_EQ_INT(atomic_load(&g_cb_device), 1); /* the D2H callback ran on device 1 */
+}
+
+/* ---- pm_init and the thread's device ---- */
+
+static void test_init_keeps_device(void) {
+  /* The thread's device survives pm_finalize (it is the thread's, as in CUDA); pm_init without
+   * option device keeps it and makes no call on any device. */
+  CHECK_OK(pm_device_set(1));
+  CHECK_OK(pm_finalize());
+  records_reset();
+  CHECK_OK(pm_init());
+  int d = -1;
+  CHECK_OK(pm_device_get(&d));
+  CHECK_EQ_INT(d, 1);
+  for (int k = 0; k < 3; k++) CHECK_EQ_SIZE(pm__hb_device_calls(k), 0);
+
+  /* Option device given: pm_init makes it current. */
+  CHECK_OK(pm_finalize());
+  CHECK_OK(pm_option_set("device", "2"));
+  CHECK_OK(pm_init());
+  CHECK_OK(pm_device_get(&d));
+  CHECK_EQ_INT(d, 2);
+  CHECK_OK(pm_finalize());
+  CHECK_OK(pm_option_set("device", NULL));
+  CHECK_OK(pm_init());
+  CHECK_OK(pm_device_get(&d));
+  CHECK_EQ_INT(d, 2); /* still the thread's */
+  CHECK_OK(pm_device_set(0));
+}
+
+/* ---- the devices themselves ---- */
+
+static void test_devices_basics(void) {
+  int n = 0;
+  CHECK_OK(pm_device_count(&n));
+  CHECK_EQ_INT(n, 3);
+  CHECK_ERR_MSG(pm_device_set(3), PM_ERR_INVALID);
+  pm_device_info_t a, b;
+  CHECK_OK(pm_device_get_info(0, &a));
+  CHECK_OK(pm_device_get_info(2, &b));
+  CHECK_EQ_INT(b.index, 2);
+  CHECK(strcmp(a.name, b.name) != 0);
+  CHECK(b.pci_bus_id[0] == '\0');
+
+  /* Each device has its own memory limit (host_device_memory = 1M here). */
+  void *p0 = NULL, *p1 = NULL, *extra = NULL;
+  CHECK_OK(pm_device_set(0));
+  CHECK_OK(pm_device_alloc(1 << 20, &p0));
+  CHECK_OK(pm_device_get_info(0, &a));
+  CHECK_EQ_SIZE(a.free_memory, 0);
+  CHECK_OK(pm_device_set(1));
+  CHECK_OK(pm_device_get_info(1, &b));
+  CHECK_EQ_SIZE(b.free_memory, 1 << 20);
+  CHECK_OK(pm_device_alloc(1 << 20, &p1));
+  CHECK_ERR_MSG(pm_device_alloc(256, &extra), PM_ERR_DEVICE_MEMORY);
+  CHECK(strstr(pm_last_error(), "device 1") != NULL);
+  CHECK_OK(pm_device_free(p0)); /* memory of device 0, freed from device 1: as cudaFree */
+  CHECK_OK(pm_device_set(0));
+  CHECK_OK(pm_device_get_info(0, &a));
+  CHECK_EQ_SIZE(a.free_memory, 1 << 20);
+  CHECK_OK(pm_device_free(p1));
+}
+
+static void *get_device_main(void *arg) {
+  int *out = arg;
+  if (pm_device_get(out) != PM_OK) *out = -1;
+  return NULL;
+}
+
+static void test_new_thread_device0(void) {
+  CHECK_OK(pm_device_set(2));
+  int seen = -1;
+  pthread_t th;
+  REQUIRE(pthread_create(&th, NULL, get_device_main, &seen) == 0);
+  pthread_join(th, NULL);
+  CHECK_EQ_INT(seen, 0);
+  CHECK_OK(pm_device_set(0));
+}
+
+/* The records catch the rule breaks they are there for. */
+static void test_records_catch(void) {
+  pm_stream_t s0 = NULL, s1 = NULL;
+  pm_event_t e0 = NULL;
+  void *d1 = NULL;
+  CHECK_OK(pm_device_set(1));
+  CHECK_OK(pm_stream_create(&s1));
+  CHECK_OK(pm_device_alloc(4096, &d1));
+  CHECK_OK(pm_device_set(0));
+  CHECK_OK(pm_stream_create(&s0));
+  CHECK_OK(pm_event_create(PM_EVENT_DEFAULT, &e0));
+
+  records_reset();
+  CHECK_OK(pm_launch_busy(s1, 0)); /* a kernel on device 1's stream, device 0 current */
+  CHECK_EQ_SIZE(pm__hb_device_mismatches(0), 1);
+  CHECK_OK(pm_event_record(e0, s1)); /* event of device 0 on a stream of device 1 */
+  CHECK_EQ_SIZE(pm__hb_device_mismatches(0), 2);
+  char note[256];
+  pm__hb_last_mismatch(note, sizeof note);
+  CHECK(strstr(note, "event_record") != NULL);
+  CHECK_OK(pm_device_memset_async(d1, 7, 4096, s0)); /* device 1's memory on device 0's stream */
+  CHECK_EQ_SIZE(pm__hb_device_mismatches(0), 3);
+  /* Allowed across devices: querying or waiting for an event, a stream waiting on an event. */
+  CHECK_OK(pm_event_synchronize(e0));
+  CHECK_OK(pm_stream_wait_event(s1, e0));
+  CHECK_OK(pm_stream_synchronize(s1));
+  CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 3);
+  CHECK(pm__hb_device_calls(0) > 0);
+  CHECK_EQ_SIZE(pm__hb_device_calls(1), 0);
+
+  CHECK_OK(pm_stream_synchronize(s0));
+  CHECK_OK(pm_event_destroy(e0));
+  CHECK_OK(pm_stream_destroy(s0));
+  CHECK_OK(pm_device_set(1));
+  CHECK_OK(pm_stream_destroy(s1));
+  CHECK_OK(pm_device_free(d1));
+  CHECK_OK(pm_device_set(0));
+  records_reset();
+}
+
+/* ---- portable pinned memory: one buffer, two devices ---- */
+
+static void test_portable_two_devices(void) {
+  const size_t n = 1000003;
+  void *src = NULL;
+  CHECK_OK(pm_host_alloc(NULL, n, 0, &src)); /* allocated while device 0 is current */
+  pm_test_fill(src, n, 21);
+  pm_stream_t s[2] = {NULL, NULL};
+  void *dev[2] = {NULL, NULL};
+  pm_fence_t f[2] = {NULL, NULL};
+  if (g_host) records_reset();
+  for (int d = 0; d < 2; d++) {
+    CHECK_OK(pm_device_set(d));
+    CHECK_OK(pm_stream_create(&s[d]));
+    CHECK_OK(pm_device_alloc(n, &dev[d]));
+    CHECK_OK(pm_copy_async(dev[d], src, n, s[d], NULL, &f[d]));
+    pm_copy_path_t path = PM_PATH_AUTO;
+    CHECK_OK(pm_fence_wait(f[d]));
+    CHECK_OK(pm_fence_path(f[d], &path));
+    CHECK_EQ_INT(path, PM_PATH_DIRECT); /* a DMA from the pinned buffer on each device */
+  }
+  char *back = malloc(n);
+  REQUIRE(back);
+  for (int d = 0; d < 2; d++) {
+    CHECK_OK(pm_device_set(d));
+    memset(back, 0, n);
+    CHECK_OK(pm_memcpy(back, dev[d], n, PM_COPY_D2H));
+    CHECK(pm_test_fill_ok(back, n, 21));
+    CHECK_OK(pm_fence_release(f[d]));
+    CHECK_OK(pm_device_free(dev[d]));
+    CHECK_OK(pm_stream_destroy(s[d]));
+  }
+  if (g_host) CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
+  CHECK_OK(pm_device_set(0));
+  CHECK_OK(pm_host_free(src));
+  free(back);
+  printf("portable: one pinned buffer copied to devices 0 and 1, bytes checked\n");
+}
+
+int main(void) {
+  alarm(600); /* a hang fails the test instead of stalling CI */
+  /* Before pm_init: three simulated devices with 1 MiB each; staging in small chunks on four
+   * threads, so helpers take part in every staged copy. */
+  CHECK_OK(pm_option_set("host_devices", "3"));
+  CHECK_OK(pm_option_set("host_device_memory", "1M"));
+  pm_test_init();
+  g_host = pm_backend_kind() == PM_BACKEND_HOST;
+  int n = 0;
+  CHECK_OK(pm_device_count(&n));
+  if (n < 2) {
+    printf("SKIP: these tests need 2 devices; the %s backend has %d (the host backend simulates "
+           "them with host_devices)\n",
+           pm_backend_name(), n);
+    pm_finalize();
+    return PM_TEST_SKIP;
+  }
+  if (!g_host) {
+    test_portable_two_devices();
+    pm_finalize();
+    return pm_test_finish("test_devices");
+  }
+  CHECK_OK(pm_option_set("host_device_memory", "64M"));
+  CHECK_OK(pm_option_set("copy_stage_min", "0"));
+  CHECK_OK(pm_option_set("copy_chunk", "64K"));
+  CHECK_OK(pm_option_set("copy_threads", "4"));
+  char dir[512];
+  REQUIRE(pm_test_tmpdir(dir, sizeof dir, "devices"));
+  snprintf(g_file, sizeof g_file, "%s/data", dir);
+
+  test_init_keeps_device();
+  test_new_thread_device0();
+  test_records_catch();
+  test_portable_two_devices();
+  test_work_on_device1();
+  CHECK_OK(pm_option_set("host_device_memory", "1M"));
+  test_devices_basics();
+
+  pm_test_rmtree(dir);
+  CHECK_OK(pm_finalize());
+  return pm_test_finish("test_devices");
+}
