@@ -279,6 +279,113 @@ static void parallel_for_device(void) {
   CHECK_OK(pm_device_set(1));
 }
 
+/* Ranks as threads: rank r of 3 on device r, each its own loader (device delivery) over one
+ * dataset; every sample exactly once per epoch across ranks (48 samples), shuffled. Ranks 1 and
+ * 2 run together while device 0 idles, then rank 0 alone (its rank and world from RANK and
+ * WORLD_SIZE, as torchrun sets them): the records show each rank's work on its own device. */
+#define RK_SAMPLES 48
+static int g_rank_seen[3][2][RK_SAMPLES]; /* [rank][epoch][sample] */
+
+static void *rank_main(void *arg) {
+  int rank = (int)(intptr_t)arg;
+  CHECK_OK(pm_device_set(rank));
+  pm_dataset_callbacks_t cb;
+  memset(&cb, 0, sizeof cb);
+  cb.samples = RK_SAMPLES;
+  cb.sample_bytes = LD_BYTES;
+  cb.read = ld_read;
+  pm_dataset_t *ds = NULL;
+  REQUIRE(pm_dataset_create(&cb, &ds) == PM_OK);
+  pm_loader_config_t c;
+  pm_loader_config_init(&c);
+  c.batch_size = 4;
+  c.workers = 2;
+  c.shuffle = 1;
+  c.seed = 99;
+  c.epochs = 2;
+  if (rank != 0) { /* rank 0 takes both from the environment */
+    c.rank = rank;
+    c.world_size = 3;
+  }
+  pm_loader_t *ld = NULL;
+  REQUIRE(pm_loader_create(ds, &c, &ld) == PM_OK);
+  pm_stream_t s = NULL;
+  CHECK_OK(pm_stream_create(&s));
+  char *back = malloc(4 * LD_BYTES);
+  REQUIRE(back);
+  pm_batch_t b;
+  while (pm_loader_next(ld, &b) == PM_OK) {
+    CHECK_OK(pm_batch_wait_stream(&b, s));
+    CHECK_OK(pm_memcpy_async(back, b.inputs, b.inputs_bytes, PM_COPY_D2H, s));
+    CHECK_OK(pm_stream_synchronize(s));
+    for (size_t r = 0; r < b.samples; r++) {
+      int found = -1;
+      for (int i = 0; i < RK_SAMPLES && found < 0; i++)
+        if (pm_test_fill_ok(back + r * LD_BYTES, LD_BYTES, 1000 + (uint64_t)i)) found = i;
+      CHECK(found >= 0 && b.epoch < 2);
+      if (found >= 0 && b.epoch < 2) g_rank_seen[rank][b.epoch][found]++;
+    }
+    CHECK_OK(pm_batch_release(&b, s));
+  }
+  CHECK_OK(pm_loader_destroy(ld));
+  CHECK_OK(pm_dataset_destroy(ds));
+  CHECK_OK(pm_stream_destroy(s));
+  free(back);
+  return NULL;
+}
+
+static void settle(int device) {
+  CHECK_OK(pm_device_set(device));
+  CHECK_OK(pm_device_synchronize());
+  CHECK_OK(pm_device_set(0));
+}
+
+static void test_ranks_on_their_devices(void) {
+  memset(g_rank_seen, 0, sizeof g_rank_seen);
+  records_reset();
+  pthread_t th[3];
+  for (int r = 1; r < 3; r++)
+    REQUIRE(pthread_create(&th[r], NULL, rank_main, (void *)(intptr_t)r) == 0);
+  for (int r = 1; r < 3; r++) pthread_join(th[r], NULL);
+  settle(1);
+  settle(2);
+  CHECK_EQ_SIZE(pm__hb_device_calls(0), 0);
+  CHECK(pm__hb_device_calls(1) > 0 && pm__hb_device_calls(2) > 0);
+  CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
+
+  records_reset();
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "3", 1);
+  REQUIRE(pthread_create(&th[0], NULL, rank_main, (void *)(intptr_t)0) == 0);
+  pthread_join(th[0], NULL);
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+  settle(0);
+  CHECK(pm__hb_device_calls(0) > 0);
+  CHECK_EQ_SIZE(pm__hb_device_calls(1), 0);
+  CHECK_EQ_SIZE(pm__hb_device_calls(2), 0);
+  CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
+
+  for (int e = 0; e < 2; e++)
+    for (int i = 0; i < RK_SAMPLES; i++) {
+      int total = 0;
+      for (int r = 0; r < 3; r++) total += g_rank_seen[r][e][i];
+      CHECK_EQ_INT(total, 1);
+    }
+  /* Each rank had its share, and shuffling gave each a different one per epoch. */
+  for (int r = 0; r < 3; r++) {
+    int n0 = 0;
+    bool same = true;
+    for (int i = 0; i < RK_SAMPLES; i++) {
+      n0 += g_rank_seen[r][0][i];
+      same = same && g_rank_seen[r][0][i] == g_rank_seen[r][1][i];
+    }
+    CHECK_EQ_INT(n0, RK_SAMPLES / 3);
+    CHECK(!same);
+  }
+  printf("ranks: 3 loaders on devices 0, 1, 2: every sample once per epoch, each on its device\n");
+}
+
 static void test_work_on_device1(void) {
   static const struct {
     const char *name;
@@ -498,6 +605,7 @@ int main(void) {
   test_records_catch();
   test_portable_two_devices();
   test_work_on_device1();
+  test_ranks_on_their_devices();
   CHECK_OK(pm_option_set("host_device_memory", "1M"));
   test_devices_basics();
 
