@@ -439,6 +439,21 @@ PM_API pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_st
 PM_API pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count,
                                        pm_stream_t stream, const pm_copy_options_t *options,
                                        pm_fence_t *fence_out);
+/** One host buffer to the memory of `count` devices (1..64): bytes from src to dsts[i] on
+ *  streams[i], a stream of device devices[i] (devices NULL: every stream is the current
+ *  device's). Each destination's copy is queued with its device current, and the caller's
+ *  current device is restored. Pinned (or managed) src: one DMA per destination, nothing
+ *  blocks. Pageable src: read once (not once per device) into pinned slots, each slot DMA'd to
+ *  every destination; the call returns once every DMA is done (it waits for the streams' earlier
+ *  work too). fences_out (may be NULL): count fences, fences_out[i] for destination i.
+ *  options->callback is refused (wait on the fences), kind must be DEFAULT or H2D.
+ *  PM_ERR_INVALID for a NULL pointer, count out of range, a device index out of range, a
+ *  destination that is not device memory or overlaps src. On a failure part way, every DMA
+ *  already queued is waited for, no fence is returned, and dsts may hold part of the data. */
+PM_API pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *dsts,
+                                           const pm_stream_t *streams, const int *devices,
+                                           int count, const pm_copy_options_t *options,
+                                           pm_fence_t *fences_out);
 /** PM_OK once complete (or the copy's error), PM_NOT_READY before. */
 PM_API pm_status_t pm_fence_query(pm_fence_t fence);
 /** Block until complete; returns the copy's status. */

@@ -531,6 +531,131 @@ static void test_records_catch(void) {
   records_reset();
 }
 
+/* ---- broadcast: one host buffer to three devices ---- */
+
+static void bcast_setup(pm_stream_t *s, void **dev, size_t n) {
+  for (int d = 0; d < 3; d++) {
+    CHECK_OK(pm_device_set(d));
+    CHECK_OK(pm_stream_create(&s[d]));
+    CHECK_OK(pm_device_alloc(n, &dev[d]));
+    CHECK_OK(pm_device_memset_async(dev[d], 0, n, s[d]));
+    CHECK_OK(pm_stream_synchronize(s[d]));
+  }
+  CHECK_OK(pm_device_set(0));
+}
+
+static void bcast_check_and_free(pm_stream_t *s, void **dev, size_t n, uint64_t seed) {
+  char *back = malloc(n);
+  REQUIRE(back);
+  for (int d = 0; d < 3; d++) {
+    CHECK_OK(pm_device_set(d));
+    memset(back, 0, n);
+    CHECK_OK(pm_memcpy(back, dev[d], n, PM_COPY_D2H));
+    if (seed) CHECK(pm_test_fill_ok(back, n, seed));
+    CHECK_OK(pm_device_free(dev[d]));
+    CHECK_OK(pm_stream_destroy(s[d]));
+  }
+  CHECK_OK(pm_device_set(0));
+  free(back);
+}
+
+static void test_broadcast(void) {
+  const int devs[3] = {0, 1, 2};
+  const size_t sizes[] = {1, 4097, (size_t)1 << 20, ((size_t)1 << 20) * 3 + 17};
+  for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++) {
+    for (int pinned = 0; pinned < 2; pinned++) {
+      size_t n = sizes[z];
+      pm_stream_t s[3];
+      void *dev[3];
+      bcast_setup(s, dev, n);
+      void *src = NULL;
+      char *pageable = NULL;
+      if (pinned) {
+        CHECK_OK(pm_host_alloc(NULL, n, 0, &src));
+      } else {
+        pageable = malloc(n + 1);
+        REQUIRE(pageable);
+        src = pageable + 1; /* unaligned */
+      }
+      pm_test_fill(src, n, 31 + z);
+      records_reset();
+      CHECK_OK(pm_device_set(2)); /* the caller's device comes back afterwards */
+      pm_fence_t f[3] = {NULL, NULL, NULL};
+      CHECK_OK(pm_copy_broadcast_async(src, n, dev, s, devs, 3, NULL, f));
+      int d = -1;
+      CHECK_OK(pm_device_get(&d));
+      CHECK_EQ_INT(d, 2);
+      for (int i = 0; i < 3; i++) {
+        CHECK(f[i] != NULL);
+        CHECK_OK(pm_fence_wait(f[i]));
+        pm_copy_path_t path = PM_PATH_AUTO;
+        CHECK_OK(pm_fence_path(f[i], &path));
+        CHECK_EQ_INT(path, pinned ? PM_PATH_DIRECT : PM_PATH_STAGED);
+        CHECK_OK(pm_fence_release(f[i]));
+      }
+      /* Every device did its own part, and nothing broke CUDA's rules. */
+      for (int k = 0; k < 3; k++) CHECK(pm__hb_device_calls(k) > 0);
+      char note[256];
+      pm__hb_last_mismatch(note, sizeof note);
+      if (pm__hb_device_mismatches(-1)) fprintf(stderr, "broadcast: %s\n", note);
+      CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
+      CHECK_OK(pm_device_set(0));
+      bcast_check_and_free(s, dev, n, 31 + z);
+      if (pinned)
+        CHECK_OK(pm_host_free(src));
+      else
+        free(pageable);
+    }
+  }
+  printf("broadcast: pinned and pageable sources to devices 0, 1, 2, bytes checked\n");
+
+  /* Errors: nothing is queued, the caller's device stays. */
+  const size_t n = 300000;
+  pm_stream_t s[3];
+  void *dev[3];
+  bcast_setup(s, dev, n);
+  char *src = malloc(n);
+  REQUIRE(src);
+  pm_test_fill(src, n, 41);
+  pm_fence_t f[3] = {NULL, NULL, NULL};
+  CHECK_ERR_MSG(pm_copy_broadcast_async(NULL, n, dev, s, devs, 3, NULL, f), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_copy_broadcast_async(src, n, NULL, s, devs, 3, NULL, f), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_copy_broadcast_async(src, n, dev, s, devs, 0, NULL, f), PM_ERR_INVALID);
+  const int bad_devs[3] = {0, 3, 1};
+  CHECK_ERR_MSG(pm_copy_broadcast_async(src, n, dev, s, bad_devs, 3, NULL, f), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "devices[1]") != NULL);
+  void *host_dst[3] = {dev[0], src, dev[2]};
+  char *other = malloc(n);
+  REQUIRE(other);
+  host_dst[1] = other;
+  CHECK_ERR_MSG(pm_copy_broadcast_async(src, n, host_dst, s, devs, 3, NULL, f), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "dsts[1]") != NULL && strstr(pm_last_error(), "not device"));
+  free(other);
+  pm_copy_options_t o;
+  pm_copy_options_init(&o);
+  o.callback = record_cb_device;
+  CHECK_ERR_MSG(pm_copy_broadcast_async(src, n, dev, s, devs, 3, &o, f), PM_ERR_INVALID);
+  CHECK(f[0] == NULL && f[1] == NULL && f[2] == NULL);
+
+  /* A DMA that fails part way (the fifth of the call's copies): an error, no fence, every
+   * queued DMA waited for; the next broadcast works. */
+  CHECK_OK(pm_option_set("copy_chunk", "64K"));
+  CHECK_OK(pm__fault_set(PM__FAULT_MEMCPY, 5, 0));
+  CHECK_ERR_MSG(pm_copy_broadcast_async(src, n, dev, s, devs, 3, NULL, f), PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "pm_copy_broadcast_async") != NULL);
+  CHECK(f[0] == NULL && f[1] == NULL && f[2] == NULL);
+  pm__fault_reset();
+  for (int d = 0; d < 3; d++) CHECK_OK(pm_stream_query(s[d]));
+  CHECK_OK(pm_copy_broadcast_async(src, n, dev, s, devs, 3, NULL, NULL));
+  for (int d = 0; d < 3; d++) {
+    CHECK_OK(pm_device_set(d));
+    CHECK_OK(pm_stream_synchronize(s[d]));
+  }
+  CHECK_OK(pm_device_set(0));
+  bcast_check_and_free(s, dev, n, 41);
+  free(src);
+}
+
 /* ---- portable pinned memory: one buffer, two devices ---- */
 
 static void test_portable_two_devices(void) {
@@ -604,6 +729,7 @@ int main(void) {
   test_new_thread_device0();
   test_records_catch();
   test_portable_two_devices();
+  test_broadcast();
   test_work_on_device1();
   test_ranks_on_their_devices();
   CHECK_OK(pm_option_set("host_device_memory", "1M"));

@@ -278,6 +278,9 @@ int pm__thread_device(void);
  * thread's current device when the backend is up and it is not already, then
  * pm__numa_thread_follow(device). Cheap when nothing changes (one get_device). */
 void pm__thread_enter(int device);
+/* Make `device` current on the calling thread (a user's thread that pinmem works on for several
+ * devices in one call, and hands back on the caller's device): no NUMA placement. */
+void pm__thread_set_device(int device);
 /* The devices this process used (bit d: device d entered, set or handed over), for calls that
  * must reach every device in use and no other (pm__pool_devices_idle). */
 void pm__devices_used_mark(int device);

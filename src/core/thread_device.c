@@ -46,16 +46,23 @@ int pm__thread_device(void) {
   return cur;
 }
 
+void pm__thread_set_device(int device) {
+  const pm__backend_t *b = pm__backend_raw();
+  int cur = -1;
+  if (device < 0 || !b) return;
+  /* A failure leaves the thread where it was; the work's own call reports the trouble. The
+   * caller's pm_last_error() is left alone either way (this may run after a failure). */
+  if (b->get_device(&cur) != PM_OK || cur != device) (void)b->set_device(device);
+  pm__devices_used_mark(device);
+}
+
 void pm__thread_enter(int device) {
   if (device >= 0) {
     const pm__backend_t *b = pm__backend_raw();
     int cur = -1;
-    if (b && (b->get_device(&cur) != PM_OK || cur != device)) {
-      /* A failure leaves the thread where it was; the work's own call then reports the trouble
-       * (an invalid device cannot reach here: the device came from a get_device). */
-      (void)b->set_device(device);
-      pm__clear_error();
-    }
+    /* A failure leaves the thread where it was; the work's own call then reports the trouble
+     * (an invalid device cannot reach here: the device came from a get_device). */
+    if (b && (b->get_device(&cur) != PM_OK || cur != device)) (void)b->set_device(device);
     pm__devices_used_mark(device);
   }
   pm__numa_thread_follow(device);
