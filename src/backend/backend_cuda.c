@@ -109,7 +109,17 @@ static pm_status_t cuda_init(void) {
    * and contexts come with the first real call on each (a context on GPU 0 in a process that
    * uses GPU 1 costs hundreds of MB there). The kernels of a device load with its context
    * (load_kernels). */
-  if (!pm__device_option_given()) return PM_OK;
+  if (!pm__device_option_given()) {
+    /* Still refuse a device no process may use (compute mode prohibited), as the context
+     * creation below would: an attribute query creates no context. */
+    int dev = 0, mode = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, dev) == cudaSuccess &&
+        mode == cudaComputeModeProhibited)
+      return pm__set_error(PM_ERR_NO_DEVICE, "CUDA device %d: compute mode is prohibited", dev);
+    (void)cudaGetLastError();
+    return PM_OK;
+  }
   long want = pm__opt_int(PM__OPT_DEVICE);
   if (want < 0 || want >= count)
     return pm__set_error(PM_ERR_CONFIG,
