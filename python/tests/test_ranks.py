@@ -48,6 +48,7 @@ def _rank_main(rank, kind, n, shuffle, drop_last, epochs, batch_size):
         kw = dict(num_workers=2, worker_mode="process")
     loader = pinmem.Loader(data, batch_size=batch_size, shuffle=shuffle, seed=1234,
                            drop_last=drop_last, device="cpu", **kw)
+    assert pinmem.current_device() == rank  # PINMEM_DEVICE made it current at pm_init
     out = []
     try:
         for _ in range(epochs):
@@ -60,6 +61,22 @@ def _rank_main(rank, kind, n, shuffle, drop_last, epochs, batch_size):
             out.append(got)
     finally:
         loader.close()
+    # Device delivery on device "cuda:<rank>" from a thread of device 0: the batches' bytes
+    # are this rank's shard and the thread's device comes back unchanged.
+    pinmem.set_device(0)
+    dl = pinmem.Loader(np.stack([Indexed(n)[i] for i in range(n)]), batch_size=batch_size,
+                       shuffle=shuffle, seed=1234, drop_last=drop_last, device=f"cuda:{rank}")
+    try:
+        assert pinmem.current_device() == 0
+        got = []
+        for b in dl:
+            host = np.empty(b.shape, dtype=np.int64)
+            pinmem.copy(host, b)
+            got.extend(int(i) for i in host[:, 0])
+            b = None
+        assert got == out[0], "device delivery differs from host delivery"
+    finally:
+        dl.close()
     return out
 
 
