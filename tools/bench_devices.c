@@ -124,7 +124,6 @@ static void row(bd_t *B, const char *mode, int device, double seconds, double ra
   double gbps = (double)B->bytes * (device < 0 ? B->n : 1) / seconds / 1e9;
   if (B->json) {
     cli_json_t j;
-    cli_json_begin(&j);
     cli_json_row(&j, "copy_devices", case_name[B->case_i],
                  (unsigned long long)B->bytes * (unsigned long long)(device < 0 ? B->n : 1),
                  seconds, gbps);
