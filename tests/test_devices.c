@@ -28,20 +28,20 @@ static void records_reset(void) {
 
 /* Work done for `dev` (while device 0 did nothing) made calls on `dev` and none elsewhere, and
  * broke no rule. */
-#define CHECK_ONLY_ON(dev, what)                                                              \
-  do {                                                                                        \
-    char note_[256];                                                                          \
-    pm__hb_last_mismatch(note_, sizeof note_);                                                \
-    for (int d_ = 0; d_ < 3; d_++) {                                                          \
-      if (d_ == (dev)) continue;                                                              \
-      if (pm__hb_device_calls(d_) != 0)                                                       \
-        fprintf(stderr, "%s: %llu calls on device %d\n", what,                                \
-                (unsigned long long)pm__hb_device_calls(d_), d_);                             \
-      CHECK_EQ_SIZE(pm__hb_device_calls(d_), 0);                                              \
-    }                                                                                         \
-    CHECK(pm__hb_device_calls(dev) > 0);                                                      \
-    if (pm__hb_device_mismatches(-1)) fprintf(stderr, "%s: mismatch: %s\n", what, note_);     \
-    CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);                                           \
+#define CHECK_ONLY_ON(dev, what)                                                          \
+  do {                                                                                    \
+    char note_[256];                                                                      \
+    pm__hb_last_mismatch(note_, sizeof note_);                                            \
+    for (int d_ = 0; d_ < 3; d_++) {                                                      \
+      if (d_ == (dev)) continue;                                                          \
+      if (pm__hb_device_calls(d_) != 0)                                                   \
+        fprintf(stderr, "%s: %llu calls on device %d\n", what,                            \
+                (unsigned long long)pm__hb_device_calls(d_), d_);                         \
+      CHECK_EQ_SIZE(pm__hb_device_calls(d_), 0);                                          \
+    }                                                                                     \
+    CHECK(pm__hb_device_calls(dev) > 0);                                                  \
+    if (pm__hb_device_mismatches(-1)) fprintf(stderr, "%s: mismatch: %s\n", what, note_); \
+    CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);                                       \
   } while (0)
 
 /* Run fn on a new thread that first makes `device` current (the caller stays idle). */
@@ -289,13 +289,13 @@ static int g_rank_seen[3][2][RK_SAMPLES]; /* [rank][epoch][sample] */
 /* The check macros count in globals: a rank thread counts its own failures instead, and the
  * main thread checks the counts after the join. */
 static int g_rank_fail[3];
-#define RK_CHECK(cond)                                                                 \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
+#define RK_CHECK(cond)                                                                   \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
       fprintf(stderr, "%s:%d: rank %d: FAIL: %s: %s\n", __FILE__, __LINE__, rank, #cond, \
-              pm_last_error());                                                        \
-      g_rank_fail[rank]++;                                                             \
-    }                                                                                  \
+              pm_last_error());                                                          \
+      g_rank_fail[rank]++;                                                               \
+    }                                                                                    \
   } while (0)
 #define RK_OK(expr) RK_CHECK((expr) == PM_OK)
 
@@ -412,9 +412,9 @@ static void test_work_on_device1(void) {
   static const struct {
     const char *name;
     void (*fn)(void);
-  } cases[] = {{"staged H2D", staged_h2d},        {"pinned H2D", pinned_h2d},
-               {"staged D2H", staged_d2h},        {"file read", file_read_device},
-               {"loader", loader_device},         {"parallel_for", parallel_for_device}};
+  } cases[] = {{"staged H2D", staged_h2d}, {"pinned H2D", pinned_h2d},
+               {"staged D2H", staged_d2h}, {"file read", file_read_device},
+               {"loader", loader_device},  {"parallel_for", parallel_for_device}};
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
     records_reset();
     run_on_device(1, cases[k].fn);
@@ -430,8 +430,7 @@ static void test_work_on_device1(void) {
       CHECK_ONLY_ON(1, cases[k].name);
     }
     printf("device 1: %s: %llu calls on device 1, %llu on device 0\n", cases[k].name,
-           (unsigned long long)pm__hb_device_calls(1),
-           (unsigned long long)pm__hb_device_calls(0));
+           (unsigned long long)pm__hb_device_calls(1), (unsigned long long)pm__hb_device_calls(0));
   }
   CHECK_EQ_INT(atomic_load(&g_cb_device), 1); /* the D2H callback ran on device 1 */
 }
@@ -728,9 +727,10 @@ int main(void) {
   int n = 0;
   CHECK_OK(pm_device_count(&n));
   if (n < 2) {
-    printf("SKIP: these tests need 2 devices; the %s backend has %d (the host backend simulates "
-           "them with host_devices)\n",
-           pm_backend_name(), n);
+    printf(
+        "SKIP: these tests need 2 devices; the %s backend has %d (the host backend simulates "
+        "them with host_devices)\n",
+        pm_backend_name(), n);
     pm_finalize();
     return PM_TEST_SKIP;
   }

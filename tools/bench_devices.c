@@ -47,8 +47,7 @@ struct bd {
   pthread_barrier_t bar;
 };
 
-static const char *const case_name[] = {"h2d_pinned", "h2d_pageable", "d2h_pinned",
-                                        "d2h_pageable"};
+static const char *const case_name[] = {"h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"};
 
 static void one_copy(bd_t *B, bd_dev_t *d) {
   bool h2d = B->case_i < 2, pinned = B->case_i % 2 == 0;
@@ -199,9 +198,10 @@ int bc_bench_devices(const char *list, bool json, size_t bytes, int repeat) {
     printf("pinmem bench copy --devices %s: backend %s, %s per copy, median of %d rounds\n", list,
            pm_backend_name(), cli_fmt_bytes(bytes, sz, sizeof sz), B->repeat);
     if (B->n == 1)
-      printf("one device (%d): the together rows are the alone rows again; there is nothing to "
-             "share.\n",
-             ids[0]);
+      printf(
+          "one device (%d): the together rows are the alone rows again; there is nothing to "
+          "share.\n",
+          ids[0]);
     printf("  %-13s %-9s %-4s %14s  %11s  %-5s\n", "case", "mode", "dev", "bandwidth", "median",
            "ratio");
   } else if (B->n == 1) {

@@ -139,7 +139,7 @@ struct pm_stream_s {
 
 struct pm_event_s {
   unsigned flags;
-  int device; /* current at its creation; never changes */
+  int device;       /* current at its creation; never changes */
   hb_rec_t *latest; /* guarded by pm__hb_rec_lock; NULL until the first record */
 };
 

@@ -60,8 +60,8 @@
 /* Devices and their call records                                                             */
 /* ------------------------------------------------------------------------------------------ */
 
-static atomic_int hb_ndev = 1;           /* host_devices, read at backend start */
-static _Thread_local int hb_cur;         /* this thread's current device (0 for a new thread) */
+static atomic_int hb_ndev = 1;   /* host_devices, read at backend start */
+static _Thread_local int hb_cur; /* this thread's current device (0 for a new thread) */
 static atomic_uint_fast64_t hb_calls[PM__HB_MAX_DEVICES], hb_mismatches[PM__HB_MAX_DEVICES];
 static pthread_mutex_t hb_note_lock = PTHREAD_MUTEX_INITIALIZER; /* a leaf */
 static char hb_note[256]; /* the last mismatch, for a test's failure message */
@@ -521,7 +521,8 @@ pm_status_t pm__hb_device_release(const char *fn, void *ptr) {
                        pm__hb_range_desc(device_tbl.v[i].kind), (void *)device_tbl.v[i].base,
                        device_tbl.v[i].size);
   } else {
-    if (device_tbl.v[i].kind == R_DEVICE) device_used[device_tbl.v[i].device] -= device_tbl.v[i].size;
+    const hb_range_t *r = &device_tbl.v[i];
+    if (r->kind == R_DEVICE) device_used[r->device] -= r->size;
     tbl_remove_at(&device_tbl, (size_t)i);
   }
   pthread_mutex_unlock(&mem_lock);

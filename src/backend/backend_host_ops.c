@@ -91,12 +91,13 @@ static pm_status_t copy_prepare(const char *fn, void *dst, const void *src, size
       pm__hb_mismatch("%s: %s %p is memory of device %d, queued on a stream of device %d", fn,
                       k ? "source" : "destination", k ? src : (const void *)dst,
                       sides[k]->dev.device, stream_device);
-    else if (stream_device >= 0 && sides[k]->kind == PM__MEM_PINNED &&
-             sides[k]->pin_device >= 0 && sides[k]->pin_device != stream_device)
-      pm__hb_mismatch("%s: %s %p was pinned without PORTABLE for device %d, copied on a stream "
-                      "of device %d",
-                      fn, k ? "source" : "destination", k ? src : (const void *)dst,
-                      sides[k]->pin_device, stream_device);
+    else if (stream_device >= 0 && sides[k]->kind == PM__MEM_PINNED && sides[k]->pin_device >= 0 &&
+             sides[k]->pin_device != stream_device)
+      pm__hb_mismatch(
+          "%s: %s %p was pinned without PORTABLE for device %d, copied on a stream "
+          "of device %d",
+          fn, k ? "source" : "destination", k ? src : (const void *)dst, sides[k]->pin_device,
+          stream_device);
   /* Managed memory is never pageable: the driver handles it on either side. */
   *blocking_out = *kind == PM_COPY_H2H || (!dst_dev && d.kind == PM__MEM_PAGEABLE) ||
                   (!src_dev && s.kind == PM__MEM_PAGEABLE);

@@ -471,9 +471,8 @@ pm_status_t pm__hb_sync_streams(const char *fn, int device) {
     return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for %zu streams", fn, cap);
   }
   for (size_t i = 0; i < cap; i++) {
-    struct pm_stream_s *s = i < pm__hb_stream_set.n
-                                ? (struct pm_stream_s *)pm__hb_stream_set.v[i]
-                                : default_stream[i - pm__hb_stream_set.n];
+    struct pm_stream_s *s = i < pm__hb_stream_set.n ? (struct pm_stream_s *)pm__hb_stream_set.v[i]
+                                                    : default_stream[i - pm__hb_stream_set.n];
     if (!s || (device >= 0 && s->device != device)) continue;
     if (pm__hb_on_own_worker(s)) {
       pthread_mutex_unlock(&pm__hb_obj_lock);

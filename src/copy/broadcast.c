@@ -12,10 +12,11 @@
  *
  * Completion: one fence per destination (fences_out[i]); options->callback is refused (one
  * callback per destination, with a fence each, would be a callback per device where one was
- * asked for: wait on the fences instead). A pageable source returns once every DMA completed (the slots go back to the pool then: no
- * stream-ordered reuse is needed across devices), so it also waits for the streams' earlier
- * work. On a failure part way, every DMA already queued is waited for (each stream that got one
- * is synchronized on its device) before the slots go back, and no fence is returned.
+ * asked for: wait on the fences instead). A pageable source returns once every DMA completed (the
+ * slots go back to the pool then: no stream-ordered reuse is needed across devices), so it also
+ * waits for the streams' earlier work. On a failure part way, every DMA already queued is waited
+ * for (each stream that got one is synchronized on its device) before the slots go back, and no
+ * fence is returned.
  *
  * The caller's current device is restored before the call returns. No lock of its own.
  */
@@ -42,15 +43,14 @@ static void enter(int device) {
   if (device >= 0) pm__thread_set_device(device);
 }
 
-static pm_status_t check_args(const char *fn, const pm__backend_t *b, const void *src,
-                              size_t bytes, void *const *dsts, const pm_stream_t *streams,
-                              const int *devices, int count, bcast_t *c) {
+static pm_status_t check_args(const char *fn, const pm__backend_t *b, const void *src, size_t bytes,
+                              void *const *dsts, const pm_stream_t *streams, const int *devices,
+                              int count, bcast_t *c) {
   if (!src) return pm__set_error(PM_ERR_INVALID, "%s: src is NULL", fn);
   if (!dsts || !streams)
     return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, !dsts ? "dsts" : "streams");
   if (count < 1 || count > PM__BCAST_MAX)
-    return pm__set_error(PM_ERR_INVALID, "%s: count %d is not in 1..%d", fn, count,
-                         PM__BCAST_MAX);
+    return pm__set_error(PM_ERR_INVALID, "%s: count %d is not in 1..%d", fn, count, PM__BCAST_MAX);
   if ((uintptr_t)src + bytes < (uintptr_t)src)
     return pm__set_error(PM_ERR_INVALID, "%s: the %zu-byte source wraps the address space", fn,
                          bytes);
@@ -180,11 +180,10 @@ pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *
   if (options) {
     opt = *options;
     if (opt.kind != PM_COPY_DEFAULT && opt.kind != PM_COPY_H2D)
-      return pm__set_error(PM_ERR_INVALID, "%s: options->kind must be PM_COPY_DEFAULT or H2D",
-                           fn);
+      return pm__set_error(PM_ERR_INVALID, "%s: options->kind must be PM_COPY_DEFAULT or H2D", fn);
     if (opt.path == PM_PATH_REGISTER || (unsigned)opt.path > PM_PATH_REGISTER)
-      return pm__set_error(PM_ERR_INVALID, "%s: options->path %d is not auto, direct or staged",
-                           fn, (int)opt.path);
+      return pm__set_error(PM_ERR_INVALID, "%s: options->path %d is not auto, direct or staged", fn,
+                           (int)opt.path);
     if (opt.callback)
       return pm__set_error(PM_ERR_INVALID,
                            "%s: options->callback is not taken (it would run once per "
