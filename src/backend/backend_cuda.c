@@ -109,7 +109,8 @@ static pm_status_t cuda_init(void) {
    * and contexts come with the first real call on each (a context on GPU 0 in a process that
    * uses GPU 1 costs hundreds of MB there). The kernels of a device load with its context
    * (load_kernels). */
-  if (!pm__device_option_given()) {
+  pm_option_info_t dev_opt; /* given, or only the default (init.c decides the same way) */
+  if (pm_option_get(PM__OPT_DEVICE, &dev_opt) != PM_OK || dev_opt.source == PM_OPTION_DEFAULT) {
     /* Still refuse a device no process may use (compute mode prohibited), as the context
      * creation below would: an attribute query creates no context. */
     int dev = 0, mode = 0;
