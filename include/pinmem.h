@@ -211,7 +211,8 @@ enum {
   PM_HOST_DEFAULT = 0,
   PM_HOST_MAPPED = 1u << 0,         /* also give a device pointer: kernels read it directly */
   PM_HOST_WRITE_COMBINED = 1u << 1, /* fast for the device to read, very slow for the CPU to read */
-  PM_HOST_PORTABLE = 1u << 2,       /* pinned for every device context, not just the current */
+  PM_HOST_PORTABLE = 1u << 2,       /* pinned for every device context, not just the current:
+                                       pinmem sets it on every block anyway (docs/multi-gpu.md) */
   PM_HOST_SHARED = 1u << 3          /* memory another process can map (a memfd mapped MAP_SHARED,
                                        pinned and portable in this process): pm_host_shared_fd */
 };
@@ -246,7 +247,9 @@ PM_API pm_status_t pm_pool_default(pm_pool_t **pool_out);
 
 /** Pinned host memory of at least `bytes`, aligned to 256 bytes (to the page when the block is
  *  a whole backend allocation). Served from the cache when a fitting block is free and every
- *  stream that used it has passed its free; otherwise pins new memory within the budget. */
+ *  stream that used it has passed its free; otherwise pins new memory within the budget. Every
+ *  block is portable (PM_HOST_PORTABLE whatever flags say): one block feeds copies to every
+ *  device, whichever device was current when it was pinned. */
 PM_API pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **ptr_out);
 /** Return a block to its pool (found from the pointer). Stream uses recorded with
  *  pm_host_record_stream gate its reuse; the call itself never blocks on them. */
@@ -380,7 +383,8 @@ enum {
 };
 
 /** Page-lock memory the caller owns (cudaHostRegister; mlock on the host backend). Charged to
- *  the default pool's budget. PM_ERR_OVERLAP if any byte is already pinned by pinmem. */
+ *  the default pool's budget. PM_ERR_OVERLAP if any byte is already pinned by pinmem. Always
+ *  registered PORTABLE (pinned for every device, as pool blocks are), whatever flags say. */
 PM_API pm_status_t pm_register(void *ptr, size_t bytes, unsigned flags);
 /** ptr must be the start of a registration. The caller's memory is untouched. */
 PM_API pm_status_t pm_unregister(void *ptr);
@@ -459,6 +463,21 @@ PM_API pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_st
 PM_API pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count,
                                        pm_stream_t stream, const pm_copy_options_t *options,
                                        pm_fence_t *fence_out);
+/** One host buffer to the memory of `count` devices (1..64): bytes from src to dsts[i] on
+ *  streams[i], a stream of device devices[i] (devices NULL: every stream is the current
+ *  device's). Each destination's copy is queued with its device current, and the caller's
+ *  current device is restored. Pinned (or managed) src: one DMA per destination, nothing
+ *  blocks. Pageable src: read once (not once per device) into pinned slots, each slot DMA'd to
+ *  every destination; the call returns once every DMA is done (it waits for the streams' earlier
+ *  work too). fences_out (may be NULL): count fences, fences_out[i] for destination i.
+ *  options->callback is refused (wait on the fences), kind must be DEFAULT or H2D.
+ *  PM_ERR_INVALID for a NULL pointer, count out of range, a device index out of range, a
+ *  destination that is not device memory or overlaps src. On a failure part way, every DMA
+ *  already queued is waited for, no fence is returned, and dsts may hold part of the data. */
+PM_API pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *dsts,
+                                           const pm_stream_t *streams, const int *devices,
+                                           int count, const pm_copy_options_t *options,
+                                           pm_fence_t *fences_out);
 /** PM_OK once complete (or the copy's error), PM_NOT_READY before. */
 PM_API pm_status_t pm_fence_query(pm_fence_t fence);
 /** Block until complete; returns the copy's status. */

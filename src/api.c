@@ -135,8 +135,9 @@ pm_status_t pm_device_get_info(int device, pm_device_info_t *info_out) {
 pm_status_t pm_device_set(int device) {
   PM__BACKEND_OR_RETURN(b);
   pm_status_t st = check_device_index("pm_device_set", b, device, false);
-  if (st != PM_OK) return st;
-  return b->set_device(device);
+  if (st == PM_OK) st = b->set_device(device);
+  if (st == PM_OK) pm__devices_used_mark(device); /* pm__pool_devices_idle reaches it */
+  return st;
 }
 
 pm_status_t pm_device_get(int *device_out) {
@@ -416,7 +417,8 @@ pm_status_t pm_register(void *ptr, size_t bytes, unsigned flags) {
   if (st != PM_OK) goto fail_reserved;
 
   /* 3. Pin, and find the device address when mapped. */
-  st = b->host_register(ptr, bytes, flags);
+  /* Always PORTABLE: copies of any device's streams may use it as pinned memory. */
+  st = b->host_register(ptr, bytes, flags | PM_REGISTER_PORTABLE);
   if (st != PM_OK) goto fail_charged;
   void *dev = NULL;
   if (flags & PM_REGISTER_MAPPED) {

@@ -377,6 +377,10 @@ bad_lines=(
   "bench copy --cases"
   "bench copy --bytes 4M"
   "bench copy extra"
+  "bench copy --devices 7"
+  "bench copy --devices"
+  "bench copy --devices 0,0"
+  "bench copy --devices all --cases x"
   "bench overlap --bytes x"
   "bench overlap --sizes 4M"
   # empty list items, repeated options, unknown cases, --quiet outside a bench
@@ -740,6 +744,28 @@ expect_rc summ_partial 1 &&
 { cat "$tmp/bench_json.out"; echo; head -n 2 "$tmp/copy_json.out"; } >"$tmp/mixed.jsonl"
 run summ_mixed "$bin" bench alloc --summarize "$tmp/mixed.jsonl"
 expect_rc summ_mixed 0 && expect_grep summ_mixed out '^4\.00 MiB +pinmem_cold_pin +'
+
+# bench copy --devices: three simulated devices, each alone and all at once, every row verified,
+# a together / alone ratio on each together row, an aggregate row per case.
+run devices env PINMEM_HOST_DEVICES=3 "$bin" --json bench copy --devices all --size 256K --repeat 1
+expect_rc devices 0 && json_check devices '
+cases = {"h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"}
+for r in rows:
+    if r.get("bench") != "copy_devices": bad("bench %r" % r.get("bench"))
+    if r.get("verified") is not True: bad("not verified: %r" % r)
+    if r.get("case") not in cases: bad("case %r" % r.get("case"))
+for c in cases:
+    mine = [r for r in rows if r.get("case") == c]
+    modes = sorted((r["mode"], r["device"] if r["device"] is not None else -1) for r in mine)
+    want = sorted([("alone", d) for d in range(3)] + [("together", d) for d in range(3)] +
+                  [("aggregate", -1)])
+    if modes != want: bad("%s: rows %r" % (c, modes))
+    for r in mine:
+        if r["mode"] == "together" and not (r.get("ratio") or 0) > 0: bad("no ratio: %r" % r)
+        if r["mode"] == "aggregate" and r["bytes"] != 3 * 256 * 1024: bad("aggregate %r" % r)
+'
+run devices_one "$bin" bench copy --devices 0 --size 64K --repeat 1
+expect_rc devices_one 0 && expect_grep devices_one out '^one device \(0\)'
 
 i=0
 for line in "${bad_lines[@]}"; do

@@ -651,7 +651,41 @@ static void print_targets(const bench_t *b, size_t batch_total) {
 /* ---- pinmem bench copy --------------------------------------------------------------------------
  */
 
+/* --devices LIST|all: the several-device rows (bench_devices.c), with --size (one), --repeat
+ * and --json; the rest of bench copy's options do not apply there. */
+static int devices_mode(int argc, char **argv) {
+  const char *list = NULL;
+  bool json = false;
+  size_t bytes = 64 * MIB;
+  int repeat = 5;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (!strcmp(a, "--devices") && i + 1 < argc) {
+      list = argv[++i];
+    } else if (!strncmp(a, "--devices=", 10)) {
+      list = a + 10;
+    } else if (!strcmp(a, "--json")) {
+      json = true;
+    } else if (!strcmp(a, "--quiet")) {
+    } else if ((!strcmp(a, "--size") || !strcmp(a, "--sizes")) && i + 1 < argc) {
+      if (pm_parse_size(argv[++i], &bytes) != PM_OK || bytes == 0)
+        cli_usage_error("--size: '%s' is not a size", argv[i]);
+    } else if (!strcmp(a, "--repeat") && i + 1 < argc) {
+      repeat = atoi(argv[++i]);
+      if (repeat < 1) cli_usage_error("--repeat: at least 1");
+    } else {
+      cli_usage_error("bench copy --devices takes --size, --repeat, --json and --quiet, not '%s'",
+                      a);
+    }
+  }
+  if (!list || !*list) cli_usage_error("--devices needs a list of devices or 'all'");
+  return bc_bench_devices(list, json, bytes, repeat);
+}
+
 int pm_cli_bench_copy(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (!strcmp(argv[i], "--devices") || !strncmp(argv[i], "--devices=", 10))
+      return devices_mode(argc, argv);
   bench_t *b = NULL;
   int rc = bc_bench_begin("copy", argc, argv, &b);
   if (rc) return rc;

@@ -8,6 +8,7 @@
  *   bench_movers.c       bench copy's host rows: the byte movers alone, and each half of
  *                        staging while the other runs (contention)
  *   bench_overlap.c      bench overlap
+ *   bench_devices.c      bench copy --devices: several devices alone and all at once
  *
  * bc_: the copy benchmarks' shared functions (the CLI's own shared pieces are cli_, cli.h).
  */
@@ -137,5 +138,10 @@ extern const char *const bc_contention_names[4];
  * half of staging while the other runs (the contention rows). */
 void bc_run_movers(bench_t *b, size_t n);
 void bc_run_contention(bench_t *b, size_t n);
+
+/* ---- bench_devices.c ----------------------------------------------------------------------- */
+
+/* `bench copy --devices LIST|all`: each device alone and all at once (bench_devices.c). */
+int bc_bench_devices(const char *list, bool json, size_t bytes, int repeat);
 
 #endif /* PINMEM_TOOLS_BENCH_COPY_H */

@@ -25,6 +25,7 @@ from ._pinmem import (  # noqa: F401  (re-exported)
     Stream,
     backend,
     budget,
+    current_device,
     device_count,
     device_info,
     get_option,
@@ -35,6 +36,7 @@ from ._pinmem import (  # noqa: F401  (re-exported)
     reserve,
     reset_peak,
     set_budget,
+    set_device,
     set_option,
     stats,
     synchronize,
@@ -489,7 +491,7 @@ class Loader:
     pinmem cannot honour is refused, never ignored: batch_sampler, and a collate_fn other than
     default_collate (do per-sample work in the dataset). Also: seed (shuffle order and worker
     seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
-    device; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
+    device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
     DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
 
     Iterating yields one epoch's batches; batches() yields flat Batch objects (one array per
@@ -508,9 +510,16 @@ class Loader:
         self._c = None
         self._pool = None
         self._base = None
+        self._device_index = None  # "cuda:k": the loader works on device k
         if device in (None, "cuda", "device") or (isinstance(device, str) and
                                                   device.startswith("cuda")):
             to_device = True
+            if isinstance(device, str) and device.startswith("cuda:"):
+                try:
+                    self._device_index = int(device[5:])
+                except ValueError:
+                    raise InvalidError(f"PM_ERR_INVALID: device {device!r}: 'cuda:' takes a "
+                                       "device index") from None
         elif device in ("cpu", "host"):
             to_device = False
         else:
@@ -637,6 +646,21 @@ class Loader:
         seed = self._base_seed if epoch == 0 else _mix_seed(self._base_seed, epoch)
         return _workers.Pool(dataset, nw, ctx, seed, init_fn)
 
+    def _on_device(self, make):
+        """make() with the loader's device current (device="cuda:k"): its stream, buffers and
+        threads belong to device k; the calling thread's device is restored."""
+        k = self._device_index
+        if k is None:
+            return make()
+        prev = _pinmem.current_device()
+        if prev != k:
+            _pinmem.set_device(k)
+        try:
+            return make()
+        finally:
+            if prev != k:
+                _pinmem.set_device(prev)
+
     def _open_epoch(self, epoch, batch, resume=None):
         """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch
         mode) a loader for this epoch alone."""
@@ -652,7 +676,8 @@ class Loader:
                     raise InvalidError("PM_ERR_INVALID: the sampler yielded no indices")
                 ds = _pinmem._dataset_select(self._base, order)
             self._ds = ds
-        self._c = _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch))
+        self._c = self._on_device(
+            lambda: _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch)))
         if self._pool is not None:
             self._pool.epoch = epoch
 
@@ -781,7 +806,8 @@ class Loader:
         try:
             self._open_epoch(values["epoch"], values["batch"], resume=packed)
         except BaseException:
-            self._c = _pinmem._Loader(self._ds, resume=old, **self._epoch_config(cur["epoch"]))
+            self._c = self._on_device(lambda: _pinmem._Loader(
+                self._ds, resume=old, **self._epoch_config(cur["epoch"])))
             raise
         finally:
             self._iteration_s = self._conversion_s = 0.0  # as the library's counters

@@ -256,6 +256,22 @@ static PyObject *py_device_info(PyObject *mod, PyObject *args) {
       d.host_register_read_only ? Py_True : Py_False);
 }
 
+/* The calling thread's current device, as CUDA's (torch.cuda.set_device sets the same). */
+static PyObject *py_set_device(PyObject *mod, PyObject *args) {
+  int dev = 0;
+  if (!PyArg_ParseTuple(args, "i:set_device", &dev)) return NULL;
+  pm_status_t st = pm_device_set(dev);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_current_device(PyObject *mod, PyObject *unused) {
+  int dev = 0;
+  pm_status_t st = pm_device_get(&dev);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  return PyLong_FromLong(dev);
+}
+
 static PyObject *py_synchronize(PyObject *mod, PyObject *unused) {
   pm_status_t st;
   Py_BEGIN_ALLOW_THREADS st = pm_device_synchronize();
@@ -297,6 +313,10 @@ PyMethodDef pmpy_pool_functions[] = {
     {"device_count", py_device_count, METH_NOARGS, "device_count() -> int"},
     {"device_info", py_device_info, METH_VARARGS, "device_info(device=0) -> dict"},
     {"synchronize", py_synchronize, METH_NOARGS, "synchronize(): wait for the current device"},
+    {"set_device", py_set_device, METH_VARARGS,
+     "set_device(index): make the device current on the calling thread"},
+    {"current_device", py_current_device, METH_NOARGS,
+     "current_device() -> the calling thread's current device"},
     {"_status_name", py_status_name, METH_O, NULL},
     {"_raise", py_raise_status, METH_VARARGS, NULL},
     {0}};

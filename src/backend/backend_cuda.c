@@ -71,6 +71,26 @@ static pm_status_t check_device(int device, const char *what) {
 
 /* ---- lifecycle and devices ---------------------------------------------------------------- */
 
+/* pinmem's kernels load per device, once: with CUDA's lazy loading the first launch of a
+ * kernel loads it, and that load can wait behind a stream that is blocked in a host function.
+ * Loading when a device is first set through pinmem, or gets its first stream or allocation
+ * from pinmem, keeps launches from waiting on other streams; the bit set makes the repeat a
+ * load and a compare. */
+static atomic_uint_fast64_t kernels_loaded;
+
+static pm_status_t load_kernels(void) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return PM_OK; /* the calling operation reports the device trouble itself */
+  }
+  uint_fast64_t bit = (uint_fast64_t)1 << dev;
+  if (atomic_load_explicit(&kernels_loaded, memory_order_acquire) & bit) return PM_OK;
+  pm_status_t st = pm__kernels_preload();
+  if (st == PM_OK) atomic_fetch_or_explicit(&kernels_loaded, bit, memory_order_release);
+  return st;
+}
+
 static pm_status_t cuda_init(void) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
@@ -84,6 +104,22 @@ static pm_status_t cuda_init(void) {
     return pm__set_error(PM_ERR_NO_DEVICE,
                          "cudaGetDeviceCount: no CUDA device visible (CUDA_VISIBLE_DEVICES=%s)",
                          vis ? vis : "(unset)");
+  }
+  /* Without option device, start nothing on any device: the caller's thread keeps its device,
+   * and contexts come with the first real call on each (a context on GPU 0 in a process that
+   * uses GPU 1 costs hundreds of MB there). The kernels of a device load with its context
+   * (load_kernels). */
+  pm_option_info_t dev_opt; /* given, or only the default (init.c decides the same way) */
+  if (pm_option_get(PM__OPT_DEVICE, &dev_opt) != PM_OK || dev_opt.source == PM_OPTION_DEFAULT) {
+    /* Still refuse a device no process may use (compute mode prohibited), as the context
+     * creation below would: an attribute query creates no context. */
+    int dev = 0, mode = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, dev) == cudaSuccess &&
+        mode == cudaComputeModeProhibited)
+      return pm__set_error(PM_ERR_NO_DEVICE, "CUDA device %d: compute mode is prohibited", dev);
+    (void)cudaGetLastError();
+    return PM_OK;
   }
   long want = pm__opt_int(PM__OPT_DEVICE);
   if (want < 0 || want >= count)
@@ -106,7 +142,7 @@ static pm_status_t cuda_init(void) {
                          "cudaFree(NULL) (context creation on device %ld): %s (%s)", want,
                          cudaGetErrorString(e), cudaGetErrorName(e));
   }
-  return pm__kernels_preload();
+  return load_kernels();
 }
 
 static void cuda_shutdown(void) {}
@@ -267,7 +303,7 @@ static pm_status_t cuda_set_device(int device) {
   if (st != PM_OK) return st;
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaSetDevice(%d)", device);
-  return PM_OK;
+  return load_kernels();
 }
 
 static pm_status_t cuda_get_device(int *device_out) {
@@ -377,6 +413,11 @@ static pm_status_t cuda_device_alloc(size_t bytes, void **dptr_out) {
   cudaError_t e = cudaMalloc(&d, bytes);
   if (e != cudaSuccess) return device_oom_fail(e, "cudaMalloc", bytes);
   if (!d) return pm__set_error(PM_ERR_INTERNAL, "cudaMalloc(%zu bytes) returned NULL", bytes);
+  pm_status_t st = load_kernels();
+  if (st != PM_OK) {
+    (void)cudaFree(d);
+    return st;
+  }
   *dptr_out = d;
   return PM_OK;
 }
@@ -471,6 +512,11 @@ static pm_status_t cuda_stream_create(pm_stream_t *stream_out) {
   cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   if (e != cudaSuccess)
     return pm__cuda_fail((int)e, PM_ERR_NOMEM, "cudaStreamCreateWithFlags(cudaStreamNonBlocking)");
+  pm_status_t st = load_kernels();
+  if (st != PM_OK) {
+    (void)cudaStreamDestroy(s);
+    return st;
+  }
   *stream_out = (pm_stream_t)s;
   return PM_OK;
 }
@@ -694,6 +740,8 @@ static pm_status_t cuda_memcpy_sync(void *dst, const void *src, size_t bytes, pm
 static pm_status_t cuda_launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
                                           pm_stream_t stream) {
   if (count == 0) return PM_OK;
+  pm_status_t st = load_kernels();
+  if (st != PM_OK) return st;
   return pm__launch_batch_copy(desc, count, (struct CUstream_st *)cu_stream(stream));
 }
 
@@ -717,6 +765,8 @@ static pm_status_t cuda_launch_busy(pm_stream_t stream, double seconds) {
     return pm__set_error(PM_ERR_INVALID, "launch_busy: %g seconds is not in [0, %g]", seconds,
                          PM__BUSY_MAX_SECONDS);
   uint64_t ns = (uint64_t)(seconds * 1e9 + 0.5);
+  pm_status_t st = load_kernels();
+  if (st != PM_OK) return st;
   return pm__launch_busy_kernel(ns, (struct CUstream_st *)cu_stream(stream));
 }
 

@@ -19,7 +19,9 @@ typedef struct hb_range {
   uintptr_t base;
   size_t size; /* R_PIN_ALLOC: page-rounded mapping; others: the bytes asked for */
   unsigned char kind;
-  bool pending; /* registration whose mlock has not finished: not pinned yet */
+  bool pending;       /* registration whose mlock has not finished: not pinned yet */
+  signed char device; /* R_DEVICE: the device it belongs to; pinned ranges: the device current
+                       * at pinning unless PORTABLE (-1: every device's); managed: -1 */
 } hb_range_t;
 
 typedef struct hb_side {
@@ -27,6 +29,7 @@ typedef struct hb_side {
                    * pinned range) or _PAGEABLE */
   bool fits;      /* device table: the whole span lies in that allocation */
   hb_range_t dev;
+  int pin_device; /* _PINNED: the one device it is pinned for, or -1 (PORTABLE) */
 } hb_side_t;
 
 static inline bool hb_in_dev(const hb_side_t *sd) {
@@ -48,6 +51,16 @@ pm_status_t pm__hb_device_count(int *count_out);
 pm_status_t pm__hb_device_info(int device, pm_device_info_t *info_out);
 pm_status_t pm__hb_set_device(int device);
 pm_status_t pm__hb_get_device(int *device_out);
+
+/* The simulated devices (option host_devices) and their call records: see the memory file's
+ * DESIGN comment; the query side is in internal.h. */
+void pm__hb_devices_start(void); /* at backend start: read host_devices */
+int pm__hb_current(void);        /* this thread's current device */
+void pm__hb_count_call(void);    /* a call that needs a context, on the current device */
+/* A call CUDA refuses, or runs on another device than meant; the text says which. */
+void pm__hb_mismatch(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* PM_ERR_INVALID unless 0 <= device < host_devices. */
+pm_status_t pm__hb_check_device(const char *fn, int device);
 
 /* Free the device or managed allocation that starts at ptr (the caller synchronized first). */
 pm_status_t pm__hb_device_release(const char *fn, void *ptr);
@@ -120,11 +133,13 @@ struct pm_stream_s {
   uint64_t submitted, done;
   int users;    /* callers waiting on this stream without pm__hb_obj_lock */
   bool closing; /* the worker exits once the queue is empty */
+  int device;   /* current at its creation; never changes */
   pthread_t thread;
 };
 
 struct pm_event_s {
   unsigned flags;
+  int device;       /* current at its creation; never changes */
   hb_rec_t *latest; /* guarded by pm__hb_rec_lock; NULL until the first record */
 };
 
@@ -160,6 +175,11 @@ void pm__hb_stream_enter(struct pm_stream_s *s);
 void pm__hb_enqueue_locked(struct pm_stream_s *s, hb_op_t *op);
 /* With the stream's mu held: the caller stops counting as a user of the stream. */
 void pm__hb_user_leave_locked(struct pm_stream_s *s);
+/* The device of stream h (NULL: the current device's default stream), or -1 if h is no live
+ * stream. For the mismatch records only. */
+int pm__hb_stream_device(pm_stream_t h);
+/* Wait for the queued work of every stream of `device` (-1: of every device). */
+pm_status_t pm__hb_sync_streams(const char *fn, int device);
 /* Take pm__hb_obj_lock and find the stream behind h (the default stream is created on first
  * use), after checking ev when it is not NULL. On success pm__hb_obj_lock is held (hand it to
  * pm__hb_queue or pm__hb_stream_enter); on failure it is not, and op (may be NULL) is freed. */

@@ -5,7 +5,9 @@
  * stream_wait_event take the record that is latest at the time of the call, so re-recording an
  * event never changes what an earlier wait waits for, as in CUDA. Live events are a sorted
  * handle set under pm__hb_obj_lock, so a destroyed or foreign handle is an error, not a crash.
- * Lock order as in the engine: obj_lock -> stream.mu -> rec_lock.
+ * An event belongs to the device current at its creation (the mismatch rules it takes part in
+ * are in backend_host_memory.c's DESIGN comment). Lock order as in the engine: obj_lock ->
+ * stream.mu -> rec_lock.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -13,6 +15,7 @@
 #include "backend_host.h"
 
 pm_status_t pm__hb_stream_wait_event(pm_stream_t h, pm_event_t ev) {
+  pm__hb_count_call();
   static const char fn[] = "stream_wait_event";
   if (!ev) return pm__set_error(PM_ERR_INVALID, "%s: event is NULL", fn);
   hb_op_t *op = pm__hb_op_new(fn, OP_WAIT);
@@ -39,6 +42,7 @@ pm_status_t pm__hb_stream_wait_event(pm_stream_t h, pm_event_t ev) {
 }
 
 pm_status_t pm__hb_event_create(unsigned flags, pm_event_t *event_out) {
+  pm__hb_count_call();
   if (!event_out) return pm__set_error(PM_ERR_INVALID, "event_create: event_out is NULL");
   if (flags & ~(unsigned)PM_EVENT_TIMING)
     return pm__set_error(PM_ERR_INVALID, "event_create: unknown flags 0x%x",
@@ -46,6 +50,7 @@ pm_status_t pm__hb_event_create(unsigned flags, pm_event_t *event_out) {
   struct pm_event_s *ev = calloc(1, sizeof *ev);
   if (!ev) return pm__set_error(PM_ERR_NOMEM, "event_create: out of memory");
   ev->flags = flags;
+  ev->device = pm__hb_current();
   pm_status_t st = pm__hb_set_publish(&pm__hb_event_set, ev);
   if (st != PM_OK) {
     free(ev);
@@ -56,6 +61,7 @@ pm_status_t pm__hb_event_create(unsigned flags, pm_event_t *event_out) {
 }
 
 pm_status_t pm__hb_event_destroy(pm_event_t ev) {
+  pm__hb_count_call();
   pthread_mutex_lock(&pm__hb_obj_lock);
   pm_status_t st = pm__hb_event_lookup_locked("event_destroy", ev);
   if (st == PM_OK) {
@@ -72,6 +78,7 @@ pm_status_t pm__hb_event_destroy(pm_event_t ev) {
 }
 
 pm_status_t pm__hb_event_record(pm_event_t ev, pm_stream_t h) {
+  pm__hb_count_call();
   static const char fn[] = "event_record";
   if (!ev) return pm__set_error(PM_ERR_INVALID, "%s: event is NULL", fn);
   hb_op_t *op = pm__hb_op_new(fn, OP_RECORD);
@@ -89,6 +96,10 @@ pm_status_t pm__hb_event_record(pm_event_t ev, pm_stream_t h) {
     free(r);
     return st;
   }
+  /* cudaEventRecord fails when the event and the stream belong to different devices. */
+  if (ev->device != s->device)
+    pm__hb_mismatch("%s: event %p of device %d recorded on stream %p of device %d", fn, (void *)ev,
+                    ev->device, (void *)h, s->device);
   pthread_mutex_lock(&pm__hb_rec_lock);
   pm__hb_rec_unref_locked(ev->latest);
   ev->latest = r;
@@ -98,6 +109,7 @@ pm_status_t pm__hb_event_record(pm_event_t ev, pm_stream_t h) {
 }
 
 pm_status_t pm__hb_event_query(pm_event_t ev) {
+  pm__hb_count_call();
   pthread_mutex_lock(&pm__hb_obj_lock);
   pm_status_t st = pm__hb_event_lookup_locked("event_query", ev);
   if (st == PM_OK) {
@@ -110,6 +122,7 @@ pm_status_t pm__hb_event_query(pm_event_t ev) {
 }
 
 pm_status_t pm__hb_event_synchronize(pm_event_t ev) {
+  pm__hb_count_call();
   pthread_mutex_lock(&pm__hb_obj_lock);
   pm_status_t st = pm__hb_event_lookup_locked("event_synchronize", ev);
   if (st != PM_OK) {
@@ -129,6 +142,7 @@ pm_status_t pm__hb_event_synchronize(pm_event_t ev) {
 }
 
 pm_status_t pm__hb_event_elapsed(pm_event_t start, pm_event_t end, double *seconds_out) {
+  pm__hb_count_call();
   static const char fn[] = "event_elapsed";
   if (!start || !end) return pm__set_error(PM_ERR_INVALID, "%s: event is NULL", fn);
   if (!seconds_out) return pm__set_error(PM_ERR_INVALID, "%s: seconds_out is NULL", fn);
@@ -139,6 +153,10 @@ pm_status_t pm__hb_event_elapsed(pm_event_t start, pm_event_t end, double *secon
     pthread_mutex_unlock(&pm__hb_obj_lock);
     return st;
   }
+  /* cudaEventElapsedTime fails for events of two devices. */
+  if (start->device != end->device)
+    pm__hb_mismatch("%s: events %p of device %d and %p of device %d", fn, (void *)start,
+                    start->device, (void *)end, end->device);
   double dt = 0;
   pthread_mutex_lock(&pm__hb_rec_lock);
   const hb_rec_t *a = start->latest, *b = end->latest;

@@ -8,8 +8,29 @@
  *   host_device_pointer (every pinned range is "mapped", and the device address is the host
  *   address, as under CUDA's UVA).
  * - Device and managed memory are ordinary heap blocks listed in a second table; device memory
- *   is charged against the host_device_memory option (0 = unlimited). The one device (index 0)
- *   reports that total and what is in use.
+ *   belongs to the device current at its allocation and is charged against that device's own
+ *   host_device_memory (0 = unlimited); device_info reports each device's total and use.
+ * - Devices: option host_devices (read at backend start) simulates 1..16 of them. The current
+ *   device is thread-local and a new thread starts on device 0, as under CUDA; set_device
+ *   validates. Streams, events and device memory belong to the device current at their creation.
+ * - Call records, for tests (pm__hb_device_calls): a counter per device of the calls made while
+ *   it was current, for every call that needs a context under CUDA (allocations and frees of
+ *   every kind, host registration, streams, events, copies, memset, prefetch, launches, device
+ *   synchronize; not device_count/info, set/get_device, pointer_kind, kernel_host_access), and
+ *   a counter of mismatches, following CUDA's documented multi-device rules:
+ *     - a kernel launch (busy, batch copy) on a stream of another device than the current one
+ *       fails under CUDA;
+ *     - event_record of an event on a stream of another device fails; event_elapsed of events
+ *       of two devices fails;
+ *     - a copy or memset whose device memory belongs to another device than the stream's runs,
+ *       but through peer access or the host instead of the stream's own copy engine (silently
+ *       the wrong device);
+ *     - a copy from or to memory pinned without PORTABLE while another device was current is
+ *       a pageable copy for the stream's device (pinned for one context only): it runs, but
+ *       staged by the driver and synchronously, not as the DMA it looks like.
+ *   Not mismatches, as CUDA allows them: event query and synchronize, and stream_wait_event,
+ *   across devices; a copy queued on a stream of another device than the current one. The host
+ *   backend counts these and carries on (so a test sees every one); it does not fail them.
  *
  * Data structures: two sorted arrays of non-overlapping ranges (binary search) under mem_lock.
  *
@@ -23,6 +44,8 @@
  */
 #include <errno.h>
 #include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +55,71 @@
 #include "backend_host.h"
 
 #define HB_DEVICE_ALIGN 256 /* cudaMalloc gives at least this */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Devices and their call records                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+static atomic_int hb_ndev = 1;   /* host_devices, read at backend start */
+static _Thread_local int hb_cur; /* this thread's current device (0 for a new thread) */
+static atomic_uint_fast64_t hb_calls[PM__HB_MAX_DEVICES], hb_mismatches[PM__HB_MAX_DEVICES];
+static pthread_mutex_t hb_note_lock = PTHREAD_MUTEX_INITIALIZER; /* a leaf */
+static char hb_note[256]; /* the last mismatch, for a test's failure message */
+
+void pm__hb_devices_start(void) {
+  long n = pm__opt_int(PM__OPT_HOST_DEVICES);
+  if (n < 1) n = 1;
+  if (n > PM__HB_MAX_DEVICES) n = PM__HB_MAX_DEVICES;
+  atomic_store(&hb_ndev, (int)n);
+}
+
+int pm__hb_current(void) {
+  return hb_cur;
+}
+
+void pm__hb_count_call(void) {
+  atomic_fetch_add_explicit(&hb_calls[hb_cur], 1, memory_order_relaxed);
+}
+
+void pm__hb_mismatch(const char *fmt, ...) {
+  atomic_fetch_add_explicit(&hb_mismatches[hb_cur], 1, memory_order_relaxed);
+  va_list ap;
+  va_start(ap, fmt);
+  pthread_mutex_lock(&hb_note_lock);
+  vsnprintf(hb_note, sizeof hb_note, fmt, ap);
+  pthread_mutex_unlock(&hb_note_lock);
+  va_end(ap);
+}
+
+uint64_t pm__hb_device_calls(int device) {
+  if (device < 0 || device >= PM__HB_MAX_DEVICES) return 0;
+  return (uint64_t)atomic_load_explicit(&hb_calls[device], memory_order_relaxed);
+}
+
+uint64_t pm__hb_device_mismatches(int device) {
+  uint64_t n = 0;
+  for (int d = 0; d < PM__HB_MAX_DEVICES; d++)
+    if (device < 0 || d == device)
+      n += (uint64_t)atomic_load_explicit(&hb_mismatches[d], memory_order_relaxed);
+  return n;
+}
+
+void pm__hb_device_counters_reset(void) {
+  for (int d = 0; d < PM__HB_MAX_DEVICES; d++) {
+    atomic_store_explicit(&hb_calls[d], 0, memory_order_relaxed);
+    atomic_store_explicit(&hb_mismatches[d], 0, memory_order_relaxed);
+  }
+  pthread_mutex_lock(&hb_note_lock);
+  hb_note[0] = '\0';
+  pthread_mutex_unlock(&hb_note_lock);
+}
+
+void pm__hb_last_mismatch(char *buf, size_t len) {
+  if (!buf || !len) return;
+  pthread_mutex_lock(&hb_note_lock);
+  snprintf(buf, len, "%s", hb_note);
+  pthread_mutex_unlock(&hb_note_lock);
+}
 
 /* ------------------------------------------------------------------------------------------ */
 /* Range tables                                                                                */
@@ -45,7 +133,7 @@ typedef struct hb_table {
 static pthread_mutex_t mem_lock = PTHREAD_MUTEX_INITIALIZER;
 static hb_table_t pinned_tbl; /* R_PIN_ALLOC, R_PIN_REGISTER */
 static hb_table_t device_tbl; /* R_DEVICE, R_MANAGED */
-static size_t device_used;    /* bytes of R_DEVICE ranges */
+static size_t device_used[PM__HB_MAX_DEVICES]; /* bytes of R_DEVICE ranges, per device */
 static size_t pinned_bytes;   /* page-rounded bytes this backend mlock'd (for messages) */
 
 const char *pm__hb_range_desc(unsigned kind) {
@@ -166,6 +254,7 @@ static void unlock_edges_locked(uintptr_t base, size_t size, size_t i, uintptr_t
 
 pm_status_t pm__hb_host_alloc(size_t bytes, unsigned flags, void **ptr_out) {
   const unsigned known = PM_HOST_MAPPED | PM_HOST_WRITE_COMBINED | PM_HOST_PORTABLE;
+  pm__hb_count_call();
   if (!ptr_out) return pm__set_error(PM_ERR_INVALID, "host_alloc: ptr_out is NULL");
   if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "host_alloc: size is 0");
   if (flags & ~known)
@@ -188,7 +277,9 @@ pm_status_t pm__hb_host_alloc(size_t bytes, unsigned flags, void **ptr_out) {
     return pm__set_error(PM_ERR_BACKEND, "host_alloc: mlock(%p, %zu bytes): %s", p, len,
                          strerror(err));
   }
-  hb_range_t r = {(uintptr_t)p, len, R_PIN_ALLOC, false};
+  /* Without PORTABLE, CUDA pins for the current device's context alone. */
+  hb_range_t r = {(uintptr_t)p, len, R_PIN_ALLOC, false,
+                  (signed char)(flags & PM_HOST_PORTABLE ? -1 : hb_cur)};
   pthread_mutex_lock(&mem_lock);
   pm_status_t st = tbl_insert(&pinned_tbl, &r);
   if (st == PM_OK) pinned_bytes += len;
@@ -226,6 +317,7 @@ static pm_status_t find_pinned_start_locked(const char *fn, const void *ptr, uns
 
 pm_status_t pm__hb_host_free(void *ptr, size_t bytes) {
   (void)bytes; /* the table knows the mapping's length, as cudaFreeHost does */
+  pm__hb_count_call();
   if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_free: ptr is NULL");
   size_t i;
   pthread_mutex_lock(&mem_lock);
@@ -260,6 +352,7 @@ static bool range_mapped(uintptr_t ps, uintptr_t pe, size_t pg) {
 
 pm_status_t pm__hb_host_register(void *ptr, size_t bytes, unsigned flags) {
   const unsigned known = PM_REGISTER_MAPPED | PM_REGISTER_PORTABLE | PM_REGISTER_READ_ONLY;
+  pm__hb_count_call();
   if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_register: ptr is NULL");
   if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "host_register: size is 0");
   if (flags & ~known)
@@ -280,7 +373,8 @@ pm_status_t pm__hb_host_register(void *ptr, size_t bytes, unsigned flags) {
 
   /* Claim the range first (pending), so the overlap check and the claim are one step and the
    * slow mlock runs without the lock. */
-  hb_range_t r = {base, bytes, R_PIN_REGISTER, true};
+  hb_range_t r = {base, bytes, R_PIN_REGISTER, true,
+                  (signed char)(flags & PM_REGISTER_PORTABLE ? -1 : hb_cur)};
   pthread_mutex_lock(&mem_lock);
   const hb_range_t *dev = tbl_overlap(&device_tbl, base, bytes);
   pm_status_t st;
@@ -324,6 +418,7 @@ pm_status_t pm__hb_host_register(void *ptr, size_t bytes, unsigned flags) {
 
 pm_status_t pm__hb_host_unregister(void *ptr, size_t bytes) {
   (void)bytes; /* cudaHostUnregister takes the start only; the table knows the length */
+  pm__hb_count_call();
   if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_unregister: ptr is NULL");
   size_t i;
   uintptr_t lo = 0, hi = 0;
@@ -343,6 +438,7 @@ pm_status_t pm__hb_host_unregister(void *ptr, size_t bytes) {
 }
 
 pm_status_t pm__hb_host_device_pointer(void *host_ptr, void **dptr_out) {
+  pm__hb_count_call();
   if (!host_ptr) return pm__set_error(PM_ERR_INVALID, "host_device_pointer: ptr is NULL");
   if (!dptr_out) return pm__set_error(PM_ERR_INVALID, "host_device_pointer: dptr_out is NULL");
   pthread_mutex_lock(&mem_lock);
@@ -368,21 +464,23 @@ static size_t device_total(void) {
 }
 
 pm_status_t pm__hb_device_alloc(size_t bytes, void **dptr_out) {
+  pm__hb_count_call();
   if (!dptr_out) return pm__set_error(PM_ERR_INVALID, "device_alloc: dptr_out is NULL");
   if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "device_alloc: size is 0");
   size_t limit = pm__opt_size(PM__OPT_HOST_DEVICE_MEMORY); /* read outside mem_lock */
+  const int dev = hb_cur;
 
   pthread_mutex_lock(&mem_lock);
-  size_t used = device_used;
+  size_t used = device_used[dev];
   bool over = limit && (bytes > limit || used > limit - bytes);
-  if (!over) device_used += bytes; /* reserve before allocating: the limit holds under races */
+  if (!over) device_used[dev] += bytes; /* reserve before allocating: the limit holds under races */
   pthread_mutex_unlock(&mem_lock);
   if (over)
     return pm__set_error(PM_ERR_DEVICE_MEMORY,
                          "device_alloc(%zu bytes): the host backend simulates %zu bytes of device "
-                         "memory (option host_device_memory / PINMEM_HOST_DEVICE_MEMORY) and %zu "
-                         "are in use",
-                         bytes, limit, used);
+                         "memory per device (option host_device_memory / "
+                         "PINMEM_HOST_DEVICE_MEMORY) and %zu are in use on device %d",
+                         bytes, limit, used, dev);
 
   void *p = bytes <= SIZE_MAX - HB_DEVICE_ALIGN
                 ? aligned_alloc(HB_DEVICE_ALIGN, pm__align_up(bytes, HB_DEVICE_ALIGN))
@@ -394,10 +492,10 @@ pm_status_t pm__hb_device_alloc(size_t bytes, void **dptr_out) {
                        bytes);
   pthread_mutex_lock(&mem_lock);
   if (p) {
-    hb_range_t r = {(uintptr_t)p, bytes, R_DEVICE, false};
+    hb_range_t r = {(uintptr_t)p, bytes, R_DEVICE, false, (signed char)dev};
     st = tbl_insert(&device_tbl, &r);
   }
-  if (st != PM_OK) device_used -= bytes;
+  if (st != PM_OK) device_used[dev] -= bytes;
   pthread_mutex_unlock(&mem_lock);
   if (st != PM_OK) {
     free(p);
@@ -423,7 +521,8 @@ pm_status_t pm__hb_device_release(const char *fn, void *ptr) {
                        pm__hb_range_desc(device_tbl.v[i].kind), (void *)device_tbl.v[i].base,
                        device_tbl.v[i].size);
   } else {
-    if (device_tbl.v[i].kind == R_DEVICE) device_used -= device_tbl.v[i].size;
+    const hb_range_t *r = &device_tbl.v[i];
+    if (r->kind == R_DEVICE) device_used[r->device] -= r->size;
     tbl_remove_at(&device_tbl, (size_t)i);
   }
   pthread_mutex_unlock(&mem_lock);
@@ -433,6 +532,7 @@ pm_status_t pm__hb_device_release(const char *fn, void *ptr) {
 
 
 pm_status_t pm__hb_managed_alloc(size_t bytes, void **ptr_out) {
+  pm__hb_count_call();
   if (!ptr_out) return pm__set_error(PM_ERR_INVALID, "managed_alloc: ptr_out is NULL");
   if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "managed_alloc: size is 0");
   size_t pg = pm__page_size(); /* managed memory migrates by pages */
@@ -440,7 +540,7 @@ pm_status_t pm__hb_managed_alloc(size_t bytes, void **ptr_out) {
   if (!p)
     return pm__set_error(PM_ERR_DEVICE_MEMORY, "managed_alloc: aligned_alloc(%zu bytes) failed",
                          bytes);
-  hb_range_t r = {(uintptr_t)p, bytes, R_MANAGED, false};
+  hb_range_t r = {(uintptr_t)p, bytes, R_MANAGED, false, -1};
   pthread_mutex_lock(&mem_lock);
   pm_status_t st = tbl_insert(&device_tbl, &r);
   pthread_mutex_unlock(&mem_lock);
@@ -474,7 +574,7 @@ pm_status_t pm__hb_check_device_span(const char *fn, const char *what, const voi
   uintptr_t p = (uintptr_t)ptr;
   pthread_mutex_lock(&mem_lock);
   long i = tbl_find(&device_tbl, p);
-  hb_range_t r = {0, 0, 0, false};
+  hb_range_t r = {0, 0, 0, false, -1};
   if (i >= 0) r = device_tbl.v[i];
   pthread_mutex_unlock(&mem_lock);
   if (i < 0 || (kind >= 0 && r.kind != kind))
@@ -490,6 +590,7 @@ static void classify_locked(const void *ptr, size_t bytes, hb_side_t *out) {
   uintptr_t p = (uintptr_t)ptr;
   memset(out, 0, sizeof *out);
   out->kind = PM__MEM_PAGEABLE;
+  out->pin_device = -1;
   long i = tbl_find(&device_tbl, p);
   if (i >= 0) {
     out->dev = device_tbl.v[i];
@@ -499,7 +600,10 @@ static void classify_locked(const void *ptr, size_t bytes, hb_side_t *out) {
   i = tbl_find(&pinned_tbl, p);
   if (i >= 0 && out->kind == PM__MEM_PAGEABLE) {
     const hb_range_t *r = &pinned_tbl.v[i];
-    if (!r->pending && bytes <= r->size - (p - r->base)) out->kind = PM__MEM_PINNED;
+    if (!r->pending && bytes <= r->size - (p - r->base)) {
+      out->kind = PM__MEM_PINNED;
+      out->pin_device = r->device;
+    }
   }
 }
 
@@ -516,31 +620,35 @@ void pm__hb_classify(const void *dst, const void *src, size_t bytes, hb_side_t *
 
 pm_status_t pm__hb_device_count(int *count_out) {
   if (!count_out) return pm__set_error(PM_ERR_INVALID, "device_count: count_out is NULL");
-  *count_out = 1;
+  *count_out = atomic_load(&hb_ndev);
   return PM_OK;
 }
 
-static pm_status_t check_device_index(const char *fn, int device) {
-  if (device != 0)
+pm_status_t pm__hb_check_device(const char *fn, int device) {
+  int n = atomic_load(&hb_ndev);
+  if (device < 0 || device >= n)
     return pm__set_error(PM_ERR_INVALID,
-                         "%s: device %d out of range (the host backend has one "
-                         "device: 0)",
-                         fn, device);
+                         "%s: device %d out of range (the host backend simulates %d device%s: "
+                         "0..%d; option host_devices)",
+                         fn, device, n, n == 1 ? "" : "s", n - 1);
   return PM_OK;
 }
 
 pm_status_t pm__hb_device_info(int device, pm_device_info_t *info_out) {
   if (!info_out) return pm__set_error(PM_ERR_INVALID, "device_info: info_out is NULL");
-  pm_status_t st = check_device_index("device_info", device);
+  pm_status_t st = pm__hb_check_device("device_info", device);
   if (st != PM_OK) return st;
   pm_device_info_t d;
   memset(&d, 0, sizeof d);
   d.index = device;
-  snprintf(d.name, sizeof d.name, "host (CPU plays the device)");
+  if (atomic_load(&hb_ndev) == 1)
+    snprintf(d.name, sizeof d.name, "host (CPU plays the device)");
+  else
+    snprintf(d.name, sizeof d.name, "host %d (CPU plays device %d)", device, device);
   d.cc_major = d.cc_minor = 0;
   d.total_memory = device_total();
   pthread_mutex_lock(&mem_lock);
-  size_t used = device_used;
+  size_t used = device_used[device];
   pthread_mutex_unlock(&mem_lock);
   d.free_memory = d.total_memory > used ? d.total_memory - used : 0;
   d.pcie_gen = d.pcie_width = d.pcie_max_gen = d.pcie_max_width = -1;
@@ -558,15 +666,16 @@ pm_status_t pm__hb_device_info(int device, pm_device_info_t *info_out) {
 }
 
 pm_status_t pm__hb_set_device(int device) {
-  return check_device_index("set_device", device);
+  pm_status_t st = pm__hb_check_device("set_device", device);
+  if (st == PM_OK) hb_cur = device;
+  return st;
 }
 
 pm_status_t pm__hb_get_device(int *device_out) {
   if (!device_out) return pm__set_error(PM_ERR_INVALID, "get_device: device_out is NULL");
-  *device_out = 0;
+  *device_out = hb_cur;
   return PM_OK;
 }
-
 
 /* The engine's shutdown: ranges the caller still holds stay listed, so they can still be
  * released correctly. */
@@ -589,7 +698,7 @@ void pm__hb_memory_atfork(pm__fork_phase_t phase) {
     mem_lock = fresh;
     pinned_tbl.n = 0;
     device_tbl.n = 0;
-    device_used = 0;
+    memset(device_used, 0, sizeof device_used);
     pinned_bytes = 0;
   }
 }

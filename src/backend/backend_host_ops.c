@@ -25,7 +25,9 @@ static pm_status_t device_release(const char *fn, void *ptr) {
   /* cudaFree synchronizes the device before it returns memory: queued copies and kernels that
    * still use it finish first. Model that, so freeing after a failed or skipped stream
    * synchronize cannot pull memory out from under a stream's worker. */
-  pm_status_t sync = pm__hb_device_synchronize();
+  pm__hb_count_call();
+  /* Every device's streams: the memory may be in use by streams of any device (peer copies). */
+  pm_status_t sync = pm__hb_sync_streams(fn, -1);
   if (sync != PM_OK) return pm__wrap_error(sync, "%s(%p)", fn, ptr);
   return pm__hb_device_release(fn, ptr);
 }
@@ -61,7 +63,7 @@ static pm_status_t check_side(const char *fn, pm_copy_kind_t kind, const char *w
 /* Validate a copy, resolve PM_COPY_DEFAULT, and say whether it blocks the caller: a pageable
  * host side, or host to host (synchronous with respect to the host in CUDA, pinned or not). */
 static pm_status_t copy_prepare(const char *fn, void *dst, const void *src, size_t bytes,
-                                pm_copy_kind_t *kind, bool *blocking_out) {
+                                pm_copy_kind_t *kind, bool *blocking_out, int stream_device) {
   if ((unsigned)*kind > PM_COPY_H2H)
     return pm__set_error(PM_ERR_INVALID, "%s: unknown copy kind %d", fn, (int)*kind);
   if (!dst || !src)
@@ -80,6 +82,22 @@ static pm_status_t copy_prepare(const char *fn, void *dst, const void *src, size
   pm_status_t st = check_side(fn, *kind, "destination", dst, bytes, &d, dst_dev);
   if (st == PM_OK) st = check_side(fn, *kind, "source", src, bytes, &s, src_dev);
   if (st != PM_OK) return st;
+  /* Device memory of another device than the stream's moves through peer access or the host,
+   * not the stream's own copy engine: under CUDA it runs, silently on the wrong device. */
+  const hb_side_t *sides[2] = {&d, &s};
+  for (int k = 0; k < 2; k++)
+    if (stream_device >= 0 && sides[k]->kind == PM__MEM_DEVICE &&
+        sides[k]->dev.device != stream_device)
+      pm__hb_mismatch("%s: %s %p is memory of device %d, queued on a stream of device %d", fn,
+                      k ? "source" : "destination", k ? src : (const void *)dst,
+                      sides[k]->dev.device, stream_device);
+    else if (stream_device >= 0 && sides[k]->kind == PM__MEM_PINNED && sides[k]->pin_device >= 0 &&
+             sides[k]->pin_device != stream_device)
+      pm__hb_mismatch(
+          "%s: %s %p was pinned without PORTABLE for device %d, copied on a stream "
+          "of device %d",
+          fn, k ? "source" : "destination", k ? src : (const void *)dst, sides[k]->pin_device,
+          stream_device);
   /* Managed memory is never pageable: the driver handles it on either side. */
   *blocking_out = *kind == PM_COPY_H2H || (!dst_dev && d.kind == PM__MEM_PAGEABLE) ||
                   (!src_dev && s.kind == PM__MEM_PAGEABLE);
@@ -124,9 +142,11 @@ static pm_status_t memcpy_async(void *dst, const void *src, size_t bytes, pm_cop
   static const char fn[] = "memcpy_async";
   if ((unsigned)kind > PM_COPY_H2H)
     return pm__set_error(PM_ERR_INVALID, "%s: unknown copy kind %d", fn, (int)kind);
+  pm__hb_count_call();
   if (bytes == 0) return PM_OK; /* as cudaMemcpyAsync */
   bool blocking = true;
-  pm_status_t st = copy_prepare(fn, dst, src, bytes, &kind, &blocking);
+  pm_status_t st =
+      copy_prepare(fn, dst, src, bytes, &kind, &blocking, pm__hb_stream_device(stream));
   if (st != PM_OK) return st;
   if (blocking) return copy_blocking(fn, dst, src, bytes, stream);
   hb_op_t *op = pm__hb_op_new(fn, OP_COPY);
@@ -138,6 +158,7 @@ static pm_status_t memcpy_async(void *dst, const void *src, size_t bytes, pm_cop
 }
 
 static pm_status_t memcpy_sync(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind) {
+  pm__hb_count_call();
   if ((unsigned)kind > PM_COPY_H2H)
     return pm__set_error(PM_ERR_INVALID, "memcpy_sync: unknown copy kind %d", (int)kind);
   if (bytes == 0) return PM_OK;
@@ -148,10 +169,17 @@ static pm_status_t memcpy_sync(void *dst, const void *src, size_t bytes, pm_copy
 
 static pm_status_t device_memset_async(void *dptr, int value, size_t bytes, pm_stream_t stream) {
   static const char fn[] = "device_memset_async";
+  pm__hb_count_call();
   if (!dptr) return pm__set_error(PM_ERR_INVALID, "%s: ptr is NULL", fn);
   if (bytes == 0) return PM_OK;
   pm_status_t st = pm__hb_check_device_span(fn, "destination", dptr, bytes, -1);
   if (st != PM_OK) return st;
+  hb_side_t d, unused;
+  pm__hb_classify(dptr, dptr, bytes, &d, &unused);
+  int sdev = pm__hb_stream_device(stream);
+  if (d.kind == PM__MEM_DEVICE && sdev >= 0 && d.dev.device != sdev)
+    pm__hb_mismatch("%s: %p is memory of device %d, set on a stream of device %d", fn, dptr,
+                    d.dev.device, sdev);
   hb_op_t *op = pm__hb_op_new(fn, OP_MEMSET);
   if (!op) return PM_ERR_NOMEM;
   op->u.set.dst = dptr;
@@ -162,17 +190,23 @@ static pm_status_t device_memset_async(void *dptr, int value, size_t bytes, pm_s
 
 static pm_status_t managed_prefetch(const void *ptr, size_t bytes, int device, pm_stream_t stream) {
   static const char fn[] = "managed_prefetch";
+  pm__hb_count_call();
   if (!ptr) return pm__set_error(PM_ERR_INVALID, "%s: ptr is NULL", fn);
-  if (device != 0 && device != PM_CPU_DEVICE)
-    return pm__set_error(PM_ERR_INVALID,
-                         "%s: device %d out of range (the host backend has device 0; "
-                         "PM_CPU_DEVICE is the host)",
-                         fn, device);
+  if (device != PM_CPU_DEVICE && pm__hb_check_device(fn, device) != PM_OK)
+    return pm__wrap_error(PM_ERR_INVALID, "(PM_CPU_DEVICE is the host)");
   pm_status_t st = pm__hb_check_device_span(fn, "range", ptr, bytes, R_MANAGED);
   if (st != PM_OK || bytes == 0) return st;
   hb_op_t *op = pm__hb_op_new(fn, OP_PREFETCH);
   if (!op) return PM_ERR_NOMEM;
   return pm__hb_submit(fn, stream, op);
+}
+
+/* A kernel launch fails under CUDA on a stream that is not the current device's. */
+static void check_launch_device(const char *fn, pm_stream_t stream) {
+  int sdev = pm__hb_stream_device(stream), cur = pm__hb_current();
+  if (sdev >= 0 && sdev != cur)
+    pm__hb_mismatch("%s: stream %p of device %d while device %d is current", fn, (void *)stream,
+                    sdev, cur);
 }
 
 /* The CPU plays the kernel: a stream op that copies every piece when the stream reaches it. The
@@ -181,6 +215,7 @@ static pm_status_t managed_prefetch(const void *ptr, size_t bytes, int device, p
 static pm_status_t launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
                                      pm_stream_t stream) {
   static const char fn[] = "launch_batch_copy";
+  pm__hb_count_call();
   if (count == 0) return PM_OK;
   if (!desc) return pm__set_error(PM_ERR_INVALID, "%s: desc is NULL", fn);
   if (count > (SIZE_MAX - sizeof(hb_op_t)) / sizeof *desc)
@@ -188,8 +223,9 @@ static pm_status_t launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
   for (size_t i = 0; i < count; i++) {
     pm_copy_kind_t kind = PM_COPY_DEFAULT;
     bool blocking = false;
+    /* A kernel may touch any device's memory through peer access: no stream device check. */
     pm_status_t st =
-        copy_prepare(fn, desc[i].dst, desc[i].src, (size_t)desc[i].bytes, &kind, &blocking);
+        copy_prepare(fn, desc[i].dst, desc[i].src, (size_t)desc[i].bytes, &kind, &blocking, -1);
     if (st != PM_OK) return pm__wrap_error(st, "piece %zu", i);
     if (blocking)
       return pm__set_error(PM_ERR_INVALID,
@@ -198,6 +234,7 @@ static pm_status_t launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
                            "pinned memory",
                            fn, i, desc[i].src, desc[i].dst, (unsigned long long)desc[i].bytes);
   }
+  check_launch_device(fn, stream);
   hb_op_t *op = calloc(1, sizeof *op + count * sizeof *desc);
   if (!op) return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for %zu pieces", fn, count);
   op->kind = OP_BATCH;
@@ -213,9 +250,11 @@ static int kernel_host_access(void) {
 }
 
 static pm_status_t launch_busy(pm_stream_t stream, double seconds) {
+  pm__hb_count_call();
   if (!(seconds >= 0.0) || seconds > HB_BUSY_MAX_SECONDS) /* !(x >= 0) also rejects NaN */
     return pm__set_error(PM_ERR_INVALID, "launch_busy: %g seconds is not in [0, %g]", seconds,
                          HB_BUSY_MAX_SECONDS);
+  check_launch_device("launch_busy", stream);
   hb_op_t *op = pm__hb_op_new("launch_busy", OP_BUSY);
   if (!op) return PM_ERR_NOMEM;
   op->u.seconds = seconds;
@@ -223,6 +262,7 @@ static pm_status_t launch_busy(pm_stream_t stream, double seconds) {
 }
 
 static pm_status_t launch_host_func(pm_stream_t stream, void (*fn)(void *), void *arg) {
+  pm__hb_count_call();
   if (!fn) return pm__set_error(PM_ERR_INVALID, "launch_host_func: fn is NULL");
   hb_op_t *op = pm__hb_op_new("launch_host_func", OP_HOST_FUNC);
   if (!op) return PM_ERR_NOMEM;

@@ -5,8 +5,10 @@
  *
  * - Memory (pinned, device, managed) is backend_host_memory.c's: its tables say whether a copy
  *   touches pageable memory, and which spans are device memory.
- * - Each stream is a thread running a FIFO of ops in order. NULL is a default stream created on
- *   first use, independent of the others (as cudaStreamNonBlocking streams are of it).
+ * - Each stream is a thread running a FIFO of ops in order. NULL is the current device's default
+ *   stream, created on first use, independent of the others (as cudaStreamNonBlocking streams
+ *   are of it). A stream belongs to the device current at its creation; device_synchronize
+ *   waits for the current device's streams only.
  * - An event points at its latest "record", a refcounted completion object that the stream's
  *   worker completes (with a CLOCK_MONOTONIC timestamp). query, synchronize and wait_event take
  *   the record that is latest at the time of the call, so re-recording an event never changes
@@ -60,7 +62,8 @@ void pm__hb_rec_unref_locked(hb_rec_t *r) {
 
 pthread_mutex_t pm__hb_obj_lock = PTHREAD_MUTEX_INITIALIZER;
 hb_set_t pm__hb_stream_set, pm__hb_event_set;
-static struct pm_stream_s *default_stream; /* guarded by pm__hb_obj_lock; created on first use */
+/* Per device, guarded by pm__hb_obj_lock; created on first use. */
+static struct pm_stream_s *default_stream[PM__HB_MAX_DEVICES];
 
 static size_t set_lower(const hb_set_t *s, uintptr_t x) {
   size_t lo = 0, hi = s->n;
@@ -206,6 +209,7 @@ static void *stream_main(void *arg) {
 static pm_status_t stream_new(struct pm_stream_s **out) {
   struct pm_stream_s *s = calloc(1, sizeof *s);
   if (!s) return pm__set_error(PM_ERR_NOMEM, "stream_create: out of memory");
+  s->device = pm__hb_current();
   pthread_mutex_init(&s->mu, NULL);
   pthread_cond_init(&s->cv_work, NULL);
   pthread_cond_init(&s->cv_state, NULL);
@@ -253,11 +257,12 @@ bool pm__hb_on_own_worker(const struct pm_stream_s *s) {
 pm_status_t pm__hb_stream_lookup_locked(const char *fn, pm_stream_t h, bool create,
                                         struct pm_stream_s **out) {
   if (!h) {
-    if (!default_stream && create) {
-      pm_status_t st = stream_new(&default_stream);
+    struct pm_stream_s **d = &default_stream[pm__hb_current()];
+    if (!*d && create) {
+      pm_status_t st = stream_new(d);
       if (st != PM_OK) return pm__wrap_error(st, "%s: creating the default stream", fn);
     }
-    *out = default_stream;
+    *out = *d;
     return PM_OK;
   }
   if (!pm__hb_set_has(&pm__hb_stream_set, h))
@@ -329,6 +334,14 @@ void pm__hb_queue(struct pm_stream_s *s, hb_op_t *op) {
 }
 
 /* Queue op on the stream; on failure the op is freed. */
+int pm__hb_stream_device(pm_stream_t h) {
+  if (!h) return pm__hb_current();
+  pthread_mutex_lock(&pm__hb_obj_lock);
+  int dev = pm__hb_set_has(&pm__hb_stream_set, h) ? h->device : -1;
+  pthread_mutex_unlock(&pm__hb_obj_lock);
+  return dev;
+}
+
 pm_status_t pm__hb_submit(const char *fn, pm_stream_t h, hb_op_t *op) {
   struct pm_stream_s *s = NULL;
   pm_status_t st = pm__hb_stream_find(fn, h, NULL, op, &s);
@@ -348,6 +361,7 @@ hb_op_t *pm__hb_op_new(const char *fn, hb_op_kind_t kind) {
 }
 
 pm_status_t pm__hb_stream_create(pm_stream_t *stream_out) {
+  pm__hb_count_call();
   if (!stream_out) return pm__set_error(PM_ERR_INVALID, "stream_create: stream_out is NULL");
   struct pm_stream_s *s = NULL;
   pm_status_t st = stream_new(&s);
@@ -362,6 +376,7 @@ pm_status_t pm__hb_stream_create(pm_stream_t *stream_out) {
 }
 
 pm_status_t pm__hb_stream_destroy(pm_stream_t h) {
+  pm__hb_count_call();
   if (!h) return pm__set_error(PM_ERR_INVALID, "stream_destroy: NULL is the default stream");
   pthread_mutex_lock(&pm__hb_obj_lock);
   struct pm_stream_s *s = NULL;
@@ -378,6 +393,7 @@ pm_status_t pm__hb_stream_destroy(pm_stream_t h) {
 }
 
 pm_status_t pm__hb_stream_synchronize(pm_stream_t h) {
+  pm__hb_count_call();
   struct pm_stream_s *s = NULL;
   pthread_mutex_lock(&pm__hb_obj_lock);
   pm_status_t st = pm__hb_stream_lookup_locked("stream_synchronize", h, false, &s);
@@ -399,6 +415,7 @@ pm_status_t pm__hb_stream_synchronize(pm_stream_t h) {
 }
 
 pm_status_t pm__hb_stream_query(pm_stream_t h) {
+  pm__hb_count_call();
   struct pm_stream_s *s = NULL;
   pthread_mutex_lock(&pm__hb_obj_lock);
   pm_status_t st = pm__hb_stream_lookup_locked("stream_query", h, false, &s);
@@ -417,50 +434,61 @@ pm_status_t pm__hb_stream_query(pm_stream_t h) {
 /* ------------------------------------------------------------------------------------------ */
 
 pm_status_t pm__hb_init(void) {
-  return PM_OK; /* everything starts lazily */
+  pm__hb_devices_start();
+  return PM_OK; /* everything else starts lazily */
 }
 
 void pm__hb_shutdown(void) {
+  struct pm_stream_s *s[PM__HB_MAX_DEVICES];
   pthread_mutex_lock(&pm__hb_obj_lock);
-  struct pm_stream_s *s = default_stream;
-  default_stream = NULL;
+  for (int d = 0; d < PM__HB_MAX_DEVICES; d++) {
+    s[d] = default_stream[d];
+    default_stream[d] = NULL;
+  }
   set_release_if_empty(&pm__hb_stream_set);
   set_release_if_empty(&pm__hb_event_set);
   pthread_mutex_unlock(&pm__hb_obj_lock);
-  if (s) stream_free(s);
+  for (int d = 0; d < PM__HB_MAX_DEVICES; d++)
+    if (s[d]) stream_free(s[d]);
   pm__hb_memory_shutdown();
 }
 
 pm_status_t pm__hb_device_synchronize(void) {
+  pm__hb_count_call();
+  return pm__hb_sync_streams("device_synchronize", pm__hb_current());
+}
+
+pm_status_t pm__hb_sync_streams(const char *fn, int device) {
   typedef struct {
     struct pm_stream_s *s;
     uint64_t target;
   } hb_wait_t;
   pthread_mutex_lock(&pm__hb_obj_lock);
-  size_t n = pm__hb_stream_set.n + (default_stream ? 1 : 0);
-  hb_wait_t *w = n ? malloc(n * sizeof *w) : NULL;
-  if (n && !w) {
+  size_t cap = pm__hb_stream_set.n + PM__HB_MAX_DEVICES, n = 0;
+  hb_wait_t *w = malloc(cap * sizeof *w);
+  if (!w) {
     pthread_mutex_unlock(&pm__hb_obj_lock);
-    return pm__set_error(PM_ERR_NOMEM, "device_synchronize: out of memory for %zu streams", n);
+    return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for %zu streams", fn, cap);
   }
-  for (size_t i = 0; i < n; i++) {
-    struct pm_stream_s *s =
-        i < pm__hb_stream_set.n ? (struct pm_stream_s *)pm__hb_stream_set.v[i] : default_stream;
+  for (size_t i = 0; i < cap; i++) {
+    struct pm_stream_s *s = i < pm__hb_stream_set.n ? (struct pm_stream_s *)pm__hb_stream_set.v[i]
+                                                    : default_stream[i - pm__hb_stream_set.n];
+    if (!s || (device >= 0 && s->device != device)) continue;
     if (pm__hb_on_own_worker(s)) {
       pthread_mutex_unlock(&pm__hb_obj_lock);
       free(w);
       return pm__set_error(PM_ERR_STATE,
-                           "device_synchronize: called from a host function running on a "
-                           "stream (it would wait for itself)");
+                           "%s: called from a host function running on a stream (it would wait "
+                           "for itself)",
+                           fn);
     }
+    w[n++].s = s;
   }
   /* Count ourselves as a user of every stream so none is freed while we wait on it. */
   for (size_t i = 0; i < n; i++) {
-    struct pm_stream_s *s =
-        i < pm__hb_stream_set.n ? (struct pm_stream_s *)pm__hb_stream_set.v[i] : default_stream;
+    struct pm_stream_s *s = w[i].s;
     pthread_mutex_lock(&s->mu);
     s->users++;
-    w[i].s = s;
     w[i].target = s->submitted;
     pthread_mutex_unlock(&s->mu);
   }
@@ -478,7 +506,7 @@ pm_status_t pm__hb_device_synchronize(void) {
 /* fork.c: in a forked child no stream worker runs and nothing is mlock'd (locks of memory are not
  * inherited), so the child starts with empty tables and creates its own streams; the parent's
  * streams, events and allocations are unknown to it (a call on one is an error, not a hang). */
-static struct pm_stream_s *parent_default_stream; /* left behind, still reachable */
+static struct pm_stream_s *parent_default_stream[PM__HB_MAX_DEVICES]; /* left behind, reachable */
 
 void pm__host_atfork(pm__fork_phase_t phase) {
   if (phase == PM__FORK_PREPARE) {
@@ -498,7 +526,7 @@ void pm__host_atfork(pm__fork_phase_t phase) {
     pm__hb_memory_atfork(phase);
     pm__hb_stream_set.n = 0;
     pm__hb_event_set.n = 0;
-    parent_default_stream = default_stream;
-    default_stream = NULL;
+    memcpy(parent_default_stream, default_stream, sizeof default_stream);
+    memset(default_stream, 0, sizeof default_stream);
   }
 }

@@ -15,6 +15,11 @@
  * still be pending once it completed: one reaper job polls all of them, so a stuck stream holds
  * one thread, not one per dropped event.
  *
+ * Devices: a completion thread serves work of every device, so it enters the device of each job
+ * (and the reaper that of each event) before the job's backend calls: the device of the thread
+ * that made the fence or dropped the event, captured there (posts come from host functions, on
+ * a thread of no particular device).
+ *
  * Lock order: g_cq_mu and g_reap_mu are leaves: never held together, and neither is held across
  * a backend call or a job. fork.c takes both before fork() (pm__copy_atfork).
  */
@@ -83,6 +88,7 @@ static void *cq_main(void *arg) {
     }
     cq_node_t *node = cq_pop_locked();
     pthread_mutex_unlock(&g_cq_mu);
+    pm__thread_enter(node->device);
     cq_run(node);
     pthread_mutex_lock(&g_cq_mu);
   }
@@ -192,6 +198,7 @@ pm_status_t pm__copy_wait_event(pm_event_t event, unsigned max_sleep_us) {
 typedef struct reap_node {
   struct reap_node *next;
   pm_event_t ev;
+  int device; /* the event's device: entered before each query and the destroy */
 } reap_node_t;
 
 static pthread_mutex_t g_reap_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -213,13 +220,17 @@ void pm__copy_reap_event(pm_event_t event) {
     return;
   }
   r->ev = event;
+  r->device = pm__thread_device();
   pthread_mutex_lock(&g_reap_mu);
   r->next = g_reap;
   g_reap = r;
   bool start = !g_reaper_on;
   g_reaper_on = true;
   pthread_mutex_unlock(&g_reap_mu);
-  if (start) pm__cq_post(&g_reaper_node, reaper_run);
+  if (start) {
+    g_reaper_node.device = -1; /* the reaper enters each event's device itself */
+    pm__cq_post(&g_reaper_node, reaper_run);
+  }
 }
 
 /* One reaper at a time polls every pending event, so a stuck stream holds one thread, not one
@@ -238,6 +249,7 @@ static void reaper_run(cq_node_t *node) {
     while (list) {
       reap_node_t *r = list;
       list = r->next;
+      pm__thread_enter(r->device);
       if (pm__cb_event_query(r->ev) != PM_NOT_READY) {
         (void)pm__cb_event_destroy(r->ev);
         free(r);

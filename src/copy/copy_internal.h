@@ -81,6 +81,8 @@ void pm__stage_d2h_abort(pm__d2h_job_t *job, pm_stream_t stream);
 typedef struct pm__cq_node {
   struct pm__cq_node *next;
   void (*run)(struct pm__cq_node *node);
+  int device; /* entered by the completion thread before run (-1: none); set by the node's owner
+               * on the thread that made the work, as posts come from host functions */
 } pm__cq_node_t;
 /* Queue a job. Returns true once a completion thread will run it. If no completion thread can
  * be started at all: with `inline_ok` the caller runs the queue itself (a degraded mode that only

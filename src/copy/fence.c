@@ -55,6 +55,7 @@ pm_status_t pm__fence_new(pm_copy_path_t path, bool with_event, const pm_copy_op
                           pm_fence_t *out) {
   pm_fence_t f = calloc(1, sizeof *f);
   if (!f) return pm__set_error(PM_ERR_NOMEM, "malloc of a fence failed");
+  f->node.device = pm__thread_device(); /* its completion runs for the submitting thread's device */
   if (with_event) {
     pm_status_t st = pm__cb_event_create(PM_EVENT_DEFAULT, &f->event);
     if (st != PM_OK) {

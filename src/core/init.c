@@ -9,6 +9,10 @@
  * later call tries again. Backends must not call pm__backend() from init. pm__backend_stop
  * (pm_finalize) takes it down again once the layers above have let go of it.
  *
+ * pm_init makes a device current only when option device was given: otherwise each thread keeps
+ * the device it has (a new thread's is 0, as CUDA's), so a process that works on device k alone
+ * never touches device 0 (pm__device_option_given).
+ *
  * Fork: in a forked child the backend of the parent is gone. The host backend starts afresh on
  * first use without probing CUDA; after the cuda backend nothing may start (fork_child_cuda).
  *
@@ -22,6 +26,7 @@
 
 static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
 static const pm__backend_t *_Atomic active_backend;
+static const pm__backend_t *_Atomic raw_backend; /* the same, without fault.c's forwarding */
 /* Why pm_init took the backend it took (pm__backend_reason): written under init_lock before
  * active_backend is published, so a reader that saw the backend sees its reason. */
 static char backend_reason[600];
@@ -30,11 +35,19 @@ static char backend_reason[600];
  * starts afresh in the child without probing CUDA; after the cuda backend nothing may start. */
 static bool fork_child_host, fork_child_cuda;
 
+/* Was option device given (pm_option_set or PINMEM_DEVICE)? Only then does pm_init make a
+ * device current: under CUDA 12 a set device gets a context at once, so a default of 0 would
+ * put a context (hundreds of MB) on GPU 0 in every process of a job where rank k uses GPU k. */
+bool pm__device_option_given(void) {
+  pm_option_info_t info;
+  return pm_option_get(PM__OPT_DEVICE, &info) == PM_OK && info.source != PM_OPTION_DEFAULT;
+}
+
 static pm_status_t start_backend(const pm__backend_t *b) {
   pm_status_t st = b->init();
   if (st != PM_OK) return st;
-  long dev = pm__opt_int(PM__OPT_DEVICE);
-  if (dev != 0) {
+  if (pm__device_option_given()) {
+    long dev = pm__opt_int(PM__OPT_DEVICE);
     int count = 0;
     st = b->device_count(&count);
     if (st == PM_OK && dev >= count)
@@ -118,6 +131,7 @@ pm_status_t pm_init(void) {
         st = pm__wrap_error(st, "pm_init: starting the host backend");
     }
   }
+  const pm__backend_t *started_raw = chosen;
   if (chosen) {
     /* Every call goes through fault.c's forwarding table (it injects nothing unless armed). */
     const pm__backend_t *started = chosen;
@@ -129,6 +143,7 @@ pm_status_t pm_init(void) {
   }
   if (chosen) {
     pm__clear_error(); /* a failed cuda probe under auto is not this thread's error */
+    atomic_store_explicit(&raw_backend, started_raw, memory_order_release);
     atomic_store_explicit(&active_backend, chosen, memory_order_release);
   }
   pthread_mutex_unlock(&init_lock);
@@ -142,6 +157,11 @@ const pm__backend_t *pm__backend(void) {
   return atomic_load_explicit(&active_backend, memory_order_acquire);
 }
 
+const pm__backend_t *pm__backend_raw(void) {
+  if (!atomic_load_explicit(&active_backend, memory_order_acquire)) return NULL;
+  return atomic_load_explicit(&raw_backend, memory_order_acquire);
+}
+
 const char *pm__backend_reason(void) {
   return atomic_load_explicit(&active_backend, memory_order_acquire) ? backend_reason : "";
 }
@@ -152,6 +172,7 @@ void pm__backend_stop(void) {
   pthread_mutex_lock(&init_lock);
   const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_relaxed);
   atomic_store_explicit(&active_backend, NULL, memory_order_release);
+  atomic_store_explicit(&raw_backend, NULL, memory_order_release);
   pm__registry_clear();
   if (b) b->shutdown();
   pthread_mutex_unlock(&init_lock);
@@ -171,6 +192,7 @@ void pm__init_atfork(pm__fork_phase_t phase) {
     /* The backend starts again on first use (host), or never (cuda): its threads, streams and
      * tables of the parent are gone. */
     atomic_store_explicit(&active_backend, NULL, memory_order_relaxed);
+    atomic_store_explicit(&raw_backend, NULL, memory_order_relaxed);
   }
 }
 

@@ -313,10 +313,44 @@ typedef struct pm__numa_state {
 } pm__numa_state_t;
 void pm__numa_state(pm__numa_state_t *out);
 
+/* ---- thread_device.c: the device a thread works for ------------------------------------- */
+
+/* The calling thread's current device (the backend's, without starting it), or -1 when no
+ * backend is up. Captured by whoever hands work to another pinmem thread. */
+int pm__thread_device(void);
+/* Called by each pinmem thread before it works for `device` (-1: no device): makes it the
+ * thread's current device when the backend is up and it is not already, then
+ * pm__numa_thread_follow(device). Cheap when nothing changes (one get_device). */
+void pm__thread_enter(int device);
+/* Make `device` current on the calling thread (a user's thread that pinmem works on for several
+ * devices in one call, and hands back on the caller's device): no NUMA placement. */
+void pm__thread_set_device(int device);
+/* The devices this process used (bit d: device d entered, set or handed over), for calls that
+ * must reach every device in use and no other (pm__pool_devices_idle). */
+void pm__devices_used_mark(int device);
+uint64_t pm__devices_used(void);
+
+/* ---- the host backend's simulated devices (backend_host_memory.c), for tests ------------- */
+
+#define PM__HB_MAX_DEVICES 16 /* option host_devices' upper bound */
+/* Calls that need a context (see backend_host_memory.c) made while `device` was current. */
+uint64_t pm__hb_device_calls(int device);
+/* Calls that broke CUDA's multi-device rules, made while `device` was current (-1: all). */
+uint64_t pm__hb_device_mismatches(int device);
+void pm__hb_device_counters_reset(void);
+/* The last mismatch in words ("" if none since the reset). */
+void pm__hb_last_mismatch(char *buf, size_t len);
+
 /* ---- api.c ------------------------------------------------------------------------------- */
 
 /* The active backend, initialising on first use. NULL (and pm__set_error) if none could start. */
 const pm__backend_t *pm__backend(void);
+/* The started backend without fault injection's forwarding table, or NULL when none is up
+ * (never starts one): for device bookkeeping (thread_device.c). */
+const pm__backend_t *pm__backend_raw(void);
+/* Option device was given (pm_option_set or PINMEM_DEVICE), not just its default: only then
+ * does starting a backend make a device current (init.c). */
+bool pm__device_option_given(void);
 /* Why pm_init chose the backend in force, for `pinmem info` ("auto: cuda not available: <the
  * CUDA error>", "asked for (option backend)"); "" when none is started. */
 const char *pm__backend_reason(void);

@@ -64,10 +64,13 @@
 
 /* ---- segments ------------------------------------------------------------------------------ */
 
+/* Every segment is PORTABLE, whatever the caller asked: pinned for every device's context, so
+ * a block allocated while device 0 was current is still one DMA for a copy on device 1 (without
+ * it CUDA treats the block as pageable there). Free under CUDA: the flag only widens where
+ * the pages count as pinned. */
 static unsigned register_flags(unsigned host_flags) {
-  unsigned r = PM_REGISTER_DEFAULT;
+  unsigned r = PM_REGISTER_PORTABLE;
   if (host_flags & PM_HOST_MAPPED) r |= PM_REGISTER_MAPPED;
-  if (host_flags & PM_HOST_PORTABLE) r |= PM_REGISTER_PORTABLE;
   return r;
 }
 
@@ -98,7 +101,7 @@ static pm_status_t segment_create(pm_pool_t *p, size_t size, unsigned flags, int
      * thread's policy decides where they go, so it prefers the node for the call's length. */
     pm__numa_policy_t saved;
     bound = node >= 0 && pm__numa_prefer_begin(node, &saved);
-    st = p->b->host_alloc(size, flags, &base);
+    st = p->b->host_alloc(size, flags | PM_HOST_PORTABLE, &base);
     if (bound) pm__numa_prefer_end(&saved);
   }
   *seconds_out = pm__now() - t0;

@@ -264,14 +264,18 @@ out:
 /* ---- releasing quarantined memory at destroy ------------------------------------------------ */
 
 bool pm__pool_devices_idle(pm_pool_t *p) {
-  /* The stream that used a quarantined block is unknown by now (or broken), so every device
-   * waits for all its work; the caller's current device is restored. */
+  /* The stream that used a quarantined block is unknown by now (or broken), so every device this
+   * process used waits for all its work, and no other device: a call on a device nobody used
+   * would create a context there (thread_device.c keeps the set). The caller's current device
+   * is among them (it may have been used outside pinmem) and is restored at the end. */
   const pm__backend_t *be = p->b;
   int n = 0, cur = 0;
   if (be->device_count(&n) != PM_OK || n < 1 || be->get_device(&cur) != PM_OK)
     return be->device_synchronize() == PM_OK;
-  bool idle = true;
-  for (int d = 0; d < n; d++) {
+  uint64_t used = pm__devices_used();
+  bool idle = be->device_synchronize() == PM_OK;
+  for (int d = 0; d < n && d < 64; d++) {
+    if (d == cur || !(used >> d & 1)) continue;
     if (be->set_device(d) != PM_OK || be->device_synchronize() != PM_OK) idle = false;
   }
   (void)be->set_device(cur);

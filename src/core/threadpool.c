@@ -10,6 +10,11 @@
  * when every worker is busy elsewhere (or nested parallel_for calls come from a worker): callers
  * never wait for an idle worker, only for helpers that already joined.
  *
+ * Device: a job carries its caller's current device, read once per call (pm__thread_device), and
+ * every helper enters it (pm__thread_enter) before it runs items: items make backend calls
+ * (registering, queueing copies), and a helper last used by a job of another device, or never
+ * set at all (device 0), would make them on the wrong device.
+ *
  * Invariants: a job is in the queue only while it wants helpers and its caller has not yet
  * finished claiming; the caller returns only after it unqueued the job and `active` fell to 0, so
  * no worker touches the job after that. Workers exist in [0, PM__TP_MAX].
@@ -29,6 +34,7 @@ typedef struct pm__job {
   void (*fn)(void *ctx, size_t i);
   void *ctx;
   size_t n;
+  int device;          /* the caller's current device (-1: no backend up) */
   atomic_size_t next;  /* next index to claim */
   int want;            /* helpers still wanted (guarded by tp_lock) */
   int active;          /* helpers inside the job (guarded by tp_lock) */
@@ -84,6 +90,7 @@ static void *worker_main(void *arg) {
     if (--job->want <= 0) unqueue_locked(job);
     pthread_mutex_unlock(&tp_lock);
 
+    pm__thread_enter(job->device);
     run_items(job);
 
     pthread_mutex_lock(&tp_lock);
@@ -124,6 +131,7 @@ void pm__parallel_for(int threads, size_t n, void (*fn)(void *ctx, size_t i), vo
   job.fn = fn;
   job.ctx = ctx;
   job.n = n;
+  job.device = pm__thread_device();
   atomic_init(&job.next, 0);
   job.want = helpers;
   job.active = 0;

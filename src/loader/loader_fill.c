@@ -172,7 +172,8 @@ void *pm__loader_worker_main(void *arg) {
   pm_dataset_t *ds = L->ds;
   pm__scratch_t scratch = {NULL, 0};
   char msg[512];
-  if (L->device) (void)pm_device_set(L->device_index); /* events and copies need the device */
+  /* Events and copies need the loader's device (a new thread starts on device 0). */
+  pm__thread_enter(L->device ? L->device_index : -1);
   pm__dataset_worker_set(me); /* for a rows dataset read one sample at a time (in a zip) */
 
   pthread_mutex_lock(&L->mu);
