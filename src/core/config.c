@@ -244,7 +244,9 @@ static const pm__opt_def_t opt_table[] = {
                          "auto|cuda|host: auto takes cuda when a device is usable, else host. "
                          "Read at pm_init.",
                          parse_backend, PM__T_INT, 0},
-    [PM__OPT_DEVICE] = {"device", "PINMEM_DEVICE", "0", "device index made current by pm_init",
+    [PM__OPT_DEVICE] = {"device", "PINMEM_DEVICE", "0",
+                        "device index made current by pm_init, only when given (unset: each "
+                        "thread keeps its device)",
                         parse_device, PM__T_INT, 0},
     [PM__OPT_BUDGET] = {"budget", "PINMEM_BUDGET", "auto",
                         "hard cap on pinned bytes a pool holds (registrations included): a size "
