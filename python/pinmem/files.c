@@ -11,6 +11,8 @@
  */
 #include "_pinmem.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 static int parse_io(PyObject *o, const char *fn, pm_file_io_t *out) {
@@ -86,11 +88,20 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
 
   /* Emptied only now that every argument is known good: a bad call leaves the file as it was. */
   if (truncate) {
-    int rc;
+    int rc, err = 0;
     Py_BEGIN_ALLOW_THREADS;
     rc = ftruncate(fd, 0);
+    /* The file is written whole: reserve its blocks in one call. Direct writes into a file
+     * whose size already covers them are overwrites, which ext4 and XFS run side by side;
+     * writes past the end would each extend it in turn (the inode held exclusively). A full
+     * disk is also reported here, before a byte is written. Filesystems without fallocate
+     * (EOPNOTSUPP) just write as before. */
+    if (rc == 0 && n > 0 && fallocate(fd, 0, (off_t)offset, (off_t)n) != 0 && errno != EOPNOTSUPP &&
+        errno != ENOSYS)
+      err = errno;
     Py_END_ALLOW_THREADS;
-    if (rc != 0) {
+    if (rc != 0 || err) {
+      if (err) errno = err;
       PyErr_SetFromErrno(PyExc_OSError);
       goto fail;
     }
