@@ -156,52 +156,6 @@ static pm_status_t cuda_device_count(int *count_out) {
   return PM_OK;
 }
 
-/* Read a small sysfs attribute into buf (NUL-terminated, trailing newline removed). */
-static int read_sysfs(const char *bus_id, const char *attr, char *buf, size_t len) {
-  char path[256];
-  int n = snprintf(path, sizeof path, "/sys/bus/pci/devices/%s/%s", bus_id, attr);
-  if (n < 0 || (size_t)n >= sizeof path) return -1;
-  FILE *f = fopen(path, "re");
-  if (!f) return -1;
-  size_t got = fread(buf, 1, len - 1, f);
-  fclose(f);
-  if (got == 0) return -1;
-  buf[got] = '\0';
-  while (got > 0 && (buf[got - 1] == '\n' || buf[got - 1] == ' ')) buf[--got] = '\0';
-  return 0;
-}
-
-/* "32.0 GT/s PCIe" (or "32 GT/s", "2.5 GT/s") -> 5; -1 for "Unknown" or anything else. Parsed by
- * hand: strtod would follow the caller's LC_NUMERIC and misread "2.5" under a decimal comma. */
-static int pcie_gen_from_speed(const char *text) {
-  static const int tenths[] = {25, 50, 80, 160, 320, 640, 1280}; /* GT/s x 10, gen 1..7 */
-  const char *c = text;
-  long v = 0;
-  if (*c < '0' || *c > '9') return -1;
-  while (*c >= '0' && *c <= '9' && v < 100000) v = v * 10 + (*c++ - '0');
-  v *= 10;
-  if (*c == '.' && c[1] >= '0' && c[1] <= '9') v += c[1] - '0';
-  for (size_t i = 0; i < sizeof tenths / sizeof tenths[0]; i++)
-    if (v == tenths[i]) return (int)i + 1;
-  return -1;
-}
-
-/* A positive integer attribute ("16"), else -1. */
-static int sysfs_int(const char *bus_id, const char *attr, int min_valid) {
-  char buf[64];
-  if (read_sysfs(bus_id, attr, buf, sizeof buf) != 0) return -1;
-  char *end = NULL;
-  long v = strtol(buf, &end, 10);
-  if (end == buf || v < min_valid || v > 1 << 20) return -1;
-  return (int)v;
-}
-
-static int sysfs_gen(const char *bus_id, const char *attr) {
-  char buf[64];
-  if (read_sysfs(bus_id, attr, buf, sizeof buf) != 0) return -1;
-  return pcie_gen_from_speed(buf);
-}
-
 /* Attribute query as part of device_info: failure fails the call. */
 #define PM__ATTR(dst, attr)                                                                       \
   do {                                                                                            \
@@ -287,11 +241,11 @@ static pm_status_t cuda_device_info(int device, pm_device_info_t *info_out) {
   if (have_id) {
     snprintf(info.pci_bus_id, sizeof info.pci_bus_id, "%04x:%02x:%02x.%x", dom & 0xffffffu,
              bus & 0xffu, dev & 0x1fu, fn & 0x7u);
-    info.pcie_gen = sysfs_gen(info.pci_bus_id, "current_link_speed");
-    info.pcie_max_gen = sysfs_gen(info.pci_bus_id, "max_link_speed");
-    info.pcie_width = sysfs_int(info.pci_bus_id, "current_link_width", 1);
-    info.pcie_max_width = sysfs_int(info.pci_bus_id, "max_link_width", 1);
-    info.numa_node = sysfs_int(info.pci_bus_id, "numa_node", 0);
+    info.pcie_gen = pm__pcie_sysfs_gen(info.pci_bus_id, "current_link_speed");
+    info.pcie_max_gen = pm__pcie_sysfs_gen(info.pci_bus_id, "max_link_speed");
+    info.pcie_width = pm__pcie_sysfs_int(info.pci_bus_id, "current_link_width", 1);
+    info.pcie_max_width = pm__pcie_sysfs_int(info.pci_bus_id, "max_link_width", 1);
+    info.numa_node = pm__pcie_sysfs_int(info.pci_bus_id, "numa_node", 0);
   }
 
   *info_out = info;

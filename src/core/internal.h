@@ -211,6 +211,12 @@ static inline size_t pm__align_up(size_t v, size_t align) {
   return (v + align - 1) & ~(align - 1);
 }
 
+/* /sys/bus/pci/devices/<bus_id>/<attr> of a PCI device: a decimal integer >= min_valid
+ * ("current_link_width"), or a link speed as a PCIe generation ("32.0 GT/s PCIe" -> 5); -1
+ * when the file is missing or says anything else. */
+int pm__pcie_sysfs_int(const char *bus_id, const char *attr, int min_valid);
+int pm__pcie_sysfs_gen(const char *bus_id, const char *attr);
+
 /* ---- numa.c: topology from sysfs ----------------------------------------------------------- */
 
 #define PM__CPUS_MAX 1024 /* CPU ids at or above are rejected by the parser */

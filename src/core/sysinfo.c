@@ -1,6 +1,7 @@
 /*
  * DESIGN: facts about the machine and the process that the pool, the config defaults and the
- * CLI need: a monotonic clock, page size, RAM, usable CPUs, and the locked-memory limit.
+ * CLI need: a monotonic clock, page size, RAM, usable CPUs, the locked-memory limit, and a PCI
+ * device's link from sysfs (the cuda backend's device_info).
  *
  * The memlock limit matters because the host backend pins with mlock: RLIMIT_MEMLOCK caps it
  * unless the process holds CAP_IPC_LOCK (root usually does), in which case the kernel ignores
@@ -12,6 +13,7 @@
  */
 #include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
@@ -85,4 +87,51 @@ size_t pm__memlock_limit(void) {
   if (raw == SIZE_MAX) return SIZE_MAX;
   if (pm__has_cap_ipc_lock()) return SIZE_MAX;
   return raw;
+}
+
+/* ---- PCI link attributes ------------------------------------------------------------------ */
+
+/* Read a small sysfs attribute into buf (NUL-terminated, trailing newline removed). */
+static int read_sysfs(const char *bus_id, const char *attr, char *buf, size_t len) {
+  char path[256];
+  int n = snprintf(path, sizeof path, "/sys/bus/pci/devices/%s/%s", bus_id, attr);
+  if (n < 0 || (size_t)n >= sizeof path) return -1;
+  FILE *f = fopen(path, "re");
+  if (!f) return -1;
+  size_t got = fread(buf, 1, len - 1, f);
+  fclose(f);
+  if (got == 0) return -1;
+  buf[got] = '\0';
+  while (got > 0 && (buf[got - 1] == '\n' || buf[got - 1] == ' ')) buf[--got] = '\0';
+  return 0;
+}
+
+/* "32.0 GT/s PCIe" (or "32 GT/s", "2.5 GT/s") -> 5; -1 for "Unknown" or anything else. Parsed by
+ * hand: strtod would follow the caller's LC_NUMERIC and misread "2.5" under a decimal comma. */
+static int pcie_gen_from_speed(const char *text) {
+  static const int tenths[] = {25, 50, 80, 160, 320, 640, 1280}; /* GT/s x 10, gen 1..7 */
+  const char *c = text;
+  long v = 0;
+  if (*c < '0' || *c > '9') return -1;
+  while (*c >= '0' && *c <= '9' && v < 100000) v = v * 10 + (*c++ - '0');
+  v *= 10;
+  if (*c == '.' && c[1] >= '0' && c[1] <= '9') v += c[1] - '0';
+  for (size_t i = 0; i < sizeof tenths / sizeof tenths[0]; i++)
+    if (v == tenths[i]) return (int)i + 1;
+  return -1;
+}
+
+int pm__pcie_sysfs_int(const char *bus_id, const char *attr, int min_valid) {
+  char buf[64];
+  if (read_sysfs(bus_id, attr, buf, sizeof buf) != 0) return -1;
+  char *end = NULL;
+  long v = strtol(buf, &end, 10);
+  if (end == buf || v < min_valid || v > 1 << 20) return -1;
+  return (int)v;
+}
+
+int pm__pcie_sysfs_gen(const char *bus_id, const char *attr) {
+  char buf[64];
+  if (read_sysfs(bus_id, attr, buf, sizeof buf) != 0) return -1;
+  return pcie_gen_from_speed(buf);
 }
