@@ -57,10 +57,12 @@ static void prepare(void) {
   pm__shared_atfork(PM__FORK_PREPARE);
   pm__shared_api_atfork(PM__FORK_PREPARE);
   pm__handles_atfork_prepare();
+  pm__numa_atfork(PM__FORK_PREPARE);
 }
 
 static void parent(void) {
   if (!g_active) return;
+  pm__numa_atfork(PM__FORK_PARENT);
   pm__handles_atfork_parent();
   pm__shared_api_atfork(PM__FORK_PARENT);
   pm__shared_atfork(PM__FORK_PARENT);
@@ -76,6 +78,7 @@ static void parent(void) {
 
 static void child(void) {
   if (!g_active) return;
+  pm__numa_atfork(PM__FORK_CHILD);
   pm__handles_atfork_child(); /* counts the fork: handles made before it are foreign now */
   pm__shared_api_atfork(PM__FORK_CHILD);
   pm__shared_atfork(PM__FORK_CHILD);

@@ -102,6 +102,7 @@ void pm__pool_atfork(pm__fork_phase_t phase);
 void pm__config_atfork(pm__fork_phase_t phase);
 void pm__copy_atfork(pm__fork_phase_t phase);
 void pm__threadpool_atfork(pm__fork_phase_t phase);
+void pm__numa_atfork(pm__fork_phase_t phase); /* numa_place.c: a leaf lock */
 void pm__host_atfork(pm__fork_phase_t phase); /* backend_host_stream.c */
 void pm__registry_atfork(pm__fork_phase_t phase);
 void pm__shared_atfork(pm__fork_phase_t phase);     /* core/shared.c */

@@ -129,6 +129,15 @@ static void note(char *where, size_t len, const char *fmt, ...) {
   va_end(ap);
 }
 
+/* fork: place_lock is a leaf (nothing else is locked under it), so fork.c takes it last and
+ * gives it back first; the child keeps what was read (the machine did not change). */
+void pm__numa_atfork(pm__fork_phase_t phase) {
+  if (phase == PM__FORK_PREPARE)
+    pthread_mutex_lock(&place_lock);
+  else
+    pthread_mutex_unlock(&place_lock); /* the child is the thread that locked it */
+}
+
 /* The node list, read once (again after an override). The files are read without the lock, so
  * place_lock is only ever held for a few loads and stores (fork: a child never inherits it
  * held across a slow read). */
