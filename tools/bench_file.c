@@ -635,6 +635,17 @@ static double best_of(const fbench_t *b, const best_t *best, const int *cases, i
   return v;
 }
 
+/* A TARGET line: the best of three cases against the disk's own rate (case `disk`). */
+static void disk_target(const fbench_t *b, const best_t *best, const int cases[3], int disk,
+                        const char *what) {
+  char fig[256], which[160] = "";
+  double rate = gbps_of(b, &best[disk]);
+  double v = best_of(b, best, cases, 3, which, sizeof which);
+  snprintf(fig, sizeof fig, "%.2f GB/s = %.2fx the disk's %.2f GB/s (%s)", v, v / rate, rate,
+           which);
+  target(b, what, !isnan(v) && !isnan(rate), v >= T_DISK_RATIO * rate, fig);
+}
+
 static void print_row(fbench_t *b, int c, const result_t *r) {
   double gbps = (double)b->o.bytes / r->seconds / 1e9;
   const char *cache = strstr(k_cases[c], "cold")    ? b->cold_method
@@ -766,24 +777,14 @@ int pm_cli_bench_file(int argc, char **argv) {
   snprintf(fig, sizeof fig, "%.2f GB/s (%s)", hot, which);
   target(b, "hot load (best of load_hot_buffered, load_hot_auto) >= 40 GB/s", !isnan(hot),
          hot >= T_HOT_GBPS, fig);
-  double disk_r = gbps_of(b, &best[C_DISK_READ]);
   const int cold_cases[] = {C_LOAD_COLD, C_LOAD_DIRECT, C_LOAD_COLD_AUTO};
-  double cold = best_of(b, best, cold_cases, 3, which, sizeof which);
-  snprintf(fig, sizeof fig, "%.2f GB/s = %.2fx the disk's %.2f GB/s (%s)", cold, cold / disk_r,
-           disk_r, which);
-  target(b,
-         "cold load (best of load_cold_buffered, load_direct, load_cold_auto) >= 0.9x "
-         "disk_read_direct",
-         !isnan(cold) && !isnan(disk_r), cold >= T_DISK_RATIO * disk_r, fig);
-  double disk_w = gbps_of(b, &best[C_DISK_WRITE]);
+  disk_target(b, best, cold_cases, C_DISK_READ,
+              "cold load (best of load_cold_buffered, load_direct, load_cold_auto) >= 0.9x "
+              "disk_read_direct");
   const int save_cases[] = {C_SAVE_BUFFERED, C_SAVE_DIRECT, C_SAVE_AUTO};
-  double save = best_of(b, best, save_cases, 3, which, sizeof which);
-  snprintf(fig, sizeof fig, "%.2f GB/s = %.2fx the disk's %.2f GB/s (%s)", save, save / disk_w,
-           disk_w, which);
-  target(b,
-         "save (best of save_buffered, save_direct, save_auto, with fdatasync) >= 0.9x "
-         "disk_write_direct",
-         !isnan(save) && !isnan(disk_w), save >= T_DISK_RATIO * disk_w, fig);
+  disk_target(b, best, save_cases, C_DISK_WRITE,
+              "save (best of save_buffered, save_direct, save_auto, with fdatasync) >= 0.9x "
+              "disk_write_direct");
   teardown(b);
   bool failed = b->failed;
   free(b);
