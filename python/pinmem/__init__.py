@@ -926,7 +926,8 @@ def _mix_seed(seed, epoch):
 
 def get_worker_info():
     """Inside a worker process of a pinmem.Loader: its id, num_workers, seed and dataset (as
-    torch.utils.data.get_worker_info()); None in the main process."""
+    torch.utils.data.get_worker_info()) and cpus (the CPU ids NUMA placement put it on; None:
+    not moved); None in the main process."""
     from . import _workers
     return _workers.get_worker_info()
 
