@@ -579,6 +579,7 @@ class Loader:
         self._epochs_total = None if epochs is None else int(epochs)
         self._base_seed = int(seed)
         self._mp = (dataset, nw, multiprocessing_context, worker_init_fn)
+        self._to_device = to_device
         if procs:
             self._pool = self._start_pool(0)
             try:
@@ -644,7 +645,15 @@ class Loader:
         from . import _workers
         dataset, nw, ctx, init_fn = self._mp
         seed = self._base_seed if epoch == 0 else _mix_seed(self._base_seed, epoch)
-        return _workers.Pool(dataset, nw, ctx, seed, init_fn)
+        # The workers run on the CPUs of the loader's device's NUMA node, as pinmem's threads.
+        if not self._to_device:
+            dev = -1
+        elif self._device_index is not None:
+            dev = self._device_index
+        else:
+            dev = _pinmem.current_device()
+        cpus = _pinmem._numa_worker_cpus(dev)
+        return _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus)
 
     def _on_device(self, make):
         """make() with the loader's device current (device="cuda:k"): its stream, buffers and
@@ -828,7 +837,11 @@ class Loader:
         into the caller's type: as_torch()'s torch.from_dlpack, views of odd dtypes),
         iteration_seconds (all time inside the iterators' __next__: next(), conversion and the
         glue) and glue_seconds (iteration less next() and conversion: Python's own work per
-        batch). With worker processes also `workers` ('process') and `worker_pids`."""
+        batch). With worker processes also `workers` ('process'), `worker_pids`,
+        `worker_numa_cpus` (the CPU ids the workers were put on, the NUMA node of the loader's
+        device; None: left where the scheduler puts them) and `worker_numa_refused` (workers that
+        could not move there and run elsewhere, e.g. a cpuset without those CPUs; the first one's
+        reason in `worker_numa_problem`, "" when none)."""
         if self._c is None:
             _closed()
         out = self._c.stats()
@@ -839,6 +852,11 @@ class Loader:
                                   self._conversion_s)
         out["workers"] = "process" if self._pool is not None else "thread"
         out["worker_pids"] = self.worker_pids()
+        pool = self._pool
+        out["worker_numa_cpus"] = None if pool is None else pool.cpus
+        out["worker_numa_refused"] = 0 if pool is None else len(pool.numa_problems)
+        out["worker_numa_problem"] = "" if pool is None or not pool.numa_problems else \
+            pool.numa_problems[min(pool.numa_problems)]
         return out
 
     def close(self):
@@ -908,7 +926,8 @@ def _mix_seed(seed, epoch):
 
 def get_worker_info():
     """Inside a worker process of a pinmem.Loader: its id, num_workers, seed and dataset (as
-    torch.utils.data.get_worker_info()); None in the main process."""
+    torch.utils.data.get_worker_info()) and cpus (the CPU ids NUMA placement put it on; None:
+    not moved); None in the main process."""
     from . import _workers
     return _workers.get_worker_info()
 

@@ -21,12 +21,19 @@ socket (the C thread sees it at once and the loader fails the batch with the exi
 signal); a process whose parent died sees end-of-file on its socket and exits; workers ignore
 SIGINT, so Ctrl-C reaches only the main program. Workers never touch CUDA or pinmem's library.
 
+NUMA: the main process asks the library once per pool for the CPUs its own threads use for the
+loader's device (_pinmem._numa_worker_cpus: the device's node's CPUs within those the process
+was allowed; None on one node, with numa=off or numa_threads=0, or delivery to the CPU) and each
+worker moves onto them first thing, before worker_init_fn, so an affinity the user sets there
+wins. A worker that cannot (EINVAL: none of those CPUs in its cpuset) goes on where it is and
+says why in its SCHEMA reply; the loader's stats() count such workers (worker_numa_refused).
+
 Messages (little-endian):
   request  = magic u32, kind u32, epoch u64, n u64, nfields u32, nnew u32,
              nfields x (key u64, offset u64, row_bytes u64), nnew x key u64, n x index u64;
              the nnew memfds are attached (SCM_RIGHTS) in the order of their keys.
-  reply    = magic u32, status i32, index u64, then a payload (pickle) for status != 0 and
-             for DESCRIBE.
+  reply    = magic u32, status i32, index u64, then a payload (pickle) for status != 0, for
+             DESCRIBE, and for SCHEMA (None, or why the worker kept its CPU affinity).
 """
 
 import os
@@ -228,10 +235,11 @@ def describe(sample, index):
 class WorkerInfo:
     """What a worker knows about itself (pinmem.get_worker_info())."""
 
-    __slots__ = ("id", "num_workers", "seed", "dataset")
+    __slots__ = ("id", "num_workers", "seed", "dataset", "cpus")
 
-    def __init__(self, id, num_workers, seed, dataset):
+    def __init__(self, id, num_workers, seed, dataset, cpus=None):
         self.id, self.num_workers, self.seed, self.dataset = id, num_workers, seed, dataset
+        self.cpus = cpus  # the CPU ids NUMA placement put this worker on; None: left alone
 
     def __repr__(self):
         return (f"WorkerInfo(id={self.id}, num_workers={self.num_workers}, seed={self.seed}, "
@@ -242,8 +250,8 @@ _worker_info = None
 
 
 def get_worker_info():
-    """In a worker process of a pinmem.Loader: its WorkerInfo (id, num_workers, seed, dataset);
-    None in the main process."""
+    """In a worker process of a pinmem.Loader: its WorkerInfo (id, num_workers, seed, dataset,
+    cpus); None in the main process."""
     return _worker_info
 
 
@@ -292,9 +300,21 @@ def _pack_error(status, index, wid, exc, where):
         return REP.pack(MAGIC_REP, status, index) + pickle.dumps(payload)
 
 
-def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds):
+def _place(cpus):
+    """Move this process onto `cpus` (None: leave it). (the CPUs applied or None, why not)."""
+    if cpus is None:
+        return None, None
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:  # EINVAL: none of them in this process's cpuset; go on where it is
+        return None, f"sched_setaffinity({sorted(cpus)}): {e.strerror or e}"
+    return sorted(cpus), None
+
+
+def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpus=None):
     """The body of worker process `wid`: serve claims until the socket closes."""
     global _worker_info
+    placed, place_error = _place(cpus)  # first: a worker_init_fn's own affinity wins
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main program
     for fd in close_fds:  # other workers' sockets inherited through fork
         try:
@@ -304,7 +324,7 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds):
     import numpy as np
     seed = base_seed + wid
     _seed_all(seed, wid, base_seed)
-    _worker_info = WorkerInfo(wid, nworkers, seed, dataset)
+    _worker_info = WorkerInfo(wid, nworkers, seed, dataset, placed)
     _set_torch_worker_info(_worker_info)
     init_error = None
     if init_fn is not None:
@@ -364,7 +384,7 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds):
                                     wid, e, "dataset")
         elif kind == KIND_SCHEMA:
             schema = pickle.loads(msg[pos + 8 * n:])
-            reply = REP.pack(MAGIC_REP, ST_OK, 0)
+            reply = REP.pack(MAGIC_REP, ST_OK, 0) + pickle.dumps(place_error)
         else:
             reply = _serve_rows(dataset, schema, maps, fields, indices, np, wid)
         if not _send(sock, reply):
@@ -471,10 +491,12 @@ class WorkerError(RuntimeError):
 class Pool:
     """The worker processes of one loader, their sockets, and what their errors mean."""
 
-    def __init__(self, dataset, nworkers, ctx, base_seed, init_fn):
+    def __init__(self, dataset, nworkers, ctx, base_seed, init_fn, cpus=None):
         self.ctx = _context(ctx)
         self.method = self.ctx.get_start_method()
         self.nworkers = nworkers
+        self.cpus = cpus            # NUMA placement of the workers (sorted CPU ids) or None
+        self.numa_problems = {}     # worker -> why it kept its affinity (from its SCHEMA reply)
         self.socks, self.procs = [], []
         self.closed = self.stopped = False
         self.epoch = 0
@@ -485,7 +507,7 @@ class Pool:
                 close_fds = sorted(_PARENT_ENDS) if self.method == "fork" else []
                 p = self.ctx.Process(target=worker_main, name=f"pinmem-worker-{w}",
                                      args=(b, dataset, w, nworkers, base_seed, init_fn,
-                                           close_fds), daemon=True)
+                                           close_fds, cpus), daemon=True)
                 self.socks.append(a)
                 try:
                     p.start()
@@ -534,6 +556,11 @@ class Pool:
             data = self._exchange(w, REQ.pack(MAGIC_REQ, KIND_SCHEMA, 0, 0, 0, 0) + blob, timeout or None)
             if data is None:
                 raise self.died(w, [])
+            # An ST_INIT reply (worker_init_fn failed) is raised with the first claim, as before.
+            if len(data) > REP.size and REP.unpack_from(data, 0)[1] == ST_OK:
+                problem = pickle.loads(data[REP.size:])
+                if problem:
+                    self.numa_problems[w] = problem
 
     def died(self, w, indices):
         """The error for worker w having gone away."""

@@ -1,9 +1,12 @@
 /*
  * DESIGN: the module functions over the default pool (stats, budget, trim, reserve, peak), the
  * option table, and introspection: pointer_info, the backend, devices, synchronize, and the
- * status names and exceptions for the Python side.
+ * status names and exceptions for the Python side; the CPUs the loader's worker processes run
+ * on (NUMA placement, the library's rule from numa_place.c) and its test hook.
  */
 #include "_pinmem.h"
+
+#include "internal.h" /* pm__numa_cpus_for, pm__numa_test_override */
 
 static int default_pool(pm_pool_t **pool) {
   pm_status_t st = pm_pool_default(pool);
@@ -293,6 +296,71 @@ static PyObject *py_raise_status(PyObject *mod, PyObject *args) {
   return pmpy_raise_detail((pm_status_t)st, detail);
 }
 
+/* The sorted CPU ids a loader worker process for `device` runs on, or None (nothing to do:
+ * numa_threads=0, numa=off, one node, device -1, no node or no allowed CPU on it). */
+static PyObject *py_numa_worker_cpus(PyObject *mod, PyObject *arg) {
+  long device = PyLong_AsLong(arg);
+  if (device == -1 && PyErr_Occurred()) return NULL;
+  if (device < -1 || device > INT_MAX) Py_RETURN_NONE; /* no such device: no node */
+  pm__cpus_t cpus;
+  int have;
+  /* May read sysfs and ask the backend for the device's PCI location. */
+  Py_BEGIN_ALLOW_THREADS;
+  have = pm__numa_cpus_for((int)device, &cpus);
+  Py_END_ALLOW_THREADS;
+  if (!have) Py_RETURN_NONE;
+  PyObject *list = PyList_New(0);
+  if (!list) return NULL;
+  for (int c = 0; c < PM__CPUS_MAX; c++) {
+    if (!pm__cpus_has(&cpus, c)) continue;
+    PyObject *v = PyLong_FromLong(c);
+    if (!v || PyList_Append(list, v) < 0) {
+      Py_XDECREF(v);
+      Py_DECREF(list);
+      return NULL;
+    }
+    Py_DECREF(v);
+  }
+  return list;
+}
+
+/* Test hook: the NUMA topology read under `root` (a fake sysfs tree), device k at bus_ids[k];
+ * root None: back to the real machine. */
+static PyObject *py_numa_test_override(PyObject *mod, PyObject *args) {
+  PyObject *root_obj, *ids_obj = Py_None;
+  if (!PyArg_ParseTuple(args, "O|O:_numa_test_override", &root_obj, &ids_obj)) return NULL;
+  if (root_obj == Py_None) {
+    pm__numa_test_override(NULL, NULL, 0);
+    Py_RETURN_NONE;
+  }
+  PyObject *root_bytes = NULL, *seq = NULL;
+  const char *ids[PM__NUMA_MAX_DEVICES];
+  if (!PyUnicode_FSConverter(root_obj, &root_bytes)) return NULL;
+  Py_ssize_t n = 0;
+  if (ids_obj != Py_None) {
+    seq = PySequence_Fast(ids_obj, "_numa_test_override: bus_ids must be a sequence of str");
+    if (!seq) goto fail;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (n > PM__NUMA_MAX_DEVICES) {
+      pmpy_raise_fmt(PM_ERR_INVALID, "_numa_test_override: at most %d bus ids",
+                     PM__NUMA_MAX_DEVICES);
+      goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+      ids[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+      if (!ids[i]) goto fail;
+    }
+  }
+  pm__numa_test_override(PyBytes_AS_STRING(root_bytes), ids, (int)n);
+  Py_XDECREF(seq);
+  Py_DECREF(root_bytes);
+  Py_RETURN_NONE;
+fail:
+  Py_XDECREF(seq);
+  Py_DECREF(root_bytes);
+  return NULL;
+}
+
 PyMethodDef pmpy_pool_functions[] = {
     {"stats", py_stats, METH_NOARGS, "stats() -> dict: the default pool's statistics"},
     {"budget", py_budget, METH_NOARGS, "budget() -> int: the default pool's budget in bytes"},
@@ -317,6 +385,10 @@ PyMethodDef pmpy_pool_functions[] = {
      "set_device(index): make the device current on the calling thread"},
     {"current_device", py_current_device, METH_NOARGS,
      "current_device() -> the calling thread's current device"},
+    {"_numa_worker_cpus", py_numa_worker_cpus, METH_O,
+     "_numa_worker_cpus(device) -> sorted CPU ids for a loader worker process, or None"},
+    {"_numa_test_override", py_numa_test_override, METH_VARARGS,
+     "_numa_test_override(root, bus_ids): read NUMA topology under root (None: the real one)"},
     {"_status_name", py_status_name, METH_O, NULL},
     {"_raise", py_raise_status, METH_VARARGS, NULL},
     {0}};

@@ -282,6 +282,11 @@ pm_status_t pm__topology_read(const char *sysfs_root, const char *const *bus_ids
  * within those the process was allowed at first use); device -1, or no node, puts a thread that
  * was moved back on those CPUs. Cheap when nothing changes (a thread-local compare). */
 void pm__numa_thread_follow(int device);
+/* The CPUs pm__numa_thread_follow(device) would put a thread on, for work that sets its own
+ * affinity (the Python loader's worker processes): 1 and *out = the node's CPUs within those
+ * the process was allowed at first use, when numa_threads=1, `device` has a node with known
+ * CPUs and that set is not empty; 0 (*out empty) when there is nothing to do. */
+int pm__numa_cpus_for(int device, pm__cpus_t *out);
 /* The node to place memory for `device` under option numa: off -> -1; N -> N; auto -> the
  * device's node on a machine with more than one node, else -1 (also for device -1). */
 int pm__numa_node_for(int device);

@@ -22,7 +22,9 @@
  *
  * Threads: pm__numa_thread_follow sets a thread's affinity once to its device's node's CPUs
  * intersected with the CPUs the process was allowed at first use; a thread-local remembers the
- * node applied, so a repeated call is one compare.
+ * node applied, so a repeated call is one compare. pm__numa_cpus_for gives the same CPU set
+ * (one rule, node_cpus) to the Python package, whose loader worker processes set their own
+ * affinity to it.
  *
  * Lock order: place_lock is a leaf, held only for loads and stores: sysfs is read and the
  * backend's device_info called with it released. No other pinmem lock is taken inside it.
@@ -375,15 +377,11 @@ static void restore_thread(void) {
   tl_moved = false;
 }
 
-void pm__numa_thread_follow(int device) {
-  if (!pm__opt_int(PM__OPT_NUMA_THREADS)) return;
-  int node = device < 0 ? -1 : pm__numa_node_for(device);
-  if (node == tl_node) return;
-  tl_node = node;
-  if (node < 0) {
-    restore_thread();
-    return;
-  }
+/* The CPUs pinmem puts work for `node` on: the node's CPUs within those the process was allowed
+ * at first use (saved here the first time). Their count; 0 when none (*known: whether the
+ * node's CPUs are known at all). The one rule for pinmem's threads and its worker processes. */
+static int node_cpus(int node, pm__cpus_t *out, bool *known) {
+  memset(out, 0, sizeof *out);
   ensure_nodes();
   pthread_mutex_lock(&place_lock);
   if (!allowed_saved) {
@@ -394,18 +392,38 @@ void pm__numa_thread_follow(int device) {
   const pm__numa_node_t *nd = NULL;
   for (int i = 0; topo && i < topo->node_count; i++)
     if (topo->nodes[i].id == node) nd = &topo->nodes[i];
-  cpu_set_t want;
-  CPU_ZERO(&want);
   int count = 0;
   if (nd && nd->cpus_known)
     for (int c = 0; c < PM__CPUS_MAX && c < CPU_SETSIZE; c++)
       if (pm__cpus_has(&nd->cpus, c) && CPU_ISSET(c, &allowed)) {
-        CPU_SET(c, &want);
+        out->bits[c / 64] |= UINT64_C(1) << (c % 64);
         count++;
       }
-  bool known = nd && nd->cpus_known;
+  if (known) *known = nd && nd->cpus_known;
   pthread_mutex_unlock(&place_lock);
+  return count;
+}
 
+int pm__numa_cpus_for(int device, pm__cpus_t *out) {
+  memset(out, 0, sizeof *out);
+  if (!pm__opt_int(PM__OPT_NUMA_THREADS) || device < 0) return 0;
+  int node = pm__numa_node_for(device);
+  if (node < 0) return 0;
+  return node_cpus(node, out, NULL) > 0;
+}
+
+void pm__numa_thread_follow(int device) {
+  if (!pm__opt_int(PM__OPT_NUMA_THREADS)) return;
+  int node = device < 0 ? -1 : pm__numa_node_for(device);
+  if (node == tl_node) return;
+  tl_node = node;
+  if (node < 0) {
+    restore_thread();
+    return;
+  }
+  pm__cpus_t cpus;
+  bool known = false;
+  int count = node_cpus(node, &cpus, &known);
   if (count == 0) {
     atomic_fetch_add(&threads_refused, 1);
     note(last_thread_problem, sizeof last_thread_problem,
@@ -414,6 +432,10 @@ void pm__numa_thread_follow(int device) {
     restore_thread();
     return;
   }
+  cpu_set_t want;
+  CPU_ZERO(&want);
+  for (int c = 0; c < PM__CPUS_MAX && c < CPU_SETSIZE; c++)
+    if (pm__cpus_has(&cpus, c)) CPU_SET(c, &want);
   int e = pthread_setaffinity_np(pthread_self(), sizeof want, &want);
   if (e != 0) {
     atomic_fetch_add(&threads_refused, 1);
