@@ -211,10 +211,7 @@ static void summary_add(summary_t *s, const row_t *r) {
 }
 
 static void target_line(const char *what, const char *figure, bool met, bool applies) {
-  if (!applies)
-    printf("TARGET %s: %s  (speed targets apply to the cuda backend only)\n", what, figure);
-  else
-    printf("TARGET %s: %s  %s\n", what, figure, met ? "PASS" : "MISS");
+  cli_target(stdout, what, true, applies, met, figure);
 }
 
 static void print_targets(const summary_t *s) {

@@ -510,13 +510,7 @@ void bc_copy_row_json(cli_json_t *j, const char *name, const char *dir, size_t b
 /* TARGET lines go with the table on stdout, or to stderr with --json (stdout stays JSON lines),
  * so the targets are in every run's output. */
 void bc_target(const bench_t *b, const char *what, bool measured, bool met, const char *fig) {
-  FILE *out = b->o.json ? stderr : stdout;
-  if (!measured)
-    fprintf(out, "TARGET %s: not measured in this run\n", what);
-  else if (!b->cuda)
-    fprintf(out, "TARGET %s: %s  (speed targets apply to the cuda backend only)\n", what, fig);
-  else
-    fprintf(out, "TARGET %s: %s  %s\n", what, fig, met ? "PASS" : "MISS");
+  cli_target(b->o.json ? stderr : stdout, what, measured, b->cuda, met, fig);
 }
 
 /* Shared start of both benchmarks: parse the options, start pinmem, fill the defaults. Returns

@@ -379,14 +379,18 @@ static combo_t combo_resolved(const combo_t *k, bool save) {
   return r;
 }
 
-static void pm_load(fbench_t *b, pm_file_io_t io) {
+/* pinmem's own read of the test file into device memory (save: its write from device memory
+ * into the output file, fdatasync'd), with the sweep's combination in force. */
+static void pm_transfer(fbench_t *b, pm_file_io_t io, bool save) {
   pm_file_options_t o;
   pm_file_options_init(&o);
   o.io = io;
   o.chunk = b->cur.chunk;
   o.threads = b->cur.threads;
+  o.fsync = save;
   pm_fence_t f;
-  cli_check(pm_file_read_async(b->fd, 0, b->o.bytes, b->dev, b->s, &o, &f));
+  cli_check(save ? pm_file_write_async(b->out_fd, 0, b->o.bytes, b->dev, b->s, &o, &f)
+                 : pm_file_read_async(b->fd, 0, b->o.bytes, b->dev, b->s, &o, &f));
   cli_check(pm_fence_wait(f));
   cli_check(pm_fence_release(f));
 }
@@ -417,19 +421,6 @@ static void disk_read(fbench_t *b) {
     if (!io_all(dfd, false, b->aligned, n, off)) fail_errno("pread O_DIRECT", b->path);
   }
   close(dfd);
-}
-
-static void pm_save(fbench_t *b, pm_file_io_t io) {
-  pm_file_options_t o;
-  pm_file_options_init(&o);
-  o.io = io;
-  o.chunk = b->cur.chunk;
-  o.threads = b->cur.threads;
-  o.fsync = 1;
-  pm_fence_t f;
-  cli_check(pm_file_write_async(b->out_fd, 0, b->o.bytes, b->dev, b->s, &o, &f));
-  cli_check(pm_fence_wait(f));
-  cli_check(pm_fence_release(f));
 }
 
 static void plain_save(fbench_t *b) {
@@ -519,17 +510,17 @@ static result_t run_case(fbench_t *b, int c) {
     double t0 = now();
     switch (c) {
       case C_LOAD_HOT:
-      case C_LOAD_COLD: pm_load(b, PM_FILE_IO_BUFFERED); break;
-      case C_LOAD_DIRECT: pm_load(b, PM_FILE_IO_DIRECT); break;
+      case C_LOAD_COLD: pm_transfer(b, PM_FILE_IO_BUFFERED, false); break;
+      case C_LOAD_DIRECT: pm_transfer(b, PM_FILE_IO_DIRECT, false); break;
       case C_LOAD_HOT_AUTO:
-      case C_LOAD_COLD_AUTO: pm_load(b, PM_FILE_IO_AUTO); break;
+      case C_LOAD_COLD_AUTO: pm_transfer(b, PM_FILE_IO_AUTO, false); break;
       case C_PLAIN_HOT:
       case C_PLAIN_COLD: plain_load(b); break;
       case C_LOAD_HOT_MMAP: mmap_load(b); break;
       case C_DISK_READ: disk_read(b); break;
-      case C_SAVE_BUFFERED: pm_save(b, PM_FILE_IO_BUFFERED); break;
-      case C_SAVE_DIRECT: pm_save(b, PM_FILE_IO_DIRECT); break;
-      case C_SAVE_AUTO: pm_save(b, PM_FILE_IO_AUTO); break;
+      case C_SAVE_BUFFERED: pm_transfer(b, PM_FILE_IO_BUFFERED, true); break;
+      case C_SAVE_DIRECT: pm_transfer(b, PM_FILE_IO_DIRECT, true); break;
+      case C_SAVE_AUTO: pm_transfer(b, PM_FILE_IO_AUTO, true); break;
       case C_PLAIN_SAVE: plain_save(b); break;
       case C_DISK_WRITE: disk_write(b); break;
     }
@@ -600,13 +591,7 @@ static void teardown(fbench_t *b) {
 }
 
 static void target(const fbench_t *b, const char *what, bool measured, bool met, const char *fig) {
-  FILE *out = b->o.json ? stderr : stdout;
-  if (!measured)
-    fprintf(out, "TARGET %s: not measured in this run\n", what);
-  else if (!b->cuda)
-    fprintf(out, "TARGET %s: %s  (speed targets apply to the cuda backend only)\n", what, fig);
-  else
-    fprintf(out, "TARGET %s: %s  %s\n", what, fig, met ? "PASS" : "MISS");
+  cli_target(b->o.json ? stderr : stdout, what, measured, b->cuda, met, fig);
 }
 
 /* The best (fastest verified) row of each case over the sweep, with its combination. */

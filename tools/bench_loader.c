@@ -1188,13 +1188,8 @@ static const result_t *find(const bench_t *B, const char *name) {
 
 static void target(const bench_t *B, const char *what, const result_t *r, bool met, const char *fig,
                    bool speed) {
-  FILE *out = B->o.json ? stderr : stdout;
-  if (!r)
-    fprintf(out, "TARGET %s: not measured in this run\n", what);
-  else if (speed && !B->cuda)
-    fprintf(out, "TARGET %s: %s  (speed targets apply to the cuda backend only)\n", what, fig);
-  else
-    fprintf(out, "TARGET %s: %s  %s\n", what, fig, met && r->verified ? "PASS" : "MISS");
+  cli_target(B->o.json ? stderr : stdout, what, r != NULL, !speed || B->cuda,
+             met && r && r->verified, fig);
 }
 
 static void print_targets(const bench_t *B, const src_t *img, size_t batch) {

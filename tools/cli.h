@@ -93,6 +93,11 @@ int cli_list_empty_item(const char *text);
  * header, on stderr with --json (stdout stays JSON lines), there at the end beside the TARGET
  * lines, so a run that fails early leaves only its error on stderr. */
 void cli_host_note(bool json, const char *what);
+/* One TARGET line on `out` (stdout beside a table, stderr with --json): "not measured in this
+ * run" when !measured; the figure with "(speed targets apply to the cuda backend only)" when
+ * !applies (the host backend); else the figure and PASS or MISS. */
+void cli_target(FILE *out, const char *what, bool measured, bool applies, bool met,
+                const char *fig);
 
 /* Progress on stderr while a benchmark runs: one line rewritten with \r, only when stderr is a
  * terminal and --quiet was not given (so logs and pipes never see it), at most ten times a

@@ -280,6 +280,16 @@ int cli_list_empty_item(const char *text) {
   }
 }
 
+void cli_target(FILE *out, const char *what, bool measured, bool applies, bool met,
+                const char *fig) {
+  if (!measured)
+    fprintf(out, "TARGET %s: not measured in this run\n", what);
+  else if (!applies)
+    fprintf(out, "TARGET %s: %s  (speed targets apply to the cuda backend only)\n", what, fig);
+  else
+    fprintf(out, "TARGET %s: %s  %s\n", what, fig, met ? "PASS" : "MISS");
+}
+
 void cli_host_note(bool json, const char *what) {
   if (pm_backend_kind() != PM_BACKEND_HOST) return;
   cli_progress_clear();

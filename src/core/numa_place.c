@@ -287,18 +287,28 @@ static bool node_allowed(int node, char *why, size_t len) {
 }
 #endif
 
-bool pm__numa_bind(void *addr, size_t len, int node) {
-  if (node < 0 || !addr || len == 0) return false;
+/* libnuma is there and the process may use `node`; else the failure of `what` is counted. */
+static bool placeable(int node, const char *what) {
   if (!libnuma()) {
-    count_failure(node, "binding", nl_why);
+    count_failure(node, what, nl_why);
     return false;
   }
 #if defined(PINMEM_HAVE_NUMA_H)
   char why[200];
   if (!node_allowed(node, why, sizeof why)) {
-    count_failure(node, "binding", why);
+    count_failure(node, what, why);
     return false;
   }
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool pm__numa_bind(void *addr, size_t len, int node) {
+  if (node < 0 || !addr || len == 0 || !placeable(node, "binding")) return false;
+#if defined(PINMEM_HAVE_NUMA_H)
+  char why[200];
   unsigned long mask[PM__MASK_WORDS];
   mask_of(node, mask);
   if (nl.mbind(addr, len, MPOL_PREFERRED, mask, PM__MASK_BITS + 1, 0) != 0) {
@@ -315,17 +325,9 @@ bool pm__numa_bind(void *addr, size_t len, int node) {
 
 bool pm__numa_prefer_begin(int node, pm__numa_policy_t *saved) {
   memset(saved, 0, sizeof *saved);
-  if (node < 0) return false;
-  if (!libnuma()) {
-    count_failure(node, "preferring", nl_why);
-    return false;
-  }
+  if (node < 0 || !placeable(node, "preferring")) return false;
 #if defined(PINMEM_HAVE_NUMA_H)
   char why[200];
-  if (!node_allowed(node, why, sizeof why)) {
-    count_failure(node, "preferring", why);
-    return false;
-  }
   _Static_assert(sizeof saved->mask == PM__MASK_WORDS * sizeof(unsigned long), "mask size");
   if (nl.get_mempolicy(&saved->mode, saved->mask, PM__MASK_BITS + 1, NULL, 0) != 0) {
     snprintf(why, sizeof why, "get_mempolicy: %s", strerror(errno));

@@ -57,13 +57,8 @@ void pm__thread_set_device(int device) {
 }
 
 void pm__thread_enter(int device) {
-  if (device >= 0) {
-    const pm__backend_t *b = pm__backend_raw();
-    int cur = -1;
-    /* A failure leaves the thread where it was; the work's own call then reports the trouble
-     * (an invalid device cannot reach here: the device came from a get_device). */
-    if (b && (b->get_device(&cur) != PM_OK || cur != device)) (void)b->set_device(device);
-    pm__devices_used_mark(device);
-  }
+  /* The device came from a get_device of a running backend, so it is valid and the backend is
+   * up: the switch (if any) and the mark are pm__thread_set_device's. */
+  pm__thread_set_device(device);
   pm__numa_thread_follow(device);
 }
