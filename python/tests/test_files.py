@@ -48,8 +48,11 @@ def no_fd_leak():
     before = open_fds()
     yield
     gc.collect()
+    # Files replaced by saves are freed by a background thread: its descriptors go once idle.
+    assert pinmem.safetensors._releaser.wait_idle(timeout=60)
     leaked = open_fds() - before
-    assert not leaked, f"file descriptors left open: {sorted(leaked)}"
+    assert not leaked, "file descriptors left open: %s" % sorted(
+        (fd, os.path.realpath("/proc/self/fd/" + fd)) for fd in leaked)
 
 
 def skip_unless_safetensors():
@@ -616,6 +619,112 @@ def test_save_is_durable_and_keeps_mode(save, tmp_path, monkeypatch):
         h.wait(timeout=60)
     assert calls == [("write", True), ("rename",), ("fsync", str(tmp_path))]
     assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+def _truncations(monkeypatch):
+    """The paths the release thread truncates (the inodes it frees itself)."""
+    seen = []
+    real = os.ftruncate
+    monkeypatch.setattr(os, "ftruncate", lambda fd, n: seen.append(
+        (os.fstat(fd).st_ino, n)) or real(fd, n))
+    return seen
+
+
+@pytest.mark.parametrize("save", ["save_file", "save_file_async"])
+def test_replaced_file_is_freed_in_the_background(save, tmp_path, monkeypatch, no_fd_leak):
+    """The file a save replaces is held across the rename and freed (truncated, as its only
+    holder) by the release thread, which then closes it."""
+    path, _ = old_file(tmp_path)
+    ino = os.stat(path).st_ino
+    seen = _truncations(monkeypatch)
+    h = getattr(pinmem.safetensors, save)({"w": np.ones(5000)}, path)
+    if h is not None:
+        h.wait(timeout=60)
+    assert pinmem.safetensors._releaser.wait_idle(timeout=60)
+    assert seen == [(ino, 0)]
+    assert os.stat(path).st_ino != ino
+    pinmem.safetensors.save_file({"w": np.ones(5000)}, tmp_path / "fresh")  # replaces nothing
+    assert path.read_bytes() == (tmp_path / "fresh").read_bytes()
+
+
+@pytest.mark.parametrize("holder", ["fd", "mmap", "hard link"])
+def test_replaced_file_stays_whole_for_its_other_users(holder, tmp_path, monkeypatch, no_fd_leak):
+    """A replaced file that another open file, a mapping or a second name still reaches keeps
+    every byte: the release thread only closes its own descriptor."""
+    import mmap
+    path, old = old_file(tmp_path)
+    seen = _truncations(monkeypatch)
+    fd = os.open(path, os.O_RDONLY)
+    m = None
+    if holder == "mmap":
+        m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        os.close(fd)  # only the mapping keeps it open
+        fd = None
+    elif holder == "hard link":
+        os.link(path, tmp_path / "other-name")
+        os.close(fd)
+        fd = None
+    try:
+        pinmem.safetensors.save_file({"w": np.zeros(3)}, path)
+        assert pinmem.safetensors._releaser.wait_idle(timeout=60)
+        assert seen == []
+        if holder == "fd":
+            assert os.pread(fd, len(old) + 1, 0) == old
+        elif holder == "mmap":
+            assert m[:] == old
+        else:
+            assert (tmp_path / "other-name").read_bytes() == old
+    finally:
+        if m is not None:
+            m.close()
+        if fd is not None:
+            os.close(fd)
+
+
+def test_replaced_file_not_writable_is_closed(tmp_path, monkeypatch, no_fd_leak):
+    """An old file this process may only read is still replaced, and only closed."""
+    if os.geteuid() == 0:
+        pytest.skip("root may open any file for writing")
+    path, _ = old_file(tmp_path)
+    os.chmod(path, 0o440)
+    seen = _truncations(monkeypatch)
+    pinmem.safetensors.save_file({"w": np.zeros(3)}, path)
+    assert pinmem.safetensors._releaser.wait_idle(timeout=60)
+    assert seen == []
+    assert os.stat(path).st_mode & 0o777 == 0o440
+
+
+def test_failed_save_closes_the_held_file(tmp_path, monkeypatch, no_fd_leak):
+    """A rename that fails leaves the old file as it was, and no descriptor on it."""
+    path, old = old_file(tmp_path)
+
+    def refuse(a, b):
+        raise OSError(errno.EXDEV, "injected rename failure")
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="injected"):
+        pinmem.safetensors.save_file({"w": np.zeros(3)}, path)
+    assert_untouched(tmp_path, path, old)
+
+
+def test_release_after_fork_leaves_no_descriptor_in_the_child(tmp_path, no_fd_leak):
+    """A child forked while a replaced file waits for release does not keep it open."""
+    path, _ = old_file(tmp_path)
+    rel = pinmem.safetensors._releaser
+    fd = os.open(path, os.O_RDONLY)
+    with rel._cv:  # a descriptor queued, the thread kept from taking it until after the fork
+        rel._fds.append(fd)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if not rel._fds and rel._thread is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with rel._cv:
+        if rel._thread is None:
+            rel._fds.remove(fd)
+            os.close(fd)
+        else:
+            rel._cv.notify_all()
+    assert rel.wait_idle(timeout=60)
 
 
 # ---- safetensors: save_file_async --------------------------------------------------------
