@@ -6,7 +6,9 @@ One checkpoint (default: 96 bf16 tensors of 4096x4096, 3 GiB; --size for another
 default the system's temporary folder) and timed, each as GB/s of checkpoint bytes:
 
   * the disk's own rate: dd-like O_DIRECT write and read of a file the checkpoint's size in
-    16 MiB blocks (fsync'd); "unavailable" where the filesystem refuses O_DIRECT (tmpfs);
+    16 MiB blocks (fsync'd), at the start and again right before each timed pinmem save and
+    cold load, the best of all kept (the Disk class says why); "unavailable" where the
+    filesystem refuses O_DIRECT (tmpfs);
   * loads, page cache hot and cold: safetensors.torch.load_file(device=...), torch.load(
     mmap=True, map_location=...), pinmem.safetensors.load_file(device=...). Cold: the file's
     pages are dropped with posix_fadvise(POSIX_FADV_DONTNEED) after an fsync, and also with
@@ -14,8 +16,8 @@ default the system's temporary folder) and timed, each as GB/s of checkpoint byt
   * saves of the device tensors, fsync included: safetensors.torch.save_file, torch.save,
     pinmem.safetensors.save_file; save_file_async's return time beside the device-to-host copy
     into pinned memory alone (the snapshot it takes);
-  * page cache -> pinned host memory alone (pinmem.read_file of the hot file, no DMA): the
-    host's own ceiling for a hot load through pinned memory, printed beside the hot-load target;
+  * page cache -> one pinned host buffer (pinmem.read_file of the hot file, no DMA): a reference
+    for the host's memory speed, printed beside the hot-load target;
   * a training loop (a small MLP, K steps) with save_file_async every N steps against the same
     loop without saves, the two run in turn --repeat times and the best of each kept: the
     slowdown in percent, and how much of it is the wait for the last save to be durable.
@@ -114,36 +116,75 @@ def warm(path):
             pass
 
 
-def disk_rate(path, total):
-    """dd-like O_DIRECT write then read of `total` bytes in 16 MiB blocks: (write s, read s),
-    or None where O_DIRECT is refused."""
-    buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT wants
-    buf.write(os.urandom(1 << 16) * (BLOCK >> 16))
-    blocks = max(1, -(-total // BLOCK))
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    except OSError:
-        return None
-    try:
-        t0 = time.perf_counter()
-        for i in range(blocks):
-            os.pwritev(fd, [buf], i * BLOCK)
-        os.fsync(fd)
-        tw = time.perf_counter() - t0
-    except OSError:
-        os.close(fd)
-        return None
-    os.close(fd)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        t0 = time.perf_counter()
-        for i in range(blocks):
-            os.preadv(fd, [buf], i * BLOCK)
-        tr = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return tw * total / (blocks * BLOCK), tr * total / (blocks * BLOCK)
+class Disk:
+    """The disk's own rate: dd-like O_DIRECT writes and reads of a file the checkpoint's size in
+    16 MiB blocks (the write fsync'd). Measured once at the start and again right before each
+    timed pinmem save and cold load, so that the disk's drift during the run (a virtual disk's
+    rate moves by a fifth from minute to minute) hits both sides alike; the best of each side is
+    compared. Each write starts on a quiet disk: the file removed and synced first, so the
+    freeing of the previous one (and a `discard` mount's discards) is not timed."""
+
+    def __init__(self, path, total):
+        self.path, self.total = path, total
+        self.buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT wants
+        self.buf.write(os.urandom(1 << 16) * (BLOCK >> 16))
+        self.blocks = max(1, -(-total // BLOCK))
+        self.writes, self.reads = [], []
+        self.ok = True
+
+    def _scale(self, seconds):
+        return seconds * self.total / (self.blocks * BLOCK)
+
+    def write(self):
+        if not self.ok:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.sync()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        except OSError:
+            self.ok = False
+            return
+        try:
+            t0 = time.perf_counter()
+            for i in range(self.blocks):
+                os.pwritev(fd, [self.buf], i * BLOCK)
+            os.fsync(fd)
+            self.writes.append(self._scale(time.perf_counter() - t0))
+        except OSError:
+            self.ok = False
+        finally:
+            os.close(fd)
+
+    def read(self):
+        if not self.ok:
+            return
+        if not self.writes:
+            self.write()
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            t0 = time.perf_counter()
+            for i in range(self.blocks):
+                os.preadv(fd, [self.buf], i * BLOCK)
+            self.reads.append(self._scale(time.perf_counter() - t0))
+        finally:
+            os.close(fd)
+
+    def remove(self):
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def quiet(pinmem):
+    """No write of an earlier step still in flight: pinmem's release of a replaced file done, and
+    everything synced."""
+    pinmem.safetensors._releaser.wait_idle()
+    os.sync()
 
 
 FILE_OPTIONS = ("file_chunk", "file_threads", "file_slots", "file_part")
@@ -263,14 +304,12 @@ def main():
         p_pt = os.path.join(tmp, "ckpt.pt")
         p_pm = os.path.join(tmp, "pm.safetensors")
 
-        # The disk's own rate.
-        rates = disk_rate(os.path.join(tmp, "dd.bin"), size)
-        if rates:
-            disk_w = report("disk_odirect_write", rates[0], size)
-            disk_r = report("disk_odirect_read", rates[1], size)
-        else:
+        # The disk's own rate: at the start, and again beside each pinmem save and cold load.
+        disk = Disk(os.path.join(tmp, "dd.bin"), size)
+        disk.write()
+        disk.read()
+        if not disk.ok:
             say("  disk O_DIRECT rate: unavailable (the filesystem refuses O_DIRECT)")
-            disk_w = disk_r = None
 
         # Saves (device tensors, fsync included).
         def timed_save(fn, path):
@@ -288,8 +327,18 @@ def main():
                       size)
         pm_save = direct_share(pinmem, timed_save(
             lambda p: pinmem.safetensors.save_file(tensors, p), p_pm))
-        s_pm = report("pinmem_save", best(pm_save, args.repeat), size,
+
+        def save_beside_disk():
+            quiet(pinmem)
+            disk.write()
+            quiet(pinmem)
+            return pm_save()
+        s_pm = report("pinmem_save", best(save_beside_disk, args.repeat), size,
                       direct_share=pm_save.share, **file_opts)
+        disk_w = None
+        if disk.ok:
+            disk_w = report("disk_odirect_write", min(disk.writes), size, runs=len(disk.writes),
+                            each_gbps=[round(size / x / 1e9, 3) for x in disk.writes])
 
         # save_file_async: its return against the D2H snapshot alone.
         def d2h_alone():
@@ -345,17 +394,29 @@ def main():
             loads[name + "_hot"] = report(name + "_hot", secs, size, **extra)
             run = timed_load(fn, path, True)
             cold = direct_share(pinmem, run)
-            secs = best(cold, 1)
+            if pm:  # beside the disk's own read, args.repeat times (see Disk)
+                def cold_beside_disk():
+                    quiet(pinmem)
+                    disk.read()
+                    return cold()
+                secs = best(cold_beside_disk, args.repeat)
+            else:
+                secs = best(cold, 1)
             cold_how = run.how
             if pm:
                 extra["direct_share"] = cold.share
             loads[name + "_cold"] = report(name + "_cold", secs, size, cold=run.how, **extra)
         say("  cold runs dropped the page cache with: %s" % cold_how)
+        disk_r = None
+        if disk.ok:
+            disk_r = report("disk_odirect_read", min(disk.reads), size, runs=len(disk.reads),
+                            each_gbps=[round(size / x / 1e9, 3) for x in disk.reads])
+        disk.remove()
 
-        # This machine's ceiling for a hot load through pinned memory: the page cache copied
-        # into pinned host memory by the same threads, with no DMA after it. A hot load cannot
-        # beat it (every byte is copied so, then DMA'd), so it tells how far a hot-load figure
-        # is set by the host's memory rather than by pinmem.
+        # A reference for the host's memory: the hot file copied from the page cache into one
+        # pinned host buffer of the checkpoint's size by the same threads, with no DMA. Where it
+        # is slow, hot loads are slow for the same reason. A hot load can beat it: its 8 MiB
+        # slots are reused and stay in the CPU caches, where this writes 3 GiB of fresh memory.
         ceiling = None
         try:
             host = pinmem.empty(size, "uint8")
