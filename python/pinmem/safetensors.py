@@ -15,14 +15,16 @@ copied into its own aligned tensor, as views must be aligned.
 
 Saving snapshots every tensor into one pinned buffer laid out as the file (header, then the
 tensors by falling item size so that each is aligned), by DMA for device tensors, then writes it
-with one pinmem write and fsync to a temporary name beside the target, renames that over the
-target and fsyncs the directory: a failed or interrupted save leaves the old file as it was and
-no temporary behind. The file a save replaces is held open across the rename and freed
-afterwards by a background thread (_Releaser): freeing a large file's blocks (with the discards
-of a filesystem mounted with `discard`) otherwise happens inside the rename and the directory's
-fsync, and cost a 3 GiB save a third of its time on an ext4 virtual disk. save_file_async returns once the snapshot is taken (the tensors may change
-from then on) and writes on a background thread; the pinned snapshot goes back to the pool as
-soon as the write is done.
+with pinmem writes and fsync to a temporary name beside the target, renames that over the target
+and fsyncs the directory: a failed or interrupted save leaves the old file as it was and no
+temporary behind. save_file writes a first piece as soon as the DMAs into it are done and the
+rest after (_write_pieces), so the disk starts while the copies go on. The file a save replaces
+is held open across the rename and freed afterwards by a background thread (_Releaser): freeing
+a large file's blocks (with the discards of a filesystem mounted with `discard`) otherwise
+happens inside the rename and the directory's fsync, and cost a 3 GiB save a third of its time
+on an ext4 virtual disk. save_file_async returns once the snapshot is taken (the tensors may
+change from then on) and writes on a background thread; the pinned snapshot goes back to the
+pool as soon as the write is done.
 
 torch is imported only when a torch tensor is made or given; NumPy arrays may be saved without
 it (header checks need neither).
@@ -278,9 +280,11 @@ def _source(name, t):
                     "tensor or a NumPy array")
 
 
-def _snapshot(tensors, metadata):
+def _snapshot(tensors, metadata, wait=True):
     """The whole file in one buffer (pinned when the budget allows): header and every tensor's
-    bytes, the device ones copied by DMA; returns once every copy is done."""
+    bytes, the device ones copied by DMA; returns once every copy is done. wait=False: returns
+    (buffer, copies) at once, copies being (begin, end, Completion) of the DMAs still running,
+    in file order (the host ones are done)."""
     _check_byteorder()
     if not isinstance(tensors, dict):
         raise TypeError(f"pinmem.safetensors: expected a dict of names to tensors, not "
@@ -325,9 +329,11 @@ def _snapshot(tensors, metadata):
             if isinstance(view, _np.ndarray) or view.device.type == "cpu":
                 host[pos:pos + n] = view if isinstance(view, _np.ndarray) else view.numpy()
             else:
-                pending.append(_pm.copy(mv[pos:pos + n], view, stream))
+                pending.append((pos, pos + n, _pm.copy(mv[pos:pos + n], view, stream)))
             pos += n
-        for c in pending:
+        if not wait:
+            return buf, pending
+        for _, _, c in pending:
             c.wait()
         del mv, pending, host
     except BaseException:
@@ -444,16 +450,52 @@ def _release(fd):
         _os.close(fd)
 
 
-def _write_durable(buf, path):
+# A save whose DMAs are still running writes its first piece (at least this much, and a 16th of
+# the file) as soon as the DMAs into it are done, and the rest after: the disk starts while the
+# device-to-host copies go on (they run 25 times faster than this disk writes, so they are all
+# done by the time the first piece is).
+FIRST_PIECE = 64 << 20
+
+
+def _write_pieces(tmp, buf, copies):
+    """buf into the file tmp, fsync'd: in one write, or in two when DMAs into buf still run
+    (copies: (begin, end, Completion) in file order), the first starting once the DMAs into its
+    bytes are done. The cut is on a 4 KiB boundary, so both pieces stay whole for O_DIRECT."""
+    total = len(memoryview(buf).cast("B"))
+    cut = max(FIRST_PIECE, total // 16)
+    cut -= cut % 4096
+    if not copies or cut <= 0 or cut >= total:
+        for _, _, c in copies:
+            c.wait()
+        _pm.write_file(tmp, buf, fsync=True).wait()
+        return
+    rest = []
+    for begin, end, c in copies:
+        if begin < cut:
+            c.wait()
+        else:
+            rest.append(c)
+    mv = memoryview(buf).cast("B")
+    try:
+        _pm.write_file(tmp, mv[:cut]).wait()
+        for c in rest:
+            c.wait()
+        _pm.write_file(tmp, mv[cut:], cut, fsync=True, truncate=False).wait()
+    finally:
+        mv.release()
+
+
+def _write_durable(buf, path, copies=()):
     """buf as the file at path, atomically: a temporary beside it, fsync, rename, fsync of the
     directory. On any failure the temporary is removed and path is as it was. The file replaced
-    is freed in the background (_Releaser)."""
+    is freed in the background (_Releaser). copies: DMAs into buf still running (_write_pieces);
+    all are waited for before this returns, whatever happens."""
     if _os.path.islink(path):
         path = _os.path.realpath(path)  # replace what the link names, not the link
     tmp = f"{path}.tmp-{_os.getpid()}-{_secrets.token_hex(4)}"
     old = None
     try:
-        _pm.write_file(tmp, buf, fsync=True).wait()
+        _write_pieces(tmp, buf, list(copies))
         try:  # keep an existing file's permissions
             _os.chmod(tmp, _stat.S_IMODE(_os.stat(path).st_mode))
         except FileNotFoundError:
@@ -461,6 +503,11 @@ def _write_durable(buf, path):
         old = _hold(path)
         _os.replace(tmp, path)
     except BaseException:
+        for _, _, c in copies:  # no DMA may still write into buf once the caller frees it
+            try:
+                c.wait()
+            except BaseException:
+                pass
         if old is not None:
             _os.close(old)  # still linked: closing frees nothing
         try:
@@ -485,10 +532,11 @@ def save_file(tensors, path, metadata=None):
     into one pinned buffer (DMA for device tensors), which is written and fsync'd under a
     temporary name that is then renamed over `path`: on any error `path` is left as it was."""
     path = _os.fspath(path)
-    buf = _snapshot(tensors, metadata)
+    buf, copies = _snapshot(tensors, metadata, wait=False)
     try:
-        _write_durable(buf, path)
+        _write_durable(buf, path, copies)
     finally:
+        del copies
         _free(buf)
 
 

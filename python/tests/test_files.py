@@ -727,6 +727,53 @@ def test_release_after_fork_leaves_no_descriptor_in_the_child(tmp_path, no_fd_le
     assert rel.wait_idle(timeout=60)
 
 
+class _FakeCopy:
+    """Stands for a DMA into the snapshot still running: wait() fills its bytes (so a piece
+    written before its wait would show zeros) and records the order."""
+
+    def __init__(self, buf, begin, end, log):
+        self.buf, self.begin, self.end, self.log = buf, begin, end, log
+
+    def wait(self):
+        np.asarray(self.buf)[self.begin:self.end] = np.arange(self.begin, self.end) % 251
+        self.log.append(("wait", self.begin))
+
+
+@pytest.mark.parametrize("total,cut_at", [(3 * 4096 + 17, 4096), ((1 << 20) + 5, 1 << 16),
+                                          (40000, 0), (5 * 4096, 8 << 20)])
+def test_save_pieces_start_after_their_own_copies(total, cut_at, tmp_path, monkeypatch,
+                                                  no_fd_leak):
+    """With DMAs still running, the first piece is written once the copies into it are done and
+    the rest once all are; the file is whole either way. cut_at 0 or past the end: one write."""
+    import pinmem.safetensors as ps
+    monkeypatch.setattr(ps, "FIRST_PIECE", cut_at)
+    buf = pinmem.empty(total, "uint8")
+    log = []
+    bounds = [0, 100, 4096 - 3, 4096 + 9, total // 2, total]
+    copies = [(b, e, _FakeCopy(buf, b, e, log)) for b, e in zip(bounds, bounds[1:]) if b < e]
+    real = pinmem.write_file
+
+    def write(path, src, offset=0, **kw):
+        log.append(("write", offset, len(memoryview(src).cast("B")), bool(kw.get("fsync"))))
+        return real(path, src, offset, **kw)
+    monkeypatch.setattr(pinmem, "write_file", write)
+    ps._write_pieces(str(tmp_path / "f"), buf, copies)
+    want = (np.arange(total) % 251).astype(np.uint8).tobytes()
+    assert (tmp_path / "f").read_bytes() == want
+    cut = max(cut_at, total // 16) // 4096 * 4096
+    writes = [e for e in log if e[0] == "write"]
+    if 0 < cut < total:
+        assert writes == [("write", 0, cut, False), ("write", cut, total - cut, True)]
+        first = log.index(writes[0])
+        waited_before = {e[1] for e in log[:first] if e[0] == "wait"}
+        assert waited_before == {b for b, _, _ in copies if b < cut}
+        assert len([e for e in log if e[0] == "wait"]) == len(copies)
+    else:
+        assert writes == [("write", 0, total, True)]
+        assert log.index(writes[0]) == len(copies)  # after every wait
+    buf.release()
+
+
 # ---- safetensors: save_file_async --------------------------------------------------------
 
 def test_save_async_snapshot_and_done(tmp_path, rng, no_fd_leak):
