@@ -621,6 +621,23 @@ def test_save_is_durable_and_keeps_mode(save, tmp_path, monkeypatch):
     assert os.stat(path).st_mode & 0o777 == 0o640
 
 
+def _leases_work(tmp_path):
+    """Whether this kernel grants a write lease on a file only this process has open."""
+    import fcntl
+    probe = tmp_path / "lease-probe"
+    probe.write_bytes(b"x")
+    fd = os.open(probe, os.O_RDWR)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
 def _truncations(monkeypatch):
     """The paths the release thread truncates (the inodes it frees itself)."""
     seen = []
@@ -641,7 +658,9 @@ def test_replaced_file_is_freed_in_the_background(save, tmp_path, monkeypatch, n
     if h is not None:
         h.wait(timeout=60)
     assert pinmem.safetensors._releaser.wait_idle(timeout=60)
-    assert seen == [(ino, 0)]
+    # Where the kernel grants no write leases at all (leases-enable 0, some sandboxes), the
+    # release only closes the file: the kernel frees it then, as after a plain rename.
+    assert seen == ([(ino, 0)] if _leases_work(tmp_path) else [])
     assert os.stat(path).st_ino != ino
     pinmem.safetensors.save_file({"w": np.ones(5000)}, tmp_path / "fresh")  # replaces nothing
     assert path.read_bytes() == (tmp_path / "fresh").read_bytes()
