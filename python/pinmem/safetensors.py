@@ -461,28 +461,25 @@ def _write_pieces(tmp, buf, copies):
     """buf into the file tmp, fsync'd: in one write, or in two when DMAs into buf still run
     (copies: (begin, end, Completion) in file order), the first starting once the DMAs into its
     bytes are done. The cut is on a 4 KiB boundary, so both pieces stay whole for O_DIRECT."""
-    total = len(memoryview(buf).cast("B"))
-    cut = max(FIRST_PIECE, total // 16)
-    cut -= cut % 4096
-    if not copies or cut <= 0 or cut >= total:
-        for _, _, c in copies:
-            c.wait()
-        _pm.write_file(tmp, buf, fsync=True).wait()
-        return
-    rest = []
-    for begin, end, c in copies:
-        if begin < cut:
-            c.wait()
-        else:
-            rest.append(c)
-    mv = memoryview(buf).cast("B")
-    try:
+    with memoryview(buf).cast("B") as mv:
+        total = len(mv)
+        cut = max(FIRST_PIECE, total // 16)
+        cut -= cut % 4096
+        if not copies or not 0 < cut < total:
+            for _, _, c in copies:
+                c.wait()
+            _pm.write_file(tmp, buf, fsync=True).wait()
+            return
+        rest = []
+        for begin, _, c in copies:
+            if begin < cut:
+                c.wait()
+            else:
+                rest.append(c)
         _pm.write_file(tmp, mv[:cut]).wait()
         for c in rest:
             c.wait()
         _pm.write_file(tmp, mv[cut:], cut, fsync=True, truncate=False).wait()
-    finally:
-        mv.release()
 
 
 def _write_durable(buf, path, copies=()):
