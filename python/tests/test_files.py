@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -809,6 +810,20 @@ def test_save_pieces_start_after_their_own_copies(total, cut_at, tmp_path, monke
     buf.release()
 
 
+@pytest.mark.parametrize("n", [1, 4096, (1 << 20) + 3] + ([] if SMALL else [(65 << 20) + 12345]))
+def test_write_device_after_a_header(n, tmp_path, rng, no_fd_leak):
+    """The data written from device memory (through the pinned slots; O_DIRECT from 64 MiB)
+    right after a header whose length is not a multiple of 4 KiB: byte for byte, durable."""
+    head = random_bytes(rng, 8 * 613).tobytes()
+    data = random_bytes(rng, n)
+    d = pinmem.device_empty((n,), "uint8")
+    pinmem.copy(d, data).wait()
+    path = tmp_path / "f"
+    pinmem.safetensors._write_device(str(path), head, d, None)
+    got = path.read_bytes()
+    assert got[:len(head)] == head and got[len(head):] == data.tobytes()
+
+
 # ---- safetensors: save_file_async --------------------------------------------------------
 
 def test_save_async_snapshot_and_done(tmp_path, rng, no_fd_leak):
@@ -845,6 +860,37 @@ def test_save_async_failure(tmp_path, monkeypatch):
     assert_untouched(tmp_path, path, before)
 
 
+def test_failed_async_write_keeps_no_scratch_alive(tmp_path, no_fd_leak):
+    """A failed background write gives its scratch back although the handle, and the error with
+    its traceback, are kept (the traceback's frames would otherwise hold it)."""
+    import functools
+    import weakref
+
+    class Scratch:  # stands for the device scratch a save writes from
+        pass
+
+    def write(tmp, flat):
+        with open(tmp, "wb") as f:
+            f.write(b"part")
+        raise OSError(errno.EIO, "disk gone (simulated)", tmp)
+
+    path, before = old_file(tmp_path)
+    scratch = Scratch()
+    gone = weakref.ref(scratch)
+    h = pinmem.safetensors.SaveHandle(str(path), "device")
+    h._thread = threading.Thread(target=h._run, args=(None, (), [scratch],
+                                                      functools.partial(write, flat=scratch)))
+    del scratch
+    h._thread.start()
+    err = h.exception(timeout=60)
+    h._thread.join()
+    assert isinstance(err, OSError) and "simulated" in str(err)
+    assert err.__traceback__ is not None  # kept, with its lines
+    gc.collect()
+    assert gone() is None, "the scratch outlived the failed save"
+    assert_untouched(tmp_path, path, before)
+
+
 def test_save_async_torch(tmp_path, rng):
     skip_unless_safetensors()
     torch = skip_unless_torch()
@@ -858,6 +904,190 @@ def test_save_async_torch(tmp_path, rng):
     for i in range(4):
         back = safetensors.torch.load_file(str(tmp_path / f"{i}.st"))
         assert all(same(torch, back[k], want[k]) for k in want)
+
+
+def test_save_async_bad_stage(tmp_path, no_fd_leak):
+    before = pinmem.stats()["in_use_bytes"]
+    with pytest.raises(ValueError, match="stage must be one of auto, device, host"):
+        pinmem.safetensors.save_file_async({"w": np.zeros(3)}, tmp_path / "x", stage="gpu")
+    assert pinmem.stats()["in_use_bytes"] == before and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stage", ["auto", "device", "host"])
+def test_save_async_arrays_stage_on_the_host(stage, tmp_path, rng, no_fd_leak):
+    """Arrays have no device: every stage copies them before the call returns."""
+    skip_unless_safetensors()
+    import safetensors.numpy
+    a = rng.random((70, 33))
+    want = a.copy()
+    h = pinmem.safetensors.save_file_async({"a": a}, tmp_path / "a", stage=stage)
+    a[:] = 0
+    h.wait(timeout=60)
+    assert h.staged == "host"
+    np.testing.assert_array_equal(safetensors.numpy.load_file(str(tmp_path / "a"))["a"], want)
+
+
+def cuda_state(torch, rng, with_cpu=True):
+    """Device tensors of several dtypes and sizes (two past 1 MiB), a non-contiguous one, a 0-d
+    one, an empty one, and (with_cpu) a CPU tensor among them: without it, every tensor is on
+    one device and the saves write from a scratch on it."""
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 30)))
+    out = {
+        "big.f32": torch.randn(1 << 19, device="cuda", generator=g) + 0,  # 2 MiB
+        "big.bf16": torch.randn(3 << 19, device="cuda", generator=g).bfloat16(),  # 3 MiB
+        "small.i64": torch.arange(1001, device="cuda"),
+        "odd.u8": torch.randint(0, 255, (4097,), dtype=torch.uint8, device="cuda", generator=g),
+        "t.f16": torch.randn(33, 65, device="cuda", generator=g).half().t(),
+        "zero.d": torch.tensor(2.5, device="cuda"),
+        "none": torch.empty(0, 3, device="cuda"),
+    }
+    if with_cpu:
+        out["cpu.f32"] = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    return out
+
+
+@pytest.mark.parametrize("stage", ["device", "auto", "host"])
+@pytest.mark.parametrize("piece,with_cpu", [(64 << 20, True), (1 << 20, True), (64 << 20, False)])
+def test_save_async_cuda_snapshot_is_taken_at_the_call(stage, piece, with_cpu, tmp_path, rng,
+                                                       monkeypatch, no_fd_leak):
+    """Whatever the stage, work queued after the call (on the tensors' stream, the host's for
+    CPU tensors) does not reach the file, which holds the values at the call, byte for byte.
+    piece 1 MiB: the copies from the scratch are cut into several DMAs. Without a CPU tensor
+    the file is written from the device scratch through pinned slots."""
+    from conftest import skip_unless_torch_cuda
+    skip_unless_safetensors()
+    torch = skip_unless_torch_cuda()
+    import safetensors.torch
+    monkeypatch.setattr(pinmem.safetensors, "FIRST_PIECE", piece)
+    state = cuda_state(torch, rng, with_cpu)
+    want = {k: v.clone() for k, v in state.items()}
+    torch.cuda.synchronize()
+    pinned = pinmem.stats()["in_use_bytes"]
+    used = torch.cuda.memory_allocated()
+    h = pinmem.safetensors.save_file_async(state, tmp_path / "s", stage=stage)
+    for t in state.values():
+        t.zero_() if t.dtype != torch.bool else t.fill_(False)
+    assert h.staged == ("host" if stage == "host" else "device")
+    h.wait(timeout=60)
+    back = safetensors.torch.load_file(str(tmp_path / "s"))
+    assert sorted(back) == sorted(want)
+    for k in want:
+        assert same(torch, back[k], want[k].cpu()), k
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == used  # the scratch went back
+    assert pinmem.stats()["in_use_bytes"] == pinned
+
+
+@pytest.mark.parametrize("stage", ["device", "auto", "host"])
+def test_save_file_cuda_every_stage(stage, tmp_path, rng, no_fd_leak):
+    """save_file of tensors all on the device (written from a scratch on it, or from a pinned
+    snapshot with "host") loads back byte for byte with the safetensors package; the scratch
+    and the snapshot are given back."""
+    from conftest import skip_unless_torch_cuda
+    skip_unless_safetensors()
+    torch = skip_unless_torch_cuda()
+    import safetensors.torch
+    state = cuda_state(torch, rng, with_cpu=False)
+    torch.cuda.synchronize()
+    pinned = pinmem.stats()["in_use_bytes"]
+    used = torch.cuda.memory_allocated()
+    pinmem.safetensors.save_file(state, tmp_path / "s", metadata={"step": "7"}, stage=stage)
+    back = safetensors.torch.load_file(str(tmp_path / "s"))
+    assert sorted(back) == sorted(state)
+    for k in state:
+        assert same(torch, back[k], state[k].cpu()), k
+    assert torch.cuda.memory_allocated() == used
+    assert pinmem.stats()["in_use_bytes"] == pinned
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+@pytest.mark.parametrize("save", ["save_file", "save_file_async"])
+def test_failed_device_write_leaves_old_file(save, tmp_path, monkeypatch, no_fd_leak):
+    """The data write from the device scratch fails: the old file stays, no temporary is left,
+    the scratch goes back."""
+    from conftest import skip_unless_torch_cuda
+    torch = skip_unless_torch_cuda()
+    path, before = old_file(tmp_path)
+    real = pinmem.write_file
+
+    def write(p, src, offset=0, **kw):
+        if offset:  # the data, after the header
+            real(p, np.zeros(100, np.uint8), offset, truncate=False)  # a part written
+            raise OSError(errno.EIO, "disk gone (simulated)", p)
+        return real(p, src, offset, **kw)
+
+    w = torch.randn(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated()
+    monkeypatch.setattr(pinmem, "write_file", write)
+    with pytest.raises(OSError, match="simulated"):
+        h = getattr(pinmem.safetensors, save)({"w": w}, path, stage="device")
+        if h is not None:
+            assert h.staged == "device"
+            h.wait(timeout=60)
+    assert_untouched(tmp_path, path, before)
+    assert torch.cuda.memory_allocated() == used
+
+
+def test_save_async_device_stage_on_a_side_stream_of_the_caller(tmp_path, rng, no_fd_leak):
+    """Tensors made and changed on the caller's own stream: the scratch copy is ordered on it."""
+    from conftest import skip_unless_torch_cuda
+    torch = skip_unless_torch_cuda()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        w = torch.full((1 << 20,), 7.0, device="cuda")
+        torch.cuda._sleep(20_000_000)  # the values are still being made when save is called
+        w.add_(1)
+        h = pinmem.safetensors.save_file_async({"w": w}, tmp_path / "w", stage="device")
+        w.add_(1)
+    h.wait(timeout=60)
+    out = pinmem.safetensors.load_file(tmp_path / "w")["w"]
+    assert torch.equal(out, torch.full((1 << 20,), 8.0))
+
+
+def test_save_async_auto_without_room_copies_to_the_host(tmp_path, rng, monkeypatch, no_fd_leak):
+    from conftest import skip_unless_torch_cuda
+    torch = skip_unless_torch_cuda()
+    monkeypatch.setattr(pinmem.safetensors, "_device_room", lambda torch, dev: 0)
+    w = torch.randn(1000, device="cuda")
+    want = w.cpu()
+    h = pinmem.safetensors.save_file_async({"w": w}, tmp_path / "w")
+    w.zero_()
+    h.wait(timeout=60)
+    assert h.staged == "host"
+    assert torch.equal(pinmem.safetensors.load_file(tmp_path / "w")["w"], want)
+
+
+@pytest.mark.parametrize("stage", ["device", "auto"])
+def test_save_async_scratch_out_of_memory(stage, tmp_path, monkeypatch, no_fd_leak):
+    """No room for the scratch: "device" raises torch's error and leaves nothing behind, "auto"
+    copies to the host instead."""
+    from conftest import skip_unless_torch_cuda
+    torch = skip_unless_torch_cuda()
+    w = torch.randn(1000, device="cuda")
+    want = w.cpu()
+    real_empty = torch.empty
+
+    def empty(*a, **kw):
+        if kw.get("dtype") is torch.uint8 and str(kw.get("device", "")).startswith("cuda"):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_empty(*a, **kw)
+
+    pinned = pinmem.stats()["in_use_bytes"]
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", empty)
+        m.setattr(pinmem.safetensors, "_device_room", lambda torch, dev: 1 << 40)
+        if stage == "device":
+            with pytest.raises(torch.cuda.OutOfMemoryError, match="simulated"):
+                pinmem.safetensors.save_file_async({"w": w}, tmp_path / "w", stage=stage)
+            assert list(tmp_path.iterdir()) == []
+            assert pinmem.stats()["in_use_bytes"] == pinned
+            return
+        h = pinmem.safetensors.save_file_async({"w": w}, tmp_path / "w", stage=stage)
+    w.zero_()
+    h.wait(timeout=60)
+    assert h.staged == "host"
+    assert torch.equal(pinmem.safetensors.load_file(tmp_path / "w")["w"], want)
 
 
 def test_save_lazy_views(tmp_path):
