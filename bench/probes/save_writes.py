@@ -9,9 +9,22 @@
              the cases rotate within each round so drift does not favour one;
   replace    what a save over an existing file costs: pinmem.safetensors.save_file and
              save_file_async of device tensors (256 MiB and 3 GiB) to the same path again and
-             again, with the time the background release of the replaced file took after it.
+             again, with the time the background release of the replaced file took after it;
+  order      whether the place in a sequence of writes matters: a dd-like O_DIRECT single
+             stream, pinmem.write_file of a filled pinned buffer and pinmem.safetensors.save_file
+             (stage "host") of 3 GiB of device tensors (its snapshot, its writes and the rename
+             with the folder's fsync timed apart), each to a new file, in every order across rounds,
+             with and without a pause before each; each case's GB/s by its place;
+  sources    whether the memory written from matters: 12 threads of 8 MiB O_DIRECT writes
+             after fallocate from one reused 64 MiB block, from a 3 GiB pinned buffer and from a
+             3 GiB pageable one, beside pinmem.write_file from the pinned and the pageable
+             buffer and from device memory (through its ring of pinned slots), and save_file
+             with stage "host" (a pinned snapshot, in two pieces or one) and "device" (from a
+             scratch on the device, through the slots), rotated within each round;
+             --cases picks some.
 
-  PYTHONPATH=build-py/python python3 bench/probes/save_writes.py patterns|replace --dir DIR
+  PYTHONPATH=build-py/python python3 bench/probes/save_writes.py \
+      patterns|replace|order|sources --dir DIR
 One JSON line per case on stdout (GB/s of each round, and the median).
 """
 import argparse
@@ -38,7 +51,7 @@ def quiet(d):
     time.sleep(0.3)
 
 
-def raw_write(d, total, threads, chunk, falloc, block):
+def raw_write(d, total, threads, chunk, falloc, block, slide=False):
     fd = os.open(os.path.join(d, "raw.bin"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
     t0 = time.perf_counter()
     if falloc and _libc.fallocate(fd, 0, 0, total) != 0:
@@ -52,7 +65,8 @@ def raw_write(d, total, threads, chunk, falloc, block):
                 nxt[0] += 1
             if k >= n:
                 return
-            os.pwrite(fd, block[:min(chunk, total - k * chunk)], k * chunk)
+            at = k * chunk if slide else 0  # slide: the block is the whole file's bytes
+            os.pwrite(fd, block[at:at + min(chunk, total - k * chunk)], k * chunk)
     ts = [threading.Thread(target=writer) for _ in range(threads)]
     for t in ts:
         t.start()
@@ -125,13 +139,150 @@ def replace(d, rounds):
     quiet(d)
 
 
+def dd_write(path, total, block):
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    for k in range(-(-total // len(block))):
+        os.pwrite(fd, block, k * len(block))
+    os.fsync(fd)
+    os.close(fd)
+    return {"total_s": time.perf_counter() - t0}
+
+
+def timed_save(t, path):
+    """save_file (stage "host") with its parts timed: the snapshot (up to the return of its
+    copies), the two pieces written and fsync'd, and the rest (hold, rename, the folder's fsync)."""
+    parts = {}
+    snap, pieces = ps._snapshot, ps._write_pieces
+
+    def timed(name, fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                parts[name] = time.perf_counter() - t0
+        return run
+    ps._snapshot, ps._write_pieces = timed("snapshot_s", snap), timed("pieces_s", pieces)
+    try:
+        t0 = time.perf_counter()
+        ps.save_file(t, path, stage="host")
+        parts["total_s"] = time.perf_counter() - t0
+    finally:
+        ps._snapshot, ps._write_pieces = snap, pieces
+    parts["after_s"] = parts["total_s"] - parts["snapshot_s"] - parts["pieces_s"]
+    return parts
+
+
+def buffers(total, block_mib):
+    """3 GiB of bf16 device tensors in 96 (a checkpoint), a page-aligned block of random bytes
+    and a filled pinned buffer of `total` bytes."""
+    import torch
+    t = {"l%02d" % i: torch.randn(4096, total // 96 // 2 // 4096, dtype=torch.bfloat16,
+                                  device="cuda") for i in range(96)}
+    block = mmap.mmap(-1, block_mib << 20)
+    block.write(os.urandom(1 << 20) * block_mib)
+    pinned = pinmem.empty(total, "uint8")
+    np.asarray(pinned)[:] = 7
+    return t, block, pinned
+
+
+def order(d, rounds):
+    total = 3 << 30
+    t, block, src = buffers(total, 16)
+
+    def pm_write(path):
+        t0 = time.perf_counter()
+        pinmem.write_file(path, src, fsync=True).wait()
+        return {"total_s": time.perf_counter() - t0}
+    cases = {"dd": lambda p: dd_write(p, total, block), "write_file": pm_write,
+             "save_file": lambda p: timed_save(t, p)}
+    names = list(cases)
+    ps.save_file(t, os.path.join(d, "warm.safetensors"), stage="host")  # the pool's snapshot
+    for r in range(rounds):
+        pause = r % 2 == 1
+        seq = names[r % 3:] + names[:r % 3]
+        if (r // 3) % 2:
+            seq.reverse()
+        quiet(d)
+        for place, name in enumerate(seq):
+            if pause:
+                quiet(d)
+            else:
+                os.sync()
+            parts = cases[name](os.path.join(d, name + ".bin"))
+            print(json.dumps(dict(bench="save_writes", case="order", write=name, round=r,
+                                  place=place, pause=pause, bytes=total,
+                                  gbps=round(total / parts["total_s"] / 1e9, 3),
+                                  **{k: round(v, 4) for k, v in parts.items()})), flush=True)
+    quiet(d)
+
+
+def sources(d, rounds, only=None):
+    import torch
+    total, mib = 3 << 30, 1 << 20
+    t, block, pinned = buffers(total, 64)
+    pageable = mmap.mmap(-1, total)  # page-aligned, as O_DIRECT wants
+    np.frombuffer(pageable, np.uint8)[:] = 7
+    pinmem.set_option("file_threads", "12")
+    pinmem.set_option("file_chunk", "8M")
+
+    def pm_write(src):
+        def run(path):
+            t0 = time.perf_counter()
+            pinmem.write_file(path, src, fsync=True).wait()
+            return time.perf_counter() - t0
+        return run
+
+    def save(piece, stage):
+        def run(path):
+            old = ps.FIRST_PIECE
+            ps.FIRST_PIECE = piece
+            try:
+                t0 = time.perf_counter()
+                ps.save_file(t, path, stage=stage)
+                return time.perf_counter() - t0
+            finally:
+                ps.FIRST_PIECE = old
+        return run
+    cases = {
+        "raw_block": lambda p: raw_write(d, total, 12, 8 * mib, 1, memoryview(block)),
+        "raw_pinned": lambda p: raw_write(d, total, 12, 8 * mib, 1, memoryview(pinned), True),
+        "raw_pageable": lambda p: raw_write(d, total, 12, 8 * mib, 1, memoryview(pageable),
+                                            True),
+        "write_file_pinned": pm_write(pinned),
+        "write_file_pageable": pm_write(np.frombuffer(pageable, np.uint8)),
+        "write_file_device": pm_write(torch.full((total,), 7, dtype=torch.uint8,
+                                                 device="cuda")),
+        "save_file_host_two_pieces": save(64 << 20, "host"),
+        "save_file_host_one_piece": save(1 << 62, "host"),
+        "save_file_device": save(64 << 20, "device"),
+    }
+    names = [n for n in cases if not only or n in only]
+    out = {n: [] for n in names}
+    ps.save_file(t, os.path.join(d, "warm.safetensors"), stage="host")  # the pool's snapshot
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            quiet(d)
+            out[name].append(round(total / cases[name](os.path.join(d, "out.bin")) / 1e9, 3))
+    quiet(d)
+    for name, v in out.items():
+        print(json.dumps(dict(bench="save_writes", case="source", write=name, bytes=total,
+                              gbps=v, median=sorted(v)[len(v) // 2])), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["patterns", "replace"])
+    ap.add_argument("what", choices=["patterns", "replace", "order", "sources"])
     ap.add_argument("--dir", required=True, help="an empty folder on the disk under test")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default="", help="sources: a comma-separated subset")
     a = ap.parse_args()
-    (patterns if a.what == "patterns" else replace)(a.dir, a.rounds)
+    if a.what == "sources":
+        sources(a.dir, a.rounds, [c for c in a.cases.split(",") if c])
+    else:
+        {"patterns": patterns, "replace": replace, "order": order}[a.what](a.dir, a.rounds)
 
 
 if __name__ == "__main__":
