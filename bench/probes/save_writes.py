@@ -16,9 +16,10 @@
              with the folder's fsync timed apart), each to a new file, in every order across rounds,
              with and without a pause before each; each case's GB/s by its place;
   sources    whether the memory written from matters: 12 threads of 8 MiB O_DIRECT writes
-             after fallocate from one reused 64 MiB block, from a 3 GiB pinned buffer and from a
-             3 GiB pageable one, beside pinmem.write_file from the pinned and the pageable
-             buffer and from device memory (through its ring of pinned slots), and save_file
+             after fallocate from one reused 64 MiB block, from a 3 GiB pinned buffer, from a
+             3 GiB pageable one and from a 112 MiB ring of either, beside pinmem.write_file
+             from the pinned and the pageable buffer and from device memory (through its ring
+             of pinned slots), and save_file
              with stage "host" (a pinned snapshot, in two pieces or one) and "device" (from a
              scratch on the device, through the slots), rotated within each round;
              --cases picks some.
@@ -65,7 +66,9 @@ def raw_write(d, total, threads, chunk, falloc, block, slide=False):
                 nxt[0] += 1
             if k >= n:
                 return
-            at = k * chunk if slide else 0  # slide: the block is the whole file's bytes
+            # slide: through the block in turn (a whole file's bytes, or a ring reused), else
+            # always its start
+            at = (k * chunk) % len(block) if slide else 0
             os.pwrite(fd, block[at:at + min(chunk, total - k * chunk)], k * chunk)
     ts = [threading.Thread(target=writer) for _ in range(threads)]
     for t in ts:
@@ -250,6 +253,11 @@ def sources(d, rounds, only=None):
         "raw_pinned": lambda p: raw_write(d, total, 12, 8 * mib, 1, memoryview(pinned), True),
         "raw_pageable": lambda p: raw_write(d, total, 12, 8 * mib, 1, memoryview(pageable),
                                             True),
+        # A ring the size of write_file's slots (14 x 8 MiB), pinned or not: size or pinning?
+        "raw_pinned_ring": lambda p: raw_write(d, total, 12, 8 * mib, 1,
+                                               memoryview(pinned)[:112 * mib], True),
+        "raw_pageable_ring": lambda p: raw_write(d, total, 12, 8 * mib, 1,
+                                                 memoryview(pageable)[:112 * mib], True),
         "write_file_pinned": pm_write(pinned),
         "write_file_pageable": pm_write(np.frombuffer(pageable, np.uint8)),
         "write_file_device": pm_write(torch.full((total,), 7, dtype=torch.uint8,
