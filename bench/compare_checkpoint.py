@@ -379,7 +379,8 @@ def main():
         secs = best(async_return("auto"), args.repeat)
         a_ret = report("pinmem_save_async_return", secs, size, stage="auto", staged=staged[-1])
         secs = best(async_return("host"), args.repeat)
-        report("pinmem_save_async_return_host", secs, size, stage="host", staged=staged[-1])
+        a_host = report("pinmem_save_async_return_host", secs, size, stage="host",
+                        staged=staged[-1])
 
         # Loads, hot and cold.
         def timed_load(fn, path, cold):
@@ -523,7 +524,6 @@ def main():
             targets.append(("cold load and save >= 0.9x the disk's rate", "not measured (no "
                             "O_DIRECT here)", None))
         ratio = a_ret["seconds"] / d2h["seconds"]
-        a_host = next(r for r in results if r["case"] == "pinmem_save_async_return_host")
         targets.append(("async save returns in <= 1.3x the D2H alone",
                         "%.2fx (%.4f s vs %.4f s, staged on the %s; stage host: %.2fx)" % (
                             ratio, a_ret["seconds"], d2h["seconds"], a_ret["staged"],

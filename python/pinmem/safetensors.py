@@ -289,13 +289,14 @@ def _source(name, t):
                     "tensor or a NumPy array")
 
 
-# Device staging (save_file_async, stage "auto" or "device"). A device's tensors are first
-# copied on the stream they are used on into one scratch buffer on that device (a device copy,
-# some 40 times faster than the copy to the host), and the copies to pinned memory run from
-# there on a side stream. The call returns once that work is queued: work the caller queues
-# later on the tensors' stream runs after the scratch copy, so it cannot change the snapshot,
-# and the copy to the host runs beside the caller's next kernels instead of in front of them.
-# The scratch memory goes back to torch's caching allocator once those copies are done.
+# Device staging (stage "auto" or "device"). A device's tensors are first copied on the stream
+# they are used on into one scratch buffer on that device (a device copy, some 40 times faster
+# than the copy to the host); the file is written from there on a side stream, through pinmem's
+# slots (_write_device) or, with tensors elsewhere too, through a pinned snapshot (_snapshot).
+# save_file_async returns once that work is queued: work the caller queues later on the
+# tensors' stream runs after the scratch copy, so it cannot change the snapshot, and the copies
+# to the host run beside the caller's next kernels instead of in front of them. The scratch
+# goes back to torch's caching allocator once the copies from it are done.
 _SIDE_STREAMS = {}
 _SIDE_LOCK = _threading.Lock()
 STAGES = ("auto", "device", "host")
@@ -690,6 +691,33 @@ def _write_durable(buf, path, copies=(), write=None):
             _releaser.put(old)
 
 
+def _plan(tensors, metadata, stage, snapshot_stage):
+    """What a save writes, as _write_saved takes it: (buf, copies, keep, write). From a device
+    scratch when _on_device finds one (write set, buf None), else from a pinned snapshot made
+    with snapshot_stage (copies: its DMAs still running; keep: scratches they read)."""
+    layout = _layout(tensors, metadata, stage)
+    dev = _on_device(*layout, stage)
+    if dev is not None:
+        flat, side = dev
+        return None, [], [flat], _functools.partial(_write_device, head=layout[0], flat=flat,
+                                                    stream=side)
+    buf, copies, keep = _snapshot(tensors, metadata, wait=False, stage=snapshot_stage,
+                                  layout=layout)
+    return buf, copies, keep, None
+
+
+def _write_saved(path, buf, copies, keep, write):
+    """_write_durable of a _plan, then everything it held given back: every copy (and with
+    `write`, every DMA from the scratch) is done by then, whatever happened."""
+    try:
+        _write_durable(buf, path, copies, write)
+    finally:
+        del copies, write
+        keep.clear()  # a scratch goes back to torch's cache only after the copies from it
+        if buf is not None:
+            _free(buf)
+
+
 def save_file(tensors, path, metadata=None, *, stage="auto"):
     """Write `tensors` (a dict of names to torch tensors, CPU or device, or NumPy arrays) to the
     safetensors file at `path`, with optional `metadata` (str -> str). The file is written and
@@ -703,22 +731,7 @@ def save_file(tensors, path, metadata=None, *, stage="auto"):
     copied into one pinned buffer laid out as the file (DMA for device tensors) and written
     from it."""
     path = _os.fspath(path)
-    layout = _layout(tensors, metadata, stage)
-    dev = _on_device(*layout, stage)
-    if dev is not None:
-        flat, side = dev
-        try:
-            _write_durable(None, path, write=_functools.partial(
-                _write_device, head=layout[0], flat=flat, stream=side))
-        finally:
-            del flat
-        return
-    buf, copies, _ = _snapshot(tensors, metadata, wait=False, layout=layout)
-    try:
-        _write_durable(buf, path, copies)
-    finally:
-        del copies
-        _free(buf)
+    _write_saved(path, *_plan(tensors, metadata, stage, "host"))
 
 
 class SaveHandle:
@@ -737,19 +750,14 @@ class SaveHandle:
 
     def _run(self, buf, copies, keep, write=None):
         try:
-            # Every copy (and with `write`, every DMA from the scratch) is done when this
-            # returns, whatever happens.
-            _write_durable(buf, self.path, copies, write)
+            _write_saved(self.path, buf, copies, keep, write)
         except BaseException as e:  # handed to whoever waits
             # Its traceback would keep the finished frames' locals, the device scratch among
             # them, alive for as long as the handle or the error is kept.
             _traceback.clear_frames(e.__traceback__)
             self._error = e
         finally:
-            del copies, write
-            keep.clear()  # the scratch goes back to torch's cache only after its copies
-            if buf is not None:
-                _free(buf)
+            del buf, copies, keep, write  # (this frame stays in the traceback too)
             self._finished.set()
 
     def done(self):
@@ -790,19 +798,7 @@ def save_file_async(tensors, path, metadata=None, *, stage="auto"):
     are copied before the call returns either way. The interpreter waits for a save in flight
     before it exits."""
     path = _os.fspath(path)
-    layout = _layout(tensors, metadata, stage)
-    dev = _on_device(*layout, stage)
-    if dev is not None:
-        flat, side = dev
-        handle = SaveHandle(path, "device")
-        handle._thread = _threading.Thread(
-            target=handle._run, name="pinmem-save",
-            args=(None, (), [flat], _functools.partial(_write_device, head=layout[0], flat=flat,
-                                                       stream=side)))
-        del flat
-        handle._thread.start()
-        return handle
-    buf, copies, keep = _snapshot(tensors, metadata, wait=False, stage=stage, layout=layout)
+    buf, copies, keep, write = _plan(tensors, metadata, stage, stage)
     if not keep:  # nothing staged on a device: the copies read the caller's tensors
         try:
             for _, _, c in copies:
@@ -812,8 +808,8 @@ def save_file_async(tensors, path, metadata=None, *, stage="auto"):
             raise
         copies = []
     handle = SaveHandle(path, "device" if keep else "host")
-    handle._thread = _threading.Thread(target=handle._run, args=(buf, copies, keep),
+    handle._thread = _threading.Thread(target=handle._run, args=(buf, copies, keep, write),
                                        name="pinmem-save")
-    del buf, copies, keep
+    del buf, copies, keep, write
     handle._thread.start()
     return handle
