@@ -271,6 +271,23 @@ static void reaper_run(cq_node_t *node) {
   }
 }
 
+bool pm__copy_quiesce(unsigned timeout_ms) {
+  /* Polled, as jobs and the reaper hold no lock while they run: quiet once no job is queued,
+   * every completion thread waits for one (a running job is not idle) and the reaper is off. */
+  for (unsigned waited = 0;; waited++) {
+    pthread_mutex_lock(&g_cq_mu);
+    bool quiet = !g_cq_head && g_cq_idle == g_cq_threads;
+    pthread_mutex_unlock(&g_cq_mu);
+    pthread_mutex_lock(&g_reap_mu);
+    quiet = quiet && !g_reaper_on;
+    pthread_mutex_unlock(&g_reap_mu);
+    if (quiet) return true;
+    if (waited >= timeout_ms) return false;
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
+}
+
 /* fork.c: completion threads and the reaper are the parent's; in a child none runs, so the queue
  * (the parent's fences and copy-outs, foreign here) is dropped and new threads start on demand. */
 static cq_node_t *parent_cq_head; /* left behind, still reachable */
