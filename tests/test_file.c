@@ -13,8 +13,10 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -162,6 +164,13 @@ static int count_fds(void) {
   return n;
 }
 
+/* pm_last_error() contains s (else it is printed). */
+static bool has(const char *s) {
+  bool ok = strstr(pm_last_error(), s) != NULL;
+  if (!ok) fprintf(stderr, "    wanted '%s' in: %s\n", s, pm_last_error());
+  return ok;
+}
+
 /* ---- round trips ---------------------------------------------------------------------------- */
 
 static void read_case(size_t bytes, uint64_t off, pm_file_io_t io, mem_t kind, size_t chunk) {
@@ -268,6 +277,95 @@ static void test_roundtrips(void) {
   file_reset(1);
 }
 
+/* Writes that end past the end of the file, from every memory and in both io modes: over the
+ * old end, and after a gap (a hole, which must read as zeros). A direct one reserves its range
+ * first (file.c, reserve()); the bytes before the range stay, the file ends where the range
+ * does. Units smaller than the range so that several threads write at once, and the default
+ * unit (option file_write_chunk). */
+static void test_extend(void) {
+  size_t bytes = g_small ? 200003 : ((size_t)3 << 20) + 5;
+  size_t chunks[] = {65536, 0};
+  pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
+  unsigned char *want = malloc(bytes);
+  REQUIRE(want != NULL);
+  int n = 0;
+  for (int gap = 0; gap < 2; gap++)
+    for (int ci = 0; ci < 2; ci++)
+      for (int ii = 0; ii < 2; ii++)
+        for (int m = 0; m < 3; m++) {
+          size_t old = 50001;
+          uint64_t off = gap ? old + 12345 : old - 777;
+          file_reset_size((uint64_t)(60 + n), old);
+          buf_t b;
+          buf_make(&b, (mem_t)m, bytes, 3);
+          buf_fill(&b, (uint64_t)(90 + n));
+          pm_test_fill(want, bytes, (uint64_t)(90 + n));
+          pm_file_options_t o;
+          opts(&o, ios[ii], chunks[ci]);
+          o.fsync = gap != 0;
+          CHECK_OK(pm_file_write_async(g_fd, off, bytes, b.p, g_s, &o, NULL));
+          CHECK_EQ_INT(lseek(g_fd, 0, SEEK_END), (long long)(off + bytes));
+          g_size = (size_t)(off + bytes);
+          unsigned char *h = file_contents();
+          size_t keep = old < off ? old : (size_t)off;
+          CHECK_EQ_SIZE(first_diff(h, g_bytes, keep), keep);
+          for (size_t i = old; i < off; i++)
+            if (h[i] != 0) {
+              fprintf(stderr, "extend: byte %zu of the gap is %d, not 0\n", i, h[i]);
+              CHECK(h[i] == 0);
+              break;
+            }
+          size_t d = first_diff(h + off, want, bytes);
+          if (d != bytes)
+            fprintf(stderr, "extend %s, %s, chunk %zu, gap %d: first difference at %zu\n",
+                    pm__file_io_name(ios[ii]), mem_name[m], chunks[ci], gap, d);
+          CHECK_EQ_SIZE(d, bytes);
+          free(h);
+          buf_free(&b);
+          n++;
+        }
+  printf("  %d extending writes checked\n", n);
+  free(want);
+
+  /* A direct write past the end that the file may not grow to (RLIMIT_FSIZE, SIGXFSZ
+   * ignored): the reservation refuses it before a byte is written, where O_DIRECT works; else
+   * the write itself fails at the limit. Either way a clear PM_ERR_IO. */
+  file_reset_size(7, 8192);
+  struct rlimit lim0, lim;
+  REQUIRE(getrlimit(RLIMIT_FSIZE, &lim0) == 0);
+  if (lim0.rlim_max != RLIM_INFINITY && lim0.rlim_max < ((rlim_t)1 << 20)) {
+    printf("  RLIMIT_FSIZE hard limit %llu: the limit case is not run\n",
+           (unsigned long long)lim0.rlim_max);
+  } else {
+    for (int m = 0; m < 3; m++) {
+      file_reset_size(7, 8192);
+      buf_t b;
+      buf_make(&b, (mem_t)m, 300001, 0);
+      buf_fill(&b, 8);
+      pm_file_options_t o;
+      opts(&o, PM_FILE_IO_DIRECT, 65536);
+      void (*sig0)(int) = signal(SIGXFSZ, SIG_IGN);
+      lim = lim0;
+      lim.rlim_cur = 131072;
+      REQUIRE(setrlimit(RLIMIT_FSIZE, &lim) == 0);
+      pm_status_t st = pm_file_write_async(g_fd, 8192, 300001, b.p, g_s, &o, NULL);
+      REQUIRE(setrlimit(RLIMIT_FSIZE, &lim0) == 0);
+      signal(SIGXFSZ, sig0);
+      CHECK_ERR_MSG(st, PM_ERR_IO);
+      CHECK(has("File too large"));
+      if (g_direct_ok) {
+        CHECK(has("fallocate(fd"));
+        CHECK_EQ_INT(lseek(g_fd, 0, SEEK_END), 8192);
+        unsigned char *h = file_contents();
+        CHECK_EQ_SIZE(first_diff(h, g_bytes, 8192), 8192);
+        free(h);
+      }
+      buf_free(&b);
+    }
+  }
+  file_reset(1);
+}
+
 /* ---- errors --------------------------------------------------------------------------------- */
 
 /* Callbacks: those of the current case (g_cb_count), and of the whole run against the calls that
@@ -304,12 +402,6 @@ static int cb_wait(atomic_int *counter, int want, int ms) {
   int v = atomic_load(counter);
   pthread_mutex_unlock(&g_cb_mu);
   return v;
-}
-
-static bool has(const char *s) {
-  bool ok = strstr(pm_last_error(), s) != NULL;
-  if (!ok) fprintf(stderr, "    wanted '%s' in: %s\n", s, pm_last_error());
-  return ok;
 }
 
 static void inject_case(pm__fault_op_t op, int err, const char *spec, mem_t kind,
@@ -799,10 +891,14 @@ static void test_auto(void) {
 static void test_file_options(void) {
   file_reset(12);
   struct {
-    const char *chunk, *threads, *slots, *part;
+    const char *chunk, *threads, *slots, *part, *wchunk;
+    size_t runit, wunit; /* the units reads and writes use with these */
   } set[] = {
-      {"64K", "0", "0", "16K"}, {"64K", "2", "1", "20000"}, {"64K", "5", "2", "4K"},
-      {"48K", "3", "0", "64K"}, {"16M", "0", "0", "1M"},
+      {"64K", "0", "0", "16K", "0", 65536, 65536},
+      {"64K", "2", "1", "20000", "48K", 65536, 49152},
+      {"64K", "5", "2", "4K", "0", 65536, 65536},
+      {"48K", "3", "0", "64K", "20000", 49152, 20000},
+      {"16M", "0", "0", "1M", "1M", (size_t)16 << 20, (size_t)1 << 20},
   };
   size_t n = g_small ? ((size_t)1 << 20) + 3 : ((size_t)4 << 20) + 3;
   pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
@@ -811,6 +907,9 @@ static void test_file_options(void) {
     REQUIRE_OK(pm_option_set("file_threads", set[i].threads));
     REQUIRE_OK(pm_option_set("file_slots", set[i].slots));
     REQUIRE_OK(pm_option_set("file_part", set[i].part));
+    REQUIRE_OK(pm_option_set("file_write_chunk", set[i].wchunk));
+    CHECK_EQ_SIZE(pm__file_chunk(true), set[i].wunit);
+    CHECK_EQ_SIZE(pm__file_chunk(false), set[i].runit);
     for (int ii = 0; ii < 2; ii++)
       for (int m = 0; m < 2; m++) {
         uint64_t off = i % 2 ? 4093 : 8192;
@@ -842,7 +941,9 @@ static void test_file_options(void) {
   CHECK_ST(pm_option_set("file_slots", "4097"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_threads", "-1"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_chunk", "0"), PM_ERR_CONFIG);
+  CHECK_ST(pm_option_set("file_write_chunk", "lots"), PM_ERR_CONFIG);
   REQUIRE_OK(pm_option_set("file_chunk", "8M"));
+  REQUIRE_OK(pm_option_set("file_write_chunk", "1M"));
   REQUIRE_OK(pm_option_set("file_threads", "0"));
   REQUIRE_OK(pm_option_set("file_slots", "0"));
   REQUIRE_OK(pm_option_set("file_part", "0"));
@@ -891,6 +992,7 @@ int main(void) {
   } while (0)
   RUN(test_bad_args());
   RUN(test_roundtrips());
+  RUN(test_extend());
   RUN(test_injected());
   RUN(test_eof());
   RUN(test_completion());

@@ -67,8 +67,8 @@ typedef struct fopts {
   size_t bytes;
   const char *dir;
   int repeat;
-  /* The sweep: 0 in a list = the default (options file_chunk, file_threads, file_slots,
-   * file_part). */
+  /* The sweep: 0 in a list = the default (options file_chunk or file_write_chunk,
+   * file_threads, file_slots, file_part). */
   size_t chunk[MAX_LIST], part[MAX_LIST];
   int threads[MAX_LIST], slots[MAX_LIST];
   int nchunk, nthreads, nslots, npart;
@@ -121,7 +121,7 @@ static void print_help(void) {
       "  The next four take comma-separated lists (0 = the option's default); the pinmem\n"
       "  cases run once per combination, e.g. --chunk 4M,8M,16M,32M --threads 4,8,12,16:\n"
       "  --chunk SIZES   pinmem's bounce slot (pm_file_options_t.chunk; default: option\n"
-      "                  file_chunk)\n"
+      "                  file_chunk for loads, file_write_chunk for saves)\n"
       "  --threads NS    pinmem's I/O threads (pm_file_options_t.threads; default: option\n"
       "                  file_threads, else copy_threads)\n"
       "  --slots NS      bounce slots in flight (option file_slots; default threads + 2)\n"
@@ -368,7 +368,7 @@ static void set_combo_options(const fopts_t *o, const combo_t *k) {
  * rows: chunk rounded up to 4 KiB, slots threads + 2 unless set, part 0 when not below chunk. */
 static combo_t combo_resolved(const combo_t *k, bool save) {
   combo_t r;
-  size_t chunk = k->chunk ? k->chunk : pm__opt_size(PM__OPT_FILE_CHUNK);
+  size_t chunk = k->chunk ? k->chunk : pm__file_chunk(save);
   r.chunk = (chunk + 4095) / 4096 * 4096;
   r.threads = k->threads ? k->threads : (int)pm__opt_int(PM__OPT_FILE_THREADS);
   if (!r.threads) r.threads = (int)pm__opt_int(PM__OPT_COPY_THREADS);

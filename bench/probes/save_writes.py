@@ -4,9 +4,9 @@
 
   patterns   which write pattern is fastest on this disk: O_DIRECT pwrite of 3 GiB from an
              aligned buffer with T threads and C-byte writes, with and without fallocate first,
-             fdatasync included, beside pinmem.write_file(fsync=True) with file_threads T and
-             file_chunk C; each case starts on a quiet disk (files removed, sync, a pause), and
-             the cases rotate within each round so drift does not favour one;
+             fdatasync included, beside pinmem.write_file(fsync=True) with file_threads T
+             and file_write_chunk C; each case starts on a quiet disk (files removed, sync, a
+             pause), and the cases rotate within each round so drift does not favour one;
   replace    what a save over an existing file costs: pinmem.safetensors.save_file and
              save_file_async of device tensors (256 MiB and 3 GiB) to the same path again and
              again, with the time the background release of the replaced file took after it;
@@ -17,9 +17,10 @@
              with and without a pause before each; each case's GB/s by its place;
   sources    whether the memory written from matters: 12 threads of 8 MiB O_DIRECT writes
              after fallocate from one reused 64 MiB block, from a 3 GiB pinned buffer, from a
-             3 GiB pageable one and from a 112 MiB ring of either, beside pinmem.write_file
-             from the pinned and the pageable buffer and from device memory (through its ring
-             of pinned slots), and save_file
+             3 GiB pageable one, from a 112 MiB ring of either, from a 16 MiB pageable ring
+             and through the whole 64 MiB block, beside pinmem.write_file from the pinned and
+             the pageable buffer and from device memory (through its ring of pinned slots of
+             8 MiB down to 512 KiB), and save_file
              with stage "host" (a pinned snapshot, in two pieces or one) and "device" (from a
              scratch on the device, through the slots), rotated within each round;
              --cases picks some.
@@ -102,7 +103,7 @@ def patterns(d, rounds):
                 s = raw_write(d, total, threads, chunk, falloc, block)
             else:
                 pinmem.set_option("file_threads", str(threads))
-                pinmem.set_option("file_chunk", str(chunk))
+                pinmem.set_option("file_write_chunk", str(chunk))
                 t0 = time.perf_counter()
                 pinmem.write_file(os.path.join(d, "pm.bin"), src, fsync=True).wait()
                 s = time.perf_counter() - t0
@@ -227,17 +228,32 @@ def sources(d, rounds, only=None):
     t, block, pinned = buffers(total, 64)
     pageable = mmap.mmap(-1, total)  # page-aligned, as O_DIRECT wants
     np.frombuffer(pageable, np.uint8)[:] = 7
+    dev = torch.full((total,), 7, dtype=torch.uint8, device="cuda")
     pinmem.set_option("file_threads", "12")
-    pinmem.set_option("file_chunk", "8M")
 
-    def pm_write(src):
+    def options(fn, **opts):
+        """fn run with these pinmem file options, then the ones before again."""
+        def run(path):
+            before = {k: pinmem.get_option(k) for k in opts}
+            for k, v in opts.items():
+                pinmem.set_option(k, v)
+            try:
+                return fn(path)
+            finally:
+                for k, v in before.items():
+                    pinmem.set_option(k, v)
+        return run
+
+    # The cases without a size in their name write in 8 MiB units (as before file_write_chunk
+    # existed), so their figures compare with earlier results.
+    def pm_write(src, chunk="8M", **opts):
         def run(path):
             t0 = time.perf_counter()
             pinmem.write_file(path, src, fsync=True).wait()
             return time.perf_counter() - t0
-        return run
+        return options(run, file_write_chunk=chunk, **opts)
 
-    def save(piece, stage):
+    def save(piece, stage, chunk="8M"):
         def run(path):
             old = ps.FIRST_PIECE
             ps.FIRST_PIECE = piece
@@ -247,7 +263,7 @@ def sources(d, rounds, only=None):
                 return time.perf_counter() - t0
             finally:
                 ps.FIRST_PIECE = old
-        return run
+        return options(run, file_write_chunk=chunk)
     cases = {
         "raw_block": lambda p: raw_write(d, total, 12, 8 * mib, 1, memoryview(block)),
         "raw_pinned": lambda p: raw_write(d, total, 12, 8 * mib, 1, memoryview(pinned), True),
@@ -258,13 +274,28 @@ def sources(d, rounds, only=None):
                                                memoryview(pinned)[:112 * mib], True),
         "raw_pageable_ring": lambda p: raw_write(d, total, 12, 8 * mib, 1,
                                                  memoryview(pageable)[:112 * mib], True),
+        # How much memory the writes cycle through, pageable: 8 MiB (raw_block), 16 MiB,
+        # 64 MiB: does a small, reused source explain raw_block's lead?
+        "raw_pageable_ring16": lambda p: raw_write(d, total, 12, 8 * mib, 1,
+                                                   memoryview(pageable)[:16 * mib], True),
+        "raw_block_slide": lambda p: raw_write(d, total, 12, 8 * mib, 1, memoryview(block),
+                                               True),
         "write_file_pinned": pm_write(pinned),
         "write_file_pageable": pm_write(np.frombuffer(pageable, np.uint8)),
-        "write_file_device": pm_write(torch.full((total,), 7, dtype=torch.uint8,
-                                                 device="cuda")),
+        "write_file_device": pm_write(dev),
+        # Smaller slots, so the ring write_file cycles through is 56, 28, 14 or 7 MiB, not 112;
+        # and fewer threads with small slots
+        "write_file_device_4m": pm_write(dev, "4M"),
+        "write_file_device_2m": pm_write(dev, "2M"),
+        "write_file_device_1m": pm_write(dev, "1M"),
+        "write_file_device_512k": pm_write(dev, "512K"),
+        "write_file_device_1m_t4": pm_write(dev, "1M", file_threads="4"),
+        "write_file_pinned_1m": pm_write(pinned, "1M"),
         "save_file_host_two_pieces": save(64 << 20, "host"),
         "save_file_host_one_piece": save(1 << 62, "host"),
         "save_file_device": save(64 << 20, "device"),
+        "save_file_device_2m": save(64 << 20, "device", "2M"),
+        "save_file_device_1m": save(64 << 20, "device", "1M"),
     }
     names = [n for n in cases if not only or n in only]
     out = {n: [] for n in names}

@@ -354,9 +354,19 @@ static const pm__opt_def_t opt_table[] = {
      * against 37.2 with 16 MiB and 47.1 with 4 MiB
      * (bench/results/nvidia-h200-2026-12-03f-file-chunk-sweep.jsonl). */
     [PM__OPT_FILE_CHUNK] = {"file_chunk", "PINMEM_FILE_CHUNK", "8M",
-                            "bounce slot of file reads and writes (pm_file_*, read_file, "
-                            "load_file, save_file) that do not set their own chunk",
+                            "bounce slot of file reads (pm_file_read_async, read_file, "
+                            "load_file) that do not set their own chunk, and of writes when "
+                            "file_write_chunk is 0",
                             parse_size_pos, PM__T_SIZE, 0},
+    /* 1M: 3 GiB written from device memory (12 threads, O_DIRECT into a reserved range) on the
+     * virtual disks of three H200 machines ran at a median of 2.37-2.66 GB/s with 1 MiB units
+     * against 2.08-2.26 with 8 MiB, and from pinned memory in place 2.38 against 2.19
+     * (bench/results/nvidia-h200-2026-12-04f-write-sources.jsonl, ...-04g-..., ...-04h-...). */
+    [PM__OPT_FILE_WRITE_CHUNK] = {"file_write_chunk", "PINMEM_FILE_WRITE_CHUNK", "1M",
+                                  "unit (and bounce slot) of file writes (pm_file_write_async, "
+                                  "write_file, save_file) that do not set their own chunk; "
+                                  "0 = file_chunk",
+                                  parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_FILE_THREADS] = {"file_threads", "PINMEM_FILE_THREADS", "0",
                               "I/O threads of file reads and writes that do not set their own "
                               "(0..256); 0 = copy_threads",
