@@ -15,6 +15,8 @@
              (stage "host") of 3 GiB of device tensors (its snapshot, its writes and the rename
              with the folder's fsync timed apart), each to a new file, in every order across rounds,
              with and without a pause before each; each case's GB/s by its place;
+  layout     whether the way a file was written (dd-like, or write_file in 1 or 8 MiB units)
+             changes how fast it reads back cold, dd-like and through pinmem.read_file;
   sources    whether the memory written from matters: 12 threads of 8 MiB O_DIRECT writes
              after fallocate from one reused 64 MiB block, from a 3 GiB pinned buffer, from a
              3 GiB pageable one, from a 112 MiB ring of either, from a 16 MiB pageable ring
@@ -26,7 +28,7 @@
              --cases picks some.
 
   PYTHONPATH=build-py/python python3 bench/probes/save_writes.py \
-      patterns|replace|order|sources --dir DIR
+      patterns|replace|order|sources|layout --dir DIR
 One JSON line per case on stdout (GB/s of each round, and the median).
 """
 import argparse
@@ -311,9 +313,71 @@ def sources(d, rounds, only=None):
                               gbps=v, median=sorted(v)[len(v) // 2])), flush=True)
 
 
+def layout(d, rounds):
+    """Whether the way a file was written changes how fast it reads back cold: 3 GiB written
+    dd-like (one stream of 16 MiB O_DIRECT writes) and by pinmem.write_file from device memory
+    in 1 MiB and in 8 MiB units (a reserved range), each then read cold dd-like (16 MiB O_DIRECT
+    reads, one stream) and by pinmem.read_file into device memory; with filefrag's extent
+    count."""
+    import subprocess
+    import torch
+    total, mib = 3 << 30, 1 << 20
+    dev = torch.full((total,), 7, dtype=torch.uint8, device="cuda")
+    block = mmap.mmap(-1, 16 * mib)
+    block.write(os.urandom(mib) * 16)
+    quiet(d)
+    files = {"dd": os.path.join(d, "dd.bin"), "pinmem_1m": os.path.join(d, "p1.bin"),
+             "pinmem_8m": os.path.join(d, "p8.bin")}
+    dd_write(files["dd"], total, block)
+    for name, chunk in (("pinmem_1m", "1M"), ("pinmem_8m", "8M")):
+        pinmem.set_option("file_write_chunk", chunk)
+        pinmem.write_file(files[name], dev, fsync=True).wait()
+    pinmem.set_option("file_write_chunk", "1M")
+    os.sync()
+
+    def drop(path):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+        except OSError:
+            pass
+
+    def dd_read(path):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        t0 = time.perf_counter()
+        for k in range(total // len(block)):
+            os.preadv(fd, [block], k * len(block))
+        os.close(fd)
+        return time.perf_counter() - t0
+
+    def pm_read(path):
+        t0 = time.perf_counter()
+        pinmem.read_file(path, dev).wait()
+        return time.perf_counter() - t0
+    out = {(f, r): [] for f in files for r in ("dd_read", "pinmem_read")}
+    for k in range(rounds):
+        for f in files:
+            for r, fn in (("dd_read", dd_read), ("pinmem_read", pm_read))[::1 - 2 * (k % 2)]:
+                drop(files[f])
+                out[(f, r)].append(round(total / fn(files[f]) / 1e9, 3))
+    for (f, r), v in out.items():
+        try:
+            frag = subprocess.run(["filefrag", files[f]], capture_output=True, text=True,
+                                  timeout=30).stdout.strip().rsplit(": ", 1)[-1]
+        except (OSError, subprocess.SubprocessError):
+            frag = None
+        print(json.dumps(dict(bench="save_writes", case="layout", written=f, read=r,
+                              bytes=total, extents=frag, gbps=v,
+                              median=sorted(v)[len(v) // 2])), flush=True)
+    quiet(d)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["patterns", "replace", "order", "sources"])
+    ap.add_argument("what", choices=["patterns", "replace", "order", "sources", "layout"])
     ap.add_argument("--dir", required=True, help="an empty folder on the disk under test")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default="", help="sources: a comma-separated subset")
@@ -321,7 +385,8 @@ def main():
     if a.what == "sources":
         sources(a.dir, a.rounds, [c for c in a.cases.split(",") if c])
     else:
-        {"patterns": patterns, "replace": replace, "order": order}[a.what](a.dir, a.rounds)
+        {"patterns": patterns, "replace": replace, "order": order,
+         "layout": layout}[a.what](a.dir, a.rounds)
 
 
 if __name__ == "__main__":
