@@ -36,6 +36,7 @@ import ctypes
 import json
 import mmap
 import os
+import sys
 import threading
 import time
 
@@ -43,6 +44,9 @@ import numpy as np
 
 import pinmem
 import pinmem.safetensors as ps
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from compare_checkpoint import drop_cache  # noqa: E402  (bench/, beside probes/)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
@@ -335,16 +339,6 @@ def layout(d, rounds):
     pinmem.set_option("file_write_chunk", "1M")
     os.sync()
 
-    def drop(path):
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1\n")
-        except OSError:
-            pass
-
     def dd_read(path):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         t0 = time.perf_counter()
@@ -361,7 +355,7 @@ def layout(d, rounds):
     for k in range(rounds):
         for f in files:
             for r, fn in (("dd_read", dd_read), ("pinmem_read", pm_read))[::1 - 2 * (k % 2)]:
-                drop(files[f])
+                drop_cache(files[f])
                 out[(f, r)].append(round(total / fn(files[f]) / 1e9, 3))
     for (f, r), v in out.items():
         try:

@@ -330,8 +330,9 @@ def _device_room(torch, dev):
 
 
 def _device_scratch(torch, dev, views, stage):
-    """One uint8 device tensor holding views (byte views on dev) back to back, copied on dev's
-    current stream; None when stage "auto" finds too little room (then the caller copies
+    """(scratch, side): one uint8 device tensor holding views (byte views on dev) back to back,
+    copied on dev's current stream, and dev's side stream ordered after that copy, for the
+    copies out of it; None when stage "auto" finds too little room (then the caller copies
     straight to the host)."""
     need = sum(v.numel() for v in views)
     if stage == "auto" and need > _device_room(torch, dev):
@@ -345,7 +346,9 @@ def _device_scratch(torch, dev, views, stage):
         raise
     with torch.cuda.device(dev):
         torch.cat(views, out=flat)
-    return flat
+    side = _side_stream(torch, dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    return flat, side
 
 
 def _layout(tensors, metadata, stage):
@@ -397,7 +400,7 @@ def _one_device(items):
     return dev
 
 
-def _on_device(head, items, stage):
+def _on_device(items, stage):
     """For stage "device" / "auto" with every tensor on one CUDA device: (scratch, stream), the
     tensors' bytes copied back to back (file order) into one scratch tensor on that device on
     their stream, and a side stream ordered after that copy; else None. The file's data is then
@@ -411,13 +414,7 @@ def _on_device(head, items, stage):
     dev = _one_device(items)
     if dev is None:
         return None
-    torch = _torch()
-    flat = _device_scratch(torch, dev, [view for _, _, _, n, view, _ in items if n], stage)
-    if flat is None:
-        return None
-    side = _side_stream(torch, dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    return flat, side
+    return _device_scratch(_torch(), dev, [view for _, _, _, n, view, _ in items if n], stage)
 
 
 def _write_device(tmp, head, flat, stream):
@@ -463,15 +460,14 @@ def _snapshot(tensors, metadata, wait=True, stage="host", layout=None):
             pos += n
         for dev, parts in on_device.items():
             torch = _torch()
-            flat = _device_scratch(torch, dev, [v for _, v in parts], stage)
-            if flat is None:
+            staged = _device_scratch(torch, dev, [v for _, v in parts], stage)
+            if staged is None:
                 stream = torch.cuda.current_stream(dev)
                 for p, v in parts:
                     direct.append((p, p + v.numel(), _pm.copy(mv[p:p + v.numel()], v, stream)))
                 continue
+            flat, side = staged
             keep.append(flat)
-            side = _side_stream(torch, dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
             # Runs of neighbours in the file are neighbours in the scratch too: one DMA per
             # run, cut into FIRST_PIECE chunks so that the first piece's write starts early.
             at = 0
@@ -487,23 +483,32 @@ def _snapshot(tensors, metadata, wait=True, stage="host", layout=None):
                     pending.append((p + c, p + c + k,
                                     _pm.copy(mv[p + c:p + c + k], flat[at + c:at + c + k], side)))
                 at += n
-        for _, _, c in direct:
-            c.wait()
+        _wait_copies(direct)
         pending.sort(key=lambda x: x[0])
         if not wait:
             return buf, pending, keep
-        for _, _, c in pending:
-            c.wait()
+        _wait_copies(pending)
         del mv, pending, host
     except BaseException:
-        for _, _, c in pending + direct:  # nothing may still write into buf once it is freed
-            try:
-                c.wait()
-            except BaseException:
-                pass
+        _wait_copies(pending + direct, quiet=True)
         _free(buf)
         raise
     return buf
+
+
+def _wait_copies(copies, quiet=False):
+    """Wait for every copy in copies ((begin, end, Completion)), even after one fails, so that
+    none still writes into a buffer about to be freed; then raise the first failure (quiet:
+    none, for callers already handling an error)."""
+    first = None
+    for _, _, c in copies:
+        try:
+            c.wait()
+        except BaseException as e:
+            if first is None:
+                first = e
+    if first is not None and not quiet:
+        raise first
 
 
 def _free(buf):
@@ -668,11 +673,7 @@ def _write_durable(buf, path, copies=(), write=None):
         old = _hold(path)
         _os.replace(tmp, path)
     except BaseException:
-        for _, _, c in copies:  # no DMA may still write into buf once the caller frees it
-            try:
-                c.wait()
-            except BaseException:
-                pass
+        _wait_copies(copies, quiet=True)  # the caller frees buf next
         if old is not None:
             _os.close(old)  # still linked: closing frees nothing
         try:
@@ -696,7 +697,7 @@ def _plan(tensors, metadata, stage, snapshot_stage):
     scratch when _on_device finds one (write set, buf None), else from a pinned snapshot made
     with snapshot_stage (copies: its DMAs still running; keep: scratches they read)."""
     layout = _layout(tensors, metadata, stage)
-    dev = _on_device(*layout, stage)
+    dev = _on_device(layout[1], stage)
     if dev is not None:
         flat, side = dev
         return None, [], [flat], _functools.partial(_write_device, head=layout[0], flat=flat,
@@ -801,8 +802,7 @@ def save_file_async(tensors, path, metadata=None, *, stage="auto"):
     buf, copies, keep, write = _plan(tensors, metadata, stage, stage)
     if not keep:  # nothing staged on a device: the copies read the caller's tensors
         try:
-            for _, _, c in copies:
-                c.wait()
+            _wait_copies(copies)
         except BaseException:
             _free(buf)
             raise

@@ -351,12 +351,12 @@ uint64_t pm__hb_device_calls(int device);
 /* Calls that broke CUDA's multi-device rules, made while `device` was current (-1: all). */
 uint64_t pm__hb_device_mismatches(int device);
 void pm__hb_device_counters_reset(void);
+/* The last mismatch in words ("" if none since the reset). */
+void pm__hb_last_mismatch(char *buf, size_t len);
 /* completion.c: true once the copy engine's completion threads and event reaper have nothing
  * left to do (work of earlier calls finished), false after timeout_ms; for tests that count
  * backend calls. */
 bool pm__copy_quiesce(unsigned timeout_ms);
-/* The last mismatch in words ("" if none since the reset). */
-void pm__hb_last_mismatch(char *buf, size_t len);
 
 /* ---- api.c ------------------------------------------------------------------------------- */
 
