@@ -2,7 +2,8 @@
  * Helpers shared by pinmem's C test programs (tests/helpers.c, linked into each of them and
  * into the fuzz targets): start and finish a test, the PINMEM_TEST_SMALL switch, deterministic
  * bytes and their check, one random generator, a gate for host callbacks, the locked memory the
- * kernel reports, a scratch directory, and a child process without the right to lock memory.
+ * kernel reports, a scratch directory, a child process without the right to lock memory, and the
+ * way a forked child leaves.
  * The assertion macros are in check.h, which includes this header.
  */
 #ifndef PINMEM_TEST_HELPERS_H
@@ -68,5 +69,16 @@ void pm_test_rmtree(const char *dir);
  * CAP_IPC_LOCK (it would make the limit moot). False when the limit cannot be made to hold here:
  * the child should then exit with PM_TEST_SKIP. */
 bool pm_test_limit_memlock(size_t bytes);
+
+/* In a forked child: turn off valgrind's leak check at its exit (nothing outside valgrind).
+ * A child of a multi-threaded parent has only the forking thread; a block that another thread
+ * of the parent held at that moment (an operation allocated and not yet queued, a batch in a
+ * worker's hands) is pointed at only from that thread's stack, which the child's leak check does
+ * not scan, so it would be counted as lost although it is the parent's live memory, freed in the
+ * parent. The parent's own leak check covers pinmem's memory; the child's memory errors still
+ * count towards valgrind's exit code. */
+void pm_test_child_no_leak_check(void);
+/* Leave a forked child with `code`: pm_test_child_no_leak_check, then _exit. */
+_Noreturn void pm_test_child_exit(int code);
 
 #endif /* PINMEM_TEST_HELPERS_H */

@@ -102,7 +102,7 @@ static void test_memlock_limit(void) {
     bad += h->host_unregister(buf + 3, pg) != PM_OK;
     bad += h->host_unregister(buf, 1 << 20) != PM_ERR_NOT_FOUND;
     fflush(stdout);
-    _exit(bad ? 1 : 0);
+    pm_test_child_exit(bad ? 1 : 0);
   }
   int status = 0;
   REQUIRE(waitpid(pid, &status, 0) == pid);

@@ -51,7 +51,7 @@ static bool in_child(const char *name, void (*fn)(void *), void *arg) {
     fn(arg);
     fflush(stdout);
     fflush(stderr);
-    _exit(pm_test_failures ? 1 : 0);
+    pm_test_child_exit(pm_test_failures ? 1 : 0);
   }
   int status = 0;
   while (waitpid(pid, &status, 0) < 0) {
