@@ -366,6 +366,82 @@ static void test_extend(void) {
   file_reset(1);
 }
 
+/* Offsets past 4 GiB, as in any checkpoint of a large model: writes and reads whose range
+ * starts just below 2^32 and crosses it, and ranges at 5 * 2^32 + a few bytes, in both io
+ * modes, from and into every memory, in units small enough that several cross the boundary.
+ * The file is sparse (a few hundred KiB of blocks at most); reads check the bytes written and
+ * the zeros of the holes next to them. */
+static void test_far_offsets(void) {
+  char path[700];
+  snprintf(path, sizeof path, "%s/far.bin", g_dir);
+  int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  REQUIRE(fd >= 0);
+  const uint64_t four = (uint64_t)1 << 32;
+  const uint64_t offs[] = {four - 70001, four + 4093, 5 * four + 7};
+  const size_t bytes = 200003;
+  if (ftruncate(fd, (off_t)(6 * four)) != 0) {
+    printf("  a sparse file of 24 GiB cannot be made in %s (%s): not run\n", g_dir,
+           strerror(errno));
+    close(fd);
+    unlink(path);
+    return;
+  }
+  pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
+  unsigned char *want = malloc(bytes), *got = malloc(bytes + 2 * 4096);
+  REQUIRE(want && got);
+  int n = 0;
+  for (size_t oi = 0; oi < sizeof offs / sizeof *offs; oi++)
+    for (int ii = 0; ii < 2; ii++)
+      for (int m = 0; m < 3; m++) {
+        uint64_t off = offs[oi] + (uint64_t)(n % 3); /* and a different edge each time */
+        uint64_t seed = 300 + (uint64_t)n;
+        /* All holes again: the last case's bytes would lie beside this one's. */
+        REQUIRE(ftruncate(fd, 0) == 0 && ftruncate(fd, (off_t)(6 * four)) == 0);
+        buf_t b;
+        buf_make(&b, (mem_t)m, bytes, 1);
+        buf_fill(&b, seed);
+        pm_test_fill(want, bytes, seed);
+        pm_file_options_t o;
+        opts(&o, ios[ii], 65536);
+        CHECK_OK(pm_file_write_async(fd, off, bytes, b.p, g_s, &o, NULL));
+        /* What the file holds there, read plainly, with a page of the hole either side. */
+        size_t span = bytes + 2 * 4096;
+        ssize_t r = pread(fd, got, span, (off_t)(off - 4096));
+        CHECK_EQ_INT(r, (long long)span);
+        size_t d = first_diff(got + 4096, want, bytes);
+        if (d != bytes)
+          fprintf(stderr, "far write at %llu, %s, %s: first difference at %zu\n",
+                  (unsigned long long)off, pm__file_io_name(ios[ii]), mem_name[m], d);
+        CHECK_EQ_SIZE(d, bytes);
+        bool zeros = true;
+        for (size_t i = 0; i < 4096; i++) zeros &= got[i] == 0 && got[4096 + bytes + i] == 0;
+        CHECK(zeros);
+        /* And back through pinmem, into another buffer of the same kind, in the other mode. */
+        buf_t back;
+        buf_make(&back, (mem_t)m, bytes + 8192, 3);
+        opts(&o, ios[1 - ii], 65536);
+        pm_fence_t f = NULL;
+        CHECK_OK(pm_file_read_async(fd, off - 4096, bytes + 8192, back.p, g_s, &o, &f));
+        if (f) {
+          CHECK_OK(pm_fence_wait(f));
+          CHECK_OK(pm_fence_release(f));
+        }
+        unsigned char *h = buf_read(&back);
+        CHECK_EQ_SIZE(first_diff(h, got, span), span);
+        free(h);
+        buf_free(&back);
+        buf_free(&b);
+        /* The file keeps its sparse size: no write moved its end. */
+        CHECK_EQ_INT(lseek(fd, 0, SEEK_END), (long long)(6 * four));
+        n++;
+      }
+  printf("  %d writes and reads past 4 GiB checked\n", n);
+  free(want);
+  free(got);
+  close(fd);
+  CHECK(unlink(path) == 0);
+}
+
 /* ---- errors --------------------------------------------------------------------------------- */
 
 /* Callbacks: those of the current case (g_cb_count), and of the whole run against the calls that
@@ -993,6 +1069,7 @@ int main(void) {
   RUN(test_bad_args());
   RUN(test_roundtrips());
   RUN(test_extend());
+  RUN(test_far_offsets());
   RUN(test_injected());
   RUN(test_eof());
   RUN(test_completion());

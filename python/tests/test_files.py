@@ -153,6 +153,34 @@ def test_write_then_read_round_trip(n, kind, io, tmp_path, rng, no_fd_leak):
 
 
 @pytest.mark.parametrize("io", IOS)
+@pytest.mark.parametrize("kind", ["numpy", "pinned", "device"])
+def test_offsets_past_4_gib(kind, io, tmp_path, rng, no_fd_leak):
+    """Ranges that cross 2^32 and that start past it (a large model's checkpoint), in a sparse
+    file: the bytes land where asked, the holes beside them stay zero, the file keeps its size
+    and reads back the same through pinmem."""
+    path = tmp_path / "far.bin"
+    size = 6 << 32
+    try:
+        with open(path, "wb") as f:
+            f.truncate(size)
+    except OSError as e:
+        pytest.skip(f"no sparse file of 24 GiB in {tmp_path}: {e}")
+    n = 300_001
+    for offset in ((1 << 32) - 100_003, (5 << 32) + 4099):
+        data = random_bytes(rng, n)
+        pinmem.write_file(path, make_src(kind, data), offset, io=io, truncate=False)
+        assert os.path.getsize(path) == size
+        with open(path, "rb") as f:
+            f.seek(offset - 4096)
+            around = np.frombuffer(f.read(n + 8192), np.uint8)
+        np.testing.assert_array_equal(around[4096:4096 + n], data)
+        assert not around[:4096].any() and not around[4096 + n:].any()
+        dst, contents = make_dst(kind, n + 8192)
+        pinmem.read_file(path, dst, offset - 4096, io=io).wait()
+        np.testing.assert_array_equal(contents(), around)
+
+
+@pytest.mark.parametrize("io", IOS)
 @pytest.mark.parametrize("offset", OFFSETS)
 def test_read_part_of_dst(offset, io, tmp_path, rng):
     n = 3 * 4096 + 11
