@@ -25,10 +25,15 @@
              8 MiB down to 512 KiB), and save_file
              with stage "host" (a pinned snapshot, in two pieces or one) and "device" (from a
              scratch on the device, through the slots), rotated within each round;
-             --cases picks some.
+             --cases picks some;
+  reads      which O_DIRECT read pattern reads a cold file fastest: a dd-like stream of 16 MiB
+             reads, raw threaded preads (1, 4, 12 threads of 1, 8, 16 MiB), pinmem.read_file
+             in 8 down to 1 MiB slots with the default and 4 threads, and
+             safetensors.load_file, rotated within each round; --cases picks some, --bytes
+             sets the file's size.
 
   PYTHONPATH=build-py/python python3 bench/probes/save_writes.py \
-      patterns|replace|order|sources|layout --dir DIR
+      patterns|replace|order|sources|layout|reads --dir DIR
 One JSON line per case on stdout (GB/s of each round, and the median).
 """
 import argparse
@@ -59,29 +64,37 @@ def quiet(d):
     time.sleep(0.3)
 
 
-def raw_write(d, total, threads, chunk, falloc, block, slide=False):
-    fd = os.open(os.path.join(d, "raw.bin"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    t0 = time.perf_counter()
-    if falloc and _libc.fallocate(fd, 0, 0, total) != 0:
-        raise OSError(ctypes.get_errno(), "fallocate")
-    n, nxt, lock = -(-total // chunk), [0], threading.Lock()
+def parallel(n, threads, work):
+    """work(k) for k in 0..n-1, each taken by the next free one of `threads` threads."""
+    nxt, lock = [0], threading.Lock()
 
-    def writer():
+    def worker():
         while True:
             with lock:
                 k = nxt[0]
                 nxt[0] += 1
             if k >= n:
                 return
-            # slide: through the block in turn (a whole file's bytes, or a ring reused), else
-            # always its start
-            at = (k * chunk) % len(block) if slide else 0
-            os.pwrite(fd, block[at:at + min(chunk, total - k * chunk)], k * chunk)
-    ts = [threading.Thread(target=writer) for _ in range(threads)]
+            work(k)
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
+
+
+def raw_write(d, total, threads, chunk, falloc, block, slide=False):
+    fd = os.open(os.path.join(d, "raw.bin"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    t0 = time.perf_counter()
+    if falloc and _libc.fallocate(fd, 0, 0, total) != 0:
+        raise OSError(ctypes.get_errno(), "fallocate")
+
+    def write(k):
+        # slide: through the block in turn (a whole file's bytes, or a ring reused), else
+        # always its start
+        at = (k * chunk) % len(block) if slide else 0
+        os.pwrite(fd, block[at:at + min(chunk, total - k * chunk)], k * chunk)
+    parallel(-(-total // chunk), threads, write)
     os.fdatasync(fd)
     seconds = time.perf_counter() - t0
     os.close(fd)
@@ -197,6 +210,20 @@ def buffers(total, block_mib):
     return t, block, pinned
 
 
+def options(fn, **opts):
+    """fn run with these pinmem options set, then the ones before again."""
+    def run(*args):
+        before = {k: pinmem.get_option(k) for k in opts}
+        for k, v in opts.items():
+            pinmem.set_option(k, v)
+        try:
+            return fn(*args)
+        finally:
+            for k, v in before.items():
+                pinmem.set_option(k, v)
+    return run
+
+
 def order(d, rounds):
     total = 3 << 30
     t, block, src = buffers(total, 16)
@@ -236,19 +263,6 @@ def sources(d, rounds, only=None):
     np.frombuffer(pageable, np.uint8)[:] = 7
     dev = torch.full((total,), 7, dtype=torch.uint8, device="cuda")
     pinmem.set_option("file_threads", "12")
-
-    def options(fn, **opts):
-        """fn run with these pinmem file options, then the ones before again."""
-        def run(path):
-            before = {k: pinmem.get_option(k) for k in opts}
-            for k, v in opts.items():
-                pinmem.set_option(k, v)
-            try:
-                return fn(path)
-            finally:
-                for k, v in before.items():
-                    pinmem.set_option(k, v)
-        return run
 
     # The cases without a size in their name write in 8 MiB units (as before file_write_chunk
     # existed), so their figures compare with earlier results.
@@ -369,15 +383,120 @@ def layout(d, rounds):
     quiet(d)
 
 
+def reads(d, rounds, only=None, total=3 << 30):
+    """Which O_DIRECT read pattern reads a cold file fastest on this disk: one file of `total`
+    bytes (written dd-like), read cold (fadvise + drop_caches before each read) by
+      dd           one stream of 16 MiB reads (the disk row of compare_checkpoint and of
+                   `pinmem bench file`),
+      raw_T_C      T threads of C-byte O_DIRECT preads into one reused block (the disk's own
+                   answer to parallel requests, without pinmem),
+      read_file_C_tT  pinmem.read_file(io="direct") into device memory (torch, where a CUDA
+                   device is; else a pinned buffer) in C-byte slots with T threads (T 0: the
+                   option's default, copy_threads),
+      load_file    pinmem.safetensors.load_file of a safetensors file of the same bytes, io
+                   "auto" and the default options (what compare_checkpoint's cold row times),
+    the cases rotating within each round. One JSON line per case: GB/s of every round and
+    the median."""
+    mib = 1 << 20
+    block = mmap.mmap(-1, 16 * mib)
+    block.write(os.urandom(mib) * 16)
+    quiet(d)
+    path = os.path.join(d, "cold.bin")
+    dd_write(path, total, block)
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:  # then neither the device nor load_file: read_file into pinned memory
+        cuda = False
+    if cuda:
+        dst = torch.empty(total, dtype=torch.uint8, device="cuda")
+        st = {"w": torch.zeros(total // 2, dtype=torch.bfloat16, device="cuda")}
+    else:
+        dst = pinmem.empty(total, "uint8")
+        st = {"w": np.zeros(total // 2, np.uint16)}  # (as bytes: the file's layout is the same)
+    st_path = os.path.join(d, "cold.safetensors")
+    ps.save_file(st, st_path)
+    del st
+
+    def dd_read(p):
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        try:
+            t0 = time.perf_counter()
+            for k in range(total // len(block)):
+                os.preadv(fd, [block], k * len(block))
+            return time.perf_counter() - t0
+        finally:
+            os.close(fd)
+
+    def raw_read(threads, chunk):
+        def run(p):
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+            buf = memoryview(block)[:chunk]  # shared: only the disk's rate is asked
+            try:
+                t0 = time.perf_counter()
+                parallel(-(-total // chunk), threads, lambda k: os.preadv(
+                    fd, [buf[:min(chunk, total - k * chunk)]], k * chunk))
+                return time.perf_counter() - t0
+            finally:
+                os.close(fd)
+        return run
+
+    def pm_read(chunk, threads):
+        def run(p):
+            t0 = time.perf_counter()
+            pinmem.read_file(p, dst, io="direct").wait()
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        return options(run, file_chunk=chunk, file_threads=str(threads))
+
+    def load(p):
+        t0 = time.perf_counter()
+        out = ps.load_file(st_path, device="cuda" if cuda else "cpu")
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        del out
+        return dt
+    cases = {"dd": dd_read}
+    for threads in (1, 4, 12):
+        for c in (1, 8, 16):
+            cases[f"raw_{threads}_{c}m"] = raw_read(threads, c * mib)
+    for c in ("8M", "4M", "2M", "1M"):
+        for threads in (0, 4):
+            cases[f"read_file_{c.lower()}_t{threads}"] = pm_read(c, threads)
+    if "torch" in sys.modules:  # load_file makes torch tensors
+        cases["load_file"] = load
+    names = [n for n in cases if not only or n in only]
+    out = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            how = drop_cache(st_path if name == "load_file" else path)
+            out[name].append(round(total / cases[name](path) / 1e9, 3))
+    for name, v in out.items():
+        print(json.dumps(dict(bench="save_writes", case="cold_read", read=name, bytes=total,
+                              cache=how, target="cuda" if cuda else "pinned host", gbps=v,
+                              median=sorted(v)[len(v) // 2])), flush=True)
+    quiet(d)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["patterns", "replace", "order", "sources", "layout"])
+    ap.add_argument("what", choices=["patterns", "replace", "order", "sources", "layout",
+                                     "reads"])
     ap.add_argument("--dir", required=True, help="an empty folder on the disk under test")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cases", default="", help="sources: a comma-separated subset")
+    ap.add_argument("--cases", default="", help="sources, reads: a comma-separated subset")
+    ap.add_argument("--bytes", default="3G", help="reads: the file's size (default 3G)")
     a = ap.parse_args()
+    only = [c for c in a.cases.split(",") if c]
     if a.what == "sources":
-        sources(a.dir, a.rounds, [c for c in a.cases.split(",") if c])
+        sources(a.dir, a.rounds, only)
+    elif a.what == "reads":
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        b = a.bytes.upper()
+        reads(a.dir, a.rounds, only, int(b[:-1]) * units[b[-1]] if b[-1] in units else int(b))
     else:
         {"patterns": patterns, "replace": replace, "order": order,
          "layout": layout}[a.what](a.dir, a.rounds)
