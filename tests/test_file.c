@@ -44,6 +44,7 @@ static size_t g_size_max; /* its usual size */
 static size_t g_alloc;    /* bytes of g_bytes: the most file_reset_size may write */
 static pm_stream_t g_s;
 static bool g_direct_ok; /* the scratch directory's filesystem takes O_DIRECT */
+static bool g_falloc_ok; /* and fallocate */
 
 typedef enum { MEM_DEVICE, MEM_PINNED, MEM_PAGEABLE } mem_t;
 static const char *mem_name[] = {"device", "pinned", "pageable"};
@@ -327,8 +328,8 @@ static void test_extend(void) {
   printf("  %d extending writes checked\n", n);
   free(want);
 
-  /* A direct write past the end that the file may not grow to (RLIMIT_FSIZE, SIGXFSZ
-   * ignored): the reservation refuses it before a byte is written, where O_DIRECT works; else
+  /* A write past the end that the file may not grow to (RLIMIT_FSIZE, SIGXFSZ ignored): the
+   * reservation refuses it before a byte is written, where the filesystem has fallocate; else
    * the write itself fails at the limit. Either way a clear PM_ERR_IO. */
   file_reset_size(7, 8192);
   struct rlimit lim0, lim;
@@ -353,7 +354,7 @@ static void test_extend(void) {
       signal(SIGXFSZ, sig0);
       CHECK_ERR_MSG(st, PM_ERR_IO);
       CHECK(has("File too large"));
-      if (g_direct_ok) {
+      if (g_falloc_ok) {
         CHECK(has("fallocate(fd"));
         CHECK_EQ_INT(lseek(g_fd, 0, SEEK_END), 8192);
         unsigned char *h = file_contents();
@@ -550,6 +551,62 @@ static void inject_case(pm__fault_op_t op, int err, const char *spec, mem_t kind
   buf_free(&b);
 }
 
+/* A write past the end whose reservation fails as a filling disk's does (a part reserved, then
+ * ENOSPC, EDQUOT or EFBIG), in both io modes: PM_ERR_IO naming fallocate and the fault, not a
+ * byte written, and the file as long as it was (the part reserved given back); EINTR is
+ * retried and the write goes on. */
+static void reserve_faults(void) {
+  pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
+  static const struct {
+    const char *spec;
+    const char *text;
+  } cases[] = {{"file_reserve=1", "No space left"},
+               {"file_reserve=1:EDQUOT", "quota"},
+               {"file_reserve=1:EFBIG", "File too large"},
+               {"file_reserve=1:EINTR", NULL}};
+  const size_t old = 50001, bytes = 300001;
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+    for (int n = 0; n < 6; n++) {
+      int m = n % 3;
+      file_reset_size(11 + i, old);
+      buf_t b;
+      buf_make(&b, (mem_t)m, bytes, 3);
+      buf_fill(&b, 12 + i);
+      pm_file_options_t o;
+      opts(&o, ios[n / 3], 65536);
+      pm__fault_reset();
+      REQUIRE_OK(pm__fault_configure(cases[i].spec));
+      pm_status_t st = pm_file_write_async(g_fd, old - 777, bytes, b.p, g_s, &o, NULL);
+      pm__fault_counts_t fc;
+      pm__fault_counts(&fc);
+      pm__fault_reset();
+      CHECK_EQ_INT(fc.injected[PM__FAULT_FILE_RESERVE], 1);
+      if (!cases[i].text) {
+        CHECK_OK(st);
+        CHECK_EQ_INT(lseek(g_fd, 0, SEEK_END), (long long)(old - 777 + bytes));
+        unsigned char *want = malloc(bytes);
+        REQUIRE(want != NULL);
+        pm_test_fill(want, bytes, 12 + i);
+        g_size = old - 777 + bytes;
+        unsigned char *h = file_contents();
+        CHECK_EQ_SIZE(first_diff(h + old - 777, want, bytes), bytes);
+        free(h);
+        free(want);
+      } else {
+        CHECK_ERR_MSG(st, PM_ERR_IO);
+        CHECK(has("fallocate(fd"));
+        CHECK(has(cases[i].text));
+        CHECK(has("injected fault"));
+        CHECK_EQ_INT(fc.calls[PM__FAULT_FILE_WRITE], 0); /* not a byte written */
+        CHECK_EQ_INT(lseek(g_fd, 0, SEEK_END), (long long)old);
+        unsigned char *h = file_contents();
+        CHECK_EQ_SIZE(first_diff(h, g_bytes, old), old);
+        free(h);
+      }
+      buf_free(&b);
+    }
+}
+
 static void test_injected(void) {
   pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
   for (int ii = 0; ii < 2; ii++)
@@ -591,8 +648,11 @@ static void test_injected(void) {
   /* Specs that do not parse arm nothing. */
   CHECK_ST(pm__fault_configure("file_read=1:EWHAT"), PM_ERR_CONFIG);
   CHECK_ST(pm__fault_configure("memcpy=1:EIO"), PM_ERR_CONFIG);
+  CHECK_ST(pm__fault_configure("file_reserve=1:short"), PM_ERR_CONFIG);
   CHECK_ST(pm__fault_file_errno(PM__FAULT_MEMCPY, EIO), PM_ERR_INVALID);
+  CHECK_ST(pm__fault_file_errno(PM__FAULT_FILE_RESERVE, PM__FAULT_SHORT), PM_ERR_INVALID);
   pm__fault_reset();
+  reserve_faults();
 }
 
 static void test_eof(void) {
@@ -1068,6 +1128,9 @@ int main(void) {
   }
   printf("O_DIRECT in %s: %s\n", g_dir,
          g_direct_ok ? "works" : "refused (the direct cases run buffered, with a note)");
+  g_falloc_ok = fallocate(g_fd, 0, 0, 4096) == 0;
+  printf("fallocate in %s: %s\n", g_dir,
+         g_falloc_ok ? "works" : "not supported (writes past the end are not reserved)");
   int fds1 = count_fds();
 
 #define RUN(call)             \

@@ -86,22 +86,17 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
   }
   if (h.buf && pmpy_buffer_order_before(h.buf, stream) < 0) goto fail;
 
-  /* Emptied only now that every argument is known good: a bad call leaves the file as it was. */
+  /* Emptied only now that every argument is known good: a bad call leaves the file as it was.
+   * The write then reserves its range (pm_file_write_async: a full disk is an IoError before a
+   * byte is written). */
   if (truncate) {
-    int rc, err = 0;
+    int rc, err;
     Py_BEGIN_ALLOW_THREADS;
     rc = ftruncate(fd, 0);
-    /* The file is written whole: reserve its blocks in one call. Direct writes into a file
-     * whose size already covers them are overwrites, which ext4 and XFS run side by side;
-     * writes past the end would each extend it in turn (the inode held exclusively). A full
-     * disk is also reported here, before a byte is written. Filesystems without fallocate
-     * (EOPNOTSUPP) just write as before. */
-    if (rc == 0 && n > 0 && fallocate(fd, 0, (off_t)offset, (off_t)n) != 0 && errno != EOPNOTSUPP &&
-        errno != ENOSYS)
-      err = errno;
+    err = errno;
     Py_END_ALLOW_THREADS;
-    if (rc != 0 || err) {
-      if (err) errno = err;
+    if (rc != 0) {
+      errno = err;
       PyErr_SetFromErrno(PyExc_OSError);
       goto fail;
     }

@@ -21,7 +21,8 @@
  * released), as a failing driver call does, so a caller that cannot retry leaks it by design.
  * File reads of the loader go through pm__fault_io(), op "io". pm_file_*_async's preads and
  * pwrites go through pm__fault_file(), ops "file_read" and "file_write", whose fault is an errno
- * (EIO by default; file_write=2:ENOSPC) or a short transfer (file_read=1:short). The pool's stream record on a
+ * (EIO by default; file_write=2:ENOSPC) or a short transfer (file_read=1:short); its
+ * reservation of a range past the end, op "file_reserve", fails with ENOSPC by default. The pool's stream record on a
  * block goes through pm__fault_check, op "pool_record" (PM_ERR_NOMEM, as when no memory is left
  * for the record); it is named only, because with a failing stream_sync too the block is
  * quarantined and stays pinned until its pool is destroyed, by design.
@@ -99,16 +100,21 @@ static pm_status_t injected(pm__fault_op_t op, uint64_t call, const char *what) 
                        fault_ops[op].name, (unsigned long long)call);
 }
 
-/* What a file op's fault does (pm__fault_file_errno): an errno, or PM__FAULT_SHORT. */
-static atomic_int g_file_errno[2] = {EIO, EIO};
+/* What a file op's fault does (pm__fault_file_errno): an errno, or PM__FAULT_SHORT. A full
+ * disk is what a reservation meets. */
+static const int g_file_errno_default[3] = {EIO, EIO, ENOSPC};
+static atomic_int g_file_errno[3] = {EIO, EIO, ENOSPC};
 
 static int file_slot(pm__fault_op_t op) {
-  return op == PM__FAULT_FILE_READ ? 0 : op == PM__FAULT_FILE_WRITE ? 1 : -1;
+  return op == PM__FAULT_FILE_READ      ? 0
+         : op == PM__FAULT_FILE_WRITE   ? 1
+         : op == PM__FAULT_FILE_RESERVE ? 2
+                                        : -1;
 }
 
 pm_status_t pm__fault_file_errno(pm__fault_op_t op, int err) {
   int k = file_slot(op);
-  if (k < 0 || (err <= 0 && err != PM__FAULT_SHORT))
+  if (k < 0 || (err <= 0 && err != PM__FAULT_SHORT) || (k == 2 && err == PM__FAULT_SHORT))
     return pm__set_error(PM_ERR_INVALID, "pm__fault_file_errno: op %d / errno %d", (int)op, err);
   atomic_store_explicit(&g_file_errno[k], err, memory_order_relaxed);
   return PM_OK;
@@ -431,7 +437,8 @@ void pm__fault_seed(uint64_t seed) {
 void pm__fault_reset(void) {
   atomic_store_explicit(&g_active, false, memory_order_relaxed);
   for (int i = 0; i < PM__FAULT_COUNT; i++) set_one(i, 0, false, 0);
-  for (int k = 0; k < 2; k++) atomic_store_explicit(&g_file_errno[k], EIO, memory_order_relaxed);
+  for (int k = 0; k < 3; k++)
+    atomic_store_explicit(&g_file_errno[k], g_file_errno_default[k], memory_order_relaxed);
 }
 
 void pm__fault_counts(pm__fault_counts_t *out) {
@@ -526,7 +533,8 @@ static pm_status_t spec_apply(const char *spec, bool apply) {
     int ferr = 0;
     if (colon) {
       if (file_slot((pm__fault_op_t)op) < 0)
-        return spec_error(spec, item, len, "only file_read and file_write take :ERRNO");
+        return spec_error(spec, item, len,
+                          "only file_read, file_write and file_reserve take :ERRNO");
       static const struct {
         const char *name;
         int err;
@@ -538,6 +546,8 @@ static pm_status_t spec_apply(const char *spec, bool apply) {
           ferr = errs[e].err;
       if (!ferr)
         return spec_error(spec, item, len, "not EIO, ENOSPC, EINTR, EDQUOT, EFBIG or short");
+      if (ferr == PM__FAULT_SHORT && op == PM__FAULT_FILE_RESERVE)
+        return spec_error(spec, item, len, "a reservation fails with an errno, not short");
       end = colon;
       vlen = (size_t)(end - val);
     }

@@ -559,6 +559,8 @@ void pm__copy_shutdown(void);
   /* pm_file_read_async's preads and pm_file_write_async's pwrites (pm__fault_file) */          \
   X(PM__FAULT_FILE_READ, "file_read", PM_ERR_IO, false)                                         \
   X(PM__FAULT_FILE_WRITE, "file_write", PM_ERR_IO, false)                                       \
+  /* pm_file_write_async's reservation of a range past the end (fallocate; ENOSPC by default) */ \
+  X(PM__FAULT_FILE_RESERVE, "file_reserve", PM_ERR_IO, false)                                   \
   /* the pool's stream record on a block (pm__pool_record_stream: no memory for it) */          \
   X(PM__FAULT_POOL_RECORD, "pool_record", PM_ERR_NOMEM, true)
 
@@ -595,12 +597,15 @@ bool pm__fault_io(const char *what);
 /* For pm_file_*_async's preads and pwrites (op PM__FAULT_FILE_READ or _WRITE), before each
  * system call of *len bytes: 0 to go ahead (a "short" fault lowers *len to a part of it, so the
  * call transfers less and the caller must continue), else the errno the call must fail with
- * (EIO unless pm__fault_file_errno chose another; EINTR must be retried). */
+ * (EIO unless pm__fault_file_errno chose another; EINTR must be retried). Op
+ * PM__FAULT_FILE_RESERVE, before pm_file_write_async's fallocate: 0, or the errno it must end
+ * with (ENOSPC by default) after reserving a part, as a filesystem that fills up midway does. */
 int pm__fault_file(pm__fault_op_t op, size_t *len);
 #define PM__FAULT_SHORT (-1) /* pm__fault_file_errno: a short transfer instead of an errno */
 /* What an injected fault of the file op does: an errno (EIO, ENOSPC, EINTR...) or
- * PM__FAULT_SHORT. pm__fault_reset restores EIO. PM_ERR_INVALID for another op. In a
- * PINMEM_FAULT spec: file_write=2:ENOSPC, file_read=1:short. */
+ * PM__FAULT_SHORT (not for file_reserve). pm__fault_reset restores EIO (file_reserve: ENOSPC).
+ * PM_ERR_INVALID for another op. In a PINMEM_FAULT spec: file_write=2:ENOSPC,
+ * file_read=1:short, file_reserve=1:EDQUOT. */
 pm_status_t pm__fault_file_errno(pm__fault_op_t op, int err);
 /* For calls above the backend that take part in fault injection (pool_record): PM_OK, or the
  * op's status with a detail naming `what` and "injected fault". */

@@ -8,8 +8,9 @@
  * file_chunk, 8 MiB, for reads; file_write_chunk, 1 MiB, for writes) that starts at offset
  * rounded down to 4 KiB, so every unit but the first starts 4 KiB-aligned and every unit but
  * the last ends so. Threads (option file_threads, else copy_threads) claim units from an atomic
- * counter in ascending order. A direct write past the end of the file reserves its range first
- * (reserve()), so the threads' writes do not wait for each other.
+ * counter in ascending order. A write past the end of the file reserves its range first
+ * (reserve()): a full disk is an error before a byte is written, and the threads' direct writes
+ * do not wait for each other.
  *
  * Ring (device memory; host memory that O_DIRECT cannot reach in place): unit i uses slot
  * i % slots in turn (option file_slots, else threads + 2), as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
@@ -641,28 +642,53 @@ static pm_status_t write_edges(fio_t *c) {
   return PM_OK;
 }
 
-/* A direct write whose range ends past the end of a regular file reserves the range first
- * (fallocate, which also sets the size). The threads' direct writes are then overwrites inside
- * the file, which ext4 and XFS run side by side under a shared inode lock; a direct write that
- * extends the file, or fills a hole, takes the lock exclusively, so the threads would wait for
- * each other, one write at a time. A 3 GiB save (its header, then its data past the end) wrote
- * at 1.74 GB/s in 1 MiB units on an H200 machine's virtual disk where the same writes into a
- * reserved file ran at 2.46 (bench/results/nvidia-h200-2026-12-04g-write-sources.jsonl), and
- * at 2.44 once it reserved (...-04h-write-sources.jsonl). A full disk is reported here,
- * before a byte is written. Where the filesystem cannot reserve (EOPNOTSUPP, ...), the write
- * goes on as it would have. After a later failure the file keeps the new size, the part not
- * written reading as zeros: a failed write leaves its range undefined in any case. */
+/* A write whose range ends past the end of a regular file reserves the range first
+ * (fallocate, which also sets the size), buffered or direct:
+ * - A full disk (or quota, or file size limit) is reported here, before a byte is written, and
+ *   leaves the file as long as it was.
+ * - Direct writes are then overwrites inside the file, which ext4 and XFS run side by side
+ *   under a shared inode lock; a direct write that extends the file, or fills a hole, takes the
+ *   lock exclusively, so the threads would wait for each other, one write at a time. A 3 GiB
+ *   save (its header, then its data past the end) wrote at 1.74 GB/s in 1 MiB units on an H200
+ *   machine's virtual disk where the same writes into a reserved file ran at 2.46
+ *   (bench/results/nvidia-h200-2026-12-04g-write-sources.jsonl), and at 2.44 once it reserved
+ *   (...-04h-write-sources.jsonl).
+ * Where the filesystem cannot reserve (EOPNOTSUPP, ...), the write goes on as it would have.
+ * After a later failure the file keeps the new size, the part not written reading as zeros: a
+ * failed write leaves its range undefined in any case. */
 static pm_status_t reserve(fio_t *c) {
   struct stat sb;
-  if (c->dfd < 0 || fstat(c->fd, &sb) != 0 || !S_ISREG(sb.st_mode) ||
-      c->off + c->bytes <= (uint64_t)sb.st_size)
+  if (fstat(c->fd, &sb) != 0 || !S_ISREG(sb.st_mode) || c->off + c->bytes <= (uint64_t)sb.st_size)
     return PM_OK;
-  int r;
-  do r = fallocate(c->fd, 0, (off_t)c->off, (off_t)c->bytes);
-  while (r != 0 && errno == EINTR);
-  if (r == 0 || (errno != ENOSPC && errno != EDQUOT && errno != EFBIG)) return PM_OK;
-  return pm__set_error(PM_ERR_IO, "%s: fallocate(fd %d, %zu bytes at offset %llu): %s", c->fn,
-                       c->fd, c->bytes, (unsigned long long)c->off, strerror(errno));
+  int e;
+  bool injected = false;
+  for (;;) {
+    size_t len = c->bytes;
+    int fe = pm__fault_file(PM__FAULT_FILE_RESERVE, &len);
+    if (fe == EINTR) continue; /* as a signal would: try again */
+    if (fe) {
+      /* As a filesystem that fills up midway: a part reserved, then the error. */
+      if (c->bytes / 2) (void)fallocate(c->fd, 0, (off_t)c->off, (off_t)(c->bytes / 2));
+      e = fe;
+      injected = true;
+      break;
+    }
+    e = fallocate(c->fd, 0, (off_t)c->off, (off_t)c->bytes) == 0 ? 0 : errno;
+    if (e != EINTR) break;
+  }
+  if (e == 0 || (e != ENOSPC && e != EDQUOT && e != EFBIG)) return PM_OK;
+  /* A failed fallocate keeps what it reserved before it failed (ext4 keeps the blocks it got
+   * and sets the size to their end): give back what lies past the old end, so that the file
+   * is as long as it was and a full disk is no fuller for the attempt. */
+  struct stat now;
+  if (fstat(c->fd, &now) == 0 && now.st_size > sb.st_size) {
+    int r;
+    do r = ftruncate(c->fd, sb.st_size);
+    while (r != 0 && errno == EINTR);
+  }
+  return pm__set_error(PM_ERR_IO, "%s: fallocate(fd %d, %zu bytes at offset %llu): %s%s", c->fn,
+                       c->fd, c->bytes, (unsigned long long)c->off, strerror(e),
+                       injected ? " (injected fault: PINMEM_FAULT or pm__fault_set)" : "");
 }
 
 /* Move the whole range (ring or straight). */
