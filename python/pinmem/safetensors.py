@@ -182,10 +182,13 @@ def _parse_header(fd, path):
     return metadata, entries, 8 + n, used
 
 
-def _read(path, check, alloc):
+IOS = ("auto", "buffered", "direct")
+
+
+def _read(path, check, alloc, io="auto"):
     """Parse the file at path, run check(entries), then read its data region with one pinmem
-    read into the buffer alloc(nbytes) returns as (target for the read, data, stream).
-    Returns (entries, data); data is None when no tensor has bytes."""
+    read (io as read_file's) into the buffer alloc(nbytes) returns as (target for the read,
+    data, stream). Returns (entries, data); data is None when no tensor has bytes."""
     fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
     try:
         _, entries, start, used = _parse_header(fd, path)
@@ -194,7 +197,7 @@ def _read(path, check, alloc):
             return entries, None
         target, data, stream = alloc(used)
         try:
-            done = _pm._pinmem._file_read(fd, start, used, target, stream, "auto")
+            done = _pm._pinmem._file_read(fd, start, used, target, stream, io)
         except _pm.Error as e:
             _pm._file_error("load_file", path, e)
         done.wait()
@@ -203,7 +206,7 @@ def _read(path, check, alloc):
         _os.close(fd)
 
 
-def load_file(path, device="cpu"):
+def load_file(path, device="cpu", *, io="auto"):
     """A dict of torch tensors from the safetensors file at `path`, on `device` ('cpu',
     'cuda', 'cuda:1', a torch.device or an index).
 
@@ -211,9 +214,17 @@ def load_file(path, device="cpu"):
     JSON, dtype, shape, offsets out of range or overlapping); then the data is read with one
     pinmem read into one buffer (pinned memory for 'cpu', device memory otherwise) and each
     tensor is a view of it, so the buffer is freed when the last tensor is.
+
+    io: as read_file's. 'auto' reads a file of 64 MiB or more that is not in the page cache
+    through O_DIRECT, the fastest cold load for one process, which leaves nothing in the page
+    cache; 'buffered' when several processes load the same file at once (ranks of one node):
+    they then share what the page cache holds instead of each reading the disk.
     """
     _check_byteorder()
     path = _os.fspath(path)
+    if io not in IOS:
+        _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"load_file({path!r}): io must be one of "
+                           f"{', '.join(IOS)}, not {io!r}")
     dtypes = {}
 
     def check(entries):
@@ -238,7 +249,7 @@ def load_file(path, device="cpu"):
             data = torch.empty(n, dtype=torch.uint8)
             return data, data, None
 
-    entries, data = _read(path, check, alloc)
+    entries, data = _read(path, check, alloc, io)
     torch = _torch()
     dev = torch.device(device)
     out = {}

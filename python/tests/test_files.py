@@ -1178,6 +1178,69 @@ def file_stats():
     return pinmem._pinmem._file_stats()
 
 
+def test_load_file_bad_io(tmp_path):
+    with pytest.raises(pinmem.InvalidError, match="io must be one of auto, buffered, direct"):
+        pinmem.safetensors.load_file(tmp_path / "missing.safetensors", io="fast")
+
+
+@pytest.mark.parametrize("io", IOS)
+def test_load_file_io(io, tmp_path, rng, no_fd_leak):
+    """load_file(io=...) reads the data as asked: 'buffered' through the page cache (what
+    several processes loading one file share), 'direct' through O_DIRECT (where the filesystem
+    takes it), 'auto' direct for a cold file of 64 MiB or more. Counted by pinmem's byte
+    counters, through the reader load_file uses (torch is not needed for it)."""
+    arrays = {"a": random_bytes(rng, (64 << 20) + 5), "b": random_bytes(rng, 4099)}
+    path = tmp_path / "m.safetensors"
+    pinmem.safetensors.save_file(arrays, path)
+    used = sum(a.nbytes for a in arrays.values())
+    bufs = []
+
+    def alloc(n):
+        b = pinmem.empty(n, "uint8")
+        bufs.append(b)
+        return b, np.asarray(b), None
+
+    def load():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold, where the pages can go
+        finally:
+            os.close(fd)
+        s0 = file_stats()
+        entries, data = pinmem.safetensors._read(str(path), lambda e: None, alloc, io)
+        s1 = file_stats()
+        return entries, data, {k: s1[k] - s0[k] for k in s1}
+
+    entries, data, d = load()
+    assert d["read_direct"] + d["read_buffered"] == used
+    if io == "buffered":
+        assert d["read_direct"] == 0
+    elif io == "direct" and not d["direct_refused"]:
+        assert d["read_direct"] >= used - 2 * 4096  # all but the unaligned edges
+    elif not d["direct_refused"]:
+        # auto: direct unless the page cache kept the file (tmpfs does): then all buffered
+        assert d["read_direct"] >= used - 2 * 4096 or d["read_direct"] == 0
+    for name, _, _, begin, end in entries:
+        np.testing.assert_array_equal(data[begin:end], arrays[name])
+
+
+@pytest.mark.parametrize("io", IOS)
+def test_load_file_io_torch(io, tmp_path, rng, monkeypatch, no_fd_leak):
+    """load_file hands io to its reader, and the tensors are the file's in every mode."""
+    torch = skip_unless_torch()
+    arrays = {"a": random_bytes(rng, (1 << 20) + 5), "b": random_bytes(rng, 4099)}
+    path = tmp_path / "m.safetensors"
+    pinmem.safetensors.save_file(arrays, path)
+    real, seen = pinmem.safetensors._read, []
+    monkeypatch.setattr(pinmem.safetensors, "_read",
+                        lambda p, c, a, i: seen.append(i) or real(p, c, a, i))
+    out = pinmem.safetensors.load_file(path, io=io)
+    assert seen == [io]
+    for k, a in arrays.items():
+        np.testing.assert_array_equal(out[k].numpy(), a)
+    del out, torch
+
+
 def test_checkpoint_goes_direct_and_round_trips(tmp_path, rng, no_fd_leak):
     """A checkpoint of 64 MiB or more is written through O_DIRECT (io='auto'; only the range's
     unaligned tail through the page cache) and, once out of the page cache, read back through
