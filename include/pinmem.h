@@ -497,7 +497,8 @@ PM_API pm_status_t pm_fence_path(pm_fence_t fence, pm_copy_path_t *path_out);
  * and pinmem's threads (docs/files.md). */
 #define PM_FILE_IO_MAP(X)                                                                       \
   X(PM_FILE_IO_AUTO, 0, "auto") /* ranges >= 64 MiB: direct writes; direct reads when most */ \
-                                /* of the range is not in the page cache */                 \
+                                /* of the range is not in the page cache and no other */    \
+                                /* process reads the file at the same moment */             \
   X(PM_FILE_IO_BUFFERED, 1, "buffered") /* pread / pwrite through the page cache */             \
   X(PM_FILE_IO_DIRECT, 2, "direct") /* O_DIRECT: aligned bounce slots; unaligned edges buffered */
 

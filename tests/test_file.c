@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "backend.h" /* launch_host_func: a gate on a stream */
 #include "check.h"
 #include "internal.h" /* pm__fault_*, pm__file_note, pm__io_refuse_direct */
 
@@ -942,6 +943,110 @@ static uint64_t auto_read(mem_t kind, uint64_t off, size_t n) {
   return d;
 }
 
+/* A cold auto read into device memory that went direct, held after its first units (its DMAs
+ * queued behind a gate on its stream, so the ring's slots cannot be reused); another reader's
+ * mark appears; the gate opens: the rest goes buffered, with the note, and every byte is right. */
+typedef struct mid_read {
+  void *dst;
+  size_t n;
+  pm_stream_t s;
+  pm_status_t st;
+  char note[256];
+} mid_read_t;
+
+static void *mid_read_main(void *arg) {
+  mid_read_t *r = arg;
+  pm_file_options_t o;
+  pm_file_options_init(&o); /* io auto */
+  o.chunk = 65536;
+  o.threads = 2;
+  r->st = pm_file_read_async(g_fd, 4093, r->n, r->dst, r->s, &o, NULL);
+  snprintf(r->note, sizeof r->note, "%s", pm__file_note());
+  return NULL;
+}
+
+static void reader_comes_midway(int other, size_t n) {
+  drop_cache();
+  mid_read_t r = {.n = n};
+  REQUIRE_OK(pm_device_alloc(n, &r.dst));
+  REQUIRE_OK(pm_stream_create(&r.s));
+  pm_test_gate_t gate;
+  pm_test_gate_init(&gate);
+  REQUIRE_OK(pm__backend()->launch_host_func(r.s, pm_test_gate_wait, &gate));
+  pm_file_stats_t s0 = stats_now();
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, mid_read_main, &r) == 0);
+  /* Until its first units are read direct (then it waits for its slots). */
+  for (int i = 0; i < 2000 && stats_now().read_direct == s0.read_direct; i++) pm_test_sleep_ms(5);
+  struct flock mark = {.l_type = F_RDLCK, .l_whence = SEEK_SET,
+                       .l_start = PM__FILE_READER_MARK, .l_len = 1};
+  REQUIRE(fcntl(other, F_OFD_SETLK, &mark) == 0);
+  pm_test_gate_open(&gate);
+  REQUIRE(pthread_join(t, NULL) == 0);
+  CHECK_OK(r.st);
+  CHECK_OK(pm_stream_synchronize(r.s));
+  pm_file_stats_t s1 = stats_now();
+  uint64_t d = s1.read_direct - s0.read_direct, bu = s1.read_buffered - s0.read_buffered;
+  CHECK_EQ_SIZE((size_t)(d + bu), n);
+  CHECK(d >= 65536 - 4096); /* its first units */
+  CHECK(bu >= n / 2);       /* the rest, after the mark came */
+  CHECK(strstr(r.note, "came") != NULL);
+  unsigned char *h = malloc(n);
+  REQUIRE(h != NULL);
+  REQUIRE_OK(pm_memcpy(h, r.dst, n, PM_COPY_D2H));
+  CHECK_EQ_SIZE(first_diff(h, g_bytes + 4093, n), n);
+  free(h);
+  mark.l_type = F_UNLCK;
+  REQUIRE(fcntl(other, F_OFD_SETLK, &mark) == 0);
+  pm_test_gate_destroy(&gate);
+  CHECK_OK(pm_stream_destroy(r.s));
+  CHECK_OK(pm_device_free(r.dst));
+}
+
+/* Another process reading the file cold at the same moment (its mark, an OFD read lock on
+ * PM__FILE_READER_MARK, held here by a second descriptor): auto reads buffered, saying why, and
+ * drops its own mark when the call ends. A POSIX lock of this process on the whole file is not
+ * a reader's mark: auto goes direct. */
+static void reader_marks(mem_t kind, size_t n) {
+  drop_cache();
+  if (resident_now() >= 0.5 || !g_direct_ok) return; /* auto reads buffered anyway */
+  int other = open(g_path, O_RDONLY | O_CLOEXEC);
+  REQUIRE(other >= 0);
+  struct flock mark = {.l_type = F_RDLCK, .l_whence = SEEK_SET,
+                       .l_start = PM__FILE_READER_MARK, .l_len = 1};
+  if (fcntl(other, F_OFD_SETLK, &mark) != 0) {
+    printf("  no OFD locks in %s (%s): reader marks not tried\n", g_dir, strerror(errno));
+    close(other);
+    return;
+  }
+  CHECK_EQ_SIZE((size_t)auto_read(kind, 4093, n), 0);
+  CHECK(strstr(pm__file_note(), "another reader") != NULL);
+  /* The call left no mark of its own behind: only `other`'s is there. */
+  struct flock probe = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
+                        .l_start = PM__FILE_READER_MARK, .l_len = 1};
+  int self = open(g_path, O_RDONLY | O_CLOEXEC);
+  REQUIRE(self >= 0);
+  mark.l_type = F_UNLCK;
+  REQUIRE(fcntl(other, F_OFD_SETLK, &mark) == 0);
+  REQUIRE(fcntl(self, F_OFD_GETLK, &probe) == 0);
+  CHECK(probe.l_type == F_UNLCK);
+  /* Without the other reader: direct again. */
+  drop_cache();
+  CHECK(auto_read(kind, 4093, n) >= n - 8192);
+  CHECK(pm__file_note()[0] == '\0');
+  /* A POSIX read lock over the whole file (a program guarding it while it reads) covers the
+   * mark's byte but is no reader's mark. */
+  struct flock whole = {.l_type = F_RDLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
+  REQUIRE(fcntl(other, F_SETLK, &whole) == 0);
+  drop_cache();
+  CHECK(auto_read(kind, 4093, n) >= n - 8192);
+  whole.l_type = F_UNLCK;
+  REQUIRE(fcntl(other, F_SETLK, &whole) == 0);
+  close(self);
+  if (kind == MEM_DEVICE) reader_comes_midway(other, n);
+  close(other);
+}
+
 static void test_auto(void) {
   /* The rule at a smaller scale (the 64 MiB floor is a constant; the hook lowers it). */
   size_t amin = 256 * 1024, n = g_small ? (size_t)1 << 20 : (size_t)8 << 20;
@@ -979,6 +1084,7 @@ static void test_auto(void) {
     /* Below the floor: buffered whatever the cache holds. */
     drop_cache();
     CHECK_EQ_SIZE((size_t)auto_read((mem_t)m, 1, amin - 1), 0);
+    reader_marks((mem_t)m, n);
   }
 
   /* A range that passes the end of the file (the probe maps only what the file holds) and one

@@ -216,9 +216,9 @@ def load_file(path, device="cpu", *, io="auto"):
     tensor is a view of it, so the buffer is freed when the last tensor is.
 
     io: as read_file's. 'auto' reads a file of 64 MiB or more that is not in the page cache
-    through O_DIRECT, the fastest cold load for one process, which leaves nothing in the page
-    cache; 'buffered' when several processes load the same file at once (ranks of one node):
-    they then share what the page cache holds instead of each reading the disk.
+    through O_DIRECT (the fastest cold load for one process), or through the page cache while
+    other processes read the same file (ranks of one node), so that they share it. A direct
+    read leaves nothing in the page cache: 'buffered' keeps the file there for a later load.
     """
     _check_byteorder()
     path = _os.fspath(path)
