@@ -943,6 +943,14 @@ static uint64_t auto_read(mem_t kind, uint64_t off, size_t n) {
   return d;
 }
 
+/* A reader's mark of [off, off + n): an OFD read lock on that range moved up by
+ * PM__FILE_READER_MARKS, as file.c's reader_mark() takes it. */
+static struct flock mark_of(short type, uint64_t off, size_t n) {
+  struct flock l = {.l_type = type, .l_whence = SEEK_SET,
+                    .l_start = (off_t)(PM__FILE_READER_MARKS + off), .l_len = (off_t)n};
+  return l;
+}
+
 /* A cold auto read into device memory that went direct, held after its first units (its DMAs
  * queued behind a gate on its stream, so the ring's slots cannot be reused); another reader's
  * mark appears; the gate opens: the rest goes buffered, with the note, and every byte is right. */
@@ -978,8 +986,7 @@ static void reader_comes_midway(int other, size_t n) {
   REQUIRE(pthread_create(&t, NULL, mid_read_main, &r) == 0);
   /* Until its first units are read direct (then it waits for its slots). */
   for (int i = 0; i < 2000 && stats_now().read_direct == s0.read_direct; i++) pm_test_sleep_ms(5);
-  struct flock mark = {.l_type = F_RDLCK, .l_whence = SEEK_SET,
-                       .l_start = PM__FILE_READER_MARK, .l_len = 1};
+  struct flock mark = mark_of(F_RDLCK, 4093, n);
   REQUIRE(fcntl(other, F_OFD_SETLK, &mark) == 0);
   pm_test_gate_open(&gate);
   REQUIRE(pthread_join(t, NULL) == 0);
@@ -1003,17 +1010,16 @@ static void reader_comes_midway(int other, size_t n) {
   CHECK_OK(pm_device_free(r.dst));
 }
 
-/* Another process reading the file cold at the same moment (its mark, an OFD read lock on
- * PM__FILE_READER_MARK, held here by a second descriptor): auto reads buffered, saying why, and
- * drops its own mark when the call ends. A POSIX lock of this process on the whole file is not
- * a reader's mark: auto goes direct. */
+/* Another process reading the file cold at the same moment (its mark, held here by a second
+ * descriptor, on a range that overlaps half of this read's): auto reads buffered, saying why,
+ * and drops its own mark when the call ends. A reader of other bytes of the file, and a POSIX
+ * lock of this process on the whole file, are not: auto goes direct. */
 static void reader_marks(mem_t kind, size_t n) {
   drop_cache();
   if (resident_now() >= 0.5 || !g_direct_ok) return; /* auto reads buffered anyway */
   int other = open(g_path, O_RDONLY | O_CLOEXEC);
   REQUIRE(other >= 0);
-  struct flock mark = {.l_type = F_RDLCK, .l_whence = SEEK_SET,
-                       .l_start = PM__FILE_READER_MARK, .l_len = 1};
+  struct flock mark = mark_of(F_RDLCK, 4093 + n / 2, n);
   if (fcntl(other, F_OFD_SETLK, &mark) != 0) {
     printf("  no OFD locks in %s (%s): reader marks not tried\n", g_dir, strerror(errno));
     close(other);
@@ -1022,8 +1028,7 @@ static void reader_marks(mem_t kind, size_t n) {
   CHECK_EQ_SIZE((size_t)auto_read(kind, 4093, n), 0);
   CHECK(strstr(pm__file_note(), "another reader") != NULL);
   /* The call left no mark of its own behind: only `other`'s is there. */
-  struct flock probe = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
-                        .l_start = PM__FILE_READER_MARK, .l_len = 1};
+  struct flock probe = mark_of(F_WRLCK, 0, 4 * n);
   int self = open(g_path, O_RDONLY | O_CLOEXEC);
   REQUIRE(self >= 0);
   mark.l_type = F_UNLCK;
@@ -1034,8 +1039,16 @@ static void reader_marks(mem_t kind, size_t n) {
   drop_cache();
   CHECK(auto_read(kind, 4093, n) >= n - 8192);
   CHECK(pm__file_note()[0] == '\0');
+  /* A reader of the bytes after this read's shares nothing with it: direct. */
+  mark = mark_of(F_RDLCK, 4093 + n, n);
+  REQUIRE(fcntl(other, F_OFD_SETLK, &mark) == 0);
+  drop_cache();
+  CHECK(auto_read(kind, 4093, n) >= n - 8192);
+  CHECK(pm__file_note()[0] == '\0');
+  mark.l_type = F_UNLCK;
+  REQUIRE(fcntl(other, F_OFD_SETLK, &mark) == 0);
   /* A POSIX read lock over the whole file (a program guarding it while it reads) covers the
-   * mark's byte but is no reader's mark. */
+   * marks' range but is no reader's mark. */
   struct flock whole = {.l_type = F_RDLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
   REQUIRE(fcntl(other, F_SETLK, &whole) == 0);
   drop_cache();

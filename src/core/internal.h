@@ -665,9 +665,10 @@ extern atomic_int pm__io_refuse_direct;
 /* pm_file_*_async (src/io/file.c): why the last call on this thread used buffered I/O where
  * direct was asked for ("" if it did not); for tools and tests. */
 const char *pm__file_note(void);
-/* The byte an io=auto cold read marks with an OFD read lock while it runs, so that another
- * reader of the same file reads through the page cache (file.c, reader_mark()). */
-#define PM__FILE_READER_MARK ((off_t)INT64_MAX - 1)
+/* An io=auto cold read of [off, off + n) marks [PM__FILE_READER_MARKS + off, ... + n) with an
+ * OFD read lock while it runs, so that another reader of those bytes reads through the page
+ * cache (file.c, reader_mark()). */
+#define PM__FILE_READER_MARKS ((uint64_t)1 << 62)
 /* Test hook: io=auto's smallest range (FILE_AUTO_MIN, 64 MiB, while 0), so tests of the
  * residency rule need not move 64 MiB. */
 extern atomic_size_t pm__file_auto_min;
