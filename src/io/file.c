@@ -10,7 +10,9 @@
  * the last ends so. Threads (option file_threads, else copy_threads) claim units from an atomic
  * counter in ascending order. A write past the end of the file reserves its range first
  * (reserve()): a full disk is an error before a byte is written, and the threads' direct writes
- * do not wait for each other.
+ * do not wait for each other. An io=auto read that would go direct marks its range first
+ * (reader_mark()), so that processes reading the same bytes at the same moment read them
+ * through the page cache, which they share.
  *
  * Ring (device memory; host memory that O_DIRECT cannot reach in place): unit i uses slot
  * i % slots in turn (option file_slots, else threads + 2), as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
