@@ -988,6 +988,7 @@ static void reader_comes_midway(int other, size_t n) {
   for (int i = 0; i < 2000 && stats_now().read_direct == s0.read_direct; i++) pm_test_sleep_ms(5);
   struct flock mark = mark_of(F_RDLCK, 4093, n);
   REQUIRE(fcntl(other, F_OFD_SETLK, &mark) == 0);
+  pm_test_sleep_ms(30); /* the read looks for other readers every 20 ms at most */
   pm_test_gate_open(&gate);
   REQUIRE(pthread_join(t, NULL) == 0);
   CHECK_OK(r.st);

@@ -59,6 +59,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "copy_internal.h"
@@ -116,6 +117,7 @@ typedef struct fio {
   int markfd;         /* an auto read's reader mark (reader_mark()) when it reads buffered */
   atomic_bool refuse; /* a direct transfer got EINVAL: buffered from now on */
   bool watch;         /* an auto read, direct and marked: looks for other readers (reader_mark) */
+  _Atomic int64_t next_look; /* ... not before this CLOCK_MONOTONIC time (ns) */
   atomic_bool shared; /* one came: buffered from now on, to share the page cache */
   uint64_t off;       /* file offset of mem[0] */
   size_t bytes;
@@ -220,6 +222,22 @@ static int xfer_fd(fio_t *c, int fd, char *buf, size_t len, uint64_t pos) {
 
 static bool other_reader(int fd, uint64_t off, size_t bytes); /* (reader_mark, below) */
 
+/* A direct read looks for other readers at most this often: a lock query is a system call
+ * (on a network filesystem, a round trip), and a reader that comes 20 ms late shares the rest. */
+#define READER_LOOK_NS 20000000LL
+
+static int64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* True for the one thread whose turn it is to look. */
+static bool look_due(fio_t *c) {
+  int64_t now = now_ns(), next = atomic_load_explicit(&c->next_look, memory_order_relaxed);
+  return now >= next && atomic_compare_exchange_strong(&c->next_look, &next, now + READER_LOOK_NS);
+}
+
 /* Move one piece: the 4 KiB-aligned middle through O_DIRECT when buf and pos agree modulo
  * 4 KiB, the edges (and everything else) through the caller's fd. */
 static pm_status_t xfer(fio_t *c, char *buf, size_t len, uint64_t pos) {
@@ -227,7 +245,7 @@ static pm_status_t xfer(fio_t *c, char *buf, size_t len, uint64_t pos) {
   bool direct = c->dfd >= 0 && !atomic_load_explicit(&c->refuse, memory_order_relaxed) &&
                 !atomic_load_explicit(&c->shared, memory_order_relaxed) &&
                 ((uintptr_t)buf % FILE_ALIGN) == (pos % FILE_ALIGN);
-  if (direct && c->watch && other_reader(c->dfd, c->off, c->bytes)) {
+  if (direct && c->watch && look_due(c) && other_reader(c->dfd, c->off, c->bytes)) {
     atomic_store(&c->shared, true);
     direct = false;
   }
@@ -512,13 +530,13 @@ static bool auto_direct(fio_t *c) {
  * lock on the same range moved up by PM__FILE_READER_MARKS (2^62: past any data, so it locks
  * nothing a program uses; it goes with the descriptor when the call ends), then asks whether
  * another descriptor holds a mark that overlaps it (an OFD lock: l_pid -1). If one does, this
- * read goes buffered; if none does yet, the read goes direct and asks again before each piece,
- * going buffered for the rest once another reader of its bytes has come (it is ahead of them:
- * its reads then fill the page cache they read from). Readers of disjoint ranges (threads
- * splitting one file) would share nothing, and do not see each other. Marking first, then
- * asking, means two readers that start together both see the other. A filesystem without
- * locks, a range that reaches 2^62, or a program's own lock there leaves the read as auto
- * chose it. */
+ * read goes buffered; if none does yet, the read goes direct and asks again before its pieces
+ * (every 20 ms at most), going buffered for the rest once another reader of its bytes has come
+ * (it is ahead of them: its reads then fill the page cache they read from). Readers of
+ * disjoint ranges (threads splitting one file) would share nothing, and do not see each
+ * other. Marking first, then asking, means two readers that start together both see the
+ * other. A filesystem without locks, a range that reaches 2^62, or a program's own lock there
+ * leaves the read as auto chose it. */
 static bool other_reader(int fd, uint64_t off, size_t bytes) {
   struct flock probe = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
                         .l_start = (off_t)(PM__FILE_READER_MARKS + off), .l_len = (off_t)bytes};
@@ -665,6 +683,7 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
                "cache with it", fd);
     }
     c->watch = mark == 0;
+    atomic_init(&c->next_look, now_ns() + READER_LOOK_NS);
   }
   /* Host memory O_DIRECT cannot reach in place (not aligned as the file is) goes through the
    * slots; device memory always does. */
