@@ -114,11 +114,10 @@ typedef struct fio {
   bool write;
   int fd;             /* the caller's */
   int dfd;            /* O_DIRECT, or -1 */
-  int markfd;         /* an auto read's reader mark (reader_mark()) when it reads buffered */
   atomic_bool refuse; /* a direct transfer got EINVAL: buffered from now on */
-  bool watch;         /* an auto read, direct and marked: looks for other readers (reader_mark) */
-  _Atomic int64_t next_look; /* ... not before this CLOCK_MONOTONIC time (ns) */
-  atomic_bool shared; /* one came: buffered from now on, to share the page cache */
+  bool watch;         /* an auto read whose dfd holds its reader mark (reader_mark()): */
+  _Atomic int64_t next_look; /* looks for other readers, not before this time (ns) */
+  atomic_bool shared; /* one is there: buffered from now on, to share the page cache */
   uint64_t off;       /* file offset of mem[0] */
   size_t bytes;
   char *mem;
@@ -553,9 +552,8 @@ static int reader_mark(int dfd, uint64_t off, size_t bytes) {
 }
 
 static void fio_close(fio_t *c) {
-  if (c->dfd >= 0) close(c->dfd);
-  if (c->markfd >= 0) close(c->markfd);
-  c->dfd = c->markfd = -1;
+  if (c->dfd >= 0) close(c->dfd); /* and with it the reader mark */
+  c->dfd = -1;
 }
 
 /* The O_DIRECT fd for c->fd, or -1 with a note when the filesystem refuses it. */
@@ -619,7 +617,6 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
   c->write = write;
   c->fd = fd;
   c->dfd = -1;
-  c->markfd = -1;
   c->off = offset;
   c->bytes = bytes;
   c->mem = (char *)(uintptr_t)mem;
@@ -675,19 +672,20 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
     st = open_direct(c, flags);
     if (st != PM_OK) return st;
     int mark = by_auto && !write && c->dfd >= 0 ? reader_mark(c->dfd, offset, bytes) : -1;
-    if (mark == 1) {
-      c->markfd = c->dfd; /* read buffered, the mark kept for readers after this one */
-      c->dfd = -1;
+    if (mark == 1) { /* buffered throughout; dfd stays open, holding the mark for later readers */
+      atomic_store(&c->shared, true);
       snprintf(g_note, sizeof g_note,
                "another reader of fd %d's file is reading it: buffered I/O, to share the page "
                "cache with it", fd);
+    } else if (mark == 0) {
+      c->watch = true;
+      atomic_init(&c->next_look, now_ns() + READER_LOOK_NS);
     }
-    c->watch = mark == 0;
-    atomic_init(&c->next_look, now_ns() + READER_LOOK_NS);
   }
   /* Host memory O_DIRECT cannot reach in place (not aligned as the file is) goes through the
    * slots; device memory always does. */
-  c->ring = c->device || (c->dfd >= 0 && ((uintptr_t)mem % FILE_ALIGN) != offset % FILE_ALIGN);
+  c->ring = c->device || (c->dfd >= 0 && !atomic_load(&c->shared) &&
+                          ((uintptr_t)mem % FILE_ALIGN) != offset % FILE_ALIGN);
   if (c->ring) {
     st = o->pool ? PM_OK : pm_pool_default(&c->pool);
     if (o->pool) c->pool = o->pool;
