@@ -524,7 +524,8 @@ static bool auto_direct(fio_t *c) {
 /* Processes that read one file at the same moment (the ranks of a node loading one checkpoint)
  * share the page cache when they read it buffered; an O_DIRECT read leaves nothing there, so
  * each of them would read the whole file from the disk (on a 2-core machine, four processes
- * reading 1 GiB cold at once: 1.69-1.93 s direct against 0.61-0.89 s buffered). Only auto's
+ * reading 1 GiB cold at once: 1.53-2.10 s direct against 0.62-1.07 s buffered,
+ * bench/results/debian12-2core-2026-12-04a-shared-reads.jsonl). Only auto's
  * cold reads, which would go direct, take part. Each marks the range it reads with an OFD read
  * lock on the same range moved up by PM__FILE_READER_MARKS (2^62: past any data, so it locks
  * nothing a program uses; it goes with the descriptor when the call ends), then asks whether
