@@ -32,8 +32,8 @@ training loop that saves slows by < 5%. Targets are judged on cuda only; --devic
                               [--repeat 3] [--steps K] [--every N] [--no-train] [--json]
 
 Human-readable lines go to stderr; with --json one JSON object per result goes to stdout.
-pinmem's file options (PINMEM_FILE_CHUNK, PINMEM_FILE_WRITE_CHUNK, PINMEM_FILE_THREADS,
-PINMEM_FILE_SLOTS, PINMEM_FILE_PART; README "Configuration") are taken from the environment as usual; pinmem's
+pinmem's file options (PINMEM_FILE_CHUNK, PINMEM_FILE_DIRECT_CHUNK, PINMEM_FILE_WRITE_CHUNK,
+PINMEM_FILE_THREADS, PINMEM_FILE_SLOTS, PINMEM_FILE_PART; README "Configuration") are taken from the environment as usual; pinmem's
 rows carry the values in force and direct_share, the part of the bytes its last timed run moved
 through O_DIRECT (io='auto' decides: docs/files.md).
 """
@@ -188,7 +188,8 @@ def quiet(pinmem):
     os.sync()
 
 
-FILE_OPTIONS = ("file_chunk", "file_write_chunk", "file_threads", "file_slots", "file_part")
+FILE_OPTIONS = ("file_chunk", "file_direct_chunk", "file_write_chunk", "file_threads", "file_slots",
+                "file_part")
 
 
 def direct_share(pinmem, fn):

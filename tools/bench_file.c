@@ -67,8 +67,8 @@ typedef struct fopts {
   size_t bytes;
   const char *dir;
   int repeat;
-  /* The sweep: 0 in a list = the default (options file_chunk or file_write_chunk,
-   * file_threads, file_slots, file_part). */
+  /* The sweep: 0 in a list = the default (options file_chunk, file_direct_chunk or
+   * file_write_chunk, file_threads, file_slots, file_part). */
   size_t chunk[MAX_LIST], part[MAX_LIST];
   int threads[MAX_LIST], slots[MAX_LIST];
   int nchunk, nthreads, nslots, npart;
@@ -121,7 +121,8 @@ static void print_help(void) {
       "  The next four take comma-separated lists (0 = the option's default); the pinmem\n"
       "  cases run once per combination, e.g. --chunk 4M,8M,16M,32M --threads 4,8,12,16:\n"
       "  --chunk SIZES   pinmem's bounce slot (pm_file_options_t.chunk; default: option\n"
-      "                  file_chunk for loads, file_write_chunk for saves)\n"
+      "                  file_chunk for loads through the page cache, file_direct_chunk\n"
+      "                  for loads through O_DIRECT, file_write_chunk for saves)\n"
       "  --threads NS    pinmem's I/O threads (pm_file_options_t.threads; default: option\n"
       "                  file_threads, else copy_threads)\n"
       "  --slots NS      bounce slots in flight (option file_slots; default threads + 2)\n"
@@ -365,10 +366,11 @@ static void set_combo_options(const fopts_t *o, const combo_t *k) {
 }
 
 /* What a combination runs with, each 0 (the default) resolved as file.c resolves it, for the
- * rows: chunk rounded up to 4 KiB, slots threads + 2 unless set, part 0 when not below chunk. */
-static combo_t combo_resolved(const combo_t *k, bool save) {
+ * rows: chunk rounded up to 4 KiB (a load's by whether it went through O_DIRECT), slots
+ * threads + 2 unless set, part 0 when not below chunk. */
+static combo_t combo_resolved(const combo_t *k, bool save, bool direct) {
   combo_t r;
-  size_t chunk = k->chunk ? k->chunk : pm__file_chunk(save);
+  size_t chunk = k->chunk ? k->chunk : pm__file_chunk(save, direct);
   r.chunk = (chunk + 4095) / 4096 * 4096;
   r.threads = k->threads ? k->threads : (int)pm__opt_int(PM__OPT_FILE_THREADS);
   if (!r.threads) r.threads = (int)pm__opt_int(PM__OPT_COPY_THREADS);
@@ -649,7 +651,7 @@ static void print_row(fbench_t *b, int c, const result_t *r) {
       cli_json_bool(&j, "verified", r->verified);
     cli_json_str(&j, "verify_method", is_disk(c) ? "none" : "full");
     cli_json_str(&j, "cache", cache);
-    combo_t k = combo_resolved(&b->cur, is_save(c));
+    combo_t k = combo_resolved(&b->cur, is_save(c), r->direct_share > 0);
     if (pm) {
       /* The combination in force (defaults resolved), and what io did. */
       cli_json_uint(&j, "chunk", k.chunk);
@@ -666,7 +668,7 @@ static void print_row(fbench_t *b, int c, const result_t *r) {
     cli_json_end(&j);
   } else {
     cli_progress_clear();
-    combo_t k = combo_resolved(&b->cur, is_save(c));
+    combo_t k = combo_resolved(&b->cur, is_save(c), r->direct_share > 0);
     char combo[96] = "";
     if (pm)
       snprintf(combo, sizeof combo, "%zu/%d/%d/%zu %.0f%%", k.chunk, k.threads, k.slots, k.part,
@@ -747,7 +749,7 @@ int pm_cli_bench_file(int argc, char **argv) {
       print_row(b, c, &r);
       if (r.verified && (!best[c].r.ran || r.seconds < best[c].r.seconds)) {
         best[c].r = r;
-        best[c].k = combo_resolved(&k, is_save(c));
+        best[c].k = combo_resolved(&k, is_save(c), r.direct_share > 0);
       }
       if (!r.verified) best[c].r.ran = true; /* a failed row is never "best" but still ran */
     }

@@ -448,7 +448,9 @@ def reads(d, rounds, only=None, total=3 << 30):
             if cuda:
                 torch.cuda.synchronize()
             return time.perf_counter() - t0
-        return options(run, file_chunk=chunk, file_threads=str(threads))
+        # io "direct": the unit is file_direct_chunk's (file_chunk's for a read that O_DIRECT
+        # is refused; the row's name then says less than it seems)
+        return options(run, file_direct_chunk=chunk, file_threads=str(threads))
 
     def load(p):
         t0 = time.perf_counter()

@@ -354,9 +354,10 @@ static const pm__opt_def_t opt_table[] = {
      * against 37.2 with 16 MiB and 47.1 with 4 MiB
      * (bench/results/nvidia-h200-2026-12-03f-file-chunk-sweep.jsonl). */
     [PM__OPT_FILE_CHUNK] = {"file_chunk", "PINMEM_FILE_CHUNK", "8M",
-                            "bounce slot of file reads (pm_file_read_async, read_file, "
-                            "load_file) that do not set their own chunk, and of writes when "
-                            "file_write_chunk is 0",
+                            "bounce slot of file reads through the page cache "
+                            "(pm_file_read_async, read_file, load_file) that do not set their "
+                            "own chunk, and of other reads and writes where file_direct_chunk "
+                            "or file_write_chunk is 0",
                             parse_size_pos, PM__T_SIZE, 0},
     /* 1M: 3 GiB written from device memory (12 threads, O_DIRECT into a reserved range) on the
      * virtual disks of three H200 machines ran at a median of 2.37-2.66 GB/s with 1 MiB units
@@ -367,6 +368,16 @@ static const pm__opt_def_t opt_table[] = {
                                   "write_file, save_file) that do not set their own chunk; "
                                   "0 = file_chunk",
                                   parse_size_any, PM__T_SIZE, 0},
+    /* 1M: cold 3 GiB reads through O_DIRECT into device memory on the virtual disks of two
+     * H200 machines ran at a median of 2.14 and 2.69 GB/s in 1 MiB slots against 1.91 and
+     * 2.22 in 8 MiB, with the default threads
+     * (bench/results/nvidia-h200-2026-12-04k-cold-reads.txt, ...-04l-cold-reads.jsonl).
+     * Page-cache reads keep file_chunk: they need the larger slot. */
+    [PM__OPT_FILE_DIRECT_CHUNK] = {"file_direct_chunk", "PINMEM_FILE_DIRECT_CHUNK", "1M",
+                                   "unit (and bounce slot) of file reads through O_DIRECT (io "
+                                   "direct, or auto choosing it) that do not set their own "
+                                   "chunk; 0 = file_chunk",
+                                   parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_FILE_THREADS] = {"file_threads", "PINMEM_FILE_THREADS", "0",
                               "I/O threads of file reads and writes that do not set their own "
                               "(0..256); 0 = copy_threads",

@@ -138,6 +138,7 @@ typedef enum pm__opt {
   PM__OPT_HOST_DEVICES,       /* int 1..16: devices the host backend simulates */
   PM__OPT_FILE_CHUNK,         /* size: bounce slot of pm_file_* calls that leave options->chunk 0 */
   PM__OPT_FILE_WRITE_CHUNK,   /* size: the same for writes; 0 = file_chunk */
+  PM__OPT_FILE_DIRECT_CHUNK,  /* size: the same for reads through O_DIRECT; 0 = file_chunk */
   PM__OPT_FILE_THREADS,       /* int: I/O threads of pm_file_* calls; 0 = copy_threads */
   PM__OPT_FILE_SLOTS,         /* int: bounce slots of a pm_file_* ring; 0 = threads + 2 */
   PM__OPT_FILE_PART,          /* size: a read slot's H2D DMA queued in parts of this size; 0 = off */
@@ -672,9 +673,10 @@ const char *pm__file_note(void);
 /* Test hook: io=auto's smallest range (FILE_AUTO_MIN, 64 MiB, while 0), so tests of the
  * residency rule need not move 64 MiB. */
 extern atomic_size_t pm__file_auto_min;
-/* The unit of pm_file_* calls that leave options->chunk 0: file_chunk for reads; for writes
- * file_write_chunk, or file_chunk where that is 0 (tools/bench_file.c reports it). */
-size_t pm__file_chunk(bool write);
+/* The unit of pm_file_* calls that leave options->chunk 0: for writes file_write_chunk; for
+ * reads through O_DIRECT file_direct_chunk; for other reads file_chunk; file_chunk also where
+ * the option named is 0 (tools/bench_file.c reports it). */
+size_t pm__file_chunk(bool write, bool direct);
 
 struct pm_dataset_s {
   pm_dataset_info_t info;

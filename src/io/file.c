@@ -5,7 +5,8 @@
  * from pm__parallel_for and completion is a copy fence (fence.c).
  *
  * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes (options
- * file_chunk, 8 MiB, for reads; file_write_chunk, 1 MiB, for writes) that starts at offset
+ * file_chunk, 8 MiB, for reads through the page cache; file_direct_chunk, 1 MiB, for reads
+ * through O_DIRECT; file_write_chunk, 1 MiB, for writes) that starts at offset
  * rounded down to 4 KiB, so every unit but the first starts 4 KiB-aligned and every unit but
  * the last ends so. Threads (option file_threads, else copy_threads) claim units from an atomic
  * counter in ascending order. A write past the end of the file reserves its range first
@@ -80,8 +81,10 @@ const char *pm__file_note(void) {
   return g_note;
 }
 
-size_t pm__file_chunk(bool write) {
-  size_t w = write ? pm__opt_size(PM__OPT_FILE_WRITE_CHUNK) : 0;
+size_t pm__file_chunk(bool write, bool direct) {
+  size_t w = write    ? pm__opt_size(PM__OPT_FILE_WRITE_CHUNK)
+             : direct ? pm__opt_size(PM__OPT_FILE_DIRECT_CHUNK)
+                      : 0;
   return w ? w : pm__opt_size(PM__OPT_FILE_CHUNK);
 }
 
@@ -654,12 +657,6 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
   if (st != PM_OK) return pm__wrap_error(st, "%s", fn);
   c->device = kind == PM__MEM_DEVICE || kind == PM__MEM_MANAGED;
 
-  size_t chunk = o->chunk ? o->chunk : pm__file_chunk(write);
-  c->chunk = pm__align_up(chunk, FILE_ALIGN);
-  c->part = write ? 0 : pm__align_up(pm__opt_size(PM__OPT_FILE_PART), FILE_ALIGN);
-  if (c->part >= c->chunk) c->part = 0;
-  c->grid = offset / FILE_ALIGN * FILE_ALIGN;
-  c->nunits = (size_t)((offset + bytes - c->grid + c->chunk - 1) / c->chunk);
   atomic_init(&c->next, 0);
   atomic_init(&c->refuse, false);
   atomic_init(&c->shared, false);
@@ -683,10 +680,18 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
       atomic_init(&c->next_look, now_ns() + READER_LOOK_NS);
     }
   }
+  /* The unit, once the read is known to go direct or through the page cache (a direct read
+   * that turns buffered midway keeps its unit). */
+  bool by_dfd = c->dfd >= 0 && !atomic_load(&c->shared);
+  size_t chunk = o->chunk ? o->chunk : pm__file_chunk(write, by_dfd);
+  c->chunk = pm__align_up(chunk, FILE_ALIGN);
+  c->part = write ? 0 : pm__align_up(pm__opt_size(PM__OPT_FILE_PART), FILE_ALIGN);
+  if (c->part >= c->chunk) c->part = 0;
+  c->grid = offset / FILE_ALIGN * FILE_ALIGN;
+  c->nunits = (size_t)((offset + bytes - c->grid + c->chunk - 1) / c->chunk);
   /* Host memory O_DIRECT cannot reach in place (not aligned as the file is) goes through the
    * slots; device memory always does. */
-  c->ring = c->device || (c->dfd >= 0 && !atomic_load(&c->shared) &&
-                          ((uintptr_t)mem % FILE_ALIGN) != offset % FILE_ALIGN);
+  c->ring = c->device || (by_dfd && ((uintptr_t)mem % FILE_ALIGN) != offset % FILE_ALIGN);
   if (c->ring) {
     st = o->pool ? PM_OK : pm_pool_default(&c->pool);
     if (o->pool) c->pool = o->pool;
