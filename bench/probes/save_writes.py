@@ -30,10 +30,13 @@
              reads, raw threaded preads (1, 4, 12 threads of 1, 8, 16 MiB), pinmem.read_file
              in 8 down to 1 MiB slots with the default and 4 threads, and
              safetensors.load_file, rotated within each round; --cases picks some, --bytes
-             sets the file's size.
+             sets the file's size; with --pairs, the two cases named in --cases read one
+             right after the other, their order swapped every round, each case's GB/s
+             reported by its place (first or second), as compare_checkpoint measures the
+             disk right before each pinmem cold load.
 
   PYTHONPATH=build-py/python python3 bench/probes/save_writes.py \
-      patterns|replace|order|sources|layout|reads --dir DIR
+      patterns|replace|order|sources|layout|reads [--pairs] --dir DIR
 One JSON line per case on stdout (GB/s of each round, and the median).
 """
 import argparse
@@ -383,7 +386,7 @@ def layout(d, rounds):
     quiet(d)
 
 
-def reads(d, rounds, only=None, total=3 << 30):
+def reads(d, rounds, only=None, total=3 << 30, pairs=False):
     """Which O_DIRECT read pattern reads a cold file fastest on this disk: one file of `total`
     bytes (written dd-like), read cold (fadvise + drop_caches before each read) by
       dd           one stream of 16 MiB reads (the disk row of compare_checkpoint and of
@@ -470,12 +473,16 @@ def reads(d, rounds, only=None, total=3 << 30):
     if "torch" in sys.modules:  # load_file makes torch tensors
         cases["load_file"] = load
     names = [n for n in cases if not only or n in only]
-    out = {n: [] for n in names}
+    if pairs and len(names) != 2:
+        raise SystemExit("--pairs: name two cases in --cases (e.g. dd,load_file)")
+    out = {n: [] for n in names} if not pairs else \
+        {f"{n}_{p}": [] for n in names for p in ("first", "second")}
     for r in range(rounds):
         k = r % len(names)
-        for name in names[k:] + names[:k]:
+        for place, name in enumerate(names[k:] + names[:k]):
             how = drop_cache(st_path if name == "load_file" else path)
-            out[name].append(round(total / cases[name](path) / 1e9, 3))
+            key = name if not pairs else f"{name}_{('first', 'second')[place]}"
+            out[key].append(round(total / cases[name](path) / 1e9, 3))
     for name, v in out.items():
         print(json.dumps(dict(bench="save_writes", case="cold_read", read=name, bytes=total,
                               cache=how, target="cuda" if cuda else "pinned host", gbps=v,
@@ -491,6 +498,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default="", help="sources, reads: a comma-separated subset")
     ap.add_argument("--bytes", default="3G", help="reads: the file's size (default 3G)")
+    ap.add_argument("--pairs", action="store_true", help="reads: the two --cases in pairs, "
+                    "their order swapped every round, reported by place")
     a = ap.parse_args()
     only = [c for c in a.cases.split(",") if c]
     if a.what == "sources":
@@ -498,7 +507,8 @@ def main():
     elif a.what == "reads":
         units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         b = a.bytes.upper()
-        reads(a.dir, a.rounds, only, int(b[:-1]) * units[b[-1]] if b[-1] in units else int(b))
+        reads(a.dir, a.rounds, only, int(b[:-1]) * units[b[-1]] if b[-1] in units else int(b),
+              a.pairs)
     else:
         {"patterns": patterns, "replace": replace, "order": order,
          "layout": layout}[a.what](a.dir, a.rounds)
