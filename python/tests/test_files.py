@@ -231,6 +231,32 @@ def test_write_from_bytes_and_memoryview(tmp_path, rng):
     assert (tmp_path / "b").read_bytes() == data[3:]
 
 
+def test_read_units_by_option(tmp_path, rng):
+    """file_chunk (page-cache reads) and file_direct_chunk (O_DIRECT reads), set apart and to 0
+    (= file_chunk), read an odd range into device memory byte for byte in every io mode; a bad
+    value is refused and changes nothing."""
+    n, off = 300001, 4093
+    data = write_background(tmp_path / "f.bin", rng, off + n)
+    before = {k: pinmem.get_option(k) for k in ("file_chunk", "file_direct_chunk")}
+    try:
+        for chunk, direct in (("64K", "20000"), ("48K", "0"), ("20000", "128K")):
+            pinmem.set_option("file_chunk", chunk)
+            pinmem.set_option("file_direct_chunk", direct)
+            for io in IOS:
+                d = pinmem.device_empty(n, "uint8")
+                pinmem.read_file(tmp_path / "f.bin", d, off, io=io).wait()
+                out = np.zeros(n, np.uint8)
+                pinmem.copy(out, d).wait()
+                np.testing.assert_array_equal(out, data[off:], err_msg="%s/%s %s" % (
+                    chunk, direct, io))
+        with pytest.raises(pinmem.ConfigError):
+            pinmem.set_option("file_direct_chunk", "lots")
+        assert pinmem.get_option("file_direct_chunk") == "128K"
+    finally:
+        for k, v in before.items():
+            pinmem.set_option(k, v)
+
+
 def test_read_with_stream(tmp_path, rng):
     data = write_background(tmp_path / "f.bin", rng, 70001)
     s = pinmem.Stream()
