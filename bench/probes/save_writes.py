@@ -54,7 +54,7 @@ import pinmem
 import pinmem.safetensors as ps
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from compare_checkpoint import drop_cache  # noqa: E402  (bench/, beside probes/)
+from compare_checkpoint import drop_cache, parse_size  # noqa: E402  (bench/, beside probes/)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
@@ -505,10 +505,7 @@ def main():
     if a.what == "sources":
         sources(a.dir, a.rounds, only)
     elif a.what == "reads":
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        b = a.bytes.upper()
-        reads(a.dir, a.rounds, only, int(b[:-1]) * units[b[-1]] if b[-1] in units else int(b),
-              a.pairs)
+        reads(a.dir, a.rounds, only, parse_size(a.bytes), a.pairs)
     else:
         {"patterns": patterns, "replace": replace, "order": order,
          "layout": layout}[a.what](a.dir, a.rounds)

@@ -2,7 +2,7 @@
 """DESIGN: a stand-alone probe of several processes reading one cold file at the same moment (the
 ranks of a node loading one checkpoint), kept so the table in docs/files.md ("io modes", readers
 of one file) can be measured again. For each round and io mode (auto, buffered, direct, rotated
-within the round), the file's pages are dropped (fdatasync, fadvise DONTNEED and, where the
+within the round), the file's pages are dropped (fsync, fadvise DONTNEED and, where the
 process may, /proc/sys/vm/drop_caches), N child processes each pin a buffer as large as the file
 and report ready, then all start pinmem.read_file together and each times its own read. One JSON
 line per round and mode: each reader's seconds and its bytes through O_DIRECT and through the
@@ -19,6 +19,9 @@ import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from compare_checkpoint import drop_cache, parse_size  # noqa: E402  (bench/, beside probes/)
 
 
 def child(path, io, start_fd, ready_fd):
@@ -38,24 +41,8 @@ def child(path, io, start_fd, ready_fd):
                           buffered=s1["read_buffered"] - s0["read_buffered"])))
 
 
-def drop(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "fadvise+drop_caches"
-    except OSError:
-        return "fadvise"
-
-
 def round_of(path, io, n):
-    how = drop(path)
+    how = drop_cache(path)
     start_r, start_w = os.pipe()
     ready_r, ready_w = os.pipe()
     kids = [subprocess.Popen([sys.executable, __file__, "--child", path, io, str(start_r),
@@ -82,9 +69,7 @@ def main():
     ap.add_argument("--readers", default="1,4", help="comma-separated reader counts")
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    b = a.bytes.upper()
-    size = int(b[:-1]) * units[b[-1]] if b[-1] in units else int(b)
+    size = parse_size(a.bytes)
     path = os.path.join(a.dir, "shared_reads.bin")
     with open(path, "wb") as f:
         for _ in range(0, size, 1 << 24):

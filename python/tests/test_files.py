@@ -243,11 +243,9 @@ def test_read_units_by_option(tmp_path, rng):
             pinmem.set_option("file_chunk", chunk)
             pinmem.set_option("file_direct_chunk", direct)
             for io in IOS:
-                d = pinmem.device_empty(n, "uint8")
+                d, contents = make_dst("device", n)
                 pinmem.read_file(tmp_path / "f.bin", d, off, io=io).wait()
-                out = np.zeros(n, np.uint8)
-                pinmem.copy(out, d).wait()
-                np.testing.assert_array_equal(out, data[off:], err_msg="%s/%s %s" % (
+                np.testing.assert_array_equal(contents(), data[off:], err_msg="%s/%s %s" % (
                     chunk, direct, io))
         with pytest.raises(pinmem.ConfigError):
             pinmem.set_option("file_direct_chunk", "lots")
@@ -1205,6 +1203,16 @@ def file_stats():
     return pinmem._pinmem._file_stats()
 
 
+def drop_pages(path):
+    """The file's pages out of the page cache, where the filesystem lets them go (tmpfs keeps
+    them); the file must be synced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def test_load_file_bad_io(tmp_path):
     with pytest.raises(pinmem.InvalidError, match="io must be one of auto, buffered, direct"):
         pinmem.safetensors.load_file(tmp_path / "missing.safetensors", io="fast")
@@ -1228,11 +1236,7 @@ def test_load_file_io(io, tmp_path, rng, no_fd_leak):
         return b, np.asarray(b), None
 
     def load():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold, where the pages can go
-        finally:
-            os.close(fd)
+        drop_pages(path)
         s0 = file_stats()
         entries, data = pinmem.safetensors._read(str(path), lambda e: None, alloc, io)
         s1 = file_stats()
@@ -1288,12 +1292,7 @@ def test_checkpoint_goes_direct_and_round_trips(tmp_path, rng, no_fd_leak):
         assert s1["write_direct"] == s0["write_direct"]
     else:
         assert s1["write_buffered"] - s0["write_buffered"] == size % 4096
-    # Cold: synced by the save; DONTNEED drops it where the filesystem lets the pages go.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_pages(path)  # cold: synced by the save
     buf = []
 
     def alloc(n):

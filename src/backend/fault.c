@@ -102,8 +102,9 @@ static pm_status_t injected(pm__fault_op_t op, uint64_t call, const char *what) 
 
 /* What a file op's fault does (pm__fault_file_errno): an errno, or PM__FAULT_SHORT. A full
  * disk is what a reservation meets. */
-static const int g_file_errno_default[3] = {EIO, EIO, ENOSPC};
-static atomic_int g_file_errno[3] = {EIO, EIO, ENOSPC};
+#define FILE_ERRNO_DEFAULTS {EIO, EIO, ENOSPC}
+static const int g_file_errno_default[3] = FILE_ERRNO_DEFAULTS;
+static atomic_int g_file_errno[3] = FILE_ERRNO_DEFAULTS;
 
 static int file_slot(pm__fault_op_t op) {
   return op == PM__FAULT_FILE_READ      ? 0
@@ -112,9 +113,15 @@ static int file_slot(pm__fault_op_t op) {
                                         : -1;
 }
 
+/* A fault the file op can have: an errno, or a short transfer (a reservation has none). */
+static bool file_fault_ok(pm__fault_op_t op, int err) {
+  return file_slot(op) >= 0 &&
+         (err > 0 || (err == PM__FAULT_SHORT && op != PM__FAULT_FILE_RESERVE));
+}
+
 pm_status_t pm__fault_file_errno(pm__fault_op_t op, int err) {
   int k = file_slot(op);
-  if (k < 0 || (err <= 0 && err != PM__FAULT_SHORT) || (k == 2 && err == PM__FAULT_SHORT))
+  if (!file_fault_ok(op, err))
     return pm__set_error(PM_ERR_INVALID, "pm__fault_file_errno: op %d / errno %d", (int)op, err);
   atomic_store_explicit(&g_file_errno[k], err, memory_order_relaxed);
   return PM_OK;
@@ -546,7 +553,7 @@ static pm_status_t spec_apply(const char *spec, bool apply) {
           ferr = errs[e].err;
       if (!ferr)
         return spec_error(spec, item, len, "not EIO, ENOSPC, EINTR, EDQUOT, EFBIG or short");
-      if (ferr == PM__FAULT_SHORT && op == PM__FAULT_FILE_RESERVE)
+      if (!file_fault_ok((pm__fault_op_t)op, ferr))
         return spec_error(spec, item, len, "a reservation fails with an errno, not short");
       end = colon;
       vlen = (size_t)(end - val);
