@@ -6,7 +6,7 @@
  */
 #include "_pinmem.h"
 
-#include "internal.h" /* pm__numa_cpus_for, pm__numa_test_override */
+#include "internal.h" /* pm__numa_cpus_for, pm__numa_test_override, pm__numa_state */
 
 static int default_pool(pm_pool_t **pool) {
   pm_status_t st = pm_pool_default(pool);
@@ -63,6 +63,19 @@ static PyObject *py_stats(PyObject *mod, PyObject *unused) {
     return NULL;
   }
   Py_DECREF(list);
+  /* Whether binding can work in this process at all, and why the last one failed: a count of
+   * failures alone does not tell a missing libnuma from a node the cpuset leaves out. */
+  pm__numa_state_t ns_state;
+  pm__numa_state(&ns_state);
+  PyObject *why = PyUnicode_DecodeUTF8(ns_state.last_failure,
+                                       (Py_ssize_t)strlen(ns_state.last_failure), "replace");
+  if (!why || PyDict_SetItemString(d, "numa_last_failure", why) < 0 ||
+      PyDict_SetItemString(d, "numa_libnuma", ns_state.libnuma ? Py_True : Py_False) < 0) {
+    Py_XDECREF(why);
+    Py_DECREF(d);
+    return NULL;
+  }
+  Py_DECREF(why);
   return d;
 }
 
