@@ -36,6 +36,7 @@ write is done.
 torch is imported only when a torch tensor is made or given; NumPy arrays may be saved without
 it (header checks need neither).
 """
+import errno as _errno
 import fcntl as _fcntl
 import functools as _functools
 import json as _json
@@ -662,15 +663,39 @@ def _write_pieces(tmp, buf, copies):
         _pm.write_file(tmp, mv[cut:], cut, fsync=True, truncate=False).wait()
 
 
-def _write_durable(buf, path, copies=(), write=None):
-    """buf as the file at path, atomically: a temporary beside it, fsync, rename, fsync of the
-    directory. On any failure the temporary is removed and path is as it was. The file replaced
-    is freed in the background (_Releaser). copies: DMAs into buf still running (_write_pieces);
-    all are waited for before this returns, whatever happens. write: instead of buf, a function
-    that writes and fsyncs the temporary it is given."""
+def _target(path):
+    """(path, tmp): the file a save replaces (what a symlink names, not the link) and its
+    temporary beside it, created empty now. A save to a place it cannot write (a missing or
+    read-only folder, the name of a directory) so fails before any tensor is copied, and
+    save_file_async fails in the call rather than in wait()."""
+    path = _os.fspath(path)
     if _os.path.islink(path):
-        path = _os.path.realpath(path)  # replace what the link names, not the link
+        path = _os.path.realpath(path)
+    if _os.path.isdir(path):
+        raise IsADirectoryError(_errno.EISDIR, "pinmem.safetensors: cannot save over a "
+                                "directory", path)
     tmp = f"{path}.tmp-{_os.getpid()}-{_secrets.token_hex(4)}"
+    try:
+        _os.close(_os.open(tmp, _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o666))
+    except OSError as e:
+        raise type(e)(e.errno, f"pinmem.safetensors: cannot create the temporary {tmp!r} to "
+                      f"save to ({e.strerror})", path) from None
+    return path, tmp
+
+
+def _unlink(tmp):
+    try:
+        _os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
+def _write_durable(buf, path, tmp, copies=(), write=None):
+    """buf as the file at path, atomically: written into tmp (from _target) beside it, fsync,
+    rename, fsync of the directory. On any failure the temporary is removed and path is as it
+    was. The file replaced is freed in the background (_Releaser). copies: DMAs into buf still
+    running (_write_pieces); all are waited for before this returns, whatever happens. write:
+    instead of buf, a function that writes and fsyncs the temporary it is given."""
     old = None
     try:
         if write is not None:
@@ -687,10 +712,7 @@ def _write_durable(buf, path, copies=(), write=None):
         _wait_copies(copies, quiet=True)  # the caller frees buf next
         if old is not None:
             _os.close(old)  # still linked: closing frees nothing
-        try:
-            _os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink(tmp)
         raise
     try:
         dfd = _os.open(_os.path.dirname(_os.path.abspath(path)), _os.O_RDONLY | _os.O_DIRECTORY)
@@ -718,11 +740,20 @@ def _plan(tensors, metadata, stage, snapshot_stage):
     return buf, copies, keep, None
 
 
-def _write_saved(path, buf, copies, keep, write):
+def _planned(tensors, metadata, stage, snapshot_stage, tmp):
+    """_plan, removing the temporary if planning fails (a bad tensor, no memory)."""
+    try:
+        return _plan(tensors, metadata, stage, snapshot_stage)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _write_saved(path, tmp, buf, copies, keep, write):
     """_write_durable of a _plan, then everything it held given back: every copy (and with
     `write`, every DMA from the scratch) is done by then, whatever happened."""
     try:
-        _write_durable(buf, path, copies, write)
+        _write_durable(buf, path, tmp, copies, write)
     finally:
         del copies, write
         keep.clear()  # a scratch goes back to torch's cache only after the copies from it
@@ -742,8 +773,8 @@ def save_file(tensors, path, metadata=None, *, stage="auto"):
     raises torch's out-of-memory error otherwise). "host", and any other case: the tensors are
     copied into one pinned buffer laid out as the file (DMA for device tensors) and written
     from it."""
-    path = _os.fspath(path)
-    _write_saved(path, *_plan(tensors, metadata, stage, "host"))
+    path, tmp = _target(path)
+    _write_saved(path, tmp, *_planned(tensors, metadata, stage, "host", tmp))
 
 
 class SaveHandle:
@@ -753,8 +784,9 @@ class SaveHandle:
     went through a scratch copy on their device, "host" when they were copied straight into
     pinned memory (or there were none)."""
 
-    def __init__(self, path, staged):
+    def __init__(self, path, tmp, staged):
         self.path = path
+        self._tmp = tmp
         self.staged = staged
         self._finished = _threading.Event()
         self._error = None
@@ -762,7 +794,7 @@ class SaveHandle:
 
     def _run(self, buf, copies, keep, write=None):
         try:
-            _write_saved(self.path, buf, copies, keep, write)
+            _write_saved(self.path, self._tmp, buf, copies, keep, write)
         except BaseException as e:  # handed to whoever waits
             # Its traceback would keep the finished frames' locals, the device scratch among
             # them, alive for as long as the handle or the error is kept.
@@ -809,16 +841,17 @@ def save_file_async(tensors, path, metadata=None, *, stage="auto"):
     scratch fits in half of the device's free memory, otherwise "host". CPU tensors and arrays
     are copied before the call returns either way. The interpreter waits for a save in flight
     before it exits."""
-    path = _os.fspath(path)
-    buf, copies, keep, write = _plan(tensors, metadata, stage, stage)
+    path, tmp = _target(path)
+    buf, copies, keep, write = _planned(tensors, metadata, stage, stage, tmp)
     if not keep:  # nothing staged on a device: the copies read the caller's tensors
         try:
             _wait_copies(copies)
         except BaseException:
             _free(buf)
+            _unlink(tmp)
             raise
         copies = []
-    handle = SaveHandle(path, "device" if keep else "host")
+    handle = SaveHandle(path, tmp, "device" if keep else "host")
     handle._thread = _threading.Thread(target=handle._run, args=(buf, copies, keep, write),
                                        name="pinmem-save")
     del buf, copies, keep, write

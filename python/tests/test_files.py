@@ -651,10 +651,27 @@ def test_failed_rename_leaves_no_temporary(tmp_path, monkeypatch):
     assert_untouched(tmp_path, path, before)
 
 
-def test_save_into_missing_directory(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        pinmem.safetensors.save_file({"w": np.zeros(3)}, tmp_path / "no" / "x.safetensors")
-    assert not list(tmp_path.iterdir())
+@pytest.mark.parametrize("save", ["save_file", "save_file_async"])
+def test_save_to_a_place_it_cannot_write_fails_at_the_call(save, tmp_path, monkeypatch,
+                                                          no_fd_leak):
+    """A missing folder, a file standing where a folder should be, or the name of a directory:
+    the call itself raises (save_file_async too, not its wait()), naming the target, before
+    any tensor is copied, and leaves nothing behind."""
+    (tmp_path / "plain").write_bytes(b"x")
+    (tmp_path / "dir").mkdir()
+    copied = []
+    real = pinmem.safetensors._plan
+    monkeypatch.setattr(pinmem.safetensors, "_plan", lambda *a: copied.append(a) or real(*a))
+    cases = [(tmp_path / "no" / "x.safetensors", FileNotFoundError, "cannot create"),
+             (tmp_path / "plain" / "x.safetensors", NotADirectoryError, "cannot create"),
+             (tmp_path / "dir", IsADirectoryError, "cannot save over a directory")]
+    for target, error, text in cases:
+        with pytest.raises(error, match=text) as e:
+            getattr(pinmem.safetensors, save)({"w": np.zeros(3)}, target)
+        assert e.value.filename == str(target)
+    assert copied == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "plain"]
+    assert list((tmp_path / "dir").iterdir()) == []
 
 
 def test_enospc_leaves_old_file(tmp_path):
@@ -961,7 +978,7 @@ def test_failed_async_write_keeps_no_scratch_alive(tmp_path, no_fd_leak):
     path, before = old_file(tmp_path)
     scratch = Scratch()
     gone = weakref.ref(scratch)
-    h = pinmem.safetensors.SaveHandle(str(path), "device")
+    h = pinmem.safetensors.SaveHandle(*pinmem.safetensors._target(path), "device")
     h._thread = threading.Thread(target=h._run, args=(None, (), [scratch],
                                                       functools.partial(write, flat=scratch)))
     del scratch
@@ -973,6 +990,25 @@ def test_failed_async_write_keeps_no_scratch_alive(tmp_path, no_fd_leak):
     gc.collect()
     assert gone() is None, "the scratch outlived the failed save"
     assert_untouched(tmp_path, path, before)
+
+
+def test_save_tensors_that_share_memory(tmp_path):
+    """Tied weights (one tensor under two names) and overlapping views are each written in
+    full; every name loads as its own tensor, here and with the safetensors package."""
+    skip_unless_safetensors()
+    torch = skip_unless_torch()
+    import safetensors.torch
+    base = torch.arange(24, dtype=torch.float32)
+    t = {"embed": base, "head": base, "low": base[:16].view(4, 4), "high": base[8:]}
+    want = {k: v.clone() for k, v in t.items()}
+    path = tmp_path / "tied.safetensors"
+    pinmem.safetensors.save_file(t, path)
+    for back in (pinmem.safetensors.load_file(path), safetensors.torch.load_file(str(path))):
+        assert sorted(back) == sorted(want)
+        assert all(same(torch, back[k], want[k]) for k in want)
+    mine = pinmem.safetensors.load_file(path)
+    mine["embed"].fill_(-1)
+    assert same(torch, mine["head"], want["head"]), "two names loaded as one tensor"
 
 
 def test_save_async_torch(tmp_path, rng):
