@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static int parse_io(PyObject *o, const char *fn, pm_file_io_t *out) {
@@ -90,14 +91,31 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
    * The write then reserves its range (pm_file_write_async: a full disk is an IoError before a
    * byte is written). */
   if (truncate) {
+    /* Only a regular file has a length to empty (as O_TRUNC, which a device or a pipe ignores):
+     * write_file("/dev/null", ...) is a write like any other. */
+    struct stat sb;
     int rc, err;
+    const char *step = "fstat";
     Py_BEGIN_ALLOW_THREADS;
-    rc = ftruncate(fd, 0);
+    rc = fstat(fd, &sb);
+    if (rc == 0 && S_ISREG(sb.st_mode)) {
+      step = "ftruncate";
+      rc = ftruncate(fd, 0);
+    }
     err = errno;
     Py_END_ALLOW_THREADS;
     if (rc != 0) {
-      errno = err;
-      PyErr_SetFromErrno(PyExc_OSError);
+      PyObject *e = PyObject_CallFunction(PyExc_OSError, "is", err, "");
+      if (e) {
+        PyObject *text = PyUnicode_FromFormat("%s: emptying the file first (%s): %s", fn, step,
+                                              strerror(err));
+        if (text) {
+          PyObject_SetAttrString(e, "strerror", text);
+          Py_DECREF(text);
+        }
+        PyErr_SetObject((PyObject *)Py_TYPE(e), e);
+        Py_DECREF(e);
+      }
       goto fail;
     }
   }

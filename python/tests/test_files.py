@@ -216,6 +216,19 @@ def test_bad_write_leaves_file(tmp_path, rng):
     np.testing.assert_array_equal(np.fromfile(path, np.uint8), before)
 
 
+@pytest.mark.parametrize("io", IOS)
+def test_write_to_a_device_file(io, rng, no_fd_leak):
+    """A device has no length to empty: write_file("/dev/null", ...) writes like any file (as
+    O_TRUNC would), in every io mode, and fsync=True says the device cannot sync."""
+    if not os.access("/dev/null", os.W_OK):
+        pytest.skip("/dev/null is not writable here")
+    data = random_bytes(rng, 70 << 20)  # past the 64 MiB where auto goes direct
+    for n in (5, data.size):
+        assert pinmem.write_file("/dev/null", data, nbytes=n, io=io).done()
+    with pytest.raises(pinmem.IoError, match=r"/dev/null.*fdatasync"):
+        pinmem.write_file("/dev/null", data, nbytes=5, io=io, fsync=True)
+
+
 def test_write_creates_file_and_nbytes(tmp_path, rng):
     path = tmp_path / "new.bin"
     data = random_bytes(rng, 5000)
