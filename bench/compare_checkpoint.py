@@ -459,8 +459,9 @@ def main():
 
         # A reference for the host's memory: the hot file copied from the page cache into one
         # pinned host buffer of the checkpoint's size by the same threads, with no DMA. Where it
-        # is slow, hot loads are slow for the same reason. A hot load can beat it: its 8 MiB
-        # slots are reused and stay in the CPU caches, where this writes 3 GiB of fresh memory.
+        # is slow, hot loads are slow for the same reason. A hot load can beat it: its slots
+        # (4 MiB x 24) are reused and stay in the CPU caches, where this writes 3 GiB of fresh
+        # memory.
         ceiling = None
         try:
             host = pinmem.empty(size, "uint8")

@@ -1117,7 +1117,7 @@ static void units_by_way(void) {
     }
     close(other);
   }
-  REQUIRE_OK(pm_option_set("file_chunk", "8M"));
+  REQUIRE_OK(pm_option_set("file_chunk", "4M"));
   REQUIRE_OK(pm_option_set("file_direct_chunk", "1M"));
 }
 
@@ -1268,12 +1268,27 @@ static void test_file_options(void) {
         write_case(n, off, ios[ii], (mem_t)m, 0, 40 + i);
       }
   }
+  /* The ring's default size: threads + 2 slots, and for reads through the page cache up to 2
+   * a thread while they hold at most 96 MiB; file_slots overrides every case. */
+  REQUIRE_OK(pm_option_set("file_slots", "0"));
+  CHECK_EQ_INT(pm__file_slots((size_t)4 << 20, 12, false, false), 24);
+  CHECK_EQ_INT(pm__file_slots((size_t)8 << 20, 12, false, false), 14);
+  CHECK_EQ_INT(pm__file_slots((size_t)5 << 20, 12, false, false), 20);
+  CHECK_EQ_INT(pm__file_slots((size_t)64 << 10, 12, false, false), 24);
+  CHECK_EQ_INT(pm__file_slots((size_t)4 << 20, 30, false, false), 32);
+  CHECK_EQ_INT(pm__file_slots((size_t)4 << 20, 1, false, false), 3);
+  CHECK_EQ_INT(pm__file_slots((size_t)1 << 20, 12, false, true), 14);
+  CHECK_EQ_INT(pm__file_slots((size_t)1 << 20, 12, true, false), 14);
+  CHECK_EQ_INT(pm__file_slots((size_t)1 << 20, 12, true, true), 14);
+  REQUIRE_OK(pm_option_set("file_slots", "5"));
+  CHECK_EQ_INT(pm__file_slots((size_t)4 << 20, 12, false, false), 5);
+  CHECK_EQ_INT(pm__file_slots((size_t)1 << 20, 12, true, false), 5);
   CHECK_ST(pm_option_set("file_slots", "4097"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_threads", "-1"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_chunk", "0"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_write_chunk", "lots"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_direct_chunk", "-1M"), PM_ERR_CONFIG);
-  REQUIRE_OK(pm_option_set("file_chunk", "8M"));
+  REQUIRE_OK(pm_option_set("file_chunk", "4M"));
   REQUIRE_OK(pm_option_set("file_write_chunk", "1M"));
   REQUIRE_OK(pm_option_set("file_direct_chunk", "1M"));
   REQUIRE_OK(pm_option_set("file_threads", "0"));

@@ -125,7 +125,8 @@ static void print_help(void) {
       "                  for loads through O_DIRECT, file_write_chunk for saves)\n"
       "  --threads NS    pinmem's I/O threads (pm_file_options_t.threads; default: option\n"
       "                  file_threads, else copy_threads)\n"
-      "  --slots NS      bounce slots in flight (option file_slots; default threads + 2)\n"
+      "  --slots NS      bounce slots in flight (option file_slots; default threads + 2,\n"
+      "                  for loads through the page cache up to 2 a thread, <= 96 MiB)\n"
       "  --part SIZES    loads: a slot's DMA in parts of this size, each queued once read\n"
       "                  (option file_part; 0 = one DMA per slot)\n"
       "  --cases LIST    only these cases, comma separated, of: load_hot_buffered,\n"
@@ -366,16 +367,15 @@ static void set_combo_options(const fopts_t *o, const combo_t *k) {
 }
 
 /* What a combination runs with, each 0 (the default) resolved as file.c resolves it, for the
- * rows: chunk rounded up to 4 KiB (a load's by whether it went through O_DIRECT), slots
- * threads + 2 unless set, part 0 when not below chunk. */
+ * rows: chunk rounded up to 4 KiB (a load's by whether it went through O_DIRECT), slots as
+ * pm__file_slots gives them, part 0 when not below chunk. */
 static combo_t combo_resolved(const combo_t *k, bool save, bool direct) {
   combo_t r;
   size_t chunk = k->chunk ? k->chunk : pm__file_chunk(save, direct);
   r.chunk = (chunk + 4095) / 4096 * 4096;
   r.threads = k->threads ? k->threads : (int)pm__opt_int(PM__OPT_FILE_THREADS);
   if (!r.threads) r.threads = (int)pm__opt_int(PM__OPT_COPY_THREADS);
-  r.slots = (int)pm__opt_int(PM__OPT_FILE_SLOTS);
-  if (!r.slots) r.slots = r.threads + 2;
+  r.slots = pm__file_slots(r.chunk, r.threads, save, direct);
   r.part = save ? 0 : (pm__opt_size(PM__OPT_FILE_PART) + 4095) / 4096 * 4096;
   if (r.part >= r.chunk) r.part = 0;
   return r;

@@ -350,10 +350,13 @@ static const pm__opt_def_t opt_table[] = {
     [PM__OPT_HOST_DEVICES] = {"host_devices", "PINMEM_HOST_DEVICES", "1",
                               "devices the host backend simulates (1..16). Read at pm_init.",
                               parse_host_devices, PM__T_INT, 0},
-    /* 8M: hot 4 GiB loads on an H200 machine held 49.1 GB/s with 8 MiB slots and 12 threads
-     * against 37.2 with 16 MiB and 47.1 with 4 MiB
+    /* 4M, in a ring of 24 slots (96 MiB, file.c's FILE_READ_RING): hot 3 GiB loads on two
+     * H200 machines timed right after other work, as a program loads a checkpoint, ran at a
+     * median of 50.0 and 43.3 GB/s, against 46.8 and 36.1 with the former 8 MiB x 14 slots
+     * (bench/results/nvidia-h200-2026-12-04r-hot-slots.jsonl, ...-04s-hot-slots.jsonl; file.c
+     * has the other sizes). Larger slots lose more: 37.2 GB/s with 16 MiB back to back
      * (bench/results/nvidia-h200-2026-12-03f-file-chunk-sweep.jsonl). */
-    [PM__OPT_FILE_CHUNK] = {"file_chunk", "PINMEM_FILE_CHUNK", "8M",
+    [PM__OPT_FILE_CHUNK] = {"file_chunk", "PINMEM_FILE_CHUNK", "4M",
                             "bounce slot of file reads through the page cache "
                             "(pm_file_read_async, read_file, load_file) that do not set their "
                             "own chunk, and of other reads and writes where file_direct_chunk "
@@ -372,7 +375,7 @@ static const pm__opt_def_t opt_table[] = {
      * H200 machines ran at a median of 2.14 and 2.69 GB/s in 1 MiB slots against 1.91 and
      * 2.22 in 8 MiB, with the default threads
      * (bench/results/nvidia-h200-2026-12-04k-cold-reads.txt, ...-04l-cold-reads.jsonl).
-     * Page-cache reads keep file_chunk: they need the larger slot. */
+     * Page-cache reads keep file_chunk: they need a larger slot. */
     [PM__OPT_FILE_DIRECT_CHUNK] = {"file_direct_chunk", "PINMEM_FILE_DIRECT_CHUNK", "1M",
                                    "unit (and bounce slot) of file reads through O_DIRECT (io "
                                    "direct, or auto choosing it) that do not set their own "
@@ -384,7 +387,8 @@ static const pm__opt_def_t opt_table[] = {
                               parse_copy_threads, PM__T_INT, 0},
     [PM__OPT_FILE_SLOTS] = {"file_slots", "PINMEM_FILE_SLOTS", "0",
                             "bounce slots of a file read or write into or from device memory "
-                            "(0..4096); 0 = the call's threads + 2",
+                            "(0..4096); 0 = the call's threads + 2, and for reads through the "
+                            "page cache up to 2 a thread, at most 96 MiB",
                             parse_slots_or_0, PM__T_INT, 0},
     [PM__OPT_FILE_PART] = {"file_part", "PINMEM_FILE_PART", "0",
                            "0 = off (a file read's slot goes to the device in one DMA once it is "

@@ -677,6 +677,11 @@ extern atomic_size_t pm__file_auto_min;
  * reads through O_DIRECT file_direct_chunk; for other reads file_chunk; file_chunk also where
  * the option named is 0 (tools/bench_file.c reports it). */
 size_t pm__file_chunk(bool write, bool direct);
+/* The bounce slots of a ring of `chunk`-byte units run by `threads` threads: the option
+ * file_slots where set, else threads + 2, and for reads through the page cache (neither write
+ * nor direct) more where they fit: up to 2 a thread, holding at most 96 MiB (file.c says
+ * why). */
+int pm__file_slots(size_t chunk, int threads, bool write, bool direct);
 
 struct pm_dataset_s {
   pm_dataset_info_t info;

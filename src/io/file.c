@@ -5,7 +5,7 @@
  * from pm__parallel_for and completion is a copy fence (fence.c).
  *
  * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes (options
- * file_chunk, 8 MiB, for reads through the page cache; file_direct_chunk, 1 MiB, for reads
+ * file_chunk, 4 MiB, for reads through the page cache; file_direct_chunk, 1 MiB, for reads
  * through O_DIRECT; file_write_chunk, 1 MiB, for writes) that starts at offset
  * rounded down to 4 KiB, so every unit but the first starts 4 KiB-aligned and every unit but
  * the last ends so. Threads (option file_threads, else copy_threads) claim units from an atomic
@@ -16,7 +16,8 @@
  * through the page cache, which they share.
  *
  * Ring (device memory; host memory that O_DIRECT cannot reach in place): unit i uses slot
- * i % slots in turn (option file_slots, else threads + 2), as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
+ * i % slots in turn (option file_slots, else threads + 2, and for reads through the page cache
+ * up to two a thread while they hold at most 96 MiB: pm__file_slots), as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
  * earlier by a running thread: no deadlock. Inside a slot the unit's bytes sit at the same
  * offset modulo 4 KiB as in the file, so the aligned middle can go through O_DIRECT. Read:
  * wait for the slot's last DMA (its event), pread into the slot, queue the H2D DMA and record
@@ -67,6 +68,14 @@
 
 #define FILE_ALIGN 4096u
 #define FILE_AUTO_MIN ((size_t)64 << 20) /* smaller ranges never go direct under io=auto */
+/* The ring of a read through the page cache holds up to this much (pm__file_slots): the slots
+ * a thread copies into are then still in the CPU caches when their DMA reads them, also on a
+ * machine whose caches were just used for something else. Read 3 GiB hot right after other
+ * work, on two H200 machines (medians): 4 MiB slots x 24 at 50.0 and 43.3 GB/s, 8 MiB x 14
+ * (112 MiB) at 46.8 and 36.1, 8 MiB x 24 (192 MiB) at 42.0 and 35.2, 2 MiB x 24 at 47.9 and
+ * 46.4, 2 MiB x 48 at 48.9 and 36.9 (bench/results/nvidia-h200-2026-12-04r-hot-slots.jsonl,
+ * ...-04s-hot-slots.jsonl). */
+#define FILE_READ_RING ((size_t)96 << 20)
 
 static _Thread_local char g_note[256];
 static _Thread_local bool g_injected; /* the errno xfer_fd returned last was injected */
@@ -86,6 +95,19 @@ size_t pm__file_chunk(bool write, bool direct) {
              : direct ? pm__opt_size(PM__OPT_FILE_DIRECT_CHUNK)
                       : 0;
   return w ? w : pm__opt_size(PM__OPT_FILE_CHUNK);
+}
+
+int pm__file_slots(size_t chunk, int threads, bool write, bool direct) {
+  int set = (int)pm__opt_int(PM__OPT_FILE_SLOTS);
+  if (set) return set;
+  int slots = threads + 2;
+  if (!write && !direct && chunk) {
+    /* Up to two slots a thread: more, even of smaller units, lost again (2 MiB x 48 against
+     * 2 MiB x 24 in the same measurements). */
+    size_t ring = PM__MIN((FILE_READ_RING + chunk - 1) / chunk, (size_t)2 * (size_t)threads);
+    if (ring > (size_t)slots) slots = (int)PM__MIN(ring, (size_t)4096);
+  }
+  return slots;
 }
 
 pm_status_t pm_file_get_stats(pm_file_stats_t *out) {
@@ -129,6 +151,7 @@ typedef struct fio {
   pm_stream_t stream;
   pm_pool_t *pool;
   size_t chunk;
+  bool cached; /* a read through the page cache (its ring's size: pm__file_slots) */
   size_t part; /* reads into device memory: the slot's DMA in parts of this size; 0 = whole */
   uint64_t grid; /* off rounded down to FILE_ALIGN: unit k starts at grid + k * chunk */
   size_t nunits;
@@ -685,6 +708,7 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
   bool by_dfd = c->dfd >= 0 && !atomic_load(&c->shared);
   size_t chunk = o->chunk ? o->chunk : pm__file_chunk(write, by_dfd);
   c->chunk = pm__align_up(chunk, FILE_ALIGN);
+  c->cached = !write && !by_dfd;
   c->part = write ? 0 : pm__align_up(pm__opt_size(PM__OPT_FILE_PART), FILE_ALIGN);
   if (c->part >= c->chunk) c->part = 0;
   c->grid = offset / FILE_ALIGN * FILE_ALIGN;
@@ -790,8 +814,7 @@ static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
   if (!c->ring) {
     pm__parallel_for(tasks, (size_t)tasks, straight_task, c);
   } else {
-    int slots = (int)pm__opt_int(PM__OPT_FILE_SLOTS);
-    st = ring_create(c, slots ? slots : threads + 2);
+    st = ring_create(c, pm__file_slots(c->chunk, threads, c->write, !c->cached));
     if (st != PM_OK) return st;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
