@@ -105,14 +105,12 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
     err = errno;
     Py_END_ALLOW_THREADS;
     if (rc != 0) {
-      PyObject *e = PyObject_CallFunction(PyExc_OSError, "is", err, "");
+      /* OSError(errno, text) picks the errno's subclass (PermissionError, ...); "N" fails
+       * cleanly when the text could not be made. */
+      PyObject *text =
+          PyUnicode_FromFormat("%s: emptying the file first (%s): %s", fn, step, strerror(err));
+      PyObject *e = PyObject_CallFunction(PyExc_OSError, "iN", err, text);
       if (e) {
-        PyObject *text = PyUnicode_FromFormat("%s: emptying the file first (%s): %s", fn, step,
-                                              strerror(err));
-        if (text) {
-          PyObject_SetAttrString(e, "strerror", text);
-          Py_DECREF(text);
-        }
         PyErr_SetObject((PyObject *)Py_TYPE(e), e);
         Py_DECREF(e);
       }

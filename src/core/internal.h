@@ -140,7 +140,7 @@ typedef enum pm__opt {
   PM__OPT_FILE_WRITE_CHUNK,   /* size: the same for writes; 0 = file_chunk */
   PM__OPT_FILE_DIRECT_CHUNK,  /* size: the same for reads through O_DIRECT; 0 = file_chunk */
   PM__OPT_FILE_THREADS,       /* int: I/O threads of pm_file_* calls; 0 = copy_threads */
-  PM__OPT_FILE_SLOTS,         /* int: bounce slots of a pm_file_* ring; 0 = threads + 2 */
+  PM__OPT_FILE_SLOTS,         /* int: bounce slots of a pm_file_* ring; 0 = pm__file_slots */
   PM__OPT_FILE_PART,          /* size: a read slot's H2D DMA queued in parts of this size; 0 = off */
   PM__OPT_COUNT
 } pm__opt_t;

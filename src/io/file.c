@@ -105,7 +105,7 @@ int pm__file_slots(size_t chunk, int threads, bool write, bool direct) {
     /* Up to two slots a thread: more, even of smaller units, lost again (2 MiB x 48 against
      * 2 MiB x 24 in the same measurements). */
     size_t ring = PM__MIN((FILE_READ_RING + chunk - 1) / chunk, (size_t)2 * (size_t)threads);
-    if (ring > (size_t)slots) slots = (int)PM__MIN(ring, (size_t)4096);
+    if (ring > (size_t)slots) slots = (int)ring;
   }
   return slots;
 }
