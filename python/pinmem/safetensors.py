@@ -9,9 +9,10 @@ load on the other.
 Loading validates the whole header first (every error names the file), then reads the data
 region with one pinmem read into one buffer: device memory (torch.empty on the device; the read
 goes through pinmem's pinned bounce slots and DMAs) or, for device="cpu", one pinned buffer. Each
-tensor is a view of that buffer, so the buffer lives while any tensor does; a tensor whose
-offset is not a multiple of its item size (files written by other tools may have them) is
-copied into its own aligned tensor, as views must be aligned.
+tensor lies in that buffer, so the buffer lives while any tensor does, but each has a storage of
+its own over just its bytes (_Pieces says why); a tensor whose offset is not a multiple of its
+item size (files written by other tools may have them) is copied into its own aligned tensor.
+safe_open reads one tensor, or the rows a slice needs, per call, into memory of its own.
 
 Saving writes the header, then the tensors by falling item size so that each is aligned, to a
 temporary name beside the target with pinmem writes and fsync, renames that over the target and
@@ -52,7 +53,7 @@ import numpy as _np
 
 import pinmem as _pm
 
-__all__ = ["load_file", "save_file", "save_file_async", "SaveHandle"]
+__all__ = ["load_file", "safe_open", "save_file", "save_file_async", "SaveHandle"]
 
 # The largest header accepted (the safetensors package refuses larger ones too).
 MAX_HEADER = 100_000_000
@@ -213,8 +214,9 @@ def load_file(path, device="cpu", *, io="auto"):
 
     The header is checked first (FormatError naming the file and what is wrong: a bad length,
     JSON, dtype, shape, offsets out of range or overlapping); then the data is read with one
-    pinmem read into one buffer (pinned memory for 'cpu', device memory otherwise) and each
-    tensor is a view of it, so the buffer is freed when the last tensor is.
+    pinmem read into one buffer (pinned memory for 'cpu', device memory otherwise). Each
+    tensor lies in it with a storage of its own over just its bytes (torch.save of one tensor
+    writes that tensor alone), and the buffer is freed when the last tensor is.
 
     io: as read_file's. 'auto' reads a file of 64 MiB or more that is not in the page cache
     through O_DIRECT (the fastest cold load for one process), or through the page cache while
@@ -238,31 +240,268 @@ def load_file(path, device="cpu", *, io="auto"):
             dtypes[name] = t
 
     def alloc(n):
-        torch = _torch()
-        dev = torch.device(device)
-        if dev.type != "cpu":
-            data = torch.empty(n, dtype=torch.uint8, device=dev)
-            return data, data, torch.cuda.current_stream(dev) if dev.type == "cuda" else None
-        try:
-            pinned = _pm.empty(n, "uint8")
-            return pinned, torch.from_dlpack(pinned), None
-        except _pm.BudgetError:  # no pinned memory to spare: pageable will do
-            data = torch.empty(n, dtype=torch.uint8)
-            return data, data, None
+        return _alloc(_torch(), _torch().device(device), n)
 
     entries, data = _read(path, check, alloc, io)
     torch = _torch()
     dev = torch.device(device)
     out = {}
+    pieces = _Pieces(torch, data, dev)
     for name, dtype, shape, begin, end in entries:
         if begin == end:
             out[name] = torch.empty(shape, dtype=dtypes[name], device=dev)
             continue
-        piece = data[begin:end]
         if begin % _DTYPES[dtype][1]:
-            piece = piece.clone()  # a view would be misaligned
+            piece = data[begin:end].clone()  # a view would be misaligned
+        else:
+            piece = pieces.take(begin, end)
         out[name] = piece.view(dtypes[name]).view(shape)
     return out
+
+
+def _alloc(torch, dev, n):
+    """(read target, torch uint8 tensor of it, stream) for n bytes read into `dev`: device
+    memory there, or for the CPU pinned memory (pageable when the budget is spent)."""
+    if dev.type != "cpu":
+        data = torch.empty(n, dtype=torch.uint8, device=dev)
+        return data, data, torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+    try:
+        pinned = _pm.empty(n, "uint8")
+        return pinned, torch.from_dlpack(pinned), None
+    except _pm.BudgetError:  # no pinned memory to spare: pageable will do
+        data = torch.empty(n, dtype=torch.uint8)
+        return data, data, None
+
+
+class _DeviceSpan:
+    """Bytes [begin, end) of a device tensor, offered to torch.as_tensor through the CUDA array
+    interface, which makes a tensor with a storage of its own that holds this object (and so
+    the whole buffer) alive."""
+
+    __slots__ = ("whole", "__cuda_array_interface__")
+
+    def __init__(self, whole, begin, end):
+        self.whole = whole
+        # version 2: no stream to wait for; the read was waited for before any tensor is made
+        self.__cuda_array_interface__ = {"shape": (end - begin,), "typestr": "|u1",
+                                         "data": (whole.data_ptr() + begin, False),
+                                         "version": 2}
+
+
+class _Pieces:
+    """uint8 tensors for byte ranges of one read buffer, each with a storage of its own
+    (exactly its bytes) over the same memory. A slice of the buffer would share the buffer's
+    storage with every other tensor of the file: torch.save of one tensor would then write the
+    whole file's bytes, and tools that find tied weights by storage (safetensors' save_model,
+    transformers' save_pretrained) would take every tensor for a tie of every other."""
+
+    def __init__(self, torch, data, dev):
+        self.torch, self.data, self.dev = torch, data, dev
+        self.host = data.numpy() if data is not None and dev.type == "cpu" else None
+
+    def take(self, begin, end):
+        if self.host is not None:  # a NumPy view holds the buffer; from_numpy holds the view
+            return self.torch.from_numpy(self.host[begin:end])
+        if self.dev.type == "cuda":
+            return self.torch.as_tensor(_DeviceSpan(self.data, begin, end), device=self.dev)
+        return self.data[begin:end]  # other devices: a view of the buffer
+
+
+FRAMEWORKS = {"pt": "pt", "torch": "pt", "pytorch": "pt", "np": "np", "numpy": "np"}
+
+
+class safe_open:
+    """The safetensors file at `path`, opened to read tensors one at a time, as the
+    `safetensors` package's safe_open: keys(), metadata(), get_tensor(name), get_slice(name).
+
+    framework: 'pt' (torch tensors on `device`) or 'np' (NumPy arrays; device 'cpu').
+    The header is checked when the file is opened (FormatError naming the file). Each
+    get_tensor is one pinmem read (io as read_file's) of that tensor's bytes into memory of its
+    own: on the device, or pinned host memory for 'cpu' (pageable when the budget is spent;
+    NumPy arrays are pageable). get_slice(name)[index] reads only the rows the index's first
+    dimension needs. A context manager; close() (or leaving the `with`) closes the file, and
+    the tensors already read stay valid. load_file is faster for a whole file: one read.
+    """
+
+    def __init__(self, path, framework="pt", device="cpu", *, io="auto"):
+        _check_byteorder()
+        self._fd = None
+        self._path = path = _os.fspath(path)
+        if framework not in FRAMEWORKS:
+            _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): framework must be "
+                               f"one of {', '.join(FRAMEWORKS)}, not {framework!r}")
+        if io not in IOS:
+            _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): io must be one of "
+                               f"{', '.join(IOS)}, not {io!r}")
+        self._framework, self._io = FRAMEWORKS[framework], io
+        if self._framework == "np":
+            if device not in ("cpu", None):
+                _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): NumPy arrays "
+                                   f"live in host memory: device must be 'cpu', not {device!r}")
+            self._device = None
+        else:
+            self._device = _torch().device(device)
+        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+        try:
+            self._metadata, entries, self._start, _ = _parse_header(fd, path)
+        except BaseException:
+            _os.close(fd)
+            raise
+        self._fd = fd
+        self._entries = {e[0]: e for e in entries}
+        self._order = [e[0] for e in sorted(entries, key=lambda e: (e[3], e[4]))]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def close(self):
+        """Close the file (again: nothing). Tensors already read stay valid."""
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            _os.close(fd)
+
+    def __repr__(self):
+        state = "closed" if self._fd is None else f"{len(self._entries)} tensors"
+        return f"<pinmem.safetensors.safe_open {self._path!r}, {state}>"
+
+    def keys(self):
+        """The tensors' names, sorted (as the safetensors package lists them)."""
+        return sorted(self._entries)
+
+    def offset_keys(self):
+        """The tensors' names in the order of their bytes in the file."""
+        return list(self._order)
+
+    def metadata(self):
+        """The header's __metadata__ (a dict of str to str), or None."""
+        return None if self._metadata is None else dict(self._metadata)
+
+    def __contains__(self, name):
+        return name in self._entries
+
+    def __len__(self):
+        return len(self._entries)
+
+    def _entry(self, name, fn):
+        if self._fd is None:
+            _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"{fn}({name!r}): {self._path!r} is closed")
+        try:
+            return self._entries[name]
+        except (KeyError, TypeError):
+            raise KeyError(f"{fn}({name!r}): no tensor of that name in {self._path!r}") from None
+
+    def _dtype(self, name, dtype):
+        if self._framework == "np":
+            np_name = _DTYPES[dtype][2]
+            if np_name is None:
+                _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, f"{self._path!r}: tensor {name!r} "
+                                   f"is {dtype}, which NumPy has no type for (framework='pt' "
+                                   "reads it)")
+            return _np.dtype(np_name)
+        torch = _torch()
+        t = getattr(torch, _DTYPES[dtype][0], None)
+        if t is None:
+            _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, f"{self._path!r}: tensor {name!r} is "
+                               f"{dtype}, which torch {torch.__version__} lacks")
+        return t
+
+    def _read(self, name, dtype, shape, begin, end):
+        """The bytes [begin, end) of the data region as a tensor (array) of dtype and shape, in
+        memory of its own."""
+        t = self._dtype(name, dtype)
+        n = end - begin
+        if self._framework == "np":
+            out = _np.empty(n, _np.uint8)
+            target, stream = out, None
+        else:
+            torch = _torch()
+            if not n:
+                return torch.empty(shape, dtype=t, device=self._device)
+            target, out, stream = _alloc(torch, self._device, n)
+        if n:
+            try:
+                done = _pm._pinmem._file_read(self._fd, self._start + begin, n, target, stream,
+                                              self._io)
+            except _pm.Error as e:
+                _pm._file_error("get_tensor", self._path, e)
+            done.wait()
+        return out.view(t).reshape(shape)
+
+    def get_tensor(self, name):
+        """The tensor `name`, read from the file (KeyError when there is none)."""
+        _, dtype, shape, begin, end = self._entry(name, "get_tensor")
+        return self._read(name, dtype, shape, begin, end)
+
+    def get_slice(self, name):
+        """A lazy view of tensor `name`: get_shape(), get_dtype(), and [index] reading only the
+        rows the index's first dimension needs (KeyError when there is no such tensor)."""
+        return _Slice(self, self._entry(name, "get_slice"))
+
+
+class _Slice:
+    """One tensor of a safe_open file, read when indexed."""
+
+    def __init__(self, f, entry):
+        self._f, self._entry = f, entry
+
+    def get_shape(self):
+        return list(self._entry[2])
+
+    def get_dtype(self):
+        return self._entry[1]
+
+    def __len__(self):
+        shape = self._entry[2]
+        if not shape:
+            raise TypeError("len() of a 0-d tensor")
+        return shape[0]
+
+    def __repr__(self):
+        name, dtype, shape = self._entry[:3]
+        return f"<pinmem.safetensors slice {name!r} {dtype} {list(shape)}>"
+
+    def __getitem__(self, index):
+        f = self._f
+        name, dtype, shape, begin, end = f._entry(self._entry[0], "get_slice")
+        index = index if isinstance(index, tuple) else (index,)
+        first = index[0] if index else None
+        rows = None  # the rows [r0, r1) the first index needs, when it is a plain int or slice
+        if shape and isinstance(first, (int, _np.integer)) and not isinstance(first, bool):
+            first = int(first)
+            i = first + shape[0] if first < 0 else first
+            if not 0 <= i < shape[0]:
+                raise IndexError(f"index {first} is out of bounds for dimension 0 of "
+                                 f"{name!r}, of size {shape[0]}")
+            rows, first = (i, i + 1), 0
+        elif shape and isinstance(first, slice):
+            start, stop, step = first.indices(shape[0])
+            if step > 0:
+                stop = max(start, stop)
+                last = start + (stop - start - 1) // step * step + 1 if stop > start else start
+                rows, first = (start, last), slice(0, last - start, step)
+        if rows is None:  # anything else: the whole tensor, indexed as torch or NumPy does
+            part = f._read(name, dtype, shape, begin, end)
+        else:
+            row = (end - begin) // shape[0] if shape[0] else 0
+            part = f._read(name, dtype, (rows[1] - rows[0],) + tuple(shape[1:]),
+                           begin + rows[0] * row, begin + rows[1] * row)
+            index = (first,) + index[1:]
+        out = part[index]
+        # What comes back is compact and its own, as the package's is: a view of part of what
+        # was read (a column, a step) is copied out.
+        if self._f._framework == "np":
+            if not isinstance(out, _np.ndarray):  # a single element: a 0-d array, not a scalar
+                return _np.array(out)
+            return out if out.base is part.base and out.nbytes == part.nbytes else out.copy()
+        if out.numel() == part.numel() and out.is_contiguous():
+            return out
+        return out.clone(memory_format=_torch().contiguous_format)
 
 
 # ---- saving --------------------------------------------------------------------------------

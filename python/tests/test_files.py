@@ -595,6 +595,216 @@ def test_load_to_cuda(tmp_path, rng):
         assert out[k].device.type == "cuda" and torch.equal(out[k].cpu(), t)
 
 
+def torch_device(torch, where):
+    """torch.device(where), with the index a tensor made there reports ('cuda:0')."""
+    if where == "cuda":
+        from conftest import skip_unless_torch_cuda
+        skip_unless_torch_cuda()
+    return torch.empty(0, device=where).device
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_loaded_tensors_have_storages_of_their_own(where, tmp_path, no_fd_leak):
+    """Each loaded tensor lies in the one buffer of the read, but with a storage over just its
+    bytes: torch.save of one tensor writes that tensor, and tools that look for tied weights
+    by storage (safetensors' save_model) see none."""
+    import io
+    torch = skip_unless_torch()
+    dev = torch_device(torch, where)
+    tensors = {"w%d" % i: torch.randn(64, 32) for i in range(8)}
+    tensors["b"] = torch.randn(32)
+    tensors["h"] = torch.randn(16).to(torch.bfloat16)
+    pinmem.safetensors.save_file(tensors, tmp_path / "m.safetensors")
+    out = pinmem.safetensors.load_file(tmp_path / "m.safetensors", device=dev)
+    ptrs = set()
+    for k, t in out.items():
+        assert t.device == dev and torch.equal(t.cpu(), tensors[k]), k
+        storage = t.untyped_storage()
+        assert storage.nbytes() == t.numel() * t.element_size(), k
+        assert storage.data_ptr() == t.data_ptr(), k
+        ptrs.add(storage.data_ptr())
+    assert len(ptrs) == len(out)
+    one = io.BytesIO()
+    torch.save(out["w3"], one)
+    alone = io.BytesIO()
+    torch.save(tensors["w3"].clone(), alone)
+    assert len(one.getvalue()) < len(alone.getvalue()) + 4096
+    # The memory lives while any tensor does.
+    keep = out["w5"]
+    del out
+    gc.collect()
+    assert torch.equal(keep.cpu(), tensors["w5"])
+    try:
+        import safetensors.torch
+    except ImportError:
+        return
+    model = torch.nn.Linear(32, 64).to(dev)
+    loaded = pinmem.safetensors.load_file(tmp_path / "m.safetensors", device=dev)
+    model.load_state_dict({"weight": loaded["w0"], "bias": torch.zeros(64, device=dev)},
+                          assign=True)
+    safetensors.torch.save_model(model, str(tmp_path / "model.safetensors"))
+    back = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(back["weight"], tensors["w0"])
+
+
+# get_slice indexes checked against the safetensors package (and torch/NumPy indexing).
+SLICES = [0, -1, 3, slice(1, 4), slice(None, None, 2), slice(1, None, 3), slice(5, 2),
+          slice(-2, None), (slice(None), slice(2, 5)), (2, 3), (slice(1, 3), 0), (-1, -1),
+          Ellipsis, (Ellipsis, 1), ()]
+
+
+def package_slice(g, name, index):
+    """The package's get_slice(name)[index], or None where it fails (0.8.0 raises SystemError
+    for an empty slice such as [5:2]): torch's or NumPy's own indexing judges those."""
+    try:
+        return g.get_slice(name)[index]
+    except Exception:
+        return None
+
+
+def check_safe_open(f, g, names, equal):
+    """Our safe_open f against the package's g: names, metadata, each tensor and slice."""
+    assert f.keys() == g.keys() == sorted(names)
+    assert f.metadata() == g.metadata()
+    assert len(f) == len(names) and all(k in f for k in names) and "nope" not in f
+    for k in g.keys():
+        assert equal(f.get_tensor(k), g.get_tensor(k)), k
+        s, t = f.get_slice(k), g.get_slice(k)
+        assert s.get_shape() == t.get_shape() and s.get_dtype() == t.get_dtype(), k
+
+
+@pytest.mark.parametrize("writer", ["ours", "theirs"])
+def test_safe_open_numpy_matches_the_package(writer, tmp_path, rng, no_fd_leak):
+    skip_unless_safetensors()
+    import safetensors
+    import safetensors.numpy
+    arrays = numpy_tensors(rng)
+    arrays["rows"] = rng.random((7, 6)).astype(np.float32)
+    path = str(tmp_path / "f.safetensors")
+    save = pinmem.safetensors.save_file if writer == "ours" else safetensors.numpy.save_file
+    save(arrays, path, metadata={"epoch": "3"})
+
+    def equal(a, b):  # bytes: the random floats hold NaNs
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+    with pinmem.safetensors.safe_open(path, "np") as f, safetensors.safe_open(path, "np") as g:
+        check_safe_open(f, g, arrays, equal)
+        order = f.offset_keys()
+        assert sorted(order) == f.keys()
+        with open(path, "rb") as raw:
+            n = struct.unpack("<Q", raw.read(8))[0]
+            header = json.loads(raw.read(n))
+        header.pop("__metadata__", None)
+        assert order == sorted(header, key=lambda k: header[k]["data_offsets"])
+        for index in SLICES:
+            a = f.get_slice("rows")[index]
+            assert isinstance(a, np.ndarray), index
+            assert equal(a, arrays["rows"][index]), index
+            theirs = package_slice(g, "rows", index)
+            assert theirs is None or equal(a, np.asarray(theirs)), index
+        one = f.get_tensor("rows")
+        one[:] = 0  # memory of its own: the next read is not changed by it
+        assert equal(f.get_tensor("rows"), arrays["rows"])
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_safe_open_torch_matches_the_package(where, tmp_path, rng, no_fd_leak):
+    skip_unless_safetensors()
+    torch = skip_unless_torch()
+    dev = torch_device(torch, where)
+    import safetensors
+    import safetensors.torch
+    tensors = torch_tensors(torch, rng)
+    tensors["rows"] = torch.randn(9, 5, 4)
+    path = str(tmp_path / "t.safetensors")
+    pinmem.safetensors.save_file(tensors, path, metadata={"format": "pt"})
+    with pinmem.safetensors.safe_open(path, framework="pt", device=where) as f, \
+            safetensors.safe_open(path, framework="pt", device=where) as g:
+        check_safe_open(f, g, tensors, lambda a, b: a.device == dev and same(torch, a, b))
+        for index in SLICES:
+            a = f.get_slice("rows")[index]
+            b = package_slice(g, "rows", index)
+            assert a.device == dev and (b is None or torch.equal(a, b)), index
+            assert torch.equal(a.cpu(), tensors["rows"][index]), index
+            assert a.is_contiguous(), index
+            assert a.untyped_storage().nbytes() == a.numel() * a.element_size(), index
+        t = f.get_tensor("BF16")
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_safe_open_reads_only_what_it_is_asked(tmp_path, monkeypatch, no_fd_leak):
+    """get_tensor reads that tensor's bytes, get_slice the rows its first index needs; opening
+    reads only the header."""
+    a = np.arange(10 * 8, dtype=np.float64).reshape(10, 8)
+    b = np.arange(5, dtype=np.int32)
+    path = tmp_path / "r.safetensors"
+    pinmem.safetensors.save_file({"a": a, "b": b}, path)
+    reads = []
+    real = pinmem._pinmem._file_read
+
+    def spy(fd, offset, nbytes, dst, stream, io):
+        reads.append((offset, nbytes))
+        return real(fd, offset, nbytes, dst, stream, io)
+
+    monkeypatch.setattr(pinmem._pinmem, "_file_read", spy)
+    with pinmem.safetensors.safe_open(path, "np") as f:
+        start = f._start
+        begin = f._entries["a"][3]
+        assert reads == []
+        np.testing.assert_array_equal(f.get_tensor("b"), b)
+        assert reads == [(start + f._entries["b"][3], b.nbytes)]
+        del reads[:]
+        np.testing.assert_array_equal(f.get_slice("a")[3:6, 1], a[3:6, 1])
+        assert reads == [(start + begin + 3 * 64, 3 * 64)]
+        del reads[:]
+        np.testing.assert_array_equal(f.get_slice("a")[-1], a[-1])
+        assert reads == [(start + begin + 9 * 64, 64)]
+        del reads[:]
+        np.testing.assert_array_equal(f.get_slice("a")[2:9:3], a[2:9:3])  # rows 2, 5, 8
+        assert reads == [(start + begin + 2 * 64, 7 * 64)]
+        del reads[:]
+        assert f.get_slice("a")[7:2].shape == (0, 8) and reads == []
+
+
+def test_safe_open_errors(tmp_path, no_fd_leak):
+    path = tmp_path / "e.safetensors"
+    pinmem.safetensors.save_file({"x": np.zeros((3, 2), np.float32)}, path)
+    f = pinmem.safetensors.safe_open(path, "np")
+    with pytest.raises(KeyError, match="'nope'.*e.safetensors"):
+        f.get_tensor("nope")
+    with pytest.raises(KeyError, match="'nope'"):
+        f.get_slice("nope")
+    with pytest.raises(IndexError, match="out of bounds for dimension 0 of 'x', of size 3"):
+        f.get_slice("x")[3]
+    with pytest.raises(IndexError, match="out of bounds"):
+        f.get_slice("x")[-4]
+    s = f.get_slice("x")
+    assert len(s) == 3 and "x" in repr(s) and "F32" in repr(s)
+    f.close()
+    f.close()
+    assert "closed" in repr(f)
+    with pytest.raises(pinmem.InvalidError, match="is closed"):
+        f.get_tensor("x")
+    with pytest.raises(pinmem.InvalidError, match="is closed"):
+        s[0]
+    for kwargs, match in [({"framework": "tf"}, "framework must be one of"),
+                          ({"framework": "np", "device": "cuda"}, "device must be 'cpu'"),
+                          ({"io": "fast"}, "io must be one of")]:
+        with pytest.raises(pinmem.InvalidError, match=match):
+            pinmem.safetensors.safe_open(path, **kwargs)
+    with pytest.raises(FileNotFoundError):
+        pinmem.safetensors.safe_open(tmp_path / "missing", "np")
+    (tmp_path / "bad").write_bytes(struct.pack("<Q", 1 << 40))
+    with pytest.raises(pinmem.FormatError, match="bad.*header length"):
+        pinmem.safetensors.safe_open(tmp_path / "bad", "np")
+    raw_file(tmp_path / "bf", {"h": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}},
+             b"\0" * 4)
+    with pinmem.safetensors.safe_open(tmp_path / "bf", "np") as g:
+        assert g.keys() == ["h"] and g.get_slice("h").get_dtype() == "BF16"
+        with pytest.raises(pinmem.UnsupportedError, match="'h' is BF16, which NumPy has no"):
+            g.get_tensor("h")
+
+
 def test_save_refuses_bad_input(tmp_path):
     with pytest.raises(TypeError, match="dict"):
         pinmem.safetensors.save_file([np.zeros(1)], tmp_path / "x")
