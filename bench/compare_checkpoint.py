@@ -10,9 +10,11 @@ default the system's temporary folder) and timed, each as GB/s of checkpoint byt
     cold load, the best of all kept (the Disk class says why); "unavailable" where the
     filesystem refuses O_DIRECT (tmpfs);
   * loads, page cache hot and cold: safetensors.torch.load_file(device=...), torch.load(
-    mmap=True, map_location=...), pinmem.safetensors.load_file(device=...). Cold: the file's
-    pages are dropped with posix_fadvise(POSIX_FADV_DONTNEED) after an fsync, and also with
-    /proc/sys/vm/drop_caches where this process may write it; the report says which were used;
+    mmap=True, map_location=...), pinmem.safetensors.load_file(device=...); and, hot and not
+    judged, tensor by tensor through each package's safe_open (get_tensor of every key). Cold:
+    the file's pages are dropped with posix_fadvise(POSIX_FADV_DONTNEED) after an fsync, and
+    also with /proc/sys/vm/drop_caches where this process may write it; the report says which
+    were used;
   * saves of the device tensors, fsync included: safetensors.torch.save_file, torch.save,
     pinmem.safetensors.save_file (and, not judged, with stage "host"); save_file_async's return
     time, with its default stage ("auto": a scratch copy on the device) and with stage "host",
@@ -451,6 +453,20 @@ def main():
                 extra["direct_share"] = cold.share
             loads[name + "_cold"] = report(name + "_cold", secs, size, cold=run.how, **extra)
         say("  cold runs dropped the page cache with: %s" % cold_how)
+
+        # Not judged: the same hot file read tensor by tensor through safe_open (keys(), then
+        # get_tensor of each), the way model loaders that shard or convert read checkpoints.
+        def by_tensor(opener):
+            def load(p):
+                with opener(p, framework="pt", device=device) as f:
+                    return {k: f.get_tensor(k) for k in f.keys()}
+            return load
+
+        for name, opener, path in (("safetensors_safe_open", st.safe_open, p_st),
+                                   ("pinmem_safe_open", pinmem.safetensors.safe_open, p_pm)):
+            loads[name + "_hot"] = report(name + "_hot", best(timed_load(by_tensor(opener), path,
+                                                                         False), args.repeat),
+                                          size, **(file_opts if name.startswith("pinmem") else {}))
         disk_r = None
         if disk.ok:
             disk_r = report("disk_odirect_read", min(disk.reads), size, runs=len(disk.reads),
@@ -460,7 +476,7 @@ def main():
         # A reference for the host's memory: the hot file copied from the page cache into one
         # pinned host buffer of the checkpoint's size by the same threads, with no DMA. Where it
         # is slow, hot loads are slow for the same reason. A hot load can beat it: its slots
-        # (4 MiB x 24) are reused and stay in the CPU caches, where this writes 3 GiB of fresh
+        # (2 MiB x 24) are reused and stay in the CPU caches, where this writes 3 GiB of fresh
         # memory.
         ceiling = None
         try:

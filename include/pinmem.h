@@ -509,7 +509,7 @@ typedef struct pm_file_options {
   pm_file_io_t io; /* PM_FILE_IO_AUTO. Where the filesystem refuses O_DIRECT, buffered I/O is
                       used instead */
   pm_pool_t *pool; /* bounce slots come from here (NULL: the default pool); budget respected */
-  size_t chunk;    /* bytes per unit and bounce slot (0: option file_chunk, 4 MiB, for reads
+  size_t chunk;    /* bytes per unit and bounce slot (0: option file_chunk, 2 MiB, for reads
                       through the page cache; file_direct_chunk, 1 MiB, for reads through
                       O_DIRECT; file_write_chunk, 1 MiB, for writes; rounded up to 4 KiB) */
   int threads;     /* I/O threads, the caller included (0: option file_threads, else

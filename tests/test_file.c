@@ -1117,7 +1117,7 @@ static void units_by_way(void) {
     }
     close(other);
   }
-  REQUIRE_OK(pm_option_set("file_chunk", "4M"));
+  REQUIRE_OK(pm_option_set("file_chunk", "2M"));
   REQUIRE_OK(pm_option_set("file_direct_chunk", "1M"));
 }
 
@@ -1288,7 +1288,7 @@ static void test_file_options(void) {
   CHECK_ST(pm_option_set("file_chunk", "0"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_write_chunk", "lots"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("file_direct_chunk", "-1M"), PM_ERR_CONFIG);
-  REQUIRE_OK(pm_option_set("file_chunk", "4M"));
+  REQUIRE_OK(pm_option_set("file_chunk", "2M"));
   REQUIRE_OK(pm_option_set("file_write_chunk", "1M"));
   REQUIRE_OK(pm_option_set("file_direct_chunk", "1M"));
   REQUIRE_OK(pm_option_set("file_threads", "0"));

@@ -5,15 +5,12 @@ there and removed). 14 slots is threads + 2 at the default 12 threads (the rows 
 nvidia-h200-2026-12-04r-hot-slots.jsonl call it "threads+2")."""
 import json, os, sys, time
 import torch, pinmem
-D = sys.argv[1]
-size = 3 << 30
-p = os.path.join(D, "h.bin")
-pinmem.write_file(p, torch.randint(0, 255, (size,), dtype=torch.uint8).numpy(), io="buffered").wait()
+import hot_file
+size = hot_file.SIZE
+p = hot_file.make(sys.argv[1], "h.bin")
 dst = torch.empty(size, dtype=torch.uint8, device="cuda")
 def warm():
-    with open(p, "rb") as f:
-        while f.read(16 << 20):
-            pass
+    hot_file.warm(p)
 def timed(pre):
     pre()
     torch.cuda.synchronize()

@@ -19,7 +19,7 @@ import pytest
 import pinmem
 from conftest import SMALL, random_bytes, skip_unless_torch
 
-# Odd sizes around O_DIRECT's 4 KiB alignment and past the bounce slots (file_chunk 8 MiB,
+# Odd sizes around O_DIRECT's 4 KiB alignment and past the bounce slots (file_chunk 2 MiB,
 # file_direct_chunk and file_write_chunk 1 MiB).
 SIZES = [1, 4095, 4097, 65537, (1 << 20) + 3] + ([] if SMALL else [(17 << 20) + 5])
 OFFSETS = [0, 1, 4096, 12345]

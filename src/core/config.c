@@ -350,13 +350,17 @@ static const pm__opt_def_t opt_table[] = {
     [PM__OPT_HOST_DEVICES] = {"host_devices", "PINMEM_HOST_DEVICES", "1",
                               "devices the host backend simulates (1..16). Read at pm_init.",
                               parse_host_devices, PM__T_INT, 0},
-    /* 4M, in a ring of 24 slots (96 MiB, file.c's FILE_READ_RING): hot 3 GiB loads on two
-     * H200 machines timed right after other work, as a program loads a checkpoint, ran at a
-     * median of 50.0 and 43.3 GB/s, against 46.8 and 36.1 with the former 8 MiB x 14 slots
-     * (bench/results/nvidia-h200-2026-12-04r-hot-slots.jsonl, ...-04s-hot-slots.jsonl; file.c
-     * has the other sizes). Larger slots lose more: 37.2 GB/s with 16 MiB back to back
+    /* 2M, in a ring of 24 slots (two a thread, pm__file_slots): hot 3 GiB loads timed right
+     * after other work, as a program loads a checkpoint, ran at a median of 47.9, 46.4 and 48.1
+     * GB/s on three H200 machines in 2 MiB x 24 slots, against 50.0, 43.3 and 47.0 in 4 MiB x
+     * 24 and 46.8, 36.1 and 40.3 in the 8 MiB x 14 used before
+     * (bench/results/nvidia-h200-2026-12-04r-hot-slots.jsonl, ...-04s-..., ...-04w-...).
+     * Smaller reads gain more, their units spread over more threads: 32 MiB pieces read one
+     * call each (safe_open's get_tensor) ran at 22.1 and 24.0 GB/s in 2 MiB units against
+     * 18.5 and 19.2 in 4 MiB (...-04v-hot-pieces.jsonl, ...-04w-hot-pieces.jsonl). Larger
+     * slots lose more: 37.2 GB/s with 16 MiB back to back
      * (bench/results/nvidia-h200-2026-12-03f-file-chunk-sweep.jsonl). */
-    [PM__OPT_FILE_CHUNK] = {"file_chunk", "PINMEM_FILE_CHUNK", "4M",
+    [PM__OPT_FILE_CHUNK] = {"file_chunk", "PINMEM_FILE_CHUNK", "2M",
                             "bounce slot of file reads through the page cache "
                             "(pm_file_read_async, read_file, load_file) that do not set their "
                             "own chunk, and of other reads and writes where file_direct_chunk "

@@ -5,7 +5,7 @@
  * from pm__parallel_for and completion is a copy fence (fence.c).
  *
  * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes (options
- * file_chunk, 4 MiB, for reads through the page cache; file_direct_chunk, 1 MiB, for reads
+ * file_chunk, 2 MiB, for reads through the page cache; file_direct_chunk, 1 MiB, for reads
  * through O_DIRECT; file_write_chunk, 1 MiB, for writes) that starts at offset
  * rounded down to 4 KiB, so every unit but the first starts 4 KiB-aligned and every unit but
  * the last ends so. Threads (option file_threads, else copy_threads) claim units from an atomic
@@ -71,10 +71,10 @@
 /* The ring of a read through the page cache holds up to this much (pm__file_slots): the slots
  * a thread copies into are then still in the CPU caches when their DMA reads them, also on a
  * machine whose caches were just used for something else. Read 3 GiB hot right after other
- * work, on two H200 machines (medians): 4 MiB slots x 24 at 50.0 and 43.3 GB/s, 8 MiB x 14
- * (112 MiB) at 46.8 and 36.1, 8 MiB x 24 (192 MiB) at 42.0 and 35.2, 2 MiB x 24 at 47.9 and
- * 46.4, 2 MiB x 48 at 48.9 and 36.9 (bench/results/nvidia-h200-2026-12-04r-hot-slots.jsonl,
- * ...-04s-hot-slots.jsonl). */
+ * work, on three H200 machines (medians): 2 MiB slots x 24 at 47.9, 46.4 and 48.1 GB/s,
+ * 4 MiB x 24 at 50.0, 43.3 and 47.0, 8 MiB x 14 (112 MiB) at 46.8, 36.1 and 40.3, 8 MiB x 24
+ * (192 MiB) at 42.0, 35.2 and 37.1, 2 MiB x 48 at 48.9, 36.9 and 46.8
+ * (bench/results/nvidia-h200-2026-12-04r-hot-slots.jsonl, ...-04s-..., ...-04w-...). */
 #define FILE_READ_RING ((size_t)96 << 20)
 
 static _Thread_local char g_note[256];
