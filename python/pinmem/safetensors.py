@@ -326,6 +326,9 @@ class safe_open:
     def __init__(self, path, framework="pt", device="cpu", *, io="auto"):
         _check_byteorder()
         self._fd = None
+        self._lock = _threading.Lock()
+        self._busy = 0  # reads in flight: close() leaves the descriptor to the last of them
+        self._closing = None
         self._path = path = _os.fspath(path)
         if framework not in FRAMEWORKS:
             _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): framework must be "
@@ -361,8 +364,36 @@ class safe_open:
         self.close()
 
     def close(self):
-        """Close the file (again: nothing). Tensors already read stay valid."""
-        fd, self._fd = getattr(self, "_fd", None), None
+        """Close the file (again: nothing). Tensors already read stay valid; reads other
+        threads have in flight finish first (the last of them closes the descriptor), so no
+        read can land on a descriptor number the process has since reused."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:  # __init__ failed before anything was opened
+            return
+        with lock:
+            fd, self._fd = self._fd, None
+            if fd is None:
+                return
+            if self._busy:
+                self._closing = fd
+                return
+        _os.close(fd)
+
+    def _hold(self, name):
+        """The descriptor, held for one read (_let_go gives it back)."""
+        with self._lock:
+            if self._fd is None:
+                _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"get_tensor({name!r}): "
+                                   f"{self._path!r} is closed")
+            self._busy += 1
+            return self._fd
+
+    def _let_go(self):
+        with self._lock:
+            self._busy -= 1
+            fd = self._closing if not self._busy else None
+            if fd is not None:
+                self._closing = None
         if fd is not None:
             _os.close(fd)
 
@@ -425,12 +456,15 @@ class safe_open:
                 return torch.empty(shape, dtype=t, device=self._device)
             target, out, stream = _alloc(torch, self._device, n)
         if n:
+            fd = self._hold(name)
             try:
-                done = _pm._pinmem._file_read(self._fd, self._start + begin, n, target, stream,
+                done = _pm._pinmem._file_read(fd, self._start + begin, n, target, stream,
                                               self._io)
+                done.wait()
             except _pm.Error as e:
                 _pm._file_error("get_tensor", self._path, e)
-            done.wait()
+            finally:
+                self._let_go()
         return out.view(t).reshape(shape)
 
     def get_tensor(self, name):

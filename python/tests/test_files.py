@@ -766,6 +766,41 @@ def test_safe_open_reads_only_what_it_is_asked(tmp_path, monkeypatch, no_fd_leak
         assert f.get_slice("a")[7:2].shape == (0, 8) and reads == []
 
 
+def test_safe_open_close_while_other_threads_read(tmp_path, rng, no_fd_leak):
+    """close() from one thread while others read: each read gives the right bytes or says the
+    file is closed, none fails on a closed (or reused) descriptor, and the descriptor is
+    closed once the last read ends."""
+    arrays = {"t%d" % i: random_bytes(rng, (256 << 10) + i) for i in range(8)}
+    path = tmp_path / "c.safetensors"
+    pinmem.safetensors.save_file(arrays, path)
+    for _ in range(5):
+        f = pinmem.safetensors.safe_open(path, "np")
+        outcomes, started = [], threading.Barrier(5)
+
+        def reader(k):
+            started.wait()
+            for i in range(40):
+                name = "t%d" % ((k + i) % 8)
+                try:
+                    got = f.get_tensor(name)
+                except pinmem.InvalidError as e:
+                    outcomes.append(("closed", "is closed" in str(e)))
+                    return
+                outcomes.append(("read", np.array_equal(got, arrays[name])))
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(0.002)
+        f.close()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert outcomes and all(ok for _, ok in outcomes), outcomes
+        assert f._busy == 0 and f._closing is None
+
+
 def test_safe_open_errors(tmp_path, no_fd_leak):
     path = tmp_path / "e.safetensors"
     pinmem.safetensors.save_file({"x": np.zeros((3, 2), np.float32)}, path)
