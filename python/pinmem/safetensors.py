@@ -198,14 +198,29 @@ def _read(path, check, alloc, io="auto"):
         if not used:
             return entries, None
         target, data, stream = alloc(used)
-        try:
-            done = _pm._pinmem._file_read(fd, start, used, target, stream, io)
-        except _pm.Error as e:
-            _pm._file_error("load_file", path, e)
-        done.wait()
+        _read_range(fd, start, used, target, stream, io, "load_file", path)
         return entries, data
     finally:
         _os.close(fd)
+
+
+def _read_range(fd, offset, n, target, stream, io, fn, path):
+    """One pinmem read of n bytes at offset of fd into target, waited for; its errors name fn
+    and the file."""
+    try:
+        _pm._pinmem._file_read(fd, offset, n, target, stream, io).wait()
+    except _pm.Error as e:
+        _pm._file_error(fn, path, e)
+
+
+def _torch_dtype(torch, name, dtype, where):
+    """The torch dtype of a tensor of safetensors `dtype`; UnsupportedError where this torch
+    lacks it."""
+    t = getattr(torch, _DTYPES[dtype][0], None)
+    if t is None:
+        _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, f"{where}: tensor {name!r} is {dtype}, "
+                           f"which torch {torch.__version__} lacks")
+    return t
 
 
 def load_file(path, device="cpu", *, io="auto"):
@@ -233,14 +248,11 @@ def load_file(path, device="cpu", *, io="auto"):
     def check(entries):
         torch = _torch()
         for name, dtype, *_ in entries:
-            t = getattr(torch, _DTYPES[dtype][0], None)
-            if t is None:
-                _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, f"load_file({path!r}): tensor "
-                                   f"{name!r} is {dtype}, which torch {torch.__version__} lacks")
-            dtypes[name] = t
+            dtypes[name] = _torch_dtype(torch, name, dtype, f"load_file({path!r})")
 
     def alloc(n):
-        return _alloc(_torch(), _torch().device(device), n)
+        torch = _torch()
+        return _alloc(torch, torch.device(device), n)
 
     entries, data = _read(path, check, alloc, io)
     torch = _torch()
@@ -435,12 +447,7 @@ class safe_open:
                                    f"is {dtype}, which NumPy has no type for (framework='pt' "
                                    "reads it)")
             return _np.dtype(np_name)
-        torch = _torch()
-        t = getattr(torch, _DTYPES[dtype][0], None)
-        if t is None:
-            _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, f"{self._path!r}: tensor {name!r} is "
-                               f"{dtype}, which torch {torch.__version__} lacks")
-        return t
+        return _torch_dtype(_torch(), name, dtype, repr(self._path))
 
     def _read(self, name, dtype, shape, begin, end):
         """The bytes [begin, end) of the data region as a tensor (array) of dtype and shape, in
@@ -458,11 +465,8 @@ class safe_open:
         if n:
             fd = self._hold(name)
             try:
-                done = _pm._pinmem._file_read(fd, self._start + begin, n, target, stream,
-                                              self._io)
-                done.wait()
-            except _pm.Error as e:
-                _pm._file_error("get_tensor", self._path, e)
+                _read_range(fd, self._start + begin, n, target, stream, self._io, "get_tensor",
+                            self._path)
             finally:
                 self._let_go()
         return out.view(t).reshape(shape)
