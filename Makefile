@@ -111,8 +111,11 @@ test-python-install: deps
 	  assert pinmem._pinmem.DLPACK_VERSIONED == 1; print("numpy.from_dlpack: writable")'
 	@echo "test-python-install: passed"
 
+# A few lines about the machine (backend, devices, link, NUMA, limits), then the benchmark;
+# `pinmem info` shows all of it and `pinmem info --options` the option table.
 bench: build
-	./$(BUILD)/pinmem info
+	@./$(BUILD)/pinmem info --summary
+	@echo
 	./$(BUILD)/pinmem bench alloc
 
 install: build
