@@ -204,13 +204,14 @@ b = [o for o in opts if o.get('name') == 'backend']
 if b and (b[0].get('value') != 'host' or b[0].get('source') != 'env'):
     bad('backend option should be host from env: %r' % b[0])"
 
-# The README's configuration table lists every option with its variable and default.
-readme=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/README.md
-if [[ -f $readme ]]; then
+# docs/options.md lists every option with its variable and default (tests/check_docs.py checks
+# the same against src/core/config.c; this checks the binary's table in force).
+options_md=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/docs/options.md
+if [[ -f $options_md ]]; then
   json_check info_json "
 import re
 table = {}
-for line in open('$readme', encoding='utf-8'):
+for line in open('$options_md', encoding='utf-8'):
     m = re.match(r'^\| \x60([a-z_]+)\x60 \| \x60(PINMEM_[A-Z_]+)\x60 \| \x60([^\x60]*)\x60 \|', line)
     if m:
         table[m.group(1)] = (m.group(2), m.group(3))
@@ -219,10 +220,12 @@ for o in rows:
         continue
     want = (o['env'], o['default'])
     if table.get(o['name']) != want:
-        bad('README.md configuration table: option %r should read %r, has %r' % (o['name'], want, table.get(o['name'])))
+        bad('docs/options.md: option %r should read %r, has %r' % (o['name'], want, table.get(o['name'])))
 names = {o.get('name') for o in rows if o.get('info') == 'option'}
 for extra in set(table) - names:
-    bad('README.md configuration table lists %r, which is not an option' % extra)"
+    bad('docs/options.md lists %r, which is not an option' % extra)"
+else
+  fail "docs/options.md is missing"
 fi
 
 # An invalid option value: the default stays in force and both outputs say why.
