@@ -139,8 +139,10 @@ clean:
 # The docs cannot go stale unseen (tests/check_docs.py): links and the results files they name
 # exist, every option default they quote is the option table's, every option they name exists,
 # install.md lists tools/deps.sh's packages, prose lines stay short; tests/test_check_docs.py
-# shows that each of those checks catches a change. (--unused lists results files no doc names.)
+# shows that each of those checks catches a change; tests/test_install_story.sh that plain make
+# installs nothing and PINMEM_NO_INSTALL=1 refuses. (--unused lists results files no doc names.)
 .PHONY: check-docs
 check-docs: deps-test
 	python3 tests/check_docs.py
 	python3 tests/test_check_docs.py
+	bash tests/test_install_story.sh
