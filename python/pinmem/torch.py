@@ -150,8 +150,8 @@ class _CudaLink:
 class _Unit:
     """One storage's bytes in a pinned block, and its copy back while one is under way."""
 
-    __slots__ = ("owner", "link", "block", "nbytes", "d2h", "index", "fetch", "alive",
-                 "__weakref__")
+    __slots__ = ("owner", "link", "block", "nbytes", "d2h", "index", "fetch", "held", "left",
+                 "handles", "alive", "spent", "__weakref__")
 
     def __init__(self, owner, link, block, nbytes, d2h):
         self.owner = owner
@@ -161,7 +161,14 @@ class _Unit:
         self.d2h = d2h          # Completion of the copy to the host
         self.index = -1         # position in the owner's pack order
         self.fetch = None       # (device uint8 tensor, Completion): a copy back under way
-        self.alive = None       # weakref to a tensor handed to autograd (its storage is ours)
+        # Back on the device: held until each handle was unpacked once (q, k and v of one
+        # storage are unpacked by different nodes), then only watched through `alive`, a weakref
+        # to a view handed to autograd (retain_graph's next backward reuses it if still there).
+        self.held = None
+        self.left = 0
+        self.handles = 0
+        self.alive = None
+        self.spent = False      # every handle was unpacked: prefetch passes it by
 
 
 class _Saved:
@@ -171,6 +178,7 @@ class _Saved:
 
     def __init__(self, unit, t):
         self.unit = unit
+        unit.handles += 1
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
@@ -294,11 +302,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return "device"
         if t.numel() * t.element_size() < self.min_bytes:
             return "small"
-        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-            return "parameter"
+        # Weights stay resident anyway: moving them frees nothing. A leaf that requires grad
+        # (or a view of one: weight.t()) is one; a view made under no_grad also looks like a
+        # leaf, so a view is judged by its base.
         base = t._base
-        if base is not None and (isinstance(base, torch.nn.Parameter) or
-                                 (base.is_leaf and base.requires_grad)):
+        root = t if base is None else base
+        if isinstance(root, torch.nn.Parameter) or (root.is_leaf and root.requires_grad):
             return "parameter"
         if self.keep is not None and self.keep(t):
             return "predicate"
@@ -395,8 +404,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if u is None:
                 continue
             if u.fetch is None:
-                alive = u.alive() if u.alive is not None else None
-                if alive is not None:
+                if u.spent or u.held is not None or (u.alive is not None and
+                                                     u.alive() is not None):
                     continue  # its bytes are still on the device
                 self._start_fetch(u, ahead=True)
             want -= 1
@@ -406,9 +415,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return saved  # kept where it was
         unit = saved.unit
         with self._lock:
+            if unit.held is not None:  # views of one storage come back as views of one again
+                out = _view(unit.held, saved)
+                unit.left -= 1
+                if unit.left <= 0:
+                    unit.held = None
+                    unit.spent = True
+                    unit.alive = weakref.ref(out)
+                return out
             alive = unit.alive() if unit.alive is not None else None
             if alive is not None and unit.fetch is None:
-                # Another view of this storage is still in use: share it, as forward did.
                 return _view(alive, saved)
             if unit.fetch is None:
                 self._start_fetch(unit, ahead=False)
@@ -417,6 +433,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if unit.link.consume(dst, done, self._stall):
                 self._stats["late_units"] += 1
             out = _view(dst, saved)
+            unit.left = unit.handles - 1
+            if unit.left > 0:
+                unit.held = dst
+            else:
+                unit.spent = True
             unit.alive = weakref.ref(out)
             self._prefetch_before(unit.index)
             return out
