@@ -204,7 +204,8 @@ _KEEP_REASONS = ("small", "parameter", "predicate", "budget", "device", "layout"
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """Offload tensors saved for backward to pinned host memory (see offload_activations)."""
 
-    def __init__(self, min_bytes="1M", prefetch=4, keep=None, device=None, max_view_ratio=4):
+    def __init__(self, min_bytes="1M", prefetch=4, keep=None, device=None, max_view_ratio=4,
+                 prefetch_on_exit=True):
         if isinstance(min_bytes, str):
             min_bytes = _parse_size(min_bytes)
         if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 1:
@@ -230,6 +231,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.keep = keep
         self.device_type = device
         self.max_view_ratio = max_view_ratio
+        self.prefetch_on_exit = bool(prefetch_on_exit)
         self._lock = threading.RLock()
         self._links = {}
         self._order = []         # weakrefs to units in pack order
@@ -287,7 +289,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(*exc)
         with self._lock:
             self._by_storage.clear()
-            if exc[0] is None:
+            if exc[0] is None and self.prefetch_on_exit:
                 # Backward asks first for what was saved last: start those copies back now.
                 self._prefetch_before(len(self._order))
 
@@ -448,7 +450,8 @@ def _storage_weakref(storage):
     return StorageWeakRef(storage)
 
 
-def offload_activations(min_bytes="1M", prefetch=4, keep=None, device=None, max_view_ratio=4):
+def offload_activations(min_bytes="1M", prefetch=4, keep=None, device=None, max_view_ratio=4,
+                        prefetch_on_exit=True):
     """A context manager that offloads the tensors autograd saves for backward inside it to
     pinmem's pinned pool, and brings them back ahead of backward's need.
 
@@ -461,6 +464,9 @@ def offload_activations(min_bytes="1M", prefetch=4, keep=None, device=None, max_
         tensors: pinmem's host backend, tests); tensors elsewhere stay where they are.
     max_view_ratio: a view whose storage is more than this many times its own bytes stays (moving
         the whole storage would cost more than it frees).
+    prefetch_on_exit: leaving the context starts the copies back of the last `prefetch` storages
+        (backward needs them first). Turn it off when the context wraps only some layers and is
+        entered again later in the same forward pass.
 
     When the pool's budget (pinmem.set_budget) has no room, tensors stay on the device and are
     counted (stats()['kept_by_reason']['budget']); the call never fails for lack of pinned
@@ -468,4 +474,4 @@ def offload_activations(min_bytes="1M", prefetch=4, keep=None, device=None, max_
     its stats() add up over them.
     """
     return OffloadActivations(min_bytes=min_bytes, prefetch=prefetch, keep=keep, device=device,
-                              max_view_ratio=max_view_ratio)
+                              max_view_ratio=max_view_ratio, prefetch_on_exit=prefetch_on_exit)
