@@ -42,8 +42,8 @@ import weakref
 
 import torch
 
-from . import BudgetError, MemlockError, NomemError, copy as _pm_copy, empty as _pm_empty, \
-    parse_size as _parse_size, Stream as _PmStream
+from . import BudgetError, MemlockError, NoDeviceError, NomemError, Stream as _PmStream, \
+    backend as _pm_backend, copy as _pm_copy, empty as _pm_empty, parse_size as _parse_size
 
 __all__ = ["offload_activations", "OffloadActivations"]
 
@@ -70,6 +70,7 @@ class _HostLink:
         self.device = device
         self.d2h = _PmStream()
         self.h2d = _PmStream()
+        self.stall = []  # host seconds each late consume waited
 
     def start_d2h(self, block, base):
         # The Completion holds `base` (through DLPack) until the copy is done.
@@ -80,17 +81,19 @@ class _HostLink:
         dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return dst, _pm_copy(dst, block, self.h2d, nbytes=nbytes)
 
-    def consume(self, dst, done, stall):
+    def consume(self, dst, done):
         """The compute side waits for the fetch of dst; -> True if it had to (late)."""
         if done.done():
             return False
         t0 = time.perf_counter()
         done.wait()
-        stall.append(time.perf_counter() - t0)
+        self.stall.append(time.perf_counter() - t0)
         return True
 
-    def stall_seconds(self, stall):
-        return float(sum(stall)), []
+    def stall_seconds(self):
+        """Seconds waited since the last call."""
+        seconds, self.stall = float(sum(self.stall)), []
+        return seconds
 
 
 class _CudaLink:
@@ -100,6 +103,7 @@ class _CudaLink:
         self.device = device
         self.d2h = torch.cuda.Stream(device=device)
         self.h2d = torch.cuda.Stream(device=device)
+        self.stall = []  # (event, event) around each late wait of the compute stream
 
     def start_d2h(self, block, base):
         compute = torch.cuda.current_stream(self.device)
@@ -117,7 +121,7 @@ class _CudaLink:
             done = _pm_copy(_DeviceSpan(dst.data_ptr(), nbytes), block, self.h2d, nbytes=nbytes)
         return dst, done
 
-    def consume(self, dst, done, stall):
+    def consume(self, dst, done):
         compute = torch.cuda.current_stream(self.device)
         late = not done.done()
         if late:  # time the compute stream's wait with events (read in stats())
@@ -126,21 +130,23 @@ class _CudaLink:
             e0.record(compute)
             done.wait_stream(compute)
             e1.record(compute)
-            stall.append((e0, e1))
+            self.stall.append((e0, e1))
         else:
             done.wait_stream(compute)
         # dst was allocated on the h2d stream; the compute stream uses it from now on.
         dst.record_stream(compute)
         return late
 
-    def stall_seconds(self, stall):
+    def stall_seconds(self):
+        """Seconds the compute stream waited, of the waits it has passed since the last call."""
         seconds, pending = 0.0, []
-        for e0, e1 in stall:
+        for e0, e1 in self.stall:
             if e1.query():
                 seconds += e0.elapsed_time(e1) / 1000.0
             else:
                 pending.append((e0, e1))
-        return seconds, pending
+        self.stall = pending
+        return seconds
 
 
 # ------------------------------------------------------------------------------------------
@@ -226,6 +232,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if device not in ("cuda", "cpu"):
             raise ValueError(f"offload_activations: device must be 'cuda' or 'cpu' (CPU tensors "
                              f"standing in for device tensors), not {device!r}")
+        if device == "cuda" and _pm_backend() != "cuda":
+            raise NoDeviceError(f"PM_ERR_NO_DEVICE: offload_activations(device='cuda'): pinmem "
+                                f"runs its {_pm_backend()} backend, so it cannot copy GPU "
+                                f"memory (PINMEM_BACKEND, `pinmem info` says why)")
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.keep = keep
@@ -236,7 +246,6 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._links = {}
         self._order = []         # weakrefs to units in pack order
         self._by_storage = {}    # (device, data_ptr) -> (weakref unit, storage weakref, version)
-        self._stall = []
         self._stall_seconds = 0.0
         self.reset_stats()
         super().__init__(self._pack, self._unpack)
@@ -249,7 +258,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self._kept = dict.fromkeys(_KEEP_REASONS, 0)
             self._kept_bytes = dict.fromkeys(_KEEP_REASONS, 0)
             self._stall_seconds = 0.0
-            self._stall = []
+            for link in self._links.values():
+                link.stall_seconds()
 
     def stats(self):
         """Counters since creation or reset_stats():
@@ -266,8 +276,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         with self._lock:
             out = dict(self._stats)
             for link in self._links.values():
-                seconds, self._stall = link.stall_seconds(self._stall)
-                self._stall_seconds += seconds
+                self._stall_seconds += link.stall_seconds()
             out["stall_seconds"] = self._stall_seconds
             out["kept_by_reason"] = dict(self._kept)
             out["kept_bytes_by_reason"] = dict(self._kept_bytes)
@@ -322,7 +331,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         s["kept_bytes"] += n
         self._kept[reason] += 1
         self._kept_bytes[reason] += n
-        return t
+        # Detached: a saved output handed back as itself would hold its own grad_fn, a cycle
+        # that outlives a graph dropped without backward (autograd rewires it on unpack).
+        return t.detach()
 
     def _link(self, device):
         link = self._links.get(device)
@@ -432,7 +443,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 self._start_fetch(unit, ahead=False)
             dst, done = unit.fetch
             unit.fetch = None
-            if unit.link.consume(dst, done, self._stall):
+            if unit.link.consume(dst, done):
                 self._stats["late_units"] += 1
             out = _view(dst, saved)
             unit.left = unit.handles - 1

@@ -436,3 +436,35 @@ def test_bench_cpu_tiny():
         assert r["seconds"] > 0
         if r["case"] != "none":
             assert r["bytes"] > 0 and r["bytes_d2h"] > 0 and r["bytes_h2d"] > 0, r
+
+
+@pytest.mark.parametrize("min_bytes", [1 << 30, 64])  # everything kept; everything offloaded
+def test_graph_dropped_without_backward_frees_its_tensors(dev, min_bytes):
+    """A saved output handed back as itself from the pack hook holds its own grad_fn: a cycle
+    through autograd's C++ objects that Python's collector cannot see."""
+    torch = _torch()
+    import weakref
+    x = torch.randn(64, 64, device=dev, requires_grad=True)
+    off = pinmem.torch.offload_activations(min_bytes=min_bytes, device=dev)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with off:
+            y = x.exp()  # exp saves its output
+            z = y.sin()
+        ref = weakref.ref(y)
+        del y, z
+        assert ref() is None
+    finally:
+        if enabled:
+            gc.enable()
+    s = off.stats()
+    assert (s["kept_tensors"] if min_bytes > 64 else s["offloaded_tensors"]) == 2
+
+
+def test_cuda_needs_the_cuda_backend():
+    skip_unless_torch()
+    if pinmem.backend() == "cuda":
+        pytest.skip("pinmem runs its cuda backend here: device='cuda' is allowed")
+    with pytest.raises(pinmem.NoDeviceError, match="backend"):
+        pinmem.torch.offload_activations(device="cuda")
