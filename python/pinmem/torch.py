@@ -156,11 +156,10 @@ class _CudaLink:
 class _Unit:
     """One storage's bytes in a pinned block, and its copy back while one is under way."""
 
-    __slots__ = ("owner", "link", "block", "nbytes", "d2h", "index", "fetch", "held", "left",
+    __slots__ = ("link", "block", "nbytes", "d2h", "index", "fetch", "held", "left",
                  "handles", "alive", "spent", "__weakref__")
 
-    def __init__(self, owner, link, block, nbytes, d2h):
-        self.owner = owner
+    def __init__(self, link, block, nbytes, d2h):
         self.link = link
         self.block = block
         self.nbytes = nbytes
@@ -372,7 +371,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 return self._kept_as("budget", t)
             link = self._link(t.device)
             done = link.start_d2h(block, _storage_bytes(t))
-            unit = _Unit(self, link, block, nbytes, done)
+            unit = _Unit(link, block, nbytes, done)
             unit.index = len(self._order)
             self._order.append(weakref.ref(unit))
             self._by_storage[key] = (weakref.ref(unit), _storage_weakref(storage), version)

@@ -468,3 +468,17 @@ def test_cuda_needs_the_cuda_backend():
         pytest.skip("pinmem runs its cuda backend here: device='cuda' is allowed")
     with pytest.raises(pinmem.NoDeviceError, match="backend"):
         pinmem.torch.offload_activations(device="cuda")
+
+
+def test_second_gpu_while_first_is_current():
+    """A rank's model on its own device, here cuda:1 while cuda:0 stays current: the copies and
+    waits run on that device's streams."""
+    torch = skip_unless_torch_cuda()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU: the second-device case needs two")
+    model, data = make_model("cuda:1"), batch("cuda:1")
+    ref = train_step(model, data)
+    off = pinmem.torch.offload_activations(min_bytes=4096, device="cuda")
+    got = train_step(model, data, off)
+    assert_same(ref, got)
+    assert off.stats()["offloaded_units"] > 0 and torch.cuda.current_device() == 0
