@@ -203,7 +203,8 @@ def _view(storage_tensor, s):
 _STAT_KEYS = ("offloaded_bytes", "offloaded_tensors", "offloaded_units", "shared_tensors",
               "prefetched_bytes", "prefetched_units", "fetched_bytes", "fetched_units",
               "late_units", "kept_bytes", "kept_tensors")
-_KEEP_REASONS = ("small", "parameter", "predicate", "budget", "device", "layout", "sparse_view")
+_KEEP_REASONS = ("small", "parameter", "predicate", "paused", "budget", "device", "layout",
+                 "sparse_view")
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
@@ -268,7 +269,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         back; late_units: copies back not finished when backward needed them (the compute stream,
         or on CPU the host, waited); stall_seconds: how long it waited (GPU: timed by events);
         kept_tensors/bytes: saved tensors left where they were, by reason in kept_by_reason and
-        kept_bytes_by_reason (small, parameter, predicate, budget: no pinned memory left within
+        kept_bytes_by_reason (small, parameter, predicate, paused: inside paused(), budget: no
+        pinned memory left within
         the pool's budget, device: not on the offloaded device type, layout: sparse, quantized
         or a tensor subclass, sparse_view: a view holding a small part of a large storage);
         live_units and pinned_bytes: what is on the host now."""
@@ -283,6 +285,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             out["live_units"] = len(units)
             out["pinned_bytes"] = sum(u.nbytes for u in units)
             return out
+
+    def paused(self):
+        """A context manager inside which saved tensors stay on the device (counted as
+        'paused'), e.g. around a module whose tensors are not worth moving:
+        `with off: ...; with off.paused(): head(x)`. It replaces these hooks while entered."""
+        def keep(t):
+            with self._lock:
+                return self._kept_as("paused", t)
+        return torch.autograd.graph.saved_tensors_hooks(keep, self._unpack)
 
     def wait(self):
         """Block until every copy to the host started so far is done."""

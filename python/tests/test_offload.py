@@ -362,6 +362,25 @@ def test_keep_predicate(dev):
     assert s["kept_by_reason"]["predicate"] > 0 and s["offloaded_units"] > 0
 
 
+def test_paused_keeps_a_module_on_device(dev):
+    torch = _torch()
+    model, data = make_model(dev), batch(dev)
+    ref = train_step(model, data)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
+    model.zero_grad(set_to_none=True)
+    with off:
+        x = model.emb(data[0])
+        x = model.blocks[0](x)
+        with off.paused():  # the second block's tensors stay
+            x = model.blocks[1](x)
+        logits = model.head(model.ln(x))
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), data[1].flatten())
+    loss.backward()
+    assert_same(ref, (loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    s = off.stats()
+    assert s["kept_by_reason"]["paused"] > 0 and s["offloaded_units"] > 0
+
+
 def test_double_backward_and_retain_graph(dev):
     torch = _torch()
     model, data = make_model(dev, layers=1), batch(dev)
