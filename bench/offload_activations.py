@@ -100,6 +100,8 @@ def build_model(torch, a, device, dtype):
                 x = self.emb(idx) + self.pos.weight[: idx.shape[1]]
                 for i, blk in enumerate(self.blocks):
                     if first_k is not None and i < first_k:
+                        if hasattr(ctx, "prefetch_on_exit"):  # pinmem: only the last entry's
+                            ctx.prefetch_on_exit = i == first_k - 1  # exit starts copies back
                         with ctx:
                             x = blk(x)
                     else:
@@ -307,8 +309,8 @@ def main(argv=None):
     rows = [dict(case="none", set="none", seconds=t_none, peak=peak_none, d2h=0, h2d=0,
                  verified=True)]
     for set_name, first_k in (("hidden", k), ("all", None)):
-        # Entered around each of the first k layers, pinmem must not bring a layer's last
-        # tensors back as it leaves (backward needs them last).
+        # Entered around each of the first k layers, pinmem brings tensors back as it leaves
+        # only after the last of them (backward needs the earlier layers' last).
         cases = (("save_on_cpu", soc_ctx), ("per_tensor_stream", pts_ctx),
                  ("pinmem", pm_ctx(first_k is None)))
         for name, make in cases:
