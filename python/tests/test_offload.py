@@ -156,8 +156,10 @@ def test_grads_identical(dev, prefetch):
     assert s["kept_by_reason"]["parameter"] > 0
     if prefetch == 0:
         assert s["prefetched_units"] == 0
-    else:
-        assert s["prefetched_units"] > 0
+    elif prefetch == 1:  # backward asks out of pack order now and then: those come on demand
+        assert 0 < s["prefetched_units"] <= s["fetched_units"]
+    else:  # two ahead cover this model's order: every storage was on its way before it was needed
+        assert s["prefetched_units"] == s["fetched_units"], s
     sync(dev)
     assert off.stats()["live_units"] == 0
     assert pool_in_use() == base
