@@ -307,7 +307,6 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def __exit__(self, *exc):
         super().__exit__(*exc)
         with self._lock:
-            self._by_storage.clear()
             if exc[0] is None and self.prefetch_on_exit:
                 # Backward asks first for what was saved last: start those copies back now.
                 self._prefetch_before(len(self._order))
@@ -360,8 +359,6 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         with torch.no_grad(), self._lock:
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
-            if nbytes > self.max_view_ratio * t.numel() * t.element_size():
-                return self._kept_as("sparse_view", t)
             key = (t.device, storage.data_ptr())
             version = t._version
             seen = self._by_storage.get(key)
@@ -376,6 +373,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 self._stats["shared_tensors"] += 1
                 self._stats["offloaded_tensors"] += 1
                 return _Saved(unit, t)
+            if nbytes > self.max_view_ratio * t.numel() * t.element_size():
+                return self._kept_as("sparse_view", t)
             try:
                 block = _pm_empty((nbytes,), "uint8")
             except _NO_PINNED:
@@ -395,7 +394,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return _Saved(unit, t)
 
     def _compact(self):
-        """Drop dead units from the pack order (they were consumed or their graph freed)."""
+        """Drop dead units from the pack order (they were consumed or their graph freed) and
+        storages gone from the map (it lives across entries: a residual saved by one layer and
+        again by the next moves once)."""
         live = [u for u in (r() for r in self._order) if u is not None]
         for i, u in enumerate(live):
             u.index = i

@@ -351,6 +351,43 @@ def test_small_view_of_large_storage_stays(dev):
     y.backward()
     assert torch.equal(w.grad, big[:4])
     assert off.stats()["kept_by_reason"]["sparse_view"] == 1
+    # Once the whole storage is on its way, a small view of it shares it instead.
+    w.grad = None
+    off.reset_stats()
+    scale = torch.ones((), device=dev, requires_grad=True)
+    with off:
+        y = (big * scale).sum() + (w * big[:4]).sum()  # mul saves all of big for scale's grad
+    y.backward()
+    assert torch.equal(w.grad, big[:4]) and torch.equal(scale.grad, big.sum())
+    s = off.stats()
+    assert s["kept_by_reason"]["sparse_view"] == 0 and s["shared_tensors"] == 1, s
+
+
+def test_storage_shared_across_entries(dev):
+    """One object entered around two layers: a tensor the first saves and the second saves again
+    (the residual stream) moves once."""
+    torch = _torch()
+    x = torch.randn(32, 64, device=dev, requires_grad=True)
+    w1 = torch.randn(64, 64, device=dev, requires_grad=True)
+    w2 = torch.randn(64, 64, device=dev, requires_grad=True)
+
+    def run(off):
+        x.grad = w1.grad = w2.grad = None
+        h = x * 1.5
+        with off or _null():
+            a = h.sin() @ w1  # sin saves h; mm saves sin(h)
+        with off or _null():
+            b = (h * a) @ w2  # mul saves h and a
+        loss = b.square().sum()
+        loss.backward()
+        return loss.detach(), [x.grad.clone(), w1.grad.clone(), w2.grad.clone()]
+
+    ref = run(None)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev, prefetch_on_exit=False)
+    assert_same(ref, run(off))
+    s = off.stats()
+    # h and sin(h) in the first entry, h again, a and h * a in the second: h moves once.
+    assert s["offloaded_units"] == 4 and s["shared_tensors"] == 1, s
 
 
 def test_keep_predicate(dev):
