@@ -45,7 +45,7 @@ import torch
 from . import BudgetError, MemlockError, NoDeviceError, NomemError, Stream as _PmStream, \
     backend as _pm_backend, copy as _pm_copy, empty as _pm_empty, parse_size as _parse_size
 
-__all__ = ["offload_activations", "OffloadActivations"]
+__all__ = ["offload_activations", "OffloadActivations", "is_weight_cast"]
 
 _NO_PINNED = (BudgetError, NomemError, MemlockError)
 
@@ -465,6 +465,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             unit.alive = weakref.ref(out)
             self._prefetch_before(unit.index)
             return out
+
+
+def is_weight_cast(t):
+    """True for a low-precision copy of a weight (what autocast saves for backward: a cast of a
+    leaf that requires grad, or a view of one): a `keep` predicate for keeping those on the
+    device, `offload_activations(keep=pinmem.torch.is_weight_cast)`."""
+    root = t if t._base is None else t._base
+    fn = root.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    return any(n is not None and hasattr(n, "variable") for n, _ in fn.next_functions)
 
 
 def _storage_weakref(storage):

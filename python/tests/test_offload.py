@@ -185,6 +185,16 @@ def test_grads_identical_autocast(dev):
     got = train_step(model, data, off, autocast=torch.bfloat16)
     assert_same(ref, got)
     assert off.stats()["offloaded_units"] > 0
+    assert off.stats()["kept_by_reason"]["predicate"] == 0
+    # The weights' bf16 copies are saved like activations; is_weight_cast keeps them.
+    off = pinmem.torch.offload_activations(min_bytes=2048, device=dev,
+                                           keep=pinmem.torch.is_weight_cast)
+    got = train_step(model, data, off, autocast=torch.bfloat16)
+    assert_same(ref, got)
+    s = off.stats()
+    assert s["kept_by_reason"]["predicate"] > 0 and s["offloaded_units"] > 0, s
+    x = torch.randn(4, 4, device=dev, requires_grad=True)
+    assert not pinmem.torch.is_weight_cast(x.to(torch.bfloat16) * 2)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
