@@ -36,6 +36,7 @@ thread may pack for another graph; one lock guards the bookkeeping (copies are s
 they only queue work).
 """
 
+import collections
 import threading
 import time
 import weakref
@@ -246,6 +247,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._links = {}
         self._order = []         # weakrefs to units in pack order
         self._by_storage = {}    # (device, data_ptr) -> (weakref unit, storage weakref, version)
+        # Copies back the compute stream was told to wait for, still running as far as the host
+        # knows: each holds its pinned block until done; polled and dropped as they finish.
+        self._retired = collections.deque()
         self._stall_seconds = 0.0
         self.reset_stats()
         super().__init__(self._pack, self._unpack)
@@ -296,11 +300,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return torch.autograd.graph.saved_tensors_hooks(keep, self._unpack)
 
     def wait(self):
-        """Block until every copy to the host started so far is done."""
+        """Block until every copy started so far (to the host, and back) is done."""
         with self._lock:
             units = [u for u in (r() for r in self._order) if u is not None]
+            retired, self._retired = list(self._retired), collections.deque()
         for u in units:
             u.d2h.wait()
+            if u.fetch is not None:
+                u.fetch[1].wait()
+        for done in retired:
+            done.wait()
 
     # -- the context -----------------------------------------------------------------------
 
@@ -407,6 +416,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     # -- unpack ----------------------------------------------------------------------------
 
+    def _poll_retired(self):
+        while self._retired and self._retired[0].done():
+            self._retired.popleft()
+
     def _start_fetch(self, unit, ahead):
         dst, done = unit.link.start_h2d(unit.block, unit.nbytes, unit.d2h)
         unit.fetch = (dst, done)
@@ -456,6 +469,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             unit.fetch = None
             if unit.link.consume(dst, done):
                 self._stats["late_units"] += 1
+            self._poll_retired()
+            if not done.done():
+                self._retired.append(done)
             out = _view(dst, saved)
             unit.left = unit.handles - 1
             if unit.left > 0:

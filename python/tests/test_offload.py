@@ -128,9 +128,13 @@ def pool_in_use():
     return pinmem.stats()["in_use_bytes"]
 
 
-def sync(dev):
-    if dev == "cuda":
+def sync(dev, *offs):
+    """Let every copy finish and what they held go back (on a GPU the host never waited)."""
+    if dev.startswith("cuda"):
         _torch().cuda.synchronize()
+        pinmem.synchronize()
+    for off in offs:
+        off.wait()
 
 
 def test_import_pinmem_leaves_torch_alone():
@@ -160,7 +164,7 @@ def test_grads_identical(dev, prefetch):
         assert 0 < s["prefetched_units"] <= s["fetched_units"]
     else:  # two ahead cover this model's order: every storage was on its way before it was needed
         assert s["prefetched_units"] == s["fetched_units"], s
-    sync(dev)
+    sync(dev, off)
     assert off.stats()["live_units"] == 0
     assert pool_in_use() == base
 
@@ -244,7 +248,7 @@ def test_budget_keeps_tensors_on_device(dev, budget_guard):
     assert s["offloaded_units"] > 0, s
     assert 0 < s["offloaded_bytes"] <= total // 3 + 4096
     assert s["fetched_units"] == s["offloaded_units"]
-    sync(dev)
+    sync(dev, off)
     assert pool_in_use() == base
 
 
@@ -279,8 +283,7 @@ def test_exception_inside_forward_leaks_nothing(dev):
             model(data[0], fail_at=2)
     s = off.stats()
     assert s["offloaded_units"] > 0  # two blocks went out before the failure
-    sync(dev)
-    off.wait()
+    sync(dev, off)
     gc.collect()
     assert off.stats()["live_units"] == 0
     assert pinmem._pinmem._pending_copies() == 0
@@ -288,7 +291,7 @@ def test_exception_inside_forward_leaks_nothing(dev):
     # The same object still works afterwards.
     ref = train_step(model, data)
     assert_same(ref, train_step(model, data, off))
-    sync(dev)
+    sync(dev, off)
     assert pool_in_use() == base
     del torch
 
@@ -304,7 +307,7 @@ def test_thousand_steps_pool_flat(dev):
         _, grads = train_step(model, data, off)
         opt.step()
         if step in (9, 999):
-            sync(dev)
+            sync(dev, off)
             gc.collect()
             st = pinmem.stats()
             marks[step] = (st["in_use_bytes"], st["pinned_bytes"], st["segments"],
@@ -465,7 +468,7 @@ def test_double_backward_and_retain_graph(dev):
     assert_same(ref, twice(off))
     s = off.stats()
     assert s["fetched_units"] >= 2 * s["offloaded_units"] > 0  # each came back for both
-    sync(dev)
+    sync(dev, off)
     assert pool_in_use() == base
     del emb
 
