@@ -274,7 +274,6 @@ def budget_guard():
 
 
 def test_exception_inside_forward_leaks_nothing(dev):
-    torch = _torch()
     model, data = make_model(dev, layers=3), batch(dev)
     base = pool_in_use()
     off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
@@ -293,7 +292,6 @@ def test_exception_inside_forward_leaks_nothing(dev):
     assert_same(ref, train_step(model, data, off))
     sync(dev, off)
     assert pool_in_use() == base
-    del torch
 
 
 def test_thousand_steps_pool_flat(dev):
@@ -436,7 +434,6 @@ def test_paused_keeps_a_module_on_device(dev):
 def test_double_backward_and_retain_graph(dev):
     torch = _torch()
     model, data = make_model(dev, layers=1), batch(dev)
-    emb = model.emb.weight
 
     def penalty(off):
         model.zero_grad(set_to_none=True)
@@ -470,7 +467,6 @@ def test_double_backward_and_retain_graph(dev):
     assert s["fetched_units"] >= 2 * s["offloaded_units"] > 0  # each came back for both
     sync(dev, off)
     assert pool_in_use() == base
-    del emb
 
 
 def test_bad_arguments():
