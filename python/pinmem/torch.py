@@ -73,9 +73,9 @@ class _HostLink:
         self.h2d = _PmStream()
         self.stall = []  # host seconds each late consume waited
 
-    def start_d2h(self, block, base):
-        # The Completion holds `base` (through DLPack) until the copy is done.
-        return _pm_copy(block, base, self.d2h)
+    def start_d2h(self, block, t, storage):
+        # The Completion holds the storage (through DLPack) until the copy is done.
+        return _pm_copy(block, _storage_bytes(t), self.d2h)
 
     def start_h2d(self, block, nbytes, d2h):
         d2h.wait_stream(self.h2d)  # the bytes must have arrived on the host first
@@ -106,13 +106,13 @@ class _CudaLink:
         self.h2d = torch.cuda.Stream(device=device)
         self.stall = []  # (event, event) around each late wait of the compute stream
 
-    def start_d2h(self, block, base):
+    def start_d2h(self, block, t, storage):
         compute = torch.cuda.current_stream(self.device)
         self.d2h.wait_stream(compute)  # the copy reads what the compute stream wrote
         with torch.cuda.device(self.device):
-            done = _pm_copy(block, _DeviceSpan(base.data_ptr(), base.numel()), self.d2h)
-        # The allocator reuses the memory only after the copy (queued on d2h) ran.
-        base.record_stream(self.d2h)
+            done = _pm_copy(block, _DeviceSpan(storage.data_ptr(), storage.nbytes()), self.d2h)
+        # The allocator reuses the storage's memory only after the copy (queued on d2h) ran.
+        t.record_stream(self.d2h)
         return done
 
     def start_h2d(self, block, nbytes, d2h):
@@ -389,7 +389,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             except _NO_PINNED:
                 return self._kept_as("budget", t)
             link = self._link(t.device)
-            done = link.start_d2h(block, _storage_bytes(t))
+            done = link.start_d2h(block, t, storage)
             unit = _Unit(link, block, nbytes, done)
             unit.index = len(self._order)
             self._order.append(weakref.ref(unit))
