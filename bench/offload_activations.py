@@ -327,6 +327,7 @@ def main(argv=None):
             if counted is None:
                 rows[-1]["late_units"] = s["late_units"]
                 rows[-1]["stall_seconds"] = s["stall_seconds"]
+                rows[-1]["hook_seconds"] = s["hook_seconds"]
             del ctx
     report(a, rows, t_none, peak_none, t_fwd, rate, k, cuda)
     return 0 if all(r["verified"] for r in rows) else 1
@@ -363,7 +364,7 @@ def report(a, rows, t_none, peak_none, t_fwd, rate, k, cuda):
                "step_ratio": r["seconds"] / t_none if t_none > 0 else None,
                "peak_ratio": r["peak"] / peak_none if peak_none else None,
                "device": "cuda" if cuda else "cpu"}
-        for key in ("layers_offloaded", "late_units", "stall_seconds"):
+        for key in ("layers_offloaded", "late_units", "stall_seconds", "hook_seconds"):
             if key in r:
                 out[key] = r[key]
         if a.json:

@@ -262,6 +262,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self._kept = dict.fromkeys(_KEEP_REASONS, 0)
             self._kept_bytes = dict.fromkeys(_KEEP_REASONS, 0)
             self._stall_seconds = 0.0
+            self._hook_seconds = 0.0
             for link in self._links.values():
                 link.stall_seconds()
 
@@ -277,12 +278,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         pinned memory left within
         the pool's budget, device: not on the offloaded device type, layout: sparse, quantized
         or a tensor subclass, sparse_view: a view holding a small part of a large storage);
-        live_units and pinned_bytes: what is on the host now."""
+        live_units and pinned_bytes: what is on the host now; hook_seconds: host time spent in
+        the pack and unpack hooks (the work pinmem adds to the Python side of a step)."""
         with self._lock:
             out = dict(self._stats)
             for link in self._links.values():
                 self._stall_seconds += link.stall_seconds()
             out["stall_seconds"] = self._stall_seconds
+            out["hook_seconds"] = self._hook_seconds
             out["kept_by_reason"] = dict(self._kept)
             out["kept_bytes_by_reason"] = dict(self._kept_bytes)
             units = [u for u in (r() for r in self._order) if u is not None]
@@ -361,6 +364,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return link
 
     def _pack(self, t):
+        t0 = time.perf_counter()
+        try:
+            return self._pack_one(t)
+        finally:
+            self._hook_seconds += time.perf_counter() - t0
+
+    def _pack_one(self, t):
         reason = self._why_keep(t)
         if reason is not None:
             with self._lock:
@@ -450,6 +460,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, saved):
         if isinstance(saved, torch.Tensor):
             return saved  # kept where it was
+        t0 = time.perf_counter()
+        try:
+            return self._unpack_one(saved)
+        finally:
+            self._hook_seconds += time.perf_counter() - t0
+
+    def _unpack_one(self, saved):
         unit = saved.unit
         with self._lock:
             if unit.held is not None:  # views of one storage come back as views of one again

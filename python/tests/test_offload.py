@@ -158,6 +158,7 @@ def test_grads_identical(dev, prefetch):
     assert s["fetched_bytes"] == s["offloaded_bytes"]
     assert s["shared_tensors"] > 0
     assert s["kept_by_reason"]["parameter"] > 0
+    assert s["hook_seconds"] > 0
     if prefetch == 0:
         assert s["prefetched_units"] == 0
     elif prefetch == 1:  # backward asks out of pack order now and then: those come on demand
