@@ -934,3 +934,10 @@ def get_worker_info():
 
 from ._workers import WorkerError  # noqa: E402  (re-exported)
 from . import safetensors  # noqa: E402,F401  (pinmem.safetensors; imports torch only when used)
+
+
+def __getattr__(name):  # pinmem.torch loads on first use: importing pinmem never imports torch
+    if name == "torch":
+        import importlib
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'pinmem' has no attribute {name!r}")

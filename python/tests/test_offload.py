@@ -1,0 +1,552 @@
+"""pinmem.torch.offload_activations: gradients equal to training without offload.
+
+Every test runs on CPU tensors standing in for device tensors (pinmem's host backend: the copies
+run on pinmem streams, the same pack/unpack/prefetch/budget logic as on a GPU) and again on the
+GPU when torch sees one and pinmem runs its cuda backend; each GPU variant skips saying why.
+Gradients are compared exactly: offloading moves bytes, so it must not change one bit.
+"""
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pinmem
+from conftest import skip_unless_torch, skip_unless_torch_cuda
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def dev(request):
+    """The device the model runs on: 'cpu' everywhere, 'cuda' where a GPU is there."""
+    if request.param == "cuda":
+        skip_unless_torch_cuda()
+    else:
+        skip_unless_torch()
+    return request.param
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def make_model(dev, d=64, heads=4, layers=2, vocab=97, dtype=None, seed=0):
+    """A small GPT-like transformer: attention whose q, k, v are views of one projection (saved
+    views of one storage), GELU MLP, layer norms, a head; exact on CPU and GPU alike (attention
+    by matmul and softmax, no fused kernels with atomics)."""
+    torch = _torch()
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+            q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2) for z in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) * (d // heads) ** -0.5
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+            y = (att @ v).transpose(1, 2).reshape(b, t, d)
+            x = x + self.proj(y)
+            return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+        def forward(self, idx, fail_at=None, checkpoint=None):
+            x = self.emb(idx)
+            for i, blk in enumerate(self.blocks):
+                if i == fail_at:
+                    raise RuntimeError("forward failed on purpose")
+                if checkpoint is None:
+                    x = blk(x)
+                else:
+                    x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=checkpoint)
+            return self.head(self.ln(x))
+
+    torch.manual_seed(seed)
+    m = GPT().to(dev)
+    if dtype is not None:
+        m = m.to(dtype)
+    return m
+
+
+def batch(dev, b=4, t=32, vocab=97, seed=1):
+    torch = _torch()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (b, t + 1), generator=g)
+    return idx[:, :-1].to(dev), idx[:, 1:].to(dev)
+
+
+def train_step(model, data, off=None, autocast=None, checkpoint=None, compiled=None):
+    """One forward and backward; -> (loss, the gradients)."""
+    torch = _torch()
+    idx, tgt = data
+    model.zero_grad(set_to_none=True)
+    fwd = compiled if compiled is not None else model
+    ctx = off if off is not None else _null()
+    ac = torch.autocast(idx.device.type, dtype=autocast) if autocast else _null()
+    with ctx, ac:
+        logits = fwd(idx) if checkpoint is None else fwd(idx, checkpoint=checkpoint)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def assert_same(a, b):
+    torch = _torch()
+    (la, ga), (lb, gb) = a, b
+    assert torch.equal(la, lb), (la, lb)
+    assert len(ga) == len(gb)
+    for x, y in zip(ga, gb):
+        assert x.dtype == y.dtype and torch.equal(x, y), (x - y).abs().max()
+
+
+def pool_in_use():
+    gc.collect()
+    return pinmem.stats()["in_use_bytes"]
+
+
+def sync(dev, *offs):
+    """Let every copy finish and what they held go back (on a GPU the host never waited)."""
+    if dev.startswith("cuda"):
+        _torch().cuda.synchronize()
+        pinmem.synchronize()
+    for off in offs:
+        off.wait()
+
+
+def test_import_pinmem_leaves_torch_alone():
+    out = subprocess.run([sys.executable, "-c", "import sys, pinmem; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 4])
+def test_grads_identical(dev, prefetch):
+    model, data = make_model(dev), batch(dev)
+    base = pool_in_use()
+    ref = train_step(model, data)
+    off = pinmem.torch.offload_activations(min_bytes=4096, prefetch=prefetch, device=dev)
+    got = train_step(model, data, off)
+    assert_same(ref, got)
+    s = off.stats()
+    assert s["offloaded_units"] > 4 and s["offloaded_bytes"] > 0
+    # Every storage went out once and came back once; q, k, v share one.
+    assert s["fetched_units"] == s["offloaded_units"]
+    assert s["fetched_bytes"] == s["offloaded_bytes"]
+    assert s["shared_tensors"] > 0
+    assert s["kept_by_reason"]["parameter"] > 0
+    assert s["hook_seconds"] > 0
+    if prefetch == 0:
+        assert s["prefetched_units"] == 0
+    elif prefetch == 1:  # backward asks out of pack order now and then: those come on demand
+        assert 0 < s["prefetched_units"] <= s["fetched_units"]
+    else:  # two ahead cover this model's order: every storage was on its way before it was needed
+        assert s["prefetched_units"] == s["fetched_units"], s
+    sync(dev, off)
+    assert off.stats()["live_units"] == 0
+    assert pool_in_use() == base
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_grads_identical_half(dev, dtype):
+    torch = _torch()
+    dt = getattr(torch, dtype)
+    model, data = make_model(dev, dtype=dt), batch(dev)
+    ref = train_step(model, data)
+    off = pinmem.torch.offload_activations(min_bytes=2048, device=dev)
+    got = train_step(model, data, off)
+    assert_same(ref, got)
+    assert off.stats()["offloaded_units"] > 0
+
+
+def test_grads_identical_autocast(dev):
+    torch = _torch()
+    model, data = make_model(dev), batch(dev)
+    ref = train_step(model, data, autocast=torch.bfloat16)
+    off = pinmem.torch.offload_activations(min_bytes=2048, device=dev)
+    got = train_step(model, data, off, autocast=torch.bfloat16)
+    assert_same(ref, got)
+    assert off.stats()["offloaded_units"] > 0
+    assert off.stats()["kept_by_reason"]["predicate"] == 0
+    # The weights' bf16 copies are saved like activations; is_weight_cast keeps them.
+    off = pinmem.torch.offload_activations(min_bytes=2048, device=dev,
+                                           keep=pinmem.torch.is_weight_cast)
+    got = train_step(model, data, off, autocast=torch.bfloat16)
+    assert_same(ref, got)
+    s = off.stats()
+    assert s["kept_by_reason"]["predicate"] > 0 and s["offloaded_units"] > 0, s
+    x = torch.randn(4, 4, device=dev, requires_grad=True)
+    assert not pinmem.torch.is_weight_cast(x.to(torch.bfloat16) * 2)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_grads_identical_checkpoint(dev, reentrant):
+    model, data = make_model(dev), batch(dev)
+    ref = train_step(model, data, checkpoint=reentrant)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
+    got = train_step(model, data, off, checkpoint=reentrant)
+    assert_same(ref, got)
+    s = off.stats()
+    if reentrant:  # each block's input is saved through the hooks and offloaded
+        assert s["offloaded_units"] >= 2, s
+    else:  # checkpoint saves through hooks of its own inside; the rest is ours
+        assert s["offloaded_units"] >= 1, s
+
+
+def test_grads_identical_compile_eager(dev):
+    torch = _torch()
+    if not hasattr(torch, "compile"):
+        pytest.skip("this torch has no torch.compile")
+    model, data = make_model(dev), batch(dev)
+    ref = train_step(model, data)
+    compiled = torch.compile(model, backend="eager")
+    off = pinmem.torch.offload_activations(min_bytes=4096, device=dev)
+    got = train_step(model, data, off, compiled=compiled)
+    assert_same(ref, got)
+    assert off.stats()["offloaded_units"] > 0
+
+
+def test_budget_keeps_tensors_on_device(dev, budget_guard):
+    model, data = make_model(dev), batch(dev)
+    ref = train_step(model, data)
+    probe = pinmem.torch.offload_activations(min_bytes=4096, device=dev)
+    train_step(model, data, probe)
+    total = probe.stats()["offloaded_bytes"]
+    del probe
+    sync(dev)
+    gc.collect()
+    pinmem.trim()
+    base = pool_in_use()
+    pinmem.set_budget(pinmem.stats()["pinned_bytes"] + total // 3)
+    off = pinmem.torch.offload_activations(min_bytes=4096, device=dev)
+    got = train_step(model, data, off)
+    assert_same(ref, got)
+    s = off.stats()
+    assert s["kept_by_reason"]["budget"] > 0, s
+    assert s["offloaded_units"] > 0, s
+    assert 0 < s["offloaded_bytes"] <= total // 3 + 4096
+    assert s["fetched_units"] == s["offloaded_units"]
+    sync(dev, off)
+    assert pool_in_use() == base
+
+
+def test_no_pinned_memory_at_all(dev, budget_guard):
+    model, data = make_model(dev), batch(dev)
+    ref = train_step(model, data)
+    gc.collect()
+    pinmem.trim()
+    pinmem.set_budget(pinmem.stats()["pinned_bytes"] + 1)  # no room for any block
+    off = pinmem.torch.offload_activations(min_bytes=1, device=dev)
+    got = train_step(model, data, off)
+    assert_same(ref, got)
+    s = off.stats()
+    assert s["offloaded_units"] == 0 and s["kept_by_reason"]["budget"] > 0
+
+
+@pytest.fixture
+def budget_guard():
+    old = pinmem.budget()
+    yield
+    gc.collect()
+    pinmem.set_budget(old)
+
+
+def test_exception_inside_forward_leaks_nothing(dev):
+    model, data = make_model(dev, layers=3), batch(dev)
+    base = pool_in_use()
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        with off:
+            model(data[0], fail_at=2)
+    s = off.stats()
+    assert s["offloaded_units"] > 0  # two blocks went out before the failure
+    sync(dev, off)
+    gc.collect()
+    assert off.stats()["live_units"] == 0
+    assert pinmem._pinmem._pending_copies() == 0
+    assert pool_in_use() == base
+    # The same object still works afterwards.
+    ref = train_step(model, data)
+    assert_same(ref, train_step(model, data, off))
+    sync(dev, off)
+    assert pool_in_use() == base
+
+
+def test_thousand_steps_pool_flat(dev):
+    torch = _torch()
+    model = make_model(dev, d=16, heads=2, layers=1, vocab=17)
+    data = batch(dev, b=2, t=8, vocab=17)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    off = pinmem.torch.offload_activations(min_bytes=256, prefetch=2, device=dev)
+    marks = {}
+    for step in range(1000):
+        _, grads = train_step(model, data, off)
+        opt.step()
+        if step in (9, 999):
+            sync(dev, off)
+            gc.collect()
+            st = pinmem.stats()
+            marks[step] = (st["in_use_bytes"], st["pinned_bytes"], st["segments"],
+                           off.stats()["live_units"])
+    assert marks[9] == marks[999], marks
+    assert marks[999][3] == 0
+    s = off.stats()
+    assert s["offloaded_units"] >= 1000 and s["fetched_units"] == s["offloaded_units"]
+
+
+def test_views_and_double_saves_move_once(dev):
+    torch = _torch()
+    x = torch.randn(64, 96, device=dev, requires_grad=True)
+    w = torch.randn(96, 96, device=dev, requires_grad=True)
+
+    class SaveTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a, a.t(), a)  # one storage, three saves, one transposed
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            a, at, a2 = ctx.saved_tensors
+            assert torch.equal(at.t(), a) and torch.equal(a2, a)
+            assert at.data_ptr() == a.data_ptr()  # views of one storage again
+            return g * 2 + at.t() * 0
+
+    def run(off):
+        x.grad = w.grad = None
+        with off or _null():
+            h = (x @ w).relu()
+            y = SaveTwice.apply(h).permute(1, 0) @ x  # a saved permuted (non-contiguous) tensor
+            loss = y.square().sum()
+        loss.backward()
+        return loss.detach(), [x.grad.clone(), w.grad.clone()]
+
+    ref = run(None)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
+    got = run(off)
+    assert_same(ref, got)
+    s = off.stats()
+    assert s["shared_tensors"] >= 2
+    assert s["offloaded_tensors"] == s["offloaded_units"] + s["shared_tensors"]
+
+
+def test_small_view_of_large_storage_stays(dev):
+    torch = _torch()
+    big = torch.randn(256, 256, device=dev)
+    w = torch.randn(4, 256, device=dev, requires_grad=True)
+    off = pinmem.torch.offload_activations(min_bytes=64, device=dev)
+    with off:
+        y = (w * big[:4]).sum()  # big[:4] is 1/64 of its storage
+    y.backward()
+    assert torch.equal(w.grad, big[:4])
+    assert off.stats()["kept_by_reason"]["sparse_view"] == 1
+    # Once the whole storage is on its way, a small view of it shares it instead.
+    w.grad = None
+    off.reset_stats()
+    scale = torch.ones((), device=dev, requires_grad=True)
+    with off:
+        y = (big * scale).sum() + (w * big[:4]).sum()  # mul saves all of big for scale's grad
+    y.backward()
+    assert torch.equal(w.grad, big[:4]) and torch.equal(scale.grad, big.sum())
+    s = off.stats()
+    assert s["kept_by_reason"]["sparse_view"] == 0 and s["shared_tensors"] == 1, s
+
+
+def test_storage_shared_across_entries(dev):
+    """One object entered around two layers: a tensor the first saves and the second saves again
+    (the residual stream) moves once."""
+    torch = _torch()
+    x = torch.randn(32, 64, device=dev, requires_grad=True)
+    w1 = torch.randn(64, 64, device=dev, requires_grad=True)
+    w2 = torch.randn(64, 64, device=dev, requires_grad=True)
+
+    def run(off):
+        x.grad = w1.grad = w2.grad = None
+        h = x * 1.5
+        with off or _null():
+            a = h.sin() @ w1  # sin saves h; mm saves sin(h)
+        with off or _null():
+            b = (h * a) @ w2  # mul saves h and a
+        loss = b.square().sum()
+        loss.backward()
+        return loss.detach(), [x.grad.clone(), w1.grad.clone(), w2.grad.clone()]
+
+    ref = run(None)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev, prefetch_on_exit=False)
+    assert_same(ref, run(off))
+    s = off.stats()
+    # h and sin(h) in the first entry, h again, a and h * a in the second: h moves once.
+    assert s["offloaded_units"] == 4 and s["shared_tensors"] == 1, s
+
+
+def test_keep_predicate(dev):
+    model, data = make_model(dev), batch(dev)
+    ref = train_step(model, data)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev,
+                                           keep=lambda t: t.dim() == 4)  # attention tensors
+    got = train_step(model, data, off)
+    assert_same(ref, got)
+    s = off.stats()
+    assert s["kept_by_reason"]["predicate"] > 0 and s["offloaded_units"] > 0
+
+
+def test_paused_keeps_a_module_on_device(dev):
+    torch = _torch()
+    model, data = make_model(dev), batch(dev)
+    ref = train_step(model, data)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
+    model.zero_grad(set_to_none=True)
+    with off:
+        x = model.emb(data[0])
+        x = model.blocks[0](x)
+        with off.paused():  # the second block's tensors stay
+            x = model.blocks[1](x)
+        logits = model.head(model.ln(x))
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), data[1].flatten())
+    loss.backward()
+    assert_same(ref, (loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    s = off.stats()
+    assert s["kept_by_reason"]["paused"] > 0 and s["offloaded_units"] > 0
+
+
+def test_double_backward_and_retain_graph(dev):
+    torch = _torch()
+    model, data = make_model(dev, layers=1), batch(dev)
+
+    def penalty(off):
+        model.zero_grad(set_to_none=True)
+        with off or _null():
+            x = model.emb(data[0]).detach().requires_grad_()
+            h = model.blocks[0](x)
+            loss = h.tanh().square().mean()
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        total = loss + gx.square().sum()
+        total.backward()
+        return total.detach(), [p.grad.clone() for p in model.blocks.parameters()]
+
+    ref = penalty(None)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
+    assert_same(ref, penalty(off))
+    assert off.stats()["offloaded_units"] > 0
+
+    def twice(off):
+        model.zero_grad(set_to_none=True)
+        with off or _null():
+            loss = model(data[0]).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    base = pool_in_use()
+    ref = twice(None)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
+    assert_same(ref, twice(off))
+    s = off.stats()
+    assert s["fetched_units"] >= 2 * s["offloaded_units"] > 0  # each came back for both
+    sync(dev, off)
+    assert pool_in_use() == base
+
+
+def test_bad_arguments():
+    skip_unless_torch()
+    import pinmem.torch as pt
+    with pytest.raises(ValueError, match="min_bytes"):
+        pt.offload_activations(min_bytes=0)
+    with pytest.raises(ValueError, match="prefetch"):
+        pt.offload_activations(prefetch=-1)
+    with pytest.raises(TypeError, match="keep"):
+        pt.offload_activations(keep=3)
+    with pytest.raises(ValueError, match="device"):
+        pt.offload_activations(device="xla")
+    with pytest.raises(ValueError, match="max_view_ratio"):
+        pt.offload_activations(max_view_ratio=0.5)
+    assert pt.offload_activations(min_bytes="2K").min_bytes == 2048
+
+
+def test_bench_cpu_tiny():
+    """The bench's logic (every case, its checks, its JSON) on a tiny CPU model."""
+    skip_unless_torch()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offload_activations.py"),
+                          "--cpu", "--tiny", "--json"], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    cases = {r["case"] for r in rows}
+    assert {"none", "save_on_cpu", "per_tensor_stream", "pinmem"} <= cases, cases
+    for r in rows:
+        assert r["bench"] == "offload_activations"
+        assert r["verified"] is True, r
+        assert r["seconds"] > 0
+        if r["case"] != "none":
+            assert r["bytes"] > 0 and r["bytes_d2h"] > 0 and r["bytes_h2d"] > 0, r
+
+
+@pytest.mark.parametrize("min_bytes", [1 << 30, 64])  # everything kept; everything offloaded
+def test_graph_dropped_without_backward_frees_its_tensors(dev, min_bytes):
+    """A saved output handed back as itself from the pack hook holds its own grad_fn: a cycle
+    through autograd's C++ objects that Python's collector cannot see."""
+    torch = _torch()
+    import weakref
+    x = torch.randn(64, 64, device=dev, requires_grad=True)
+    off = pinmem.torch.offload_activations(min_bytes=min_bytes, device=dev)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with off:
+            y = x.exp()  # exp saves its output
+            z = y.sin()
+        ref = weakref.ref(y)
+        del y, z
+        assert ref() is None
+    finally:
+        if enabled:
+            gc.enable()
+    s = off.stats()
+    assert (s["kept_tensors"] if min_bytes > 64 else s["offloaded_tensors"]) == 2
+
+
+def test_cuda_needs_the_cuda_backend():
+    skip_unless_torch()
+    if pinmem.backend() == "cuda":
+        pytest.skip("pinmem runs its cuda backend here: device='cuda' is allowed")
+    with pytest.raises(pinmem.NoDeviceError, match="backend"):
+        pinmem.torch.offload_activations(device="cuda")
+
+
+def test_second_gpu_while_first_is_current():
+    """A rank's model on its own device, here cuda:1 while cuda:0 stays current: the copies and
+    waits run on that device's streams."""
+    torch = skip_unless_torch_cuda()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU: the second-device case needs two")
+    model, data = make_model("cuda:1"), batch("cuda:1")
+    ref = train_step(model, data)
+    off = pinmem.torch.offload_activations(min_bytes=4096, device="cuda")
+    got = train_step(model, data, off)
+    assert_same(ref, got)
+    assert off.stats()["offloaded_units"] > 0 and torch.cuda.current_device() == 0
