@@ -63,7 +63,8 @@ const char *pm__option_source_name(pm_option_source_t src); /* "default", "env",
   X(PM__HANDLE_FENCE, 1, "fence")                                                               \
   X(PM__HANDLE_POOL, 2, "pool")                                                                 \
   X(PM__HANDLE_DATASET, 3, "dataset")                                                           \
-  X(PM__HANDLE_LOADER, 4, "loader")
+  X(PM__HANDLE_LOADER, 4, "loader")                                                             \
+  X(PM__HANDLE_BLOCKS, 5, "block store")
 
 typedef enum pm__handle_kind { PM__HANDLE_KIND_MAP(PM__ENUM_VALUE) } pm__handle_kind_t;
 
@@ -142,8 +143,13 @@ typedef enum pm__opt {
   PM__OPT_FILE_THREADS,       /* int: I/O threads of pm_file_* calls; 0 = copy_threads */
   PM__OPT_FILE_SLOTS,         /* int: bounce slots of a pm_file_* ring; 0 = pm__file_slots */
   PM__OPT_FILE_PART,          /* size: a read slot's H2D DMA queued in parts of this size; 0 = off */
+  PM__OPT_BLOCKS_KERNEL_MAX,  /* size or auto (PM__BLOCKS_CUTOFF_AUTO): block store path cut-off */
+  PM__OPT_BLOCKS_CHUNK,       /* size: bytes a block store pins per registration */
   PM__OPT_COUNT
 } pm__opt_t;
+
+/* blocks_kernel_max's "auto": calibrate the cut-off on first use on each device. */
+#define PM__BLOCKS_CUTOFF_AUTO SIZE_MAX
 
 /* Limits the option table and the matching arguments (pm_loader_config_t) share. */
 #define PM__MAX_SLOTS 4096          /* copy_slots, copy_piece_slots, loader_prefetch */
