@@ -406,6 +406,11 @@ bad_lines=(
   "bench file --cases load_direct,,save_direct"
   "bench file --threads 2,,4"
   "bench file --part 1K"
+  "bench blocks --sizes 4K,,16K"
+  "bench blocks --sizes 5"
+  "bench blocks --blocks 0"
+  "bench blocks --arena x"
+  "bench blocks extra"
   "bench file --slots 5000"
 )
 # ---- bench copy and bench overlap: on the host backend they prove correctness, not speed -------
@@ -783,6 +788,27 @@ for line in "${bad_lines[@]}"; do
   checks=$((checks + 1))
   if [[ -s $tmp/bad$i.out ]]; then fail "bad$i (pinmem $line): wrote to stdout"; show "bad$i"; fi
 done
+
+# ---- bench blocks: every path both ways, bytes checked; the arena rows --------------------------
+run blocks_json "$bin" --json bench blocks --sizes 4K,64K --blocks 64 --arena 4M --repeat 1
+expect_rc blocks_json 0 &&
+  json_check blocks_json "
+cases = {r.get('case') for r in rows}
+for p in ('memcpy_loop', 'batch_dma', 'pinmem'):
+    for d in ('out', 'in'):
+        if p + '_' + d not in cases:
+            bad('bench blocks: no row %s_%s' % (p, d))
+for c in ('arena_first_block', 'arena_whole', 'host_alloc_whole'):
+    if c not in cases:
+        bad('bench blocks: no row ' + c)
+for r in rows:
+    if r.get('bench') != 'blocks' or r.get('verified') is not True:
+        bad('bench blocks: row not verified: %r' % r)
+if len([r for r in rows if r.get('block_bytes') == 4096]) != 6:
+    bad('bench blocks: want 6 rows of 4 KiB blocks')"
+expect_grep blocks_json err '^TARGET pinmem D2H at 4 KiB >= 5x batch_dma: '
+run blocks_help "$bin" bench blocks --help
+expect_rc blocks_help 0 && expect_grep blocks_help out 'cudaMemcpyBatchAsync'
 
 if ((failures)); then
   echo "test_cli: $failures of $checks checks FAILED" >&2

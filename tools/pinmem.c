@@ -31,6 +31,8 @@ void cli_print_usage(FILE *out) {
       "                       pageable batches (--help)\n"
       "  bench file           file <-> device through pinmem vs a plain pread + copy loop and\n"
       "                       the disk's own O_DIRECT rate, page cache hot and cold (--help)\n"
+      "  bench blocks         KV-cache blocks device <-> pinned blocks: pinmem vs copy loop vs\n"
+      "                       batched DMA, and the arena's pinning time (--help)\n"
       "  help                 this text\n"
       "  --version            the version\n"
       "\n"
@@ -101,6 +103,7 @@ static int dispatch_own_parser(int argc, char **argv, int *handled) {
       {"overlap", pm_cli_bench_overlap},
       {"loader", pm_cli_bench_loader},
       {"file", pm_cli_bench_file},
+      {"blocks", pm_cli_bench_blocks},
   };
   *handled = 0;
   int k = 1;
