@@ -934,3 +934,4 @@ def get_worker_info():
 
 from ._workers import WorkerError  # noqa: E402  (re-exported)
 from . import safetensors  # noqa: E402,F401  (pinmem.safetensors; imports torch only when used)
+from .kv import KVBlockStore, kv_device_tensor  # noqa: E402,F401  (pinmem.kv; imports torch only when used)

@@ -1,0 +1,191 @@
+"""pinmem.KVBlockStore: KV-cache blocks between torch tensors and the pinned arena, in every layout
+servers use, byte for byte; bad ids, dtypes, shapes and devices raise InvalidError naming the
+argument. Runs on the backend pinmem picks (the host backend in CI: KV tensors from
+kv_device_tensor); needs torch (skipped with the reason without it)."""
+import threading
+
+import pytest
+
+import pinmem
+from conftest import SMALL, skip_unless_torch
+
+
+def make_caches(torch, n, shape, layout, dtype, seed):
+    """The KV tensors of `n` layers in one of the layouts, filled with seeded random values."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = shape[0]
+    if layout == "apart":
+        shapes = [shape] * (2 * n)
+    elif layout == "stacked_outer":
+        shapes = [(2,) + shape] * n
+    elif layout == "stacked_inner":
+        shapes = [(blocks, 2) + shape[1:]] * n
+    else:  # one tensor a layer
+        shapes = [shape] * n
+    caches = []
+    for s in shapes:
+        t = pinmem.kv_device_tensor(s, dtype)
+        t.copy_(torch.randn(s, generator=g).to(dtype))
+        caches.append(t)
+    return caches
+
+
+def block_of(caches, d, stacked_outer):
+    """What a host block holds for device block d: every tensor's block, K before V."""
+    import torch
+    parts = []
+    for t in caches:
+        halves = (t[0], t[1]) if stacked_outer else (t,)
+        for h in halves:
+            parts.append(h[d].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("layout", ["apart", "stacked_outer", "stacked_inner", "per_layer"])
+@pytest.mark.parametrize("cut", ["0", "1G", "auto"])
+def test_round_trip(layout, cut):
+    torch = skip_unless_torch()
+    old = pinmem.get_option("blocks_kernel_max")
+    pinmem.set_option("blocks_kernel_max", cut)
+    try:
+        caches = make_caches(torch, 2, (10, 4, 3, 5), layout, torch.bfloat16, 7)
+        ref = [t.clone() for t in caches]
+        outer = layout == "stacked_outer"
+        with pinmem.KVBlockStore(caches, 12, kv_stacked=outer) as store:
+            assert store.block_bytes == len(block_of(caches, 0, outer))
+            host = store.alloc(5)
+            dev = torch.tensor([7, 2, 9, 0, 4])
+            store.swap_out(dev, host).wait()
+            for h, d in zip(host, dev.tolist()):
+                assert store.read_block(h) == block_of(caches, d, outer)
+            for t in caches:
+                t.zero_()
+            # Back into other device blocks: each lands where it was sent, nothing else changes.
+            to = [1, 3, 5, 6, 8]
+            ev = store.swap_in(to, host)
+            ev.wait()
+            assert ev.query()
+            for t, r in zip(caches, ref):
+                want = torch.zeros_like(r)
+                bdim = 1 if outer else 0
+                for d_from, d_to in zip(dev.tolist(), to):
+                    want.select(bdim, d_to).copy_(r.select(bdim, d_from))
+                assert torch.equal(t.view(torch.int16), want.view(torch.int16))
+            st = store.stats()
+            assert st["swaps_out"] == 1 and st["swaps_in"] == 1 and st["blocks_in"] == 5
+            if cut == "0":
+                assert st["pieces_kernel"] == 0
+            if cut == "1G":
+                assert st["pieces_dma"] == 0
+            store.free(host)
+            assert store.stats()["free_blocks"] == 12
+    finally:
+        pinmem.set_option("blocks_kernel_max", old)
+
+
+def test_bad_input():
+    torch = skip_unless_torch()
+    caches = make_caches(torch, 1, (6, 2, 2, 8), "apart", torch.float16, 1)
+    store = pinmem.KVBlockStore(caches, 4)
+    host = store.alloc(2)
+    with pytest.raises(pinmem.InvalidError, match=r"host_ids\[1\] = 4"):
+        store.swap_out([0, 1], [host[0], 4])
+    with pytest.raises(pinmem.InvalidError, match=r"device_ids\[0\] = 6"):
+        store.swap_in([6], [host[0]])
+    with pytest.raises(pinmem.InvalidError, match="distinct"):
+        store.swap_out([0, 1], [host[0], host[0]])
+    with pytest.raises(pinmem.InvalidError, match="distinct"):
+        store.swap_in([2, 2], host)
+    with pytest.raises(pinmem.InvalidError, match=r"host_ids\[0\] = -1 is negative"):
+        store.swap_out([0], [-1])
+    with pytest.raises(pinmem.InvalidError, match="integers"):
+        store.swap_out(torch.tensor([0.5]), [host[0]])
+    with pytest.raises(pinmem.InvalidError, match="device_ids has 2 ids"):
+        store.swap_out([0, 1], [host[0]])
+    # Exhaustion: a MemoryError too.
+    with pytest.raises(pinmem.NomemError, match="exhausted"):
+        store.alloc(3)
+    with pytest.raises(MemoryError):
+        store.alloc(3)
+    # Tensors that do not match the store: dtype, shape, count.
+    other = make_caches(torch, 1, (6, 2, 2, 8), "apart", torch.float32, 2)
+    with pytest.raises(pinmem.InvalidError, match="dtype torch.float32"):
+        store.swap_out([0], [host[0]], kv_caches=other)
+    other = make_caches(torch, 1, (6, 2, 2, 4), "apart", torch.float16, 2)
+    with pytest.raises(pinmem.InvalidError, match="bytes a block"):
+        store.swap_out([0], [host[0]], kv_caches=other)
+    with pytest.raises(pinmem.InvalidError, match="dtype"):
+        pinmem.KVBlockStore([caches[0], other[0].view(torch.int16)], 4)
+    with pytest.raises(pinmem.InvalidError, match="does not match"):
+        pinmem.KVBlockStore([caches[0], other[0]], 4)
+    with pytest.raises(pinmem.InvalidError, match="not contiguous"):
+        pinmem.KVBlockStore([caches[0].transpose(1, 2)], 4)
+    with pytest.raises(pinmem.InvalidError, match="kv_stacked"):
+        pinmem.KVBlockStore(caches, 4, kv_stacked=True)
+    with pytest.raises(pinmem.InvalidError, match="no KV tensors"):
+        pinmem.KVBlockStore([], 4)
+    if pinmem.backend() == "host":
+        # Ordinary CPU memory is not the host backend's device memory.
+        with pytest.raises(pinmem.InvalidError, match="not device memory"):
+            pinmem.KVBlockStore([torch.zeros(6, 2, 2, 8, dtype=torch.float16)], 4).swap_out(
+                [0], [0])
+    else:
+        with pytest.raises(pinmem.InvalidError, match="on cpu"):
+            pinmem.KVBlockStore([torch.zeros(6, 2, 2, 8, dtype=torch.float16)], 4)
+    store.free(host)
+    with pytest.raises(pinmem.InvalidError, match="not allocated"):
+        store.free(host[:1])
+    store.close()
+    with pytest.raises(pinmem.StateError, match="closed"):
+        store.alloc(1)
+
+
+def test_two_threads_two_streams():
+    torch = skip_unless_torch()
+    caches = make_caches(torch, 2, (8, 4, 2, 16), "apart", torch.float16, 3)
+    ref = [t.clone() for t in caches]
+    store = pinmem.KVBlockStore(caches, 8)
+    rounds = 3 if SMALL else 20
+    errors = []
+
+    def work(first):
+        try:
+            with pinmem.Stream() as s:
+                host = store.alloc(4)
+                ids = list(range(first, first + 4))
+                for _ in range(rounds):
+                    store.swap_out(ids, host, stream=s)
+                    # Rotated by one on the way back, after the swap out on the same stream.
+                    store.swap_in(ids[1:] + ids[:1], host, stream=s).wait()
+                store.free(host)
+        except Exception as e:  # noqa: BLE001  (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(f,)) for f in (0, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for t, r in zip(caches, ref):
+        for g in (0, 4):
+            for i in range(4):
+                assert torch.equal(t[g + (i + rounds) % 4], r[g + i])
+    store.close()
+
+
+def test_background_pinning_races_first_swaps():
+    torch = skip_unless_torch()
+    caches = make_caches(torch, 1, (32, 16, 2, 64), "per_layer", torch.float16, 5)
+    # One block a chunk: 31 chunks pinned by the background thread while the swaps start.
+    store = pinmem.KVBlockStore(caches, 32, chunk_bytes=4096)
+    host = store.alloc(32)
+    assert host == list(range(32))
+    store.swap_out(list(range(32)), host[::-1]).wait()
+    for d, h in zip(range(32), host[::-1]):
+        assert store.read_block(h) == block_of(caches, d, False)
+    store.wait_ready()
+    st = store.stats()
+    assert st["chunks"] == 32 and st["chunks_ready"] == 32
+    assert st["all_ready_seconds"] >= st["first_ready_seconds"] > 0
+    store.close()
