@@ -189,3 +189,18 @@ def test_background_pinning_races_first_swaps():
     assert st["chunks"] == 32 and st["chunks_ready"] == 32
     assert st["all_ready_seconds"] >= st["first_ready_seconds"] > 0
     store.close()
+
+
+def test_example_kv_offload():
+    """python/examples/kv_offload.py: attention outputs identical after the KV round trip."""
+    skip_unless_torch()
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "..", "examples", "kv_offload.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "decode outputs identical" in r.stdout
