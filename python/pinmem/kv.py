@@ -111,13 +111,36 @@ class _Spec:
 
 
 def _ids(x, what):
-    """Ids as a buffer of int64, each checked to be >= 0."""
-    import array
+    """Ids as a buffer of int64, each checked to be >= 0. Tensors and NumPy arrays of integers
+    convert without a Python loop (thousands of ids a call)."""
     torch = _torch()
     if isinstance(x, torch.Tensor):
         if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             _invalid(f"{what}: block ids are integers, not {x.dtype}")
-        x = x.detach().to("cpu").reshape(-1).tolist()
+        x = x.detach().to("cpu", torch.int64).reshape(-1).contiguous()
+        bad = (x < 0).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            _invalid(f"{what}[{i}] = {int(x[i])} is negative")
+        return memoryview(x.numpy()) if _has_numpy() else _array_ids(x.tolist(), what)
+    if type(x).__module__ == "numpy":
+        import numpy
+        if x.dtype.kind not in "iu":
+            _invalid(f"{what}: block ids are integers, not {x.dtype}")
+        return _ids(torch.from_numpy(numpy.ascontiguousarray(x, dtype=numpy.int64)), what)
+    return _array_ids(x, what)
+
+
+def _has_numpy():
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _array_ids(x, what):
+    import array
     try:
         out = array.array("q", (int(v) for v in x))
     except (TypeError, OverflowError, ValueError) as e:

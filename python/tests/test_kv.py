@@ -204,3 +204,20 @@ def test_example_kv_offload():
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "decode outputs identical" in r.stdout
+
+
+def test_ids_as_tensors_arrays_and_lists():
+    torch = skip_unless_torch()
+    import numpy as np
+    caches = make_caches(torch, 1, (6, 2, 2, 8), "per_layer", torch.float16, 4)
+    with pinmem.KVBlockStore(caches, 6) as store:
+        host = store.alloc(3)
+        for dev in (torch.tensor([5, 0, 3], dtype=torch.int32), np.array([5, 0, 3], np.uint16),
+                    [5, 0, 3]):
+            store.swap_out(dev, np.array(host)).wait()
+            for h, d in zip(host, [5, 0, 3]):
+                assert store.read_block(h) == block_of(caches, d, False)
+        with pytest.raises(pinmem.InvalidError, match=r"device_ids\[1\] = -2 is negative"):
+            store.swap_out(torch.tensor([1, -2, 0]), host)
+        with pytest.raises(pinmem.InvalidError, match="integers, not float64"):
+            store.swap_out(np.array([1.0, 2.0, 0.0]), host)

@@ -22,8 +22,9 @@
  * Invariants: chunk_base[c] is written before chunks_ready passes c (release/acquire); a block
  * id is in the free stack exactly when state[id] is 0; everything is validated before anything
  * is queued. Locks: blocks->lock (free list, pin status, ready_cv) is a leaf: no backend call
- * is made under it. cal_lock (the per-device cut-off) is held across the calibration's backend
- * calls; it is taken before blocks->lock is ever taken, never after.
+ * is made under it. The per-device cut-off is measured by the first thread that claims it (an
+ * atomic state); other threads take DMA until it is known, so no lock is held around device
+ * work. The calibration's 2 MiB of pinned memory is the backend's, outside any pool's budget.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -70,9 +71,10 @@ struct pm_blocks_s {
 
 /* ---- the per-device cut-off ----------------------------------------------------------------- */
 
-static pthread_mutex_t cal_lock = PTHREAD_MUTEX_INITIALIZER;
-static bool cal_done[BLK__MAX_DEVICES];
-static size_t cal_value[BLK__MAX_DEVICES];
+/* Per device: 0 not measured, 1 being measured by one thread, 2 measured (cal_value valid). */
+enum { CAL_NONE, CAL_RUNNING, CAL_DONE };
+static atomic_int cal_state[BLK__MAX_DEVICES];
+static _Atomic size_t cal_value[BLK__MAX_DEVICES];
 
 static bool kernel_usable(const pm__backend_t *b) {
   return b->launch_batch_copy && b->kernel_host_access && b->kernel_host_access() != 0;
@@ -145,7 +147,7 @@ static double cal_time(const pm__backend_t *b, char *host, char *dev, size_t siz
 }
 
 /* The largest of a few piece sizes at which the kernel beats DMA on the current device; 0 when
- * it never does (or something failed: DMA is always correct). Called with cal_lock held. */
+ * it never does (or something failed: DMA is always correct). No lock is held. */
 static size_t calibrate(const pm__backend_t *b) {
   static const size_t sizes_try[] = {4u << 10, 16u << 10, 64u << 10, 256u << 10, 1u << 20};
   if (!kernel_usable(b)) return 0;
@@ -196,14 +198,21 @@ static size_t kernel_max(const pm__backend_t *b, bool *calibrated) {
   int dev = 0;
   if (b->get_device(&dev) != PM_OK || dev < 0 || dev >= BLK__MAX_DEVICES) dev = 0;
   *calibrated = true;
-  pthread_mutex_lock(&cal_lock);
-  if (!cal_done[dev]) {
-    cal_value[dev] = calibrate(b);
-    cal_done[dev] = true;
+  int state = atomic_load_explicit(&cal_state[dev], memory_order_acquire);
+  if (state == CAL_NONE) {
+    int expect = CAL_NONE;
+    if (atomic_compare_exchange_strong(&cal_state[dev], &expect, CAL_RUNNING)) {
+      atomic_store_explicit(&cal_value[dev], calibrate(b), memory_order_relaxed);
+      atomic_store_explicit(&cal_state[dev], CAL_DONE, memory_order_release);
+      state = CAL_DONE;
+    } else {
+      state = expect;
+    }
   }
-  size_t v = cal_value[dev];
-  pthread_mutex_unlock(&cal_lock);
-  return v;
+  /* While another thread measures, calls take DMA: correct at every size, and nobody waits on
+   * a lock (nor, in a child forked mid-measurement, forever). */
+  if (state != CAL_DONE) return 0;
+  return atomic_load_explicit(&cal_value[dev], memory_order_relaxed);
 }
 
 /* ---- pinning -------------------------------------------------------------------------------- */
