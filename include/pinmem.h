@@ -616,8 +616,9 @@ typedef struct pm_kv_layout {
 
 PM_API void pm_blocks_config_init(pm_blocks_config_t *config);
 /** Charge the arena (num_blocks * block_bytes, rounded up to the page per chunk) to the pool's
- *  budget (PM_ERR_BUDGET when it does not fit), pin its first chunk, and start pinning the rest
- *  (background 1) or pin it all (background 0). PM_ERR_INVALID for a bad config. */
+ *  budget (PM_ERR_BUDGET when it does not fit), pin its first chunk (at most 64 MiB of blocks,
+ *  so the call returns quickly whatever the arena), and start pinning the rest (background 1) or
+ *  pin it all (background 0). PM_ERR_INVALID for a bad config. */
 PM_API pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blocks_out);
 /** Stop the background pinning, wait for the device's queued work (swaps may still read or write
  *  the arena), unpin, uncharge. */

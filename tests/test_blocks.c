@@ -446,6 +446,36 @@ static void test_background_race(void) {
     CHECK_EQ_SIZE(st1.arena_bytes, nb * pm__align_up(4096, pm__page_size()));
     CHECK_OK(pm_blocks_destroy(s));
   }
+  /* A first chunk smaller than the others (3 blocks, then chunks of 5): ids on both sides of
+   * every boundary land in their own block. */
+  atomic_store(&pm__blocks_first_bytes, 3 * k.block_bytes);
+  {
+    pm_blocks_t *s = make_store(k.block_bytes, 20, 5 * k.block_bytes, 1);
+    pm_blocks_stats_t st;
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.chunks, 5); /* 3 + 5 + 5 + 5 + 2 */
+    CHECK_EQ_SIZE(st.chunk_bytes, 5 * k.block_bytes);
+    uint64_t h[20], d[20];
+    REQUIRE_OK(pm_blocks_alloc(s, 20, h));
+    for (uint64_t i = 0; i < 20; i++) d[i] = (i * 7) % 20;
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 20, NULL, NULL));
+    CHECK_OK(pm_stream_synchronize(NULL));
+    bool all = true;
+    char *prev = NULL;
+    for (uint64_t i = 0; i < 20; i++) {
+      all = all && host_block_is(s, &k, h[i], d[i]);
+      char *p;
+      CHECK_OK(pm_blocks_ptr(s, i, (void **)&p));
+      CHECK(p != prev);
+      prev = p;
+    }
+    CHECK(all);
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.ready_blocks, 20);
+    CHECK_EQ_SIZE(st.arena_bytes, 20 * pm__align_up(4096, pm__page_size()));
+    CHECK_OK(pm_blocks_destroy(s));
+  }
+  atomic_store(&pm__blocks_first_bytes, (size_t)64 << 20);
   /* Destroy while the pinning still runs: it stops and unpins what it pinned. */
   pm_blocks_t *s = make_store(k.block_bytes, nb, k.block_bytes, 1);
   CHECK_OK(pm_blocks_destroy(s));

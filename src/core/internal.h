@@ -397,6 +397,12 @@ void pm__backend_stop(void);
 pm_status_t pm__memcpy_batch_async(const pm_copy_item_t *items, size_t count, pm_copy_kind_t kind,
                                    pm_stream_t stream, bool kernel_ok);
 
+/* ---- offload/blocks.c: the KV-cache block store ------------------------------------------ */
+
+/* Test hook: the most a block store pins before pm_blocks_create returns (its first chunk;
+ * 64 MiB), so tests of uneven chunks need not pin 64 MiB. */
+extern atomic_size_t pm__blocks_first_bytes;
+
 /* ---- registry.c -------------------------------------------------------------------------- */
 
 /* One tracked range of memory. */

@@ -8,8 +8,10 @@
  * number of blocks, so no registration grows with the arena (a single cudaHostRegister of
  * 512 GiB fails) and no block straddles two. The whole arena is charged to the pool's budget at
  * create, exactly (each chunk rounded to the page), so a store that cannot fit fails at once.
- * Chunk 0 is pinned in pm_blocks_create; the others by one background thread, in order, so
- * blocks [0, chunks_ready * chunk_blocks) are usable and the free list hands out low ids first.
+ * Chunk 0 is pinned in pm_blocks_create; the others by one background thread, in order, so the
+ * blocks of chunks [0, chunks_ready) are usable and the free list hands out low ids first.
+ * Chunk 0 is at most BLK__FIRST_BYTES (and at most a chunk): the create call returns after
+ * pinning that much, whatever the chunk size and the arena.
  * A call that names a block of a chunk not pinned yet waits for it (ready_cv).
  *
  * A swap builds one piece per (block, region): the region's bytes of device block d <-> their
@@ -37,6 +39,11 @@
 #define BLK__TILE ((size_t)64 << 10)   /* kernel piece, as copy_batch.c's PM__BATCH_TILE */
 #define BLK__BATCH ((size_t)1 << 16)   /* pieces handed to the backend per call */
 #define BLK__MAX_DEVICES 64
+/* Chunk 0's size: what pm_blocks_create pins before it returns. At pinmem's cold pinning rate
+ * (about 0.05 s/GiB) 64 MiB is a few milliseconds, so a store's first blocks are usable at
+ * once, while the later chunks keep registrations few. */
+#define BLK__FIRST_BYTES ((size_t)64 << 20)
+atomic_size_t pm__blocks_first_bytes = BLK__FIRST_BYTES;
 #define BLK__CAL_BYTES ((size_t)2 << 20) /* bytes each calibration size moves per direction */
 #define BLK__CAL_REPS 3                  /* runs per size and path; the best counts, first warms */
 
@@ -45,7 +52,8 @@ struct pm_blocks_s {
   pm_pool_t *pool;
   size_t block_bytes;
   uint64_t num_blocks;
-  uint64_t chunk_blocks, nchunks;
+  uint64_t chunk_blocks, nchunks; /* blocks of each chunk after the first, chunks */
+  uint64_t first_blocks;           /* blocks of chunk 0 */
   size_t charged;
   int device, node, threads;
   bool huge;
@@ -217,9 +225,18 @@ static size_t kernel_max(const pm__backend_t *b, bool *calibrated) {
 
 /* ---- pinning -------------------------------------------------------------------------------- */
 
+/* The first block of chunk c, and the chunk holding block id. */
+static uint64_t chunk_start(const pm_blocks_t *s, uint64_t c) {
+  return c == 0 ? 0 : s->first_blocks + (c - 1) * s->chunk_blocks;
+}
+
+static uint64_t chunk_of(const pm_blocks_t *s, uint64_t id) {
+  return id < s->first_blocks ? 0 : 1 + (id - s->first_blocks) / s->chunk_blocks;
+}
+
 static size_t chunk_len(const pm_blocks_t *s, uint64_t c) {
-  uint64_t first = c * s->chunk_blocks;
-  uint64_t n = PM__MIN(s->chunk_blocks, s->num_blocks - first);
+  uint64_t start = chunk_start(s, c);
+  uint64_t n = PM__MIN(c == 0 ? s->first_blocks : s->chunk_blocks, s->num_blocks - start);
   return (size_t)n * s->block_bytes;
 }
 
@@ -275,14 +292,15 @@ static pm_status_t wait_chunk(pm_blocks_t *s, uint64_t c, const char *fn) {
   if (atomic_load_explicit(&s->chunks_ready, memory_order_acquire) <= c)
     st = pm__set_error(s->pin_status,
                        "%s: blocks from %llu on are not pinned: the background pinning failed: %s",
-                       fn, (unsigned long long)(atomic_load(&s->chunks_ready) * s->chunk_blocks),
+                       fn, (unsigned long long)chunk_start(s, atomic_load(&s->chunks_ready)),
                        s->pin_error);
   pthread_mutex_unlock(&s->lock);
   return st;
 }
 
 static char *block_addr(const pm_blocks_t *s, uint64_t id) {
-  return s->chunk_base[id / s->chunk_blocks] + (size_t)(id % s->chunk_blocks) * s->block_bytes;
+  uint64_t c = chunk_of(s, id);
+  return s->chunk_base[c] + (size_t)(id - chunk_start(s, c)) * s->block_bytes;
 }
 
 /* ---- create / destroy ----------------------------------------------------------------------- */
@@ -347,7 +365,10 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   size_t chunk = c.chunk_bytes ? c.chunk_bytes : pm__opt_size(PM__OPT_BLOCKS_CHUNK);
   s->chunk_blocks = PM__MAX((uint64_t)1, (uint64_t)(chunk / c.block_bytes));
   s->chunk_blocks = PM__MIN(s->chunk_blocks, s->num_blocks);
-  s->nchunks = (s->num_blocks + s->chunk_blocks - 1) / s->chunk_blocks;
+  s->first_blocks = PM__MIN(s->chunk_blocks,
+                            PM__MAX((uint64_t)1, (uint64_t)(atomic_load(&pm__blocks_first_bytes) /
+                                                            c.block_bytes)));
+  s->nchunks = 1 + (s->num_blocks - s->first_blocks + s->chunk_blocks - 1) / s->chunk_blocks;
   s->threads = c.pin_threads ? c.pin_threads : (int)pm__opt_int(PM__OPT_PIN_THREADS);
   s->huge = pm__opt_int(PM__OPT_HUGE_PAGES) != 0;
   s->node = pm__numa_node_for(s->device);
@@ -487,7 +508,7 @@ pm_status_t pm_blocks_ptr(pm_blocks_t *s, uint64_t id, void **ptr_out) {
   if (id >= s->num_blocks)
     return pm__set_error(PM_ERR_INVALID, "%s: id %llu is not a block (the arena has %llu)", fn,
                          (unsigned long long)id, (unsigned long long)s->num_blocks);
-  st = wait_chunk(s, id / s->chunk_blocks, fn);
+  st = wait_chunk(s, chunk_of(s, id), fn);
   if (st != PM_OK) return st;
   *ptr_out = block_addr(s, id);
   return PM_OK;
@@ -498,7 +519,7 @@ pm_status_t pm_blocks_wait_ready(pm_blocks_t *s, uint64_t count) {
   pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
   if (st != PM_OK) return st;
   if (count == 0 || count > s->num_blocks) count = s->num_blocks;
-  return wait_chunk(s, (count - 1) / s->chunk_blocks, fn);
+  return wait_chunk(s, chunk_of(s, count - 1), fn);
 }
 
 pm_status_t pm_blocks_get_stats(pm_blocks_t *s, pm_blocks_stats_t *out) {
@@ -515,7 +536,7 @@ pm_status_t pm_blocks_get_stats(pm_blocks_t *s, pm_blocks_stats_t *out) {
   pthread_mutex_unlock(&s->lock);
   r.chunks = s->nchunks;
   r.chunks_ready = atomic_load(&s->chunks_ready);
-  r.ready_blocks = PM__MIN(s->num_blocks, r.chunks_ready * s->chunk_blocks);
+  r.ready_blocks = PM__MIN(s->num_blocks, chunk_start(s, r.chunks_ready));
   r.arena_bytes = s->charged;
   r.chunk_bytes = (size_t)s->chunk_blocks * s->block_bytes;
   r.numa_node = s->node;
@@ -660,7 +681,7 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
   if (count) {
     st = check_ids(s, L, dev_ids, host_ids, count, out, fn, &max_host);
     if (st != PM_OK) return st;
-    st = wait_chunk(s, max_host / s->chunk_blocks, fn);
+    st = wait_chunk(s, chunk_of(s, max_host), fn);
     if (st != PM_OK) return st;
   }
   const pm__backend_t *b = s->b;
