@@ -221,3 +221,48 @@ def test_ids_as_tensors_arrays_and_lists():
             store.swap_out(torch.tensor([1, -2, 0]), host)
         with pytest.raises(pinmem.InvalidError, match="integers, not float64"):
             store.swap_out(np.array([1.0, 2.0, 0.0]), host)
+
+
+def test_low_level_store_without_torch(rng):
+    """The extension's _BlockStore on pinmem device buffers (NumPy only, so CI without torch
+    covers the binding): a swap out and back, byte for byte, and its errors."""
+    import numpy as np
+    from conftest import random_bytes
+    pages, page = 6, 1000
+    k, v = pinmem.device_empty(pages * page, "uint8"), pinmem.device_empty(pages * page, "uint8")
+    ref_k, ref_v = random_bytes(rng, pages * page), random_bytes(rng, pages * page)
+    pinmem.copy(k, ref_k).wait()
+    pinmem.copy(v, ref_v).wait()
+    regions = [(k.ptr, page, page), (v.ptr, page, page)]
+    store = pinmem._pinmem._BlockStore(2 * page, 4)
+    host = np.frombuffer(store.alloc(3), dtype=np.uint64)
+    dev = np.array([4, 0, 2], dtype=np.int64)
+    ev = store.swap(True, regions, pages, -1, dev, host, None)
+    ev.wait()
+    assert ev.query()
+    import ctypes
+    for h, d in zip(host.tolist(), dev.tolist()):
+        got = ctypes.string_at(store.ptr(h), 2 * page)
+        assert got == bytes(ref_k[d * page:][:page]) + bytes(ref_v[d * page:][:page])
+    # Back into pages 1, 3, 5.
+    store.swap(False, regions, pages, -1, np.array([1, 3, 5]), host, None).wait()
+    back_k, back_v = np.zeros(pages * page, np.uint8), np.zeros(pages * page, np.uint8)
+    pinmem.copy(back_k, k).wait()
+    pinmem.copy(back_v, v).wait()
+    def at(a, d):
+        return bytes(a[d * page:(d + 1) * page])
+
+    for d_from, d_to in zip(dev.tolist(), [1, 3, 5]):
+        assert at(back_k, d_to) == at(ref_k, d_from) and at(back_v, d_to) == at(ref_v, d_from)
+    with pytest.raises(pinmem.InvalidError, match="hold 1000 bytes"):
+        store.swap(True, regions[:1], pages, -1, dev, host, None)
+    with pytest.raises(pinmem.InvalidError, match="itemsize"):
+        store.swap(True, regions, pages, -1, np.array([1], np.int32), host[:1], None)
+    with pytest.raises(pinmem.InvalidError, match="2 device ids but 3 host ids"):
+        store.swap(True, regions, pages, -1, dev[:2], host, None)
+    with pytest.raises(pinmem.NomemError, match="exhausted"):
+        store.alloc(2)
+    store.free(host)
+    store.close()
+    with pytest.raises(pinmem.StateError, match="closed"):
+        store.alloc(1)
