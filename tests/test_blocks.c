@@ -342,6 +342,7 @@ static void test_budget(void) {
   c.pool = pool;
   pm_blocks_t *s = NULL;
   CHECK_ERR_MSG(pm_blocks_create(&c, &s), PM_ERR_BUDGET);
+  CHECK(strstr(pm_last_error(), "block store arena") != NULL);
   c.num_blocks = 4; /* exactly the budget: sizes are exact */
   CHECK_OK(pm_blocks_create(&c, &s));
   pm_pool_stats_t ps;

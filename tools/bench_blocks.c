@@ -365,7 +365,10 @@ static arena_res_t run_arena(const blk_opts_t *o, size_t bytes) {
   double t0 = pm__now();
   pm_status_t st = pm_blocks_create(&c, &s);
   if (st != PM_OK) {
-    fprintf(stderr, "pinmem: bench blocks: an arena of %zu bytes: %s\n", a.bytes, pm_last_error());
+    fprintf(stderr,
+            "pinmem: bench blocks: an arena of %zu bytes: %s\n(a smaller --arena, or a larger "
+            "PINMEM_BUDGET: the arena counts against the default pool's budget)\n",
+            a.bytes, pm_last_error());
     return a;
   }
   /* The first block is usable: write it and read it back. */
@@ -481,7 +484,6 @@ int pm_cli_bench_blocks(int argc, char **argv) {
       res[i] = r;
     }
   arena_res_t a = run_arena(&o, o.arena);
-  ok = ok && a.ok;
 
   /* Targets, from the largest count of each size. */
   cli_progress_clear();
@@ -525,9 +527,7 @@ int pm_cli_bench_blocks(int argc, char **argv) {
       fprintf(tf, "(the arena rows ran at %zu MiB: --arena 64G where the machine holds it)\n",
               a.bytes >> 20);
   }
-  if (!ok) {
-    fprintf(stderr, "pinmem: some blocks arrived wrong (see VERIFY FAILED above)\n");
-    return CLI_EXIT_FAILURE;
-  }
-  return 0;
+  if (!ok) fprintf(stderr, "pinmem: some blocks arrived wrong (see VERIFY FAILED above)\n");
+  if (!a.ok) fprintf(stderr, "pinmem: the arena rows failed (above)\n");
+  return ok && a.ok ? 0 : CLI_EXIT_FAILURE;
 }

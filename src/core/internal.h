@@ -471,6 +471,8 @@ pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, co
 /* Charge / uncharge bytes that are pinned outside the pool (registrations) to its budget.
  * Charging trims the cache first when needed and then follows the pool's exhaust policy. */
 pm_status_t pm__pool_charge(pm_pool_t *pool, size_t bytes);
+/* The same, with `what` naming the charge in a budget error ("block store arena"). */
+pm_status_t pm__pool_charge_for(pm_pool_t *pool, size_t bytes, const char *what);
 void pm__pool_uncharge(pm_pool_t *pool, size_t bytes);
 /* For pm_pointer_query on a pool segment: the block holding ptr. */
 pm_status_t pm__pool_block_info(pm_pool_t *pool, const void *ptr, pm_pointer_info_t *info);

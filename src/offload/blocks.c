@@ -386,10 +386,10 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   s->nfree = s->num_blocks;
   size_t page = pm__page_size(), charge = 0;
   for (uint64_t k = 0; k < s->nchunks; k++) charge += pm__align_up(chunk_len(s, k), page);
-  st = pm__pool_charge(pool, charge);
+  st = pm__pool_charge_for(pool, charge, "block store arena");
   if (st != PM_OK) {
     store_free(s);
-    return pm__wrap_error(st, "%s: an arena of %llu blocks of %zu bytes", fn,
+    return pm__wrap_error(st, "%s: %llu blocks of %zu bytes", fn,
                           (unsigned long long)c.num_blocks, c.block_bytes);
   }
   s->charged = charge;
