@@ -489,6 +489,56 @@ static void test_background_race(void) {
   kv_free(&k);
 }
 
+/* A chunk that cannot be pinned (the third registration fails): the blocks before it work, a
+ * call that names a block at or after it gets the pinning error (never hangs), and destroy
+ * unpins what was pinned and gives the whole charge back. */
+static void test_pinning_fails(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 4096, 21);
+  pm_pool_t *pool;
+  REQUIRE_OK(pm_pool_default(&pool));
+  pm_pool_stats_t p0;
+  REQUIRE_OK(pm_pool_get_stats(pool, &p0));
+  long long locked0 = pm_test_vm_locked();
+  REQUIRE_OK(pm__fault_set(PM__FAULT_HOST_REGISTER, 3, 0));
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = k.block_bytes;
+  c.num_blocks = 8;
+  c.chunk_bytes = 2 * k.block_bytes; /* 4 chunks of 2 blocks: chunk 2 fails */
+  pm_blocks_t *s = NULL;
+  REQUIRE_OK(pm_blocks_create(&c, &s));
+  uint64_t h[8], d[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  REQUIRE_OK(pm_blocks_alloc(s, 8, h));
+  /* The registration's own status (the host backend's refusal is PM_ERR_MEMLOCK). */
+  pm_status_t failed = pm_blocks_wait_ready(s, 0);
+  CHECK(failed < 0);
+  CHECK(strstr(pm_last_error(), "background pinning failed") != NULL);
+  CHECK(strstr(pm_last_error(), "from 4 on") != NULL);
+  CHECK_OK(pm_blocks_wait_ready(s, 4));
+  CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, NULL, NULL));
+  CHECK_OK(pm_stream_synchronize(NULL));
+  bool all = true;
+  for (int i = 0; i < 4; i++) all = all && host_block_is(s, &k, h[i], d[i]);
+  CHECK(all);
+  CHECK_ERR_MSG(pm_blocks_swap_in(s, &k.layout_desc, d, h + 2, 3, NULL, NULL), failed);
+  void *p;
+  CHECK_ERR_MSG(pm_blocks_ptr(s, 7, &p), failed);
+  pm_blocks_stats_t st;
+  CHECK_OK(pm_blocks_get_stats(s, &st));
+  CHECK_EQ_SIZE(st.chunks_ready, 2);
+  CHECK_EQ_SIZE(st.ready_blocks, 4);
+  CHECK_EQ_SIZE(st.swaps_in, 0);
+  pm__fault_reset();
+  CHECK_OK(pm_blocks_destroy(s));
+  pm_pool_stats_t p1;
+  CHECK_OK(pm_pool_get_stats(pool, &p1));
+  CHECK_EQ_SIZE(p1.registered_bytes, p0.registered_bytes);
+  CHECK_EQ_SIZE(p1.pinned_bytes, p0.pinned_bytes);
+  if (locked0 >= 0) CHECK(pm_test_vm_locked() <= locked0);
+  kv_free(&k);
+}
+
 int main(void) {
   pm_test_init();
   test_layouts();
@@ -496,6 +546,7 @@ int main(void) {
   test_budget();
   test_two_streams();
   test_background_race();
+  test_pinning_fails();
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_blocks");
 }
