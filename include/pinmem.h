@@ -621,7 +621,8 @@ PM_API void pm_blocks_config_init(pm_blocks_config_t *config);
  *  pin it all (background 0). PM_ERR_INVALID for a bad config. */
 PM_API pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blocks_out);
 /** Stop the background pinning, wait for the device's queued work (swaps may still read or write
- *  the arena), unpin, uncharge. */
+ *  the arena), unpin, uncharge. No other call on the store may run at the same time; a second
+ *  destroy, or any call after it, is PM_ERR_INVALID. */
 PM_API pm_status_t pm_blocks_destroy(pm_blocks_t *blocks);
 /** Take `count` free block ids (lowest first when the arena is fresh) into ids_out. PM_ERR_NOMEM
  *  naming what is free when fewer than count are: then nothing is taken. */
@@ -670,6 +671,8 @@ typedef struct pm_blocks_stats {
   uint64_t pieces_kernel, pieces_dma; /* region pieces queued by each path */
 } pm_blocks_stats_t;
 
+/** The store's figures. The first call on a device with option blocks_kernel_max auto runs the
+ *  calibration, as the first swap does. Every other call may run from several threads at once. */
 PM_API pm_status_t pm_blocks_get_stats(pm_blocks_t *blocks, pm_blocks_stats_t *stats_out);
 
 /* ------------------------------------------------------------------------------------------ */
