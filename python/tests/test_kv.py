@@ -27,6 +27,8 @@ def make_caches(torch, n, shape, layout, dtype, seed):
         t = pinmem.kv_device_tensor(s, dtype)
         t.copy_(torch.randn(s, generator=g).to(dtype))
         caches.append(t)
+    if caches[0].is_cuda:
+        torch.cuda.synchronize()  # swaps on pinmem's own streams are not ordered after the fill
     return caches
 
 
