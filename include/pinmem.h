@@ -669,6 +669,8 @@ typedef struct pm_blocks_stats {
   uint64_t blocks_out, blocks_in;
   uint64_t bytes_out, bytes_in;
   uint64_t pieces_kernel, pieces_dma; /* region pieces queued by each path */
+  uint64_t transfers; /* copies queued after joining pieces that continue each other (ids
+                         consecutive on both sides within a region and a host chunk) */
 } pm_blocks_stats_t;
 
 /** The store's figures. The first call on a device with option blocks_kernel_max auto runs the

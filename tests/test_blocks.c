@@ -489,6 +489,46 @@ static void test_background_race(void) {
   kv_free(&k);
 }
 
+/* Pieces that continue each other are joined: a one-region layout with ids consecutive on both
+ * sides is one copy per host chunk (never one across two registrations), under each path. */
+static void test_joined_pieces(void) {
+  static const char *cuts[] = {"0", "1G"};
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 16, 4096, 31);
+  for (int c = 0; c < 2; c++) {
+    REQUIRE_OK(pm_option_set("blocks_kernel_max", cuts[c]));
+    pm_blocks_t *s = make_store(k.block_bytes, 10, 5 * k.block_bytes, 0);
+    uint64_t h[10], d[10];
+    REQUIRE_OK(pm_blocks_alloc(s, 10, h)); /* 0..9: chunks [0, 5) and [5, 10) */
+    for (uint64_t i = 0; i < 8; i++) d[i] = 4 + i;
+    pm_blocks_stats_t st;
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h + 1, 3, NULL, NULL)); /* 1..3 */
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.transfers, 1);
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h + 2, 6, NULL, NULL)); /* 2..4 | 5..7 */
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.transfers, 3);
+    CHECK_EQ_SIZE(st.pieces_kernel + st.pieces_dma, 9);
+    CHECK_OK(pm_stream_synchronize(NULL));
+    bool all = true;
+    for (uint64_t i = 0; i < 6; i++) all = all && host_block_is(s, &k, h[2 + i], d[i]);
+    CHECK(all);
+    /* Back in reverse order: nothing continues, one copy a block. */
+    uint64_t rd[6], rh[6];
+    for (uint64_t i = 0; i < 6; i++) rd[i] = 15 - i, rh[i] = h[2 + i];
+    CHECK_OK(pm_blocks_swap_in(s, &k.layout_desc, rd, rh, 6, NULL, NULL));
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.transfers, 9);
+    CHECK_OK(pm_stream_synchronize(NULL));
+    for (uint64_t i = 0; i < 6; i++)
+      memcpy(k.mirror[0] + rd[i] * k.piece, k.mirror[0] + d[i] * k.piece, k.piece);
+    CHECK(device_is_mirror(&k));
+    CHECK_OK(pm_blocks_destroy(s));
+  }
+  CHECK_OK(pm_option_set("blocks_kernel_max", NULL));
+  kv_free(&k);
+}
+
 /* A chunk that cannot be pinned (the third registration fails): the blocks before it work, a
  * call that names a block at or after it gets the pinning error (never hangs), and destroy
  * unpins what was pinned and gives the whole charge back. */
@@ -547,6 +587,7 @@ int main(void) {
   test_two_streams();
   test_background_race();
   test_pinning_fails();
+  test_joined_pieces();
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_blocks");
 }

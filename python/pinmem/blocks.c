@@ -279,7 +279,7 @@ static PyObject *BlockStore_stats(BlockStoreObject *self, PyObject *unused) {
   Py_END_ALLOW_THREADS self->busy--;
   if (st != PM_OK) return pmpy_raise_status(st);
   return Py_BuildValue(
-      "{sKsKsKsKsKsKsKsKsisdsdsKsOsKsKsKsKsKsKsKsK}", "block_bytes",
+      "{sKsKsKsKsKsKsKsKsisdsdsKsOsKsKsKsKsKsKsKsKsK}", "block_bytes",
       (unsigned long long)s.block_bytes, "num_blocks", (unsigned long long)s.num_blocks,
       "free_blocks", (unsigned long long)s.free_blocks, "ready_blocks",
       (unsigned long long)s.ready_blocks, "arena_bytes", (unsigned long long)s.arena_bytes,
@@ -291,7 +291,8 @@ static PyObject *BlockStore_stats(BlockStoreObject *self, PyObject *unused) {
       "swaps_in", (unsigned long long)s.swaps_in, "blocks_out", (unsigned long long)s.blocks_out,
       "blocks_in", (unsigned long long)s.blocks_in, "bytes_out", (unsigned long long)s.bytes_out,
       "bytes_in", (unsigned long long)s.bytes_in, "pieces_kernel",
-      (unsigned long long)s.pieces_kernel, "pieces_dma", (unsigned long long)s.pieces_dma);
+      (unsigned long long)s.pieces_kernel, "pieces_dma", (unsigned long long)s.pieces_dma,
+      "transfers", (unsigned long long)s.transfers);
 }
 
 static PyMethodDef BlockStore_methods[] = {

@@ -74,7 +74,7 @@ struct pm_blocks_s {
   uint8_t *state; /* 1: allocated */
 
   _Atomic uint64_t swaps_out, swaps_in, blocks_out, blocks_in, bytes_out, bytes_in;
-  _Atomic uint64_t pieces_kernel, pieces_dma;
+  _Atomic uint64_t pieces_kernel, pieces_dma, transfers;
 };
 
 /* ---- the per-device cut-off ----------------------------------------------------------------- */
@@ -553,6 +553,7 @@ pm_status_t pm_blocks_get_stats(pm_blocks_t *s, pm_blocks_stats_t *out) {
   r.bytes_in = atomic_load(&s->bytes_in);
   r.pieces_kernel = atomic_load(&s->pieces_kernel);
   r.pieces_dma = atomic_load(&s->pieces_dma);
+  r.transfers = atomic_load(&s->transfers);
   *out = r;
   return PM_OK;
 }
@@ -666,6 +667,8 @@ typedef struct blk_lists {
   size_t n;
   pm__copy_desc_t *desc;
   size_t desc_cap;
+  int last_region;     /* of the last piece: what a following piece may extend */
+  uint64_t last_chunk;
 } blk_lists_t;
 
 static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t *dev_ids,
@@ -704,7 +707,7 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
     st = pm__set_error(PM_ERR_NOMEM, "%s: out of memory for the piece lists", fn);
     goto done;
   }
-  uint64_t nk = 0, nd = 0;
+  uint64_t nk = 0, nd = 0, ntr = 0;
   pm_copy_kind_t kind = out ? PM_COPY_D2H : PM_COPY_H2D;
   for (size_t i = 0; i < count && st == PM_OK; i++) {
     char *host = block_addr(s, host_ids[i]);
@@ -712,28 +715,41 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
     for (int r = 0; r < L->nregions && st == PM_OK; r++) {
       const pm_kv_region_t *g = &L->regions[r];
       char *dev = (char *)g->base + (size_t)dev_ids[i] * g->block_stride;
-      blk_lists_t *l = g->bytes <= cut ? &k : &d;
-      l->dsts[l->n] = out ? host + off : dev;
-      l->srcs[l->n] = out ? dev : host + off;
+      bool small = g->bytes <= cut;
+      blk_lists_t *l = small ? &k : &d;
+      char *dst = out ? host + off : dev;
+      const char *src = out ? dev : host + off;
+      off += g->bytes;
+      *(small ? &nk : &nd) += 1;
+      /* A piece that continues the previous one on both sides (a one-region layout, ids
+       * consecutive on both sides, pages without padding) extends it: fewer, larger DMAs and
+       * descriptors, the same bytes. Only within one region (one device tensor) and one host
+       * chunk (one registration): a DMA never spans two allocations that happen to touch. */
+      uint64_t chunk = chunk_of(s, host_ids[i]);
+      if (l->n && l->last_region == r && l->last_chunk == chunk &&
+          (char *)l->dsts[l->n - 1] + l->sizes[l->n - 1] == dst &&
+          (const char *)l->srcs[l->n - 1] + l->sizes[l->n - 1] == src) {
+        l->sizes[l->n - 1] += g->bytes;
+        continue;
+      }
+      l->last_region = r;
+      l->last_chunk = chunk;
+      if (l->n == cap) {
+        st = small ? queue_kernel(b, k.dsts, k.srcs, k.sizes, k.n, stream, k.desc, k.desc_cap)
+                   : queue_dma(b, d.dsts, d.srcs, d.sizes, d.n, kind, stream);
+        l->n = 0;
+        if (st != PM_OK) break;
+      }
+      ntr++;
+      l->dsts[l->n] = dst;
+      l->srcs[l->n] = src;
       l->sizes[l->n] = g->bytes;
       l->n++;
-      off += g->bytes;
-      if (l->n == cap) {
-        st = l == &k ? queue_kernel(b, k.dsts, k.srcs, k.sizes, k.n, stream, k.desc, k.desc_cap)
-                     : queue_dma(b, d.dsts, d.srcs, d.sizes, d.n, kind, stream);
-        *(l == &k ? &nk : &nd) += l->n;
-        l->n = 0;
-      }
     }
   }
-  if (st == PM_OK && k.n) {
-    st = queue_kernel(b, k.dsts, k.srcs, k.sizes, k.n, stream, k.desc, k.desc_cap);
-    nk += k.n;
-  }
-  if (st == PM_OK && d.n) {
-    st = queue_dma(b, d.dsts, d.srcs, d.sizes, d.n, kind, stream);
-    nd += d.n;
-  }
+  if (st == PM_OK && k.n) st = queue_kernel(b, k.dsts, k.srcs, k.sizes, k.n, stream, k.desc,
+                                            k.desc_cap);
+  if (st == PM_OK && d.n) st = queue_dma(b, d.dsts, d.srcs, d.sizes, d.n, kind, stream);
   if (st != PM_OK) {
     st = pm__wrap_error(st, "%s: queueing %zu blocks (what was queued before the failure still "
                             "runs on the stream)", fn, count);
@@ -757,6 +773,7 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
   atomic_fetch_add(out ? &s->bytes_out : &s->bytes_in, (uint64_t)count * s->block_bytes);
   atomic_fetch_add(&s->pieces_kernel, nk);
   atomic_fetch_add(&s->pieces_dma, nd);
+  atomic_fetch_add(&s->transfers, ntr);
 done:
   free(k.dsts);
   free(k.srcs);
