@@ -489,6 +489,41 @@ static void test_background_race(void) {
   kv_free(&k);
 }
 
+/* The arena is pinned for the node option numa names for the store's device (auto: the
+ * device's node); where binding to it fails the arena is still pinned and usable. */
+static void test_numa_node(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 4, 4096, 41);
+  static const struct {
+    const char *opt;
+    int node;
+  } cases[] = {{"off", -1}, {"0", 0}, {"1", 1}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    REQUIRE_OK(pm_option_set("numa", cases[i].opt));
+    pm__numa_state_t before, after;
+    pm__numa_state(&before);
+    pm_blocks_t *s = make_store(k.block_bytes, 4, 2 * k.block_bytes, 1);
+    pm_blocks_stats_t st;
+    CHECK_OK(pm_blocks_wait_ready(s, 0));
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_INT(st.numa_node, cases[i].node);
+    pm__numa_state(&after);
+    /* Each of the two chunks was bound or its refusal counted. */
+    if (cases[i].node >= 0)
+      CHECK(after.bind_ok + after.bind_failures >= before.bind_ok + before.bind_failures + 2);
+    uint64_t h[4], d[4] = {3, 2, 1, 0};
+    REQUIRE_OK(pm_blocks_alloc(s, 4, h));
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, NULL, NULL));
+    CHECK_OK(pm_stream_synchronize(NULL));
+    bool all = true;
+    for (int j = 0; j < 4; j++) all = all && host_block_is(s, &k, h[j], d[j]);
+    CHECK(all);
+    CHECK_OK(pm_blocks_destroy(s));
+  }
+  CHECK_OK(pm_option_set("numa", NULL));
+  kv_free(&k);
+}
+
 /* Pieces that continue each other are joined: a one-region layout with ids consecutive on both
  * sides is one copy per host chunk (never one across two registrations), under each path. */
 static void test_joined_pieces(void) {
@@ -588,6 +623,7 @@ int main(void) {
   test_background_race();
   test_pinning_fails();
   test_joined_pieces();
+  test_numa_node();
   CHECK_OK(pm_finalize());
   return pm_test_finish("test_blocks");
 }
