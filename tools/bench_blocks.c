@@ -38,61 +38,50 @@ typedef struct blk_opts {
   int repeat;
 } blk_opts_t;
 
-static int busage(const char *fmt, const char *arg) {
-  fprintf(stderr, "pinmem: bench blocks: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\nusage: pinmem [--json] bench blocks [--quiet] [--sizes LIST] [--blocks LIST]"
-                  " [--arena SIZE]\n         [--repeat N]   (--help lists them all)\n");
-  return CLI_EXIT_USAGE;
-}
+static const char *blocks_usage =
+    "pinmem [--json] bench blocks [--quiet] [--sizes LIST] [--blocks LIST] [--arena SIZE]\n"
+    "    [--repeat N]";
 
 static void print_help(void) {
-  printf("pinmem bench blocks [--json] [--quiet] [--sizes LIST] [--blocks LIST] [--arena SIZE]\n"
-         "                    [--repeat N]\n"
+  printf("usage: pinmem bench blocks [--json] [--quiet] [--sizes LIST] [--blocks LIST]\n"
+         "                           [--arena SIZE] [--repeat N]\n"
          "  KV-cache blocks device <-> pinned host blocks at random ids, both ways: a plain copy\n"
          "  per block, one batched copy (cudaMemcpyBatchAsync) and pinmem's block store.\n"
-         "  --sizes LIST   block sizes (default 4K,16K,64K,256K)\n"
+         "  --sizes LIST   block sizes, multiples of 8 bytes (default 4K,16K,64K,256K; --bytes and\n"
+         "                 --size are other names for it)\n"
          "  --blocks LIST  blocks per call (default 1024,16384 on cuda; 1024 on the host backend;\n"
          "                 counts whose blocks do not fit in 1/4 of the device memory are skipped)\n"
          "  --arena SIZE   arena of the pinning rows (default 64G where RAM holds 4x that, else\n"
-         "                 1/4 of RAM; 64M on the host backend, within the pool's budget)\n"
+         "                 1/4 of RAM; 64M on the host backend), within the pool's budget\n"
          "  --repeat N     timed runs per row, the median is reported (default 5)\n"
          "  --json         one JSON object per row on stdout (TARGET lines go to stderr)\n"
+         "  --quiet        no progress line on stderr\n"
          "  TARGET (cuda backend): pinmem >= %.0f GB/s at 16 KiB both ways; >= %.0fx batch_dma at\n"
          "  4 and 16 KiB; >= batch_dma at 256 KiB; a 64 GiB arena's first blocks in < %.1f s and\n"
          "  the whole arena in <= %.2f s/GiB.\n",
          T_GBPS_16K, T_RATIO_SMALL, T_FIRST_S, T_ARENA_S_PER_GIB);
 }
 
-static int parse_list(const char *v, bool sizes, blk_opts_t *o) {
-  if (cli_list_empty_item(v)) return busage("an empty item in '%s'", v);
-  int n = 0;
-  char buf[64];
+static int parse_counts(const char *v, blk_opts_t *o) {
+  int empty = cli_list_empty_item(v);
+  if (empty) return cli_usage_fail("--blocks: item %d of '%s' is empty", empty, v);
+  o->ncounts = 0;
   for (const char *p = v; *p;) {
-    const char *c = strchr(p, ',');
-    size_t len = c ? (size_t)(c - p) : strlen(p);
-    snprintf(buf, sizeof buf, "%.*s", (int)(len < 63 ? len : 63), p);
-    if (n >= MAX_LIST) return busage("at most 16 values in '%s'", v);
-    size_t x;
-    if (pm_parse_size(buf, &x) != PM_OK || x == 0 || (sizes && x % 8))
-      return busage(sizes ? "--sizes: bad size '%s' (a multiple of 8 bytes)"
-                          : "--blocks: bad count '%s'",
-                    buf);
-    if (sizes)
-      o->sizes[n++] = x;
-    else
-      o->counts[n++] = x;
-    if (!c) break;
-    p = c + 1;
+    char *end;
+    errno = 0;
+    unsigned long long k = strtoull(p, &end, 10);
+    if (o->ncounts == MAX_LIST) return cli_usage_fail("--blocks: at most %d counts", MAX_LIST);
+    if (errno || end == p || (*end && *end != ',') || k == 0 || k > (1ull << 32))
+      return cli_usage_fail("--blocks: counts must be whole numbers from 1 to 2^32, in '%s'", v);
+    o->counts[o->ncounts++] = k;
+    if (!*end) break;
+    p = end + 1;
   }
-  if (sizes)
-    o->nsizes = n;
-  else
-    o->ncounts = n;
   return 0;
 }
 
 static int parse_args(int argc, char **argv, blk_opts_t *o) {
+  cli_usage_context("bench blocks", blocks_usage);
   memset(o, 0, sizeof *o);
   o->repeat = 5;
   for (int i = 1; i < argc; i++) {
@@ -109,37 +98,48 @@ static int parse_args(int argc, char **argv, blk_opts_t *o) {
       o->help = true;
       continue;
     }
-    if (strncmp(a, "--", 2) != 0) return busage("unexpected argument '%s'", a);
+    if (strncmp(a, "--", 2) != 0) return cli_usage_fail("bench blocks takes no argument '%s'", a);
+    static const char *const known[] = {"--sizes", "--bytes", "--size",  "--blocks", "--arena",
+                                        "--repeat", "--json", "--quiet", "--help",   NULL};
     const char *eq = strchr(a, '=');
-    char name[32];
     size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-    if (nl >= sizeof name) return busage("unknown option '%s'", a);
+    char name[32];
+    /* The name is checked before a value is taken, as the other benches do. */
+    bool is_known = false;
+    for (int k = 0; known[k] && !is_known; k++)
+      is_known = strlen(known[k]) == nl && !strncmp(known[k], a, nl);
+    if (!is_known || nl >= sizeof name) return cli_unknown("option", a, known);
     memcpy(name, a, nl);
     name[nl] = '\0';
+    if (cli_is_size_flag(name, nl)) snprintf(name, sizeof name, "--sizes");
     const char *v;
     if (eq) {
       v = eq + 1;
     } else {
-      if (i + 1 >= argc) return busage("%s needs a value", a);
+      if (i + 1 >= argc) return cli_usage_fail("%s needs a value", a);
       v = argv[++i];
     }
     int rc = 0;
     if (!strcmp(name, "--sizes")) {
-      rc = parse_list(v, true, o);
+      if (o->nsizes)
+        return cli_usage_fail("--sizes given twice (--bytes and --size are other names for it)");
+      rc = cli_parse_sizes("--sizes", v, o->sizes, MAX_LIST, &o->nsizes);
+      for (int k = 0; !rc && k < o->nsizes; k++)
+        if (o->sizes[k] % 8)
+          rc = cli_usage_fail("--sizes: block sizes must be multiples of 8 bytes, not %zu",
+                              o->sizes[k]);
     } else if (!strcmp(name, "--blocks")) {
-      rc = parse_list(v, false, o);
+      rc = parse_counts(v, o);
     } else if (!strcmp(name, "--arena")) {
       if (pm_parse_size(v, &o->arena) != PM_OK || o->arena == 0)
-        return busage("--arena: bad size '%s'", v);
+        return cli_usage_fail("--arena: '%s' is not a size above 0", v);
     } else if (!strcmp(name, "--repeat")) {
       char *end;
       errno = 0;
       long n = strtol(v, &end, 10);
       if (errno || *end || !v[0] || n < 1 || n > 1000)
-        return busage("--repeat: bad count '%s'", v);
+        return cli_usage_fail("--repeat must be a whole number from 1 to 1000, not '%s'", v);
       o->repeat = (int)n;
-    } else {
-      return busage("unknown option '%s'", a);
     }
     if (rc) return rc;
   }
