@@ -19,7 +19,8 @@
  * (launch_batch_copy, cut into 64 KiB tiles as the copy engine does), larger ones to one
  * memcpy_batch_async (cudaMemcpyBatchAsync), else one memcpy_async each. The cut-off is option
  * blocks_kernel_max, or measured once per device (calibrate()): kernel against DMA on a few
- * piece sizes, the largest size at which the kernel wins.
+ * piece sizes, the largest size at which the kernel wins. A piece that continues the previous
+ * one on both sides, within one region and one host chunk, extends it (one copy, not two).
  *
  * Invariants: chunk_base[c] is written before chunks_ready passes c (release/acquire); a block
  * id is in the free stack exactly when state[id] is 0; everything is validated before anything
@@ -198,14 +199,14 @@ done:
   return cut;
 }
 
-/* The cut-off in force: the option, or the current device's calibration. */
+/* The cut-off in force: the option, or the current device's calibration (then *calibrated, when
+ * asked for, is true). */
 static size_t kernel_max(const pm__backend_t *b, bool *calibrated) {
   size_t opt = pm__opt_size(PM__OPT_BLOCKS_KERNEL_MAX);
-  *calibrated = false;
+  if (calibrated) *calibrated = opt == PM__BLOCKS_CUTOFF_AUTO;
   if (opt != PM__BLOCKS_CUTOFF_AUTO) return kernel_usable(b) ? opt : 0;
   int dev = 0;
   if (b->get_device(&dev) != PM_OK || dev < 0 || dev >= BLK__MAX_DEVICES) dev = 0;
-  *calibrated = true;
   int state = atomic_load_explicit(&cal_state[dev], memory_order_acquire);
   if (state == CAL_NONE) {
     int expect = CAL_NONE;
@@ -688,9 +689,7 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
     if (st != PM_OK) return st;
   }
   const pm__backend_t *b = s->b;
-  bool cal;
-  size_t cut = kernel_max(b, &cal);
-  (void)cal;
+  size_t cut = kernel_max(b, NULL);
   blk_lists_t k = {0}, d = {0};
   /* Lists for at most BLK__BATCH pieces: a larger call goes to the backend in parts. */
   size_t pieces = count * (size_t)L->nregions;
