@@ -210,8 +210,16 @@ static void round_trip(int layout, size_t piece, const char *cut) {
   CHECK_EQ_SIZE(stats.blocks_out, n);
   CHECK_EQ_SIZE(stats.bytes_in, n * k.block_bytes);
   CHECK_EQ_SIZE(stats.pieces_kernel + stats.pieces_dma, 2 * n * (size_t)k.layout_desc.nregions);
+  CHECK_EQ_INT(stats.kernel_max_calibrated, !strcmp(cut, "auto"));
+  /* The option as set, where the kernel can reach pinned memory (always on the host backend;
+   * elsewhere the device must allow it, else 0: always DMA). */
+  if (strcmp(cut, "auto") != 0 && pm_backend_kind() == PM_BACKEND_HOST) {
+    size_t want;
+    REQUIRE_OK(pm_parse_size(cut, &want));
+    CHECK_EQ_SIZE(stats.kernel_max, want);
+  }
   if (!strcmp(cut, "0")) CHECK_EQ_SIZE(stats.pieces_kernel, 0);
-  if (!strcmp(cut, "1G")) CHECK_EQ_SIZE(stats.pieces_dma, 0);
+  if (!strcmp(cut, "1G") && stats.kernel_max) CHECK_EQ_SIZE(stats.pieces_dma, 0);
   CHECK_OK(pm_blocks_free(s, host, nh));
   CHECK_OK(pm_stream_destroy(st));
   CHECK_OK(pm_blocks_destroy(s));
