@@ -77,7 +77,7 @@ def test_round_trip(layout, cut):
             assert st["swaps_out"] == 1 and st["swaps_in"] == 1 and st["blocks_in"] == 5
             if cut == "0":
                 assert st["pieces_kernel"] == 0
-            if cut == "1G":
+            if cut == "1G" and st["kernel_max"]:  # 0 where the kernel cannot reach pinned memory
                 assert st["pieces_dma"] == 0
             store.free(host)
             assert store.stats()["free_blocks"] == 12
