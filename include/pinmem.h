@@ -558,6 +558,126 @@ typedef struct pm_file_stats {
 PM_API pm_status_t pm_file_get_stats(pm_file_stats_t *out);
 
 /* ------------------------------------------------------------------------------------------ */
+/* KV-cache block store                                                                        */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A pinned host arena of N equal blocks for LLM serving's KV cache (docs/kv-blocks.md): block
+ * ids from a free list, and swaps that move any number of blocks between the device's paged KV
+ * tensors and the arena in one call, ordered on a stream, small pieces by a gather/scatter kernel
+ * and large ones by batched DMA. The arena is pinned in chunks by a background thread, on the
+ * device's NUMA node, charged to a pool's budget at its exact size; low block ids come first, so
+ * the first blocks are usable at once and a swap that names a block whose chunk is not pinned
+ * yet waits for that chunk.
+ *
+ *   pm_blocks_config_t c;  pm_blocks_config_init(&c);  c.block_bytes = 2 * L * 16 * H * D * 2;
+ *   c.num_blocks = 65536;  pm_blocks_create(&c, &store);
+ *   pm_blocks_alloc(store, n, host_ids);
+ *   pm_blocks_swap_out(store, &layout, dev_ids, host_ids, n, stream, &ev);  // device -> arena
+ *   pm_blocks_swap_in(store, &layout, dev_ids, host_ids, n, stream, &ev);   // arena -> device
+ */
+typedef struct pm_blocks_s pm_blocks_t;
+
+/** Start from pm_blocks_config_init(); fields left at 0 take the defaults named here. */
+typedef struct pm_blocks_config {
+  size_t block_bytes;  /* bytes of one host block (required): every region of a layout, summed */
+  uint64_t num_blocks; /* blocks in the arena (required) */
+  size_t chunk_bytes;  /* bytes pinned per registration, rounded down to whole blocks (at least
+                          one): 0 = option blocks_chunk (1 GiB) */
+  pm_pool_t *pool;     /* the budget the arena is charged to (NULL: the default pool) */
+  int device;          /* the device whose KV tensors the store serves, and whose NUMA node the
+                          arena is pinned on (config_init: -1 = the current device) */
+  int background;      /* 1 (config_init): pin the chunks after the first on a background thread;
+                          0: pm_blocks_create pins the whole arena before it returns */
+  int pin_threads;     /* threads that first-touch a chunk (0: option pin_threads) */
+} pm_blocks_config_t;
+
+/** One region of a KV layout: one contiguous piece of every block, in the device tensor and in
+ *  the host block. A per-layer tensor [num_blocks, block_size, heads, head_dim] is one region
+ *  (block_stride = bytes = block_size * heads * head_dim * itemsize); K and V apart are two
+ *  regions per layer; K and V stacked as [2, num_blocks, ...] are two regions (V's base is K's
+ *  + num_blocks * block_stride), stacked as [num_blocks, 2, ...] one region of both halves. */
+typedef struct pm_kv_region {
+  void *base;          /* device address of device block 0 of the region */
+  size_t block_stride; /* bytes from one device block to the next (>= bytes) */
+  size_t bytes;        /* bytes of one block in the region */
+} pm_kv_region_t;
+
+/** Where blocks lie on the device. Host block h holds regions[0]'s bytes of its device block,
+ *  then regions[1]'s, ... (one layout for every call on a store: the bytes must sum to the
+ *  store's block_bytes, else PM_ERR_INVALID). */
+typedef struct pm_kv_layout {
+  int nregions;                  /* 1..PM_KV_MAX_REGIONS */
+  const pm_kv_region_t *regions; /* read during the call only */
+  uint64_t device_blocks;        /* blocks of each device region: device ids must be below */
+  int device;                    /* the device the tensors live on (-1: the store's) */
+} pm_kv_layout_t;
+
+#define PM_KV_MAX_REGIONS 4096 /* e.g. 2048 layers with K and V apart */
+
+PM_API void pm_blocks_config_init(pm_blocks_config_t *config);
+/** Charge the arena (num_blocks * block_bytes, rounded up to the page per chunk) to the pool's
+ *  budget (PM_ERR_BUDGET when it does not fit), pin its first chunk (at most 64 MiB of blocks,
+ *  so the call returns quickly whatever the arena), and start pinning the rest (background 1) or
+ *  pin it all (background 0). PM_ERR_INVALID for a bad config. */
+PM_API pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blocks_out);
+/** Stop the background pinning, wait for the device's queued work (swaps may still read or write
+ *  the arena), unpin, uncharge. No other call on the store may run at the same time; a second
+ *  destroy, or any call after it, is PM_ERR_INVALID. */
+PM_API pm_status_t pm_blocks_destroy(pm_blocks_t *blocks);
+/** Take `count` free block ids (lowest first when the arena is fresh) into ids_out. PM_ERR_NOMEM
+ *  naming what is free when fewer than count are: then nothing is taken. */
+PM_API pm_status_t pm_blocks_alloc(pm_blocks_t *blocks, size_t count, uint64_t *ids_out);
+/** Give ids back. PM_ERR_INVALID (nothing freed) for an id out of range, not allocated, or named
+ *  twice. The caller waits for swaps that use a block before freeing it. */
+PM_API pm_status_t pm_blocks_free(pm_blocks_t *blocks, const uint64_t *ids, size_t count);
+/** Host address of block `id` (allocated or not); waits until its chunk is pinned. */
+PM_API pm_status_t pm_blocks_ptr(pm_blocks_t *blocks, uint64_t id, void **ptr_out);
+/** Block until the first `count` blocks are pinned (count 0 or >= num_blocks: all); the pinning
+ *  error when a chunk could not be pinned. */
+PM_API pm_status_t pm_blocks_wait_ready(pm_blocks_t *blocks, uint64_t count);
+
+/** Copy device block device_ids[i] of every region of `layout` into host block host_ids[i], for
+ *  i < count, ordered on `stream`. Host ids must be allocated and distinct; device ids below
+ *  layout->device_blocks. event_out (may be NULL): a new event recorded after the copies, which
+ *  the caller waits on and destroys (pm_event_destroy); the host blocks hold the data once it
+ *  completed. PM_ERR_INVALID, before anything is queued, for a bad id (naming it and its
+ *  position), a repeated host id, a layout that does not match the store or is not device memory,
+ *  or tensors on another device. */
+PM_API pm_status_t pm_blocks_swap_out(pm_blocks_t *blocks, const pm_kv_layout_t *layout,
+                                      const uint64_t *device_ids, const uint64_t *host_ids,
+                                      size_t count, pm_stream_t stream, pm_event_t *event_out);
+/** The other way: host block host_ids[i] into device block device_ids[i]. Device ids must be
+ *  distinct (host ids may repeat); otherwise as pm_blocks_swap_out. */
+PM_API pm_status_t pm_blocks_swap_in(pm_blocks_t *blocks, const pm_kv_layout_t *layout,
+                                     const uint64_t *device_ids, const uint64_t *host_ids,
+                                     size_t count, pm_stream_t stream, pm_event_t *event_out);
+
+typedef struct pm_blocks_stats {
+  size_t block_bytes;
+  uint64_t num_blocks;
+  uint64_t free_blocks;
+  uint64_t ready_blocks;        /* pinned and usable */
+  size_t arena_bytes;           /* pinned (or being pinned) for the arena and charged */
+  size_t chunk_bytes;
+  uint64_t chunks, chunks_ready;
+  int numa_node;                /* node the arena was pinned for (-1: none asked) */
+  double first_ready_seconds;   /* pm_blocks_create's start to the first chunk pinned */
+  double all_ready_seconds;     /* to the whole arena pinned (0 until then) */
+  size_t kernel_max;            /* pieces up to this size go by the kernel (0: never) */
+  int kernel_max_calibrated;    /* 1: measured on this device, 0: from option blocks_kernel_max */
+  uint64_t swaps_out, swaps_in; /* calls */
+  uint64_t blocks_out, blocks_in;
+  uint64_t bytes_out, bytes_in;
+  uint64_t pieces_kernel, pieces_dma; /* region pieces queued by each path */
+  uint64_t transfers; /* copies queued after joining pieces that continue each other (ids
+                         consecutive on both sides within a region and a host chunk) */
+} pm_blocks_stats_t;
+
+/** The store's figures. The first call on a device with option blocks_kernel_max auto runs the
+ *  calibration, as the first swap does. Every other call may run from several threads at once. */
+PM_API pm_status_t pm_blocks_get_stats(pm_blocks_t *blocks, pm_blocks_stats_t *stats_out);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Data loader                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 

@@ -407,6 +407,11 @@ bad_lines=(
   "bench file --cases load_direct,,save_direct"
   "bench file --threads 2,,4"
   "bench file --part 1K"
+  "bench blocks --sizes 4K,,16K"
+  "bench blocks --sizes 5"
+  "bench blocks --blocks 0"
+  "bench blocks --arena x"
+  "bench blocks extra"
   "bench file --slots 5000"
 )
 # ---- bench copy and bench overlap: on the host backend they prove correctness, not speed -------
@@ -788,7 +793,7 @@ usage_style() { # NAME COMMAND-LINE
   checks=$((checks + 1))
   local err=$tmp/$1.err lines want
   lines=$(wc -l <"$err")
-  want="^see pinmem( (info|bench( (alloc|copy|overlap|loader|file))?))? --help\$"
+  want="^see pinmem( (info|bench( (alloc|copy|overlap|loader|file|blocks))?))? --help\$"
   if ! head -1 "$err" | grep -Eq '^pinmem: [^ ].+' || ((lines < 3 || lines > 5)) ||
     ! sed -n 2p "$err" | grep -Eq '^usage: pinmem ' || ! tail -1 "$err" | grep -Eq "$want"; then
     fail "$1 (pinmem $2): stderr is not the error, 1-3 lines of usage, then 'see pinmem ... --help'"
@@ -796,7 +801,7 @@ usage_style() { # NAME COMMAND-LINE
   fi
   # The help named is the command's own: `bench copy ...` points to `pinmem bench copy --help`.
   local cmd
-  cmd=$(sed -E 's/^(--(json|quiet) )*//' <<<"$2" | awk '{ if ($1 == "bench" && $2 ~ /^(alloc|copy|overlap|loader|file)$/) print $1 " " $2; else if ($1 == "info" || $1 == "bench") print $1 }')
+  cmd=$(sed -E 's/^(--(json|quiet) )*//' <<<"$2" | awk '{ if ($1 == "bench" && $2 ~ /^(alloc|copy|overlap|loader|file|blocks)$/) print $1 " " $2; else if ($1 == "info" || $1 == "bench") print $1 }')
   if [[ -n $cmd ]] && ! tail -1 "$err" | grep -q "^see pinmem $cmd --help\$"; then
     fail "$1 (pinmem $2): want 'see pinmem $cmd --help' last"
     show "$1"
@@ -889,6 +894,27 @@ run info_options_json "$bin" --json info --options
 expect_rc info_options_json 0 && json_check info_options_json "
 if not rows or any(r.get('info') != 'option' for r in rows):
     bad('info --options --json: want option lines only')"
+
+# ---- bench blocks: every path both ways, bytes checked; the arena rows --------------------------
+run blocks_json "$bin" --json bench blocks --sizes 4K,64K --blocks 64 --arena 4M --repeat 1
+expect_rc blocks_json 0 &&
+  json_check blocks_json "
+cases = {r.get('case') for r in rows}
+for p in ('memcpy_loop', 'batch_dma', 'pinmem'):
+    for d in ('out', 'in'):
+        if p + '_' + d not in cases:
+            bad('bench blocks: no row %s_%s' % (p, d))
+for c in ('arena_first_block', 'arena_whole', 'host_alloc_whole'):
+    if c not in cases:
+        bad('bench blocks: no row ' + c)
+for r in rows:
+    if r.get('bench') != 'blocks' or r.get('verified') is not True:
+        bad('bench blocks: row not verified: %r' % r)
+if len([r for r in rows if r.get('block_bytes') == 4096]) != 6:
+    bad('bench blocks: want 6 rows of 4 KiB blocks')"
+expect_grep blocks_json err '^TARGET pinmem D2H at 4 KiB >= 5x batch_dma: '
+run blocks_help "$bin" bench blocks --help
+expect_rc blocks_help 0 && expect_grep blocks_help out 'cudaMemcpyBatchAsync'
 
 if ((failures)); then
   echo "test_cli: $failures of $checks checks FAILED" >&2

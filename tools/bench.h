@@ -15,5 +15,7 @@
 
 int pm_cli_bench_copy(int argc, char **argv);
 int pm_cli_bench_overlap(int argc, char **argv);
+/* tools/bench_blocks.c: pinmem bench blocks [--json] [--sizes LIST] [--blocks LIST] [--arena SIZE] */
+int pm_cli_bench_blocks(int argc, char **argv);
 
 #endif /* PINMEM_TOOLS_BENCH_H */

@@ -33,6 +33,8 @@ void cli_print_usage(FILE *out) {
       "                       pageable batches\n"
       "  bench file           file <-> device through pinmem vs a plain pread + copy loop and\n"
       "                       the disk's own O_DIRECT rate, page cache hot and cold\n"
+      "  bench blocks         KV-cache blocks device <-> pinned blocks: pinmem vs copy loop vs\n"
+      "                       batched DMA, and the arena's pinning time\n"
       "  help                 this text\n"
       "  --version            the version\n"
       "\n"
@@ -143,7 +145,7 @@ static const struct {
   cli_bench_fn fn;
 } benches[] = {
     {"alloc", bench_alloc_main},     {"copy", pm_cli_bench_copy}, {"overlap", pm_cli_bench_overlap},
-    {"loader", pm_cli_bench_loader}, {"file", pm_cli_bench_file},
+    {"loader", pm_cli_bench_loader}, {"file", pm_cli_bench_file},    {"blocks", pm_cli_bench_blocks},
 };
 enum { NBENCH = sizeof benches / sizeof benches[0] };
 
@@ -159,7 +161,7 @@ static const char *bench_names(void) {
 static int bench_main(int argc, char **argv, bool json, bool quiet) {
   cli_usage_context("bench",
                     "pinmem [--json] bench NAME [options]   (NAME: alloc, copy, "
-                    "overlap, loader, file)");
+                    "overlap, loader, file, blocks)");
   if (argc < 1 || !strcmp(argv[0], "--help") || !strcmp(argv[0], "-h")) {
     if (argc >= 1) {
       cli_print_usage(stdout);

@@ -934,6 +934,7 @@ def get_worker_info():
 
 from ._workers import WorkerError  # noqa: E402  (re-exported)
 from . import safetensors  # noqa: E402,F401  (pinmem.safetensors; imports torch only when used)
+from .kv import KVBlockStore, kv_device_tensor  # noqa: E402,F401  (pinmem.kv; imports torch only when used)
 
 
 def __getattr__(name):  # pinmem.torch loads on first use: importing pinmem never imports torch

@@ -31,7 +31,8 @@ PyMODINIT_FUNC PyInit__pinmem(void) {
       Py_DECREF(m);
       return NULL;
     }
-  if (pmpy_init_exceptions(m) < 0 || PyModule_AddType(m, &pmpy_StreamType) < 0 ||
+  if (pmpy_init_exceptions(m) < 0 || pmpy_blocks_add_types(m) < 0 ||
+      PyModule_AddType(m, &pmpy_StreamType) < 0 ||
       PyModule_AddType(m, &pmpy_BufferType) < 0 ||
       PyModule_AddType(m, &pmpy_PinnedBufferType) < 0 ||
       PyModule_AddType(m, &pmpy_DeviceBufferType) < 0 ||

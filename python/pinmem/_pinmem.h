@@ -33,6 +33,7 @@
  *   procs.c       datasets read by worker processes (channels, claims, their errors)
  *   loader.c      _Loader and its batches (batch_layout.h describes their buffers)
  *   pool.c        the default pool, options, introspection
+ *   blocks.c      the KV-cache block store's low level (_BlockStore, BlocksEvent)
  *   _pinmem.c     the module: types, functions of each file, exceptions, constants
  */
 #ifndef PINMEM_PY_PINMEM_H
@@ -226,6 +227,11 @@ extern PyMethodDef pmpy_files_functions[];
 extern PyMethodDef pmpy_pool_functions[];
 extern PyMethodDef pmpy_datasets_functions[];
 extern PyMethodDef pmpy_loader_functions[];
+
+/* ---- blocks.c ---------------------------------------------------------------------------- */
+
+/* Ready _BlockStore and BlocksEvent and add them to the module. */
+int pmpy_blocks_add_types(PyObject *m);
 
 #pragma GCC visibility pop
 

@@ -204,6 +204,21 @@ static bool parse_budget(const char *t, pm__optval_t *out, char *why, size_t n) 
   return parse_size_min1(t, out, why, n, " (or auto)");
 }
 
+static bool parse_size_or_auto(const char *t, pm__optval_t *out, char *why, size_t n) {
+  if (!strcasecmp(t, "auto")) {
+    out->sz = PM__BLOCKS_CUTOFF_AUTO;
+    return true;
+  }
+  size_t v;
+  if (!size_reason(t, &v, why, n)) return false;
+  if (v == PM__BLOCKS_CUTOFF_AUTO) {
+    snprintf(why, n, "too large (or auto)");
+    return false;
+  }
+  out->sz = v;
+  return true;
+}
+
 static bool parse_size_pos(const char *t, pm__optval_t *out, char *why, size_t n) {
   return parse_size_min1(t, out, why, n, "");
 }
@@ -399,6 +414,17 @@ static const pm__opt_def_t opt_table[] = {
                            "full), or a size: the slot's DMA is queued in parts of this size, each "
                            "as soon as its bytes are read",
                            parse_size_any, PM__T_SIZE, 0},
+    [PM__OPT_BLOCKS_KERNEL_MAX] = {"blocks_kernel_max", "PINMEM_BLOCKS_KERNEL_MAX", "auto",
+                                   "block store swaps (pm_blocks_swap_out/in): pieces of at most "
+                                   "this many bytes go by the gather/scatter kernel, larger ones by "
+                                   "batched DMA; 0 = always DMA; auto = measured by a short "
+                                   "calibration on first use on each device",
+                                   parse_size_or_auto, PM__T_SIZE, 0},
+    [PM__OPT_BLOCKS_CHUNK] = {"blocks_chunk", "PINMEM_BLOCKS_CHUNK", "1G",
+                              "bytes a block store pins per registration (rounded to whole "
+                              "blocks): the arena becomes usable chunk by chunk, and no single "
+                              "registration grows with the arena",
+                              parse_size_pos, PM__T_SIZE, 0},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");

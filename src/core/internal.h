@@ -63,7 +63,8 @@ const char *pm__option_source_name(pm_option_source_t src); /* "default", "env",
   X(PM__HANDLE_FENCE, 1, "fence")                                                               \
   X(PM__HANDLE_POOL, 2, "pool")                                                                 \
   X(PM__HANDLE_DATASET, 3, "dataset")                                                           \
-  X(PM__HANDLE_LOADER, 4, "loader")
+  X(PM__HANDLE_LOADER, 4, "loader")                                                             \
+  X(PM__HANDLE_BLOCKS, 5, "block store")
 
 typedef enum pm__handle_kind { PM__HANDLE_KIND_MAP(PM__ENUM_VALUE) } pm__handle_kind_t;
 
@@ -142,8 +143,13 @@ typedef enum pm__opt {
   PM__OPT_FILE_THREADS,       /* int: I/O threads of pm_file_* calls; 0 = copy_threads */
   PM__OPT_FILE_SLOTS,         /* int: bounce slots of a pm_file_* ring; 0 = pm__file_slots */
   PM__OPT_FILE_PART,          /* size: a read slot's H2D DMA queued in parts of this size; 0 = off */
+  PM__OPT_BLOCKS_KERNEL_MAX,  /* size or auto (PM__BLOCKS_CUTOFF_AUTO): block store path cut-off */
+  PM__OPT_BLOCKS_CHUNK,       /* size: bytes a block store pins per registration */
   PM__OPT_COUNT
 } pm__opt_t;
+
+/* blocks_kernel_max's "auto": calibrate the cut-off on first use on each device. */
+#define PM__BLOCKS_CUTOFF_AUTO SIZE_MAX
 
 /* Limits the option table and the matching arguments (pm_loader_config_t) share. */
 #define PM__MAX_SLOTS 4096          /* copy_slots, copy_piece_slots, loader_prefetch */
@@ -391,6 +397,12 @@ void pm__backend_stop(void);
 pm_status_t pm__memcpy_batch_async(const pm_copy_item_t *items, size_t count, pm_copy_kind_t kind,
                                    pm_stream_t stream, bool kernel_ok);
 
+/* ---- offload/blocks.c: the KV-cache block store ------------------------------------------ */
+
+/* Test hook: the most a block store pins before pm_blocks_create returns (its first chunk;
+ * 64 MiB), so tests of uneven chunks need not pin 64 MiB. */
+extern atomic_size_t pm__blocks_first_bytes;
+
 /* ---- registry.c -------------------------------------------------------------------------- */
 
 /* One tracked range of memory. */
@@ -459,6 +471,8 @@ pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, co
 /* Charge / uncharge bytes that are pinned outside the pool (registrations) to its budget.
  * Charging trims the cache first when needed and then follows the pool's exhaust policy. */
 pm_status_t pm__pool_charge(pm_pool_t *pool, size_t bytes);
+/* The same, with `what` naming the charge in a budget error ("block store arena"). */
+pm_status_t pm__pool_charge_for(pm_pool_t *pool, size_t bytes, const char *what);
 void pm__pool_uncharge(pm_pool_t *pool, size_t bytes);
 /* For pm_pointer_query on a pool segment: the block holding ptr. */
 pm_status_t pm__pool_block_info(pm_pool_t *pool, const void *ptr, pm_pointer_info_t *info);

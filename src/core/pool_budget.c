@@ -153,9 +153,13 @@ pm_status_t pm__pool_acquire_locked(pm_pool_t *p, pm__acquire_t *a) {
 /* ---- registrations ------------------------------------------------------------------------- */
 
 pm_status_t pm__pool_charge(pm_pool_t *pool, size_t bytes) {
+  return pm__pool_charge_for(pool, bytes, "pm_register");
+}
+
+pm_status_t pm__pool_charge_for(pm_pool_t *pool, size_t bytes, const char *what) {
   if (!pool) return pm__set_error(PM_ERR_INVALID, "pm__pool_charge: pool is NULL");
   if (bytes == 0) return PM_OK;
-  pm__acquire_t a = {.what = "pm_register",
+  pm__acquire_t a = {.what = what,
                      .use_bins = false,
                      .node = -1,
                      .bytes = bytes,

@@ -1,0 +1,799 @@
+/*
+ * DESIGN: the KV-cache block store (pm_blocks_*): a pinned host arena of N equal blocks, a free
+ * list of block ids, and swaps that move many blocks between paged device KV tensors and the
+ * arena in one call.
+ *
+ * The arena is a list of chunks, each its own mapping pinned by pm__fast_pin_node (mmap, huge
+ * pages, NUMA binding to the device's node, parallel first touch, one registration), each a whole
+ * number of blocks, so no registration grows with the arena (a single cudaHostRegister of
+ * 512 GiB fails) and no block straddles two. The whole arena is charged to the pool's budget at
+ * create, exactly (each chunk rounded to the page), so a store that cannot fit fails at once.
+ * Chunk 0 is pinned in pm_blocks_create; the others by one background thread, in order, so the
+ * blocks of chunks [0, chunks_ready) are usable and the free list hands out low ids first.
+ * Chunk 0 is at most BLK__FIRST_BYTES (and at most a chunk): the create call returns after
+ * pinning that much, whatever the chunk size and the arena.
+ * A call that names a block of a chunk not pinned yet waits for it (ready_cv).
+ *
+ * A swap builds one piece per (block, region): the region's bytes of device block d <-> their
+ * place in host block h. Pieces up to the cut-off go to the backend's gather/scatter kernel
+ * (launch_batch_copy, cut into 64 KiB tiles as the copy engine does), larger ones to one
+ * memcpy_batch_async (cudaMemcpyBatchAsync), else one memcpy_async each. The cut-off is option
+ * blocks_kernel_max, or measured once per device (calibrate()): kernel against DMA on a few
+ * piece sizes, the largest size at which the kernel wins. A piece that continues the previous
+ * one on both sides, within one region and one host chunk, extends it (one copy, not two).
+ *
+ * Invariants: chunk_base[c] is written before chunks_ready passes c (release/acquire); a block
+ * id is in the free stack exactly when state[id] is 0; everything is validated before anything
+ * is queued. Locks: blocks->lock (free list, pin status, ready_cv) is a leaf: no backend call
+ * is made under it. The per-device cut-off is measured by the first thread that claims it (an
+ * atomic state); other threads take DMA until it is known, so no lock is held around device
+ * work. The calibration's 2 MiB of pinned memory is the backend's, outside any pool's budget.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define BLK__TILE ((size_t)64 << 10)   /* kernel piece, as copy_batch.c's PM__BATCH_TILE */
+#define BLK__BATCH ((size_t)1 << 16)   /* pieces handed to the backend per call */
+#define BLK__MAX_DEVICES 64
+/* Chunk 0's size: what pm_blocks_create pins before it returns. At pinmem's cold pinning rate
+ * (about 0.05 s/GiB) 64 MiB is a few milliseconds, so a store's first blocks are usable at
+ * once, while the later chunks keep registrations few. */
+#define BLK__FIRST_BYTES ((size_t)64 << 20)
+atomic_size_t pm__blocks_first_bytes = BLK__FIRST_BYTES;
+#define BLK__CAL_BYTES ((size_t)2 << 20) /* bytes each calibration size moves per direction */
+#define BLK__CAL_REPS 3                  /* runs per size and path; the best counts, first warms */
+
+struct pm_blocks_s {
+  const pm__backend_t *b;
+  pm_pool_t *pool;
+  size_t block_bytes;
+  uint64_t num_blocks;
+  uint64_t chunk_blocks, nchunks; /* blocks of each chunk after the first, chunks */
+  uint64_t first_blocks;           /* blocks of chunk 0 */
+  size_t charged;
+  int device, node, threads;
+  bool huge;
+  char **chunk_base;          /* [nchunks]: set before chunks_ready passes the index */
+  _Atomic uint64_t chunks_ready;
+  atomic_bool stop;
+  pthread_t pinner;
+  bool has_pinner;
+  double t_create;
+  _Atomic double first_ready_s, all_ready_s;
+
+  pthread_mutex_t lock; /* leaf: the free list, pin_status, ready_cv */
+  pthread_cond_t ready_cv;
+  pm_status_t pin_status; /* a chunk that could not be pinned stops the pinning */
+  char pin_error[512];
+  uint64_t *free_stack; /* top at [nfree - 1]: the lowest ids on top */
+  uint64_t nfree;
+  uint8_t *state; /* 1: allocated */
+
+  _Atomic uint64_t swaps_out, swaps_in, blocks_out, blocks_in, bytes_out, bytes_in;
+  _Atomic uint64_t pieces_kernel, pieces_dma, transfers;
+};
+
+/* ---- the per-device cut-off ----------------------------------------------------------------- */
+
+/* Per device: 0 not measured, 1 being measured by one thread, 2 measured (cal_value valid). */
+enum { CAL_NONE, CAL_RUNNING, CAL_DONE };
+static atomic_int cal_state[BLK__MAX_DEVICES];
+static _Atomic size_t cal_value[BLK__MAX_DEVICES];
+
+static bool kernel_usable(const pm__backend_t *b) {
+  return b->launch_batch_copy && b->kernel_host_access && b->kernel_host_access() != 0;
+}
+
+/* Queue pieces by the kernel: each cut into tiles of at most BLK__TILE bytes. */
+static pm_status_t queue_kernel(const pm__backend_t *b, void *const *dsts, const void *const *srcs,
+                                const size_t *sizes, size_t n, pm_stream_t stream,
+                                pm__copy_desc_t *scratch, size_t scratch_cap) {
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++) {
+    for (size_t off = 0; off < sizes[i]; off += BLK__TILE) {
+      if (k == scratch_cap) {
+        pm_status_t st = b->launch_batch_copy(scratch, k, stream);
+        if (st != PM_OK) return st;
+        k = 0;
+      }
+      scratch[k].src = (const char *)srcs[i] + off;
+      scratch[k].dst = (char *)dsts[i] + off;
+      scratch[k].bytes = (uint64_t)PM__MIN(BLK__TILE, sizes[i] - off);
+      k++;
+    }
+  }
+  return k ? b->launch_batch_copy(scratch, k, stream) : PM_OK;
+}
+
+/* Queue pieces by DMA: one batch call where the backend has it, else a copy each. */
+static pm_status_t queue_dma(const pm__backend_t *b, void *const *dsts, const void *const *srcs,
+                             const size_t *sizes, size_t n, pm_copy_kind_t kind,
+                             pm_stream_t stream) {
+  if (n == 0) return PM_OK;
+  if (b->memcpy_batch_async && n > 1) return b->memcpy_batch_async(dsts, srcs, sizes, n, stream);
+  for (size_t i = 0; i < n; i++) {
+    pm_status_t st = b->memcpy_async(dsts[i], srcs[i], sizes[i], kind, stream);
+    if (st != PM_OK) return st;
+  }
+  return PM_OK;
+}
+
+/* Seconds the pieces of `size` bytes take, both directions, by one path: the best of the runs
+ * after the first. < 0 on a backend failure (the calibration then keeps DMA). */
+static double cal_time(const pm__backend_t *b, char *host, char *dev, size_t size, bool kernel,
+                       pm_stream_t s, pm_event_t e0, pm_event_t e1, void **dsts,
+                       const void **srcs, size_t *sizes, pm__copy_desc_t *desc, size_t cap) {
+  size_t n = BLK__CAL_BYTES / size;
+  double best = -1;
+  for (int rep = 0; rep < BLK__CAL_REPS; rep++) {
+    if (b->event_record(e0, s) != PM_OK) return -1;
+    for (int dir = 0; dir < 2; dir++) {
+      /* Pieces in a scattered order (a stride prime to n), as random block ids are. */
+      size_t step = n > 7 ? 7 : 1;
+      for (size_t i = 0; i < n; i++) {
+        size_t j = (i * step) % n;
+        dsts[i] = dir ? host + j * size : dev + i * size;
+        srcs[i] = dir ? dev + i * size : host + j * size;
+        sizes[i] = size;
+      }
+      pm_status_t st =
+          kernel ? queue_kernel(b, dsts, srcs, sizes, n, s, desc, cap)
+                 : queue_dma(b, dsts, srcs, sizes, n, dir ? PM_COPY_D2H : PM_COPY_H2D, s);
+      if (st != PM_OK) return -1;
+    }
+    double t;
+    if (b->event_record(e1, s) != PM_OK || b->event_synchronize(e1) != PM_OK ||
+        b->event_elapsed(e0, e1, &t) != PM_OK)
+      return -1;
+    if (rep > 0 && (best < 0 || t < best)) best = t;
+  }
+  return best;
+}
+
+/* The largest of a few piece sizes at which the kernel beats DMA on the current device; 0 when
+ * it never does (or something failed: DMA is always correct). No lock is held. */
+static size_t calibrate(const pm__backend_t *b) {
+  static const size_t sizes_try[] = {4u << 10, 16u << 10, 64u << 10, 256u << 10, 1u << 20};
+  if (!kernel_usable(b)) return 0;
+  size_t cut = 0, n_max = BLK__CAL_BYTES / sizes_try[0], cap = BLK__CAL_BYTES / BLK__TILE + n_max;
+  char *host = NULL, *dev = NULL;
+  pm_stream_t s = NULL;
+  pm_event_t e0 = NULL, e1 = NULL;
+  void **dsts = malloc(n_max * sizeof *dsts);
+  const void **srcs = malloc(n_max * sizeof *srcs);
+  size_t *szs = malloc(n_max * sizeof *szs);
+  pm__copy_desc_t *desc = malloc(cap * sizeof *desc);
+  if (!dsts || !srcs || !szs || !desc) goto done;
+  if (b->host_alloc(BLK__CAL_BYTES, PM_HOST_PORTABLE | PM_HOST_MAPPED, (void **)&host) != PM_OK)
+    goto done;
+  if (b->device_alloc(BLK__CAL_BYTES, (void **)&dev) != PM_OK) goto done;
+  if (b->stream_create(&s) != PM_OK) goto done;
+  if (b->event_create(PM_EVENT_TIMING, &e0) != PM_OK) goto done;
+  if (b->event_create(PM_EVENT_TIMING, &e1) != PM_OK) goto done;
+  memset(host, 0x5a, BLK__CAL_BYTES);
+  for (size_t i = 0; i < sizeof sizes_try / sizeof sizes_try[0]; i++) {
+    double tk = cal_time(b, host, dev, sizes_try[i], true, s, e0, e1, (void **)dsts, srcs, szs,
+                         desc, cap);
+    double td = cal_time(b, host, dev, sizes_try[i], false, s, e0, e1, (void **)dsts, srcs, szs,
+                         desc, cap);
+    if (tk < 0 || td < 0) break;
+    if (tk < td) cut = sizes_try[i];
+  }
+done:
+  if (s) (void)b->stream_synchronize(s);
+  if (e1) (void)b->event_destroy(e1);
+  if (e0) (void)b->event_destroy(e0);
+  if (s) (void)b->stream_destroy(s);
+  if (dev) (void)b->device_free(dev);
+  if (host) (void)b->host_free(host, BLK__CAL_BYTES);
+  free(dsts);
+  free(srcs);
+  free(szs);
+  free(desc);
+  pm__clear_error(); /* a failed calibration is not the swap's error */
+  return cut;
+}
+
+/* The cut-off in force: the option, or the current device's calibration (then *calibrated, when
+ * asked for, is true). */
+static size_t kernel_max(const pm__backend_t *b, bool *calibrated) {
+  size_t opt = pm__opt_size(PM__OPT_BLOCKS_KERNEL_MAX);
+  if (calibrated) *calibrated = opt == PM__BLOCKS_CUTOFF_AUTO;
+  if (opt != PM__BLOCKS_CUTOFF_AUTO) return kernel_usable(b) ? opt : 0;
+  int dev = 0;
+  if (b->get_device(&dev) != PM_OK || dev < 0 || dev >= BLK__MAX_DEVICES) dev = 0;
+  int state = atomic_load_explicit(&cal_state[dev], memory_order_acquire);
+  if (state == CAL_NONE) {
+    int expect = CAL_NONE;
+    if (atomic_compare_exchange_strong(&cal_state[dev], &expect, CAL_RUNNING)) {
+      atomic_store_explicit(&cal_value[dev], calibrate(b), memory_order_relaxed);
+      atomic_store_explicit(&cal_state[dev], CAL_DONE, memory_order_release);
+      state = CAL_DONE;
+    } else {
+      state = expect;
+    }
+  }
+  /* While another thread measures, calls take DMA: correct at every size, and nobody waits on
+   * a lock (nor, in a child forked mid-measurement, forever). */
+  if (state != CAL_DONE) return 0;
+  return atomic_load_explicit(&cal_value[dev], memory_order_relaxed);
+}
+
+/* ---- pinning -------------------------------------------------------------------------------- */
+
+/* The first block of chunk c, and the chunk holding block id. */
+static uint64_t chunk_start(const pm_blocks_t *s, uint64_t c) {
+  return c == 0 ? 0 : s->first_blocks + (c - 1) * s->chunk_blocks;
+}
+
+static uint64_t chunk_of(const pm_blocks_t *s, uint64_t id) {
+  return id < s->first_blocks ? 0 : 1 + (id - s->first_blocks) / s->chunk_blocks;
+}
+
+static size_t chunk_len(const pm_blocks_t *s, uint64_t c) {
+  uint64_t start = chunk_start(s, c);
+  uint64_t n = PM__MIN(c == 0 ? s->first_blocks : s->chunk_blocks, s->num_blocks - start);
+  return (size_t)n * s->block_bytes;
+}
+
+static pm_status_t pin_chunk(pm_blocks_t *s, uint64_t c) {
+  bool bound;
+  void *p = NULL;
+  pm_status_t st =
+      pm__fast_pin_node(s->b, chunk_len(s, c), PM_REGISTER_PORTABLE | PM_REGISTER_MAPPED,
+                        s->threads, s->huge, s->node, &bound, &p);
+  if (st != PM_OK) return pm__wrap_error(st, "block store: pinning chunk %llu of %llu",
+                                         (unsigned long long)c, (unsigned long long)s->nchunks);
+  s->chunk_base[c] = p;
+  return PM_OK;
+}
+
+static void mark_ready(pm_blocks_t *s, uint64_t c) {
+  double t = pm__now() - s->t_create;
+  if (c == 0) atomic_store(&s->first_ready_s, t);
+  if (c + 1 == s->nchunks) atomic_store(&s->all_ready_s, t);
+  pthread_mutex_lock(&s->lock);
+  atomic_store_explicit(&s->chunks_ready, c + 1, memory_order_release);
+  pthread_cond_broadcast(&s->ready_cv);
+  pthread_mutex_unlock(&s->lock);
+}
+
+static void *pinner_main(void *arg) {
+  pm_blocks_t *s = arg;
+  pm__thread_enter(s->device);
+  for (uint64_t c = 1; c < s->nchunks; c++) {
+    if (atomic_load(&s->stop)) break;
+    pm_status_t st = pin_chunk(s, c);
+    if (st != PM_OK) {
+      pthread_mutex_lock(&s->lock);
+      s->pin_status = st;
+      snprintf(s->pin_error, sizeof s->pin_error, "%s", pm_last_error());
+      pthread_cond_broadcast(&s->ready_cv);
+      pthread_mutex_unlock(&s->lock);
+      break;
+    }
+    mark_ready(s, c);
+  }
+  return NULL;
+}
+
+/* Wait until chunk c is pinned; the pinning error if it never will be. */
+static pm_status_t wait_chunk(pm_blocks_t *s, uint64_t c, const char *fn) {
+  if (atomic_load_explicit(&s->chunks_ready, memory_order_acquire) > c) return PM_OK;
+  pthread_mutex_lock(&s->lock);
+  while (atomic_load_explicit(&s->chunks_ready, memory_order_acquire) <= c &&
+         s->pin_status == PM_OK)
+    pthread_cond_wait(&s->ready_cv, &s->lock);
+  pm_status_t st = PM_OK;
+  if (atomic_load_explicit(&s->chunks_ready, memory_order_acquire) <= c)
+    st = pm__set_error(s->pin_status,
+                       "%s: blocks from %llu on are not pinned: the background pinning failed: %s",
+                       fn, (unsigned long long)chunk_start(s, atomic_load(&s->chunks_ready)),
+                       s->pin_error);
+  pthread_mutex_unlock(&s->lock);
+  return st;
+}
+
+static char *block_addr(const pm_blocks_t *s, uint64_t id) {
+  uint64_t c = chunk_of(s, id);
+  return s->chunk_base[c] + (size_t)(id - chunk_start(s, c)) * s->block_bytes;
+}
+
+/* ---- create / destroy ----------------------------------------------------------------------- */
+
+void pm_blocks_config_init(pm_blocks_config_t *config) {
+  if (!config) return;
+  memset(config, 0, sizeof *config);
+  config->device = -1;
+  config->background = 1;
+}
+
+static void store_free(pm_blocks_t *s) {
+  for (uint64_t c = 0; c < s->nchunks && s->chunk_base; c++)
+    if (s->chunk_base[c]) (void)pm__fast_unpin(s->b, s->chunk_base[c], chunk_len(s, c));
+  if (s->charged) pm__pool_uncharge(s->pool, s->charged);
+  pthread_cond_destroy(&s->ready_cv);
+  pthread_mutex_destroy(&s->lock);
+  free(s->chunk_base);
+  free(s->free_stack);
+  free(s->state);
+  free(s);
+}
+
+pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blocks_out) {
+  static const char fn[] = "pm_blocks_create";
+  if (!config || !blocks_out)
+    return pm__set_error(PM_ERR_INVALID, "%s: config and blocks_out are required", fn);
+  PM__BACKEND_OR_RETURN(b);
+  pm_blocks_config_t c = *config;
+  if (c.block_bytes == 0) return pm__set_error(PM_ERR_INVALID, "%s: block_bytes is 0", fn);
+  if (c.num_blocks == 0) return pm__set_error(PM_ERR_INVALID, "%s: num_blocks is 0", fn);
+  if (c.num_blocks > SIZE_MAX / c.block_bytes / 2 || c.num_blocks > (uint64_t)SIZE_MAX / 16)
+    return pm__set_error(PM_ERR_INVALID, "%s: %llu blocks of %zu bytes is too large", fn,
+                         (unsigned long long)c.num_blocks, c.block_bytes);
+  if (c.pin_threads < 0 || c.pin_threads > 1024)
+    return pm__set_error(PM_ERR_INVALID, "%s: pin_threads %d is not in 0..1024", fn,
+                         c.pin_threads);
+  if (c.background != 0 && c.background != 1)
+    return pm__set_error(PM_ERR_INVALID, "%s: background is %d, not 0 or 1", fn, c.background);
+  int ndev = 0, cur = 0;
+  pm_status_t st = b->device_count(&ndev);
+  if (st == PM_OK) st = b->get_device(&cur);
+  if (st != PM_OK) return pm__wrap_error(st, "%s", fn);
+  if (c.device < -1 || c.device >= ndev)
+    return pm__set_error(PM_ERR_INVALID, "%s: device %d is not -1 or a device 0..%d", fn,
+                         c.device, ndev - 1);
+  pm_pool_t *pool = c.pool;
+  if (pool) {
+    st = pm__handle_check(pool, PM__HANDLE_POOL, fn);
+  } else {
+    st = pm_pool_default(&pool);
+  }
+  if (st != PM_OK) return st;
+
+  pm_blocks_t *s = calloc(1, sizeof *s);
+  if (!s) return pm__set_error(PM_ERR_NOMEM, "%s: out of memory", fn);
+  s->b = b;
+  s->pool = pool;
+  s->block_bytes = c.block_bytes;
+  s->num_blocks = c.num_blocks;
+  s->device = c.device >= 0 ? c.device : cur;
+  size_t chunk = c.chunk_bytes ? c.chunk_bytes : pm__opt_size(PM__OPT_BLOCKS_CHUNK);
+  s->chunk_blocks = PM__MAX((uint64_t)1, (uint64_t)(chunk / c.block_bytes));
+  s->chunk_blocks = PM__MIN(s->chunk_blocks, s->num_blocks);
+  s->first_blocks = PM__MIN(s->chunk_blocks,
+                            PM__MAX((uint64_t)1, (uint64_t)(atomic_load(&pm__blocks_first_bytes) /
+                                                            c.block_bytes)));
+  s->nchunks = 1 + (s->num_blocks - s->first_blocks + s->chunk_blocks - 1) / s->chunk_blocks;
+  s->threads = c.pin_threads ? c.pin_threads : (int)pm__opt_int(PM__OPT_PIN_THREADS);
+  s->huge = pm__opt_int(PM__OPT_HUGE_PAGES) != 0;
+  s->node = pm__numa_node_for(s->device);
+  pthread_mutex_init(&s->lock, NULL);
+  pthread_cond_init(&s->ready_cv, NULL);
+  s->chunk_base = calloc((size_t)s->nchunks, sizeof *s->chunk_base);
+  s->free_stack = malloc((size_t)s->num_blocks * sizeof *s->free_stack);
+  s->state = calloc((size_t)s->num_blocks, 1);
+  if (!s->chunk_base || !s->free_stack || !s->state) {
+    store_free(s);
+    return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for %llu blocks' bookkeeping", fn,
+                         (unsigned long long)c.num_blocks);
+  }
+  for (uint64_t i = 0; i < s->num_blocks; i++) s->free_stack[i] = s->num_blocks - 1 - i;
+  s->nfree = s->num_blocks;
+  size_t page = pm__page_size(), charge = 0;
+  for (uint64_t k = 0; k < s->nchunks; k++) charge += pm__align_up(chunk_len(s, k), page);
+  st = pm__pool_charge_for(pool, charge, "block store arena");
+  if (st != PM_OK) {
+    store_free(s);
+    return pm__wrap_error(st, "%s: %llu blocks of %zu bytes", fn,
+                          (unsigned long long)c.num_blocks, c.block_bytes);
+  }
+  s->charged = charge;
+  s->t_create = pm__now();
+  for (uint64_t k = 0; k < (c.background ? 1 : s->nchunks); k++) {
+    st = pin_chunk(s, k);
+    if (st != PM_OK) {
+      store_free(s);
+      return pm__wrap_error(st, "%s", fn);
+    }
+    mark_ready(s, k);
+  }
+  if (c.background && s->nchunks > 1) {
+    if (pthread_create(&s->pinner, NULL, pinner_main, s) != 0) {
+      store_free(s);
+      return pm__set_error(PM_ERR_NOMEM, "%s: cannot start the pinning thread", fn);
+    }
+    s->has_pinner = true;
+  }
+  st = pm__handle_add(s, PM__HANDLE_BLOCKS);
+  if (st != PM_OK) {
+    atomic_store(&s->stop, true);
+    if (s->has_pinner) pthread_join(s->pinner, NULL);
+    store_free(s);
+    return st;
+  }
+  *blocks_out = s;
+  return PM_OK;
+}
+
+pm_status_t pm_blocks_destroy(pm_blocks_t *s) {
+  static const char fn[] = "pm_blocks_destroy";
+  if (pm__handle_foreign(s, PM__HANDLE_BLOCKS)) {
+    (void)pm__handle_remove(s, PM__HANDLE_BLOCKS);
+    return PM_OK;
+  }
+  pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
+  if (st != PM_OK) return st;
+  (void)pm__handle_remove(s, PM__HANDLE_BLOCKS);
+  atomic_store(&s->stop, true);
+  if (s->has_pinner) pthread_join(s->pinner, NULL);
+  /* Swaps queued on any stream may still read or write the arena: the device's work finishes
+   * before the memory is unpinned. */
+  int cur = -1;
+  pm_status_t sync = s->b->get_device(&cur);
+  if (sync == PM_OK && cur != s->device) sync = s->b->set_device(s->device);
+  if (sync == PM_OK) sync = s->b->device_synchronize();
+  if (cur >= 0 && cur != s->device) (void)s->b->set_device(cur);
+  if (sync != PM_OK) {
+    /* Unpinning memory the device may still use would be worse than keeping it. */
+    return pm__wrap_error(sync, "%s: the device could not be synchronized; the arena is kept", fn);
+  }
+  store_free(s);
+  return PM_OK;
+}
+
+/* ---- the free list -------------------------------------------------------------------------- */
+
+pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
+  static const char fn[] = "pm_blocks_alloc";
+  pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
+  if (st != PM_OK) return st;
+  if (count == 0) return PM_OK;
+  if (!ids_out) return pm__set_error(PM_ERR_INVALID, "%s: ids_out is NULL", fn);
+  pthread_mutex_lock(&s->lock);
+  if (count > s->nfree) {
+    uint64_t nfree = s->nfree;
+    pthread_mutex_unlock(&s->lock);
+    return pm__set_error(PM_ERR_NOMEM,
+                         "%s: the arena is exhausted: asked for %zu blocks, %llu of %llu are free",
+                         fn, count, (unsigned long long)nfree, (unsigned long long)s->num_blocks);
+  }
+  for (size_t i = 0; i < count; i++) {
+    uint64_t id = s->free_stack[--s->nfree];
+    s->state[id] = 1;
+    ids_out[i] = id;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return PM_OK;
+}
+
+pm_status_t pm_blocks_free(pm_blocks_t *s, const uint64_t *ids, size_t count) {
+  static const char fn[] = "pm_blocks_free";
+  pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
+  if (st != PM_OK) return st;
+  if (count == 0) return PM_OK;
+  if (!ids) return pm__set_error(PM_ERR_INVALID, "%s: ids is NULL", fn);
+  pthread_mutex_lock(&s->lock);
+  size_t i = 0;
+  for (; i < count; i++) {
+    if (ids[i] >= s->num_blocks || s->state[ids[i]] != 1) break;
+    s->state[ids[i]] = 2; /* seen in this call: a repeat is caught */
+  }
+  bool ok = i == count;
+  for (size_t j = 0; j < i; j++) {
+    s->state[ids[j]] = ok ? 0 : 1;
+    if (ok) s->free_stack[s->nfree++] = ids[j];
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (ok) return PM_OK;
+  if (ids[i] >= s->num_blocks)
+    return pm__set_error(PM_ERR_INVALID, "%s: ids[%zu] = %llu is not a block (the arena has %llu)",
+                         fn, i, (unsigned long long)ids[i], (unsigned long long)s->num_blocks);
+  bool repeat = false;
+  for (size_t j = 0; j < i && !repeat; j++) repeat = ids[j] == ids[i];
+  return pm__set_error(PM_ERR_INVALID, "%s: ids[%zu] = %llu is %s; nothing was freed", fn, i,
+                       (unsigned long long)ids[i],
+                       repeat ? "named twice" : "not allocated (pm_blocks_alloc)");
+}
+
+pm_status_t pm_blocks_ptr(pm_blocks_t *s, uint64_t id, void **ptr_out) {
+  static const char fn[] = "pm_blocks_ptr";
+  pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
+  if (st != PM_OK) return st;
+  if (!ptr_out) return pm__set_error(PM_ERR_INVALID, "%s: ptr_out is NULL", fn);
+  if (id >= s->num_blocks)
+    return pm__set_error(PM_ERR_INVALID, "%s: id %llu is not a block (the arena has %llu)", fn,
+                         (unsigned long long)id, (unsigned long long)s->num_blocks);
+  st = wait_chunk(s, chunk_of(s, id), fn);
+  if (st != PM_OK) return st;
+  *ptr_out = block_addr(s, id);
+  return PM_OK;
+}
+
+pm_status_t pm_blocks_wait_ready(pm_blocks_t *s, uint64_t count) {
+  static const char fn[] = "pm_blocks_wait_ready";
+  pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
+  if (st != PM_OK) return st;
+  if (count == 0 || count > s->num_blocks) count = s->num_blocks;
+  return wait_chunk(s, chunk_of(s, count - 1), fn);
+}
+
+pm_status_t pm_blocks_get_stats(pm_blocks_t *s, pm_blocks_stats_t *out) {
+  static const char fn[] = "pm_blocks_get_stats";
+  pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
+  if (st != PM_OK) return st;
+  if (!out) return pm__set_error(PM_ERR_INVALID, "%s: stats_out is NULL", fn);
+  pm_blocks_stats_t r;
+  memset(&r, 0, sizeof r);
+  r.block_bytes = s->block_bytes;
+  r.num_blocks = s->num_blocks;
+  pthread_mutex_lock(&s->lock);
+  r.free_blocks = s->nfree;
+  pthread_mutex_unlock(&s->lock);
+  r.chunks = s->nchunks;
+  r.chunks_ready = atomic_load(&s->chunks_ready);
+  r.ready_blocks = PM__MIN(s->num_blocks, chunk_start(s, r.chunks_ready));
+  r.arena_bytes = s->charged;
+  r.chunk_bytes = (size_t)s->chunk_blocks * s->block_bytes;
+  r.numa_node = s->node;
+  r.first_ready_seconds = atomic_load(&s->first_ready_s);
+  r.all_ready_seconds = atomic_load(&s->all_ready_s);
+  bool cal;
+  r.kernel_max = kernel_max(s->b, &cal);
+  r.kernel_max_calibrated = cal;
+  r.swaps_out = atomic_load(&s->swaps_out);
+  r.swaps_in = atomic_load(&s->swaps_in);
+  r.blocks_out = atomic_load(&s->blocks_out);
+  r.blocks_in = atomic_load(&s->blocks_in);
+  r.bytes_out = atomic_load(&s->bytes_out);
+  r.bytes_in = atomic_load(&s->bytes_in);
+  r.pieces_kernel = atomic_load(&s->pieces_kernel);
+  r.pieces_dma = atomic_load(&s->pieces_dma);
+  r.transfers = atomic_load(&s->transfers);
+  *out = r;
+  return PM_OK;
+}
+
+/* ---- swaps ---------------------------------------------------------------------------------- */
+
+static pm_status_t check_layout(const pm_blocks_t *s, const pm_kv_layout_t *L, const char *fn) {
+  if (!L) return pm__set_error(PM_ERR_INVALID, "%s: layout is NULL", fn);
+  if (L->nregions < 1 || L->nregions > PM_KV_MAX_REGIONS || !L->regions)
+    return pm__set_error(PM_ERR_INVALID, "%s: layout has %d regions (1..%d, regions not NULL)",
+                         fn, L->nregions, PM_KV_MAX_REGIONS);
+  if (L->device_blocks == 0)
+    return pm__set_error(PM_ERR_INVALID, "%s: layout->device_blocks is 0", fn);
+  if (L->device < -1 || (L->device >= 0 && L->device != s->device))
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: the KV tensors are on device %d, the store serves device %d", fn,
+                         L->device, s->device);
+  size_t sum = 0;
+  for (int r = 0; r < L->nregions; r++) {
+    const pm_kv_region_t *g = &L->regions[r];
+    if (!g->base || g->bytes == 0)
+      return pm__set_error(PM_ERR_INVALID, "%s: region %d has %s", fn, r,
+                           g->base ? "0 bytes" : "a NULL base");
+    if (L->device_blocks > 1 && g->block_stride < g->bytes)
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: region %d's block_stride %zu is below its bytes %zu (blocks "
+                           "would overlap)",
+                           fn, r, g->block_stride, g->bytes);
+    if (g->bytes > s->block_bytes - PM__MIN(sum, s->block_bytes))
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: the layout's regions hold more than a block's %zu bytes (region "
+                           "%d ends at %zu)",
+                           fn, s->block_bytes, r, sum + g->bytes);
+    sum += g->bytes;
+    uint64_t span_blocks = L->device_blocks - 1;
+    if (g->block_stride && span_blocks > (UINTPTR_MAX - (uintptr_t)g->base - g->bytes) /
+                                             g->block_stride)
+      return pm__set_error(PM_ERR_INVALID, "%s: region %d runs past the end of the address space",
+                           fn, r);
+    const char *last = (const char *)g->base + span_blocks * g->block_stride + g->bytes - 1;
+    if (s->b->pointer_kind(g->base) != PM__PTR_DEVICE || s->b->pointer_kind(last) != PM__PTR_DEVICE)
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: region %d [%p, %p] is not device memory (KV tensors must be on "
+                           "the device)",
+                           fn, r, g->base, (const void *)last);
+  }
+  if (sum != s->block_bytes)
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: the layout's regions hold %zu bytes of a block, the store's blocks "
+                         "are %zu bytes",
+                         fn, sum, s->block_bytes);
+  return PM_OK;
+}
+
+/* Ids in range, host blocks allocated, destination ids distinct. *max_host gets the largest
+ * host id. */
+static pm_status_t check_ids(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t *dev_ids,
+                             const uint64_t *host_ids, size_t count, bool out, const char *fn,
+                             uint64_t *max_host) {
+  uint64_t mh = 0;
+  for (size_t i = 0; i < count; i++) {
+    if (dev_ids[i] >= L->device_blocks)
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: device_ids[%zu] = %llu is not a device block (the KV tensors "
+                           "have %llu)",
+                           fn, i, (unsigned long long)dev_ids[i],
+                           (unsigned long long)L->device_blocks);
+    if (host_ids[i] >= s->num_blocks)
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: host_ids[%zu] = %llu is not a block (the arena has %llu)", fn, i,
+                           (unsigned long long)host_ids[i], (unsigned long long)s->num_blocks);
+    mh = PM__MAX(mh, host_ids[i]);
+  }
+  const uint64_t *dst = out ? host_ids : dev_ids;
+  uint64_t range = out ? s->num_blocks : L->device_blocks;
+  uint8_t *seen = calloc((size_t)(range + 7) / 8, 1);
+  if (!seen) return pm__set_error(PM_ERR_NOMEM, "%s: out of memory", fn);
+  pm_status_t st = PM_OK;
+  for (size_t i = 0; i < count && st == PM_OK; i++) {
+    uint64_t d = dst[i];
+    if (seen[d / 8] & (1u << (d % 8))) {
+      size_t first = 0;
+      while (dst[first] != d) first++;
+      st = pm__set_error(PM_ERR_INVALID,
+                         "%s: %s[%zu] = %llu is also %s[%zu]: the blocks a swap writes must be "
+                         "distinct (overlapping ids in one call)",
+                         fn, out ? "host_ids" : "device_ids", i, (unsigned long long)d,
+                         out ? "host_ids" : "device_ids", first);
+    }
+    seen[d / 8] |= (uint8_t)(1u << (d % 8));
+  }
+  free(seen);
+  if (st != PM_OK) return st;
+  pthread_mutex_lock(&s->lock);
+  size_t bad = count;
+  for (size_t i = 0; i < count && bad == count; i++)
+    if (s->state[host_ids[i]] != 1) bad = i;
+  pthread_mutex_unlock(&s->lock);
+  if (bad < count)
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: host_ids[%zu] = %llu is not allocated (pm_blocks_alloc)", fn, bad,
+                         (unsigned long long)host_ids[bad]);
+  *max_host = mh;
+  return PM_OK;
+}
+
+typedef struct blk_lists {
+  void **dsts;
+  const void **srcs;
+  size_t *sizes;
+  size_t n;
+  pm__copy_desc_t *desc;
+  size_t desc_cap;
+  int last_region;     /* of the last piece: what a following piece may extend */
+  uint64_t last_chunk;
+} blk_lists_t;
+
+static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t *dev_ids,
+                        const uint64_t *host_ids, size_t count, pm_stream_t stream,
+                        pm_event_t *event_out, bool out, const char *fn) {
+  pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
+  if (st != PM_OK) return st;
+  st = check_layout(s, L, fn);
+  if (st != PM_OK) return st;
+  if (count && (!dev_ids || !host_ids))
+    return pm__set_error(PM_ERR_INVALID, "%s: device_ids and host_ids are required", fn);
+  uint64_t max_host = 0;
+  if (count) {
+    st = check_ids(s, L, dev_ids, host_ids, count, out, fn, &max_host);
+    if (st != PM_OK) return st;
+    st = wait_chunk(s, chunk_of(s, max_host), fn);
+    if (st != PM_OK) return st;
+  }
+  const pm__backend_t *b = s->b;
+  size_t cut = kernel_max(b, NULL);
+  blk_lists_t k = {0}, d = {0};
+  /* Lists for at most BLK__BATCH pieces: a larger call goes to the backend in parts. */
+  size_t pieces = count * (size_t)L->nregions;
+  size_t cap = PM__MAX((size_t)1, PM__MIN(BLK__BATCH, pieces));
+  k.dsts = malloc(cap * sizeof *k.dsts);
+  k.srcs = malloc(cap * sizeof *k.srcs);
+  k.sizes = malloc(cap * sizeof *k.sizes);
+  k.desc_cap = cap;
+  k.desc = malloc(k.desc_cap * sizeof *k.desc);
+  d.dsts = malloc(cap * sizeof *d.dsts);
+  d.srcs = malloc(cap * sizeof *d.srcs);
+  d.sizes = malloc(cap * sizeof *d.sizes);
+  if (!k.dsts || !k.srcs || !k.sizes || !k.desc || !d.dsts || !d.srcs || !d.sizes) {
+    st = pm__set_error(PM_ERR_NOMEM, "%s: out of memory for the piece lists", fn);
+    goto done;
+  }
+  uint64_t nk = 0, nd = 0, ntr = 0;
+  pm_copy_kind_t kind = out ? PM_COPY_D2H : PM_COPY_H2D;
+  for (size_t i = 0; i < count && st == PM_OK; i++) {
+    char *host = block_addr(s, host_ids[i]);
+    size_t off = 0;
+    for (int r = 0; r < L->nregions && st == PM_OK; r++) {
+      const pm_kv_region_t *g = &L->regions[r];
+      char *dev = (char *)g->base + (size_t)dev_ids[i] * g->block_stride;
+      bool small = g->bytes <= cut;
+      blk_lists_t *l = small ? &k : &d;
+      char *dst = out ? host + off : dev;
+      const char *src = out ? dev : host + off;
+      off += g->bytes;
+      *(small ? &nk : &nd) += 1;
+      /* A piece that continues the previous one on both sides (a one-region layout, ids
+       * consecutive on both sides, pages without padding) extends it: fewer, larger DMAs and
+       * descriptors, the same bytes. Only within one region (one device tensor) and one host
+       * chunk (one registration): a DMA never spans two allocations that happen to touch. */
+      uint64_t chunk = chunk_of(s, host_ids[i]);
+      if (l->n && l->last_region == r && l->last_chunk == chunk &&
+          (char *)l->dsts[l->n - 1] + l->sizes[l->n - 1] == dst &&
+          (const char *)l->srcs[l->n - 1] + l->sizes[l->n - 1] == src) {
+        l->sizes[l->n - 1] += g->bytes;
+        continue;
+      }
+      l->last_region = r;
+      l->last_chunk = chunk;
+      if (l->n == cap) {
+        st = small ? queue_kernel(b, k.dsts, k.srcs, k.sizes, k.n, stream, k.desc, k.desc_cap)
+                   : queue_dma(b, d.dsts, d.srcs, d.sizes, d.n, kind, stream);
+        l->n = 0;
+        if (st != PM_OK) break;
+      }
+      ntr++;
+      l->dsts[l->n] = dst;
+      l->srcs[l->n] = src;
+      l->sizes[l->n] = g->bytes;
+      l->n++;
+    }
+  }
+  if (st == PM_OK && k.n) st = queue_kernel(b, k.dsts, k.srcs, k.sizes, k.n, stream, k.desc,
+                                            k.desc_cap);
+  if (st == PM_OK && d.n) st = queue_dma(b, d.dsts, d.srcs, d.sizes, d.n, kind, stream);
+  if (st != PM_OK) {
+    st = pm__wrap_error(st, "%s: queueing %zu blocks (what was queued before the failure still "
+                            "runs on the stream)", fn, count);
+    goto done;
+  }
+  if (event_out) {
+    pm_event_t ev = NULL;
+    st = b->event_create(PM_EVENT_DEFAULT, &ev);
+    if (st == PM_OK) {
+      st = b->event_record(ev, stream);
+      if (st != PM_OK) (void)b->event_destroy(ev);
+    }
+    if (st != PM_OK) {
+      st = pm__wrap_error(st, "%s: the call's event", fn);
+      goto done;
+    }
+    *event_out = ev;
+  }
+  atomic_fetch_add(out ? &s->swaps_out : &s->swaps_in, 1);
+  atomic_fetch_add(out ? &s->blocks_out : &s->blocks_in, count);
+  atomic_fetch_add(out ? &s->bytes_out : &s->bytes_in, (uint64_t)count * s->block_bytes);
+  atomic_fetch_add(&s->pieces_kernel, nk);
+  atomic_fetch_add(&s->pieces_dma, nd);
+  atomic_fetch_add(&s->transfers, ntr);
+done:
+  free(k.dsts);
+  free(k.srcs);
+  free(k.sizes);
+  free(k.desc);
+  free(d.dsts);
+  free(d.srcs);
+  free(d.sizes);
+  return st;
+}
+
+pm_status_t pm_blocks_swap_out(pm_blocks_t *blocks, const pm_kv_layout_t *layout,
+                               const uint64_t *device_ids, const uint64_t *host_ids, size_t count,
+                               pm_stream_t stream, pm_event_t *event_out) {
+  return swap(blocks, layout, device_ids, host_ids, count, stream, event_out, true,
+              "pm_blocks_swap_out");
+}
+
+pm_status_t pm_blocks_swap_in(pm_blocks_t *blocks, const pm_kv_layout_t *layout,
+                              const uint64_t *device_ids, const uint64_t *host_ids, size_t count,
+                              pm_stream_t stream, pm_event_t *event_out) {
+  return swap(blocks, layout, device_ids, host_ids, count, stream, event_out, false,
+              "pm_blocks_swap_in");
+}

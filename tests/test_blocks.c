@@ -1,0 +1,637 @@
+/* The KV-cache block store (pm_blocks_*): every layout and direction byte for byte against a
+ * reference kept on the host, under each path choice (always DMA, always the kernel, the
+ * calibrated cut-off); bad ids, repeated ids in one call, exhaustion and other bad input; two
+ * streams swapping at once; swaps racing the background pinning of the arena. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "internal.h"
+
+/* The layouts servers use, over nl layers of [nb, bs, heads, hd] elements of isz bytes. */
+enum { LAY_KV_APART, LAY_KV_STACKED_OUTER, LAY_KV_STACKED_INNER, LAY_ONE_TENSOR, LAY_COUNT };
+static const char *lay_name[] = {"K and V apart", "[2, blocks, ...]", "[blocks, 2, ...]",
+                                 "one tensor a layer"};
+
+typedef struct kv {
+  int layout, nl;
+  uint64_t nb; /* device blocks */
+  size_t piece; /* bytes of one block of one K or V tensor */
+  int ntensors;
+  char *dev[8];         /* device tensors */
+  size_t tensor_bytes[8];
+  char *mirror[8];      /* what the device tensors should hold */
+  pm_kv_region_t regions[16];
+  pm_kv_layout_t layout_desc;
+  size_t block_bytes;
+} kv_t;
+
+static void kv_make(kv_t *k, int layout, int nl, uint64_t nb, size_t piece, uint64_t seed) {
+  memset(k, 0, sizeof *k);
+  k->layout = layout;
+  k->nl = nl;
+  k->nb = nb;
+  k->piece = piece;
+  int nr = 0;
+  for (int l = 0; l < nl; l++) {
+    switch (layout) {
+    case LAY_KV_APART: /* two tensors a layer, one region each */
+      for (int h = 0; h < 2; h++) {
+        int t = k->ntensors++;
+        k->tensor_bytes[t] = nb * piece;
+        k->regions[nr++] = (pm_kv_region_t){NULL, piece, piece};
+      }
+      break;
+    case LAY_KV_STACKED_OUTER: /* one tensor [2, nb, ...]: two regions */
+      k->tensor_bytes[k->ntensors++] = 2 * nb * piece;
+      k->regions[nr++] = (pm_kv_region_t){NULL, piece, piece};
+      k->regions[nr++] = (pm_kv_region_t){NULL, piece, piece};
+      break;
+    case LAY_KV_STACKED_INNER: /* one tensor [nb, 2, ...]: one region of both halves */
+      k->tensor_bytes[k->ntensors++] = nb * 2 * piece;
+      k->regions[nr++] = (pm_kv_region_t){NULL, 2 * piece, 2 * piece};
+      break;
+    default: /* one tensor a layer [nb, bs, heads, hd] */
+      k->tensor_bytes[k->ntensors++] = nb * piece;
+      k->regions[nr++] = (pm_kv_region_t){NULL, piece, piece};
+      break;
+    }
+  }
+  for (int t = 0; t < k->ntensors; t++) {
+    REQUIRE_OK(pm_device_alloc(k->tensor_bytes[t], (void **)&k->dev[t]));
+    k->mirror[t] = malloc(k->tensor_bytes[t]);
+    REQUIRE(k->mirror[t]);
+    pm_test_fill(k->mirror[t], k->tensor_bytes[t], seed + (uint64_t)t);
+    REQUIRE_OK(pm_memcpy(k->dev[t], k->mirror[t], k->tensor_bytes[t], PM_COPY_H2D));
+  }
+  /* Region bases, in the order the regions were made. */
+  nr = 0;
+  for (int t = 0; t < k->ntensors; t++) {
+    if (layout == LAY_KV_STACKED_OUTER) {
+      k->regions[nr++].base = k->dev[t];
+      k->regions[nr++].base = k->dev[t] + nb * piece;
+    } else {
+      k->regions[nr++].base = k->dev[t];
+    }
+  }
+  k->layout_desc = (pm_kv_layout_t){nr, k->regions, nb, -1};
+  k->block_bytes = 0;
+  for (int r = 0; r < nr; r++) k->block_bytes += k->regions[r].bytes;
+}
+
+static void kv_free(kv_t *k) {
+  for (int t = 0; t < k->ntensors; t++) {
+    CHECK_OK(pm_device_free(k->dev[t]));
+    free(k->mirror[t]);
+  }
+}
+
+/* The host address of region r of device block d in the mirror. */
+static const char *mirror_at(const kv_t *k, int r, uint64_t d) {
+  /* Regions map to tensors in order; the outer-stacked layout has two regions a tensor. */
+  int t = k->layout == LAY_KV_STACKED_OUTER ? r / 2 : r;
+  size_t extra = k->layout == LAY_KV_STACKED_OUTER && r % 2 ? k->nb * k->piece : 0;
+  return k->mirror[t] + extra + d * k->regions[r].block_stride;
+}
+
+/* Host block h (from the store) holds device block d of the mirror, region after region. */
+static bool host_block_is(pm_blocks_t *s, const kv_t *k, uint64_t h, uint64_t d) {
+  char *p;
+  if (pm_blocks_ptr(s, h, (void **)&p) != PM_OK) return false;
+  size_t off = 0;
+  for (int r = 0; r < k->layout_desc.nregions; r++) {
+    if (memcmp(p + off, mirror_at(k, r, d), k->regions[r].bytes) != 0) return false;
+    off += k->regions[r].bytes;
+  }
+  return true;
+}
+
+/* The device tensors hold exactly the mirror. */
+static bool device_is_mirror(const kv_t *k) {
+  bool ok = true;
+  for (int t = 0; t < k->ntensors && ok; t++) {
+    char *tmp = malloc(k->tensor_bytes[t]);
+    REQUIRE(tmp);
+    REQUIRE_OK(pm_memcpy(tmp, k->dev[t], k->tensor_bytes[t], PM_COPY_D2H));
+    ok = memcmp(tmp, k->mirror[t], k->tensor_bytes[t]) == 0;
+    free(tmp);
+  }
+  return ok;
+}
+
+/* A permutation of [0, n) by Fisher-Yates. */
+static void shuffle(uint64_t *v, size_t n, uint64_t *rng) {
+  for (size_t i = n; i > 1; i--) {
+    size_t j = (size_t)(pm_test_rand(rng) % i);
+    uint64_t t = v[i - 1];
+    v[i - 1] = v[j];
+    v[j] = t;
+  }
+}
+
+static pm_blocks_t *make_store(size_t block_bytes, uint64_t n, size_t chunk, int background) {
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = block_bytes;
+  c.num_blocks = n;
+  c.chunk_bytes = chunk;
+  c.background = background;
+  pm_blocks_t *s = NULL;
+  REQUIRE_OK(pm_blocks_create(&c, &s));
+  return s;
+}
+
+/* Out with random ids both sides, check the arena; scramble the device; back in to other
+ * device blocks, check the device. */
+static void round_trip(int layout, size_t piece, const char *cut) {
+  REQUIRE_OK(pm_option_set("blocks_kernel_max", cut));
+  uint64_t rng = 0x5eed + (uint64_t)layout * 31 + piece;
+  kv_t k;
+  uint64_t nb = 12, nh = 10;
+  int nl = 2;
+  kv_make(&k, layout, nl, nb, piece, rng);
+  pm_blocks_t *s = make_store(k.block_bytes, nh, 3 * k.block_bytes, 1);
+  pm_stream_t st;
+  REQUIRE_OK(pm_stream_create(&st));
+
+  size_t n = 7;
+  uint64_t host[16], dev[12];
+  REQUIRE_OK(pm_blocks_alloc(s, nh, host));
+  shuffle(host, nh, &rng);
+  for (uint64_t i = 0; i < nb; i++) dev[i] = i;
+  shuffle(dev, nb, &rng);
+  /* Device ids may repeat going out: block dev[0] goes to two host blocks. */
+  dev[n - 1] = dev[0];
+  pm_event_t ev = NULL;
+  CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, dev, host, n, st, &ev));
+  REQUIRE(ev != NULL);
+  CHECK_OK(pm_event_synchronize(ev));
+  CHECK_OK(pm_event_destroy(ev));
+  bool all = true;
+  for (size_t i = 0; i < n; i++) all = all && host_block_is(s, &k, host[i], dev[i]);
+  if (!all)
+    fprintf(stderr, "swap_out: %s, piece %zu, cut-off %s: a host block differs\n",
+            lay_name[layout], piece, cut);
+  CHECK(all);
+
+  /* Scramble the device, then bring the blocks back into other device blocks: the mirror
+   * follows what the swap in must do. */
+  for (int t = 0; t < k.ntensors; t++) {
+    pm_test_fill(k.mirror[t], k.tensor_bytes[t], rng + 100 + (uint64_t)t);
+    REQUIRE_OK(pm_memcpy(k.dev[t], k.mirror[t], k.tensor_bytes[t], PM_COPY_H2D));
+  }
+  uint64_t to[12];
+  for (uint64_t i = 0; i < nb; i++) to[i] = nb - 1 - i;
+  /* Host ids may repeat coming in. */
+  uint64_t from[7];
+  memcpy(from, host, sizeof from);
+  from[2] = host[5];
+  for (size_t i = 0; i < n; i++) {
+    char *p;
+    REQUIRE_OK(pm_blocks_ptr(s, from[i], (void **)&p));
+    size_t off = 0;
+    for (int r = 0; r < k.layout_desc.nregions; r++) {
+      memcpy((char *)mirror_at(&k, r, to[i]), p + off, k.regions[r].bytes);
+      off += k.regions[r].bytes;
+    }
+  }
+  CHECK_OK(pm_blocks_swap_in(s, &k.layout_desc, to, from, n, st, NULL));
+  CHECK_OK(pm_stream_synchronize(st));
+  bool same = device_is_mirror(&k);
+  if (!same)
+    fprintf(stderr, "swap_in: %s, piece %zu, cut-off %s: the device differs\n", lay_name[layout],
+            piece, cut);
+  CHECK(same);
+
+  pm_blocks_stats_t stats;
+  CHECK_OK(pm_blocks_get_stats(s, &stats));
+  CHECK_EQ_SIZE(stats.swaps_out, 1);
+  CHECK_EQ_SIZE(stats.swaps_in, 1);
+  CHECK_EQ_SIZE(stats.blocks_out, n);
+  CHECK_EQ_SIZE(stats.bytes_in, n * k.block_bytes);
+  CHECK_EQ_SIZE(stats.pieces_kernel + stats.pieces_dma, 2 * n * (size_t)k.layout_desc.nregions);
+  CHECK_EQ_INT(stats.kernel_max_calibrated, !strcmp(cut, "auto"));
+  /* The option as set, where the kernel can reach pinned memory (always on the host backend;
+   * elsewhere the device must allow it, else 0: always DMA). */
+  if (strcmp(cut, "auto") != 0 && pm_backend_kind() == PM_BACKEND_HOST) {
+    size_t want;
+    REQUIRE_OK(pm_parse_size(cut, &want));
+    CHECK_EQ_SIZE(stats.kernel_max, want);
+  }
+  if (!strcmp(cut, "0")) CHECK_EQ_SIZE(stats.pieces_kernel, 0);
+  if (!strcmp(cut, "1G") && stats.kernel_max) CHECK_EQ_SIZE(stats.pieces_dma, 0);
+  CHECK_OK(pm_blocks_free(s, host, nh));
+  CHECK_OK(pm_stream_destroy(st));
+  CHECK_OK(pm_blocks_destroy(s));
+  kv_free(&k);
+}
+
+static void test_layouts(void) {
+  /* Odd sizes (bf16 [16 tokens, 3 heads, 5 dims] = 480 bytes and a 1-byte-aligned 333), and a
+   * piece above the kernel's 64 KiB tile. */
+  static const size_t pieces[] = {480, 333, 70000};
+  static const char *cuts[] = {"0", "1G", "auto"};
+  size_t np = pm_test_small() ? 2 : 3;
+  for (int l = 0; l < LAY_COUNT; l++)
+    for (size_t p = 0; p < np; p++)
+      for (size_t c = 0; c < 3; c++) round_trip(l, pieces[p], cuts[c]);
+  /* A cut-off between the two region sizes of one call: both paths at once. */
+  round_trip(LAY_KV_STACKED_INNER, 480, "500");
+  CHECK_OK(pm_option_set("blocks_kernel_max", NULL));
+}
+
+static void test_bad_input(void) {
+  kv_t k;
+  kv_make(&k, LAY_KV_APART, 1, 8, 256, 77);
+  pm_blocks_t *s = make_store(k.block_bytes, 4, 0, 1);
+  uint64_t h[4], d[4] = {0, 1, 2, 3};
+  REQUIRE_OK(pm_blocks_alloc(s, 3, h));
+  /* Exhaustion: one left, two asked for, nothing taken. */
+  uint64_t more[2];
+  CHECK_ERR_MSG(pm_blocks_alloc(s, 2, more), PM_ERR_NOMEM);
+  CHECK(strstr(pm_last_error(), "exhausted") != NULL);
+  CHECK_OK(pm_blocks_alloc(s, 1, &h[3]));
+  CHECK_ERR_MSG(pm_blocks_alloc(s, 1, more), PM_ERR_NOMEM);
+
+  /* Bad ids, named with their position. */
+  uint64_t bad[2] = {h[0], 4};
+  CHECK_ERR_MSG(pm_blocks_swap_out(s, &k.layout_desc, d, bad, 2, NULL, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "host_ids[1] = 4") != NULL);
+  uint64_t bad_dev[2] = {0, 8};
+  CHECK_ERR_MSG(pm_blocks_swap_in(s, &k.layout_desc, bad_dev, h, 2, NULL, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "device_ids[1] = 8") != NULL);
+  /* Repeated destination ids in one call: host ids going out, device ids coming in. */
+  uint64_t twice[3] = {h[0], h[1], h[0]};
+  CHECK_ERR_MSG(pm_blocks_swap_out(s, &k.layout_desc, d, twice, 3, NULL, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "host_ids[2]") != NULL);
+  uint64_t dtwice[2] = {3, 3};
+  CHECK_ERR_MSG(pm_blocks_swap_in(s, &k.layout_desc, dtwice, h, 2, NULL, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "distinct") != NULL);
+  /* A freed block is not a swap's. */
+  CHECK_OK(pm_blocks_free(s, &h[1], 1));
+  CHECK_ERR_MSG(pm_blocks_swap_out(s, &k.layout_desc, d, h, 2, NULL, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "not allocated") != NULL);
+  /* Frees: twice in one call, twice over, out of range; nothing is freed then. */
+  uint64_t f2[2] = {h[0], h[0]};
+  CHECK_ERR_MSG(pm_blocks_free(s, f2, 2), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "named twice") != NULL);
+  CHECK_ERR_MSG(pm_blocks_free(s, &h[1], 1), PM_ERR_INVALID);
+  uint64_t oob = 99;
+  CHECK_ERR_MSG(pm_blocks_free(s, &oob, 1), PM_ERR_INVALID);
+  pm_blocks_stats_t stats;
+  CHECK_OK(pm_blocks_get_stats(s, &stats));
+  CHECK_EQ_SIZE(stats.free_blocks, 1);
+
+  /* Layouts that do not fit: bytes that do not sum to a block, host memory, another device,
+   * a stride below the bytes, nothing at all. */
+  pm_kv_layout_t L = k.layout_desc;
+  pm_kv_region_t r[2] = {k.regions[0], k.regions[1]};
+  L.regions = r;
+  r[1].bytes = 255;
+  CHECK_ERR_MSG(pm_blocks_swap_out(s, &L, d, h, 1, NULL, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "hold 511 bytes") != NULL);
+  r[1] = k.regions[1];
+  char *hostmem = malloc(8 * 256);
+  REQUIRE(hostmem);
+  r[1].base = hostmem;
+  CHECK_ERR_MSG(pm_blocks_swap_out(s, &L, d, h, 1, NULL, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "not device memory") != NULL);
+  r[1] = k.regions[1];
+  r[1].block_stride = 100;
+  CHECK_ERR_MSG(pm_blocks_swap_out(s, &L, d, h, 1, NULL, NULL), PM_ERR_INVALID);
+  r[1] = k.regions[1];
+  L.device = 1;
+  CHECK_ERR_MSG(pm_blocks_swap_out(s, &L, d, h, 1, NULL, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "device 1") != NULL);
+  L.device = -1;
+  L.nregions = 0;
+  CHECK_ERR_MSG(pm_blocks_swap_out(s, &L, d, h, 1, NULL, NULL), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_blocks_swap_out(s, NULL, d, h, 1, NULL, NULL), PM_ERR_INVALID);
+  free(hostmem);
+  /* Nothing was queued by the refused calls. */
+  CHECK_OK(pm_blocks_get_stats(s, &stats));
+  CHECK_EQ_SIZE(stats.swaps_out + stats.swaps_in, 0);
+  /* A count of 0 is a swap of nothing, with its event. */
+  pm_event_t ev = NULL;
+  CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, NULL, NULL, 0, NULL, &ev));
+  CHECK(ev != NULL);
+  if (ev) CHECK_OK(pm_event_destroy(ev));
+
+  /* Bad configs; a stale handle. */
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  pm_blocks_t *x = NULL;
+  CHECK_ERR_MSG(pm_blocks_create(&c, &x), PM_ERR_INVALID);
+  c.block_bytes = 4096;
+  CHECK_ERR_MSG(pm_blocks_create(&c, &x), PM_ERR_INVALID);
+  c.num_blocks = 4;
+  c.device = 5;
+  CHECK_ERR_MSG(pm_blocks_create(&c, &x), PM_ERR_INVALID);
+  c.device = -1;
+  c.background = 2;
+  CHECK_ERR_MSG(pm_blocks_create(&c, &x), PM_ERR_INVALID);
+  CHECK(x == NULL);
+  CHECK_OK(pm_blocks_destroy(s));
+  CHECK_ERR_MSG(pm_blocks_destroy(s), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_blocks_alloc(s, 1, more), PM_ERR_INVALID);
+  kv_free(&k);
+}
+
+static void test_budget(void) {
+  pm_pool_config_t pc;
+  pm_pool_config_init(&pc);
+  pc.budget = 256 << 10;
+  pm_pool_t *pool;
+  REQUIRE_OK(pm_pool_create(&pc, &pool));
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = 64 << 10;
+  c.num_blocks = 5; /* 320 KiB: over the budget */
+  c.pool = pool;
+  pm_blocks_t *s = NULL;
+  CHECK_ERR_MSG(pm_blocks_create(&c, &s), PM_ERR_BUDGET);
+  CHECK(strstr(pm_last_error(), "block store arena") != NULL);
+  c.num_blocks = 4; /* exactly the budget: sizes are exact */
+  CHECK_OK(pm_blocks_create(&c, &s));
+  pm_pool_stats_t ps;
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK_EQ_SIZE(ps.pinned_bytes, 256 << 10);
+  if (s) CHECK_OK(pm_blocks_destroy(s));
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK_EQ_SIZE(ps.pinned_bytes, 0);
+  CHECK_OK(pm_pool_destroy(pool));
+}
+
+/* Two threads, each on its own stream with its own host and device blocks, swapping at once. */
+typedef struct worker {
+  pm_blocks_t *s;
+  kv_t *k;
+  uint64_t first_dev, ndev;
+  int rounds;
+  bool ok;
+} worker_t;
+
+static void *worker_main(void *arg) {
+  worker_t *w = arg;
+  pm_stream_t st;
+  w->ok = pm_stream_create(&st) == PM_OK;
+  uint64_t h[4], d[4], back[4];
+  w->ok = w->ok && pm_blocks_alloc(w->s, w->ndev, h) == PM_OK;
+  for (int r = 0; r < w->rounds && w->ok; r++) {
+    for (uint64_t i = 0; i < w->ndev; i++) d[i] = w->first_dev + i;
+    pm_event_t ev = NULL;
+    w->ok = pm_blocks_swap_out(w->s, &w->k->layout_desc, d, h, w->ndev, st, &ev) == PM_OK;
+    /* The swap in comes after the swap out on the same stream: blocks rotate by one. */
+    for (uint64_t i = 0; i < w->ndev; i++) back[i] = w->first_dev + (i + 1) % w->ndev;
+    w->ok = w->ok && pm_blocks_swap_in(w->s, &w->k->layout_desc, back, h, w->ndev, st, NULL) ==
+                         PM_OK;
+    w->ok = w->ok && pm_event_synchronize(ev) == PM_OK && pm_event_destroy(ev) == PM_OK;
+  }
+  w->ok = w->ok && pm_stream_synchronize(st) == PM_OK;
+  w->ok = w->ok && pm_blocks_free(w->s, h, w->ndev) == PM_OK;
+  if (st) (void)pm_stream_destroy(st);
+  return NULL;
+}
+
+static void test_two_streams(void) {
+  kv_t k;
+  kv_make(&k, LAY_KV_APART, 2, 8, 1000, 9);
+  pm_blocks_t *s = make_store(k.block_bytes, 8, 0, 1);
+  int rounds = pm_test_small() ? 3 : 20;
+  worker_t w[2] = {{s, &k, 0, 4, rounds, false}, {s, &k, 4, 4, rounds, false}};
+  pthread_t t[2];
+  for (int i = 0; i < 2; i++) REQUIRE(pthread_create(&t[i], NULL, worker_main, &w[i]) == 0);
+  for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+  CHECK(w[0].ok && w[1].ok);
+  /* Each round rotates a worker's 4 blocks by one: after `rounds` rounds, device block
+   * first + (i + rounds) % 4 holds what block first + i held. */
+  for (int t2 = 0; t2 < k.ntensors; t2++) {
+    char *old = malloc(k.tensor_bytes[t2]);
+    REQUIRE(old);
+    memcpy(old, k.mirror[t2], k.tensor_bytes[t2]);
+    for (int g = 0; g < 2; g++)
+      for (uint64_t i = 0; i < 4; i++) {
+        uint64_t from = (uint64_t)g * 4 + i, to = (uint64_t)g * 4 + (i + (uint64_t)rounds) % 4;
+        memcpy(k.mirror[t2] + to * k.piece, old + from * k.piece, k.piece);
+      }
+    free(old);
+  }
+  CHECK(device_is_mirror(&k));
+  CHECK_OK(pm_blocks_destroy(s));
+  kv_free(&k);
+}
+
+/* Swaps while the background thread is still pinning: the last block waits for its chunk,
+ * the first is usable at once; then every block round trips. */
+static void test_background_race(void) {
+  kv_t k;
+  uint64_t nb = 64;
+  kv_make(&k, LAY_ONE_TENSOR, 1, nb, 4096, 13);
+  for (int rep = 0; rep < (pm_test_small() ? 1 : 4); rep++) {
+    /* One block a chunk: 64 chunks, 63 of them pinned in the background. */
+    pm_blocks_t *s = make_store(k.block_bytes, nb, k.block_bytes, 1);
+    pm_blocks_stats_t st0;
+    CHECK_OK(pm_blocks_get_stats(s, &st0));
+    CHECK(st0.chunks == nb);
+    CHECK(st0.chunks_ready >= 1);
+    CHECK(st0.first_ready_seconds > 0);
+    uint64_t h[64], d[64];
+    REQUIRE_OK(pm_blocks_alloc(s, nb, h));
+    CHECK(h[0] == 0 && h[nb - 1] == nb - 1); /* low ids first */
+    /* The highest id first, then the rest in reverse. */
+    for (uint64_t i = 0; i < nb; i++) d[i] = i, h[i] = nb - 1 - i;
+    pm_event_t ev;
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, nb, NULL, &ev));
+    CHECK_OK(pm_event_synchronize(ev));
+    CHECK_OK(pm_event_destroy(ev));
+    bool all = true;
+    for (uint64_t i = 0; i < nb; i++) all = all && host_block_is(s, &k, h[i], d[i]);
+    CHECK(all);
+    CHECK_OK(pm_blocks_wait_ready(s, 0));
+    pm_blocks_stats_t st1;
+    CHECK_OK(pm_blocks_get_stats(s, &st1));
+    CHECK(st1.chunks_ready == nb && st1.ready_blocks == nb);
+    CHECK(st1.all_ready_seconds >= st1.first_ready_seconds);
+    CHECK_EQ_SIZE(st1.arena_bytes, nb * pm__align_up(4096, pm__page_size()));
+    CHECK_OK(pm_blocks_destroy(s));
+  }
+  /* A first chunk smaller than the others (3 blocks, then chunks of 5): ids on both sides of
+   * every boundary land in their own block. */
+  atomic_store(&pm__blocks_first_bytes, 3 * k.block_bytes);
+  {
+    pm_blocks_t *s = make_store(k.block_bytes, 20, 5 * k.block_bytes, 1);
+    pm_blocks_stats_t st;
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.chunks, 5); /* 3 + 5 + 5 + 5 + 2 */
+    CHECK_EQ_SIZE(st.chunk_bytes, 5 * k.block_bytes);
+    uint64_t h[20], d[20];
+    REQUIRE_OK(pm_blocks_alloc(s, 20, h));
+    for (uint64_t i = 0; i < 20; i++) d[i] = (i * 7) % 20;
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 20, NULL, NULL));
+    CHECK_OK(pm_stream_synchronize(NULL));
+    bool all = true;
+    char *prev = NULL;
+    for (uint64_t i = 0; i < 20; i++) {
+      all = all && host_block_is(s, &k, h[i], d[i]);
+      char *p;
+      CHECK_OK(pm_blocks_ptr(s, i, (void **)&p));
+      CHECK(p != prev);
+      prev = p;
+    }
+    CHECK(all);
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.ready_blocks, 20);
+    CHECK_EQ_SIZE(st.arena_bytes, 20 * pm__align_up(4096, pm__page_size()));
+    CHECK_OK(pm_blocks_destroy(s));
+  }
+  atomic_store(&pm__blocks_first_bytes, (size_t)64 << 20);
+  /* Destroy while the pinning still runs: it stops and unpins what it pinned. */
+  pm_blocks_t *s = make_store(k.block_bytes, nb, k.block_bytes, 1);
+  CHECK_OK(pm_blocks_destroy(s));
+  /* background 0: the whole arena is pinned on return. */
+  s = make_store(k.block_bytes, nb, 8 * k.block_bytes, 0);
+  pm_blocks_stats_t st2;
+  CHECK_OK(pm_blocks_get_stats(s, &st2));
+  CHECK(st2.chunks == 8 && st2.chunks_ready == 8);
+  CHECK_OK(pm_blocks_destroy(s));
+  kv_free(&k);
+}
+
+/* The arena is pinned for the node option numa names for the store's device (auto: the
+ * device's node); where binding to it fails the arena is still pinned and usable. */
+static void test_numa_node(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 4, 4096, 41);
+  static const struct {
+    const char *opt;
+    int node;
+  } cases[] = {{"off", -1}, {"0", 0}, {"1", 1}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    REQUIRE_OK(pm_option_set("numa", cases[i].opt));
+    pm__numa_state_t before, after;
+    pm__numa_state(&before);
+    pm_blocks_t *s = make_store(k.block_bytes, 4, 2 * k.block_bytes, 1);
+    pm_blocks_stats_t st;
+    CHECK_OK(pm_blocks_wait_ready(s, 0));
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_INT(st.numa_node, cases[i].node);
+    pm__numa_state(&after);
+    /* Each of the two chunks was bound or its refusal counted. */
+    if (cases[i].node >= 0)
+      CHECK(after.bind_ok + after.bind_failures >= before.bind_ok + before.bind_failures + 2);
+    uint64_t h[4], d[4] = {3, 2, 1, 0};
+    REQUIRE_OK(pm_blocks_alloc(s, 4, h));
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, NULL, NULL));
+    CHECK_OK(pm_stream_synchronize(NULL));
+    bool all = true;
+    for (int j = 0; j < 4; j++) all = all && host_block_is(s, &k, h[j], d[j]);
+    CHECK(all);
+    CHECK_OK(pm_blocks_destroy(s));
+  }
+  CHECK_OK(pm_option_set("numa", NULL));
+  kv_free(&k);
+}
+
+/* Pieces that continue each other are joined: a one-region layout with ids consecutive on both
+ * sides is one copy per host chunk (never one across two registrations), under each path. */
+static void test_joined_pieces(void) {
+  static const char *cuts[] = {"0", "1G"};
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 16, 4096, 31);
+  for (int c = 0; c < 2; c++) {
+    REQUIRE_OK(pm_option_set("blocks_kernel_max", cuts[c]));
+    pm_blocks_t *s = make_store(k.block_bytes, 10, 5 * k.block_bytes, 0);
+    uint64_t h[10], d[10];
+    REQUIRE_OK(pm_blocks_alloc(s, 10, h)); /* 0..9: chunks [0, 5) and [5, 10) */
+    for (uint64_t i = 0; i < 8; i++) d[i] = 4 + i;
+    pm_blocks_stats_t st;
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h + 1, 3, NULL, NULL)); /* 1..3 */
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.transfers, 1);
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h + 2, 6, NULL, NULL)); /* 2..4 | 5..7 */
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.transfers, 3);
+    CHECK_EQ_SIZE(st.pieces_kernel + st.pieces_dma, 9);
+    CHECK_OK(pm_stream_synchronize(NULL));
+    bool all = true;
+    for (uint64_t i = 0; i < 6; i++) all = all && host_block_is(s, &k, h[2 + i], d[i]);
+    CHECK(all);
+    /* Back in reverse order: nothing continues, one copy a block. */
+    uint64_t rd[6], rh[6];
+    for (uint64_t i = 0; i < 6; i++) rd[i] = 15 - i, rh[i] = h[2 + i];
+    CHECK_OK(pm_blocks_swap_in(s, &k.layout_desc, rd, rh, 6, NULL, NULL));
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.transfers, 9);
+    CHECK_OK(pm_stream_synchronize(NULL));
+    for (uint64_t i = 0; i < 6; i++)
+      memcpy(k.mirror[0] + rd[i] * k.piece, k.mirror[0] + d[i] * k.piece, k.piece);
+    CHECK(device_is_mirror(&k));
+    CHECK_OK(pm_blocks_destroy(s));
+  }
+  CHECK_OK(pm_option_set("blocks_kernel_max", NULL));
+  kv_free(&k);
+}
+
+/* A chunk that cannot be pinned (the third registration fails): the blocks before it work, a
+ * call that names a block at or after it gets the pinning error (never hangs), and destroy
+ * unpins what was pinned and gives the whole charge back. */
+static void test_pinning_fails(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 4096, 21);
+  pm_pool_t *pool;
+  REQUIRE_OK(pm_pool_default(&pool));
+  pm_pool_stats_t p0;
+  REQUIRE_OK(pm_pool_get_stats(pool, &p0));
+  long long locked0 = pm_test_vm_locked();
+  REQUIRE_OK(pm__fault_set(PM__FAULT_HOST_REGISTER, 3, 0));
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = k.block_bytes;
+  c.num_blocks = 8;
+  c.chunk_bytes = 2 * k.block_bytes; /* 4 chunks of 2 blocks: chunk 2 fails */
+  pm_blocks_t *s = NULL;
+  REQUIRE_OK(pm_blocks_create(&c, &s));
+  uint64_t h[8], d[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  REQUIRE_OK(pm_blocks_alloc(s, 8, h));
+  /* The registration's own status (the host backend's refusal is PM_ERR_MEMLOCK). */
+  pm_status_t failed = pm_blocks_wait_ready(s, 0);
+  CHECK(failed < 0);
+  CHECK(strstr(pm_last_error(), "background pinning failed") != NULL);
+  CHECK(strstr(pm_last_error(), "from 4 on") != NULL);
+  CHECK_OK(pm_blocks_wait_ready(s, 4));
+  CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, NULL, NULL));
+  CHECK_OK(pm_stream_synchronize(NULL));
+  bool all = true;
+  for (int i = 0; i < 4; i++) all = all && host_block_is(s, &k, h[i], d[i]);
+  CHECK(all);
+  CHECK_ERR_MSG(pm_blocks_swap_in(s, &k.layout_desc, d, h + 2, 3, NULL, NULL), failed);
+  void *p;
+  CHECK_ERR_MSG(pm_blocks_ptr(s, 7, &p), failed);
+  pm_blocks_stats_t st;
+  CHECK_OK(pm_blocks_get_stats(s, &st));
+  CHECK_EQ_SIZE(st.chunks_ready, 2);
+  CHECK_EQ_SIZE(st.ready_blocks, 4);
+  CHECK_EQ_SIZE(st.swaps_in, 0);
+  pm__fault_reset();
+  CHECK_OK(pm_blocks_destroy(s));
+  pm_pool_stats_t p1;
+  CHECK_OK(pm_pool_get_stats(pool, &p1));
+  CHECK_EQ_SIZE(p1.registered_bytes, p0.registered_bytes);
+  CHECK_EQ_SIZE(p1.pinned_bytes, p0.pinned_bytes);
+  if (locked0 >= 0) CHECK(pm_test_vm_locked() <= locked0);
+  kv_free(&k);
+}
+
+int main(void) {
+  pm_test_init();
+  test_layouts();
+  test_bad_input();
+  test_budget();
+  test_two_streams();
+  test_background_race();
+  test_pinning_fails();
+  test_joined_pieces();
+  test_numa_node();
+  CHECK_OK(pm_finalize());
+  return pm_test_finish("test_blocks");
+}
