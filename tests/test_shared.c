@@ -794,7 +794,8 @@ static void test_fallback(void) {
     CHECK_OK(pm_pool_trim(pool, &released)); /* the next allocation must make a new file */
     CHECK_EQ_SIZE(released, 2 * MiB);
   } else {
-    printf("note: /dev/shm is not writable here: only the failure without it is tested\n");
+    pm_test_skip("the /dev/shm fallback: /dev/shm is not writable here (only the failure without "
+                 "it is tested)");
   }
   /* Neither way: a clear error naming both. */
   atomic_store(&pm__shared_dir, "/nonexistent-pinmem-dir");
