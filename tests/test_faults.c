@@ -651,12 +651,43 @@ static void run_one(const scenario_t *sc, int run, const char *mode, pm__fault_o
 /* Release calls are faulted only by test_release_faults: a failed release leaves the object in
  * place by design, which callers that cannot retry (pool trim, pool destroy) then leak. The
  * pool's stream record (pool_record) only by test_bounce_quarantine, which checks what its
- * failure leads to. */
+ * failure leads to; wrong bytes (corrupt) only by test_corrupt, as no caller can see them. */
 static bool is_release(int op) {
   return op == PM__FAULT_HOST_FREE || op == PM__FAULT_HOST_UNREGISTER ||
          op == PM__FAULT_DEVICE_FREE || op == PM__FAULT_MANAGED_FREE ||
          op == PM__FAULT_STREAM_DESTROY || op == PM__FAULT_EVENT_DESTROY ||
-         op == PM__FAULT_POOL_RECORD;
+         op == PM__FAULT_POOL_RECORD || op == PM__FAULT_CORRUPT;
+}
+
+/* corrupt: the copy it hits succeeds with the source shifted by one byte (what a verifier must
+ * catch), the next copy is right again, and "all" never includes it. */
+static void test_corrupt(void) {
+  const size_t n = 10007;
+  unsigned char *src = malloc(n), *back = malloc(n);
+  void *dev = NULL;
+  REQUIRE(src && back);
+  REQUIRE_OK(pm_device_alloc(n, &dev));
+  pm_test_fill(src, n, 51);
+  pm__fault_reset();
+  CHECK_OK(pm__fault_configure("corrupt=1"));
+  CHECK_OK(pm_memcpy(dev, src, n, PM_COPY_H2D)); /* success, and wrong */
+  memset(back, 0, n);
+  CHECK_OK(pm_memcpy(back, dev, n, PM_COPY_D2H));
+  CHECK(!pm_test_fill_ok(back, n, 51));
+  CHECK(memcmp(back, src + 1, n - 1) == 0); /* shifted by one byte, exactly */
+  CHECK_OK(pm_memcpy(dev, src, n, PM_COPY_H2D)); /* the next copy is right */
+  CHECK_OK(pm_memcpy(back, dev, n, PM_COPY_D2H));
+  CHECK(pm_test_fill_ok(back, n, 51));
+  pm__fault_reset();
+  CHECK_OK(pm__fault_configure("all=1+"));
+  CHECK(pm_memcpy(dev, src, n, PM_COPY_H2D) != PM_OK); /* an error, never wrong bytes */
+  pm__fault_reset();
+  CHECK_OK(pm_memcpy(dev, src, n, PM_COPY_H2D));
+  CHECK_OK(pm_memcpy(back, dev, n, PM_COPY_D2H));
+  CHECK(pm_test_fill_ok(back, n, 51));
+  CHECK_OK(pm_device_free(dev));
+  free(src);
+  free(back);
 }
 
 static void sweep(const scenario_t *sc, int K, int rate_runs) {
@@ -1376,6 +1407,8 @@ int main(int argc, char **argv) {
   test_env(strchr(argv[0], '/') ? argv[0] : "/proc/self/exe");
   printf("release calls\n");
   test_release_faults();
+  printf("wrong bytes (corrupt)\n");
+  test_corrupt();
   printf("regressions\n");
   test_staged_d2h_abort();
   test_bounce_quarantine();
