@@ -87,17 +87,17 @@ def test_on_a_stream_and_wait_stream(rng):
         assert s1.ptr != 0 and s1.cuda_stream == s1.ptr
         dev.fill(0x5A, stream=s1)
         s1.synchronize()
-        with Gate(s1) as gate, Gate(s2, hold=False) as after:
+        with Gate(s1) as gate, Gate(s2, hold=False) as before:
             c1 = pinmem.copy(dev, src, s1)  # held behind the gate
             c1.wait_stream(s2)  # s2's later work waits for the H2D copy
-            c2 = pinmem.copy(out, dev, s2)
-            done = Gate(s2, hold=False)  # marks the point after c2 on s2
-            assert after.reached(10)  # s2 itself runs...
-            assert not done.reached(0.2)  # ...but c2 waits for c1, which the gate holds
-            assert not c1.done() and not c2.done() and not s2.query()
-            assert gate.open()
-            s2.synchronize()
-            assert done.reached(0) and done.open()
+            with Gate(s2, hold=False) as after:  # s2's own work, nothing to do with dev
+                c2 = pinmem.copy(out, dev, s2)
+                assert before.reached(10)  # s2 runs up to the wait...
+                assert not after.reached(0.2)  # ...and no further while the gate holds c1
+                assert not c1.done() and not c2.done() and not s2.query()
+                assert gate.open()
+                s2.synchronize()
+                assert after.reached(0)
         assert s2.query()
         assert c2.done()
     np.testing.assert_array_equal(np.asarray(out), data)
