@@ -1,7 +1,8 @@
 /*
  * DESIGN: pinmem.Stream, a pinmem stream (a cudaStream_t under the cuda backend) that closes
  * once, waiting for its queued work; and the parser every stream argument goes through: None, a
- * pinmem.Stream, an int handle, or torch's and CuPy's stream objects.
+ * pinmem.Stream, an int handle, or torch's and CuPy's stream objects. For the tests, a gate: a
+ * host function that holds a stream until the test opens it (_stream_gate, below).
  */
 #include "_pinmem.h"
 
