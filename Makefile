@@ -2,6 +2,7 @@
 #   make bench  - build, then the pinned-memory report for this machine
 #   make test   - build and run every test that can run here (host backend; the same tests
 #                 under ASan+UBSan, TSan and valgrind; the GPU tests when a GPU is present)
+# The last line of make test names the suites that ran and those that did not (tests/suites.py).
 # Both first check what they need and install what is missing (tools/deps.sh: the one list):
 # Debian packages through apt-get as root or with passwordless sudo, Python packages into the
 # project's own venv $(VENV). Without the rights to install, they stop at once and say what to run.
@@ -136,7 +137,7 @@ install: build
 	cmake --install $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz $(SUITES)
 
 # The docs' relative links and the results files they name exist (tests/check_docs.py;
 # --unused lists results files no doc names).
