@@ -2,10 +2,10 @@
 #   make bench  - build, then the pinned-memory report for this machine
 #   make test   - build and run every test that can run here (host backend; the same tests
 #                 under ASan+UBSan, TSan and valgrind; the GPU tests when a GPU is present)
-# The last line of make test names the suites that ran and those that did not (tests/suites.py).
 # Both first check what they need and install what is missing (tools/deps.sh: the one list):
 # Debian packages through apt-get as root or with passwordless sudo, Python packages into the
 # project's own venv $(VENV). Without the rights to install, they stop at once and say what to run.
+# The last line of make test names the suites that ran and those that did not (tests/suites.py).
 BUILD      ?= build
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_ARGS ?=
