@@ -7,6 +7,7 @@
 # saying so package by package: Debian packages through apt-get as root or with passwordless
 # sudo, Python packages into the project's own venv $(VENV). PINMEM_NO_INSTALL=1 refuses: they
 # then only check and name what is missing, as do all targets without the rights to install.
+# The last line of make test names the suites that ran and those that did not (tests/suites.py).
 BUILD      ?= build
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_ARGS ?=
@@ -18,8 +19,12 @@ PYTHON     ?= $(abspath $(VENV))/bin/python
 # The interpreter a user has: the base of $(VENV) and of the fresh venv of test-python-install.
 SYSTEM_PYTHON ?= python3
 DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VENV) --python $(PYTHON)
+# Each suite records what it ran (tests/suites.py): the last line of `make test` names the suites
+# that ran, those that did not and why, and the checks and tests skipped inside them.
+SUITES     := $(BUILD)-suites
+RECORD     := python3 tests/suites.py
 
-.PHONY: all build deps deps-c deps-check deps-test test test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install bench install clean
+.PHONY: all build deps deps-c deps-check deps-test test test-reset test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install bench install clean
 
 all: build
 
@@ -44,22 +49,28 @@ endef
 build: deps-check
 	$(build_c)
 
-test: deps check-docs test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install
-	@echo "make test: all suites passed"
+test: test-reset deps check-docs test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install
+	@$(RECORD) report $(SUITES)
+
+test-reset:
+	@$(RECORD) reset $(SUITES)
 
 test-host: deps-test
 	$(build_c)
 	cd $(BUILD) && $(CTEST) -L host -j $(JOBS)
+	@$(RECORD) ctest $(SUITES) host $(BUILD)
 
 test-asan: deps-test
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=address $(CMAKE_ARGS)
 	cmake --build $(BUILD)-asan -j $(JOBS)
 	cd $(BUILD)-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST) -L host -j $(JOBS)
+	@$(RECORD) ctest $(SUITES) asan $(BUILD)-asan
 
 test-tsan: deps-test
 	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=thread $(CMAKE_ARGS)
 	cmake --build $(BUILD)-tsan -j $(JOBS)
 	cd $(BUILD)-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $(CTEST) -L host -j $(JOBS)
+	@$(RECORD) ctest $(SUITES) tsan $(BUILD)-tsan
 
 # valgrind over the host-backend build without CUDA (cudart is not valgrind clean by itself).
 test-valgrind: deps-test
@@ -67,6 +78,7 @@ test-valgrind: deps-test
 	cmake --build $(BUILD)-host -j $(JOBS)
 	cd $(BUILD)-host && PINMEM_TEST_SMALL=1 $(CTEST) -L host -E cli -j $(JOBS) -T memcheck --overwrite MemoryCheckCommand=$$(command -v valgrind) \
 	  --overwrite MemoryCheckCommandOptions="--error-exitcode=97 --leak-check=full --errors-for-leak-kinds=definite,indirect --track-origins=no --suppressions=$(CURDIR)/tests/valgrind.supp"
+	@$(RECORD) ctest $(SUITES) valgrind $(BUILD)-host
 
 # libFuzzer smoke runs (tests/fuzz): clang, ASan+UBSan, FUZZ_SECONDS per target from the
 # committed seed corpus.
@@ -75,14 +87,16 @@ test-fuzz: deps-test
 	cmake -S . -B $(BUILD)-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=address -DPINMEM_FUZZ=ON -DPINMEM_FUZZ_SECONDS=$(FUZZ_SECONDS) $(CMAKE_ARGS)
 	cmake --build $(BUILD)-fuzz -j $(JOBS) --target fuzz_targets
 	cd $(BUILD)-fuzz && $(CTEST) -L fuzz -j $(JOBS)
+	@$(RECORD) ctest $(SUITES) fuzz $(BUILD)-fuzz
 
 # GPU tests: run when a CUDA device is visible, otherwise say so plainly.
 test-gpu: deps-test
 	$(build_c)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  cd $(BUILD) && $(CTEST) -L gpu; \
+	  (cd $(BUILD) && $(CTEST) -L gpu) && $(RECORD) ctest $(SUITES) gpu $(BUILD); \
 	else \
 	  echo "test-gpu: no NVIDIA GPU on this machine: the gpu-labelled tests did not run (run 'make test-gpu' on a GPU machine)"; \
+	  $(RECORD) not-run $(SUITES) gpu "no NVIDIA GPU here: nvidia-smi lists none"; \
 	fi
 
 # Python package: the extension module from the same CMake build (PINMEM_PYTHON=ON) in
@@ -94,13 +108,16 @@ test-python: deps
 	cmake -S . -B $(BUILD)-py -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINMEM_PYTHON=ON -DPINMEM_TESTS=OFF \
 	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
 	cmake --build $(BUILD)-py -j $(JOBS) --target _pinmem
-	PYTHONPATH=$(CURDIR)/$(BUILD)-py/python $(PYTHON) -m pytest -q -rs -p no:cacheprovider python/tests
+	PYTHONPATH=$(CURDIR)/$(BUILD)-py/python $(PYTHON) -m pytest -q -rs -p no:cacheprovider \
+	  --junitxml=$(CURDIR)/$(BUILD)-py/pytest.xml python/tests
+	@$(RECORD) pytest $(SUITES) python $(BUILD)-py/pytest.xml
 	rm -rf $(BUILD)-py/wheel $(BUILD)-py/site
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps \
 	  -w $(BUILD)-py/wheel -Ccmake.define.PINMEM_CUDA=OFF -Cbuild-dir=$(BUILD)-py/wheel-build .
 	$(PYTHON) -m zipfile -e $(BUILD)-py/wheel/pinmem-*.whl $(BUILD)-py/site
 	PYTHONPATH=$(CURDIR)/$(BUILD)-py/site $(PYTHON) -m pytest -q -rs -p no:cacheprovider \
-	  python/tests/test_buffers.py python/tests/test_copy.py
+	  --junitxml=$(CURDIR)/$(BUILD)-py/pytest-wheel.xml python/tests/test_buffers.py python/tests/test_copy.py
+	@$(RECORD) pytest $(SUITES) python-wheel $(BUILD)-py/pytest-wheel.xml
 
 # The documented install, as a user runs it: a fresh venv from $(SYSTEM_PYTHON), `pip install .`
 # of this source tree (build requirements from PyPI, no system DLPack header; the cuda backend
@@ -121,6 +138,7 @@ test-python-install: deps
 	  a = np.from_dlpack(pinmem.empty(4, "float32")); a[:] = 1; assert a.sum() == 4; \
 	  assert pinmem._pinmem.DLPACK_VERSIONED == 1; print("numpy.from_dlpack: writable")'
 	@echo "test-python-install: passed"
+	@$(RECORD) ran $(SUITES) python-install "README quickstart in a fresh venv"
 
 # A few lines about the machine (backend, devices, link, NUMA, limits), then the benchmark;
 # `pinmem info` shows all of it and `pinmem info --options` the option table.
@@ -134,7 +152,7 @@ install: build
 	cmake --install $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz $(SUITES)
 
 # The docs cannot go stale unseen (tests/check_docs.py): links and the results files they name
 # exist, every option default they quote is the option table's, every option they name exists,
@@ -146,3 +164,4 @@ check-docs: deps-test
 	python3 tests/check_docs.py
 	python3 tests/test_check_docs.py
 	bash tests/test_install_story.sh
+	@$(RECORD) ran $(SUITES) check-docs

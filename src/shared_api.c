@@ -12,7 +12,8 @@
  *
  * Data structure: a list of the live mappings {ptr, bytes, map base, map length, pinned}, so that
  * pm_shared_unmap refuses what pm_shared_map did not return (a munmap of someone else's memory
- * would be a crash later) and knows whether to unregister.
+ * would be a crash later) and knows whether to unregister. A caller may pm_unregister a pinned
+ * mapping itself; pm_shared_unmap then only unmaps it.
  *
  * Threads: map_lock guards the list; it is a leaf (held for list steps only, never across mmap,
  * pm_register or pm_unregister). An entry is taken off the list before it is unpinned and
@@ -168,6 +169,12 @@ pm_status_t pm_shared_unmap(void *ptr, size_t bytes) {
 
   if (m->pinned) {
     st = pm_unregister(ptr);
+    /* NOT_FOUND: the caller unpinned it already (pm_unregister(ptr)); the mapping must still go,
+     * or it could never be released. Unless a registration of the caller's own still covers it:
+     * unmapping under it would leave the registry naming memory that is gone. Any other failure
+     * leaves the pages pinned. */
+    pm__range_t r;
+    if (st == PM_ERR_NOT_FOUND && !pm__registry_find(ptr, &r)) st = PM_OK;
     if (st != PM_OK) {
       /* Still pinned: the mapping must stay, listed, so the caller can try again. */
       pthread_mutex_lock(&map_lock);

@@ -3,6 +3,7 @@
  */
 #include "helpers.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,18 @@
 
 int pm_test_failures;
 int pm_test_checks;
+int pm_test_skips;
+
+void pm_test_skip(const char *fmt, ...) {
+  char why[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, sizeof why, fmt, ap);
+  va_end(ap);
+  pm_test_skips++;
+  printf("SKIPPED: %s\n", why);
+  fflush(stdout);
+}
 
 void pm_test_init(void) {
   pm_status_t st = pm_init();
@@ -40,11 +53,14 @@ void pm_test_init(void) {
 }
 
 int pm_test_finish(const char *name) {
+  char skipped[64] = "";
+  if (pm_test_skips)
+    snprintf(skipped, sizeof skipped, "; %d skipped (the SKIPPED lines say why)", pm_test_skips);
   if (pm_test_failures) {
-    printf("%s: %d of %d checks failed\n", name, pm_test_failures, pm_test_checks);
+    printf("%s: %d of %d checks failed%s\n", name, pm_test_failures, pm_test_checks, skipped);
     return 1;
   }
-  printf("%s: all %d checks passed\n", name, pm_test_checks);
+  printf("%s: all %d checks passed%s\n", name, pm_test_checks, skipped);
   return 0;
 }
 
@@ -135,7 +151,7 @@ long long pm_test_vm_locked(void) {
     works = m != MAP_FAILED && before >= 0 && mlock(m, 4 * pg) == 0 &&
             vm_locked_raw() - before >= (long long)(4 * pg);
     if (m != MAP_FAILED) munmap(m, 4 * pg);
-    if (!works) printf("note: locked-memory checks skipped: mlock is not observable here\n");
+    if (!works) pm_test_skip("locked-memory checks: mlock does not show in VmLck here");
   }
   return works ? vm_locked_raw() : -1;
 }

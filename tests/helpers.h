@@ -16,9 +16,10 @@
 
 #include "pinmem.h"
 
-/* The counts check.h's macros keep: one pair per program. */
+/* The counts check.h's macros keep, and the checks skipped (pm_test_skip): one set per program. */
 extern int pm_test_failures;
 extern int pm_test_checks;
+extern int pm_test_skips;
 
 /* Exit code for a skipped test (CTest's SKIP_RETURN_CODE). */
 #define PM_TEST_SKIP 77
@@ -26,8 +27,13 @@ extern int pm_test_checks;
 /* If the test was asked to run on the cuda backend (PINMEM_BACKEND=cuda) and no device is
  * usable, print why and exit with the skip code. Otherwise initialise and go on. */
 void pm_test_init(void);
-/* Print the counts; the exit code of the program (1 when a check failed). */
+/* Print the counts; the exit code of the program (1 when a check failed). Skipped checks are
+ * counted and named in that last line, never passed off as passed. */
 int pm_test_finish(const char *name);
+
+/* A check that cannot run here: prints "SKIPPED: <why>" on its own line (make test gathers
+ * these lines from every suite's log) and counts it for pm_test_finish. */
+void pm_test_skip(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* PINMEM_TEST_SMALL is set (and not "0"): the valgrind run, fewer and smaller cases. */
 bool pm_test_small(void);
@@ -57,7 +63,7 @@ void pm_test_gate_open(pm_test_gate_t *g);
 void pm_test_gate_destroy(pm_test_gate_t *g);
 
 /* Bytes this process has locked (VmLck of /proc/self/status), or -1 when that cannot be read
- * or mlock does not show there (then a note is printed, once). */
+ * or mlock does not show there (then the locked-memory checks are reported skipped, once). */
 long long pm_test_vm_locked(void);
 
 /* A new empty directory <TMPDIR or /tmp>/pinmem-<name>.XXXXXX into dir; false on failure. */

@@ -108,13 +108,12 @@ static void test_memlock_limit(void) {
   REQUIRE(waitpid(pid, &status, 0) == pid);
   CHECK(WIFEXITED(status));
   if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
-    printf("note: RLIMIT_MEMLOCK check skipped: could not drop the right to lock memory here\n");
+    pm_test_skip("RLIMIT_MEMLOCK check: could not drop the right to lock memory here");
     return;
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 78) {
-    printf(
-        "note: RLIMIT_MEMLOCK check skipped: mlock does not enforce the limit in this build "
-        "(sanitizers make it a no-op)\n");
+    pm_test_skip("RLIMIT_MEMLOCK check: mlock does not enforce the limit in this build "
+                 "(sanitizers make it a no-op)");
     return;
   }
   CHECK_EQ_INT(WEXITSTATUS(status), 0);

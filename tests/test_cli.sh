@@ -493,6 +493,25 @@ if any(r.get('order') != 'interleaved' for r in rows
 expect_grep copy_json err '^TARGET pinmem from pinned .*cuda backend only\)$'
 expect_grep copy_json err '^TARGET pageable H2D 1 GiB .*: not measured in this run$'
 
+# The verifier can fail: with every backend copy made to succeed with wrong bytes (the fault
+# op "corrupt": the source shifted by one byte), each row that copies says verified false, the
+# command says so on stderr and exits 1. Only the prefetch (no copy) still verifies.
+run copy_corrupt env PINMEM_FAULT=corrupt=1+ PINMEM_COPY_STAGE_MIN=1M "$bin" bench copy --json \
+  --sizes 4K,3M --repeat 1 --cases plain_pinned,pinmem_pageable,pinmem_pinned,managed_prefetch
+expect_rc copy_corrupt 1 &&
+  json_check copy_corrupt "
+rows = [r for r in rows if r.get('bench') == 'copy']
+cases = {(r['case'], r['dir'], r['bytes']): r for r in rows}
+for c in ('plain_pinned', 'pinmem_pageable', 'pinmem_pinned', 'managed_prefetch'):
+    for d in ('h2d', 'd2h'):
+        for n in (4096, 3 << 20):
+            r = cases.get((c, d, n))
+            if r is None:
+                bad('no %s %s %d row' % (c, d, n))
+            elif r.get('verified') is not (c == 'managed_prefetch') or r.get('verify_method') != 'full':
+                bad('with wrong bytes, %s should say verified %r: %r' % (c, c == 'managed_prefetch', r))"
+expect_grep copy_corrupt err '^pinmem: VERIFY FAILED: h2d 4\.00 KiB plain_pinned: byte 0 of 4096 is'
+
 run copy_text "$bin" bench copy --sizes 64K --repeat 1 --cases plain_pinned,pinmem_pinned,managed_prefetch
 if expect_rc copy_text 0; then
   expect_grep copy_text out '^h2d +64\.0 KiB +plain_pinned +[0-9.]+ +- +plain +full$'

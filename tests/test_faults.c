@@ -20,6 +20,7 @@
  * drops root), too little simulated device memory; each gives a clear error at the right call,
  * and `pinmem info` shows the memlock limit.
  */
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -30,6 +31,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -649,12 +651,43 @@ static void run_one(const scenario_t *sc, int run, const char *mode, pm__fault_o
 /* Release calls are faulted only by test_release_faults: a failed release leaves the object in
  * place by design, which callers that cannot retry (pool trim, pool destroy) then leak. The
  * pool's stream record (pool_record) only by test_bounce_quarantine, which checks what its
- * failure leads to. */
+ * failure leads to; wrong bytes (corrupt) only by test_corrupt, as no caller can see them. */
 static bool is_release(int op) {
   return op == PM__FAULT_HOST_FREE || op == PM__FAULT_HOST_UNREGISTER ||
          op == PM__FAULT_DEVICE_FREE || op == PM__FAULT_MANAGED_FREE ||
          op == PM__FAULT_STREAM_DESTROY || op == PM__FAULT_EVENT_DESTROY ||
-         op == PM__FAULT_POOL_RECORD;
+         op == PM__FAULT_POOL_RECORD || op == PM__FAULT_CORRUPT;
+}
+
+/* corrupt: the copy it hits succeeds with the source shifted by one byte (what a verifier must
+ * catch), the next copy is right again, and "all" never includes it. */
+static void test_corrupt(void) {
+  const size_t n = 10007;
+  unsigned char *src = malloc(n), *back = malloc(n);
+  void *dev = NULL;
+  REQUIRE(src && back);
+  REQUIRE_OK(pm_device_alloc(n, &dev));
+  pm_test_fill(src, n, 51);
+  pm__fault_reset();
+  CHECK_OK(pm__fault_configure("corrupt=1"));
+  CHECK_OK(pm_memcpy(dev, src, n, PM_COPY_H2D)); /* success, and wrong */
+  memset(back, 0, n);
+  CHECK_OK(pm_memcpy(back, dev, n, PM_COPY_D2H));
+  CHECK(!pm_test_fill_ok(back, n, 51));
+  CHECK(memcmp(back, src + 1, n - 1) == 0); /* shifted by one byte, exactly */
+  CHECK_OK(pm_memcpy(dev, src, n, PM_COPY_H2D)); /* the next copy is right */
+  CHECK_OK(pm_memcpy(back, dev, n, PM_COPY_D2H));
+  CHECK(pm_test_fill_ok(back, n, 51));
+  pm__fault_reset();
+  CHECK_OK(pm__fault_configure("all=1+"));
+  CHECK(pm_memcpy(dev, src, n, PM_COPY_H2D) != PM_OK); /* an error, never wrong bytes */
+  pm__fault_reset();
+  CHECK_OK(pm_memcpy(dev, src, n, PM_COPY_H2D));
+  CHECK_OK(pm_memcpy(back, dev, n, PM_COPY_D2H));
+  CHECK(pm_test_fill_ok(back, n, 51));
+  CHECK_OK(pm_device_free(dev));
+  free(src);
+  free(back);
 }
 
 static void sweep(const scenario_t *sc, int K, int rate_runs) {
@@ -748,7 +781,10 @@ static void test_release_faults(void) {
    * docs/RELIABILITY.md): the pages stay locked either way, and an unmapped address still
    * registered with the backend would make the next segment mapped there fail to pin. So after
    * the failed trim, new segments of the same size pin fine. */
-  if (g_light) return; /* 3 x 8 MiB segments: skipped in the small configurations */
+  if (g_light) { /* 3 x 8 MiB segments: too much for valgrind's and ThreadSanitizer's runs */
+    pm_test_skip("a failed trim keeps its 8 MiB segments mapped: not in the small configurations");
+    return;
+  }
   const size_t MiB = (size_t)1 << 20;
   pm_pool_config_t cfg;
   pm_pool_config_init(&cfg);
@@ -1168,6 +1204,37 @@ static void test_device_memory_limit(void) {
 
 #define MEMLOCK_LIMIT ((size_t)256 * 1024)
 
+/* The CLI the memlock child runs: the copy test_memlock_limit made where nobody may execute it,
+ * else the build's own. */
+static const char *memlock_cli(void) {
+  const char *copy = getenv("PINMEM_TEST_MEMLOCK_CLI");
+  return copy && copy[0] ? copy : PINMEM_TEST_CLI;
+}
+
+/* Copy src to dst with mode 0755 (a program the unprivileged user can run); false on failure. */
+static bool copy_program(const char *src, const char *dst) {
+  int in = open(src, O_RDONLY | O_CLOEXEC);
+  if (in < 0) return false;
+  int out = open(dst, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0755);
+  bool ok = out >= 0;
+  char buf[65536];
+  ssize_t n;
+  while (ok && (n = read(in, buf, sizeof buf)) != 0) {
+    if (n < 0) {
+      ok = false;
+      break;
+    }
+    for (ssize_t done = 0; ok && done < n;) {
+      ssize_t w = write(out, buf + done, (size_t)(n - done));
+      ok = w > 0;
+      done += w > 0 ? w : 0;
+    }
+  }
+  close(in);
+  if (out >= 0) ok = close(out) == 0 && ok;
+  return ok && chmod(dst, 0755) == 0;
+}
+
 #define CHILD_CHECK(cond)                                                                  \
   do {                                                                                     \
     if (!(cond)) {                                                                         \
@@ -1183,13 +1250,13 @@ static int memlock_child(void) {
   int bad = 0;
   CHILD_CHECK(pm__memlock_limit() == lim);
 
-  /* `pinmem info` shows the limit, its value and that it binds. */
-  if (PINMEM_TEST_CLI[0] && access(PINMEM_TEST_CLI, X_OK) != 0) {
-    printf("    note: pinmem info check skipped: %s is not executable by uid %d\n",
-           PINMEM_TEST_CLI, (int)getuid());
-  } else if (PINMEM_TEST_CLI[0]) {
+  /* `pinmem info` shows the limit, its value and that it binds. The parent made sure this user
+   * can run it (a copy where the build tree is closed to it). */
+  const char *cli = memlock_cli();
+  if (cli[0]) {
+    CHILD_CHECK(access(cli, X_OK) == 0);
     char cmd[1200];
-    snprintf(cmd, sizeof cmd, "'%s' info 2>&1", PINMEM_TEST_CLI);
+    snprintf(cmd, sizeof cmd, "'%s' info 2>&1", cli);
     FILE *f = popen(cmd, "r");
     char out[16384];
     size_t got = f ? fread(out, 1, sizeof out - 1, f) : 0;
@@ -1275,29 +1342,47 @@ static void test_memlock_limit(const char *self) {
     printf("  RLIMIT_MEMLOCK: host backend only (cudaHostAlloc does not count against it)\n");
     return;
   }
+  /* Root runs the child as nobody, who may not be able to reach the build tree (a checkout under
+   * /root): copies of this program and of the CLI in a scratch folder open to all run instead. */
+  char dir[512] = "", prog[600], cli[600];
+  const char *run = self;
+  if (geteuid() == 0 && pm_test_tmpdir(dir, sizeof dir, "memlock") && chmod(dir, 0755) == 0) {
+    snprintf(prog, sizeof prog, "%s/test_faults", dir);
+    snprintf(cli, sizeof cli, "%s/pinmem", dir);
+    if (copy_program(self, prog)) run = prog;
+    if (PINMEM_TEST_CLI[0] && copy_program(PINMEM_TEST_CLI, cli))
+      setenv("PINMEM_TEST_MEMLOCK_CLI", cli, 1);
+  }
   fflush(stdout);
   fflush(stderr);
   pid_t pid = fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
     if (!pm_test_limit_memlock(MEMLOCK_LIMIT)) _exit(PM_TEST_SKIP);
-    if (access(self, X_OK) != 0) _exit(76); /* the build tree is closed to nobody */
-    execl(self, self, "memlock", (char *)NULL);
+    if (access(run, X_OK) != 0 || (memlock_cli()[0] && access(memlock_cli(), X_OK) != 0))
+      _exit(76); /* neither the build tree nor the scratch folder is open to nobody */
+    execl(run, run, "memlock", (char *)NULL);
     _exit(127);
   }
   int status = 0;
   REQUIRE(waitpid(pid, &status, 0) == pid);
+  unsetenv("PINMEM_TEST_MEMLOCK_CLI");
+  if (dir[0]) pm_test_rmtree(dir);
   CHECK(WIFEXITED(status));
   int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  if (rc == 77 || rc == 76) {
-    printf("  note: RLIMIT_MEMLOCK check skipped: %s\n",
-           rc == 77 ? "could not drop the right to lock memory"
-                    : "this program is not executable by the unprivileged user");
+  if (rc == 77) {
+    pm_test_skip("RLIMIT_MEMLOCK check: could not drop the right to lock memory");
+    return;
+  }
+  if (rc == 76) {
+    pm_test_skip("RLIMIT_MEMLOCK check: the unprivileged user can execute neither %s nor a copy "
+                 "under %s",
+                 self, dir[0] ? dir : "TMPDIR (no scratch folder could be made)");
     return;
   }
   if (rc == 78) {
-    printf("  note: RLIMIT_MEMLOCK allocation checks skipped: mlock does not enforce the limit in "
-           "this build (sanitizers make it a no-op); the pinmem info check ran\n");
+    pm_test_skip("RLIMIT_MEMLOCK allocation checks: mlock does not enforce the limit in this "
+                 "build (sanitizers make it a no-op); the pinmem info check ran");
     return;
   }
   CHECK_EQ_INT(rc, 0);
@@ -1322,6 +1407,8 @@ int main(int argc, char **argv) {
   test_env(strchr(argv[0], '/') ? argv[0] : "/proc/self/exe");
   printf("release calls\n");
   test_release_faults();
+  printf("wrong bytes (corrupt)\n");
+  test_corrupt();
   printf("regressions\n");
   test_staged_d2h_abort();
   test_bounce_quarantine();

@@ -369,8 +369,8 @@ int main(void) {
    * waiting in SizeClassAllocator64::GetFromAllocator). Every child after pinmem started its
    * threads is therefore left to the plain, ThreadSanitizer and valgrind runs; the children
    * forked before use run here too. */
-  printf("SKIP under AddressSanitizer: every child forked after pinmem started its threads "
-         "(the sanitizer's allocator is not fork-safe; see PM_TEST_ASAN)\n");
+  pm_test_skip("under AddressSanitizer: every child forked after pinmem started its threads "
+               "(the sanitizer's allocator is not fork-safe; see PM_TEST_ASAN)");
   (void)child_exit_only;
   (void)child_copy;
   (void)child_new_loader;
@@ -392,7 +392,7 @@ int main(void) {
      * ("dup thread with used id") when the child's new thread reuses a stack glibc reclaimed
      * from one of them: a limit of the tool, not of pinmem. These two children start several
      * threads each; the plain, ASan and valgrind runs check them. */
-    printf("SKIP under ThreadSanitizer: the 'copy' and 'new loader' children (see comment)\n");
+    pm_test_skip("under ThreadSanitizer: the 'copy' and 'new loader' children (see comment)");
     (void)child_copy;
     (void)child_new_loader;
 #else

@@ -273,7 +273,7 @@ static void test_real_pages(void) {
   if (rc != 0) {
     int e = errno;
     if (e == ENOSYS || e == EPERM || e == EACCES)
-      printf("page placement part skipped: move_pages: %s (not available here)\n", strerror(e));
+      pm_test_skip("page placement: move_pages: %s (not available here)", strerror(e));
     else
       CHECK(!"move_pages failed");
     if (e != ENOSYS && e != EPERM && e != EACCES)

@@ -9,11 +9,14 @@
  *   allocation nor a freed plain block a shared one;
  * - copies from and to a shared block are direct (pinned), from an unpinned mapping staged;
  * - bad input gets a status and a message; no fd is left open once the pool lets a segment go;
+ * - a peer holding the memfd cannot shrink or grow it (sealed), and the owner keeps every byte;
+ * - pm_shared_unmap of a PM_SHARED_PIN mapping the caller already unregistered still unmaps;
  * - the /dev/shm fallback where memfd_create is missing, and the error when neither works;
  * - a loader with shared_slots=1 delivers correct batches whose host slots are shared.
  * Every child runs under alarm(), so a hang fails the test instead of stalling it.
  */
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -616,6 +619,113 @@ static void test_bad_input(void) {
   CHECK_OK(pm_host_free(p));
 }
 
+/* ---- a peer cannot resize the file --------------------------------------------------------- */
+
+typedef struct seal_peer {
+  int fd;
+  off_t size; /* the file's size */
+} seal_peer_t;
+
+/* A process holding the fd tries every way to change the file's size; each must be refused with
+ * EPERM (the seals), and the seals themselves must be final. */
+static void child_resize(void *arg) {
+  const seal_peer_t *s = arg;
+  int seals = fcntl(s->fd, F_GET_SEALS);
+  CHECK(seals >= 0 && (seals & F_SEAL_SHRINK) && (seals & F_SEAL_GROW) && (seals & F_SEAL_SEAL));
+  errno = 0;
+  CHECK(ftruncate(s->fd, 0) != 0 && errno == EPERM);
+  errno = 0;
+  CHECK(ftruncate(s->fd, s->size / 2) != 0 && errno == EPERM);
+  errno = 0;
+  CHECK(ftruncate(s->fd, s->size + 4096) != 0 && errno == EPERM);
+  errno = 0;
+  CHECK(fallocate(s->fd, 0, s->size, 4096) != 0 && errno == EPERM);
+  errno = 0;
+  CHECK(fcntl(s->fd, F_ADD_SEALS, F_SEAL_WRITE) != 0 && errno == EPERM); /* sealed for good */
+  /* A second open of the same file (another file description) meets the same seals. */
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", s->fd);
+  int again = open(path, O_RDWR | O_CLOEXEC);
+  if (again >= 0) {
+    errno = 0;
+    CHECK(ftruncate(again, 0) != 0 && errno == EPERM);
+    close(again);
+  }
+  struct stat sb;
+  CHECK(fstat(s->fd, &sb) == 0 && sb.st_size == s->size);
+}
+
+static void test_peer_cannot_resize(void) {
+  const size_t n = 3 * MiB + 5; /* a segment of its own, several pages */
+  unsigned char *p = NULL;
+  REQUIRE_OK(pm_host_alloc(NULL, n, PM_HOST_SHARED, (void **)&p));
+  seal_peer_t s;
+  uint64_t off;
+  size_t bytes;
+  REQUIRE_OK(pm_host_shared_fd(p, &s.fd, &off, &bytes));
+  struct stat sb;
+  REQUIRE(fstat(s.fd, &sb) == 0);
+  s.size = sb.st_size;
+  pm_test_fill(p, n, 41);
+  bool refused = in_child("peer resizing the shared file", child_resize, &s);
+  CHECK(refused);
+  REQUIRE(fstat(s.fd, &sb) == 0);
+  CHECK_EQ_SIZE(sb.st_size, s.size);
+  /* The owner reads and writes every byte of its block after the peer's attempts (a shrunk file
+   * would end this process with SIGBUS here; the check above stops first if a resize got by). */
+  if (refused && sb.st_size == s.size) {
+    CHECK(pm_test_fill_ok(p, n, 41));
+    pm_test_fill(p, n, 42);
+    CHECK(pm_test_fill_ok(p, n, 42));
+  }
+  CHECK_OK(pm_host_free(p));
+}
+
+/* ---- pm_unregister of a pinned mapping, then pm_shared_unmap -------------------------------- */
+
+static void test_unregister_then_unmap(void) {
+  const size_t n = 20000;
+  unsigned char *p = NULL;
+  REQUIRE_OK(pm_host_alloc(NULL, n, PM_HOST_SHARED, (void **)&p));
+  int fd;
+  uint64_t off;
+  size_t bytes;
+  REQUIRE_OK(pm_host_shared_fd(p, &fd, &off, &bytes));
+  pm_test_fill(p, n, 43);
+  int maps = count_shared_maps();
+  pm_pool_stats_t ps0, ps;
+  REQUIRE_OK(pm_pool_get_stats(NULL, &ps0));
+
+  unsigned char *m = NULL;
+  REQUIRE_OK(pm_shared_map(fd, off, n, PM_SHARED_PIN, (void **)&m));
+  CHECK(pm_test_fill_ok(m, n, 43));
+  CHECK_EQ_INT(count_shared_maps(), maps + 1);
+  /* The caller unpins the mapping itself, as it may any registration. */
+  CHECK_OK(pm_unregister(m));
+  pm_pointer_info_t info;
+  CHECK_OK(pm_pointer_query(m, &info));
+  CHECK_EQ_INT(info.kind, PM_MEMORY_PAGEABLE);
+  /* The unmap still works: the mapping goes, nothing stays charged, and a second unmap is the
+   * usual NOT_FOUND. */
+  CHECK_OK(pm_shared_unmap(m, n));
+  CHECK_EQ_INT(count_shared_maps(), maps);
+  CHECK_ERR_MSG(pm_shared_unmap(m, n), PM_ERR_NOT_FOUND);
+  CHECK_OK(pm_pool_get_stats(NULL, &ps));
+  CHECK_EQ_SIZE(ps.registered_bytes, ps0.registered_bytes);
+
+  /* Unregistered and registered again by the caller: the unmap takes the registration with it
+   * (the memory goes, so must its pinning). */
+  REQUIRE_OK(pm_shared_map(fd, off, n, PM_SHARED_PIN, (void **)&m));
+  CHECK_OK(pm_unregister(m));
+  CHECK_OK(pm_register(m, n, 0));
+  CHECK_OK(pm_shared_unmap(m, n));
+  CHECK_EQ_INT(count_shared_maps(), maps);
+  CHECK_OK(pm_pool_get_stats(NULL, &ps));
+  CHECK_EQ_SIZE(ps.registered_bytes, ps0.registered_bytes);
+  CHECK(pm_test_fill_ok(p, n, 43)); /* the owner's block is untouched */
+  CHECK_OK(pm_host_free(p));
+}
+
 /* ---- no fd left behind ---------------------------------------------------------------------- */
 
 static void test_no_fd_leak(void) {
@@ -684,7 +794,8 @@ static void test_fallback(void) {
     CHECK_OK(pm_pool_trim(pool, &released)); /* the next allocation must make a new file */
     CHECK_EQ_SIZE(released, 2 * MiB);
   } else {
-    printf("note: /dev/shm is not writable here: only the failure without it is tested\n");
+    pm_test_skip("the /dev/shm fallback: /dev/shm is not writable here (only the failure without "
+                 "it is tested)");
   }
   /* Neither way: a clear error naming both. */
   atomic_store(&pm__shared_dir, "/nonexistent-pinmem-dir");
@@ -903,6 +1014,8 @@ int main(void) {
   RUN(test_budget_and_separate_cache);
   RUN(test_copy);
   RUN(test_bad_input);
+  RUN(test_peer_cannot_resize);
+  RUN(test_unregister_then_unmap);
   RUN(test_no_fd_leak);
   RUN(test_fallback);
   RUN(test_threads);

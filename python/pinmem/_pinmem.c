@@ -15,7 +15,8 @@ static struct PyModuleDef module_def = {
 /* The module's functions, file by file. */
 static PyMethodDef *const module_functions[] = {
     pmpy_empty_pin_functions, pmpy_copy_functions,  pmpy_files_functions, pmpy_pool_functions,
-    pmpy_datasets_functions,  pmpy_procs_functions, pmpy_loader_functions};
+    pmpy_datasets_functions,  pmpy_procs_functions, pmpy_loader_functions,
+    pmpy_streams_functions};
 
 PyMODINIT_FUNC PyInit__pinmem(void);
 PyMODINIT_FUNC PyInit__pinmem(void) {

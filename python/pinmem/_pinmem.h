@@ -227,6 +227,7 @@ extern PyMethodDef pmpy_files_functions[];
 extern PyMethodDef pmpy_pool_functions[];
 extern PyMethodDef pmpy_datasets_functions[];
 extern PyMethodDef pmpy_loader_functions[];
+extern PyMethodDef pmpy_streams_functions[];
 
 /* ---- blocks.c ---------------------------------------------------------------------------- */
 

@@ -54,3 +54,30 @@ def skip_unless_torch_cuda():
         pytest.skip("pinmem runs on the host backend (PINMEM_BACKEND=%s): GPU interop needs cuda"
                     % os.environ.get("PINMEM_BACKEND", "auto"))
     return torch
+
+
+class Gate:
+    """A host function on `stream` that holds it until open() (the C tests' gate): work queued
+    behind it cannot have run, and work ordered after that work must wait, so a test forces the
+    ordering it names instead of hoping for a race. hold=False only marks the point the stream
+    reached (reached()). Use as a context manager, so a failing test still lets the stream go."""
+
+    def __init__(self, stream, hold=True):
+        self._h = pinmem._pinmem._stream_gate(stream, hold)
+        self._opened = None
+
+    def reached(self, timeout=0.0):
+        """Whether the stream got to the gate within timeout seconds."""
+        return pinmem._pinmem._gate_reached(self._h, timeout)
+
+    def open(self):
+        """Let the stream go on; True when the gate was still holding it."""
+        if self._opened is None:
+            self._opened = pinmem._pinmem._gate_open(self._h)
+        return self._opened
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.open()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pinmem
-from conftest import SMALL, random_bytes
+from conftest import SMALL, Gate, random_bytes
 
 SIZES = [1, 255, 4096, 65537, (1 << 20) + 3] + ([] if SMALL else [(3 << 20) + 17])
 
@@ -85,10 +85,19 @@ def test_on_a_stream_and_wait_stream(rng):
     np.asarray(out)[:] = 0
     with pinmem.Stream() as s1, pinmem.Stream() as s2:
         assert s1.ptr != 0 and s1.cuda_stream == s1.ptr
-        c1 = pinmem.copy(dev, src, s1)
-        c1.wait_stream(s2)  # s2's later work waits for the H2D copy
-        c2 = pinmem.copy(out, dev, s2)
-        s2.synchronize()
+        dev.fill(0x5A, stream=s1)
+        s1.synchronize()
+        with Gate(s1) as gate, Gate(s2, hold=False) as before:
+            c1 = pinmem.copy(dev, src, s1)  # held behind the gate
+            c1.wait_stream(s2)  # s2's later work waits for the H2D copy
+            with Gate(s2, hold=False) as after:  # s2's own work, nothing to do with dev
+                c2 = pinmem.copy(out, dev, s2)
+                assert before.reached(10)  # s2 runs up to the wait...
+                assert not after.reached(0.2)  # ...and no further while the gate holds c1
+                assert not c1.done() and not c2.done() and not s2.query()
+                assert gate.open()
+                s2.synchronize()
+                assert after.reached(0)
         assert s2.query()
         assert c2.done()
     np.testing.assert_array_equal(np.asarray(out), data)
@@ -139,15 +148,29 @@ def test_dropped_completion_keeps_memory_alive(rng):
 
 
 def test_completion_holds_buffer_busy(rng):
+    """While a copy is in flight (held behind a gate) its buffers cannot be released; once it
+    completed they can, and the bytes arrived."""
     n = 1 << 20
+    data = random_bytes(rng, n)
     src = pinmem.empty(n, "uint8")
-    np.asarray(src)[:] = random_bytes(rng, n)
+    np.asarray(src)[:] = data
     dev = pinmem.device_empty(n, "uint8")
-    c = pinmem.copy(dev, src)
-    c.wait()
+    with pinmem.Stream() as s, Gate(s) as gate:
+        c = pinmem.copy(dev, src, s)
+        for b in (src, dev):
+            with pytest.raises(pinmem.BusyError, match="in flight"):
+                b.release()
+            assert not b.released
+        assert not c.done()
+        assert gate.open()
+        c.wait()
     src.release()  # done: nothing holds it any more
     assert src.released
+    out = np.zeros(n, dtype=np.uint8)
+    pinmem.copy(out, dev).wait()
+    np.testing.assert_array_equal(out, data)
     dev.release()
+    assert dev.released
 
 
 def test_nbytes_and_size_checks(rng):
@@ -190,10 +213,17 @@ def test_device_buffer_fill_and_dlpack_ordering(rng):
     assert (out == 0xA5).all()
     if pinmem.backend() == "host":
         # On the host backend device memory is host memory: DLPack exports it as CPU memory,
-        # after the pending write is complete.
-        dev.fill(0x3C, stream=s)
-        a = np.from_dlpack(dev)
-        assert a.shape == (64, 16) and (a == 0x3C).all()
+        # after the pending write is complete. The fill is held behind a gate that another
+        # thread opens later: an export that did not wait would see the old bytes.
+        with Gate(s) as gate:
+            dev.fill(0x3C, stream=s)
+            assert (out == 0xA5).all()
+            opener = threading.Timer(0.3, gate.open)
+            opener.start()
+            a = np.from_dlpack(dev)
+            assert a.shape == (64, 16) and (a == 0x3C).all()
+            opener.join()
+            assert gate.open()  # it held the fill until the timer opened it
 
 
 def test_concurrent_waiters(rng):
@@ -202,19 +232,23 @@ def test_concurrent_waiters(rng):
     out = np.zeros(n, dtype=np.uint8)
     dev = pinmem.device_empty(n, "uint8")
     pinmem.copy(dev, data).wait()
-    c = pinmem.copy(out, dev)
     errors = []
+    with pinmem.Stream() as s, Gate(s) as gate:
+        c = pinmem.copy(out, dev, s)  # behind the gate: the waiters must block until it opens
 
-    def waiter():
-        try:
-            c.wait()
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=waiter) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        def waiter():
+            try:
+                c.wait()
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=waiter) for _ in range(4)]
+        for t in threads:
+            t.start()
+        threads[0].join(0.2)
+        assert all(t.is_alive() for t in threads) and not c.done()
+        assert gate.open()
+        for t in threads:
+            t.join()
     assert not errors and c.done() and c.path == "staged"
     np.testing.assert_array_equal(out, data)
 

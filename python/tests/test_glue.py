@@ -123,17 +123,22 @@ def test_cai_bogus_pointer_refused(device_f4, tmp_path):
     with pytest.raises(pinmem.InvalidError, match="no device memory there"):
         pinmem.copy(CAI(0xDEAD0000, (4,)), out)
     assert not out.any()
-    # In a child too: whatever happens there, the test process survives to report it.
-    run_child("""
+    # In a child too (a crash there would not take the test process with it): the copy from a
+    # pointer pinmem never allocated is refused, naming the address, and nothing is written.
+    out = run_child("""
         import numpy as np, pinmem
         class C: pass
         c = C(); c.__cuda_array_interface__ = dict(data=(0x10, False), shape=(4,),
                                                    typestr="<f4", version=3)
+        dst = np.zeros(4, np.float32)
         try:
-            pinmem.copy(np.zeros(4, np.float32), c).wait()
-        except pinmem.InvalidError:
-            print("refused")
+            pinmem.copy(dst, c).wait()
+        except pinmem.InvalidError as e:
+            print("refused", "no device memory there" in str(e), "0x10" in str(e), dst.any())
+        else:
+            print("copied")
         """, tmp_path)
+    assert out.split() == ["refused", "True", "True", "False"], out
 
 
 def test_cai_range_past_allocation_refused(device_f4):

@@ -1,4 +1,5 @@
 """Pool control, options, errors and introspection."""
+import json
 import os
 import subprocess
 import sys
@@ -165,14 +166,25 @@ def test_pointer_info_kinds():
 def test_env_options_in_a_fresh_process():
     """PINMEM_* variables reach the option table; a bad one is ignored, not fatal."""
     code = textwrap.dedent("""
-        import pinmem
+        import json, pinmem
         o = pinmem.options()
-        print(o["copy_slots"]["value"], o["copy_slots"]["source"], pinmem.budget())
+        print(json.dumps([o["copy_slots"]["value"], o["copy_slots"]["source"], pinmem.budget(),
+                          o["copy_chunk"]["value"], o["copy_chunk"]["source"],
+                          o["copy_threads"]["value"], o["copy_threads"]["source"]]))
     """)
-    env = dict(os.environ, PINMEM_COPY_SLOTS="7", PINMEM_BUDGET="64M")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()
-    assert out == ["7", "env", str(64 << 20)]
+    # Good values for two options, and two bad ones (not a size; out of range) that must be
+    # ignored, saying so, while the import and everything else go on.
+    env = dict(os.environ, PINMEM_COPY_SLOTS="7", PINMEM_BUDGET="64M",
+               PINMEM_COPY_CHUNK="lots", PINMEM_COPY_THREADS="-3")
+    out = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                    text=True, check=True).stdout)
+    slots, slots_src, budget, chunk, chunk_src, threads, threads_src = out
+    assert (slots, slots_src, budget) == ("7", "env", 64 << 20)
+    assert chunk_src == "default" and "PINMEM_COPY_CHUNK='lots' ignored" in chunk, chunk
+    assert threads_src == "default" and "PINMEM_COPY_THREADS='-3' ignored" in threads, threads
+    defaults = pinmem.options()  # this process has neither variable: the defaults they fell to
+    assert chunk.startswith(defaults["copy_chunk"]["default"] + " (")
+    assert threads.startswith(defaults["copy_threads"]["default"] + " (")
 
 
 def test_backend_cuda_without_device_raises():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pinmem
-from conftest import skip_unless_torch, skip_unless_torch_cuda
+from conftest import Gate, skip_unless_torch, skip_unless_torch_cuda
 
 
 def test_torch_from_dlpack_zero_copy(rng):
@@ -86,9 +86,14 @@ def test_device_buffer_to_torch_with_stream_order(rng):
     np.asarray(src)[:] = rng.integers(1, 255, size=n, dtype=np.uint8)
     dev = pinmem.device_empty(n, "uint8")
     s = pinmem.Stream()
-    pinmem.copy(dev, src, s)  # not waited for: torch's stream must wait on its own
-    t = torch.from_dlpack(dev)
-    assert t.device.type == "cuda" and t.data_ptr() == dev.ptr
+    with Gate(s) as gate:
+        pinmem.copy(dev, src, s)  # held behind the gate: torch's stream must wait on its own
+        t = torch.from_dlpack(dev)
+        assert t.device.type == "cuda" and t.data_ptr() == dev.ptr
+        r = t.clone()  # queued on torch's stream, after the held copy
+        assert not torch.cuda.current_stream().query()  # waiting for it, not done
+        assert gate.open()
+    assert torch.equal(r.cpu(), torch.from_numpy(np.asarray(src)))
     assert torch.equal(t.cpu(), torch.from_numpy(np.asarray(src)))
 
 

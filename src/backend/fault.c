@@ -25,7 +25,10 @@
  * reservation of a range past the end, op "file_reserve", fails with ENOSPC by default. The pool's stream record on a
  * block goes through pm__fault_check, op "pool_record" (PM_ERR_NOMEM, as when no memory is left
  * for the record); it is named only, because with a failing stream_sync too the block is
- * quarantined and stays pinned until its pool is destroyed, by design.
+ * quarantined and stays pinned until its pool is destroyed, by design. Op "corrupt" (named only)
+ * is the one fault that is not an error: a memcpy_async or memcpy_sync it hits returns success
+ * having copied the source shifted by one byte (src + 1 to dst, the last byte of dst left as it
+ * was), so a benchmark's or a test's verifier can be shown to catch wrong data.
  *
  * Data: one record per op with relaxed atomic counters (calls, injected) and settings (nth,
  * sticky, threshold = rate * 2^64). g_active is false until something arms or counts; while it
@@ -288,13 +291,25 @@ static pm_status_t f_event_elapsed(pm_event_t start, pm_event_t end, double *sec
   return real_backend()->event_elapsed(start, end, seconds_out);
 }
 
+/* Op "corrupt": whether this copy moves the wrong bytes; then *src and *bytes are the shifted
+ * copy's (nothing at all for a 1-byte copy, which leaves dst as it was). */
+static bool corrupt(const void **src, size_t *bytes) {
+  uint64_t call;
+  if (!should_fail(PM__FAULT_CORRUPT, &call) || *bytes == 0) return false;
+  *src = (const char *)*src + 1;
+  *bytes -= 1;
+  return true;
+}
+
 static pm_status_t f_memcpy_async(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind,
                                   pm_stream_t stream) {
   FAULT_CHECK(PM__FAULT_MEMCPY, "memcpy_async");
+  if (corrupt(&src, &bytes) && bytes == 0) return PM_OK;
   return real_backend()->memcpy_async(dst, src, bytes, kind, stream);
 }
 static pm_status_t f_memcpy_sync(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind) {
   FAULT_CHECK(PM__FAULT_MEMCPY, "memcpy_sync");
+  if (corrupt(&src, &bytes) && bytes == 0) return PM_OK;
   return real_backend()->memcpy_sync(dst, src, bytes, kind);
 }
 
@@ -454,7 +469,8 @@ void pm__fault_counts(pm__fault_counts_t *out) {
   for (int i = 0; i < PM__FAULT_COUNT; i++) {
     out->calls[i] = atomic_load_explicit(&g_state[i].calls, memory_order_relaxed);
     out->injected[i] = atomic_load_explicit(&g_state[i].injected, memory_order_relaxed);
-    out->total_calls += out->calls[i];
+    /* corrupt counts the copies memcpy counted already: one call, not two */
+    if (i != PM__FAULT_CORRUPT) out->total_calls += out->calls[i];
     out->total_injected += out->injected[i];
   }
 }

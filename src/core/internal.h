@@ -577,7 +577,9 @@ void pm__copy_shutdown(void);
   /* pm_file_write_async's reservation of a range past the end (fallocate; ENOSPC by default) */ \
   X(PM__FAULT_FILE_RESERVE, "file_reserve", PM_ERR_IO, false)                                   \
   /* the pool's stream record on a block (pm__pool_record_stream: no memory for it) */          \
-  X(PM__FAULT_POOL_RECORD, "pool_record", PM_ERR_NOMEM, true)
+  X(PM__FAULT_POOL_RECORD, "pool_record", PM_ERR_NOMEM, true)                                  \
+  /* memcpy_async and memcpy_sync that succeed with wrong bytes (named only): verifiers' check */ \
+  X(PM__FAULT_CORRUPT, "corrupt", PM_OK, true)
 
 #define PM__FAULT_ENUM(op, ...) op,
 typedef enum pm__fault_op {

@@ -5,7 +5,9 @@
  * with spawn cannot see at all. Here a segment is a memfd (memfd_create, close-on-exec), sized
  * with ftruncate, mapped MAP_SHARED, faulted in from several threads (pm__parallel_for, as pin.c
  * does) and then registered with the backend as PORTABLE (cudaHostRegister; mlock on the host
- * backend), so every device context sees it pinned. Where memfd_create is missing (kernels before
+ * backend), so every device context sees it pinned. Once sized, a memfd's size is sealed
+ * (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL): a peer that holds the fd cannot shrink it under
+ * the owner's mapping (a SIGBUS there). Where memfd_create is missing (kernels before
  * 3.17, or a seccomp filter that answers ENOSYS) the file is an unlinked temporary file under
  * /dev/shm, which is the same tmpfs memory; if neither can be made the error says both reasons.
  *
@@ -64,10 +66,10 @@ static int memfd(const char *name) {
     errno = ENOSYS;
     return -1;
   }
-#if defined(MFD_CLOEXEC)
-  return memfd_create(name, MFD_CLOEXEC);
+#if defined(MFD_CLOEXEC) && defined(MFD_ALLOW_SEALING)
+  return memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
 #elif defined(SYS_memfd_create)
-  return (int)syscall(SYS_memfd_create, name, 1u /* MFD_CLOEXEC */);
+  return (int)syscall(SYS_memfd_create, name, 3u /* MFD_CLOEXEC | MFD_ALLOW_SEALING */);
 #else
   (void)name;
   errno = ENOSYS;
@@ -104,6 +106,28 @@ static pm_status_t open_file(int *fd_out, bool *is_memfd) {
   (void)unlink(path);
   *fd_out = fd;
   return PM_OK;
+}
+
+/* Every process that holds the fd (a worker, a forked child, one it was passed to) could
+ * ftruncate it: shrunk under the owner's mapping, the owner's next access to the lost pages is a
+ * SIGBUS, and a pinned range (registered with the driver) would point at freed pages. Once sized,
+ * the file's size is sealed both ways: no shrink for that reason, no grow because nothing here
+ * ever grows it and a peer's growth would only spend tmpfs memory nobody maps or counts.
+ * F_SEAL_SEAL last, so no process can lift or change the seals. The /dev/shm fallback cannot be
+ * sealed (only a memfd made with MFD_ALLOW_SEALING can): docs/shared-memory.md says so. */
+static pm_status_t seal_size(int fd) {
+#if defined(F_ADD_SEALS) && defined(F_SEAL_SHRINK) && defined(F_SEAL_GROW) && defined(F_SEAL_SEAL)
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) return PM_OK;
+  int e = errno;
+  return pm__set_error(PM_ERR_BACKEND,
+                       "shared pinned memory: sealing the memfd's size (F_ADD_SEALS): %s",
+                       strerror(e));
+#else
+  (void)fd;
+  return pm__set_error(PM_ERR_UNSUPPORTED,
+                       "shared pinned memory: this C library has no F_ADD_SEALS, so a memfd's size "
+                       "cannot be sealed against a peer's ftruncate");
+#endif
 }
 
 typedef struct pm__touch {
@@ -162,6 +186,13 @@ pm_status_t pm__shared_pin_node(const pm__backend_t *b, size_t bytes, unsigned r
     close(fd);
     return pm__set_error(PM_ERR_NOMEM, "shared pinned memory: sizing the file to %zu bytes: %s",
                          size, strerror(e));
+  }
+  if (is_memfd) {
+    st = seal_size(fd);
+    if (st != PM_OK) {
+      close(fd);
+      return st;
+    }
   }
   void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
