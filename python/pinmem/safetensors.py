@@ -119,9 +119,74 @@ def _read_exactly(fd, n, offset, path):
     return b"".join(parts)
 
 
-def _parse_header(fd, path):
+class _Pairs(list):
+    """A JSON object as the list of its (key, value) pairs, in file order: duplicates kept, so
+    that the checks below can refuse the ones the format refuses."""
+
+
+class _Refused(Exception):
+    """Raised inside the JSON parser for what the format's parser refuses too."""
+
+
+def _finite(text):
+    x = float(text)
+    if x in (float("inf"), float("-inf")):
+        raise _Refused(f"the number {text} is out of range")
+    return x
+
+
+def _constant(name):
+    raise _Refused(f"{name} is not JSON")
+
+
+def _load_json(raw, path):
+    """The header's JSON as nested _Pairs, or FormatError naming `path`. Refused as the
+    package's parser refuses them: invalid UTF-8, NaN and Infinity, numbers out of a double's
+    range, lone surrogates, nesting deeper than 127."""
+    try:
+        text = raw.decode("utf-8")
+        header = _json.loads(text, object_pairs_hook=_Pairs, parse_constant=_constant,
+                             parse_float=_finite)
+    except _Refused as e:
+        _format_error(path, f"the header is not valid JSON ({e})")
+    except RecursionError:
+        _format_error(path, "the header is not valid JSON (nested too deeply)")
+    except (UnicodeDecodeError, ValueError) as e:
+        _format_error(path, f"the header is not valid JSON ({e})")
+    if "\\u" in text:  # an escape may make a lone surrogate, which UTF-8 cannot hold
+        try:
+            _json.dumps(header, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            _format_error(path, "the header is not valid JSON (a lone surrogate escape)")
+        except RecursionError:
+            _format_error(path, "the header is not valid JSON (nested too deeply)")
+    if _depth(header) > 127:
+        _format_error(path, "the header is not valid JSON (nested deeper than 127)")
+    return header
+
+
+def _depth(x):
+    """Nesting depth of parsed JSON (the package's parser refuses 128), without recursion."""
+    deepest, todo = 0, [(x, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, _Pairs):
+            x = [v for _, v in x]
+        elif not isinstance(x, list):
+            continue
+        deepest = max(deepest, d)
+        todo.extend((v, d + 1) for v in x)
+    return deepest
+
+
+def _parse_header(fd, path, strict=True):
     """(metadata, [(name, dtype, shape, begin, end)], data start, data bytes used) of the open
-    safetensors file fd; FormatError naming `path` and the reason when it is malformed."""
+    safetensors file fd; FormatError naming `path` and the reason when it is malformed.
+
+    strict (the default) refuses, as the safetensors package does, files whose tensors do not
+    cover the data exactly (a gap between two, data not starting at 0, bytes after the last):
+    such bytes would be read by no one, and let one file be two formats at once. strict=False
+    accepts them and refuses only tensors that overlap."""
     size = _os.fstat(fd).st_size
     if size < 8:
         _format_error(path, f"{size} bytes long: not a safetensors file (it starts with an "
@@ -132,24 +197,33 @@ def _parse_header(fd, path):
                       "not a safetensors file, or truncated")
     if n > MAX_HEADER:
         _format_error(path, f"header length {n} is larger than the {MAX_HEADER} bytes allowed")
-    try:
-        header = _json.loads(_read_exactly(fd, n, 8, path).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        _format_error(path, f"the header is not valid JSON ({e})")
-    if not isinstance(header, dict):
-        _format_error(path, f"the header is JSON {type(header).__name__}, not an object")
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (
-            isinstance(metadata, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        _format_error(path, "__metadata__ must be an object of strings to strings")
+    header = _load_json(_read_exactly(fd, n, 8, path), path)
+    if not isinstance(header, _Pairs):
+        kind = "object" if isinstance(header, dict) else "list" if isinstance(header, list) \
+            else type(header).__name__
+        _format_error(path, f"the header is JSON {kind}, not an object")
+    metas = [info for k, info in header if k == "__metadata__"]
+    if len(metas) > 1:
+        _format_error(path, "__metadata__ appears more than once")
+    metadata = None
+    if metas and metas[0] is not None:
+        if not (isinstance(metas[0], _Pairs) and all(isinstance(v, str) for _, v in metas[0])):
+            _format_error(path, "__metadata__ must be an object of strings to strings")
+        metadata = dict(metas[0])
+    # a repeated tensor name: the last one counts, as in the package
+    tensors = {k: info for k, info in header if k != "__metadata__"}
     data_len = size - 8 - n
     entries = []
-    for name, info in header.items():
-        if not isinstance(info, dict):
+    for name, info in tensors.items():
+        if not isinstance(info, _Pairs):
             _format_error(path, f"tensor {name!r}: its entry is not an object")
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _DTYPES:
+        fields = {}
+        for k, v in info:
+            if k in fields and k in ("dtype", "shape", "data_offsets"):
+                _format_error(path, f"tensor {name!r}: {k} appears more than once")
+            fields[k] = v
+        dtype, shape, offsets = (fields.get(k) for k in ("dtype", "shape", "data_offsets"))
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             _format_error(path, f"tensor {name!r}: unknown dtype {dtype!r} (known: "
                           f"{', '.join(_DTYPES)})")
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
@@ -175,25 +249,35 @@ def _parse_header(fd, path):
                           f"but its data_offsets [{begin}, {end}] hold {end - begin}")
         entries.append((name, dtype, tuple(shape), begin, end))
     last = None
-    for e in sorted((e for e in entries if e[4] > e[3]), key=lambda e: (e[3], e[4])):
-        if last is not None and e[3] < last[4]:
+    for e in sorted(entries, key=lambda e: (e[3], e[4])):
+        at = 0 if last is None else last[4]
+        if e[3] < at and (strict or e[4] > e[3]):
             _format_error(path, f"tensors {last[0]!r} [{last[3]}, {last[4]}) and {e[0]!r} "
                           f"[{e[3]}, {e[4]}) overlap")
-        last = e
+        if strict and e[3] > at:
+            where = (f"after {last[0]!r} [{last[3]}, {last[4]})" if last is not None
+                     else "at the start of the data")
+            _format_error(path, f"a gap of {e[3] - at} bytes {where}: the next tensor, "
+                          f"{e[0]!r}, starts at {e[3]} (strict=False accepts gaps)")
+        if e[4] > e[3]:
+            last = e
     used = max((e[4] for e in entries), default=0)
+    if strict and used != data_len:
+        _format_error(path, f"{data_len - used} bytes after the last tensor, which ends at "
+                      f"{used} of the {data_len} bytes of data (strict=False accepts them)")
     return metadata, entries, 8 + n, used
 
 
 IOS = ("auto", "buffered", "direct")
 
 
-def _read(path, check, alloc, io="auto"):
+def _read(path, check, alloc, io="auto", strict=True):
     """Parse the file at path, run check(entries), then read its data region with one pinmem
     read (io as read_file's) into the buffer alloc(nbytes) returns as (target for the read,
     data, stream). Returns (entries, data); data is None when no tensor has bytes."""
     fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
     try:
-        _, entries, start, used = _parse_header(fd, path)
+        _, entries, start, used = _parse_header(fd, path, strict)
         check(entries)
         if not used:
             return entries, None
@@ -223,7 +307,7 @@ def _torch_dtype(torch, name, dtype, where):
     return t
 
 
-def load_file(path, device="cpu", *, io="auto"):
+def load_file(path, device="cpu", *, io="auto", strict=True):
     """A dict of torch tensors from the safetensors file at `path`, on `device` ('cpu',
     'cuda', 'cuda:1', a torch.device or an index).
 
@@ -237,6 +321,10 @@ def load_file(path, device="cpu", *, io="auto"):
     through O_DIRECT (the fastest cold load for one process), or through the page cache while
     other processes read the same file (ranks of one node), so that they share it. A direct
     read leaves nothing in the page cache: 'buffered' keeps the file there for a later load.
+
+    strict: True (the default) refuses, as the safetensors package does, a file whose tensors
+    leave bytes of the data unread (a gap between two, data not starting at 0, bytes after the
+    last); False loads it (only overlapping tensors are refused).
     """
     _check_byteorder()
     path = _os.fspath(path)
@@ -254,7 +342,7 @@ def load_file(path, device="cpu", *, io="auto"):
         torch = _torch()
         return _alloc(torch, torch.device(device), n)
 
-    entries, data = _read(path, check, alloc, io)
+    entries, data = _read(path, check, alloc, io, strict)
     torch = _torch()
     dev = torch.device(device)
     out = {}
@@ -335,7 +423,7 @@ class safe_open:
     the tensors already read stay valid. load_file is faster for a whole file: one read.
     """
 
-    def __init__(self, path, framework="pt", device="cpu", *, io="auto"):
+    def __init__(self, path, framework="pt", device="cpu", *, io="auto", strict=True):
         _check_byteorder()
         self._fd = None
         self._lock = _threading.Lock()
@@ -358,7 +446,7 @@ class safe_open:
             self._device = _torch().device(device)
         fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
         try:
-            self._metadata, entries, self._start, _ = _parse_header(fd, path)
+            self._metadata, entries, self._start, _ = _parse_header(fd, path, strict)
         except BaseException:
             _os.close(fd)
             raise
@@ -671,6 +759,12 @@ def _layout(tensors, metadata, stage):
         offset += n
     text = _json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER:
+        # Checked before the target is touched: a file with a larger header is one that no
+        # reader (this one, the package) loads, and it would replace a good one.
+        _pm._pinmem._raise(_pm.PM_ERR_FORMAT, f"pinmem.safetensors: the header would be "
+                           f"{len(text)} bytes (metadata and tensor names), larger than the "
+                           f"{MAX_HEADER} bytes a safetensors file may have")
     return _struct.pack("<Q", len(text)) + text, items
 
 
