@@ -1,0 +1,27 @@
+#!/bin/sh
+# The safetensors package's own Python tests (bindings/python/tests), run against pinmem through
+# safetensors_shim.py. The suite is not part of pinmem: pass its folder as SAFETENSORS_SUITE, or
+# let this script clone it (the branch or tag in SAFETENSORS_REF, default main) into
+# SAFETENSORS_SUITE_DEST (default build-py/safetensors-suite).
+# Usage: tests/safetensors_suite/run.sh [pytest arguments]
+# Needs pinmem importable (PYTHONPATH=build-py/python, or installed), torch, numpy, pytest and the
+# safetensors package (its SafetensorError is the base of pinmem's).
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+python=${PYTHON:-$root/.venv/bin/python}
+dest=${SAFETENSORS_SUITE_DEST:-$root/build-py/safetensors-suite}
+suite=${SAFETENSORS_SUITE:-$dest/bindings/python/tests}
+if [ ! -d "$suite" ]; then
+    ref=${SAFETENSORS_REF:-main}
+    echo "safetensors suite: cloning huggingface/safetensors ($ref) into $dest"
+    rm -rf "$dest"
+    git clone --quiet --depth 1 --branch "$ref" https://github.com/huggingface/safetensors "$dest" ||
+        { echo "safetensors suite: no copy of the suite (set SAFETENSORS_SUITE=<.../bindings/python/tests>)"; exit 2; }
+fi
+work=$(mktemp -d)  # the suite writes its files into the current folder
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" PINMEM_BACKEND=${PINMEM_BACKEND:-host} \
+    "$python" -m pytest -p safetensors_shim -p no:cacheprovider -q -rs --rootdir "$suite" \
+    "$suite" "$@"
