@@ -53,22 +53,34 @@ import numpy as _np
 
 import pinmem as _pm
 
-__all__ = ["load_file", "safe_open", "save_file", "save_file_async", "SaveHandle"]
+from ._errors import (SafetensorError, SafetensorFormatError, SafetensorIndexError,  # noqa: F401
+                      SafetensorInvalidError, SafetensorKeyError, SafetensorTypeError,
+                      SafetensorUnsupportedError, SharedTensorsError)
+from ._errors import error as _error
+from ._errors import fail as _fail
+
+__all__ = ["load_file", "safe_open", "save_file", "save_file_async", "SaveHandle",
+           "SafetensorError"]
 
 # The largest header accepted (the safetensors package refuses larger ones too).
 MAX_HEADER = 100_000_000
 
-# safetensors dtype -> (torch dtype attribute, item size, NumPy dtype or None). Only whole-byte
-# types: views need them. A torch without one of these (older versions) refuses it by name.
+# safetensors dtype -> (torch dtype attribute or None, item size in bytes (1 for the types
+# narrower than a byte), NumPy dtype or None), in the format's order of dtypes: a save writes
+# tensors by falling rank in it (then by name), as the package does, so both write the same
+# bytes. A torch without one of these (older versions) refuses it by name.
 _DTYPES = {
     "BOOL": ("bool", 1, "|b1"),
+    "F4": ("float4_e2m1fn_x2", 1, None),  # two 4-bit values a byte (torch: one _x2 element)
+    "F6_E2M3": (None, 1, None),
+    "F6_E3M2": (None, 1, None),
     "U8": ("uint8", 1, "|u1"),
     "I8": ("int8", 1, "|i1"),
-    "F8_E4M3": ("float8_e4m3fn", 1, None),
     "F8_E5M2": ("float8_e5m2", 1, None),
+    "F8_E4M3": ("float8_e4m3fn", 1, None),
+    "F8_E8M0": ("float8_e8m0fnu", 1, None),
     "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1, None),
     "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1, None),
-    "F8_E8M0": ("float8_e8m0fnu", 1, None),
     "I16": ("int16", 2, "<i2"),
     "U16": ("uint16", 2, "<u2"),
     "F16": ("float16", 2, "<f2"),
@@ -76,11 +88,20 @@ _DTYPES = {
     "I32": ("int32", 4, "<i4"),
     "U32": ("uint32", 4, "<u4"),
     "F32": ("float32", 4, "<f4"),
+    "C64": ("complex64", 8, "<c8"),
+    "F64": ("float64", 8, "<f8"),
     "I64": ("int64", 8, "<i8"),
     "U64": ("uint64", 8, "<u8"),
-    "F64": ("float64", 8, "<f8"),
-    "C64": ("complex64", 8, "<c8"),
 }
+_RANK = {name: i for i, name in enumerate(_DTYPES)}
+# Bits of one element, where that is not 8 times the item size.
+_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def _nbytes(dtype, numel):
+    """Bytes of numel elements of dtype, or None when they do not fill whole bytes."""
+    bits = numel * _BITS.get(dtype, 8 * _DTYPES[dtype][1])
+    return None if bits % 8 else bits // 8
 _NUMPY_NAMES = {np_name: name for name, (_, _, np_name) in _DTYPES.items() if np_name}
 
 
@@ -95,12 +116,12 @@ def _torch():
 
 def _check_byteorder():
     if _sys.byteorder != "little":
-        _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, "pinmem.safetensors: safetensors data is "
+        _fail(_pm.PM_ERR_UNSUPPORTED, "pinmem.safetensors: safetensors data is "
                            "little-endian and this machine is not")
 
 
 def _format_error(path, text):
-    _pm._pinmem._raise(_pm.PM_ERR_FORMAT, f"{path!r}: {text}")
+    _fail(_pm.PM_ERR_FORMAT, f"{path!r}: {text}")
 
 
 def _is_count(x):
@@ -243,7 +264,10 @@ def _parse_header(fd, path, strict=True):
         numel = 1
         for d in shape:
             numel *= d
-        need = numel * _DTYPES[dtype][1]
+        need = _nbytes(dtype, numel)
+        if need is None:
+            _format_error(path, f"tensor {name!r}: {dtype} of shape {shape} does not fill whole "
+                          "bytes")
         if end - begin != need:
             _format_error(path, f"tensor {name!r}: {dtype} of shape {shape} takes {need} bytes "
                           f"but its data_offsets [{begin}, {end}] hold {end - begin}")
@@ -300,11 +324,29 @@ def _read_range(fd, offset, n, target, stream, io, fn, path):
 def _torch_dtype(torch, name, dtype, where):
     """The torch dtype of a tensor of safetensors `dtype`; UnsupportedError where this torch
     lacks it."""
-    t = getattr(torch, _DTYPES[dtype][0], None)
+    attr = _DTYPES[dtype][0]
+    t = getattr(torch, attr, None) if attr else None
     if t is None:
-        _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, f"{where}: tensor {name!r} is {dtype}, "
-                           f"which torch {torch.__version__} lacks")
+        _fail(_pm.PM_ERR_UNSUPPORTED, f"{where}: tensor {name!r} is {dtype}, which torch "
+              f"{torch.__version__} has no type for")
     return t
+
+
+def _dtype_of_torch(torch, t):
+    """The safetensors dtype of torch dtype t, or None."""
+    return next((k for k, (attr, _, _) in _DTYPES.items()
+                 if attr and getattr(torch, attr, None) == t), None)
+
+
+def _torch_shape(dtype, shape, where, name):
+    """The torch shape of a tensor of `dtype` and file shape `shape`: F4's last dimension counts
+    4-bit values, two to a torch float4_e2m1fn_x2 element."""
+    if dtype != "F4":
+        return shape
+    if not shape or shape[-1] % 2:
+        _fail(_pm.PM_ERR_UNSUPPORTED, f"{where}: tensor {name!r} is F4 of shape {list(shape)}: "
+              "torch's float4_e2m1fn_x2 needs the last dimension even (two values an element)")
+    return tuple(shape[:-1]) + (shape[-1] // 2,)
 
 
 def load_file(path, device="cpu", *, io="auto", strict=True):
@@ -329,14 +371,16 @@ def load_file(path, device="cpu", *, io="auto", strict=True):
     _check_byteorder()
     path = _os.fspath(path)
     if io not in IOS:
-        _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"load_file({path!r}): io must be one of "
+        _fail(_pm.PM_ERR_INVALID, f"load_file({path!r}): io must be one of "
                            f"{', '.join(IOS)}, not {io!r}")
     dtypes = {}
 
     def check(entries):
         torch = _torch()
-        for name, dtype, *_ in entries:
-            dtypes[name] = _torch_dtype(torch, name, dtype, f"load_file({path!r})")
+        for name, dtype, shape, *_ in entries:
+            where = f"load_file({path!r})"
+            dtypes[name] = (_torch_dtype(torch, name, dtype, where),
+                            _torch_shape(dtype, shape, where, name))
 
     def alloc(n):
         torch = _torch()
@@ -347,15 +391,16 @@ def load_file(path, device="cpu", *, io="auto", strict=True):
     dev = torch.device(device)
     out = {}
     pieces = _Pieces(torch, data, dev)
-    for name, dtype, shape, begin, end in entries:
+    for name, dtype, _, begin, end in entries:
+        t, shape = dtypes[name]
         if begin == end:
-            out[name] = torch.empty(shape, dtype=dtypes[name], device=dev)
+            out[name] = torch.empty(shape, dtype=t, device=dev)
             continue
         if begin % _DTYPES[dtype][1]:
             piece = data[begin:end].clone()  # a view would be misaligned
         else:
             piece = pieces.take(begin, end)
-        out[name] = piece.view(dtypes[name]).view(shape)
+        out[name] = piece.view(t).view(shape)
     return out
 
 
@@ -431,15 +476,15 @@ class safe_open:
         self._closing = None
         self._path = path = _os.fspath(path)
         if framework not in FRAMEWORKS:
-            _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): framework must be "
+            _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): framework must be "
                                f"one of {', '.join(FRAMEWORKS)}, not {framework!r}")
         if io not in IOS:
-            _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): io must be one of "
+            _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): io must be one of "
                                f"{', '.join(IOS)}, not {io!r}")
         self._framework, self._io = FRAMEWORKS[framework], io
         if self._framework == "np":
             if device not in ("cpu", None):
-                _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): NumPy arrays "
+                _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): NumPy arrays "
                                    f"live in host memory: device must be 'cpu', not {device!r}")
             self._device = None
         else:
@@ -483,7 +528,7 @@ class safe_open:
         """The descriptor, held for one read (_let_go gives it back)."""
         with self._lock:
             if self._fd is None:
-                _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"get_tensor({name!r}): "
+                _fail(_pm.PM_ERR_INVALID, f"get_tensor({name!r}): "
                                    f"{self._path!r} is closed")
             self._busy += 1
             return self._fd
@@ -521,7 +566,7 @@ class safe_open:
 
     def _entry(self, name, fn):
         if self._fd is None:
-            _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"{fn}({name!r}): {self._path!r} is closed")
+            _fail(_pm.PM_ERR_INVALID, f"{fn}({name!r}): {self._path!r} is closed")
         try:
             return self._entries[name]
         except (KeyError, TypeError):
@@ -531,7 +576,7 @@ class safe_open:
         if self._framework == "np":
             np_name = _DTYPES[dtype][2]
             if np_name is None:
-                _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, f"{self._path!r}: tensor {name!r} "
+                _fail(_pm.PM_ERR_UNSUPPORTED, f"{self._path!r}: tensor {name!r} "
                                    f"is {dtype}, which NumPy has no type for (framework='pt' "
                                    "reads it)")
             return _np.dtype(np_name)
@@ -547,6 +592,7 @@ class safe_open:
             target, stream = out, None
         else:
             torch = _torch()
+            shape = _torch_shape(dtype, shape, repr(self._path), name)
             if not n:
                 return torch.empty(shape, dtype=t, device=self._device)
             target, out, stream = _alloc(torch, self._device, n)
@@ -638,12 +684,11 @@ def _source(name, t):
     torch = _sys.modules.get("torch")
     if torch is not None and isinstance(t, torch.Tensor):
         if t.layout != torch.strided:
-            raise ValueError(f"pinmem.safetensors: tensor {name!r} is {t.layout}; save dense "
+            raise _error(SafetensorInvalidError, f"pinmem.safetensors: tensor {name!r} is {t.layout}; save dense "
                              "tensors (.to_dense())")
-        dtype = next((k for k, (attr, _, _) in _DTYPES.items()
-                      if getattr(torch, attr, None) == t.dtype), None)
+        dtype = _dtype_of_torch(torch, t.dtype)
         if dtype is None:
-            raise TypeError(f"pinmem.safetensors: tensor {name!r} has dtype {t.dtype}, which "
+            raise _error(SafetensorTypeError, f"pinmem.safetensors: tensor {name!r} has dtype {t.dtype}, which "
                             "safetensors cannot store")
         t = t.detach().resolve_conj().resolve_neg()  # lazy conjugate views: their real bytes
         if not t.is_contiguous():
@@ -651,18 +696,24 @@ def _source(name, t):
         n = t.numel() * _DTYPES[dtype][1]
         view = t.reshape(-1).view(torch.uint8) if n else None
         stream = torch.cuda.current_stream(t.device) if t.device.type == "cuda" else None
-        return dtype, tuple(t.shape), n, view, stream
+        shape = tuple(t.shape)
+        if dtype == "F4":  # the file counts 4-bit values: two a torch element
+            if not shape:
+                raise _error(SafetensorInvalidError, f"pinmem.safetensors: tensor {name!r} is a "
+                             "0-d float4_e2m1fn_x2, whose two values have no shape in the file")
+            shape = shape[:-1] + (2 * shape[-1],)
+        return dtype, shape, n, view, stream
     if isinstance(t, _np.ndarray):
         a = t
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         dtype = _NUMPY_NAMES.get(a.dtype.str.replace("=", "<"))
         if dtype is None:
-            raise TypeError(f"pinmem.safetensors: array {name!r} has dtype {t.dtype}, which "
+            raise _error(SafetensorTypeError, f"pinmem.safetensors: array {name!r} has dtype {t.dtype}, which "
                             "safetensors cannot store")
         flat = _np.ascontiguousarray(a).reshape(-1)  # (ascontiguousarray makes 0-d arrays 1-d)
         return dtype, t.shape, flat.nbytes, flat.view(_np.uint8) if flat.nbytes else None, None
-    raise TypeError(f"pinmem.safetensors: {name!r} is {type(t).__name__}; expected a torch "
+    raise _error(SafetensorTypeError, f"pinmem.safetensors: {name!r} is {type(t).__name__}; expected a torch "
                     "tensor or a NumPy array")
 
 
@@ -749,9 +800,10 @@ def _layout(tensors, metadata, stage):
         if name == "__metadata__":
             raise ValueError("pinmem.safetensors: '__metadata__' cannot name a tensor")
         items.append((name,) + _source(name, t))
-    # Falling item size, then name (as the safetensors package orders them): every tensor starts
-    # aligned to its item size, the header length being a multiple of 8.
-    items.sort(key=lambda it: (-_DTYPES[it[1]][1], it[0]))
+    # Falling rank in the format's order of dtypes (item sizes fall with it), then name, as the
+    # safetensors package orders them: every tensor starts aligned to its item size, the header
+    # length being a multiple of 8, and both write the same bytes.
+    items.sort(key=lambda it: (-_RANK[it[1]], it[0]))
     header = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, dtype, shape, n, _, _ in items:
@@ -762,7 +814,7 @@ def _layout(tensors, metadata, stage):
     if len(text) > MAX_HEADER:
         # Checked before the target is touched: a file with a larger header is one that no
         # reader (this one, the package) loads, and it would replace a good one.
-        _pm._pinmem._raise(_pm.PM_ERR_FORMAT, f"pinmem.safetensors: the header would be "
+        _fail(_pm.PM_ERR_FORMAT, f"pinmem.safetensors: the header would be "
                            f"{len(text)} bytes (metadata and tensor names), larger than the "
                            f"{MAX_HEADER} bytes a safetensors file may have")
     return _struct.pack("<Q", len(text)) + text, items
