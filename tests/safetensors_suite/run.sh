@@ -19,8 +19,11 @@ if [ ! -d "$suite" ]; then
     git clone --quiet --depth 1 --branch "$ref" https://github.com/huggingface/safetensors "$dest" ||
         { echo "safetensors suite: no copy of the suite (set SAFETENSORS_SUITE=<.../bindings/python/tests>)"; exit 2; }
 fi
-work=$(mktemp -d)  # the suite writes its files into the current folder
+# The suite runs from bindings/python and writes its files into ./ and ./tests/data: a folder
+# of its own stands in for it, so that the suite's copy stays as fetched.
+work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/tests/data"
 cd "$work"
 PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" PINMEM_BACKEND=${PINMEM_BACKEND:-host} \
     "$python" -m pytest -p safetensors_shim -p no:cacheprovider -q -rs --rootdir "$suite" \

@@ -41,6 +41,7 @@ import errno as _errno
 import fcntl as _fcntl
 import functools as _functools
 import json as _json
+import operator as _operator
 import os as _os
 import secrets as _secrets
 import stat as _stat
@@ -55,7 +56,7 @@ import pinmem as _pm
 
 from ._errors import (SafetensorError, SafetensorFormatError, SafetensorIndexError,  # noqa: F401
                       SafetensorInvalidError, SafetensorKeyError, SafetensorTypeError,
-                      SafetensorUnsupportedError, SharedTensorsError)
+                      SafetensorUnsupportedError, SharedTensorsError, NoDataError)
 from ._errors import error as _error
 from ._errors import fail as _fail
 
@@ -129,6 +130,10 @@ def _is_count(x):
 
 
 def _read_exactly(fd, n, offset, path):
+    if isinstance(fd, (bytes, bytearray, memoryview)):  # a file in memory (load)
+        if offset + n > len(fd):
+            _format_error(path, f"the file ends at byte {len(fd)}, inside its header")
+        return bytes(fd[offset:offset + n])
     parts = []
     while n:
         b = _os.pread(fd, n, offset)
@@ -202,13 +207,14 @@ def _depth(x):
 
 def _parse_header(fd, path, strict=True):
     """(metadata, [(name, dtype, shape, begin, end)], data start, data bytes used) of the open
-    safetensors file fd; FormatError naming `path` and the reason when it is malformed.
+    safetensors file fd (or of a whole file in memory: bytes); FormatError naming `path` and
+    the reason when it is malformed.
 
     strict (the default) refuses, as the safetensors package does, files whose tensors do not
     cover the data exactly (a gap between two, data not starting at 0, bytes after the last):
     such bytes would be read by no one, and let one file be two formats at once. strict=False
     accepts them and refuses only tensors that overlap."""
-    size = _os.fstat(fd).st_size
+    size = len(fd) if isinstance(fd, (bytes, bytearray, memoryview)) else _os.fstat(fd).st_size
     if size < 8:
         _format_error(path, f"{size} bytes long: not a safetensors file (it starts with an "
                       "8-byte header length)")
@@ -299,7 +305,7 @@ def _read(path, check, alloc, io="auto", strict=True):
     """Parse the file at path, run check(entries), then read its data region with one pinmem
     read (io as read_file's) into the buffer alloc(nbytes) returns as (target for the read,
     data, stream). Returns (entries, data); data is None when no tensor has bytes."""
-    fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    fd = _open(path)
     try:
         _, entries, start, used = _parse_header(fd, path, strict)
         check(entries)
@@ -349,7 +355,7 @@ def _torch_shape(dtype, shape, where, name):
     return tuple(shape[:-1]) + (shape[-1] // 2,)
 
 
-def load_file(path, device="cpu", *, io="auto", strict=True):
+def load_file(path, device="cpu", *, backend="mmap", io="auto", strict=True):
     """A dict of torch tensors from the safetensors file at `path`, on `device` ('cpu',
     'cuda', 'cuda:1', a torch.device or an index).
 
@@ -364,6 +370,9 @@ def load_file(path, device="cpu", *, io="auto", strict=True):
     other processes read the same file (ranks of one node), so that they share it. A direct
     read leaves nothing in the page cache: 'buffered' keeps the file there for a later load.
 
+    backend: 'mmap' (the default) or 'pread', accepted as the package's are (a bad name is
+    refused as there); pinmem reads the same way for both.
+
     strict: True (the default) refuses, as the safetensors package does, a file whose tensors
     leave bytes of the data unread (a gap between two, data not starting at 0, bytes after the
     last); False loads it (only overlapping tensors are refused).
@@ -373,6 +382,7 @@ def load_file(path, device="cpu", *, io="auto", strict=True):
     if io not in IOS:
         _fail(_pm.PM_ERR_INVALID, f"load_file({path!r}): io must be one of "
                            f"{', '.join(IOS)}, not {io!r}")
+    _check_backend(backend)
     dtypes = {}
 
     def check(entries):
@@ -453,6 +463,32 @@ class _Pieces:
 
 
 FRAMEWORKS = {"pt": "pt", "torch": "pt", "pytorch": "pt", "np": "np", "numpy": "np"}
+# The package's backend= names: how its bytes are served (a memory map, or pread). pinmem reads
+# every tensor with its own reads into memory of the tensor's own either way, so both are
+# accepted, and name the same thing.
+BACKENDS = ("mmap", "pread")
+
+
+def _check_backend(backend):
+    if backend not in BACKENDS:
+        raise _error(SafetensorInvalidError, f"backend {backend!r} is invalid (expected one of: "
+                     f"{', '.join(map(repr, BACKENDS))})")
+
+
+def _open(path):
+    """A read descriptor on path. A missing file is FileNotFoundError whose text names it as
+    the package's does ("No such file or directory: <path>")."""
+    try:
+        return _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _NotFound(_errno.ENOENT, _os.strerror(_errno.ENOENT), path) from None
+
+
+class _NotFound(FileNotFoundError):
+    """FileNotFoundError (errno, strerror and filename set) whose text is the package's."""
+
+    def __str__(self):
+        return f"No such file or directory: {self.filename}"
 
 
 class safe_open:
@@ -460,7 +496,8 @@ class safe_open:
     `safetensors` package's safe_open: keys(), metadata(), get_tensor(name), get_slice(name).
 
     framework: 'pt' (torch tensors on `device`) or 'np' (NumPy arrays; device 'cpu').
-    The header is checked when the file is opened (FormatError naming the file). Each
+    backend: 'mmap' (the default) or 'pread', accepted as the package's are; both read with
+    pinmem. strict: as load_file's. The header is checked when the file is opened (FormatError naming the file). Each
     get_tensor is one pinmem read (io as read_file's) of that tensor's bytes into memory of its
     own: on the device, or pinned host memory for 'cpu' (pageable when the budget is spent;
     NumPy arrays are pageable). get_slice(name)[index] reads only the rows the index's first
@@ -468,7 +505,8 @@ class safe_open:
     the tensors already read stay valid. load_file is faster for a whole file: one read.
     """
 
-    def __init__(self, path, framework="pt", device="cpu", *, io="auto", strict=True):
+    def __init__(self, path, framework="pt", device="cpu", *, backend="mmap", io="auto",
+                 strict=True):
         _check_byteorder()
         self._fd = None
         self._lock = _threading.Lock()
@@ -481,6 +519,7 @@ class safe_open:
         if io not in IOS:
             _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): io must be one of "
                                f"{', '.join(IOS)}, not {io!r}")
+        _check_backend(backend)
         self._framework, self._io = FRAMEWORKS[framework], io
         if self._framework == "np":
             if device not in ("cpu", None):
@@ -489,7 +528,7 @@ class safe_open:
             self._device = None
         else:
             self._device = _torch().device(device)
-        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+        fd = _open(path)
         try:
             self._metadata, entries, self._start, _ = _parse_header(fd, path, strict)
         except BaseException:
@@ -528,7 +567,7 @@ class safe_open:
         """The descriptor, held for one read (_let_go gives it back)."""
         with self._lock:
             if self._fd is None:
-                _fail(_pm.PM_ERR_INVALID, f"get_tensor({name!r}): "
+                _fail(_pm.PM_ERR_INVALID, f"File is closed: get_tensor({name!r}): "
                                    f"{self._path!r} is closed")
             self._busy += 1
             return self._fd
@@ -546,31 +585,40 @@ class safe_open:
         state = "closed" if self._fd is None else f"{len(self._entries)} tensors"
         return f"<pinmem.safetensors.safe_open {self._path!r}, {state}>"
 
+    def _open_or_fail(self, fn):
+        if self._fd is None:  # as the package: nothing is answered once the file is closed
+            _fail(_pm.PM_ERR_INVALID, f"File is closed: {fn}: {self._path!r} is closed")
+
     def keys(self):
         """The tensors' names, sorted (as the safetensors package lists them)."""
+        self._open_or_fail("keys()")
         return sorted(self._entries)
 
     def offset_keys(self):
         """The tensors' names in the order of their bytes in the file."""
+        self._open_or_fail("offset_keys()")
         return list(self._order)
 
     def metadata(self):
         """The header's __metadata__ (a dict of str to str), or None."""
+        self._open_or_fail("metadata()")
         return None if self._metadata is None else dict(self._metadata)
 
     def __contains__(self, name):
+        self._open_or_fail("in")
         return name in self._entries
 
     def __len__(self):
+        self._open_or_fail("len()")
         return len(self._entries)
 
     def _entry(self, name, fn):
-        if self._fd is None:
-            _fail(_pm.PM_ERR_INVALID, f"{fn}({name!r}): {self._path!r} is closed")
+        self._open_or_fail(f"{fn}({name!r})")
         try:
             return self._entries[name]
         except (KeyError, TypeError):
-            raise KeyError(f"{fn}({name!r}): no tensor of that name in {self._path!r}") from None
+            raise _error(SafetensorKeyError, f"File does not contain tensor {name}: "
+                         f"{fn}({name!r}): no tensor of that name in {self._path!r}") from None
 
     def _dtype(self, name, dtype):
         if self._framework == "np":
@@ -610,10 +658,90 @@ class safe_open:
         _, dtype, shape, begin, end = self._entry(name, "get_tensor")
         return self._read(name, dtype, shape, begin, end)
 
+    def get_tensors(self):
+        """Every tensor, as a dict of names to tensors (arrays) in the order of their bytes in
+        the file, each read into memory of its own."""
+        self._open_or_fail("get_tensors()")
+        return {name: self.get_tensor(name) for name in self._order}
+
     def get_slice(self, name):
         """A lazy view of tensor `name`: get_shape(), get_dtype(), and [index] reading only the
         rows the index's first dimension needs (KeyError when there is no such tensor)."""
         return _Slice(self, self._entry(name, "get_slice"))
+
+
+def _show(index):
+    """An index as the package writes it in its errors: [2:, 20]."""
+    def one(x):
+        if isinstance(x, slice):
+            text = ("" if x.start is None else str(x.start)) + ":" + \
+                ("" if x.stop is None else str(x.stop))
+            return text + (f":{x.step}" if x.step is not None else "")
+        return "..." if x is Ellipsis else str(x)
+    return "[" + ", ".join(one(x) for x in (index if isinstance(index, tuple) else (index,))) + "]"
+
+
+def _checked_index(index, shape):
+    """index as a tuple of ints and slices (start, stop, step > 0, all ints, within the shape),
+    one per leading dimension, or the refusal the package makes, as a SafetensorError with its
+    words: an int or a slice out of range (a slice is not clipped), a step of 0 or less, a
+    non-empty list, anything else (None, a float, an array). A negative slice bound counts from
+    the end. An empty list (no rows) is taken too, as the package takes it."""
+    shape = list(shape)
+    if isinstance(index, list):
+        if index:
+            raise _error(SafetensorInvalidError, "Non empty lists are not implemented")
+        if not shape:
+            raise _error(SafetensorIndexError, f"Error during slicing [] with shape {shape}: "
+                         "more slicing indexes than dimensions in tensor")
+        return (slice(0, 0, 1),)
+    items = index if isinstance(index, tuple) else (index,)
+    if sum(1 for x in items if x is Ellipsis) > 1:
+        raise _error(SafetensorIndexError, f"Error during slicing {_show(index)}: an index can "
+                     "only have a single ellipsis ('...')")
+    if any(x is Ellipsis for x in items):
+        at = next(i for i, x in enumerate(items) if x is Ellipsis)
+        fill = max(0, len(shape) - (len(items) - 1))
+        items = items[:at] + (slice(None),) * fill + items[at + 1:]
+    if len(items) > len(shape):
+        raise _error(SafetensorIndexError, f"Error during slicing {_show(index)} with shape "
+                     f"{shape}: more slicing indexes than dimensions in tensor")
+    out = []
+    for pos, (x, size) in enumerate(zip(items, shape)):
+        def bound(i):
+            return _error(SafetensorIndexError, f"Error during slicing {_show(index)} with shape "
+                          f"{shape}: index {i} out of bounds for tensor dimension #{pos} of "
+                          f"size {size}")
+        if isinstance(x, (int, _np.integer)):  # bool too: the package takes True for 1
+            k = int(x)
+            if k < -size:
+                raise _error(SafetensorIndexError, f"Invalid index {k} for dimension {pos} of "
+                             f"size {size}")
+            if k >= size:
+                raise bound(k)
+            out.append(k + size if k < 0 else k)
+        elif isinstance(x, slice):
+            try:
+                step = 1 if x.step is None else _operator.index(x.step)
+                start = 0 if x.start is None else _operator.index(x.start)
+                stop = size if x.stop is None else _operator.index(x.stop)
+            except TypeError:
+                raise _error(SafetensorInvalidError, f"Unsupported slice index at position {pos}:"
+                             " slice bounds must be integers") from None
+            if step <= 0:
+                raise _error(SafetensorInvalidError, f"Slice step must be a positive integer, "
+                             f"got {step}")
+            start = max(0, start + size) if start < 0 else start
+            stop = max(0, stop + size) if stop < 0 else stop
+            if stop > size:
+                raise bound(stop - 1)
+            if start >= size and size:
+                raise bound(start)
+            out.append(slice(start, stop, step))
+        else:
+            raise _error(SafetensorInvalidError, f"Unsupported slice index at position {pos}: "
+                         "expected slice, int, or ellipsis")
+    return tuple(out)
 
 
 class _Slice:
@@ -641,22 +769,16 @@ class _Slice:
     def __getitem__(self, index):
         f = self._f
         name, dtype, shape, begin, end = f._entry(self._entry[0], "get_slice")
-        index = index if isinstance(index, tuple) else (index,)
+        index = _checked_index(index, shape)
         first = index[0] if index else None
-        rows = None  # the rows [r0, r1) the first index needs, when it is a plain int or slice
-        if shape and isinstance(first, (int, _np.integer)) and not isinstance(first, bool):
-            first = int(first)
-            i = first + shape[0] if first < 0 else first
-            if not 0 <= i < shape[0]:
-                raise IndexError(f"index {first} is out of bounds for dimension 0 of "
-                                 f"{name!r}, of size {shape[0]}")
-            rows, first = (i, i + 1), 0
-        elif shape and isinstance(first, slice):
-            start, stop, step = first.indices(shape[0])
-            if step > 0:
-                stop = max(start, stop)
-                last = start + (stop - start - 1) // step * step + 1 if stop > start else start
-                rows, first = (start, last), slice(0, last - start, step)
+        rows = None  # the rows [r0, r1) the first index needs
+        if isinstance(first, int):
+            rows, first = (first, first + 1), 0
+        elif isinstance(first, slice):
+            start, stop, step = first.start, first.stop, first.step
+            stop = max(start, stop)
+            last = start + (stop - start - 1) // step * step + 1 if stop > start else start
+            rows, first = (start, last), slice(0, last - start, step)
         if rows is None:  # anything else: the whole tensor, indexed as torch or NumPy does
             part = f._read(name, dtype, shape, begin, end)
         else:
@@ -686,6 +808,9 @@ def _source(name, t):
         if t.layout != torch.strided:
             raise _error(SafetensorInvalidError, f"pinmem.safetensors: tensor {name!r} is {t.layout}; save dense "
                              "tensors (.to_dense())")
+        if t.device.type == "meta":
+            raise _error(NoDataError, f"pinmem.safetensors: tensor {name!r} is on the meta "
+                         "device: Cannot copy out of meta tensor, it has no data")
         dtype = _dtype_of_torch(torch, t.dtype)
         if dtype is None:
             raise _error(SafetensorTypeError, f"pinmem.safetensors: tensor {name!r} has dtype {t.dtype}, which "
@@ -1280,3 +1405,51 @@ def save_file_async(tensors, path, metadata=None, *, stage="auto"):
     del buf, copies, keep, write
     handle._thread.start()
     return handle
+
+
+# ---- files in memory (the package's load and save) -----------------------------------------
+
+def _to_bytes(tensors, metadata):
+    """The safetensors file of `tensors` and `metadata` as bytes, laid out as save_file lays
+    it out (the package's save)."""
+    head, items = _layout(tensors, metadata, "host")
+    parts = [head]
+    for _, _, _, n, view, _ in items:
+        if not n:
+            continue
+        if isinstance(view, _np.ndarray):
+            parts.append(view.tobytes())
+        else:  # a torch byte view, on any device
+            parts.append(view.cpu().numpy().tobytes())
+    return b"".join(parts)
+
+
+def _from_bytes(data, framework, strict=True):
+    """{name: tensor or array} of the safetensors file held in `data` (bytes-like), each in
+    memory of its own (the package's load)."""
+    _check_byteorder()
+    if isinstance(data, memoryview):
+        data = data.cast("B") if data.c_contiguous else data.tobytes()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise _error(SafetensorTypeError, f"pinmem.safetensors: load takes the bytes of a file, "
+                     f"not {type(data).__name__}")
+    where = "<bytes>"
+    _, entries, start, _ = _parse_header(data, where, strict)
+    out = {}
+    torch = _torch() if framework == "pt" else None
+    for name, dtype, shape, begin, end in sorted(entries, key=lambda e: (e[3], e[4])):
+        raw = bytearray(data[start + begin:start + end])
+        if torch is None:
+            np_name = _DTYPES[dtype][2]
+            if np_name is None:
+                _fail(_pm.PM_ERR_UNSUPPORTED, f"load: tensor {name!r} is {dtype}, which NumPy "
+                      "has no type for (pinmem.safetensors.torch.load reads it)")
+            out[name] = _np.frombuffer(raw, _np.dtype(np_name)).reshape(shape)
+            continue
+        t = _torch_dtype(torch, name, dtype, "load")
+        tshape = _torch_shape(dtype, shape, "load", name)
+        if not raw:
+            out[name] = torch.empty(tshape, dtype=t)
+        else:
+            out[name] = torch.frombuffer(raw, dtype=torch.uint8).view(t).reshape(tshape)
+    return out

@@ -59,6 +59,10 @@ class SharedTensorsError(SafetensorError, _pm.InvalidError, RuntimeError):
     """Tensors that share memory, refused by a save (a RuntimeError, as the package raises)."""
 
 
+class NoDataError(SafetensorError, _pm.InvalidError, RuntimeError):
+    """A tensor without data (the meta device) given to a save (a RuntimeError, as torch's)."""
+
+
 for _cls in list(globals().values()):
     if isinstance(_cls, type) and issubclass(_cls, SafetensorError):
         _cls.__module__ = "pinmem.safetensors"
