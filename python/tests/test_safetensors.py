@@ -126,3 +126,192 @@ def test_save_refuses_a_header_over_the_limit_and_keeps_the_old_file(tmp_path):
     fits = {"notes": "y" * (pst.MAX_HEADER - 200)}
     pst.save_file(good, path, fits)
     assert pst.safe_open(path, "np").metadata() == fits
+
+
+# ---- parity with the package's modules -------------------------------------------------------
+
+def test_errors_are_the_package_s_and_pinmem_s(tmp_path):
+    """One except clause for either library catches pinmem.safetensors' errors."""
+    path = raw_file(tmp_path / "bad.safetensors", {"a": u8(2, 4)}, b"\1\2\3\4")
+    with pytest.raises(pst.SafetensorError) as e:
+        pst.load_file(path)
+    assert isinstance(e.value, pinmem.FormatError) and e.value.status == "PM_ERR_FORMAT"
+    sn = package()
+    if sn is not None:
+        import safetensors
+        assert issubclass(pst.SafetensorError, safetensors.SafetensorError)
+        with pytest.raises(safetensors.SafetensorError):
+            pst.safe_open(path, "np")
+    good = raw_file(tmp_path / "good.safetensors", {"a": u8(0, 4)}, b"\1\2\3\4")
+    with pst.safe_open(good, "np") as f:
+        with pytest.raises(KeyError):
+            f.get_tensor("zz")
+        with pytest.raises(pst.SafetensorError, match="File does not contain tensor zz"):
+            f.get_slice("zz")
+    with pytest.raises(FileNotFoundError, match="^No such file or directory: .*missing$") as e:
+        pst.safe_open(tmp_path / "missing", "np")
+    assert e.value.errno == 2
+
+
+def test_closed_file_answers_nothing(tmp_path):
+    path = raw_file(tmp_path / "c.safetensors", {"__metadata__": {"k": "v"}, "a": u8(0, 4)},
+                    b"\1\2\3\4")
+    with pst.safe_open(path, "np") as f:
+        assert f.keys() == ["a"] and f.metadata() == {"k": "v"} and len(f) == 1
+        assert list(f.get_tensors()) == ["a"]
+    for call in (f.keys, f.metadata, f.offset_keys, f.get_tensors, lambda: len(f),
+                 lambda: f.get_tensor("a")):
+        with pytest.raises(pst.SafetensorError, match="File is closed"):
+            call()
+
+
+def test_backend_keyword(tmp_path):
+    path = raw_file(tmp_path / "b.safetensors", {"a": u8(0, 4)}, b"\1\2\3\4")
+    for backend in ("mmap", "pread"):
+        with pst.safe_open(path, "np", backend=backend) as f:
+            assert f.get_tensor("a").tobytes() == b"\1\2\3\4"
+    for call in (lambda: pst.safe_open(path, "np", backend="nope"),
+                 lambda: pst.load_file(path, backend="nope")):
+        with pytest.raises(pst.SafetensorError, match="backend 'nope' is invalid"):
+            call()
+
+
+def test_slices_refused_as_the_package_refuses(tmp_path):
+    a = np.arange(50, dtype=np.float64).reshape(10, 5)
+    path = tmp_path / "s.safetensors"
+    pst.save_file({"a": a}, path)
+    f = pst.safe_open(path, "np")
+    s = f.get_slice("a")
+    for index, want in [(slice(None, 20), "index 19 out of bounds for tensor dimension #0"),
+                        ((slice(2, None), 20), "index 20 out of bounds for tensor dimension #1"),
+                        ((slice(2, None), -6), "Invalid index -6 for dimension 1 of size 5"),
+                        ([0, 1], "Non empty lists are not implemented"),
+                        (slice(None, None, -1), "Slice step must be a positive integer"),
+                        ((1, 2, 3), "more slicing indexes than dimensions"),
+                        (None, "Unsupported slice index at position 0")]:
+        with pytest.raises(pst.SafetensorError, match=want):
+            s[index]
+    for index in [slice(None), (), slice(2, 7, 2), (slice(None), slice(1, 3)), -1, (3, -2),
+                  (Ellipsis, 1), slice(-3, None), True]:
+        got = s[index]
+        want = a[1] if index is True else a[index]
+        np.testing.assert_array_equal(got, want, err_msg=repr(index))
+    assert s[[]].shape == (0, 5)
+    f.close()
+
+
+def test_numpy_module_round_trip_and_bytes(tmp_path):
+    from pinmem.safetensors import numpy as pnp
+    arrays = {"b": np.array([True, False, True]), "i": np.arange(7, dtype=">i4"),
+              "f": np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4)[:, ::2],
+              "e": np.zeros((0, 3), np.int16)}
+    data = pnp.save(arrays, metadata={"k": "v"})
+    path = tmp_path / "n.safetensors"
+    pnp.save_file(arrays, path, metadata={"k": "v"})
+    assert path.read_bytes() == data
+    for back in (pnp.load(data), pnp.load_file(path)):
+        assert sorted(back) == sorted(arrays)
+        for k, v in arrays.items():
+            np.testing.assert_array_equal(back[k], v, err_msg=k)
+            assert back[k].dtype == v.dtype.newbyteorder("=") or k == "i"
+    sn = package()
+    if sn is not None:
+        ref = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        assert sn.save(ref, metadata={"k": "v"}) == data  # byte for byte
+    with pytest.raises(ValueError, match="Expected a dict"):
+        pnp.save([1])
+    with pytest.raises(ValueError, match="Key `x` is invalid"):
+        pnp.save({"x": [1]})
+
+
+def torch_or_skip():
+    from conftest import skip_unless_torch
+    return skip_unless_torch()
+
+
+def test_torch_module_refuses_as_the_package(tmp_path):
+    torch = torch_or_skip()
+    from pinmem.safetensors import torch as ptorch
+    path = tmp_path / "t.safetensors"
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    cases = [({"a": a, "b": a[:1]}, RuntimeError, "share memory"),
+             ({"t": a.t()}, ValueError, "non contiguous tensor: `t`"),
+             ({"x": {"some": "thing"}}, ValueError, "Key `x` is invalid"),
+             ("notadict", ValueError, "Expected a dict"),
+             ({"m": torch.zeros(2, device="meta")}, RuntimeError, "meta tensor"),
+             ({"s": a.to_sparse()}, ValueError, "sparse tensors")]
+    for tensors, cls, message in cases:
+        for save in (lambda t: ptorch.save_file(t, path), ptorch.save):
+            with pytest.raises(cls, match=message):
+                save(tensors)
+        assert not path.exists()
+    # permissive=True: pinmem's way, each tensor written in full, made contiguous
+    ptorch.save_file({"a": a, "b": a[:1], "t": a.t()}, path, permissive=True)
+    back = ptorch.load_file(path)
+    assert torch.equal(back["b"], a[:1]) and torch.equal(back["t"], a.t())
+    # the top-level save_file stays permissive, as it was
+    pst.save_file({"a": a, "b": a[:1]}, path)
+
+
+def test_torch_module_bytes_match_the_package(tmp_path):
+    torch = torch_or_skip()
+    from pinmem.safetensors import torch as ptorch
+    g = torch.Generator().manual_seed(3)
+    tensors = {"w": torch.randn(4, 5, generator=g), "d": torch.randn(3, generator=g).double(),
+               "i": torch.randint(-9, 9, (6,), generator=g), "u": torch.arange(5).to(torch.uint64),
+               "h": torch.randn(7, generator=g).half(), "bf": torch.randn(3, generator=g).bfloat16(),
+               "c": torch.randn(2, dtype=torch.complex64, generator=g),
+               "f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+               "b": torch.tensor([True, False]), "z": torch.zeros(0, 2)}
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        tensors["f4"] = torch.randint(0, 255, (2, 3), dtype=torch.uint8,
+                                      generator=g).view(torch.float4_e2m1fn_x2)
+    data = ptorch.save(tensors, metadata={"m": "1"})
+    try:
+        import safetensors.torch as stt
+    except ImportError:
+        stt = None
+    path = tmp_path / "t.safetensors"
+    ptorch.save_file(tensors, path, metadata={"m": "1"})
+    assert path.read_bytes() == data
+    backs = [ptorch.load(data)]
+    if stt is not None:
+        assert stt.save(tensors, metadata={"m": "1"}) == data  # byte for byte, F4 included
+        import safetensors
+        with safetensors.safe_open(str(path), "pt") as theirs:  # (its load() lacks F4)
+            backs.append(theirs.get_tensors())
+    for back in backs:
+        for k, v in tensors.items():
+            assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
+            assert torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)), k
+    with pst.safe_open(path, "pt") as f:
+        got = f.get_tensors()
+    for k, v in tensors.items():
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_save_model_and_load_model(tmp_path):
+    torch = torch_or_skip()
+    from pinmem.safetensors import torch as ptorch
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 3)
+            self.b = self.a
+
+    m = Tied()
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(RuntimeError, match="share memory"):
+        ptorch.save_file(m.state_dict(), path)
+    ptorch.save_model(m, path)
+    with pst.safe_open(path, "pt") as f:
+        assert f.metadata() == {"b.weight": "a.weight", "b.bias": "a.bias"}
+        assert f.keys() == ["a.bias", "a.weight"]
+    m2 = Tied()
+    missing, unexpected = ptorch.load_model(m2, path)
+    assert not missing and not unexpected
+    assert torch.equal(m2.b.weight, m.a.weight) and m2.a.weight is m2.b.weight
+    other = torch.nn.Linear(4, 3)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        ptorch.load_model(other, path)
