@@ -315,3 +315,207 @@ def test_save_model_and_load_model(tmp_path):
     other = torch.nn.Linear(4, 3)
     with pytest.raises(RuntimeError, match="Unexpected key"):
         ptorch.load_model(other, path)
+
+
+# ---- generated headers against the package's parser -----------------------------------------
+
+DTYPES = list(pst._DTYPES)
+
+
+def pairs_json(x):
+    """JSON text of x, where a list of (key, value) tuples tagged as Obj is an object (so that
+    keys may repeat) and Raw is written as is."""
+    if isinstance(x, Obj):
+        return "{" + ",".join(json.dumps(k) + ":" + pairs_json(v) for k, v in x) + "}"
+    if isinstance(x, Raw):
+        return str(x)
+    if isinstance(x, list):
+        return "[" + ",".join(pairs_json(v) for v in x) + "]"
+    return json.dumps(x)
+
+
+class Obj(list):
+    pass
+
+
+class Raw(str):
+    pass
+
+
+def nbytes(dtype, shape):
+    n = 1
+    for d in shape:
+        n *= d
+    bits = n * pst._BITS.get(dtype, 8 * pst._DTYPES[dtype][1])
+    return None if bits % 8 else bits // 8
+
+
+def hypothesis_or_skip():
+    return pytest.importorskip(
+        "hypothesis", reason="hypothesis is not installed (pip install hypothesis; `make test` "
+        "installs it): the generated safetensors headers did not run")
+
+
+def files():
+    """(file bytes, what was done to it): a valid file from the format's grammar (tensors of
+    every dtype, shapes with zeros and scalars, metadata or none, any order in the header and
+    in the data), then zero to three mutations of its header, layout or length."""
+    from hypothesis import strategies as st
+
+    names = st.text(alphabet="ab._\u00e9\u4e2d", min_size=1, max_size=4)
+    shape = st.lists(st.integers(0, 4), max_size=3)
+    tensor = st.tuples(names, st.sampled_from(DTYPES), shape)
+    mutation = st.sampled_from(["offset", "dtype", "shape", "trailing", "truncate", "dup_meta",
+                                "meta_value", "deep", "dup_field", "header_len", "flip",
+                                "drop_field", "nan", "dup_name", "gap", "huge_dim", "null_meta",
+                                "offsets_len", "entry_null"])
+
+    @st.composite
+    def build(draw):
+        tensors = {}
+        for name, dtype, dims in draw(st.lists(tensor, max_size=5)):
+            if nbytes(dtype, dims) is not None:
+                tensors[name] = (dtype, dims)
+        order = draw(st.permutations(sorted(tensors)))
+        data, offsets, at = b"", {}, 0
+        for name in order:
+            n = nbytes(*tensors[name])
+            offsets[name] = [at, at + n]
+            data += bytes((at + i * 7 + 1) % 251 for i in range(n))
+            at += n
+        header = Obj()
+        meta = draw(st.sampled_from([None, {}, {"k": "v"}, {"a": "1", "b": "\u00e9"}]))
+        if meta is not None:
+            header.append(("__metadata__", Obj(meta.items())))
+        entries = {}
+        for name in draw(st.permutations(order)):
+            dtype, dims = tensors[name]
+            entries[name] = Obj([("dtype", dtype), ("shape", list(dims)),
+                                 ("data_offsets", offsets[name])])
+            header.append((name, entries[name]))
+        done = []
+        tail = b""
+        length_delta = 0
+        for m in draw(st.lists(mutation, max_size=3)):
+            some = draw(st.sampled_from(sorted(entries))) if entries else None
+            if m == "offset" and some:
+                field = dict(entries[some])["data_offsets"]
+                field[draw(st.integers(0, 1))] += draw(st.sampled_from([-3, -1, 1, 2, 8]))
+            elif m == "dtype" and some:
+                new = draw(st.sampled_from(DTYPES + ["Q7", "f32", "", None, 5, ["F32"]]))
+                entries[some][0] = ("dtype", new)
+            elif m == "shape" and some:
+                new = draw(st.sampled_from([[-1], [1.0], ["2"], [2**64], 3, None, [0, 2**40],
+                                            [2**40, 2**40, 0]]))
+                entries[some][1] = ("shape", new)
+            elif m == "trailing":
+                tail += b"\x07" * draw(st.integers(1, 9))
+            elif m == "truncate":
+                tail = b"-truncate-" + bytes([draw(st.integers(1, 9))])
+            elif m == "dup_meta":
+                header.append(("__metadata__", Obj([("x", "y")])))
+            elif m == "meta_value":
+                header.insert(0, ("__metadata__", Obj([("k", draw(st.sampled_from([1, None,
+                                                                                   ["v"]])))])))
+            elif m == "deep" and some:
+                d = draw(st.sampled_from([1, 100, 125, 126, 127, 200]))
+                entries[some].append(("z", Raw("[" * d + "]" * d)))
+            elif m == "dup_field" and some:
+                entries[some].append(("dtype", draw(st.sampled_from(DTYPES))))
+            elif m == "header_len":
+                length_delta = draw(st.sampled_from([-8, -1, 1, 8, 1 << 40]))
+            elif m == "flip":
+                done.append(("flip", draw(st.integers(0, 1 << 16)), draw(st.integers(0, 255))))
+                continue
+            elif m == "drop_field" and some:
+                del entries[some][draw(st.integers(0, 2))]
+            elif m == "nan" and some:
+                entries[some].append(("q", Raw(draw(st.sampled_from(["NaN", "1e999", "-0",
+                                                                     "1E2", "\"\\ud800\""])))))
+            elif m == "dup_name" and some:
+                header.append((some, Obj(entries[some])))
+            elif m == "gap" and some:
+                for e in entries.values():
+                    o = dict(e)["data_offsets"]
+                    if isinstance(o, list) and o[0] >= dict(entries[some])["data_offsets"][0]:
+                        o[0] += 4
+                        o[1] += 4
+                data = data[:0] + b"\x05" * 4 + data  # shift all: data no longer starts at 0
+            elif m == "huge_dim" and some:
+                entries[some][1] = ("shape", [2**63, 2])
+            elif m == "null_meta":
+                header.insert(0, ("__metadata__", None))
+            elif m == "offsets_len" and some:
+                entries[some][2] = ("data_offsets", [0, 1, 2])
+            elif m == "entry_null" and some:
+                header.append(("n", None))
+            done.append(m)
+        text = pairs_json(header).encode()
+        text += b" " * (-len(text) % 8)
+        for d in done:
+            if isinstance(d, tuple):
+                _, at, value = d
+                text = text[:at % len(text)] + bytes([value]) + text[at % len(text) + 1:]
+        raw = struct.pack("<Q", max(0, len(text) + length_delta)) + text + data
+        if tail.startswith(b"-truncate-"):
+            raw = raw[:max(0, len(raw) - tail[-1])]
+        else:
+            raw += tail
+        return raw, done
+
+    return build()
+
+
+def ours(raw, path):
+    """('ok', {name: (dtype, shape, bytes)}) or ('refused', error) from pinmem.safetensors."""
+    path.write_bytes(raw)
+    try:
+        with pst.safe_open(path, "np") as f:
+            got = {}
+            for name in f.keys():
+                s = f.get_slice(name)
+                got[name] = (s.get_dtype(), list(s.get_shape()))
+        _, entries, start, _ = pst._parse_header(raw, str(path))
+    except pst.SafetensorError as e:
+        assert isinstance(e, pinmem.FormatError), repr(e)
+        assert str(path) in str(e)
+        return "refused", e
+    assert sorted(got) == sorted(e[0] for e in entries)
+    return "ok", {name: (dtype, list(shape), raw[start + b:start + e])
+                  for name, dtype, shape, b, e in entries}
+
+
+def theirs(raw):
+    import safetensors
+    try:
+        out = safetensors.deserialize(raw)
+    except safetensors.SafetensorError as e:
+        return "refused", e
+    return "ok", {name: (v["dtype"], list(v["shape"]), bytes(v["data"])) for name, v in out}
+
+
+def test_generated_headers_as_the_package_reads_them(tmp_path):
+    """Headers from the format's grammar, mutated: pinmem accepts exactly what the package
+    accepts, gives the same tensors (dtype, shape, bytes) when both accept, and refuses with a
+    FormatError naming the file (never a bare Python error)."""
+    hypothesis_or_skip()
+    pytest.importorskip("safetensors", reason="the safetensors package is not installed: "
+                        "nothing to compare the generated headers with")
+    from hypothesis import HealthCheck, given, settings
+
+    path = tmp_path / "gen.safetensors"
+    seen = {"ok": 0, "refused": 0}
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(files())
+    def check(case):
+        raw, done = case
+        a, b = ours(raw, path), theirs(raw)
+        assert a[0] == b[0], f"pinmem {a[0]} ({a[1]!r}), the package {b[0]} ({b[1]!r}); {done}"
+        if a[0] == "ok":
+            assert a[1] == b[1], done
+        seen[a[0]] += 1
+
+    check()
+    assert seen["ok"] > 50 and seen["refused"] > 50, seen  # both sides were exercised

@@ -65,6 +65,7 @@ __all__ = ["load_file", "safe_open", "save_file", "save_file_async", "SaveHandle
 
 # The largest header accepted (the safetensors package refuses larger ones too).
 MAX_HEADER = 100_000_000
+_U64 = (1 << 64) - 1
 
 # safetensors dtype -> (torch dtype attribute or None, item size in bytes (1 for the types
 # narrower than a byte), NumPy dtype or None), in the format's order of dtypes: a save writes
@@ -237,11 +238,10 @@ def _parse_header(fd, path, strict=True):
         if not (isinstance(metas[0], _Pairs) and all(isinstance(v, str) for _, v in metas[0])):
             _format_error(path, "__metadata__ must be an object of strings to strings")
         metadata = dict(metas[0])
-    # a repeated tensor name: the last one counts, as in the package
-    tensors = {k: info for k, info in header if k != "__metadata__"}
     data_len = size - 8 - n
-    entries = []
-    for name, info in tensors.items():
+    entries = {}
+    # Every entry is checked, a repeated name's too; the last one counts, as in the package.
+    for name, info in ((k, info) for k, info in header if k != "__metadata__"):
         if not isinstance(info, _Pairs):
             _format_error(path, f"tensor {name!r}: its entry is not an object")
         fields = {}
@@ -270,6 +270,11 @@ def _parse_header(fd, path, strict=True):
         numel = 1
         for d in shape:
             numel *= d
+            if numel > _U64:  # the package counts in 64 bits, left to right
+                _format_error(path, f"tensor {name!r}: the element count of shape {shape} "
+                              "overflows 64 bits")
+        if numel * _BITS.get(dtype, 8 * _DTYPES[dtype][1]) > _U64:
+            _format_error(path, f"tensor {name!r}: the bits of shape {shape} overflow 64 bits")
         need = _nbytes(dtype, numel)
         if need is None:
             _format_error(path, f"tensor {name!r}: {dtype} of shape {shape} does not fill whole "
@@ -277,7 +282,8 @@ def _parse_header(fd, path, strict=True):
         if end - begin != need:
             _format_error(path, f"tensor {name!r}: {dtype} of shape {shape} takes {need} bytes "
                           f"but its data_offsets [{begin}, {end}] hold {end - begin}")
-        entries.append((name, dtype, tuple(shape), begin, end))
+        entries[name] = (name, dtype, tuple(shape), begin, end)
+    entries = list(entries.values())
     last = None
     for e in sorted(entries, key=lambda e: (e[3], e[4])):
         at = 0 if last is None else last[4]
