@@ -218,6 +218,8 @@ def test_numpy_module_round_trip_and_bytes(tmp_path):
     if sn is not None:
         ref = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
         assert sn.save(ref, metadata={"k": "v"}) == data  # byte for byte
+        for meta in (None, {}):  # an empty __metadata__ is written, as the package writes it
+            assert sn.save(ref, metadata=meta) == pnp.save(arrays, metadata=meta)
     with pytest.raises(ValueError, match="Expected a dict"):
         pnp.save([1])
     with pytest.raises(ValueError, match="Key `x` is invalid"):

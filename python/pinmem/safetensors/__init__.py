@@ -1,4 +1,5 @@
-"""Safetensors files <-> tensors through pinned memory: load_file, save_file, save_file_async.
+"""Safetensors files <-> tensors through pinned memory: load_file, safe_open, save_file,
+save_file_async; the package's modules in .torch and .numpy.
 
 DESIGN. The format is the one the `safetensors` package writes: an 8-byte little-endian header
 length N, N bytes of JSON (padded with spaces to a multiple of 8) mapping each tensor name to
@@ -33,6 +34,14 @@ save a third of its time on an ext4 virtual disk. save_file_async returns once t
 taken (the tensors may change from then on: a device scratch is a snapshot in stream order) and
 writes on a background thread; the scratch or the pinned buffer is given back as soon as the
 write is done.
+
+What a load accepts is what the package accepts (test_safetensors.py compares generated headers
+with its parser): by default (strict) the tensors must cover the data exactly, as the package
+wants, so that no byte of a file is owned by no tensor. Errors are SafetensorError (_errors.py),
+which is also the package's class and pinmem's. The modules torch.py and numpy.py mirror the
+package's safetensors.torch and safetensors.numpy over these functions, with the package's
+checks of what a save takes; this module's own save_file stays permissive (tied tensors each in
+full, non-contiguous ones by their values).
 
 torch is imported only when a torch tensor is made or given; NumPy arrays may be saved without
 it (header checks need neither).
@@ -119,7 +128,7 @@ def _torch():
 def _check_byteorder():
     if _sys.byteorder != "little":
         _fail(_pm.PM_ERR_UNSUPPORTED, "pinmem.safetensors: safetensors data is "
-                           "little-endian and this machine is not")
+              "little-endian and this machine is not")
 
 
 def _format_error(path, text):
@@ -387,7 +396,7 @@ def load_file(path, device="cpu", *, backend="mmap", io="auto", strict=True):
     path = _os.fspath(path)
     if io not in IOS:
         _fail(_pm.PM_ERR_INVALID, f"load_file({path!r}): io must be one of "
-                           f"{', '.join(IOS)}, not {io!r}")
+              f"{', '.join(IOS)}, not {io!r}")
     _check_backend(backend)
     dtypes = {}
 
@@ -503,8 +512,8 @@ class safe_open:
 
     framework: 'pt' (torch tensors on `device`) or 'np' (NumPy arrays; device 'cpu').
     backend: 'mmap' (the default) or 'pread', accepted as the package's are; both read with
-    pinmem. strict: as load_file's. The header is checked when the file is opened (FormatError naming the file). Each
-    get_tensor is one pinmem read (io as read_file's) of that tensor's bytes into memory of its
+    pinmem. strict: as load_file's. The header is checked when the file is opened
+    (FormatError naming the file). Each get_tensor is one pinmem read (io as read_file's) of that tensor's bytes into memory of its
     own: on the device, or pinned host memory for 'cpu' (pageable when the budget is spent;
     NumPy arrays are pageable). get_slice(name)[index] reads only the rows the index's first
     dimension needs. A context manager; close() (or leaving the `with`) closes the file, and
@@ -521,16 +530,16 @@ class safe_open:
         self._path = path = _os.fspath(path)
         if framework not in FRAMEWORKS:
             _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): framework must be "
-                               f"one of {', '.join(FRAMEWORKS)}, not {framework!r}")
+                  f"one of {', '.join(FRAMEWORKS)}, not {framework!r}")
         if io not in IOS:
             _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): io must be one of "
-                               f"{', '.join(IOS)}, not {io!r}")
+                  f"{', '.join(IOS)}, not {io!r}")
         _check_backend(backend)
         self._framework, self._io = FRAMEWORKS[framework], io
         if self._framework == "np":
             if device not in ("cpu", None):
                 _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): NumPy arrays "
-                                   f"live in host memory: device must be 'cpu', not {device!r}")
+                      f"live in host memory: device must be 'cpu', not {device!r}")
             self._device = None
         else:
             self._device = _torch().device(device)
@@ -574,7 +583,7 @@ class safe_open:
         with self._lock:
             if self._fd is None:
                 _fail(_pm.PM_ERR_INVALID, f"File is closed: get_tensor({name!r}): "
-                                   f"{self._path!r} is closed")
+                      f"{self._path!r} is closed")
             self._busy += 1
             return self._fd
 
@@ -631,8 +640,8 @@ class safe_open:
             np_name = _DTYPES[dtype][2]
             if np_name is None:
                 _fail(_pm.PM_ERR_UNSUPPORTED, f"{self._path!r}: tensor {name!r} "
-                                   f"is {dtype}, which NumPy has no type for (framework='pt' "
-                                   "reads it)")
+                      f"is {dtype}, which NumPy has no type for (framework='pt' "
+                      "reads it)")
             return _np.dtype(np_name)
         return _torch_dtype(_torch(), name, dtype, repr(self._path))
 
@@ -812,15 +821,17 @@ def _source(name, t):
     torch = _sys.modules.get("torch")
     if torch is not None and isinstance(t, torch.Tensor):
         if t.layout != torch.strided:
-            raise _error(SafetensorInvalidError, f"pinmem.safetensors: tensor {name!r} is {t.layout}; save dense "
-                             "tensors (.to_dense())")
+            raise _error(SafetensorInvalidError,
+                         f"pinmem.safetensors: tensor {name!r} is {t.layout}; save dense "
+                         "tensors (.to_dense())")
         if t.device.type == "meta":
             raise _error(NoDataError, f"pinmem.safetensors: tensor {name!r} is on the meta "
                          "device: Cannot copy out of meta tensor, it has no data")
         dtype = _dtype_of_torch(torch, t.dtype)
         if dtype is None:
-            raise _error(SafetensorTypeError, f"pinmem.safetensors: tensor {name!r} has dtype {t.dtype}, which "
-                            "safetensors cannot store")
+            raise _error(SafetensorTypeError,
+                         f"pinmem.safetensors: tensor {name!r} has dtype {t.dtype}, which "
+                         "safetensors cannot store")
         t = t.detach().resolve_conj().resolve_neg()  # lazy conjugate views: their real bytes
         if not t.is_contiguous():
             t = t.contiguous()
@@ -840,12 +851,14 @@ def _source(name, t):
             a = a.astype(a.dtype.newbyteorder("<"))
         dtype = _NUMPY_NAMES.get(a.dtype.str.replace("=", "<"))
         if dtype is None:
-            raise _error(SafetensorTypeError, f"pinmem.safetensors: array {name!r} has dtype {t.dtype}, which "
-                            "safetensors cannot store")
+            raise _error(SafetensorTypeError,
+                         f"pinmem.safetensors: array {name!r} has dtype {t.dtype}, which "
+                         "safetensors cannot store")
         flat = _np.ascontiguousarray(a).reshape(-1)  # (ascontiguousarray makes 0-d arrays 1-d)
         return dtype, t.shape, flat.nbytes, flat.view(_np.uint8) if flat.nbytes else None, None
-    raise _error(SafetensorTypeError, f"pinmem.safetensors: {name!r} is {type(t).__name__}; expected a torch "
-                    "tensor or a NumPy array")
+    raise _error(SafetensorTypeError,
+                 f"pinmem.safetensors: {name!r} is {type(t).__name__}; expected a torch "
+                 "tensor or a NumPy array")
 
 
 # Device staging (stage "auto" or "device"). A device's tensors are first copied on the stream
@@ -915,27 +928,30 @@ def _layout(tensors, metadata, stage):
     after them in file order, as (name, dtype, shape, bytes, byte view or None, stream)."""
     _check_byteorder()
     if stage not in STAGES:
-        raise ValueError(f"pinmem.safetensors: stage must be one of {', '.join(STAGES)}, not "
-                         f"{stage!r}")
+        raise _error(SafetensorInvalidError, f"pinmem.safetensors: stage must be one of "
+                     f"{', '.join(STAGES)}, not {stage!r}")
     if not isinstance(tensors, dict):
-        raise TypeError(f"pinmem.safetensors: expected a dict of names to tensors, not "
-                        f"{type(tensors).__name__}")
+        raise _error(SafetensorTypeError, f"pinmem.safetensors: expected a dict of names to "
+                     f"tensors, not {type(tensors).__name__}")
     if metadata is not None and not (
             isinstance(metadata, dict)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise TypeError("pinmem.safetensors: metadata must be a dict of str to str")
+        raise _error(SafetensorTypeError, "pinmem.safetensors: metadata must be a dict of str to "
+                     "str")
     items = []
     for name, t in tensors.items():
         if not isinstance(name, str):
-            raise TypeError(f"pinmem.safetensors: tensor names are strings, not {name!r}")
+            raise _error(SafetensorTypeError, f"pinmem.safetensors: tensor names are strings, "
+                         f"not {name!r}")
         if name == "__metadata__":
-            raise ValueError("pinmem.safetensors: '__metadata__' cannot name a tensor")
+            raise _error(SafetensorInvalidError, "pinmem.safetensors: '__metadata__' cannot name a "
+                         "tensor")
         items.append((name,) + _source(name, t))
     # Falling rank in the format's order of dtypes (item sizes fall with it), then name, as the
     # safetensors package orders them: every tensor starts aligned to its item size, the header
     # length being a multiple of 8, and both write the same bytes.
     items.sort(key=lambda it: (-_RANK[it[1]], it[0]))
-    header = {"__metadata__": metadata} if metadata else {}
+    header = {"__metadata__": metadata} if metadata is not None else {}  # {} too, as the package
     offset = 0
     for name, dtype, shape, n, _, _ in items:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
@@ -946,8 +962,8 @@ def _layout(tensors, metadata, stage):
         # Checked before the target is touched: a file with a larger header is one that no
         # reader (this one, the package) loads, and it would replace a good one.
         _fail(_pm.PM_ERR_FORMAT, f"pinmem.safetensors: the header would be "
-                           f"{len(text)} bytes (metadata and tensor names), larger than the "
-                           f"{MAX_HEADER} bytes a safetensors file may have")
+              f"{len(text)} bytes (metadata and tensor names), larger than the "
+              f"{MAX_HEADER} bytes a safetensors file may have")
     return _struct.pack("<Q", len(text)) + text, items
 
 
