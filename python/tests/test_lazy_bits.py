@@ -74,3 +74,20 @@ def test_plain_tensors_still_move_in_place(tmp_path):
     p = pinmem.pin(x)
     assert p.ptr == x.data_ptr()  # pinned in place, not a resolved copy
     p.release()
+
+
+def test_cuda_lazy_views():
+    """The same on the device: a CUDA source is resolved on its stream, a CUDA destination is
+    refused."""
+    from conftest import skip_unless_torch_cuda
+    torch = skip_unless_torch_cuda()
+    x = torch.arange(1, 4097, dtype=torch.float32, device="cuda")
+    dst = np.zeros(4096, np.float32)
+    pinmem.copy(dst, x._neg_view(), torch.cuda.current_stream()).wait()
+    np.testing.assert_array_equal(dst, -np.arange(1, 4097, dtype=np.float32))
+    z = torch.complex(x, -x).conj()
+    out = np.zeros(4096, np.complex64)
+    pinmem.copy(out, z).wait()
+    np.testing.assert_array_equal(out, (x + 1j * x).cpu().numpy())
+    with pytest.raises(pinmem.InvalidError, match="dst has its negative bit set"):
+        pinmem.copy(x._neg_view(), np.ones(4096, np.float32))
