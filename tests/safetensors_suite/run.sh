@@ -1,8 +1,9 @@
 #!/bin/sh
 # The safetensors package's own Python tests (bindings/python/tests), run against pinmem through
 # safetensors_shim.py. The suite is not part of pinmem: pass its folder as SAFETENSORS_SUITE, or
-# let this script clone it (the branch or tag in SAFETENSORS_REF, default main) into
-# SAFETENSORS_SUITE_DEST (default build-py/safetensors-suite).
+# let this script clone it (the branch or tag in SAFETENSORS_REF; by default the tag of the
+# installed package's version, else main) into SAFETENSORS_SUITE_DEST (default
+# build-py/safetensors-suite).
 # Usage: tests/safetensors_suite/run.sh [pytest arguments]
 # Needs pinmem importable (PYTHONPATH=build-py/python, or installed), torch, numpy, pytest and the
 # safetensors package (its SafetensorError is the base of pinmem's).
@@ -13,10 +14,15 @@ python=${PYTHON:-$root/.venv/bin/python}
 dest=${SAFETENSORS_SUITE_DEST:-$root/build-py/safetensors-suite}
 suite=${SAFETENSORS_SUITE:-$dest/bindings/python/tests}
 if [ ! -d "$suite" ]; then
-    ref=${SAFETENSORS_REF:-main}
-    echo "safetensors suite: cloning huggingface/safetensors ($ref) into $dest"
+    # The suite of the installed package's version (tag v<version>), else the main branch.
+    version=$("$python" -c 'import safetensors; print(safetensors.__version__)')
+    url=https://github.com/huggingface/safetensors
     rm -rf "$dest"
-    git clone --quiet --depth 1 --branch "$ref" https://github.com/huggingface/safetensors "$dest" ||
+    for ref in ${SAFETENSORS_REF:-v$version main}; do
+        echo "safetensors suite: cloning $url ($ref) into $dest"
+        git clone --quiet --depth 1 --branch "$ref" "$url" "$dest" && break
+    done
+    [ -d "$suite" ] ||
         { echo "safetensors suite: no copy of the suite (set SAFETENSORS_SUITE=<.../bindings/python/tests>)"; exit 2; }
 fi
 # The suite runs from bindings/python and writes its files into ./ and ./tests/data: a folder
