@@ -108,6 +108,32 @@ def test_malformed_header_is_a_format_error(case, tmp_path):
             sn.load_file(str(path))
 
 
+def test_repeated_tensor_name_as_the_package_reads_it(tmp_path):
+    """A name given twice: every entry must be JSON of the right kinds, and the last one is the
+    tensor (its sizes checked, the first's not), as the package reads it."""
+    last = b'{"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}'
+    for first, accepted in [(b'{"dtype": "I64", "shape": [0, 7], "data_offsets": [0, 8]}', True),
+                            (b'{"dtype": "Q7", "shape": [2], "data_offsets": [0, 2]}', False),
+                            (b'{"dtype": "U8", "shape": [18446744073709551616], '
+                             b'"data_offsets": [0, 2]}', False)]:
+        header = b'{"t": ' + first + b', "t": ' + last + b"}"
+        path = raw_file(tmp_path / "twice.safetensors", header, b"\1\2")
+        if accepted:
+            with pst.safe_open(path, "np") as f:
+                assert f.get_tensor("t").tobytes() == b"\1\2"
+        else:
+            with pytest.raises(pinmem.FormatError, match="tensor 't'"):
+                pst.safe_open(path, "np")
+        sn = package()
+        if sn is not None:
+            import safetensors
+            if accepted:
+                assert sn.load_file(str(path))["t"].tobytes() == b"\1\2"
+            else:
+                with pytest.raises(safetensors.SafetensorError):
+                    sn.load_file(str(path))
+
+
 def test_save_refuses_a_header_over_the_limit_and_keeps_the_old_file(tmp_path):
     """A header over 100,000,000 bytes (here from metadata) makes a file no reader loads: the
     save refuses before anything is written, and the file it would replace stays as it was."""
@@ -261,7 +287,8 @@ def test_torch_module_bytes_match_the_package(tmp_path):
     g = torch.Generator().manual_seed(3)
     tensors = {"w": torch.randn(4, 5, generator=g), "d": torch.randn(3, generator=g).double(),
                "i": torch.randint(-9, 9, (6,), generator=g), "u": torch.arange(5).to(torch.uint64),
-               "h": torch.randn(7, generator=g).half(), "bf": torch.randn(3, generator=g).bfloat16(),
+               "h": torch.randn(7, generator=g).half(),
+               "bf": torch.randn(3, generator=g).bfloat16(),
                "c": torch.randn(2, dtype=torch.complex64, generator=g),
                "f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
                "b": torch.tensor([True, False]), "z": torch.zeros(0, 2)}
@@ -352,6 +379,21 @@ def nbytes(dtype, shape):
     return None if bits % 8 else bits // 8
 
 
+def offsets_of(entry):
+    """The data_offsets list of a generated entry, when it is still a pair of ints."""
+    o = dict(entry or ()).get("data_offsets")
+    return o if isinstance(o, list) and len(o) == 2 and all(type(x) is int for x in o) else None
+
+
+def set_field(entry, key, value):
+    """Set the first `key` of a generated entry (an Obj), or add it."""
+    for i, (k, _) in enumerate(entry):
+        if k == key:
+            entry[i] = (key, value)
+            return
+    entry.append((key, value))
+
+
 def hypothesis_or_skip():
     return pytest.importorskip(
         "hypothesis", reason="hypothesis is not installed (pip install hypothesis; `make test` "
@@ -400,16 +442,16 @@ def files():
         length_delta = 0
         for m in draw(st.lists(mutation, max_size=3)):
             some = draw(st.sampled_from(sorted(entries))) if entries else None
-            if m == "offset" and some:
-                field = dict(entries[some])["data_offsets"]
+            if m == "offset" and offsets_of(entries.get(some)):
+                field = offsets_of(entries[some])
                 field[draw(st.integers(0, 1))] += draw(st.sampled_from([-3, -1, 1, 2, 8]))
             elif m == "dtype" and some:
                 new = draw(st.sampled_from(DTYPES + ["Q7", "f32", "", None, 5, ["F32"]]))
-                entries[some][0] = ("dtype", new)
+                set_field(entries[some], "dtype", new)
             elif m == "shape" and some:
                 new = draw(st.sampled_from([[-1], [1.0], ["2"], [2**64], 3, None, [0, 2**40],
                                             [2**40, 2**40, 0]]))
-                entries[some][1] = ("shape", new)
+                set_field(entries[some], "shape", new)
             elif m == "trailing":
                 tail += b"\x07" * draw(st.integers(1, 9))
             elif m == "truncate":
@@ -429,26 +471,27 @@ def files():
             elif m == "flip":
                 done.append(("flip", draw(st.integers(0, 1 << 16)), draw(st.integers(0, 255))))
                 continue
-            elif m == "drop_field" and some:
-                del entries[some][draw(st.integers(0, 2))]
+            elif m == "drop_field" and some and entries[some]:
+                del entries[some][draw(st.integers(0, len(entries[some]) - 1))]
             elif m == "nan" and some:
                 entries[some].append(("q", Raw(draw(st.sampled_from(["NaN", "1e999", "-0",
                                                                      "1E2", "\"\\ud800\""])))))
             elif m == "dup_name" and some:
                 header.append((some, Obj(entries[some])))
-            elif m == "gap" and some:
+            elif m == "gap" and offsets_of(entries.get(some)):
+                at = offsets_of(entries[some])[0]  # 4 bytes no tensor owns, before this one
                 for e in entries.values():
-                    o = dict(e)["data_offsets"]
-                    if isinstance(o, list) and o[0] >= dict(entries[some])["data_offsets"][0]:
+                    o = offsets_of(e)
+                    if o and o[0] >= at:
                         o[0] += 4
                         o[1] += 4
-                data = data[:0] + b"\x05" * 4 + data  # shift all: data no longer starts at 0
+                data = data[:at] + b"\x05" * 4 + data[at:]
             elif m == "huge_dim" and some:
-                entries[some][1] = ("shape", [2**63, 2])
+                set_field(entries[some], "shape", [2**63, 2])
             elif m == "null_meta":
                 header.insert(0, ("__metadata__", None))
             elif m == "offsets_len" and some:
-                entries[some][2] = ("data_offsets", [0, 1, 2])
+                set_field(entries[some], "data_offsets", [0, 1, 2])
             elif m == "entry_null" and some:
                 header.append(("n", None))
             done.append(m)

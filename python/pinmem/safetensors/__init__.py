@@ -136,7 +136,7 @@ def _format_error(path, text):
 
 
 def _is_count(x):
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U64
 
 
 def _read_exactly(fd, n, offset, path):
@@ -248,8 +248,9 @@ def _parse_header(fd, path, strict=True):
             _format_error(path, "__metadata__ must be an object of strings to strings")
         metadata = dict(metas[0])
     data_len = size - 8 - n
-    entries = {}
-    # Every entry is checked, a repeated name's too; the last one counts, as in the package.
+    parsed = {}
+    # Every entry is checked as JSON of the right kinds, a repeated name's too; the last entry
+    # of a name is the one that counts and has its sizes and offsets checked, as in the package.
     for name, info in ((k, info) for k, info in header if k != "__metadata__"):
         if not isinstance(info, _Pairs):
             _format_error(path, f"tensor {name!r}: its entry is not an object")
@@ -264,11 +265,14 @@ def _parse_header(fd, path, strict=True):
                           f"{', '.join(_DTYPES)})")
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
             _format_error(path, f"tensor {name!r}: shape {shape!r} is not a list of "
-                          "non-negative integers")
+                          "non-negative 64-bit integers")
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(_is_count(o) for o in offsets)):
             _format_error(path, f"tensor {name!r}: data_offsets {offsets!r} is not a pair of "
-                          "non-negative integers")
+                          "non-negative 64-bit integers")
+        parsed[name] = (dtype, shape, offsets)
+    entries = {}
+    for name, (dtype, shape, offsets) in parsed.items():
         begin, end = offsets
         if begin > end:
             _format_error(path, f"tensor {name!r}: data_offsets [{begin}, {end}] end before "
@@ -513,11 +517,13 @@ class safe_open:
     framework: 'pt' (torch tensors on `device`) or 'np' (NumPy arrays; device 'cpu').
     backend: 'mmap' (the default) or 'pread', accepted as the package's are; both read with
     pinmem. strict: as load_file's. The header is checked when the file is opened
-    (FormatError naming the file). Each get_tensor is one pinmem read (io as read_file's) of that tensor's bytes into memory of its
-    own: on the device, or pinned host memory for 'cpu' (pageable when the budget is spent;
-    NumPy arrays are pageable). get_slice(name)[index] reads only the rows the index's first
-    dimension needs. A context manager; close() (or leaving the `with`) closes the file, and
-    the tensors already read stay valid. load_file is faster for a whole file: one read.
+    (FormatError naming the file). Each get_tensor is one pinmem read (io as read_file's) of
+    that tensor's bytes into memory of its own: on the device, or pinned host memory for 'cpu'
+    (pageable when the budget is spent; NumPy arrays are pageable); get_tensors() reads every
+    tensor so. get_slice(name)[index] reads only the rows the index's first dimension needs,
+    and refuses what the package refuses (SafetensorError). A context manager; close() (or
+    leaving the `with`) closes the file: the tensors already read stay valid, and every method
+    raises SafetensorError after it. load_file is faster for a whole file: one read.
     """
 
     def __init__(self, path, framework="pt", device="cpu", *, backend="mmap", io="auto",
