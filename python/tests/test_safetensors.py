@@ -564,3 +564,50 @@ def test_generated_headers_as_the_package_reads_them(tmp_path):
 
     check()
     assert seen["ok"] > 50 and seen["refused"] > 50, seen  # both sides were exercised
+
+
+def test_random_slices_as_the_package_slices(tmp_path):
+    """Seeded random indices (ints, slices with steps, ellipses) into tensors of 1-3 non-empty
+    dimensions: pinmem's get_slice takes and refuses the same ones as the package's, with the
+    same values."""
+    import random
+    try:
+        import safetensors
+        import safetensors.numpy as sn
+    except ImportError:
+        pytest.skip("the safetensors package is not installed: nothing to compare slices with")
+    rng = random.Random(7)
+    path = tmp_path / "s.safetensors"
+    counts = {"ok": 0, "err": 0}
+    for _ in range(30):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3)))
+        a = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+        sn.save_file({"a": a}, str(path))
+        with safetensors.safe_open(str(path), "np") as theirs, pst.safe_open(path, "np") as ours:
+            want_slice, got_slice = theirs.get_slice("a"), ours.get_slice("a")
+            for _ in range(20):
+                index = []
+                for _ in range(rng.randint(0, len(shape) + 1)):
+                    k = rng.random()
+                    if k < 0.3:
+                        index.append(rng.randint(-6, 6))
+                    elif k < 0.9:
+                        lo = rng.choice([None, rng.randint(0, 6)])
+                        hi = rng.choice([None, rng.randint(0, 6)])
+                        if lo is not None and hi is not None and hi < lo:
+                            lo, hi = hi, lo
+                        index.append(slice(lo, hi, rng.choice([None, 1, 2, 3])))
+                    elif Ellipsis not in index:
+                        index.append(Ellipsis)
+                index = tuple(index)
+                try:
+                    want = want_slice[index]
+                except safetensors.SafetensorError:
+                    with pytest.raises(pst.SafetensorError):
+                        got_slice[index]
+                    counts["err"] += 1
+                    continue
+                got = got_slice[index]
+                assert got.shape == want.shape and np.array_equal(got, want), (shape, index)
+                counts["ok"] += 1
+    assert counts["ok"] > 100 and counts["err"] > 50, counts

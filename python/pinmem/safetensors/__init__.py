@@ -697,7 +697,7 @@ def _show(index):
         if isinstance(x, slice):
             text = ("" if x.start is None else str(x.start)) + ":" + \
                 ("" if x.stop is None else str(x.stop))
-            return text + (f":{x.step}" if x.step is not None else "")
+            return text + (f":{x.step}" if x.step not in (None, 1) else "")
         return "..." if x is Ellipsis else str(x)
     return "[" + ", ".join(one(x) for x in (index if isinstance(index, tuple) else (index,))) + "]"
 
