@@ -611,3 +611,17 @@ def test_random_slices_as_the_package_slices(tmp_path):
                 assert got.shape == want.shape and np.array_equal(got, want), (shape, index)
                 counts["ok"] += 1
     assert counts["ok"] > 100 and counts["err"] > 50, counts
+
+
+def test_safe_open_handle_reads_an_open_file(tmp_path):
+    """_safe_open_handle (the package's name) reads through a descriptor of its own, so the
+    file object may close first; an object without a descriptor is refused."""
+    import io
+    path = raw_file(tmp_path / "h.safetensors", {"a": u8(0, 4)}, b"\1\2\3\4")
+    with open(path, "rb") as fobj:
+        g = pst._safe_open_handle(fobj, framework="np")
+    with g:
+        assert g.keys() == ["a"] and g.get_tensor("a").tobytes() == b"\1\2\3\4"
+        assert "h.safetensors" in repr(g)
+    with pytest.raises(pst.SafetensorError, match="has no file descriptor"):
+        pst._safe_open_handle(io.BytesIO(path.read_bytes()), framework="np")

@@ -527,13 +527,13 @@ class safe_open:
     """
 
     def __init__(self, path, framework="pt", device="cpu", *, backend="mmap", io="auto",
-                 strict=True):
+                 strict=True, _handle=None):
         _check_byteorder()
         self._fd = None
         self._lock = _threading.Lock()
         self._busy = 0  # reads in flight: close() leaves the descriptor to the last of them
         self._closing = None
-        self._path = path = _os.fspath(path)
+        self._path = path = str(path) if _handle is not None else _os.fspath(path)
         if framework not in FRAMEWORKS:
             _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): framework must be "
                   f"one of {', '.join(FRAMEWORKS)}, not {framework!r}")
@@ -549,7 +549,7 @@ class safe_open:
             self._device = None
         else:
             self._device = _torch().device(device)
-        fd = _open(path)
+        fd = _open(path) if _handle is None else _os.dup(_handle)
         try:
             self._metadata, entries, self._start, _ = _parse_header(fd, path, strict)
         except BaseException:
@@ -763,6 +763,19 @@ def _checked_index(index, shape):
             raise _error(SafetensorInvalidError, f"Unsupported slice index at position {pos}: "
                          "expected slice, int, or ellipsis")
     return tuple(out)
+
+
+def _safe_open_handle(f, framework="pt", device="cpu", *, backend="mmap", io="auto", strict=True):
+    """safe_open over a file object already open (a file of the local file system: its
+    fileno()), as the package's _safe_open_handle. The file object may be closed afterwards:
+    safe_open reads through a descriptor of its own."""
+    try:
+        handle = f.fileno()
+    except (AttributeError, OSError, ValueError):
+        raise _error(SafetensorInvalidError, f"_safe_open_handle: {f!r} has no file descriptor "
+                     "(pinmem reads local files only)") from None
+    return safe_open(getattr(f, "name", repr(f)), framework, device, backend=backend, io=io,
+                     strict=strict, _handle=handle)
 
 
 class _Slice:
