@@ -24,7 +24,7 @@ DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VEN
 SUITES     := $(BUILD)-suites
 RECORD     := python3 tests/suites.py
 
-.PHONY: all build deps deps-c deps-check deps-test test test-reset test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install bench install clean
+.PHONY: all build deps deps-c deps-check deps-test test test-reset test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-safetensors-suite bench install clean
 
 all: build
 
@@ -118,6 +118,17 @@ test-python: deps
 	PYTHONPATH=$(CURDIR)/$(BUILD)-py/site $(PYTHON) -m pytest -q -rs -p no:cacheprovider \
 	  --junitxml=$(CURDIR)/$(BUILD)-py/pytest-wheel.xml python/tests/test_buffers.py python/tests/test_copy.py
 	@$(RECORD) pytest $(SUITES) python-wheel $(BUILD)-py/pytest-wheel.xml
+
+# The safetensors package's own Python tests (bindings/python/tests) against pinmem.safetensors,
+# through tests/safetensors_suite/safetensors_shim.py. The suite is not pinmem's and is never
+# committed: run.sh clones it into $(BUILD)-py/safetensors-suite, or SAFETENSORS_SUITE=<its tests
+# folder> names a copy. Not part of `make test` (it needs that copy, or the network).
+test-safetensors-suite: deps
+	cmake -S . -B $(BUILD)-py -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINMEM_PYTHON=ON -DPINMEM_TESTS=OFF \
+	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
+	cmake --build $(BUILD)-py -j $(JOBS) --target _pinmem
+	PYTHON="$$(command -v $(PYTHON))" PYTHONPATH=$(CURDIR)/$(BUILD)-py/python \
+	  SAFETENSORS_SUITE_DEST=$(CURDIR)/$(BUILD)-py/safetensors-suite tests/safetensors_suite/run.sh
 
 # The documented install, as a user runs it: a fresh venv from $(SYSTEM_PYTHON), `pip install .`
 # of this source tree (build requirements from PyPI, no system DLPack header; the cuda backend

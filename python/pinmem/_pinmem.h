@@ -160,7 +160,8 @@ int pmpy_buffer_record_write(BufferObject *b, pm_stream_t stream);
 PyObject *pmpy_Buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw);
 PyObject *pmpy_Buffer_dlpack_device(BufferObject *self, PyObject *unused);
 int pmpy_dl_device_of(PyObject *o, int *type, int *id);
-DLManagedTensor *pmpy_dl_import(PyObject *o, pm_stream_t stream);
+DLManagedTensor *pmpy_dl_import(PyObject *o, pm_stream_t stream, int resolve,
+                                 const char *what);
 int pmpy_dl_compact_bytes(const DLTensor *t, size_t *bytes_out);
 
 /* ---- copy.c ------------------------------------------------------------------------------- */

@@ -215,7 +215,7 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
     return 0;
   }
   if (PyObject_HasAttrString(o, "__dlpack__")) {
-    DLManagedTensor *mt = pmpy_dl_import(o, stream);
+    DLManagedTensor *mt = pmpy_dl_import(o, stream, !writable, what);
     if (!mt) return -1;
     h->dl = mt;
     h->obj = Py_NewRef(o);

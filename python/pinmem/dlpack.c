@@ -260,9 +260,62 @@ int pmpy_dl_device_of(PyObject *o, int *type, int *id) {
   return ok ? 0 : -1;
 }
 
+static DLManagedTensor *dl_import_plain(PyObject *o, pm_stream_t stream);
+
+/* 1 when o.<method>() (torch's is_neg / is_conj) says a lazy bit is set, 0 when it is not or o
+ * has no such method, -1 on error. */
+static int lazy_bit(PyObject *o, const char *method) {
+  PyObject *m = PyObject_GetAttrString(o, method);
+  if (!m) {
+    PyErr_Clear();
+    return 0;
+  }
+  PyObject *r = PyCallable_Check(m) ? PyObject_CallNoArgs(m) : Py_NewRef(Py_False);
+  Py_DECREF(m);
+  if (!r) return -1;
+  int set = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return set;
+}
+
+/* A torch tensor with its negative or conjugate bit set is a lazy view: its memory holds the
+ * values before the negation (conjugation), and torch's __dlpack__ exports that memory without
+ * the bit, so the bytes moved would carry the wrong sign. A source (resolve set) is taken as
+ * o.resolve_conj().resolve_neg(), a compact copy with the values it shows, which the DLPack
+ * tensor then keeps alive; a destination, or memory to pin in place, is refused as .numpy()
+ * refuses it, since no copy can stand in for it. New reference to what to export, or NULL. */
+static PyObject *resolve_lazy_bits(PyObject *o, int resolve, const char *what) {
+  int neg = lazy_bit(o, "is_neg");
+  int conj = neg < 0 ? 0 : lazy_bit(o, "is_conj");
+  if (neg < 0 || conj < 0) return NULL;
+  if (!neg && !conj) return Py_NewRef(o);
+  if (!resolve)
+    return pmpy_raise_fmt(PM_ERR_INVALID,
+                          "%s has its %s bit set (a lazy %s view, whose memory holds the values "
+                          "before it): its DLPack export would drop the bit; use a plain tensor "
+                          "(.resolve_%s() makes one, a copy)",
+                          what, neg ? "negative" : "conjugate", neg ? "negated" : "conjugated",
+                          neg ? "neg" : "conj");
+  PyObject *c = PyObject_CallMethod(o, "resolve_conj", NULL);
+  if (!c) return NULL;
+  PyObject *r = PyObject_CallMethod(c, "resolve_neg", NULL);
+  Py_DECREF(c);
+  return r;
+}
+
 /* Take the DLPack tensor of `o` (consuming the capsule, so it is ours to delete). CUDA producers
- * are asked to order their work before `stream`. */
-DLManagedTensor *pmpy_dl_import(PyObject *o, pm_stream_t stream) {
+ * are asked to order their work before `stream`. resolve: o is only read (a copy's source), so a
+ * lazy negated or conjugated view is exported as the values it shows; 0 refuses one, naming
+ * `what`. */
+DLManagedTensor *pmpy_dl_import(PyObject *o, pm_stream_t stream, int resolve, const char *what) {
+  PyObject *plain = resolve_lazy_bits(o, resolve, what);
+  if (!plain) return NULL;
+  DLManagedTensor *mt = dl_import_plain(plain, stream);
+  Py_DECREF(plain);
+  return mt;
+}
+
+static DLManagedTensor *dl_import_plain(PyObject *o, pm_stream_t stream) {
   int type, id;
   if (pmpy_dl_device_of(o, &type, &id) < 0) return NULL;
   PyObject *cap;

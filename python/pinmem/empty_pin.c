@@ -143,7 +143,7 @@ static PyObject *py_pin(PyObject *mod, PyObject *args, PyObject *kw) {
           "pin: the object lives on DLPack device (%d, %d); only CPU memory can be "
           "pinned",
           type, id);
-    DLManagedTensor *mt = pmpy_dl_import(obj, NULL);
+    DLManagedTensor *mt = pmpy_dl_import(obj, NULL, 0, "pin: the tensor");
     if (!mt) return NULL;
     const DLTensor *t = &mt->dl_tensor;
     if (t->ndim < 0 || t->ndim > PMPY_MAX_NDIM || pmpy_dl_compact_bytes(t, &bytes) < 0) {

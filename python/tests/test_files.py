@@ -587,7 +587,8 @@ def test_torch_round_trips_both_ways(tmp_path, rng, no_fd_leak):
 
 def test_load_unaligned_offsets(tmp_path, rng):
     """Another writer may put a tensor at an offset that is not a multiple of its item size:
-    such a tensor is copied into an aligned one; the aligned ones stay views."""
+    such a tensor is copied into an aligned one; the aligned ones stay views. (The gap before
+    'd' is refused by default, as the package refuses it, and loads with strict=False.)"""
     torch = skip_unless_torch()
     x = random_bytes(rng, 3)
     f = rng.random(5).astype(np.float32)
@@ -597,7 +598,9 @@ def test_load_unaligned_offsets(tmp_path, rng):
         "f": {"dtype": "F32", "shape": [5], "data_offsets": [3, 23]},
         "d": {"dtype": "F64", "shape": [2], "data_offsets": [24, 40]}},
         x.tobytes() + f.tobytes() + b"\0" + d.tobytes())
-    out = pinmem.safetensors.load_file(path)
+    with pytest.raises(pinmem.FormatError, match="a gap of 1 bytes after 'f'"):
+        pinmem.safetensors.load_file(path)
+    out = pinmem.safetensors.load_file(path, strict=False)
     np.testing.assert_array_equal(out["x"].numpy(), x)
     np.testing.assert_array_equal(out["f"].numpy(), f)
     np.testing.assert_array_equal(out["d"].numpy(), d)
@@ -829,9 +832,9 @@ def test_safe_open_errors(tmp_path, no_fd_leak):
         f.get_tensor("nope")
     with pytest.raises(KeyError, match="'nope'"):
         f.get_slice("nope")
-    with pytest.raises(IndexError, match="out of bounds for dimension 0 of 'x', of size 3"):
+    with pytest.raises(IndexError, match="index 3 out of bounds for tensor dimension #0 of size 3"):
         f.get_slice("x")[3]
-    with pytest.raises(IndexError, match="out of bounds"):
+    with pytest.raises(IndexError, match="Invalid index -4 for dimension 0 of size 3"):
         f.get_slice("x")[-4]
     s = f.get_slice("x")
     assert len(s) == 3 and "x" in repr(s) and "F32" in repr(s)
@@ -1620,7 +1623,7 @@ def test_load_file_io_torch(io, tmp_path, rng, monkeypatch, no_fd_leak):
     pinmem.safetensors.save_file(arrays, path)
     real, seen = pinmem.safetensors._read, []
     monkeypatch.setattr(pinmem.safetensors, "_read",
-                        lambda p, c, a, i: seen.append(i) or real(p, c, a, i))
+                        lambda p, c, a, i, *rest: seen.append(i) or real(p, c, a, i, *rest))
     out = pinmem.safetensors.load_file(path, io=io)
     assert seen == [io]
     for k, a in arrays.items():

@@ -1,4 +1,5 @@
-"""Safetensors files <-> tensors through pinned memory: load_file, save_file, save_file_async.
+"""Safetensors files <-> tensors through pinned memory: load_file, safe_open, save_file,
+save_file_async; the package's modules in .torch and .numpy.
 
 DESIGN. The format is the one the `safetensors` package writes: an 8-byte little-endian header
 length N, N bytes of JSON (padded with spaces to a multiple of 8) mapping each tensor name to
@@ -34,6 +35,14 @@ taken (the tensors may change from then on: a device scratch is a snapshot in st
 writes on a background thread; the scratch or the pinned buffer is given back as soon as the
 write is done.
 
+What a load accepts is what the package accepts (test_safetensors.py compares generated headers
+with its parser): by default (strict) the tensors must cover the data exactly, as the package
+wants, so that no byte of a file is owned by no tensor. Errors are SafetensorError (_errors.py),
+which is also the package's class and pinmem's. The modules torch.py and numpy.py mirror the
+package's safetensors.torch and safetensors.numpy over these functions, with the package's
+checks of what a save takes; this module's own save_file stays permissive (tied tensors each in
+full, non-contiguous ones by their values).
+
 torch is imported only when a torch tensor is made or given; NumPy arrays may be saved without
 it (header checks need neither).
 """
@@ -41,6 +50,7 @@ import errno as _errno
 import fcntl as _fcntl
 import functools as _functools
 import json as _json
+import operator as _operator
 import os as _os
 import secrets as _secrets
 import stat as _stat
@@ -53,22 +63,35 @@ import numpy as _np
 
 import pinmem as _pm
 
-__all__ = ["load_file", "safe_open", "save_file", "save_file_async", "SaveHandle"]
+from ._errors import (SafetensorError, SafetensorFormatError, SafetensorIndexError,  # noqa: F401
+                      SafetensorInvalidError, SafetensorKeyError, SafetensorTypeError,
+                      SafetensorUnsupportedError, SharedTensorsError, NoDataError)
+from ._errors import error as _error
+from ._errors import fail as _fail
+
+__all__ = ["load_file", "safe_open", "save_file", "save_file_async", "SaveHandle",
+           "SafetensorError"]
 
 # The largest header accepted (the safetensors package refuses larger ones too).
 MAX_HEADER = 100_000_000
+_U64 = (1 << 64) - 1
 
-# safetensors dtype -> (torch dtype attribute, item size, NumPy dtype or None). Only whole-byte
-# types: views need them. A torch without one of these (older versions) refuses it by name.
+# safetensors dtype -> (torch dtype attribute or None, item size in bytes (1 for the types
+# narrower than a byte), NumPy dtype or None), in the format's order of dtypes: a save writes
+# tensors by falling rank in it (then by name), as the package does, so both write the same
+# bytes. A torch without one of these (older versions) refuses it by name.
 _DTYPES = {
     "BOOL": ("bool", 1, "|b1"),
+    "F4": ("float4_e2m1fn_x2", 1, None),  # two 4-bit values a byte (torch: one _x2 element)
+    "F6_E2M3": (None, 1, None),
+    "F6_E3M2": (None, 1, None),
     "U8": ("uint8", 1, "|u1"),
     "I8": ("int8", 1, "|i1"),
-    "F8_E4M3": ("float8_e4m3fn", 1, None),
     "F8_E5M2": ("float8_e5m2", 1, None),
+    "F8_E4M3": ("float8_e4m3fn", 1, None),
+    "F8_E8M0": ("float8_e8m0fnu", 1, None),
     "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1, None),
     "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1, None),
-    "F8_E8M0": ("float8_e8m0fnu", 1, None),
     "I16": ("int16", 2, "<i2"),
     "U16": ("uint16", 2, "<u2"),
     "F16": ("float16", 2, "<f2"),
@@ -76,11 +99,20 @@ _DTYPES = {
     "I32": ("int32", 4, "<i4"),
     "U32": ("uint32", 4, "<u4"),
     "F32": ("float32", 4, "<f4"),
+    "C64": ("complex64", 8, "<c8"),
+    "F64": ("float64", 8, "<f8"),
     "I64": ("int64", 8, "<i8"),
     "U64": ("uint64", 8, "<u8"),
-    "F64": ("float64", 8, "<f8"),
-    "C64": ("complex64", 8, "<c8"),
 }
+_RANK = {name: i for i, name in enumerate(_DTYPES)}
+# Bits of one element, where that is not 8 times the item size.
+_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def _nbytes(dtype, numel):
+    """Bytes of numel elements of dtype, or None when they do not fill whole bytes."""
+    bits = numel * _BITS.get(dtype, 8 * _DTYPES[dtype][1])
+    return None if bits % 8 else bits // 8
 _NUMPY_NAMES = {np_name: name for name, (_, _, np_name) in _DTYPES.items() if np_name}
 
 
@@ -95,19 +127,23 @@ def _torch():
 
 def _check_byteorder():
     if _sys.byteorder != "little":
-        _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, "pinmem.safetensors: safetensors data is "
-                           "little-endian and this machine is not")
+        _fail(_pm.PM_ERR_UNSUPPORTED, "pinmem.safetensors: safetensors data is "
+              "little-endian and this machine is not")
 
 
 def _format_error(path, text):
-    _pm._pinmem._raise(_pm.PM_ERR_FORMAT, f"{path!r}: {text}")
+    _fail(_pm.PM_ERR_FORMAT, f"{path!r}: {text}")
 
 
 def _is_count(x):
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U64
 
 
 def _read_exactly(fd, n, offset, path):
+    if isinstance(fd, (bytes, bytearray, memoryview)):  # a file in memory (load)
+        if offset + n > len(fd):
+            _format_error(path, f"the file ends at byte {len(fd)}, inside its header")
+        return bytes(fd[offset:offset + n])
     parts = []
     while n:
         b = _os.pread(fd, n, offset)
@@ -119,10 +155,76 @@ def _read_exactly(fd, n, offset, path):
     return b"".join(parts)
 
 
-def _parse_header(fd, path):
+class _Pairs(list):
+    """A JSON object as the list of its (key, value) pairs, in file order: duplicates kept, so
+    that the checks below can refuse the ones the format refuses."""
+
+
+class _Refused(Exception):
+    """Raised inside the JSON parser for what the format's parser refuses too."""
+
+
+def _finite(text):
+    x = float(text)
+    if x in (float("inf"), float("-inf")):
+        raise _Refused(f"the number {text} is out of range")
+    return x
+
+
+def _constant(name):
+    raise _Refused(f"{name} is not JSON")
+
+
+def _load_json(raw, path):
+    """The header's JSON as nested _Pairs, or FormatError naming `path`. Refused as the
+    package's parser refuses them: invalid UTF-8, NaN and Infinity, numbers out of a double's
+    range, lone surrogates, nesting deeper than 127."""
+    try:
+        text = raw.decode("utf-8")
+        header = _json.loads(text, object_pairs_hook=_Pairs, parse_constant=_constant,
+                             parse_float=_finite)
+    except _Refused as e:
+        _format_error(path, f"the header is not valid JSON ({e})")
+    except RecursionError:
+        _format_error(path, "the header is not valid JSON (nested too deeply)")
+    except (UnicodeDecodeError, ValueError) as e:
+        _format_error(path, f"the header is not valid JSON ({e})")
+    if "\\u" in text:  # an escape may make a lone surrogate, which UTF-8 cannot hold
+        try:
+            _json.dumps(header, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            _format_error(path, "the header is not valid JSON (a lone surrogate escape)")
+        except RecursionError:
+            _format_error(path, "the header is not valid JSON (nested too deeply)")
+    if _depth(header) > 127:
+        _format_error(path, "the header is not valid JSON (nested deeper than 127)")
+    return header
+
+
+def _depth(x):
+    """Nesting depth of parsed JSON (the package's parser refuses 128), without recursion."""
+    deepest, todo = 0, [(x, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, _Pairs):
+            x = [v for _, v in x]
+        elif not isinstance(x, list):
+            continue
+        deepest = max(deepest, d)
+        todo.extend((v, d + 1) for v in x)
+    return deepest
+
+
+def _parse_header(fd, path, strict=True):
     """(metadata, [(name, dtype, shape, begin, end)], data start, data bytes used) of the open
-    safetensors file fd; FormatError naming `path` and the reason when it is malformed."""
-    size = _os.fstat(fd).st_size
+    safetensors file fd (or of a whole file in memory: bytes); FormatError naming `path` and
+    the reason when it is malformed.
+
+    strict (the default) refuses, as the safetensors package does, files whose tensors do not
+    cover the data exactly (a gap between two, data not starting at 0, bytes after the last):
+    such bytes would be read by no one, and let one file be two formats at once. strict=False
+    accepts them and refuses only tensors that overlap."""
+    size = len(fd) if isinstance(fd, (bytes, bytearray, memoryview)) else _os.fstat(fd).st_size
     if size < 8:
         _format_error(path, f"{size} bytes long: not a safetensors file (it starts with an "
                       "8-byte header length)")
@@ -132,33 +234,45 @@ def _parse_header(fd, path):
                       "not a safetensors file, or truncated")
     if n > MAX_HEADER:
         _format_error(path, f"header length {n} is larger than the {MAX_HEADER} bytes allowed")
-    try:
-        header = _json.loads(_read_exactly(fd, n, 8, path).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        _format_error(path, f"the header is not valid JSON ({e})")
-    if not isinstance(header, dict):
-        _format_error(path, f"the header is JSON {type(header).__name__}, not an object")
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (
-            isinstance(metadata, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        _format_error(path, "__metadata__ must be an object of strings to strings")
+    header = _load_json(_read_exactly(fd, n, 8, path), path)
+    if not isinstance(header, _Pairs):
+        kind = "object" if isinstance(header, dict) else "list" if isinstance(header, list) \
+            else type(header).__name__
+        _format_error(path, f"the header is JSON {kind}, not an object")
+    metas = [info for k, info in header if k == "__metadata__"]
+    if len(metas) > 1:
+        _format_error(path, "__metadata__ appears more than once")
+    metadata = None
+    if metas and metas[0] is not None:
+        if not (isinstance(metas[0], _Pairs) and all(isinstance(v, str) for _, v in metas[0])):
+            _format_error(path, "__metadata__ must be an object of strings to strings")
+        metadata = dict(metas[0])
     data_len = size - 8 - n
-    entries = []
-    for name, info in header.items():
-        if not isinstance(info, dict):
+    parsed = {}
+    # Every entry is checked as JSON of the right kinds, a repeated name's too; the last entry
+    # of a name is the one that counts and has its sizes and offsets checked, as in the package.
+    for name, info in ((k, info) for k, info in header if k != "__metadata__"):
+        if not isinstance(info, _Pairs):
             _format_error(path, f"tensor {name!r}: its entry is not an object")
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _DTYPES:
+        fields = {}
+        for k, v in info:
+            if k in fields and k in ("dtype", "shape", "data_offsets"):
+                _format_error(path, f"tensor {name!r}: {k} appears more than once")
+            fields[k] = v
+        dtype, shape, offsets = (fields.get(k) for k in ("dtype", "shape", "data_offsets"))
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             _format_error(path, f"tensor {name!r}: unknown dtype {dtype!r} (known: "
                           f"{', '.join(_DTYPES)})")
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
             _format_error(path, f"tensor {name!r}: shape {shape!r} is not a list of "
-                          "non-negative integers")
+                          "non-negative 64-bit integers")
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(_is_count(o) for o in offsets)):
             _format_error(path, f"tensor {name!r}: data_offsets {offsets!r} is not a pair of "
-                          "non-negative integers")
+                          "non-negative 64-bit integers")
+        parsed[name] = (dtype, shape, offsets)
+    entries = {}
+    for name, (dtype, shape, offsets) in parsed.items():
         begin, end = offsets
         if begin > end:
             _format_error(path, f"tensor {name!r}: data_offsets [{begin}, {end}] end before "
@@ -169,31 +283,50 @@ def _parse_header(fd, path):
         numel = 1
         for d in shape:
             numel *= d
-        need = numel * _DTYPES[dtype][1]
+            if numel > _U64:  # the package counts in 64 bits, left to right
+                _format_error(path, f"tensor {name!r}: the element count of shape {shape} "
+                              "overflows 64 bits")
+        if numel * _BITS.get(dtype, 8 * _DTYPES[dtype][1]) > _U64:
+            _format_error(path, f"tensor {name!r}: the bits of shape {shape} overflow 64 bits")
+        need = _nbytes(dtype, numel)
+        if need is None:
+            _format_error(path, f"tensor {name!r}: {dtype} of shape {shape} does not fill whole "
+                          "bytes")
         if end - begin != need:
             _format_error(path, f"tensor {name!r}: {dtype} of shape {shape} takes {need} bytes "
                           f"but its data_offsets [{begin}, {end}] hold {end - begin}")
-        entries.append((name, dtype, tuple(shape), begin, end))
+        entries[name] = (name, dtype, tuple(shape), begin, end)
+    entries = list(entries.values())
     last = None
-    for e in sorted((e for e in entries if e[4] > e[3]), key=lambda e: (e[3], e[4])):
-        if last is not None and e[3] < last[4]:
+    for e in sorted(entries, key=lambda e: (e[3], e[4])):
+        at = 0 if last is None else last[4]
+        if e[3] < at and (strict or e[4] > e[3]):
             _format_error(path, f"tensors {last[0]!r} [{last[3]}, {last[4]}) and {e[0]!r} "
                           f"[{e[3]}, {e[4]}) overlap")
-        last = e
+        if strict and e[3] > at:
+            where = (f"after {last[0]!r} [{last[3]}, {last[4]})" if last is not None
+                     else "at the start of the data")
+            _format_error(path, f"a gap of {e[3] - at} bytes {where}: the next tensor, "
+                          f"{e[0]!r}, starts at {e[3]} (strict=False accepts gaps)")
+        if e[4] > e[3]:
+            last = e
     used = max((e[4] for e in entries), default=0)
+    if strict and used != data_len:
+        _format_error(path, f"{data_len - used} bytes after the last tensor, which ends at "
+                      f"{used} of the {data_len} bytes of data (strict=False accepts them)")
     return metadata, entries, 8 + n, used
 
 
 IOS = ("auto", "buffered", "direct")
 
 
-def _read(path, check, alloc, io="auto"):
+def _read(path, check, alloc, io="auto", strict=True):
     """Parse the file at path, run check(entries), then read its data region with one pinmem
     read (io as read_file's) into the buffer alloc(nbytes) returns as (target for the read,
     data, stream). Returns (entries, data); data is None when no tensor has bytes."""
-    fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    fd = _open(path)
     try:
-        _, entries, start, used = _parse_header(fd, path)
+        _, entries, start, used = _parse_header(fd, path, strict)
         check(entries)
         if not used:
             return entries, None
@@ -216,14 +349,32 @@ def _read_range(fd, offset, n, target, stream, io, fn, path):
 def _torch_dtype(torch, name, dtype, where):
     """The torch dtype of a tensor of safetensors `dtype`; UnsupportedError where this torch
     lacks it."""
-    t = getattr(torch, _DTYPES[dtype][0], None)
+    attr = _DTYPES[dtype][0]
+    t = getattr(torch, attr, None) if attr else None
     if t is None:
-        _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, f"{where}: tensor {name!r} is {dtype}, "
-                           f"which torch {torch.__version__} lacks")
+        _fail(_pm.PM_ERR_UNSUPPORTED, f"{where}: tensor {name!r} is {dtype}, which torch "
+              f"{torch.__version__} has no type for")
     return t
 
 
-def load_file(path, device="cpu", *, io="auto"):
+def _dtype_of_torch(torch, t):
+    """The safetensors dtype of torch dtype t, or None."""
+    return next((k for k, (attr, _, _) in _DTYPES.items()
+                 if attr and getattr(torch, attr, None) == t), None)
+
+
+def _torch_shape(dtype, shape, where, name):
+    """The torch shape of a tensor of `dtype` and file shape `shape`: F4's last dimension counts
+    4-bit values, two to a torch float4_e2m1fn_x2 element."""
+    if dtype != "F4":
+        return shape
+    if not shape or shape[-1] % 2:
+        _fail(_pm.PM_ERR_UNSUPPORTED, f"{where}: tensor {name!r} is F4 of shape {list(shape)}: "
+              "torch's float4_e2m1fn_x2 needs the last dimension even (two values an element)")
+    return tuple(shape[:-1]) + (shape[-1] // 2,)
+
+
+def load_file(path, device="cpu", *, backend="mmap", io="auto", strict=True):
     """A dict of torch tensors from the safetensors file at `path`, on `device` ('cpu',
     'cuda', 'cuda:1', a torch.device or an index).
 
@@ -237,37 +388,48 @@ def load_file(path, device="cpu", *, io="auto"):
     through O_DIRECT (the fastest cold load for one process), or through the page cache while
     other processes read the same file (ranks of one node), so that they share it. A direct
     read leaves nothing in the page cache: 'buffered' keeps the file there for a later load.
+
+    backend: 'mmap' (the default) or 'pread', accepted as the package's are (a bad name is
+    refused as there); pinmem reads the same way for both.
+
+    strict: True (the default) refuses, as the safetensors package does, a file whose tensors
+    leave bytes of the data unread (a gap between two, data not starting at 0, bytes after the
+    last); False loads it (only overlapping tensors are refused).
     """
     _check_byteorder()
     path = _os.fspath(path)
     if io not in IOS:
-        _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"load_file({path!r}): io must be one of "
-                           f"{', '.join(IOS)}, not {io!r}")
+        _fail(_pm.PM_ERR_INVALID, f"load_file({path!r}): io must be one of "
+              f"{', '.join(IOS)}, not {io!r}")
+    _check_backend(backend)
     dtypes = {}
 
     def check(entries):
         torch = _torch()
-        for name, dtype, *_ in entries:
-            dtypes[name] = _torch_dtype(torch, name, dtype, f"load_file({path!r})")
+        for name, dtype, shape, *_ in entries:
+            where = f"load_file({path!r})"
+            dtypes[name] = (_torch_dtype(torch, name, dtype, where),
+                            _torch_shape(dtype, shape, where, name))
 
     def alloc(n):
         torch = _torch()
         return _alloc(torch, torch.device(device), n)
 
-    entries, data = _read(path, check, alloc, io)
+    entries, data = _read(path, check, alloc, io, strict)
     torch = _torch()
     dev = torch.device(device)
     out = {}
     pieces = _Pieces(torch, data, dev)
-    for name, dtype, shape, begin, end in entries:
+    for name, dtype, _, begin, end in entries:
+        t, shape = dtypes[name]
         if begin == end:
-            out[name] = torch.empty(shape, dtype=dtypes[name], device=dev)
+            out[name] = torch.empty(shape, dtype=t, device=dev)
             continue
         if begin % _DTYPES[dtype][1]:
             piece = data[begin:end].clone()  # a view would be misaligned
         else:
             piece = pieces.take(begin, end)
-        out[name] = piece.view(dtypes[name]).view(shape)
+        out[name] = piece.view(t).view(shape)
     return out
 
 
@@ -320,6 +482,32 @@ class _Pieces:
 
 
 FRAMEWORKS = {"pt": "pt", "torch": "pt", "pytorch": "pt", "np": "np", "numpy": "np"}
+# The package's backend= names: how its bytes are served (a memory map, or pread). pinmem reads
+# every tensor with its own reads into memory of the tensor's own either way, so both are
+# accepted, and name the same thing.
+BACKENDS = ("mmap", "pread")
+
+
+def _check_backend(backend):
+    if backend not in BACKENDS:
+        raise _error(SafetensorInvalidError, f"backend {backend!r} is invalid (expected one of: "
+                     f"{', '.join(map(repr, BACKENDS))})")
+
+
+def _open(path):
+    """A read descriptor on path. A missing file is FileNotFoundError whose text names it as
+    the package's does ("No such file or directory: <path>")."""
+    try:
+        return _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _NotFound(_errno.ENOENT, _os.strerror(_errno.ENOENT), path) from None
+
+
+class _NotFound(FileNotFoundError):
+    """FileNotFoundError (errno, strerror and filename set) whose text is the package's."""
+
+    def __str__(self):
+        return f"No such file or directory: {self.filename}"
 
 
 class safe_open:
@@ -327,38 +515,43 @@ class safe_open:
     `safetensors` package's safe_open: keys(), metadata(), get_tensor(name), get_slice(name).
 
     framework: 'pt' (torch tensors on `device`) or 'np' (NumPy arrays; device 'cpu').
-    The header is checked when the file is opened (FormatError naming the file). Each
-    get_tensor is one pinmem read (io as read_file's) of that tensor's bytes into memory of its
-    own: on the device, or pinned host memory for 'cpu' (pageable when the budget is spent;
-    NumPy arrays are pageable). get_slice(name)[index] reads only the rows the index's first
-    dimension needs. A context manager; close() (or leaving the `with`) closes the file, and
-    the tensors already read stay valid. load_file is faster for a whole file: one read.
+    backend: 'mmap' (the default) or 'pread', accepted as the package's are; both read with
+    pinmem. strict: as load_file's. The header is checked when the file is opened
+    (FormatError naming the file). Each get_tensor is one pinmem read (io as read_file's) of
+    that tensor's bytes into memory of its own: on the device, or pinned host memory for 'cpu'
+    (pageable when the budget is spent; NumPy arrays are pageable); get_tensors() reads every
+    tensor so. get_slice(name)[index] reads only the rows the index's first dimension needs,
+    and refuses what the package refuses (SafetensorError). A context manager; close() (or
+    leaving the `with`) closes the file: the tensors already read stay valid, and every method
+    raises SafetensorError after it. load_file is faster for a whole file: one read.
     """
 
-    def __init__(self, path, framework="pt", device="cpu", *, io="auto"):
+    def __init__(self, path, framework="pt", device="cpu", *, backend="mmap", io="auto",
+                 strict=True, _handle=None):
         _check_byteorder()
         self._fd = None
         self._lock = _threading.Lock()
         self._busy = 0  # reads in flight: close() leaves the descriptor to the last of them
         self._closing = None
-        self._path = path = _os.fspath(path)
+        self._path = path = str(path) if _handle is not None else _os.fspath(path)
         if framework not in FRAMEWORKS:
-            _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): framework must be "
-                               f"one of {', '.join(FRAMEWORKS)}, not {framework!r}")
+            _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): framework must be "
+                  f"one of {', '.join(FRAMEWORKS)}, not {framework!r}")
         if io not in IOS:
-            _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): io must be one of "
-                               f"{', '.join(IOS)}, not {io!r}")
+            _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): io must be one of "
+                  f"{', '.join(IOS)}, not {io!r}")
+        _check_backend(backend)
         self._framework, self._io = FRAMEWORKS[framework], io
         if self._framework == "np":
             if device not in ("cpu", None):
-                _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"safe_open({path!r}): NumPy arrays "
-                                   f"live in host memory: device must be 'cpu', not {device!r}")
+                _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): NumPy arrays "
+                      f"live in host memory: device must be 'cpu', not {device!r}")
             self._device = None
         else:
             self._device = _torch().device(device)
-        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+        fd = _open(path) if _handle is None else _os.dup(_handle)
         try:
-            self._metadata, entries, self._start, _ = _parse_header(fd, path)
+            self._metadata, entries, self._start, _ = _parse_header(fd, path, strict)
         except BaseException:
             _os.close(fd)
             raise
@@ -395,8 +588,8 @@ class safe_open:
         """The descriptor, held for one read (_let_go gives it back)."""
         with self._lock:
             if self._fd is None:
-                _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"get_tensor({name!r}): "
-                                   f"{self._path!r} is closed")
+                _fail(_pm.PM_ERR_INVALID, f"File is closed: get_tensor({name!r}): "
+                      f"{self._path!r} is closed")
             self._busy += 1
             return self._fd
 
@@ -413,39 +606,48 @@ class safe_open:
         state = "closed" if self._fd is None else f"{len(self._entries)} tensors"
         return f"<pinmem.safetensors.safe_open {self._path!r}, {state}>"
 
+    def _open_or_fail(self, fn):
+        if self._fd is None:  # as the package: nothing is answered once the file is closed
+            _fail(_pm.PM_ERR_INVALID, f"File is closed: {fn}: {self._path!r} is closed")
+
     def keys(self):
         """The tensors' names, sorted (as the safetensors package lists them)."""
+        self._open_or_fail("keys()")
         return sorted(self._entries)
 
     def offset_keys(self):
         """The tensors' names in the order of their bytes in the file."""
+        self._open_or_fail("offset_keys()")
         return list(self._order)
 
     def metadata(self):
         """The header's __metadata__ (a dict of str to str), or None."""
+        self._open_or_fail("metadata()")
         return None if self._metadata is None else dict(self._metadata)
 
     def __contains__(self, name):
+        self._open_or_fail("in")
         return name in self._entries
 
     def __len__(self):
+        self._open_or_fail("len()")
         return len(self._entries)
 
     def _entry(self, name, fn):
-        if self._fd is None:
-            _pm._pinmem._raise(_pm.PM_ERR_INVALID, f"{fn}({name!r}): {self._path!r} is closed")
+        self._open_or_fail(f"{fn}({name!r})")
         try:
             return self._entries[name]
         except (KeyError, TypeError):
-            raise KeyError(f"{fn}({name!r}): no tensor of that name in {self._path!r}") from None
+            raise _error(SafetensorKeyError, f"File does not contain tensor {name}: "
+                         f"{fn}({name!r}): no tensor of that name in {self._path!r}") from None
 
     def _dtype(self, name, dtype):
         if self._framework == "np":
             np_name = _DTYPES[dtype][2]
             if np_name is None:
-                _pm._pinmem._raise(_pm.PM_ERR_UNSUPPORTED, f"{self._path!r}: tensor {name!r} "
-                                   f"is {dtype}, which NumPy has no type for (framework='pt' "
-                                   "reads it)")
+                _fail(_pm.PM_ERR_UNSUPPORTED, f"{self._path!r}: tensor {name!r} "
+                      f"is {dtype}, which NumPy has no type for (framework='pt' "
+                      "reads it)")
             return _np.dtype(np_name)
         return _torch_dtype(_torch(), name, dtype, repr(self._path))
 
@@ -459,6 +661,7 @@ class safe_open:
             target, stream = out, None
         else:
             torch = _torch()
+            shape = _torch_shape(dtype, shape, repr(self._path), name)
             if not n:
                 return torch.empty(shape, dtype=t, device=self._device)
             target, out, stream = _alloc(torch, self._device, n)
@@ -476,10 +679,103 @@ class safe_open:
         _, dtype, shape, begin, end = self._entry(name, "get_tensor")
         return self._read(name, dtype, shape, begin, end)
 
+    def get_tensors(self):
+        """Every tensor, as a dict of names to tensors (arrays) in the order of their bytes in
+        the file, each read into memory of its own."""
+        self._open_or_fail("get_tensors()")
+        return {name: self.get_tensor(name) for name in self._order}
+
     def get_slice(self, name):
         """A lazy view of tensor `name`: get_shape(), get_dtype(), and [index] reading only the
         rows the index's first dimension needs (KeyError when there is no such tensor)."""
         return _Slice(self, self._entry(name, "get_slice"))
+
+
+def _show(index):
+    """An index as the package writes it in its errors: [2:, 20]."""
+    def one(x):
+        if isinstance(x, slice):
+            text = ("" if x.start is None else str(x.start)) + ":" + \
+                ("" if x.stop is None else str(x.stop))
+            return text + (f":{x.step}" if x.step not in (None, 1) else "")
+        return "..." if x is Ellipsis else str(x)
+    return "[" + ", ".join(one(x) for x in (index if isinstance(index, tuple) else (index,))) + "]"
+
+
+def _checked_index(index, shape):
+    """index as a tuple of ints and slices (start, stop, step > 0, all ints, within the shape),
+    one per leading dimension, or the refusal the package makes, as a SafetensorError with its
+    words: an int or a slice out of range (a slice is not clipped), a step of 0 or less, a
+    non-empty list, anything else (None, a float, an array). A negative slice bound counts from
+    the end. An empty list (no rows) is taken too, as the package takes it."""
+    shape = list(shape)
+    if isinstance(index, list):
+        if index:
+            raise _error(SafetensorInvalidError, "Non empty lists are not implemented")
+        if not shape:
+            raise _error(SafetensorIndexError, f"Error during slicing [] with shape {shape}: "
+                         "more slicing indexes than dimensions in tensor")
+        return (slice(0, 0, 1),)
+    items = index if isinstance(index, tuple) else (index,)
+    if sum(1 for x in items if x is Ellipsis) > 1:
+        raise _error(SafetensorIndexError, f"Error during slicing {_show(index)}: an index can "
+                     "only have a single ellipsis ('...')")
+    if any(x is Ellipsis for x in items):
+        at = next(i for i, x in enumerate(items) if x is Ellipsis)
+        fill = max(0, len(shape) - (len(items) - 1))
+        items = items[:at] + (slice(None),) * fill + items[at + 1:]
+    if len(items) > len(shape):
+        raise _error(SafetensorIndexError, f"Error during slicing {_show(index)} with shape "
+                     f"{shape}: more slicing indexes than dimensions in tensor")
+    out = []
+    for pos, (x, size) in enumerate(zip(items, shape)):
+        def bound(i):
+            return _error(SafetensorIndexError, f"Error during slicing {_show(index)} with shape "
+                          f"{shape}: index {i} out of bounds for tensor dimension #{pos} of "
+                          f"size {size}")
+        if isinstance(x, (int, _np.integer)):  # bool too: the package takes True for 1
+            k = int(x)
+            if k < -size:
+                raise _error(SafetensorIndexError, f"Invalid index {k} for dimension {pos} of "
+                             f"size {size}")
+            if k >= size:
+                raise bound(k)
+            out.append(k + size if k < 0 else k)
+        elif isinstance(x, slice):
+            try:
+                step = 1 if x.step is None else _operator.index(x.step)
+                start = 0 if x.start is None else _operator.index(x.start)
+                stop = size if x.stop is None else _operator.index(x.stop)
+            except TypeError:
+                raise _error(SafetensorInvalidError, f"Unsupported slice index at position {pos}:"
+                             " slice bounds must be integers") from None
+            if step <= 0:
+                raise _error(SafetensorInvalidError, f"Slice step must be a positive integer, "
+                             f"got {step}")
+            start = max(0, start + size) if start < 0 else start
+            stop = max(0, stop + size) if stop < 0 else stop
+            if stop > size:
+                raise bound(stop - 1)
+            if start >= size and size:
+                raise bound(start)
+            out.append(slice(start, stop, step))
+        else:
+            raise _error(SafetensorInvalidError, f"Unsupported slice index at position {pos}: "
+                         "expected slice, int, or ellipsis")
+    return tuple(out)
+
+
+def _safe_open_handle(f, framework="pt", device="cpu", *, backend="mmap", io="auto", strict=True):
+    """safe_open over a file object already open (a file of the local file system: its
+    fileno()), as the package's _safe_open_handle. The file object may be closed afterwards:
+    safe_open reads through a descriptor of its own."""
+    try:
+        handle = f.fileno()
+    except (AttributeError, OSError, ValueError):
+        raise _error(SafetensorInvalidError, f"_safe_open_handle: {f!r} has no file descriptor "
+                     "(pinmem reads local files only)") from None
+    return safe_open(getattr(f, "name", repr(f)), framework, device, backend=backend, io=io,
+                     strict=strict, _handle=handle)
 
 
 class _Slice:
@@ -507,22 +803,16 @@ class _Slice:
     def __getitem__(self, index):
         f = self._f
         name, dtype, shape, begin, end = f._entry(self._entry[0], "get_slice")
-        index = index if isinstance(index, tuple) else (index,)
+        index = _checked_index(index, shape)
         first = index[0] if index else None
-        rows = None  # the rows [r0, r1) the first index needs, when it is a plain int or slice
-        if shape and isinstance(first, (int, _np.integer)) and not isinstance(first, bool):
-            first = int(first)
-            i = first + shape[0] if first < 0 else first
-            if not 0 <= i < shape[0]:
-                raise IndexError(f"index {first} is out of bounds for dimension 0 of "
-                                 f"{name!r}, of size {shape[0]}")
-            rows, first = (i, i + 1), 0
-        elif shape and isinstance(first, slice):
-            start, stop, step = first.indices(shape[0])
-            if step > 0:
-                stop = max(start, stop)
-                last = start + (stop - start - 1) // step * step + 1 if stop > start else start
-                rows, first = (start, last), slice(0, last - start, step)
+        rows = None  # the rows [r0, r1) the first index needs
+        if isinstance(first, int):
+            rows, first = (first, first + 1), 0
+        elif isinstance(first, slice):
+            start, stop, step = first.start, first.stop, first.step
+            stop = max(start, stop)
+            last = start + (stop - start - 1) // step * step + 1 if stop > start else start
+            rows, first = (start, last), slice(0, last - start, step)
         if rows is None:  # anything else: the whole tensor, indexed as torch or NumPy does
             part = f._read(name, dtype, shape, begin, end)
         else:
@@ -550,32 +840,44 @@ def _source(name, t):
     torch = _sys.modules.get("torch")
     if torch is not None and isinstance(t, torch.Tensor):
         if t.layout != torch.strided:
-            raise ValueError(f"pinmem.safetensors: tensor {name!r} is {t.layout}; save dense "
-                             "tensors (.to_dense())")
-        dtype = next((k for k, (attr, _, _) in _DTYPES.items()
-                      if getattr(torch, attr, None) == t.dtype), None)
+            raise _error(SafetensorInvalidError,
+                         f"pinmem.safetensors: tensor {name!r} is {t.layout}; save dense "
+                         "tensors (.to_dense())")
+        if t.device.type == "meta":
+            raise _error(NoDataError, f"pinmem.safetensors: tensor {name!r} is on the meta "
+                         "device: Cannot copy out of meta tensor, it has no data")
+        dtype = _dtype_of_torch(torch, t.dtype)
         if dtype is None:
-            raise TypeError(f"pinmem.safetensors: tensor {name!r} has dtype {t.dtype}, which "
-                            "safetensors cannot store")
+            raise _error(SafetensorTypeError,
+                         f"pinmem.safetensors: tensor {name!r} has dtype {t.dtype}, which "
+                         "safetensors cannot store")
         t = t.detach().resolve_conj().resolve_neg()  # lazy conjugate views: their real bytes
         if not t.is_contiguous():
             t = t.contiguous()
         n = t.numel() * _DTYPES[dtype][1]
         view = t.reshape(-1).view(torch.uint8) if n else None
         stream = torch.cuda.current_stream(t.device) if t.device.type == "cuda" else None
-        return dtype, tuple(t.shape), n, view, stream
+        shape = tuple(t.shape)
+        if dtype == "F4":  # the file counts 4-bit values: two a torch element
+            if not shape:
+                raise _error(SafetensorInvalidError, f"pinmem.safetensors: tensor {name!r} is a "
+                             "0-d float4_e2m1fn_x2, whose two values have no shape in the file")
+            shape = shape[:-1] + (2 * shape[-1],)
+        return dtype, shape, n, view, stream
     if isinstance(t, _np.ndarray):
         a = t
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         dtype = _NUMPY_NAMES.get(a.dtype.str.replace("=", "<"))
         if dtype is None:
-            raise TypeError(f"pinmem.safetensors: array {name!r} has dtype {t.dtype}, which "
-                            "safetensors cannot store")
+            raise _error(SafetensorTypeError,
+                         f"pinmem.safetensors: array {name!r} has dtype {t.dtype}, which "
+                         "safetensors cannot store")
         flat = _np.ascontiguousarray(a).reshape(-1)  # (ascontiguousarray makes 0-d arrays 1-d)
         return dtype, t.shape, flat.nbytes, flat.view(_np.uint8) if flat.nbytes else None, None
-    raise TypeError(f"pinmem.safetensors: {name!r} is {type(t).__name__}; expected a torch "
-                    "tensor or a NumPy array")
+    raise _error(SafetensorTypeError,
+                 f"pinmem.safetensors: {name!r} is {type(t).__name__}; expected a torch "
+                 "tensor or a NumPy array")
 
 
 # Device staging (stage "auto" or "device"). A device's tensors are first copied on the stream
@@ -645,32 +947,42 @@ def _layout(tensors, metadata, stage):
     after them in file order, as (name, dtype, shape, bytes, byte view or None, stream)."""
     _check_byteorder()
     if stage not in STAGES:
-        raise ValueError(f"pinmem.safetensors: stage must be one of {', '.join(STAGES)}, not "
-                         f"{stage!r}")
+        raise _error(SafetensorInvalidError, f"pinmem.safetensors: stage must be one of "
+                     f"{', '.join(STAGES)}, not {stage!r}")
     if not isinstance(tensors, dict):
-        raise TypeError(f"pinmem.safetensors: expected a dict of names to tensors, not "
-                        f"{type(tensors).__name__}")
+        raise _error(SafetensorTypeError, f"pinmem.safetensors: expected a dict of names to "
+                     f"tensors, not {type(tensors).__name__}")
     if metadata is not None and not (
             isinstance(metadata, dict)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise TypeError("pinmem.safetensors: metadata must be a dict of str to str")
+        raise _error(SafetensorTypeError, "pinmem.safetensors: metadata must be a dict of str to "
+                     "str")
     items = []
     for name, t in tensors.items():
         if not isinstance(name, str):
-            raise TypeError(f"pinmem.safetensors: tensor names are strings, not {name!r}")
+            raise _error(SafetensorTypeError, f"pinmem.safetensors: tensor names are strings, "
+                         f"not {name!r}")
         if name == "__metadata__":
-            raise ValueError("pinmem.safetensors: '__metadata__' cannot name a tensor")
+            raise _error(SafetensorInvalidError, "pinmem.safetensors: '__metadata__' cannot name a "
+                         "tensor")
         items.append((name,) + _source(name, t))
-    # Falling item size, then name (as the safetensors package orders them): every tensor starts
-    # aligned to its item size, the header length being a multiple of 8.
-    items.sort(key=lambda it: (-_DTYPES[it[1]][1], it[0]))
-    header = {"__metadata__": metadata} if metadata else {}
+    # Falling rank in the format's order of dtypes (item sizes fall with it), then name, as the
+    # safetensors package orders them: every tensor starts aligned to its item size, the header
+    # length being a multiple of 8, and both write the same bytes.
+    items.sort(key=lambda it: (-_RANK[it[1]], it[0]))
+    header = {"__metadata__": metadata} if metadata is not None else {}  # {} too, as the package
     offset = 0
     for name, dtype, shape, n, _, _ in items:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     text = _json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER:
+        # Checked before the target is touched: a file with a larger header is one that no
+        # reader (this one, the package) loads, and it would replace a good one.
+        _fail(_pm.PM_ERR_FORMAT, f"pinmem.safetensors: the header would be "
+              f"{len(text)} bytes (metadata and tensor names), larger than the "
+              f"{MAX_HEADER} bytes a safetensors file may have")
     return _struct.pack("<Q", len(text)) + text, items
 
 
@@ -1134,3 +1446,51 @@ def save_file_async(tensors, path, metadata=None, *, stage="auto"):
     del buf, copies, keep, write
     handle._thread.start()
     return handle
+
+
+# ---- files in memory (the package's load and save) -----------------------------------------
+
+def _to_bytes(tensors, metadata):
+    """The safetensors file of `tensors` and `metadata` as bytes, laid out as save_file lays
+    it out (the package's save)."""
+    head, items = _layout(tensors, metadata, "host")
+    parts = [head]
+    for _, _, _, n, view, _ in items:
+        if not n:
+            continue
+        if isinstance(view, _np.ndarray):
+            parts.append(view.tobytes())
+        else:  # a torch byte view, on any device
+            parts.append(view.cpu().numpy().tobytes())
+    return b"".join(parts)
+
+
+def _from_bytes(data, framework, strict=True):
+    """{name: tensor or array} of the safetensors file held in `data` (bytes-like), each in
+    memory of its own (the package's load)."""
+    _check_byteorder()
+    if isinstance(data, memoryview):
+        data = data.cast("B") if data.c_contiguous else data.tobytes()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise _error(SafetensorTypeError, f"pinmem.safetensors: load takes the bytes of a file, "
+                     f"not {type(data).__name__}")
+    where = "<bytes>"
+    _, entries, start, _ = _parse_header(data, where, strict)
+    out = {}
+    torch = _torch() if framework == "pt" else None
+    for name, dtype, shape, begin, end in sorted(entries, key=lambda e: (e[3], e[4])):
+        raw = bytearray(data[start + begin:start + end])
+        if torch is None:
+            np_name = _DTYPES[dtype][2]
+            if np_name is None:
+                _fail(_pm.PM_ERR_UNSUPPORTED, f"load: tensor {name!r} is {dtype}, which NumPy "
+                      "has no type for (pinmem.safetensors.torch.load reads it)")
+            out[name] = _np.frombuffer(raw, _np.dtype(np_name)).reshape(shape)
+            continue
+        t = _torch_dtype(torch, name, dtype, "load")
+        tshape = _torch_shape(dtype, shape, "load", name)
+        if not raw:
+            out[name] = torch.empty(tshape, dtype=t)
+        else:
+            out[name] = torch.frombuffer(raw, dtype=torch.uint8).view(t).reshape(tshape)
+    return out
