@@ -158,6 +158,19 @@ static const char *cu_str(pmCUresult e, int name) {
   return name ? "CUDA_ERROR_?" : "unknown CUDA error";
 }
 
+/* An entry point at the ABI of `version`, or NULL. Asked at CUDA 12.0 (or the entry's own
+ * version when newer): the driver then hands out the ABI of that release, which is what
+ * cuda_driver.h declares, also where a newer ABI of the same name exists. */
+static void *proc_address(pm_cuGetProcAddress_v12000_t gpa2, pm_cuGetProcAddress_v11030_t gpa1,
+                          const char *name, int version) {
+  void *fn = NULL;
+  int status = PM_CU_GET_PROC_ADDRESS_SUCCESS;
+  int ask = version > PM__CUDA_MIN_VERSION ? version : PM__CUDA_MIN_VERSION;
+  pmCUresult e = gpa2 ? gpa2(name, &fn, ask, PM_CU_GET_PROC_ADDRESS_DEFAULT, &status)
+                      : gpa1(name, &fn, ask, PM_CU_GET_PROC_ADDRESS_DEFAULT);
+  return e == PM_CUDA_SUCCESS && status == PM_CU_GET_PROC_ADDRESS_SUCCESS ? fn : NULL;
+}
+
 /* The probe, under drv_lock. On failure probe_reason says why, in words for a user. */
 static int probe_locked(void) {
   const char *path = getenv("PINMEM_CUDA_DRIVER");
@@ -198,17 +211,26 @@ static int probe_locked(void) {
              "NVIDIA driver unusable (version %s, but %s has no cuGetProcAddress)", vs, path);
     return -1;
   }
+  /* The error strings first (cuInit's failure is told in the driver's words), then cuInit: a
+   * driver without a device says so before anything else is asked of it. */
+  *(void **)&drv.GetErrorString = proc_address(gpa2, gpa1, "cuGetErrorString", 6000);
+  *(void **)&drv.GetErrorName = proc_address(gpa2, gpa1, "cuGetErrorName", 6000);
+  pmCUresult e = drv.Init(0);
+  if (e != PM_CUDA_SUCCESS) {
+    if (e == PM_CUDA_ERROR_NO_DEVICE)
+      snprintf(probe_reason, sizeof probe_reason,
+               "NVIDIA driver found (version %s) but no device: cuInit: %s (%s)", vs,
+               cu_str(e, 0), cu_str(e, 1));
+    else
+      snprintf(probe_reason, sizeof probe_reason,
+               "NVIDIA driver found (version %s) but cuInit failed: %s (%s)", vs, cu_str(e, 0),
+               cu_str(e, 1));
+    return -1;
+  }
   probe_missing[0] = '\0';
   for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
     const entry_t *en = &entries[i];
-    void *fn = NULL;
-    int status = PM_CU_GET_PROC_ADDRESS_SUCCESS;
-    /* Ask at CUDA 12.0 (or the entry's own version when newer): the driver then hands out the
-     * ABI of that release, which is what cuda_driver.h declares. */
-    int ask = en->version > PM__CUDA_MIN_VERSION ? en->version : PM__CUDA_MIN_VERSION;
-    pmCUresult e = gpa2 ? gpa2(en->name, &fn, ask, PM_CU_GET_PROC_ADDRESS_DEFAULT, &status)
-                        : gpa1(en->name, &fn, ask, PM_CU_GET_PROC_ADDRESS_DEFAULT);
-    if (e != PM_CUDA_SUCCESS || status != PM_CU_GET_PROC_ADDRESS_SUCCESS) fn = NULL;
+    void *fn = proc_address(gpa2, gpa1, en->name, en->version);
     *en->slot = fn;
     if (fn) continue;
     if (en->optional) {
@@ -220,18 +242,6 @@ static int probe_locked(void) {
     snprintf(probe_reason, sizeof probe_reason,
              "NVIDIA driver unusable (version %s lacks %s, which CUDA %d.%d has)", vs, en->name,
              en->version / 1000, (en->version % 1000) / 10);
-    return -1;
-  }
-  pmCUresult e = drv.Init(0);
-  if (e != PM_CUDA_SUCCESS) {
-    if (e == PM_CUDA_ERROR_NO_DEVICE)
-      snprintf(probe_reason, sizeof probe_reason,
-               "NVIDIA driver found (version %s) but no device: cuInit: %s (%s)", vs,
-               cu_str(e, 0), cu_str(e, 1));
-    else
-      snprintf(probe_reason, sizeof probe_reason,
-               "NVIDIA driver found (version %s) but cuInit failed: %s (%s)", vs, cu_str(e, 0),
-               cu_str(e, 1));
     return -1;
   }
   return 1;
