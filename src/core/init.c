@@ -261,7 +261,7 @@ pm_status_t pm_backend_info(pm_backend_info_t *info_out) {
   info.fallback = b && backend_fallback;
   snprintf(info.reason, sizeof info.reason, "%s", b ? backend_reason : start_error);
   pthread_mutex_unlock(&init_lock);
-  if (b) {
+  if (b && !info.fallback) { /* the fallback's simulated devices are not on offer */
     int count = 0;
     if (b->device_count(&count) == PM_OK) info.device_count = count;
   }
