@@ -17,7 +17,7 @@ PYTHON     ?= $(abspath $(VENV))/bin/python
 SYSTEM_PYTHON ?= python3
 DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VENV) --python $(PYTHON)
 
-.PHONY: all build deps deps-c deps-test test test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install bench install clean
+.PHONY: all build deps deps-c deps-test test test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install bench install clean
 
 all: build
 
@@ -35,7 +35,7 @@ build: deps-c
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: deps check-docs test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install
+test: deps check-docs test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install
 	@echo "make test: all suites passed"
 
 test-host: deps-test build
@@ -58,6 +58,12 @@ test-valgrind: deps-test
 	cmake --build $(BUILD)-host -j $(JOBS)
 	cd $(BUILD)-host && PINMEM_TEST_SMALL=1 $(CTEST) -L host -E cli -j $(JOBS) -T memcheck --overwrite MemoryCheckCommand=$$(command -v valgrind) \
 	  --overwrite MemoryCheckCommandOptions="--error-exitcode=97 --leak-check=full --errors-for-leak-kinds=definite,indirect --track-origins=no --suppressions=$(CURDIR)/tests/valgrind.supp"
+
+# The cuda backend builds with a C compiler alone: a fresh build with the CUDA toolkit hidden
+# (mount namespace, PATH, CUDA_HOME) must have it compiled in (tests/test_no_toolkit.sh; it says
+# so and skips where no mount namespace can be made).
+test-no-toolkit: deps-c
+	@JOBS=$(JOBS) ./tests/test_no_toolkit.sh; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 77 ]
 
 # libFuzzer smoke runs (tests/fuzz): clang, ASan+UBSan, FUZZ_SECONDS per target from the
 # committed seed corpus.
