@@ -137,20 +137,11 @@ wheel: deps
 	PATH="$(dir $(PYTHON)):$$PATH" $(PYTHON) -m auditwheel repair -w dist $(WHEEL_DIR)/raw/pinmem-*.whl
 	@ls dist/pinmem-*.whl
 
-# The wheel as a user gets it: installed into a fresh venv whose PATH holds python alone (no
-# compiler, no cmake), then `pinmem info` through the console script (the cuda backend compiled
-# in), README.md's first ```python block, and the host-backend tests test_buffers.py and
-# test_copy.py against the installed package (devices simulated with PINMEM_BACKEND=host where
-# auto would fall back: no GPU here).
-WHEEL_VENV := $(WHEEL_DIR)/venv
+# The wheel as a user gets it (tests/test_wheel.sh): a fresh venv whose PATH holds python alone,
+# `pinmem info` through the console script, README.md's first ```python block, and the buffer and
+# copy tests against the installed package.
 test-wheel: wheel
-	rm -rf $(WHEEL_VENV) $(WHEEL_DIR)/onlypy $(WHEEL_DIR)/run
-	$(PYTHON) -m venv $(WHEEL_VENV)
-	mkdir -p $(WHEEL_DIR)/onlypy $(WHEEL_DIR)/run && ln -s $(abspath $(WHEEL_VENV))/bin/python $(WHEEL_DIR)/onlypy/python
-	cp python/tests/conftest.py python/tests/test_buffers.py python/tests/test_copy.py $(WHEEL_DIR)/run/
-	awk '/^```python$$/ {c = 1; next} c && /^```$$/ {exit} c {print}' README.md >$(WHEEL_DIR)/run/quickstart.py
-	cd $(WHEEL_DIR)/run && env -u CC -u CUDA_HOME PATH=$(abspath $(WHEEL_DIR))/onlypy sh -c '	  ! command -v cc && ! command -v gcc && ! command -v cmake && 	  python -m pip install -q --disable-pip-version-check $(abspath $(wildcard dist/pinmem-*.whl)) pytest && 	  $(abspath $(WHEEL_VENV))/bin/pinmem info | grep "^cuda backend *compiled in" && 	  fb=$$(python -c "import pinmem; print(int(pinmem.backend_info()["fallback"]))") && 	  if [ "$$fb" = 1 ]; then export PINMEM_BACKEND=host; fi && 	  python quickstart.py && 	  python -m pytest -q -rs -p no:cacheprovider test_buffers.py test_copy.py'
-	@echo "test-wheel: passed"
+	./tests/test_wheel.sh $(wildcard dist/pinmem-*.whl) $(PYTHON) $(WHEEL_DIR)/test
 
 bench: build
 	./$(BUILD)/pinmem info
