@@ -5,9 +5,11 @@
  * negative); output arguments are written only on success; pm_last_error() gives the detail of
  * the last failure on the calling thread (the failing system or CUDA call, the limit, the path).
  *
- * Backends: "cuda" (the CUDA runtime) and "host" (the CPU plays the device, so the whole API works
- * on machines without a GPU). PINMEM_BACKEND=auto|cuda|host selects one; auto takes cuda when a
- * device is present. All calls initialise the library on first use; pm_init() does it explicitly.
+ * Backends: "cuda" (the CUDA driver, loaded at run time) and "host" (the CPU plays the device, so
+ * the whole API works on machines without a GPU). PINMEM_BACKEND=auto|cuda|host selects one; auto
+ * takes cuda when a device is present, else falls back to host and refuses device memory, saying
+ * why (pm_backend_info). All calls initialise the library on first use; pm_init() does it
+ * explicitly.
  */
 #ifndef PINMEM_H
 #define PINMEM_H

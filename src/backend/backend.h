@@ -1,7 +1,8 @@
 /*
  * DESIGN: the backend contract. Everything above this file (pool, registry, copy engine,
  * loader, CLI) talks to a device only through one of these tables, so the same code and the
- * same tests run on the CUDA runtime and on the host backend, where the CPU plays the device.
+ * same tests run on the CUDA driver (backend_cuda.c) and on the host backend, where the CPU plays
+ * the device.
  *
  * Rules every backend keeps:
  * - Each call returns pm_status_t and, on failure, records the detail with pm__set_error()

@@ -1,9 +1,9 @@
 /*
- * DESIGN: pinmem's device code. It is compiled to PTX (`make ptx`, tools/gen_ptx.sh), and the
+ * DESIGN: pinmem's device code. It is compiled to PTX (`make ptx`, tools/gen_ptx.py), and the
  * PTX is committed as src/backend/kernels_ptx.h, so no build needs nvcc: backend_cuda.c loads
  * that PTX through the driver's JIT on first use per context (cuModuleLoadDataEx) and launches
- * the kernels by name with cuLaunchKernel. tests/test_ptx.sh fails when the committed PTX and
- * this file disagree, wherever nvcc exists. The launch geometry lives in backend_cuda.c; the
+ * the kernels by name with cuLaunchKernel. The host_ptx test fails when the committed PTX and
+ * this file disagree (byte for byte where the same nvcc release exists). The launch geometry lives in backend_cuda.c; the
  * constants both sides need (block sizes, descriptor counts) live in kernels.h.
  *
  * - busy kernel: one thread spins on %globaltimer (the GPU's nanosecond clock) for a requested
