@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "internal.h"
 
 #define CHECK_HAS(str, sub)                                                              \
   do {                                                                                   \
@@ -116,6 +117,64 @@ static void case_not_a_driver(void) {
   setenv("PINMEM_CUDA_DRIVER", "libc.so.6", 1);
   expect_fallback("no cuInit/cuDriverGetVersion: not the CUDA driver", 0);
 }
+/* A pretend device (stub_cuda.c's STUB_FAKE_DEVICE): the backend's own plumbing where no GPU is:
+ * the probe succeeds, contexts are made current, memory, streams and events go through the
+ * driver table, and a JIT that refuses the PTX leaves the kernels unavailable with the reason
+ * (batches on the DMA path) instead of failing anything else. */
+static void case_fake_device(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("fake"), 1);
+  CHECK_ST(pm_init(), PM_OK);
+  CHECK_EQ_INT(pm_backend_kind(), PM_BACKEND_CUDA);
+  pm_backend_info_t bi;
+  CHECK_ST(pm_backend_info(&bi), PM_OK);
+  CHECK_EQ_INT(bi.fallback, 0);
+  CHECK_EQ_INT(bi.device_count, 1);
+  CHECK_EQ_INT(bi.driver_version, 12040);
+  CHECK_HAS(bi.reason, "auto: a CUDA device is present");
+  CHECK_HAS(bi.driver_missing, "cuMemcpyBatchAsync");
+  pm_device_info_t di;
+  CHECK_ST(pm_device_get_info(0, &di), PM_OK);
+  CHECK(strcmp(di.name, "stub device") == 0);
+  CHECK_EQ_INT(di.cc_major, 9);
+  CHECK_EQ_SIZE(di.total_memory, (size_t)2 << 30);
+  int dev = -1;
+  CHECK_ST(pm_device_get(&dev), PM_OK);
+  CHECK_EQ_INT(dev, 0);
+  CHECK_ST(pm_device_set(1), PM_ERR_INVALID);
+  void *d = NULL;
+  CHECK_ST(pm_device_alloc(1000, &d), PM_OK);
+  if (d) {
+    char src[1000], back[1000];
+    pm_test_fill(src, sizeof src, 5);
+    CHECK_ST(pm_memcpy(d, src, sizeof src, PM_COPY_H2D), PM_OK);
+    memset(back, 0, sizeof back);
+    CHECK_ST(pm_memcpy(back, d, sizeof back, PM_COPY_D2H), PM_OK);
+    CHECK(pm_test_fill_ok(back, sizeof back, 5));
+    CHECK_ST(pm_device_free(d), PM_OK);
+  }
+  pm_stream_t s = NULL;
+  pm_event_t e = NULL;
+  CHECK_ST(pm_stream_create(&s), PM_OK);
+  CHECK_ST(pm_event_create(PM_EVENT_DEFAULT, &e), PM_OK);
+  CHECK_ST(pm_event_record(e, s), PM_OK);
+  CHECK_ST(pm_event_synchronize(e), PM_OK);
+  CHECK_ST(pm_stream_query(s), PM_OK);
+  /* The stub's JIT refuses the PTX: kernels unavailable, with the reason, nothing else fails. */
+  const pm__backend_t *b = pm__backend();
+  CHECK(b != NULL);
+  if (b) {
+    CHECK_ST(b->launch_busy(s, 0.001), PM_ERR_UNSUPPORTED);
+    CHECK_HAS(pm_last_error(), "stub JIT: no PTX here");
+    CHECK_EQ_INT(b->kernel_host_access(), 0);
+  }
+  CHECK_ST(pm_backend_info(&bi), PM_OK);
+  CHECK_HAS(bi.kernels, "cuModuleLoadDataEx");
+  CHECK_HAS(bi.kernels, "batches go by DMA");
+  CHECK_ST(pm_event_destroy(e), PM_OK);
+  CHECK_ST(pm_stream_destroy(s), PM_OK);
+  CHECK_ST(pm_finalize(), PM_OK);
+}
+
 /* Asked for by name, cuda that cannot start fails pm_init, with the same reason. */
 static void case_cuda_asked(void) {
   setenv("PINMEM_CUDA_DRIVER", stub("nodevice"), 1);
@@ -178,6 +237,7 @@ int main(void) {
   in_child("driver without cuGetProcAddress", case_nogpa);
   in_child("a library that is not the driver", case_not_a_driver);
   in_child("PINMEM_BACKEND=cuda without a usable driver", case_cuda_asked);
+  in_child("a pretend device", case_fake_device);
 #else
   in_child("cuda backend compiled out", case_compiled_out);
 #endif
