@@ -32,11 +32,13 @@ STUB_API int cuInit(unsigned flags) {
 
 #if !defined(STUB_NO_GPA)
 static int error_string(int e, const char **s) {
-  *s = e == 100 ? "no CUDA-capable device is detected" : "stub driver: call not supported";
+  *s = e == 100   ? "no CUDA-capable device is detected"
+       : e == 218 ? "a PTX JIT compilation failed"
+                  : "stub driver: call not supported";
   return 0;
 }
 static int error_name(int e, const char **s) {
-  *s = e == 100 ? "CUDA_ERROR_NO_DEVICE" : "CUDA_ERROR_NOT_SUPPORTED";
+  *s = e == 100 ? "CUDA_ERROR_NO_DEVICE" : e == 218 ? "CUDA_ERROR_INVALID_PTX" : "CUDA_ERROR_NOT_SUPPORTED";
   return 0;
 }
 static int device_get_count(int *count) {

@@ -169,6 +169,7 @@ static void case_fake_device(void) {
   }
   CHECK_ST(pm_backend_info(&bi), PM_OK);
   CHECK_HAS(bi.kernels, "cuModuleLoadDataEx");
+  CHECK_HAS(bi.kernels, "CUDA_ERROR_INVALID_PTX");
   CHECK_HAS(bi.kernels, "batches go by DMA");
   CHECK_ST(pm_event_destroy(e), PM_OK);
   CHECK_ST(pm_stream_destroy(s), PM_OK);

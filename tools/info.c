@@ -359,6 +359,9 @@ int cli_cmd_info(bool json) {
   const char *backend = pm_backend_name();
   char reason[700];
   backend_reason(init_st == PM_OK, reason, sizeof reason);
+  /* The kernels load on first use: a zero-length one now, so the line below can say whether
+   * the driver's JIT took pinmem's PTX (and why not). */
+  if (init_st == PM_OK && pm_backend_kind() == PM_BACKEND_CUDA) (void)pm_launch_busy(NULL, 0.0);
   pm_backend_info_t bi;
   if (pm_backend_info(&bi) != PM_OK) memset(&bi, 0, sizeof bi);
   char drv_txt[1400];
