@@ -1,10 +1,12 @@
-# The README's two commands:
+# The README's commands:
+#   make        - build into $(BUILD); installs nothing: it only checks and names what is missing
 #   make bench  - build, then the pinned-memory report for this machine
 #   make test   - build and run every test that can run here (host backend; the same tests
 #                 under ASan+UBSan, TSan and valgrind; the GPU tests when a GPU is present)
-# Both first check what they need and install what is missing (tools/deps.sh: the one list):
-# Debian packages through apt-get as root or with passwordless sudo, Python packages into the
-# project's own venv $(VENV). Without the rights to install, they stop at once and say what to run.
+# make bench and make test first install what they need and lack (tools/deps.sh: the one list),
+# saying so package by package: Debian packages through apt-get as root or with passwordless
+# sudo, Python packages into the project's own venv $(VENV). PINMEM_NO_INSTALL=1 refuses: they
+# then only check and name what is missing, as do all targets without the rights to install.
 BUILD      ?= build
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_ARGS ?=
@@ -17,7 +19,7 @@ PYTHON     ?= $(abspath $(VENV))/bin/python
 SYSTEM_PYTHON ?= python3
 DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VENV) --python $(PYTHON)
 
-.PHONY: all build deps deps-c deps-test test test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install wheel test-wheel ptx bench install clean
+.PHONY: all build deps deps-c deps-check deps-test test test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install wheel test-wheel ptx bench install clean
 
 all: build
 
@@ -26,19 +28,27 @@ all: build
 # of a part find it present (a few milliseconds).
 deps-c:
 	@$(DEPS) c
+deps-check:
+	@PINMEM_NO_INSTALL=1 $(DEPS) c
 deps-test:
 	@$(DEPS) c test
 deps:
 	@$(DEPS) c test python
 
-build: deps-c
+# The C build, for build (which only checks) and for the targets that install first.
+define build_c
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
+endef
+
+build: deps-check
+	$(build_c)
 
 test: deps check-docs test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-wheel
 	@echo "make test: all suites passed"
 
-test-host: deps-test build
+test-host: deps-test
+	$(build_c)
 	cd $(BUILD) && $(CTEST) -L host -j $(JOBS)
 
 test-asan: deps-test
@@ -74,7 +84,8 @@ test-fuzz: deps-test
 	cd $(BUILD)-fuzz && $(CTEST) -L fuzz -j $(JOBS)
 
 # GPU tests: run when a CUDA device is visible, otherwise say so plainly.
-test-gpu: build
+test-gpu: deps-test
+	$(build_c)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  cd $(BUILD) && $(CTEST) -L gpu; \
 	else \
@@ -143,8 +154,12 @@ wheel: deps
 test-wheel: wheel
 	./tests/test_wheel.sh $(wildcard dist/pinmem-*.whl) $(PYTHON) $(WHEEL_DIR)/test
 
-bench: build
-	./$(BUILD)/pinmem info
+# A few lines about the machine (backend, devices, link, NUMA, limits), then the benchmark;
+# `pinmem info` shows all of it and `pinmem info --options` the option table.
+bench: deps-c
+	$(build_c)
+	@./$(BUILD)/pinmem info --summary
+	@echo
 	./$(BUILD)/pinmem bench alloc
 
 install: build
@@ -153,8 +168,13 @@ install: build
 clean:
 	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz $(BUILD)-wheel
 
-# The docs' relative links and the results files they name exist (tests/check_docs.py;
-# --unused lists results files no doc names).
+# The docs cannot go stale unseen (tests/check_docs.py): links and the results files they name
+# exist, every option default they quote is the option table's, every option they name exists,
+# install.md lists tools/deps.sh's packages, prose lines stay short; tests/test_check_docs.py
+# shows that each of those checks catches a change; tests/test_install_story.sh that plain make
+# installs nothing and PINMEM_NO_INSTALL=1 refuses. (--unused lists results files no doc names.)
 .PHONY: check-docs
 check-docs: deps-test
 	python3 tests/check_docs.py
+	python3 tests/test_check_docs.py
+	bash tests/test_install_story.sh

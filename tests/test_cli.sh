@@ -204,13 +204,14 @@ b = [o for o in opts if o.get('name') == 'backend']
 if b and (b[0].get('value') != 'host' or b[0].get('source') != 'env'):
     bad('backend option should be host from env: %r' % b[0])"
 
-# The README's configuration table lists every option with its variable and default.
-readme=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/README.md
-if [[ -f $readme ]]; then
+# docs/options.md lists every option with its variable and default (tests/check_docs.py checks
+# the same against src/core/config.c; this checks the binary's table in force).
+options_md=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/docs/options.md
+if [[ -f $options_md ]]; then
   json_check info_json "
 import re
 table = {}
-for line in open('$readme', encoding='utf-8'):
+for line in open('$options_md', encoding='utf-8'):
     m = re.match(r'^\| \x60([a-z_]+)\x60 \| \x60(PINMEM_[A-Z_]+)\x60 \| \x60([^\x60]*)\x60 \|', line)
     if m:
         table[m.group(1)] = (m.group(2), m.group(3))
@@ -219,10 +220,12 @@ for o in rows:
         continue
     want = (o['env'], o['default'])
     if table.get(o['name']) != want:
-        bad('README.md configuration table: option %r should read %r, has %r' % (o['name'], want, table.get(o['name'])))
+        bad('docs/options.md: option %r should read %r, has %r' % (o['name'], want, table.get(o['name'])))
 names = {o.get('name') for o in rows if o.get('info') == 'option'}
 for extra in set(table) - names:
-    bad('README.md configuration table lists %r, which is not an option' % extra)"
+    bad('docs/options.md lists %r, which is not an option' % extra)"
+else
+  fail "docs/options.md is missing"
 fi
 
 # An invalid option value: the default stays in force and both outputs say why.
@@ -375,14 +378,12 @@ bad_lines=(
   "bench copy --sizes 0"
   "bench copy --repeat 0"
   "bench copy --cases"
-  "bench copy --bytes 4M"
   "bench copy extra"
   "bench copy --devices 7"
   "bench copy --devices"
   "bench copy --devices 0,0"
   "bench copy --devices all --cases x"
   "bench overlap --bytes x"
-  "bench overlap --sizes 4M"
   # empty list items, repeated options, unknown cases, --quiet outside a bench
   "bench alloc --sizes 1M,,2M"
   "bench alloc --sizes 1M,"
@@ -590,14 +591,14 @@ expect_rc help_copy 0 && {
     dma_under_read batch_pageable_pinmem; do
     expect_grep help_copy out "(^|[ ,])$c(,|$)"
   done
-  expect_grep help_copy out '--sizes LIST .*default 4K,64K,1M,8M,64M\)'
+  expect_grep help_copy out '--sizes LIST .*default 4K,64K,1M,8M,64M;'
   expect_grep help_copy out '--repeat N .*default 5\)'
   expect_grep help_copy out '--quiet'
 }
 run help_overlap "$bin" bench overlap --help
 expect_rc help_overlap 0 && {
   expect_grep help_overlap out 'pinned_two_streams'
-  expect_grep help_overlap out '--bytes SIZE .*default 64M\)'
+  expect_grep help_overlap out '--sizes LIST .*default 64M;'
 }
 run help_loader "$bin" bench loader --help
 expect_rc help_loader 0 && {
@@ -608,11 +609,10 @@ expect_rc help_loader 0 && {
 
 # An unknown --cases name is refused with the list of the valid ones.
 run cases_bogus "$bin" bench copy --cases plain_pinned,bogus --sizes 4K --repeat 1
-expect_rc cases_bogus 2 && {
-  expect_grep cases_bogus err "^pinmem: --cases: unknown case 'bogus'"
-  expect_grep cases_bogus err '^  plain_pinned$'
-  expect_grep cases_bogus err '^  batch_pinned_pinmem$'
-}
+expect_rc cases_bogus 2 && expect_grep cases_bogus err "^pinmem: --cases: unknown case 'bogus' \(--help lists"
+run cases_typo "$bin" bench copy --cases plain_pinnned --sizes 4K --repeat 1
+expect_rc cases_typo 2 &&
+  expect_grep cases_typo err "^pinmem: --cases: unknown case 'plain_pinnned' \(did you mean 'plain_pinned'\?\)$"
 run empty_item "$bin" bench copy --sizes 1M,,2M
 expect_rc empty_item 2 && expect_grep empty_item err "item 2 of '1M,,2M' is empty"
 run twice "$bin" bench alloc --sizes 4M --sizes 8M
@@ -659,12 +659,21 @@ if [[ -s $tmp/cuda.err ]]; then
   expect_rc cuda_text 1 && expect_grep cuda_text out '^backend +none \(PINMEM_BACKEND=cuda cannot start: PM_ERR_'
 fi
 
-# Progress: nothing on stderr when it is not a terminal (every bench above wrote its text table
-# with stderr to a file), a line rewritten with \r when it is one, none with --quiet.
+# Progress: one line per case on stderr when it is not a terminal (every bench above wrote its
+# text table with stderr to a file), never a \r there; a line rewritten with \r on a terminal;
+# none with --quiet.
 for name in bench_text copy_text overlap_text loader_verify; do
+  expect_grep "$name" err '^pinmem: (\[[0-9]+/[0-9]+\] )?[^ ].* \([0-9]+\.[0-9] s\)$'
   checks=$((checks + 1))
-  if [[ -s $tmp/$name.err ]]; then fail "$name: stderr is not a terminal, yet it got output"; show "$name"; fi
+  if grep -q $'\r' "$tmp/$name.err"; then fail "$name: a \\r on stderr that is not a terminal"; show "$name"; fi
+  checks=$((checks + 1))
+  runs=$(grep -Ec 'run [0-9]+/|round [0-9]+/' "$tmp/$name.err")
+  if ((runs)); then fail "$name: a progress line per run, not per case"; show "$name"; fi
 done
+run quiet_pipe "$bin" bench overlap --sizes 1M --repeat 1 --quiet
+expect_rc quiet_pipe 0
+checks=$((checks + 1))
+if [[ -s $tmp/quiet_pipe.err ]]; then fail "quiet_pipe: --quiet, yet stderr got output"; show quiet_pipe; fi
 # A small .npy for the loader's runs here: 256 samples of 64 bytes, not zeros.
 python3 - "$tmp/small.npy" <<'PY'
 import struct, sys
@@ -773,6 +782,26 @@ run devices_one "$bin" bench copy --devices 0 --size 64K --repeat 1
 expect_rc devices_one 0 && expect_grep devices_one out '^one device \(0\)'
 
 i=0
+# One style for every bad command line: the error on the first line, then at most three lines
+# of usage, then "see pinmem [CMD] --help" naming the command that was given.
+usage_style() { # NAME COMMAND-LINE
+  checks=$((checks + 1))
+  local err=$tmp/$1.err lines want
+  lines=$(wc -l <"$err")
+  want="^see pinmem( (info|bench( (alloc|copy|overlap|loader|file))?))? --help\$"
+  if ! head -1 "$err" | grep -Eq '^pinmem: [^ ].+' || ((lines < 3 || lines > 5)) ||
+    ! sed -n 2p "$err" | grep -Eq '^usage: pinmem ' || ! tail -1 "$err" | grep -Eq "$want"; then
+    fail "$1 (pinmem $2): stderr is not the error, 1-3 lines of usage, then 'see pinmem ... --help'"
+    show "$1"
+  fi
+  # The help named is the command's own: `bench copy ...` points to `pinmem bench copy --help`.
+  local cmd
+  cmd=$(sed -E 's/^(--(json|quiet) )*//' <<<"$2" | awk '{ if ($1 == "bench" && $2 ~ /^(alloc|copy|overlap|loader|file)$/) print $1 " " $2; else if ($1 == "info" || $1 == "bench") print $1 }')
+  if [[ -n $cmd ]] && ! tail -1 "$err" | grep -q "^see pinmem $cmd --help\$"; then
+    fail "$1 (pinmem $2): want 'see pinmem $cmd --help' last"
+    show "$1"
+  fi
+}
 for line in "${bad_lines[@]}"; do
   i=$((i + 1))
   # shellcheck disable=SC2086
@@ -780,9 +809,86 @@ for line in "${bad_lines[@]}"; do
   expect_rc "bad$i" 2 || { echo "  (command line: pinmem $line)" >&2; continue; }
   expect_grep "bad$i" err '^usage: pinmem'
   expect_grep "bad$i" err '^pinmem: .+'
+  usage_style "bad$i" "$line"
   checks=$((checks + 1))
   if [[ -s $tmp/bad$i.out ]]; then fail "bad$i (pinmem $line): wrote to stdout"; show "bad$i"; fi
 done
+
+# The messages: "did you mean" from the known names, the rule that was broken, and an unknown
+# option never taken for a known one that lacks its value.
+# msg NAME WANT-RC EXTENDED-REGEX ARGS...: pinmem ARGS exits WANT-RC with the regex on stderr.
+msg() {
+  local name=$1 want=$2 re=$3
+  shift 3
+  run "$name" "$bin" "$@"
+  expect_rc "$name" "$want" && expect_grep "$name" err "$re"
+}
+msg dym_cmd 2 "^pinmem: unknown command 'inof' \(did you mean 'info'\?\)$" inof
+msg dym_bench 2 "^pinmem: unknown benchmark 'lodaer' \(did you mean 'loader'\?\)$" bench lodaer
+msg dym_global 2 "^pinmem: unknown option '--jsno' \(did you mean '--json'\?\)$" --jsno info
+msg dym_info 2 "^pinmem: unknown option '--optoins' \(did you mean '--options'\?\)$" info --optoins
+msg dym_alloc 2 "^pinmem: unknown option '--repaet' \(did you mean '--repeat'\?\)$" bench alloc --repaet 2
+msg dym_copy 2 "^pinmem: unknown option '--szes=4K' \(did you mean '--sizes'\?\)$" bench copy --szes=4K
+msg dym_overlap 2 "^pinmem: unknown option '--repat' \(did you mean '--repeat'\?\)$" bench overlap --repat 1
+msg dym_loader 2 "^pinmem: unknown option '--bach' \(did you mean '--batch'\?\)$" bench loader --bach 3
+msg dym_file 2 "^pinmem: unknown option '--jsn' \(did you mean '--json'\?\)$" bench file --jsn
+msg dym_file_case 2 "^pinmem: unknown case 'load_drect' \(did you mean 'load_direct'\?\)$" bench file --cases load_drect
+msg far_alloc 2 "^pinmem: unknown option '--frobnicate'$" bench alloc --frobnicate
+msg far_cmd 2 "^pinmem: unknown command 'frobnicate' \(known: info, bench, help, version\)$" frobnicate
+checks=$((checks + 1))
+if grep -q 'needs a value' "$tmp/dym_file.err"; then fail "bench file --jsn: taken for an option that lacks its value"; show dym_file; fi
+msg rule_copy0 2 "^pinmem: --sizes: sizes must be > 0, not '0'$" bench copy --sizes 0
+msg rule_alloc0 2 "^pinmem: --sizes: sizes must be > 0, not '0'$" bench alloc --sizes 4M,0
+msg rule_file0 2 "^pinmem: --sizes: sizes must be > 0, not '0'$" bench file --bytes 0
+msg rule_overlap_q 2 "^pinmem: --sizes: '12Q' is not a size" bench overlap --size 12Q
+msg rule_devices0 2 "^pinmem: --sizes: sizes must be > 0, not '0'$" bench copy --devices 0 --size 0
+msg rule_chunk 2 "^pinmem: --chunk: sizes must be 0 \(the default\) or >= 4K, not '1K'$" bench file --chunk 1K
+msg rule_repeat 2 "^pinmem: --repeat must be a whole number from 1 to 10000, not '0'$" bench copy --repeat 0
+msg rule_workers 2 "^pinmem: --workers must be a whole number from 0 to 256, not '999'$" bench loader --workers 999
+msg alias_twice 2 "^pinmem: --sizes given twice \(--bytes and --size are other names for it\)$" bench overlap --bytes 1M --sizes 2M
+msg info_both 2 "^pinmem: --summary and --options exclude each other$" info --summary --options
+
+# One set of size flags: --sizes takes a list in every bench; --bytes and --size are the same flag.
+run alias_copy "$bin" --json bench copy --bytes 4K,8K --repeat 1 --cases plain_pinned
+expect_rc alias_copy 0 && json_check alias_copy "
+got = sorted({r['bytes'] for r in rows if r.get('bench') == 'copy' and r.get('dir') == 'h2d'})
+if got != [4096, 8192]:
+    bad('bench copy --bytes 4K,8K: h2d sizes %r' % got)"
+run alias_alloc "$bin" --json bench alloc --size 4M --repeat 1 --overhead-total 8M
+expect_rc alias_alloc 0 && json_check alias_alloc "
+if not any(r.get('case') == 'pinmem_cold_pin' and r.get('bytes') == 4 << 20 for r in rows):
+    bad('bench alloc --size 4M: no 4 MiB cold pin row')"
+run sizes_overlap "$bin" --json bench overlap --sizes 1M,2M --repeat 1
+expect_rc sizes_overlap 0 && json_check sizes_overlap "
+for n in (1 << 20, 2 << 20):
+    got = [r for r in rows if r.get('bytes') == n]
+    if len(got) != 4 or not all(r.get('verified') is True for r in got):
+        bad('bench overlap --sizes 1M,2M: want 4 verified rows of %d bytes, got %r' % (n, got))"
+run sizes_file "$bin" --json bench file --sizes 1M,2M --repeat 1 --cases load_hot_buffered --dir "$tmp"
+expect_rc sizes_file 0 && json_check sizes_file "
+got = sorted(r.get('bytes') for r in rows if r.get('case') == 'load_hot_buffered')
+if got != [1 << 20, 2 << 20]:
+    bad('bench file --sizes 1M,2M: sizes %r' % got)"
+
+# pinmem info --summary: a few lines for a benchmark's log; --options: the option table alone.
+run info_summary "$bin" info --summary
+expect_rc info_summary 0 && {
+  expect_grep info_summary out '^pinmem [0-9.]+, backend host \('
+  expect_grep info_summary out '^device 0: .+, PCIe .+, NUMA node .+'
+  expect_grep info_summary out '^limits: RLIMIT_MEMLOCK .+; pool budget '
+  checks=$((checks + 1))
+  if (($(wc -l <"$tmp/info_summary.out") > 12)); then fail "info --summary: more than 12 lines"; show info_summary; fi
+}
+run info_options "$bin" info --options
+expect_rc info_options 0 && {
+  expect_grep info_options out '^ +file_chunk +PINMEM_FILE_CHUNK '
+  checks=$((checks + 1))
+  if grep -Eq '^(backend|devices|NUMA)' "$tmp/info_options.out"; then fail "info --options: machine lines"; show info_options; fi
+}
+run info_options_json "$bin" --json info --options
+expect_rc info_options_json 0 && json_check info_options_json "
+if not rows or any(r.get('info') != 'option' for r in rows):
+    bad('info --options --json: want option lines only')"
 
 if ((failures)); then
   echo "test_cli: $failures of $checks checks FAILED" >&2

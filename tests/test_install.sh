@@ -42,9 +42,9 @@ expect_hello() { # NAME CMD...
   echo "  $name: $out"
 }
 
-# The README shows examples/hello.c as it is.
+# The README's C block (its first) is examples/hello.c as it is.
 if [[ -f $src/README.md ]]; then
-  awk '/^## Example/ {e = 1} e && /^```c$/ {c = 1; next} c && /^```$/ {exit} c {print}' \
+  awk '/^```c$/ {c = 1; next} c && /^```$/ {exit} c {print}' \
     "$src/README.md" >"$tmp/readme_example.c"
   cmp -s "$tmp/readme_example.c" "$hello" ||
     die "the C example in README.md differs from examples/hello.c: $(diff "$tmp/readme_example.c" "$hello" | head -5)"

@@ -651,41 +651,60 @@ static void print_targets(const bench_t *b, size_t batch_total) {
 /* ---- pinmem bench copy --------------------------------------------------------------------------
  */
 
-/* --devices LIST|all: the several-device rows (bench_devices.c), with --size (one), --repeat
- * and --json; the rest of bench copy's options do not apply there. */
+/* --devices LIST|all: the several-device rows (bench_devices.c), with --sizes (each size in
+ * turn), --repeat and --json; the rest of bench copy's options do not apply there. */
 static int devices_mode(int argc, char **argv) {
+  static const char *const known[] = {"--devices", "--sizes", "--bytes", "--size",
+                                      "--repeat",  "--json",  "--quiet", NULL};
   const char *list = NULL;
   bool json = false;
-  size_t bytes = 64 * MIB;
-  int repeat = 5;
+  size_t sizes[32] = {64 * MIB};
+  int nsizes = 1, repeat = 5;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
-    if (!strcmp(a, "--devices") && i + 1 < argc) {
-      list = argv[++i];
-    } else if (!strncmp(a, "--devices=", 10)) {
-      list = a + 10;
-    } else if (!strcmp(a, "--json")) {
+    const char *eq = strncmp(a, "--", 2) == 0 ? strchr(a, '=') : NULL;
+    size_t nl = eq ? (size_t)(eq - a) : strlen(a);
+    if (!strcmp(a, "--json")) {
       json = true;
-    } else if (!strcmp(a, "--quiet")) {
-    } else if ((!strcmp(a, "--size") || !strcmp(a, "--sizes")) && i + 1 < argc) {
-      if (pm_parse_size(argv[++i], &bytes) != PM_OK || bytes == 0)
-        cli_usage_error("--size: '%s' is not a size", argv[i]);
-    } else if (!strcmp(a, "--repeat") && i + 1 < argc) {
-      repeat = atoi(argv[++i]);
-      if (repeat < 1) cli_usage_error("--repeat: at least 1");
+      continue;
+    }
+    if (!strcmp(a, "--quiet")) continue;
+    bool is_dev = nl == 9 && !strncmp(a, "--devices", 9), is_size = cli_is_size_flag(a, nl),
+         is_rep = nl == 8 && !strncmp(a, "--repeat", 8);
+    if (!is_dev && !is_size && !is_rep) {
+      if (!strcmp(a, "--cases"))
+        cli_usage_error("--cases does not apply to --devices (it takes --sizes, --repeat, --json)");
+      return cli_unknown("option", a, known);
+    }
+    const char *v = eq ? eq + 1 : i + 1 < argc ? argv[++i] : NULL;
+    if (!v) cli_usage_error("%.*s needs a value", (int)nl, a);
+    if (is_dev) {
+      list = v;
+    } else if (is_size) {
+      int rc = cli_parse_sizes("--sizes", v, sizes, 32, &nsizes);
+      if (rc) return rc;
     } else {
-      cli_usage_error("bench copy --devices takes --size, --repeat, --json and --quiet, not '%s'",
-                      a);
+      char *end;
+      long r = strtol(v, &end, 10);
+      if (end == v || *end || r < 1 || r > 10000)
+        cli_usage_error("--repeat must be a whole number from 1 to 10000, not '%s'", v);
+      repeat = (int)r;
     }
   }
   if (!list || !*list) cli_usage_error("--devices needs a list of devices or 'all'");
-  return bc_bench_devices(list, json, bytes, repeat);
+  int rc = 0;
+  for (int i = 0; i < nsizes && !rc; i++) rc = bc_bench_devices(list, json, sizes[i], repeat);
+  return rc;
 }
 
 int pm_cli_bench_copy(int argc, char **argv) {
   for (int i = 1; i < argc; i++)
-    if (!strcmp(argv[i], "--devices") || !strncmp(argv[i], "--devices=", 10))
+    if (!strcmp(argv[i], "--devices") || !strncmp(argv[i], "--devices=", 10)) {
+      cli_usage_context("bench copy",
+                        "pinmem bench copy --devices LIST|all [--sizes LIST] "
+                        "[--repeat N] [--json]");
       return devices_mode(argc, argv);
+    }
   bench_t *b = NULL;
   int rc = bc_bench_begin("copy", argc, argv, &b);
   if (rc) return rc;

@@ -17,23 +17,16 @@
 #define PAT_SEED 0x5DEECE66Dull
 
 static const char *copy_usage =
-    "copy [--json] [--quiet] [--sizes LIST] [--repeat N] [--cases LIST]";
-static const char *ov_usage = "overlap [--json] [--quiet] [--bytes SIZE] [--repeat N]";
-
-static int usage(const char *cmd, const char *fmt, const char *arg) {
-  cli_progress_clear();
-  fprintf(stderr, "pinmem: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\nusage: pinmem bench %s\n(--help lists the cases and options)\n", cmd);
-  return CLI_EXIT_USAGE;
-}
+    "pinmem bench copy [--json] [--quiet] [--sizes LIST] [--repeat N] [--cases LIST]\n"
+    "pinmem bench copy --devices LIST|all [--sizes LIST] [--repeat N] [--json]";
+static const char *ov_usage = "pinmem bench overlap [--json] [--quiet] [--sizes LIST] [--repeat N]";
 
 /* `pinmem bench copy|overlap --help`: the cases and the options with their defaults on the
  * backend that starts here. */
 static void print_help(bool is_copy) {
   pm_status_t st = pm_init();
   bool cuda = st == PM_OK && pm_backend_kind() == PM_BACKEND_CUDA;
-  printf("usage: pinmem bench %s\n\n", is_copy ? copy_usage : ov_usage);
+  printf("usage: %s\n\n", is_copy ? copy_usage : ov_usage);
   printf("defaults below are for the backend that starts here: %s%s\n\n",
          st == PM_OK ? pm_backend_name() : "none",
          st == PM_OK ? "" : " (it did not start; host defaults shown)");
@@ -64,8 +57,13 @@ static void print_help(bool is_copy) {
         "  first is skipped and the second runs for its bytes only (GB/s and ratio \"n/a\",\n"
         "  \"applicable\": false in JSON)\n\n");
     printf("options:\n");
-    printf("  --sizes LIST   copy sizes, K/M/G suffixes (default %s)\n",
-           cuda ? "4K,64K,1M,8M,64M,256M,1G" : "4K,64K,1M,8M,64M");
+    printf(
+        "  --sizes LIST   copy sizes, K/M/G suffixes (default %s; --bytes and --size are other\n"
+        "                 names for it)\n",
+        cuda ? "4K,64K,1M,8M,64M,256M,1G" : "4K,64K,1M,8M,64M");
+    printf(
+        "  --devices LIST|all  the several-device rows instead: each device's copy at once\n"
+        "                 (with --sizes, --repeat and --json)\n");
     printf("  --cases LIST   only these rows, comma-separated (default: all)\n");
     printf("  --repeat N     timed runs per case, the median is reported (default 5)\n");
     printf(
@@ -77,7 +75,10 @@ static void print_help(bool is_copy) {
         "cases: serial_one_stream, pinned_two_streams, pageable_plain_two_streams,\n"
         "  pageable_pinmem_two_streams: a copy and a busy kernel as long as the pinned copy\n\n"
         "options:\n");
-    printf("  --bytes SIZE   bytes copied (default %s)\n", cuda ? "256M" : "64M");
+    printf(
+        "  --sizes LIST   bytes copied, the cases run once per size (default %s; --bytes and\n"
+        "                 --size are other names for it)\n",
+        cuda ? "256M" : "64M");
     printf("  --repeat N     runs per case, the median is reported (default 5)\n");
   }
   printf(
@@ -90,8 +91,13 @@ static void print_help(bool is_copy) {
 /* 0 ok, else the exit code. */
 static int parse_args(const char *cmd, int argc, char **argv, bopts_t *o) {
   bool is_copy = strcmp(cmd, "copy") == 0;
-  const char *u = is_copy ? copy_usage : ov_usage;
-  bool seen_sizes = false, seen_repeat = false, seen_bytes = false, seen_cases = false;
+  static const char *const copy_known[] = {"--sizes", "--bytes", "--size", "--repeat",  "--cases",
+                                           "--json",  "--quiet", "--help", "--devices", NULL};
+  static const char *const ov_known[] = {"--sizes", "--bytes", "--size", "--repeat",
+                                         "--json",  "--quiet", "--help", NULL};
+  cli_usage_context(is_copy ? "bench copy" : "bench overlap", is_copy ? copy_usage : ov_usage);
+  const char *sizes_seen = NULL;
+  bool seen_repeat = false, seen_cases = false;
   memset(o, 0, sizeof *o);
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *val = NULL;
@@ -109,70 +115,61 @@ static int parse_args(const char *cmd, int argc, char **argv, bopts_t *o) {
       print_help(is_copy);
       exit(0);
     }
-    bool sizes = is_copy && nl == 7 && strncmp(a, "--sizes", 7) == 0;
+    if (strncmp(a, "--", 2) != 0) return cli_usage_fail("bench %s takes no argument '%s'", cmd, a);
+    bool sizes = cli_is_size_flag(a, nl);
     bool repeat = nl == 8 && strncmp(a, "--repeat", 8) == 0;
-    bool bytes = !is_copy && nl == 7 && strncmp(a, "--bytes", 7) == 0;
     bool cases = is_copy && nl == 7 && strncmp(a, "--cases", 7) == 0;
-    if (!sizes && !repeat && !bytes && !cases) return usage(u, "unknown argument '%s'", a);
-    bool *seen = sizes ? &seen_sizes : repeat ? &seen_repeat : bytes ? &seen_bytes : &seen_cases;
-    if (*seen) {
-      char opt[32];
-      snprintf(opt, sizeof opt, "%.*s", (int)(nl < 20 ? nl : 20), a);
-      return usage(u, "%s given twice", opt);
+    if (!sizes && !repeat && !cases)
+      return cli_unknown("option", a, is_copy ? copy_known : ov_known);
+    if (sizes && sizes_seen) {
+      if (strncmp(sizes_seen, a, nl) != 0)
+        return cli_usage_fail("--sizes given twice (--bytes and --size are other names for it)");
+      return cli_usage_fail("%.*s given twice", (int)(nl < 20 ? nl : 20), a);
     }
-    *seen = true;
+    bool *seen = repeat ? &seen_repeat : &seen_cases;
+    if (!sizes && *seen) return cli_usage_fail("%.*s given twice", (int)(nl < 20 ? nl : 20), a);
+    if (sizes)
+      sizes_seen = a;
+    else
+      *seen = true;
     if (eq) {
       val = eq + 1;
     } else {
-      if (i + 1 >= argc) return usage(u, "%s needs a value", a);
+      if (i + 1 >= argc) return cli_usage_fail("%.*s needs a value", (int)nl, a);
       val = argv[++i];
     }
-    if ((sizes || cases) && cli_list_empty_item(val)) {
-      char msg[96];
-      snprintf(msg, sizeof msg, "%s: item %d of '%%s' is empty", sizes ? "--sizes" : "--cases",
-               cli_list_empty_item(val));
-      return usage(u, msg, val);
-    }
+    if (cases && cli_list_empty_item(val))
+      return cli_usage_fail("--cases: item %d of '%s' is empty", cli_list_empty_item(val), val);
     if (repeat) {
       char *end;
       long v = strtol(val, &end, 10);
       if (end == val || *end || v < 1 || v > 10000)
-        return usage(u, "--repeat wants a whole number from 1 to 10000, not '%s'", val);
+        return cli_usage_fail("--repeat must be a whole number from 1 to 10000, not '%s'", val);
       o->repeat = (int)v;
     } else if (cases) {
-      if (strlen(val) + 3 > sizeof o->cases) return usage(u, "--cases: list too long: '%s'", val);
+      if (strlen(val) + 3 > sizeof o->cases)
+        return cli_usage_fail("--cases: the list must be under %zu characters",
+                              sizeof o->cases - 2);
       snprintf(o->cases, sizeof o->cases, ",%s,", val);
       /* Every name must be a row of this benchmark: a typo would otherwise run nothing. */
-      const char *names[64];
+      const char *names[65];
       int n = bc_case_names(names, 64);
+      names[n] = NULL;
       char *copy = cli_xstrdup(val), *save = NULL;
       for (char *t = strtok_r(copy, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
         bool known = false;
         for (int k = 0; k < n && !known; k++) known = strcmp(t, names[k]) == 0;
         if (known) continue;
-        cli_progress_clear();
-        fprintf(stderr, "pinmem: --cases: unknown case '%s'; the cases are:\n", t);
-        for (int k = 0; k < n; k++) fprintf(stderr, "  %s\n", names[k]);
-        fprintf(stderr, "usage: pinmem bench %s\n", u);
+        const char *near = cli_suggest(t, names);
+        int rc = near ? cli_usage_fail("--cases: unknown case '%s' (did you mean '%s'?)", t, near)
+                      : cli_usage_fail("--cases: unknown case '%s' (--help lists the cases)", t);
         free(copy);
-        return CLI_EXIT_USAGE;
+        return rc;
       }
       free(copy);
-    } else if (bytes) {
-      if (pm_parse_size(val, &o->bytes) != PM_OK || o->bytes == 0)
-        return usage(u, "--bytes: bad size '%s'", val);
     } else {
-      char *copy = cli_xstrdup(val), *save = NULL;
-      for (char *t = strtok_r(copy, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        size_t v;
-        if (o->nsizes == 32 || pm_parse_size(t, &v) != PM_OK || v == 0) {
-          free(copy);
-          return usage(u, "--sizes: bad or too many sizes in '%s'", val);
-        }
-        o->sizes[o->nsizes++] = v;
-      }
-      free(copy);
-      if (o->nsizes == 0) return usage(u, "--sizes: no sizes in '%s'", val);
+      int rc = cli_parse_sizes("--sizes", val, o->sizes, 32, &o->nsizes);
+      if (rc) return rc;
     }
   }
   return 0;

@@ -42,7 +42,6 @@ typedef struct bopts {
   size_t sizes[32];
   int nsizes;
   int repeat;
-  size_t bytes;    /* overlap */
   char cases[512]; /* ",name,name," or empty: all */
 } bopts_t;
 

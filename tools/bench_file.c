@@ -36,6 +36,8 @@
  * targets (TARGET lines) apply to the cuda backend; on the host backend the runs prove
  * correctness only, so the default size is 64 MiB there (1 GiB on cuda).
  */
+#include "bench_file.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -47,7 +49,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_file.h"
 #include "cli.h"
 #include "internal.h" /* pm__file_note: whether O_DIRECT was refused */
 
@@ -64,7 +65,9 @@ enum { MAX_LIST = 16 };
 
 typedef struct fopts {
   bool json, quiet, help;
-  size_t bytes;
+  size_t bytes; /* the size of this run, one of sizes[] */
+  size_t sizes[MAX_LIST];
+  int nsizes;
   const char *dir;
   int repeat;
   /* The sweep: 0 in a list = the default (options file_chunk, file_direct_chunk or
@@ -98,24 +101,23 @@ typedef struct fbench {
   combo_t cur;
 } fbench_t;
 
+static const char *file_usage =
+    "pinmem [--json] bench file [--quiet] [--sizes LIST] [--dir DIR] [--repeat N]\n"
+    "    [--chunk SIZES] [--threads NS] [--slots NS] [--part SIZES] [--cases LIST]";
+
 static int fusage(const char *fmt, const char *arg) {
-  fprintf(stderr, "pinmem: bench file: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr,
-          "\nusage: pinmem [--json] bench file [--quiet] [--bytes SIZE] [--dir DIR] [--repeat N]\n"
-          "         [--chunk SIZES] [--threads NS] [--slots NS] [--part SIZES] [--cases LIST]\n"
-          "         (--help lists them all)\n");
-  return CLI_EXIT_USAGE;
+  return cli_usage_fail(fmt, arg);
 }
 
 static void print_help(void) {
   printf(
-      "pinmem bench file [--json] [--quiet] [--bytes SIZE] [--dir DIR] [--repeat N]\n"
-      "                  [--chunk SIZES] [--threads NS] [--slots NS] [--part SIZES]\n"
-      "                  [--cases LIST]\n"
+      "usage: pinmem bench file [--json] [--quiet] [--sizes LIST] [--dir DIR] [--repeat N]\n"
+      "                         [--chunk SIZES] [--threads NS] [--slots NS] [--part SIZES]\n"
+      "                         [--cases LIST]\n"
       "  file <-> device through pinmem beside a plain pread + copy loop and the disk's own\n"
       "  O_DIRECT rate, page cache hot and cold, in one run.\n"
-      "  --bytes SIZE    file size (default 1G on cuda, 64M on the host backend)\n"
+      "  --sizes LIST    file sizes, each a run of its own (default 1G on cuda, 64M on the host\n"
+      "                  backend; --bytes and --size are other names for it)\n"
       "  --dir DIR       where the test files go (default $TMPDIR, else /var/tmp); removed after\n"
       "  --repeat N      timed runs per case, the median is reported (default 3)\n"
       "  The next four take comma-separated lists (0 = the option's default); the pinmem\n"
@@ -143,6 +145,7 @@ static void print_help(void) {
 }
 
 static int parse_args(int argc, char **argv, fopts_t *o) {
+  cli_usage_context("bench file", file_usage);
   memset(o, 0, sizeof *o);
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -158,13 +161,22 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
       o->help = true;
       continue;
     }
-    if (strncmp(a, "--", 2) != 0) return fusage("unexpected argument '%s'", a);
+    if (strncmp(a, "--", 2) != 0) return fusage("bench file takes no argument '%s'", a);
+    static const char *const known[] = {"--sizes", "--bytes",   "--size",  "--dir",  "--repeat",
+                                        "--chunk", "--threads", "--slots", "--part", "--cases",
+                                        "--json",  "--quiet",   "--help",  NULL};
     const char *eq = strchr(a, '=');
     char name[32];
     size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-    if (nl >= sizeof name) return fusage("unknown option '%s'", a);
+    /* The name is checked before a value is taken: `--jsn` is an unknown option, not one
+     * that lacks its value. */
+    bool is_known = false;
+    for (int k = 0; known[k] && !is_known; k++)
+      is_known = strlen(known[k]) == nl && !strncmp(known[k], a, nl);
+    if (!is_known || nl >= sizeof name) return cli_unknown("option", a, known);
     memcpy(name, a, nl);
     name[nl] = '\0';
+    if (cli_is_size_flag(name, nl)) snprintf(name, sizeof name, "--sizes");
     const char *v;
     if (eq) {
       v = eq + 1;
@@ -172,12 +184,17 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
       if (i + 1 >= argc) return fusage("%s needs a value", a);
       v = argv[++i];
     }
-    if (!strcmp(name, "--bytes")) {
-      if (pm_parse_size(v, &o->bytes) != PM_OK || o->bytes == 0)
-        return fusage("--bytes: bad size '%s'", v);
+    if (!strcmp(name, "--sizes")) {
+      if (o->nsizes)
+        return cli_usage_fail(
+            "--sizes given twice (--bytes and --size are other "
+            "names for it)");
+      int rc = cli_parse_sizes("--sizes", v, o->sizes, MAX_LIST, &o->nsizes);
+      if (rc) return rc;
     } else if (!strcmp(name, "--chunk") || !strcmp(name, "--part")) {
       bool chunk = !strcmp(name, "--chunk");
-      if (cli_list_empty_item(v)) return fusage("an empty item in '%s'", v);
+      if (cli_list_empty_item(v))
+        return cli_usage_fail("%s: item %d of '%s' is empty", name, cli_list_empty_item(v), v);
       size_t *list = chunk ? o->chunk : o->part;
       int *n = chunk ? &o->nchunk : &o->npart;
       char buf[64];
@@ -187,18 +204,21 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
         size_t len = c ? (size_t)(c - p) : strlen(p);
         snprintf(buf, sizeof buf, "%.*s", (int)(len < 63 ? len : 63), p);
         size_t sz;
-        if (*n >= MAX_LIST) return fusage("at most 16 values in '%s'", v);
-        if (pm_parse_size(buf, &sz) != PM_OK || (sz && sz < 4096))
-          return fusage(chunk ? "--chunk: bad size '%s' (0 or at least 4K)"
-                              : "--part: bad size '%s' (0 or at least 4K)",
-                        buf);
+        if (*n >= MAX_LIST)
+          return cli_usage_fail("%s: at most %d values, in '%s'", name, MAX_LIST, v);
+        if (pm_parse_size(buf, &sz) != PM_OK)
+          return cli_usage_fail(
+              "%s: '%s' is not a size (a whole number with an optional K, M or G)", name, buf);
+        if (sz && sz < 4096)
+          return cli_usage_fail("%s: sizes must be 0 (the default) or >= 4K, not '%s'", name, buf);
         list[(*n)++] = sz;
         if (!c) break;
         p = c + 1;
       }
     } else if (!strcmp(name, "--threads") || !strcmp(name, "--slots")) {
       bool thr = !strcmp(name, "--threads");
-      if (cli_list_empty_item(v)) return fusage("an empty item in '%s'", v);
+      if (cli_list_empty_item(v))
+        return cli_usage_fail("%s: item %d of '%s' is empty", name, cli_list_empty_item(v), v);
       int *list = thr ? o->threads : o->slots;
       int *n = thr ? &o->nthreads : &o->nslots;
       *n = 0;
@@ -206,11 +226,11 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
         char *end;
         errno = 0;
         long k = strtol(p, &end, 10);
-        if (*n >= MAX_LIST) return fusage("at most 16 values in '%s'", v);
+        if (*n >= MAX_LIST)
+          return cli_usage_fail("%s: at most %d values, in '%s'", name, MAX_LIST, v);
         if (errno || end == p || (*end && *end != ',') || k < 0 || k > (thr ? 256 : 4096))
-          return fusage(thr ? "--threads: bad count in '%s' (0..256)"
-                            : "--slots: bad count in '%s' (0..4096)",
-                        v);
+          return cli_usage_fail("%s: counts must be whole numbers from 0 to %d, in '%s'", name,
+                                thr ? 256 : 4096, v);
         list[(*n)++] = (int)k;
         if (!*end) break;
         p = end + 1;
@@ -218,13 +238,15 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
     } else if (!strcmp(name, "--dir")) {
       o->dir = v;
     } else if (!strcmp(name, "--cases")) {
-      if (cli_list_empty_item(v)) return fusage("--cases: an empty item in '%s'", v);
+      if (cli_list_empty_item(v))
+        return cli_usage_fail("--cases: item %d of '%s' is empty", cli_list_empty_item(v), v);
       o->cases = v;
     } else if (!strcmp(name, "--repeat")) {
       char *end;
       errno = 0;
       long n = strtol(v, &end, 10);
-      if (errno || *end || !v[0] || n < 1 || n > 1000) return fusage("--repeat: bad count '%s'", v);
+      if (errno || *end || !v[0] || n < 1 || n > 1000)
+        return fusage("--repeat must be a whole number from 1 to 1000, not '%s'", v);
       o->repeat = (int)n;
     } else {
       return fusage("unknown option '%s'", a);
@@ -233,11 +255,11 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
   return 0;
 }
 
-static const char *const k_cases[] = {
-    "load_hot_buffered", "load_direct", "load_cold_buffered", "plain_load_hot",
-    "plain_load_cold",   "disk_read_direct", "save_buffered",     "save_direct",
-    "plain_save",        "disk_write_direct", "load_hot_auto",   "load_cold_auto",
-    "save_auto",         "load_hot_mmap"};
+static const char *const k_cases[] = {"load_hot_buffered", "load_direct",     "load_cold_buffered",
+                                      "plain_load_hot",    "plain_load_cold", "disk_read_direct",
+                                      "save_buffered",     "save_direct",     "plain_save",
+                                      "disk_write_direct", "load_hot_auto",   "load_cold_auto",
+                                      "save_auto",         "load_hot_mmap"};
 enum { NCASES = sizeof k_cases / sizeof k_cases[0] };
 
 static bool case_on(const fopts_t *o, const char *name) {
@@ -512,19 +534,41 @@ static result_t run_case(fbench_t *b, int c) {
     double t0 = now();
     switch (c) {
       case C_LOAD_HOT:
-      case C_LOAD_COLD: pm_transfer(b, PM_FILE_IO_BUFFERED, false); break;
-      case C_LOAD_DIRECT: pm_transfer(b, PM_FILE_IO_DIRECT, false); break;
+      case C_LOAD_COLD:
+        pm_transfer(b, PM_FILE_IO_BUFFERED, false);
+        break;
+      case C_LOAD_DIRECT:
+        pm_transfer(b, PM_FILE_IO_DIRECT, false);
+        break;
       case C_LOAD_HOT_AUTO:
-      case C_LOAD_COLD_AUTO: pm_transfer(b, PM_FILE_IO_AUTO, false); break;
+      case C_LOAD_COLD_AUTO:
+        pm_transfer(b, PM_FILE_IO_AUTO, false);
+        break;
       case C_PLAIN_HOT:
-      case C_PLAIN_COLD: plain_load(b); break;
-      case C_LOAD_HOT_MMAP: mmap_load(b); break;
-      case C_DISK_READ: disk_read(b); break;
-      case C_SAVE_BUFFERED: pm_transfer(b, PM_FILE_IO_BUFFERED, true); break;
-      case C_SAVE_DIRECT: pm_transfer(b, PM_FILE_IO_DIRECT, true); break;
-      case C_SAVE_AUTO: pm_transfer(b, PM_FILE_IO_AUTO, true); break;
-      case C_PLAIN_SAVE: plain_save(b); break;
-      case C_DISK_WRITE: disk_write(b); break;
+      case C_PLAIN_COLD:
+        plain_load(b);
+        break;
+      case C_LOAD_HOT_MMAP:
+        mmap_load(b);
+        break;
+      case C_DISK_READ:
+        disk_read(b);
+        break;
+      case C_SAVE_BUFFERED:
+        pm_transfer(b, PM_FILE_IO_BUFFERED, true);
+        break;
+      case C_SAVE_DIRECT:
+        pm_transfer(b, PM_FILE_IO_DIRECT, true);
+        break;
+      case C_SAVE_AUTO:
+        pm_transfer(b, PM_FILE_IO_AUTO, true);
+        break;
+      case C_PLAIN_SAVE:
+        plain_save(b);
+        break;
+      case C_DISK_WRITE:
+        disk_write(b);
+        break;
     }
     double s = now() - t0;
     cli_check(pm_file_get_stats(&s1));
@@ -607,8 +651,8 @@ static double gbps_of(const fbench_t *b, const best_t *x) {
 }
 
 /* "best of" several cases: the fastest, or NaN when none ran. */
-static double best_of(const fbench_t *b, const best_t *best, const int *cases, int n,
-                      char *which, size_t wlen) {
+static double best_of(const fbench_t *b, const best_t *best, const int *cases, int n, char *which,
+                      size_t wlen) {
   double v = NAN;
   for (int i = 0; i < n; i++) {
     double g = gbps_of(b, &best[cases[i]]);
@@ -635,7 +679,7 @@ static void disk_target(const fbench_t *b, const best_t *best, const int cases[3
 
 static void print_row(fbench_t *b, int c, const result_t *r) {
   double gbps = (double)b->o.bytes / r->seconds / 1e9;
-  const char *cache = strstr(k_cases[c], "cold")    ? b->cold_method
+  const char *cache = strstr(k_cases[c], "cold") ? b->cold_method
                       : c == C_LOAD_DIRECT || c == C_SAVE_DIRECT || is_disk(c)
                           ? "bypassed (O_DIRECT)"
                       : is_save(c) ? "written + fdatasync"
@@ -674,10 +718,14 @@ static void print_row(fbench_t *b, int c, const result_t *r) {
       snprintf(combo, sizeof combo, "%zu/%d/%d/%zu %.0f%%", k.chunk, k.threads, k.slots, k.part,
                100.0 * r->direct_share);
     printf("%-18s  %-30s %9.4f  %8.2f  %-20s  %s\n", k_cases[c], combo, r->seconds, gbps, cache,
-           is_disk(c) ? "n/a (the disk alone)" : r->verified ? "full" : "NO (FAILED)");
+           is_disk(c)    ? "n/a (the disk alone)"
+           : r->verified ? "full"
+                         : "NO (FAILED)");
   }
   fflush(stdout); /* each row out at once: a sweep stopped by a time limit keeps its rows */
 }
+
+static int file_at(const fopts_t *opts);
 
 int pm_cli_bench_file(int argc, char **argv) {
   fbench_t *b = calloc(1, sizeof *b);
@@ -688,6 +736,27 @@ int pm_cli_bench_file(int argc, char **argv) {
     free(b);
     return rc;
   }
+  fopts_t opts = b->o;
+  free(b);
+  cli_check(pm_init());
+  if (!opts.nsizes) {
+    opts.sizes[0] = pm_backend_kind() == PM_BACKEND_CUDA ? 1024 * MIB : 64 * MIB;
+    opts.nsizes = 1;
+  }
+  for (int i = 0; i < opts.nsizes; i++) {
+    if (i && !opts.json) printf("\n");
+    opts.bytes = opts.sizes[i];
+    rc = file_at(&opts);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+/* One file size (o->bytes): every case and combination, then the TARGET lines. */
+static int file_at(const fopts_t *opts) {
+  fbench_t *b = calloc(1, sizeof *b);
+  if (!b) return CLI_EXIT_FAILURE;
+  b->o = *opts;
   if (b->o.cases) {
     for (const char *p = b->o.cases; *p;) {
       const char *c = strchr(p, ',');
@@ -699,7 +768,10 @@ int pm_cli_bench_file(int argc, char **argv) {
         char one[64];
         snprintf(one, sizeof one, "%.*s", (int)(len < 60 ? len : 60), p);
         free(b);
-        return fusage("--cases: unknown case '%s'", one);
+        const char *names[NCASES + 1];
+        for (int k = 0; k < NCASES; k++) names[k] = k_cases[k];
+        names[NCASES] = NULL;
+        return cli_unknown("case", one, names);
       }
       if (!c) break;
       p = c + 1;
@@ -715,12 +787,10 @@ int pm_cli_bench_file(int argc, char **argv) {
   cli_progress_init(o->quiet);
   cli_check(pm_init());
   b->cuda = pm_backend_kind() == PM_BACKEND_CUDA;
-  if (!o->bytes) o->bytes = b->cuda ? 1024 * MIB : 64 * MIB;
   if (!o->repeat) o->repeat = 3;
   b->cold_method = "fadvise";
   for (int c = 0; c < NCASES; c++)
-    if (case_on(o, k_cases[c]))
-      b->steps += !is_pm(c) ? 1 : is_save(c) ? ncombo / o->npart : ncombo;
+    if (case_on(o, k_cases[c])) b->steps += !is_pm(c) ? 1 : is_save(c) ? ncombo / o->npart : ncombo;
   setup(b);
 
   char sz[32];

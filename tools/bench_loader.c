@@ -141,11 +141,7 @@ static const char *usage_text =
     "--data and --tokens take regular files (not devices, FIFOs or folders).\n";
 
 static int lusage(const char *fmt, const char *arg) {
-  cli_progress_clear();
-  fprintf(stderr, "pinmem: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\n%s", usage_text);
-  return CLI_EXIT_USAGE;
+  return cli_usage_fail(fmt, arg);
 }
 
 static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
@@ -184,6 +180,10 @@ static int check_regular(const char *opt, const char *path) {
 }
 
 static int parse_args(int argc, char **argv, lopts_t *o) {
+  cli_usage_context(
+      "bench loader",
+      "pinmem bench loader [--json] [--quiet] [--data FILES | --tokens FILE --seq-len N]\n"
+      "    [--batch N] [--workers N] [--prefetch N] [--epochs N] [--repeat N] [--pin on|off|both]");
   memset(o, 0, sizeof *o);
   o->shuffle = true;
   o->seed = 1;
@@ -215,23 +215,25 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
       o->quiet = true;
       continue;
     }
-    if (strncmp(a, "--", 2) != 0) return lusage("unexpected argument '%s'", a);
+    if (strncmp(a, "--", 2) != 0) return lusage("bench loader takes no argument '%s'", a);
+    /* With a value first, then the switches (for "did you mean" only). */
+    static const char *const known[] = {
+        "--data",     "--tokens", "--seq-len",    "--token-bytes", "--batch", "--workers",
+        "--prefetch", "--epochs", "--samples",    "--windows",     "--seed",  "--world",
+        "--repeat",   "--busy",   "--token-busy", "--pin",         "--io",    "--delivery",
+        "--json",     "--verify", "--no-shuffle", "--help",        "--quiet", NULL};
+    enum { NKNOWN = 18 };
     const char *eq = strchr(a, '=');
     char name[32];
     size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-    if (nl >= sizeof name) return lusage("unknown option '%s'", a);
+    if (nl >= sizeof name) return cli_unknown("option", a, known);
     memcpy(name, a, nl);
     name[nl] = '\0';
-    static const char *known[] = {
-        "--data",     "--tokens", "--seq-len",    "--token-bytes", "--batch", "--workers",
-        "--prefetch", "--epochs", "--samples",    "--windows",     "--seed",  "--world",
-        "--repeat",   "--busy",   "--token-busy", "--pin",         "--io",    "--delivery"};
-    enum { NKNOWN = sizeof known / sizeof known[0] };
     _Static_assert(NKNOWN <= 32, "seen is a 32-bit mask");
     int which = -1;
     for (int k = 0; k < NKNOWN; k++)
       if (!strcmp(name, known[k])) which = k;
-    if (which < 0) return lusage("unknown option '%s'", a);
+    if (which < 0) return cli_unknown("option", a, known);
     /* An option given twice is refused rather than the last one silently winning. */
     if (seen & (1u << which)) return lusage("%s given twice", known[which]);
     seen |= 1u << which;
@@ -254,43 +256,55 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
     } else if (!strcmp(name, "--tokens")) {
       o->tokens = v;
     } else if (!strcmp(name, "--seq-len")) {
-      if (!parse_u64(v, 1, 1u << 24, &u)) return lusage("--seq-len: bad value '%s'", v);
+      if (!parse_u64(v, 1, 1u << 24, &u))
+        return lusage("--seq-len must be a whole number from 1 to 16777216, not '%s'", v);
       o->seq_len = (size_t)u;
     } else if (!strcmp(name, "--token-bytes")) {
-      if (!parse_u64(v, 2, 4, &u) || u == 3) return lusage("--token-bytes: 2 or 4, not '%s'", v);
+      if (!parse_u64(v, 2, 4, &u) || u == 3)
+        return lusage("--token-bytes must be 2 or 4, not '%s'", v);
       o->token_bytes = (int)u;
     } else if (!strcmp(name, "--batch")) {
-      if (!parse_u64(v, 1, 1u << 24, &u)) return lusage("--batch: bad value '%s'", v);
+      if (!parse_u64(v, 1, 1u << 24, &u))
+        return lusage("--batch must be a whole number from 1 to 16777216, not '%s'", v);
       o->batch = o->token_batch = (size_t)u;
     } else if (!strcmp(name, "--workers")) {
-      if (!parse_u64(v, 0, 256, &u)) return lusage("--workers: 0..256, not '%s'", v);
+      if (!parse_u64(v, 0, 256, &u))
+        return lusage("--workers must be a whole number from 0 to 256, not '%s'", v);
       o->workers = (int)u;
     } else if (!strcmp(name, "--prefetch")) {
-      if (!parse_u64(v, 0, 4096, &u)) return lusage("--prefetch: 0..4096, not '%s'", v);
+      if (!parse_u64(v, 0, 4096, &u))
+        return lusage("--prefetch must be a whole number from 0 to 4096, not '%s'", v);
       o->prefetch = (int)u;
     } else if (!strcmp(name, "--epochs")) {
-      if (!parse_u64(v, 1, 1000000, &u)) return lusage("--epochs: bad value '%s'", v);
+      if (!parse_u64(v, 1, 1000000, &u))
+        return lusage("--epochs must be a whole number from 1 to 1000000, not '%s'", v);
       o->epochs = u;
     } else if (!strcmp(name, "--samples")) {
-      if (!parse_u64(v, 1, (uint64_t)1 << 32, &u)) return lusage("--samples: bad value '%s'", v);
+      if (!parse_u64(v, 1, (uint64_t)1 << 32, &u))
+        return lusage("--samples must be a whole number from 1 to 2^32, not '%s'", v);
       o->samples = u;
     } else if (!strcmp(name, "--windows")) {
-      if (!parse_u64(v, 1, (uint64_t)1 << 40, &u)) return lusage("--windows: bad value '%s'", v);
+      if (!parse_u64(v, 1, (uint64_t)1 << 40, &u))
+        return lusage("--windows must be a whole number from 1 to 2^40, not '%s'", v);
       o->windows = u;
     } else if (!strcmp(name, "--seed")) {
-      if (!parse_u64(v, 0, UINT64_MAX, &u)) return lusage("--seed: bad value '%s'", v);
+      if (!parse_u64(v, 0, UINT64_MAX, &u))
+        return lusage("--seed must be a whole number from 0 to 2^64-1, not '%s'", v);
       o->seed = u;
     } else if (!strcmp(name, "--world")) {
-      if (!parse_u64(v, 1, 64, &u)) return lusage("--world: 1..64, not '%s'", v);
+      if (!parse_u64(v, 1, 64, &u))
+        return lusage("--world must be a whole number from 1 to 64, not '%s'", v);
       o->world = (int)u;
     } else if (!strcmp(name, "--repeat")) {
-      if (!parse_u64(v, 1, 1000, &u)) return lusage("--repeat: 1..1000, not '%s'", v);
+      if (!parse_u64(v, 1, 1000, &u))
+        return lusage("--repeat must be a whole number from 1 to 1000, not '%s'", v);
       o->repeat = (int)u;
     } else if (!strcmp(name, "--busy")) {
-      if (!parse_secs(v, &o->busy)) return lusage("--busy: seconds from 0 to 3600, not '%s'", v);
+      if (!parse_secs(v, &o->busy))
+        return lusage("--busy must be seconds from 0 to 3600, not '%s'", v);
     } else if (!strcmp(name, "--token-busy")) {
       if (!parse_secs(v, &o->token_busy))
-        return lusage("--token-busy: seconds from 0 to 3600, not '%s'", v);
+        return lusage("--token-busy must be seconds from 0 to 3600, not '%s'", v);
     } else if (!strcmp(name, "--pin")) {
       if (!strcmp(v, "on"))
         o->pin = 1;
@@ -299,7 +313,7 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
       else if (!strcmp(v, "both"))
         o->pin = 2;
       else
-        return lusage("--pin: on, off or both, not '%s'", v);
+        return lusage("--pin must be on, off or both, not '%s'", v);
     } else if (!strcmp(name, "--io")) {
       if (!strcmp(v, "pread"))
         o->io = PM_IO_PREAD;
@@ -308,14 +322,14 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
       else if (!strcmp(v, "direct"))
         o->io = PM_IO_DIRECT;
       else
-        return lusage("--io: pread, mmap or direct, not '%s'", v);
+        return lusage("--io must be pread, mmap or direct, not '%s'", v);
     } else if (!strcmp(name, "--delivery")) {
       if (!strcmp(v, "device"))
         o->delivery = PM_DELIVER_DEVICE;
       else if (!strcmp(v, "host"))
         o->delivery = PM_DELIVER_HOST;
       else
-        return lusage("--delivery: device or host, not '%s'", v);
+        return lusage("--delivery must be device or host, not '%s'", v);
     } else {
       return lusage("unknown option '%s'", a);
     }
@@ -554,7 +568,7 @@ typedef struct bench {
 /* Progress on a terminal only (cli_progress): the case, the run, batches done of the run's
  * total and the rate so far. */
 static void progress(bench_t *B, const char *name, uint64_t done, uint64_t total, double gbps) {
-  cli_progress(done, total, "%s run %d/%d: batches, %.2f GB/s", name, B->run + 1, B->repeat, gbps);
+  cli_progress(done, total, "%s: run %d/%d, batches, %.2f GB/s", name, B->run + 1, B->repeat, gbps);
 }
 
 /* Check one delivered batch against its source: 0 bad rows, else the count (message printed

@@ -78,12 +78,10 @@ static double ov_median(bench_t *b, const ov_run_t *r, size_t n, double kernel_s
   return m;
 }
 
-int pm_cli_bench_overlap(int argc, char **argv) {
-  bench_t *b = NULL;
-  int rc = bc_bench_begin("overlap", argc, argv, &b);
-  if (rc) return rc;
-  size_t n = b->o.bytes ? b->o.bytes : (b->cuda ? 256 * MIB : 64 * MIB);
+/* One size: the copies alone, then beside the kernel; false when bytes arrived wrong. */
+static bool overlap_at(bench_t *b, size_t n) {
   b->steps = 8; /* four cases alone, four together */
+  b->steps_done = 0;
   bc_bench_setup(b, n, false);
 
   bool ok = true;
@@ -91,12 +89,12 @@ int pm_cli_bench_overlap(int argc, char **argv) {
   ov_run_t alone_pinned = {true, OV_PINNED, false, true},
            alone_pageable = {true, OV_PAGEABLE, false, true},
            alone_staged = {true, OV_STAGED, false, true};
-  double t_pinned = ov_median(b, &alone_pinned, n, 0, &ok, "overlap: pinned copy");
-  double t_pageable = ov_median(b, &alone_pageable, n, 0, &ok, "overlap: pageable copy");
-  double t_staged = ov_median(b, &alone_staged, n, 0, &ok, "overlap: staged copy");
+  double t_pinned = ov_median(b, &alone_pinned, n, 0, &ok, "pinned copy alone");
+  double t_pageable = ov_median(b, &alone_pageable, n, 0, &ok, "pageable copy alone");
+  double t_staged = ov_median(b, &alone_staged, n, 0, &ok, "staged copy alone");
   double kernel_s = t_pinned;
   ov_run_t alone_kernel = {false, OV_PINNED, true, true};
-  double t_kernel = ov_median(b, &alone_kernel, n, kernel_s, &ok, "overlap: kernel");
+  double t_kernel = ov_median(b, &alone_kernel, n, kernel_s, &ok, "kernel alone");
 
   struct {
     const char *name;
@@ -129,7 +127,7 @@ int pm_cli_bench_overlap(int argc, char **argv) {
   for (size_t i = 0; i < sizeof ov / sizeof ov[0]; i++) {
     bool case_ok = true;
     char what[96];
-    snprintf(what, sizeof what, "overlap: %s", ov[i].name);
+    snprintf(what, sizeof what, "%s", ov[i].name);
     double total = ov_median(b, &ov[i].run, n, kernel_s, &case_ok, what);
     double mx = PM__MAX(ov[i].copy_alone, t_kernel);
     double ratio = total / mx;
@@ -163,6 +161,27 @@ int pm_cli_bench_overlap(int argc, char **argv) {
               pinned_ratio <= T_OVERLAP_RATIO, fig);
   }
   bc_bench_teardown(b);
+  return ok;
+}
+
+int pm_cli_bench_overlap(int argc, char **argv) {
+  bench_t *b = NULL;
+  int rc = bc_bench_begin("overlap", argc, argv, &b);
+  if (rc) return rc;
+  bool ok = true;
+  if (!b->o.nsizes) {
+    b->o.sizes[0] = b->cuda ? 256 * MIB : 64 * MIB;
+    b->o.nsizes = 1;
+  }
+  bopts_t o = b->o;
+  for (int i = 0; i < o.nsizes; i++) {
+    /* Each size starts from a clean state: teardown frees the buffers but keeps the pointers. */
+    memset(b, 0, sizeof *b);
+    b->o = o;
+    b->cuda = pm_backend_kind() == PM_BACKEND_CUDA;
+    if (i && !o.json) printf("\n");
+    ok = overlap_at(b, o.sizes[i]) && ok;
+  }
   free(b);
   if (!ok) {
     fprintf(stderr, "pinmem: some copies delivered wrong bytes (see VERIFY FAILED above)\n");

@@ -78,9 +78,26 @@ void cli_check(pm_status_t st);
 /* qsort comparator for doubles, and the median of v[0..n) (sorts v). */
 int cli_cmp_double(const void *a, const void *b);
 double cli_median(double *v, int n);
-/* Print "pinmem: <message>" and the usage to stderr and exit 2. */
+/* Bad command lines, all in one style on stderr: "pinmem: <message>", the usage of the command
+ * in at most three lines, then "see pinmem CMD --help". The command is the one last named with
+ * cli_usage_context (each command names itself before parsing its options; none: the tool).
+ * cli_usage_error exits 2; cli_usage_fail returns 2 for the caller to return. */
+void cli_usage_context(const char *cmd, const char *usage);
 _Noreturn void cli_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+int cli_usage_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The known name nearest to `word` (its --name=value part without the value), when it is close
+ * enough to be a typo, else NULL. `known` ends with NULL. */
+const char *cli_suggest(const char *word, const char *const *known);
+/* cli_usage_fail("unknown <what> '<word>' (did you mean '<nearest>'?)"). */
+int cli_unknown(const char *what, const char *word, const char *const *known);
+/* The full help of the tool (`pinmem --help`). */
 void cli_print_usage(FILE *out);
+
+/* One set of size flags across the benches: --sizes LIST, with --bytes and --size as other
+ * names for it. cli_is_size_flag: is name[0..len) one of them. cli_parse_sizes: "4K,64M,1G" into
+ * out[0..max) (each > 0); 0, or the usage exit code after saying which rule `text` broke. */
+bool cli_is_size_flag(const char *name, size_t len);
+int cli_parse_sizes(const char *opt, const char *text, size_t *out, int max, int *n);
 
 void *cli_xmalloc(size_t bytes);
 char *cli_xstrdup(const char *s);
@@ -99,19 +116,25 @@ void cli_host_note(bool json, const char *what);
 void cli_target(FILE *out, const char *what, bool measured, bool applies, bool met,
                 const char *fig);
 
-/* Progress on stderr while a benchmark runs: one line rewritten with \r, only when stderr is a
- * terminal and --quiet was not given (so logs and pipes never see it), at most ten times a
- * second. The line is cleared before anything else is printed (cli_progress_clear, called by
- * the printing functions above and by each benchmark before its own lines). */
+/* Progress on stderr while a benchmark runs, unless --quiet: on a terminal one line rewritten
+ * with \r, at most ten times a second; on a pipe or a log one line per case ("pinmem: [3/20]
+ * h2d 4.00 KiB  (2.1 s)"), so a long run is never silent there. The line is cleared before anything
+ * else is printed (cli_progress_clear, called by the printing functions above and by each benchmark
+ * before its own lines). */
 void cli_progress_init(bool quiet);
 bool cli_progress_enabled(void);
+bool cli_progress_lines(void); /* the one-line-per-case mode */
 void cli_progress(unsigned long long done, unsigned long long total, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void cli_progress_clear(void);
 
 /* ---- info.c ------------------------------------------------------------------------------ */
 
-int cli_cmd_info(bool json);
+/* What `pinmem info` shows: everything; --summary: a few lines (backend, devices with their
+ * link and NUMA node, limits), as `make bench` prints before its benchmark; --options: the
+ * option table alone. */
+enum { CLI_INFO_ALL, CLI_INFO_SUMMARY, CLI_INFO_OPTIONS };
+int cli_cmd_info(bool json, int what);
 
 /* ---- bench_alloc.c ----------------------------------------------------------------------- */
 

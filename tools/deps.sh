@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # DESIGN: the one list of what pinmem's build, tests and benchmarks need, and the check that
-# `make` runs before it builds (`make build`/`make bench`: group c; `make test`: all groups).
-# It installs what is missing and says so, one line per package: Debian/Ubuntu packages through
+# `make` runs before it builds. `make` (build only) only checks (PINMEM_NO_INSTALL=1) and names
+# what is missing; `make bench` (group c) and `make test` (all groups) install what is missing
+# and say so first, one line per package, with the way to refuse: Debian/Ubuntu packages through
 # apt-get when it runs as root or has passwordless sudo, and the Python packages into the
 # project's own virtual environment (.venv, made with `python3 -m venv`), never into the
-# system Python. Where it cannot install, it stops at once with one line that names what is
-# missing and the command that gets it. When everything is present it only looks (one
-# dpkg-query, one Python start): no apt-get update, no network.
+# system Python. With PINMEM_NO_INSTALL=1, or where it cannot install, it stops at once with one
+# line that names what is missing and the command that gets it. When everything is present it
+# only looks (one dpkg-query, one Python start): no apt-get update, no network. docs/install.md
+# lists the same packages (tests/check_docs.py compares the two through --list).
 #
 #   tools/deps.sh [--python PY] [--venv DIR] GROUP...
+#   tools/deps.sh --list GROUP   the group's packages, one a line (Debian or Python names)
 #     c       the C build: compiler, cmake, make
 #     test    the test suites: pkg-config (install test), valgrind (memcheck), clang and its
 #             sanitizer and libFuzzer runtimes (fuzz), python3 with venv and headers (Python)
@@ -38,6 +41,14 @@ python=
 groups=()
 while (($#)); do
   case $1 in
+  --list)
+    case ${2:-} in
+    c) printf '%s\n' "${c_packages[@]%%:*}" ;;
+    test) printf '%s\n' "${test_packages[@]%%:*}" ;;
+    python) printf '%s\n' "${python_packages[@]%%>=*}" ;;
+    *) echo "usage: tools/deps.sh --list c|test|python" >&2; exit 2 ;;
+    esac
+    exit 0 ;;
   --python) python=$2; shift 2 ;;
   --venv) venv=$2; shift 2 ;;
   c | test | python) groups+=("$1"); shift ;;
@@ -47,6 +58,10 @@ done
 python=${python:-$venv/bin/python}
 
 say() { echo "deps: $*"; }
+# PINMEM_NO_INSTALL=1: look and name, never install (what plain `make` does).
+no_install=0
+[[ ${PINMEM_NO_INSTALL:-0} != 0 ]] && no_install=1
+refuse_hint="PINMEM_NO_INSTALL=1 refuses this: it only checks and names what is missing"
 fail() {
   echo "deps: $*" >&2
   exit 1
@@ -78,6 +93,8 @@ system_packages() { # ENTRY...: install or name the missing ones
     fail "missing: ${missing[*]} (Debian package names); install their equivalents with your system's package manager"
   fi
   ((${#missing[@]} == 0)) && return 0
+  ((no_install)) &&
+    fail "missing Debian packages: ${missing[*]}; install them with: sudo apt-get install ${missing[*]} (or run make test / make bench, which install them)"
 
   local sudo=()
   if [[ $(id -u) -ne 0 ]]; then
@@ -88,6 +105,7 @@ system_packages() { # ENTRY...: install or name the missing ones
     fi
   fi
   for e in "${missing[@]}"; do say "installing $e (apt-get)"; done
+  say "$refuse_hint"
   local log
   log=$(mktemp "${TMPDIR:-/tmp}/pinmem-deps.XXXXXX")
   if ! { "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
@@ -128,6 +146,9 @@ python_env() {
   # Compare the folders, not the interpreters: every venv's python links to the same base.
   [[ ${python##*/} == python && $(realpath -m "${python%/*}") == $(realpath -m "$venv/bin") ]] &&
     own=1
+  if ((own && no_install)) && ! "$python" -c '' 2>/dev/null; then
+    fail "no Python venv at $venv; make it with: $base -m venv $venv && $venv/bin/pip install $(printf "'%s' " "${python_packages[@]}")"
+  fi
   if ((own)) && ! "$python" -c '' 2>/dev/null; then
     # Absent, or made by an interpreter that is gone: make it (again).
     [[ -e $venv ]] && say "$venv is broken (its python does not start): making it again"
@@ -139,14 +160,16 @@ python_env() {
   local missing
   missing=$(missing_python "$python") || fail "$python does not start"
   [[ -z $missing ]] && return 0
-  if ((!own)); then
+  if ((!own || no_install)); then
     local quoted
     # shellcheck disable=SC2086 # one word per requirement
     quoted=$(printf "'%s' " $missing)
+    ((own)) && fail "$venv lacks $missing; install them with: $python -m pip install ${quoted% } (or run make test, which does)"
     fail "$python lacks $missing; install them with: $python -m pip install ${quoted% } (or leave PYTHON unset to use $venv)"
   fi
   local r
   for r in $missing; do say "installing $r into $venv (pip)"; done
+  say "$refuse_hint"
   # shellcheck disable=SC2086
   "$python" -m pip install -q --disable-pip-version-check $missing ||
     fail "pip install $missing into $venv failed (above)"

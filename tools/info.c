@@ -350,7 +350,87 @@ static void info_numa(bool json, info_failure_t *fail) {
   free(t);
 }
 
-int cli_cmd_info(bool json) {
+/* `pinmem info --summary`: the few lines a benchmark's reader needs about the machine. */
+static int info_summary(bool json) {
+  char b1[64], b2[64], reason[700], line[1600];
+  pm_status_t init_st = pm_init();
+  char detail[1024];
+  snprintf(detail, sizeof detail, "%s", init_st == PM_OK ? "" : pm_last_error());
+  backend_reason(init_st == PM_OK, reason, sizeof reason);
+  size_t rlim = pm__memlock_rlimit_raw();
+  bool cap = pm__has_cap_ipc_lock();
+  int count = 0, nenv = 0, nopt = pm_option_count();
+  if (init_st == PM_OK && pm_device_count(&count) != PM_OK) count = 0;
+  for (int i = 0; i < nopt; i++) {
+    pm_option_info_t o;
+    if (pm_option_get(i, &o) == PM_OK && o.source != PM_OPTION_DEFAULT) nenv++;
+  }
+  size_t budget = 0;
+  pm_pool_t *pool = NULL;
+  pm_pool_stats_t ps;
+  if (init_st == PM_OK && pm_pool_default(&pool) == PM_OK && pm_pool_get_stats(pool, &ps) == PM_OK)
+    budget = ps.budget;
+  pm__numa_state_t ns;
+  pm__numa_state(&ns);
+  char place[400];
+  numa_place_summary(&ns, place, sizeof place);
+  char limit[200];
+  if (rlim == SIZE_MAX)
+    snprintf(limit, sizeof limit, "unlimited");
+  else
+    snprintf(limit, sizeof limit, "%s%s", cli_fmt_bytes(rlim, b1, sizeof b1),
+             cap ? " (CAP_IPC_LOCK lifts it)" : " (no CAP_IPC_LOCK: pinning is limited to it)");
+  if (json) {
+    cli_json_t j;
+    cli_json_begin(&j);
+    cli_json_str(&j, "info", "summary");
+    cli_json_str(&j, "version", pm_version());
+    cli_json_str(&j, "backend", init_st == PM_OK ? pm_backend_name() : NULL);
+    cli_json_str(&j, "backend_reason", reason);
+    cli_json_int(&j, "devices", count);
+    cli_json_str(&j, "numa_placement", place);
+    if (rlim == SIZE_MAX)
+      cli_json_null(&j, "memlock_rlimit_bytes");
+    else
+      cli_json_uint(&j, "memlock_rlimit_bytes", rlim);
+    cli_json_bool(&j, "cap_ipc_lock", cap);
+    cli_json_uint(&j, "pool_budget", budget);
+    cli_json_int(&j, "options_set", nenv);
+    cli_json_end(&j);
+  } else {
+    if (init_st == PM_OK)
+      printf("pinmem %s, backend %s (%s)\n", pm_version(), pm_backend_name(), reason);
+    else
+      printf("pinmem %s, backend none (%s cannot start: %s: %s)\n", pm_version(), reason,
+             pm_status_name(init_st), detail);
+    for (int d = 0; d < count; d++) {
+      pm_device_info_t di;
+      if (pm_device_get_info(d, &di) != PM_OK) continue;
+      char link[32], numa[32];
+      pcie_text(di.pcie_gen, di.pcie_width, link, sizeof link);
+      snprintf(numa, sizeof numa, "%d", di.numa_node);
+      snprintf(line, sizeof line, "device %d: %s, %s, PCIe %s, NUMA node %s, %d copy engines", d,
+               di.name, cli_fmt_bytes(di.total_memory, b1, sizeof b1), link,
+               di.numa_node >= 0 ? numa : "unknown", di.async_engines);
+      printf("%s\n", line);
+    }
+    if (!count) printf("devices: none\n");
+    printf("NUMA placement: %s\n", place);
+    printf("limits: RLIMIT_MEMLOCK %s; pool budget %s\n", limit,
+           budget ? cli_fmt_bytes(budget, b2, sizeof b2) : "unknown");
+    printf("options: %d of %d set (`pinmem info --options` shows them all)\n", nenv, nopt);
+  }
+  if (init_st != PM_OK) {
+    fflush(stdout);
+    fprintf(stderr, "pinmem: %s: %s\n", pm_status_name(init_st), detail);
+    return CLI_EXIT_FAILURE;
+  }
+  return 0;
+}
+
+int cli_cmd_info(bool json, int what) {
+  if (what == CLI_INFO_SUMMARY) return info_summary(json);
+  bool machine = what == CLI_INFO_ALL;
   info_failure_t fail = {PM_OK, ""};
   char b1[64], b2[64], b3[64];
 
@@ -377,7 +457,9 @@ int cli_cmd_info(bool json) {
   char thp[64], thp_raw[256];
   read_thp(thp, sizeof thp, thp_raw, sizeof thp_raw);
 
-  if (json) {
+  if (!machine) {
+    /* --options: the table alone. */
+  } else if (json) {
     cli_json_t j;
     cli_json_begin(&j);
     cli_json_str(&j, "info", "pinmem");
@@ -457,7 +539,7 @@ int cli_cmd_info(bool json) {
   }
 
   /* ---- devices ---- */
-  if (init_st == PM_OK) {
+  if (machine && init_st == PM_OK) {
     int count = 0;
     pm_status_t st = pm_device_count(&count);
     if (st != PM_OK) note_failure(&fail, st);
@@ -532,10 +614,10 @@ int cli_cmd_info(bool json) {
   }
 
   /* ---- NUMA topology ---- */
-  if (init_st == PM_OK) info_numa(json, &fail);
+  if (machine && init_st == PM_OK) info_numa(json, &fail);
 
   /* ---- the default pool ---- */
-  if (init_st == PM_OK) {
+  if (machine && init_st == PM_OK) {
     pm_pool_t *pool = NULL;
     pm_pool_stats_t ps;
     pm_status_t st = pm_pool_default(&pool);
@@ -566,7 +648,7 @@ int cli_cmd_info(bool json) {
   int n = pm_option_count();
   cli_table_t t, docs;
   if (!json) {
-    printf("\noptions (value in force and where it came from)\n");
+    printf("%soptions (value in force and where it came from)\n", machine ? "\n" : "");
     cli_table_init(&t, 5);
     cli_table_init(&docs, 2);
     cli_table_row(&t, "NAME", "ENV", "VALUE", "SOURCE", "DEFAULT");

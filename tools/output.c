@@ -302,7 +302,9 @@ void cli_host_note(bool json, const char *what) {
 
 static struct {
   bool on, shown;
+  bool lines; /* stderr is not a terminal: one line per case instead of a rewritten line */
   double t0, last;
+  char key[120]; /* the case of the last line printed */
 } g_progress;
 
 static double mono_now(void) {
@@ -313,6 +315,8 @@ static double mono_now(void) {
 
 void cli_progress_init(bool quiet) {
   g_progress.on = !quiet && isatty(STDERR_FILENO);
+  g_progress.lines = !quiet && !g_progress.on;
+  g_progress.key[0] = '\0';
   g_progress.shown = false;
   g_progress.t0 = mono_now();
   g_progress.last = -1.0;
@@ -322,7 +326,39 @@ bool cli_progress_enabled(void) {
   return g_progress.on;
 }
 
+/* A log or a pipe gets one line when a new case starts: the case is the text before its first
+ * ':' or ',' ("h2d 4.00 KiB: plain_pinned, round 2/5" -> "h2d 4.00 KiB"), so the runs and
+ * rounds within it print nothing more. */
+static void progress_line(unsigned long long done, unsigned long long total, const char *fmt,
+                          va_list ap) {
+  char text[200];
+  vsnprintf(text, sizeof text, fmt, ap);
+  size_t klen = strcspn(text, ":,");
+  if (klen >= sizeof g_progress.key) klen = sizeof g_progress.key - 1;
+  if (strlen(g_progress.key) == klen && !strncmp(g_progress.key, text, klen)) return;
+  memcpy(g_progress.key, text, klen);
+  g_progress.key[klen] = '\0';
+  fflush(stdout);
+  if (total)
+    fprintf(stderr, "pinmem: [%llu/%llu] %s  (%.1f s)\n", done + 1 > total ? total : done + 1,
+            total, g_progress.key, mono_now() - g_progress.t0);
+  else
+    fprintf(stderr, "pinmem: %s  (%.1f s)\n", g_progress.key, mono_now() - g_progress.t0);
+  fflush(stderr);
+}
+
+bool cli_progress_lines(void) {
+  return g_progress.lines;
+}
+
 void cli_progress(unsigned long long done, unsigned long long total, const char *fmt, ...) {
+  if (g_progress.lines) {
+    va_list ap;
+    va_start(ap, fmt);
+    progress_line(done, total, fmt, ap);
+    va_end(ap);
+    return;
+  }
   if (!g_progress.on) return;
   double now = mono_now();
   if (g_progress.shown && now - g_progress.last < 0.1) return;
@@ -361,17 +397,130 @@ void cli_fail(pm_status_t status) {
   exit(CLI_EXIT_FAILURE);
 }
 
-void cli_usage_error(const char *fmt, ...) {
-  va_list ap;
+/* The command whose usage an error shows; set by each command before it parses its options. */
+static struct {
+  const char *cmd;   /* "bench copy"; NULL: the tool as a whole */
+  const char *usage; /* at most three lines, each starting "pinmem ..." */
+} g_usage;
+
+static const char *top_usage =
+    "pinmem [--json] info [--summary | --options]\n"
+    "pinmem [--json] bench alloc|copy|overlap|loader|file [--sizes LIST] [options]\n"
+    "pinmem help | --version";
+
+void cli_usage_context(const char *cmd, const char *usage) {
+  g_usage.cmd = cmd;
+  g_usage.usage = usage;
+}
+
+static void vusage(const char *fmt, va_list ap) {
   cli_progress_clear();
   fflush(stdout);
   fprintf(stderr, "pinmem: ");
-  va_start(ap, fmt);
   vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n");
+  const char *u = g_usage.usage ? g_usage.usage : top_usage;
+  /* "usage: " before the first line, as many blanks before the others. */
+  for (int line = 0; *u; line++) {
+    const char *nl = strchr(u, '\n');
+    int len = nl ? (int)(nl - u) : (int)strlen(u);
+    fprintf(stderr, "%s%.*s\n", line ? "       " : "usage: ", len, u);
+    u += len + (nl != NULL);
+  }
+  if (g_usage.cmd)
+    fprintf(stderr, "see pinmem %s --help\n", g_usage.cmd);
+  else
+    fprintf(stderr, "see pinmem --help\n");
+}
+
+void cli_usage_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vusage(fmt, ap);
   va_end(ap);
-  fprintf(stderr, "\n\n");
-  cli_print_usage(stderr);
   exit(CLI_EXIT_USAGE);
+}
+
+int cli_usage_fail(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vusage(fmt, ap);
+  va_end(ap);
+  return CLI_EXIT_USAGE;
+}
+
+/* Edit distance (insert, delete, substitute, swap of neighbours) between a and b, at most 64
+ * characters each; longer words count as far apart. */
+static int edit_distance(const char *a, const char *b) {
+  size_t n = strlen(a), m = strlen(b);
+  if (n > 64 || m > 64) return 1000;
+  int d[65][65];
+  for (size_t i = 0; i <= n; i++) d[i][0] = (int)i;
+  for (size_t j = 0; j <= m; j++) d[0][j] = (int)j;
+  for (size_t i = 1; i <= n; i++)
+    for (size_t j = 1; j <= m; j++) {
+      int best = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
+      if (d[i - 1][j] + 1 < best) best = d[i - 1][j] + 1;
+      if (d[i][j - 1] + 1 < best) best = d[i][j - 1] + 1;
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] &&
+          d[i - 2][j - 2] + 1 < best)
+        best = d[i - 2][j - 2] + 1;
+      d[i][j] = best;
+    }
+  return d[n][m];
+}
+
+const char *cli_suggest(const char *word, const char *const *known) {
+  /* Compare without the value of --name=value. */
+  char w[65];
+  const char *eq = strncmp(word, "--", 2) == 0 ? strchr(word, '=') : NULL;
+  size_t len = eq ? (size_t)(eq - word) : strlen(word);
+  if (len > 64) return NULL;
+  memcpy(w, word, len);
+  w[len] = '\0';
+  const char *best = NULL;
+  int best_d = 1000;
+  for (int i = 0; known[i]; i++) {
+    int d = edit_distance(w, known[i]);
+    if (d < best_d) best_d = d, best = known[i];
+  }
+  /* Close enough to be a typo: a third of the word's letters (dashes aside), at least one. */
+  size_t letters = len;
+  for (size_t i = 0; i < len && w[i] == '-'; i++) letters--;
+  int limit = (int)(letters / 3) > 1 ? (int)(letters / 3) : 1;
+  return best && best_d <= limit ? best : NULL;
+}
+
+int cli_unknown(const char *what, const char *word, const char *const *known) {
+  const char *s = cli_suggest(word, known);
+  if (s) return cli_usage_fail("unknown %s '%s' (did you mean '%s'?)", what, word, s);
+  return cli_usage_fail("unknown %s '%s'", what, word);
+}
+
+bool cli_is_size_flag(const char *name, size_t len) {
+  return (len == 7 && !strncmp(name, "--sizes", 7)) || (len == 7 && !strncmp(name, "--bytes", 7)) ||
+         (len == 6 && !strncmp(name, "--size", 6));
+}
+
+int cli_parse_sizes(const char *opt, const char *text, size_t *out, int max, int *n) {
+  int empty = cli_list_empty_item(text);
+  if (empty) return cli_usage_fail("%s: item %d of '%s' is empty", opt, empty, text);
+  *n = 0;
+  for (const char *p = text; *p;) {
+    const char *c = strchr(p, ',');
+    size_t len = c ? (size_t)(c - p) : strlen(p);
+    char item[64];
+    snprintf(item, sizeof item, "%.*s", (int)(len < 63 ? len : 63), p);
+    size_t v;
+    if (*n == max) return cli_usage_fail("%s: at most %d sizes, in '%s'", opt, max, text);
+    if (pm_parse_size(item, &v) != PM_OK)
+      return cli_usage_fail("%s: '%s' is not a size (a whole number with an optional K, M or G)",
+                            opt, item);
+    if (v == 0) return cli_usage_fail("%s: sizes must be > 0, not '%s'", opt, item);
+    out[(*n)++] = v;
+    p += len + (c != NULL);
+  }
+  return 0;
 }
 
 /* ---- reading JSON lines back (bench --summarize) ------------------------------------------ */

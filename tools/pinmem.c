@@ -21,38 +21,31 @@ void cli_print_usage(FILE *out) {
       "usage: pinmem [--json] <command> [options]\n"
       "\n"
       "commands:\n"
-      "  info                 version, backend, devices, memory limits, the option table\n"
+      "  info                 version, backend, devices, memory limits, NUMA, the option table\n"
+      "  info --summary       a few lines: backend, devices, link, NUMA, limits\n"
+      "  info --options       the option table alone (value in force, source, default)\n"
       "  bench alloc          cold pinning (pinmem vs cudaHostAlloc vs malloc+cudaHostRegister),\n"
       "                       cached alloc+free latency and the pool's memory overhead\n"
       "  bench copy           host<->device bandwidth by path: plain vs pinmem, pageable vs\n"
-      "                       pinned, write-combined, zero-copy, managed, batched (--help)\n"
+      "                       pinned, write-combined, zero-copy, managed, batched\n"
       "  bench overlap        a copy beside a kernel of equal length: serial vs two streams\n"
       "  bench loader         the data loader feeding a simulated training loop, pinned vs\n"
-      "                       pageable batches (--help)\n"
+      "                       pageable batches\n"
       "  bench file           file <-> device through pinmem vs a plain pread + copy loop and\n"
-      "                       the disk's own O_DIRECT rate, page cache hot and cold (--help)\n"
+      "                       the disk's own O_DIRECT rate, page cache hot and cold\n"
       "  help                 this text\n"
       "  --version            the version\n"
       "\n"
-      "options:\n"
-      "  --json               one JSON object per line instead of tables (every command)\n"
-      "  --quiet              no progress line on stderr while a benchmark runs (it is shown\n"
-      "                       only when stderr is a terminal)\n"
-      "  --sizes LIST         bench alloc: sizes with K/M/G suffixes (default 16M,256M,1G)\n"
-      "  --repeat N           bench alloc: runs per size, the median is reported\n"
-      "                       (default 5, and 3 for sizes of 1 GiB and more)\n"
-      "  --threads N          bench alloc: first-touch threads of pinmem's cold pinning\n"
-      "                       (default or 0: the option pin_threads)\n"
-      "  --overhead-total SIZE\n"
-      "                       bench alloc: bytes requested in the overhead measurement\n"
-      "                       (default 1G)\n"
-      "  --summarize FILE     bench alloc: print the table and TARGET lines of a results\n"
-      "                       file written with --json ('-': standard input)\n"
-      "  (`pinmem bench NAME --help` lists each benchmark's cases and options; an option with\n"
-      "  a value may be given once, a switch like --json more than once)\n"
+      "options of every command:\n"
+      "  --json               one JSON object per line instead of tables\n"
+      "  --quiet              benchmarks: no progress on stderr (a line rewritten in place on a\n"
+      "                       terminal, one line per case on a pipe or a log)\n"
+      "  --sizes LIST         benchmarks: the sizes, K/M/G suffixes, e.g. 4K,64M,1G (--bytes\n"
+      "                       and --size are other names for it)\n"
+      "  `pinmem bench NAME --help` lists each benchmark's cases, options and defaults.\n"
       "\n"
-      "Options of the library come from PINMEM_<NAME> environment variables (see `pinmem\n"
-      "info`); PINMEM_BACKEND=auto|cuda|host selects the backend.\n");
+      "Options of the library come from PINMEM_<NAME> environment variables (`pinmem info\n"
+      "--options`); PINMEM_BACKEND=auto|cuda|host selects the backend.\n");
 }
 
 static int parse_int_arg(const char *opt, const char *text, int lo, int hi) {
@@ -60,144 +53,205 @@ static int parse_int_arg(const char *opt, const char *text, int lo, int hi) {
   errno = 0;
   long v = strtol(text, &end, 10);
   if (errno || end == text || *end || v < lo || v > hi)
-    cli_usage_error("%s wants a whole number from %d to %d, not '%s'", opt, lo, hi, text);
+    cli_usage_error("%s must be a whole number from %d to %d, not '%s'", opt, lo, hi, text);
   return (int)v;
 }
 
 static size_t parse_size_arg(const char *opt, const char *text) {
   size_t bytes;
   pm_status_t st = pm_parse_size(text, &bytes);
-  if (st != PM_OK) cli_usage_error("%s: bad size '%s': %s", opt, text, pm_last_error());
-  if (bytes == 0) cli_usage_error("%s: size must be above 0, not '%s'", opt, text);
+  if (st != PM_OK) cli_usage_error("%s: '%s' is not a size: %s", opt, text, pm_last_error());
+  if (bytes == 0) cli_usage_error("%s: the size must be > 0, not '%s'", opt, text);
   return bytes;
 }
 
-static void parse_sizes(const char *text, cli_bench_alloc_args_t *args) {
-  int empty = cli_list_empty_item(text);
-  if (empty) cli_usage_error("--sizes: item %d of '%s' is empty", empty, text);
-  char *copy = cli_xstrdup(text), *save = NULL;
-  args->nsizes = 0;
-  for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    if (args->nsizes == (int)(sizeof args->sizes / sizeof args->sizes[0])) {
-      free(copy);
-      cli_usage_error("--sizes: at most %zu sizes", sizeof args->sizes / sizeof args->sizes[0]);
+/* `pinmem bench alloc [options]` (argv[0] is "alloc"). */
+static int bench_alloc_main(int argc, char **argv) {
+  static const char *const known[] = {"--sizes",     "--bytes",          "--size",  "--repeat",
+                                      "--threads",   "--json",           "--quiet", "--help",
+                                      "--summarize", "--overhead-total", NULL};
+  cli_usage_context("bench alloc",
+                    "pinmem bench alloc [--json] [--quiet] [--sizes LIST] [--repeat N] "
+                    "[--threads N]\npinmem bench alloc --summarize FILE");
+  cli_bench_alloc_args_t args;
+  memset(&args, 0, sizeof args);
+  const char *sizes = NULL, *sizes_name = NULL, *repeat = NULL, *threads = NULL, *overhead = NULL,
+             *summ = NULL;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (!strcmp(a, "--json")) {
+      args.json = true;
+      continue;
     }
-    args->sizes[args->nsizes++] = parse_size_arg("--sizes", tok);
+    if (!strcmp(a, "--quiet")) {
+      args.quiet = true;
+      continue;
+    }
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) return cli_bench_alloc_help();
+    if (strncmp(a, "--", 2) != 0) cli_usage_error("bench alloc takes no argument '%s'", a);
+    const char *eq = strchr(a, '=');
+    size_t nl = eq ? (size_t)(eq - a) : strlen(a);
+    const char **slot = NULL;
+    if (cli_is_size_flag(a, nl))
+      slot = &sizes;
+    else if (nl == 8 && !strncmp(a, "--repeat", 8))
+      slot = &repeat;
+    else if (nl == 9 && !strncmp(a, "--threads", 9))
+      slot = &threads;
+    else if (nl == 16 && !strncmp(a, "--overhead-total", 16))
+      slot = &overhead;
+    else if (nl == 11 && !strncmp(a, "--summarize", 11))
+      slot = &summ;
+    if (!slot) exit(cli_unknown("option", a, known));
+    if (*slot) {
+      if (slot == &sizes && strncmp(sizes_name, a, nl) != 0)
+        cli_usage_error("--sizes given twice (--bytes and --size are other names for it)");
+      cli_usage_error("%.*s given twice", (int)nl, a);
+    }
+    if (slot == &sizes) sizes_name = a;
+    if (eq) {
+      *slot = eq + 1;
+    } else {
+      if (i + 1 >= argc) cli_usage_error("%.*s needs a value", (int)nl, a);
+      *slot = argv[++i];
+    }
   }
-  free(copy);
-  if (args->nsizes == 0) cli_usage_error("--sizes: no sizes in '%s'", text);
+  if (summ && (sizes || repeat || threads || overhead || args.json))
+    cli_usage_error("--summarize reads a results file: it takes no other option");
+  if (sizes) {
+    int rc = cli_parse_sizes("--sizes", sizes, args.sizes,
+                             (int)(sizeof args.sizes / sizeof args.sizes[0]), &args.nsizes);
+    if (rc) return rc;
+  } else {
+    args.sizes[0] = (size_t)16 << 20;
+    args.sizes[1] = (size_t)256 << 20;
+    args.sizes[2] = (size_t)1 << 30;
+    args.nsizes = 3;
+  }
+  args.repeat = repeat ? parse_int_arg("--repeat", repeat, 1, 10000) : 0;
+  args.threads = threads ? parse_int_arg("--threads", threads, 0, 1024) : 0;
+  args.overhead_total = overhead ? parse_size_arg("--overhead-total", overhead) : (size_t)1 << 30;
+  args.summarize = summ;
+  return cli_cmd_bench_alloc(&args);
 }
 
-/* Benchmarks with their own option parsers: `pinmem [--json] bench NAME [options]` hands
- * NAME and everything after it (plus a --json given before) to the benchmark's entry point. */
+/* The benchmarks: a new one is one row. Each entry point takes the arguments that follow
+ * `bench`, its own name first, with a --json or --quiet given before `bench` passed on. */
 typedef int (*cli_bench_fn)(int argc, char **argv);
+static const struct {
+  const char *name;
+  cli_bench_fn fn;
+} benches[] = {
+    {"alloc", bench_alloc_main},     {"copy", pm_cli_bench_copy}, {"overlap", pm_cli_bench_overlap},
+    {"loader", pm_cli_bench_loader}, {"file", pm_cli_bench_file},
+};
+enum { NBENCH = sizeof benches / sizeof benches[0] };
 
-static int dispatch_own_parser(int argc, char **argv, int *handled) {
-  static const struct {
-    const char *name;
-    cli_bench_fn fn;
-  } benches[] = {
-      {"copy", pm_cli_bench_copy},
-      {"overlap", pm_cli_bench_overlap},
-      {"loader", pm_cli_bench_loader},
-      {"file", pm_cli_bench_file},
-  };
-  *handled = 0;
-  int k = 1;
-  bool json_before = false, quiet_before = false;
-  while (k < argc && argv[k][0] == '-') {
-    if (strcmp(argv[k], "--json") == 0) json_before = true;
-    if (strcmp(argv[k], "--quiet") == 0) quiet_before = true;
-    k++;
+static const char *bench_names(void) {
+  static char buf[256];
+  if (buf[0]) return buf;
+  size_t len = 0;
+  for (int b = 0; b < NBENCH; b++)
+    len += (size_t)snprintf(buf + len, sizeof buf - len, "%s%s", b ? ", " : "", benches[b].name);
+  return buf;
+}
+
+static int bench_main(int argc, char **argv, bool json, bool quiet) {
+  cli_usage_context("bench",
+                    "pinmem [--json] bench NAME [options]   (NAME: alloc, copy, "
+                    "overlap, loader, file)");
+  if (argc < 1 || !strcmp(argv[0], "--help") || !strcmp(argv[0], "-h")) {
+    if (argc >= 1) {
+      cli_print_usage(stdout);
+      return 0;
+    }
+    cli_usage_error("bench needs a benchmark name: %s", bench_names());
   }
-  if (k + 1 >= argc || strcmp(argv[k], "bench") != 0) return 0;
-  for (size_t b = 0; b < sizeof benches / sizeof benches[0]; b++) {
-    if (strcmp(argv[k + 1], benches[b].name) != 0) continue;
+  const char *known[NBENCH + 1];
+  for (int b = 0; b < NBENCH; b++) {
+    known[b] = benches[b].name;
+    if (strcmp(argv[0], benches[b].name) != 0) continue;
     char *sub[64];
     int n = 0;
-    sub[n++] = argv[k + 1];
-    if (json_before) sub[n++] = (char *)"--json";
-    if (quiet_before) sub[n++] = (char *)"--quiet";
-    for (int i = k + 2; i < argc; i++) {
+    sub[n++] = argv[0];
+    if (json) sub[n++] = (char *)"--json";
+    if (quiet) sub[n++] = (char *)"--quiet";
+    for (int i = 1; i < argc; i++) {
       if (n == (int)(sizeof sub / sizeof sub[0]) - 1) cli_usage_error("too many arguments");
       sub[n++] = argv[i];
     }
     sub[n] = NULL;
-    *handled = 1;
     return benches[b].fn(n, sub);
   }
-  return 0;
+  known[NBENCH] = NULL;
+  const char *s = cli_suggest(argv[0], known);
+  if (s) cli_usage_error("unknown benchmark '%s' (did you mean '%s'?)", argv[0], s);
+  cli_usage_error("unknown benchmark '%s' (known: %s)", argv[0], bench_names());
+}
+
+/* `pinmem info [--summary | --options]`. */
+static int info_main(int argc, char **argv, bool json) {
+  static const char *const known[] = {"--summary", "--options", "--json", "--help", NULL};
+  cli_usage_context("info", "pinmem [--json] info [--summary | --options]");
+  int what = CLI_INFO_ALL;
+  for (int i = 0; i < argc; i++) {
+    const char *a = argv[i];
+    if (!strcmp(a, "--json"))
+      json = true;
+    else if (!strcmp(a, "--summary") || !strcmp(a, "--options")) {
+      int w = a[2] == 's' ? CLI_INFO_SUMMARY : CLI_INFO_OPTIONS;
+      if (what != CLI_INFO_ALL && what != w)
+        cli_usage_error("--summary and --options exclude each other");
+      what = w;
+    } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      printf(
+          "usage: pinmem [--json] info [--summary | --options]\n"
+          "  (none)      version, backend and why, system, memory limits, devices, NUMA, the\n"
+          "              default pool and the option table in force\n"
+          "  --summary   a few lines: backend, devices with their link and NUMA node, limits\n"
+          "  --options   the option table alone: name, variable, value in force, where it came\n"
+          "              from, default, and what each option does\n"
+          "  --json      one JSON object per line\n");
+      return 0;
+    } else if (!strcmp(a, "--quiet"))
+      cli_usage_error("--quiet belongs to the benchmarks");
+    else if (a[0] == '-')
+      return cli_unknown("option", a, known);
+    else
+      cli_usage_error("info takes no arguments, not '%s'", a);
+  }
+  return cli_cmd_info(json, what);
 }
 
 int main(int argc, char **argv) {
   /* Rows reach a pipe or a file as they are produced, not when a buffer fills or at exit. */
   setvbuf(stdout, NULL, _IOLBF, 0);
-  int handled = 0;
-  int rc = dispatch_own_parser(argc, argv, &handled);
-  if (handled) return rc;
-  bool json = false, quiet = false, help = false;
-  const char *words[4];
-  int nwords = 0;
-  bool version = false;
-  const char *sizes = NULL, *repeat = NULL, *threads = NULL, *overhead = NULL, *summ = NULL;
-
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char **slot = NULL;
-    const char *name = a;
-    size_t namelen = strlen(a);
-    const char *eq = strchr(a, '=');
-    if (strncmp(a, "--", 2) == 0 && eq) namelen = (size_t)(eq - a);
-
-    if (strcmp(a, "--json") == 0) {
+  static const char *const global[] = {"--json", "--quiet", "--help", "--version", NULL};
+  static const char *const commands[] = {"info", "bench", "help", "version", NULL};
+  bool json = false, quiet = false, help = false, version = false;
+  int k = 1;
+  /* The options before the command; those after it belong to the command. */
+  for (; k < argc && argv[k][0] == '-'; k++) {
+    const char *a = argv[k];
+    if (!strcmp(a, "--json"))
       json = true;
-      continue;
-    }
-    if (strcmp(a, "--version") == 0 || strcmp(a, "-V") == 0) {
-      version = true;
-      continue;
-    }
-    if (strcmp(a, "--quiet") == 0) {
+    else if (!strcmp(a, "--quiet"))
       quiet = true;
-      continue;
-    }
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+    else if (!strcmp(a, "--help") || !strcmp(a, "-h"))
       help = true;
-      continue;
-    }
-    if (namelen == 7 && strncmp(name, "--sizes", 7) == 0)
-      slot = &sizes;
-    else if (namelen == 8 && strncmp(name, "--repeat", 8) == 0)
-      slot = &repeat;
-    else if (namelen == 9 && strncmp(name, "--threads", 9) == 0)
-      slot = &threads;
-    else if (namelen == 16 && strncmp(name, "--overhead-total", 16) == 0)
-      slot = &overhead;
-    else if (namelen == 11 && strncmp(name, "--summarize", 11) == 0)
-      slot = &summ;
-    if (slot) {
-      if (*slot) cli_usage_error("%.*s given twice", (int)namelen, name);
-      if (strncmp(a, "--", 2) == 0 && eq) {
-        *slot = eq + 1;
-      } else {
-        if (i + 1 >= argc) cli_usage_error("%s needs a value", a);
-        *slot = argv[++i];
-      }
-      continue;
-    }
-    if (a[0] == '-') cli_usage_error("unknown option '%s'", a);
-    if (nwords == (int)(sizeof words / sizeof words[0])) cli_usage_error("too many arguments");
-    words[nwords++] = a;
+    else if (!strcmp(a, "--version") || !strcmp(a, "-V"))
+      version = true;
+    else
+      return cli_unknown("option", a, global);
   }
-
-  if (help) {
-    if (nwords == 2 && strcmp(words[0], "bench") == 0 && strcmp(words[1], "alloc") == 0)
-      return cli_bench_alloc_help();
+  const char *cmd = k < argc ? argv[k] : NULL;
+  if (help && !cmd) {
     cli_print_usage(stdout);
     return 0;
   }
-  if (version || (nwords == 1 && strcmp(words[0], "version") == 0)) {
-    if (nwords > 1 || (version && nwords > 0)) cli_usage_error("--version takes no command");
+  if (version || (cmd && !strcmp(cmd, "version"))) {
+    if ((version && cmd) || (cmd && k + 1 < argc))
+      cli_usage_error("--version takes no command or argument");
     if (json) {
       cli_json_t j;
       cli_json_begin(&j);
@@ -208,48 +262,28 @@ int main(int argc, char **argv) {
     }
     return 0;
   }
-  if (nwords == 0) cli_usage_error("no command given");
-
-  bool bench_alloc =
-      nwords == 2 && strcmp(words[0], "bench") == 0 && strcmp(words[1], "alloc") == 0;
-  if (quiet && !bench_alloc) cli_usage_error("--quiet belongs to the benchmarks");
-  if (!bench_alloc && (sizes || repeat || threads || overhead || summ))
-    cli_usage_error(
-        "--sizes, --repeat, --threads, --overhead-total and --summarize belong to "
-        "'bench alloc'");
-  if (summ && (sizes || repeat || threads || overhead || json))
-    cli_usage_error("--summarize reads a results file: it takes no other option");
-
-  if (strcmp(words[0], "help") == 0) {
-    if (nwords > 1) cli_usage_error("help takes no arguments");
+  if (!cmd) cli_usage_error("no command given");
+  char **rest = argv + k + 1;
+  int nrest = argc - k - 1;
+  if (!strcmp(cmd, "bench")) {
+    if (help && nrest >= 1) {
+      /* pinmem --help bench NAME: the bench's own help. */
+      char *sub[3] = {rest[0], (char *)"--help", NULL};
+      return bench_main(2, sub, false, false);
+    }
+    return bench_main(nrest, rest, json, quiet);
+  }
+  if (quiet) cli_usage_error("--quiet belongs to the benchmarks");
+  if (!strcmp(cmd, "info")) {
+    if (help) return info_main(1, (char *[]){(char *)"--help", NULL}, json);
+    return info_main(nrest, rest, json);
+  }
+  if (!strcmp(cmd, "help")) {
+    if (nrest) cli_usage_error("help takes no arguments");
     cli_print_usage(stdout);
     return 0;
   }
-  if (strcmp(words[0], "info") == 0) {
-    if (nwords > 1) cli_usage_error("info takes no arguments");
-    return cli_cmd_info(json);
-  }
-  if (strcmp(words[0], "bench") == 0) {
-    if (nwords < 2) cli_usage_error("bench needs a benchmark name: alloc, copy, overlap, loader or file");
-    if (!bench_alloc)
-      cli_usage_error("unknown benchmark '%s' (known: alloc, copy, overlap, loader, file)", words[1]);
-    cli_bench_alloc_args_t args;
-    memset(&args, 0, sizeof args);
-    args.json = json;
-    args.quiet = quiet;
-    if (sizes) {
-      parse_sizes(sizes, &args);
-    } else {
-      args.sizes[0] = (size_t)16 << 20;
-      args.sizes[1] = (size_t)256 << 20;
-      args.sizes[2] = (size_t)1 << 30;
-      args.nsizes = 3;
-    }
-    args.repeat = repeat ? parse_int_arg("--repeat", repeat, 1, 10000) : 0;
-    args.threads = threads ? parse_int_arg("--threads", threads, 0, 1024) : 0;
-    args.overhead_total = overhead ? parse_size_arg("--overhead-total", overhead) : (size_t)1 << 30;
-    args.summarize = summ;
-    return cli_cmd_bench_alloc(&args);
-  }
-  cli_usage_error("unknown command '%s'", words[0]);
+  const char *s = cli_suggest(cmd, commands);
+  if (s) cli_usage_error("unknown command '%s' (did you mean '%s'?)", cmd, s);
+  cli_usage_error("unknown command '%s' (known: info, bench, help, version)", cmd);
 }

@@ -1,6 +1,6 @@
 /*
  * DESIGN: the option table. One row per option (name, environment variable, default as text,
- * doc, parser, value type), so `pinmem info`, the README table and the lookups cannot disagree.
+ * doc, parser, value type), so `pinmem info`, docs/options.md and the lookups cannot disagree.
  * A static assert ties the table to pm__opt_t, so a new option cannot lack its row.
  *
  * A value comes from, in order: pm_option_set (explicit), PINMEM_<NAME>, the default, and is
@@ -326,7 +326,7 @@ static const pm__opt_def_t opt_table[] = {
                             "0 = off, or a size below copy_chunk: a staged H2D copy through the "
                             "ring has all threads fill each slot in pieces of this size (the "
                             "slot's last piece queues its DMA), so a few slots kept in the cache "
-                            "suffice; see the README for the measured setting",
+                            "suffice; docs/performance.md has the measured setting",
                             parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_COPY_PIECE_SLOTS] = {"copy_piece_slots", "PINMEM_COPY_PIECE_SLOTS", "8",
                                   "ring slots of a staged H2D copy filled in pieces (copy_piece), "
