@@ -361,6 +361,9 @@ static int info_summary(bool json) {
   bool cap = pm__has_cap_ipc_lock();
   int count = 0, nenv = 0, nopt = pm_option_count();
   if (init_st == PM_OK && pm_device_count(&count) != PM_OK) count = 0;
+  pm_backend_info_t bi;
+  if (pm_backend_info(&bi) != PM_OK) memset(&bi, 0, sizeof bi);
+  if (bi.fallback) count = 0; /* the host backend's simulated devices are not on offer */
   for (int i = 0; i < nopt; i++) {
     pm_option_info_t o;
     if (pm_option_get(i, &o) == PM_OK && o.source != PM_OPTION_DEFAULT) nenv++;
@@ -388,6 +391,7 @@ static int info_summary(bool json) {
     cli_json_str(&j, "backend", init_st == PM_OK ? pm_backend_name() : NULL);
     cli_json_str(&j, "backend_reason", reason);
     cli_json_int(&j, "devices", count);
+    cli_json_bool(&j, "fallback", bi.fallback != 0);
     cli_json_str(&j, "numa_placement", place);
     if (rlim == SIZE_MAX)
       cli_json_null(&j, "memlock_rlimit_bytes");
@@ -414,7 +418,10 @@ static int info_summary(bool json) {
                di.numa_node >= 0 ? numa : "unknown", di.async_engines);
       printf("%s\n", line);
     }
-    if (!count) printf("devices: none\n");
+    if (!count)
+      printf("devices: none%s\n", bi.fallback ? " (device memory refused; PINMEM_BACKEND=host "
+                                                 "simulates devices)"
+                                               : "");
     printf("NUMA placement: %s\n", place);
     printf("limits: RLIMIT_MEMLOCK %s; pool budget %s\n", limit,
            budget ? cli_fmt_bytes(budget, b2, sizeof b2) : "unknown");
