@@ -24,7 +24,7 @@ DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VEN
 SUITES     := $(BUILD)-suites
 RECORD     := python3 tests/suites.py
 
-.PHONY: all build deps deps-c deps-check deps-test test test-reset test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-safetensors-suite bench install clean
+.PHONY: all build deps deps-c deps-check deps-test test test-reset test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-safetensors-suite wheel test-wheel ptx bench install clean
 
 all: build
 
@@ -49,7 +49,7 @@ endef
 build: deps-check
 	$(build_c)
 
-test: test-reset deps check-docs test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install
+test: test-reset deps check-docs test-no-toolkit test-host test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-wheel
 	@$(RECORD) report $(SUITES)
 
 test-reset:
@@ -61,24 +61,34 @@ test-host: deps-test
 	@$(RECORD) ctest $(SUITES) host $(BUILD)
 
 test-asan: deps-test
-	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=address $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_SANITIZE=address $(CMAKE_ARGS)
 	cmake --build $(BUILD)-asan -j $(JOBS)
 	cd $(BUILD)-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST) -L host -j $(JOBS)
 	@$(RECORD) ctest $(SUITES) asan $(BUILD)-asan
 
 test-tsan: deps-test
-	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF -DPINMEM_SANITIZE=thread $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DPINMEM_SANITIZE=thread $(CMAKE_ARGS)
 	cmake --build $(BUILD)-tsan -j $(JOBS)
 	cd $(BUILD)-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $(CTEST) -L host -j $(JOBS)
 	@$(RECORD) ctest $(SUITES) tsan $(BUILD)-tsan
 
-# valgrind over the host-backend build without CUDA (cudart is not valgrind clean by itself).
+# valgrind over the host-label tests. The cuda backend is compiled in as in every build; those
+# tests run on PINMEM_BACKEND=host (or stand-in drivers), so no real driver is loaded under it.
 test-valgrind: deps-test
-	cmake -S . -B $(BUILD)-host -DCMAKE_BUILD_TYPE=Debug -DPINMEM_CUDA=OFF $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD)-host -DCMAKE_BUILD_TYPE=Debug $(CMAKE_ARGS)
 	cmake --build $(BUILD)-host -j $(JOBS)
 	cd $(BUILD)-host && PINMEM_TEST_SMALL=1 $(CTEST) -L host -E cli -j $(JOBS) -T memcheck --overwrite MemoryCheckCommand=$$(command -v valgrind) \
 	  --overwrite MemoryCheckCommandOptions="--error-exitcode=97 --leak-check=full --errors-for-leak-kinds=definite,indirect --track-origins=no --suppressions=$(CURDIR)/tests/valgrind.supp"
 	@$(RECORD) ctest $(SUITES) valgrind $(BUILD)-host
+
+# The cuda backend builds with a C compiler alone: a fresh build with the CUDA toolkit hidden
+# (mount namespace, PATH, CUDA_HOME) must have it compiled in (tests/test_no_toolkit.sh; it says
+# so and skips where no mount namespace can be made).
+test-no-toolkit: deps-c
+	@JOBS=$(JOBS) ./tests/test_no_toolkit.sh; rc=$$?; \
+	  if [ $$rc -eq 0 ]; then $(RECORD) ran $(SUITES) no-toolkit "a build with the CUDA toolkit hidden has the cuda backend"; \
+	  elif [ $$rc -eq 77 ]; then $(RECORD) not-run $(SUITES) no-toolkit "no mount namespace here (unshare -m refused)"; \
+	  else exit $$rc; fi
 
 # libFuzzer smoke runs (tests/fuzz): clang, ASan+UBSan, FUZZ_SECONDS per target from the
 # committed seed corpus.
@@ -102,8 +112,8 @@ test-gpu: deps-test
 # Python package: the extension module from the same CMake build (PINMEM_PYTHON=ON) in
 # $(BUILD)-py, then pytest over python/tests with that tree on PYTHONPATH (the cuda backend where
 # a GPU is present, else the host backend; torch tests skip, saying why, without torch+CUDA).
-# Then the packaging itself: `pip wheel .` through scikit-build-core with PINMEM_CUDA=OFF (as on
-# a machine without a toolkit), and the buffer and copy tests again against the unpacked wheel.
+# Then the packaging itself: `pip wheel .` through scikit-build-core (no toolkit needed: the cuda
+# backend loads the driver at run time), and the buffer and copy tests against the unpacked wheel.
 test-python: deps
 	cmake -S . -B $(BUILD)-py -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPINMEM_PYTHON=ON -DPINMEM_TESTS=OFF \
 	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
@@ -113,7 +123,7 @@ test-python: deps
 	@$(RECORD) pytest $(SUITES) python $(BUILD)-py/pytest.xml
 	rm -rf $(BUILD)-py/wheel $(BUILD)-py/site
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps \
-	  -w $(BUILD)-py/wheel -Ccmake.define.PINMEM_CUDA=OFF -Cbuild-dir=$(BUILD)-py/wheel-build .
+	  -w $(BUILD)-py/wheel -Cbuild-dir=$(BUILD)-py/wheel-build .
 	$(PYTHON) -m zipfile -e $(BUILD)-py/wheel/pinmem-*.whl $(BUILD)-py/site
 	PYTHONPATH=$(CURDIR)/$(BUILD)-py/site $(PYTHON) -m pytest -q -rs -p no:cacheprovider \
 	  --junitxml=$(CURDIR)/$(BUILD)-py/pytest-wheel.xml python/tests/test_buffers.py python/tests/test_copy.py
@@ -132,7 +142,7 @@ test-safetensors-suite: deps
 
 # The documented install, as a user runs it: a fresh venv from $(SYSTEM_PYTHON), `pip install .`
 # of this source tree (build requirements from PyPI, no system DLPack header; the cuda backend
-# when a CUDA toolkit is found, else the host backend alone), then the first ```python block of
+# compiled in, no toolkit needed), then the first ```python block of
 # README.md (the quickstart), verbatim, with that venv's python; then numpy.from_dlpack of a
 # pinmem buffer must be writable (DLPack 1.x versioned capsule).
 FRESH := $(BUILD)-py/fresh-venv
@@ -144,12 +154,38 @@ test-python-install: deps
 	@test -s $(BUILD)-py/quickstart.py || { echo "test-python-install: README.md has no python code block"; exit 1; }
 	@echo "== README.md's Python quickstart ($(BUILD)-py/quickstart.py) with $(FRESH)/bin/python:"
 	@sed 's/^/   | /' $(BUILD)-py/quickstart.py
-	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python quickstart.py
+	@# Without a usable GPU auto falls back and refuses device memory: simulate devices on purpose.
+	cd $(BUILD)-py && fb=$$($(CURDIR)/$(FRESH)/bin/python -c 'import pinmem; print(int(pinmem.backend_info()["fallback"]))') && \
+	  if [ "$$fb" = 1 ]; then echo "(no usable GPU: PINMEM_BACKEND=host)"; export PINMEM_BACKEND=host; fi && \
+	  $(CURDIR)/$(FRESH)/bin/python quickstart.py
 	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python -c 'import numpy as np, pinmem; \
 	  a = np.from_dlpack(pinmem.empty(4, "float32")); a[:] = 1; assert a.sum() == 4; \
 	  assert pinmem._pinmem.DLPACK_VERSIONED == 1; print("numpy.from_dlpack: writable")'
 	@echo "test-python-install: passed"
 	@$(RECORD) ran $(SUITES) python-install "README quickstart in a fresh venv"
+
+# The kernels' PTX (src/backend/kernels_ptx.h) from kernels.cu, where nvcc is on PATH; commit it
+# with the .cu (tests: host_ptx).
+ptx:
+	python3 tools/gen_ptx.py
+
+# The wheel: `pip wheel .` with the venv's build requirements (no toolkit needed: the cuda backend
+# loads the driver at run time), made a manylinux wheel by `auditwheel repair`, in dist/. One
+# wheel per CPython version (the venv's): not abi3, as pyproject.toml says why.
+WHEEL_DIR := $(BUILD)-wheel
+wheel: deps
+	rm -rf $(WHEEL_DIR) dist/pinmem-*.whl
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps \
+	  -w $(WHEEL_DIR)/raw -Cbuild-dir=$(WHEEL_DIR)/build .
+	PATH="$(dir $(PYTHON)):$$PATH" $(PYTHON) -m auditwheel repair -w dist $(WHEEL_DIR)/raw/pinmem-*.whl
+	@ls dist/pinmem-*.whl
+
+# The wheel as a user gets it (tests/test_wheel.sh): a fresh venv whose PATH holds python alone,
+# `pinmem info` through the console script, README.md's first ```python block, and the buffer and
+# copy tests against the installed package.
+test-wheel: wheel
+	./tests/test_wheel.sh $(wildcard dist/pinmem-*.whl) $(PYTHON) $(WHEEL_DIR)/test
+	@$(RECORD) ran $(SUITES) wheel "the wheel in a fresh venv without a compiler: README quickstart, buffer and copy tests"
 
 # A few lines about the machine (backend, devices, link, NUMA, limits), then the benchmark;
 # `pinmem info` shows all of it and `pinmem info --options` the option table.
@@ -163,7 +199,7 @@ install: build
 	cmake --install $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz $(SUITES)
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-host $(BUILD)-py $(BUILD)-fuzz $(BUILD)-wheel $(SUITES)
 
 # The docs cannot go stale unseen (tests/check_docs.py): links and the results files they name
 # exist, every option default they quote is the option table's, every option they name exists,

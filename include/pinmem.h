@@ -5,9 +5,11 @@
  * negative); output arguments are written only on success; pm_last_error() gives the detail of
  * the last failure on the calling thread (the failing system or CUDA call, the limit, the path).
  *
- * Backends: "cuda" (the CUDA runtime) and "host" (the CPU plays the device, so the whole API works
- * on machines without a GPU). PINMEM_BACKEND=auto|cuda|host selects one; auto takes cuda when a
- * device is present. All calls initialise the library on first use; pm_init() does it explicitly.
+ * Backends: "cuda" (the CUDA driver, loaded at run time) and "host" (the CPU plays the device, so
+ * the whole API works on machines without a GPU). PINMEM_BACKEND=auto|cuda|host selects one; auto
+ * takes cuda when a device is present, else falls back to host and refuses device memory, saying
+ * why (pm_backend_info). All calls initialise the library on first use; pm_init() does it
+ * explicitly.
  */
 #ifndef PINMEM_H
 #define PINMEM_H
@@ -111,6 +113,31 @@ PM_API pm_status_t pm_finalize(void);
 PM_API pm_backend_kind_t pm_backend_kind(void);
 /** "cuda", "host" or "none". */
 PM_API const char *pm_backend_name(void);
+
+/** Why the backend in force is the one it is, and what the CUDA driver offers (no silent CPU).
+ *  With option backend auto (the default) pinmem takes cuda when the NVIDIA driver
+ *  (libcuda.so.1, or the file PINMEM_CUDA_DRIVER names) loads, is CUDA 12.0 (r525) or newer and
+ *  shows a device; else it falls back to the host backend, and then every request for device
+ *  memory fails with PM_ERR_NO_DEVICE, the reason and how to simulate devices on purpose
+ *  (PINMEM_BACKEND=host, which keeps the host backend's simulated devices). */
+typedef struct pm_backend_info {
+  pm_backend_kind_t kind; /* the backend in force (PM_BACKEND_NONE if none could start) */
+  int requested;          /* what option backend asked: PM_BACKEND_CUDA, PM_BACKEND_HOST, or
+                             PM_BACKEND_NONE for auto */
+  int fallback;           /* 1: auto wanted cuda and fell back to host: no device memory */
+  int cuda_compiled;      /* 1: this build has the cuda backend (every build unless
+                             configured with -DPINMEM_CUDA=OFF) */
+  int driver_version;     /* cuDriverGetVersion (12040 = 12.4); 0 where no driver loaded */
+  int device_count;       /* devices of the backend in force */
+  char reason[640];       /* "auto: a CUDA device is present", "auto: no NVIDIA driver found
+                             (libcuda.so.1: ...)", "PINMEM_BACKEND=host", ... */
+  char driver_library[256]; /* the driver library tried, "" if none */
+  char driver_missing[256]; /* optional driver calls the driver lacks and what that costs */
+  char kernels[512];        /* why pinmem's kernels are unavailable or limited, "" if fine */
+} pm_backend_info_t;
+/** Starts the backend if none is (pm_init) and describes it. PM_OK also when no backend could
+ *  start (kind PM_BACKEND_NONE, reason says why); PM_ERR_INVALID for a NULL info_out. */
+PM_API pm_status_t pm_backend_info(pm_backend_info_t *info_out);
 
 typedef struct pm_device_info {
   int index;

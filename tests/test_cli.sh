@@ -666,11 +666,11 @@ if grep -q '^TARGET.*cudaHostAlloc' "$tmp/bench_text.out" "$tmp/summarize.out"; 
   show bench_text
 fi
 
-# pinmem info says why the backend in force was taken: auto gives the CUDA error (or that the
-# build has no CUDA, or that a device is present).
+# pinmem info says why the backend in force was taken: auto gives the driver's trouble (no
+# driver, too old, no device), or that the build has no cuda backend, or that a device is present.
 run info_auto env -u PINMEM_BACKEND "$bin" info
 expect_rc info_auto 0 &&
-  expect_grep info_auto out '^backend +(host|cuda) \(auto: (cuda not available: .+|this pinmem was built without CUDA|a CUDA device is present)\)$'
+  expect_grep info_auto out '^backend +(host|cuda) \(auto: (no NVIDIA driver found \(.+\)|NVIDIA driver .+|this pinmem was built without the cuda backend .+|a CUDA device is present)\)$'
 run info_auto_json env -u PINMEM_BACKEND "$bin" info --json
 expect_rc info_auto_json 0 &&
   json_check info_auto_json "

@@ -100,6 +100,22 @@ static void backend_reason(bool started, char *buf, size_t len) {
     snprintf(buf, len, "auto");
 }
 
+/* The cuda backend in one line: compiled in or not, the driver and what it lacks, the kernels. */
+static void driver_text(const pm_backend_info_t *bi, char *buf, size_t len) {
+  if (!bi->cuda_compiled) {
+    snprintf(buf, len, "not compiled in (-DPINMEM_CUDA=OFF)");
+    return;
+  }
+  char ver[32] = "none";
+  if (bi->driver_version)
+    snprintf(ver, sizeof ver, "CUDA %d.%d", bi->driver_version / 1000,
+             (bi->driver_version % 1000) / 10);
+  snprintf(buf, len, "compiled in; driver %s%s%s%s%s%s%s%s", ver,
+           bi->driver_library[0] ? " (" : "", bi->driver_library,
+           bi->driver_library[0] ? ")" : "", bi->driver_missing[0] ? "; lacks " : "",
+           bi->driver_missing, bi->kernels[0] ? "; kernels: " : "", bi->kernels);
+}
+
 /* A device's CPUs for the topology lines: its own local_cpulist, else its node's list. */
 static const char *device_cpus(const pm__topology_t *t, const pm__numa_device_t *dv, char *buf,
                                size_t len, const char **from) {
@@ -345,6 +361,9 @@ static int info_summary(bool json) {
   bool cap = pm__has_cap_ipc_lock();
   int count = 0, nenv = 0, nopt = pm_option_count();
   if (init_st == PM_OK && pm_device_count(&count) != PM_OK) count = 0;
+  pm_backend_info_t bi;
+  if (pm_backend_info(&bi) != PM_OK) memset(&bi, 0, sizeof bi);
+  if (bi.fallback) count = 0; /* the host backend's simulated devices are not on offer */
   for (int i = 0; i < nopt; i++) {
     pm_option_info_t o;
     if (pm_option_get(i, &o) == PM_OK && o.source != PM_OPTION_DEFAULT) nenv++;
@@ -372,6 +391,7 @@ static int info_summary(bool json) {
     cli_json_str(&j, "backend", init_st == PM_OK ? pm_backend_name() : NULL);
     cli_json_str(&j, "backend_reason", reason);
     cli_json_int(&j, "devices", count);
+    cli_json_bool(&j, "fallback", bi.fallback != 0);
     cli_json_str(&j, "numa_placement", place);
     if (rlim == SIZE_MAX)
       cli_json_null(&j, "memlock_rlimit_bytes");
@@ -398,7 +418,10 @@ static int info_summary(bool json) {
                di.numa_node >= 0 ? numa : "unknown", di.async_engines);
       printf("%s\n", line);
     }
-    if (!count) printf("devices: none\n");
+    if (!count)
+      printf("devices: none%s\n", bi.fallback ? " (device memory refused; PINMEM_BACKEND=host "
+                                                 "simulates devices)"
+                                               : "");
     printf("NUMA placement: %s\n", place);
     printf("limits: RLIMIT_MEMLOCK %s; pool budget %s\n", limit,
            budget ? cli_fmt_bytes(budget, b2, sizeof b2) : "unknown");
@@ -423,6 +446,13 @@ int cli_cmd_info(bool json, int what) {
   const char *backend = pm_backend_name();
   char reason[700];
   backend_reason(init_st == PM_OK, reason, sizeof reason);
+  /* The kernels load on first use: a zero-length one now, so the line below can say whether
+   * the driver's JIT took pinmem's PTX (and why not). */
+  if (init_st == PM_OK && pm_backend_kind() == PM_BACKEND_CUDA) (void)pm_launch_busy(NULL, 0.0);
+  pm_backend_info_t bi;
+  if (pm_backend_info(&bi) != PM_OK) memset(&bi, 0, sizeof bi);
+  char drv_txt[1400];
+  driver_text(&bi, drv_txt, sizeof drv_txt);
 
   /* ---- pinmem and the system ---- */
   size_t ram = pm__physical_memory();
@@ -445,6 +475,12 @@ int cli_cmd_info(bool json, int what) {
     cli_json_str(&j, "backend_reason", reason);
     cli_json_str(&j, "backend_status", pm_status_name(init_st));
     if (init_st != PM_OK) cli_json_str(&j, "backend_error", fail.detail);
+    cli_json_bool(&j, "fallback", bi.fallback != 0);
+    cli_json_bool(&j, "cuda_compiled", bi.cuda_compiled != 0);
+    cli_json_int(&j, "driver_version", bi.driver_version);
+    cli_json_str(&j, "driver_library", bi.driver_library);
+    cli_json_str(&j, "driver_missing", bi.driver_missing);
+    cli_json_str(&j, "kernels", bi.kernels);
     cli_json_end(&j);
 
     cli_json_begin(&j);
@@ -473,6 +509,11 @@ int cli_cmd_info(bool json, int what) {
   } else {
     cli_table_t t;
     printf("pinmem %s\n\n", pm_version());
+    /* No silent CPU: a fallback says why before anything else. */
+    if (bi.fallback)
+      printf("%s\n  -> running on the host backend: device memory is refused; "
+             "PINMEM_BACKEND=host simulates devices on purpose\n\n",
+             strncmp(bi.reason, "auto: ", 6) == 0 ? bi.reason + 6 : bi.reason);
     cli_table_init(&t, 2);
     char msg[1900];
     if (init_st == PM_OK)
@@ -481,6 +522,7 @@ int cli_cmd_info(bool json, int what) {
       snprintf(msg, sizeof msg, "none (%s cannot start: %s: %s)", reason, pm_status_name(init_st),
                fail.detail);
     cli_table_row(&t, "backend", msg);
+    cli_table_row(&t, "cuda backend", drv_txt);
     char cpus_txt[32], mem_txt[128], lim_txt[256], thp_txt[400];
     snprintf(cpus_txt, sizeof cpus_txt, "%d", cpus);
     snprintf(mem_txt, sizeof mem_txt, "%s (page size %s)", cli_fmt_bytes(ram, b1, sizeof b1),
@@ -508,7 +550,9 @@ int cli_cmd_info(bool json, int what) {
     int count = 0;
     pm_status_t st = pm_device_count(&count);
     if (st != PM_OK) note_failure(&fail, st);
-    if (!json) printf("\ndevices: %d\n", st == PM_OK ? count : 0);
+    if (bi.fallback) count = 0; /* the host backend's simulated devices are not on offer */
+    if (!json) printf("\ndevices: %d%s\n", st == PM_OK ? count : 0,
+                      bi.fallback ? " (no CUDA device; see above)" : "");
     for (int d = 0; st == PM_OK && d < count; d++) {
       pm_device_info_t di;
       pm_status_t dst = pm_device_get_info(d, &di);

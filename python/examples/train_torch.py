@@ -6,8 +6,11 @@ pinned memory and copied to the GPU on pinmem's stream while the previous step c
 as_torch() hands them over with torch.from_dlpack, which makes torch's current stream wait for
 the copy without blocking the host.
 
-    python3 python/examples/train_torch.py
+    python3 python/examples/train_torch.py          # on the GPU; stops, saying why, without one
+    python3 python/examples/train_torch.py --cpu    # on the CPU, on purpose
 """
+import sys
+
 import numpy as np
 import torch
 
@@ -16,7 +19,15 @@ import pinmem
 g = np.random.default_rng(0)
 X = g.normal(size=(50_000, 64)).astype(np.float32)
 Y = (X[:, :8].sum(axis=1) > 0).astype(np.int64)
-device = "cuda" if torch.cuda.is_available() and pinmem.backend() == "cuda" else "cpu"
+# No silent CPU: without a usable GPU say why and stop, unless the CPU was asked for.
+info = pinmem.backend_info()
+if "--cpu" in sys.argv[1:]:
+    device = "cpu"
+elif torch.cuda.is_available() and info["backend"] == "cuda":
+    device = "cuda"
+else:
+    sys.exit(f"train_torch.py: no usable CUDA GPU (pinmem: {info['reason']}; torch sees "
+             f"{torch.cuda.device_count()} device(s)); run with --cpu to train on the CPU")
 
 model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                             torch.nn.Linear(128, 2)).to(device)

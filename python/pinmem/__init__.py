@@ -24,6 +24,7 @@ from ._pinmem import (  # noqa: F401  (re-exported)
     PinnedBuffer,
     Stream,
     backend,
+    backend_info,
     budget,
     current_device,
     device_count,

@@ -7,6 +7,8 @@
  * dropped before that parks fence and holders on a pending list, which later calls sweep and exit
  * waits for: the memory of a copy in flight is never given back early.
  */
+#include <string.h>
+
 #include "_pinmem.h"
 
 /* What keeps one side of a copy alive until the copy is done (_pinmem.h). */
@@ -54,6 +56,16 @@ static int check_device_side(const void *ptr, size_t bytes, const char *what) {
       pmpy_raise_status(st);
       return -1;
     }
+  }
+  /* No silent CPU: after auto fell back to the host backend, memory another library holds on a
+   * GPU is out of pinmem's reach; say why rather than read it as host memory. */
+  pm_backend_info_t bi;
+  if (!pmpy_is_cuda_backend() && pm_backend_info(&bi) == PM_OK && bi.fallback) {
+    pmpy_raise_fmt(PM_ERR_NO_DEVICE,
+                   "%s is device memory, but pinmem has no CUDA device: it fell back to the host "
+                   "backend (%s); to simulate devices on purpose, set PINMEM_BACKEND=host",
+                   what, strncmp(bi.reason, "auto: ", 6) == 0 ? bi.reason + 6 : bi.reason);
+    return -1;
   }
   pm_pointer_info_t info;
   pm_status_t st = pm_pointer_query(ptr, &info);

@@ -244,6 +244,32 @@ static PyObject *py_backend(PyObject *mod, PyObject *unused) {
   return PyUnicode_FromString(pm_backend_name());
 }
 
+/* backend_info(): why the backend in force is the one it is (pm_backend_info). */
+static PyObject *py_backend_info(PyObject *mod, PyObject *unused) {
+  pm_backend_info_t bi;
+  pm_status_t st;
+  Py_BEGIN_ALLOW_THREADS st = pm_backend_info(&bi);
+  Py_END_ALLOW_THREADS if (st != PM_OK) return pmpy_raise_status(st);
+  const char *req = bi.requested == PM_BACKEND_CUDA   ? "cuda"
+                    : bi.requested == PM_BACKEND_HOST ? "host"
+                                                      : "auto";
+  PyObject *drv;
+  if (bi.driver_version)
+    drv = Py_BuildValue("(ii)", bi.driver_version / 1000, (bi.driver_version % 1000) / 10);
+  else
+    drv = Py_NewRef(Py_None);
+  if (!drv) return NULL;
+  return Py_BuildValue("{s:s,s:s,s:O,s:s,s:N,s:i,s:O,s:s,s:s,s:s}", "backend",
+                       bi.kind == PM_BACKEND_CUDA   ? "cuda"
+                       : bi.kind == PM_BACKEND_HOST ? "host"
+                                                    : "none",
+                       "requested", req, "fallback", bi.fallback ? Py_True : Py_False, "reason",
+                       bi.reason, "driver_version", drv, "devices", bi.device_count,
+                       "cuda_compiled", bi.cuda_compiled ? Py_True : Py_False, "driver_library",
+                       bi.driver_library, "driver_missing", bi.driver_missing, "kernels",
+                       bi.kernels);
+}
+
 static PyObject *py_device_count(PyObject *mod, PyObject *unused) {
   int n = 0;
   pm_status_t st = pm_device_count(&n);
@@ -391,6 +417,12 @@ PyMethodDef pmpy_pool_functions[] = {
      "pointer_info(addr_or_buffer) -> dict: what pinmem knows of the address"},
     {"init", py_init, METH_NOARGS, "init() -> backend name: start the library now"},
     {"backend", py_backend, METH_NOARGS, "backend() -> 'cuda' or 'host'"},
+    {"backend_info", py_backend_info, METH_NOARGS,
+     "backend_info() -> dict: backend ('cuda', 'host' or 'none'), requested ('auto', 'cuda' or "
+     "'host'), fallback (auto fell back to host: device memory is refused), reason (why), "
+     "driver_version ((major, minor) or None), devices, cuda_compiled, driver_library, "
+     "driver_missing (optional driver calls it lacks), kernels (why pinmem's kernels are "
+     "unavailable or limited; '' when fine)"},
     {"device_count", py_device_count, METH_NOARGS, "device_count() -> int"},
     {"device_info", py_device_info, METH_VARARGS, "device_info(device=0) -> dict"},
     {"synchronize", py_synchronize, METH_NOARGS, "synchronize(): wait for the current device"},

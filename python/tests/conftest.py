@@ -1,15 +1,31 @@
 """Shared fixtures for pinmem's Python tests.
 
-The tests run on whatever backend pinmem picks (PINMEM_BACKEND=auto|cuda|host; `make
-test-python` runs them on the host backend where no GPU is present). Data is never all zeros:
-rng() gives seeded random data, so a copy that moved nothing cannot pass.
+The tests run on whatever backend pinmem picks (PINMEM_BACKEND=auto|cuda|host). Where auto
+would fall back to the host backend (no usable GPU), they set PINMEM_BACKEND=host first: auto's
+fallback refuses device memory (no silent CPU), and the tests simulate devices on purpose
+(test_backend_choice.py checks the fallback itself, in child processes). Data is never all
+zeros: rng() gives seeded random data, so a copy that moved nothing cannot pass.
 """
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-import pinmem
+
+def _simulate_devices_without_gpu():
+    if os.environ.get("PINMEM_BACKEND"):
+        return
+    probe = subprocess.run([sys.executable, "-c",
+                            "import pinmem; print(int(pinmem.backend_info()['fallback']))"],
+                           capture_output=True, text=True)
+    if probe.returncode == 0 and probe.stdout.strip() == "1":
+        os.environ["PINMEM_BACKEND"] = "host"
+
+
+_simulate_devices_without_gpu()
+import pinmem  # noqa: E402  (after PINMEM_BACKEND is settled: pinmem reads it at start)
 
 # Small sizes under PINMEM_TEST_SMALL (valgrind-style runs), as the C tests do.
 SMALL = os.environ.get("PINMEM_TEST_SMALL") == "1"

@@ -1,7 +1,8 @@
 /*
  * DESIGN: the backend contract. Everything above this file (pool, registry, copy engine,
  * loader, CLI) talks to a device only through one of these tables, so the same code and the
- * same tests run on the CUDA runtime and on the host backend, where the CPU plays the device.
+ * same tests run on the CUDA driver (backend_cuda.c) and on the host backend, where the CPU plays
+ * the device.
  *
  * Rules every backend keeps:
  * - Each call returns pm_status_t and, on failure, records the detail with pm__set_error()
@@ -101,7 +102,19 @@ typedef struct pm__backend {
 
 /* backend_host_stream.c (the host backend; its memory: backend_host_memory.c) */
 extern const pm__backend_t pm__backend_host;
-/* backend_cuda.c (only when built with CUDA) */
+/* backend_cuda.c (in every build unless configured with -DPINMEM_CUDA=OFF) */
 extern const pm__backend_t pm__backend_cuda;
+
+/* What the cuda backend's driver probe found, for pm_backend_info (zeros and empty strings where
+ * nothing was probed). */
+typedef struct pm__cuda_status {
+  int compiled;        /* 1: the cuda backend is in this build */
+  int driver_version;  /* cuDriverGetVersion (12040 = 12.4), 0 without a driver */
+  int device_count;    /* devices the driver shows, once it started */
+  char library[256];   /* the driver library opened (libcuda.so.1 or PINMEM_CUDA_DRIVER) */
+  char missing[256];   /* optional driver calls this driver lacks, and what that costs */
+  char kernels[512];   /* why pinmem's kernels could not load, or run in smaller launches */
+} pm__cuda_status_t;
+void pm__cuda_status(pm__cuda_status_t *out);
 
 #endif /* PINMEM_BACKEND_H */

@@ -2,7 +2,7 @@
  * DESIGN: the C-callable face of kernels.cu (the only device code in pinmem). This header pulls
  * in no CUDA header, so any file may include it: streams are passed as `struct CUstream_st *`,
  * which is exactly what cudaStream_t is (and what a pm_stream_t is under the cuda backend).
- * The launchers exist only in builds with the cuda backend (PINMEM_HAVE_CUDA).
+ * The launchers live in backend_cuda.c (the kernels run from PTX loaded through the driver).
  *
  * The checksum is defined here once, for the device kernel and for the host reference alike,
  * so a buffer can be hashed where it lies and compared with the bytes it came from:
@@ -47,6 +47,25 @@ typedef struct pm__copy_desc {
  * memory has to outlive the call. */
 #define PM__BATCH_DESCS_PER_LAUNCH 1024
 
+/* The batch copy kernel's one parameter, by value (the same layout in C and in the PTX). */
+typedef struct pm__batch_params {
+  unsigned count;
+  pm__copy_desc_t d[PM__BATCH_DESCS_PER_LAUNCH];
+} pm__batch_params_t;
+
+/* The same for drivers whose JIT takes PTX ISA 8.0 at most (r525): 4 + 8 + 180 * 24 bytes stay
+ * within the 4352 parameter bytes that PTX ISA before 8.1 allows. */
+#define PM__BATCH_DESCS_SMALL 180
+typedef struct pm__batch_params_small {
+  unsigned count;
+  pm__copy_desc_t d[PM__BATCH_DESCS_SMALL];
+} pm__batch_params_small_t;
+
+/* Launch geometry shared by kernels.cu (its __launch_bounds__) and the launchers. */
+#define PM__CHECKSUM_THREADS 256 /* a multiple of the warp size (full-mask shuffles) */
+#define PM__CHECKSUM_MAX_BLOCKS 4096
+#define PM__BATCH_THREADS 256
+
 /* splitmix64's finaliser over the word and its index: a cheap, well-mixed 64-bit function. */
 PM__HOST_DEVICE static inline uint64_t pm__checksum_mix(uint64_t word, uint64_t index) {
   uint64_t x = word ^ (index * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull);
@@ -82,34 +101,14 @@ static inline uint64_t pm__checksum_host(const void *ptr, size_t bytes) {
   return sum;
 }
 
-#if defined(PINMEM_HAVE_CUDA)
-/* Queue the checksum of [dptr, dptr+bytes) (any device-readable memory: device, managed, mapped
- * pinned) on `stream`; the 64-bit result lands in *dresult (device-writable, 8-byte aligned)
- * when the stream reaches it. bytes may be 0. Fails (with pm_last_error detail) before queueing
- * anything, or with the launch error. */
+#if defined(PINMEM_HAVE_CUDA) && !defined(__CUDACC__)
+/* backend_cuda.c. Queue the checksum of [dptr, dptr+bytes) (any device-readable memory: device,
+ * managed, mapped pinned) on `stream`; the 64-bit result lands in *dresult (device-writable,
+ * 8-byte aligned) when the stream reaches it. bytes may be 0. Fails (with pm_last_error detail)
+ * before queueing anything, or with the launch error; PM_ERR_UNSUPPORTED when the kernels could
+ * not be loaded on this device (pm_backend_info says why). */
 pm_status_t pm__launch_checksum(const void *dptr, size_t bytes, uint64_t *dresult,
                                 struct CUstream_st *stream);
-
-/* Load the module's kernels now. With CUDA's lazy loading the first launch of a kernel loads
- * it, and that load can wait behind a stream that is blocked in a host function; loading at
- * backend start keeps launches from ever waiting on other streams. */
-pm_status_t pm__kernels_preload(void);
-
-/* Queue a kernel (one thread) that spins for `ns` nanoseconds of %globaltimer on `stream`. */
-pm_status_t pm__launch_busy_kernel(uint64_t ns, struct CUstream_st *stream);
-/* Copy desc[0..count) on `stream`, one thread block per descriptor, in launches of at most
- * PM__BATCH_DESCS_PER_LAUNCH descriptors. desc is read during the call only. */
-pm_status_t pm__launch_batch_copy(const pm__copy_desc_t *desc, size_t count,
-                                  struct CUstream_st *stream);
-
-/* kernels.cu: record a failed CUDA call. `cuda_error` is a cudaError_t; `oom_status` is what
- * cudaErrorMemoryAllocation means for this call (PM_ERR_NOMEM or PM_ERR_DEVICE_MEMORY). The
- * detail reads "<call text>: <CUDA message> (<CUDA error name>)". Returns the mapped status. */
-pm_status_t pm__cuda_fail(int cuda_error, pm_status_t oom_status, const char *call_fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
 #endif /* PINMEM_HAVE_CUDA */
 
 #ifdef __cplusplus

@@ -13,6 +13,11 @@
  * the device it has (a new thread's is 0, as CUDA's), so a process that works on device k alone
  * never touches device 0 (pm__device_option_given).
  *
+ * No silent CPU: when auto falls back to the host backend (no driver, an old one, no device), the
+ * host backend is installed through a copy of its table whose device and managed allocations
+ * fail with the reason (fallback_gate), so nothing that asked for a device gets host memory in
+ * its place; PINMEM_BACKEND=host installs the plain table and simulates devices on purpose.
+ *
  * Fork: in a forked child the backend of the parent is gone. The host backend starts afresh on
  * first use without probing CUDA; after the cuda backend nothing may start (fork_child_cuda).
  *
@@ -21,6 +26,7 @@
  */
 #include <pthread.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -30,6 +36,34 @@ static const pm__backend_t *_Atomic raw_backend; /* the same, without fault.c's 
 /* Why pm_init took the backend it took (pm__backend_reason): written under init_lock before
  * active_backend is published, so a reader that saw the backend sees its reason. */
 static char backend_reason[600];
+/* Set with backend_reason: what option backend asked for, and whether auto fell back. */
+static int backend_requested;
+static bool backend_fallback;
+
+/* The host backend as auto's fallback: device and managed memory refused, saying why. */
+static pm__backend_t host_fallback;
+
+static pm_status_t fallback_error(const char *call, size_t bytes) {
+  return pm__set_error(PM_ERR_NO_DEVICE,
+                       "%s(%zu bytes): no CUDA device: pinmem fell back to the host backend "
+                       "(%s). Device memory would be host memory in disguise, so it is refused; "
+                       "to simulate devices on purpose, set PINMEM_BACKEND=host",
+                       call, bytes, backend_reason + (strncmp(backend_reason, "auto: ", 6) ? 0 : 6));
+}
+static pm_status_t gated_device_alloc(size_t bytes, void **dptr_out) {
+  (void)dptr_out;
+  return fallback_error("device_alloc", bytes);
+}
+static pm_status_t gated_managed_alloc(size_t bytes, void **ptr_out) {
+  (void)ptr_out;
+  return fallback_error("managed_alloc", bytes);
+}
+static const pm__backend_t *fallback_backend(void) {
+  host_fallback = pm__backend_host;
+  host_fallback.device_alloc = gated_device_alloc;
+  host_fallback.managed_alloc = gated_managed_alloc;
+  return &host_fallback;
+}
 
 /* Set in a forked child (pm__init_atfork) by the backend the parent had started: the host backend
  * starts afresh in the child without probing CUDA; after the cuda backend nothing may start. */
@@ -90,6 +124,9 @@ pm_status_t pm_init(void) {
   long want = fork_child_host ? PM_BACKEND_HOST : pm__opt_int(PM__OPT_BACKEND);
   const pm__backend_t *chosen = NULL;
   pm_status_t st = PM_OK;
+  /* A child forked from a process that fell back keeps falling back (and keeps its reason). */
+  bool fallback = fork_child_host && backend_fallback;
+  if (!fork_child_host) backend_requested = (int)want;
 
   if (want == PM_BACKEND_CUDA) {
 #ifdef PINMEM_HAVE_CUDA
@@ -103,34 +140,38 @@ pm_status_t pm_init(void) {
 #else
     st = pm__set_error(PM_ERR_NO_DEVICE,
                        "pm_init: backend 'cuda' was asked for (option backend / PINMEM_BACKEND) "
-                       "but this pinmem was built without CUDA");
+                       "but this pinmem was built without the cuda backend (-DPINMEM_CUDA=OFF)");
 #endif
   } else {
-#ifdef PINMEM_HAVE_CUDA
     if (want != PM_BACKEND_HOST) {
-      /* auto: a machine without a usable GPU is normal; fall back to the host backend. */
+#ifdef PINMEM_HAVE_CUDA
+      /* auto: a machine without a usable GPU is normal; fall back to the host backend, and
+       * say why wherever someone asks for a device. */
       if (start_backend(&pm__backend_cuda) == PM_OK) {
         chosen = &pm__backend_cuda;
         snprintf(backend_reason, sizeof backend_reason, "auto: a CUDA device is present");
       } else {
-        snprintf(backend_reason, sizeof backend_reason, "auto: cuda not available: %s",
-                 pm_last_error());
+        snprintf(backend_reason, sizeof backend_reason, "auto: %s", pm_last_error());
+        fallback = true;
       }
-    }
 #else
-    if (want != PM_BACKEND_HOST)
-      snprintf(backend_reason, sizeof backend_reason, "auto: this pinmem was built without CUDA");
+      snprintf(backend_reason, sizeof backend_reason,
+               "auto: this pinmem was built without the cuda backend (-DPINMEM_CUDA=OFF)");
+      fallback = true;
 #endif
-    if (want == PM_BACKEND_HOST)
+    } else if (!fork_child_host || !backend_fallback) {
       snprintf(backend_reason, sizeof backend_reason, "asked for (option backend)");
+    }
     if (!chosen) {
-      st = start_backend(&pm__backend_host);
+      const pm__backend_t *host = fallback ? fallback_backend() : &pm__backend_host;
+      st = start_backend(host);
       if (st == PM_OK)
-        chosen = &pm__backend_host;
+        chosen = host;
       else
         st = pm__wrap_error(st, "pm_init: starting the host backend");
     }
   }
+  backend_fallback = chosen && fallback;
   const pm__backend_t *started_raw = chosen;
   if (chosen) {
     /* Every call goes through fault.c's forwarding table (it injects nothing unless armed). */
@@ -204,4 +245,36 @@ pm_backend_kind_t pm_backend_kind(void) {
 const char *pm_backend_name(void) {
   const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_acquire);
   return b ? b->name : "none";
+}
+
+pm_status_t pm_backend_info(pm_backend_info_t *info_out) {
+  if (!info_out) return pm__set_error(PM_ERR_INVALID, "pm_backend_info: info_out is NULL");
+  pm_backend_info_t info;
+  memset(&info, 0, sizeof info);
+  pm_status_t st = pm_init();
+  char start_error[512];
+  snprintf(start_error, sizeof start_error, "%s", st == PM_OK ? "" : pm_last_error());
+  pthread_mutex_lock(&init_lock);
+  const pm__backend_t *b = atomic_load_explicit(&raw_backend, memory_order_acquire);
+  info.kind = b ? b->kind : PM_BACKEND_NONE;
+  info.requested = backend_requested;
+  info.fallback = b && backend_fallback;
+  snprintf(info.reason, sizeof info.reason, "%s", b ? backend_reason : start_error);
+  pthread_mutex_unlock(&init_lock);
+  if (b && !info.fallback) { /* the fallback's simulated devices are not on offer */
+    int count = 0;
+    if (b->device_count(&count) == PM_OK) info.device_count = count;
+  }
+#ifdef PINMEM_HAVE_CUDA
+  pm__cuda_status_t cs;
+  pm__cuda_status(&cs);
+  info.cuda_compiled = cs.compiled;
+  info.driver_version = cs.driver_version;
+  snprintf(info.driver_library, sizeof info.driver_library, "%s", cs.library);
+  snprintf(info.driver_missing, sizeof info.driver_missing, "%s", cs.missing);
+  snprintf(info.kernels, sizeof info.kernels, "%s", cs.kernels);
+#endif
+  pm__clear_error();
+  *info_out = info;
+  return PM_OK;
 }

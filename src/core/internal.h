@@ -375,8 +375,9 @@ const pm__backend_t *pm__backend_raw(void);
 /* Option device was given (pm_option_set or PINMEM_DEVICE), not just its default: only then
  * does starting a backend make a device current (init.c). */
 bool pm__device_option_given(void);
-/* Why pm_init chose the backend in force, for `pinmem info` ("auto: cuda not available: <the
- * CUDA error>", "asked for (option backend)"); "" when none is started. */
+/* Why pm_init chose the backend in force, for `pinmem info` ("auto: no NVIDIA driver found
+ * (...)", "auto: a CUDA device is present", "asked for (option backend)"); "" when none is
+ * started. pm_backend_info gives it with the driver's state. */
 const char *pm__backend_reason(void);
 /* Shorthand used at the top of public calls: */
 #define PM__BACKEND_OR_RETURN(b)          \

@@ -125,6 +125,21 @@ def _torch():
     return torch
 
 
+def _require_device(what, device):
+    """No silent CPU: a device asked for after auto fell back to the host backend is an error
+    (torch CPU tensors in its place would fail far from the cause)."""
+    kind = getattr(device, "type", device)
+    if kind == "cpu":
+        return
+    info = _pm.backend_info()
+    if info["fallback"]:
+        reason = info["reason"][6:] if info["reason"].startswith("auto: ") else info["reason"]
+        _pm._pinmem._raise(_pm.PM_ERR_NO_DEVICE,
+                           f"{what}: device {device!r} asked for, but pinmem has no CUDA device: "
+                           f"it fell back to the host backend ({reason}); to simulate devices on "
+                           "purpose, set PINMEM_BACKEND=host")
+
+
 def _check_byteorder():
     if _sys.byteorder != "little":
         _fail(_pm.PM_ERR_UNSUPPORTED, "pinmem.safetensors: safetensors data is "
@@ -402,6 +417,7 @@ def load_file(path, device="cpu", *, backend="mmap", io="auto", strict=True):
         _fail(_pm.PM_ERR_INVALID, f"load_file({path!r}): io must be one of "
               f"{', '.join(IOS)}, not {io!r}")
     _check_backend(backend)
+    _require_device(f"load_file({path!r})", device)
     dtypes = {}
 
     def check(entries):
@@ -541,6 +557,7 @@ class safe_open:
             _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): io must be one of "
                   f"{', '.join(IOS)}, not {io!r}")
         _check_backend(backend)
+        _require_device(f"safe_open({path!r})", device)
         self._framework, self._io = FRAMEWORKS[framework], io
         if self._framework == "np":
             if device not in ("cpu", None):

@@ -1,0 +1,168 @@
+"""Which backend pinmem takes, and why (pinmem.backend_info), on machines whose NVIDIA driver is
+missing, too old or shows no device: no silent CPU.
+
+Each case runs in a child Python with PINMEM_BACKEND unset (auto) and PINMEM_CUDA_DRIVER pointing
+at a stand-in driver (tests/stub_cuda.c, compiled here with the C compiler) or at no file. Auto
+must fall back to the host backend and say why; every request for device memory must then fail
+with NoDeviceError giving that reason and naming PINMEM_BACKEND=host; PINMEM_BACKEND=host must
+keep simulating devices.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import pinmem
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STUB_SRC = os.path.join(HERE, "..", "..", "tests", "stub_cuda.c")
+STUBS = {  # variant: (defines, reason part, driver version)
+    "nodevice": (["STUB_VERSION=12040", "STUB_INIT_RESULT=100"],
+                 "NVIDIA driver found (version 12.4) but no device: cuInit: no CUDA-capable "
+                 "device is detected (CUDA_ERROR_NO_DEVICE)", (12, 4)),
+    "old": (["STUB_VERSION=11080", "STUB_INIT_RESULT=0"],
+            "NVIDIA driver too old (version 11.8, need 12.0", (11, 8)),
+    "nogpa": (["STUB_VERSION=12000", "STUB_INIT_RESULT=0", "STUB_NO_GPA=1"],
+              "has no cuGetProcAddress", (12, 0)),
+}
+
+
+def _cuda_compiled():
+    return pinmem.backend_info()["cuda_compiled"]
+
+
+@pytest.fixture(scope="module")
+def stub_dir(tmp_path_factory):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler to build the stand-in driver libraries (tests/stub_cuda.c)")
+    if not os.path.exists(STUB_SRC):
+        pytest.skip("tests/stub_cuda.c is not here (an installed package without the sources)")
+    out = tmp_path_factory.mktemp("stub_drivers")
+    for name, (defs, _, _) in STUBS.items():
+        subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out / f"libcuda_{name}.so"),
+                        *[f"-D{d}" for d in defs], STUB_SRC], check=True)
+    return out
+
+
+# The child: report backend_info, then try every way of asking for device memory.
+CHILD = textwrap.dedent("""
+    import json, os, sys, tempfile
+    import numpy as np
+    import pinmem
+    out = {"info": pinmem.backend_info(), "errors": {}}
+    def attempt(name, fn):
+        try:
+            fn()
+            out["errors"][name] = None
+        except Exception as e:  # noqa: BLE001  (any failure is reported, typed)
+            out["errors"][name] = [type(e).__name__, str(e)]
+    attempt("device_empty", lambda: pinmem.device_empty(16, "float32"))
+    data = np.arange(64, dtype=np.float32).reshape(16, 4)
+    attempt("loader_cuda", lambda: next(iter(pinmem.Loader(data, batch_size=4, device="cuda"))))
+    def load():
+        from pinmem import safetensors
+        path = os.path.join(tempfile.mkdtemp(), "t.safetensors")
+        hdr = json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+        with open(path, "wb") as f:
+            f.write(len(hdr).to_bytes(8, "little") + hdr + np.ones(4, np.float32).tobytes())
+        safetensors.load_file(path, device="cuda")
+    attempt("load_file_cuda", load)
+    class FakeCuda:  # memory a library says is on a GPU (what a torch CUDA tensor exports)
+        def __init__(self, addr):
+            self.__cuda_array_interface__ = {"shape": (64,), "typestr": "|u1",
+                                             "data": (addr, False), "version": 3}
+    host = pinmem.empty(64, "uint8")
+    attempt("copy_into_cuda", lambda: pinmem.copy(FakeCuda(0x7f0000000000), host).wait())
+    # Host memory is no device memory: pinned buffers still work.
+    a = np.asarray(pinmem.empty(8, "float32")); a[:] = 3
+    out["pinned_ok"] = bool((a == 3).all())
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def run_child(driver, backend=None):
+    env = dict(os.environ)
+    env.pop("PINMEM_BACKEND", None)
+    env.pop("PINMEM_DEVICE", None)
+    env["PINMEM_CUDA_DRIVER"] = driver
+    if backend:
+        env["PINMEM_BACKEND"] = backend
+    p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, f"child failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, p.stdout + p.stderr
+    return json.loads(line[-1][7:])
+
+
+def check_fallback(res, reason_part, version):
+    info = res["info"]
+    assert info["backend"] == "host"
+    assert info["requested"] == "auto"
+    assert info["fallback"] is True
+    assert info["cuda_compiled"] is True
+    assert info["reason"].startswith("auto: ")
+    assert reason_part in info["reason"]
+    assert info["driver_version"] == (list(version) if version else None)
+    assert info["devices"] == 0
+    for name, err in res["errors"].items():
+        assert err is not None, f"{name} was served under the fallback"
+        cls, msg = err
+        assert cls == "NoDeviceError", (name, err)
+        assert reason_part in msg, (name, msg)
+        assert "PINMEM_BACKEND=host" in msg, (name, msg)
+    assert res["pinned_ok"]
+
+
+def test_build_has_cuda_backend():
+    # Every build has the cuda backend (it needs no toolkit); -DPINMEM_CUDA=OFF is the exception.
+    assert _cuda_compiled(), pinmem.backend_info()
+
+
+def test_no_driver_library():
+    if not _cuda_compiled():
+        pytest.skip("this build has no cuda backend (-DPINMEM_CUDA=OFF)")
+    res = run_child("/nonexistent/libcuda.so.1")
+    check_fallback(res, "no NVIDIA driver found (/nonexistent/libcuda.so.1", None)
+
+
+@pytest.mark.parametrize("variant", sorted(STUBS))
+def test_unusable_driver(stub_dir, variant):
+    if not _cuda_compiled():
+        pytest.skip("this build has no cuda backend (-DPINMEM_CUDA=OFF)")
+    _, reason, version = STUBS[variant]
+    res = run_child(str(stub_dir / f"libcuda_{variant}.so"))
+    check_fallback(res, reason, version)
+
+
+def test_host_chosen_simulates_devices():
+    res = run_child("/nonexistent/libcuda.so.1", backend="host")
+    info = res["info"]
+    assert info["backend"] == "host" and info["requested"] == "host"
+    assert info["fallback"] is False
+    assert info["devices"] >= 1
+    assert res["errors"]["device_empty"] is None
+    assert res["errors"]["loader_cuda"] is None
+
+
+def test_cuda_asked_without_driver():
+    if not _cuda_compiled():
+        pytest.skip("this build has no cuda backend (-DPINMEM_CUDA=OFF)")
+    env = dict(os.environ, PINMEM_BACKEND="cuda", PINMEM_CUDA_DRIVER="/nonexistent/libcuda.so.1")
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import pinmem
+        print(pinmem.backend_info()["backend"])
+        try:
+            pinmem.device_empty(4, "float32")
+        except pinmem.NoDeviceError as e:
+            print("refused:", e)
+        """)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "none"
+    assert lines[1].startswith("refused:") and "no NVIDIA driver found" in lines[1], lines

@@ -1,0 +1,247 @@
+/*
+ * How the backend is chosen, on machines whose NVIDIA driver is missing, too old, incomplete or
+ * shows no device: stand-in driver libraries (stub_cuda.c, built beside this test) are loaded
+ * through PINMEM_CUDA_DRIVER, each case in a child process of its own (the driver is probed once
+ * per process). Auto must fall back to the host backend with the right reason, never crash;
+ * device and managed memory must then be refused, saying why and naming PINMEM_BACKEND=host;
+ * PINMEM_BACKEND=cuda must fail pm_init with the reason; PINMEM_BACKEND=host must simulate
+ * devices as ever. Needs no GPU: it runs the same everywhere.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "internal.h"
+
+#define CHECK_HAS(str, sub)                                                              \
+  do {                                                                                   \
+    pm_test_checks++;                                                                    \
+    if (!strstr((str), (sub)))                                                           \
+      PM_TEST_FAIL_AT(__FILE__, __LINE__, "\"%s\" does not contain \"%s\"", (str), (sub)); \
+  } while (0)
+
+#if defined(PINMEM_HAVE_CUDA)
+static char stub_path[512];
+static const char *stub(const char *variant) {
+  snprintf(stub_path, sizeof stub_path, "%s/libstub_cuda_%s.so", PINMEM_STUB_DIR, variant);
+  return stub_path;
+}
+#endif
+
+/* Run fn in a child (fresh probe); the child's failed checks make its exit status non-zero. */
+static void in_child(const char *name, void (*fn)(void)) {
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    fn();
+    fflush(stdout);
+    _exit(pm_test_failures ? 1 : 0);
+  }
+  int status = 0;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  pm_test_checks++;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    PM_TEST_FAIL_AT(__FILE__, __LINE__, "case %s: child %s %d", name,
+                    WIFEXITED(status) ? "exited with" : "died of signal",
+                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+  else
+    printf("  %s: ok\n", name);
+}
+
+/* Auto fell back: host backend, the reason, and device memory refused with it. */
+static void expect_fallback(const char *reason_part, int driver_version) {
+  CHECK_ST(pm_init(), PM_OK);
+  CHECK_EQ_INT(pm_backend_kind(), PM_BACKEND_HOST);
+  pm_backend_info_t bi;
+  CHECK_ST(pm_backend_info(&bi), PM_OK);
+  CHECK_EQ_INT(bi.kind, PM_BACKEND_HOST);
+  CHECK_EQ_INT(bi.requested, PM_BACKEND_NONE);
+  CHECK_EQ_INT(bi.fallback, 1);
+  CHECK_EQ_INT(bi.driver_version, driver_version);
+  CHECK_HAS(bi.reason, "auto: ");
+  CHECK_HAS(bi.reason, reason_part);
+#if defined(PINMEM_HAVE_CUDA)
+  CHECK_EQ_INT(bi.cuda_compiled, 1);
+#else
+  CHECK_EQ_INT(bi.cuda_compiled, 0);
+#endif
+  void *d = NULL;
+  CHECK_ST(pm_device_alloc(4096, &d), PM_ERR_NO_DEVICE);
+  CHECK(d == NULL);
+  CHECK_HAS(pm_last_error(), reason_part);
+  CHECK_HAS(pm_last_error(), "PINMEM_BACKEND=host");
+  CHECK_ST(pm_managed_alloc(4096, &d), PM_ERR_NO_DEVICE);
+  CHECK_HAS(pm_last_error(), reason_part);
+  /* Pinned host memory is no device memory: it still works, and copies between host buffers. */
+  void *h = NULL;
+  CHECK_ST(pm_host_alloc(NULL, 4097, 0, &h), PM_OK);
+  if (h) {
+    char src[4097];
+    pm_test_fill(src, sizeof src, 31);
+    CHECK_ST(pm_memcpy(h, src, sizeof src, PM_COPY_H2H), PM_OK);
+    CHECK(pm_test_fill_ok(h, sizeof src, 31));
+    CHECK_ST(pm_host_free(h), PM_OK);
+  }
+  CHECK_ST(pm_finalize(), PM_OK);
+}
+
+#if defined(PINMEM_HAVE_CUDA)
+static void case_missing(void) {
+  setenv("PINMEM_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
+  expect_fallback("no NVIDIA driver found (/nonexistent/libcuda.so.1", 0);
+}
+static void case_nodevice(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("nodevice"), 1);
+  expect_fallback("NVIDIA driver found (version 12.4) but no device: cuInit: no CUDA-capable "
+                  "device is detected (CUDA_ERROR_NO_DEVICE)",
+                  12040);
+}
+static void case_zerodevices(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("zerodevices"), 1);
+  setenv("CUDA_VISIBLE_DEVICES", "", 1);
+  expect_fallback("NVIDIA driver found (version 12.2) but no device (CUDA_VISIBLE_DEVICES=)",
+                  12020);
+}
+static void case_old(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("old"), 1);
+  expect_fallback("NVIDIA driver too old (version 11.8, need 12.0", 11080);
+}
+static void case_nogpa(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("nogpa"), 1);
+  expect_fallback("has no cuGetProcAddress", 12000);
+}
+static void case_not_a_driver(void) {
+  setenv("PINMEM_CUDA_DRIVER", "libc.so.6", 1);
+  expect_fallback("no cuInit/cuDriverGetVersion: not the CUDA driver", 0);
+}
+/* A pretend device (stub_cuda.c's STUB_FAKE_DEVICE): the backend's own plumbing where no GPU is:
+ * the probe succeeds, contexts are made current, memory, streams and events go through the
+ * driver table, and a JIT that refuses the PTX leaves the kernels unavailable with the reason
+ * (batches on the DMA path) instead of failing anything else. */
+static void case_fake_device(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("fake"), 1);
+  CHECK_ST(pm_init(), PM_OK);
+  CHECK_EQ_INT(pm_backend_kind(), PM_BACKEND_CUDA);
+  pm_backend_info_t bi;
+  CHECK_ST(pm_backend_info(&bi), PM_OK);
+  CHECK_EQ_INT(bi.fallback, 0);
+  CHECK_EQ_INT(bi.device_count, 1);
+  CHECK_EQ_INT(bi.driver_version, 12040);
+  CHECK_HAS(bi.reason, "auto: a CUDA device is present");
+  CHECK_HAS(bi.driver_missing, "cuMemcpyBatchAsync");
+  pm_device_info_t di;
+  CHECK_ST(pm_device_get_info(0, &di), PM_OK);
+  CHECK(strcmp(di.name, "stub device") == 0);
+  CHECK_EQ_INT(di.cc_major, 9);
+  CHECK_EQ_SIZE(di.total_memory, (size_t)2 << 30);
+  int dev = -1;
+  CHECK_ST(pm_device_get(&dev), PM_OK);
+  CHECK_EQ_INT(dev, 0);
+  CHECK_ST(pm_device_set(1), PM_ERR_INVALID);
+  void *d = NULL;
+  CHECK_ST(pm_device_alloc(1000, &d), PM_OK);
+  if (d) {
+    char src[1000], back[1000];
+    pm_test_fill(src, sizeof src, 5);
+    CHECK_ST(pm_memcpy(d, src, sizeof src, PM_COPY_H2D), PM_OK);
+    memset(back, 0, sizeof back);
+    CHECK_ST(pm_memcpy(back, d, sizeof back, PM_COPY_D2H), PM_OK);
+    CHECK(pm_test_fill_ok(back, sizeof back, 5));
+    CHECK_ST(pm_device_free(d), PM_OK);
+  }
+  pm_stream_t s = NULL;
+  pm_event_t e = NULL;
+  CHECK_ST(pm_stream_create(&s), PM_OK);
+  CHECK_ST(pm_event_create(PM_EVENT_DEFAULT, &e), PM_OK);
+  CHECK_ST(pm_event_record(e, s), PM_OK);
+  CHECK_ST(pm_event_synchronize(e), PM_OK);
+  CHECK_ST(pm_stream_query(s), PM_OK);
+  /* The stub's JIT refuses the PTX: kernels unavailable, with the reason, nothing else fails. */
+  const pm__backend_t *b = pm__backend();
+  CHECK(b != NULL);
+  if (b) {
+    CHECK_ST(b->launch_busy(s, 0.001), PM_ERR_UNSUPPORTED);
+    CHECK_HAS(pm_last_error(), "stub JIT: no PTX here");
+    CHECK_EQ_INT(b->kernel_host_access(), 0);
+  }
+  CHECK_ST(pm_backend_info(&bi), PM_OK);
+  CHECK_HAS(bi.kernels, "cuModuleLoadDataEx");
+  CHECK_HAS(bi.kernels, "CUDA_ERROR_INVALID_PTX");
+  CHECK_HAS(bi.kernels, "batches go by DMA");
+  CHECK_ST(pm_event_destroy(e), PM_OK);
+  CHECK_ST(pm_stream_destroy(s), PM_OK);
+  CHECK_ST(pm_finalize(), PM_OK);
+}
+
+/* Asked for by name, cuda that cannot start fails pm_init, with the same reason. */
+static void case_cuda_asked(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("nodevice"), 1);
+  setenv("PINMEM_BACKEND", "cuda", 1);
+  CHECK_ST(pm_init(), PM_ERR_NO_DEVICE);
+  CHECK_HAS(pm_last_error(), "backend 'cuda' was asked for");
+  CHECK_HAS(pm_last_error(), "CUDA_ERROR_NO_DEVICE");
+  pm_backend_info_t bi;
+  CHECK_ST(pm_backend_info(&bi), PM_OK);
+  CHECK_EQ_INT(bi.kind, PM_BACKEND_NONE);
+  CHECK_EQ_INT(bi.requested, PM_BACKEND_CUDA);
+  CHECK_EQ_INT(bi.fallback, 0);
+  CHECK_HAS(bi.reason, "CUDA_ERROR_NO_DEVICE");
+  void *d = NULL;
+  CHECK_ST(pm_device_alloc(64, &d), PM_ERR_NO_DEVICE);
+}
+#endif
+
+/* Chosen on purpose, the host backend simulates devices whatever the driver. */
+static void case_host_asked(void) {
+#if defined(PINMEM_HAVE_CUDA)
+  setenv("PINMEM_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
+#endif
+  setenv("PINMEM_BACKEND", "host", 1);
+  CHECK_ST(pm_init(), PM_OK);
+  pm_backend_info_t bi;
+  CHECK_ST(pm_backend_info(&bi), PM_OK);
+  CHECK_EQ_INT(bi.kind, PM_BACKEND_HOST);
+  CHECK_EQ_INT(bi.requested, PM_BACKEND_HOST);
+  CHECK_EQ_INT(bi.fallback, 0);
+  CHECK(bi.device_count >= 1);
+  void *d = NULL;
+  CHECK_ST(pm_device_alloc(4096, &d), PM_OK);
+  if (d) {
+    char src[100], back[100];
+    pm_test_fill(src, sizeof src, 7);
+    CHECK_ST(pm_memcpy(d, src, sizeof src, PM_COPY_H2D), PM_OK);
+    CHECK_ST(pm_memcpy(back, d, sizeof back, PM_COPY_D2H), PM_OK);
+    CHECK(pm_test_fill_ok(back, sizeof back, 7));
+    CHECK_ST(pm_device_free(d), PM_OK);
+  }
+  CHECK_ST(pm_finalize(), PM_OK);
+}
+
+#if !defined(PINMEM_HAVE_CUDA)
+static void case_compiled_out(void) {
+  expect_fallback("built without the cuda backend", 0);
+}
+#endif
+
+int main(void) {
+  /* Every case sets what it needs; nothing of the caller's environment leaks in. */
+  unsetenv("PINMEM_BACKEND");
+  unsetenv("PINMEM_DEVICE");
+#if defined(PINMEM_HAVE_CUDA)
+  in_child("no driver library", case_missing);
+  in_child("driver without a device (cuInit fails)", case_nodevice);
+  in_child("driver showing no device", case_zerodevices);
+  in_child("driver too old", case_old);
+  in_child("driver without cuGetProcAddress", case_nogpa);
+  in_child("a library that is not the driver", case_not_a_driver);
+  in_child("PINMEM_BACKEND=cuda without a usable driver", case_cuda_asked);
+  in_child("a pretend device", case_fake_device);
+#else
+  in_child("cuda backend compiled out", case_compiled_out);
+#endif
+  in_child("PINMEM_BACKEND=host", case_host_asked);
+  return pm_test_finish("test_driver");
+}
