@@ -210,7 +210,8 @@ _ARCHIVES_LOCK = _threading.Lock()
 
 
 def _archive(dtype, size, stride, nbytes):
-    key = (dtype, tuple(size), tuple(stride))
+    # torch.save's CRCs of the small records too follow its crc32 option: part of the key
+    key = (dtype, tuple(size), tuple(stride), _crc_on())
     with _ARCHIVES_LOCK:
         a = _ARCHIVES.get(key)
     if a is None:
