@@ -712,6 +712,38 @@ def _dtensor_type():
         return None
 
 
+# Plain recursive functions, not closures: a closure that calls itself is a reference cycle,
+# which would keep the snapshot (and so the pinned buffer) alive until the next gc.
+def _collect(v, DTensor, out):
+    """The tensors of a state dict (DTensors' local shards), in order."""
+    if DTensor is not None and isinstance(v, DTensor):
+        out.append(v._local_tensor)
+    elif isinstance(v, _torch.Tensor):
+        out.append(v)
+    elif isinstance(v, dict):
+        for x in v.values():
+            _collect(x, DTensor, out)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _collect(x, DTensor, out)
+
+
+def _rebuild_sd(v, DTensor, staged):
+    """The state dict v with each tensor replaced by its snapshot (staged: id -> snapshot) and
+    every other value deep-copied."""
+    if DTensor is not None and isinstance(v, DTensor):
+        return DTensor(staged[id(v._local_tensor)], v._spec, requires_grad=False)
+    if isinstance(v, _torch.Tensor):
+        return staged[id(v)]
+    if isinstance(v, dict):
+        return {k: _rebuild_sd(x, DTensor, staged) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rebuild_sd(x, DTensor, staged) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_rebuild_sd(x, DTensor, staged) for x in v)
+    return _copy.deepcopy(v)
+
+
 class PinnedStager(_AsyncStager):
     """An AsyncStager for dcp.async_save(..., async_stager=PinnedStager()) (and the stage of
     pinmem.dcp.FileSystemWriter): snapshots the state dict's tensors (plain tensors and DTensors'
@@ -761,21 +793,8 @@ class PinnedStager(_AsyncStager):
 
     def stage(self, state_dict):
         DTensor = _dtensor_type()
-        leaves = []  # (path-free) list of local tensors to snapshot
-
-        def collect(v):
-            if DTensor is not None and isinstance(v, DTensor):
-                leaves.append(v._local_tensor)
-            elif isinstance(v, _torch.Tensor):
-                leaves.append(v)
-            elif isinstance(v, dict):
-                for x in v.values():
-                    collect(x)
-            elif isinstance(v, (list, tuple)):
-                for x in v:
-                    collect(x)
-
-        collect(state_dict)
+        leaves = []
+        _collect(state_dict, DTensor, leaves)
         staged = {}
         host, by_dev = [], {}
         for t in leaves:
@@ -824,22 +843,7 @@ class PinnedStager(_AsyncStager):
         self.last = {"bytes": total + device_bytes, "pinned": total, "device": device_bytes,
                      "reused": reused}
 
-        def rebuild(v):
-            if DTensor is not None and isinstance(v, DTensor):
-                return DTensor(staged[id(v._local_tensor)], v._spec,
-                               requires_grad=False)
-            if isinstance(v, _torch.Tensor):
-                return staged[id(v)]
-            if isinstance(v, dict):
-                return type(v)((k, rebuild(x)) for k, x in v.items()) if not isinstance(
-                    v, _collections.defaultdict) else {k: rebuild(x) for k, x in v.items()}
-            if isinstance(v, list):
-                return [rebuild(x) for x in v]
-            if isinstance(v, tuple):
-                return tuple(rebuild(x) for x in v)
-            return _copy.deepcopy(v)
-
-        return rebuild(state_dict)
+        return _rebuild_sd(state_dict, DTensor, staged)
 
     def _device_scratch(self, dev, ts):
         need = sum(t.numel() * t.element_size() for t in ts)
