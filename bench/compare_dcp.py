@@ -29,7 +29,11 @@ disk's O_DIRECT read; async return <= 1.3x the snapshot alone; training slowdown
 async save; pinmem faster than torch's writer and reader (the ratios printed).
 
   bench/compare_dcp.py [--ranks 2] [--size 1G] [--device cpu|cuda] [--dir DIR] [--repeat 3]
-                       [--json]
+                       [--crc32 torch|off] [--no-train] [--json]
+
+Rows of saves and loads carry each rank's CPU seconds (user + system, all threads) beside its
+GB/s: on a machine of few cores the CPU a save needs (torch.save's CRC-32 of every byte, on by
+default, 1.2 GB/s a core here) is what it competes with the ranks' training for.
 
 Human-readable lines go to stderr; with --json one JSON object per result goes to stdout.
 """
@@ -37,6 +41,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -77,6 +82,12 @@ def timed_io(cls, method):
     return Timed
 
 
+def cpu_seconds():
+    """User + system CPU seconds of this process so far (all its threads)."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
 def sync(torch, device):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -90,6 +101,8 @@ def rank_main(rank, world, args, store, tmp):
     import pinmem.dcp as pdcp
 
     torch.set_num_threads(1)  # the ranks share the machine's cores, as one per core
+    if args.crc32 == "off":  # torch.save's CRCs off, for torch's writer and pinmem's alike
+        torch.serialization.set_crc32_options(False)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     g = Ranks(dist, rank, world)
     device = args.device
@@ -106,6 +119,7 @@ def rank_main(rank, world, args, store, tmp):
 
     def report(case, seconds, nbytes, **extra):
         r = dict(ROW, case=case, device=args.device, ranks=world, bytes=nbytes,
+                 crc32=torch.serialization.get_crc32_options(),
                  seconds=round(seconds, 6),
                  gbps=round(nbytes / seconds / 1e9, 3) if seconds > 0 else None, **extra)
         rows.append(r)
@@ -118,10 +132,17 @@ def rank_main(rank, world, args, store, tmp):
 
     if lead:
         say("compare_dcp: %d ranks, %.2f GB in all (%d tensors of %s per rank), device %s, "
-            "pinmem %s backend, torch %s, crc32 %s; files in %s" % (
+            "pinmem %s backend, torch %s, crc32 %s, %d CPUs, load average %.1f; files in %s" % (
                 world, allb / 1e9, len(sd), next(iter(sd.values())).dtype, args.device,
                 pinmem.backend(), torch.__version__, torch.serialization.get_crc32_options(),
-                tmp))
+                os.cpu_count(), os.getloadavg()[0], tmp))
+        if args.json:
+            print(json.dumps(dict(ROW, case="setup", device=args.device, ranks=world,
+                                  bytes=allb, tensors_per_rank=len(sd), cpus=os.cpu_count(),
+                                  loadavg=os.getloadavg()[0], torch=torch.__version__,
+                                  pinmem_backend=pinmem.backend(),
+                                  crc32=torch.serialization.get_crc32_options(),
+                                  crc32_impl=pdcp._crc32.__module__)), flush=True)
 
     # --- the disk, every rank at once -------------------------------------------------------
     disk = Disk(os.path.join(tmp, f"dd.{rank}.bin"), mine)
@@ -157,11 +178,12 @@ def rank_main(rank, world, args, store, tmp):
         g.barrier()
         w = writers[kind](folders[kind])
         sync(torch, device)
+        c0 = cpu_seconds()
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=w)
         wall = time.perf_counter() - t0
-        s = g.gather((wall, w.io_seconds))
-        saves[kind].append((max(x[0] for x in s), [x[1] for x in s]))
+        s = g.gather((wall, w.io_seconds, cpu_seconds() - c0))
+        saves[kind].append((max(x[0] for x in s), [x[1] for x in s], [x[2] for x in s]))
 
     for _ in range(args.repeat):
         save("torch")
@@ -187,14 +209,16 @@ def rank_main(rank, world, args, store, tmp):
             load.how = how
         g.barrier()
         r = readers[kind](folder)
+        c0 = cpu_seconds()
         t0 = time.perf_counter()
         dcp.load(dest, storage_reader=r)
         sync(torch, device)
         wall = time.perf_counter() - t0
+        c = cpu_seconds() - c0
         ok = all(torch.equal(dest[k], sd[k]) for k in sd)
-        s = g.gather((wall, r.io_seconds, ok))
-        loads[kind].append((max(x[0] for x in s), [x[1] for x in s]))
-        verified[kind] = all(x[2] for x in s)
+        s = g.gather((wall, r.io_seconds, c, ok))
+        loads[kind].append((max(x[0] for x in s), [x[1] for x in s], [x[2] for x in s]))
+        verified[kind] = all(x[3] for x in s)
 
     load.how = None
     for _ in range(args.repeat):
@@ -211,14 +235,15 @@ def rank_main(rank, world, args, store, tmp):
         results["disk_write"] = report("disk_odirect_write", min(dw), allb)
         results["disk_read"] = report("disk_odirect_read", min(dr), allb)
     for kind in ("torch", "pinmem"):
-        wall, io_s = best(saves[kind])
+        wall, io_s, cpu = best(saves[kind])
         results[f"{kind}_save"] = report(f"{kind}_save", wall, allb, per_rank_gbps=per(io_s),
-                                         verified=True)
+                                         cpu_seconds=[round(c, 3) for c in cpu], verified=True)
     for kind in ("torch", "pinmem"):
-        wall, io_s = best(loads[kind])
+        wall, io_s, cpu = best(loads[kind])
         results[f"{kind}_load"] = report(f"{kind}_load_cold", wall, allb,
-                                         per_rank_gbps=per(io_s), verified=verified[kind],
-                                         dropped=load.how)
+                                         per_rank_gbps=per(io_s),
+                                         cpu_seconds=[round(c, 3) for c in cpu],
+                                         verified=verified[kind], dropped=load.how)
 
     # --- async_save ---------------------------------------------------------------------------
     stager = pdcp.PinnedStager()
@@ -372,6 +397,9 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--dir", default=None, help="folder on the disk under test")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each case (best kept)")
+    ap.add_argument("--crc32", default="torch", choices=("torch", "off"),
+                    help="torch.save's CRC-32s: torch's option as it is (default: on), or off "
+                    "for both writers (torch.serialization.set_crc32_options(False))")
     ap.add_argument("--no-train", action="store_true", help="skip the training loop")
     ap.add_argument("--json", action="store_true", help="one JSON object per result on stdout")
     args = ap.parse_args()
