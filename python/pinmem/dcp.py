@@ -248,29 +248,41 @@ def _source(t):
 # ---- writing ------------------------------------------------------------------------------------
 
 class _FileOut:
-    """One data file of a save, written in order: small parts gathered, large tensors' bytes
-    written with pinmem from their memory."""
+    """One data file of a save. Small parts (gaps, archive heads, small tensors, BYTE_IO items)
+    are gathered and written in runs; each large tensor's bytes are written with pinmem from
+    their memory, WRITERS of them in flight at once (one pinmem call at a time left the disk
+    idle between calls: 0.6-1.4 GB/s against 1.4-1.9 with two, 5 MiB tensors on this
+    machine's virtual disk), and its archive's tail, which holds the CRC, once it is done."""
+
+    WRITERS = 2
 
     def __init__(self, path, name, io, crc):
-        self.path, self.name, self.io, self.crc = path, name, io, crc
+        # A large tensor's bytes start on a 4 KiB boundary: "auto" writes them O_DIRECT at any
+        # size (pinmem's own auto does from 64 MiB; a rank's file is written in tensors of a few
+        # MiB, and through the page cache it leaves all of them to the final fsync).
+        self.path, self.name, self.crc = path, name, crc
+        self.io = "direct" if io == "auto" else io
         self.fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o666)
         self.pos = 0            # the file's length so far
         self.small = bytearray()  # bytes for [pos - len(small), pos)
         self.results = []
+        self.pending = []  # (tail position, archive, Future of the data's CRC)
+        self.pool = None
 
     def _put(self, b):
         self.small += b
         self.pos += len(b)
 
-    def flush(self):
-        if not self.small:
-            return
-        at = self.pos - len(self.small)
-        mv = memoryview(self.small)
+    def _pwrite(self, b, at):
+        mv = memoryview(b)
         while mv:
             n = _os.pwrite(self.fd, mv, at)
             mv, at = mv[n:], at + n
-        self.small = bytearray()
+
+    def flush(self):
+        if self.small:
+            self._pwrite(self.small, self.pos - len(self.small))
+            self.small = bytearray()
 
     def add_bytes(self, item, data):
         b = data.getbuffer() if isinstance(data, _io.BytesIO) else memoryview(data)
@@ -289,9 +301,13 @@ class _FileOut:
         at = self.pos
         self._put(a.head)
         self.flush()
-        crc = self._write_data(flat, self.pos)
-        self.pos += nbytes
-        self._put(a.tail_for(crc))
+        if self.pool is None:
+            import concurrent.futures
+            self.pool = concurrent.futures.ThreadPoolExecutor(self.WRITERS,
+                                                              "pinmem-dcp-write")
+        self.pending.append((self.pos + nbytes, a,
+                             self.pool.submit(self._write_data, flat, self.pos)))
+        self.pos += nbytes + len(a.tail)
         self.results.append(_result(item, self.name, at, self.pos - at))
 
     def _add_saved(self, item, t):
@@ -329,11 +345,27 @@ class _FileOut:
         return _write_device_crc(self.path, flat, offset, self.io, stream)
 
     def close(self, fsync):
+        """Every write waited for (also after a failure, so that none runs on), the tails
+        written, fsync; the first error raised."""
+        first = None
         try:
+            for tail_at, a, fut in self.pending:
+                try:
+                    crc = fut.result()
+                    if first is None:
+                        self._pwrite(a.tail_for(crc), tail_at)
+                except BaseException as e:
+                    if first is None:
+                        first = e
+            if self.pool is not None:
+                self.pool.shutdown()
+            if first is not None:
+                raise first
             self.flush()
             if fsync:
                 _os.fsync(self.fd)
         finally:
+            self.pending = []
             _os.close(self.fd)
 
 
@@ -381,7 +413,9 @@ class FileSystemWriter(_fs.FileSystemWriter):
     """torch.distributed.checkpoint's FileSystemWriter, writing through pinmem: same arguments,
     same files (torch's FileSystemReader reads them), plus
 
-    io: as pinmem.write_file's ('auto': O_DIRECT from 64 MiB).
+    io: 'auto' (the default) and 'direct' write each tensor of 1 MiB or more with O_DIRECT
+    (pinmem.write_file's io='direct'; smaller ones and the archives' headers are buffered),
+    'buffered' writes everything through the page cache.
     crc32: store each tensor's CRC-32 in its archive, as torch.save does (None, the default:
     follow torch.serialization.get_crc32_options(), on unless turned off there).
     stage: how dcp.async_save snapshots device tensors when this writer is its stager
