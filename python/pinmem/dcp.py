@@ -581,39 +581,52 @@ def _pread(fd, n, offset, path):
     return b
 
 
+def _records(head):
+    """{name after the archive's folder: (data start, data end)} of the records before the
+    storage's, and the storage's data start, from the local headers at the start of an archive
+    (torch.save writes each record with a data descriptor after it: PK\\x07\\x08, CRC, and
+    its size, which must match); None where they are not laid out so."""
+    recs, p = {}, 0
+    while head[p:p + 4] == b"PK\x03\x04":
+        nl, el = _struct.unpack_from("<HH", head, p + 26)
+        name = bytes(head[p + 30:p + 30 + nl]).decode("utf-8").split("/", 1)[-1]
+        d0 = p + 30 + nl + el
+        if name == "data/0":
+            return recs, d0
+        q = head.find(b"PK\x07\x08", d0)
+        while q >= 0 and (q + 16 > len(head)
+                          or _struct.unpack_from("<I", head, q + 8)[0] != q - d0):
+            q = head.find(b"PK\x07\x08", q + 1)
+        if q < 0:
+            return None
+        recs[name] = (d0, q)
+        p = q + 16
+    return None
+
+
 def _parse(fd, offset, length, path):
     """(dtype, size, stride, storage offset, absolute offset of the storage's bytes, numel of
-    the storage) of the torch.save archive at [offset, offset + length) of fd, or None when it
-    is not one tensor archive this code knows."""
+    the storage, item size) of the torch.save archive at [offset, offset + length) of fd, or
+    None when it is not one tensor archive this code knows. One read of the archive's first 4
+    KiB: the records before the storage's data are small; the central directory at the end is
+    not read (a read of its own per tensor cost a cold load a third of its time)."""
     try:
-        tail_n = min(length, 4096)
-        tail = _pread(fd, tail_n, offset + length - tail_n, path)
-        entries = {e[0].split("/", 1)[-1]: e for e in _central(tail, length - tail_n)}
-        pkl, data = entries.get("data.pkl"), entries.get("data/0")
-        if pkl is None or data is None or len(entries) > 8:
-            return None
         head = _pread(fd, min(length, 4096), offset, path)
-
-        def start(h):
-            nl, el = _struct.unpack_from("<HH", head, h + 26)
-            if head[h:h + 4] != b"PK\x03\x04":
-                raise ValueError("bad local header")
-            return h + 30 + nl + el
-
-        p0 = start(pkl[3])
-        # data.pkl's length: up to its data descriptor
-        p1 = head.find(b"PK\x07\x08", p0)
+        found = _records(head)
+        if found is None or "data.pkl" not in found[0]:
+            return None
+        recs, d0 = found
+        p0, p1 = recs["data.pkl"]
         info = _Meta(_io.BytesIO(head[p0:p1])).load()
         kind, (skind, dtype, numel), soff, size, stride = info
         if kind != "tensor" or skind != "storage":
             return None
-        d0 = start(data[3])
         itemsize = _torch.empty((), dtype=dtype).element_size()
         if d0 + numel * itemsize > length:
             return None
         return dtype, size, stride, soff, offset + d0, numel, itemsize
     except (ValueError, IndexError, KeyError, TypeError, AttributeError, _struct.error,
-            _pickle.UnpicklingError, EOFError):
+            _pickle.UnpicklingError, EOFError, UnicodeDecodeError):
         return None
 
 
