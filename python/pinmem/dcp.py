@@ -251,7 +251,7 @@ class _FileOut:
     """One data file of a save. Small parts (gaps, archive heads, small tensors, BYTE_IO items)
     are gathered and written in runs; each large tensor's bytes are written with pinmem from
     their memory, WRITERS of them in flight at once (one pinmem call at a time left the disk
-    idle between calls: 0.6-1.4 GB/s against 1.4-1.9 with two, 5 MiB tensors on this
+    idle between calls: 0.6-1.4 GB/s against 1.4-1.7 with two, 5 MiB tensors on this
     machine's virtual disk), and its archive's tail, which holds the CRC, once it is done."""
 
     WRITERS = 2
