@@ -275,7 +275,10 @@ def _plain_sd(step=0, big=True):
     sd = {"a": torch.randn(600, 700, generator=g),  # 1.6 MiB: the large path
           "t": torch.randn(300, 1000, generator=g).to(torch.bfloat16).t(),  # not contiguous
           "i": torch.randint(0, 1 << 40, (5000,), generator=g),
-          "z": torch.empty(0, 3), "s": torch.tensor(2.5 + step), "n": {"k": step}}
+          "z": torch.empty(0, 3), "s": torch.tensor(2.5 + step), "n": {"k": step},
+          # large, of other item sizes: complex (8 bytes), bool (1)
+          "c": torch.randn(140000, dtype=torch.complex64, generator=g),
+          "bo": torch.rand(1_200_000, generator=g) > 0.5}
     if big:
         sd["b"] = torch.randn(3 << 18, generator=g)  # 3 MiB
     return sd
@@ -351,12 +354,12 @@ def test_truncated_file_loses_nothing(tmp_path):
         f.truncate(os.path.getsize(tmp_path / data[0]) - 4000)
     got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
            for k, v in sd.items()}
+    before = {k: v.clone() for k, v in got.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(CheckpointException) as e:
         dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
     assert data[0] in str(e.value) and "truncated" in str(e.value)
-    for k, v in got.items():
-        if isinstance(v, torch.Tensor) and v.numel():
-            assert (v == 3).all(), f"{k} was changed by a load that failed"
+    for k, v in before.items():
+        assert torch.equal(got[k], v), f"{k} was changed by a load that failed"
     # a missing file: named too
     os.unlink(tmp_path / data[0])
     with pytest.raises(CheckpointException, match="missing"):
@@ -367,7 +370,7 @@ def test_truncated_file_loses_nothing(tmp_path):
 def small_tmpfs(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
@@ -382,11 +385,11 @@ def test_full_disk_keeps_previous(small_tmpfs):
     written over still loads with its values, and the failed save's files are gone."""
     import pinmem.dcp
     path = small_tmpfs / "ckpt"
-    old = _plain_sd(0)
+    old = _plain_sd(0, big=False)
     dcp.save(old, storage_writer=pinmem.dcp.FileSystemWriter(path), no_dist=True)
     before = sorted(os.listdir(path))
     new = _plain_sd(1)
-    new["c"] = torch.randn(1 << 20)  # 4 MiB more: does not fit beside the old one
+    new["more"] = torch.randn(1 << 20)  # 4 MiB more: does not fit beside the old one
     with pytest.raises(CheckpointException) as e:
         dcp.save(new, storage_writer=pinmem.dcp.FileSystemWriter(path), no_dist=True)
     text = str(e.value)
