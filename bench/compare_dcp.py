@@ -1,0 +1,473 @@
+#!/usr/bin/env python3
+"""torch.distributed.checkpoint (DCP) through pinmem.dcp beside torch's own FileSystemWriter and
+FileSystemReader, same sharded state dict, same run.
+
+--ranks processes (default 2) are spawned and joined in a process group (gloo; on cuda devices
+the collectives still go through gloo, which async_save needs and which lets several ranks
+share one GPU). Each rank holds its shard of the state dict: --size bytes in all (default 1G),
+as bf16 tensors of 4096 rows made by compare_checkpoint's make_checkpoint, keyed by rank, on
+--device (cpu, or cuda: rank r on device r mod the device count). Timed, with every rank at
+once (the total GB/s is all ranks' bytes over the slowest rank's time; per rank, its bytes over
+its own write_data / read_data):
+
+  * the disk's own rate: compare_checkpoint's Disk (dd-like O_DIRECT writes and reads of a file
+    of each rank's shard size, 16 MiB blocks, fsync'd), every rank at once, measured at the
+    start and again right before each timed pinmem save and cold load; the best kept;
+  * dcp.save with torch's FileSystemWriter and with pinmem.dcp.FileSystemWriter (fsync included;
+    a fresh folder each time), the best of --repeat;
+  * dcp.load, cold (the files' pages dropped as compare_checkpoint's drop_cache does), with
+    torch's FileSystemReader and pinmem.dcp.FileSystemReader, the loaded tensors checked;
+  * pinmem's writer again from async_save's pinned snapshot (the background write of an async
+    save; on a GPU, device tensors go to the file through pinmem's pinned ring likewise);
+  * dcp.async_save's return time with pinmem's writer (its PinnedStager, the snapshot buffer
+    reused) and with torch's, beside the snapshot alone (PinnedStager.stage: the copy into the
+    pinned buffer, or on a GPU the copy into a device scratch);
+  * a small training loop (an MLP, one thread per rank on the CPU), as many steps as an async
+    save takes, timed without a save and while an async_save of the state dict is written, in
+    turn (at least 5 pairs): the median of the pairs' slowdowns in percent, each pair's beside.
+
+TARGET lines (met / MISSED): save >= 0.9x the disk's O_DIRECT write; cold load >= 0.9x the
+disk's O_DIRECT read; async return <= 1.3x the snapshot alone; training slowdown < 5% during an
+async save; pinmem faster than torch's writer and reader (the ratios printed).
+
+  bench/compare_dcp.py [--ranks 2] [--size 1G] [--device cpu|cuda] [--dir DIR] [--repeat 3]
+                       [--crc32 torch|off] [--io auto|direct|buffered] [--no-train]
+                       [--json]
+
+Rows of saves and loads carry each rank's CPU seconds (user + system, all threads) beside its
+GB/s: on a machine of few cores the CPU a save needs (torch.save's CRC-32 of every byte, on by
+default, 1.2 GB/s a core here) is what it competes with the ranks' training for.
+
+Human-readable lines go to stderr; with --json one JSON object per result goes to stdout.
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_checkpoint import Disk, drop_cache, make_checkpoint, parse_size, say  # noqa: E402
+
+ROW = {"bench": "dcp"}
+
+
+class Ranks:
+    """This rank's view of the group: barriers, and one value from every rank."""
+
+    def __init__(self, dist, rank, world):
+        self.dist, self.rank, self.world = dist, rank, world
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def gather(self, value):
+        out = [None] * self.world
+        self.dist.all_gather_object(out, value)
+        return out
+
+
+def timed_io(cls, method):
+    """cls with `method` (write_data / read_data) timing itself into .io_seconds."""
+    class Timed(cls):
+        pass
+
+    def wrapped(self, *a, **k):
+        t0 = time.perf_counter()
+        out = getattr(cls, method)(self, *a, **k)
+        self.io_seconds = time.perf_counter() - t0
+        return out
+    setattr(Timed, method, wrapped)
+    return Timed
+
+
+def cpu_seconds():
+    """User + system CPU seconds of this process so far (all its threads)."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def sync(torch, device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def rank_main(rank, world, args, store, tmp):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import pinmem
+    import pinmem.dcp as pdcp
+
+    torch.set_num_threads(1)  # the ranks share the machine's cores, as one per core
+    if args.crc32 == "off":  # torch.save's CRCs off, for torch's writer and pinmem's alike
+        torch.serialization.set_crc32_options(False)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    g = Ranks(dist, rank, world)
+    device = args.device
+    if device.startswith("cuda"):
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    total = parse_size(args.size)
+    shard = make_checkpoint(torch, total // world, device)
+    sd = {f"rank{rank}.{k}": v for k, v in shard.items()}
+    mine = sum(t.numel() * t.element_size() for t in sd.values())
+    allb = sum(g.gather(mine))
+    lead = rank == 0
+    rows = []
+
+    def report(case, seconds, nbytes, **extra):
+        r = dict(ROW, case=case, device=args.device, ranks=world, bytes=nbytes,
+                 crc32=torch.serialization.get_crc32_options(),
+                 seconds=round(seconds, 6),
+                 gbps=round(nbytes / seconds / 1e9, 3) if seconds > 0 else None, **extra)
+        rows.append(r)
+        if lead:
+            say("  %-28s %8.3f s %8.3f GB/s%s" % (case, seconds, r["gbps"] or 0, "".join(
+                "  %s=%s" % kv for kv in extra.items())))
+            if args.json:
+                print(json.dumps(r), flush=True)
+        return r
+
+    if lead:
+        say("compare_dcp: %d ranks, %.2f GB in all (%d tensors of %s per rank), device %s, "
+            "pinmem %s backend, torch %s, crc32 %s, %d CPUs, load average %.1f; files in %s" % (
+                world, allb / 1e9, len(sd), next(iter(sd.values())).dtype, args.device,
+                pinmem.backend(), torch.__version__, torch.serialization.get_crc32_options(),
+                os.cpu_count(), os.getloadavg()[0], tmp))
+        if args.json:
+            print(json.dumps(dict(ROW, case="setup", device=args.device, ranks=world,
+                                  bytes=allb, tensors_per_rank=len(sd), cpus=os.cpu_count(),
+                                  loadavg=os.getloadavg()[0], torch=torch.__version__,
+                                  pinmem_backend=pinmem.backend(),
+                                  crc32=torch.serialization.get_crc32_options(),
+                                  crc32_impl=pdcp._crc32.__module__)), flush=True)
+
+    # --- the disk, every rank at once -------------------------------------------------------
+    disk = Disk(os.path.join(tmp, f"dd.{rank}.bin"), mine)
+    dw, dr = [], []
+
+    def disk_write():
+        g.barrier()
+        disk.write()
+        s = g.gather(disk.writes[-1] if disk.ok else None)
+        if all(x is not None for x in s):
+            dw.append(max(s))
+
+    def disk_read():
+        g.barrier()
+        disk.read()
+        s = g.gather(disk.reads[-1] if disk.ok else None)
+        if all(x is not None for x in s):
+            dr.append(max(s))
+
+    disk_write()
+    disk_read()
+
+    # --- saves --------------------------------------------------------------------------------
+    writers = {"torch": timed_io(dcp.FileSystemWriter, "write_data"),
+               "pinmem": timed_io(pdcp.FileSystemWriter, "write_data")}
+    kw = {"pinmem": {"io": args.io}, "torch": {}}
+    saves = {"torch": [], "pinmem": []}
+    folders = {k: os.path.join(tmp, k) for k in writers}
+
+    def save(kind):
+        if lead:
+            shutil.rmtree(folders[kind], ignore_errors=True)
+            os.sync()
+        g.barrier()
+        w = writers[kind](folders[kind], **kw[kind])
+        sync(torch, device)
+        c0 = cpu_seconds()
+        t0 = time.perf_counter()
+        dcp.save(sd, storage_writer=w)
+        wall = time.perf_counter() - t0
+        s = g.gather((wall, w.io_seconds, cpu_seconds() - c0))
+        saves[kind].append((max(x[0] for x in s), [x[1] for x in s], [x[2] for x in s]))
+
+    for _ in range(args.repeat):
+        save("torch")
+        disk_write()
+        save("pinmem")
+
+    # --- cold loads ---------------------------------------------------------------------------
+    readers = {"torch": timed_io(dcp.FileSystemReader, "read_data"),
+               "pinmem": timed_io(pdcp.FileSystemReader, "read_data")}
+    loads = {"torch": [], "pinmem": []}
+    dest = {k: torch.empty_like(v) for k, v in sd.items()}
+    verified = {}
+
+    def load(kind):
+        folder = folders[kind]
+        for v in dest.values():
+            v.fill_(0)
+        g.barrier()
+        if lead:
+            how = None
+            for name in os.listdir(folder):
+                how = drop_cache(os.path.join(folder, name))
+            load.how = how
+        g.barrier()
+        r = readers[kind](folder, **kw[kind])
+        c0 = cpu_seconds()
+        t0 = time.perf_counter()
+        dcp.load(dest, storage_reader=r)
+        sync(torch, device)
+        wall = time.perf_counter() - t0
+        c = cpu_seconds() - c0
+        ok = all(torch.equal(dest[k], sd[k]) for k in sd)
+        s = g.gather((wall, r.io_seconds, c, ok))
+        loads[kind].append((max(x[0] for x in s), [x[1] for x in s], [x[2] for x in s]))
+        verified[kind] = all(x[3] for x in s)
+
+    load.how = None
+    for _ in range(args.repeat):
+        load("torch")
+        disk_read()
+        load("pinmem")
+
+    def best(runs):
+        return min(runs, key=lambda r: r[0])
+
+    per = lambda io_s: [round(mine_b / s / 1e9, 3) for mine_b, s in zip(g.gather(mine), io_s)]
+    results = {}
+    if dw:
+        results["disk_read"] = report("disk_odirect_read", min(dr), allb, runs=len(dr))
+    for kind in ("torch", "pinmem"):
+        wall, io_s, cpu = best(saves[kind])
+        results[f"{kind}_save"] = report(f"{kind}_save", wall, allb, per_rank_gbps=per(io_s),
+                                         cpu_seconds=[round(c, 3) for c in cpu], verified=True)
+    for kind in ("torch", "pinmem"):
+        wall, io_s, cpu = best(loads[kind])
+        results[f"{kind}_load"] = report(f"{kind}_load_cold", wall, allb,
+                                         per_rank_gbps=per(io_s),
+                                         cpu_seconds=[round(c, 3) for c in cpu],
+                                         verified=verified[kind], dropped=load.how)
+
+    # --- async_save ---------------------------------------------------------------------------
+    stager = pdcp.PinnedStager()
+    snaps = []
+    for _ in range(args.repeat + 1):
+        g.barrier()
+        sync(torch, device)
+        t0 = time.perf_counter()
+        staged = stager.stage(sd)
+        sync(torch, device)
+        snaps.append(time.perf_counter() - t0)
+        del staged
+    # The background write of an async save: pinmem's writer from the pinned snapshot (no copy
+    # into its slots: the bytes are pinned and 4 KiB aligned), beside the save above from the
+    # tensors' own (pageable) memory.
+    staged = stager.stage(sd)
+    snap_saves = []
+    for _ in range(args.repeat):
+        disk_write()
+        if lead:
+            shutil.rmtree(folders["pinmem"], ignore_errors=True)
+            os.sync()
+        g.barrier()
+        w = writers["pinmem"](folders["pinmem"], **kw["pinmem"])
+        t0 = time.perf_counter()
+        dcp.save(staged, storage_writer=w)
+        s = g.gather((time.perf_counter() - t0, w.io_seconds))
+        snap_saves.append((max(x[0] for x in s), [x[1] for x in s]))
+    del staged
+    wall, io_s = best(snap_saves)
+    results["pinmem_save_pinned"] = report("pinmem_save_from_snapshot", wall, allb,
+                                           per_rank_gbps=per(io_s))
+    if dw:  # the disk's best, with the runs beside these saves
+        results["disk_write"] = report("disk_odirect_write", min(dw), allb, runs=len(dw))
+    stager.close()
+    snap = max(g.gather(min(snaps[1:])))  # the first allocates the buffer; later ones reuse it
+    results["snapshot"] = report("snapshot_alone", snap, allb, staged=args.device)
+
+    def async_once(kind, writer):
+        g.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, storage_writer=writer)
+        ret = time.perf_counter() - t0
+        fut.result()
+        return max(g.gather(ret))
+
+    ret = {}
+    for kind in ("pinmem", "torch"):
+        cls = pdcp.FileSystemWriter if kind == "pinmem" else dcp.FileSystemWriter
+        w = cls(os.path.join(tmp, f"async-{kind}"))
+        runs = [async_once(kind, w) for _ in range(args.repeat + 1)]
+        if hasattr(w, "close"):
+            w.close()
+        ret[kind] = min(runs[1:])  # the first allocates the snapshot buffer
+        results[f"{kind}_async"] = report(f"{kind}_async_return", ret[kind], allb)
+
+    # --- training loop during an async save ---------------------------------------------------
+    train = None
+    if not args.no_train:
+        train = train_during_save(torch, dcp, pdcp, g, sd, device, tmp, args.repeat, report,
+                                  allb)
+
+    if lead:
+        targets(results, train, args)
+    g.barrier()
+    dist.destroy_process_group()
+    return rows
+
+
+def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb):
+    """Seconds of the same training steps without a save and while an async_save of sd is
+    written (best of `repeat` each, in turn); the slowdown in percent."""
+    torch.manual_seed(0)
+    hidden, layers, batch = 512, 4, 64
+    model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, device=device)
+                                  for _ in range(layers)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, hidden, device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    for _ in range(5):
+        step()
+    writer = pdcp.FileSystemWriter(os.path.join(tmp, "async-train"))
+    dcp.async_save(sd, storage_writer=writer).result()  # warm: the snapshot buffer exists
+    # As many steps as the save takes, measured once
+    t0 = time.perf_counter()
+    fut = dcp.async_save(sd, storage_writer=writer)
+    fut.result()
+    save_s = max(g.gather(time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    for _ in range(10):
+        step()
+    sync(torch, device)
+    per_step = max(g.gather((time.perf_counter() - t0) / 10))
+    steps = max(20, int(save_s / per_step))
+
+    def loop(with_save):
+        g.barrier()
+        fut = None
+        t0 = time.perf_counter()
+        if with_save:
+            fut = dcp.async_save(sd, storage_writer=writer)
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(torch, device)
+        t = time.perf_counter() - t1
+        if fut is not None:
+            fut.result()
+        return max(g.gather(t)), t1 - t0
+
+    # Pairs (without, with) in turn; the median of the pairs' ratios: on a shared machine the
+    # loop's own speed drifts by more than the effect from one pair to the next.
+    base, during = [], []
+    for _ in range(max(5, repeat)):
+        base.append(loop(False)[0])
+        during.append(loop(True)[0])
+    writer.close()
+    ratios = sorted(d / b for b, d in zip(base, during))
+    pct = 100.0 * (ratios[len(ratios) // 2] - 1)
+    report("train_no_save", sorted(base)[len(base) // 2], 0, steps=steps)
+    return report("train_during_async_save", sorted(during)[len(during) // 2], allb, steps=steps,
+                  save_seconds=round(save_s, 3), slowdown_pct=round(pct, 2),
+                  pair_slowdowns_pct=[round(100 * (r - 1), 1) for r in ratios])
+
+
+def targets(r, train, args):
+    out = []
+    ps, ts = r["pinmem_save"]["gbps"], r["torch_save"]["gbps"]
+    pl, tl = r["pinmem_load"]["gbps"], r["torch_load"]["gbps"]
+    if "disk_write" in r:
+        dwg, drg = r["disk_write"]["gbps"], r["disk_read"]["gbps"]
+        out.append(("save >= 0.9x the disk's O_DIRECT write (from the tensors' pageable "
+                    "memory)", "%.3f GB/s, %.2fx the disk's %.3f" % (ps, ps / dwg, dwg),
+                    ps >= 0.9 * dwg))
+        pp = r["pinmem_save_pinned"]["gbps"]
+        out.append(("save >= 0.9x the disk's O_DIRECT write (from the pinned snapshot, as "
+                    "async_save writes; device tensors take this path through the ring)",
+                    "%.3f GB/s, %.2fx the disk's %.3f" % (pp, pp / dwg, dwg), pp >= 0.9 * dwg))
+        out.append(("cold load >= 0.9x the disk's O_DIRECT read", "%.3f GB/s, %.2fx the disk's "
+                    "%.3f" % (pl, pl / drg, drg), pl >= 0.9 * drg))
+    else:
+        out.append(("save and cold load >= 0.9x the disk's rate", "not measured (no O_DIRECT "
+                    "here)", None))
+    a, s = r["pinmem_async"]["seconds"], r["snapshot"]["seconds"]
+    out.append(("async return <= 1.3x the snapshot alone", "%.2fx (%.4f s vs %.4f s; torch's "
+                "async_save returns in %.4f s)" % (a / s, a, s, r["torch_async"]["seconds"]),
+                a <= 1.3 * s))
+    if train is not None:
+        out.append(("training slowdown < 5% during an async save", "%.2f%%"
+                    % train["slowdown_pct"], train["slowdown_pct"] < 5))
+    out.append(("save faster than torch's FileSystemWriter", "%.2fx (%.3f vs %.3f GB/s)"
+                % (ps / ts, ps, ts), ps > ts))
+    out.append(("load faster than torch's FileSystemReader", "%.2fx (%.3f vs %.3f GB/s)"
+                % (pl / tl, pl, tl), pl > tl))
+    for name, value, met in out:
+        verdict = "not measured" if met is None else "met" if met else "MISSED"
+        say("TARGET %s: %s: %s" % (name, value, verdict))
+        if args.json:
+            print(json.dumps(dict(ROW, case="target", target=name, value=value, met=met,
+                                  device=args.device)), flush=True)
+
+
+def _entry(rank, world, args, store, tmp, q):
+    try:
+        rank_main(rank, world, args, store, tmp)
+        q.put((rank, None))
+    except BaseException:
+        import traceback
+        q.put((rank, traceback.format_exc()))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=2, help="processes (default 2)")
+    ap.add_argument("--size", default="1G", help="state dict bytes, all ranks (default 1G)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--dir", default=None, help="folder on the disk under test")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each case (best kept)")
+    ap.add_argument("--crc32", default="torch", choices=("torch", "off"),
+                    help="torch.save's CRC-32s: torch's option as it is (default: on), or off "
+                    "for both writers (torch.serialization.set_crc32_options(False))")
+    ap.add_argument("--io", default="auto", choices=("auto", "direct", "buffered"),
+                    help="io of pinmem's writer and reader (default auto)")
+    ap.add_argument("--no-train", action="store_true", help="skip the training loop")
+    ap.add_argument("--json", action="store_true", help="one JSON object per result on stdout")
+    args = ap.parse_args()
+    try:
+        import torch  # noqa: F401
+        import pinmem.dcp  # noqa: F401
+    except ImportError as e:
+        say("compare_dcp: skipped: %s (pip install torch; PYTHONPATH to pinmem's build)" % e)
+        return 0
+    tmp = tempfile.mkdtemp(prefix="pinmem-dcp.", dir=args.dir)
+    store = os.path.join(tmp, "store")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, args.ranks, args, store, tmp, q))
+             for r in range(args.ranks)]
+    try:
+        for p in procs:
+            p.start()
+        failed = False
+        for _ in procs:
+            rank, err = q.get()
+            if err:
+                say("compare_dcp: rank %d failed:\n%s" % (rank, err))
+                failed = True
+        for p in procs:
+            p.join()
+        return 1 if failed else 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,443 @@
+"""pinmem.dcp: torch.distributed.checkpoint's storage through pinmem, on CPU with gloo.
+
+Ranks are spawned processes (multiprocessing spawn) joined by a FileStore-backed gloo group, as
+torchrun would start them: 2 ranks save with pinmem's writer and with torch's; 4 ranks load both
+(resharding 2 -> 4, each with pinmem's reader and torch's), save their own, load them back both
+ways, and async_save (the snapshot holds while the tensors change, the pinned buffer is reused by
+the next save); 2 ranks load the 4-rank checkpoints (4 -> 2), then one rank dies in the middle
+of a save over an existing checkpoint, which must stay whole. In this process: the archives are
+torch.save's bytes exactly, a full disk (a small tmpfs) and a truncated file raise and lose
+nothing.
+
+Tensors are random (seeded), sharded as DTensors (Shard(0) with an uneven split, Shard(1)) with a
+plain tensor, a 0-d tensor and a non-tensor value beside them; shards of more than 1 MiB take the
+large-tensor path (data written from the tensor's memory by pinmem.write_file).
+"""
+import errno
+import io
+import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import tempfile
+import traceback
+import zipfile
+
+import pytest
+
+try:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    # DCP raises a failure on any rank as a CheckpointException (a BaseException)
+    from torch.distributed.checkpoint.api import CheckpointException
+except ImportError:  # pragma: no cover
+    torch = None
+
+pytestmark = pytest.mark.skipif(torch is None, reason="torch is not installed (pip install "
+                                "torch): pinmem.dcp plugs into torch.distributed.checkpoint")
+
+TIMEOUT = 240  # seconds for all ranks of one group together: a hung rank fails the test
+GEN = 1234
+
+
+def _full(step=0):
+    """The global state dict's tensors (same on every rank), changed by `step`."""
+    g = torch.Generator().manual_seed(GEN + step)
+    return {
+        "w": torch.randn(1030, 1152, generator=g),  # 4.5 MiB: shards > 1 MiB at 2 and 4 ranks
+        "e": torch.randn(64, 4100, generator=g).to(torch.bfloat16),
+        "bias": torch.randn(777, generator=g),
+        "scale": torch.tensor(1.5 + step),
+    }
+
+
+def _sharded(full, mesh):
+    """The state dict as this rank holds it: DTensors sharded over mesh, plain tensors, a
+    nested dict and a non-tensor value."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    return {
+        "model": {
+            "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+            "e": distribute_tensor(full["e"], mesh, [Shard(1)]),
+            "bias": full["bias"].clone(),
+        },
+        "scale": full["scale"].clone(),
+        "step": 17,
+    }
+
+
+def _zeros_like_sd(sd):
+    from torch.distributed.tensor import DTensor
+
+    def z(v):
+        if isinstance(v, DTensor):
+            local = torch.full_like(v.to_local(), -7)
+            return DTensor.from_local(local, v.device_mesh, v.placements, run_check=False,
+                                      shape=v.shape, stride=v.stride())
+        if isinstance(v, torch.Tensor):
+            return torch.full_like(v, -7)
+        if isinstance(v, dict):
+            return {k: z(x) for k, x in v.items()}
+        return -1
+    return z(sd)
+
+
+def _check_sd(got, want, what):
+    from torch.distributed.tensor import DTensor
+    for k in ("w", "e", "bias"):
+        g, w = got["model"][k], want["model"][k]
+        if isinstance(g, DTensor):
+            assert g.placements == w.placements
+            g, w = g.to_local(), w.to_local()
+        assert g.dtype == w.dtype and torch.equal(g, w), f"{what}: model.{k} differs"
+    assert torch.equal(got["scale"], want["scale"]), f"{what}: scale differs"
+    assert got["step"] == want["step"], f"{what}: step differs"
+
+
+def _writer(kind, path):
+    import pinmem.dcp
+    if kind == "pinmem":
+        return pinmem.dcp.FileSystemWriter(path)
+    return dcp.FileSystemWriter(path)
+
+
+def _reader(kind, path):
+    import pinmem.dcp
+    if kind == "pinmem":
+        return pinmem.dcp.FileSystemReader(path)
+    return dcp.FileSystemReader(path)
+
+
+def _load_check(mesh, path, kind, step, what):
+    want = _sharded(_full(step), mesh)
+    got = _zeros_like_sd(want)
+    dcp.load(got, storage_reader=_reader(kind, path))
+    _check_sd(got, want, what)
+
+
+# ---- the ranks' work ----------------------------------------------------------------------
+
+# (writer, reader) pairs each checkpoint is loaded with: pinmem's with torch's both ways, and
+# pinmem's alone (torch's with torch's is torch's business).
+PAIRS = (("pinmem", "torch"), ("torch", "pinmem"), ("pinmem", "pinmem"))
+
+def _save_both(rank, world, mesh, root):
+    sd = _sharded(_full(), mesh)
+    for kind in ("pinmem", "torch"):
+        dcp.save(sd, storage_writer=_writer(kind, os.path.join(root, f"{kind}{world}")))
+    return None
+
+
+def _at_four(rank, world, mesh, root):
+    import pinmem.dcp
+    out = {}
+    # 2 -> 4: what 2 ranks saved, by either writer, with either reader
+    for saved, reader in PAIRS:
+        _load_check(mesh, os.path.join(root, f"{saved}2"), reader, 0,
+                    f"saved by {saved} at 2 ranks, read by {reader} at 4")
+    _save_both(rank, world, mesh, root)
+    for saved, reader in PAIRS:
+        _load_check(mesh, os.path.join(root, f"{saved}4"), reader, 0,
+                    f"saved by {saved} at 4 ranks, read by {reader} at 4")
+    # async_save: the snapshot is taken before the call returns; the next save reuses it
+    writer = pinmem.dcp.FileSystemWriter(os.path.join(root, "async"))
+    reused = []
+    try:
+        for step in (1, 2):
+            sd = _sharded(_full(step), mesh)
+            fut = dcp.async_save(sd, storage_writer=writer)
+            with torch.no_grad():  # training goes on: the saved values must not see this
+                sd["model"]["w"].to_local().add_(1000)
+                sd["model"]["bias"].mul_(-3)
+                sd["scale"].fill_(-1)
+            fut.result(timeout=TIMEOUT)
+            reused.append(writer._stager.last["reused"])
+            reader = ("pinmem", "torch")[step - 1]
+            _load_check(mesh, os.path.join(root, "async"), reader, step,
+                        f"async_save step {step}, read by {reader}")
+    finally:
+        writer.close()
+    out["reused"] = reused
+    return out
+
+
+def _die_in_write(path, *args, **kwargs):
+    """pinmem.write_file that writes part of the data, then the process dies."""
+    import pinmem
+    src = args[0]
+    half = src.reshape(-1)[: src.numel() // 2]
+    pinmem._real_write_file(path, half, *args[1:], **kwargs)
+    os._exit(9)
+
+
+def _at_two(rank, world, mesh, root):
+    # 4 -> 2
+    for saved, reader in PAIRS:
+        _load_check(mesh, os.path.join(root, f"{saved}4"), reader, 0,
+                    f"saved by {saved} at 4 ranks, read by {reader} at 2")
+    # A complete checkpoint, then a save over it during which rank 1 dies.
+    path = os.path.join(root, "killed")
+    dcp.save(_sharded(_full(0), mesh), storage_writer=_writer("pinmem", path))
+    import pinmem
+    if rank == 1:
+        pinmem._real_write_file = pinmem.write_file
+        pinmem.write_file = _die_in_write
+    try:
+        dcp.save(_sharded(_full(5), mesh), storage_writer=_writer("pinmem", path))
+    except (CheckpointException, RuntimeError) as e:  # rank 0: its save fails, as it must
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    return {"error": None}
+
+
+def _rank_entry(q, rank, world, store, root, work):
+    try:
+        import torch.distributed as dist
+        from datetime import timedelta
+        from torch.distributed.device_mesh import init_device_mesh
+        os.environ["PINMEM_BACKEND"] = "host"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
+        mesh = init_device_mesh("cpu", (world,))
+        out = globals()[work](rank, world, mesh, root)
+        q.put((rank, out, None))
+        dist.destroy_process_group()
+    except BaseException:  # reported to the test, which fails with it
+        q.put((rank, None, traceback.format_exc()))
+
+
+def run_ranks(world, root, work, allow_death=()):
+    """Start `world` spawned ranks running work(rank, world, mesh, root); what each returned.
+    Ranks in allow_death may die without reporting."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    store = tempfile.mktemp(prefix="pinmem-dcp-store-")
+    procs = [ctx.Process(target=_rank_entry, args=(q, r, world, store, root, work))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world - len(allow_death)):
+            rank, out, err = q.get(timeout=TIMEOUT)
+            assert err is None, f"rank {rank} of {world}:\n{err}"
+            results[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        try:
+            os.unlink(store)
+        except FileNotFoundError:
+            pass
+    return results, [p.exitcode for p in procs]
+
+
+def _whole(path, reader):
+    """The whole checkpoint as plain tensors in this process (no process group)."""
+    got = {"model": {"w": torch.zeros(1030, 1152), "e": torch.zeros(64, 4100,
+                                                                     dtype=torch.bfloat16),
+                     "bias": torch.zeros(777)}, "scale": torch.tensor(0.0), "step": 0}
+    dcp.load(got, storage_reader=_reader(reader, path), no_dist=True)
+    return got
+
+
+def test_ranks_2_4_2(tmp_path):
+    """Round trips both ways, resharding 2 -> 4 and 4 -> 2, async_save, a rank killed in a
+    save."""
+    root = str(tmp_path)
+    res, codes = run_ranks(2, root, "_save_both")
+    assert codes == [0, 0]
+    res, codes = run_ranks(4, root, "_at_four")
+    assert codes == [0, 0, 0, 0]
+    for r in range(4):
+        assert res[r]["reused"] == [False, True], "the second async_save did not reuse the " \
+            "pinned snapshot buffer"
+    res, codes = run_ranks(2, root, "_at_two", allow_death=(1,))
+    assert codes[1] == 9, "rank 1 was to die in its write"
+    assert res[0]["error"], "rank 0's save went on as if rank 1 had written its part"
+    # The checkpoint the failed save was written over is whole, with the first values.
+    path = os.path.join(root, "killed")
+    full = _full(0)
+    for reader in ("pinmem", "torch"):
+        got = _whole(path, reader)
+        for k in ("w", "e", "bias"):
+            assert torch.equal(got["model"][k], full[k]), f"{reader}: model.{k} changed"
+        assert torch.equal(got["scale"], full["scale"]) and got["step"] == 17
+    assert not [n for n in os.listdir(path) if ".tmp" in n], "a temporary was left"
+
+
+# ---- in this process ----------------------------------------------------------------------
+
+def _plain_sd(step=0, big=True):
+    g = torch.Generator().manual_seed(99 + step)
+    sd = {"a": torch.randn(600, 700, generator=g),  # 1.6 MiB: the large path
+          "t": torch.randn(300, 1000, generator=g).to(torch.bfloat16).t(),  # not contiguous
+          "i": torch.randint(0, 1 << 40, (5000,), generator=g),
+          "z": torch.empty(0, 3), "s": torch.tensor(2.5 + step), "n": {"k": step},
+          # large, of other item sizes: complex (8 bytes), bool (1)
+          "c": torch.randn(140000, dtype=torch.complex64, generator=g),
+          "bo": torch.rand(1_200_000, generator=g) > 0.5}
+    if big:
+        sd["b"] = torch.randn(3 << 18, generator=g)  # 3 MiB
+    return sd
+
+
+def _items(path):
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    out = {}
+    for idx, info in md.storage_data.items():
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            out[(idx.fqn, tuple(idx.offset or ()))] = f.read(info.length)
+    return out
+
+
+@pytest.mark.parametrize("crc", [True, False])
+def test_archives_are_torch_saves_bytes(tmp_path, crc):
+    """Every item pinmem writes is byte for byte what torch's writer writes, with torch's
+    crc32 option on (CRCs computed here) and off; and each side reads the other's."""
+    import pinmem.dcp
+    sd = _plain_sd()
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(crc)
+    try:
+        dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "p"), no_dist=True)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(before)
+    mine, theirs = _items(tmp_path / "p"), _items(tmp_path / "t")
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        assert mine[k] == theirs[k], f"item {k} differs from torch's"
+    # large tensors' data starts on a 4 KiB boundary of the file
+    with open(tmp_path / "p" / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    for fqn in ("a", "b"):
+        info = next(v for i, v in md.storage_data.items() if i.fqn == fqn)
+        blob = mine[(fqn, (0,) * sd[fqn].dim())]
+        h = zipfile.ZipFile(io.BytesIO(blob)).getinfo("archive/data/0").header_offset
+        start = h + 30 + int.from_bytes(blob[h + 26:h + 28], "little") + \
+            int.from_bytes(blob[h + 28:h + 30], "little")
+        assert (info.offset + start) % 4096 == 0, f"{fqn}'s data is not 4 KiB aligned"
+    for src, reader in (("p", "torch"), ("t", "pinmem"), ("p", "pinmem")):
+        got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+               for k, v in sd.items()}
+        dcp.load(got, storage_reader=_reader(reader, tmp_path / src), no_dist=True)
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k], v), f"{src} read by {reader}: {k}"
+        assert got["n"] == {"k": 0}
+
+
+def test_bad_io_refused(tmp_path):
+    import pinmem
+    import pinmem.dcp
+    with pytest.raises(pinmem.InvalidError, match="io must be one of"):
+        pinmem.dcp.FileSystemWriter(tmp_path, io="fast")
+    with pytest.raises(pinmem.InvalidError, match="io must be one of"):
+        pinmem.dcp.FileSystemReader(tmp_path, io="fast")
+    with pytest.raises(ValueError, match="stage must be one of"):
+        pinmem.dcp.PinnedStager(stage="gpu")
+
+
+def test_truncated_file_loses_nothing(tmp_path):
+    """A data file cut short: the load raises naming the file, before any tensor is changed."""
+    import pinmem.dcp
+    sd = _plain_sd()
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+    data = [n for n in os.listdir(tmp_path) if n.endswith(".distcp")]
+    assert len(data) == 1
+    with open(tmp_path / data[0], "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / data[0]) - 4000)
+    got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+           for k, v in sd.items()}
+    before = {k: v.clone() for k, v in got.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert data[0] in str(e.value) and "truncated" in str(e.value)
+    for k, v in before.items():
+        assert torch.equal(got[k], v), f"{k} was changed by a load that failed"
+    # a missing file: named too
+    os.unlink(tmp_path / data[0])
+    with pytest.raises(CheckpointException, match="missing"):
+        dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_keeps_previous(small_tmpfs):
+    """A save that runs out of space raises ENOSPC naming the file; the checkpoint it was
+    written over still loads with its values, and the failed save's files are gone."""
+    import pinmem.dcp
+    path = small_tmpfs / "ckpt"
+    old = _plain_sd(0, big=False)
+    dcp.save(old, storage_writer=pinmem.dcp.FileSystemWriter(path), no_dist=True)
+    before = sorted(os.listdir(path))
+    new = _plain_sd(1)
+    new["more"] = torch.randn(1 << 20)  # 4 MiB more: does not fit beside the old one
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(new, storage_writer=pinmem.dcp.FileSystemWriter(path), no_dist=True)
+    text = str(e.value)
+    assert "No space left" in text or "ENOSPC" in text or str(errno.ENOSPC) in text, text
+    assert sorted(os.listdir(path)) == before, "the failed save left files behind"
+    for reader in ("pinmem", "torch"):
+        got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+               for k, v in old.items()}
+        dcp.load(got, storage_reader=_reader(reader, path), no_dist=True)
+        for k, v in old.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k], v), f"{reader}: {k} of the previous checkpoint"
+
+
+def test_save_over_torch_checkpoint_replaces_it(tmp_path):
+    """Saving over a folder torch's writer filled: the new checkpoint loads, torch's data files
+    are removed once the new metadata is in place."""
+    import pinmem.dcp
+    dcp.save(_plain_sd(0), storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    assert "__0_0.distcp" in os.listdir(tmp_path)
+    new = _plain_sd(1)
+    dcp.save(new, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+    names = os.listdir(tmp_path)
+    assert "__0_0.distcp" not in names and len([n for n in names if n.endswith(".distcp")]) == 1
+    got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+           for k, v in new.items()}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(got["a"], new["a"]) and got["n"] == {"k": 1}
+
+
+def test_stager_snapshot_and_reuse():
+    """PinnedStager: staged tensors are pinned copies (changing the source does not change
+    them), 4 KiB apart; the buffer is reused once the snapshot is dropped, not while it lives."""
+    import pinmem
+    import pinmem.dcp
+    st = pinmem.dcp.PinnedStager()
+    sd = _plain_sd(big=False)
+    a = st.stage(sd)
+    sd["a"].add_(1)
+    assert torch.equal(a["a"] + 1, sd["a"]) and a["n"] == {"k": 0} and a["n"] is not sd["n"]
+    assert torch.equal(a["t"], sd["t"]) and a["t"].is_contiguous()
+    assert pinmem.pointer_info(a["a"].data_ptr())["kind"] == "pool"
+    assert a["a"].data_ptr() % 4096 == 0 and a["i"].data_ptr() % 4096 == 0
+    b = st.stage(sd)  # a is alive: a new buffer
+    assert not st.last["reused"] and a["a"].data_ptr() != b["a"].data_ptr()
+    del a
+    ptr = b["a"].data_ptr()
+    del b
+    c = st.stage(sd)
+    assert st.last["reused"] and c["a"].data_ptr() == ptr and torch.equal(c["a"], sd["a"])
+    st.close()
