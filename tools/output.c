@@ -405,7 +405,7 @@ static struct {
 
 static const char *top_usage =
     "pinmem [--json] info [--summary | --options]\n"
-    "pinmem [--json] bench alloc|copy|overlap|loader|file [--sizes LIST] [options]\n"
+    "pinmem [--json] bench alloc|copy|overlap|loader|file|blocks [--sizes LIST] [options]\n"
     "pinmem help | --version";
 
 void cli_usage_context(const char *cmd, const char *usage) {
