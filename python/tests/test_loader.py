@@ -586,7 +586,7 @@ def test_stats_account_for_time_outside_next(xy):
         return host(a)
 
     before = loader.stats()
-    it = pinmem._EpochIterator(loader, "torch", slow_convert)  # what as_torch() returns
+    it = pinmem.loader._EpochIterator(loader, "torch", slow_convert)  # what as_torch() returns
     rows = sum(len(x) for x, y in it)
     assert rows == len(X) and len(calls) == 2 * len(loader)
     st = loader.stats()

@@ -1,0 +1,739 @@
+"""DESIGN: pinmem.Loader, the data loader's Python side.
+
+The C loader (src/loader/) fills pinned batch slots on its threads and copies each slot to the
+device; this module picks the C dataset for what the user passed (.npy files, arrays, a
+map-style Python dataset read on threads or by worker processes, see _workers.py), shapes the
+delivered slots into the sample's structure, and keeps the epoch, sampler and resume logic
+around the C loader.
+"""
+
+import atexit as _atexit
+import os as _os
+from time import perf_counter as _perf_counter
+
+from . import _pinmem
+from . import _dtype_name
+from ._pinmem import Error, InvalidError  # noqa: F401
+
+import weakref as _weakref
+
+_live_loaders = _weakref.WeakSet()
+
+
+@_atexit.register
+def _close_loaders():
+    # Stop worker threads before the interpreter goes (Python datasets call into it).
+    for loader in list(_live_loaders):
+        try:
+            loader.close()
+        except Error:
+            pass
+
+
+class NpyDataset:
+    """Samples along axis 0 of one or more .npy files (same sample shape and dtype), read by
+    pinmem's worker threads straight into pinned batch slots.
+
+    io: 'pread' (default), 'mmap', or 'direct' (O_DIRECT, for data larger than RAM).
+    dtype: None (any) or the dtype every file must have ('<f4', 'u1').
+    """
+
+    def __init__(self, paths, io="pread", dtype=None):
+        if isinstance(paths, (str, _os.PathLike)):
+            paths = [paths]
+        self.paths = [_os.fspath(p) for p in paths]
+        self.io = io
+        self.dtype = None if dtype is None else _dtype_name(dtype)
+
+    def _open(self):
+        return _pinmem._dataset_npy(self.paths, self.io, self.dtype)
+
+
+class TokenDataset:
+    """A raw file of uint16 (token_bytes=2) or uint32 tokens, such as nanoGPT's train.bin.
+    Sample i is a window of seq_len + 1 tokens, delivered as (inputs, targets): targets are the
+    inputs shifted by one. random=True draws new window starts every epoch from (seed, epoch)."""
+
+    def __init__(self, path, seq_len, token_bytes=2, random=True, stride=0, windows=0, seed=0,
+                 io="pread"):
+        self.args = (_os.fspath(path), seq_len)
+        self.kwargs = dict(token_bytes=token_bytes, random=random, stride=stride,
+                           windows=windows, seed=seed, io=io)
+
+    def _open(self):
+        return _pinmem._dataset_tokens(*self.args, **self.kwargs)
+
+
+def _as_array(a):
+    """An in-memory C-contiguous NumPy array (shares memory where it can)."""
+    import numpy
+    if type(a).__module__.startswith("torch"):
+        a = a.detach()
+        if a.device.type != "cpu":
+            raise InvalidError("PM_ERR_INVALID: pinmem.Loader reads CPU tensors; this one is on "
+                               f"{a.device}")
+        a = a.contiguous().numpy()
+    return numpy.ascontiguousarray(a)
+
+
+def _descr_text(dtype, what):
+    """NumPy's descr of a dtype as text ('<f4', '>i8', '<U10', "[('a', '<i4')]"), refusing
+    dtypes without fixed-size bytes (objects: their bytes are pointers)."""
+    import numpy
+    if dtype.hasobject:
+        raise InvalidError(f"PM_ERR_INVALID: {what} has dtype {dtype}, which holds Python "
+                           "objects (pointers): pinmem.Loader delivers fixed-size numbers and "
+                           "records only")
+    if dtype.itemsize == 0:
+        raise InvalidError(f"PM_ERR_INVALID: {what} has dtype {dtype}, which has no fixed size")
+    d = numpy.lib.format.dtype_to_descr(dtype)
+    return d if isinstance(d, str) else repr(d)
+
+
+def _dtype_from_descr(text):
+    """The NumPy dtype a field's descr text names (structured types as .npy headers write them)."""
+    import numpy
+    if text.startswith("["):
+        import ast
+        return numpy.lib.format.descr_to_dtype(ast.literal_eval(text))
+    return numpy.dtype(text)
+
+
+def _python_dataset(dataset):
+    """One C dataset over a map-style Python dataset read on pinmem's threads (through the
+    GIL): dataset[i] is called once per sample (plus once for sample 0 to learn its structure),
+    for all its fields, so random augmentation stays consistent across them.
+    -> (C dataset, the samples' Schema)."""
+    import numpy
+    from . import _workers
+    n = len(dataset)
+    if n == 0:
+        raise InvalidError("PM_ERR_INVALID: the dataset is empty")
+    schema = _workers.describe(dataset[0], 0)
+    contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
+
+    def fetch(i):
+        return [contiguous(a) for a in checked(schema, dataset[i], i, numpy)]
+
+    return _pinmem._dataset_python(fetch, n, schema.specs()), schema
+
+
+def _is_path(x):
+    return isinstance(x, (str, _os.PathLike))
+
+
+def _is_array(x):
+    return hasattr(x, "shape") or hasattr(x, "__array_interface__") or \
+        isinstance(x, (bytes, bytearray, memoryview))
+
+
+def _open_arrays(arrays):
+    arrays = [_as_array(a) for a in arrays]
+    if any(a.ndim == 0 or len(a) == 0 for a in arrays):
+        raise InvalidError("PM_ERR_INVALID: an array dataset needs at least one sample along "
+                           "axis 0")
+    n = {len(a) for a in arrays}
+    if len(n) != 1:
+        raise InvalidError("PM_ERR_INVALID: the arrays of a dataset need the same length "
+                           f"(got {sorted(n)})")
+    import numpy
+    specs = [(a.shape[1:], _descr_text(a.dtype, f"field {k}"), a.dtype.itemsize)
+             for k, a in enumerate(arrays)]
+    # Samples travel as bytes (NumPy cannot export every dtype through the buffer protocol:
+    # datetimes); the spec says what they are.
+    rows = [a.reshape(len(a), -1).view(numpy.uint8) for a in arrays]
+    return _pinmem._dataset_arrays(rows, specs)
+
+
+def _open_part(x, io):
+    """One element of a tuple dataset: a path, an NpyDataset/TokenDataset or an array."""
+    if isinstance(x, (NpyDataset, TokenDataset)):
+        return x._open()
+    if _is_path(x):
+        return NpyDataset(x, io=io or "pread")._open()
+    if _is_array(x):
+        return _open_arrays([x])
+    raise TypeError(f"pinmem.Loader: a tuple dataset holds arrays, .npy paths, NpyDataset or "
+                    f"TokenDataset objects, not {type(x).__name__}")
+
+
+def _is_python_dataset(dataset):
+    """A map-style Python dataset (dataset[i], len(dataset)) rather than arrays or files."""
+    if isinstance(dataset, (NpyDataset, TokenDataset, tuple)) or _is_path(dataset) or \
+            _is_array(dataset):
+        return False
+    if isinstance(dataset, list) and dataset and all(_is_path(p) for p in dataset):
+        return False
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(tensors, (list, tuple)) and len(tensors) > 0:
+        return False
+    return hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+
+
+def _open_dataset(dataset, io):
+    """-> (one C dataset holding every field; whether batches are tuples)."""
+    if isinstance(dataset, NpyDataset):
+        return dataset._open(), False
+    if isinstance(dataset, TokenDataset):
+        return dataset._open(), True
+    if _is_path(dataset):
+        return NpyDataset(dataset, io=io or "pread")._open(), False
+    if isinstance(dataset, list) and dataset and all(_is_path(p) for p in dataset):
+        return NpyDataset(dataset, io=io or "pread")._open(), False  # files one after another
+    tensors = getattr(dataset, "tensors", None)  # torch.utils.data.TensorDataset
+    if isinstance(tensors, (list, tuple)) and len(tensors) > 0:
+        dataset = tuple(tensors)
+    if isinstance(dataset, tuple) and dataset:
+        if all(_is_array(a) for a in dataset):
+            return _open_arrays(dataset), True  # one dataset, read without the GIL
+        return _pinmem._dataset_zip([_open_part(x, io) for x in dataset]), True
+    if _is_array(dataset):
+        return _open_arrays([dataset]), False
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return _python_dataset(dataset)  # (dataset, Schema)
+    raise TypeError("pinmem.Loader: the dataset must be .npy path(s), an NpyDataset or "
+                    "TokenDataset, an array or tuple of arrays (NumPy, torch CPU tensors, "
+                    "TensorDataset), a tuple of .npy paths (one field each), or a map-style "
+                    "dataset with __getitem__ and __len__")
+
+
+class Batch(tuple):
+    """The arrays of one batch, one per field (token datasets: inputs, targets), each a
+    pinmem.Buffer exporting DLPack: on the device by default (kDLCUDA, with stream ordering:
+    torch.from_dlpack / __dlpack__(stream=s) makes s wait for the batch's copy, nobody blocks),
+    or in host memory (device='cpu'). Attributes: epoch, index (within the epoch) and indices
+    (the dataset index of each row). All fields come from one slot of the loader, copied by one
+    copy; the slot goes back to the loader once every array and every DLPack tensor made from
+    it is gone (after the work queued on the consumer's stream), also after the loader was
+    closed."""
+
+    @property
+    def indices(self):
+        import array
+        a = array.array("Q")
+        a.frombytes(self._indices)
+        return a
+
+
+_pinmem._set_batch_class(Batch)
+
+
+class _EpochIterator:
+    """The batches of one epoch. An iterator object rather than a generator: a generator keeps
+    the batch it last yielded in its frame, and on some Python versions (3.12) even close()
+    does not let it go, which would keep the batch's slot from the loader. This object holds
+    nothing between calls: the caller owns each batch outright."""
+
+    __slots__ = ("_loader", "_mode", "_convert", "_per_epoch", "_done")
+
+    def __init__(self, loader, mode, convert=None):
+        self._loader = loader
+        self._mode = mode
+        self._convert = convert
+        self._per_epoch = len(loader)
+        self._done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        loader = self._loader
+        t0 = _perf_counter()
+        try:
+            b = loader._next()
+            if b is None:
+                self._done = True
+                raise StopIteration
+            if b.index + 1 >= self._per_epoch:
+                self._done = True  # the epoch ends with this batch
+            if self._mode == "batch":
+                return b
+            if self._mode == "torch":
+                t1 = _perf_counter()
+                t = tuple(map(self._convert, b))
+                del b
+                loader._conversion_s += _perf_counter() - t1
+                return loader._shape(t)
+            return loader._shape(b)
+        finally:
+            # Everything the loop waited for here, so stats() can tell next() from the rest.
+            loader._iteration_s += _perf_counter() - t0
+
+    def close(self):
+        """Stop early (as generator.close() does); the loader keeps its position."""
+        self._done = True
+
+
+_STATE_KEYS = ("magic", "flags", "epoch", "batch", "seed", "samples", "batch_size", "rank",
+               "world_size")
+
+
+def _closed():
+    _pinmem._raise(_pinmem.PM_ERR_STATE, "the loader was closed")
+
+
+class Loader:
+    """Batches of a dataset, read by workers straight into pinned slots and copied to the device
+    while the previous batch computes: DataLoader(pin_memory=True) plus
+    .to(device, non_blocking=True), without the second copy.
+
+    dataset: .npy path(s) (a list: files one after another) or an NpyDataset, a TokenDataset,
+    an array, or a tuple of fields: arrays (NumPy arrays, torch CPU tensors, a TensorDataset),
+    .npy paths, NpyDataset or TokenDataset objects (all read by pinmem's threads, without the
+    GIL); or a map-style Python dataset (dataset[i], len(dataset)): with num_workers > 0 its
+    samples are read by that many worker processes, each writing its samples straight into the
+    shared pinned slot (worker_mode="process", the default; "thread" reads them on threads,
+    through the GIL: for datasets that release it). A sample is an array, a CPU tensor, a number,
+    or a tuple, list or dict of those; batches have the sample's structure (default_collate's).
+
+    The arguments are torch.utils.data.DataLoader's, in its order: batch_size, shuffle, sampler
+    (any iterable of indices with len(): its order is the order delivered), num_workers,
+    pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+    prefetch_factor (slots = prefetch_factor * max(1, num_workers)), persistent_workers. What
+    pinmem cannot honour is refused, never ignored: batch_sampler, and a collate_fn other than
+    default_collate (do per-sample work in the dataset). Also: seed (shuffle order and worker
+    seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
+    device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
+    DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
+
+    Iterating yields one epoch's batches; batches() yields flat Batch objects (one array per
+    field) with epoch/index/indices. A new iterator continues where the last one stopped. Keep
+    at most `prefetch` batches alive at once while iterating (pinmem.BusyError otherwise).
+    close() (and `with`, and interpreter exit) never fails because batches are alive: it stops
+    the workers, and each slot still held returns to the pool when its batch goes.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=True, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                 in_order=True, seed=None, device=None, epochs=None, rank=None,
+                 world_size=None, io=None, worker_mode=None):
+        self._c = None
+        self._pool = None
+        self._base = None
+        self._device_index = None  # "cuda:k": the loader works on device k
+        if device in (None, "cuda", "device") or (isinstance(device, str) and
+                                                  device.startswith("cuda")):
+            to_device = True
+            if isinstance(device, str) and device.startswith("cuda:"):
+                try:
+                    self._device_index = int(device[5:])
+                except ValueError:
+                    raise InvalidError(f"PM_ERR_INVALID: device {device!r}: 'cuda:' takes a "
+                                       "device index") from None
+        elif device in ("cpu", "host"):
+            to_device = False
+        else:
+            raise InvalidError(f"PM_ERR_INVALID: device must be None, 'cuda' or 'cpu', not "
+                               f"{device!r}")
+        if pin_memory_device not in ("", None) and not str(pin_memory_device).startswith("cuda"):
+            raise InvalidError(f"PM_ERR_INVALID: pin_memory_device={pin_memory_device!r}: pinmem "
+                               "pins for CUDA devices; leave it '' (or 'cuda')")
+        if batch_sampler is not None:
+            raise InvalidError("PM_ERR_INVALID: batch_sampler is not supported: pinmem.Loader "
+                               "fills fixed-size batch slots; pass sampler= (an iterable of "
+                               "indices) with batch_size and drop_last instead")
+        if collate_fn is not None and not _is_default_collate(collate_fn):
+            raise InvalidError("PM_ERR_INVALID: collate_fn is not supported: pinmem.Loader "
+                               "writes each sample straight into its row of the batch (the "
+                               "default_collate result); do per-sample work in the dataset's "
+                               "__getitem__, and per-batch work on the batch after the loader")
+        if sampler is not None and shuffle:
+            raise InvalidError("PM_ERR_INVALID: sampler and shuffle=True cannot go together "
+                               "(as in torch's DataLoader): the sampler decides the order")
+        if sampler is not None and not hasattr(sampler, "__len__"):
+            raise InvalidError("PM_ERR_INVALID: the sampler needs len() (the batches of an epoch "
+                               "are counted before it starts)")
+        if worker_mode not in (None, "process", "thread"):
+            raise InvalidError(f"PM_ERR_INVALID: worker_mode must be None, 'process' or "
+                               f"'thread', not {worker_mode!r}")
+        if timeout is None or timeout < 0:
+            raise InvalidError("PM_ERR_INVALID: timeout must be >= 0 (0: wait forever)")
+        # None means "from the environment" (RANK, WORLD_SIZE, checked by the library); an
+        # explicit value must be valid, never silently replaced by the environment's.
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise InvalidError(f"PM_ERR_INVALID: rank must be None or an int >= 0, not {rank!r}")
+        if world_size is not None and (not isinstance(world_size, int) or
+                                       isinstance(world_size, bool) or world_size < 1):
+            raise InvalidError("PM_ERR_INVALID: world_size must be None or an int >= 1, not "
+                               f"{world_size!r}")
+        if epochs is not None and int(epochs) <= 0:
+            raise InvalidError("PM_ERR_INVALID: epochs must be None or > 0")
+        if seed is None:
+            seed = _seed_from(generator)
+        nw = int(num_workers)
+        if nw < 0:
+            raise InvalidError("PM_ERR_INVALID: num_workers must be >= 0")
+        python_ds = _is_python_dataset(dataset)
+        procs = python_ds and nw > 0 and worker_mode in (None, "process")
+        if worker_mode == "process" and not procs:
+            raise InvalidError("PM_ERR_INVALID: worker_mode='process' needs a map-style Python "
+                               "dataset and num_workers > 0 (arrays and files are read by "
+                               "pinmem's threads, without the GIL)")
+        if procs and not pin_memory:
+            raise InvalidError("PM_ERR_INVALID: worker processes write into shared pinned slots;"
+                               " pin_memory=False is only for worker_mode='thread'")
+        self._schema = None
+        self._timeout = float(timeout)
+        self._sampler = sampler
+        self._persistent = bool(persistent_workers)
+        self._epochs_total = None if epochs is None else int(epochs)
+        self._base_seed = int(seed)
+        self._mp = (dataset, nw, multiprocessing_context, worker_init_fn)
+        self._to_device = to_device
+        if procs:
+            self._pool = self._start_pool(0)
+            try:
+                self._schema = self._pool.describe(0, self._timeout)
+                self._pool.set_schema(self._schema, self._timeout)
+                self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), len(dataset),
+                                                    self._schema.specs(), self._timeout,
+                                                    _PROCESS_DEPTH)
+            except BaseException:
+                self._pool.stop()
+                self._pool.close()
+                raise
+            self._tuple = not self._schema.is_single()
+        else:
+            self._base, self._tuple = _open_dataset(dataset, io)
+            if not isinstance(self._tuple, bool):  # a Python dataset: its Schema
+                self._schema, self._tuple = self._tuple, not self._tuple.is_single()
+        fields = self._base.fields()
+        # Dtypes pinmem's buffers cannot express (big-endian, strings, records, datetimes)
+        # arrive as bytes and are viewed here with their real dtype: in host memory only.
+        self._odd = [(k, _dtype_from_descr(f["descr"]), f["shape"])
+                     for k, f in enumerate(fields) if not f["native"]]
+        if self._odd and to_device:
+            k, dt, _ = self._odd[0]
+            self.close()
+            raise InvalidError(f"PM_ERR_INVALID: field {k} has dtype {dt} ({fields[k]['descr']}),"
+                               " which has no DLPack type for the device: use device='cpu', or "
+                               "store it as a native number type")
+        self._config = dict(
+            batch_size=int(batch_size), workers=nw,
+            prefetch=int(prefetch_factor) * max(1, nw) if prefetch_factor else 0,
+            shuffle=bool(shuffle), seed=self._base_seed, drop_last=bool(drop_last),
+            rank=-1 if rank is None else rank,
+            world_size=-1 if world_size is None else world_size,
+            pin_memory=bool(pin_memory), device=to_device,
+            epochs=0 if epochs is None else int(epochs))
+        if procs:
+            # One claim of rows per message; claims go to the workers in turn (reproducible),
+            # _PROCESS_DEPTH loader threads per process so each has its next claim queued.
+            self._config.update(workers=nw * _PROCESS_DEPTH, shared_slots=True,
+                                ordered_workers=True,
+                                claim_rows=max(1, min(_PROCESS_CLAIM, int(batch_size))))
+        if sampler is not None:
+            self._config.update(rank=0, world_size=1)  # the sampler shards, if anyone does
+        # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
+        # program's set_epoch), and workers that do not persist are started anew per epoch.
+        self._per_epoch = sampler is not None or (procs and not self._persistent)
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.device = "cuda" if to_device else "cpu"
+        self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
+        self._ds = self._base
+        try:
+            self._open_epoch(0, 0)
+        except BaseException:
+            self.close()
+            raise
+        _live_loaders.add(self)
+
+    # ---- the C loader of an epoch (per-epoch mode) or of every epoch ----
+
+    def _start_pool(self, epoch):
+        from . import _workers
+        dataset, nw, ctx, init_fn = self._mp
+        seed = self._base_seed if epoch == 0 else _mix_seed(self._base_seed, epoch)
+        # The workers run on the CPUs of the loader's device's NUMA node, as pinmem's threads.
+        if not self._to_device:
+            dev = -1
+        elif self._device_index is not None:
+            dev = self._device_index
+        else:
+            dev = _pinmem.current_device()
+        cpus = _pinmem._numa_worker_cpus(dev)
+        return _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus)
+
+    def _on_device(self, make):
+        """make() with the loader's device current (device="cuda:k"): its stream, buffers and
+        threads belong to device k; the calling thread's device is restored."""
+        k = self._device_index
+        if k is None:
+            return make()
+        prev = _pinmem.current_device()
+        if prev != k:
+            _pinmem.set_device(k)
+        try:
+            return make()
+        finally:
+            if prev != k:
+                _pinmem.set_device(prev)
+
+    def _open_epoch(self, epoch, batch, resume=None):
+        """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch
+        mode) a loader for this epoch alone."""
+        if self._per_epoch:
+            if self._pool is not None and not self._persistent and epoch > 0 and \
+                    self._pool.epoch != epoch:
+                self._swap_pool(epoch)
+            ds = self._base
+            if self._sampler is not None:
+                import array
+                order = array.array("Q", (int(i) for i in self._sampler))
+                if len(order) == 0:
+                    raise InvalidError("PM_ERR_INVALID: the sampler yielded no indices")
+                ds = _pinmem._dataset_select(self._base, order)
+            self._ds = ds
+        self._c = self._on_device(
+            lambda: _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch)))
+        if self._pool is not None:
+            self._pool.epoch = epoch
+
+    def _retire(self, c):
+        """Destroy C loader c. Over worker processes, claims may still be out: cancel the
+        waits, let the processes finish what they were given (drain) and only then free the
+        slots they write into."""
+        if self._pool is not None and c is not None:
+            _pinmem._procs_cancel(self._base)
+            ok = _pinmem._procs_drain(self._base, max(self._timeout, 60.0))
+            c.close()
+            _pinmem._procs_reset(self._base)
+            if not ok:
+                raise WorkerError("pinmem.Loader: a worker process did not finish its rows in "
+                                  "time while the loader was stopping")
+        elif c is not None:
+            c.close()
+
+    def _swap_pool(self, epoch):
+        """New worker processes for `epoch` (persistent_workers=False)."""
+        c, self._c = self._c, None
+        self._retire(c)  # (already done at the end of an epoch)
+        old, self._pool = self._pool, None
+        old.stop()
+        old.close()
+        self._pool = self._start_pool(epoch)
+        self._pool.set_schema(self._schema, self._timeout)
+        self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), len(self.dataset),
+                                            self._schema.specs(), self._timeout, _PROCESS_DEPTH)
+        self._ds = self._base
+
+    def _shape(self, values):
+        """A batch's arrays in the sample's structure."""
+        if self._schema is not None:
+            return self._schema.rebuild(values)
+        return values if self._tuple else values[0]
+
+    def _next(self):
+        """The next Batch, or None once every epoch was delivered."""
+        c = self._c
+        if c is None:
+            _closed()
+        b = c.next()
+        if b is None and self._per_epoch:
+            st = _pinmem._loader_state_fields(c.state())
+            nxt = st["epoch"]
+            if self._epochs_total is None or nxt < self._epochs_total:
+                resume = c.state()  # (next epoch, batch 0), as the library packs it
+                self._c = None
+                self._retire(c)
+                self._open_epoch(nxt, 0, resume=resume)
+                b = self._c.next()
+        if b is not None and self._odd:
+            t0 = _perf_counter()
+            b = self._view_odd(b)
+            self._conversion_s += _perf_counter() - t0
+        return b
+
+    def _view_odd(self, b):
+        import numpy
+        arrays = list(b)
+        for k, dt, shape in self._odd:
+            arrays[k] = numpy.frombuffer(arrays[k], dtype=dt).reshape((-1,) + tuple(shape))
+        nb = tuple.__new__(Batch, arrays)
+        nb.__dict__.update(b.__dict__)
+        return nb
+
+    def batches(self):
+        """Batch objects of one epoch (from the current position to the end of its epoch)."""
+        return _EpochIterator(self, "batch")
+
+    def __iter__(self):
+        return _EpochIterator(self, "plain")
+
+    def as_torch(self):
+        """Like iterating, but each array becomes a torch tensor (torch.from_dlpack: the
+        current torch stream waits for the batch's copy, without blocking the host)."""
+        import torch
+        return _EpochIterator(self, "torch", torch.from_dlpack)
+
+    def __len__(self):
+        """Batches per epoch (on this rank)."""
+        if self._c is None:
+            _closed()
+        return self._c.stats()["batches_per_epoch"]
+
+    @property
+    def epoch(self):
+        """The epoch of the next batch."""
+        return self.state_dict()["epoch"]
+
+    def worker_pids(self):
+        """The process ids of the worker processes (empty without process workers)."""
+        return [] if self._pool is None else self._pool.pids()
+
+    def state_dict(self):
+        """Where the loader stands: the next batch it will deliver (plain ints: checkpoint it)."""
+        if self._c is None:
+            _closed()
+        return _pinmem._loader_state_fields(self._c.state())
+
+    def load_state_dict(self, state):
+        """Continue from a state_dict(): the next batch delivered is the one it names. The
+        dataset, batch_size, shuffle, seed, drop_last and sharding must be the same (and a
+        sampler must give the same order for that epoch). A state that does not fit is refused
+        with the loader left as it was."""
+        if self._c is None:
+            _closed()
+        try:
+            values = {k: int(state[k]) for k in _STATE_KEYS}
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidError(f"PM_ERR_INVALID: not a loader state_dict ({e!r})") from None
+        packed = _pinmem._loader_state_pack(**values)
+        old = self._c.state()
+        # Check what the library would refuse before anything is closed.
+        cur = _pinmem._loader_state_fields(old)
+        shuffle = cur["flags"] & 1
+        for k in ("magic", "flags", "samples", "batch_size", "rank", "world_size") + \
+                (("seed",) if shuffle else ()):
+            if values[k] != cur[k]:
+                raise InvalidError(f"PM_ERR_INVALID: the state was saved with {k} {values[k]}, "
+                                   f"this loader has {cur[k]}: the order of the samples would "
+                                   "differ")
+        c, self._c = self._c, None
+        self._retire(c)  # batches still held keep their slots until they go
+        try:
+            self._open_epoch(values["epoch"], values["batch"], resume=packed)
+        except BaseException:
+            self._c = self._on_device(lambda: _pinmem._Loader(
+                self._ds, resume=old, **self._epoch_config(cur["epoch"])))
+            raise
+        finally:
+            self._iteration_s = self._conversion_s = 0.0  # as the library's counters
+
+    def _epoch_config(self, epoch):
+        """The C loader's configuration for a loader starting in `epoch` (per-epoch mode: that
+        epoch alone)."""
+        cfg = dict(self._config)
+        if self._per_epoch:
+            cfg["epochs"] = epoch + 1
+        return cfg
+
+    def stats(self):
+        """The loader's statistics (since it was created or last given a state_dict): the
+        library's counters (batches, stall_seconds: time next() waited for data, next_seconds:
+        all time inside the library's next(), read/copy seconds...) and where the rest of a
+        training loop's wait for its batches went: conversion_seconds (the batches' arrays made
+        into the caller's type: as_torch()'s torch.from_dlpack, views of odd dtypes),
+        iteration_seconds (all time inside the iterators' __next__: next(), conversion and the
+        glue) and glue_seconds (iteration less next() and conversion: Python's own work per
+        batch). With worker processes also `workers` ('process'), `worker_pids`,
+        `worker_numa_cpus` (the CPU ids the workers were put on, the NUMA node of the loader's
+        device; None: left where the scheduler puts them) and `worker_numa_refused` (workers that
+        could not move there and run elsewhere, e.g. a cpuset without those CPUs; the first one's
+        reason in `worker_numa_problem`, "" when none)."""
+        if self._c is None:
+            _closed()
+        out = self._c.stats()
+        out["fields"] = len(self._ds.fields())
+        out["conversion_seconds"] = self._conversion_s
+        out["iteration_seconds"] = self._iteration_s
+        out["glue_seconds"] = max(0.0, self._iteration_s - out["next_seconds"] -
+                                  self._conversion_s)
+        out["workers"] = "process" if self._pool is not None else "thread"
+        out["worker_pids"] = self.worker_pids()
+        pool = self._pool
+        out["worker_numa_cpus"] = None if pool is None else pool.cpus
+        out["worker_numa_refused"] = 0 if pool is None else len(pool.numa_problems)
+        out["worker_numa_problem"] = "" if pool is None or not pool.numa_problems else \
+            pool.numa_problems[min(pool.numa_problems)]
+        return out
+
+    def close(self):
+        """Stop the workers and free the slots. Never fails because batches are still alive:
+        each of those returns its slot to the pool when it goes. Closing twice is harmless.
+        Worker processes are stopped and joined (terminated if they do not go within 5 s)."""
+        c, self._c = self._c, None
+        pool, self._pool = self._pool, None
+        if pool is not None and self._base is not None:
+            _pinmem._procs_cancel(self._base)  # no thread waits for a worker any more
+            pool.stop()  # the processes are gone: nothing writes into the slots any more
+        try:
+            if c is not None:
+                c.close()
+        finally:
+            if pool is not None:
+                pool.close()
+                # The worker-process dataset holds an eventfd (and the sockets' numbers): let
+                # it go now rather than when the Loader object goes.
+                self._base = self._ds = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # A loader dropped without close(): its worker processes go with it, in the same
+        # order as close() (cancel the waits, stop the processes, then free the slots).
+        try:
+            if getattr(self, "_pool", None) is not None:
+                self.close()
+        except Exception:
+            pass
+
+
+# Loader threads per worker process: each process has its next claim of rows queued while it
+# works on one, so strictly ordered claims never wait for the slowest process (see procs.c).
+_PROCESS_DEPTH = max(1, min(8, int(_os.environ.get("PINMEM_PROCESS_DEPTH", "2") or 2)))
+# Rows per claim (one message and one reply each): small enough that a batch spreads over the
+# processes and its copy starts early, large enough that the messages cost nothing.
+_PROCESS_CLAIM = max(1, int(_os.environ.get("PINMEM_PROCESS_CLAIM", "8") or 8))
+
+
+def _is_default_collate(fn):
+    mod = getattr(fn, "__module__", "") or ""
+    return getattr(fn, "__name__", "") == "default_collate" and mod.startswith("torch.utils.data")
+
+
+def _seed_from(generator):
+    """A base seed as torch's DataLoader draws one from its generator; 0 without one."""
+    if generator is None:
+        return 0
+    import torch
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & \
+        ((1 << 63) - 1)
+
+
+def _mix_seed(seed, epoch):
+    """The workers' base seed for an epoch when they are started anew each epoch."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 1) & ((1 << 64) - 1)
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 29)) & ((1 << 62) - 1)
+
+
+def get_worker_info():
+    """Inside a worker process of a pinmem.Loader: its id, num_workers, seed and dataset (as
+    torch.utils.data.get_worker_info()) and cpus (the CPU ids NUMA placement put it on; None:
+    not moved); None in the main process."""
+    from . import _workers
+    return _workers.get_worker_info()
+
+
+from ._workers import WorkerError  # noqa: E402,F401  (re-exported by pinmem)
