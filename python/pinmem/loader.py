@@ -8,7 +8,10 @@ around the C loader.
 """
 
 import atexit as _atexit
+import numbers as _numbers
+import operator as _operator
 import os as _os
+import re as _re
 from time import perf_counter as _perf_counter
 
 from . import _pinmem
@@ -73,6 +76,11 @@ def _as_array(a):
             raise InvalidError("PM_ERR_INVALID: pinmem.Loader reads CPU tensors; this one is on "
                                f"{a.device}")
         a = a.contiguous().numpy()
+    elif not hasattr(type(a), "__array_interface__") and hasattr(type(a), "__dlpack__"):
+        try:
+            memoryview(a).release()
+        except TypeError:
+            a = numpy.from_dlpack(a)
     return numpy.ascontiguousarray(a)
 
 
@@ -109,22 +117,91 @@ def _python_dataset(dataset):
     n = len(dataset)
     if n == 0:
         raise InvalidError("PM_ERR_INVALID: the dataset is empty")
-    schema = _workers.describe(dataset[0], 0)
+    try:
+        first = dataset[0]
+    except StopIteration as e:
+        raise _stop_iteration_error(0, e) from e
+    schema = _workers.describe(first, 0)
     contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
 
     def fetch(i):
-        return [contiguous(a) for a in checked(schema, dataset[i], i, numpy)]
+        try:
+            sample = dataset[i]
+        except StopIteration as e:
+            raise _stop_iteration_error(i, e) from e
+        return [contiguous(a) for a in checked(schema, sample, i, numpy)]
 
     return _pinmem._dataset_python(fetch, n, schema.specs()), schema
+
+
+def _sampler_order(sampler, n):
+    """The sampler's indices for one epoch as an array('Q'): ints (Python, NumPy, 0-d integer
+    tensors) in 0..n-1; anything else refused naming the sampler and the position."""
+    import array
+    order = array.array("Q")
+    name = type(sampler).__name__
+    for k, i in enumerate(sampler):
+        if isinstance(i, bool) or not hasattr(type(i), "__index__"):
+            raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded {i!r} "
+                               f"({type(i).__name__}) at position {k}: indices are ints")
+        try:
+            v = _operator.index(i)
+        except TypeError:
+            raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded {i!r} at position "
+                               f"{k}: indices are ints") from None
+        if not 0 <= v < n:
+            raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded {v} at position "
+                               f"{k}: the dataset has indices 0..{n - 1}")
+        order.append(v)
+    if len(order) == 0:
+        raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded no indices")
+    return order
+
+
+def _stop_iteration_error(index, e):
+    """StopIteration out of dataset[i] would end the caller's loop quietly (PEP 479's case)."""
+    return RuntimeError(f"dataset[{index}] raised StopIteration ({e!r}): a dataset's __getitem__ "
+                        "must not raise StopIteration; raise IndexError past the end")
 
 
 def _is_path(x):
     return isinstance(x, (str, _os.PathLike))
 
 
+def _is_torch_tensor(x):
+    t = type(x)
+    return t.__module__.startswith("torch") and any(
+        c.__name__ == "Tensor" and c.__module__.startswith("torch") for c in t.__mro__)
+
+
 def _is_array(x):
-    return hasattr(x, "shape") or hasattr(x, "__array_interface__") or \
-        isinstance(x, (bytes, bytearray, memoryview))
+    """An array by what it is (the buffer protocol, __array_interface__, __dlpack__, a torch
+    tensor), never by duck attributes such as `shape`, which datasets have too."""
+    if isinstance(x, (bytes, bytearray, memoryview)) or _is_torch_tensor(x):
+        return True
+    t = type(x)
+    if hasattr(t, "__array_interface__") or hasattr(t, "__dlpack__"):
+        return True
+    try:
+        memoryview(x).release()
+    except TypeError:
+        return False
+    return True
+
+
+def _tensor_dataset_fields(dataset):
+    """The tensors of a torch TensorDataset that reads them as TensorDataset does (its own
+    __getitem__), else None: a subclass with its own __getitem__ (a transform) goes through it."""
+    t = type(dataset)
+    base = next((c for c in t.__mro__ if c.__name__ == "TensorDataset" and
+                 c.__module__.startswith("torch.utils.data")), None)
+    if base is None or t.__getitem__ is not base.__getitem__:
+        return None
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(tensors, (list, tuple)) and len(tensors) > 0 and \
+            all(_is_array(a) for a in tensors):
+        return tuple(tensors)
+    return None
 
 
 def _open_arrays(arrays):
@@ -164,8 +241,7 @@ def _is_python_dataset(dataset):
         return False
     if isinstance(dataset, list) and dataset and all(_is_path(p) for p in dataset):
         return False
-    tensors = getattr(dataset, "tensors", None)
-    if isinstance(tensors, (list, tuple)) and len(tensors) > 0:
+    if _tensor_dataset_fields(dataset) is not None:
         return False
     return hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
 
@@ -180,9 +256,9 @@ def _open_dataset(dataset, io):
         return NpyDataset(dataset, io=io or "pread")._open(), False
     if isinstance(dataset, list) and dataset and all(_is_path(p) for p in dataset):
         return NpyDataset(dataset, io=io or "pread")._open(), False  # files one after another
-    tensors = getattr(dataset, "tensors", None)  # torch.utils.data.TensorDataset
-    if isinstance(tensors, (list, tuple)) and len(tensors) > 0:
-        dataset = tuple(tensors)
+    tensors = _tensor_dataset_fields(dataset)  # torch.utils.data.TensorDataset
+    if tensors is not None:
+        dataset = tensors
     if isinstance(dataset, tuple) and dataset:
         if all(_is_array(a) for a in dataset):
             return _open_arrays(dataset), True  # one dataset, read without the GIL
@@ -197,6 +273,65 @@ def _open_dataset(dataset, io):
                     "dataset with __getitem__ and __len__")
 
 
+_MAX_LOADER_THREADS = 256  # the C loader's limit on its worker threads (PM__LOADER_MAX_WORKERS)
+# Timeouts from here up mean no limit (the C side counts milliseconds in an int).
+_TIMEOUT_NO_LIMIT = 2e6
+_CUDA_DEVICE = _re.compile(r"cuda(?::([0-9]+))?\Z", _re.ASCII)
+
+
+def _int_arg(name, value, lo=None, hi=None, none_ok=False):
+    """value as an int, refusing floats, strings and bools (never truncated), within lo..hi."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise InvalidError(f"PM_ERR_INVALID: {name} must be an int"
+                           f"{' or None' if none_ok else ''}, not {value!r}")
+    v = _operator.index(value)
+    if lo is not None and v < lo or hi is not None and v > hi:
+        rule = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise InvalidError(f"PM_ERR_INVALID: {name} must be {rule}, not {v}")
+    return v
+
+
+def _timeout_arg(timeout):
+    """Seconds as a float; 0 (no limit) for inf and for limits of _TIMEOUT_NO_LIMIT and more."""
+    if isinstance(timeout, bool) or not isinstance(timeout, _numbers.Real):
+        raise InvalidError(f"PM_ERR_INVALID: timeout must be a number of seconds >= 0 (0: no "
+                           f"limit), not {timeout!r}")
+    t = float(timeout)
+    if t != t or t < 0:
+        raise InvalidError(f"PM_ERR_INVALID: timeout must be a number of seconds >= 0 (0 or inf:"
+                           f" no limit), not {timeout!r}")
+    return 0.0 if t >= _TIMEOUT_NO_LIMIT else t
+
+
+def _device_arg(device):
+    """-> (batches on the device, device index or None) for None, 'cuda', 'cuda:k', 'cpu', an
+    int k (cuda:k) or a torch.device."""
+    if type(device).__module__ == "torch" and type(device).__name__ == "device":
+        kind, index = device.type, device.index
+        if kind == "cpu":
+            return False, None
+        if kind == "cuda":
+            return True, index
+        device = str(device)
+    elif not isinstance(device, (str, bool)) and device is not None and \
+            hasattr(type(device), "__index__"):
+        k = _operator.index(device)
+        if k < 0:
+            raise InvalidError(f"PM_ERR_INVALID: device={k}: a device index is >= 0")
+        return True, k
+    if device in (None, "cuda", "device"):
+        return True, None
+    if device in ("cpu", "host"):
+        return False, None
+    m = _CUDA_DEVICE.match(device) if isinstance(device, str) else None
+    if m is None:
+        raise InvalidError(f"PM_ERR_INVALID: device must be None, 'cuda', 'cuda:<index>', 'cpu', "
+                           f"an int or a torch.device, not {device!r}")
+    return True, int(m.group(1))
+
+
 class Batch(tuple):
     """The arrays of one batch, one per field (token datasets: inputs, targets), each a
     pinmem.Buffer exporting DLPack: on the device by default (kDLCUDA, with stream ordering:
@@ -209,9 +344,13 @@ class Batch(tuple):
 
     @property
     def indices(self):
+        """The dataset index of each row (with a sampler: the index the sampler gave)."""
         import array
         a = array.array("Q")
         a.frombytes(self._indices)
+        order = self.__dict__.get("_order")
+        if order is not None:  # rows of a selection: position k in the sampler's order
+            a = array.array("Q", [order[k] for k in a])
         return a
 
 
@@ -266,12 +405,21 @@ class _EpochIterator:
         self._done = True
 
 
-_STATE_KEYS = ("magic", "flags", "epoch", "batch", "seed", "samples", "batch_size", "rank",
-               "world_size")
+# The fields of a state_dict and their ranges (those of pm_loader_state_t).
+_U32, _U64, _I32 = (0, (1 << 32) - 1), (0, (1 << 64) - 1), (-(1 << 31), (1 << 31) - 1)
+_STATE_KEYS = dict(magic=_U32, flags=_U32, epoch=_U64, batch=_U64, seed=_U64, samples=_U64,
+                   batch_size=_U64, rank=_I32, world_size=_I32)
 
 
 def _closed():
     _pinmem._raise(_pinmem.PM_ERR_STATE, "the loader was closed")
+
+
+def _closed_error():
+    try:
+        _closed()
+    except Error as e:
+        return e
 
 
 class Loader:
@@ -314,21 +462,17 @@ class Loader:
         self._c = None
         self._pool = None
         self._base = None
-        self._device_index = None  # "cuda:k": the loader works on device k
-        if device in (None, "cuda", "device") or (isinstance(device, str) and
-                                                  device.startswith("cuda")):
-            to_device = True
-            if isinstance(device, str) and device.startswith("cuda:"):
-                try:
-                    self._device_index = int(device[5:])
-                except ValueError:
-                    raise InvalidError(f"PM_ERR_INVALID: device {device!r}: 'cuda:' takes a "
-                                       "device index") from None
-        elif device in ("cpu", "host"):
-            to_device = False
-        else:
-            raise InvalidError(f"PM_ERR_INVALID: device must be None, 'cuda' or 'cpu', not "
-                               f"{device!r}")
+        self._closed = False
+        self._order = None  # a sampler's indices for the epoch (Batch.indices maps through it)
+        self._failed = None  # the error that left the loader unusable (a stuck worker)
+        # "cuda:k": the loader works on device k
+        to_device, self._device_index = _device_arg(device)
+        batch_size = _int_arg("batch_size", batch_size, 1)
+        seed = _int_arg("seed", seed, -(1 << 63), (1 << 64) - 1, none_ok=True)
+        epochs = _int_arg("epochs", epochs, 1, none_ok=True)
+        if prefetch_factor is not None:
+            prefetch_factor = _int_arg("prefetch_factor", prefetch_factor, 1)
+        timeout = _timeout_arg(timeout)
         if pin_memory_device not in ("", None) and not str(pin_memory_device).startswith("cuda"):
             raise InvalidError(f"PM_ERR_INVALID: pin_memory_device={pin_memory_device!r}: pinmem "
                                "pins for CUDA devices; leave it '' (or 'cuda')")
@@ -350,8 +494,6 @@ class Loader:
         if worker_mode not in (None, "process", "thread"):
             raise InvalidError(f"PM_ERR_INVALID: worker_mode must be None, 'process' or "
                                f"'thread', not {worker_mode!r}")
-        if timeout is None or timeout < 0:
-            raise InvalidError("PM_ERR_INVALID: timeout must be >= 0 (0: wait forever)")
         # None means "from the environment" (RANK, WORLD_SIZE, checked by the library); an
         # explicit value must be valid, never silently replaced by the environment's.
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
@@ -360,15 +502,21 @@ class Loader:
                                        isinstance(world_size, bool) or world_size < 1):
             raise InvalidError("PM_ERR_INVALID: world_size must be None or an int >= 1, not "
                                f"{world_size!r}")
-        if epochs is not None and int(epochs) <= 0:
-            raise InvalidError("PM_ERR_INVALID: epochs must be None or > 0")
         if seed is None:
             seed = _seed_from(generator)
-        nw = int(num_workers)
-        if nw < 0:
-            raise InvalidError("PM_ERR_INVALID: num_workers must be >= 0")
+        seed %= 1 << 64  # as torch's generators: a negative seed is its 64-bit pattern
+        nw = _int_arg("num_workers", num_workers, 0)
         python_ds = _is_python_dataset(dataset)
         procs = python_ds and nw > 0 and worker_mode in (None, "process")
+        # Checked before any process starts: each worker process is served by _PROCESS_DEPTH
+        # of the C loader's threads, which has at most 256.
+        limit = _MAX_LOADER_THREADS // (_PROCESS_DEPTH if procs else 1)
+        if nw > limit:
+            raise InvalidError(f"PM_ERR_INVALID: num_workers={nw} is more than pinmem.Loader's "
+                               f"{limit} " + (f"worker processes ({_MAX_LOADER_THREADS} loader "
+                                              f"threads, {_PROCESS_DEPTH} per process: "
+                                              "PINMEM_PROCESS_DEPTH)" if procs else
+                                              "worker threads"))
         if worker_mode == "process" and not procs:
             raise InvalidError("PM_ERR_INVALID: worker_mode='process' needs a map-style Python "
                                "dataset and num_workers > 0 (arrays and files are read by "
@@ -377,11 +525,11 @@ class Loader:
             raise InvalidError("PM_ERR_INVALID: worker processes write into shared pinned slots;"
                                " pin_memory=False is only for worker_mode='thread'")
         self._schema = None
-        self._timeout = float(timeout)
+        self._timeout = timeout
         self._sampler = sampler
         self._persistent = bool(persistent_workers)
-        self._epochs_total = None if epochs is None else int(epochs)
-        self._base_seed = int(seed)
+        self._epochs_total = epochs
+        self._base_seed = seed
         self._mp = (dataset, nw, multiprocessing_context, worker_init_fn)
         self._to_device = to_device
         if procs:
@@ -413,26 +561,26 @@ class Loader:
                                " which has no DLPack type for the device: use device='cpu', or "
                                "store it as a native number type")
         self._config = dict(
-            batch_size=int(batch_size), workers=nw,
+            batch_size=batch_size, workers=nw,
             prefetch=int(prefetch_factor) * max(1, nw) if prefetch_factor else 0,
             shuffle=bool(shuffle), seed=self._base_seed, drop_last=bool(drop_last),
             rank=-1 if rank is None else rank,
             world_size=-1 if world_size is None else world_size,
             pin_memory=bool(pin_memory), device=to_device,
-            epochs=0 if epochs is None else int(epochs))
+            epochs=0 if epochs is None else epochs)
         if procs:
             # One claim of rows per message; claims go to the workers in turn (reproducible),
             # _PROCESS_DEPTH loader threads per process so each has its next claim queued.
             self._config.update(workers=nw * _PROCESS_DEPTH, shared_slots=True,
                                 ordered_workers=True,
-                                claim_rows=max(1, min(_PROCESS_CLAIM, int(batch_size))))
+                                claim_rows=max(1, min(_PROCESS_CLAIM, batch_size)))
         if sampler is not None:
             self._config.update(rank=0, world_size=1)  # the sampler shards, if anyone does
         # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
         # program's set_epoch), and workers that do not persist are started anew per epoch.
         self._per_epoch = sampler is not None or (procs and not self._persistent)
         self.dataset = dataset
-        self.batch_size = int(batch_size)
+        self.batch_size = batch_size
         self.device = "cuda" if to_device else "cpu"
         self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
         self._ds = self._base
@@ -474,21 +622,28 @@ class Loader:
             if prev != k:
                 _pinmem.set_device(prev)
 
-    def _open_epoch(self, epoch, batch, resume=None):
+    def _open_epoch(self, epoch, batch, resume=None, template=None):
         """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch
-        mode) a loader for this epoch alone."""
+        mode) a loader for this epoch alone. template: the fields of the last epoch's state, for
+        an epoch that starts afresh (its sample count is this epoch's: a sampler's length and a
+        dataset's may change between epochs, as torch allows)."""
+        if self._closed:
+            _closed()
         if self._per_epoch:
             if self._pool is not None and not self._persistent and epoch > 0 and \
                     self._pool.epoch != epoch:
                 self._swap_pool(epoch)
             ds = self._base
+            self._order = None
             if self._sampler is not None:
-                import array
-                order = array.array("Q", (int(i) for i in self._sampler))
-                if len(order) == 0:
-                    raise InvalidError("PM_ERR_INVALID: the sampler yielded no indices")
+                order = _sampler_order(self._sampler, self._base.info()["samples"])
                 ds = _pinmem._dataset_select(self._base, order)
+                self._order = order
             self._ds = ds
+        if template is not None:
+            fields = dict(template, epoch=epoch, batch=0,
+                          samples=self._ds.info()["samples"])
+            resume = _pinmem._loader_state_pack(**fields)
         self._c = self._on_device(
             lambda: _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch)))
         if self._pool is not None:
@@ -500,12 +655,18 @@ class Loader:
         slots they write into."""
         if self._pool is not None and c is not None:
             _pinmem._procs_cancel(self._base)
-            ok = _pinmem._procs_drain(self._base, max(self._timeout, 60.0))
+            wait = self._timeout if self._timeout > 0 else 60.0
+            ok = _pinmem._procs_drain(self._base, wait)
             c.close()
             _pinmem._procs_reset(self._base)
             if not ok:
-                raise WorkerError("pinmem.Loader: a worker process did not finish its rows in "
-                                  "time while the loader was stopping")
+                alive = [w for w, a in enumerate(self._pool.alive()) if a]
+                self._failed = WorkerError(
+                    f"pinmem.Loader: a worker process (of workers {alive} still running) did not "
+                    f"finish its rows within {wait:g} s (timeout={self._timeout:g}) while the "
+                    "loader was stopping; the loader cannot go on: close() it and make a new "
+                    "one (raise timeout, or find what makes dataset[i] hang)")
+                raise self._failed
         elif c is not None:
             c.close()
 
@@ -528,21 +689,40 @@ class Loader:
             return self._schema.rebuild(values)
         return values if self._tuple else values[0]
 
-    def _next(self):
-        """The next Batch, or None once every epoch was delivered."""
+    def _check(self):
+        """The C loader, or StateError (closed) / the error that stopped the loader."""
+        if self._closed:
+            _closed()
+        if self._failed is not None:
+            raise WorkerError(f"pinmem.Loader stopped after an earlier error: {self._failed}") \
+                from self._failed
         c = self._c
         if c is None:
             _closed()
-        b = c.next()
+        return c
+
+    def _next(self):
+        """The next Batch, or None once every epoch was delivered."""
+        c = self._check()
+        try:
+            b = c.next()
+        except BaseException as e:
+            if self._closed:  # closed by another thread while this one waited
+                raise _closed_error() from e
+            raise
+        if self._closed:
+            b = None
+            _closed()
         if b is None and self._per_epoch:
             st = _pinmem._loader_state_fields(c.state())
             nxt = st["epoch"]
             if self._epochs_total is None or nxt < self._epochs_total:
-                resume = c.state()  # (next epoch, batch 0), as the library packs it
                 self._c = None
                 self._retire(c)
-                self._open_epoch(nxt, 0, resume=resume)
+                self._open_epoch(nxt, 0, template=st)
                 b = self._c.next()
+        if b is not None and self._order is not None:
+            b._order = self._order
         if b is not None and self._odd:
             t0 = _perf_counter()
             b = self._view_odd(b)
@@ -573,9 +753,7 @@ class Loader:
 
     def __len__(self):
         """Batches per epoch (on this rank)."""
-        if self._c is None:
-            _closed()
-        return self._c.stats()["batches_per_epoch"]
+        return self._check().stats()["batches_per_epoch"]
 
     @property
     def epoch(self):
@@ -588,20 +766,18 @@ class Loader:
 
     def state_dict(self):
         """Where the loader stands: the next batch it will deliver (plain ints: checkpoint it)."""
-        if self._c is None:
-            _closed()
-        return _pinmem._loader_state_fields(self._c.state())
+        return _pinmem._loader_state_fields(self._check().state())
 
     def load_state_dict(self, state):
         """Continue from a state_dict(): the next batch delivered is the one it names. The
         dataset, batch_size, shuffle, seed, drop_last and sharding must be the same (and a
         sampler must give the same order for that epoch). A state that does not fit is refused
         with the loader left as it was."""
-        if self._c is None:
-            _closed()
+        self._check()
         try:
-            values = {k: int(state[k]) for k in _STATE_KEYS}
-        except (KeyError, TypeError, ValueError) as e:
+            values = {k: _int_arg(f"state_dict[{k!r}]", state[k], lo, hi)
+                      for k, (lo, hi) in _STATE_KEYS.items()}
+        except (KeyError, TypeError) as e:
             raise InvalidError(f"PM_ERR_INVALID: not a loader state_dict ({e!r})") from None
         packed = _pinmem._loader_state_pack(**values)
         old = self._c.state()
@@ -615,7 +791,8 @@ class Loader:
                                    f"this loader has {cur[k]}: the order of the samples would "
                                    "differ")
         c, self._c = self._c, None
-        self._retire(c)  # batches still held keep their slots until they go
+        self._retire(c)  # batches still held keep their slots until they go (a stuck worker:
+        # the error, kept in self._failed)
         try:
             self._open_epoch(values["epoch"], values["batch"], resume=packed)
         except BaseException:
@@ -646,9 +823,7 @@ class Loader:
         device; None: left where the scheduler puts them) and `worker_numa_refused` (workers that
         could not move there and run elsewhere, e.g. a cpuset without those CPUs; the first one's
         reason in `worker_numa_problem`, "" when none)."""
-        if self._c is None:
-            _closed()
-        out = self._c.stats()
+        out = self._check().stats()
         out["fields"] = len(self._ds.fields())
         out["conversion_seconds"] = self._conversion_s
         out["iteration_seconds"] = self._iteration_s
@@ -667,6 +842,7 @@ class Loader:
         """Stop the workers and free the slots. Never fails because batches are still alive:
         each of those returns its slot to the pool when it goes. Closing twice is harmless.
         Worker processes are stopped and joined (terminated if they do not go within 5 s)."""
+        self._closed = True  # first: a thread inside next() sees it when its wait ends
         c, self._c = self._c, None
         pool, self._pool = self._pool, None
         if pool is not None and self._base is not None:
@@ -698,12 +874,23 @@ class Loader:
             pass
 
 
-# Loader threads per worker process: each process has its next claim of rows queued while it
-# works on one, so strictly ordered claims never wait for the slowest process (see procs.c).
-_PROCESS_DEPTH = max(1, min(8, int(_os.environ.get("PINMEM_PROCESS_DEPTH", "2") or 2)))
-# Rows per claim (one message and one reply each): small enough that a batch spreads over the
-# processes and its copy starts early, large enough that the messages cost nothing.
-_PROCESS_CLAIM = max(1, int(_os.environ.get("PINMEM_PROCESS_CLAIM", "8") or 8))
+def _int_option(name, default):
+    """An integer option of the library's table (its value in force: a malformed PINMEM_ value
+    is ignored there and the reason shown by pinmem.options() and `pinmem info`, never fatal)."""
+    try:
+        return int(_pinmem.get_option(name).split()[0])
+    except (Error, ValueError, IndexError):
+        return default
+
+
+# Loader threads per worker process (option loader_process_depth, PINMEM_PROCESS_DEPTH): each
+# process has its next claim of rows queued while it works on one, so strictly ordered claims
+# never wait for the slowest process (see procs.c).
+_PROCESS_DEPTH = _int_option("loader_process_depth", 2)
+# Rows per claim (loader_process_claim, PINMEM_PROCESS_CLAIM; one message and one reply each):
+# small enough that a batch spreads over the processes and its copy starts early, large enough
+# that the messages cost nothing.
+_PROCESS_CLAIM = _int_option("loader_process_claim", 8)
 
 
 def _is_default_collate(fn):

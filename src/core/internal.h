@@ -142,6 +142,8 @@ typedef enum pm__opt {
   PM__OPT_FILE_THREADS,       /* int: I/O threads of pm_file_* calls; 0 = copy_threads */
   PM__OPT_FILE_SLOTS,         /* int: bounce slots of a pm_file_* ring; 0 = pm__file_slots */
   PM__OPT_FILE_PART,          /* size: a read slot's H2D DMA queued in parts of this size; 0 = off */
+  PM__OPT_LOADER_PROCESS_DEPTH, /* int 1..8: loader threads per worker process (Python loader) */
+  PM__OPT_LOADER_PROCESS_CLAIM, /* int 1..4096: rows per claim sent to a worker process */
   PM__OPT_COUNT
 } pm__opt_t;
 

@@ -519,6 +519,10 @@ pm_status_t pm_loader_destroy(pm_loader_t *loader) {
 
   pm_dataset_t *ds = L->ds;
   stop_workers(L);
+  /* A pm_loader_next of another thread leaves (it sees stop) before anything goes. */
+  pthread_mutex_lock(&L->mu);
+  while (L->in_next) pthread_cond_wait(&L->ready_cv, &L->mu);
+  pthread_mutex_unlock(&L->mu);
   if (L->copy_stream) (void)pm_stream_synchronize(L->copy_stream);
   atomic_fetch_sub(&ds->users, 1);
 

@@ -30,6 +30,7 @@ static pm_status_t next_fail_locked(pm_loader_t *L, pm_status_t st, const char *
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   L->in_next = false;
+  pthread_cond_broadcast(&L->ready_cv); /* pm_loader_destroy waits for in_next to clear */
   pthread_mutex_unlock(&L->mu);
   return pm__set_error(st, "pm_loader_next: %s", msg);
 }
@@ -63,6 +64,8 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
   bool waited = false;
   double tw = 0;
   for (;;) {
+    /* Destroyed by another thread while this call waited: leave before the loader goes. */
+    if (L->stop) return next_fail_locked(L, PM_ERR_STATE, "the loader was destroyed");
     if (L->err_g <= g) return next_fail_locked(L, L->err, "%s", L->err_msg);
     if (s->state == SLOT_READY && s->seq == g) break;
     if (s->state == SLOT_HELD && s->seq < g) {
@@ -98,6 +101,7 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
       L->held--;
       L->deliver_g = g;
       L->in_next = false;
+      pthread_cond_broadcast(&L->ready_cv);
       pm__loader_set_error_locked(L, g, st, msg);
       pthread_mutex_unlock(&L->mu);
       return pm__set_error(st, "%s: %s", fn, msg);
@@ -141,6 +145,7 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
 
   pthread_mutex_lock(&L->mu);
   L->in_next = false;
+  pthread_cond_broadcast(&L->ready_cv);
   L->st.batches++;
   L->st.samples += s->rows;
   L->st.bytes += bytes;
