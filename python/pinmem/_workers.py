@@ -644,7 +644,9 @@ class Pool:
             if t is KeyError:
                 text = _KeyErrorMessage(text)  # KeyError shows repr(): keep the lines readable
             try:
-                return t(text)
+                exc = t(text)
+                str(exc)  # a type whose __str__ raises is not raised again: its text would be lost
+                return exc
             except Exception:
                 pass
         return WorkerError(text)

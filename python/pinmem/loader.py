@@ -319,7 +319,7 @@ def _device_arg(device):
             hasattr(type(device), "__index__"):
         k = _operator.index(device)
         if k < 0:
-            raise InvalidError(f"PM_ERR_INVALID: device={k}: a device index is >= 0")
+            raise InvalidError(f"PM_ERR_INVALID: device={k} must be >= 0 (a device index)")
         return True, k
     if device in (None, "cuda", "device"):
         return True, None
@@ -363,13 +363,13 @@ class _EpochIterator:
     does not let it go, which would keep the batch's slot from the loader. This object holds
     nothing between calls: the caller owns each batch outright."""
 
-    __slots__ = ("_loader", "_mode", "_convert", "_per_epoch", "_done")
+    __slots__ = ("_loader", "_mode", "_convert", "_done")
 
     def __init__(self, loader, mode, convert=None):
         self._loader = loader
         self._mode = mode
         self._convert = convert
-        self._per_epoch = len(loader)
+        loader._check()
         self._done = False
 
     def __iter__(self):
@@ -385,7 +385,7 @@ class _EpochIterator:
             if b is None:
                 self._done = True
                 raise StopIteration
-            if b.index + 1 >= self._per_epoch:
+            if b.index + 1 >= loader._bpe:
                 self._done = True  # the epoch ends with this batch
             if self._mode == "batch":
                 return b
@@ -646,6 +646,8 @@ class Loader:
             resume = _pinmem._loader_state_pack(**fields)
         self._c = self._on_device(
             lambda: _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch)))
+        # Batches per epoch of the loader now delivering: the iterators end the epoch by it.
+        self._bpe = self._c.stats()["batches_per_epoch"]
         if self._pool is not None:
             self._pool.epoch = epoch
 
@@ -752,8 +754,13 @@ class Loader:
         return _EpochIterator(self, "torch", torch.from_dlpack)
 
     def __len__(self):
-        """Batches per epoch (on this rank)."""
-        return self._check().stats()["batches_per_epoch"]
+        """Batches per epoch (on this rank); with a sampler, of the sampler's next epoch (its
+        len() now, as torch's len(DataLoader))."""
+        c = self._check()
+        if self._sampler is not None:
+            n, bs = len(self._sampler), self.batch_size
+            return n // bs if self._config["drop_last"] else -(-n // bs)
+        return c.stats()["batches_per_epoch"]
 
     @property
     def epoch(self):

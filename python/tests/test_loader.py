@@ -401,6 +401,11 @@ def test_two_threads_in_next(rng):
         busy = [e for e in out if isinstance(e, pinmem.BusyError)]
         assert len(got) + len(busy) == 2 and got
         assert len({b.index for b in got}) == len(got)  # never the same batch twice
+        for b in got:  # each batch holds the rows its indices name, and they are its own
+            assert list(b.indices) == list(range(8 * b.index, 8 * b.index + 8))
+            np.testing.assert_array_equal(np.asarray(b[0]),
+                                          np.repeat(np.asarray(b.indices, np.int32)[:, None], 3,
+                                                    axis=1))
         del got, out
         loader.close()
 

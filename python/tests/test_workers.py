@@ -603,15 +603,20 @@ def test_killed_worker_raises_worker_error(tmp_path):
     loader.close()
 
 
-@limit(20)
+@limit(40)
 def test_timeout_raises_worker_error():
-    loader = pinmem.Loader(SleepsAt(30, 3.0), batch_size=10, num_workers=2, device="cpu",
-                           timeout=0.5)
+    # Only index 30 is slow (20 s, against a limit of 2 s): batches 0-2 arrive whole and right,
+    # and the timeout names the claim holding index 30; a spurious early timeout fails here.
+    loader = pinmem.Loader(SleepsAt(30, 20.0), batch_size=10, num_workers=2, device="cpu",
+                           timeout=2.0)
     got = []
     with pytest.raises(pinmem.WorkerError) as e:
         take(loader, into=got)
-    assert "timeout" in message_of(e.value).lower(), message_of(e.value)
-    assert len(got) <= 3
+    msg = message_of(e.value)
+    assert "timeout=2 s" in msg, msg
+    assert re.search(r"dataset indices \[[^\]]*\b30\b", msg), msg
+    assert len(got) == 3
+    check_tagged(got, range(30))
     loader.close()
 
 
