@@ -141,11 +141,9 @@ def _rebuild(t, values):
     if kind == "dict":
         return {k: _rebuild(c, values) for k, c in t[1]}
     items = [_rebuild(c, values) for c in t[1]]
-    if kind == "list":
-        return items
     if kind == "namedtuple":
         return t[2](*items)
-    return tuple(items)
+    return items  # tuples and lists alike, as torch's default_collate
 
 
 def _leaf(v, np, path, index):

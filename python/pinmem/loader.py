@@ -369,8 +369,8 @@ class _EpochIterator:
         self._loader = loader
         self._mode = mode
         self._convert = convert
-        loader._check()
-        self._done = False
+        # As torch: each iterator is a new epoch (a loop after a `break` starts the next one).
+        self._done = not loader._begin_epoch()
 
     def __iter__(self):
         return self
@@ -401,7 +401,7 @@ class _EpochIterator:
             loader._iteration_s += _perf_counter() - t0
 
     def close(self):
-        """Stop early (as generator.close() does); the loader keeps its position."""
+        """Stop early (as generator.close() does); the next iterator starts the next epoch."""
         self._done = True
 
 
@@ -464,9 +464,16 @@ class Loader:
         self._base = None
         self._closed = False
         self._order = None  # a sampler's indices for the epoch (Batch.indices maps through it)
+        self._resume_pending = True  # the first iterator starts where the loader stands
+        self._skip = None  # (epoch, batch) after a batch whose dataset read raised
+        self._past_end = False  # every epoch was delivered
         self._failed = None  # the error that left the loader unusable (a stuck worker)
         # "cuda:k": the loader works on device k
         to_device, self._device_index = _device_arg(device)
+        if batch_size is None:
+            raise InvalidError("PM_ERR_INVALID: batch_size=None (samples one at a time, not "
+                               "batched) is not supported: pinmem.Loader fills batch slots; use "
+                               "batch_size=1 and take row 0 of each batch")
         batch_size = _int_arg("batch_size", batch_size, 1)
         seed = _int_arg("seed", seed, -(1 << 63), (1 << 64) - 1, none_ok=True)
         epochs = _int_arg("epochs", epochs, 1, none_ok=True)
@@ -579,9 +586,27 @@ class Loader:
         # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
         # program's set_epoch), and workers that do not persist are started anew per epoch.
         self._per_epoch = sampler is not None or (procs and not self._persistent)
+        # The attributes torch's DataLoader users read (loader.sampler.set_epoch(e), ...): the
+        # arguments as given. sampler is None when pinmem orders the samples itself (shuffle,
+        # seed and rank/world_size decide the order); batch_sampler is always None (refused).
         self.dataset = dataset
         self.batch_size = batch_size
-        self.device = "cuda" if to_device else "cpu"
+        self.sampler = sampler
+        self.batch_sampler = None
+        self.shuffle = bool(shuffle)
+        self.num_workers = nw
+        self.drop_last = bool(drop_last)
+        self.collate_fn = collate_fn
+        self.pin_memory = bool(pin_memory)
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.generator = generator
+        self.persistent_workers = self._persistent
+        self.prefetch_factor = prefetch_factor
+        self.seed = self._base_seed
+        self.device = "cpu" if not to_device else \
+            "cuda" if self._device_index is None else f"cuda:{self._device_index}"
         self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
         self._ds = self._base
         try:
@@ -641,7 +666,7 @@ class Loader:
                 self._order = order
             self._ds = ds
         if template is not None:
-            fields = dict(template, epoch=epoch, batch=0,
+            fields = dict(template, epoch=epoch, batch=batch,
                           samples=self._ds.info()["samples"])
             resume = _pinmem._loader_state_pack(**fields)
         self._c = self._on_device(
@@ -689,7 +714,8 @@ class Loader:
         """A batch's arrays in the sample's structure."""
         if self._schema is not None:
             return self._schema.rebuild(values)
-        return values if self._tuple else values[0]
+        # Fields of a tuple dataset as a list, as default_collate batches tuple samples.
+        return list(values) if self._tuple else values[0]
 
     def _check(self):
         """The C loader, or StateError (closed) / the error that stopped the loader."""
@@ -703,14 +729,61 @@ class Loader:
             _closed()
         return c
 
-    def _next(self):
-        """The next Batch, or None once every epoch was delivered."""
+    def _begin_epoch(self):
+        """Where a new iterator starts (False: every epoch was delivered). Right after the
+        loader was made or given a state_dict, its position; at the start of an epoch, there;
+        inside an epoch (an earlier loop stopped early), at the start of the next epoch, as
+        torch's DataLoader starts a new epoch at each iter()."""
         c = self._check()
+        if self._resume_pending:
+            self._resume_pending = False
+            return True
+        st = _pinmem._loader_state_fields(c.state())
+        if st["batch"] == 0 and self._skip is None:
+            return True
+        return self._restart_at(st["epoch"] + 1, 0)
+
+    def _restart_at(self, epoch, batch):
+        """A new C loader delivering from (epoch, batch); False (and nothing changed) when that
+        is past the last epoch."""
+        self._skip = None
+        if self._epochs_total is not None and epoch >= self._epochs_total:
+            self._past_end = True
+            return False
+        c, self._c = self._c, None
+        st = _pinmem._loader_state_fields(c.state())
+        self._retire(c)  # batches still held keep their slots until they go
+        try:
+            self._open_epoch(epoch, batch, template=st)
+        except BaseException as e:
+            self._failed = e
+            raise
+        self._past_end = False
+        return True
+
+    def _next(self):
+        """The next Batch, or None once every epoch (or, after a batch that failed, the epoch)
+        was delivered."""
+        c = self._check()
+        if self._past_end:
+            return None
+        if self._skip is not None:
+            # The batch before failed (an exception in the dataset): as torch, the next call
+            # gives the batch after it.
+            epoch, batch = self._skip
+            if batch >= self._bpe:
+                self._restart_at(epoch + 1, 0)
+                return None  # (the failed batch was the epoch's last)
+            self._restart_at(epoch, batch)
+            c = self._c
         try:
             b = c.next()
         except BaseException as e:
             if self._closed:  # closed by another thread while this one waited
                 raise _closed_error() from e
+            if not isinstance(e, (Error, WorkerError)) or isinstance(e, InvalidError):
+                st = _pinmem._loader_state_fields(c.state())
+                self._skip = (st["epoch"], st["batch"] + 1)
             raise
         if self._closed:
             b = None
@@ -808,6 +881,9 @@ class Loader:
             raise
         finally:
             self._iteration_s = self._conversion_s = 0.0  # as the library's counters
+        self._resume_pending = True  # the next iterator starts here
+        self._skip = None
+        self._past_end = False
 
     def _epoch_config(self, epoch):
         """The C loader's configuration for a loader starting in `epoch` (per-epoch mode: that
@@ -906,8 +982,11 @@ def _is_default_collate(fn):
 
 
 def _seed_from(generator):
-    """A base seed as torch's DataLoader draws one from its generator; 0 without one."""
-    if generator is None:
+    """A base seed as torch's DataLoader draws one: from `generator`, else from torch's default
+    generator (so torch.manual_seed decides the shuffle) when the program uses torch (torch is
+    imported: pinmem never imports it for NumPy users, a second or more); 0 otherwise."""
+    import sys
+    if generator is None and "torch" not in sys.modules:
         return 0
     import torch
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & \

@@ -169,8 +169,8 @@ def test_holding_too_many_batches_is_busy(rng):
     del b
     gc.collect()
     assert loader.stats()["held"] == 0
-    rest = [host(x) for x in loader]  # continues where it stopped
-    assert sum(len(r) for r in rest) == 64 - 4 * prefetch
+    rest = [host(x) for x in loader]  # a new loop is a new epoch, as torch's
+    assert sum(len(r) for r in rest) == 64
     loader.close()
 
 
@@ -266,6 +266,11 @@ def test_python_dataset_error_propagates(rng):
             next(it)
     assert "sample 25 is broken" in str(e.value)
     assert isinstance(e.value.__cause__, pinmem.Error)
+    # As torch: the next next() gives the batch after the broken one, and the epoch ends there.
+    last = next(it)
+    np.testing.assert_array_equal(np.stack([host(a) for a in last[0]], axis=1), X[30:40])
+    with pytest.raises(StopIteration):
+        next(it)
 
 
 def test_bad_arguments(rng):
@@ -517,7 +522,7 @@ def test_refused_state_leaves_the_loader_working(xy):
         loader.load_state_dict(foreign)
     assert "seed" in str(e.value)
     assert loader.state_dict() == want and len(loader) == len(X) // 50
-    b = next(iter(loader.batches()))
+    b = next(it)  # the iterator goes on where it was
     assert b.index == 1
     idx = np.frombuffer(b.indices, dtype=np.uint64).astype(np.int64)
     np.testing.assert_array_equal(host(b[1]), Y[idx])
