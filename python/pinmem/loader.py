@@ -446,9 +446,13 @@ class Loader:
     device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
     DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
 
-    Iterating yields one epoch's batches; batches() yields flat Batch objects (one array per
-    field) with epoch/index/indices. A new iterator continues where the last one stopped. Keep
-    at most `prefetch` batches alive at once while iterating (pinmem.BusyError otherwise).
+    Iterating yields one epoch's batches (tuple samples as lists, as default_collate);
+    batches() yields flat Batch objects (one array per field) with epoch/index/indices. As
+    torch's DataLoader, each new iterator is a new epoch (a loop after `break` starts the next
+    one), except the first after construction or load_state_dict(), which starts where the
+    loader stands; an exception in dataset[i] is raised at its batch and the next next() gives
+    the batch after it. Keep at most `prefetch` batches alive at once while iterating
+    (pinmem.BusyError otherwise). docs/pytorch.md has every argument and difference.
     close() (and `with`, and interpreter exit) never fails because batches are alive: it stops
     the workers, and each slot still held returns to the pool when its batch goes.
     """
