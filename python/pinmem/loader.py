@@ -12,6 +12,7 @@ import numbers as _numbers
 import operator as _operator
 import os as _os
 import re as _re
+import threading as _threading
 from time import perf_counter as _perf_counter
 
 from . import _pinmem
@@ -363,14 +364,16 @@ class _EpochIterator:
     does not let it go, which would keep the batch's slot from the loader. This object holds
     nothing between calls: the caller owns each batch outright."""
 
-    __slots__ = ("_loader", "_mode", "_convert", "_done")
+    __slots__ = ("_loader", "_mode", "_convert", "_done", "_begun")
 
     def __init__(self, loader, mode, convert=None):
         self._loader = loader
         self._mode = mode
         self._convert = convert
-        # As torch: each iterator is a new epoch (a loop after a `break` starts the next one).
-        self._done = not loader._begin_epoch()
+        if loader._closed:
+            _closed()
+        self._done = False
+        self._begun = False  # the epoch begins at the first next(), where its errors belong
 
     def __iter__(self):
         return self
@@ -381,6 +384,13 @@ class _EpochIterator:
         loader = self._loader
         t0 = _perf_counter()
         try:
+            if not self._begun:
+                # As torch: each iterator is a new epoch (a loop after a `break` starts the
+                # next one).
+                self._begun = True
+                if not loader._begin_epoch():
+                    self._done = True
+                    raise StopIteration
             b = loader._next()
             if b is None:
                 self._done = True
@@ -543,34 +553,6 @@ class Loader:
         self._base_seed = seed
         self._mp = (dataset, nw, multiprocessing_context, worker_init_fn)
         self._to_device = to_device
-        if procs:
-            self._pool = self._start_pool(0)
-            try:
-                self._schema = self._pool.describe(0, self._timeout)
-                self._pool.set_schema(self._schema, self._timeout)
-                self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), len(dataset),
-                                                    self._schema.specs(), self._timeout,
-                                                    _PROCESS_DEPTH)
-            except BaseException:
-                self._pool.stop()
-                self._pool.close()
-                raise
-            self._tuple = not self._schema.is_single()
-        else:
-            self._base, self._tuple = _open_dataset(dataset, io)
-            if not isinstance(self._tuple, bool):  # a Python dataset: its Schema
-                self._schema, self._tuple = self._tuple, not self._tuple.is_single()
-        fields = self._base.fields()
-        # Dtypes pinmem's buffers cannot express (big-endian, strings, records, datetimes)
-        # arrive as bytes and are viewed here with their real dtype: in host memory only.
-        self._odd = [(k, _dtype_from_descr(f["descr"]), f["shape"])
-                     for k, f in enumerate(fields) if not f["native"]]
-        if self._odd and to_device:
-            k, dt, _ = self._odd[0]
-            self.close()
-            raise InvalidError(f"PM_ERR_INVALID: field {k} has dtype {dt} ({fields[k]['descr']}),"
-                               " which has no DLPack type for the device: use device='cpu', or "
-                               "store it as a native number type")
         self._config = dict(
             batch_size=batch_size, workers=nw,
             prefetch=int(prefetch_factor) * max(1, nw) if prefetch_factor else 0,
@@ -589,7 +571,10 @@ class Loader:
             self._config.update(rank=0, world_size=1)  # the sampler shards, if anyone does
         # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
         # program's set_epoch), and workers that do not persist are started anew per epoch.
-        self._per_epoch = sampler is not None or (procs and not self._persistent)
+        # With num_workers=0 (a Python dataset read on threads), as torch reads in the loop:
+        # nothing of the next epoch is read before the code between epochs has run.
+        self._per_epoch = sampler is not None or (procs and not self._persistent) or \
+            (python_ds and nw == 0)
         # The attributes torch's DataLoader users read (loader.sampler.set_epoch(e), ...): the
         # arguments as given. sampler is None when pinmem orders the samples itself (shuffle,
         # seed and rank/world_size decide the order); batch_sampler is always None (refused).
@@ -612,15 +597,77 @@ class Loader:
         self.device = "cpu" if not to_device else \
             "cuda" if self._device_index is None else f"cuda:{self._device_index}"
         self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
-        self._ds = self._base
-        try:
-            self._open_epoch(0, 0)
-        except BaseException:
-            self.close()
-            raise
+        self._procs, self._io = procs, io
+        self._started = False
+        self._start_lock = _threading.Lock()
+        self._ds = None
+        if not python_ds:
+            # Arrays and files (no Python code per sample): opened, checked and started now.
+            self._open_base()
+            self._start()
         _live_loaders.add(self)
 
     # ---- the C loader of an epoch (per-epoch mode) or of every epoch ----
+
+    def _open_base(self):
+        """The C dataset of every field (worker processes started for a Python dataset, whose
+        sample 0 gives the structure): at construction for arrays and files, at the first
+        iteration for Python datasets (as torch's DataLoader reads nothing before)."""
+        if self._procs:
+            self._pool = self._start_pool(0)
+            try:
+                self._schema = self._pool.describe(0, self._timeout)
+                self._pool.set_schema(self._schema, self._timeout)
+                self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(),
+                                                    len(self.dataset), self._schema.specs(),
+                                                    self._timeout, _PROCESS_DEPTH)
+            except BaseException:
+                self._pool.stop()
+                self._pool.close()
+                raise
+            self._tuple = not self._schema.is_single()
+        else:
+            self._base, self._tuple = _open_dataset(self.dataset, self._io)
+            if not isinstance(self._tuple, bool):  # a Python dataset: its Schema
+                self._schema, self._tuple = self._tuple, not self._tuple.is_single()
+        fields = self._base.fields()
+        # Dtypes pinmem's buffers cannot express (big-endian, strings, records, datetimes)
+        # arrive as bytes and are viewed here with their real dtype: in host memory only.
+        self._odd = [(k, _dtype_from_descr(f["descr"]), f["shape"])
+                     for k, f in enumerate(fields) if not f["native"]]
+        if self._odd and self._to_device:
+            k, dt, _ = self._odd[0]
+            raise InvalidError(f"PM_ERR_INVALID: field {k} has dtype {dt} ({fields[k]['descr']}),"
+                               " which has no DLPack type for the device: use device='cpu', or "
+                               "store it as a native number type")
+        self._ds = self._base
+
+    def _start(self):
+        """Open what the constructor left for the first use: the dataset (Python datasets)
+        and the C loader, whose threads start reading. A failure leaves nothing running, and
+        the next use tries again (as a new DataLoader iterator would)."""
+        try:
+            if self._base is None:
+                self._open_base()
+            self._open_epoch(0, 0)
+        except BaseException:
+            c, self._c = self._c, None
+            pool, self._pool = self._pool, None
+            try:
+                if pool is not None and self._base is not None:
+                    _pinmem._procs_cancel(self._base)
+                if pool is not None:
+                    pool.stop()
+                if c is not None:
+                    c.close()
+            finally:
+                if pool is not None:
+                    pool.close()
+                if self._procs or self._schema is not None:
+                    self._base = self._ds = None
+            raise
+        self._started = True
+
 
     def _start_pool(self, epoch):
         from . import _workers
@@ -728,6 +775,10 @@ class Loader:
         if self._failed is not None:
             raise WorkerError(f"pinmem.Loader stopped after an earlier error: {self._failed}") \
                 from self._failed
+        if not self._started:
+            with self._start_lock:  # two threads at the first use start it once
+                if not self._started and not self._closed:
+                    self._start()
         c = self._c
         if c is None:
             _closed()

@@ -457,8 +457,10 @@ def test_object_and_sizeless_dtypes_are_refused():
 
         def __getitem__(self, i):
             return np.array([None, i], dtype=object)
+    loader = pinmem.Loader(Objects(), batch_size=2)  # a Python dataset: read when iterated
     with pytest.raises(pinmem.InvalidError):
-        pinmem.Loader(Objects(), batch_size=2)
+        next(iter(loader))
+    loader.close()
 
 
 @pytest.mark.parametrize("dtype", [">f4", "<U10", "<M8[s]", [("a", "<i4"), ("b", ">f8")]])

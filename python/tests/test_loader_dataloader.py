@@ -150,3 +150,70 @@ def test_tuple_samples_and_refusals_name_the_argument():
         pinmem.Loader(Indexed(), collate_fn=lambda xs: xs)
     with pytest.raises(pinmem.InvalidError, match="batch_size"):
         pinmem.Loader(Indexed(), batch_size=None)
+
+
+class Counting(Indexed):
+    """Counts its reads (in the main process: num_workers=0) and can be changed after the
+    loader was made."""
+
+    def __init__(self, n=20, fail_at=None):
+        super().__init__(n, fail_at)
+        self.reads = 0
+        self.offset = 0
+
+    def __getitem__(self, i):
+        self.reads += 1
+        x, y = super().__getitem__(i)
+        return x + self.offset, y
+
+
+def test_nothing_is_read_before_the_loop_and_changes_before_it_are_seen():
+    ds = Counting()
+    loader = pinmem.Loader(ds, batch_size=5, device="cpu")
+    assert ds.reads == 0
+    ds.offset = 100  # made after Loader(...), before the loop: seen, as with DataLoader
+    with loader:
+        first = next(iter(loader))
+        assert np.asarray(first[0])[0].tolist() == [100.0, 100.0]
+
+
+def test_the_next_epoch_is_not_read_before_the_code_between_epochs():
+    ds = Counting()
+    with pinmem.Loader(ds, batch_size=5, device="cpu") as loader:
+        assert sum(len(b) for b in run(loader)) == 20
+        reads = ds.reads
+        ds.offset = 7  # the code between epochs changes the dataset
+        assert ds.reads == reads  # nothing of the next epoch was read meanwhile
+        assert [float(v) for v in np.asarray(next(iter(loader))[0])[:, 0]] == [7, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_an_error_at_index_0_surfaces_from_iteration(nw):
+    loader = pinmem.Loader(Indexed(fail_at=0), batch_size=4, device="cpu", num_workers=nw)
+    with pytest.raises(KeyError, match="sample 0 is broken"):
+        next(iter(loader))
+    loader.close()
+
+
+def failing_init(worker_id):
+    raise ValueError(f"init of worker {worker_id} failed")
+
+
+def test_worker_init_fn_error_surfaces_from_iteration():
+    loader = pinmem.Loader(Indexed(), batch_size=4, device="cpu", num_workers=2,
+                           worker_init_fn=failing_init)
+    assert loader.worker_pids() == []  # workers start at the first iteration
+    with pytest.raises(ValueError, match="init of worker 0 failed"):
+        next(iter(loader))
+    loader.close()
+
+
+def test_workers_start_at_the_first_iteration_and_persist():
+    with pinmem.Loader(Indexed(), batch_size=4, device="cpu", num_workers=2,
+                       persistent_workers=True) as loader:
+        assert loader.worker_pids() == []
+        run(loader)
+        pids = loader.worker_pids()
+        assert len(pids) == 2
+        run(loader)
+        assert loader.worker_pids() == pids

@@ -117,14 +117,19 @@ def test_batch_indices_are_the_samplers_dataset_indices(nw):
 @pytest.mark.parametrize("bad,pos", [([0, 1.9, 2], 1), ([0, 1, "3"], 2),
                                      ([np.float64(2.0)], 0), ([True, 1], 0)])
 def test_sampler_non_integers_are_refused_by_position(bad, pos):
+    loader = pinmem.Loader(Indexed(), batch_size=2, sampler=bad, device="cpu")
     with pytest.raises(pinmem.InvalidError, match=rf"sampler \(list\) yielded .* position {pos}"):
-        pinmem.Loader(Indexed(), batch_size=2, sampler=bad, device="cpu")
+        next(iter(loader))  # the sampler is iterated at the epoch's start, as torch's
+    loader.close()
 
 
 def test_sampler_negative_and_past_the_end_are_refused():
     for bad in ([0, -1], [0, 24]):
-        with pytest.raises(pinmem.InvalidError, match=r"position 1: the dataset has indices 0\.\.23"):
-            pinmem.Loader(Indexed(), batch_size=2, sampler=bad, device="cpu")
+        loader = pinmem.Loader(Indexed(), batch_size=2, sampler=bad, device="cpu")
+        with pytest.raises(pinmem.InvalidError,
+                           match=r"position 1: the dataset has indices 0\.\.23"):
+            next(iter(loader))
+        loader.close()
 
 
 def test_sampler_integer_kinds_are_accepted():
@@ -239,8 +244,9 @@ class HugeKeys(Indexed):
 
 
 def test_huge_dict_key_is_refused_by_name():
-    with pytest.raises(pinmem.InvalidError, match="dict keys"):
-        pinmem.Loader(HugeKeys(), batch_size=2, device="cpu", num_workers=1)
+    with pinmem.Loader(HugeKeys(), batch_size=2, device="cpu", num_workers=1) as loader:
+        with pytest.raises(pinmem.InvalidError, match="dict keys"):
+            next(iter(loader))
 
 
 # ---- arguments ------------------------------------------------------------------------------

@@ -338,16 +338,17 @@ def test_loader_sampler_of_every_kind_of_index(items, batch_size):
     sampler = [v for v, _ in items]
     bad = [k for k, (_, ok) in enumerate(items) if not ok]
     cls = tagged_dataset_class({})
+    loader = pinmem.Loader(cls(10), batch_size=batch_size, sampler=sampler, device="cpu",
+                           epochs=1)
     try:
-        loader = pinmem.Loader(cls(10), batch_size=batch_size, sampler=sampler, device="cpu",
-                               epochs=1)
-    except pinmem.InvalidError as e:
+        got = [(list(b.indices), np.array(b[0])[:, 0].tolist()) for b in loader.batches()]
+    except pinmem.InvalidError as e:  # the sampler is iterated at the epoch's start
         assert bad, e
         assert f"position {bad[0]}" in str(e), (str(e), bad)
         return
+    finally:
+        loader.close()
     assert not bad, (sampler, bad)
-    with loader:
-        got = [(list(b.indices), np.array(b[0])[:, 0].tolist()) for b in loader.batches()]
     order = [int(v) for v in sampler]
     assert [i for idx, _ in got for i in idx] == order
     assert [x - 1000 for _, xs in got for x in xs] == order
