@@ -1021,14 +1021,14 @@ def _int_option(name, default):
         return default
 
 
-# Loader threads per worker process (option loader_process_depth, PINMEM_PROCESS_DEPTH): each
+# Loader threads per worker process (option process_depth, PINMEM_PROCESS_DEPTH): each
 # process has its next claim of rows queued while it works on one, so strictly ordered claims
 # never wait for the slowest process (see procs.c).
-_PROCESS_DEPTH = _int_option("loader_process_depth", 2)
-# Rows per claim (loader_process_claim, PINMEM_PROCESS_CLAIM; one message and one reply each):
+_PROCESS_DEPTH = _int_option("process_depth", 2)
+# Rows per claim (process_claim, PINMEM_PROCESS_CLAIM; one message and one reply each):
 # small enough that a batch spreads over the processes and its copy starts early, large enough
 # that the messages cost nothing.
-_PROCESS_CLAIM = _int_option("loader_process_claim", 8)
+_PROCESS_CLAIM = _int_option("process_claim", 8)
 
 
 def _is_default_collate(fn):

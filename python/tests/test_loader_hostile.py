@@ -303,8 +303,8 @@ def test_device_forms():
 def test_environment_values_never_break_import():
     env = dict(os.environ, PINMEM_PROCESS_DEPTH="two", PINMEM_PROCESS_CLAIM="99999999999999")
     out = subprocess.run([sys.executable, "-c",
-                          "import pinmem; print(pinmem.get_option('loader_process_depth'));"
-                          "print(pinmem.get_option('loader_process_claim'));"
+                          "import pinmem; print(pinmem.get_option('process_depth'));"
+                          "print(pinmem.get_option('process_claim'));"
                           "print(pinmem.loader._PROCESS_DEPTH, pinmem.loader._PROCESS_CLAIM)"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -403,12 +403,12 @@ static const pm__opt_def_t opt_table[] = {
                            "full), or a size: the slot's DMA is queued in parts of this size, each "
                            "as soon as its bytes are read",
                            parse_size_any, PM__T_SIZE, 0},
-    [PM__OPT_LOADER_PROCESS_DEPTH] = {"loader_process_depth", "PINMEM_PROCESS_DEPTH", "2",
+    [PM__OPT_LOADER_PROCESS_DEPTH] = {"process_depth", "PINMEM_PROCESS_DEPTH", "2",
                                       "Python loader: loader threads per worker process (1..8), "
                                       "so each process has its next claim of rows queued while "
                                       "it works on one. Read when pinmem is imported.",
                                       parse_process_depth, PM__T_INT, 0},
-    [PM__OPT_LOADER_PROCESS_CLAIM] = {"loader_process_claim", "PINMEM_PROCESS_CLAIM", "8",
+    [PM__OPT_LOADER_PROCESS_CLAIM] = {"process_claim", "PINMEM_PROCESS_CLAIM", "8",
                                       "Python loader: rows per claim (one message and one reply) "
                                       "sent to a worker process (1..4096; at most a batch). Read "
                                       "when pinmem is imported.",
