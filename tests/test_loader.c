@@ -927,6 +927,33 @@ static void test_two_consumers(void) {
   CHECK_OK(pm_dataset_destroy(ds));
 }
 
+/* A consumer waiting in pm_loader_next while another thread destroys the loader: the wait
+ * ends with PM_ERR_STATE (it used to wait on, or wake in freed memory), and destroy returns
+ * only after the consumer left (the loader is freed afterwards, by destroy itself). */
+static void test_destroy_while_next_waits(void) {
+  const size_t size = 64;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 40, size);
+  p.sleep_us = 200000; /* the first batch takes 0.8 s: the consumer is waiting */
+  for (int round = 0; round < (g_small ? 1 : 3); round++) {
+    pm_loader_config_t c = base_config(4);
+    c.workers = 1;
+    c.delivery = round % 2 ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+    consumer_t a = {ld, PM_OK, {0}};
+    pthread_t ta;
+    REQUIRE(pthread_create(&ta, NULL, consume_one, &a) == 0);
+    usleep(50000);
+    CHECK_OK(pm_loader_destroy(ld));
+    pthread_join(ta, NULL);
+    if (a.st == PM_OK) CHECK_OK(pm_batch_release(&a.b, NULL)); /* (a slow machine: it won) */
+    else
+      CHECK_EQ_INT(a.st, PM_ERR_STATE);
+  }
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
 static void test_destroy_held(void) {
   const size_t size = 4000;
   pat_ds_t p;
@@ -1205,6 +1232,7 @@ int main(void) {
   test_fields(PM_DELIVER_HOST);
   test_zip();
   test_two_consumers();
+  test_destroy_while_next_waits();
   test_destroy_held();
   test_budget_wait();
   test_parts();
