@@ -542,9 +542,6 @@ class Loader:
             raise InvalidError("PM_ERR_INVALID: worker_mode='process' needs a map-style Python "
                                "dataset and num_workers > 0 (arrays and files are read by "
                                "pinmem's threads, without the GIL)")
-        if procs and not pin_memory:
-            raise InvalidError("PM_ERR_INVALID: worker processes write into shared pinned slots;"
-                               " pin_memory=False is only for worker_mode='thread'")
         self._schema = None
         self._timeout = timeout
         self._sampler = sampler
@@ -559,7 +556,9 @@ class Loader:
             shuffle=bool(shuffle), seed=self._base_seed, drop_last=bool(drop_last),
             rank=-1 if rank is None else rank,
             world_size=-1 if world_size is None else world_size,
-            pin_memory=bool(pin_memory), device=to_device,
+            # Worker processes write into shared slots, which are pinned whatever pin_memory
+            # says (pinned host memory serves every use pageable memory does).
+            pin_memory=bool(pin_memory) or procs, device=to_device,
             epochs=0 if epochs is None else epochs)
         if procs:
             # One claim of rows per message; claims go to the workers in turn (reproducible),

@@ -217,3 +217,10 @@ def test_workers_start_at_the_first_iteration_and_persist():
         assert len(pids) == 2
         run(loader)
         assert loader.worker_pids() == pids
+
+
+def test_pin_memory_false_with_workers_delivers_as_dataloader():
+    t, p = both(batch_size=6, num_workers=2, pin_memory=False)
+    with p:
+        assert p.pin_memory is False
+        assert run(p) == run(t)
