@@ -224,6 +224,10 @@ def describe(sample, index):
         if dt.hasobject or dt.itemsize == 0:
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} has no fixed-size "
                            "bytes")
+        if a.size == 0:
+            raise _invalid(f"dataset index {index}, field {p}: an empty array (shape "
+                           f"{tuple(a.shape)}) has no bytes for a batch row: drop the field, or "
+                           "give it at least one element")
         if dt.byteorder == ">" or dt.fields is not None or dt.kind in "OUSVMm":
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} cannot go to the "
                            "device; return a native number type")

@@ -207,6 +207,10 @@ def _tensor_dataset_fields(dataset):
 
 def _open_arrays(arrays):
     arrays = [_as_array(a) for a in arrays]
+    if any(a.ndim > 0 and len(a) > 0 and a.size == 0 for a in arrays):
+        raise InvalidError("PM_ERR_INVALID: an array dataset's samples are empty (shape "
+                           f"{[a.shape for a in arrays]}): a batch row needs at least one "
+                           "element per field")
     if any(a.ndim == 0 or len(a) == 0 for a in arrays):
         raise InvalidError("PM_ERR_INVALID: an array dataset needs at least one sample along "
                            "axis 0")
@@ -497,6 +501,12 @@ class Loader:
         if pin_memory_device not in ("", None) and not str(pin_memory_device).startswith("cuda"):
             raise InvalidError(f"PM_ERR_INVALID: pin_memory_device={pin_memory_device!r}: pinmem "
                                "pins for CUDA devices; leave it '' (or 'cuda')")
+        if any(c.__name__ == "IterableDataset" and c.__module__.startswith("torch.utils.data")
+               for c in type(dataset).__mro__):
+            raise InvalidError("PM_ERR_INVALID: an IterableDataset is not supported: "
+                               "pinmem.Loader's workers claim rows by index, in a fixed order; "
+                               "give it a map-style dataset (__getitem__ and __len__), or keep "
+                               "torch's DataLoader for streams")
         if batch_sampler is not None:
             raise InvalidError("PM_ERR_INVALID: batch_sampler is not supported: pinmem.Loader "
                                "fills fixed-size batch slots; pass sampler= (an iterable of "

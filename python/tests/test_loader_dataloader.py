@@ -224,3 +224,24 @@ def test_pin_memory_false_with_workers_delivers_as_dataloader():
     with p:
         assert p.pin_memory is False
         assert run(p) == run(t)
+
+
+class Empty(Indexed):
+    def __getitem__(self, i):
+        return np.zeros((0, 3), np.float32), i
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def test_what_pinmem_cannot_batch_is_refused_by_name():
+    with pytest.raises(pinmem.InvalidError, match="IterableDataset is not supported"):
+        pinmem.Loader(Stream(), batch_size=2)
+    for nw in (0, 1):
+        with pinmem.Loader(Empty(), batch_size=2, device="cpu", num_workers=nw) as loader:
+            with pytest.raises(pinmem.InvalidError, match=r"field \[0\]: an empty array"):
+                next(iter(loader))
+    with pytest.raises(pinmem.InvalidError, match="samples are empty"):
+        pinmem.Loader(np.zeros((4, 0)), batch_size=2)
