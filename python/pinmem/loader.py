@@ -17,7 +17,7 @@ from time import perf_counter as _perf_counter
 
 from . import _pinmem
 from . import _dtype_name
-from ._pinmem import Error, InvalidError  # noqa: F401
+from ._pinmem import BusyError, Error, InvalidError  # noqa: F401
 
 import weakref as _weakref
 
@@ -848,6 +848,13 @@ class Loader:
             if not isinstance(e, (Error, WorkerError)) or isinstance(e, InvalidError):
                 st = _pinmem._loader_state_fields(c.state())
                 self._skip = (st["epoch"], st["batch"] + 1)
+            if isinstance(e, BusyError) and "still holds" in e.message:
+                # Say it in the arguments the user has; the batch stays next (nothing skipped).
+                slots = c.stats()["prefetch"]
+                _pinmem._raise(_pinmem.PM_ERR_BUSY, f"{e.message}. pinmem.Loader: while "
+                               f"iterating, at most {slots} batches (prefetch_factor x "
+                               "max(1, num_workers) slots) may be held at once: copy out what "
+                               "you keep (x.clone(), numpy.array(x)), or raise prefetch_factor")
             raise
         if self._closed:
             b = None

@@ -165,6 +165,7 @@ def test_holding_too_many_batches_is_busy(rng):
         for b in loader.batches():
             held.append(b)
     assert len(held) == prefetch and e.value.status == "PM_ERR_BUSY"
+    assert f"at most {prefetch} batches" in str(e.value) and "prefetch_factor" in str(e.value)
     held.clear()
     del b
     gc.collect()
