@@ -867,6 +867,11 @@ typedef struct pm_loader_config {
   uint64_t claim_rows; /* rows a worker takes at a time (one read_rows call for a rows dataset);
                           0: automatic (a batch over 2 x workers, within a copy part); larger
                           than the batch: the batch */
+  int lease_slots;     /* 1: when the next batch needs a slot the caller still holds, the held
+                          batch keeps that slot's memory (freed by its pm_batch_release, once the
+                          release stream is past it) and the ring takes a new slot from the
+                          pool; PM_ERR_BUSY only when the pool's budget refuses it. 0: PM_ERR_BUSY
+                          at once (the slots are a fixed ring) */
 } pm_loader_config_t;
 
 /** Sharding: with world_size W, rank r gets positions r, r+W, r+2W... of the epoch's order

@@ -120,16 +120,16 @@ static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"dataset",    "batch_size", "workers", "prefetch", "shuffle",
                            "seed",       "drop_last",  "rank",    "world_size", "pin_memory",
                            "device",     "epochs",     "resume",  "shared_slots",
-                           "ordered_workers", "claim_rows", NULL};
+                           "ordered_workers", "claim_rows", "lease_slots", NULL};
   PyObject *dataset, *resume = Py_None;
   Py_ssize_t batch_size;
   int workers = 0, prefetch = 0, shuffle = 0, drop_last = 0, rank = -1, world = -1, pin = 1,
-      device = 1, shared = 0, ordered = 0;
+      device = 1, shared = 0, ordered = 0, lease = 0;
   unsigned long long seed = 0, epochs = 0, claim = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O!n|$iipKpiippKOppK:_Loader", kwlist,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O!n|$iipKpiippKOppKp:_Loader", kwlist,
                                    &pmpy_DatasetType, &dataset, &batch_size, &workers, &prefetch,
                                    &shuffle, &seed, &drop_last, &rank, &world, &pin, &device,
-                                   &epochs, &resume, &shared, &ordered, &claim))
+                                   &epochs, &resume, &shared, &ordered, &claim, &lease))
     return NULL;
   if (batch_size <= 0) return pmpy_raise_fmt(PM_ERR_INVALID, "batch_size must be > 0");
   pm_loader_config_t c;
@@ -148,6 +148,7 @@ static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   c.shared_slots = shared;
   c.ordered_workers = ordered;
   c.claim_rows = claim;
+  c.lease_slots = lease;
   pm_loader_state_t state;
   if (resume != Py_None) {
     Py_buffer v;

@@ -569,6 +569,9 @@ class Loader:
             # Worker processes write into shared slots, which are pinned whatever pin_memory
             # says (pinned host memory serves every use pageable memory does).
             pin_memory=bool(pin_memory) or procs, device=to_device,
+            # A batch stays valid as long as it is held: when the ring needs its slot, the ring
+            # takes another from the pool (within the budget) instead of refusing.
+            lease_slots=True,
             epochs=0 if epochs is None else epochs)
         if procs:
             # One claim of rows per message; claims go to the workers in turn (reproducible),
@@ -849,12 +852,13 @@ class Loader:
                 st = _pinmem._loader_state_fields(c.state())
                 self._skip = (st["epoch"], st["batch"] + 1)
             if isinstance(e, BusyError) and "still holds" in e.message:
-                # Say it in the arguments the user has; the batch stays next (nothing skipped).
-                slots = c.stats()["prefetch"]
-                _pinmem._raise(_pinmem.PM_ERR_BUSY, f"{e.message}. pinmem.Loader: while "
-                               f"iterating, at most {slots} batches (prefetch_factor x "
-                               "max(1, num_workers) slots) may be held at once: copy out what "
-                               "you keep (x.clone(), numpy.array(x)), or raise prefetch_factor")
+                # Say it in the user's terms; the batch stays next (nothing skipped).
+                held = c.stats()["held"]
+                _pinmem._raise(_pinmem.PM_ERR_BUSY, f"{e.message}. pinmem.Loader: {held} "
+                               "batches are held and the pinned budget has no room for another "
+                               "slot: let go of batches you no longer need (or copy them out: "
+                               "x.clone(), numpy.array(x)), or raise the budget "
+                               "(pinmem.set_budget, PINMEM_BUDGET)")
             raise
         if self._closed:
             b = None

@@ -156,22 +156,45 @@ def test_iterators_hold_no_batch(xy):
     plain.close()
 
 
-def test_holding_too_many_batches_is_busy(rng):
+def test_held_batches_stay_valid_and_busy_only_past_the_budget(rng):
+    # As torch: any number of batches may be held (list(loader), the last epoch's x, y); the
+    # ring takes new slots from the pool for the ones held.
     X = rng.random((64, 8))
-    loader = pinmem.Loader(X, batch_size=4, prefetch_factor=2, num_workers=1)
-    prefetch = loader.stats()["prefetch"]
-    held = []
-    with pytest.raises(pinmem.BusyError) as e:
-        for b in loader.batches():
-            held.append(b)
-    assert len(held) == prefetch and e.value.status == "PM_ERR_BUSY"
-    assert f"at most {prefetch} batches" in str(e.value) and "prefetch_factor" in str(e.value)
+    loader = pinmem.Loader(X, batch_size=4, prefetch_factor=2, num_workers=1, device="cpu")
+    assert loader.stats()["prefetch"] == 2
+    held = list(loader)
+    assert len(held) == 16
+    np.testing.assert_array_equal(np.concatenate([host(b) for b in held]), X)
+    again = list(loader)  # a second epoch while the first is still held
+    np.testing.assert_array_equal(np.concatenate([host(b) for b in again]), X)
+    np.testing.assert_array_equal(np.concatenate([host(b) for b in held]), X)
+    del held, again
+    gc.collect()
+    assert loader.stats()["held"] == 0
+    loader.close()
+    # Past the budget: BusyError naming what is held, and what to do. (Slots of 2 MiB, so each
+    # new one needs new pinned memory rather than room in a segment already pinned.)
+    X = rng.random((32, 65536))
+    loader = pinmem.Loader(X, batch_size=4, prefetch_factor=2, num_workers=1, device="cpu")
+    budget = pinmem.budget()
+    pinmem.trim()
+    pinmem.set_budget(max(pinmem.stats()["pinned_bytes"], 1))
+    try:
+        held = []
+        with pytest.raises(pinmem.BusyError) as e:
+            for b in loader.batches():
+                held.append(b)
+        assert e.value.status == "PM_ERR_BUSY"
+        assert "still holds" in str(e.value) and "budget" in str(e.value), str(e.value)
+        assert len(held) >= 1
+    finally:
+        pinmem.set_budget(budget)
     held.clear()
     del b
     gc.collect()
     assert loader.stats()["held"] == 0
     rest = [host(x) for x in loader]  # a new loop is a new epoch, as torch's
-    assert sum(len(r) for r in rest) == 64
+    np.testing.assert_array_equal(np.concatenate(rest), X)
     loader.close()
 
 
