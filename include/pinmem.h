@@ -936,7 +936,8 @@ typedef struct pm_batch {
 /** The next batch, in order. Blocks until it has been read (a device copy may still run: wait
  *  for `event`, e.g. with pm_batch_wait_stream). PM_ERR_STATE once every epoch was delivered;
  *  PM_ERR_BUSY when the next batch needs a slot the caller still holds (batch i uses slot
- *  i mod prefetch: release batches in time), or while another thread is inside pm_loader_next
+ *  i mod prefetch: release batches in time; with lease_slots, only when the pool cannot give
+ *  another slot), or while another thread is inside pm_loader_next
  *  of the same loader; a read error (PM_ERR_IO,
  *  PM_ERR_FORMAT, a callback's status) for the batch it happened in, after the complete batches
  *  before it, and again on every later call: never a short batch. */
