@@ -135,12 +135,34 @@ def _python_dataset(dataset):
     return _pinmem._dataset_python(fetch, n, schema.specs()), schema
 
 
+class _FlatBatches:
+    """A batch_sampler's batches as one run of indices: each batch `size` indices, but the last
+    (pinmem.Loader fills batches of one size)."""
+
+    def __init__(self, batch_sampler, size):
+        self.batch_sampler, self.size = batch_sampler, size
+        self._name = f"batch_sampler {type(batch_sampler).__name__}"
+
+    def __len__(self):
+        return len(self.batch_sampler) * self.size
+
+    def __iter__(self):
+        batches = [list(b) for b in self.batch_sampler]
+        for k, b in enumerate(batches):
+            if len(b) != self.size and not (k == len(batches) - 1 and 0 < len(b) < self.size):
+                raise InvalidError(f"PM_ERR_INVALID: the {self._name} gave batch {k} of "
+                                   f"{len(b)} indices: pinmem.Loader fills batches of its "
+                                   f"batch_size ({self.size}), a shorter one only last; for "
+                                   "batches of varying size keep torch's DataLoader")
+        return (i for b in batches for i in b)
+
+
 def _sampler_order(sampler, n):
     """The sampler's indices for one epoch as an array('Q'): ints (Python, NumPy, 0-d integer
     tensors) in 0..n-1; anything else refused naming the sampler and the position."""
     import array
     order = array.array("Q")
-    name = type(sampler).__name__
+    name = getattr(sampler, "_name", type(sampler).__name__)
     for k, i in enumerate(sampler):
         if isinstance(i, bool) or not hasattr(type(i), "__index__"):
             raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded {i!r} "
@@ -507,10 +529,22 @@ class Loader:
                                "pinmem.Loader's workers claim rows by index, in a fixed order; "
                                "give it a map-style dataset (__getitem__ and __len__), or keep "
                                "torch's DataLoader for streams")
+        user_batch_sampler = batch_sampler
         if batch_sampler is not None:
-            raise InvalidError("PM_ERR_INVALID: batch_sampler is not supported: pinmem.Loader "
-                               "fills fixed-size batch slots; pass sampler= (an iterable of "
-                               "indices) with batch_size and drop_last instead")
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise InvalidError("PM_ERR_INVALID: batch_sampler option is mutually exclusive "
+                                   "with batch_size, shuffle, sampler, and drop_last (as in "
+                                   "torch's DataLoader)")
+            b = getattr(batch_sampler, "batch_size", None)
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1 or \
+                    not hasattr(batch_sampler, "__len__"):
+                raise InvalidError("PM_ERR_INVALID: batch_sampler: pinmem.Loader fills batches "
+                                   "of one size, so a batch_sampler needs len() and an int "
+                                   "batch_size attribute (torch's BatchSampler has both); for "
+                                   "batches of varying size keep torch's DataLoader")
+            # Its batches, flattened, are a sampler's order cut every batch_size indices
+            # (checked as each epoch starts: every batch that size, a shorter one only last).
+            batch_size, sampler = b, _FlatBatches(batch_sampler, b)
         if collate_fn is not None and not _is_default_collate(collate_fn):
             raise InvalidError("PM_ERR_INVALID: collate_fn is not supported: pinmem.Loader "
                                "writes each sample straight into its row of the batch (the "
@@ -591,9 +625,11 @@ class Loader:
         # arguments as given. sampler is None when pinmem orders the samples itself (shuffle,
         # seed and rank/world_size decide the order); batch_sampler is always None (refused).
         self.dataset = dataset
-        self.batch_size = batch_size
-        self.sampler = sampler
-        self.batch_sampler = None
+        self._batch_sampler = user_batch_sampler
+        self.batch_size = batch_size if user_batch_sampler is None else None  # (as torch)
+        self.sampler = sampler if user_batch_sampler is None else \
+            getattr(user_batch_sampler, "sampler", None)
+        self.batch_sampler = user_batch_sampler
         self.shuffle = bool(shuffle)
         self.num_workers = nw
         self.drop_last = bool(drop_last)
@@ -905,8 +941,10 @@ class Loader:
         """Batches per epoch (on this rank); with a sampler, of the sampler's next epoch (its
         len() now, as torch's len(DataLoader))."""
         c = self._check()
+        if self._batch_sampler is not None:
+            return len(self._batch_sampler)
         if self._sampler is not None:
-            n, bs = len(self._sampler), self.batch_size
+            n, bs = len(self._sampler), self._config["batch_size"]
             return n // bs if self._config["drop_last"] else -(-n // bs)
         return c.stats()["batches_per_epoch"]
 

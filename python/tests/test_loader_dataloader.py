@@ -144,8 +144,11 @@ def test_tuple_samples_collate_to_lists(nw):
 
 
 def test_tuple_samples_and_refusals_name_the_argument():
-    with pytest.raises(pinmem.InvalidError, match="batch_sampler"):
+    with pytest.raises(pinmem.InvalidError, match="batch_sampler: .* batch_size attribute"):
         pinmem.Loader(Indexed(), batch_sampler=[[0, 1]])
+    with pytest.raises(pinmem.InvalidError, match="mutually exclusive"):
+        pinmem.Loader(Indexed(), batch_size=4,
+                      batch_sampler=torch.utils.data.BatchSampler(range(20), 4, False))
     with pytest.raises(pinmem.InvalidError, match="collate_fn"):
         pinmem.Loader(Indexed(), collate_fn=lambda xs: xs)
     with pytest.raises(pinmem.InvalidError, match="batch_size"):
@@ -245,3 +248,36 @@ def test_what_pinmem_cannot_batch_is_refused_by_name():
                 next(iter(loader))
     with pytest.raises(pinmem.InvalidError, match="samples are empty"):
         pinmem.Loader(np.zeros((4, 0)), batch_size=2)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batch_sampler_as_dataloader(drop_last):
+    ds = Indexed(22)
+
+    def make():
+        g = torch.Generator().manual_seed(3)
+        return torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(ds, generator=g), 4,
+                                             drop_last)
+    t = DataLoader(ds, batch_sampler=make())
+    with pinmem.Loader(ds, batch_sampler=make(), device="cpu") as p:
+        assert p.batch_size is None and p.batch_sampler is not None and len(p) == len(t)
+        for _ in range(2):  # the RandomSampler draws again each epoch, in both
+            want = run(t)
+            assert run(p) == want and len(want) == len(t)
+        assert [list(b.indices) for b in p.batches()] == run(t)
+
+
+class Uneven:
+    batch_size = 3
+
+    def __len__(self):
+        return 2
+
+    def __iter__(self):
+        return iter([[0, 1], [2, 3, 4]])
+
+
+def test_batch_sampler_of_uneven_batches_is_refused_by_name():
+    with pinmem.Loader(Indexed(), batch_sampler=Uneven(), device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match="batch_sampler Uneven gave batch 0 of 2"):
+            next(iter(p))
