@@ -510,10 +510,14 @@ class Loader:
         self._failed = None  # the error that left the loader unusable (a stuck worker)
         # "cuda:k": the loader works on device k
         to_device, self._device_index = _device_arg(device)
-        if batch_size is None:
-            raise InvalidError("PM_ERR_INVALID: batch_size=None (samples one at a time, not "
-                               "batched) is not supported: pinmem.Loader fills batch slots; use "
-                               "batch_size=1 and take row 0 of each batch")
+        # batch_size=None (as torch): samples one at a time, without a batch axis: batches of
+        # one whose arrays the extension delivers without their first axis.
+        unbatched = batch_size is None and batch_sampler is None
+        if unbatched:
+            if drop_last:
+                raise InvalidError("PM_ERR_INVALID: batch_size=None option is mutually "
+                                   "exclusive with drop_last (as in torch's DataLoader)")
+            batch_size = 1
         batch_size = _int_arg("batch_size", batch_size, 1)
         seed = _int_arg("seed", seed, -(1 << 63), (1 << 64) - 1, none_ok=True)
         epochs = _int_arg("epochs", epochs, 1, none_ok=True)
@@ -605,7 +609,7 @@ class Loader:
             pin_memory=bool(pin_memory) or procs, device=to_device,
             # A batch stays valid as long as it is held: when the ring needs its slot, the ring
             # takes another from the pool (within the budget) instead of refusing.
-            lease_slots=True,
+            lease_slots=True, unbatched=unbatched,
             epochs=0 if epochs is None else epochs)
         if procs:
             # One claim of rows per message; claims go to the workers in turn (reproducible),
@@ -626,7 +630,9 @@ class Loader:
         # seed and rank/world_size decide the order); batch_sampler is always None (refused).
         self.dataset = dataset
         self._batch_sampler = user_batch_sampler
-        self.batch_size = batch_size if user_batch_sampler is None else None  # (as torch)
+        self._unbatched = unbatched
+        # (None with a batch_sampler or batch_size=None, as torch)
+        self.batch_size = None if user_batch_sampler is not None or unbatched else batch_size
         self.sampler = sampler if user_batch_sampler is None else \
             getattr(user_batch_sampler, "sampler", None)
         self.batch_sampler = user_batch_sampler
@@ -919,7 +925,8 @@ class Loader:
         import numpy
         arrays = list(b)
         for k, dt, shape in self._odd:
-            arrays[k] = numpy.frombuffer(arrays[k], dtype=dt).reshape((-1,) + tuple(shape))
+            arrays[k] = numpy.frombuffer(arrays[k], dtype=dt).reshape(
+                tuple(shape) if self._unbatched else (-1,) + tuple(shape))
         nb = tuple.__new__(Batch, arrays)
         nb.__dict__.update(b.__dict__)
         return nb

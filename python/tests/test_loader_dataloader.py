@@ -151,8 +151,8 @@ def test_tuple_samples_and_refusals_name_the_argument():
                       batch_sampler=torch.utils.data.BatchSampler(range(20), 4, False))
     with pytest.raises(pinmem.InvalidError, match="collate_fn"):
         pinmem.Loader(Indexed(), collate_fn=lambda xs: xs)
-    with pytest.raises(pinmem.InvalidError, match="batch_size"):
-        pinmem.Loader(Indexed(), batch_size=None)
+    with pytest.raises(pinmem.InvalidError, match="batch_size=None option is mutually"):
+        pinmem.Loader(Indexed(), batch_size=None, drop_last=True)
 
 
 class Counting(Indexed):
@@ -281,3 +281,16 @@ def test_batch_sampler_of_uneven_batches_is_refused_by_name():
     with pinmem.Loader(Indexed(), batch_sampler=Uneven(), device="cpu") as p:
         with pytest.raises(pinmem.InvalidError, match="batch_sampler Uneven gave batch 0 of 2"):
             next(iter(p))
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_batch_size_none_gives_samples_without_a_batch_axis(nw):
+    t, p = both(batch_size=None, num_workers=nw)
+    with p:
+        assert p.batch_size is None and len(p) == len(t) == 20
+        for (tx, ty), (px, py) in zip(t, p.as_torch()):
+            assert px.shape == tx.shape == (2,) and torch.equal(px, tx)
+            assert py.shape == () and int(py) == ty
+    ds = np.arange(12, dtype=np.int32).reshape(6, 2)  # arrays too
+    with pinmem.Loader(ds, batch_size=None, device="cpu") as p:
+        assert [np.asarray(x).tolist() for x in p] == ds.tolist()
