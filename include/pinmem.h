@@ -1014,6 +1014,11 @@ typedef struct pm_loader_config {
   uint64_t claim_rows; /* rows a worker takes at a time (one read_rows call for a rows dataset);
                           0: automatic (a batch over 2 x workers, within a copy part); larger
                           than the batch: the batch */
+  int lease_slots;     /* 1: when the next batch needs a slot the caller still holds, the held
+                          batch keeps that slot's memory (freed by its pm_batch_release, once the
+                          release stream is past it) and the ring takes a new slot from the
+                          pool; PM_ERR_BUSY only when the pool's budget refuses it. 0: PM_ERR_BUSY
+                          at once (the slots are a fixed ring) */
 } pm_loader_config_t;
 
 /** Sharding: with world_size W, rank r gets positions r, r+W, r+2W... of the epoch's order
@@ -1078,7 +1083,8 @@ typedef struct pm_batch {
 /** The next batch, in order. Blocks until it has been read (a device copy may still run: wait
  *  for `event`, e.g. with pm_batch_wait_stream). PM_ERR_STATE once every epoch was delivered;
  *  PM_ERR_BUSY when the next batch needs a slot the caller still holds (batch i uses slot
- *  i mod prefetch: release batches in time), or while another thread is inside pm_loader_next
+ *  i mod prefetch: release batches in time; with lease_slots, only when the pool cannot give
+ *  another slot), or while another thread is inside pm_loader_next
  *  of the same loader; a read error (PM_ERR_IO,
  *  PM_ERR_FORMAT, a callback's status) for the batch it happened in, after the complete batches
  *  before it, and again on every later call: never a short batch. */

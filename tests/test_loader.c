@@ -927,6 +927,71 @@ static void test_two_consumers(void) {
   CHECK_OK(pm_dataset_destroy(ds));
 }
 
+/* A consumer waiting in pm_loader_next while another thread destroys the loader: the wait
+ * ends with PM_ERR_STATE (it used to wait on, or wake in freed memory), and destroy returns
+ * only after the consumer left (the loader is freed afterwards, by destroy itself). */
+static void test_destroy_while_next_waits(void) {
+  const size_t size = 64;
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, 40, size);
+  p.sleep_us = 200000; /* the first batch takes 0.8 s: the consumer is waiting */
+  for (int round = 0; round < (g_small ? 1 : 3); round++) {
+    pm_loader_config_t c = base_config(4);
+    c.workers = 1;
+    c.delivery = round % 2 ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+    consumer_t a = {ld, PM_OK, {0}};
+    pthread_t ta;
+    REQUIRE(pthread_create(&ta, NULL, consume_one, &a) == 0);
+    usleep(50000);
+    CHECK_OK(pm_loader_destroy(ld));
+    pthread_join(ta, NULL);
+    if (a.st == PM_OK) CHECK_OK(pm_batch_release(&a.b, NULL)); /* (a slow machine: it won) */
+    else
+      CHECK_EQ_INT(a.st, PM_ERR_STATE);
+  }
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
+/* lease_slots: every batch of two epochs held at once with 2 slots; each keeps its bytes (the
+ * ring took new slots), released in another order than delivered, some only after destroy. */
+static void test_lease_slots(void) {
+  const size_t size = 96;
+  enum { N = 40, B = 4 };
+  pat_ds_t p;
+  pm_dataset_t *ds = make_ds(&p, N, size);
+  for (int variant = 0; variant < 2; variant++) {
+    pm_loader_config_t c = base_config(B);
+    c.prefetch = 2;
+    c.epochs = 2;
+    c.lease_slots = 1;
+    c.delivery = variant ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
+    pm_loader_t *ld;
+    REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+    pm_batch_t held[2 * N / B];
+    int n = 0;
+    while (n < 2 * N / B && pm_loader_next(ld, &held[n]) == PM_OK) n++;
+    CHECK_EQ_INT(n, 2 * N / B);
+    for (int i = 0; i < n; i++) {
+      CHECK_EQ_INT((int)held[i].index, i % (N / B));
+      check_batch(&held[i], size, c.delivery == PM_DELIVER_DEVICE);
+    }
+    CHECK_EQ_INT(pm_loader_next(ld, &held[0]) == PM_ERR_STATE, 1); /* (held[0] untouched) */
+    for (int i = n - 1; i >= n / 2; i--) CHECK_OK(pm_batch_release(&held[i], NULL));
+    CHECK_OK(pm_loader_destroy(ld));
+    for (int i = 0; i < n / 2; i++) {
+      check_batch(&held[i], size, c.delivery == PM_DELIVER_DEVICE); /* still valid */
+      CHECK_OK(pm_batch_release(&held[i], NULL)); /* the last frees the loader */
+    }
+  }
+  pm_loader_config_t c = base_config(B);
+  c.lease_slots = 2;
+  pm_loader_t *ld = NULL;
+  CHECK_EQ_INT(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
+  CHECK_OK(pm_dataset_destroy(ds));
+}
+
 static void test_destroy_held(void) {
   const size_t size = 4000;
   pat_ds_t p;
@@ -1205,6 +1270,8 @@ int main(void) {
   test_fields(PM_DELIVER_HOST);
   test_zip();
   test_two_consumers();
+  test_destroy_while_next_waits();
+  test_lease_slots();
   test_destroy_held();
   test_budget_wait();
   test_parts();

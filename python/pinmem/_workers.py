@@ -52,6 +52,10 @@ MAGIC_REP = 0x50524D50  # "PMRP"
 KIND_ROWS, KIND_DESCRIBE, KIND_SCHEMA = 1, 2, 3
 ST_OK, ST_EXC, ST_INVALID, ST_INIT = 0, 1, 2, 3
 MAX_MSG = 1 << 20
+# Every message a worker sends stays far below the smallest socket send buffer (a SOCK_SEQPACKET
+# message larger than it fails to send at all): error texts and tracebacks are cut to fit.
+MAX_REPLY = 48 << 10
+MAX_TEXT = 16 << 10
 MAX_FDS = 64
 
 # ---- sample structure ------------------------------------------------------------------------
@@ -137,11 +141,9 @@ def _rebuild(t, values):
     if kind == "dict":
         return {k: _rebuild(c, values) for k, c in t[1]}
     items = [_rebuild(c, values) for c in t[1]]
-    if kind == "list":
-        return items
     if kind == "namedtuple":
         return t[2](*items)
-    return tuple(items)
+    return items  # tuples and lists alike, as torch's default_collate
 
 
 def _leaf(v, np, path, index):
@@ -222,6 +224,10 @@ def describe(sample, index):
         if dt.hasobject or dt.itemsize == 0:
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} has no fixed-size "
                            "bytes")
+        if a.size == 0:
+            raise _invalid(f"dataset index {index}, field {p}: an empty array (shape "
+                           f"{tuple(a.shape)}) has no bytes for a batch row: drop the field, or "
+                           "give it at least one element")
         if dt.byteorder == ">" or dt.fields is not None or dt.kind in "OUSVMm":
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} cannot go to the "
                            "device; return a native number type")
@@ -288,16 +294,47 @@ def _set_torch_worker_info(info):
         pass
 
 
+def _cut(text, limit):
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"... [{len(text) - limit} more characters cut]"
+
+
+def _safe_text(exc):
+    """str(exc), or its repr when __str__ raises, or a note when both do."""
+    for f in (str, repr):
+        try:
+            return f(exc)
+        except BaseException:
+            pass
+    return f"<{type(exc).__qualname__} whose __str__ and __repr__ raise>"
+
+
 def _pack_error(status, index, wid, exc, where):
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    payload = {"type": type(exc), "module": type(exc).__module__,
-               "name": type(exc).__qualname__, "text": str(exc), "tb": tb,
-               "worker": wid, "pid": os.getpid(), "index": index, "where": where}
     try:
-        return REP.pack(MAGIC_REP, status, index) + pickle.dumps(payload)
-    except Exception:
-        payload["type"] = None
-        return REP.pack(MAGIC_REP, status, index) + pickle.dumps(payload)
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except BaseException:  # a __str__ that raises inside the formatting
+        tb = f"{type(exc).__qualname__}: {_safe_text(exc)}\n"
+    # StopIteration out of dataset[i] would end the main process's loop quietly; KeyboardInterrupt
+    # and other BaseExceptions would stop the main program as if its user pressed Ctrl-C: both
+    # arrive as WorkerError naming them (the type is not sent).
+    plain = isinstance(exc, Exception) and not isinstance(exc, StopIteration)
+    payload = {"type": type(exc) if plain else None, "module": type(exc).__module__,
+               "name": type(exc).__qualname__, "text": _cut(_safe_text(exc), MAX_TEXT),
+               "tb": _cut(tb, MAX_TEXT), "worker": wid, "pid": os.getpid(), "index": index,
+               "where": where}
+    head = REP.pack(MAGIC_REP, status, index)
+    for drop in ((), ("type",), ("type", "tb", "text")):
+        for k in drop:
+            payload[k] = None if k == "type" else "(cut: too long to send)"
+        try:
+            data = head + pickle.dumps(payload)
+        except BaseException:
+            continue
+        if len(data) <= MAX_REPLY:
+            return data
+    return head + pickle.dumps({k: (v if isinstance(v, (int, type(None))) else str(v)[:200])
+                                for k, v in payload.items()})
 
 
 def _place(cpus):
@@ -322,7 +359,7 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
         except OSError:
             pass
     import numpy as np
-    seed = base_seed + wid
+    seed = (base_seed + wid) % (1 << 64)  # torch.manual_seed takes 0..2**64-1
     _seed_all(seed, wid, base_seed)
     _worker_info = WorkerInfo(wid, nworkers, seed, dataset, placed)
     _set_torch_worker_info(_worker_info)
@@ -378,7 +415,11 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
             i = indices[0]
             try:
                 reply = REP.pack(MAGIC_REP, ST_OK, i) + pickle.dumps(describe(dataset[i], i))
-            except Exception as e:
+                if len(reply) > MAX_REPLY:
+                    raise _invalid(f"dataset index {i}: the sample's structure (its dict keys "
+                                   f"and types) takes {len(reply)} bytes, more than the "
+                                   f"{MAX_REPLY} a worker message holds: use shorter dict keys")
+            except BaseException as e:
                 from . import InvalidError
                 reply = _pack_error(ST_INVALID if isinstance(e, InvalidError) else ST_EXC, i,
                                     wid, e, "dataset")
@@ -414,7 +455,7 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid):
     for j, i in enumerate(indices):
         try:
             sample = dataset[i]
-        except Exception as e:
+        except BaseException as e:  # KeyboardInterrupt, SystemExit too: reported, not lost
             return _pack_error(ST_EXC, i, wid, e, "dataset")
         try:
             leaves = schema.fast_leaves(sample, np) if schema.flat else None
@@ -422,7 +463,7 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid):
                 leaves = checked_leaves(schema, sample, i, np)
             for k, a in enumerate(leaves):
                 views[k][j] = a
-        except Exception as e:
+        except BaseException as e:
             from . import InvalidError
             st = ST_INVALID if isinstance(e, InvalidError) else ST_EXC
             return _pack_error(st, i, wid, e, "sample")
@@ -597,11 +638,17 @@ class Pool:
             from . import InvalidError
             return InvalidError(e["text"] + f"\n(in worker process {e['worker']})")
         t = e.get("type")
-        if isinstance(t, type) and issubclass(t, BaseException):
+        if e.get("name") == "StopIteration":
+            return RuntimeError(f"dataset[{e['index']}] raised StopIteration in pinmem worker "
+                                f"process {e['worker']}: a dataset's __getitem__ must not raise "
+                                f"StopIteration; raise IndexError past the end.\n{text}")
+        if isinstance(t, type) and issubclass(t, Exception):
             if t is KeyError:
                 text = _KeyErrorMessage(text)  # KeyError shows repr(): keep the lines readable
             try:
-                return t(text)
+                exc = t(text)
+                str(exc)  # a type whose __str__ raises is not raised again: its text would be lost
+                return exc
             except Exception:
                 pass
         return WorkerError(text)

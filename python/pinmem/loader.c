@@ -15,6 +15,7 @@ typedef struct {
   Py_ssize_t held; /* batches delivered and not given back yet */
   int device;      /* batches in device memory */
   int dev_index;
+  int unbatched; /* batches of one sample, delivered without the batch axis (batch_size=None) */
 } LoaderObject;
 
 /* One delivered batch. Its buffers (one per field) hold it; when the last of them goes, the
@@ -64,7 +65,10 @@ static BufferObject *batch_buffer(BatchObject *batch, int k) {
   const pm_batch_field_t *f = &batch->b.fields[k];
   const pmpy_dtype_t *dt = pmpy_dtype_from_text(f->info->descr);
   if (dt && (size_t)(dt->bits / 8) != f->info->itemsize) dt = NULL;
-  int ndim = dt ? f->ndim : 1;
+  /* batch_size=None: the one sample's arrays, without the batch axis (odd dtypes stay flat bytes,
+   * viewed by the Python side) */
+  int drop = batch->loader->unbatched && dt && batch->b.samples == 1;
+  int ndim = dt ? f->ndim - drop : 1;
   BufferObject *buf = pmpy_buffer_alloc(&pmpy_BufferType, ndim);
   if (!buf) return NULL;
   /* The descriptor (shape, strides) comes from batch_layout.h, which the .npy fuzz target
@@ -77,16 +81,16 @@ static BufferObject *batch_buffer(BatchObject *batch, int k) {
     pmpy_raise_fmt(PM_ERR_INTERNAL, "a loader batch cannot be described: %s", why);
     return NULL;
   }
-  if (pmpy_buffer_set_ndim(buf, lay.ndim) < 0 ||
+  if (pmpy_buffer_set_ndim(buf, lay.ndim - drop) < 0 ||
       pmpy_buffer_set_format(buf, dt ? dt->format : "B") < 0) {
     Py_DECREF(buf);
     return NULL;
   }
   buf->dtype = dt;
   buf->itemsize = (Py_ssize_t)lay.itemsize;
-  for (int i = 0; i < lay.ndim; i++) {
-    buf->shape[i] = (Py_ssize_t)lay.shape[i];
-    pmpy_buf_strides(buf)[i] = (Py_ssize_t)lay.strides[i];
+  for (int i = drop; i < lay.ndim; i++) {
+    buf->shape[i - drop] = (Py_ssize_t)lay.shape[i];
+    pmpy_buf_strides(buf)[i - drop] = (Py_ssize_t)lay.strides[i];
   }
   buf->kind = BUF_EXTERNAL;
   buf->ptr = f->data;
@@ -120,16 +124,17 @@ static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"dataset",    "batch_size", "workers", "prefetch", "shuffle",
                            "seed",       "drop_last",  "rank",    "world_size", "pin_memory",
                            "device",     "epochs",     "resume",  "shared_slots",
-                           "ordered_workers", "claim_rows", NULL};
+                           "ordered_workers", "claim_rows", "lease_slots", "unbatched", NULL};
   PyObject *dataset, *resume = Py_None;
   Py_ssize_t batch_size;
   int workers = 0, prefetch = 0, shuffle = 0, drop_last = 0, rank = -1, world = -1, pin = 1,
-      device = 1, shared = 0, ordered = 0;
+      device = 1, shared = 0, ordered = 0, lease = 0, unbatched = 0;
   unsigned long long seed = 0, epochs = 0, claim = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O!n|$iipKpiippKOppK:_Loader", kwlist,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O!n|$iipKpiippKOppKpp:_Loader", kwlist,
                                    &pmpy_DatasetType, &dataset, &batch_size, &workers, &prefetch,
                                    &shuffle, &seed, &drop_last, &rank, &world, &pin, &device,
-                                   &epochs, &resume, &shared, &ordered, &claim))
+                                   &epochs, &resume, &shared, &ordered, &claim, &lease,
+                                   &unbatched))
     return NULL;
   if (batch_size <= 0) return pmpy_raise_fmt(PM_ERR_INVALID, "batch_size must be > 0");
   pm_loader_config_t c;
@@ -148,6 +153,7 @@ static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   c.shared_slots = shared;
   c.ordered_workers = ordered;
   c.claim_rows = claim;
+  c.lease_slots = lease;
   pm_loader_state_t state;
   if (resume != Py_None) {
     Py_buffer v;
@@ -164,6 +170,7 @@ static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   if (!self) return NULL;
   self->dataset = (DatasetObject *)Py_NewRef(dataset);
   self->device = device;
+  self->unbatched = unbatched;
   pm_status_t st;
   pm_dataset_t *ds = self->dataset->ds;
   Py_BEGIN_ALLOW_THREADS st = pm_loader_create(ds, &c, &self->loader);

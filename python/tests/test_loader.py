@@ -156,21 +156,45 @@ def test_iterators_hold_no_batch(xy):
     plain.close()
 
 
-def test_holding_too_many_batches_is_busy(rng):
+def test_held_batches_stay_valid_and_busy_only_past_the_budget(rng):
+    # As torch: any number of batches may be held (list(loader), the last epoch's x, y); the
+    # ring takes new slots from the pool for the ones held.
     X = rng.random((64, 8))
-    loader = pinmem.Loader(X, batch_size=4, prefetch_factor=2, num_workers=1)
-    prefetch = loader.stats()["prefetch"]
-    held = []
-    with pytest.raises(pinmem.BusyError) as e:
-        for b in loader.batches():
-            held.append(b)
-    assert len(held) == prefetch and e.value.status == "PM_ERR_BUSY"
+    loader = pinmem.Loader(X, batch_size=4, prefetch_factor=2, num_workers=1, device="cpu")
+    assert loader.stats()["prefetch"] == 2
+    held = list(loader)
+    assert len(held) == 16
+    np.testing.assert_array_equal(np.concatenate([host(b) for b in held]), X)
+    again = list(loader)  # a second epoch while the first is still held
+    np.testing.assert_array_equal(np.concatenate([host(b) for b in again]), X)
+    np.testing.assert_array_equal(np.concatenate([host(b) for b in held]), X)
+    del held, again
+    gc.collect()
+    assert loader.stats()["held"] == 0
+    loader.close()
+    # Past the budget: BusyError naming what is held, and what to do. (Slots of 2 MiB, so each
+    # new one needs new pinned memory rather than room in a segment already pinned.)
+    X = rng.random((32, 65536))
+    loader = pinmem.Loader(X, batch_size=4, prefetch_factor=2, num_workers=1, device="cpu")
+    budget = pinmem.budget()
+    pinmem.trim()
+    pinmem.set_budget(max(pinmem.stats()["pinned_bytes"], 1))
+    try:
+        held = []
+        with pytest.raises(pinmem.BusyError) as e:
+            for b in loader.batches():
+                held.append(b)
+        assert e.value.status == "PM_ERR_BUSY"
+        assert "still holds" in str(e.value) and "budget" in str(e.value), str(e.value)
+        assert len(held) >= 1
+    finally:
+        pinmem.set_budget(budget)
     held.clear()
     del b
     gc.collect()
     assert loader.stats()["held"] == 0
-    rest = [host(x) for x in loader]  # continues where it stopped
-    assert sum(len(r) for r in rest) == 64 - 4 * prefetch
+    rest = [host(x) for x in loader]  # a new loop is a new epoch, as torch's
+    np.testing.assert_array_equal(np.concatenate(rest), X)
     loader.close()
 
 
@@ -266,6 +290,11 @@ def test_python_dataset_error_propagates(rng):
             next(it)
     assert "sample 25 is broken" in str(e.value)
     assert isinstance(e.value.__cause__, pinmem.Error)
+    # As torch: the next next() gives the batch after the broken one, and the epoch ends there.
+    last = next(it)
+    np.testing.assert_array_equal(np.stack([host(a) for a in last[0]], axis=1), X[30:40])
+    with pytest.raises(StopIteration):
+        next(it)
 
 
 def test_bad_arguments(rng):
@@ -401,6 +430,11 @@ def test_two_threads_in_next(rng):
         busy = [e for e in out if isinstance(e, pinmem.BusyError)]
         assert len(got) + len(busy) == 2 and got
         assert len({b.index for b in got}) == len(got)  # never the same batch twice
+        for b in got:  # each batch holds the rows its indices name, and they are its own
+            assert list(b.indices) == list(range(8 * b.index, 8 * b.index + 8))
+            np.testing.assert_array_equal(np.asarray(b[0]),
+                                          np.repeat(np.asarray(b.indices, np.int32)[:, None], 3,
+                                                    axis=1))
         del got, out
         loader.close()
 
@@ -447,8 +481,10 @@ def test_object_and_sizeless_dtypes_are_refused():
 
         def __getitem__(self, i):
             return np.array([None, i], dtype=object)
+    loader = pinmem.Loader(Objects(), batch_size=2)  # a Python dataset: read when iterated
     with pytest.raises(pinmem.InvalidError):
-        pinmem.Loader(Objects(), batch_size=2)
+        next(iter(loader))
+    loader.close()
 
 
 @pytest.mark.parametrize("dtype", [">f4", "<U10", "<M8[s]", [("a", "<i4"), ("b", ">f8")]])
@@ -512,7 +548,7 @@ def test_refused_state_leaves_the_loader_working(xy):
         loader.load_state_dict(foreign)
     assert "seed" in str(e.value)
     assert loader.state_dict() == want and len(loader) == len(X) // 50
-    b = next(iter(loader.batches()))
+    b = next(it)  # the iterator goes on where it was
     assert b.index == 1
     idx = np.frombuffer(b.indices, dtype=np.uint64).astype(np.int64)
     np.testing.assert_array_equal(host(b[1]), Y[idx])
@@ -586,7 +622,7 @@ def test_stats_account_for_time_outside_next(xy):
         return host(a)
 
     before = loader.stats()
-    it = pinmem._EpochIterator(loader, "torch", slow_convert)  # what as_torch() returns
+    it = pinmem.loader._EpochIterator(loader, "torch", slow_convert)  # what as_torch() returns
     rows = sum(len(x) for x, y in it)
     assert rows == len(X) and len(calls) == 2 * len(loader)
     st = loader.stats()

@@ -283,3 +283,122 @@ def test_loader_batches_match_numpy(dtype, sample_shape, n, batch_size, drop_las
         assert got.dtype.kind == dtype.kind
         assert got.shape == want.shape
         assert got.astype(dtype).tobytes() == want.tobytes()
+
+
+# -- Loader over Python datasets: odd attributes, odd samplers, other threads -----------------
+
+WORKER_SETTINGS = settings(SETTINGS, max_examples=12)
+
+# Attributes that once made a dataset look like something else (an array, a TensorDataset).
+ODD_ATTRIBUTES = {"shape": (3,), "dtype": "float32", "tensors": [np.zeros(3)], "ndim": 1,
+                  "size": 5, "__array_priority__": 10, "T": None, "data": b"xyz",
+                  "indices": [1, 2], "sampler": None, "batch_size": 7}
+
+
+def tagged_dataset_class(attrs):
+    """A map-style dataset class with `attrs` as class attributes; sample i is [i, 2i, 3i]
+    through its own __getitem__ (so a loader that bypasses it delivers something else)."""
+    def getitem(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return np.array([i, 2 * i, 3 * i], dtype=np.int64) + self.offset
+
+    def init(self, n):
+        self.n, self.offset = n, 1000
+    return type("Odd", (), dict(attrs, __init__=init, __getitem__=getitem,
+                                __len__=lambda self: self.n))
+
+
+@WORKER_SETTINGS
+@given(names=st.sets(st.sampled_from(sorted(ODD_ATTRIBUTES))), n=st.integers(1, 30),
+       batch_size=st.integers(1, 8), workers=st.sampled_from([0, 0, 1, 2]))
+def test_loader_odd_dataset_attributes_go_through_getitem(names, n, batch_size, workers):
+    cls = tagged_dataset_class({k: ODD_ATTRIBUTES[k] for k in names})
+    with pinmem.Loader(cls(n), batch_size=batch_size, device="cpu", num_workers=workers,
+                       epochs=1) as loader:
+        got = np.concatenate([np.array(b) for b in loader])
+    want = np.arange(n)[:, None] * np.array([1, 2, 3]) + 1000
+    np.testing.assert_array_equal(got, want)
+
+
+def index_kinds():
+    """Every kind of thing a sampler might yield, and whether it is a valid index of 0..9."""
+    valid = st.integers(0, 9).flatmap(lambda i: st.sampled_from([
+        i, np.int64(i), np.int32(i), np.uint8(i), np.intp(i)]))
+    bad = st.one_of(
+        st.integers(-(2**70), -1), st.integers(10, 2**70),
+        st.floats(allow_nan=True), st.sampled_from([True, False, None, "3", b"3", 2.0,
+                                                     np.float64(1.0), [1], (1,), 1 + 0j]))
+    return st.one_of(valid.map(lambda v: (v, True)), bad.map(lambda v: (v, False)))
+
+
+@WORKER_SETTINGS
+@given(items=st.lists(index_kinds(), min_size=1, max_size=12), batch_size=st.integers(1, 4))
+def test_loader_sampler_of_every_kind_of_index(items, batch_size):
+    sampler = [v for v, _ in items]
+    bad = [k for k, (_, ok) in enumerate(items) if not ok]
+    cls = tagged_dataset_class({})
+    loader = pinmem.Loader(cls(10), batch_size=batch_size, sampler=sampler, device="cpu",
+                           epochs=1)
+    try:
+        got = [(list(b.indices), np.array(b[0])[:, 0].tolist()) for b in loader.batches()]
+    except pinmem.InvalidError as e:  # the sampler is iterated at the epoch's start
+        assert bad, e
+        assert f"position {bad[0]}" in str(e), (str(e), bad)
+        return
+    finally:
+        loader.close()
+    assert not bad, (sampler, bad)
+    order = [int(v) for v in sampler]
+    assert [i for idx, _ in got for i in idx] == order
+    assert [x - 1000 for _, xs in got for x in xs] == order
+
+
+@WORKER_SETTINGS
+@given(call=st.sampled_from(["close", "state_dict", "len", "stats", "load_state_dict"]),
+       delay=st.floats(0, 0.05), workers=st.sampled_from([0, 2]))
+def test_loader_calls_from_another_thread(call, delay, workers):
+    import threading
+    import time
+
+    class Slow:
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            time.sleep(0.001)
+            return np.full(2, i, dtype=np.int64)
+    loader = pinmem.Loader(Slow(), batch_size=4, device="cpu", num_workers=workers, epochs=2)
+    errors = []
+
+    def other():
+        time.sleep(delay)
+        try:
+            if call == "close":
+                loader.close()
+            elif call == "load_state_dict":
+                loader.load_state_dict(loader.state_dict())
+            else:
+                getattr(loader, call)() if call != "len" else len(loader)
+        except pinmem.Error as e:  # BusyError (two consumers) or StateError are fine
+            errors.append(e)
+    t = threading.Thread(target=other)
+    t.start()
+    seen = []
+    try:
+        for b in loader:
+            rows = np.array(b)
+            assert (rows[:, 0] == rows[:, 1]).all()
+            seen.extend(rows[:, 0].tolist())
+    except pinmem.Error as e:
+        assert call in ("close", "load_state_dict"), e
+    t.join(60)
+    assert not t.is_alive()
+    assert len(set(seen)) == len(seen) or call == "load_state_dict"  # no row twice in an epoch
+    if call == "close":
+        with pytest.raises(pinmem.StateError):
+            len(loader)
+    else:
+        for e in errors:
+            assert isinstance(e, (pinmem.BusyError, pinmem.StateError)), e
+    loader.close()

@@ -238,6 +238,10 @@ PARSE_RANGE(parse_slots_or_0, 0, PM__MAX_SLOTS)
 PARSE_RANGE(parse_loader_workers, 0, PM__LOADER_MAX_WORKERS)
 PARSE_RANGE(parse_copy_threads, 0, PM__COPY_MAX_THREADS)
 PARSE_RANGE(parse_host_devices, 1, 16)
+/* A claim's indices and reply fit one socket message well within the smallest send buffer
+ * (4096 x 8 bytes), and the process depth keeps loader threads x workers within the loader's. */
+PARSE_RANGE(parse_process_depth, 1, 8)
+PARSE_RANGE(parse_process_claim, 1, 4096)
 
 static bool parse_numa(const char *t, pm__optval_t *out, char *why, size_t n) {
   if (!strcasecmp(t, "auto")) {
@@ -425,6 +429,16 @@ static const pm__opt_def_t opt_table[] = {
                               "blocks): the arena becomes usable chunk by chunk, and no single "
                               "registration grows with the arena",
                               parse_size_pos, PM__T_SIZE, 0},
+    [PM__OPT_LOADER_PROCESS_DEPTH] = {"process_depth", "PINMEM_PROCESS_DEPTH", "2",
+                                      "Python loader: loader threads per worker process (1..8), "
+                                      "so each process has its next claim of rows queued while "
+                                      "it works on one. Read when pinmem is imported.",
+                                      parse_process_depth, PM__T_INT, 0},
+    [PM__OPT_LOADER_PROCESS_CLAIM] = {"process_claim", "PINMEM_PROCESS_CLAIM", "8",
+                                      "Python loader: rows per claim (one message and one reply) "
+                                      "sent to a worker process (1..4096; at most a batch). Read "
+                                      "when pinmem is imported.",
+                                      parse_process_claim, PM__T_INT, 0},
 };
 _Static_assert(sizeof opt_table / sizeof opt_table[0] == PM__OPT_COUNT,
                "every pm__opt_t needs a row in opt_table");

@@ -145,6 +145,8 @@ typedef enum pm__opt {
   PM__OPT_FILE_PART,          /* size: a read slot's H2D DMA queued in parts of this size; 0 = off */
   PM__OPT_BLOCKS_KERNEL_MAX,  /* size or auto (PM__BLOCKS_CUTOFF_AUTO): block store path cut-off */
   PM__OPT_BLOCKS_CHUNK,       /* size: bytes a block store pins per registration */
+  PM__OPT_LOADER_PROCESS_DEPTH, /* int 1..8: loader threads per worker process (Python loader) */
+  PM__OPT_LOADER_PROCESS_CLAIM, /* int 1..4096: rows per claim sent to a worker process */
   PM__OPT_COUNT
 } pm__opt_t;
 

@@ -155,6 +155,56 @@ void pm__loader_free_slot(pm_loader_t *L, slot_t *s) {
   s->state = SLOT_GONE;
 }
 
+/* A slot's buffers: the host slot (pinned from the pool, or pageable), the device buffer and
+ * its events, the row indices and the field table. On failure the slot holds what was made
+ * (pm__loader_free_slot frees it). */
+pm_status_t pm__loader_alloc_slot(pm_loader_t *L, slot_t *s) {
+  const pm_loader_config_t *c = &L->cfg;
+  uint64_t rows_max = L->rows_max;
+  memset(s, 0, sizeof *s);
+  s->state = SLOT_FREE;
+  s->indices = malloc(sizeof(uint64_t) * (size_t)rows_max);
+  s->bf = calloc((size_t)L->nfields, sizeof *s->bf);
+  s->chunk_done = calloc((size_t)((rows_max + L->rows_per_claim - 1) / L->rows_per_claim), 1);
+  s->ev_copy = calloc(2 * (size_t)L->max_parts, sizeof *s->ev_copy);
+  s->nparts = 1;
+  if (!s->indices || !s->bf || !s->chunk_done || !s->ev_copy)
+    return pm__set_error(PM_ERR_NOMEM, "row indices");
+  pm_status_t st;
+  if (L->pinned) {
+    st = pm_host_alloc(c->pool, L->slot_bytes, c->shared_slots ? PM_HOST_SHARED : PM_HOST_DEFAULT,
+                       (void **)&s->host);
+    if (st != PM_OK)
+      return pm__wrap_error(st,
+                            "pinned slot of %zu bytes (lower prefetch or batch_size, or raise "
+                            "the budget)",
+                            L->slot_bytes);
+  } else {
+    void *p = NULL;
+    if (posix_memalign(&p, 4096, L->slot_bytes) != 0)
+      return pm__set_error(PM_ERR_NOMEM, "pageable slot of %zu bytes", L->slot_bytes);
+    s->host = p;
+  }
+  if (L->device) {
+    st = pm_device_alloc(L->slot_bytes, (void **)&s->dev);
+    for (uint32_t e = 0; e < 2 * L->max_parts && st == PM_OK; e++)
+      st = pm_event_create(PM_EVENT_TIMING, &s->ev_copy[e]);
+    if (st == PM_OK) st = pm_event_create(PM_EVENT_DEFAULT, &s->ev_release);
+    if (st != PM_OK) return pm__wrap_error(st, "device buffer of %zu bytes", L->slot_bytes);
+  }
+  for (int k = 0; k < L->nfields; k++) {
+    pm_batch_field_t *f = &s->bf[k];
+    const pm_field_t *fi = &L->finfo[k];
+    f->host = s->host + L->foff[k];
+    f->data = L->device ? (void *)(s->dev + L->foff[k]) : f->host;
+    f->bytes_per_sample = L->fbytes[k];
+    f->ndim = 1 + fi->ndim;
+    memcpy(f->shape + 1, fi->shape, sizeof(uint64_t) * (size_t)fi->ndim);
+    f->info = fi;
+  }
+  return PM_OK;
+}
+
 static void free_slots(pm_loader_t *L) {
   if (!L->slots) return;
   for (int i = 0; i < L->nslots; i++) pm__loader_free_slot(L, &L->slots[i]);
@@ -178,6 +228,12 @@ void pm__loader_free(pm_loader_t *L) {
   stop_workers(L);
   if (L->copy_stream) (void)pm_stream_synchronize(L->copy_stream);
   free_slots(L);
+  while (L->orphans) { /* (none: each is freed by its release before the last free) */
+    orphan_t *o = L->orphans;
+    L->orphans = o->next;
+    pm__loader_free_slot(L, &o->s);
+    free(o);
+  }
   if (L->copy_stream) (void)pm_stream_destroy(L->copy_stream);
   free(L->threads);
   free(L->wargs);
@@ -251,6 +307,8 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
     return pm__set_error(PM_ERR_INVALID, "%s: unknown delivery %d", fn, (int)c->delivery);
   if (c->shared_slots != 0 && c->shared_slots != 1)
     return pm__set_error(PM_ERR_INVALID, "%s: shared_slots %d is not 0 or 1", fn, c->shared_slots);
+  if (c->lease_slots != 0 && c->lease_slots != 1)
+    return pm__set_error(PM_ERR_INVALID, "%s: lease_slots %d is not 0 or 1", fn, c->lease_slots);
   if (c->shared_slots && !c->pin_memory)
     return pm__set_error(PM_ERR_INVALID,
                          "%s: shared_slots 1 needs pin_memory 1 (shared slots are pinned "
@@ -381,56 +439,12 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
     st = pm__set_error(PM_ERR_NOMEM, "%s: %d slots", fn, L->nslots);
     goto fail;
   }
+  L->rows_max = rows_max;
   for (int i = 0; i < L->nslots; i++) {
-    slot_t *s = &L->slots[i];
-    s->state = SLOT_FREE;
-    s->indices = malloc(sizeof(uint64_t) * (size_t)rows_max);
-    s->bf = calloc((size_t)L->nfields, sizeof *s->bf);
-    s->chunk_done = calloc((size_t)((rows_max + L->rows_per_claim - 1) / L->rows_per_claim), 1);
-    s->ev_copy = calloc(2 * (size_t)L->max_parts, sizeof *s->ev_copy);
-    s->nparts = 1;
-    if (!s->indices || !s->bf || !s->chunk_done || !s->ev_copy) {
-      st = pm__set_error(PM_ERR_NOMEM, "%s: row indices", fn);
+    st = pm__loader_alloc_slot(L, &L->slots[i]);
+    if (st != PM_OK) {
+      pm__wrap_error(st, "%s: slot %d of %d", fn, i + 1, L->nslots);
       goto fail;
-    }
-    if (L->pinned) {
-      st = pm_host_alloc(c->pool, L->slot_bytes, c->shared_slots ? PM_HOST_SHARED : PM_HOST_DEFAULT,
-                         (void **)&s->host);
-      if (st != PM_OK) {
-        pm__wrap_error(st,
-                       "%s: pinned slot %d of %d (%zu bytes each; lower prefetch or "
-                       "batch_size, or raise the budget)",
-                       fn, i + 1, L->nslots, L->slot_bytes);
-        goto fail;
-      }
-    } else {
-      void *p = NULL;
-      if (posix_memalign(&p, 4096, L->slot_bytes) != 0) {
-        st = pm__set_error(PM_ERR_NOMEM, "%s: pageable slot of %zu bytes", fn, L->slot_bytes);
-        goto fail;
-      }
-      s->host = p;
-    }
-    if (L->device) {
-      st = pm_device_alloc(L->slot_bytes, (void **)&s->dev);
-      for (uint32_t e = 0; e < 2 * L->max_parts && st == PM_OK; e++)
-        st = pm_event_create(PM_EVENT_TIMING, &s->ev_copy[e]);
-      if (st == PM_OK) st = pm_event_create(PM_EVENT_DEFAULT, &s->ev_release);
-      if (st != PM_OK) {
-        pm__wrap_error(st, "%s: device buffer %d of %d (%zu bytes each)", fn, i + 1, L->nslots,
-                       L->slot_bytes);
-        goto fail;
-      }
-    }
-    for (int k = 0; k < L->nfields; k++) {
-      pm_batch_field_t *f = &s->bf[k];
-      const pm_field_t *fi = &L->finfo[k];
-      f->host = s->host + L->foff[k];
-      f->data = L->device ? (void *)(s->dev + L->foff[k]) : f->host;
-      f->bytes_per_sample = L->fbytes[k];
-      f->ndim = 1 + fi->ndim;
-      memcpy(f->shape + 1, fi->shape, sizeof(uint64_t) * (size_t)fi->ndim);
-      f->info = fi;
     }
   }
   L->st.batches_per_epoch = bpe;
@@ -519,6 +533,10 @@ pm_status_t pm_loader_destroy(pm_loader_t *loader) {
 
   pm_dataset_t *ds = L->ds;
   stop_workers(L);
+  /* A pm_loader_next of another thread leaves (it sees stop) before anything goes. */
+  pthread_mutex_lock(&L->mu);
+  while (L->in_next) pthread_cond_wait(&L->ready_cv, &L->mu);
+  pthread_mutex_unlock(&L->mu);
   if (L->copy_stream) (void)pm_stream_synchronize(L->copy_stream);
   atomic_fetch_sub(&ds->users, 1);
 

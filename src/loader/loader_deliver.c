@@ -9,6 +9,7 @@
  */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "loader_internal.h"
@@ -30,6 +31,7 @@ static pm_status_t next_fail_locked(pm_loader_t *L, pm_status_t st, const char *
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   L->in_next = false;
+  pthread_cond_broadcast(&L->ready_cv); /* pm_loader_destroy waits for in_next to clear */
   pthread_mutex_unlock(&L->mu);
   return pm__set_error(st, "pm_loader_next: %s", msg);
 }
@@ -63,11 +65,53 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
   bool waited = false;
   double tw = 0;
   for (;;) {
+    /* Destroyed by another thread while this call waited: leave before the loader goes. */
+    if (L->stop) return next_fail_locked(L, PM_ERR_STATE, "the loader was destroyed");
     if (L->err_g <= g) return next_fail_locked(L, L->err, "%s", L->err_msg);
     if (s->state == SLOT_READY && s->seq == g) break;
     if (s->state == SLOT_HELD && s->seq < g) {
       /* Batch g reuses the slot of a batch the caller still holds: waiting would never end. */
       uint64_t old = s->seq;
+      char why[256] = "";
+      if (L->cfg.lease_slots) {
+        /* The held batch keeps its memory (an orphan, freed by its release); the ring takes a
+         * new slot from the pool. Allocation is backend work: outside mu. */
+        pthread_mutex_unlock(&L->mu);
+        slot_t fresh;
+        pm_status_t ast = pm__loader_alloc_slot(L, &fresh);
+        if (ast != PM_OK) snprintf(why, sizeof why, "%s", pm_last_error());
+        orphan_t *o = ast == PM_OK ? malloc(sizeof *o) : NULL;
+        pthread_mutex_lock(&L->mu);
+        if (o && s->state == SLOT_HELD && s->seq == old && !L->stop) {
+          o->s = *s;
+          o->next = L->orphans;
+          L->orphans = o;
+          *s = fresh;
+          pthread_cond_broadcast(&L->work_cv); /* workers may open it now */
+          continue;
+        }
+        if (ast == PM_OK) {
+          /* Released meanwhile (or no memory for the record): the ring slot is usable again
+           * or the caller hears of it; the new slot goes back. */
+          pthread_mutex_unlock(&L->mu);
+          free(o);
+          pm__loader_free_slot(L, &fresh);
+          pthread_mutex_lock(&L->mu);
+          if (o) continue;
+          snprintf(why, sizeof why, "no memory for a lease record");
+        } else {
+          pthread_mutex_unlock(&L->mu);
+          pm__loader_free_slot(L, &fresh);
+          pthread_mutex_lock(&L->mu);
+        }
+      }
+      if (why[0])
+        return next_fail_locked(L, PM_ERR_BUSY,
+                                "the next batch needs the slot of batch %llu of epoch %llu, which "
+                                "the caller still holds, and no other slot could be taken: %s "
+                                "(release batches, or raise the budget)",
+                                (unsigned long long)(old % L->sampler.batches),
+                                (unsigned long long)(old / L->sampler.batches), why);
       return next_fail_locked(L, PM_ERR_BUSY,
                               "the next batch needs the slot of batch %llu of epoch %llu, which "
                               "the caller still holds (%d slots: release batches in time, or "
@@ -98,6 +142,7 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
       L->held--;
       L->deliver_g = g;
       L->in_next = false;
+      pthread_cond_broadcast(&L->ready_cv);
       pm__loader_set_error_locked(L, g, st, msg);
       pthread_mutex_unlock(&L->mu);
       return pm__set_error(st, "%s: %s", fn, msg);
@@ -141,6 +186,7 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
 
   pthread_mutex_lock(&L->mu);
   L->in_next = false;
+  pthread_cond_broadcast(&L->ready_cv);
   L->st.batches++;
   L->st.samples += s->rows;
   L->st.bytes += bytes;
@@ -170,11 +216,32 @@ static pm_status_t batch_slot(const char *fn, const pm_batch_t *b, slot_t **s_ou
   return PM_OK;
 }
 
+/* The slot a delivered batch holds: its ring slot, or the orphan that kept it when the ring
+ * took a new slot (lease_slots). Called with mu held. */
+static slot_t *held_slot_locked(pm_loader_t *L, slot_t *ring, uint64_t seq) {
+  if (ring->seq == seq && (ring->state == SLOT_HELD || ring->state == SLOT_RELEASING)) return ring;
+  for (orphan_t *o = L->orphans; o; o = o->next)
+    if (o->s.seq == seq) return &o->s;
+  return ring;
+}
+
+/* Unlink and return the orphan record of slot s, or NULL for a ring slot. Called with mu. */
+static orphan_t *take_orphan_locked(pm_loader_t *L, slot_t *s) {
+  for (orphan_t **p = &L->orphans; *p; p = &(*p)->next)
+    if (&(*p)->s == s) {
+      orphan_t *o = *p;
+      *p = o->next;
+      return o;
+    }
+  return NULL;
+}
+
 pm_status_t pm_batch_wait_stream(const pm_batch_t *batch, pm_stream_t stream) {
   const char *fn = "pm_batch_wait_stream";
   slot_t *s = NULL;
   pm_status_t st = batch_slot(fn, batch, &s);
   if (st != PM_OK) return st;
+  (void)s;
   if (!batch->event) return PM_OK; /* host delivery: the data is in place already */
   st = pm_stream_wait_event(stream, batch->event);
   if (st != PM_OK) return pm__wrap_error(st, "%s", fn);
@@ -189,6 +256,7 @@ pm_status_t pm_batch_release(pm_batch_t *batch, pm_stream_t stream) {
   pm_loader_t *L = batch->internal.loader;
 
   pthread_mutex_lock(&L->mu);
+  s = held_slot_locked(L, s, batch->internal.seq);
   if (s->state != SLOT_HELD || s->seq != batch->internal.seq) {
     pthread_mutex_unlock(&L->mu);
     return pm__set_error(PM_ERR_INVALID,
@@ -221,12 +289,16 @@ pm_status_t pm_batch_release(pm_batch_t *batch, pm_stream_t stream) {
     }
   }
   pthread_mutex_lock(&L->mu);
-  if (L->destroyed) {
-    /* The loader is gone: free this slot (once the stream is past it), and the loader with
-     * the last one. held drops only after the free, so the loader outlives it. */
+  orphan_t *orphan = take_orphan_locked(L, s);
+  if (L->destroyed || orphan) {
+    /* The loader is gone, or the ring replaced this slot: free it (once the stream is past
+     * it), and a destroyed loader with its last slot. held drops only after the free, so the
+     * loader outlives it. */
     s->state = SLOT_GONE;
+    if (orphan) L->st.copy_seconds += copy_t;
     pthread_mutex_unlock(&L->mu);
     pm__loader_free_slot(L, s);
+    free(orphan);
     pthread_mutex_lock(&L->mu);
     L->held--;
     bool last = L->held == 0 && L->torn_down;

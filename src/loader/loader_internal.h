@@ -45,6 +45,12 @@ typedef struct slot {
   pm_event_t ev_release;
 } slot_t;
 
+/* A slot a held batch keeps after the ring took a new one in its place (lease_slots). */
+typedef struct orphan {
+  slot_t s;
+  struct orphan *next;
+} orphan_t;
+
 struct pm_loader_s {
   unsigned magic;
   pm_dataset_t *ds;
@@ -61,6 +67,8 @@ struct pm_loader_s {
   bool rows_reads; /* the dataset reads runs of rows: one read_rows call per claim */
   bool ordered;    /* cfg.ordered_workers: claim k goes to worker k % nworkers */
   slot_t *slots;
+  uint64_t rows_max; /* rows of a slot */
+  orphan_t *orphans; /* guarded by mu: held batches whose slot the ring replaced */
   pthread_t *threads;
   worker_arg_t *wargs;
   pm_stream_t copy_stream;
@@ -111,6 +119,8 @@ void *pm__loader_worker_main(void *arg);
 
 /* Free a slot's buffers and events (after the consumer's stream is past its release). */
 void pm__loader_free_slot(pm_loader_t *L, slot_t *s);
+/* A new FREE slot's buffers, events and field table (backend calls: not under mu). */
+pm_status_t pm__loader_alloc_slot(pm_loader_t *L, slot_t *s);
 /* The last of a loader: stop the workers, free the slots, the stream, the locks, the handle. */
 void pm__loader_free(pm_loader_t *L);
 /* PM_OK for a live loader not yet destroyed; else an error naming fn. */

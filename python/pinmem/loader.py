@@ -1,0 +1,1132 @@
+"""DESIGN: pinmem.Loader, the data loader's Python side.
+
+The C loader (src/loader/) fills pinned batch slots on its threads and copies each slot to the
+device; this module picks the C dataset for what the user passed (.npy files, arrays, a
+map-style Python dataset read on threads or by worker processes, see _workers.py), shapes the
+delivered slots into the sample's structure, and keeps the epoch, sampler and resume logic
+around the C loader.
+"""
+
+import atexit as _atexit
+import numbers as _numbers
+import operator as _operator
+import os as _os
+import re as _re
+import threading as _threading
+from time import perf_counter as _perf_counter
+
+from . import _pinmem
+from . import _dtype_name
+from ._pinmem import BusyError, Error, InvalidError  # noqa: F401
+
+import weakref as _weakref
+
+_live_loaders = _weakref.WeakSet()
+
+
+@_atexit.register
+def _close_loaders():
+    # Stop worker threads before the interpreter goes (Python datasets call into it).
+    for loader in list(_live_loaders):
+        try:
+            loader.close()
+        except Error:
+            pass
+
+
+class NpyDataset:
+    """Samples along axis 0 of one or more .npy files (same sample shape and dtype), read by
+    pinmem's worker threads straight into pinned batch slots.
+
+    io: 'pread' (default), 'mmap', or 'direct' (O_DIRECT, for data larger than RAM).
+    dtype: None (any) or the dtype every file must have ('<f4', 'u1').
+    """
+
+    def __init__(self, paths, io="pread", dtype=None):
+        if isinstance(paths, (str, _os.PathLike)):
+            paths = [paths]
+        self.paths = [_os.fspath(p) for p in paths]
+        self.io = io
+        self.dtype = None if dtype is None else _dtype_name(dtype)
+
+    def _open(self):
+        return _pinmem._dataset_npy(self.paths, self.io, self.dtype)
+
+
+class TokenDataset:
+    """A raw file of uint16 (token_bytes=2) or uint32 tokens, such as nanoGPT's train.bin.
+    Sample i is a window of seq_len + 1 tokens, delivered as (inputs, targets): targets are the
+    inputs shifted by one. random=True draws new window starts every epoch from (seed, epoch)."""
+
+    def __init__(self, path, seq_len, token_bytes=2, random=True, stride=0, windows=0, seed=0,
+                 io="pread"):
+        self.args = (_os.fspath(path), seq_len)
+        self.kwargs = dict(token_bytes=token_bytes, random=random, stride=stride,
+                           windows=windows, seed=seed, io=io)
+
+    def _open(self):
+        return _pinmem._dataset_tokens(*self.args, **self.kwargs)
+
+
+def _as_array(a):
+    """An in-memory C-contiguous NumPy array (shares memory where it can)."""
+    import numpy
+    if type(a).__module__.startswith("torch"):
+        a = a.detach()
+        if a.device.type != "cpu":
+            raise InvalidError("PM_ERR_INVALID: pinmem.Loader reads CPU tensors; this one is on "
+                               f"{a.device}")
+        a = a.contiguous().numpy()
+    elif not hasattr(type(a), "__array_interface__") and hasattr(type(a), "__dlpack__"):
+        try:
+            memoryview(a).release()
+        except TypeError:
+            a = numpy.from_dlpack(a)
+    return numpy.ascontiguousarray(a)
+
+
+def _descr_text(dtype, what):
+    """NumPy's descr of a dtype as text ('<f4', '>i8', '<U10', "[('a', '<i4')]"), refusing
+    dtypes without fixed-size bytes (objects: their bytes are pointers)."""
+    import numpy
+    if dtype.hasobject:
+        raise InvalidError(f"PM_ERR_INVALID: {what} has dtype {dtype}, which holds Python "
+                           "objects (pointers): pinmem.Loader delivers fixed-size numbers and "
+                           "records only")
+    if dtype.itemsize == 0:
+        raise InvalidError(f"PM_ERR_INVALID: {what} has dtype {dtype}, which has no fixed size")
+    d = numpy.lib.format.dtype_to_descr(dtype)
+    return d if isinstance(d, str) else repr(d)
+
+
+def _dtype_from_descr(text):
+    """The NumPy dtype a field's descr text names (structured types as .npy headers write them)."""
+    import numpy
+    if text.startswith("["):
+        import ast
+        return numpy.lib.format.descr_to_dtype(ast.literal_eval(text))
+    return numpy.dtype(text)
+
+
+def _python_dataset(dataset):
+    """One C dataset over a map-style Python dataset read on pinmem's threads (through the
+    GIL): dataset[i] is called once per sample (plus once for sample 0 to learn its structure),
+    for all its fields, so random augmentation stays consistent across them.
+    -> (C dataset, the samples' Schema)."""
+    import numpy
+    from . import _workers
+    n = len(dataset)
+    if n == 0:
+        raise InvalidError("PM_ERR_INVALID: the dataset is empty")
+    try:
+        first = dataset[0]
+    except StopIteration as e:
+        raise _stop_iteration_error(0, e) from e
+    schema = _workers.describe(first, 0)
+    contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
+
+    def fetch(i):
+        try:
+            sample = dataset[i]
+        except StopIteration as e:
+            raise _stop_iteration_error(i, e) from e
+        return [contiguous(a) for a in checked(schema, sample, i, numpy)]
+
+    return _pinmem._dataset_python(fetch, n, schema.specs()), schema
+
+
+class _FlatBatches:
+    """A batch_sampler's batches as one run of indices: each batch `size` indices, but the last
+    (pinmem.Loader fills batches of one size)."""
+
+    def __init__(self, batch_sampler, size):
+        self.batch_sampler, self.size = batch_sampler, size
+        self._name = f"batch_sampler {type(batch_sampler).__name__}"
+
+    def __len__(self):
+        return len(self.batch_sampler) * self.size
+
+    def __iter__(self):
+        batches = [list(b) for b in self.batch_sampler]
+        for k, b in enumerate(batches):
+            if len(b) != self.size and not (k == len(batches) - 1 and 0 < len(b) < self.size):
+                raise InvalidError(f"PM_ERR_INVALID: the {self._name} gave batch {k} of "
+                                   f"{len(b)} indices: pinmem.Loader fills batches of its "
+                                   f"batch_size ({self.size}), a shorter one only last; for "
+                                   "batches of varying size keep torch's DataLoader")
+        return (i for b in batches for i in b)
+
+
+def _sampler_order(sampler, n):
+    """The sampler's indices for one epoch as an array('Q'): ints (Python, NumPy, 0-d integer
+    tensors) in 0..n-1; anything else refused naming the sampler and the position."""
+    import array
+    order = array.array("Q")
+    name = getattr(sampler, "_name", type(sampler).__name__)
+    for k, i in enumerate(sampler):
+        if isinstance(i, bool) or not hasattr(type(i), "__index__"):
+            raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded {i!r} "
+                               f"({type(i).__name__}) at position {k}: indices are ints")
+        try:
+            v = _operator.index(i)
+        except TypeError:
+            raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded {i!r} at position "
+                               f"{k}: indices are ints") from None
+        if not 0 <= v < n:
+            raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded {v} at position "
+                               f"{k}: the dataset has indices 0..{n - 1}")
+        order.append(v)
+    if len(order) == 0:
+        raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded no indices")
+    return order
+
+
+def _stop_iteration_error(index, e):
+    """StopIteration out of dataset[i] would end the caller's loop quietly (PEP 479's case)."""
+    return RuntimeError(f"dataset[{index}] raised StopIteration ({e!r}): a dataset's __getitem__ "
+                        "must not raise StopIteration; raise IndexError past the end")
+
+
+def _is_path(x):
+    return isinstance(x, (str, _os.PathLike))
+
+
+def _is_torch_tensor(x):
+    t = type(x)
+    return t.__module__.startswith("torch") and any(
+        c.__name__ == "Tensor" and c.__module__.startswith("torch") for c in t.__mro__)
+
+
+def _is_array(x):
+    """An array by what it is (the buffer protocol, __array_interface__, __dlpack__, a torch
+    tensor), never by duck attributes such as `shape`, which datasets have too."""
+    if isinstance(x, (bytes, bytearray, memoryview)) or _is_torch_tensor(x):
+        return True
+    t = type(x)
+    if hasattr(t, "__array_interface__") or hasattr(t, "__dlpack__"):
+        return True
+    try:
+        memoryview(x).release()
+    except TypeError:
+        return False
+    return True
+
+
+def _tensor_dataset_fields(dataset):
+    """The tensors of a torch TensorDataset that reads them as TensorDataset does (its own
+    __getitem__), else None: a subclass with its own __getitem__ (a transform) goes through it."""
+    t = type(dataset)
+    base = next((c for c in t.__mro__ if c.__name__ == "TensorDataset" and
+                 c.__module__.startswith("torch.utils.data")), None)
+    if base is None or t.__getitem__ is not base.__getitem__:
+        return None
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(tensors, (list, tuple)) and len(tensors) > 0 and \
+            all(_is_array(a) for a in tensors):
+        return tuple(tensors)
+    return None
+
+
+def _open_arrays(arrays):
+    arrays = [_as_array(a) for a in arrays]
+    if any(a.ndim > 0 and len(a) > 0 and a.size == 0 for a in arrays):
+        raise InvalidError("PM_ERR_INVALID: an array dataset's samples are empty (shape "
+                           f"{[a.shape for a in arrays]}): a batch row needs at least one "
+                           "element per field")
+    if any(a.ndim == 0 or len(a) == 0 for a in arrays):
+        raise InvalidError("PM_ERR_INVALID: an array dataset needs at least one sample along "
+                           "axis 0")
+    n = {len(a) for a in arrays}
+    if len(n) != 1:
+        raise InvalidError("PM_ERR_INVALID: the arrays of a dataset need the same length "
+                           f"(got {sorted(n)})")
+    import numpy
+    specs = [(a.shape[1:], _descr_text(a.dtype, f"field {k}"), a.dtype.itemsize)
+             for k, a in enumerate(arrays)]
+    # Samples travel as bytes (NumPy cannot export every dtype through the buffer protocol:
+    # datetimes); the spec says what they are.
+    rows = [a.reshape(len(a), -1).view(numpy.uint8) for a in arrays]
+    return _pinmem._dataset_arrays(rows, specs)
+
+
+def _open_part(x, io):
+    """One element of a tuple dataset: a path, an NpyDataset/TokenDataset or an array."""
+    if isinstance(x, (NpyDataset, TokenDataset)):
+        return x._open()
+    if _is_path(x):
+        return NpyDataset(x, io=io or "pread")._open()
+    if _is_array(x):
+        return _open_arrays([x])
+    raise TypeError(f"pinmem.Loader: a tuple dataset holds arrays, .npy paths, NpyDataset or "
+                    f"TokenDataset objects, not {type(x).__name__}")
+
+
+def _is_python_dataset(dataset):
+    """A map-style Python dataset (dataset[i], len(dataset)) rather than arrays or files."""
+    if isinstance(dataset, (NpyDataset, TokenDataset, tuple)) or _is_path(dataset) or \
+            _is_array(dataset):
+        return False
+    if isinstance(dataset, list) and dataset and all(_is_path(p) for p in dataset):
+        return False
+    if _tensor_dataset_fields(dataset) is not None:
+        return False
+    return hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+
+
+def _open_dataset(dataset, io):
+    """-> (one C dataset holding every field; whether batches are tuples)."""
+    if isinstance(dataset, NpyDataset):
+        return dataset._open(), False
+    if isinstance(dataset, TokenDataset):
+        return dataset._open(), True
+    if _is_path(dataset):
+        return NpyDataset(dataset, io=io or "pread")._open(), False
+    if isinstance(dataset, list) and dataset and all(_is_path(p) for p in dataset):
+        return NpyDataset(dataset, io=io or "pread")._open(), False  # files one after another
+    tensors = _tensor_dataset_fields(dataset)  # torch.utils.data.TensorDataset
+    if tensors is not None:
+        dataset = tensors
+    if isinstance(dataset, tuple) and dataset:
+        if all(_is_array(a) for a in dataset):
+            return _open_arrays(dataset), True  # one dataset, read without the GIL
+        return _pinmem._dataset_zip([_open_part(x, io) for x in dataset]), True
+    if _is_array(dataset):
+        return _open_arrays([dataset]), False
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return _python_dataset(dataset)  # (dataset, Schema)
+    raise TypeError("pinmem.Loader: the dataset must be .npy path(s), an NpyDataset or "
+                    "TokenDataset, an array or tuple of arrays (NumPy, torch CPU tensors, "
+                    "TensorDataset), a tuple of .npy paths (one field each), or a map-style "
+                    "dataset with __getitem__ and __len__")
+
+
+_MAX_LOADER_THREADS = 256  # the C loader's limit on its worker threads (PM__LOADER_MAX_WORKERS)
+# Timeouts from here up mean no limit (the C side counts milliseconds in an int).
+_TIMEOUT_NO_LIMIT = 2e6
+_CUDA_DEVICE = _re.compile(r"cuda(?::([0-9]+))?\Z", _re.ASCII)
+
+
+def _int_arg(name, value, lo=None, hi=None, none_ok=False):
+    """value as an int, refusing floats, strings and bools (never truncated), within lo..hi."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise InvalidError(f"PM_ERR_INVALID: {name} must be an int"
+                           f"{' or None' if none_ok else ''}, not {value!r}")
+    v = _operator.index(value)
+    if lo is not None and v < lo or hi is not None and v > hi:
+        rule = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise InvalidError(f"PM_ERR_INVALID: {name} must be {rule}, not {v}")
+    return v
+
+
+def _timeout_arg(timeout):
+    """Seconds as a float; 0 (no limit) for inf and for limits of _TIMEOUT_NO_LIMIT and more."""
+    if isinstance(timeout, bool) or not isinstance(timeout, _numbers.Real):
+        raise InvalidError(f"PM_ERR_INVALID: timeout must be a number of seconds >= 0 (0: no "
+                           f"limit), not {timeout!r}")
+    t = float(timeout)
+    if t != t or t < 0:
+        raise InvalidError(f"PM_ERR_INVALID: timeout must be a number of seconds >= 0 (0 or inf:"
+                           f" no limit), not {timeout!r}")
+    return 0.0 if t >= _TIMEOUT_NO_LIMIT else t
+
+
+def _device_arg(device):
+    """-> (batches on the device, device index or None) for None, 'cuda', 'cuda:k', 'cpu', an
+    int k (cuda:k) or a torch.device."""
+    if type(device).__module__ == "torch" and type(device).__name__ == "device":
+        kind, index = device.type, device.index
+        if kind == "cpu":
+            return False, None
+        if kind == "cuda":
+            return True, index
+        device = str(device)
+    elif not isinstance(device, (str, bool)) and device is not None and \
+            hasattr(type(device), "__index__"):
+        k = _operator.index(device)
+        if k < 0:
+            raise InvalidError(f"PM_ERR_INVALID: device={k} must be >= 0 (a device index)")
+        return True, k
+    if device in (None, "cuda", "device"):
+        return True, None
+    if device in ("cpu", "host"):
+        return False, None
+    m = _CUDA_DEVICE.match(device) if isinstance(device, str) else None
+    if m is None:
+        raise InvalidError(f"PM_ERR_INVALID: device must be None, 'cuda', 'cuda:<index>', 'cpu', "
+                           f"an int or a torch.device, not {device!r}")
+    return True, int(m.group(1))
+
+
+class Batch(tuple):
+    """The arrays of one batch, one per field (token datasets: inputs, targets), each a
+    pinmem.Buffer exporting DLPack: on the device by default (kDLCUDA, with stream ordering:
+    torch.from_dlpack / __dlpack__(stream=s) makes s wait for the batch's copy, nobody blocks),
+    or in host memory (device='cpu'). Attributes: epoch, index (within the epoch) and indices
+    (the dataset index of each row). All fields come from one slot of the loader, copied by one
+    copy; the slot goes back to the loader once every array and every DLPack tensor made from
+    it is gone (after the work queued on the consumer's stream), also after the loader was
+    closed."""
+
+    @property
+    def indices(self):
+        """The dataset index of each row (with a sampler: the index the sampler gave)."""
+        import array
+        a = array.array("Q")
+        a.frombytes(self._indices)
+        order = self.__dict__.get("_order")
+        if order is not None:  # rows of a selection: position k in the sampler's order
+            a = array.array("Q", [order[k] for k in a])
+        return a
+
+
+_pinmem._set_batch_class(Batch)
+
+
+class _EpochIterator:
+    """The batches of one epoch. An iterator object rather than a generator: a generator keeps
+    the batch it last yielded in its frame, and on some Python versions (3.12) even close()
+    does not let it go, which would keep the batch's slot from the loader. This object holds
+    nothing between calls: the caller owns each batch outright."""
+
+    __slots__ = ("_loader", "_mode", "_convert", "_done", "_begun")
+
+    def __init__(self, loader, mode, convert=None):
+        self._loader = loader
+        self._mode = mode
+        self._convert = convert
+        if loader._closed:
+            _closed()
+        self._done = False
+        self._begun = False  # the epoch begins at the first next(), where its errors belong
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        loader = self._loader
+        t0 = _perf_counter()
+        try:
+            if not self._begun:
+                # As torch: each iterator is a new epoch (a loop after a `break` starts the
+                # next one).
+                self._begun = True
+                if not loader._begin_epoch():
+                    self._done = True
+                    raise StopIteration
+            b = loader._next()
+            if b is None:
+                self._done = True
+                raise StopIteration
+            if b.index + 1 >= loader._bpe:
+                self._done = True  # the epoch ends with this batch
+            if self._mode == "batch":
+                return b
+            if self._mode == "torch":
+                t1 = _perf_counter()
+                t = tuple(map(self._convert, b))
+                del b
+                loader._conversion_s += _perf_counter() - t1
+                return loader._shape(t)
+            return loader._shape(b)
+        finally:
+            # Everything the loop waited for here, so stats() can tell next() from the rest.
+            loader._iteration_s += _perf_counter() - t0
+
+    def close(self):
+        """Stop early (as generator.close() does); the next iterator starts the next epoch."""
+        self._done = True
+
+
+# The fields of a state_dict and their ranges (those of pm_loader_state_t).
+_U32, _U64, _I32 = (0, (1 << 32) - 1), (0, (1 << 64) - 1), (-(1 << 31), (1 << 31) - 1)
+_STATE_KEYS = dict(magic=_U32, flags=_U32, epoch=_U64, batch=_U64, seed=_U64, samples=_U64,
+                   batch_size=_U64, rank=_I32, world_size=_I32)
+
+
+def _closed():
+    _pinmem._raise(_pinmem.PM_ERR_STATE, "the loader was closed")
+
+
+def _closed_error():
+    try:
+        _closed()
+    except Error as e:
+        return e
+
+
+class Loader:
+    """Batches of a dataset, read by workers straight into pinned slots and copied to the device
+    while the previous batch computes: DataLoader(pin_memory=True) plus
+    .to(device, non_blocking=True), without the second copy.
+
+    dataset: .npy path(s) (a list: files one after another) or an NpyDataset, a TokenDataset,
+    an array, or a tuple of fields: arrays (NumPy arrays, torch CPU tensors, a TensorDataset),
+    .npy paths, NpyDataset or TokenDataset objects (all read by pinmem's threads, without the
+    GIL); or a map-style Python dataset (dataset[i], len(dataset)): with num_workers > 0 its
+    samples are read by that many worker processes, each writing its samples straight into the
+    shared pinned slot (worker_mode="process", the default; "thread" reads them on threads,
+    through the GIL: for datasets that release it). A sample is an array, a CPU tensor, a number,
+    or a tuple, list or dict of those; batches have the sample's structure (default_collate's).
+
+    The arguments are torch.utils.data.DataLoader's, in its order: batch_size, shuffle, sampler
+    (any iterable of indices with len(): its order is the order delivered), num_workers,
+    pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+    prefetch_factor (slots = prefetch_factor * max(1, num_workers)), persistent_workers. What
+    pinmem cannot honour is refused, never ignored: batch_sampler, and a collate_fn other than
+    default_collate (do per-sample work in the dataset). Also: seed (shuffle order and worker
+    seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
+    device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
+    DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
+
+    Iterating yields one epoch's batches (tuple samples as lists, as default_collate);
+    batches() yields flat Batch objects (one array per field) with epoch/index/indices. As
+    torch's DataLoader, each new iterator is a new epoch (a loop after `break` starts the next
+    one), except the first after construction or load_state_dict(), which starts where the
+    loader stands; an exception in dataset[i] is raised at its batch and the next next() gives
+    the batch after it. Keep at most `prefetch` batches alive at once while iterating
+    (pinmem.BusyError otherwise). docs/pytorch.md has every argument and difference.
+    close() (and `with`, and interpreter exit) never fails because batches are alive: it stops
+    the workers, and each slot still held returns to the pool when its batch goes.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=True, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                 in_order=True, seed=None, device=None, epochs=None, rank=None,
+                 world_size=None, io=None, worker_mode=None):
+        self._c = None
+        self._pool = None
+        self._base = None
+        self._closed = False
+        self._order = None  # a sampler's indices for the epoch (Batch.indices maps through it)
+        self._resume_pending = True  # the first iterator starts where the loader stands
+        self._skip = None  # (epoch, batch) after a batch whose dataset read raised
+        self._past_end = False  # every epoch was delivered
+        self._failed = None  # the error that left the loader unusable (a stuck worker)
+        # "cuda:k": the loader works on device k
+        to_device, self._device_index = _device_arg(device)
+        # batch_size=None (as torch): samples one at a time, without a batch axis: batches of
+        # one whose arrays the extension delivers without their first axis.
+        unbatched = batch_size is None and batch_sampler is None
+        if unbatched:
+            if drop_last:
+                raise InvalidError("PM_ERR_INVALID: batch_size=None option is mutually "
+                                   "exclusive with drop_last (as in torch's DataLoader)")
+            batch_size = 1
+        batch_size = _int_arg("batch_size", batch_size, 1)
+        seed = _int_arg("seed", seed, -(1 << 63), (1 << 64) - 1, none_ok=True)
+        epochs = _int_arg("epochs", epochs, 1, none_ok=True)
+        if prefetch_factor is not None:
+            prefetch_factor = _int_arg("prefetch_factor", prefetch_factor, 1)
+        timeout = _timeout_arg(timeout)
+        if pin_memory_device not in ("", None) and not str(pin_memory_device).startswith("cuda"):
+            raise InvalidError(f"PM_ERR_INVALID: pin_memory_device={pin_memory_device!r}: pinmem "
+                               "pins for CUDA devices; leave it '' (or 'cuda')")
+        if any(c.__name__ == "IterableDataset" and c.__module__.startswith("torch.utils.data")
+               for c in type(dataset).__mro__):
+            raise InvalidError("PM_ERR_INVALID: an IterableDataset is not supported: "
+                               "pinmem.Loader's workers claim rows by index, in a fixed order; "
+                               "give it a map-style dataset (__getitem__ and __len__), or keep "
+                               "torch's DataLoader for streams")
+        user_batch_sampler = batch_sampler
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise InvalidError("PM_ERR_INVALID: batch_sampler option is mutually exclusive "
+                                   "with batch_size, shuffle, sampler, and drop_last (as in "
+                                   "torch's DataLoader)")
+            b = getattr(batch_sampler, "batch_size", None)
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1 or \
+                    not hasattr(batch_sampler, "__len__"):
+                raise InvalidError("PM_ERR_INVALID: batch_sampler: pinmem.Loader fills batches "
+                                   "of one size, so a batch_sampler needs len() and an int "
+                                   "batch_size attribute (torch's BatchSampler has both); for "
+                                   "batches of varying size keep torch's DataLoader")
+            # Its batches, flattened, are a sampler's order cut every batch_size indices
+            # (checked as each epoch starts: every batch that size, a shorter one only last).
+            batch_size, sampler = b, _FlatBatches(batch_sampler, b)
+        if collate_fn is not None and not _is_default_collate(collate_fn):
+            raise InvalidError("PM_ERR_INVALID: collate_fn is not supported: pinmem.Loader "
+                               "writes each sample straight into its row of the batch (the "
+                               "default_collate result); do per-sample work in the dataset's "
+                               "__getitem__, and per-batch work on the batch after the loader")
+        if sampler is not None and shuffle:
+            raise InvalidError("PM_ERR_INVALID: sampler and shuffle=True cannot go together "
+                               "(as in torch's DataLoader): the sampler decides the order")
+        if sampler is not None and not hasattr(sampler, "__len__"):
+            raise InvalidError("PM_ERR_INVALID: the sampler needs len() (the batches of an epoch "
+                               "are counted before it starts)")
+        if worker_mode not in (None, "process", "thread"):
+            raise InvalidError(f"PM_ERR_INVALID: worker_mode must be None, 'process' or "
+                               f"'thread', not {worker_mode!r}")
+        # None means "from the environment" (RANK, WORLD_SIZE, checked by the library); an
+        # explicit value must be valid, never silently replaced by the environment's.
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise InvalidError(f"PM_ERR_INVALID: rank must be None or an int >= 0, not {rank!r}")
+        if world_size is not None and (not isinstance(world_size, int) or
+                                       isinstance(world_size, bool) or world_size < 1):
+            raise InvalidError("PM_ERR_INVALID: world_size must be None or an int >= 1, not "
+                               f"{world_size!r}")
+        if seed is None:
+            seed = _seed_from(generator)
+        seed %= 1 << 64  # as torch's generators: a negative seed is its 64-bit pattern
+        nw = _int_arg("num_workers", num_workers, 0)
+        python_ds = _is_python_dataset(dataset)
+        procs = python_ds and nw > 0 and worker_mode in (None, "process")
+        # Checked before any process starts: each worker process is served by _PROCESS_DEPTH
+        # of the C loader's threads, which has at most 256.
+        limit = _MAX_LOADER_THREADS // (_PROCESS_DEPTH if procs else 1)
+        if nw > limit:
+            raise InvalidError(f"PM_ERR_INVALID: num_workers={nw} is more than pinmem.Loader's "
+                               f"{limit} " + (f"worker processes ({_MAX_LOADER_THREADS} loader "
+                                              f"threads, {_PROCESS_DEPTH} per process: "
+                                              "PINMEM_PROCESS_DEPTH)" if procs else
+                                              "worker threads"))
+        if worker_mode == "process" and not procs:
+            raise InvalidError("PM_ERR_INVALID: worker_mode='process' needs a map-style Python "
+                               "dataset and num_workers > 0 (arrays and files are read by "
+                               "pinmem's threads, without the GIL)")
+        self._schema = None
+        self._timeout = timeout
+        self._sampler = sampler
+        self._persistent = bool(persistent_workers)
+        self._epochs_total = epochs
+        self._base_seed = seed
+        self._mp = (dataset, nw, multiprocessing_context, worker_init_fn)
+        self._to_device = to_device
+        self._config = dict(
+            batch_size=batch_size, workers=nw,
+            prefetch=int(prefetch_factor) * max(1, nw) if prefetch_factor else 0,
+            shuffle=bool(shuffle), seed=self._base_seed, drop_last=bool(drop_last),
+            rank=-1 if rank is None else rank,
+            world_size=-1 if world_size is None else world_size,
+            # Worker processes write into shared slots, which are pinned whatever pin_memory
+            # says (pinned host memory serves every use pageable memory does).
+            pin_memory=bool(pin_memory) or procs, device=to_device,
+            # A batch stays valid as long as it is held: when the ring needs its slot, the ring
+            # takes another from the pool (within the budget) instead of refusing.
+            lease_slots=True, unbatched=unbatched,
+            epochs=0 if epochs is None else epochs)
+        if procs:
+            # One claim of rows per message; claims go to the workers in turn (reproducible),
+            # _PROCESS_DEPTH loader threads per process so each has its next claim queued.
+            self._config.update(workers=nw * _PROCESS_DEPTH, shared_slots=True,
+                                ordered_workers=True,
+                                claim_rows=max(1, min(_PROCESS_CLAIM, batch_size)))
+        if sampler is not None:
+            self._config.update(rank=0, world_size=1)  # the sampler shards, if anyone does
+        # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
+        # program's set_epoch), and workers that do not persist are started anew per epoch.
+        # With num_workers=0 (a Python dataset read on threads), as torch reads in the loop:
+        # nothing of the next epoch is read before the code between epochs has run.
+        self._per_epoch = sampler is not None or (procs and not self._persistent) or \
+            (python_ds and nw == 0)
+        # The attributes torch's DataLoader users read (loader.sampler.set_epoch(e), ...): the
+        # arguments as given. sampler is None when pinmem orders the samples itself (shuffle,
+        # seed and rank/world_size decide the order); batch_sampler is always None (refused).
+        self.dataset = dataset
+        self._batch_sampler = user_batch_sampler
+        self._unbatched = unbatched
+        # (None with a batch_sampler or batch_size=None, as torch)
+        self.batch_size = None if user_batch_sampler is not None or unbatched else batch_size
+        self.sampler = sampler if user_batch_sampler is None else \
+            getattr(user_batch_sampler, "sampler", None)
+        self.batch_sampler = user_batch_sampler
+        self.shuffle = bool(shuffle)
+        self.num_workers = nw
+        self.drop_last = bool(drop_last)
+        self.collate_fn = collate_fn
+        self.pin_memory = bool(pin_memory)
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.generator = generator
+        self.persistent_workers = self._persistent
+        self.prefetch_factor = prefetch_factor
+        self.seed = self._base_seed
+        self.device = "cpu" if not to_device else \
+            "cuda" if self._device_index is None else f"cuda:{self._device_index}"
+        self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
+        self._procs, self._io = procs, io
+        self._started = False
+        self._start_lock = _threading.Lock()
+        self._ds = None
+        if not python_ds:
+            # Arrays and files (no Python code per sample): opened, checked and started now.
+            self._open_base()
+            self._start()
+        _live_loaders.add(self)
+
+    # ---- the C loader of an epoch (per-epoch mode) or of every epoch ----
+
+    def _open_base(self):
+        """The C dataset of every field (worker processes started for a Python dataset, whose
+        sample 0 gives the structure): at construction for arrays and files, at the first
+        iteration for Python datasets (as torch's DataLoader reads nothing before)."""
+        if self._procs:
+            self._pool = self._start_pool(0)
+            try:
+                self._schema = self._pool.describe(0, self._timeout)
+                self._pool.set_schema(self._schema, self._timeout)
+                self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(),
+                                                    len(self.dataset), self._schema.specs(),
+                                                    self._timeout, _PROCESS_DEPTH)
+            except BaseException:
+                self._pool.stop()
+                self._pool.close()
+                raise
+            self._tuple = not self._schema.is_single()
+        else:
+            self._base, self._tuple = _open_dataset(self.dataset, self._io)
+            if not isinstance(self._tuple, bool):  # a Python dataset: its Schema
+                self._schema, self._tuple = self._tuple, not self._tuple.is_single()
+        fields = self._base.fields()
+        # Dtypes pinmem's buffers cannot express (big-endian, strings, records, datetimes)
+        # arrive as bytes and are viewed here with their real dtype: in host memory only.
+        self._odd = [(k, _dtype_from_descr(f["descr"]), f["shape"])
+                     for k, f in enumerate(fields) if not f["native"]]
+        if self._odd and self._to_device:
+            k, dt, _ = self._odd[0]
+            raise InvalidError(f"PM_ERR_INVALID: field {k} has dtype {dt} ({fields[k]['descr']}),"
+                               " which has no DLPack type for the device: use device='cpu', or "
+                               "store it as a native number type")
+        self._ds = self._base
+
+    def _start(self):
+        """Open what the constructor left for the first use: the dataset (Python datasets)
+        and the C loader, whose threads start reading. A failure leaves nothing running, and
+        the next use tries again (as a new DataLoader iterator would)."""
+        try:
+            if self._base is None:
+                self._open_base()
+            self._open_epoch(0, 0)
+        except BaseException:
+            c, self._c = self._c, None
+            pool, self._pool = self._pool, None
+            try:
+                if pool is not None and self._base is not None:
+                    _pinmem._procs_cancel(self._base)
+                if pool is not None:
+                    pool.stop()
+                if c is not None:
+                    c.close()
+            finally:
+                if pool is not None:
+                    pool.close()
+                if self._procs or self._schema is not None:
+                    self._base = self._ds = None
+            raise
+        self._started = True
+
+
+    def _start_pool(self, epoch):
+        from . import _workers
+        dataset, nw, ctx, init_fn = self._mp
+        seed = self._base_seed if epoch == 0 else _mix_seed(self._base_seed, epoch)
+        # The workers run on the CPUs of the loader's device's NUMA node, as pinmem's threads.
+        if not self._to_device:
+            dev = -1
+        elif self._device_index is not None:
+            dev = self._device_index
+        else:
+            dev = _pinmem.current_device()
+        cpus = _pinmem._numa_worker_cpus(dev)
+        return _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus)
+
+    def _on_device(self, make):
+        """make() with the loader's device current (device="cuda:k"): its stream, buffers and
+        threads belong to device k; the calling thread's device is restored."""
+        k = self._device_index
+        if k is None:
+            return make()
+        prev = _pinmem.current_device()
+        if prev != k:
+            _pinmem.set_device(k)
+        try:
+            return make()
+        finally:
+            if prev != k:
+                _pinmem.set_device(prev)
+
+    def _open_epoch(self, epoch, batch, resume=None, template=None):
+        """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch
+        mode) a loader for this epoch alone. template: the fields of the last epoch's state, for
+        an epoch that starts afresh (its sample count is this epoch's: a sampler's length and a
+        dataset's may change between epochs, as torch allows)."""
+        if self._closed:
+            _closed()
+        if self._per_epoch:
+            if self._pool is not None and not self._persistent and epoch > 0 and \
+                    self._pool.epoch != epoch:
+                self._swap_pool(epoch)
+            ds = self._base
+            self._order = None
+            if self._sampler is not None:
+                order = _sampler_order(self._sampler, self._base.info()["samples"])
+                ds = _pinmem._dataset_select(self._base, order)
+                self._order = order
+            self._ds = ds
+        if template is not None:
+            fields = dict(template, epoch=epoch, batch=batch,
+                          samples=self._ds.info()["samples"])
+            resume = _pinmem._loader_state_pack(**fields)
+        self._c = self._on_device(
+            lambda: _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch)))
+        # Batches per epoch of the loader now delivering: the iterators end the epoch by it.
+        self._bpe = self._c.stats()["batches_per_epoch"]
+        if self._pool is not None:
+            self._pool.epoch = epoch
+
+    def _retire(self, c):
+        """Destroy C loader c. Over worker processes, claims may still be out: cancel the
+        waits, let the processes finish what they were given (drain) and only then free the
+        slots they write into."""
+        if self._pool is not None and c is not None:
+            _pinmem._procs_cancel(self._base)
+            wait = self._timeout if self._timeout > 0 else 60.0
+            ok = _pinmem._procs_drain(self._base, wait)
+            c.close()
+            _pinmem._procs_reset(self._base)
+            if not ok:
+                alive = [w for w, a in enumerate(self._pool.alive()) if a]
+                self._failed = WorkerError(
+                    f"pinmem.Loader: a worker process (of workers {alive} still running) did not "
+                    f"finish its rows within {wait:g} s (timeout={self._timeout:g}) while the "
+                    "loader was stopping; the loader cannot go on: close() it and make a new "
+                    "one (raise timeout, or find what makes dataset[i] hang)")
+                raise self._failed
+        elif c is not None:
+            c.close()
+
+    def _swap_pool(self, epoch):
+        """New worker processes for `epoch` (persistent_workers=False)."""
+        c, self._c = self._c, None
+        self._retire(c)  # (already done at the end of an epoch)
+        old, self._pool = self._pool, None
+        old.stop()
+        old.close()
+        self._pool = self._start_pool(epoch)
+        self._pool.set_schema(self._schema, self._timeout)
+        self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), len(self.dataset),
+                                            self._schema.specs(), self._timeout, _PROCESS_DEPTH)
+        self._ds = self._base
+
+    def _shape(self, values):
+        """A batch's arrays in the sample's structure."""
+        if self._schema is not None:
+            return self._schema.rebuild(values)
+        # Fields of a tuple dataset as a list, as default_collate batches tuple samples.
+        return list(values) if self._tuple else values[0]
+
+    def _check(self):
+        """The C loader, or StateError (closed) / the error that stopped the loader."""
+        if self._closed:
+            _closed()
+        if self._failed is not None:
+            raise WorkerError(f"pinmem.Loader stopped after an earlier error: {self._failed}") \
+                from self._failed
+        if not self._started:
+            with self._start_lock:  # two threads at the first use start it once
+                if not self._started and not self._closed:
+                    self._start()
+        c = self._c
+        if c is None:
+            _closed()
+        return c
+
+    def _begin_epoch(self):
+        """Where a new iterator starts (False: every epoch was delivered). Right after the
+        loader was made or given a state_dict, its position; at the start of an epoch, there;
+        inside an epoch (an earlier loop stopped early), at the start of the next epoch, as
+        torch's DataLoader starts a new epoch at each iter()."""
+        c = self._check()
+        if self._resume_pending:
+            self._resume_pending = False
+            return True
+        st = _pinmem._loader_state_fields(c.state())
+        if st["batch"] == 0 and self._skip is None:
+            return True
+        return self._restart_at(st["epoch"] + 1, 0)
+
+    def _restart_at(self, epoch, batch):
+        """A new C loader delivering from (epoch, batch); False (and nothing changed) when that
+        is past the last epoch."""
+        self._skip = None
+        if self._epochs_total is not None and epoch >= self._epochs_total:
+            self._past_end = True
+            return False
+        c, self._c = self._c, None
+        st = _pinmem._loader_state_fields(c.state())
+        self._retire(c)  # batches still held keep their slots until they go
+        try:
+            self._open_epoch(epoch, batch, template=st)
+        except BaseException as e:
+            self._failed = e
+            raise
+        self._past_end = False
+        return True
+
+    def _next(self):
+        """The next Batch, or None once every epoch (or, after a batch that failed, the epoch)
+        was delivered."""
+        c = self._check()
+        if self._past_end:
+            return None
+        if self._skip is not None:
+            # The batch before failed (an exception in the dataset): as torch, the next call
+            # gives the batch after it.
+            epoch, batch = self._skip
+            if batch >= self._bpe:
+                self._restart_at(epoch + 1, 0)
+                return None  # (the failed batch was the epoch's last)
+            self._restart_at(epoch, batch)
+            c = self._c
+        try:
+            b = c.next()
+        except BaseException as e:
+            if self._closed:  # closed by another thread while this one waited
+                raise _closed_error() from e
+            if not isinstance(e, (Error, WorkerError)) or isinstance(e, InvalidError):
+                st = _pinmem._loader_state_fields(c.state())
+                self._skip = (st["epoch"], st["batch"] + 1)
+            if isinstance(e, BusyError) and "still holds" in e.message:
+                # Say it in the user's terms; the batch stays next (nothing skipped).
+                held = c.stats()["held"]
+                _pinmem._raise(_pinmem.PM_ERR_BUSY, f"{e.message}. pinmem.Loader: {held} "
+                               "batches are held and the pinned budget has no room for another "
+                               "slot: let go of batches you no longer need (or copy them out: "
+                               "x.clone(), numpy.array(x)), or raise the budget "
+                               "(pinmem.set_budget, PINMEM_BUDGET)")
+            raise
+        if self._closed:
+            b = None
+            _closed()
+        if b is None and self._per_epoch:
+            st = _pinmem._loader_state_fields(c.state())
+            nxt = st["epoch"]
+            if self._epochs_total is None or nxt < self._epochs_total:
+                self._c = None
+                self._retire(c)
+                self._open_epoch(nxt, 0, template=st)
+                b = self._c.next()
+        if b is not None and self._order is not None:
+            b._order = self._order
+        if b is not None and self._odd:
+            t0 = _perf_counter()
+            b = self._view_odd(b)
+            self._conversion_s += _perf_counter() - t0
+        return b
+
+    def _view_odd(self, b):
+        import numpy
+        arrays = list(b)
+        for k, dt, shape in self._odd:
+            arrays[k] = numpy.frombuffer(arrays[k], dtype=dt).reshape(
+                tuple(shape) if self._unbatched else (-1,) + tuple(shape))
+        nb = tuple.__new__(Batch, arrays)
+        nb.__dict__.update(b.__dict__)
+        return nb
+
+    def batches(self):
+        """Batch objects of one epoch (from the current position to the end of its epoch)."""
+        return _EpochIterator(self, "batch")
+
+    def __iter__(self):
+        return _EpochIterator(self, "plain")
+
+    def as_torch(self):
+        """Like iterating, but each array becomes a torch tensor (torch.from_dlpack: the
+        current torch stream waits for the batch's copy, without blocking the host)."""
+        import torch
+        return _EpochIterator(self, "torch", torch.from_dlpack)
+
+    def __len__(self):
+        """Batches per epoch (on this rank); with a sampler, of the sampler's next epoch (its
+        len() now, as torch's len(DataLoader))."""
+        c = self._check()
+        if self._batch_sampler is not None:
+            return len(self._batch_sampler)
+        if self._sampler is not None:
+            n, bs = len(self._sampler), self._config["batch_size"]
+            return n // bs if self._config["drop_last"] else -(-n // bs)
+        return c.stats()["batches_per_epoch"]
+
+    @property
+    def epoch(self):
+        """The epoch of the next batch."""
+        return self.state_dict()["epoch"]
+
+    def worker_pids(self):
+        """The process ids of the worker processes (empty without process workers)."""
+        return [] if self._pool is None else self._pool.pids()
+
+    def state_dict(self):
+        """Where the loader stands: the next batch it will deliver (plain ints: checkpoint it)."""
+        return _pinmem._loader_state_fields(self._check().state())
+
+    def load_state_dict(self, state):
+        """Continue from a state_dict(): the next batch delivered is the one it names. The
+        dataset, batch_size, shuffle, seed, drop_last and sharding must be the same (and a
+        sampler must give the same order for that epoch). A state that does not fit is refused
+        with the loader left as it was."""
+        self._check()
+        try:
+            values = {k: _int_arg(f"state_dict[{k!r}]", state[k], lo, hi)
+                      for k, (lo, hi) in _STATE_KEYS.items()}
+        except (KeyError, TypeError) as e:
+            raise InvalidError(f"PM_ERR_INVALID: not a loader state_dict ({e!r})") from None
+        packed = _pinmem._loader_state_pack(**values)
+        old = self._c.state()
+        # Check what the library would refuse before anything is closed.
+        cur = _pinmem._loader_state_fields(old)
+        shuffle = cur["flags"] & 1
+        for k in ("magic", "flags", "samples", "batch_size", "rank", "world_size") + \
+                (("seed",) if shuffle else ()):
+            if values[k] != cur[k]:
+                raise InvalidError(f"PM_ERR_INVALID: the state was saved with {k} {values[k]}, "
+                                   f"this loader has {cur[k]}: the order of the samples would "
+                                   "differ")
+        c, self._c = self._c, None
+        self._retire(c)  # batches still held keep their slots until they go (a stuck worker:
+        # the error, kept in self._failed)
+        try:
+            self._open_epoch(values["epoch"], values["batch"], resume=packed)
+        except BaseException:
+            self._c = self._on_device(lambda: _pinmem._Loader(
+                self._ds, resume=old, **self._epoch_config(cur["epoch"])))
+            raise
+        finally:
+            self._iteration_s = self._conversion_s = 0.0  # as the library's counters
+        self._resume_pending = True  # the next iterator starts here
+        self._skip = None
+        self._past_end = False
+
+    def _epoch_config(self, epoch):
+        """The C loader's configuration for a loader starting in `epoch` (per-epoch mode: that
+        epoch alone)."""
+        cfg = dict(self._config)
+        if self._per_epoch:
+            cfg["epochs"] = epoch + 1
+        return cfg
+
+    def stats(self):
+        """The loader's statistics (since it was created or last given a state_dict): the
+        library's counters (batches, stall_seconds: time next() waited for data, next_seconds:
+        all time inside the library's next(), read/copy seconds...) and where the rest of a
+        training loop's wait for its batches went: conversion_seconds (the batches' arrays made
+        into the caller's type: as_torch()'s torch.from_dlpack, views of odd dtypes),
+        iteration_seconds (all time inside the iterators' __next__: next(), conversion and the
+        glue) and glue_seconds (iteration less next() and conversion: Python's own work per
+        batch). With worker processes also `workers` ('process'), `worker_pids`,
+        `worker_numa_cpus` (the CPU ids the workers were put on, the NUMA node of the loader's
+        device; None: left where the scheduler puts them) and `worker_numa_refused` (workers that
+        could not move there and run elsewhere, e.g. a cpuset without those CPUs; the first one's
+        reason in `worker_numa_problem`, "" when none)."""
+        out = self._check().stats()
+        out["fields"] = len(self._ds.fields())
+        out["conversion_seconds"] = self._conversion_s
+        out["iteration_seconds"] = self._iteration_s
+        out["glue_seconds"] = max(0.0, self._iteration_s - out["next_seconds"] -
+                                  self._conversion_s)
+        out["workers"] = "process" if self._pool is not None else "thread"
+        out["worker_pids"] = self.worker_pids()
+        pool = self._pool
+        out["worker_numa_cpus"] = None if pool is None else pool.cpus
+        out["worker_numa_refused"] = 0 if pool is None else len(pool.numa_problems)
+        out["worker_numa_problem"] = "" if pool is None or not pool.numa_problems else \
+            pool.numa_problems[min(pool.numa_problems)]
+        return out
+
+    def close(self):
+        """Stop the workers and free the slots. Never fails because batches are still alive:
+        each of those returns its slot to the pool when it goes. Closing twice is harmless.
+        Worker processes are stopped and joined (terminated if they do not go within 5 s)."""
+        self._closed = True  # first: a thread inside next() sees it when its wait ends
+        c, self._c = self._c, None
+        pool, self._pool = self._pool, None
+        if pool is not None and self._base is not None:
+            _pinmem._procs_cancel(self._base)  # no thread waits for a worker any more
+            pool.stop()  # the processes are gone: nothing writes into the slots any more
+        try:
+            if c is not None:
+                c.close()
+        finally:
+            if pool is not None:
+                pool.close()
+                # The worker-process dataset holds an eventfd (and the sockets' numbers): let
+                # it go now rather than when the Loader object goes.
+                self._base = self._ds = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # A loader dropped without close(): its worker processes go with it, in the same
+        # order as close() (cancel the waits, stop the processes, then free the slots).
+        try:
+            if getattr(self, "_pool", None) is not None:
+                self.close()
+        except Exception:
+            pass
+
+
+def _int_option(name, default):
+    """An integer option of the library's table (its value in force: a malformed PINMEM_ value
+    is ignored there and the reason shown by pinmem.options() and `pinmem info`, never fatal)."""
+    try:
+        return int(_pinmem.get_option(name).split()[0])
+    except (Error, ValueError, IndexError):
+        return default
+
+
+# Loader threads per worker process (option process_depth, PINMEM_PROCESS_DEPTH): each
+# process has its next claim of rows queued while it works on one, so strictly ordered claims
+# never wait for the slowest process (see procs.c).
+_PROCESS_DEPTH = _int_option("process_depth", 2)
+# Rows per claim (process_claim, PINMEM_PROCESS_CLAIM; one message and one reply each):
+# small enough that a batch spreads over the processes and its copy starts early, large enough
+# that the messages cost nothing.
+_PROCESS_CLAIM = _int_option("process_claim", 8)
+
+
+def _is_default_collate(fn):
+    mod = getattr(fn, "__module__", "") or ""
+    return getattr(fn, "__name__", "") == "default_collate" and mod.startswith("torch.utils.data")
+
+
+def _seed_from(generator):
+    """A base seed as torch's DataLoader draws one: from `generator`, else from torch's default
+    generator (so torch.manual_seed decides the shuffle) when the program uses torch (torch is
+    imported: pinmem never imports it for NumPy users, a second or more); 0 otherwise."""
+    import sys
+    if generator is None and "torch" not in sys.modules:
+        return 0
+    import torch
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & \
+        ((1 << 63) - 1)
+
+
+def _mix_seed(seed, epoch):
+    """The workers' base seed for an epoch when they are started anew each epoch."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 1) & ((1 << 64) - 1)
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 29)) & ((1 << 62) - 1)
+
+
+def get_worker_info():
+    """Inside a worker process of a pinmem.Loader: its id, num_workers, seed and dataset (as
+    torch.utils.data.get_worker_info()) and cpus (the CPU ids NUMA placement put it on; None:
+    not moved); None in the main process."""
+    from . import _workers
+    return _workers.get_worker_info()
+
+
+from ._workers import WorkerError  # noqa: E402,F401  (re-exported by pinmem)
