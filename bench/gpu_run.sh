@@ -410,7 +410,7 @@ if step kv 60 && pyext; then
   has python || pytests kv 240 python/tests/test_kv.py
   # A paged attention layer's KV cache out to the block store and back: outputs bit for bit.
   run_to kv-example 120 "$OUT/kv-offload.txt" "$OUT/kv-offload.err" "$PY" python/examples/kv_offload.py
-  tail -5 "$OUT/kv-offload.txt" "$OUT/kv-offload.err"
+  tail -n 5 "$OUT/kv-offload.txt" "$OUT/kv-offload.err"
 fi
 if step kvpin 120 && pyext; then
   if [[ -n ${KV_PIN_ARENA:-} ]]; then
@@ -447,7 +447,7 @@ if step dcp 120 && pyext; then
   df -h "$CKPT_DIR" | tail -1
   run_to dcp 540 "$OUT/compare-dcp.jsonl" "$OUT/compare-dcp.err" \
     "$PY" bench/compare_dcp.py "${dcp_args[@]}" --dir "$CKPT_DIR" --json
-  tail -24 "$OUT/compare-dcp.err"
+  grep -v -E 'Warning|^  local_plan = ' "$OUT/compare-dcp.err" | tail -24
 fi
 
 if step safetensors 60; then
