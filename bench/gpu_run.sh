@@ -12,17 +12,19 @@
 #   offload_activations.py), dcp (test_dcp.py, compare_dcp.py), safetensors (test_files.py,
 #   test_safetensors.py, test_lazy_bits.py), loaderpy (test_loader_dataloader.py,
 #   test_loader_hostile.py). With `python` in the same run, the others leave their test files to it.
-# Default: all but sweep and python (the other steps' tests cover the suite's new files).
+# Default: all but sweep and python (the whole suite; the other Python steps run their own files).
+# The steps that run the pinmem tool (info alloc copy overlap sweep loader file blocks torch) need
+# `build` in the same run, or an earlier run's $BUILD.
 #
-# Calls of under ~9 minutes each on one H200, estimated from the scripts' sizes and earlier runs
+# Commands of under ~9 minutes each on one H200, estimated from the scripts' sizes and earlier runs
 # (build 1.5 with tests, 0.5 without; extension 1; tests 1; notoolkit 1.5; alloc 1; copy 2;
-# overlap 1; loader 2; file 1.5; blocks 3; kv 1; kvpin 4; offload 2.5; dcp 1 + 5.5;
-# safetensors 1; loaderpy 2; train 2; workers 7; python 4), in this order of need:
+# overlap 1; loader 2; file 1.5; blocks 3; kv 1; kvpin 2.5 at 32G, 4 at 64G; offload 2.5;
+# dcp 1 + 5; safetensors 1; loaderpy 2; train 2; workers 7; python 4), in this order of need:
 #   A  build tests info notoolkit alloc copy      ~7.5  the driver loaded at run time (C only)
 #   B  build blocks kv offload                    ~8    KV block store, activation offload
-#   C  dcp                                        ~7.5  DCP, 4 ranks, 8 GiB, files in $CKPT_DIR
-#   D  build loader file safetensors loaderpy     ~8
-#   E  train kvpin                                ~7
+#   C  dcp                                        ~7    DCP, 4 ranks, 8 GiB, files in $CKPT_DIR
+#   D  build loader safetensors loaderpy          ~6.5  the loader, safetensors on CUDA
+#   E  build file train kvpin                     ~7.5
 #   F  workers                                    ~8
 # B to F need .whl (bench/README.md, "GPU runs"). TIME_LIMIT_S (default 570) bounds the whole run:
 # each step's timeout is cut to what is left, a step that cannot start in time is skipped (SKIP in
@@ -32,10 +34,19 @@
 # there), WHEELS (.whl: wheels installed into WHEEL_SITE, default /tmp/site, for the Python steps),
 # DLPACK_INCLUDE_DIR (else .carry/dlpack/dlpack.h where carried, else apache-tvm-ffi's from
 # .whl), PINMEM_BACKEND (cuda; host: a dry run of the script on a machine without a GPU, with
-# small sizes), BLOCKS_ARENA (64G) and BLOCKS_BUDGET (100G), KV_PIN_ARENA (64G where RAM holds
-# twice that, else 48G: torch's pin_memory() row holds the pageable source and its pinned copy),
+# small sizes), BLOCKS_ARENA (64G) and BLOCKS_BUDGET (100G), KV_PIN_ARENA (64G with 150 GiB of
+# RAM or more, else 32G: torch's pin_memory() row holds the pageable source and its pinned copy),
 # DCP_ARGS (--device cuda --ranks 4 --size 8G), OFFLOAD_ARGS (--json), HANG_S, TEST_TIMEOUT.
 set -uo pipefail
+known="build tests info notoolkit alloc copy overlap sweep loader file blocks python torch train"
+known+=" workers files kv kvpin offload dcp safetensors loaderpy"
+default=${known/ sweep/}
+default=${default/ python/}
+STEPS=${*:-$default}
+tool_steps="info alloc copy overlap sweep loader file blocks torch" # these run ./$BUILD/pinmem
+for s in $STEPS; do
+  [[ " $known " == *" $s "* ]] || { echo "gpu_run.sh: unknown step '$s' (steps: $known)" >&2; exit 2; }
+done
 # Everything lands in $OUT/run and is packed into $OUT/gpu-run.tgz at exit (a remote machine may
 # hand back only a few files), with the JSON lines of the pinmem tool's benches and the summary
 # (one PASS/FAIL/SKIP line per step, then every TARGET line) also left beside it.
@@ -60,14 +71,6 @@ pack() {
 }
 trap pack EXIT
 BUILD=${BUILD:-build-gpu}
-known="build tests info notoolkit alloc copy overlap sweep loader file blocks python torch train"
-known+=" workers files kv kvpin offload dcp safetensors loaderpy"
-default=${known/ sweep/}
-default=${default/ python/}
-STEPS=${*:-$default}
-for s in $STEPS; do
-  [[ " $known " == *" $s "* ]] || { echo "gpu_run.sh: unknown step '$s' (steps: $known)" >&2; exit 2; }
-done
 TIME_LIMIT_S=${TIME_LIMIT_S:-570}
 CKPT_DIR=${CKPT_DIR:-$PWD}
 WHEELS=${WHEELS:-.whl}
@@ -97,6 +100,10 @@ limit() {
 # step NAME [MIN_SECONDS]: whether the step was asked for and has at least MIN_SECONDS left.
 step() {
   has "$1" || return 1
+  if [[ " $tool_steps " == *" $1 "* && ! -x ./$BUILD/pinmem ]]; then
+    result "$1" FAIL "no ./$BUILD/pinmem: the build step makes it"
+    return 1
+  fi
   if (($(limit 100000) < ${2:-60})); then
     result "$1" SKIP "$(limit 100000) s left of TIME_LIMIT_S=$TIME_LIMIT_S"
     return 1
@@ -417,10 +424,12 @@ if step kvpin 120 && pyext; then
     arena=$KV_PIN_ARENA
   elif ((dry)); then
     arena=64M
-  elif (($(awk '/^MemTotal:/ {print $2}' /proc/meminfo) >= 140 << 20)); then
+  elif (($(awk '/^MemTotal:/ {print $2}' /proc/meminfo) >= 150 << 20)); then
     arena=64G
   else
-    arena=48G # 2 x 64 GiB would not fit beside the rest in 128 GiB of RAM
+    # 2 x 64 GiB does not fit beside the rest in 128 GiB of RAM. A power of two, as torch's host
+    # allocator rounds each pinned block up to one (48G would pin 64 GiB for torch's rows).
+    arena=32G
   fi
   echo "kv_pin.py --arena $arena"
   run_to kvpin 400 "$OUT/kv-pin.jsonl" "$OUT/kv-pin.err" env PINMEM_BUDGET="${KV_PIN_BUDGET:-100G}" \
