@@ -202,7 +202,7 @@ pyext() { # pinmem's extension module in $BUILD-py on PYTHONPATH; 0 when it impo
 pytests() {
   local name=$1 secs=$2
   shift 2
-  timeout -s INT -k 30 "$(limit "$secs")" "$PY" -m pytest -v -rs -p no:cacheprovider \
+  timeout -s INT -k 30 "$(limit "$secs")" "$PY" -m pytest -v -rfEs -p no:cacheprovider \
     -o faulthandler_timeout="${PYTEST_HANG_S:-150}" "$@" >"$OUT/pytest-$name.log" 2>&1
   local rc=$?
   grep -E '^(SKIPPED|FAILED|ERROR)' "$OUT/pytest-$name.log" | head -20
@@ -234,11 +234,11 @@ if step build 90; then
 fi
 
 if step tests 120; then
-  # A test still running after HANG_S seconds has its threads' stacks dumped (gdb, if present),
-  # so a hang on a remote machine leaves evidence behind.
-  (sleep "${HANG_S:-90}"; command -v gdb >/dev/null || exit 0
+  # A test still running after HANG_S seconds has its threads' stacks dumped (gdb, else
+  # cuda-gdb, which GPU images without gdb carry), so a hang on a remote machine leaves evidence.
+  (sleep "${HANG_S:-90}"; dbg=$(command -v gdb || command -v cuda-gdb) || exit 0
    for pid in $(pgrep -f "$BUILD/tests/" || true); do
-     gdb -p "$pid" -batch -ex "thread apply all bt" >"$OUT/hang-$pid.txt" 2>&1
+     "$dbg" -p "$pid" -batch -ex "thread apply all bt" >"$OUT/hang-$pid.txt" 2>&1
    done) &
   watchdog=$!
   (cd "$BUILD" && timeout -k 15 "$(limit 480)" ctest --output-on-failure -L gpu -j 4 \
