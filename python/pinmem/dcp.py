@@ -53,6 +53,7 @@ import secrets as _secrets
 import struct as _struct
 import sys as _sys
 import threading as _threading
+import time as _time
 import zlib as _zlib
 
 import torch as _torch
@@ -248,46 +249,137 @@ def _source(t):
 # ---- writing ------------------------------------------------------------------------------------
 
 class _FileOut:
-    """One data file of a save. Small parts (gaps, archive heads, small tensors, BYTE_IO items)
-    are gathered and written in runs; each large tensor's bytes are written with pinmem from
-    their memory, WRITERS of them in flight at once (one pinmem call at a time left the disk
-    idle between calls: 0.6-1.4 GB/s against 1.4-1.7 with two, 5 MiB tensors on this
-    machine's virtual disk), and its archive's tail, which holds the CRC, once it is done."""
+    """One data file of a save, written as its image: every byte (gaps, archive heads, data,
+    tails, small tensors, BYTE_IO items) is put in order into pinned chunks of CHUNK bytes from
+    pinmem's pool, and each full chunk is written with one pinmem call (O_DIRECT: chunks start on
+    4 KiB boundaries of the file) by WRITERS threads while the next chunk is filled. A tensor's
+    CRC-32 is computed on its copy in the chunk, so its archive's tail follows at once. A tensor
+    already in pinned host memory (async_save's snapshot) whose data starts on a 4 KiB boundary
+    of the file is written from where it is, without the copy. One pinmem call per tensor of a
+    few MiB left the disk idle between calls and paid a copy into pinmem's slots per call; the
+    copies into the chunks here overlap the writes of the chunks before."""
 
+    CHUNK = 32 << 20
+    BUFFERS = 3
     WRITERS = 2
 
-    def __init__(self, path, name, io, crc):
-        # A large tensor's bytes start on a 4 KiB boundary: "auto" writes them O_DIRECT at any
-        # size (pinmem's own auto does from 64 MiB; a rank's file is written in tensors of a few
-        # MiB, and through the page cache it leaves all of them to the final fsync).
-        self.path, self.name, self.crc = path, name, crc
+    def __init__(self, path, name, io, crc, phases):
+        self.path, self.name, self.crc, self.phases = path, name, crc, phases
         self.io = "direct" if io == "auto" else io
         self.fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o666)
-        self.pos = 0            # the file's length so far
-        self.small = bytearray()  # bytes for [pos - len(small), pos)
+        self.pos = 0           # bytes put so far: the file's length once written
+        self.cstart = 0        # file offset of the current chunk's first byte (4 KiB aligned)
+        self.buf = self.np = None
+        self.fill = 0
+        self.free, self.made = [], 0
+        self.jobs = _collections.deque()  # (Future, chunk or None) in submission order
         self.results = []
-        self.pending = []  # (tail position, archive, Future of the data's CRC)
-        self.pool = None
+        import concurrent.futures
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.WRITERS, "pinmem-dcp-write")
 
-    def _put(self, b):
-        self.small += b
-        self.pos += len(b)
+    def _time(self, phase, t0):
+        now = _time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - t0
+        return now
 
-    def _pwrite(self, b, at):
-        mv = memoryview(b)
+    def _chunk(self):
+        if self.buf is not None:
+            return
+        t0 = _time.perf_counter()
+        while not self.free and self.made >= self.BUFFERS:
+            fut, buf = self.jobs.popleft()
+            fut.result()
+            if buf is not None:
+                self.free.append(buf)
+        self._time("wait_disk", t0)
+        if self.free:
+            self.buf = self.free.pop()
+        else:
+            try:
+                self.buf = _torch.from_dlpack(_pm.empty(self.CHUNK, "uint8"))
+            except _pm.BudgetError:
+                self.buf = _torch.empty(self.CHUNK, dtype=_torch.uint8)
+            self.made += 1
+        self.np = self.buf.numpy()
+        self.fill = 0
+
+    def _submit(self):
+        """Writes the current chunk's bytes at its place in the file."""
+        if self.buf is None or not self.fill:
+            return
+        buf, n, at = self.buf, self.fill, self.cstart
+        self.jobs.append((self.pool.submit(_pm.write_file, self.path, buf, at, nbytes=n,
+                                           io=self.io, truncate=False), buf))
+        self.buf = self.np = None
+        self.cstart += n
+        self.fill = 0
+
+    def put(self, b):
+        mv = memoryview(b).cast("B")
         while mv:
-            n = _os.pwrite(self.fd, mv, at)
-            mv, at = mv[n:], at + n
+            self._chunk()
+            n = min(len(mv), self.CHUNK - self.fill)
+            self.np[self.fill:self.fill + n] = mv[:n]
+            self.fill += n
+            self.pos += n
+            mv = mv[n:]
+            if self.fill == self.CHUNK:
+                self._submit()
 
-    def flush(self):
-        if self.small:
-            self._pwrite(self.small, self.pos - len(self.small))
-            self.small = bytearray()
+    def put_data(self, flat):
+        """flat's bytes (a uint8 tensor: host or device memory); their CRC-32 (None when
+        torch's crc32 option is off)."""
+        n = flat.numel()
+        if (flat.device.type == "cpu" and self.io == "direct" and self.pos % ALIGN == 0
+                and n >= ALIGN and self.fill % ALIGN == 0
+                and _pm.pointer_info(flat.data_ptr())["kind"] in ("pool", "registered")):
+            return self._put_pinned(flat)
+        crc = 0 if self.crc else None
+        stream = _torch.cuda.current_stream(flat.device) if flat.device.type == "cuda" else None
+        at = 0
+        while at < n:
+            self._chunk()
+            m = min(n - at, self.CHUNK - self.fill)
+            t0 = _time.perf_counter()
+            dst = self.buf[self.fill:self.fill + m]
+            if flat.device.type == "cpu":
+                dst.copy_(flat[at:at + m])
+            else:  # a DMA into the pinned chunk
+                _pm.copy(dst, flat[at:at + m], stream).wait()
+            t0 = self._time("copy", t0)
+            if crc is not None:
+                crc = _crc32(self.np[self.fill:self.fill + m], crc)
+                self._time("crc", t0)
+            self.fill += m
+            self.pos += m
+            at += m
+            if self.fill == self.CHUNK:
+                self._submit()
+        return crc
+
+    def _put_pinned(self, flat):
+        """flat's whole 4 KiB pages written from its own (pinned) memory; the rest put."""
+        self._submit()  # the bytes before it: a whole number of 4 KiB pages
+        n = flat.numel()
+        direct = n - n % ALIGN
+        self.jobs.append((self.pool.submit(_pm.write_file, self.path, flat[:direct], self.pos,
+                                           io=self.io, truncate=False), None))
+        self.pos += direct
+        self.cstart = self.pos
+        crc = None
+        if self.crc:
+            t0 = _time.perf_counter()
+            crc = _crc32(flat.numpy())  # beside the write, on the same bytes
+            self._time("crc", t0)
+        if direct < n:
+            self.put(flat[direct:].numpy())
+        return crc
 
     def add_bytes(self, item, data):
         b = data.getbuffer() if isinstance(data, _io.BytesIO) else memoryview(data)
-        self.results.append(_result(item, self.name, self.pos, len(b)))
-        self._put(b)
+        at = self.pos
+        self.put(b)
+        self.results.append(_result(item, self.name, at, self.pos - at))
 
     def add_tensor(self, item, t):
         t, flat = _source(t)
@@ -296,112 +388,53 @@ class _FileOut:
             self._add_saved(item, t)
             return
         a = _archive(t.dtype, t.shape, t.stride(), nbytes)
-        gap = -(self.pos + len(a.head)) % ALIGN
-        self._put(bytes(gap))
+        # the data on a 4 KiB boundary of the file: the zeros before the archive are no item's
+        self.put(bytes(-(self.pos + len(a.head)) % ALIGN))
         at = self.pos
-        self._put(a.head)
-        self.flush()
-        if self.pool is None:
-            import concurrent.futures
-            self.pool = concurrent.futures.ThreadPoolExecutor(self.WRITERS,
-                                                              "pinmem-dcp-write")
-        self.pending.append((self.pos + nbytes, a,
-                             self.pool.submit(self._write_data, flat, self.pos)))
-        self.pos += nbytes + len(a.tail)
+        self.put(a.head)
+        crc = self.put_data(flat)
+        self.put(a.tail_for(crc))
         self.results.append(_result(item, self.name, at, self.pos - at))
 
     def _add_saved(self, item, t):
+        t0 = _time.perf_counter()
         c = t.cpu()
         if c.untyped_storage().size() != c.numel() * c.element_size():
             c = c.clone()
         b = _io.BytesIO()
         _torch.save(c, b)
+        self._time("torch_save_small", t0)
         at = self.pos
-        self._put(b.getbuffer())
+        self.put(b.getbuffer())
         self.results.append(_result(item, self.name, at, self.pos - at))
 
-    def _write_data(self, flat, offset):
-        """flat's bytes at offset; their CRC-32 (None when torch's crc32 option is off)."""
-        if flat.device.type == "cpu":
-            if not self.crc:
-                _pm.write_file(self.path, flat, offset, io=self.io, truncate=False)
-                return None
-            # The CRC is computed beside the write (both let go of the GIL), on the same bytes.
-            out = {}
-            host = flat.numpy()
-            th = _threading.Thread(target=lambda: out.setdefault("crc", _crc32(host)),
-                                   name="pinmem-dcp-crc")
-            th.start()
-            try:
-                _pm.write_file(self.path, flat, offset, io=self.io, truncate=False)
-            finally:
-                th.join()
-            return out["crc"]
-        stream = _torch.cuda.current_stream(flat.device) if flat.device.type == "cuda" else None
-        if not self.crc:  # straight from the device through pinmem's pinned ring
-            _pm.write_file(self.path, flat, offset, io=self.io, stream=stream,
-                           truncate=False)
-            return None
-        return _write_device_crc(self.path, flat, offset, self.io, stream)
-
     def close(self, fsync):
-        """Every write waited for (also after a failure, so that none runs on), the tails
-        written, fsync; the first error raised."""
+        """Every write waited for (also after a failure, so that none runs on), fsync; the
+        first error raised."""
         first = None
+        t0 = _time.perf_counter()
         try:
-            for tail_at, a, fut in self.pending:
+            try:
+                self._submit()
+            except BaseException as e:
+                first = e
+            while self.jobs:
+                fut, _ = self.jobs.popleft()
                 try:
-                    crc = fut.result()
-                    if first is None:
-                        self._pwrite(a.tail_for(crc), tail_at)
+                    fut.result()
                 except BaseException as e:
                     if first is None:
                         first = e
-            if self.pool is not None:
-                self.pool.shutdown()
+            self.pool.shutdown()
+            t0 = self._time("wait_disk", t0)
             if first is not None:
                 raise first
-            self.flush()
             if fsync:
                 _os.fsync(self.fd)
+                self._time("fsync", t0)
         finally:
-            self.pending = []
+            self.free, self.buf, self.np = [], None, None
             _os.close(self.fd)
-
-
-# Device tensors whose CRC is wanted go through pinned chunks: the copy of the next chunk runs
-# while the current one is summed and written.
-DEVICE_CHUNK = 64 << 20
-
-
-def _write_device_crc(path, flat, offset, io, stream):
-    n = flat.numel()
-    k = min(DEVICE_CHUNK, n)
-    bufs = [_pm.empty(k, "uint8"), _pm.empty(k, "uint8") if n > k else None]
-    crc = 0
-    pending = _pm.copy(bufs[0], flat[:k], stream)
-    at = 0
-    i = 0
-    while at < n:
-        m = min(k, n - at)
-        pending.wait()
-        cur = bufs[i % 2]
-        nxt = at + m
-        if nxt < n:
-            m2 = min(k, n - nxt)
-            pending = _pm.copy(bufs[(i + 1) % 2], flat[nxt:nxt + m2], stream, nbytes=m2)
-        view = memoryview(cur).cast("B")[:m]
-        out = {}
-        th = _threading.Thread(target=lambda v=view: out.setdefault("c", _crc32(v, crc)))
-        th.start()
-        try:
-            _pm.write_file(path, view, offset + at, io=io, truncate=False)
-        finally:
-            th.join()
-        crc = out["c"]
-        at = nxt
-        i += 1
-    return crc
 
 
 def _result(item, name, offset, length):
@@ -440,6 +473,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
         self.io = io
         self.crc32 = crc32
         self._stager = PinnedStager(stage=stage)
+        self.phases = {}  # seconds of this rank's last write_data by phase
 
     def _torch_path(self):
         return (self.serialization_format != _fs.SerializationFormat.TORCH_SAVE
@@ -468,11 +502,12 @@ class FileSystemWriter(_fs.FileSystemWriter):
         crc = _crc_on() if self.crc32 is None else bool(self.crc32)
         folder = _os.fspath(self.path)
         made, results = [], []
+        self.phases = phases = {}
         try:
             for k, items in enumerate(buckets):
                 name = f"{prefix}{k}.{tag}{_fs.DEFAULT_SUFFIX}"
                 path = _os.path.join(folder, name)
-                out = _FileOut(path, name, self.io, crc)
+                out = _FileOut(path, name, self.io, crc, phases)
                 made.append(path)
                 try:
                     for item in items:
@@ -485,7 +520,9 @@ class FileSystemWriter(_fs.FileSystemWriter):
                     out.close(self.sync_files)
                 results += out.results
             if self.sync_files:
+                t0 = _time.perf_counter()
                 _fsync_dir(folder)
+                phases["fsync"] = phases.get("fsync", 0.0) + _time.perf_counter() - t0
         except BaseException:
             for p in made:
                 try:
