@@ -294,7 +294,7 @@ class _FileOut:
             fut.result()
             if buf is not None:
                 self.free.append(buf)
-        self._time("wait_disk", t0)
+        t0 = self._time("wait_disk", t0)
         if self.free:
             self.buf = self.free.pop()
         else:
@@ -303,6 +303,7 @@ class _FileOut:
             except _pm.BudgetError:
                 self.buf = _torch.empty(self.CHUNK, dtype=_torch.uint8)
             self.made += 1
+            self._time("alloc", t0)
         self.np = self.buf.numpy()
         self.fill = 0
 
@@ -809,7 +810,9 @@ class FileSystemReader(_fs.FileSystemReader):
             if end - start > self.SPAN:
                 return None
             if bufs[k % 2] is None:
+                t0 = _time.perf_counter()
                 bufs[k % 2] = self._host(self.SPAN)
+                phases["alloc"] = phases.get("alloc", 0.0) + _time.perf_counter() - t0
             _pm.read_file(path, bufs[k % 2], start, nbytes=end - start, io=self.io).wait()
             return bufs[k % 2]
 
