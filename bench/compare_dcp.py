@@ -401,8 +401,8 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     # Pairs (without, with) in turn; the median of the pairs' ratios and their middle half: on a
     # shared machine the loop's own speed drifts by more than the effect from one pair to the
     # next, and the target is judged on the middle half of the pairs, not on the median alone.
-    # The order within a pair alternates (without first, then with first): the loop ran faster
-    # as the second of a pair here, whatever the pair held.
+    # The order within a pair alternates (without first, then with first): whatever bias the
+    # order has cancels out.
     base, during = [], []
     for k in range(max(PAIRS, repeat)):
         if k % 2:
