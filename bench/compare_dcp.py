@@ -260,6 +260,8 @@ def rank_main(rank, world, args, store, tmp):
                                          per_rank_gbps=per(b["io"]), **phase_fields(b),
                                          verified=verified[kind], dropped=load.how)
 
+    del dest  # room for the snapshots below, at sizes near the machine's memory
+
     # --- async_save ---------------------------------------------------------------------------
     stager = pdcp.PinnedStager()
     snaps = []
