@@ -13,12 +13,14 @@ torch.save itself, run under torch.serialization.skip_data() against a writer th
 bytes and only counts the data: the archive is then exactly torch's, less the data's CRC-32
 (and the serialization id derived from the CRCs), which are computed here and patched in (when
 torch's crc32 option is on, its default; with ISA-L's crc32 where the isal package is
-installed, zlib's otherwise), beside the write. The tensor's bytes go from where they are (pinned or
-pageable host memory, or the device) to the file with pinmem.write_file: no copy into a
-Python stream, O_DIRECT from 64 MiB. An archive is placed so that its data starts on a 4 KiB
-boundary of the file (the bytes between items are zeros that no item's range covers): the
-direct writes then need no unaligned head. Small tensors (< 1 MiB) are written by torch.save
-into one buffer with the headers and written with the next large piece.
+installed, zlib's otherwise). Each data file is put together in order in pinned chunks of 16
+MiB from pinmem's pool (headers, data, tails; a tensor's CRC computed on its copy there) and
+each full chunk is written with one pinmem.write_file call (O_DIRECT) while the next is filled:
+the copy that pinmem makes into its slots anyway, made once per chunk instead of per tensor.
+A tensor of a chunk's size or more already in pinned memory (async_save's snapshot) is written
+from where it is. An archive is placed so that its data starts on a 4 KiB boundary of the file
+(the bytes between items are zeros that no item's range covers). Small tensors (< 1 MiB) are
+written by torch.save into a buffer and put with the rest.
 
 Durability. Data files get names of their own per save (`__<rank>_<k>.<save>.distcp`), are
 fsync'd with their folder before the plan is gathered, and a save's metadata is written to a
@@ -29,11 +31,15 @@ mid-write, leaves the previous checkpoint in that folder as it was and loadable,
 
 Reading. Every file a rank needs is checked against the ranges the metadata gives before any
 tensor is touched (a truncated or missing file raises, naming the file, with the destination
-state dict as it was). A tensor's archive is parsed (central directory, pickle) without
-torch.load; when the bytes needed are one range of the file and the destination is dense of
-the same dtype (no resharding, or a cut along the first dimension), pinmem.read_file reads them
-straight into it (device memory through pinmem's pinned ring); otherwise the stored tensor is
-read into pinned memory and copied. An archive this code does not know is loaded by torch.load.
+state dict as it was). A file of which the load needs half the items' bytes or more is read
+in spans of up to 64 MiB, each with one pinmem.read_file call into one of two pinned buffers
+(the next span's read runs while this one's items are copied out); an item larger than a span,
+and the items of a file the load needs little of (resharding), are read one by one. A tensor's
+archive is parsed (local headers, pickle) without torch.load; read one by one, when the bytes
+needed are one range of the file and the destination is dense of the same dtype (no
+resharding, or a cut along the first dimension), pinmem.read_file reads them straight into it
+(device memory through pinmem's pinned ring); otherwise the stored tensor is read into pinned
+memory and copied. An archive this code does not know is loaded by torch.load.
 
 Staging for dcp.async_save (PinnedStager; also FileSystemWriter.stage). The state dict's
 tensors are copied into one pinned buffer from pinmem's pool (the exact sum of their 4
@@ -452,9 +458,8 @@ class FileSystemWriter(_fs.FileSystemWriter):
     """torch.distributed.checkpoint's FileSystemWriter, writing through pinmem: same arguments,
     same files (torch's FileSystemReader reads them), plus
 
-    io: 'auto' (the default) and 'direct' write each tensor of 1 MiB or more with O_DIRECT
-    (pinmem.write_file's io='direct'; smaller ones and the archives' headers are buffered),
-    'buffered' writes everything through the page cache.
+    io: 'auto' (the default) and 'direct' write the files in 16 MiB chunks with O_DIRECT
+    (pinmem.write_file's io='direct'), 'buffered' through the page cache.
     crc32: store each tensor's CRC-32 in its archive, as torch.save does (None, the default:
     follow torch.serialization.get_crc32_options(), on unless turned off there).
     stage: how dcp.async_save snapshots device tensors when this writer is its stager
