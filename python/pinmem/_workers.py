@@ -68,9 +68,15 @@ class Schema:
 
     def __init__(self, tree, leaves, paths):
         self.tree = tree        # ("leaf", k) | ("tuple"|"list", [...]) | ("dict", [(key, t)])
-        self.leaves = leaves    # [(numpy dtype, shape, kind)] kind: array|tensor|int|float|bool
+        self.leaves = leaves    # [(numpy dtype, shape, kind)] kind: array|tensor|int|float|bool|bits:<dtype name>
+        #                       (bits: a torch dtype NumPy lacks, its bits in an unsigned int)
         self.paths = paths      # ["[0]", "['image']", ...] names for messages
         self.ref = _shape_tree(tree)
+        # Leaves with no elements (a zero-size dimension) have no bytes for the slot: the slot
+        # holds the others (`slot`: their leaf numbers, in field order) and the main process
+        # makes the empty ones per batch (`make_empty`).
+        self.slot = [k for k, (_, shape, _) in enumerate(leaves) if 0 not in shape]
+        self.empty = len(self.slot) != len(leaves)
         # The common shapes (one leaf; a tuple, list or dict of leaves) get a fast check per
         # sample; anything else, or a sample that fails it, takes the full walk (which also
         # writes the error message).
@@ -103,11 +109,18 @@ class Schema:
         for v, (dt, shape, k) in zip(vals, self.leaves):
             t = type(v)
             if t is np.ndarray:
-                if v.dtype != dt or v.shape != shape:
+                if v.dtype != dt or v.shape != shape or k.startswith("bits:"):
                     return None
             elif k == "int" and t is int or k == "float" and t is float or \
                     k == "bool" and t is bool:
                 pass
+            elif k[0] == "b" and k != "bool":  # "bits:<name>": bfloat16, float8...
+                if getattr(v, "device", None) is None or v.device.type != "cpu" or \
+                        str(v.dtype) != "torch." + k[5:]:
+                    return None
+                v = tensor_bits(v)[0]
+                if v.shape != shape:
+                    return None
             elif k == "tensor" and getattr(v, "device", None) is not None:
                 if v.device.type != "cpu":
                     return None
@@ -124,11 +137,43 @@ class Schema:
 
     def specs(self):
         """(sample shape, dtype text, itemsize) per leaf, for the C dataset."""
-        return [(shape, dt.str, dt.itemsize) for dt, shape, _ in self.leaves]
+        return [(shape, k[5:] if k.startswith("bits:") else dt.str, dt.itemsize)
+                for dt, shape, k in (self.leaves[j] for j in self.slot)]
 
-    def rebuild(self, values):
-        """The batch's structure around the leaf values (in leaf order)."""
+    def slot_values(self, leaves):
+        """The leaves that go into the slot, in field order."""
+        return [leaves[k] for k in self.slot] if self.empty else leaves
+
+    def rebuild(self, values, unbatched=False):
+        """The batch's structure around the slot fields' values (in field order), the empty
+        leaves made here as default_collate would stack them: (rows, *shape), of the other
+        fields' kind (torch tensors on their device, else NumPy arrays; torch tensors for dtypes
+        NumPy lacks)."""
+        if self.empty:
+            values = self._with_empty(values, unbatched)
         return _rebuild(self.tree, values)
+
+    def _with_empty(self, values, unbatched):
+        first = values[0]
+        rows = () if unbatched else (first.shape[0],)
+        torch = sys.modules.get("torch")
+        on_torch = type(first).__module__.startswith("torch")
+        out, it = [], iter(values)
+        for k, (dt, shape, kind) in enumerate(self.leaves):
+            if 0 not in shape:
+                out.append(next(it))
+                continue
+            if kind.startswith("bits:") or on_torch:
+                if torch is None:
+                    import torch
+                tdt = getattr(torch, kind[5:]) if kind.startswith("bits:") else \
+                    torch.from_numpy(__import__("numpy").empty(0, dt)).dtype
+                out.append(torch.empty(rows + shape, dtype=tdt,
+                                       device=first.device if on_torch else "cpu"))
+            else:
+                import numpy as np
+                out.append(np.empty(rows + shape, dt))
+        return out
 
     def is_single(self):
         return self.tree[0] == "leaf"
@@ -163,17 +208,36 @@ def _leaf(v, np, path, index):
         if v.device.type != "cpu":
             raise _invalid(f"dataset index {index}, field {path}: a tensor on {v.device}; worker "
                            "samples must be CPU tensors (the loader moves the batch)")
+        bits = tensor_bits(v)
+        if bits is not None:
+            return bits[0], "bits:" + bits[1]
         try:
             return v.detach().numpy(), "tensor"
         except (TypeError, RuntimeError) as e:
             raise _invalid(f"dataset index {index}, field {path}: a {v.dtype} tensor has no "
-                           f"NumPy type ({e}); convert it in the dataset (e.g. .view(torch.int16) "
-                           "for bfloat16)") from None
+                           f"type pinmem can batch ({e}); convert it in the dataset") from None
     what = type(v).__name__
     hint = (" (strings cannot go into a batch array: return an index or a code instead, or drop "
             "the field)" if isinstance(v, (str, bytes)) else
             " (return a NumPy array, a CPU tensor or a number)")
     raise _invalid(f"dataset index {index}, field {path}: a {what} is not an array{hint}")
+
+
+# torch dtypes NumPy lacks but DLPack carries (pinmem's dtype table has them): samples of these
+# travel as their bits (an unsigned integer of the same size) and batches are described by name.
+BITS_DTYPES = ("bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+               "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
+def tensor_bits(t):
+    """(a NumPy view of the bits of CPU tensor t, its dtype's name) for a dtype of BITS_DTYPES,
+    else None."""
+    name = str(t.dtype)
+    if not name.startswith("torch.") or name[6:] not in BITS_DTYPES:
+        return None
+    torch = sys.modules["torch"]
+    store = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+    return t.detach().contiguous().view(store).numpy(), name[6:]
 
 
 def _invalid(msg):
@@ -224,15 +288,16 @@ def describe(sample, index):
         if dt.hasobject or dt.itemsize == 0:
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} has no fixed-size "
                            "bytes")
-        if a.size == 0:
-            raise _invalid(f"dataset index {index}, field {p}: an empty array (shape "
-                           f"{tuple(a.shape)}) has no bytes for a batch row: drop the field, or "
-                           "give it at least one element")
         if dt.byteorder == ">" or dt.fields is not None or dt.kind in "OUSVMm":
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} cannot go to the "
                            "device; return a native number type")
         specs.append((dt, tuple(a.shape), kind))
-    return Schema(tree, specs, paths)
+    schema = Schema(tree, specs, paths)
+    if not schema.slot:
+        raise _invalid(f"dataset index {index}: every array of the sample is empty (shapes "
+                       f"{[s for _, s, _ in specs]}): a batch needs at least one field with "
+                       "elements")
+    return schema
 
 
 # ---- the worker process ----------------------------------------------------------------------
@@ -450,7 +515,7 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid):
     n = len(indices)
     views = []
     for k, (key, off, row_bytes) in enumerate(fields):
-        dt, shape, _ = schema.leaves[k]
+        dt, shape, _ = schema.leaves[schema.slot[k]]
         views.append(np.ndarray((n,) + shape, dtype=dt, buffer=maps[key], offset=off))
     for j, i in enumerate(indices):
         try:
@@ -461,7 +526,7 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid):
             leaves = schema.fast_leaves(sample, np) if schema.flat else None
             if leaves is None:
                 leaves = checked_leaves(schema, sample, i, np)
-            for k, a in enumerate(leaves):
+            for k, a in enumerate(schema.slot_values(leaves)):
                 views[k][j] = a
         except BaseException as e:
             from . import InvalidError
@@ -479,11 +544,14 @@ def checked_leaves(schema, sample, i, np):
         raise _invalid(f"dataset index {i}: the sample's structure {_describe_tree(tree)} "
                        f"differs from the first sample's {_describe_tree(schema.tree)}")
     out = []
-    for k, (a, _) in enumerate(leaves):
-        dt, shape, _ = schema.leaves[k]
-        if a.shape != shape or a.dtype != dt:
+    for k, (a, kind) in enumerate(leaves):
+        dt, shape, kind0 = schema.leaves[k]
+        bits, bits0 = kind.startswith("bits:"), kind0.startswith("bits:")
+        if a.shape != shape or a.dtype != dt or (bits or bits0) and kind != kind0:
+            has = kind[5:] if bits else a.dtype
+            had = kind0[5:] if bits0 else dt
             raise _invalid(f"dataset index {i}, field {paths[k]}: shape {a.shape} dtype "
-                           f"{a.dtype}, but the first sample had shape {shape} dtype {dt} "
+                           f"{has}, but the first sample had shape {shape} dtype {had} "
                            "(every sample must match: resize or convert in the dataset)")
         out.append(a)
     return out

@@ -69,20 +69,30 @@ class TokenDataset:
 
 
 def _as_array(a):
-    """An in-memory C-contiguous NumPy array (shares memory where it can)."""
+    """An in-memory C-contiguous NumPy array (shares memory where it can), and the name of the
+    dtype its bits are when NumPy has no such type (bfloat16, float8: their bits as unsigned
+    integers of the same size), else None."""
     import numpy
+    from . import _workers
     if type(a).__module__.startswith("torch"):
         a = a.detach()
         if a.device.type != "cpu":
             raise InvalidError("PM_ERR_INVALID: pinmem.Loader reads CPU tensors; this one is on "
                                f"{a.device}")
-        a = a.contiguous().numpy()
+        bits = _workers.tensor_bits(a)
+        if bits is not None:  # bfloat16, float8...: their bits, and the dtype's name
+            return numpy.ascontiguousarray(bits[0]), bits[1]
+        try:
+            a = a.contiguous().numpy()
+        except (TypeError, RuntimeError) as e:
+            raise InvalidError(f"PM_ERR_INVALID: pinmem.Loader: a {a.dtype} tensor has no type "
+                               f"pinmem can batch ({e}); convert it") from None
     elif not hasattr(type(a), "__array_interface__") and hasattr(type(a), "__dlpack__"):
         try:
             memoryview(a).release()
         except TypeError:
             a = numpy.from_dlpack(a)
-    return numpy.ascontiguousarray(a)
+    return numpy.ascontiguousarray(a), None
 
 
 def _descr_text(dtype, what):
@@ -130,7 +140,7 @@ def _python_dataset(dataset):
             sample = dataset[i]
         except StopIteration as e:
             raise _stop_iteration_error(i, e) from e
-        return [contiguous(a) for a in checked(schema, sample, i, numpy)]
+        return [contiguous(a) for a in schema.slot_values(checked(schema, sample, i, numpy))]
 
     return _pinmem._dataset_python(fetch, n, schema.specs()), schema
 
@@ -228,7 +238,7 @@ def _tensor_dataset_fields(dataset):
 
 
 def _open_arrays(arrays):
-    arrays = [_as_array(a) for a in arrays]
+    arrays, names = zip(*[_as_array(a) for a in arrays])
     if any(a.ndim > 0 and len(a) > 0 and a.size == 0 for a in arrays):
         raise InvalidError("PM_ERR_INVALID: an array dataset's samples are empty (shape "
                            f"{[a.shape for a in arrays]}): a batch row needs at least one "
@@ -241,8 +251,8 @@ def _open_arrays(arrays):
         raise InvalidError("PM_ERR_INVALID: the arrays of a dataset need the same length "
                            f"(got {sorted(n)})")
     import numpy
-    specs = [(a.shape[1:], _descr_text(a.dtype, f"field {k}"), a.dtype.itemsize)
-             for k, a in enumerate(arrays)]
+    specs = [(a.shape[1:], name or _descr_text(a.dtype, f"field {k}"), a.dtype.itemsize)
+             for k, (a, name) in enumerate(zip(arrays, names))]
     # Samples travel as bytes (NumPy cannot export every dtype through the buffer protocol:
     # datetimes); the spec says what they are.
     rows = [a.reshape(len(a), -1).view(numpy.uint8) for a in arrays]
@@ -818,7 +828,7 @@ class Loader:
     def _shape(self, values):
         """A batch's arrays in the sample's structure."""
         if self._schema is not None:
-            return self._schema.rebuild(values)
+            return self._schema.rebuild(values, self._unbatched)
         # Fields of a tuple dataset as a list, as default_collate batches tuple samples.
         return list(values) if self._tuple else values[0]
 

@@ -229,25 +229,142 @@ def test_pin_memory_false_with_workers_delivers_as_dataloader():
         assert run(p) == run(t)
 
 
-class Empty(Indexed):
-    def __getitem__(self, i):
-        return np.zeros((0, 3), np.float32), i
-
-
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(range(4))
 
 
+class AllEmpty(Indexed):
+    def __getitem__(self, i):
+        return np.zeros((0, 3), np.float32)
+
+
 def test_what_pinmem_cannot_batch_is_refused_by_name():
     with pytest.raises(pinmem.InvalidError, match="IterableDataset is not supported"):
         pinmem.Loader(Stream(), batch_size=2)
-    for nw in (0, 1):
-        with pinmem.Loader(Empty(), batch_size=2, device="cpu", num_workers=nw) as loader:
-            with pytest.raises(pinmem.InvalidError, match=r"field \[0\]: an empty array"):
+    for nw in (0, 1):  # no field with bytes: nothing to batch
+        with pinmem.Loader(AllEmpty(), batch_size=2, device="cpu", num_workers=nw) as loader:
+            with pytest.raises(pinmem.InvalidError, match="every array of the sample is empty"):
                 next(iter(loader))
     with pytest.raises(pinmem.InvalidError, match="samples are empty"):
         pinmem.Loader(np.zeros((4, 0)), batch_size=2)
+
+
+# Every torch dtype NumPy lacks that DLPack carries (float4_e2m1fn_x2, two values a byte, aside).
+NO_NUMPY = [torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e4m3fnuz,
+            torch.float8_e5m2, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]
+
+
+def bits(t):
+    """A tensor's bits, to compare dtypes whose values torch cannot compare (float8)."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                 8: torch.int64}[t.element_size()])
+
+
+class Typed(Indexed):
+    """Sample i: one tensor of each dtype in NO_NUMPY, from distinct values, and the label."""
+
+    def __getitem__(self, i):
+        base = torch.arange(3, dtype=torch.float32) / 4 + i
+        return [base.to(dt) if dt != torch.complex32 else torch.complex(base, -base).to(dt)
+                for dt in NO_NUMPY] + [i]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_dtypes_numpy_lacks_arrive_as_dataloader_gives_them(nw, batch_size):
+    ds = Typed(10)
+    t = list(DataLoader(ds, batch_size=batch_size, num_workers=nw))
+    with pinmem.Loader(ds, batch_size=batch_size, num_workers=nw, device="cpu") as p:
+        got = list(p.as_torch())
+        assert len(got) == len(t)
+        for pb, tb in zip(got, t):
+            assert int(pb[-1].sum()) == int(torch.as_tensor(tb[-1]).sum())
+            for x, y in zip(pb[:-1], tb[:-1]):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                assert torch.equal(bits(x), bits(y))
+        plain = next(iter(p))[0]
+        assert plain.dtype == "bfloat16"
+        with pytest.raises(TypeError, match="bfloat16 has no NumPy type"):
+            np.asarray(plain)
+        with pytest.raises(BufferError, match="bfloat16 has no buffer-protocol"):
+            memoryview(plain)
+
+
+def test_tensor_dataset_of_bfloat16_as_dataloader():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 3, generator=g).to(torch.bfloat16)
+    y = torch.randn(13, generator=g).to(torch.float8_e5m2)
+    ds = torch.utils.data.TensorDataset(x, y)
+    t = list(DataLoader(ds, batch_size=4))
+    with pinmem.Loader(ds, batch_size=4, device="cpu") as p:
+        got = list(p.as_torch())
+    assert len(got) == len(t)
+    for (px, py), (tx, ty) in zip(got, t):
+        assert px.dtype == torch.bfloat16 and py.dtype == torch.float8_e5m2
+        assert torch.equal(px, tx) and torch.equal(bits(py), bits(ty))
+
+
+class Float4(Indexed):
+    def __getitem__(self, i):
+        return torch.zeros(2, dtype=torch.float4_e2m1fn_x2)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="this torch has no float4")
+def test_float4_is_refused_by_name():
+    with pinmem.Loader(Float4(4), batch_size=2, device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match=r"a torch.float4_e2m1fn_x2 tensor has no "
+                           "type pinmem can batch"):
+            next(iter(p))
+    x = torch.zeros(4, 2, dtype=torch.float4_e2m1fn_x2)
+    with pytest.raises(pinmem.InvalidError, match="float4_e2m1fn_x2 tensor has no type"):
+        pinmem.Loader(torch.utils.data.TensorDataset(x), batch_size=2, device="cpu")
+
+
+class Mixed(Indexed):
+    """A sample whose field changes dtype at index 3 (bfloat16 -> float16: the same bits size)."""
+
+    def __getitem__(self, i):
+        return torch.ones(2, dtype=torch.float16 if i == 3 else torch.bfloat16), i
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_a_sample_of_another_dtype_of_the_same_size_is_refused_by_name(nw):
+    with pinmem.Loader(Mixed(8), batch_size=4, num_workers=nw, device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match=r"dataset index 3, field \[0\]: .*dtype "
+                           r"float16, but the first sample had .*dtype bfloat16"):
+            list(p)
+
+
+class WithEmpty(Indexed):
+    """Sample i: fields with a zero-size dimension beside ones with elements."""
+
+    def __getitem__(self, i):
+        return {"x": torch.full((3,), float(i)), "none": torch.zeros(0, 2),
+                "bf": torch.empty(2, 0, dtype=torch.bfloat16),
+                "np": np.zeros((0,), np.int32), "y": i}
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_empty_fields_arrive_as_dataloader_gives_them(nw, batch_size):
+    ds = WithEmpty(10)
+    t = list(DataLoader(ds, batch_size=batch_size, num_workers=nw))
+    with pinmem.Loader(ds, batch_size=batch_size, num_workers=nw, device="cpu") as p:
+        got = list(p.as_torch())
+        assert len(got) == len(t)
+        for pb, tb in zip(got, t):
+            assert list(pb) == list(tb)
+            for k in ("x", "none", "bf", "np"):
+                tb[k] = torch.as_tensor(tb[k])  # numpy with batch_size=None
+                assert pb[k].dtype == tb[k].dtype and pb[k].shape == tb[k].shape, k
+                assert torch.equal(pb[k], tb[k])
+        rows = () if batch_size is None else (4,)
+        plain = next(iter(p))
+        assert np.asarray(plain["none"]).shape == rows + (0, 2)
+        assert np.asarray(plain["x"]).shape == rows + (3,)
+        assert plain["bf"].dtype == torch.bfloat16 and plain["bf"].shape == rows + (2, 0)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
