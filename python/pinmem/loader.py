@@ -134,13 +134,19 @@ def _python_dataset(dataset):
         raise _stop_iteration_error(0, e) from e
     schema = _workers.describe(first, 0)
     contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
+    # Non-array leaves (strings, objects) wait here, by index, for their batch (epoch None:
+    # the store is cleared whenever a new C loader starts reading).
+    store = schema.store = _workers.SideStore() if schema.objs else None
 
     def fetch(i):
         try:
             sample = dataset[i]
         except StopIteration as e:
             raise _stop_iteration_error(i, e) from e
-        return [contiguous(a) for a in schema.slot_values(checked(schema, sample, i, numpy))]
+        leaves = checked(schema, sample, i, numpy)
+        if store is not None:
+            store.put(None, (i,), (schema.obj_values(leaves),))
+        return [contiguous(a) for a in schema.slot_values(leaves)]
 
     return _pinmem._dataset_python(fetch, n, schema.specs()), schema
 
@@ -433,6 +439,7 @@ class _EpochIterator:
                 raise StopIteration
             if b.index + 1 >= loader._bpe:
                 self._done = True  # the epoch ends with this batch
+            objs = loader._side_rows(b)  # taken in every mode, or they would pile up
             if self._mode == "batch":
                 return b
             if self._mode == "torch":
@@ -440,8 +447,8 @@ class _EpochIterator:
                 t = tuple(map(self._convert, b))
                 del b
                 loader._conversion_s += _perf_counter() - t1
-                return loader._shape(t)
-            return loader._shape(b)
+                return loader._shape(t, objs)
+            return loader._shape(b, objs)
         finally:
             # Everything the loop waited for here, so stats() can tell next() from the rest.
             loader._iteration_s += _perf_counter() - t0
@@ -784,6 +791,7 @@ class Loader:
             fields = dict(template, epoch=epoch, batch=batch,
                           samples=self._ds.info()["samples"])
             resume = _pinmem._loader_state_pack(**fields)
+        self._clear_side()
         self._c = self._on_device(
             lambda: _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch)))
         # Batches per epoch of the loader now delivering: the iterators end the epoch by it.
@@ -825,10 +833,26 @@ class Loader:
                                             self._schema.specs(), self._timeout, _PROCESS_DEPTH)
         self._ds = self._base
 
-    def _shape(self, values):
+    def _clear_side(self):
+        """Forget the non-array leaves of rows read on pinmem's threads and never delivered (a
+        new C loader is about to read; the last one is gone)."""
+        store = getattr(self._schema, "store", None)
+        if store is not None:
+            store.clear()
+
+    def _side_rows(self, b):
+        """The non-array leaves of batch b's rows (None when the samples have none)."""
+        schema = self._schema
+        if schema is None or not schema.objs:
+            return None
+        if self._pool is not None:
+            return self._pool.store.take(b.epoch, b.indices, self._timeout)
+        return schema.store.take(None, b.indices, self._timeout)
+
+    def _shape(self, values, objs=None):
         """A batch's arrays in the sample's structure."""
         if self._schema is not None:
-            return self._schema.rebuild(values, self._unbatched)
+            return self._schema.rebuild(values, self._unbatched, objs)
         # Fields of a tuple dataset as a list, as default_collate batches tuple samples.
         return list(values) if self._tuple else values[0]
 
@@ -1006,6 +1030,7 @@ class Loader:
         try:
             self._open_epoch(values["epoch"], values["batch"], resume=packed)
         except BaseException:
+            self._clear_side()
             self._c = self._on_device(lambda: _pinmem._Loader(
                 self._ds, resume=old, **self._epoch_config(cur["epoch"])))
             raise

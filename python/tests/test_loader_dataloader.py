@@ -244,7 +244,7 @@ def test_what_pinmem_cannot_batch_is_refused_by_name():
         pinmem.Loader(Stream(), batch_size=2)
     for nw in (0, 1):  # no field with bytes: nothing to batch
         with pinmem.Loader(AllEmpty(), batch_size=2, device="cpu", num_workers=nw) as loader:
-            with pytest.raises(pinmem.InvalidError, match="every array of the sample is empty"):
+            with pytest.raises(pinmem.InvalidError, match="the sample has no array with elements"):
                 next(iter(loader))
     with pytest.raises(pinmem.InvalidError, match="samples are empty"):
         pinmem.Loader(np.zeros((4, 0)), batch_size=2)
@@ -411,3 +411,48 @@ def test_batch_size_none_gives_samples_without_a_batch_axis(nw):
     ds = np.arange(12, dtype=np.int32).reshape(6, 2)  # arrays too
     with pinmem.Loader(ds, batch_size=None, device="cpu") as p:
         assert [np.asarray(x).tolist() for x in p] == ds.tolist()
+
+
+class Named(Indexed):
+    """Sample i: an array, a file name, a (caption, bytes) pair, None and an object."""
+
+    def __getitem__(self, i):
+        return {"x": np.full(2, i, np.float32), "name": f"img{i}.jpg",
+                "cap": ("a" * (i % 5), b"%d" % i), "none": None, "obj": Box(i), "y": i}
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other):
+        return isinstance(other, Box) and other.v == self.v
+
+
+def keep_objects(batch):
+    """default_collate, keeping what it cannot batch (None, objects) as lists, as pinmem does."""
+    out = {k: [s[k] for s in batch] for k in ("none", "obj")}
+    rest = torch.utils.data.default_collate(
+        [{k: v for k, v in s.items() if k not in out} for s in batch])
+    return dict(rest, **out)
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_str_and_object_leaves_arrive_as_default_collate_gives_them(nw, batch_size):
+    ds = Named(10)
+    kw = {} if batch_size is None else {"collate_fn": keep_objects}
+    g = torch.Generator().manual_seed(7)
+    sampler = list(torch.utils.data.RandomSampler(ds, replacement=True, num_samples=14,
+                                                   generator=g))  # indices drawn twice
+    t = list(DataLoader(ds, batch_size=batch_size, num_workers=nw, sampler=sampler, **kw))
+    with pinmem.Loader(ds, batch_size=batch_size, num_workers=nw, sampler=sampler,
+                       device="cpu") as p:
+        for _ in range(2):
+            got = list(p.as_torch())
+            assert len(got) == len(t)
+            for pb, tb in zip(got, t):
+                assert sorted(pb) == sorted(tb)
+                for k in ("name", "cap", "none", "obj"):
+                    assert pb[k] == tb[k], k
+                assert torch.equal(pb["x"], torch.as_tensor(tb["x"]))
