@@ -201,6 +201,49 @@ class Schema:
         return self.tree[0] == "leaf"
 
 
+class CollateSchema:
+    """The layout of a loader with a collate_fn of its own: one byte per row in the slot (set
+    once the row's claim, a whole batch, is done); the collate_fn's output travels beside."""
+
+    collate = True
+    objs = ()
+
+    def __init__(self, unbatched):
+        self.unbatched = unbatched
+
+    def specs(self):
+        return [((), "|u1", 1)]
+
+    def is_single(self):
+        return True
+
+
+def _serve_collated(dataset, collate, unbatched, maps, fields, indices, np, wid, epoch, side):
+    """One claim (a whole batch): its samples, collate_fn on them, the output sent beside the
+    slot, then the rows marked done."""
+    key, off, _ = fields[0]
+    samples = []
+    for i in indices:
+        try:
+            samples.append(dataset[i])
+        except BaseException as e:
+            return _pack_error(ST_EXC, i, wid, e, "dataset")
+    try:
+        out = collate(samples[0] if unbatched else samples)
+    except BaseException as e:
+        return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
+    try:
+        data = pickle.dumps((epoch, [tuple(indices)], [out]))
+    except BaseException as e:
+        return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
+    try:
+        side.sendall(SIDE.pack(len(data)) + data)
+    except OSError as e:
+        return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
+    np.ndarray((len(indices),), np.uint8, buffer=maps[key], offset=off)[:] = 1
+    return REP.pack(MAGIC_REP, ST_OK, 0)
+
+
 def _in_sequence(t, seq, out):
     """The leaf numbers of t whose parent is a tuple, list or named tuple, added to out."""
     if t[0] == "leaf":
@@ -447,7 +490,7 @@ def _place(cpus):
 
 
 def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpus=None,
-                side=None):
+                side=None, collate=None):
     """The body of worker process `wid`: serve claims until the socket closes."""
     global _worker_info
     placed, place_error = _place(cpus)  # first: a worker_init_fn's own affinity wins
@@ -525,6 +568,9 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
         elif kind == KIND_SCHEMA:
             schema = pickle.loads(msg[pos + 8 * n:])
             reply = REP.pack(MAGIC_REP, ST_OK, 0) + pickle.dumps(place_error)
+        elif getattr(schema, "collate", False):
+            reply = _serve_collated(dataset, collate, schema.unbatched, maps, fields, indices,
+                                    np, wid, epoch, side)
         else:
             reply = _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch, side)
         if not _send(sock, reply):
@@ -747,7 +793,7 @@ class WorkerError(RuntimeError):
 class Pool:
     """The worker processes of one loader, their sockets, and what their errors mean."""
 
-    def __init__(self, dataset, nworkers, ctx, base_seed, init_fn, cpus=None):
+    def __init__(self, dataset, nworkers, ctx, base_seed, init_fn, cpus=None, collate=None):
         self.ctx = _context(ctx)
         self.method = self.ctx.get_start_method()
         self.nworkers = nworkers
@@ -768,7 +814,7 @@ class Pool:
                 close_fds = sorted(_PARENT_ENDS) if self.method == "fork" else []
                 p = self.ctx.Process(target=worker_main, name=f"pinmem-worker-{w}",
                                      args=(b, dataset, w, nworkers, base_seed, init_fn,
-                                           close_fds, cpus, sb), daemon=True)
+                                           close_fds, cpus, sb, collate), daemon=True)
                 try:
                     p.start()
                 finally:
@@ -812,7 +858,7 @@ class Pool:
         return pickle.loads(data[REP.size:])
 
     def set_schema(self, schema, timeout):
-        if schema.objs and self.drainer is None:
+        if (schema.objs or getattr(schema, "collate", False)) and self.drainer is None:
             import threading
             self.drainer = threading.Thread(target=_drain, args=(list(self.sides), self.store),
                                             name="pinmem-side-leaves", daemon=True)
@@ -856,7 +902,7 @@ class Pool:
                                f"read ({x!r})")
         where = {"dataset": "in dataset[%d]" % e["index"],
                  "sample": "with the sample of dataset index %d" % e["index"],
-                 "worker_init_fn": "in worker_init_fn"}.get(e["where"], e["where"])
+                 "worker_init_fn": "in worker_init_fn", "collate_fn": "in collate_fn"}.get(e["where"], e["where"])
         text = (f"Caught {e['name']} in pinmem worker process {e['worker']} (pid {e['pid']}) "
                 f"{where}.\nOriginal traceback in the worker:\n{e['tb']}")
         if status == ST_INVALID:

@@ -439,6 +439,8 @@ class _EpochIterator:
                 raise StopIteration
             if b.index + 1 >= loader._bpe:
                 self._done = True  # the epoch ends with this batch
+            if loader._collate is not None:
+                return loader._collated(b)
             objs = loader._side_rows(b)  # taken in every mode, or they would pile up
             if self._mode == "batch":
                 return b
@@ -487,14 +489,16 @@ class Loader:
     samples are read by that many worker processes, each writing its samples straight into the
     shared pinned slot (worker_mode="process", the default; "thread" reads them on threads,
     through the GIL: for datasets that release it). A sample is an array, a CPU tensor, a number,
-    or a tuple, list or dict of those; batches have the sample's structure (default_collate's).
+    or a tuple, list or dict of those (strings and other objects arrive as lists); batches have
+    the sample's structure (default_collate's).
 
     The arguments are torch.utils.data.DataLoader's, in its order: batch_size, shuffle, sampler
-    (any iterable of indices with len(): its order is the order delivered), num_workers,
-    pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-    prefetch_factor (slots = prefetch_factor * max(1, num_workers)), persistent_workers. What
-    pinmem cannot honour is refused, never ignored: batch_sampler, and a collate_fn other than
-    default_collate (do per-sample work in the dataset). Also: seed (shuffle order and worker
+    (any iterable of indices with len(): its order is the order delivered), batch_sampler,
+    num_workers, collate_fn (your own: run in the workers on whole batches, its output delivered
+    as it returns it, with device='cpu'), pin_memory, drop_last, timeout, worker_init_fn,
+    multiprocessing_context, generator, prefetch_factor (slots = prefetch_factor *
+    max(1, num_workers)), persistent_workers. What pinmem cannot honour is refused, never
+    ignored (IterableDataset). Also: seed (shuffle order and worker
     seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
     device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
     DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
@@ -566,11 +570,25 @@ class Loader:
             # Its batches, flattened, are a sampler's order cut every batch_size indices
             # (checked as each epoch starts: every batch that size, a shorter one only last).
             batch_size, sampler = b, _FlatBatches(batch_sampler, b)
+        # A collate_fn of your own runs where torch runs it (in the worker process on the list
+        # of a batch's samples, or in the main process with num_workers=0) and its output is
+        # delivered as it returns it: claims are whole batches, and the slot holds a byte per
+        # row (the rows read) while the output travels beside it.
+        self._collate = None
         if collate_fn is not None and not _is_default_collate(collate_fn):
-            raise InvalidError("PM_ERR_INVALID: collate_fn is not supported: pinmem.Loader "
-                               "writes each sample straight into its row of the batch (the "
-                               "default_collate result); do per-sample work in the dataset's "
-                               "__getitem__, and per-batch work on the batch after the loader")
+            if not callable(collate_fn):
+                raise InvalidError(f"PM_ERR_INVALID: collate_fn must be callable, not "
+                                   f"{type(collate_fn).__name__}")
+            if to_device:
+                raise InvalidError("PM_ERR_INVALID: collate_fn of your own: its output is "
+                                   "delivered as it returns it, in host memory; pass "
+                                   "device='cpu' and move the batch yourself (.to(device, "
+                                   "non_blocking=True)), or leave collate_fn out (pinmem writes "
+                                   "the samples into pinned batches and moves them)")
+            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+                raise InvalidError("PM_ERR_INVALID: collate_fn of your own needs a map-style "
+                                   "dataset (__getitem__ and __len__), whose samples it collates")
+            self._collate = collate_fn
         if sampler is not None and shuffle:
             raise InvalidError("PM_ERR_INVALID: sampler and shuffle=True cannot go together "
                                "(as in torch's DataLoader): the sampler decides the order")
@@ -592,7 +610,7 @@ class Loader:
             seed = _seed_from(generator)
         seed %= 1 << 64  # as torch's generators: a negative seed is its 64-bit pattern
         nw = _int_arg("num_workers", num_workers, 0)
-        python_ds = _is_python_dataset(dataset)
+        python_ds = self._collate is not None or _is_python_dataset(dataset)
         procs = python_ds and nw > 0 and worker_mode in (None, "process")
         # Checked before any process starts: each worker process is served by _PROCESS_DEPTH
         # of the C loader's threads, which has at most 256.
@@ -633,7 +651,8 @@ class Loader:
             # _PROCESS_DEPTH loader threads per process so each has its next claim queued.
             self._config.update(workers=nw * _PROCESS_DEPTH, shared_slots=True,
                                 ordered_workers=True,
-                                claim_rows=max(1, min(_PROCESS_CLAIM, batch_size)))
+                                claim_rows=batch_size if self._collate is not None else
+                                max(1, min(_PROCESS_CLAIM, batch_size)))
         if sampler is not None:
             self._config.update(rank=0, world_size=1)  # the sampler shards, if anyone does
         # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
@@ -684,6 +703,8 @@ class Loader:
         """The C dataset of every field (worker processes started for a Python dataset, whose
         sample 0 gives the structure): at construction for arrays and files, at the first
         iteration for Python datasets (as torch's DataLoader reads nothing before)."""
+        if self._collate is not None:
+            return self._open_collated()
         if self._procs:
             self._pool = self._start_pool(0)
             try:
@@ -712,6 +733,47 @@ class Loader:
                                " which has no DLPack type for the device: use device='cpu', or "
                                "store it as a native number type")
         self._ds = self._base
+
+    def _open_collated(self):
+        """The C dataset of a loader with a collate_fn of its own: one byte per row (set when
+        the row's claim is done), its worker processes (which collate whole batches) or, with
+        num_workers=0, nothing more (the main process collates at delivery, as torch)."""
+        import numpy
+        from . import _workers
+        self._schema = _workers.CollateSchema(self._unbatched)
+        n = len(self.dataset)
+        if n == 0:
+            raise InvalidError("PM_ERR_INVALID: the dataset is empty")
+        if self._procs:
+            self._pool = self._start_pool(0)
+            try:
+                self._pool.set_schema(self._schema, self._timeout)
+                self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), n,
+                                                    self._schema.specs(), self._timeout,
+                                                    _PROCESS_DEPTH)
+            except BaseException:
+                self._pool.stop()
+                self._pool.close()
+                raise
+        else:
+            mark = numpy.ones((), numpy.uint8)
+            self._base = _pinmem._dataset_python(lambda i: [mark], n, self._schema.specs())
+        self._tuple, self._odd, self._ds = False, [], self._base
+
+    def _collated(self, b):
+        """The collate_fn's output for batch b (its slot goes back at once)."""
+        indices = tuple(int(i) for i in b.indices)
+        epoch = b.epoch
+        del b
+        if self._pool is not None:
+            return self._pool.store.take(epoch, [indices], self._timeout)[0]
+        samples = []
+        for i in indices:
+            try:
+                samples.append(self.dataset[i])
+            except StopIteration as e:
+                raise _stop_iteration_error(i, e) from e
+        return self._collate(samples[0] if self._unbatched else samples)
 
     def _start(self):
         """Open what the constructor left for the first use: the dataset (Python datasets)
@@ -752,7 +814,7 @@ class Loader:
         else:
             dev = _pinmem.current_device()
         cpus = _pinmem._numa_worker_cpus(dev)
-        return _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus)
+        return _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus, collate=self._collate)
 
     def _on_device(self, make):
         """make() with the loader's device current (device="cuda:k"): its stream, buffers and
@@ -967,6 +1029,10 @@ class Loader:
 
     def batches(self):
         """Batch objects of one epoch (from the current position to the end of its epoch)."""
+        if self._collate is not None:
+            raise InvalidError("PM_ERR_INVALID: batches() gives the slot's arrays, and with a "
+                               "collate_fn of your own the batch is its output: iterate the "
+                               "loader")
         return _EpochIterator(self, "batch")
 
     def __iter__(self):

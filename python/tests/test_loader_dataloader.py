@@ -149,8 +149,8 @@ def test_tuple_samples_and_refusals_name_the_argument():
     with pytest.raises(pinmem.InvalidError, match="mutually exclusive"):
         pinmem.Loader(Indexed(), batch_size=4,
                       batch_sampler=torch.utils.data.BatchSampler(range(20), 4, False))
-    with pytest.raises(pinmem.InvalidError, match="collate_fn"):
-        pinmem.Loader(Indexed(), collate_fn=lambda xs: xs)
+    with pytest.raises(pinmem.InvalidError, match="collate_fn of your own: .* pass device='cpu'"):
+        pinmem.Loader(Indexed(), collate_fn=lambda xs: xs)  # batches for the device
     with pytest.raises(pinmem.InvalidError, match="batch_size=None option is mutually"):
         pinmem.Loader(Indexed(), batch_size=None, drop_last=True)
 
@@ -456,3 +456,94 @@ def test_str_and_object_leaves_arrive_as_default_collate_gives_them(nw, batch_si
                 for k in ("name", "cap", "none", "obj"):
                     assert pb[k] == tb[k], k
                 assert torch.equal(pb["x"], torch.as_tensor(tb["x"]))
+
+
+class Ragged(Indexed):
+    """Sample i: a float32 run of length i % 4 + 1 (shapes vary), its name and its label."""
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise KeyError(f"sample {i} is broken")
+        return torch.arange(i % 4 + 1, dtype=torch.float32) + i, f"s{i}", i
+
+
+def pad(samples):
+    """A collate_fn that pads to the batch's longest sample (the batches' shapes vary)."""
+    xs, names, ys = zip(*samples)
+    out = torch.zeros(len(xs), max(len(x) for x in xs))
+    for k, x in enumerate(xs):
+        out[k, :len(x)] = x
+    if any(y == 13 for y in ys):
+        raise ValueError("collate_fn refuses label 13")
+    return {"x": out, "names": list(names), "y": torch.tensor(ys), "width": out.shape[1]}
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and sorted(a) == sorted(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("nw, persistent", [(0, False), (2, False), (2, True)])
+def test_collate_fn_runs_on_each_batch_as_in_dataloader(nw, persistent):
+    ds = Ragged(13)
+    t = list(DataLoader(ds, batch_size=3, num_workers=nw, collate_fn=pad))
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, device="cpu",
+                       persistent_workers=persistent) as p:
+        assert p.collate_fn is pad and len(p) == len(t) == 5
+        for _ in range(2):
+            got = list(p)
+            assert len(got) == len(t) and all(same(a, b) for a, b in zip(got, t))
+        assert {b["width"] for b in got} == {1, 3, 4}  # the shapes varied
+        with pytest.raises(pinmem.InvalidError, match="batches.. gives the slot's arrays"):
+            p.batches()
+    # batch_size=None: collate_fn on each sample, as DataLoader.
+    t = list(DataLoader(ds, batch_size=None, num_workers=nw, collate_fn=lambda s: s[1]))
+    with pinmem.Loader(ds, batch_size=None, num_workers=nw, collate_fn=lambda s: s[1],
+                       device="cpu") as p:
+        assert list(p) == t == [f"s{i}" for i in range(13)]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_errors_in_collate_fn_and_the_dataset_come_at_their_batch(nw):
+    ds = Ragged(16, fail_at=4)
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, device="cpu") as p:
+        it = iter(p)
+        assert next(it)["y"].tolist() == [0, 1, 2]
+        with pytest.raises(KeyError, match="sample 4 is broken"):
+            next(it)
+        assert next(it)["y"].tolist() == [6, 7, 8]
+        assert next(it)["y"].tolist() == [9, 10, 11]
+        with pytest.raises(ValueError, match="collate_fn refuses label 13"):
+            next(it)
+        assert next(it)["y"].tolist() == [15]
+
+
+class TwoBroken(Indexed):
+    """Two broken samples far apart: the second is not read before the first is raised (the
+    slots hold 4 batches)."""
+
+    def __getitem__(self, i):
+        if i in (4, 40):
+            raise KeyError(f"sample {i} is broken")
+        return np.full(2, i, dtype=np.float32), i
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_each_error_names_its_own_sample(nw):
+    """A second exception after the loader went on past a first is raised with its own text."""
+    with pinmem.Loader(TwoBroken(48), batch_size=3, num_workers=nw, device="cpu",
+                       prefetch_factor=1) as p:
+        it = iter(p)
+        got = []
+        for b in range(16):
+            if b in (1, 13):
+                with pytest.raises(KeyError, match=f"sample {4 if b == 1 else 40} is broken"):
+                    next(it)
+            else:
+                got += labels(next(it))
+        assert got == [i for i in range(48) if i // 3 not in (1, 13)]
