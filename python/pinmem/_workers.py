@@ -659,7 +659,8 @@ def checked_leaves(schema, sample, i, np):
             had = kind0[5:] if bits0 else dt
             raise _invalid(f"dataset index {i}, field {paths[k]}: shape {a.shape} dtype "
                            f"{has}, but the first sample had shape {shape} dtype {had} "
-                           "(every sample must match: resize or convert in the dataset)")
+                           "(every sample must match: resize or convert in the dataset, or give a "
+                           "collate_fn that pads, with device='cpu')")
         out.append(a)
     return out
 

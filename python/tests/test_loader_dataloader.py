@@ -547,3 +547,11 @@ def test_each_error_names_its_own_sample(nw):
             else:
                 got += labels(next(it))
         assert got == [i for i in range(48) if i // 3 not in (1, 13)]
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_varying_shapes_without_collate_fn_are_refused_naming_what_to_do(nw):
+    with pinmem.Loader(Ragged(8), batch_size=4, num_workers=nw, device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match=r"dataset index 1, field \[0\]: shape "
+                           r"\(2,\).*first sample had shape \(1,\).*collate_fn that pads"):
+            next(iter(p))
