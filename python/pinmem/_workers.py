@@ -11,6 +11,13 @@ sample byte crosses a pipe or is touched by the main process, which only queues 
 slot: torch's DataLoader instead pickles each batch through shared memory (copy 1) and copies it
 again into pinned memory in the main process (copy 2, under the GIL).
 
+What has no bytes for a slot travels beside it, on a second (stream) socket per worker: a
+sample's non-array leaves (str, bytes, None, objects), and with a collate_fn of the user's own
+(claims are then whole batches) the collate_fn's output. The worker sends a claim's frame before
+its reply, a thread of the main process files the frames by (epoch, dataset indices), and each
+batch takes its own as it is delivered. Empty arrays (a zero-size dimension) take no slot bytes:
+the main process makes them per batch.
+
 The claims go to the threads, hence to the processes, in a fixed order (the C loader's
 ordered_workers), and each process seeds its generators from (seed, worker id) as torch's
 workers do: a run's batches, random augmentation included, are the same on every run.
@@ -34,6 +41,7 @@ Messages (little-endian):
              the nnew memfds are attached (SCM_RIGHTS) in the order of their keys.
   reply    = magic u32, status i32, index u64, then a payload (pickle) for status != 0, for
              DESCRIBE, and for SCHEMA (None, or why the worker kept its CPU affinity).
+  side     = length u64, then pickle((epoch, [key per row or batch], [values])), on the stream.
 """
 
 import os
