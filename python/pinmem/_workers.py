@@ -125,11 +125,11 @@ class Schema:
         out = []
         for v, (dt, shape, k) in zip(vals, self.leaves):
             t = type(v)
-            if k == "obj":
-                pass
-            elif t is np.ndarray:
-                if v.dtype != dt or v.shape != shape or k.startswith("bits:"):
+            if t is np.ndarray:  # the common case first (an obj leaf's dt is None: no match)
+                if v.dtype != dt or v.shape != shape or k[0] == "b" and k != "bool":
                     return None
+            elif k == "obj":
+                pass
             elif k == "int" and t is int or k == "float" and t is float or \
                     k == "bool" and t is bool:
                 pass
@@ -615,7 +615,7 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=N
             leaves = schema.fast_leaves(sample, np) if schema.flat else None
             if leaves is None:
                 leaves = checked_leaves(schema, sample, i, np)
-            for k, a in enumerate(schema.slot_values(leaves)):
+            for k, a in enumerate(schema.slot_values(leaves) if schema.empty else leaves):
                 views[k][j] = a
             if rows is not None:
                 rows.append(schema.obj_values(leaves))
