@@ -11,6 +11,13 @@ sample byte crosses a pipe or is touched by the main process, which only queues 
 slot: torch's DataLoader instead pickles each batch through shared memory (copy 1) and copies it
 again into pinned memory in the main process (copy 2, under the GIL).
 
+What has no bytes for a slot travels beside it, on a second (stream) socket per worker: a
+sample's non-array leaves (str, bytes, None, objects), and with a collate_fn of the user's own
+(claims are then whole batches) the collate_fn's output. The worker sends a claim's frame before
+its reply, a thread of the main process files the frames by (epoch, dataset indices), and each
+batch takes its own as it is delivered. Empty arrays (a zero-size dimension) take no slot bytes:
+the main process makes them per batch.
+
 The claims go to the threads, hence to the processes, in a fixed order (the C loader's
 ordered_workers), and each process seeds its generators from (seed, worker id) as torch's
 workers do: a run's batches, random augmentation included, are the same on every run.
@@ -34,6 +41,7 @@ Messages (little-endian):
              the nnew memfds are attached (SCM_RIGHTS) in the order of their keys.
   reply    = magic u32, status i32, index u64, then a payload (pickle) for status != 0, for
              DESCRIBE, and for SCHEMA (None, or why the worker kept its CPU affinity).
+  side     = length u64, then pickle((epoch, [key per row or batch], [values])), on the stream.
 """
 
 import os
@@ -57,6 +65,7 @@ MAX_MSG = 1 << 20
 MAX_REPLY = 48 << 10
 MAX_TEXT = 16 << 10
 MAX_FDS = 64
+SIDE = struct.Struct("<Q")  # the length of one frame of non-array leaves (a stream socket)
 
 # ---- sample structure ------------------------------------------------------------------------
 
@@ -68,9 +77,23 @@ class Schema:
 
     def __init__(self, tree, leaves, paths):
         self.tree = tree        # ("leaf", k) | ("tuple"|"list", [...]) | ("dict", [(key, t)])
-        self.leaves = leaves    # [(numpy dtype, shape, kind)] kind: array|tensor|int|float|bool
+        self.leaves = leaves    # [(numpy dtype, shape, kind)] kind: array|tensor|int|float|bool|bits:<dtype name>
+        #                       (bits: a torch dtype NumPy lacks, its bits in an unsigned int)
         self.paths = paths      # ["[0]", "['image']", ...] names for messages
         self.ref = _shape_tree(tree)
+        # Leaves with no elements (a zero-size dimension) have no bytes for the slot: the slot
+        # holds the others (`slot`: their leaf numbers, in field order) and the main process
+        # makes the empty ones per batch (`make_empty`).
+        self.slot = [k for k, (_, shape, kind) in enumerate(leaves)
+                     if kind != "obj" and 0 not in shape]
+        self.empty = len(self.slot) != len(leaves)
+        # Leaves that are no arrays (str, bytes, None, any object) travel beside the slot, per
+        # row, and arrive as lists, as default_collate keeps strings.
+        self.objs = [k for k, (_, _, kind) in enumerate(leaves) if kind == "obj"]
+        # default_collate gives the strings of a leaf inside a tuple, list or named tuple as a
+        # tuple (the transposed batch), inside a dict as a list.
+        self.obj_tuple = set()
+        _in_sequence(tree, False, self.obj_tuple)
         # The common shapes (one leaf; a tuple, list or dict of leaves) get a fast check per
         # sample; anything else, or a sample that fails it, takes the full walk (which also
         # writes the error message).
@@ -102,12 +125,21 @@ class Schema:
         out = []
         for v, (dt, shape, k) in zip(vals, self.leaves):
             t = type(v)
-            if t is np.ndarray:
-                if v.dtype != dt or v.shape != shape:
+            if t is np.ndarray:  # the common case first (an obj leaf's dt is None: no match)
+                if v.dtype != dt or v.shape != shape or k[0] == "b" and k != "bool":
                     return None
+            elif k == "obj":
+                pass
             elif k == "int" and t is int or k == "float" and t is float or \
                     k == "bool" and t is bool:
                 pass
+            elif k[0] == "b" and k != "bool":  # "bits:<name>": bfloat16, float8...
+                if getattr(v, "device", None) is None or v.device.type != "cpu" or \
+                        str(v.dtype) != "torch." + k[5:]:
+                    return None
+                v = tensor_bits(v)[0]
+                if v.shape != shape:
+                    return None
             elif k == "tensor" and getattr(v, "device", None) is not None:
                 if v.device.type != "cpu":
                     return None
@@ -124,14 +156,113 @@ class Schema:
 
     def specs(self):
         """(sample shape, dtype text, itemsize) per leaf, for the C dataset."""
-        return [(shape, dt.str, dt.itemsize) for dt, shape, _ in self.leaves]
+        return [(shape, k[5:] if k.startswith("bits:") else dt.str, dt.itemsize)
+                for dt, shape, k in (self.leaves[j] for j in self.slot)]
 
-    def rebuild(self, values):
-        """The batch's structure around the leaf values (in leaf order)."""
+    def obj_values(self, leaves):
+        """The non-array leaves of a sample, in leaf order."""
+        return [leaves[k] for k in self.objs]
+
+    def slot_values(self, leaves):
+        """The leaves that go into the slot, in field order."""
+        return [leaves[k] for k in self.slot] if self.empty else leaves
+
+    def rebuild(self, values, unbatched=False, objs=None):
+        """The batch's structure around the slot fields' values (in field order), the empty
+        leaves made here as default_collate would stack them: (rows, *shape), of the other
+        fields' kind (torch tensors on their device, else NumPy arrays; torch tensors for dtypes
+        NumPy lacks)."""
+        if self.empty:
+            values = self._with_empty(values, unbatched, objs)
         return _rebuild(self.tree, values)
+
+    def _with_empty(self, values, unbatched, objs):
+        """objs: per row, its non-array leaves (in leaf order)."""
+        first = values[0]
+        rows = () if unbatched else (first.shape[0],)
+        torch = sys.modules.get("torch")
+        on_torch = type(first).__module__.startswith("torch")
+        out, it, j = [], iter(values), 0
+        for k, (dt, shape, kind) in enumerate(self.leaves):
+            if kind == "obj":
+                col = [row[j] for row in objs]
+                out.append(objs[0][j] if unbatched else
+                           tuple(col) if k in self.obj_tuple else col)
+                j += 1
+                continue
+            if 0 not in shape:
+                out.append(next(it))
+                continue
+            if kind.startswith("bits:") or on_torch:
+                if torch is None:
+                    import torch
+                tdt = getattr(torch, kind[5:]) if kind.startswith("bits:") else \
+                    torch.from_numpy(__import__("numpy").empty(0, dt)).dtype
+                out.append(torch.empty(rows + shape, dtype=tdt,
+                                       device=first.device if on_torch else "cpu"))
+            else:
+                import numpy as np
+                out.append(np.empty(rows + shape, dt))
+        return out
 
     def is_single(self):
         return self.tree[0] == "leaf"
+
+
+class CollateSchema:
+    """The layout of a loader with a collate_fn of its own: one byte per row in the slot (set
+    once the row's claim, a whole batch, is done); the collate_fn's output travels beside."""
+
+    collate = True
+    objs = ()
+
+    def __init__(self, unbatched):
+        self.unbatched = unbatched
+
+    def specs(self):
+        return [((), "|u1", 1)]
+
+    def is_single(self):
+        return True
+
+
+def _serve_collated(dataset, collate, unbatched, maps, fields, indices, np, wid, epoch, side):
+    """One claim (a whole batch): its samples, collate_fn on them, the output sent beside the
+    slot, then the rows marked done."""
+    key, off, _ = fields[0]
+    samples = []
+    for i in indices:
+        try:
+            samples.append(dataset[i])
+        except BaseException as e:
+            return _pack_error(ST_EXC, i, wid, e, "dataset")
+    try:
+        out = collate(samples[0] if unbatched else samples)
+    except BaseException as e:
+        return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
+    try:
+        data = pickle.dumps((epoch, [tuple(indices)], [out]))
+    except BaseException as e:
+        return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
+    try:
+        side.sendall(SIDE.pack(len(data)) + data)
+    except OSError as e:
+        return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
+    np.ndarray((len(indices),), np.uint8, buffer=maps[key], offset=off)[:] = 1
+    return REP.pack(MAGIC_REP, ST_OK, 0)
+
+
+def _in_sequence(t, seq, out):
+    """The leaf numbers of t whose parent is a tuple, list or named tuple, added to out."""
+    if t[0] == "leaf":
+        if seq:
+            out.add(t[1])
+    elif t[0] == "dict":
+        for _, c in t[1]:
+            _in_sequence(c, False, out)
+    else:
+        for c in t[1]:
+            _in_sequence(c, True, out)
 
 
 def _rebuild(t, values):
@@ -163,17 +294,32 @@ def _leaf(v, np, path, index):
         if v.device.type != "cpu":
             raise _invalid(f"dataset index {index}, field {path}: a tensor on {v.device}; worker "
                            "samples must be CPU tensors (the loader moves the batch)")
+        bits = tensor_bits(v)
+        if bits is not None:
+            return bits[0], "bits:" + bits[1]
         try:
             return v.detach().numpy(), "tensor"
         except (TypeError, RuntimeError) as e:
             raise _invalid(f"dataset index {index}, field {path}: a {v.dtype} tensor has no "
-                           f"NumPy type ({e}); convert it in the dataset (e.g. .view(torch.int16) "
-                           "for bfloat16)") from None
-    what = type(v).__name__
-    hint = (" (strings cannot go into a batch array: return an index or a code instead, or drop "
-            "the field)" if isinstance(v, (str, bytes)) else
-            " (return a NumPy array, a CPU tensor or a number)")
-    raise _invalid(f"dataset index {index}, field {path}: a {what} is not an array{hint}")
+                           f"type pinmem can batch ({e}); convert it in the dataset") from None
+    return v, "obj"  # str, bytes, None, any object: delivered beside the batch, as a list
+
+
+# torch dtypes NumPy lacks but DLPack carries (pinmem's dtype table has them): samples of these
+# travel as their bits (an unsigned integer of the same size) and batches are described by name.
+BITS_DTYPES = ("bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+               "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
+def tensor_bits(t):
+    """(a NumPy view of the bits of CPU tensor t, its dtype's name) for a dtype of BITS_DTYPES,
+    else None."""
+    name = str(t.dtype)
+    if not name.startswith("torch.") or name[6:] not in BITS_DTYPES:
+        return None
+    torch = sys.modules["torch"]
+    store = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+    return t.detach().contiguous().view(store).numpy(), name[6:]
 
 
 def _invalid(msg):
@@ -220,19 +366,22 @@ def describe(sample, index):
                        "holds at most 16 (pack some together in the dataset)")
     specs = []
     for (a, kind), p in zip(leaves, paths):
+        if kind == "obj":
+            specs.append((None, None, kind))
+            continue
         dt = a.dtype
         if dt.hasobject or dt.itemsize == 0:
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} has no fixed-size "
                            "bytes")
-        if a.size == 0:
-            raise _invalid(f"dataset index {index}, field {p}: an empty array (shape "
-                           f"{tuple(a.shape)}) has no bytes for a batch row: drop the field, or "
-                           "give it at least one element")
         if dt.byteorder == ">" or dt.fields is not None or dt.kind in "OUSVMm":
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} cannot go to the "
                            "device; return a native number type")
         specs.append((dt, tuple(a.shape), kind))
-    return Schema(tree, specs, paths)
+    schema = Schema(tree, specs, paths)
+    if not schema.slot:
+        raise _invalid(f"dataset index {index}: the sample has no array with elements (every "
+                       "array is empty, or there is none): a batch needs at least one")
+    return schema
 
 
 # ---- the worker process ----------------------------------------------------------------------
@@ -348,7 +497,8 @@ def _place(cpus):
     return sorted(cpus), None
 
 
-def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpus=None):
+def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpus=None,
+                side=None, collate=None):
     """The body of worker process `wid`: serve claims until the socket closes."""
     global _worker_info
     placed, place_error = _place(cpus)  # first: a worker_init_fn's own affinity wins
@@ -426,8 +576,11 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
         elif kind == KIND_SCHEMA:
             schema = pickle.loads(msg[pos + 8 * n:])
             reply = REP.pack(MAGIC_REP, ST_OK, 0) + pickle.dumps(place_error)
+        elif getattr(schema, "collate", False):
+            reply = _serve_collated(dataset, collate, schema.unbatched, maps, fields, indices,
+                                    np, wid, epoch, side)
         else:
-            reply = _serve_rows(dataset, schema, maps, fields, indices, np, wid)
+            reply = _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch, side)
         if not _send(sock, reply):
             break  # the loader is closing
     for m in maps.values():
@@ -446,12 +599,13 @@ def _send(sock, data):
         return False
 
 
-def _serve_rows(dataset, schema, maps, fields, indices, np, wid):
+def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=None):
     n = len(indices)
     views = []
     for k, (key, off, row_bytes) in enumerate(fields):
-        dt, shape, _ = schema.leaves[k]
+        dt, shape, _ = schema.leaves[schema.slot[k]]
         views.append(np.ndarray((n,) + shape, dtype=dt, buffer=maps[key], offset=off))
+    rows = [] if schema.objs else None
     for j, i in enumerate(indices):
         try:
             sample = dataset[i]
@@ -461,12 +615,31 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid):
             leaves = schema.fast_leaves(sample, np) if schema.flat else None
             if leaves is None:
                 leaves = checked_leaves(schema, sample, i, np)
-            for k, a in enumerate(leaves):
+            for k, a in enumerate(schema.slot_values(leaves) if schema.empty else leaves):
                 views[k][j] = a
+            if rows is not None:
+                rows.append(schema.obj_values(leaves))
         except BaseException as e:
             from . import InvalidError
             st = ST_INVALID if isinstance(e, InvalidError) else ST_EXC
             return _pack_error(st, i, wid, e, "sample")
+    if rows is not None:
+        # Before the reply: once the loader has the rows, their non-array leaves are sent.
+        try:
+            data = pickle.dumps((epoch, list(indices), rows))
+        except BaseException as e:
+            bad = indices[0]
+            for i, r in zip(indices, rows):  # name the row whose leaves cannot travel
+                try:
+                    pickle.dumps(r)
+                except BaseException:
+                    bad = i
+                    break
+            return _pack_error(ST_EXC, bad, wid, e, "sample")
+        try:
+            side.sendall(SIDE.pack(len(data)) + data)
+        except OSError as e:
+            return _pack_error(ST_EXC, indices[0], wid, e, "sample")
     return REP.pack(MAGIC_REP, ST_OK, 0)
 
 
@@ -479,12 +652,23 @@ def checked_leaves(schema, sample, i, np):
         raise _invalid(f"dataset index {i}: the sample's structure {_describe_tree(tree)} "
                        f"differs from the first sample's {_describe_tree(schema.tree)}")
     out = []
-    for k, (a, _) in enumerate(leaves):
-        dt, shape, _ = schema.leaves[k]
-        if a.shape != shape or a.dtype != dt:
+    for k, (a, kind) in enumerate(leaves):
+        dt, shape, kind0 = schema.leaves[k]
+        if kind0 == "obj":
+            out.append(a)
+            continue
+        if kind == "obj":
+            raise _invalid(f"dataset index {i}, field {paths[k]}: a {type(a).__name__}, but the "
+                           f"first sample had an array of shape {shape} dtype {dt} (every "
+                           "sample must match)")
+        bits, bits0 = kind.startswith("bits:"), kind0.startswith("bits:")
+        if a.shape != shape or a.dtype != dt or (bits or bits0) and kind != kind0:
+            has = kind[5:] if bits else a.dtype
+            had = kind0[5:] if bits0 else dt
             raise _invalid(f"dataset index {i}, field {paths[k]}: shape {a.shape} dtype "
-                           f"{a.dtype}, but the first sample had shape {shape} dtype {dt} "
-                           "(every sample must match: resize or convert in the dataset)")
+                           f"{has}, but the first sample had shape {shape} dtype {had} "
+                           "(every sample must match: resize or convert in the dataset, or give a "
+                           "collate_fn that pads, with device='cpu')")
         out.append(a)
     return out
 
@@ -499,6 +683,92 @@ def _describe_tree(t):
 
 
 # ---- the main process's side -----------------------------------------------------------------
+
+
+class SideStore:
+    """Non-array leaves of rows read, by (epoch, dataset index), until their batch takes them.
+    A queue per key: an index read twice in an epoch (a sampler drawing with replacement) gives
+    its values in the order read."""
+
+    def __init__(self):
+        import threading
+        self.cond = threading.Condition()
+        self.rows = {}
+        self.error = None
+
+    def put(self, epoch, indices, rows):
+        with self.cond:
+            for i, r in zip(indices, rows):
+                self.rows.setdefault((epoch, i), []).append(r)
+            self.cond.notify_all()
+
+    def take(self, epoch, indices, timeout):
+        """The rows of a delivered batch, in row order; values of earlier epochs (rows of
+        batches never delivered: a loop that stopped early, a batch that failed) are dropped."""
+        import time
+        with self.cond:
+            stale = [k for k in self.rows if k[0] is not None and k[0] < epoch]
+            for k in stale:
+                del self.rows[k]
+            want = {}
+            for i in indices:
+                want[i] = want.get(i, 0) + 1
+            deadline = time.monotonic() + (timeout or 60.0)
+            while any(len(self.rows.get((epoch, i), ())) < c for i, c in want.items()):
+                if self.error is not None:
+                    raise self.error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerError("pinmem.Loader: the non-array leaves (strings, objects) of "
+                                      f"rows {list(indices)[:8]} of epoch {epoch} did not arrive")
+                self.cond.wait(left)
+            out = []
+            for i in indices:
+                q = self.rows[(epoch, i)]
+                out.append(q.pop(0))
+                if not q:
+                    del self.rows[(epoch, i)]
+            return out
+
+    def clear(self):
+        with self.cond:
+            self.rows.clear()
+
+
+def _drain(socks, store):
+    """Read the workers' frames of non-array leaves into store until every socket ends."""
+    import select
+    bufs = {s.fileno(): bytearray() for s in socks}
+    live = {s.fileno(): s for s in socks}
+    while live:
+        try:
+            r, _, _ = select.select(list(live.values()), [], [])
+        except (OSError, ValueError):
+            break
+        for s in r:
+            try:
+                data = s.recv(1 << 20)
+            except OSError:
+                data = b""
+            fd = s.fileno() if data else None
+            if not data:
+                live = {k: v for k, v in live.items() if v is not s}
+                continue
+            buf = bufs[fd]
+            buf += data
+            while len(buf) >= SIDE.size:
+                (n,) = SIDE.unpack_from(buf, 0)
+                if len(buf) < SIDE.size + n:
+                    break
+                try:
+                    epoch, indices, rows = pickle.loads(bytes(buf[SIDE.size:SIDE.size + n]))
+                    store.put(epoch, indices, rows)
+                except Exception as e:  # an object that cannot be unpickled here
+                    with store.cond:
+                        store.error = WorkerError("pinmem.Loader: a worker's non-array leaves "
+                                                  f"cannot be read in the main process ({e!r})")
+                        store.cond.notify_all()
+                del buf[:SIDE.size + n]
 
 _PARENT_ENDS = set()  # fds of every live pool's sockets: closed in forked workers
 
@@ -532,28 +802,33 @@ class WorkerError(RuntimeError):
 class Pool:
     """The worker processes of one loader, their sockets, and what their errors mean."""
 
-    def __init__(self, dataset, nworkers, ctx, base_seed, init_fn, cpus=None):
+    def __init__(self, dataset, nworkers, ctx, base_seed, init_fn, cpus=None, collate=None):
         self.ctx = _context(ctx)
         self.method = self.ctx.get_start_method()
         self.nworkers = nworkers
         self.cpus = cpus            # NUMA placement of the workers (sorted CPU ids) or None
         self.numa_problems = {}     # worker -> why it kept its affinity (from its SCHEMA reply)
         self.socks, self.procs = [], []
+        self.sides, self.store, self.drainer = [], SideStore(), None
         self.closed = self.stopped = False
         self.epoch = 0
         try:
             for w in range(nworkers):
                 a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 _PARENT_ENDS.add(a.fileno())
+                _PARENT_ENDS.add(sa.fileno())
+                self.socks.append(a)
+                self.sides.append(sa)
                 close_fds = sorted(_PARENT_ENDS) if self.method == "fork" else []
                 p = self.ctx.Process(target=worker_main, name=f"pinmem-worker-{w}",
                                      args=(b, dataset, w, nworkers, base_seed, init_fn,
-                                           close_fds, cpus), daemon=True)
-                self.socks.append(a)
+                                           close_fds, cpus, sb, collate), daemon=True)
                 try:
                     p.start()
                 finally:
                     b.close()
+                    sb.close()
                 self.procs.append(p)
         except BaseException:
             self.close()
@@ -592,6 +867,11 @@ class Pool:
         return pickle.loads(data[REP.size:])
 
     def set_schema(self, schema, timeout):
+        if (schema.objs or getattr(schema, "collate", False)) and self.drainer is None:
+            import threading
+            self.drainer = threading.Thread(target=_drain, args=(list(self.sides), self.store),
+                                            name="pinmem-side-leaves", daemon=True)
+            self.drainer.start()
         blob = pickle.dumps(schema)
         for w in range(self.nworkers):
             data = self._exchange(w, REQ.pack(MAGIC_REQ, KIND_SCHEMA, 0, 0, 0, 0) + blob, timeout or None)
@@ -631,7 +911,7 @@ class Pool:
                                f"read ({x!r})")
         where = {"dataset": "in dataset[%d]" % e["index"],
                  "sample": "with the sample of dataset index %d" % e["index"],
-                 "worker_init_fn": "in worker_init_fn"}.get(e["where"], e["where"])
+                 "worker_init_fn": "in worker_init_fn", "collate_fn": "in collate_fn"}.get(e["where"], e["where"])
         text = (f"Caught {e['name']} in pinmem worker process {e['worker']} (pid {e['pid']}) "
                 f"{where}.\nOriginal traceback in the worker:\n{e['tb']}")
         if status == ST_INVALID:
@@ -695,7 +975,9 @@ class Pool:
         if self.closed:
             return
         self.closed = True
-        for s in self.socks:
+        if self.drainer is not None:  # the workers are gone: their side sockets ended
+            self.drainer.join(5.0)
+        for s in self.socks + self.sides:
             _PARENT_ENDS.discard(s.fileno())
             s.close()
         for p in self.procs:

@@ -226,6 +226,15 @@ static int Buffer_getbuffer(BufferObject *self, Py_buffer *view, int flags) {
     PyErr_SetString(PyExc_BufferError, "pinmem: the buffer is read-only");
     return -1;
   }
+  if (self->dtype && self->dtype->kind == 'V' && (flags & PyBUF_ND)) {
+    /* bfloat16, float8, complex32: no struct format names them, and an integer view would read
+     * as the wrong numbers. */
+    PyErr_Format(PyExc_BufferError,
+                 "pinmem: %s has no buffer-protocol or NumPy type; use DLPack "
+                 "(torch.from_dlpack(x); its .view(torch.int16) etc. for the raw bits)",
+                 self->dtype->name);
+    return -1;
+  }
   view->buf = self->ptr;
   view->len = (Py_ssize_t)self->nbytes;
   view->readonly = self->readonly;
@@ -302,6 +311,13 @@ static PyObject *Buffer_array(BufferObject *self, PyObject *args, PyObject *kw) 
                     "pinmem: device memory is not readable by the CPU; copy it to host memory "
                     "first (pinmem.copy into a pinmem.empty buffer or a NumPy array, then "
                     "Completion.wait()), or hand it to a device library through DLPack");
+    return NULL;
+  }
+  if (self->dtype && self->dtype->kind == 'V') {
+    PyErr_Format(PyExc_TypeError,
+                 "pinmem: %s has no NumPy type; use torch.from_dlpack(x) (or as_torch() for a "
+                 "loader's batches), and its .view(torch.uint%d) for the raw bits",
+                 self->dtype->name, self->dtype->bits);
     return NULL;
   }
   PyObject *np = PyImport_ImportModule("numpy");

@@ -10,6 +10,17 @@
 /* kDLBool entered DLPack in 0.8; the value is fixed by the standard, so bool arrays round-trip
  * with consumers that know it even when built against the 0.6 header. */
 #define PMPY_DL_BOOL 6
+/* Types NumPy lacks, by their DLPack codes (fixed by the standard; 0.6 headers lack the float8
+ * names). Kind 'V': no NumPy or struct type, so the buffer protocol refuses them by format (see
+ * buffers.c) and they travel by DLPack, bits intact. The format is the unsigned integer of the
+ * same size, for raw views only. */
+#define PMPY_DL_BFLOAT 4
+#define PMPY_DL_COMPLEX 5
+#define PMPY_DL_F8_E4M3FN 10
+#define PMPY_DL_F8_E4M3FNUZ 11
+#define PMPY_DL_F8_E5M2 12
+#define PMPY_DL_F8_E5M2FNUZ 13
+#define PMPY_DL_F8_E8M0FNU 14
 
 static const pmpy_dtype_t g_dtypes[] = {
     {"bool", "?", 'b', PMPY_DL_BOOL, 8},  {"int8", "b", 'i', kDLInt, 8},
@@ -19,6 +30,13 @@ static const pmpy_dtype_t g_dtypes[] = {
     {"uint64", "Q", 'u', kDLUInt, 64},    {"float16", "e", 'f', kDLFloat, 16},
     {"float32", "f", 'f', kDLFloat, 32},  {"float64", "d", 'f', kDLFloat, 64},
     {"complex64", "Zf", 'c', kDLComplex, 64}, {"complex128", "Zd", 'c', kDLComplex, 128},
+    {"bfloat16", "H", 'V', PMPY_DL_BFLOAT, 16},
+    {"complex32", "I", 'V', PMPY_DL_COMPLEX, 32},
+    {"float8_e4m3fn", "B", 'V', PMPY_DL_F8_E4M3FN, 8},
+    {"float8_e4m3fnuz", "B", 'V', PMPY_DL_F8_E4M3FNUZ, 8},
+    {"float8_e5m2", "B", 'V', PMPY_DL_F8_E5M2, 8},
+    {"float8_e5m2fnuz", "B", 'V', PMPY_DL_F8_E5M2FNUZ, 8},
+    {"float8_e8m0fnu", "B", 'V', PMPY_DL_F8_E8M0FNU, 8},
 };
 #define PMPY_NDTYPES (sizeof g_dtypes / sizeof g_dtypes[0])
 
@@ -92,7 +110,7 @@ const pmpy_dtype_t *pmpy_dtype_from_text(const char *s) {
                  {"double", "float64"},   {"float", "float64"},     {"int", "int64"},
                  {"long", "int64"},       {"short", "int16"},       {"byte", "int8"},
                  {"ubyte", "uint8"},      {"csingle", "complex64"}, {"cdouble", "complex128"},
-                 {"complex", "complex128"}};
+                 {"complex", "complex128"}, {"chalf", "complex32"}};
   if (!strncmp(s, "torch.", 6)) s += 6; /* str(torch.float32); torch's own names are canonical */
   for (size_t i = 0; i < PMPY_NDTYPES; i++)
     if (!strcmp(s, g_dtypes[i].name)) return &g_dtypes[i];
@@ -128,7 +146,8 @@ const pmpy_dtype_t *pmpy_parse_dtype(PyObject *o) {
     pmpy_raise_fmt(
         PM_ERR_INVALID,
         "unsupported dtype '%.60s' (supported: bool, int8..int64, uint8..uint64, float16, "
-        "float32, float64, complex64, complex128)",
+        "float32, float64, complex64, complex128, and for DLPack only: bfloat16, complex32, "
+        "float8_e4m3fn, float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz, float8_e8m0fnu)",
         s);
     return NULL;
   }

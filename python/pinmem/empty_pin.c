@@ -158,6 +158,9 @@ static PyObject *py_pin(PyObject *mod, PyObject *args, PyObject *kw) {
     }
     b->src_dl = mt;
     b->dtype = pmpy_dtype_by_dl(t->dtype);
+    /* Types without a NumPy type (bfloat16, float8) stay flat bytes, readable by the buffer
+     * protocol as pin() has always given them. */
+    if (b->dtype && b->dtype->kind == 'V') b->dtype = NULL;
     b->itemsize = ((Py_ssize_t)t->dtype.bits * t->dtype.lanes + 7) / 8;
     if (pmpy_buffer_set_format(b, b->dtype ? b->dtype->format : "B") < 0) goto fail;
     if (!b->dtype) {

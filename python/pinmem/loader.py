@@ -69,20 +69,30 @@ class TokenDataset:
 
 
 def _as_array(a):
-    """An in-memory C-contiguous NumPy array (shares memory where it can)."""
+    """An in-memory C-contiguous NumPy array (shares memory where it can), and the name of the
+    dtype its bits are when NumPy has no such type (bfloat16, float8: their bits as unsigned
+    integers of the same size), else None."""
     import numpy
+    from . import _workers
     if type(a).__module__.startswith("torch"):
         a = a.detach()
         if a.device.type != "cpu":
             raise InvalidError("PM_ERR_INVALID: pinmem.Loader reads CPU tensors; this one is on "
                                f"{a.device}")
-        a = a.contiguous().numpy()
+        bits = _workers.tensor_bits(a)
+        if bits is not None:  # bfloat16, float8...: their bits, and the dtype's name
+            return numpy.ascontiguousarray(bits[0]), bits[1]
+        try:
+            a = a.contiguous().numpy()
+        except (TypeError, RuntimeError) as e:
+            raise InvalidError(f"PM_ERR_INVALID: pinmem.Loader: a {a.dtype} tensor has no type "
+                               f"pinmem can batch ({e}); convert it") from None
     elif not hasattr(type(a), "__array_interface__") and hasattr(type(a), "__dlpack__"):
         try:
             memoryview(a).release()
         except TypeError:
             a = numpy.from_dlpack(a)
-    return numpy.ascontiguousarray(a)
+    return numpy.ascontiguousarray(a), None
 
 
 def _descr_text(dtype, what):
@@ -124,13 +134,19 @@ def _python_dataset(dataset):
         raise _stop_iteration_error(0, e) from e
     schema = _workers.describe(first, 0)
     contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
+    # Non-array leaves (strings, objects) wait here, by index, for their batch (epoch None:
+    # the store is cleared whenever a new C loader starts reading).
+    store = schema.store = _workers.SideStore() if schema.objs else None
 
     def fetch(i):
         try:
             sample = dataset[i]
         except StopIteration as e:
             raise _stop_iteration_error(i, e) from e
-        return [contiguous(a) for a in checked(schema, sample, i, numpy)]
+        leaves = checked(schema, sample, i, numpy)
+        if store is not None:
+            store.put(None, (i,), (schema.obj_values(leaves),))
+        return [contiguous(a) for a in schema.slot_values(leaves)]
 
     return _pinmem._dataset_python(fetch, n, schema.specs()), schema
 
@@ -228,7 +244,7 @@ def _tensor_dataset_fields(dataset):
 
 
 def _open_arrays(arrays):
-    arrays = [_as_array(a) for a in arrays]
+    arrays, names = zip(*[_as_array(a) for a in arrays])
     if any(a.ndim > 0 and len(a) > 0 and a.size == 0 for a in arrays):
         raise InvalidError("PM_ERR_INVALID: an array dataset's samples are empty (shape "
                            f"{[a.shape for a in arrays]}): a batch row needs at least one "
@@ -241,8 +257,8 @@ def _open_arrays(arrays):
         raise InvalidError("PM_ERR_INVALID: the arrays of a dataset need the same length "
                            f"(got {sorted(n)})")
     import numpy
-    specs = [(a.shape[1:], _descr_text(a.dtype, f"field {k}"), a.dtype.itemsize)
-             for k, a in enumerate(arrays)]
+    specs = [(a.shape[1:], name or _descr_text(a.dtype, f"field {k}"), a.dtype.itemsize)
+             for k, (a, name) in enumerate(zip(arrays, names))]
     # Samples travel as bytes (NumPy cannot export every dtype through the buffer protocol:
     # datetimes); the spec says what they are.
     rows = [a.reshape(len(a), -1).view(numpy.uint8) for a in arrays]
@@ -423,6 +439,9 @@ class _EpochIterator:
                 raise StopIteration
             if b.index + 1 >= loader._bpe:
                 self._done = True  # the epoch ends with this batch
+            if loader._collate is not None:
+                return loader._collated(b)
+            objs = loader._side_rows(b)  # taken in every mode, or they would pile up
             if self._mode == "batch":
                 return b
             if self._mode == "torch":
@@ -430,8 +449,8 @@ class _EpochIterator:
                 t = tuple(map(self._convert, b))
                 del b
                 loader._conversion_s += _perf_counter() - t1
-                return loader._shape(t)
-            return loader._shape(b)
+                return loader._shape(t, objs)
+            return loader._shape(b, objs)
         finally:
             # Everything the loop waited for here, so stats() can tell next() from the rest.
             loader._iteration_s += _perf_counter() - t0
@@ -470,14 +489,16 @@ class Loader:
     samples are read by that many worker processes, each writing its samples straight into the
     shared pinned slot (worker_mode="process", the default; "thread" reads them on threads,
     through the GIL: for datasets that release it). A sample is an array, a CPU tensor, a number,
-    or a tuple, list or dict of those; batches have the sample's structure (default_collate's).
+    or a tuple, list or dict of those (strings and other objects arrive as lists); batches have
+    the sample's structure (default_collate's).
 
     The arguments are torch.utils.data.DataLoader's, in its order: batch_size, shuffle, sampler
-    (any iterable of indices with len(): its order is the order delivered), num_workers,
-    pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-    prefetch_factor (slots = prefetch_factor * max(1, num_workers)), persistent_workers. What
-    pinmem cannot honour is refused, never ignored: batch_sampler, and a collate_fn other than
-    default_collate (do per-sample work in the dataset). Also: seed (shuffle order and worker
+    (any iterable of indices with len(): its order is the order delivered), batch_sampler,
+    num_workers, collate_fn (your own: run in the workers on whole batches, its output delivered
+    as it returns it, with device='cpu'), pin_memory, drop_last, timeout, worker_init_fn,
+    multiprocessing_context, generator, prefetch_factor (slots = prefetch_factor *
+    max(1, num_workers)), persistent_workers. What pinmem cannot honour is refused, never
+    ignored (IterableDataset). Also: seed (shuffle order and worker
     seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
     device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
     DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
@@ -549,11 +570,25 @@ class Loader:
             # Its batches, flattened, are a sampler's order cut every batch_size indices
             # (checked as each epoch starts: every batch that size, a shorter one only last).
             batch_size, sampler = b, _FlatBatches(batch_sampler, b)
+        # A collate_fn of your own runs where torch runs it (in the worker process on the list
+        # of a batch's samples, or in the main process with num_workers=0) and its output is
+        # delivered as it returns it: claims are whole batches, and the slot holds a byte per
+        # row (the rows read) while the output travels beside it.
+        self._collate = None
         if collate_fn is not None and not _is_default_collate(collate_fn):
-            raise InvalidError("PM_ERR_INVALID: collate_fn is not supported: pinmem.Loader "
-                               "writes each sample straight into its row of the batch (the "
-                               "default_collate result); do per-sample work in the dataset's "
-                               "__getitem__, and per-batch work on the batch after the loader")
+            if not callable(collate_fn):
+                raise InvalidError(f"PM_ERR_INVALID: collate_fn must be callable, not "
+                                   f"{type(collate_fn).__name__}")
+            if to_device:
+                raise InvalidError("PM_ERR_INVALID: collate_fn of your own: its output is "
+                                   "delivered as it returns it, in host memory; pass "
+                                   "device='cpu' and move the batch yourself (.to(device, "
+                                   "non_blocking=True)), or leave collate_fn out (pinmem writes "
+                                   "the samples into pinned batches and moves them)")
+            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+                raise InvalidError("PM_ERR_INVALID: collate_fn of your own needs a map-style "
+                                   "dataset (__getitem__ and __len__), whose samples it collates")
+            self._collate = collate_fn
         if sampler is not None and shuffle:
             raise InvalidError("PM_ERR_INVALID: sampler and shuffle=True cannot go together "
                                "(as in torch's DataLoader): the sampler decides the order")
@@ -575,7 +610,7 @@ class Loader:
             seed = _seed_from(generator)
         seed %= 1 << 64  # as torch's generators: a negative seed is its 64-bit pattern
         nw = _int_arg("num_workers", num_workers, 0)
-        python_ds = _is_python_dataset(dataset)
+        python_ds = self._collate is not None or _is_python_dataset(dataset)
         procs = python_ds and nw > 0 and worker_mode in (None, "process")
         # Checked before any process starts: each worker process is served by _PROCESS_DEPTH
         # of the C loader's threads, which has at most 256.
@@ -616,7 +651,8 @@ class Loader:
             # _PROCESS_DEPTH loader threads per process so each has its next claim queued.
             self._config.update(workers=nw * _PROCESS_DEPTH, shared_slots=True,
                                 ordered_workers=True,
-                                claim_rows=max(1, min(_PROCESS_CLAIM, batch_size)))
+                                claim_rows=batch_size if self._collate is not None else
+                                max(1, min(_PROCESS_CLAIM, batch_size)))
         if sampler is not None:
             self._config.update(rank=0, world_size=1)  # the sampler shards, if anyone does
         # Per-epoch loaders: a sampler is iterated at the start of each epoch (after the
@@ -667,6 +703,8 @@ class Loader:
         """The C dataset of every field (worker processes started for a Python dataset, whose
         sample 0 gives the structure): at construction for arrays and files, at the first
         iteration for Python datasets (as torch's DataLoader reads nothing before)."""
+        if self._collate is not None:
+            return self._open_collated()
         if self._procs:
             self._pool = self._start_pool(0)
             try:
@@ -695,6 +733,47 @@ class Loader:
                                " which has no DLPack type for the device: use device='cpu', or "
                                "store it as a native number type")
         self._ds = self._base
+
+    def _open_collated(self):
+        """The C dataset of a loader with a collate_fn of its own: one byte per row (set when
+        the row's claim is done), its worker processes (which collate whole batches) or, with
+        num_workers=0, nothing more (the main process collates at delivery, as torch)."""
+        import numpy
+        from . import _workers
+        self._schema = _workers.CollateSchema(self._unbatched)
+        n = len(self.dataset)
+        if n == 0:
+            raise InvalidError("PM_ERR_INVALID: the dataset is empty")
+        if self._procs:
+            self._pool = self._start_pool(0)
+            try:
+                self._pool.set_schema(self._schema, self._timeout)
+                self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), n,
+                                                    self._schema.specs(), self._timeout,
+                                                    _PROCESS_DEPTH)
+            except BaseException:
+                self._pool.stop()
+                self._pool.close()
+                raise
+        else:
+            mark = numpy.ones((), numpy.uint8)
+            self._base = _pinmem._dataset_python(lambda i: [mark], n, self._schema.specs())
+        self._tuple, self._odd, self._ds = False, [], self._base
+
+    def _collated(self, b):
+        """The collate_fn's output for batch b (its slot goes back at once)."""
+        indices = tuple(int(i) for i in b.indices)
+        epoch = b.epoch
+        del b
+        if self._pool is not None:
+            return self._pool.store.take(epoch, [indices], self._timeout)[0]
+        samples = []
+        for i in indices:
+            try:
+                samples.append(self.dataset[i])
+            except StopIteration as e:
+                raise _stop_iteration_error(i, e) from e
+        return self._collate(samples[0] if self._unbatched else samples)
 
     def _start(self):
         """Open what the constructor left for the first use: the dataset (Python datasets)
@@ -735,7 +814,7 @@ class Loader:
         else:
             dev = _pinmem.current_device()
         cpus = _pinmem._numa_worker_cpus(dev)
-        return _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus)
+        return _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus, collate=self._collate)
 
     def _on_device(self, make):
         """make() with the loader's device current (device="cuda:k"): its stream, buffers and
@@ -774,6 +853,7 @@ class Loader:
             fields = dict(template, epoch=epoch, batch=batch,
                           samples=self._ds.info()["samples"])
             resume = _pinmem._loader_state_pack(**fields)
+        self._clear_side()
         self._c = self._on_device(
             lambda: _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch)))
         # Batches per epoch of the loader now delivering: the iterators end the epoch by it.
@@ -815,10 +895,26 @@ class Loader:
                                             self._schema.specs(), self._timeout, _PROCESS_DEPTH)
         self._ds = self._base
 
-    def _shape(self, values):
+    def _clear_side(self):
+        """Forget the non-array leaves of rows read on pinmem's threads and never delivered (a
+        new C loader is about to read; the last one is gone)."""
+        store = getattr(self._schema, "store", None)
+        if store is not None:
+            store.clear()
+
+    def _side_rows(self, b):
+        """The non-array leaves of batch b's rows (None when the samples have none)."""
+        schema = self._schema
+        if schema is None or not schema.objs:
+            return None
+        if self._pool is not None:
+            return self._pool.store.take(b.epoch, b.indices, self._timeout)
+        return schema.store.take(None, b.indices, self._timeout)
+
+    def _shape(self, values, objs=None):
         """A batch's arrays in the sample's structure."""
         if self._schema is not None:
-            return self._schema.rebuild(values)
+            return self._schema.rebuild(values, self._unbatched, objs)
         # Fields of a tuple dataset as a list, as default_collate batches tuple samples.
         return list(values) if self._tuple else values[0]
 
@@ -933,6 +1029,10 @@ class Loader:
 
     def batches(self):
         """Batch objects of one epoch (from the current position to the end of its epoch)."""
+        if self._collate is not None:
+            raise InvalidError("PM_ERR_INVALID: batches() gives the slot's arrays, and with a "
+                               "collate_fn of your own the batch is its output: iterate the "
+                               "loader")
         return _EpochIterator(self, "batch")
 
     def __iter__(self):
@@ -996,6 +1096,7 @@ class Loader:
         try:
             self._open_epoch(values["epoch"], values["batch"], resume=packed)
         except BaseException:
+            self._clear_side()
             self._c = self._on_device(lambda: _pinmem._Loader(
                 self._ds, resume=old, **self._epoch_config(cur["epoch"])))
             raise

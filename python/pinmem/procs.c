@@ -541,7 +541,8 @@ static PyObject *py_procs_drain(PyObject *mod, PyObject *args) {
   return PyBool_FromLong(ok);
 }
 
-/* Once no loader thread uses the dataset: clear a cancel and the turns, for the next loader. */
+/* Once no loader thread uses the dataset: clear a cancel, a dataset's error and the turns, for
+ * the next loader. */
 static PyObject *py_procs_reset(PyObject *mod, PyObject *ds) {
   if (!PyObject_TypeCheck(ds, &pmpy_DatasetType) || !((DatasetObject *)ds)->procs)
     return pmpy_raise_fmt(PM_ERR_INVALID, "_procs_reset takes a worker-process dataset");
@@ -556,8 +557,15 @@ static PyObject *py_procs_reset(PyObject *mod, PyObject *ds) {
     c->send_turn = c->recv_turn = 0;
     pthread_mutex_unlock(&c->mu);
   }
+  /* An error a worker replied (an exception in the dataset) failed its batch of the loader now
+   * gone; the next loader (the batch after it, as torch) must report its own errors. */
   pthread_mutex_lock(&P->err_mu);
-  if (P->err_kind == ERR_CANCEL) P->err_kind = ERR_NONE;
+  if (P->err_kind == ERR_CANCEL || P->err_kind == ERR_REPLY) {
+    P->err_kind = ERR_NONE;
+    free(P->err_payload);
+    P->err_payload = NULL;
+    P->err_len = 0;
+  }
   pthread_mutex_unlock(&P->err_mu);
   atomic_store(&P->cancelled, false);
   Py_RETURN_NONE;

@@ -289,3 +289,29 @@ def test_pool_reuse_and_stats():
     assert s2["cache_hits"] >= s1["cache_hits"] + 1
     c.release()
     assert pinmem.trim() >= 0
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("name", ["bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz",
+                                  "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"])
+def test_dtypes_numpy_lacks_travel_by_dlpack(name):
+    torch = pytest.importorskip("torch", reason="torch is not installed: no DLPack consumer of "
+                                "these dtypes to check against")
+    src = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 4 + 1
+    src = torch.complex(src, -src).to(torch.complex32) if name == "complex32" else \
+        src.to(getattr(torch, name))
+    b = pinmem.empty((2, 3), name)
+    assert b.dtype == name and b.nbytes == src.numel() * src.element_size()
+    t = torch.from_dlpack(b)
+    assert t.dtype == src.dtype and t.shape == (2, 3)
+    t.copy_(src)
+    store = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[src.element_size()]
+    assert torch.equal(torch.from_dlpack(b).view(store), src.view(store))
+    with pytest.raises(TypeError, match=f"{name} has no NumPy type"):
+        np.asarray(b)
+    with pytest.raises(BufferError, match=f"{name} has no buffer-protocol"):
+        memoryview(b)
+    del t
+    # pin() of such a tensor keeps giving its bytes, flat, to the buffer protocol.
+    with pinmem.pin(src) as p:
+        assert memoryview(p).nbytes == b.nbytes and p.dtype is None

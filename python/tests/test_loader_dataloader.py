@@ -149,8 +149,8 @@ def test_tuple_samples_and_refusals_name_the_argument():
     with pytest.raises(pinmem.InvalidError, match="mutually exclusive"):
         pinmem.Loader(Indexed(), batch_size=4,
                       batch_sampler=torch.utils.data.BatchSampler(range(20), 4, False))
-    with pytest.raises(pinmem.InvalidError, match="collate_fn"):
-        pinmem.Loader(Indexed(), collate_fn=lambda xs: xs)
+    with pytest.raises(pinmem.InvalidError, match="collate_fn of your own: .* pass device='cpu'"):
+        pinmem.Loader(Indexed(), collate_fn=lambda xs: xs)  # batches for the device
     with pytest.raises(pinmem.InvalidError, match="batch_size=None option is mutually"):
         pinmem.Loader(Indexed(), batch_size=None, drop_last=True)
 
@@ -229,25 +229,142 @@ def test_pin_memory_false_with_workers_delivers_as_dataloader():
         assert run(p) == run(t)
 
 
-class Empty(Indexed):
-    def __getitem__(self, i):
-        return np.zeros((0, 3), np.float32), i
-
-
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(range(4))
 
 
+class AllEmpty(Indexed):
+    def __getitem__(self, i):
+        return np.zeros((0, 3), np.float32)
+
+
 def test_what_pinmem_cannot_batch_is_refused_by_name():
     with pytest.raises(pinmem.InvalidError, match="IterableDataset is not supported"):
         pinmem.Loader(Stream(), batch_size=2)
-    for nw in (0, 1):
-        with pinmem.Loader(Empty(), batch_size=2, device="cpu", num_workers=nw) as loader:
-            with pytest.raises(pinmem.InvalidError, match=r"field \[0\]: an empty array"):
+    for nw in (0, 1):  # no field with bytes: nothing to batch
+        with pinmem.Loader(AllEmpty(), batch_size=2, device="cpu", num_workers=nw) as loader:
+            with pytest.raises(pinmem.InvalidError, match="the sample has no array with elements"):
                 next(iter(loader))
     with pytest.raises(pinmem.InvalidError, match="samples are empty"):
         pinmem.Loader(np.zeros((4, 0)), batch_size=2)
+
+
+# Every torch dtype NumPy lacks that DLPack carries (float4_e2m1fn_x2, two values a byte, aside).
+NO_NUMPY = [torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e4m3fnuz,
+            torch.float8_e5m2, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]
+
+
+def bits(t):
+    """A tensor's bits, to compare dtypes whose values torch cannot compare (float8)."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                 8: torch.int64}[t.element_size()])
+
+
+class Typed(Indexed):
+    """Sample i: one tensor of each dtype in NO_NUMPY, from distinct values, and the label."""
+
+    def __getitem__(self, i):
+        base = torch.arange(3, dtype=torch.float32) / 4 + i
+        return [base.to(dt) if dt != torch.complex32 else torch.complex(base, -base).to(dt)
+                for dt in NO_NUMPY] + [i]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_dtypes_numpy_lacks_arrive_as_dataloader_gives_them(nw, batch_size):
+    ds = Typed(10)
+    t = list(DataLoader(ds, batch_size=batch_size, num_workers=nw))
+    with pinmem.Loader(ds, batch_size=batch_size, num_workers=nw, device="cpu") as p:
+        got = list(p.as_torch())
+        assert len(got) == len(t)
+        for pb, tb in zip(got, t):
+            assert int(pb[-1].sum()) == int(torch.as_tensor(tb[-1]).sum())
+            for x, y in zip(pb[:-1], tb[:-1]):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                assert torch.equal(bits(x), bits(y))
+        plain = next(iter(p))[0]
+        assert plain.dtype == "bfloat16"
+        with pytest.raises(TypeError, match="bfloat16 has no NumPy type"):
+            np.asarray(plain)
+        with pytest.raises(BufferError, match="bfloat16 has no buffer-protocol"):
+            memoryview(plain)
+
+
+def test_tensor_dataset_of_bfloat16_as_dataloader():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 3, generator=g).to(torch.bfloat16)
+    y = torch.randn(13, generator=g).to(torch.float8_e5m2)
+    ds = torch.utils.data.TensorDataset(x, y)
+    t = list(DataLoader(ds, batch_size=4))
+    with pinmem.Loader(ds, batch_size=4, device="cpu") as p:
+        got = list(p.as_torch())
+    assert len(got) == len(t)
+    for (px, py), (tx, ty) in zip(got, t):
+        assert px.dtype == torch.bfloat16 and py.dtype == torch.float8_e5m2
+        assert torch.equal(px, tx) and torch.equal(bits(py), bits(ty))
+
+
+class Float4(Indexed):
+    def __getitem__(self, i):
+        return torch.zeros(2, dtype=torch.float4_e2m1fn_x2)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="this torch has no float4")
+def test_float4_is_refused_by_name():
+    with pinmem.Loader(Float4(4), batch_size=2, device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match=r"a torch.float4_e2m1fn_x2 tensor has no "
+                           "type pinmem can batch"):
+            next(iter(p))
+    x = torch.zeros(4, 2, dtype=torch.float4_e2m1fn_x2)
+    with pytest.raises(pinmem.InvalidError, match="float4_e2m1fn_x2 tensor has no type"):
+        pinmem.Loader(torch.utils.data.TensorDataset(x), batch_size=2, device="cpu")
+
+
+class Mixed(Indexed):
+    """A sample whose field changes dtype at index 3 (bfloat16 -> float16: the same bits size)."""
+
+    def __getitem__(self, i):
+        return torch.ones(2, dtype=torch.float16 if i == 3 else torch.bfloat16), i
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_a_sample_of_another_dtype_of_the_same_size_is_refused_by_name(nw):
+    with pinmem.Loader(Mixed(8), batch_size=4, num_workers=nw, device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match=r"dataset index 3, field \[0\]: .*dtype "
+                           r"float16, but the first sample had .*dtype bfloat16"):
+            list(p)
+
+
+class WithEmpty(Indexed):
+    """Sample i: fields with a zero-size dimension beside ones with elements."""
+
+    def __getitem__(self, i):
+        return {"x": torch.full((3,), float(i)), "none": torch.zeros(0, 2),
+                "bf": torch.empty(2, 0, dtype=torch.bfloat16),
+                "np": np.zeros((0,), np.int32), "y": i}
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_empty_fields_arrive_as_dataloader_gives_them(nw, batch_size):
+    ds = WithEmpty(10)
+    t = list(DataLoader(ds, batch_size=batch_size, num_workers=nw))
+    with pinmem.Loader(ds, batch_size=batch_size, num_workers=nw, device="cpu") as p:
+        got = list(p.as_torch())
+        assert len(got) == len(t)
+        for pb, tb in zip(got, t):
+            assert list(pb) == list(tb)
+            for k in ("x", "none", "bf", "np"):
+                tb[k] = torch.as_tensor(tb[k])  # numpy with batch_size=None
+                assert pb[k].dtype == tb[k].dtype and pb[k].shape == tb[k].shape, k
+                assert torch.equal(pb[k], tb[k])
+        rows = () if batch_size is None else (4,)
+        plain = next(iter(p))
+        assert np.asarray(plain["none"]).shape == rows + (0, 2)
+        assert np.asarray(plain["x"]).shape == rows + (3,)
+        assert plain["bf"].dtype == torch.bfloat16 and plain["bf"].shape == rows + (2, 0)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -294,3 +411,147 @@ def test_batch_size_none_gives_samples_without_a_batch_axis(nw):
     ds = np.arange(12, dtype=np.int32).reshape(6, 2)  # arrays too
     with pinmem.Loader(ds, batch_size=None, device="cpu") as p:
         assert [np.asarray(x).tolist() for x in p] == ds.tolist()
+
+
+class Named(Indexed):
+    """Sample i: an array, a file name, a (caption, bytes) pair, None and an object."""
+
+    def __getitem__(self, i):
+        return {"x": np.full(2, i, np.float32), "name": f"img{i}.jpg",
+                "cap": ("a" * (i % 5), b"%d" % i), "none": None, "obj": Box(i), "y": i}
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other):
+        return isinstance(other, Box) and other.v == self.v
+
+
+def keep_objects(batch):
+    """default_collate, keeping what it cannot batch (None, objects) as lists, as pinmem does."""
+    out = {k: [s[k] for s in batch] for k in ("none", "obj")}
+    rest = torch.utils.data.default_collate(
+        [{k: v for k, v in s.items() if k not in out} for s in batch])
+    return dict(rest, **out)
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_str_and_object_leaves_arrive_as_default_collate_gives_them(nw, batch_size):
+    ds = Named(10)
+    kw = {} if batch_size is None else {"collate_fn": keep_objects}
+    g = torch.Generator().manual_seed(7)
+    sampler = list(torch.utils.data.RandomSampler(ds, replacement=True, num_samples=14,
+                                                   generator=g))  # indices drawn twice
+    t = list(DataLoader(ds, batch_size=batch_size, num_workers=nw, sampler=sampler, **kw))
+    with pinmem.Loader(ds, batch_size=batch_size, num_workers=nw, sampler=sampler,
+                       device="cpu") as p:
+        for _ in range(2):
+            got = list(p.as_torch())
+            assert len(got) == len(t)
+            for pb, tb in zip(got, t):
+                assert sorted(pb) == sorted(tb)
+                for k in ("name", "cap", "none", "obj"):
+                    assert pb[k] == tb[k], k
+                assert torch.equal(pb["x"], torch.as_tensor(tb["x"]))
+
+
+class Ragged(Indexed):
+    """Sample i: a float32 run of length i % 4 + 1 (shapes vary), its name and its label."""
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise KeyError(f"sample {i} is broken")
+        return torch.arange(i % 4 + 1, dtype=torch.float32) + i, f"s{i}", i
+
+
+def pad(samples):
+    """A collate_fn that pads to the batch's longest sample (the batches' shapes vary)."""
+    xs, names, ys = zip(*samples)
+    out = torch.zeros(len(xs), max(len(x) for x in xs))
+    for k, x in enumerate(xs):
+        out[k, :len(x)] = x
+    if any(y == 13 for y in ys):
+        raise ValueError("collate_fn refuses label 13")
+    return {"x": out, "names": list(names), "y": torch.tensor(ys), "width": out.shape[1]}
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and sorted(a) == sorted(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("nw, persistent", [(0, False), (2, False), (2, True)])
+def test_collate_fn_runs_on_each_batch_as_in_dataloader(nw, persistent):
+    ds = Ragged(13)
+    t = list(DataLoader(ds, batch_size=3, num_workers=nw, collate_fn=pad))
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, device="cpu",
+                       persistent_workers=persistent) as p:
+        assert p.collate_fn is pad and len(p) == len(t) == 5
+        for _ in range(2):
+            got = list(p)
+            assert len(got) == len(t) and all(same(a, b) for a, b in zip(got, t))
+        assert {b["width"] for b in got} == {1, 3, 4}  # the shapes varied
+        with pytest.raises(pinmem.InvalidError, match="batches.. gives the slot's arrays"):
+            p.batches()
+    # batch_size=None: collate_fn on each sample, as DataLoader.
+    t = list(DataLoader(ds, batch_size=None, num_workers=nw, collate_fn=lambda s: s[1]))
+    with pinmem.Loader(ds, batch_size=None, num_workers=nw, collate_fn=lambda s: s[1],
+                       device="cpu") as p:
+        assert list(p) == t == [f"s{i}" for i in range(13)]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_errors_in_collate_fn_and_the_dataset_come_at_their_batch(nw):
+    ds = Ragged(16, fail_at=4)
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, device="cpu") as p:
+        it = iter(p)
+        assert next(it)["y"].tolist() == [0, 1, 2]
+        with pytest.raises(KeyError, match="sample 4 is broken"):
+            next(it)
+        assert next(it)["y"].tolist() == [6, 7, 8]
+        assert next(it)["y"].tolist() == [9, 10, 11]
+        with pytest.raises(ValueError, match="collate_fn refuses label 13"):
+            next(it)
+        assert next(it)["y"].tolist() == [15]
+
+
+class TwoBroken(Indexed):
+    """Two broken samples far apart: the second is not read before the first is raised (the
+    slots hold 4 batches)."""
+
+    def __getitem__(self, i):
+        if i in (4, 40):
+            raise KeyError(f"sample {i} is broken")
+        return np.full(2, i, dtype=np.float32), i
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_each_error_names_its_own_sample(nw):
+    """A second exception after the loader went on past a first is raised with its own text."""
+    with pinmem.Loader(TwoBroken(48), batch_size=3, num_workers=nw, device="cpu",
+                       prefetch_factor=1) as p:
+        it = iter(p)
+        got = []
+        for b in range(16):
+            if b in (1, 13):
+                with pytest.raises(KeyError, match=f"sample {4 if b == 1 else 40} is broken"):
+                    next(it)
+            else:
+                got += labels(next(it))
+        assert got == [i for i in range(48) if i // 3 not in (1, 13)]
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_varying_shapes_without_collate_fn_are_refused_naming_what_to_do(nw):
+    with pinmem.Loader(Ragged(8), batch_size=4, num_workers=nw, device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match=r"dataset index 1, field \[0\]: shape "
+                           r"\(2,\).*first sample had shape \(1,\).*collate_fn that pads"):
+            next(iter(p))
