@@ -928,7 +928,14 @@ class Loader:
         if not self._started:
             with self._start_lock:  # two threads at the first use start it once
                 if not self._started and not self._closed:
-                    self._start()
+                    try:
+                        self._start()
+                    except BaseException as e:
+                        # close() from another thread stops the workers the start is talking
+                        # to: what the caller sees is the close, not the worker it cut off.
+                        if self._closed:
+                            raise _closed_error() from e
+                        raise
         c = self._c
         if c is None:
             _closed()
