@@ -13,9 +13,10 @@ again into pinned memory in the main process (copy 2, under the GIL).
 
 What has no bytes for a slot travels beside it, on a second (stream) socket per worker: a
 sample's non-array leaves (str, bytes, None, objects), and with a collate_fn of the user's own
-(claims are then whole batches) the collate_fn's output. The worker sends a claim's frame before
-its reply, a thread of the main process files the frames by (epoch, dataset indices), and each
-batch takes its own as it is delivered. Empty arrays (a zero-size dimension) take no slot bytes:
+(claims are then whole batches) the collate_fn's output, which for device batches the
+receiving thread stages at once (_staging.py: pinned block, copy queued to the device). The
+worker sends a claim's frame before its reply, a thread of the main process files the frames by
+(epoch, dataset indices), and each batch takes its own as it is delivered. Empty arrays (a zero-size dimension) take no slot bytes:
 the main process makes them per batch.
 
 The claims go to the threads, hence to the processes, in a fixed order (the C loader's
@@ -695,6 +696,9 @@ class SideStore:
         self.cond = threading.Condition()
         self.rows = {}
         self.error = None
+        # A collate_fn's output for device batches: staged (written into pinned memory, its
+        # copy queued) by the thread that receives it, ahead of delivery (_staging.py).
+        self.stage = None
 
     def put(self, epoch, indices, rows):
         with self.cond:
@@ -762,6 +766,8 @@ def _drain(socks, store):
                     break
                 try:
                     epoch, indices, rows = pickle.loads(bytes(buf[SIDE.size:SIDE.size + n]))
+                    if store.stage is not None:
+                        rows = [store.stage(r) for r in rows]
                     store.put(epoch, indices, rows)
                 except Exception as e:  # an object that cannot be unpickled here
                     with store.cond:

@@ -17,6 +17,7 @@ from time import perf_counter as _perf_counter
 
 from . import _pinmem
 from . import _dtype_name
+from . import _staging
 from ._pinmem import BusyError, Error, InvalidError  # noqa: F401
 
 import weakref as _weakref
@@ -440,7 +441,7 @@ class _EpochIterator:
             if b.index + 1 >= loader._bpe:
                 self._done = True  # the epoch ends with this batch
             if loader._collate is not None:
-                return loader._collated(b)
+                return loader._collated(b, self._convert if self._mode == "torch" else None)
             objs = loader._side_rows(b)  # taken in every mode, or they would pile up
             if self._mode == "batch":
                 return b
@@ -494,8 +495,9 @@ class Loader:
 
     The arguments are torch.utils.data.DataLoader's, in its order: batch_size, shuffle, sampler
     (any iterable of indices with len(): its order is the order delivered), batch_sampler,
-    num_workers, collate_fn (your own: run in the workers on whole batches, its output delivered
-    as it returns it, with device='cpu'), pin_memory, drop_last, timeout, worker_init_fn,
+    num_workers, collate_fn (your own: run in the workers on whole batches; its output keeps
+    its structure, its arrays staged through pinned memory onto the device, or as it returns it
+    with device='cpu'), pin_memory, drop_last, timeout, worker_init_fn,
     multiprocessing_context, generator, prefetch_factor (slots = prefetch_factor *
     max(1, num_workers)), persistent_workers. What pinmem cannot honour is refused, never
     ignored (IterableDataset). Also: seed (shuffle order and worker
@@ -523,6 +525,7 @@ class Loader:
         self._c = None
         self._pool = None
         self._base = None
+        self._stager = None  # batches staged outside the slots (_staging.py)
         self._closed = False
         self._order = None  # a sampler's indices for the epoch (Batch.indices maps through it)
         self._resume_pending = True  # the first iterator starts where the loader stands
@@ -571,20 +574,15 @@ class Loader:
             # (checked as each epoch starts: every batch that size, a shorter one only last).
             batch_size, sampler = b, _FlatBatches(batch_sampler, b)
         # A collate_fn of your own runs where torch runs it (in the worker process on the list
-        # of a batch's samples, or in the main process with num_workers=0) and its output is
-        # delivered as it returns it: claims are whole batches, and the slot holds a byte per
-        # row (the rows read) while the output travels beside it.
+        # of a batch's samples, or in the main process with num_workers=0): claims are whole
+        # batches, and the slot holds a byte per row (the rows read) while the output travels
+        # beside it. Host batches get the output as it returns it; device batches get its
+        # arrays staged through a pinned block onto the device (_staging.py).
         self._collate = None
         if collate_fn is not None and not _is_default_collate(collate_fn):
             if not callable(collate_fn):
                 raise InvalidError(f"PM_ERR_INVALID: collate_fn must be callable, not "
                                    f"{type(collate_fn).__name__}")
-            if to_device:
-                raise InvalidError("PM_ERR_INVALID: collate_fn of your own: its output is "
-                                   "delivered as it returns it, in host memory; pass "
-                                   "device='cpu' and move the batch yourself (.to(device, "
-                                   "non_blocking=True)), or leave collate_fn out (pinmem writes "
-                                   "the samples into pinned batches and moves them)")
             if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
                 raise InvalidError("PM_ERR_INVALID: collate_fn of your own needs a map-style "
                                    "dataset (__getitem__ and __len__), whose samples it collates")
@@ -744,6 +742,8 @@ class Loader:
         n = len(self.dataset)
         if n == 0:
             raise InvalidError("PM_ERR_INVALID: the dataset is empty")
+        if self._to_device and self._stager is None:
+            self._stager = _staging.Stager(True, self._device_index)
         if self._procs:
             self._pool = self._start_pool(0)
             try:
@@ -760,20 +760,29 @@ class Loader:
             self._base = _pinmem._dataset_python(lambda i: [mark], n, self._schema.specs())
         self._tuple, self._odd, self._ds = False, [], self._base
 
-    def _collated(self, b):
-        """The collate_fn's output for batch b (its slot goes back at once)."""
+    def _collated(self, b, convert=None):
+        """The collate_fn's output for batch b (its slot goes back at once); with device
+        batches, its arrays on the device (convert: as_torch()'s conversion of each)."""
         indices = tuple(int(i) for i in b.indices)
         epoch = b.epoch
         del b
         if self._pool is not None:
-            return self._pool.store.take(epoch, [indices], self._timeout)[0]
-        samples = []
-        for i in indices:
-            try:
-                samples.append(self.dataset[i])
-            except StopIteration as e:
-                raise _stop_iteration_error(i, e) from e
-        return self._collate(samples[0] if self._unbatched else samples)
+            out = _staging.unwrap(self._pool.store.take(epoch, [indices], self._timeout)[0])
+        else:
+            samples = []
+            for i in indices:
+                try:
+                    samples.append(self.dataset[i])
+                except StopIteration as e:
+                    raise _stop_iteration_error(i, e) from e
+            out = self._collate(samples[0] if self._unbatched else samples)
+            if self._stager is not None:
+                out = self._stager.stage(out)
+        if convert is not None and self._stager is not None:
+            t0 = _perf_counter()
+            out = _staging.convert(out, convert)
+            self._conversion_s += _perf_counter() - t0
+        return out
 
     def _start(self):
         """Open what the constructor left for the first use: the dataset (Python datasets)
@@ -814,7 +823,10 @@ class Loader:
         else:
             dev = _pinmem.current_device()
         cpus = _pinmem._numa_worker_cpus(dev)
-        return _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus, collate=self._collate)
+        pool = _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus, collate=self._collate)
+        if self._stager is not None and self._collate is not None:
+            pool.store.stage = self._stager.stage_safely  # staged as each output arrives
+        return pool
 
     def _on_device(self, make):
         """make() with the loader's device current (device="cuda:k"): its stream, buffers and
@@ -1168,6 +1180,8 @@ class Loader:
                 # The worker-process dataset holds an eventfd (and the sockets' numbers): let
                 # it go now rather than when the Loader object goes.
                 self._base = self._ds = None
+            if self._stager is not None:
+                self._stager.close()  # copies in flight done: their pinned blocks go back
 
     def __enter__(self):
         return self

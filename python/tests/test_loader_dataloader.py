@@ -151,8 +151,6 @@ def test_tuple_samples_and_refusals_name_the_argument():
     with pytest.raises(pinmem.InvalidError, match="mutually exclusive"):
         pinmem.Loader(Indexed(), batch_size=4,
                       batch_sampler=torch.utils.data.BatchSampler(range(20), 4, False))
-    with pytest.raises(pinmem.InvalidError, match="collate_fn of your own: .* pass device='cpu'"):
-        pinmem.Loader(Indexed(), collate_fn=lambda xs: xs)  # batches for the device
     with pytest.raises(pinmem.InvalidError, match="batch_size=None option is mutually"):
         pinmem.Loader(Indexed(), batch_size=None, drop_last=True)
 
@@ -510,11 +508,12 @@ def test_collate_fn_runs_on_each_batch_as_in_dataloader(nw, persistent):
         assert list(p) == t == [f"s{i}" for i in range(13)]
 
 
+@pytest.mark.parametrize("device", ["cpu", None])
 @pytest.mark.parametrize("nw", [0, 2])
-def test_errors_in_collate_fn_and_the_dataset_come_at_their_batch(nw):
+def test_errors_in_collate_fn_and_the_dataset_come_at_their_batch(nw, device):
     ds = Ragged(16, fail_at=4)
-    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, device="cpu") as p:
-        it = iter(p)
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, device=device) as p:
+        it = iter(p.as_torch())
         assert next(it)["y"].tolist() == [0, 1, 2]
         with pytest.raises(KeyError, match="sample 4 is broken"):
             next(it)
@@ -523,6 +522,68 @@ def test_errors_in_collate_fn_and_the_dataset_come_at_their_batch(nw):
         with pytest.raises(ValueError, match="collate_fn refuses label 13"):
             next(it)
         assert next(it)["y"].tolist() == [15]
+
+
+def on_host(x):
+    """x with every tensor copied to host memory (from the device, where pinmem put it)."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: on_host(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(on_host(v) for v in x)
+    return x
+
+
+def device_kind():
+    """The DLPack device of a map-style device batch: where collated device batches must be."""
+    with pinmem.Loader(Indexed(4), batch_size=2) as p:
+        return next(iter(p))[0].__dlpack_device__()
+
+
+def pad_more(samples):
+    """pad, plus a NumPy leaf, a tuple and a bfloat16 tensor; batch 3 (labels 9..11) is 64x
+    wider: a larger output later in the epoch."""
+    out = pad(samples)
+    ys = out["y"]
+    wide = 64 if int(ys[0]) == 9 else 1
+    x = out["x"].repeat(1, wide)
+    return {"x": x, "names": out["names"], "y": ys, "width": x.shape[1],
+            "pair": (ys.numpy() * 2, ys.to(torch.bfloat16) / 4), "none": None}
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_collate_fn_with_device_batches_gives_dataloaders_output_on_the_device(nw):
+    ds = Ragged(13)
+    t = list(DataLoader(ds, batch_size=3, num_workers=nw, collate_fn=pad_more))
+    kind = device_kind()
+    before = pinmem.stats()["in_use_bytes"]
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad_more) as p:
+        assert p.device != "cpu"
+        for _ in range(2):
+            got = list(p.as_torch())
+            assert len(got) == len(t) == 5
+            for pb, tb in zip(got, t):
+                assert sorted(pb) == sorted(tb)
+                assert type(pb["pair"]) is tuple and len(pb["pair"]) == 2
+                assert pb["names"] == tb["names"] and all(type(n) is str for n in pb["names"])
+                assert pb["width"] == tb["width"] and type(pb["width"]) is int
+                assert pb["none"] is None
+                # Array leaves (NumPy ones too) arrive as tensors where the slots' batches are.
+                tb = dict(tb, pair=(torch.as_tensor(tb["pair"][0]), tb["pair"][1]))
+                assert same(on_host(pb), tb)
+        assert {b["width"] for b in got} == {1, 3, 4, 64 * 4}  # the shapes varied, and grew
+        plain = next(iter(p))
+        assert isinstance(plain["x"], pinmem.Buffer) and plain["x"].shape == (3, 3)
+        assert plain["x"].__dlpack_device__() == kind
+        assert plain["pair"][1].dtype == "bfloat16"
+        with pytest.raises(TypeError, match="device memory is not readable by the CPU"):
+            np.asarray(plain["x"])  # device memory, as a slot's device batch
+        assert plain["names"] == ["s0", "s1", "s2"]
+    del got, plain, pb
+    import gc
+    gc.collect()
+    assert pinmem.stats()["in_use_bytes"] == before  # the pinned blocks went back
 
 
 class TwoBroken(Indexed):

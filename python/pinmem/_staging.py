@@ -1,0 +1,225 @@
+"""DESIGN: batches built outside the loader's slots, delivered as the slots' batches are.
+
+Two kinds of batch do not fit a slot of fixed-size rows: the output of a collate_fn of the
+user's own (any structure, its shapes free to change from batch to batch), and a batch whose
+samples' shapes differ from the first sample's (multi-scale training, buckets by length), which
+the main process stacks itself (stack_rows, as default_collate). Both arrive in the main process
+as a tree of tuples, lists and dicts with arrays (NumPy, torch CPU tensors) and other values at
+the leaves. A Stager writes the array leaves of one batch into one block of pinned memory taken
+from the default pool, sized in bytes for that batch (each leaf 256-aligned), and with device
+batches copies the block to a device block of the same size on its own pinmem stream; each leaf
+then becomes a pinmem.Buffer viewing its bytes (_pinmem._buffer_view), on the device or in the
+pinned block, so the loop gets what a slot's batch gives (Buffers; torch tensors with
+as_torch(), whose stream waits for the copy). Other leaves (str, numbers, None, objects, arrays of
+dtypes DLPack lacks, tensors already on a device) stay as they are.
+
+Memory: the pinned block goes back to the pool once its copy is done (the copy holds it until
+then) and the pool hands it to the next batch that fits its size class, so blocks are reused
+across batches, and a larger batch takes a larger block, within the pool's budget; a device
+batch's memory is freed when the loop lets go of its last leaf. Host batches (device='cpu') are
+the pinned block itself, held by its leaves.
+
+Threads: a loader with worker processes stages a collate_fn's output on the thread that receives
+it from the worker (the side-leaves thread of _workers.py), as soon as it arrives: its copy is
+queued ahead of delivery, within the prefetch depth, while earlier batches are consumed. That
+thread makes the loader's device current first. Without workers, the main process collates and
+stages at delivery, as DataLoader collates there.
+"""
+
+import threading
+
+from . import _pinmem
+
+_ALIGN = 256  # each leaf's bytes start 256-aligned in the block, as a slot's fields do
+
+
+class Failed:
+    """An exception met while staging a batch on the receiving thread, raised at its batch."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+
+def unwrap(value):
+    if isinstance(value, Failed):
+        raise value.error
+    return value
+
+
+def _host_leaf(x):
+    """(C-contiguous NumPy array of the leaf's bytes, dtype name for the view) for an array
+    leaf pinmem can deliver, else None (the leaf stays as it is)."""
+    import numpy as np
+    if type(x) is np.ndarray or isinstance(x, np.ndarray):
+        a = x
+        name = None
+    else:
+        t = type(x)
+        if not (t.__module__.startswith("torch") and hasattr(x, "device") and
+                hasattr(x, "detach")):
+            return None
+        if x.device.type != "cpu" or getattr(x, "is_sparse", False):
+            return None
+        from . import _workers
+        bits = _workers.tensor_bits(x)
+        if bits is not None:
+            return np.ascontiguousarray(bits[0]), bits[1]
+        try:
+            a = x.detach().resolve_conj().resolve_neg().contiguous().numpy()
+        except (TypeError, RuntimeError, AttributeError):
+            return None
+        name = None
+    dt = a.dtype
+    if dt.hasobject or dt.byteorder == ">" or dt.fields is not None or dt.kind in "OUSVMm":
+        return None
+    return np.ascontiguousarray(a), name or dt.str
+
+
+def _walk(x, leaves):
+    """The tree of x with each deliverable array leaf replaced by a ("leaf", k) marker and its
+    host bytes appended to leaves; other values kept."""
+    if isinstance(x, dict):
+        return ("dict", type(x), [(k, _walk(v, leaves)) for k, v in x.items()])
+    if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+        return ("namedtuple", type(x), [_walk(v, leaves) for v in x])
+    if isinstance(x, (tuple, list)):
+        return ("tuple" if isinstance(x, tuple) else "list", type(x),
+                [_walk(v, leaves) for v in x])
+    h = _host_leaf(x)
+    if h is None:
+        return ("value", x)
+    leaves.append(h)
+    return ("leaf", len(leaves) - 1)
+
+
+def _build(t, values):
+    kind = t[0]
+    if kind == "value":
+        return t[1]
+    if kind == "leaf":
+        return values[t[1]]
+    if kind == "dict":
+        items = [(k, _build(c, values)) for k, c in t[2]]
+        try:
+            return t[1](items)
+        except Exception:
+            return dict(items)
+    items = [_build(c, values) for c in t[2]]
+    if kind == "namedtuple":
+        return t[1](*items)
+    if t[1] in (tuple, list):
+        return t[1](items)
+    try:
+        return t[1](items)
+    except Exception:
+        return tuple(items) if kind == "tuple" else items
+
+
+def convert(x, fn):
+    """x with every pinmem.Buffer in it replaced by fn(buffer) (as_torch: torch.from_dlpack)."""
+    if isinstance(x, _pinmem.Buffer):
+        return fn(x)
+    if isinstance(x, dict):
+        items = [(k, convert(v, fn)) for k, v in x.items()]
+        try:
+            return type(x)(items)
+        except Exception:
+            return dict(items)
+    if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+        return type(x)(*[convert(v, fn) for v in x])
+    if isinstance(x, (tuple, list)):
+        items = [convert(v, fn) for v in x]
+        if type(x) in (tuple, list):
+            return type(x)(items)
+        try:
+            return type(x)(items)
+        except Exception:
+            return tuple(items) if isinstance(x, tuple) else items
+    return x
+
+
+class Stager:
+    """Stages batches for one loader: to_device (copy to the device) and the device index the
+    loader works on (None: the device current when the Stager was made)."""
+
+    def __init__(self, to_device, device_index):
+        self.to_device = to_device
+        self.device = device_index
+        if to_device and device_index is None:
+            self.device = _pinmem.current_device()
+        self.stream = None
+        self.inflight = []     # Completions of copies not seen done yet (they hold their blocks)
+        self.lock = threading.Lock()
+        self.batches = 0       # batches staged (stats)
+        self.bytes = 0         # their bytes
+        self.largest = 0       # the largest block asked for
+
+    def stage(self, out):
+        """out with its array leaves as pinmem Buffers (on the device, or pinned host memory)."""
+        leaves = []
+        tree = _walk(out, leaves)
+        if not leaves:
+            return out
+        offsets, total = [], 0
+        for a, _ in leaves:
+            total = -(-total // _ALIGN) * _ALIGN
+            offsets.append(total)
+            total += a.nbytes
+        import numpy as np
+        with self.lock:
+            if self.to_device and self.device is not None and \
+                    _pinmem.current_device() != self.device:
+                _pinmem.set_device(self.device)  # this thread's copies go to the loader's device
+            block = self._pinned(max(total, 1))
+            flat = np.frombuffer(block, np.uint8)
+            for (a, _), off in zip(leaves, offsets):
+                if a.nbytes:
+                    flat[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+            del flat
+            if self.to_device:
+                if self.stream is None:
+                    self.stream = _pinmem.Stream()
+                base = _pinmem.device_empty((max(total, 1),), "uint8")
+                # The copy holds the pinned block until it is done and seen so (here, at the
+                # next batch, or at close()); then the block goes back to the pool for the next
+                # batch that fits it. The views' DLPack consumers wait for the copy.
+                self.inflight = [c for c in self.inflight if not c.done()]
+                self.inflight.append(_pinmem.copy(base, block, self.stream, nbytes=total))
+                del block
+            else:
+                base = block
+            self.batches += 1
+            self.bytes += total
+            self.largest = max(self.largest, total)
+        views = [_pinmem._buffer_view(base, off, a.shape, name)
+                 for (a, name), off in zip(leaves, offsets)]
+        return _build(tree, views)
+
+    def _pinned(self, nbytes):
+        """A pinned block of nbytes from the default pool. At the budget, the copies still
+        in flight are waited for (their blocks come back) and the request tried once more."""
+        try:
+            return _pinmem.empty((nbytes,), "uint8")
+        except _pinmem.BudgetError:
+            if self.stream is None:
+                raise
+            for c in self.inflight:
+                c.wait()
+            self.inflight = []  # their blocks go back
+            return _pinmem.empty((nbytes,), "uint8")
+
+    def stage_safely(self, out):
+        """stage(out), or a Failed holding the error (the receiving thread must go on)."""
+        try:
+            return self.stage(out)
+        except BaseException as e:  # noqa: B902 - raised at its batch instead
+            return Failed(e)
+
+    def close(self):
+        """Wait for the copies in flight (their pinned blocks go back to the pool)."""
+        with self.lock:
+            inflight, self.inflight = self.inflight, []
+        for c in inflight:
+            c.wait()
