@@ -48,10 +48,21 @@ def unwrap(value):
     return value
 
 
+class Bits:
+    """A stacked leaf of a dtype NumPy lacks (bfloat16, float8...): its bits and the name."""
+
+    __slots__ = ("array", "name")
+
+    def __init__(self, array, name):
+        self.array, self.name = array, name
+
+
 def _host_leaf(x):
     """(C-contiguous NumPy array of the leaf's bytes, dtype name for the view) for an array
     leaf pinmem can deliver, else None (the leaf stays as it is)."""
     import numpy as np
+    if type(x) is Bits:
+        return np.ascontiguousarray(x.array), x.name
     if type(x) is np.ndarray or isinstance(x, np.ndarray):
         a = x
         name = None
@@ -223,3 +234,72 @@ class Stager:
             inflight, self.inflight = self.inflight, []
         for c in inflight:
             c.wait()
+
+
+# ---- batches whose samples' shapes differ from the first sample's -----------------------------
+
+
+class StackError(_pinmem.InvalidError, RuntimeError):
+    """The samples of one batch do not stack (a shape or dtype differs): a RuntimeError, as
+    default_collate's torch.stack raises, and an InvalidError, as pinmem's other refusals."""
+
+
+def _describe(a, kind):
+    return f"shape {tuple(a.shape)} dtype {kind[5:] if kind.startswith('bits:') else a.dtype}"
+
+
+def _differ(a, kind, shape, dtype, kind0):
+    """Leaf a (of kind) does not stack with one of shape, dtype and kind0 (as checked_leaves
+    compares them: bits of a dtype NumPy lacks by their name)."""
+    bits = kind.startswith("bits:") or kind0.startswith("bits:")
+    return a.shape != shape or a.dtype != dtype or bits and kind != kind0
+
+
+def split_rows(rows):
+    """A batch's VRows -> (the rows' non-array leaves, None) when every sample went into the
+    slot, else (None, per row its leaves beside the slot or None)."""
+    if all(r.off is None for r in rows):
+        return [r.objs for r in rows], None
+    return None, [r.off for r in rows]
+
+
+def stack_rows(schema, indices, offs, unbatched, where):
+    """The batch of samples whose shapes differ from the first sample's, built as
+    default_collate builds it (each array leaf stacked along a new first axis, the others as
+    lists), or a StackError naming the field and two dataset indices that disagree. offs: per
+    row its leaves [(value, kind)], None for a row in the slot (its sample has the first
+    sample's shapes, which the others do not)."""
+    import numpy as np
+
+    def refuse(k, r0, d0, r1, d1):
+        raise StackError(f"PM_ERR_INVALID: pinmem.Loader: {where}: stack expects each tensor to "
+                         f"be equal size: field {schema.paths[k]} has {d0} at dataset index "
+                         f"{indices[r0]} and {d1} at dataset index {indices[r1]} (the samples "
+                         "of a batch must agree, as default_collate stacks them: resize in the "
+                         "dataset, group samples of one shape with a batch_sampler, or give a "
+                         "collate_fn that pads)")
+
+    if any(o is None for o in offs):
+        r_in = next(r for r, o in enumerate(offs) if o is None)
+        r_off = next(r for r, o in enumerate(offs) if o is not None)
+        for k, (dt, shape, kind0) in enumerate(schema.leaves):
+            a, kind = offs[r_off][k]
+            if kind0 != "obj" and _differ(a, kind, shape, dt, kind0):
+                had = f"shape {shape} dtype {kind0[5:] if kind0.startswith('bits:') else dt}"
+                refuse(k, r_off, _describe(a, kind), r_in, had)
+    values = []
+    for k, (_, _, kind0) in enumerate(schema.leaves):
+        col = [o[k] for o in offs]
+        if kind0 == "obj":
+            vals = [v for v, _ in col]
+            values.append(vals[0] if unbatched else
+                          tuple(vals) if k in schema.obj_tuple else vals)
+            continue
+        a0, kind = col[0]
+        for r, (a, kd) in enumerate(col[1:], 1):
+            if _differ(a, kd, a0.shape, a0.dtype, kind):
+                refuse(k, 0, _describe(a0, kind), r, _describe(a, kd))
+        out = np.asarray(a0) if unbatched else np.stack([a for a, _ in col])
+        values.append(Bits(out, kind[5:]) if kind.startswith("bits:") else out)
+    from . import _workers
+    return _workers._rebuild(schema.tree, values)

@@ -18,6 +18,7 @@ from time import perf_counter as _perf_counter
 from . import _pinmem
 from . import _dtype_name
 from . import _staging
+from . import _workers
 from ._pinmem import BusyError, Error, InvalidError  # noqa: F401
 
 import weakref as _weakref
@@ -135,17 +136,33 @@ def _python_dataset(dataset):
         raise _stop_iteration_error(0, e) from e
     schema = _workers.describe(first, 0)
     contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
-    # Non-array leaves (strings, objects) wait here, by index, for their batch (epoch None:
-    # the store is cleared whenever a new C loader starts reading).
-    store = schema.store = _workers.SideStore() if schema.objs else None
+    # Non-array leaves (strings, objects), and once shapes vary every row's VRow, wait here,
+    # by index, for their batch (epoch None: the store is cleared whenever a new C loader
+    # starts reading).
+    store = schema.store = _workers.SideStore()
+    objs = bool(schema.objs)
+    blank = None
 
     def fetch(i):
+        nonlocal blank
         try:
             sample = dataset[i]
         except StopIteration as e:
             raise _stop_iteration_error(i, e) from e
-        leaves = checked(schema, sample, i, numpy)
-        if store is not None:
+        try:
+            leaves = checked(schema, sample, i, numpy)
+        except _workers.ShapeDiffers:
+            if not schema.varying:
+                raise
+            # The sample goes beside the slot whole; its row holds zeros.
+            store.put(None, (i,), (_workers.VRow(None, _workers.off_leaves(sample, i, numpy)),))
+            if blank is None:
+                blank = [numpy.zeros(shape, dt) for shape, dt in
+                         ((schema.leaves[k][1], schema.leaves[k][0]) for k in schema.slot)]
+            return blank
+        if schema.varying:
+            store.put(None, (i,), (_workers.VRow(schema.obj_values(leaves), None),))
+        elif objs:
             store.put(None, (i,), (schema.obj_values(leaves),))
         return [contiguous(a) for a in schema.slot_values(leaves)]
 
@@ -443,6 +460,12 @@ class _EpochIterator:
             if loader._collate is not None:
                 return loader._collated(b, self._convert if self._mode == "torch" else None)
             objs = loader._side_rows(b)  # taken in every mode, or they would pile up
+            if loader._schema is not None and loader._schema.varying:
+                objs, offs = _staging.split_rows(objs)
+                if offs is not None:  # samples beside the slot: stacked here
+                    where = (b.epoch, b.index, list(b.indices))
+                    del b  # the slot goes back (its rows were not written), errors or not
+                    return loader._stacked(*where, offs, self._mode, self._convert)
             if self._mode == "batch":
                 return b
             if self._mode == "torch":
@@ -491,7 +514,10 @@ class Loader:
     shared pinned slot (worker_mode="process", the default; "thread" reads them on threads,
     through the GIL: for datasets that release it). A sample is an array, a CPU tensor, a number,
     or a tuple, list or dict of those (strings and other objects arrive as lists); batches have
-    the sample's structure (default_collate's).
+    the sample's structure (default_collate's). Shapes may vary from batch to batch (a batch
+    whose shapes differ from the first sample's is stacked in the main process and staged
+    through pinned memory); within a batch they must agree (an error at that batch, a
+    RuntimeError as default_collate's).
 
     The arguments are torch.utils.data.DataLoader's, in its order: batch_size, shuffle, sampler
     (any iterable of indices with len(): its order is the order delivered), batch_sampler,
@@ -826,6 +852,7 @@ class Loader:
         pool = _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus, collate=self._collate)
         if self._stager is not None and self._collate is not None:
             pool.store.stage = self._stager.stage_safely  # staged as each output arrives
+        pool.store.varying = self._schema is not None and self._schema.varying
         return pool
 
     def _on_device(self, make):
@@ -843,14 +870,14 @@ class Loader:
             if prev != k:
                 _pinmem.set_device(prev)
 
-    def _open_epoch(self, epoch, batch, resume=None, template=None):
+    def _open_epoch(self, epoch, batch, resume=None, template=None, same_order=False):
         """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch
         mode) a loader for this epoch alone. template: the fields of the last epoch's state, for
         an epoch that starts afresh (its sample count is this epoch's: a sampler's length and a
         dataset's may change between epochs, as torch allows)."""
         if self._closed:
             _closed()
-        if self._per_epoch:
+        if self._per_epoch and not same_order:  # (same_order: the epoch's sampler order kept)
             if self._pool is not None and not self._persistent and epoch > 0 and \
                     self._pool.epoch != epoch:
                 self._swap_pool(epoch)
@@ -917,7 +944,7 @@ class Loader:
     def _side_rows(self, b):
         """The non-array leaves of batch b's rows (None when the samples have none)."""
         schema = self._schema
-        if schema is None or not schema.objs:
+        if schema is None or not (schema.objs or schema.varying):
             return None
         if self._pool is not None:
             return self._pool.store.take(b.epoch, b.indices, self._timeout)
@@ -1005,6 +1032,10 @@ class Loader:
         except BaseException as e:
             if self._closed:  # closed by another thread while this one waited
                 raise _closed_error() from e
+            if isinstance(e, _workers.ShapeDiffers) and self._schema is not None and \
+                    not self._schema.varying:
+                self._go_varying(c)
+                return self._next()
             if not isinstance(e, (Error, WorkerError)) or isinstance(e, InvalidError):
                 st = _pinmem._loader_state_fields(c.state())
                 self._skip = (st["epoch"], st["batch"] + 1)
@@ -1027,7 +1058,7 @@ class Loader:
                 self._c = None
                 self._retire(c)
                 self._open_epoch(nxt, 0, template=st)
-                b = self._c.next()
+                return self._next()  # (its errors handled as any batch's)
         if b is not None and self._order is not None:
             b._order = self._order
         if b is not None and self._odd:
@@ -1035,6 +1066,44 @@ class Loader:
             b = self._view_odd(b)
             self._conversion_s += _perf_counter() - t0
         return b
+
+    def _go_varying(self, c):
+        """A sample's shapes differ from the first sample's (C loader c failed its batch): from
+        that batch on, every row has a VRow beside the slot and a sample that differs travels
+        there whole, its batch stacked in this process (_staging.py); a batch whose samples all
+        have the first sample's shapes still comes through the slot. The C loader starts again
+        at that batch, in the same order, with the workers told."""
+        st = _pinmem._loader_state_fields(c.state())
+        self._c = None
+        try:
+            self._retire(c)
+            self._schema.varying = True
+            if self._pool is not None:
+                self._pool.store.set_varying()  # frames of the stopped run are dropped
+                self._pool.set_schema(self._schema, self._timeout)
+            self._open_epoch(st["epoch"], st["batch"], template=st, same_order=True)
+        except BaseException as e:
+            self._failed = e
+            raise
+
+    def _stacked(self, epoch, index, indices, offs, mode, convert):
+        """The batch of the dataset indices given whose samples differ from the first sample's
+        in shape: stacked here and staged through a pinned block (onto the device with device
+        batches)."""
+        where = f"batch {index} of epoch {epoch}"
+        if mode == "batch":
+            raise InvalidError(f"PM_ERR_INVALID: pinmem.Loader: {where}: its samples' shapes "
+                               "differ from the first sample's, so it is not in a slot and "
+                               "batches() cannot give it; iterate the loader (or as_torch())")
+        out = _staging.stack_rows(self._schema, indices, offs, self._unbatched, where)
+        if self._stager is None:
+            self._stager = _staging.Stager(self._to_device, self._device_index)
+        out = self._stager.stage(out)
+        if mode == "torch":
+            t0 = _perf_counter()
+            out = _staging.convert(out, convert)
+            self._conversion_s += _perf_counter() - t0
+        return out
 
     def _view_odd(self, b):
         import numpy

@@ -332,9 +332,12 @@ class Mixed(Indexed):
 @pytest.mark.parametrize("nw", [0, 1])
 def test_a_sample_of_another_dtype_of_the_same_size_is_refused_by_name(nw):
     with pinmem.Loader(Mixed(8), batch_size=4, num_workers=nw, device="cpu") as p:
-        with pytest.raises(pinmem.InvalidError, match=r"dataset index 3, field \[0\]: .*dtype "
-                           r"float16, but the first sample had .*dtype bfloat16"):
-            list(p)
+        it = iter(p.as_torch())
+        with pytest.raises(pinmem.InvalidError, match=r"field \[0\] has shape \(2,\) dtype "
+                           r"float16 at dataset index 3 and .*dtype bfloat16 at dataset index 0"):
+            next(it)
+        x, y = next(it)  # the batch after it, as DataLoader
+        assert x.dtype == torch.bfloat16 and y.tolist() == [4, 5, 6, 7]
 
 
 class WithEmpty(Indexed):
@@ -557,6 +560,8 @@ def test_collate_fn_with_device_batches_gives_dataloaders_output_on_the_device(n
     ds = Ragged(13)
     t = list(DataLoader(ds, batch_size=3, num_workers=nw, collate_fn=pad_more))
     kind = device_kind()
+    import gc
+    gc.collect()
     before = pinmem.stats()["in_use_bytes"]
     with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad_more) as p:
         assert p.device != "cpu"
@@ -581,7 +586,6 @@ def test_collate_fn_with_device_batches_gives_dataloaders_output_on_the_device(n
             np.asarray(plain["x"])  # device memory, as a slot's device batch
         assert plain["names"] == ["s0", "s1", "s2"]
     del got, plain, pb
-    import gc
     gc.collect()
     assert pinmem.stats()["in_use_bytes"] == before  # the pinned blocks went back
 
@@ -613,14 +617,114 @@ def test_each_error_names_its_own_sample(nw):
 
 
 @pytest.mark.parametrize("nw", [0, 1])
-def test_varying_shapes_without_collate_fn_are_refused_naming_what_to_do(nw):
-    # The loader's threads read the batch's rows at once, so the first mismatch reported may be
-    # any row of it after 0: the message must name that row and the shape it has.
+def test_shapes_that_differ_within_a_batch_are_refused_at_it_naming_the_rows(nw):
+    # Each batch of Ragged mixes lengths 1..4: default_collate's torch.stack refuses each, and
+    # so does pinmem, with torch's type (RuntimeError), naming the field and two rows.
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        next(iter(DataLoader(Ragged(8), batch_size=4)))
     with pinmem.Loader(Ragged(8), batch_size=4, num_workers=nw, device="cpu") as p:
-        with pytest.raises(pinmem.InvalidError, match=r"dataset index \d+, field \[0\]: "
-                           r"shape \(\d+,\).*first sample had shape \(1,\).*"
-                           r"collate_fn that pads") as e:
-            next(iter(p))
-    m = re.search(r"dataset index (\d+), field \[0\]: shape \((\d+),\)", str(e.value))
-    index, length = int(m.group(1)), int(m.group(2))
-    assert 1 <= index < 4 and length == index % 4 + 1
+        it = iter(p)
+        for b in range(2):
+            with pytest.raises(RuntimeError, match=r"batch \d of epoch 0: stack expects each "
+                               r"tensor to be equal size: field \[0\] has shape \((\d+),\) .*at "
+                               r"dataset index (\d+) and shape .* at dataset index (\d+)") as e:
+                next(it)
+            assert isinstance(e.value, pinmem.InvalidError)
+            m = re.search(r"shape \((\d+),\) dtype float32 at dataset index (\d+)", str(e.value))
+            length, index = int(m.group(1)), int(m.group(2))
+            assert 4 * b <= index < 4 * b + 4 and length == index % 4 + 1
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+class Scales(Indexed):
+    """Sample i: an image whose side changes every 4 samples (2, 3, 4: multi-scale training),
+    a bfloat16 field of that length, a name and a label."""
+
+    def __getitem__(self, i):
+        s = 2 + (i // 4) % 3
+        return {"img": torch.arange(s * s, dtype=torch.float32).reshape(s, s) + i,
+                "bf": torch.full((s,), i / 4, dtype=torch.bfloat16), "name": f"n{i}", "y": i}
+
+
+@pytest.mark.parametrize("nw, persistent", [(0, False), (2, False), (2, True)])
+def test_shapes_that_vary_between_batches_arrive_as_dataloader_gives_them(nw, persistent):
+    ds = Scales(24)
+    t = list(DataLoader(ds, batch_size=4, num_workers=nw))
+    kind = device_kind()
+    import gc
+    gc.collect()
+    before = pinmem.stats()["in_use_bytes"]
+    with pinmem.Loader(ds, batch_size=4, num_workers=nw, persistent_workers=persistent) as p:
+        for _ in range(2):
+            got = list(p.as_torch())
+            assert len(got) == len(t) == 6
+            assert all(same(on_host(pb), tb) for pb, tb in zip(got, t))
+        assert [tuple(b["img"].shape) for b in got] == [(4, s, s) for s in (2, 3, 4) * 2]
+        plain = list(p)
+        assert all(isinstance(b["img"], pinmem.Buffer) for b in plain)
+        assert plain[1]["img"].shape == (4, 3, 3) and plain[1]["bf"].dtype == "bfloat16"
+        assert plain[1]["img"].__dlpack_device__() == plain[0]["img"].__dlpack_device__() == kind
+        assert plain[1]["name"] == ["n4", "n5", "n6", "n7"]
+    del got, plain
+    gc.collect()
+    assert pinmem.stats()["in_use_bytes"] == before  # the pinned blocks and slots went back
+    # batch_size=None: each sample alone (numbers as 0-d tensors, as pinmem gives them)
+    t = list(DataLoader(ds, batch_size=None, num_workers=nw))
+    with pinmem.Loader(ds, batch_size=None, num_workers=nw) as p:
+        got = [on_host(b) for b in p.as_torch()]
+    assert [int(b.pop("y")) for b in got] == [b.pop("y") for b in t] == list(range(24))
+    assert all(same(pb, tb) for pb, tb in zip(got, t))
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_batch_sampler_that_buckets_by_length(nw):
+    ds = Ragged(24)  # lengths i % 4 + 1
+    by_length = sorted(range(24), key=lambda i: (i % 4, i))
+    make = lambda: torch.utils.data.BatchSampler(by_length, 3, False)  # noqa: E731
+    t = list(DataLoader(ds, batch_sampler=make(), num_workers=nw))
+    with pinmem.Loader(ds, batch_sampler=make(), num_workers=nw) as p:
+        got = list(p.as_torch())
+    assert len(got) == len(t) == 8
+    assert all(same(on_host(pb), tb) for pb, tb in zip(got, t))
+    assert [b[0].shape[1] for b in got] == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+class UnevenLengths(Indexed):
+    """Batches of 4 whose lengths agree (batches 0, 2, 4) or not: batch 1 mixes the first
+    sample's length with another, batch 3 two others."""
+
+    LENGTHS = [2] * 4 + [3, 3, 2, 2] + [3] * 4 + [4, 4, 5, 5] + [2] * 4
+
+    def __getitem__(self, i):
+        return torch.arange(self.LENGTHS[i], dtype=torch.float32) + i, i
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_batch_whose_shapes_differ_is_refused_at_it_and_the_next_batch_follows(nw):
+    results = []
+    for make in (DataLoader, pinmem.Loader):
+        loader = make(UnevenLengths(20), batch_size=4, num_workers=nw)
+        it = iter(loader.as_torch() if make is pinmem.Loader else loader)
+        got = []
+        for b in range(5):
+            if b in (1, 3):
+                # (torch's workers raise another RuntimeError: their batch's shared storage
+                # does not fit)
+                with pytest.raises(RuntimeError, match="stack expects each tensor to be equal "
+                                   "size" if nw == 0 or make is pinmem.Loader else None) as e:
+                    next(it)
+                if make is pinmem.Loader:
+                    assert re.search(r"has shape \(3,\) .*at dataset index 4 and shape \(2,\) "
+                                     r".* at dataset index 6" if b == 1 else
+                                     r"has shape \(4,\) .*at dataset index 12 and shape \(5,\) "
+                                     r".* at dataset index 14", str(e.value)), str(e.value)
+            else:
+                got.append(on_host(next(it)))
+        with pytest.raises(StopIteration):
+            next(it)
+        results.append(got)
+        if make is pinmem.Loader:
+            loader.close()
+    assert [len(b[0][0]) for b in results[1]] == [2, 3, 2]
+    assert all(same(a, b) for a, b in zip(*results))
