@@ -910,6 +910,7 @@ class Loader:
             ok = _pinmem._procs_drain(self._base, wait)
             c.close()
             _pinmem._procs_reset(self._base)
+            self._clear_error()
             if not ok:
                 alive = [w for w, a in enumerate(self._pool.alive()) if a]
                 self._failed = WorkerError(
@@ -920,6 +921,14 @@ class Loader:
                 raise self._failed
         elif c is not None:
             c.close()
+            self._clear_error()
+
+    def _clear_error(self):
+        """Forget what the reads of a stopped C loader raised past the batch whose error was
+        raised: the next loader raises its own errors (a shape change read ahead would be
+        raised in place of a later batch's exception)."""
+        if self._ds is not None:
+            self._ds._clear_error()
 
     def _swap_pool(self, epoch):
         """New worker processes for `epoch` (persistent_workers=False)."""

@@ -690,6 +690,36 @@ def test_a_batch_sampler_that_buckets_by_length(nw):
     assert [b[0].shape[1] for b in got] == [1, 1, 2, 2, 3, 3, 4, 4]
 
 
+class ScalesBroken(Scales):
+    """Scales whose sample 13 raises (after the shapes began to vary: its batch is the fourth)."""
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise KeyError("sample 13 is broken")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_an_error_after_the_shapes_began_to_vary_is_its_own_and_the_next_batch_follows(nw):
+    # The loader's threads read past the first sample that differs before the loader learns
+    # of it; what they met there must not stand in for a later batch's own exception.
+    results = []
+    for make in (DataLoader, pinmem.Loader):
+        loader = make(ScalesBroken(24), batch_size=4, num_workers=nw)
+        it = iter(loader.as_torch() if make is pinmem.Loader else loader)
+        got = []
+        for b in range(6):
+            if b == 3:
+                with pytest.raises(KeyError, match="sample 13 is broken"):
+                    next(it)
+            else:
+                got.append(on_host(next(it)))
+        results.append(got)
+        if make is pinmem.Loader:
+            loader.close()
+    assert len(results[1]) == 5 and all(same(a, b) for a, b in zip(*results))
+
+
 class UnevenLengths(Indexed):
     """Batches of 4 whose lengths agree (batches 0, 2, 4) or not: batch 1 mixes the first
     sample's length with another, batch 3 two others."""
