@@ -699,25 +699,36 @@ class ScalesBroken(Scales):
         return super().__getitem__(i)
 
 
+def side_by_side(ds, nw, failing, error, match):
+    """One epoch of DataLoader and of pinmem.Loader (as_torch) over ds in batches of 4, each
+    batch on the host; at the batch numbers in `failing`, next() must raise `error` (pinmem's
+    with a text matching match(batch number, torch?) when that is not None). -> (torch's
+    batches, pinmem's), the failed ones left out."""
+    results = []
+    for make in (DataLoader, pinmem.Loader):
+        loader = make(ds, batch_size=4, num_workers=nw)
+        it = iter(loader.as_torch() if make is pinmem.Loader else loader)
+        got = []
+        for b in range(-(-len(ds) // 4)):
+            if b in failing:
+                with pytest.raises(error, match=match(b, make is DataLoader)):
+                    next(it)
+            else:
+                got.append(on_host(next(it)))
+        with pytest.raises(StopIteration):
+            next(it)
+        results.append(got)
+        if make is pinmem.Loader:
+            loader.close()
+    return results
+
+
 @pytest.mark.parametrize("nw", [0, 2])
 def test_an_error_after_the_shapes_began_to_vary_is_its_own_and_the_next_batch_follows(nw):
     # The loader's threads read past the first sample that differs before the loader learns
     # of it; what they met there must not stand in for a later batch's own exception.
-    results = []
-    for make in (DataLoader, pinmem.Loader):
-        loader = make(ScalesBroken(24), batch_size=4, num_workers=nw)
-        it = iter(loader.as_torch() if make is pinmem.Loader else loader)
-        got = []
-        for b in range(6):
-            if b == 3:
-                with pytest.raises(KeyError, match="sample 13 is broken"):
-                    next(it)
-            else:
-                got.append(on_host(next(it)))
-        results.append(got)
-        if make is pinmem.Loader:
-            loader.close()
-    assert len(results[1]) == 5 and all(same(a, b) for a, b in zip(*results))
+    t, p = side_by_side(ScalesBroken(24), nw, (3,), KeyError, lambda b, t: "sample 13 is broken")
+    assert len(p) == 5 and all(same(a, b) for a, b in zip(t, p))
 
 
 class UnevenLengths(Indexed):
@@ -732,29 +743,14 @@ class UnevenLengths(Indexed):
 
 @pytest.mark.parametrize("nw", [0, 2])
 def test_a_batch_whose_shapes_differ_is_refused_at_it_and_the_next_batch_follows(nw):
-    results = []
-    for make in (DataLoader, pinmem.Loader):
-        loader = make(UnevenLengths(20), batch_size=4, num_workers=nw)
-        it = iter(loader.as_torch() if make is pinmem.Loader else loader)
-        got = []
-        for b in range(5):
-            if b in (1, 3):
-                # (torch's workers raise another RuntimeError: their batch's shared storage
-                # does not fit)
-                with pytest.raises(RuntimeError, match="stack expects each tensor to be equal "
-                                   "size" if nw == 0 or make is pinmem.Loader else None) as e:
-                    next(it)
-                if make is pinmem.Loader:
-                    assert re.search(r"has shape \(3,\) .*at dataset index 4 and shape \(2,\) "
-                                     r".* at dataset index 6" if b == 1 else
-                                     r"has shape \(4,\) .*at dataset index 12 and shape \(5,\) "
-                                     r".* at dataset index 14", str(e.value)), str(e.value)
-            else:
-                got.append(on_host(next(it)))
-        with pytest.raises(StopIteration):
-            next(it)
-        results.append(got)
-        if make is pinmem.Loader:
-            loader.close()
-    assert [len(b[0][0]) for b in results[1]] == [2, 3, 2]
-    assert all(same(a, b) for a, b in zip(*results))
+    def match(b, torch_side):
+        if torch_side:  # (torch's workers raise another RuntimeError: their batch's shared
+            # storage does not fit)
+            return "stack expects each tensor to be equal size" if nw == 0 else None
+        return (r"stack expects each tensor to be equal size: field \[0\] has shape \(3,\) .*at "
+                r"dataset index 4 and shape \(2,\) .* at dataset index 6" if b == 1 else
+                r"stack expects each tensor to be equal size: field \[0\] has shape \(4,\) .*at "
+                r"dataset index 12 and shape \(5,\) .* at dataset index 14")
+    t, p = side_by_side(UnevenLengths(20), nw, (1, 3), RuntimeError, match)
+    assert [len(b[0][0]) for b in p] == [2, 3, 2]
+    assert all(same(a, b) for a, b in zip(t, p))
