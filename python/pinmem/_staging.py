@@ -180,33 +180,44 @@ class Stager:
             total += a.nbytes
         import numpy as np
         with self.lock:
-            if self.to_device and self.device is not None and \
-                    _pinmem.current_device() != self.device:
-                _pinmem.set_device(self.device)  # this thread's copies go to the loader's device
-            block = self._pinned(max(total, 1))
-            flat = np.frombuffer(block, np.uint8)
-            for (a, _), off in zip(leaves, offsets):
-                if a.nbytes:
-                    flat[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
-            del flat
-            if self.to_device:
-                if self.stream is None:
-                    self.stream = _pinmem.Stream()
-                base = _pinmem.device_empty((max(total, 1),), "uint8")
-                # The copy holds the pinned block until it is done and seen so (here, at the
-                # next batch, or at close()); then the block goes back to the pool for the next
-                # batch that fits it. The views' DLPack consumers wait for the copy.
-                self.inflight = [c for c in self.inflight if not c.done()]
-                self.inflight.append(_pinmem.copy(base, block, self.stream, nbytes=total))
-                del block
-            else:
-                base = block
+            # This thread's copy goes to the loader's device; the caller's device is restored.
+            prev = _pinmem.current_device() if self.to_device else None
+            if prev is not None and prev != self.device:
+                _pinmem.set_device(self.device)
+            try:
+                base = self._fill(leaves, offsets, total, np)
+            finally:
+                if prev is not None and prev != self.device:
+                    _pinmem.set_device(prev)
             self.batches += 1
             self.bytes += total
             self.largest = max(self.largest, total)
         views = [_pinmem._buffer_view(base, off, a.shape, name)
                  for (a, name), off in zip(leaves, offsets)]
         return _build(tree, views)
+
+    def _fill(self, leaves, offsets, total, np):
+        """The leaves written into a pinned block and (device batches) copied to a device block
+        on this Stager's stream: the block the views will look into."""
+        block = self._pinned(max(total, 1))
+        flat = np.frombuffer(block, np.uint8)
+        for (a, _), off in zip(leaves, offsets):
+            if a.nbytes:
+                flat[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        del flat
+        if self.to_device:
+            if self.stream is None:
+                self.stream = _pinmem.Stream()
+            base = _pinmem.device_empty((max(total, 1),), "uint8")
+            # The copy holds the pinned block until it is done and seen so (here, at the
+            # next batch, or at close()); then the block goes back to the pool for the next
+            # batch that fits it. The views' DLPack consumers wait for the copy.
+            self.inflight = [c for c in self.inflight if not c.done()]
+            self.inflight.append(_pinmem.copy(base, block, self.stream, nbytes=total))
+            del block
+        else:
+            base = block
+        return base
 
     def _pinned(self, nbytes):
         """A pinned block of nbytes from the default pool. At the budget, the copies still

@@ -1223,13 +1223,20 @@ class Loader:
         `worker_numa_cpus` (the CPU ids the workers were put on, the NUMA node of the loader's
         device; None: left where the scheduler puts them) and `worker_numa_refused` (workers that
         could not move there and run elsewhere, e.g. a cpuset without those CPUs; the first one's
-        reason in `worker_numa_problem`, "" when none)."""
+        reason in `worker_numa_problem`, "" when none). `staged_batches` and `staged_bytes`: the
+        batches built outside the slots (a collate_fn's output for the device; batches whose
+        shapes differ from the first sample's) and their bytes, staged through pinned blocks;
+        `staged_largest_bytes`: the largest of them."""
         out = self._check().stats()
         out["fields"] = len(self._ds.fields())
         out["conversion_seconds"] = self._conversion_s
         out["iteration_seconds"] = self._iteration_s
         out["glue_seconds"] = max(0.0, self._iteration_s - out["next_seconds"] -
                                   self._conversion_s)
+        stager = self._stager
+        out["staged_batches"] = 0 if stager is None else stager.batches
+        out["staged_bytes"] = 0 if stager is None else stager.bytes
+        out["staged_largest_bytes"] = 0 if stager is None else stager.largest
         out["workers"] = "process" if self._pool is not None else "thread"
         out["worker_pids"] = self.worker_pids()
         pool = self._pool

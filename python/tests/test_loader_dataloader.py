@@ -578,6 +578,8 @@ def test_collate_fn_with_device_batches_gives_dataloaders_output_on_the_device(n
                 tb = dict(tb, pair=(torch.as_tensor(tb["pair"][0]), tb["pair"][1]))
                 assert same(on_host(pb), tb)
         assert {b["width"] for b in got} == {1, 3, 4, 64 * 4}  # the shapes varied, and grew
+        st = p.stats()
+        assert st["staged_batches"] == 10 and st["staged_largest_bytes"] >= 3 * 64 * 4 * 4
         plain = next(iter(p))
         assert isinstance(plain["x"], pinmem.Buffer) and plain["x"].shape == (3, 3)
         assert plain["x"].__dlpack_device__() == kind
@@ -666,6 +668,9 @@ def test_shapes_that_vary_between_batches_arrive_as_dataloader_gives_them(nw, pe
         assert plain[1]["img"].shape == (4, 3, 3) and plain[1]["bf"].dtype == "bfloat16"
         assert plain[1]["img"].__dlpack_device__() == plain[0]["img"].__dlpack_device__() == kind
         assert plain[1]["name"] == ["n4", "n5", "n6", "n7"]
+        # The batches of the first sample's shape (0 and 3) came through the slots.
+        st = p.stats()
+        assert st["staged_batches"] == 3 * 4 and st["staged_largest_bytes"] >= 4 * 16 * 4
     del got, plain
     gc.collect()
     assert pinmem.stats()["in_use_bytes"] == before  # the pinned blocks and slots went back
@@ -754,3 +759,50 @@ def test_a_batch_whose_shapes_differ_is_refused_at_it_and_the_next_batch_follows
     t, p = side_by_side(UnevenLengths(20), nw, (1, 3), RuntimeError, match)
     assert [len(b[0][0]) for b in p] == [2, 3, 2]
     assert all(same(a, b) for a, b in zip(t, p))
+
+
+STAGED_ON_DEVICE_1 = """
+import numpy as np, pinmem
+
+class Ds:
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return np.arange(i % 3 + 1, dtype=np.float32) + i
+
+def pad(samples):  # a collate_fn of one's own: the batch padded to its longest sample
+    out = np.zeros((len(samples), max(len(s) for s in samples)), np.float32)
+    for k, s in enumerate(samples):
+        out[k, :len(s)] = s
+    return out
+
+class Varying(Ds):  # shapes vary between batches: the batches of another shape are staged
+    def __getitem__(self, i):
+        return np.full(i // 4 + 1, i, np.float32)
+
+pinmem.set_device(0)
+for ds, kw in ((Ds(), dict(collate_fn=pad)), (Varying(), {})):
+    for nw in (0, 2):
+        with pinmem.Loader(ds, batch_size=4, num_workers=nw, device="cuda:1", **kw) as p:
+            for k, b in enumerate(p):
+                assert pinmem.current_device() == 0, "the caller's device changed"
+                host = np.empty(b.shape, np.float32)
+                pinmem.copy(host, b).wait()
+                want = pad([ds[i] for i in range(4 * k, 4 * k + 4)])
+                assert np.array_equal(host, want), (k, host, want)
+            assert p.stats()["staged_batches"] == 3 if kw else 2
+print("ok")
+"""
+
+
+def test_batches_staged_for_device_k_leave_the_callers_device_alone():
+    """Staging copies on the loader's device (device='cuda:1') from a thread of device 0, also
+    on the main thread (num_workers=0, and batches stacked there); the caller stays on 0."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PINMEM_BACKEND="host", PINMEM_HOST_DEVICES="2")
+    r = subprocess.run([sys.executable, "-c", STAGED_ON_DEVICE_1], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
