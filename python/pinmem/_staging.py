@@ -223,14 +223,21 @@ class Stager:
         """A pinned block of nbytes from the default pool. At the budget, the copies still
         in flight are waited for (their blocks come back) and the request tried once more."""
         try:
-            return _pinmem.empty((nbytes,), "uint8")
-        except _pinmem.BudgetError:
-            if self.stream is None:
-                raise
-            for c in self.inflight:
-                c.wait()
-            self.inflight = []  # their blocks go back
-            return _pinmem.empty((nbytes,), "uint8")
+            try:
+                return _pinmem.empty((nbytes,), "uint8")
+            except _pinmem.BudgetError:
+                if not self.inflight:
+                    raise
+                for c in self.inflight:
+                    c.wait()
+                self.inflight = []  # their blocks go back
+                return _pinmem.empty((nbytes,), "uint8")
+        except _pinmem.BudgetError as e:
+            _pinmem._raise(_pinmem.PM_ERR_BUDGET, f"{e.message}. pinmem.Loader: this batch, "
+                           "built outside the slots (a collate_fn's output, or samples whose "
+                           f"shapes differ from the first one's), needs {nbytes} bytes of pinned "
+                           "memory on its way; raise the budget (pinmem.set_budget, "
+                           "PINMEM_BUDGET) or make the batch smaller")
 
     def stage_safely(self, out):
         """stage(out), or a Failed holding the error (the receiving thread must go on)."""

@@ -806,3 +806,28 @@ def test_batches_staged_for_device_k_leave_the_callers_device_alone():
     r = subprocess.run([sys.executable, "-c", STAGED_ON_DEVICE_1], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def too_big_at_4(samples):
+    """A collate_fn whose batch of sample 4 is 16 MiB; the others 1 KiB."""
+    n = 16 << 20 if samples[0][1] == 4 else 1024
+    return torch.full((n,), samples[0][1], dtype=torch.uint8), [s[1] for s in samples]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_collated_batch_over_the_pinned_budget_fails_alone_naming_its_bytes(nw):
+    with pinmem.Loader(Indexed(12), batch_size=4, num_workers=nw, collate_fn=too_big_at_4) as p:
+        it = iter(p.as_torch())
+        x, y = next(it)  # the loader's slots are pinned now: the budget is set above them
+        assert y == [0, 1, 2, 3] and x.shape == (1024,)
+        del x
+        old = pinmem.budget()
+        pinmem.set_budget(pinmem.stats()["pinned_bytes"] + (8 << 20))
+        try:
+            with pytest.raises(pinmem.BudgetError, match=r"pinmem.Loader: this batch, built "
+                               r"outside the slots .* needs 16777216 bytes of pinned memory"):
+                next(it)
+            x, y = next(it)
+            assert y == [8, 9, 10, 11] and int(x.cpu()[0]) == 8
+        finally:
+            pinmem.set_budget(old)
