@@ -305,6 +305,7 @@ def stack_rows(schema, indices, offs, unbatched, where):
             if kind0 != "obj" and _differ(a, kind, shape, dt, kind0):
                 had = f"shape {shape} dtype {kind0[5:] if kind0.startswith('bits:') else dt}"
                 refuse(k, r_off, _describe(a, kind), r_in, had)
+        refuse(0, r_off, "a shape or dtype of its own", r_in, "the first sample's")  # (unreached)
     values = []
     for k, (_, _, kind0) in enumerate(schema.leaves):
         col = [o[k] for o in offs]
