@@ -15,9 +15,12 @@ dtypes DLPack lacks, tensors already on a device) stay as they are.
 
 Memory: the pinned block goes back to the pool once its copy is done (the copy holds it until
 then) and the pool hands it to the next batch that fits its size class, so blocks are reused
-across batches, and a larger batch takes a larger block, within the pool's budget; a device
-batch's memory is freed when the loop lets go of its last leaf. Host batches (device='cpu') are
-the pinned block itself, held by its leaves.
+across batches, and a larger batch takes a larger block, within the pool's budget. Device
+blocks are the Stager's: a block whose leaves are all gone (no view, no copy holds it) is
+reused by the next batch it fits, after the stream its DLPack consumers named has passed the
+point where they let go (an event recorded then; a block consumed on two streams is not reused);
+a few idle ones are kept, the rest freed. Host batches (device='cpu') are the pinned block
+itself, held by its leaves.
 
 Threads: a loader with worker processes stages a collate_fn's output on the thread that receives
 it from the worker (the side-leaves thread of _workers.py), as soon as it arrives: its copy is
@@ -31,6 +34,7 @@ import threading
 from . import _pinmem
 
 _ALIGN = 256  # each leaf's bytes start 256-aligned in the block, as a slot's fields do
+_KEEP = 4     # idle device blocks a Stager keeps for the next batches
 
 
 class Failed:
@@ -162,10 +166,12 @@ class Stager:
             self.device = _pinmem.current_device()
         self.stream = None
         self.inflight = []     # Completions of copies not seen done yet (they hold their blocks)
+        self.blocks = []       # device blocks of earlier batches, reused once their leaves go
         self.lock = threading.Lock()
         self.batches = 0       # batches staged (stats)
         self.bytes = 0         # their bytes
         self.largest = 0       # the largest block asked for
+        self.device_blocks = 0  # device blocks allocated (the others were reused)
 
     def stage(self, out):
         """out with its array leaves as pinmem Buffers (on the device, or pinned host memory)."""
@@ -208,7 +214,7 @@ class Stager:
         if self.to_device:
             if self.stream is None:
                 self.stream = _pinmem.Stream()
-            base = _pinmem.device_empty((max(total, 1),), "uint8")
+            base = self._device_block(max(total, 1))
             # The copy holds the pinned block until it is done and seen so (here, at the
             # next batch, or at close()); then the block goes back to the pool for the next
             # batch that fits it. The views' DLPack consumers wait for the copy.
@@ -218,6 +224,30 @@ class Stager:
         else:
             base = block
         return base
+
+    def _device_block(self, nbytes):
+        """A device block of at least nbytes: the smallest one of an earlier batch that fits and
+        whose leaves are all gone (this stream then waits for the work their consumers queued:
+        _buffer_reuse), else a new one. Device memory is allocated and freed by the driver,
+        which for a free waits for the whole device: reused blocks keep that off the loop."""
+        fit = sorted((b for b in self.blocks if b.exports == 0 and b.nbytes >= nbytes),
+                     key=lambda b: b.nbytes)
+        got = None
+        for b in fit:
+            if _pinmem._buffer_reuse(b, self.stream):
+                got = b
+                break
+            self.blocks.remove(b)  # consumed on two streams: not reused
+        if got is None:
+            got = _pinmem.device_empty((nbytes,), "uint8")
+            self.device_blocks += 1
+            self.blocks.append(got)
+        # At most _KEEP idle blocks stay (the oldest go first); busy ones are never dropped here
+        # (they are in the loop's hands, or staged ahead).
+        idle = [x for x in self.blocks if x.exports == 0 and x is not got]
+        for x in idle[:max(0, len(idle) - _KEEP)]:
+            self.blocks.remove(x)
+        return got
 
     def _pinned(self, nbytes):
         """A pinned block of nbytes from the default pool. At the budget, the copies still
@@ -247,9 +277,11 @@ class Stager:
             return Failed(e)
 
     def close(self):
-        """Wait for the copies in flight (their pinned blocks go back to the pool)."""
+        """Wait for the copies in flight (their pinned blocks go back to the pool) and let the
+        idle device blocks go (those of batches still held go with them)."""
         with self.lock:
             inflight, self.inflight = self.inflight, []
+            self.blocks = []
         for c in inflight:
             c.wait()
 

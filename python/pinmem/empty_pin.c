@@ -226,9 +226,48 @@ fail:
   return NULL;
 }
 
-/* A view's base loses one consumer when the view goes. */
+/* A view's base loses one consumer when the view goes. A device base remembers, in an event on
+ * the stream the view's DLPack consumer named, the work queued up to now that may read it: a
+ * reuse of the base (_buffer_reuse) waits for that. Views consumed on two different streams
+ * make the base unsafe to reuse (one event holds one stream's point). */
 static void view_released(BufferObject *view) {
-  if (view->keep) ((BufferObject *)view->keep)->exports--;
+  BufferObject *base = (BufferObject *)view->keep;
+  if (!base) return;
+  base->exports--;
+  uintptr_t v = view->consumer_stream;
+  if (base->kind != BUF_DEVICE || !view->has_consumer_stream || !v || v == (uintptr_t)-1 ||
+      (!pmpy_is_cuda_backend() && v <= 2))
+    return;
+  if (base->views_gone_recorded && base->views_gone_stream != v) {
+    base->reuse_unsafe = 1;
+    return;
+  }
+  if ((!base->views_gone && pm_event_create(PM_EVENT_DEFAULT, &base->views_gone) != PM_OK) ||
+      pm_event_record(base->views_gone, (pm_stream_t)v) != PM_OK) {
+    base->reuse_unsafe = 1;
+    return;
+  }
+  base->views_gone_stream = v;
+  base->views_gone_recorded = 1;
+}
+
+/* _buffer_reuse(base, stream) -> bool: whether device buffer base may be written again (no view
+ * or copy holds it); if so, `stream` first waits for the work its views' consumers queued. */
+static PyObject *py_buffer_reuse(PyObject *mod, PyObject *args) {
+  PyObject *base_obj, *stream_obj;
+  if (!PyArg_ParseTuple(args, "O!O:_buffer_reuse", &pmpy_BufferType, &base_obj, &stream_obj))
+    return NULL;
+  BufferObject *b = (BufferObject *)base_obj;
+  pm_stream_t s;
+  if (pmpy_parse_stream(stream_obj, &s) < 0) return NULL;
+  if (b->released || b->exports || b->reuse_unsafe || b->kind != BUF_DEVICE) Py_RETURN_FALSE;
+  if (b->views_gone_recorded) {
+    pm_status_t st = pm_stream_wait_event(s, b->views_gone);
+    if (st != PM_OK) return pmpy_raise_status(st);
+    b->views_gone_recorded = 0;
+    b->views_gone_stream = 0;
+  }
+  Py_RETURN_TRUE;
 }
 
 /* _buffer_view(base, offset, shape, dtype): a Buffer over bytes [offset, offset + nbytes) of
@@ -277,4 +316,7 @@ PyMethodDef pmpy_empty_pin_functions[] = {
      "pin(obj, *, mapped=False, portable=False) -> PinnedBuffer over obj's memory, pinned in place"},
     {"_buffer_view", py_buffer_view, METH_VARARGS,
      "_buffer_view(base, offset, shape, dtype) -> Buffer over part of base (loader batches)"},
+    {"_buffer_reuse", py_buffer_reuse, METH_VARARGS,
+     "_buffer_reuse(base, stream) -> bool: device memory free of views, stream ordered after "
+     "their consumers"},
     {0}};

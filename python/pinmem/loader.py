@@ -1226,7 +1226,8 @@ class Loader:
         reason in `worker_numa_problem`, "" when none). `staged_batches` and `staged_bytes`: the
         batches built outside the slots (a collate_fn's output for the device; batches whose
         shapes differ from the first sample's) and their bytes, staged through pinned blocks;
-        `staged_largest_bytes`: the largest of them."""
+        `staged_largest_bytes`: the largest of them; `staged_device_blocks`: the device blocks
+        allocated for them (the others reused a block whose batch was let go)."""
         out = self._check().stats()
         out["fields"] = len(self._ds.fields())
         out["conversion_seconds"] = self._conversion_s
@@ -1237,6 +1238,7 @@ class Loader:
         out["staged_batches"] = 0 if stager is None else stager.batches
         out["staged_bytes"] = 0 if stager is None else stager.bytes
         out["staged_largest_bytes"] = 0 if stager is None else stager.largest
+        out["staged_device_blocks"] = 0 if stager is None else stager.device_blocks
         out["workers"] = "process" if self._pool is not None else "thread"
         out["worker_pids"] = self.worker_pids()
         pool = self._pool

@@ -341,3 +341,26 @@ def test_a_view_of_part_of_a_buffer_holds_it_and_stays_inside_it(rng):
     assert v.ptr == ref + 16  # the base lives on in its view
     np.testing.assert_array_equal(np.asarray(v).view(np.uint8).reshape(-1), data[16:40])
     del v
+
+
+def test_device_memory_is_reusable_only_once_no_view_or_copy_holds_it(rng):
+    """_buffer_reuse (the loader's staged device batches): False while a view of the block, or
+    a copy into it, is alive; True once they are gone; never for host memory."""
+    from pinmem import _pinmem
+    s = pinmem.Stream()
+    base = pinmem.device_empty((256,), "uint8")
+    src = pinmem.empty((256,), "uint8")
+    np.asarray(src)[:] = random_bytes(rng, 256)
+    done = pinmem.copy(base, src, s)
+    v = _pinmem._buffer_view(base, 0, (64,), "<f4")
+    assert not _pinmem._buffer_reuse(base, s)
+    done.wait()
+    del done
+    assert not _pinmem._buffer_reuse(base, s)  # the view still holds it
+    back = np.empty(64, np.float32)
+    pinmem.copy(back, v).wait()
+    np.testing.assert_array_equal(back.view(np.uint8), np.asarray(src))
+    del v
+    assert _pinmem._buffer_reuse(base, s)
+    assert not _pinmem._buffer_reuse(src, s)  # pinned host memory: not a device block
+    s.close()

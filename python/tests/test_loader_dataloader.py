@@ -831,3 +831,30 @@ def test_a_collated_batch_over_the_pinned_budget_fails_alone_naming_its_bytes(nw
             assert y == [8, 9, 10, 11] and int(x.cpu()[0]) == 8
         finally:
             pinmem.set_budget(old)
+
+
+def host_copy(buf):
+    """A device (or host) Buffer's values, copied to host memory."""
+    out = np.empty(buf.shape, buf.dtype)
+    pinmem.copy(out, buf).wait()
+    return out
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_collated_device_batches_reuse_device_blocks_only_once_let_go(nw):
+    ds = Ragged(51)
+    order = [i for i in range(51) if i // 3 != 4]  # (pad refuses label 13)
+    want = [pad([ds[i] for i in order[k:k + 3]])["x"].numpy() for k in range(0, 48, 3)]
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, sampler=order) as p:
+        held = list(p)  # every batch held: each in a block of its own, never overwritten
+        assert len({b["x"].ptr for b in held}) == 16 == p.stats()["staged_device_blocks"]
+        assert all(np.array_equal(host_copy(b["x"]), w) for b, w in zip(held, want))
+        del held
+        ptrs = []
+        for k, b in enumerate(p):  # each batch let go before the next: blocks come back
+            assert np.array_equal(host_copy(b["x"]), want[k])
+            ptrs.append(b["x"].ptr)
+            del b
+        # At most the batches staged ahead (prefetch) plus the one held took a new block.
+        assert p.stats()["staged_device_blocks"] - 16 <= (8 if nw else 0)
+        assert len(set(ptrs)) < 16
