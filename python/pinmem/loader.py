@@ -203,6 +203,12 @@ def _stop_iteration_error(index, e):
                         "must not raise StopIteration; raise IndexError past the end")
 
 
+def _is_iterable_dataset(dataset):
+    """A torch.utils.data.IterableDataset (by its class, without importing torch)."""
+    return any(c.__name__ == "IterableDataset" and c.__module__.startswith("torch.utils.data")
+               for c in type(dataset).__mro__)
+
+
 def _is_path(x):
     return isinstance(x, (str, _os.PathLike))
 
@@ -513,6 +519,13 @@ class Loader:
     close() (and `with`, and interpreter exit) never fails because batches are alive: it stops
     the workers, and each slot still held returns to the pool when its batch goes.
     """
+
+    def __new__(cls, dataset=None, *args, **kwargs):
+        # A torch IterableDataset has its own path (_iterable.py): a Loader subclass.
+        if cls is Loader and _is_iterable_dataset(dataset):
+            from ._iterable import IterableLoader
+            cls = IterableLoader
+        return super().__new__(cls)
 
     def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
                  num_workers=0, collate_fn=None, pin_memory=True, drop_last=False, timeout=0,
