@@ -417,12 +417,13 @@ class _Epoch:
             try:
                 k = sock.recv_into(view[got:])
             except socket.timeout:
+                err = WorkerError(f"pinmem.Loader: worker process {w} (pid {pool.procs[w].pid})"
+                                  f" gave no batch within timeout={self.loader.timeout:g} s: "
+                                  "raise timeout, or find what makes the dataset's iterator "
+                                  "that slow")
                 # The frame may be cut anywhere: the epoch ends here (a new one starts anew).
                 self.loader._lost_workers()
-                raise WorkerError(f"pinmem.Loader: worker process {w} (pid {pool.procs[w].pid}) "
-                                  f"gave no batch within timeout={self.loader.timeout:g} s: "
-                                  "raise timeout, or find what makes the dataset's iterator "
-                                  "that slow") from None
+                raise err from None
             except OSError:
                 k = 0
             if k == 0:
@@ -633,17 +634,18 @@ class IterableLoader(_loader.Loader):
         return _IterPool(self.dataset, self.num_workers, self.multiprocessing_context, seed,
                          self.worker_init_fn, cpus, plan)
 
-    def _stop_workers(self):
+    def _stop_workers(self, wait=5.0):
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.stop()
+            pool.stop(wait)
             pool.close()
 
     def _lost_workers(self):
-        """A worker died: stop the others; the epoch ends (the next one starts new workers)."""
+        """A worker died or hangs: stop them all (a hung one is not waited for long); the epoch
+        ends (the next one starts new workers)."""
         if self._epoch is not None:
             self._epoch.done = True
-        self._stop_workers()
+        self._stop_workers(1.0)
 
     # ---- delivery ----
 
