@@ -328,7 +328,14 @@ class _Epoch:
             if not self.active[w]:
                 self.turn = (w + 1) % pool.nworkers
                 continue
-            kind, status, meta, data = self._receive(pool, w)
+            try:
+                kind, status, meta, data = self._receive(pool, w)
+            except BaseException:
+                # Cut mid-frame (Ctrl-C, the budget, a worker gone): the stream cannot be read
+                # on, so the epoch ends here and the next one starts anew.
+                if self.loader._pool is pool:
+                    self.loader._lost_workers()
+                raise
             if kind == END:
                 self.active[w] = False
                 self.turn = (w + 1) % pool.nworkers
@@ -699,8 +706,9 @@ class IterableLoader(_loader.Loader):
 
     @property
     def epoch(self):
-        """The epoch the next iterator begins (epochs are counted from 0)."""
-        return self._epochs_begun
+        """The epoch of the next batch: the one in progress, else the next to begin."""
+        e = self._epoch
+        return e.number if e is not None and not e.done else self._epochs_begun
 
     def worker_pids(self):
         return [] if self._pool is None else self._pool.pids()

@@ -403,3 +403,43 @@ def test_loader_is_a_pinmem_loader():
         assert isinstance(p, pinmem.Loader)
         assert p.batch_size == 1 and p.sampler is None and p.num_workers == 0
         assert p.stats()["workers"] == "main"
+
+
+class Growing(IterableDataset):
+    """Samples whose length grows every 2 samples: each batch of 2 has its own shape."""
+
+    def __init__(self, step=2):
+        self.step = step
+
+    def __iter__(self):
+        for i in range(6):
+            yield np.full(i // self.step + 1, i, np.float32)
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_batches_may_differ_in_shape_their_samples_may_not(nw):
+    t, p = both(Growing(), batch_size=2, num_workers=nw)
+    with p:
+        want = epoch(t)
+        assert epoch(p) == want
+    assert [len(b[0]) for b in want] == [1, 2, 3]
+    t, p = both(Growing(step=1), batch_size=2, num_workers=nw)
+    with p:
+        with pytest.raises(RuntimeError):  # torch.stack refuses
+            epoch(t)
+        with pytest.raises(pinmem.InvalidError, match="sample 1, .*shape"):
+            epoch(p)
+
+
+class Halves(IterableDataset):
+    def __iter__(self):
+        for i in range(5):
+            yield torch.full((2,), i + 0.5, dtype=torch.bfloat16), i
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_dtypes_numpy_lacks(nw):
+    t = DataLoader(Halves(), batch_size=2, num_workers=nw)
+    with pinmem.Loader(Halves(), batch_size=2, num_workers=nw) as p:
+        got = [(x.dtype, x.float().tolist(), y.tolist()) for x, y in p.as_torch()]
+    assert got == [(x.dtype, x.float().tolist(), y.tolist()) for x, y in t]
