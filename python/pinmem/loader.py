@@ -504,7 +504,10 @@ class Loader:
     as it returns it, with device='cpu'), pin_memory, drop_last, timeout, worker_init_fn,
     multiprocessing_context, generator, prefetch_factor (slots = prefetch_factor *
     max(1, num_workers)), persistent_workers. What pinmem cannot honour is refused, never
-    ignored (IterableDataset). Also: seed (shuffle order and worker
+    ignored. A torch IterableDataset is iterated in the main process (num_workers=0) or by
+    worker processes, each iterating its own copy (get_worker_info() shards it), whose batches
+    are taken in turn as torch's DataLoader takes them; shuffle, sampler, batch_sampler and
+    state_dict() are refused for it (_iterable.py). Also: seed (shuffle order and worker
     seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
     device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
     DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
