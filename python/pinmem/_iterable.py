@@ -41,7 +41,7 @@ import pickle
 import signal
 import socket
 import struct
-import sys
+import weakref as _weakref
 from time import perf_counter as _perf_counter
 
 from . import _pinmem
@@ -449,6 +449,10 @@ class _Epoch:
             loader._stop_workers()
 
 
+def _no_epoch():
+    return None
+
+
 class _IterableEpochIterator:
     """The batches of one epoch (an object, not a generator: it holds no batch between
     calls, so a dropped batch gives its memory back at once)."""
@@ -476,7 +480,7 @@ class _IterableEpochIterator:
                 if self._epoch is None:
                     self._done = True
                     raise StopIteration
-            elif self._epoch is not loader._epoch:
+            elif self._epoch is not loader._current():
                 self._done = True  # a newer iterator started the next epoch
                 raise StopIteration
             try:
@@ -525,7 +529,9 @@ class IterableLoader(_loader.Loader):
                  world_size=None, io=None, worker_mode=None):
         self._closed = False
         self._pool = None
-        self._epoch = None
+        # The epoch in progress, weakly: its iterator holds it (and the loader), so a loader
+        # dropped without close() is freed at once and its workers go with it.
+        self._epoch = _no_epoch
         # Refused as torch refuses them: the dataset decides its order and its samples.
         for name, value in (("shuffle", shuffle), ("sampler", sampler),
                             ("batch_sampler", batch_sampler)):
@@ -616,17 +622,22 @@ class IterableLoader(_loader.Loader):
 
     # ---- epochs and workers ----
 
+    def _current(self):
+        return self._epoch()
+
     def _begin(self):
         """A new epoch (None once `epochs` were begun); the one before it ends here."""
-        if self._epoch is not None:
-            old, self._epoch = self._epoch, None
-            if not old.done:
-                old.finish()
+        old, self._epoch = self._epoch(), _no_epoch
+        if old is not None:
+            old.done = True
+        if not self.persistent_workers:
+            self._stop_workers()  # (already stopped where the last epoch ran to its end)
         if self._epochs_total is not None and self._epochs_begun >= self._epochs_total:
             return None
         self._epochs_begun += 1
-        self._epoch = _Epoch(self, self._epochs_begun - 1)
-        return self._epoch
+        epoch = _Epoch(self, self._epochs_begun - 1)
+        self._epoch = _weakref.ref(epoch)
+        return epoch
 
     def _start_workers(self, epoch):
         seed = self._base_seed if epoch == 0 else _loader._mix_seed(self._base_seed, epoch)
@@ -650,8 +661,9 @@ class IterableLoader(_loader.Loader):
     def _lost_workers(self):
         """A worker died or hangs: stop them all (a hung one is not waited for long); the epoch
         ends (the next one starts new workers)."""
-        if self._epoch is not None:
-            self._epoch.done = True
+        epoch = self._epoch()
+        if epoch is not None:
+            epoch.done = True
         self._stop_workers(1.0)
 
     # ---- delivery ----
@@ -707,7 +719,7 @@ class IterableLoader(_loader.Loader):
     @property
     def epoch(self):
         """The epoch of the next batch: the one in progress, else the next to begin."""
-        e = self._epoch
+        e = self._epoch()
         return e.number if e is not None and not e.done else self._epochs_begun
 
     def worker_pids(self):
@@ -738,7 +750,7 @@ class IterableLoader(_loader.Loader):
         """Stop the worker processes (terminated if they do not go within 5 s). Batches still
         alive keep their memory until they go. Closing twice is harmless."""
         self._closed = True
-        self._epoch = None
+        self._epoch = _no_epoch
         self._stop_workers()
         self._stream = None
 

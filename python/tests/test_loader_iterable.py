@@ -443,3 +443,15 @@ def test_dtypes_numpy_lacks(nw):
     with pinmem.Loader(Halves(), batch_size=2, num_workers=nw) as p:
         got = [(x.dtype, x.float().tolist(), y.tolist()) for x, y in p.as_torch()]
     assert got == [(x.dtype, x.float().tolist(), y.tolist()) for x, y in t]
+
+
+def test_a_dropped_loader_stops_its_workers():
+    p = pinmem.Loader(Stream(100), batch_size=2, num_workers=2, device="cpu",
+                      persistent_workers=True)
+    it = iter(p)
+    batch = next(it)
+    pids = p.worker_pids()
+    assert len(pids) == 2
+    del p, it  # no close(), no gc.collect(): nothing else holds the loader
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+    assert plain(batch)[1] == [0, 2]  # the batch stays valid
