@@ -455,3 +455,28 @@ def test_a_dropped_loader_stops_its_workers():
     del p, it  # no close(), no gc.collect(): nothing else holds the loader
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
     assert plain(batch)[1] == [0, 2]  # the batch stays valid
+
+
+def _fails_in_worker_1(wid):
+    if wid == 1:
+        raise OSError("no disk here")
+
+
+def test_worker_init_fn_error_is_raised_once_and_the_worker_ends():
+    """torch raises the error at the worker's first batch and then UnboundLocalError at each of
+    its turns, without end; pinmem raises it once and goes on with the other workers."""
+    with pinmem.Loader(Stream(8), batch_size=2, num_workers=2, device="cpu",
+                       worker_init_fn=_fails_in_worker_1) as p:
+        got = outcomes(p)
+    assert got == [[[[0, 0.5], [2, 2.5]], [0, 2]], "OSError", [[[4, 4.5], [6, 6.5]], [4, 6]]]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_epochs_and_empty_streams(nw):
+    with pinmem.Loader(Stream(8), batch_size=4, num_workers=nw, epochs=2, device="cpu") as p:
+        assert p.epoch == 0
+        assert [len(epoch(p)) for _ in range(3)] == [2, 2, 0]
+        assert p.epoch == 2
+    t, p = both(Stream(0), batch_size=2, num_workers=nw)
+    with p:
+        assert epoch(p) == epoch(t) == []
