@@ -634,8 +634,8 @@ class IterableLoader(_loader.Loader):
             self._stop_workers()  # (already stopped where the last epoch ran to its end)
         if self._epochs_total is not None and self._epochs_begun >= self._epochs_total:
             return None
+        epoch = _Epoch(self, self._epochs_begun)  # (workers that fail to start: no epoch)
         self._epochs_begun += 1
-        epoch = _Epoch(self, self._epochs_begun - 1)
         self._epoch = _weakref.ref(epoch)
         return epoch
 
