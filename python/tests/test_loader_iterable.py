@@ -385,10 +385,11 @@ class Hangs(IterableDataset):
 
 
 def test_timeout_and_close_stop_the_workers():
-    p = pinmem.Loader(Hangs(), batch_size=1, num_workers=1, timeout=0.5, device="cpu")
+    # (2 s: room for the first batch on a loaded machine; the second never comes)
+    p = pinmem.Loader(Hangs(), batch_size=1, num_workers=1, timeout=2, device="cpu")
     it = iter(p)
     next(it)
-    with pytest.raises(pinmem.WorkerError, match="timeout=0.5"):
+    with pytest.raises(pinmem.WorkerError, match="timeout=2 s"):
         next(it)
     with pinmem.Loader(Stream(100), batch_size=2, num_workers=2, device="cpu") as q:
         it = iter(q)
@@ -484,3 +485,31 @@ def test_epochs_and_empty_streams(nw):
     t, p = both(Stream(0), batch_size=2, num_workers=nw)
     with p:
         assert epoch(p) == epoch(t) == []
+
+
+class Interrupts(IterableDataset):
+    def __iter__(self):
+        yield np.zeros(2)
+        raise KeyboardInterrupt
+
+
+def test_keyboard_interrupt_in_a_worker_is_a_worker_error():
+    """Never a KeyboardInterrupt of the main program, which would look like the user's Ctrl-C."""
+    with pinmem.Loader(Interrupts(), batch_size=1, num_workers=1, device="cpu") as p:
+        it = iter(p)
+        next(it)
+        with pytest.raises(pinmem.WorkerError, match="KeyboardInterrupt"):
+            next(it)
+
+
+def test_close_from_another_thread_ends_a_waiting_next():
+    import threading
+    p = pinmem.Loader(Hangs(), batch_size=1, num_workers=1, device="cpu")
+    it = iter(p)
+    next(it)
+    closer = threading.Timer(0.2, p.close)  # whether next() waits yet or not: StateError
+    closer.start()
+    with pytest.raises(pinmem.StateError):
+        next(it)
+    closer.join()  # (close() waits 5 s for the hung worker, as for any, then terminates it)
+    assert p.worker_pids() == []
