@@ -26,7 +26,7 @@ A batch's memory goes back to the pool when its buffers go.
 Epochs: each iter() is a new epoch. Without persistent_workers the workers are started for the
 epoch and stopped at its end (or when the next epoch starts); with them, a RESET carrying a new
 generation makes each worker call iter() on its copy again, and frames of an older generation
-(batches built before the worker saw the RESET) are dropped unread.
+(batches built before the worker saw the RESET) are read past and dropped.
 
 Messages on each worker's socket (SOCK_STREAM, little-endian):
   main -> worker: CMD = magic u32, kind u32 (CREDIT | RESET), gen u64, arg u64.
@@ -131,7 +131,8 @@ def _send_error(sock, gen, status, wid, exc, where):
 
 
 class _Commands:
-    """The main process's commands, read whole; `pending` keeps those read ahead."""
+    """The main process's commands, read whole (`buf` keeps a command's first bytes until
+    the rest arrives)."""
 
     def __init__(self, sock):
         self.sock, self.buf = sock, bytearray()
@@ -176,8 +177,8 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
     if init_fn is not None:
         try:
             init_fn(wid)
-        except BaseException as e:  # reported for the first batch; the worker then has none
-            init_error = e
+        except BaseException as e:  # reported at the worker's first batch of every epoch,
+            init_error = e          # which then has no batches
     size, drop_last, collate = plan
     unbatched = size is None
     commands = _Commands(sock)
@@ -195,9 +196,9 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
             if credits == 0:
                 continue
             credits -= 1
-            if init_error is not None:
+            if init_error is not None and not stream.ended:
                 _send_error(sock, gen, _workers.ST_INIT, wid, init_error, "in worker_init_fn")
-                init_error, stream.ended = None, True
+                stream.ended = True
                 continue
             _serve_one(sock, gen, stream, wid, size or 1, unbatched, drop_last, collate, np)
     except OSError:

@@ -484,10 +484,13 @@ def _fails_in_worker_1(wid):
 def test_worker_init_fn_error_is_raised_once_and_the_worker_ends():
     """torch raises the error at the worker's first batch and then UnboundLocalError at each of
     its turns, without end; pinmem raises it once and goes on with the other workers."""
-    with pinmem.Loader(Stream(8), batch_size=2, num_workers=2, device="cpu",
-                       worker_init_fn=_fails_in_worker_1) as p:
-        got = outcomes(p)
-    assert got == [[[[0, 0.5], [2, 2.5]], [0, 2]], "OSError", [[[4, 4.5], [6, 6.5]], [4, 6]]]
+    want = [[[[0, 0.5], [2, 2.5]], [0, 2]], "OSError", [[[4, 4.5], [6, 6.5]], [4, 6]]]
+    for persistent in (False, True):
+        with pinmem.Loader(Stream(8), batch_size=2, num_workers=2, device="cpu",
+                           worker_init_fn=_fails_in_worker_1,
+                           persistent_workers=persistent) as p:
+            assert outcomes(p) == want
+            assert outcomes(p) == want  # each epoch says so again (the worker is not set up)
 
 
 @pytest.mark.parametrize("nw", [0, 2])
