@@ -36,6 +36,7 @@ Errors travel as _workers' error payloads and are raised through Pool.error: the
 type where it can be rebuilt, WorkerError otherwise; a worker that dies ends its socket (EOF).
 """
 
+import gc
 import os
 import pickle
 import signal
@@ -160,6 +161,11 @@ class _Commands:
 def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpus, plan):
     """The body of iterable worker `wid`: build a batch per credit until the socket ends.
     plan: (batch size or None for unbatched, drop_last, collate_fn or None)."""
+    # Objects inherited through fork are never collected here: a cycle the parent had not yet
+    # freed (a torch DataLoader iterator, say) would otherwise run its __del__ in this process,
+    # from inside whatever allocates, even an import, whose module lock then breaks (KeyError
+    # in importlib on Python 3.11) and kills the worker.
+    gc.freeze()
     placed, _ = _workers._place(cpus)  # first: a worker_init_fn's own affinity wins
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main program
     for fd in close_fds:  # other workers' sockets inherited through fork

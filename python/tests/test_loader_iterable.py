@@ -530,3 +530,36 @@ def test_close_from_another_thread_ends_a_waiting_next():
         next(it)
     closer.join()  # (close() waits 5 s for the hung worker, as for any, then terminates it)
     assert p.worker_pids() == []
+
+
+class Cycle:
+    """Garbage with a __del__ (a torch DataLoader iterator left in a cycle, say)."""
+
+    def __init__(self, path):
+        self.me, self.path = self, path
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+class Collects(IterableDataset):
+    def __iter__(self):
+        gc.collect()  # as any allocation in the worker may, even inside an import
+        yield np.zeros(2)
+
+
+def test_the_parents_garbage_is_not_collected_in_workers(tmp_path):
+    """A __del__ of the parent's uncollected garbage run in a forked worker, from inside an
+    import, broke importlib's module lock there and killed the worker."""
+    note = tmp_path / "deleted"
+    gc.disable()
+    try:
+        Cycle(str(note))
+        with pinmem.Loader(Collects(), batch_size=1, num_workers=2, device="cpu",
+                           multiprocessing_context="fork") as p:
+            assert len(epoch(p)) == 2
+    finally:
+        gc.enable()
+    gc.collect()
+    assert note.read_text().split() == [str(os.getpid())]  # once, here
