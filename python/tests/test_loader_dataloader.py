@@ -590,3 +590,19 @@ def test_plain_iteration_gives_tensors_for_torch_datasets_buffers_for_arrays():
         assert isinstance(next(iter(p))[0], pinmem.Buffer)
     with pytest.raises(pinmem.InvalidError, match="tensors must be None, True or False"):
         pinmem.Loader(x, batch_size=3, device="cpu", tensors="yes")
+
+
+def test_one_random_sampler_gives_dataloaders_order_every_epoch():
+    """pinmem's shuffle has its own order; a RandomSampler seeded alike gives DataLoader's, epoch
+    after epoch (the sampler iterated again at each epoch's start, as DataLoader does)."""
+    x = torch.arange(40.).reshape(20, 2)
+    ds = torch.utils.data.TensorDataset(x)
+
+    def sampler():
+        return torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(7))
+    t = DataLoader(ds, batch_size=5, sampler=sampler())
+    with pinmem.Loader(ds, batch_size=5, device="cpu", sampler=sampler()) as p:
+        for _ in range(3):
+            want, got = [b[0] for b in t], [b[0] for b in p]
+            assert len(want) == len(got) == 4
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
