@@ -533,7 +533,7 @@ class IterableLoader(_loader.Loader):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, seed=None, device=None, epochs=None, rank=None,
-                 world_size=None, io=None, worker_mode=None):
+                 world_size=None, io=None, worker_mode=None, tensors=None):
         self._closed = False
         self._pool = None
         # The epoch in progress, weakly: its iterator holds it (and the loader), so a loader
@@ -593,6 +593,11 @@ class IterableLoader(_loader.Loader):
                                    "non_blocking=True)), or leave collate_fn out (pinmem "
                                    "writes the samples into pinned batches and moves them)")
             self._collate = collate_fn
+        if tensors not in (None, True, False):
+            raise InvalidError(f"PM_ERR_INVALID: tensors must be None, True or False, not "
+                               f"{tensors!r}")
+        # Plain iteration gives torch tensors, as for every torch dataset (Loader's rule).
+        self._tensors = True if tensors is None else tensors
         if seed is None:
             seed = _loader._seed_from(generator)
         self._base_seed = seed % (1 << 64)
@@ -702,6 +707,8 @@ class IterableLoader(_loader.Loader):
     # ---- the Loader interface ----
 
     def __iter__(self):
+        if self._tensors:
+            return self.as_torch()
         return _IterableEpochIterator(self)
 
     def as_torch(self):

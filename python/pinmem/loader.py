@@ -283,6 +283,16 @@ def _open_part(x, io):
                     f"TokenDataset objects, not {type(x).__name__}")
 
 
+def _is_torch_data(dataset):
+    """Is `dataset` torch's: an instance of a torch.utils.data class (Dataset and its subclasses,
+    TensorDataset, Subset, ...), a torch tensor, or a tuple of fields holding one."""
+    def torchy(obj):
+        return any(c.__module__.split(".")[0] == "torch" for c in type(obj).__mro__)
+    if isinstance(dataset, tuple):
+        return any(torchy(f) for f in dataset)
+    return torchy(dataset)
+
+
 def _is_python_dataset(dataset):
     """A map-style Python dataset (dataset[i], len(dataset)) rather than arrays or files."""
     if isinstance(dataset, (NpyDataset, TokenDataset, tuple)) or _is_path(dataset) or \
@@ -512,7 +522,9 @@ class Loader:
     device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
     DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
 
-    Iterating yields one epoch's batches (tuple samples as lists, as default_collate);
+    Iterating yields one epoch's batches (tuple samples as lists, as default_collate), their
+    arrays torch tensors for torch's datasets and tensors, pinmem.Buffers otherwise (tensors=
+    True/False overrides);
     batches() yields flat Batch objects (one array per field) with epoch/index/indices. As
     torch's DataLoader, each new iterator is a new epoch (a loop after `break` starts the next
     one), except the first after construction or load_state_dict(), which starts where the
@@ -535,7 +547,7 @@ class Loader:
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, seed=None, device=None, epochs=None, rank=None,
-                 world_size=None, io=None, worker_mode=None):
+                 world_size=None, io=None, worker_mode=None, tensors=None):
         self._c = None
         self._pool = None
         self._base = None
@@ -700,6 +712,13 @@ class Loader:
         self.persistent_workers = self._persistent
         self.prefetch_factor = prefetch_factor
         self.seed = self._base_seed
+        if tensors not in (None, True, False):
+            raise InvalidError(f"PM_ERR_INVALID: tensors must be None, True or False, not "
+                               f"{tensors!r}")
+        # What plain iteration gives: torch tensors for torch's datasets and tensors (a
+        # DataLoader loop keeps working unchanged), pinmem.Buffers otherwise (NumPy users need
+        # no torch). Decided by the dataset alone, never by what else the program imported.
+        self._tensors = _is_torch_data(dataset) if tensors is None else tensors
         self.device = "cpu" if not to_device else \
             "cuda" if self._device_index is None else f"cuda:{self._device_index}"
         self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
@@ -1059,6 +1078,8 @@ class Loader:
         return _EpochIterator(self, "batch")
 
     def __iter__(self):
+        if self._tensors:
+            return self.as_torch()
         return _EpochIterator(self, "plain")
 
     def as_torch(self):

@@ -287,8 +287,12 @@ def test_dtypes_numpy_lacks_arrive_as_dataloader_gives_them(nw, batch_size):
             for x, y in zip(pb[:-1], tb[:-1]):
                 assert x.dtype == y.dtype and x.shape == y.shape
                 assert torch.equal(bits(x), bits(y))
+        # Plain iteration over a torch dataset gives tensors, as DataLoader's loop expects.
+        assert next(iter(p))[0].dtype == torch.bfloat16
+    with pinmem.Loader(ds, batch_size=batch_size, num_workers=nw, device="cpu",
+                       tensors=False) as p:
         plain = next(iter(p))[0]
-        assert plain.dtype == "bfloat16"
+        assert isinstance(plain, pinmem.Buffer) and plain.dtype == "bfloat16"
         with pytest.raises(TypeError, match="bfloat16 has no NumPy type"):
             np.asarray(plain)
         with pytest.raises(BufferError, match="bfloat16 has no buffer-protocol"):
@@ -564,3 +568,42 @@ def test_varying_shapes_without_collate_fn_are_refused_naming_what_to_do(nw):
     m = re.search(r"dataset index (\d+), field \[0\]: shape \((\d+),\)", str(e.value))
     index, length = int(m.group(1)), int(m.group(2))
     assert 1 <= index < 4 and length == index % 4 + 1
+
+
+def test_plain_iteration_gives_tensors_for_torch_datasets_buffers_for_arrays():
+    """The dataset alone decides what plain iteration gives: torch's datasets and tensors give
+    torch tensors (a DataLoader loop runs unchanged), NumPy arrays give pinmem.Buffers, and
+    tensors=True/False overrides either."""
+    x = torch.arange(12.).reshape(6, 2)
+    TensorDataset = torch.utils.data.TensorDataset
+    cases = [(TensorDataset(x), torch.Tensor), (x, torch.Tensor), ((x, x.numpy()), torch.Tensor),
+             (Indexed(6), torch.Tensor), (x.numpy(), pinmem.Buffer)]
+    for ds, kind in cases:
+        with pinmem.Loader(ds, batch_size=3, device="cpu") as p:
+            b = next(iter(p))
+            first = b[0] if isinstance(b, (list, tuple)) else b
+            assert isinstance(first, kind), (type(ds), type(first))
+            assert first.shape[0] == 3
+    with pinmem.Loader(x.numpy(), batch_size=3, device="cpu", tensors=True) as p:
+        b = next(iter(p))
+        assert isinstance(b, torch.Tensor) and torch.equal(b, x[:3])
+    with pinmem.Loader(TensorDataset(x), batch_size=3, device="cpu", tensors=False) as p:
+        assert isinstance(next(iter(p))[0], pinmem.Buffer)
+    with pytest.raises(pinmem.InvalidError, match="tensors must be None, True or False"):
+        pinmem.Loader(x, batch_size=3, device="cpu", tensors="yes")
+
+
+def test_one_random_sampler_gives_dataloaders_order_every_epoch():
+    """pinmem's shuffle has its own order; a RandomSampler seeded alike gives DataLoader's, epoch
+    after epoch (the sampler iterated again at each epoch's start, as DataLoader does)."""
+    x = torch.arange(40.).reshape(20, 2)
+    ds = torch.utils.data.TensorDataset(x)
+
+    def sampler():
+        return torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(7))
+    t = DataLoader(ds, batch_size=5, sampler=sampler())
+    with pinmem.Loader(ds, batch_size=5, device="cpu", sampler=sampler()) as p:
+        for _ in range(3):
+            want, got = [b[0] for b in t], [b[0] for b in p]
+            assert len(want) == len(got) == 4
+            assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -290,7 +290,7 @@ def test_collate_fn_of_your_own(nw):
 def test_device_batches(nw):
     """On the host backend the device is simulated: batches are device buffers, copied there on
     the loader's stream, read through DLPack."""
-    with pinmem.Loader(Stream(7), batch_size=3, num_workers=nw) as p:
+    with pinmem.Loader(Stream(7), batch_size=3, num_workers=nw, tensors=False) as p:
         assert p.device.startswith("cuda")
         got = []
         for x, y in p:
@@ -312,7 +312,8 @@ def test_pool_bytes_go_back(nw, device):
     pinmem.synchronize()
     gc.collect()
     before = pinmem.stats()["in_use_bytes"]
-    with pinmem.Loader(Records("dict", 9), batch_size=2, num_workers=nw, device=device) as p:
+    with pinmem.Loader(Records("dict", 9), batch_size=2, num_workers=nw, device=device,
+                       tensors=False) as p:
         held = list(p)
         assert len(held) == 5
         if device == "cpu":
@@ -419,6 +420,12 @@ def test_loader_is_a_pinmem_loader():
         assert isinstance(p, pinmem.Loader)
         assert p.batch_size == 1 and p.sampler is None and p.num_workers == 0
         assert p.stats()["workers"] == "main"
+        x, y = next(iter(p))  # a torch dataset: tensors, as a DataLoader loop expects
+        assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+    with pinmem.Loader(Stream(), device="cpu", tensors=False) as p:
+        assert isinstance(next(iter(p))[0], pinmem.Buffer)
+    with pytest.raises(pinmem.InvalidError, match="tensors must be"):
+        pinmem.Loader(Stream(), tensors="yes")
 
 
 class Growing(IterableDataset):
