@@ -203,6 +203,12 @@ def _stop_iteration_error(index, e):
                         "must not raise StopIteration; raise IndexError past the end")
 
 
+def _is_iterable_dataset(dataset):
+    """A torch.utils.data.IterableDataset (by its class, without importing torch)."""
+    return any(c.__name__ == "IterableDataset" and c.__module__.startswith("torch.utils.data")
+               for c in type(dataset).__mro__)
+
+
 def _is_path(x):
     return isinstance(x, (str, _os.PathLike))
 
@@ -508,7 +514,10 @@ class Loader:
     as it returns it, with device='cpu'), pin_memory, drop_last, timeout, worker_init_fn,
     multiprocessing_context, generator, prefetch_factor (slots = prefetch_factor *
     max(1, num_workers)), persistent_workers. What pinmem cannot honour is refused, never
-    ignored (IterableDataset). Also: seed (shuffle order and worker
+    ignored. A torch IterableDataset is iterated in the main process (num_workers=0) or by
+    worker processes, each iterating its own copy (get_worker_info() shards it), whose batches
+    are taken in turn as torch's DataLoader takes them; shuffle, sampler, batch_sampler and
+    state_dict() are refused for it (_iterable.py). Also: seed (shuffle order and worker
     seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
     device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
     DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
@@ -525,6 +534,13 @@ class Loader:
     close() (and `with`, and interpreter exit) never fails because batches are alive: it stops
     the workers, and each slot still held returns to the pool when its batch goes.
     """
+
+    def __new__(cls, dataset=None, *args, **kwargs):
+        # A torch IterableDataset has its own path (_iterable.py): a Loader subclass.
+        if cls is Loader and _is_iterable_dataset(dataset):
+            from ._iterable import IterableLoader
+            cls = IterableLoader
+        return super().__new__(cls)
 
     def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
                  num_workers=0, collate_fn=None, pin_memory=True, drop_last=False, timeout=0,
