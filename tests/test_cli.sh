@@ -871,6 +871,15 @@ msg rule_repeat 2 "^pinmem: --repeat must be a whole number from 1 to 10000, not
 msg rule_workers 2 "^pinmem: --workers must be a whole number from 0 to 256, not '999'$" bench loader --workers 999
 msg alias_twice 2 "^pinmem: --sizes given twice \(--bytes and --size are other names for it\)$" bench overlap --bytes 1M --sizes 2M
 msg info_both 2 "^pinmem: --summary and --options exclude each other$" info --summary --options
+# Every bench reads its options by the same rules (tools/output.c, cli_opts_next).
+msg twice_blocks 2 "^pinmem: --repeat given twice$" bench blocks --repeat 2 --repeat 3
+msg twice_file 2 "^pinmem: --dir given twice$" bench file --dir /tmp --dir=/var/tmp
+msg twice_loader_flag 2 "^pinmem: --verify given twice$" bench loader --verify --verify
+msg flag_value 2 "^pinmem: --json takes no value, not '1'$" bench file --json=1
+msg bare_blocks 2 "^pinmem: bench blocks takes no argument 'stray'$" bench blocks stray
+msg dev_twice 2 "^pinmem: --repeat given twice$" bench copy --devices 0 --repeat 1 --repeat 2
+msg dev_cases 2 "^pinmem: --cases does not apply to --devices" bench copy --devices 0 --cases plain_pinned
+msg last_value 2 "^pinmem: --arena needs a value$" bench blocks --arena
 
 # One set of size flags: --sizes takes a list in every bench; --bytes and --size are the same flag.
 run alias_copy "$bin" --json bench copy --bytes 4K,8K --repeat 1 --cases plain_pinned

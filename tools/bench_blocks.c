@@ -43,23 +43,24 @@ static const char *blocks_usage =
     "    [--repeat N]";
 
 static void print_help(void) {
-  printf("usage: pinmem bench blocks [--json] [--quiet] [--sizes LIST] [--blocks LIST]\n"
-         "                           [--arena SIZE] [--repeat N]\n"
-         "  KV-cache blocks device <-> pinned host blocks at random ids, both ways: a plain copy\n"
-         "  per block, one batched copy (cudaMemcpyBatchAsync) and pinmem's block store.\n"
-         "  --sizes LIST   block sizes, multiples of 8 bytes (default 4K,16K,64K,256K; --bytes and\n"
-         "                 --size are other names for it)\n"
-         "  --blocks LIST  blocks per call (default 1024,16384 on cuda; 1024 on the host backend;\n"
-         "                 counts whose blocks do not fit in 1/4 of the device memory are skipped)\n"
-         "  --arena SIZE   arena of the pinning rows (default 64G where RAM holds 4x that, else\n"
-         "                 1/4 of RAM; 64M on the host backend), within the pool's budget\n"
-         "  --repeat N     timed runs per row, the median is reported (default 5)\n"
-         "  --json         one JSON object per row on stdout (TARGET lines go to stderr)\n"
-         "  --quiet        no progress line on stderr\n"
-         "  TARGET (cuda backend): pinmem >= %.0f GB/s at 16 KiB both ways; >= %.0fx batch_dma at\n"
-         "  4 and 16 KiB; >= batch_dma at 256 KiB; a 64 GiB arena's first blocks in < %.1f s and\n"
-         "  the whole arena in <= %.2f s/GiB.\n",
-         T_GBPS_16K, T_RATIO_SMALL, T_FIRST_S, T_ARENA_S_PER_GIB);
+  printf(
+      "usage: pinmem bench blocks [--json] [--quiet] [--sizes LIST] [--blocks LIST]\n"
+      "                           [--arena SIZE] [--repeat N]\n"
+      "  KV-cache blocks device <-> pinned host blocks at random ids, both ways: a plain copy\n"
+      "  per block, one batched copy (cudaMemcpyBatchAsync) and pinmem's block store.\n"
+      "  --sizes LIST   block sizes, multiples of 8 bytes (default 4K,16K,64K,256K; --bytes and\n"
+      "                 --size are other names for it)\n"
+      "  --blocks LIST  blocks per call (default 1024,16384 on cuda; 1024 on the host backend;\n"
+      "                 counts whose blocks do not fit in 1/4 of the device memory are skipped)\n"
+      "  --arena SIZE   arena of the pinning rows (default 64G where RAM holds 4x that, else\n"
+      "                 1/4 of RAM; 64M on the host backend), within the pool's budget\n"
+      "  --repeat N     timed runs per row, the median is reported (default 5)\n"
+      "  --json         one JSON object per row on stdout (TARGET lines go to stderr)\n"
+      "  --quiet        no progress line on stderr\n"
+      "  TARGET (cuda backend): pinmem >= %.0f GB/s at 16 KiB both ways; >= %.0fx batch_dma at\n"
+      "  4 and 16 KiB; >= batch_dma at 256 KiB; a 64 GiB arena's first blocks in < %.1f s and\n"
+      "  the whole arena in <= %.2f s/GiB.\n",
+      T_GBPS_16K, T_RATIO_SMALL, T_FIRST_S, T_ARENA_S_PER_GIB);
 }
 
 static int parse_counts(const char *v, blk_opts_t *o) {
@@ -84,45 +85,20 @@ static int parse_args(int argc, char **argv, blk_opts_t *o) {
   cli_usage_context("bench blocks", blocks_usage);
   memset(o, 0, sizeof *o);
   o->repeat = 5;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (!strcmp(a, "--json")) {
-      o->json = true;
-      continue;
-    }
-    if (!strcmp(a, "--quiet")) {
-      o->quiet = true;
-      continue;
-    }
-    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      o->help = true;
-      continue;
-    }
-    if (strncmp(a, "--", 2) != 0) return cli_usage_fail("bench blocks takes no argument '%s'", a);
-    static const char *const known[] = {"--sizes", "--bytes", "--size",  "--blocks", "--arena",
-                                        "--repeat", "--json", "--quiet", "--help",   NULL};
-    const char *eq = strchr(a, '=');
-    size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-    char name[32];
-    /* The name is checked before a value is taken, as the other benches do. */
-    bool is_known = false;
-    for (int k = 0; known[k] && !is_known; k++)
-      is_known = strlen(known[k]) == nl && !strncmp(known[k], a, nl);
-    if (!is_known || nl >= sizeof name) return cli_unknown("option", a, known);
-    memcpy(name, a, nl);
-    name[nl] = '\0';
-    if (cli_is_size_flag(name, nl)) snprintf(name, sizeof name, "--sizes");
-    const char *v;
-    if (eq) {
-      v = eq + 1;
-    } else {
-      if (i + 1 >= argc) return cli_usage_fail("%s needs a value", a);
-      v = argv[++i];
-    }
+  static const char *const valued[] = {"--sizes", "--blocks", "--arena", "--repeat", NULL};
+  static const char *const flags[] = {"--json", "--quiet", "--help", NULL};
+  cli_opts_t op;
+  cli_opts_init(&op, "bench blocks", argc, argv, valued, flags);
+  const char *v;
+  int got;
+  while ((got = cli_opts_next(&op, &v)) == 1) {
+    const char *name = op.name;
+    if (!strcmp(name, "--json")) o->json = true;
+    if (!strcmp(name, "--quiet")) o->quiet = true;
+    if (!strcmp(name, "--help")) o->help = true;
+    if (!v) continue;
     int rc = 0;
     if (!strcmp(name, "--sizes")) {
-      if (o->nsizes)
-        return cli_usage_fail("--sizes given twice (--bytes and --size are other names for it)");
       rc = cli_parse_sizes("--sizes", v, o->sizes, MAX_LIST, &o->nsizes);
       for (int k = 0; !rc && k < o->nsizes; k++)
         if (o->sizes[k] % 8)
@@ -134,16 +110,13 @@ static int parse_args(int argc, char **argv, blk_opts_t *o) {
       if (pm_parse_size(v, &o->arena) != PM_OK || o->arena == 0)
         return cli_usage_fail("--arena: '%s' is not a size above 0", v);
     } else if (!strcmp(name, "--repeat")) {
-      char *end;
-      errno = 0;
-      long n = strtol(v, &end, 10);
-      if (errno || *end || !v[0] || n < 1 || n > 1000)
-        return cli_usage_fail("--repeat must be a whole number from 1 to 1000, not '%s'", v);
+      long long n = 0;
+      rc = cli_opt_int("--repeat", v, 1, 1000, &n);
       o->repeat = (int)n;
     }
     if (rc) return rc;
   }
-  return 0;
+  return got;
 }
 
 /* ---- the copy rows -------------------------------------------------------------------------- */
@@ -156,14 +129,14 @@ typedef struct brun {
   pm_blocks_t *store;
   pm_kv_layout_t layout;
   pm_kv_region_t region;
-  char *dev;       /* device tensor of n blocks */
-  char *ref;       /* what the device tensor holds (host copy) */
-  char *check;     /* scratch for reading the device back */
+  char *dev;   /* device tensor of n blocks */
+  char *ref;   /* what the device tensor holds (host copy) */
+  char *check; /* scratch for reading the device back */
   uint64_t *dids, *hids;
   void **dsts;
   const void **srcs;
   size_t *szs;
-  char **host;     /* host address of hids[i] */
+  char **host; /* host address of hids[i] */
   size_t bs;
   uint64_t n;
   pm_stream_t s;
@@ -190,8 +163,8 @@ static void queue(brun_t *r, path_t path, bool out) {
   /* The backend's own copy (cudaMemcpyAsync), not pm_memcpy_async: the baseline carries no
    * pinmem checks. */
   for (uint64_t i = 0; i < r->n; i++)
-    cli_check(r->be->memcpy_async(r->dsts[i], r->srcs[i], r->bs, out ? PM_COPY_D2H : PM_COPY_H2D,
-                                  r->s));
+    cli_check(
+        r->be->memcpy_async(r->dsts[i], r->srcs[i], r->bs, out ? PM_COPY_D2H : PM_COPY_H2D, r->s));
 }
 
 /* Clear the destination, time one call, check every byte. */
@@ -200,8 +173,7 @@ static double timed(brun_t *r, path_t path, bool out, bool *ok) {
     for (uint64_t i = 0; i < r->n; i++) memset(r->host[i], 0, r->bs);
   } else {
     cli_check(pm_device_memset_async(r->dev, 0, r->n * r->bs, r->s));
-    for (uint64_t i = 0; i < r->n; i++)
-      memcpy(r->host[i], r->ref + r->dids[i] * r->bs, r->bs);
+    for (uint64_t i = 0; i < r->n; i++) memcpy(r->host[i], r->ref + r->dids[i] * r->bs, r->bs);
   }
   cli_check(pm_stream_synchronize(r->s));
   cli_check(pm_event_record(r->e0, r->s));
@@ -274,7 +246,8 @@ static bool run_size(const blk_opts_t *o, size_t bs, uint64_t n, res_t *res, int
   for (uint64_t i = 0; i < n; i++) r.dids[i] = i;
   shuffle(r.dids, n, &rng);
   shuffle(r.hids, n, &rng);
-  for (uint64_t i = 0; i < n; i++) cli_check(pm_blocks_ptr(r.store, r.hids[i], (void **)&r.host[i]));
+  for (uint64_t i = 0; i < n; i++)
+    cli_check(pm_blocks_ptr(r.store, r.hids[i], (void **)&r.host[i]));
   r.region = (pm_kv_region_t){r.dev, bs, bs};
   r.layout = (pm_kv_layout_t){1, &r.region, n, -1};
   cli_check(pm_stream_create(&r.s));
@@ -475,8 +448,9 @@ int pm_cli_bench_blocks(int argc, char **argv) {
   for (int i = 0; i < o.nsizes; i++)
     for (int k = 0; k < o.ncounts; k++) {
       if (o.sizes[i] * o.counts[k] > dev_cap) {
-        fprintf(o.json ? stderr : stdout, "(skipped: %zu bytes x %llu blocks > 1/4 of device "
-                                          "memory)\n",
+        fprintf(o.json ? stderr : stdout,
+                "(skipped: %zu bytes x %llu blocks > 1/4 of device "
+                "memory)\n",
                 o.sizes[i], (unsigned long long)o.counts[k]);
         continue;
       }

@@ -654,43 +654,33 @@ static void print_targets(const bench_t *b, size_t batch_total) {
 /* --devices LIST|all: the several-device rows (bench_devices.c), with --sizes (each size in
  * turn), --repeat and --json; the rest of bench copy's options do not apply there. */
 static int devices_mode(int argc, char **argv) {
-  static const char *const known[] = {"--devices", "--sizes", "--bytes", "--size",
-                                      "--repeat",  "--json",  "--quiet", NULL};
+  static const char *const valued[] = {"--devices", "--sizes", "--repeat", "--cases", NULL};
+  static const char *const flags[] = {"--json", "--quiet", NULL};
   const char *list = NULL;
   bool json = false;
   size_t sizes[32] = {64 * MIB};
   int nsizes = 1, repeat = 5;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char *eq = strncmp(a, "--", 2) == 0 ? strchr(a, '=') : NULL;
-    size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-    if (!strcmp(a, "--json")) {
-      json = true;
-      continue;
-    }
-    if (!strcmp(a, "--quiet")) continue;
-    bool is_dev = nl == 9 && !strncmp(a, "--devices", 9), is_size = cli_is_size_flag(a, nl),
-         is_rep = nl == 8 && !strncmp(a, "--repeat", 8);
-    if (!is_dev && !is_size && !is_rep) {
-      if (!strcmp(a, "--cases"))
-        cli_usage_error("--cases does not apply to --devices (it takes --sizes, --repeat, --json)");
-      return cli_unknown("option", a, known);
-    }
-    const char *v = eq ? eq + 1 : i + 1 < argc ? argv[++i] : NULL;
-    if (!v) cli_usage_error("%.*s needs a value", (int)nl, a);
-    if (is_dev) {
+  cli_opts_t op;
+  cli_opts_init(&op, "bench copy", argc, argv, valued, flags);
+  const char *v;
+  int got;
+  while ((got = cli_opts_next(&op, &v)) == 1) {
+    if (!strcmp(op.name, "--json")) json = true;
+    if (!v) continue;
+    if (!strcmp(op.name, "--cases"))
+      cli_usage_error("--cases does not apply to --devices (it takes --sizes, --repeat, --json)");
+    if (!strcmp(op.name, "--devices")) {
       list = v;
-    } else if (is_size) {
+    } else if (!strcmp(op.name, "--sizes")) {
       int rc = cli_parse_sizes("--sizes", v, sizes, 32, &nsizes);
       if (rc) return rc;
     } else {
-      char *end;
-      long r = strtol(v, &end, 10);
-      if (end == v || *end || r < 1 || r > 10000)
-        cli_usage_error("--repeat must be a whole number from 1 to 10000, not '%s'", v);
+      long long r = 0;
+      if (cli_opt_int("--repeat", v, 1, 10000, &r)) return CLI_EXIT_USAGE;
       repeat = (int)r;
     }
   }
+  if (got) return got;
   if (!list || !*list) cli_usage_error("--devices needs a list of devices or 'all'");
   int rc = 0;
   for (int i = 0; i < nsizes && !rc; i++) rc = bc_bench_devices(list, json, sizes[i], repeat);

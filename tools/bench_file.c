@@ -105,10 +105,6 @@ static const char *file_usage =
     "pinmem [--json] bench file [--quiet] [--sizes LIST] [--dir DIR] [--repeat N]\n"
     "    [--chunk SIZES] [--threads NS] [--slots NS] [--part SIZES] [--cases LIST]";
 
-static int fusage(const char *fmt, const char *arg) {
-  return cli_usage_fail(fmt, arg);
-}
-
 static void print_help(void) {
   printf(
       "usage: pinmem bench file [--json] [--quiet] [--sizes LIST] [--dir DIR] [--repeat N]\n"
@@ -147,48 +143,20 @@ static void print_help(void) {
 static int parse_args(int argc, char **argv, fopts_t *o) {
   cli_usage_context("bench file", file_usage);
   memset(o, 0, sizeof *o);
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (!strcmp(a, "--json")) {
-      o->json = true;
-      continue;
-    }
-    if (!strcmp(a, "--quiet")) {
-      o->quiet = true;
-      continue;
-    }
-    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      o->help = true;
-      continue;
-    }
-    if (strncmp(a, "--", 2) != 0) return fusage("bench file takes no argument '%s'", a);
-    static const char *const known[] = {"--sizes", "--bytes",   "--size",  "--dir",  "--repeat",
-                                        "--chunk", "--threads", "--slots", "--part", "--cases",
-                                        "--json",  "--quiet",   "--help",  NULL};
-    const char *eq = strchr(a, '=');
-    char name[32];
-    size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-    /* The name is checked before a value is taken: `--jsn` is an unknown option, not one
-     * that lacks its value. */
-    bool is_known = false;
-    for (int k = 0; known[k] && !is_known; k++)
-      is_known = strlen(known[k]) == nl && !strncmp(known[k], a, nl);
-    if (!is_known || nl >= sizeof name) return cli_unknown("option", a, known);
-    memcpy(name, a, nl);
-    name[nl] = '\0';
-    if (cli_is_size_flag(name, nl)) snprintf(name, sizeof name, "--sizes");
-    const char *v;
-    if (eq) {
-      v = eq + 1;
-    } else {
-      if (i + 1 >= argc) return fusage("%s needs a value", a);
-      v = argv[++i];
-    }
+  static const char *const valued[] = {"--sizes", "--dir",  "--repeat", "--chunk", "--threads",
+                                       "--slots", "--part", "--cases",  NULL};
+  static const char *const flags[] = {"--json", "--quiet", "--help", NULL};
+  cli_opts_t op;
+  cli_opts_init(&op, "bench file", argc, argv, valued, flags);
+  const char *v;
+  int got;
+  while ((got = cli_opts_next(&op, &v)) == 1) {
+    const char *name = op.name;
+    if (!strcmp(name, "--json")) o->json = true;
+    if (!strcmp(name, "--quiet")) o->quiet = true;
+    if (!strcmp(name, "--help")) o->help = true;
+    if (!v) continue;
     if (!strcmp(name, "--sizes")) {
-      if (o->nsizes)
-        return cli_usage_fail(
-            "--sizes given twice (--bytes and --size are other "
-            "names for it)");
       int rc = cli_parse_sizes("--sizes", v, o->sizes, MAX_LIST, &o->nsizes);
       if (rc) return rc;
     } else if (!strcmp(name, "--chunk") || !strcmp(name, "--part")) {
@@ -242,17 +210,12 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
         return cli_usage_fail("--cases: item %d of '%s' is empty", cli_list_empty_item(v), v);
       o->cases = v;
     } else if (!strcmp(name, "--repeat")) {
-      char *end;
-      errno = 0;
-      long n = strtol(v, &end, 10);
-      if (errno || *end || !v[0] || n < 1 || n > 1000)
-        return fusage("--repeat must be a whole number from 1 to 1000, not '%s'", v);
+      long long n = 0;
+      if (cli_opt_int("--repeat", v, 1, 1000, &n)) return CLI_EXIT_USAGE;
       o->repeat = (int)n;
-    } else {
-      return fusage("unknown option '%s'", a);
     }
   }
-  return 0;
+  return got;
 }
 
 static const char *const k_cases[] = {"load_hot_buffered", "load_direct",     "load_cold_buffered",

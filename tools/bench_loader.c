@@ -192,58 +192,25 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
   o->token_bytes = 2;
   o->io = PM_IO_PREAD;
   o->delivery = PM_DELIVER_DEVICE;
-  unsigned seen = 0;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (!strcmp(a, "--json")) {
-      o->json = true;
-      continue;
-    }
-    if (!strcmp(a, "--verify")) {
-      o->verify = true;
-      continue;
-    }
-    if (!strcmp(a, "--no-shuffle")) {
-      o->shuffle = false;
-      continue;
-    }
-    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      o->help = true;
-      continue;
-    }
-    if (!strcmp(a, "--quiet")) {
-      o->quiet = true;
-      continue;
-    }
-    if (strncmp(a, "--", 2) != 0) return lusage("bench loader takes no argument '%s'", a);
-    /* With a value first, then the switches (for "did you mean" only). */
-    static const char *const known[] = {
-        "--data",     "--tokens", "--seq-len",    "--token-bytes", "--batch", "--workers",
-        "--prefetch", "--epochs", "--samples",    "--windows",     "--seed",  "--world",
-        "--repeat",   "--busy",   "--token-busy", "--pin",         "--io",    "--delivery",
-        "--json",     "--verify", "--no-shuffle", "--help",        "--quiet", NULL};
-    enum { NKNOWN = 18 };
-    const char *eq = strchr(a, '=');
-    char name[32];
-    size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-    if (nl >= sizeof name) return cli_unknown("option", a, known);
-    memcpy(name, a, nl);
-    name[nl] = '\0';
-    _Static_assert(NKNOWN <= 32, "seen is a 32-bit mask");
-    int which = -1;
-    for (int k = 0; k < NKNOWN; k++)
-      if (!strcmp(name, known[k])) which = k;
-    if (which < 0) return cli_unknown("option", a, known);
-    /* An option given twice is refused rather than the last one silently winning. */
-    if (seen & (1u << which)) return lusage("%s given twice", known[which]);
-    seen |= 1u << which;
-    const char *v;
-    if (eq) {
-      v = eq + 1;
-    } else {
-      if (i + 1 >= argc) return lusage("%s needs a value", a);
-      v = argv[++i];
-    }
+  static const char *const valued[] = {
+      "--data",     "--tokens", "--seq-len",    "--token-bytes", "--batch", "--workers",
+      "--prefetch", "--epochs", "--samples",    "--windows",     "--seed",  "--world",
+      "--repeat",   "--busy",   "--token-busy", "--pin",         "--io",    "--delivery",
+      NULL};
+  static const char *const flags[] = {"--json", "--verify", "--no-shuffle",
+                                      "--help", "--quiet",  NULL};
+  cli_opts_t op;
+  cli_opts_init(&op, "bench loader", argc, argv, valued, flags);
+  const char *v;
+  int got;
+  while ((got = cli_opts_next(&op, &v)) == 1) {
+    const char *name = op.name;
+    if (!strcmp(name, "--json")) o->json = true;
+    if (!strcmp(name, "--verify")) o->verify = true;
+    if (!strcmp(name, "--no-shuffle")) o->shuffle = false;
+    if (!strcmp(name, "--help")) o->help = true;
+    if (!strcmp(name, "--quiet")) o->quiet = true;
+    if (!v) continue;
     uint64_t u;
     if (!strcmp(name, "--data")) {
       int empty = cli_list_empty_item(v);
@@ -330,10 +297,9 @@ static int parse_args(int argc, char **argv, lopts_t *o) {
         o->delivery = PM_DELIVER_HOST;
       else
         return lusage("--delivery must be device or host, not '%s'", v);
-    } else {
-      return lusage("unknown option '%s'", a);
     }
   }
+  if (got) return got;
   if (o->data && o->tokens) return lusage("%s", "--data and --tokens exclude each other");
   if (o->tokens && !o->seq_len) return lusage("%s", "--tokens needs --seq-len");
   if (o->seq_len && !o->tokens && o->data)

@@ -106,6 +106,29 @@ char *cli_xstrdup(const char *s);
  * first empty one ("1M,,2M" -> 2, "1M," -> 2, "" -> 1). */
 int cli_list_empty_item(const char *text);
 
+/* One walk over a command's options, the same rules for every bench: an option is one of
+ * `valued` (takes a value, after '=' or as the next argument) or of `flags` (takes none; "-h" is
+ * "--help"); --bytes and --size are read as --sizes; a name is checked before its value is taken
+ * (`--jsn` is unknown, with a did-you-mean, not a flag that lacks a value); an option given twice
+ * is refused rather than the last one silently winning; a bare word is refused. Each list ends
+ * with NULL; 64 names at most in all. */
+typedef struct cli_opts {
+  const char *cmd; /* "bench file", for "bench file takes no argument 'x'" */
+  int argc, i;
+  char **argv;
+  const char *const *valued, *const *flags;
+  unsigned long long seen; /* a bit per name, valued first then flags */
+  char name[32];           /* the option just read, "--sizes" for its other names */
+} cli_opts_t;
+void cli_opts_init(cli_opts_t *o, const char *cmd, int argc, char **argv, const char *const *valued,
+                   const char *const *flags);
+/* 1: o->name holds the next option and *value its value (NULL for a flag); 0: none left; or
+ * the usage exit code (2) after saying which rule the command line broke. */
+int cli_opts_next(cli_opts_t *o, const char **value);
+/* A whole number from lo to hi as option `name`'s value; 0, or the usage exit code (2) with
+ * "<name> must be a whole number from <lo> to <hi>, not '<v>'". */
+int cli_opt_int(const char *name, const char *v, long long lo, long long hi, long long *out);
+
 /* The one-time note of the host backend, for every bench: on stdout with the text table's
  * header, on stderr with --json (stdout stays JSON lines), there at the end beside the TARGET
  * lines, so a run that fails early leaves only its error on stderr. */

@@ -2,6 +2,7 @@
  * Output helpers of the pinmem tool: JSON lines (one object per line, so results files can be
  * appended to and read with any line-oriented tool) and aligned text tables for people.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -500,6 +501,86 @@ int cli_unknown(const char *what, const char *word, const char *const *known) {
 bool cli_is_size_flag(const char *name, size_t len) {
   return (len == 7 && !strncmp(name, "--sizes", 7)) || (len == 7 && !strncmp(name, "--bytes", 7)) ||
          (len == 6 && !strncmp(name, "--size", 6));
+}
+
+void cli_opts_init(cli_opts_t *o, const char *cmd, int argc, char **argv, const char *const *valued,
+                   const char *const *flags) {
+  memset(o, 0, sizeof *o);
+  o->cmd = cmd;
+  o->argc = argc;
+  o->argv = argv;
+  o->i = 1;
+  o->valued = valued;
+  o->flags = flags;
+}
+
+/* The index of name[0..len) among valued then flags (-1: neither); *takes_value says which. */
+static int opt_index(const cli_opts_t *o, const char *name, size_t len, bool *takes_value) {
+  int k = 0;
+  for (int pass = 0; pass < 2; pass++) {
+    const char *const *list = pass ? o->flags : o->valued;
+    for (int j = 0; list && list[j]; j++, k++)
+      if (strlen(list[j]) == len && !strncmp(list[j], name, len)) {
+        *takes_value = pass == 0;
+        return k;
+      }
+  }
+  return -1;
+}
+
+int cli_opts_next(cli_opts_t *o, const char **value) {
+  *value = NULL;
+  if (o->i >= o->argc) return 0;
+  const char *a = o->argv[o->i++];
+  if (!strcmp(a, "-h")) a = "--help";
+  if (strncmp(a, "--", 2) != 0) return cli_usage_fail("%s takes no argument '%s'", o->cmd, a);
+  const char *eq = strchr(a, '=');
+  size_t len = eq ? (size_t)(eq - a) : strlen(a);
+  bool sizes = cli_is_size_flag(a, len);
+  bool takes_value = false;
+  int k = sizes ? opt_index(o, "--sizes", 7, &takes_value) : opt_index(o, a, len, &takes_value);
+  if (k < 0 || len >= sizeof o->name) {
+    /* Every name, for the nearest one. */
+    const char *known[65];
+    int n = 0;
+    for (int pass = 0; pass < 2; pass++) {
+      const char *const *list = pass ? o->flags : o->valued;
+      for (int j = 0; list && list[j] && n < 64; j++) known[n++] = list[j];
+    }
+    known[n] = NULL;
+    return cli_unknown("option", a, known);
+  }
+  snprintf(o->name, sizeof o->name, "%s", sizes ? "--sizes" : a);
+  if (!sizes) o->name[len] = '\0';
+  if (k < 64) {
+    if (o->seen & (1ull << k)) {
+      if (sizes)
+        return cli_usage_fail("--sizes given twice (--bytes and --size are other names for it)");
+      return cli_usage_fail("%s given twice", o->name);
+    }
+    o->seen |= 1ull << k;
+  }
+  if (!takes_value) {
+    if (eq) return cli_usage_fail("%s takes no value, not '%s'", o->name, eq + 1);
+    return 1;
+  }
+  if (eq) {
+    *value = eq + 1;
+  } else {
+    if (o->i >= o->argc) return cli_usage_fail("%s needs a value", o->name);
+    *value = o->argv[o->i++];
+  }
+  return 1;
+}
+
+int cli_opt_int(const char *name, const char *v, long long lo, long long hi, long long *out) {
+  char *end;
+  errno = 0;
+  long long n = strtoll(v, &end, 10);
+  if (errno || end == v || *end || n < lo || n > hi)
+    return cli_usage_fail("%s must be a whole number from %lld to %lld, not '%s'", name, lo, hi, v);
+  *out = n;
+  return 0;
 }
 
 int cli_parse_sizes(const char *opt, const char *text, size_t *out, int max, int *n) {

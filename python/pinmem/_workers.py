@@ -534,6 +534,8 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
                 side=None, collate=None):
     """The body of worker process `wid`: serve claims until the socket closes."""
     global _worker_info
+    import gc
+    gc.freeze()  # the parent's uncollected cycles never run their __del__ here (_iterable.py)
     placed, place_error = _place(cpus)  # first: a worker_init_fn's own affinity wins
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main program
     for fd in close_fds:  # other workers' sockets inherited through fork

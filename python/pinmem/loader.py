@@ -221,6 +221,12 @@ def _stop_iteration_error(index, e):
                         "must not raise StopIteration; raise IndexError past the end")
 
 
+def _is_iterable_dataset(dataset):
+    """A torch.utils.data.IterableDataset (by its class, without importing torch)."""
+    return any(c.__name__ == "IterableDataset" and c.__module__.startswith("torch.utils.data")
+               for c in type(dataset).__mro__)
+
+
 def _is_path(x):
     return isinstance(x, (str, _os.PathLike))
 
@@ -293,6 +299,16 @@ def _open_part(x, io):
         return _open_arrays([x])
     raise TypeError(f"pinmem.Loader: a tuple dataset holds arrays, .npy paths, NpyDataset or "
                     f"TokenDataset objects, not {type(x).__name__}")
+
+
+def _is_torch_data(dataset):
+    """Is `dataset` torch's: an instance of a torch.utils.data class (Dataset and its subclasses,
+    TensorDataset, Subset, ...), a torch tensor, or a tuple of fields holding one."""
+    def torchy(obj):
+        return any(c.__module__.split(".")[0] == "torch" for c in type(obj).__mro__)
+    if isinstance(dataset, tuple):
+        return any(torchy(f) for f in dataset)
+    return torchy(dataset)
 
 
 def _is_python_dataset(dataset):
@@ -526,12 +542,17 @@ class Loader:
     with device='cpu'), pin_memory, drop_last, timeout, worker_init_fn,
     multiprocessing_context, generator, prefetch_factor (slots = prefetch_factor *
     max(1, num_workers)), persistent_workers. What pinmem cannot honour is refused, never
-    ignored (IterableDataset). Also: seed (shuffle order and worker
+    ignored. A torch IterableDataset is iterated in the main process (num_workers=0) or by
+    worker processes, each iterating its own copy (get_worker_info() shards it), whose batches
+    are taken in turn as torch's DataLoader takes them; shuffle, sampler, batch_sampler and
+    state_dict() are refused for it (_iterable.py). Also: seed (shuffle order and worker
     seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
     device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
     DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
 
-    Iterating yields one epoch's batches (tuple samples as lists, as default_collate);
+    Iterating yields one epoch's batches (tuple samples as lists, as default_collate), their
+    arrays torch tensors for torch's datasets and tensors, pinmem.Buffers otherwise (tensors=
+    True/False overrides);
     batches() yields flat Batch objects (one array per field) with epoch/index/indices. As
     torch's DataLoader, each new iterator is a new epoch (a loop after `break` starts the next
     one), except the first after construction or load_state_dict(), which starts where the
@@ -542,12 +563,19 @@ class Loader:
     the workers, and each slot still held returns to the pool when its batch goes.
     """
 
+    def __new__(cls, dataset=None, *args, **kwargs):
+        # A torch IterableDataset has its own path (_iterable.py): a Loader subclass.
+        if cls is Loader and _is_iterable_dataset(dataset):
+            from ._iterable import IterableLoader
+            cls = IterableLoader
+        return super().__new__(cls)
+
     def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
                  num_workers=0, collate_fn=None, pin_memory=True, drop_last=False, timeout=0,
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, seed=None, device=None, epochs=None, rank=None,
-                 world_size=None, io=None, worker_mode=None):
+                 world_size=None, io=None, worker_mode=None, tensors=None):
         self._c = None
         self._pool = None
         self._base = None
@@ -708,6 +736,13 @@ class Loader:
         self.persistent_workers = self._persistent
         self.prefetch_factor = prefetch_factor
         self.seed = self._base_seed
+        if tensors not in (None, True, False):
+            raise InvalidError(f"PM_ERR_INVALID: tensors must be None, True or False, not "
+                               f"{tensors!r}")
+        # What plain iteration gives: torch tensors for torch's datasets and tensors (a
+        # DataLoader loop keeps working unchanged), pinmem.Buffers otherwise (NumPy users need
+        # no torch). Decided by the dataset alone, never by what else the program imported.
+        self._tensors = _is_torch_data(dataset) if tensors is None else tensors
         self.device = "cpu" if not to_device else \
             "cuda" if self._device_index is None else f"cuda:{self._device_index}"
         self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
@@ -1133,6 +1168,8 @@ class Loader:
         return _EpochIterator(self, "batch")
 
     def __iter__(self):
+        if self._tensors:
+            return self.as_torch()
         return _EpochIterator(self, "plain")
 
     def as_torch(self):

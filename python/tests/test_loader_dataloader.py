@@ -240,8 +240,9 @@ class AllEmpty(Indexed):
 
 
 def test_what_pinmem_cannot_batch_is_refused_by_name():
-    with pytest.raises(pinmem.InvalidError, match="IterableDataset is not supported"):
-        pinmem.Loader(Stream(), batch_size=2)
+    with pinmem.Loader(Stream(), batch_size=2, device="cpu") as loader:  # a stream: batched
+        assert [np.asarray(b).tolist() for b in loader] == \
+            [b.tolist() for b in DataLoader(Stream(), batch_size=2)]
     for nw in (0, 1):  # no field with bytes: nothing to batch
         with pinmem.Loader(AllEmpty(), batch_size=2, device="cpu", num_workers=nw) as loader:
             with pytest.raises(pinmem.InvalidError, match="the sample has no array with elements"):
@@ -284,8 +285,12 @@ def test_dtypes_numpy_lacks_arrive_as_dataloader_gives_them(nw, batch_size):
             for x, y in zip(pb[:-1], tb[:-1]):
                 assert x.dtype == y.dtype and x.shape == y.shape
                 assert torch.equal(bits(x), bits(y))
+        # Plain iteration over a torch dataset gives tensors, as DataLoader's loop expects.
+        assert next(iter(p))[0].dtype == torch.bfloat16
+    with pinmem.Loader(ds, batch_size=batch_size, num_workers=nw, device="cpu",
+                       tensors=False) as p:
         plain = next(iter(p))[0]
-        assert plain.dtype == "bfloat16"
+        assert isinstance(plain, pinmem.Buffer) and plain.dtype == "bfloat16"
         with pytest.raises(TypeError, match="bfloat16 has no NumPy type"):
             np.asarray(plain)
         with pytest.raises(BufferError, match="bfloat16 has no buffer-protocol"):
@@ -563,7 +568,8 @@ def test_collate_fn_with_device_batches_gives_dataloaders_output_on_the_device(n
     import gc
     gc.collect()
     before = pinmem.stats()["in_use_bytes"]
-    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad_more) as p:
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad_more,
+                       tensors=False) as p:  # (plain iteration: pinmem.Buffers)
         assert p.device != "cpu"
         for _ in range(2):
             got = list(p.as_torch())
@@ -657,7 +663,8 @@ def test_shapes_that_vary_between_batches_arrive_as_dataloader_gives_them(nw, pe
     import gc
     gc.collect()
     before = pinmem.stats()["in_use_bytes"]
-    with pinmem.Loader(ds, batch_size=4, num_workers=nw, persistent_workers=persistent) as p:
+    with pinmem.Loader(ds, batch_size=4, num_workers=nw, persistent_workers=persistent,
+                       tensors=False) as p:  # (plain iteration: pinmem.Buffers)
         for _ in range(2):
             got = list(p.as_torch())
             assert len(got) == len(t) == 6
@@ -845,7 +852,8 @@ def test_collated_device_batches_reuse_device_blocks_only_once_let_go(nw):
     ds = Ragged(51)
     order = [i for i in range(51) if i // 3 != 4]  # (pad refuses label 13)
     want = [pad([ds[i] for i in order[k:k + 3]])["x"].numpy() for k in range(0, 48, 3)]
-    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, sampler=order) as p:
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, sampler=order,
+                       tensors=False) as p:
         held = list(p)  # every batch held: each in a block of its own, never overwritten
         assert len({b["x"].ptr for b in held}) == 16 == p.stats()["staged_device_blocks"]
         assert all(np.array_equal(host_copy(b["x"]), w) for b, w in zip(held, want))
@@ -858,3 +866,42 @@ def test_collated_device_batches_reuse_device_blocks_only_once_let_go(nw):
         # At most the batches staged ahead (prefetch) plus the one held took a new block.
         assert p.stats()["staged_device_blocks"] - 16 <= (8 if nw else 0)
         assert len(set(ptrs)) < 16
+
+
+def test_plain_iteration_gives_tensors_for_torch_datasets_buffers_for_arrays():
+    """The dataset alone decides what plain iteration gives: torch's datasets and tensors give
+    torch tensors (a DataLoader loop runs unchanged), NumPy arrays give pinmem.Buffers, and
+    tensors=True/False overrides either."""
+    x = torch.arange(12.).reshape(6, 2)
+    TensorDataset = torch.utils.data.TensorDataset
+    cases = [(TensorDataset(x), torch.Tensor), (x, torch.Tensor), ((x, x.numpy()), torch.Tensor),
+             (Indexed(6), torch.Tensor), (x.numpy(), pinmem.Buffer)]
+    for ds, kind in cases:
+        with pinmem.Loader(ds, batch_size=3, device="cpu") as p:
+            b = next(iter(p))
+            first = b[0] if isinstance(b, (list, tuple)) else b
+            assert isinstance(first, kind), (type(ds), type(first))
+            assert first.shape[0] == 3
+    with pinmem.Loader(x.numpy(), batch_size=3, device="cpu", tensors=True) as p:
+        b = next(iter(p))
+        assert isinstance(b, torch.Tensor) and torch.equal(b, x[:3])
+    with pinmem.Loader(TensorDataset(x), batch_size=3, device="cpu", tensors=False) as p:
+        assert isinstance(next(iter(p))[0], pinmem.Buffer)
+    with pytest.raises(pinmem.InvalidError, match="tensors must be None, True or False"):
+        pinmem.Loader(x, batch_size=3, device="cpu", tensors="yes")
+
+
+def test_one_random_sampler_gives_dataloaders_order_every_epoch():
+    """pinmem's shuffle has its own order; a RandomSampler seeded alike gives DataLoader's, epoch
+    after epoch (the sampler iterated again at each epoch's start, as DataLoader does)."""
+    x = torch.arange(40.).reshape(20, 2)
+    ds = torch.utils.data.TensorDataset(x)
+
+    def sampler():
+        return torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(7))
+    t = DataLoader(ds, batch_size=5, sampler=sampler())
+    with pinmem.Loader(ds, batch_size=5, device="cpu", sampler=sampler()) as p:
+        for _ in range(3):
+            want, got = [b[0] for b in t], [b[0] for b in p]
+            assert len(want) == len(got) == 4
+            assert all(torch.equal(a, b) for a, b in zip(want, got))

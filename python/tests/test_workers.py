@@ -966,3 +966,39 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     assert err.read_text().count("Traceback") == 1 and "KeyboardInterrupt" in err.read_text(), \
         report
     assert not survivors, f"workers outlived Ctrl-C: {survivors}"
+
+
+class _Cycle:
+    """Garbage with a __del__ (a torch DataLoader iterator left in a cycle, say)."""
+
+    def __init__(self, path):
+        self.me, self.path = self, path
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+class _Collects:
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        gc.collect()  # as any allocation in the worker may, even inside an import
+        return np.zeros(2)
+
+
+def test_the_parents_garbage_is_not_collected_in_workers(tmp_path):
+    """A __del__ of the parent's uncollected garbage run in a forked worker, from inside an
+    import, breaks importlib's module lock there (Python 3.11) and kills the worker."""
+    note = tmp_path / "deleted"
+    gc.disable()
+    try:
+        _Cycle(str(note))
+        with pinmem.Loader(_Collects(), batch_size=1, num_workers=2, device="cpu",
+                           multiprocessing_context="fork") as p:
+            assert len(list(p)) == 4
+    finally:
+        gc.enable()
+    gc.collect()
+    assert note.read_text().split() == [str(os.getpid())]  # once, here
