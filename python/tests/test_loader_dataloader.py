@@ -905,3 +905,28 @@ def test_one_random_sampler_gives_dataloaders_order_every_epoch():
             want, got = [b[0] for b in t], [b[0] for b in p]
             assert len(want) == len(got) == 4
             assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_reused_device_block_waits_for_the_stream_that_read_it():
+    """GPU: each batch is read on a side stream kept busy (torch.cuda._sleep) and let go at
+    once; the next batches reuse its device block, and their copies must wait for that stream,
+    or the sums read overwritten bytes."""
+    if pinmem.backend() != "cuda" or not torch.cuda.is_available():
+        pytest.skip("needs the cuda backend and torch with CUDA: stream-ordered reuse of device "
+                    "blocks is timing on a real device")
+    ds = Ragged(51)
+    order = [i for i in range(51) if i // 3 != 4]  # (pad refuses label 13)
+    want = [float(pad([ds[i] for i in order[k:k + 3]])["x"].sum()) for k in range(0, 48, 3)]
+    side = torch.cuda.Stream()
+    sums = []
+    with pinmem.Loader(ds, batch_size=3, collate_fn=pad, sampler=order) as p:
+        it = iter(p.as_torch())
+        for _ in range(16):
+            with torch.cuda.stream(side):
+                b = next(it)  # DLPack names `side`: it waits for the batch's copy
+                torch.cuda._sleep(20_000_000)  # the read comes late on `side`
+                sums.append(b["x"].sum())
+            del b  # let go while `side` has not read it yet
+        torch.cuda.synchronize()
+        assert p.stats()["staged_device_blocks"] < 16  # blocks were reused
+    assert [float(s) for s in sums] == want
