@@ -678,6 +678,11 @@ def test_shapes_that_vary_between_batches_arrive_as_dataloader_gives_them(nw, pe
         # The batches of the first sample's shape (0 and 3) came through the slots.
         st = p.stats()
         assert st["staged_batches"] == 3 * 4 and st["staged_largest_bytes"] >= 4 * 16 * 4
+        it = iter(p.batches())  # flat Batch tuples: only the slots' batches have them
+        assert list(next(it).indices) == [0, 1, 2, 3]
+        with pytest.raises(pinmem.InvalidError, match=r"batch 1 of epoch 3: its samples' shapes "
+                           r"differ from the first sample's, .*batches\(\) cannot give it"):
+            next(it)
     del got, plain
     gc.collect()
     assert pinmem.stats()["in_use_bytes"] == before  # the pinned blocks and slots went back
