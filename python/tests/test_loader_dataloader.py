@@ -917,8 +917,8 @@ def test_a_reused_device_block_waits_for_the_stream_that_read_it():
     once; the next batches reuse its device block, and their copies must wait for that stream,
     or the sums read overwritten bytes."""
     if pinmem.backend() != "cuda" or not torch.cuda.is_available():
-        pytest.skip("needs the cuda backend and torch with CUDA: stream-ordered reuse of device "
-                    "blocks is timing on a real device")
+        pytest.skip("needs the cuda backend and torch with CUDA: the reuse of a device block "
+                    "waits on a stream torch reads it on, which the host backend has not")
     ds = Ragged(51)
     order = [i for i in range(51) if i // 3 != 4]  # (pad refuses label 13)
     want = [float(pad([ds[i] for i in order[k:k + 3]])["x"].sum()) for k in range(0, 48, 3)]
