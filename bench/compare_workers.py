@@ -278,7 +278,8 @@ class PinmemFactory:
             return str(mode)
         import inspect
         try:
-            params = inspect.signature(self.pinmem.Loader).parameters
+            # (__init__: Loader.__new__ takes *args, **kwargs, which hides the keywords)
+            params = inspect.signature(self.pinmem.Loader.__init__).parameters
         except (TypeError, ValueError):
             params = {}
         if "worker_mode" in self.dropped or "worker_mode" not in params:

@@ -914,6 +914,10 @@ typedef struct pm_rows_request {
   void *const *dsts;          /* per field k: where row 0 goes; row r of field k is at
                                  (char *)dsts[k] + r * fields[k].bytes */
   int worker;                 /* the loader worker calling (0..workers-1); -1 outside a loader */
+  uint64_t batch;             /* the loader's batch of these rows (epoch * batches per epoch +
+                                 batch), UINT64_MAX outside a loader */
+  uint64_t row;               /* the first row's place in that batch: (batch, row) orders the
+                                 claims, so the failures of several can be told apart */
 } pm_rows_request_t;
 
 /** Write every field of request->n samples. Called from several worker threads at once (each

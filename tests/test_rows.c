@@ -33,6 +33,7 @@ typedef struct call_rec {
   uint64_t idx_off; /* the call's indices in rows_ds_t.idx (UINT64_MAX: no room) */
   const void *dst0; /* where row 0 of field 0 went */
   int worker;
+  uint64_t batch, row; /* the claim's place in the loader's order (UINT64_MAX outside one) */
 } call_rec_t;
 
 typedef struct rows_ds {
@@ -61,6 +62,8 @@ static int rows_read(const pm_rows_request_t *q, void *user) {
     c->n = q->n;
     c->dst0 = q->dsts[0];
     c->worker = q->worker;
+    c->batch = q->batch;
+    c->row = q->row;
     uint64_t off = atomic_fetch_add(&d->idx_used, q->n);
     c->idx_off = UINT64_MAX;
     if (off + q->n <= d->idx_cap) {
@@ -158,6 +161,7 @@ typedef struct run_check {
   uint64_t claims; /* claims the batches so far needed (for claim != 0) */
   uint64_t rows;
   unsigned char *seen; /* per call id: its rows were seen */
+  uint64_t bpe;        /* batches per epoch: a call's batch is epoch * bpe + index */
   int bad_bytes, bad_calls;
 } run_check_t;
 
@@ -196,6 +200,7 @@ static void check_rows_batch(run_check_t *rc, const pm_batch_t *b) {
       rc->bad_calls++;
       continue;
     }
+    if (c->batch != b->epoch * rc->bpe + b->index || c->row != r0) rc->bad_calls++;
     if (r == r0) {
       rc->seen[id] = 1;
       if (rc->claim && (r0 % rc->claim || c->n != PM__MIN(rc->claim, rows - r0))) rc->bad_calls++;
@@ -254,6 +259,7 @@ static void test_rows_loader(pm_delivery_t delivery, uint64_t claim_rows) {
   rc.d = &d;
   rc.workers = workers;
   rc.claim = claim_rows ? PM__MIN(claim_rows, batch) : 0;
+  rc.bpe = (n + batch - 1) / batch;
   rc.seen = calloc(d.log_cap, 1);
   REQUIRE(rc.seen != NULL);
   pm_batch_t b;
@@ -310,6 +316,8 @@ static void test_rows_single(void) {
   for (int id = 0; id < 3; id++) {
     CHECK_EQ_SIZE(d.log[id].n, 1);
     CHECK_EQ_INT(d.log[id].worker, -1);
+    CHECK_EQ_SIZE(d.log[id].batch, UINT64_MAX); /* no loader: no place in one */
+    CHECK_EQ_SIZE(d.log[id].row, UINT64_MAX);
   }
   CHECK_EQ_SIZE(d.log[0].epoch, 4);
   CHECK_EQ_SIZE(d.idx[d.log[0].idx_off], 17);
@@ -734,6 +742,7 @@ static void test_select_rows(pm_delivery_t delivery) {
     rc.map = level ? map2 : sel;
     rc.workers = 3;
     rc.claim = claim;
+    rc.bpe = (n + batch - 1) / batch;
     rc.seen = calloc(d.log_cap, 1);
     REQUIRE(rc.seen != NULL);
     pm_batch_t b;

@@ -21,7 +21,8 @@ Each batch is described afresh from its first sample (_workers.describe), so bat
 in shape; the samples within one must match (as default_collate needs). With a device, each
 leaf is copied from its pinned buffer into device memory on the loader's pinmem stream; the
 device buffer records the copy, so a DLPack consumer's stream waits for it without blocking.
-A batch's memory goes back to the pool when its buffers go.
+A batch's memory goes back to the pool when its buffers go. A collate_fn's output for the device
+is staged as a map-style loader's is (_staging.py), as it is taken.
 
 Epochs: each iter() is a new epoch. Without persistent_workers the workers are started for the
 epoch and stopped at its end (or when the next epoch starts); with them, a RESET carrying a new
@@ -46,6 +47,7 @@ import weakref as _weakref
 from time import perf_counter as _perf_counter
 
 from . import _pinmem
+from . import _staging
 from . import _workers
 from . import loader as _loader
 from ._pinmem import InvalidError
@@ -354,7 +356,7 @@ class _Epoch:
                 raise pool.error(status, w, meta)
             self.delivered += 1
             if kind == COLLATED:
-                return pickle.loads(meta)
+                return self.loader._collated_out(pickle.loads(meta))
             return self.loader._deliver(*data)
 
     def _next_here(self):
@@ -368,7 +370,8 @@ class _Epoch:
         stream.count += len(samples)
         self.delivered += 1
         if loader._collate is not None:
-            return loader._collate(samples[0] if loader._unbatched else samples)
+            return loader._collated_out(loader._collate(samples[0] if loader._unbatched
+                                                        else samples))
         import numpy as np
         try:
             schema, rows = _leaves(samples, first, np)
@@ -495,9 +498,9 @@ class _IterableEpochIterator:
             except StopIteration:
                 self._done = True
                 raise
-            if self._convert is not None and isinstance(b, _Delivered):
+            if self._convert is not None and isinstance(b, (_Delivered, _Staged)):
                 b = b.convert(self._convert)
-            return b.shaped() if isinstance(b, _Delivered) else b
+            return b.shaped() if isinstance(b, (_Delivered, _Staged)) else b
         finally:
             loader._iteration_s += _perf_counter() - t0
 
@@ -520,6 +523,22 @@ class _Delivered:
 
     def shaped(self):
         return self.schema.rebuild(self.values, self.unbatched, self.objs)
+
+
+class _Staged:
+    """A collate_fn's output with its arrays staged onto the device (_staging.py)."""
+
+    __slots__ = ("out",)
+
+    def __init__(self, out):
+        self.out = out
+
+    def convert(self, fn):
+        self.out = _staging.convert(self.out, fn)
+        return self
+
+    def shaped(self):
+        return self.out
 
 
 class IterableLoader(_loader.Loader):
@@ -586,13 +605,7 @@ class IterableLoader(_loader.Loader):
             if not callable(collate_fn):
                 raise InvalidError(f"PM_ERR_INVALID: collate_fn must be callable, not "
                                    f"{type(collate_fn).__name__}")
-            if to_device:
-                raise InvalidError("PM_ERR_INVALID: collate_fn of your own: its output is "
-                                   "delivered as it returns it, in host memory; pass "
-                                   "device='cpu' and move the batch yourself (.to(device, "
-                                   "non_blocking=True)), or leave collate_fn out (pinmem "
-                                   "writes the samples into pinned batches and moves them)")
-            self._collate = collate_fn
+            self._collate = collate_fn  # (device batches: its output staged, _staging.py)
         if tensors not in (None, True, False):
             raise InvalidError(f"PM_ERR_INVALID: tensors must be None, True or False, not "
                                f"{tensors!r}")
@@ -608,6 +621,7 @@ class IterableLoader(_loader.Loader):
         self._epochs_begun = 0
         self._gen = 0
         self._stream = None
+        self._stager = None
         self._batches = 0
         self._iteration_s = self._conversion_s = 0.0
         # The attributes torch's DataLoader users read, as given.
@@ -684,6 +698,15 @@ class IterableLoader(_loader.Loader):
         """A pinned buffer from the pool for slot leaf k of a batch of `schema`."""
         _, dtype, _ = schema.specs()[k]
         return _pinmem.empty(shape, dtype)
+
+    def _collated_out(self, out):
+        """A collate_fn's output as delivered: as it returned it (device='cpu'), or its arrays
+        staged through a pinned block onto the device (as for map-style datasets)."""
+        if not self._to_device:
+            return out
+        if self._stager is None:
+            self._stager = _staging.Stager(True, self._device_index)
+        return _Staged(self._stager.stage(out))
 
     def _deliver(self, schema, rows, objs, bufs):
         """A batch's pinned leaves, moved to the device on the loader's stream if it has one."""
@@ -767,6 +790,8 @@ class IterableLoader(_loader.Loader):
         self._epoch = _no_epoch
         self._stop_workers()
         self._stream = None
+        if getattr(self, "_stager", None) is not None:
+            self._stager.close()  # copies in flight done: their pinned blocks go back
 
     def __del__(self):
         try:

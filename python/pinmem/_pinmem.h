@@ -133,6 +133,12 @@ typedef struct BufferObject {
   void (*on_release)(struct BufferObject *self);
   uintptr_t consumer_stream; /* the last stream a DLPack consumer named (device memory) */
   int has_consumer_stream;
+  /* device memory reused once its views are gone (_buffer_view, _buffer_reuse): recorded on
+   * the consumer stream each view's DLPack consumer named, as that view went */
+  pm_event_t views_gone;
+  uintptr_t views_gone_stream;
+  int views_gone_recorded;
+  int reuse_unsafe; /* views consumed on two streams, or an event failed: never reused */
   PyObject *weakrefs;
 } BufferObject;
 

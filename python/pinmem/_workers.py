@@ -13,10 +13,14 @@ again into pinned memory in the main process (copy 2, under the GIL).
 
 What has no bytes for a slot travels beside it, on a second (stream) socket per worker: a
 sample's non-array leaves (str, bytes, None, objects), and with a collate_fn of the user's own
-(claims are then whole batches) the collate_fn's output. The worker sends a claim's frame before
-its reply, a thread of the main process files the frames by (epoch, dataset indices), and each
-batch takes its own as it is delivered. Empty arrays (a zero-size dimension) take no slot bytes:
-the main process makes them per batch.
+(claims are then whole batches) the collate_fn's output, which for device batches the
+receiving thread stages at once (_staging.py: pinned block, copy queued to the device). The
+worker sends a claim's frame before its reply, a thread of the main process files the frames by
+(epoch, dataset indices), and each batch takes its own as it is delivered. Empty arrays (a
+zero-size dimension) take no slot bytes: the main process makes them per batch. Once a sample's
+shapes differ from the first sample's (Schema.varying, set by the loader when that first
+happens), every row sends a VRow: its non-array leaves, or, for a sample that differs, all its
+leaves, which the main process stacks into its batch (_staging.py); its slot row stays unwritten.
 
 The claims go to the threads, hence to the processes, in a fixed order (the C loader's
 ordered_workers), and each process seeds its generators from (seed, worker id) as torch's
@@ -52,6 +56,8 @@ import struct
 import sys
 import traceback
 
+from ._pinmem import InvalidError as _InvalidError
+
 REQ = struct.Struct("<IIQQII")
 FIELD = struct.Struct("<QQQ")
 REP = struct.Struct("<IiQ")
@@ -70,10 +76,35 @@ SIDE = struct.Struct("<Q")  # the length of one frame of non-array leaves (a str
 # ---- sample structure ------------------------------------------------------------------------
 
 
+class ShapeDiffers(_InvalidError):
+    """A sample with the first sample's structure whose leaf has another shape or dtype. The
+    loader takes it as the sign that shapes vary between batches (Schema.varying)."""
+
+
+class VRow:
+    """A row's value beside the slot once shapes vary: its non-array leaves (objs, in leaf
+    order) when its sample went into the slot, or every leaf of a sample that differs from the
+    first one (off: [(value, kind)] as _flatten gives them), which the main process stacks."""
+
+    def __init__(self, objs, off):
+        self.objs, self.off = objs, off
+
+
+def off_leaves(sample, index, np):
+    """Every leaf of a sample that differs from the first sample: [(value, kind)]."""
+    leaves, paths = [], []
+    _flatten(sample, np, index, leaves, paths)
+    return leaves
+
+
 class Schema:
     """How a sample is built: a tree of tuples, lists, dicts and named tuples whose leaves are
     arrays (NumPy, torch CPU tensors, Python numbers), and each leaf's dtype and shape. Batches
     are rebuilt in this shape, each leaf batched along a new first axis (default_collate)."""
+
+    # Shapes vary between batches (set once a sample differs from the first): every row then
+    # has a VRow beside the slot, and a sample that differs travels there whole.
+    varying = False
 
     def __init__(self, tree, leaves, paths):
         self.tree = tree        # ("leaf", k) | ("tuple"|"list", [...]) | ("dict", [(key, t)])
@@ -215,6 +246,8 @@ class CollateSchema:
 
     collate = True
     objs = ()
+    varying = False
+    varying = False
 
     def __init__(self, unbatched):
         self.unbatched = unbatched
@@ -607,7 +640,8 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=N
     for k, (key, off, row_bytes) in enumerate(fields):
         dt, shape, _ = schema.leaves[schema.slot[k]]
         views.append(np.ndarray((n,) + shape, dtype=dt, buffer=maps[key], offset=off))
-    rows = [] if schema.objs else None
+    varying = schema.varying
+    rows = [] if schema.objs or varying else None
     for j, i in enumerate(indices):
         try:
             sample = dataset[i]
@@ -620,7 +654,17 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=N
             for k, a in enumerate(schema.slot_values(leaves) if schema.empty else leaves):
                 views[k][j] = a
             if rows is not None:
-                rows.append(schema.obj_values(leaves))
+                objs = schema.obj_values(leaves)
+                rows.append(VRow(objs, None) if varying else objs)
+        except ShapeDiffers as e:
+            if not varying:
+                return _pack_error(ST_INVALID, i, wid, e, "sample")
+            try:  # the whole sample beside the slot; its row stays unwritten
+                rows.append(VRow(None, off_leaves(sample, i, np)))
+            except BaseException as e2:
+                from . import InvalidError
+                return _pack_error(ST_INVALID if isinstance(e2, InvalidError) else ST_EXC, i,
+                                   wid, e2, "sample")
         except BaseException as e:
             from . import InvalidError
             st = ST_INVALID if isinstance(e, InvalidError) else ST_EXC
@@ -667,10 +711,9 @@ def checked_leaves(schema, sample, i, np):
         if a.shape != shape or a.dtype != dt or (bits or bits0) and kind != kind0:
             has = kind[5:] if bits else a.dtype
             had = kind0[5:] if bits0 else dt
-            raise _invalid(f"dataset index {i}, field {paths[k]}: shape {a.shape} dtype "
-                           f"{has}, but the first sample had shape {shape} dtype {had} "
-                           "(every sample must match: resize or convert in the dataset, or give a "
-                           "collate_fn that pads, with device='cpu')")
+            raise ShapeDiffers(f"PM_ERR_INVALID: pinmem.Loader: dataset index {i}, field "
+                               f"{paths[k]}: shape {a.shape} dtype {has}, but the first sample "
+                               f"had shape {shape} dtype {had}")
         out.append(a)
     return out
 
@@ -697,10 +740,18 @@ class SideStore:
         self.cond = threading.Condition()
         self.rows = {}
         self.error = None
+        # Shapes vary (Schema.varying): only VRows are filed; frames of rows read before the
+        # loader learnt it (its run was stopped and started again) are dropped.
+        self.varying = False
+        # A collate_fn's output for device batches: staged (written into pinned memory, its
+        # copy queued) by the thread that receives it, ahead of delivery (_staging.py).
+        self.stage = None
 
     def put(self, epoch, indices, rows):
         with self.cond:
             for i, r in zip(indices, rows):
+                if self.varying and type(r) is not VRow:
+                    continue
                 self.rows.setdefault((epoch, i), []).append(r)
             self.cond.notify_all()
 
@@ -736,6 +787,11 @@ class SideStore:
         with self.cond:
             self.rows.clear()
 
+    def set_varying(self):
+        with self.cond:
+            self.varying = True
+            self.rows.clear()
+
 
 def _drain(socks, store):
     """Read the workers' frames of non-array leaves into store until every socket ends."""
@@ -764,6 +820,8 @@ def _drain(socks, store):
                     break
                 try:
                     epoch, indices, rows = pickle.loads(bytes(buf[SIDE.size:SIDE.size + n]))
+                    if store.stage is not None:
+                        rows = [store.stage(r) for r in rows]
                     store.put(epoch, indices, rows)
                 except Exception as e:  # an object that cannot be unpickled here
                     with store.cond:
@@ -869,7 +927,8 @@ class Pool:
         return pickle.loads(data[REP.size:])
 
     def set_schema(self, schema, timeout):
-        if (schema.objs or getattr(schema, "collate", False)) and self.drainer is None:
+        if (schema.objs or getattr(schema, "collate", False) or schema.varying) and \
+                self.drainer is None:
             import threading
             self.drainer = threading.Thread(target=_drain, args=(list(self.sides), self.store),
                                             name="pinmem-side-leaves", daemon=True)
@@ -918,7 +977,8 @@ class Pool:
                 f"{where}.\nOriginal traceback in the worker:\n{e['tb']}")
         if status == ST_INVALID:
             from . import InvalidError
-            return InvalidError(e["text"] + f"\n(in worker process {e['worker']})")
+            cls = ShapeDiffers if e.get("name") == "ShapeDiffers" else InvalidError
+            return cls(e["text"] + f"\n(in worker process {e['worker']})")
         t = e.get("type")
         if e.get("name") == "StopIteration":
             return RuntimeError(f"dataset[{e['index']}] raised StopIteration in pinmem worker "

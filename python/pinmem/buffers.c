@@ -22,6 +22,10 @@ pm_status_t pmpy_buffer_release_memory(BufferObject *b) {
   pm_status_t st = PM_OK;
   pm_event_t ev = b->ready_owned ? b->ready : NULL;
   b->ready = NULL;
+  if (b->views_gone) {
+    pm_event_destroy(b->views_gone);
+    b->views_gone = NULL;
+  }
   switch (b->kind) {
     case BUF_POOL:
       Py_BEGIN_ALLOW_THREADS st = pm_host_free(p);

@@ -492,8 +492,19 @@ static PyObject *Dataset_read_sample(DatasetObject *self, PyObject *args) {
   return Py_BuildValue("(NN)", x, y);
 }
 
+/* Forget an exception a read of a loader that is gone left behind: its threads read on past the
+ * batch whose error was raised until they stopped, and the next loader over this dataset must
+ * raise its own errors, not theirs. */
+static PyObject *Dataset_clear_error(DatasetObject *self, PyObject *unused) {
+  PyObject *e = pmpy_dataset_take_error(self);
+  Py_XDECREF(e);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef Dataset_methods[] = {
     {"info", (PyCFunction)Dataset_info, METH_NOARGS, "info() -> dict"},
+    {"_clear_error", (PyCFunction)Dataset_clear_error, METH_NOARGS,
+     "_clear_error(): forget an exception a stopped loader's reads left behind"},
     {"read_sample", (PyCFunction)Dataset_read_sample, METH_VARARGS,
      "read_sample(index, epoch=0) -> (inputs bytes, targets bytes or None)"},
     {"fields", (PyCFunction)Dataset_fields, METH_NOARGS,

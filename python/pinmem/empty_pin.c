@@ -3,7 +3,8 @@
  * device_empty (device memory of the current device) and pin (memory another object owns,
  * registered in place). A pinned Buffer holds the object, and its buffer export or DLPack
  * tensor, until it is unpinned: the memory can neither move nor vanish while pinned. A pin that
- * fails gives the export back and registers nothing.
+ * fails gives the export back and registers nothing. _buffer_view gives a Buffer over part of
+ * another, holding it (the loader's batches staged in one block, one view per leaf).
  */
 #include "_pinmem.h"
 
@@ -225,6 +226,87 @@ fail:
   return NULL;
 }
 
+/* A view's base loses one consumer when the view goes. A device base remembers, in an event on
+ * the stream the view's DLPack consumer named, the work queued up to now that may read it: a
+ * reuse of the base (_buffer_reuse) waits for that. Views consumed on two different streams
+ * make the base unsafe to reuse (one event holds one stream's point). */
+static void view_released(BufferObject *view) {
+  BufferObject *base = (BufferObject *)view->keep;
+  if (!base) return;
+  base->exports--;
+  uintptr_t v = view->consumer_stream;
+  if (base->kind != BUF_DEVICE || !view->has_consumer_stream || !v || v == (uintptr_t)-1 ||
+      (!pmpy_is_cuda_backend() && v <= 2))
+    return;
+  if (base->views_gone_recorded && base->views_gone_stream != v) {
+    base->reuse_unsafe = 1;
+    return;
+  }
+  if ((!base->views_gone && pm_event_create(PM_EVENT_DEFAULT, &base->views_gone) != PM_OK) ||
+      pm_event_record(base->views_gone, (pm_stream_t)v) != PM_OK) {
+    base->reuse_unsafe = 1;
+    return;
+  }
+  base->views_gone_stream = v;
+  base->views_gone_recorded = 1;
+}
+
+/* _buffer_reuse(base, stream) -> bool: whether device buffer base may be written again (no view
+ * or copy holds it); if so, `stream` first waits for the work its views' consumers queued. */
+static PyObject *py_buffer_reuse(PyObject *mod, PyObject *args) {
+  PyObject *base_obj, *stream_obj;
+  if (!PyArg_ParseTuple(args, "O!O:_buffer_reuse", &pmpy_BufferType, &base_obj, &stream_obj))
+    return NULL;
+  BufferObject *b = (BufferObject *)base_obj;
+  pm_stream_t s;
+  if (pmpy_parse_stream(stream_obj, &s) < 0) return NULL;
+  if (b->released || b->exports || b->reuse_unsafe || b->kind != BUF_DEVICE) Py_RETURN_FALSE;
+  if (b->views_gone_recorded) {
+    pm_status_t st = pm_stream_wait_event(s, b->views_gone);
+    if (st != PM_OK) return pmpy_raise_status(st);
+    b->views_gone_recorded = 0;
+    b->views_gone_stream = 0;
+  }
+  Py_RETURN_TRUE;
+}
+
+/* _buffer_view(base, offset, shape, dtype): a Buffer over bytes [offset, offset + nbytes) of
+ * base, which it holds (and counts as a consumer) until it goes. A device base's views share
+ * its ready event: DLPack consumers of a view wait for pinmem's last write to the base. The
+ * loader hands out the leaves of a batch staged in one block this way (collated.py). */
+static PyObject *py_buffer_view(PyObject *mod, PyObject *args) {
+  PyObject *base_obj, *shape, *dtype;
+  Py_ssize_t offset;
+  if (!PyArg_ParseTuple(args, "O!nOO:_buffer_view", &pmpy_BufferType, &base_obj, &offset, &shape,
+                        &dtype))
+    return NULL;
+  BufferObject *base = (BufferObject *)base_obj;
+  if (pmpy_buffer_check_live(base) < 0) return NULL;
+  size_t nbytes;
+  BufferObject *b = pmpy_buffer_shaped(&pmpy_BufferType, shape, dtype, &nbytes);
+  if (!b) return NULL;
+  if (offset < 0 || (size_t)offset > base->nbytes || nbytes > base->nbytes - (size_t)offset) {
+    Py_DECREF(b);
+    return pmpy_raise_fmt(PM_ERR_INVALID, "_buffer_view: %zu bytes at offset %zd do not fit in "
+                          "the base's %zu", nbytes, offset, base->nbytes);
+  }
+  b->kind = BUF_EXTERNAL;
+  b->ptr = (char *)base->ptr + offset;
+  b->nbytes = nbytes;
+  b->released = 0;
+  b->readonly = base->readonly;
+  b->host_visible = base->host_visible;
+  b->dl_device_type = base->dl_device_type;
+  b->dl_device_id = base->dl_device_id;
+  b->ready = base->ready;
+  b->ready_recorded = base->ready_recorded;
+  b->ready_owned = 0;
+  b->keep = Py_NewRef(base_obj);
+  b->on_release = view_released;
+  base->exports++;
+  return (PyObject *)b;
+}
+
 PyMethodDef pmpy_empty_pin_functions[] = {
     {"empty", (PyCFunction)(void (*)(void))py_empty, METH_VARARGS | METH_KEYWORDS,
      "empty(shape, dtype, *, mapped=False, write_combined=False, portable=False) -> PinnedBuffer"},
@@ -232,4 +314,9 @@ PyMethodDef pmpy_empty_pin_functions[] = {
      "device_empty(shape, dtype) -> DeviceBuffer (device memory of the current device)"},
     {"pin", (PyCFunction)(void (*)(void))py_pin, METH_VARARGS | METH_KEYWORDS,
      "pin(obj, *, mapped=False, portable=False) -> PinnedBuffer over obj's memory, pinned in place"},
+    {"_buffer_view", py_buffer_view, METH_VARARGS,
+     "_buffer_view(base, offset, shape, dtype) -> Buffer over part of base (loader batches)"},
+    {"_buffer_reuse", py_buffer_reuse, METH_VARARGS,
+     "_buffer_reuse(base, stream) -> bool: device memory free of views, stream ordered after "
+     "their consumers"},
     {0}};

@@ -17,6 +17,8 @@ from time import perf_counter as _perf_counter
 
 from . import _pinmem
 from . import _dtype_name
+from . import _staging
+from . import _workers
 from ._pinmem import BusyError, Error, InvalidError  # noqa: F401
 
 import weakref as _weakref
@@ -134,17 +136,33 @@ def _python_dataset(dataset):
         raise _stop_iteration_error(0, e) from e
     schema = _workers.describe(first, 0)
     contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
-    # Non-array leaves (strings, objects) wait here, by index, for their batch (epoch None:
-    # the store is cleared whenever a new C loader starts reading).
-    store = schema.store = _workers.SideStore() if schema.objs else None
+    # Non-array leaves (strings, objects), and once shapes vary every row's VRow, wait here,
+    # by index, for their batch (epoch None: the store is cleared whenever a new C loader
+    # starts reading).
+    store = schema.store = _workers.SideStore()
+    objs = bool(schema.objs)
+    blank = None
 
     def fetch(i):
+        nonlocal blank
         try:
             sample = dataset[i]
         except StopIteration as e:
             raise _stop_iteration_error(i, e) from e
-        leaves = checked(schema, sample, i, numpy)
-        if store is not None:
+        try:
+            leaves = checked(schema, sample, i, numpy)
+        except _workers.ShapeDiffers:
+            if not schema.varying:
+                raise
+            # The sample goes beside the slot whole; its row holds zeros.
+            store.put(None, (i,), (_workers.VRow(None, _workers.off_leaves(sample, i, numpy)),))
+            if blank is None:
+                blank = [numpy.zeros(shape, dt) for shape, dt in
+                         ((schema.leaves[k][1], schema.leaves[k][0]) for k in schema.slot)]
+            return blank
+        if schema.varying:
+            store.put(None, (i,), (_workers.VRow(schema.obj_values(leaves), None),))
+        elif objs:
             store.put(None, (i,), (schema.obj_values(leaves),))
         return [contiguous(a) for a in schema.slot_values(leaves)]
 
@@ -456,8 +474,14 @@ class _EpochIterator:
             if b.index + 1 >= loader._bpe:
                 self._done = True  # the epoch ends with this batch
             if loader._collate is not None:
-                return loader._collated(b)
+                return loader._collated(b, self._convert if self._mode == "torch" else None)
             objs = loader._side_rows(b)  # taken in every mode, or they would pile up
+            if loader._schema is not None and loader._schema.varying:
+                objs, offs = _staging.split_rows(objs)
+                if offs is not None:  # samples beside the slot: stacked here
+                    where = (b.epoch, b.index, list(b.indices))
+                    del b  # the slot goes back (its rows were not written), errors or not
+                    return loader._stacked(*where, offs, self._mode, self._convert)
             if self._mode == "batch":
                 return b
             if self._mode == "torch":
@@ -506,12 +530,16 @@ class Loader:
     shared pinned slot (worker_mode="process", the default; "thread" reads them on threads,
     through the GIL: for datasets that release it). A sample is an array, a CPU tensor, a number,
     or a tuple, list or dict of those (strings and other objects arrive as lists); batches have
-    the sample's structure (default_collate's).
+    the sample's structure (default_collate's). Shapes may vary from batch to batch (a batch
+    whose shapes differ from the first sample's is stacked in the main process and staged
+    through pinned memory); within a batch they must agree (an error at that batch, a
+    RuntimeError as default_collate's).
 
     The arguments are torch.utils.data.DataLoader's, in its order: batch_size, shuffle, sampler
     (any iterable of indices with len(): its order is the order delivered), batch_sampler,
-    num_workers, collate_fn (your own: run in the workers on whole batches, its output delivered
-    as it returns it, with device='cpu'), pin_memory, drop_last, timeout, worker_init_fn,
+    num_workers, collate_fn (your own: run in the workers on whole batches; its output keeps
+    its structure, its arrays staged through pinned memory onto the device, or as it returns it
+    with device='cpu'), pin_memory, drop_last, timeout, worker_init_fn,
     multiprocessing_context, generator, prefetch_factor (slots = prefetch_factor *
     max(1, num_workers)), persistent_workers. What pinmem cannot honour is refused, never
     ignored. A torch IterableDataset is iterated in the main process (num_workers=0) or by
@@ -551,6 +579,7 @@ class Loader:
         self._c = None
         self._pool = None
         self._base = None
+        self._stager = None  # batches staged outside the slots (_staging.py)
         self._closed = False
         self._order = None  # a sampler's indices for the epoch (Batch.indices maps through it)
         self._resume_pending = True  # the first iterator starts where the loader stands
@@ -599,20 +628,15 @@ class Loader:
             # (checked as each epoch starts: every batch that size, a shorter one only last).
             batch_size, sampler = b, _FlatBatches(batch_sampler, b)
         # A collate_fn of your own runs where torch runs it (in the worker process on the list
-        # of a batch's samples, or in the main process with num_workers=0) and its output is
-        # delivered as it returns it: claims are whole batches, and the slot holds a byte per
-        # row (the rows read) while the output travels beside it.
+        # of a batch's samples, or in the main process with num_workers=0): claims are whole
+        # batches, and the slot holds a byte per row (the rows read) while the output travels
+        # beside it. Host batches get the output as it returns it; device batches get its
+        # arrays staged through a pinned block onto the device (_staging.py).
         self._collate = None
         if collate_fn is not None and not _is_default_collate(collate_fn):
             if not callable(collate_fn):
                 raise InvalidError(f"PM_ERR_INVALID: collate_fn must be callable, not "
                                    f"{type(collate_fn).__name__}")
-            if to_device:
-                raise InvalidError("PM_ERR_INVALID: collate_fn of your own: its output is "
-                                   "delivered as it returns it, in host memory; pass "
-                                   "device='cpu' and move the batch yourself (.to(device, "
-                                   "non_blocking=True)), or leave collate_fn out (pinmem writes "
-                                   "the samples into pinned batches and moves them)")
             if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
                 raise InvalidError("PM_ERR_INVALID: collate_fn of your own needs a map-style "
                                    "dataset (__getitem__ and __len__), whose samples it collates")
@@ -779,6 +803,8 @@ class Loader:
         n = len(self.dataset)
         if n == 0:
             raise InvalidError("PM_ERR_INVALID: the dataset is empty")
+        if self._to_device and self._stager is None:
+            self._stager = _staging.Stager(True, self._device_index)
         if self._procs:
             self._pool = self._start_pool(0)
             try:
@@ -795,20 +821,29 @@ class Loader:
             self._base = _pinmem._dataset_python(lambda i: [mark], n, self._schema.specs())
         self._tuple, self._odd, self._ds = False, [], self._base
 
-    def _collated(self, b):
-        """The collate_fn's output for batch b (its slot goes back at once)."""
+    def _collated(self, b, convert=None):
+        """The collate_fn's output for batch b (its slot goes back at once); with device
+        batches, its arrays on the device (convert: as_torch()'s conversion of each)."""
         indices = tuple(int(i) for i in b.indices)
         epoch = b.epoch
         del b
         if self._pool is not None:
-            return self._pool.store.take(epoch, [indices], self._timeout)[0]
-        samples = []
-        for i in indices:
-            try:
-                samples.append(self.dataset[i])
-            except StopIteration as e:
-                raise _stop_iteration_error(i, e) from e
-        return self._collate(samples[0] if self._unbatched else samples)
+            out = _staging.unwrap(self._pool.store.take(epoch, [indices], self._timeout)[0])
+        else:
+            samples = []
+            for i in indices:
+                try:
+                    samples.append(self.dataset[i])
+                except StopIteration as e:
+                    raise _stop_iteration_error(i, e) from e
+            out = self._collate(samples[0] if self._unbatched else samples)
+            if self._stager is not None:
+                out = self._stager.stage(out)
+        if convert is not None and self._stager is not None:
+            t0 = _perf_counter()
+            out = _staging.convert(out, convert)
+            self._conversion_s += _perf_counter() - t0
+        return out
 
     def _start(self):
         """Open what the constructor left for the first use: the dataset (Python datasets)
@@ -849,7 +884,11 @@ class Loader:
         else:
             dev = _pinmem.current_device()
         cpus = _pinmem._numa_worker_cpus(dev)
-        return _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus, collate=self._collate)
+        pool = _workers.Pool(dataset, nw, ctx, seed, init_fn, cpus, collate=self._collate)
+        if self._stager is not None and self._collate is not None:
+            pool.store.stage = self._stager.stage_safely  # staged as each output arrives
+        pool.store.varying = self._schema is not None and self._schema.varying
+        return pool
 
     def _on_device(self, make):
         """make() with the loader's device current (device="cuda:k"): its stream, buffers and
@@ -866,14 +905,14 @@ class Loader:
             if prev != k:
                 _pinmem.set_device(prev)
 
-    def _open_epoch(self, epoch, batch, resume=None, template=None):
+    def _open_epoch(self, epoch, batch, resume=None, template=None, same_order=False):
         """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch
         mode) a loader for this epoch alone. template: the fields of the last epoch's state, for
         an epoch that starts afresh (its sample count is this epoch's: a sampler's length and a
         dataset's may change between epochs, as torch allows)."""
         if self._closed:
             _closed()
-        if self._per_epoch:
+        if self._per_epoch and not same_order:  # (same_order: the epoch's sampler order kept)
             if self._pool is not None and not self._persistent and epoch > 0 and \
                     self._pool.epoch != epoch:
                 self._swap_pool(epoch)
@@ -906,6 +945,7 @@ class Loader:
             ok = _pinmem._procs_drain(self._base, wait)
             c.close()
             _pinmem._procs_reset(self._base)
+            self._clear_error()
             if not ok:
                 alive = [w for w, a in enumerate(self._pool.alive()) if a]
                 self._failed = WorkerError(
@@ -916,6 +956,14 @@ class Loader:
                 raise self._failed
         elif c is not None:
             c.close()
+            self._clear_error()
+
+    def _clear_error(self):
+        """Forget what the reads of a stopped C loader raised past the batch whose error was
+        raised: the next loader raises its own errors (a shape change read ahead would be
+        raised in place of a later batch's exception)."""
+        if self._ds is not None:
+            self._ds._clear_error()
 
     def _swap_pool(self, epoch):
         """New worker processes for `epoch` (persistent_workers=False)."""
@@ -940,7 +988,7 @@ class Loader:
     def _side_rows(self, b):
         """The non-array leaves of batch b's rows (None when the samples have none)."""
         schema = self._schema
-        if schema is None or not schema.objs:
+        if schema is None or not (schema.objs or schema.varying):
             return None
         if self._pool is not None:
             return self._pool.store.take(b.epoch, b.indices, self._timeout)
@@ -1028,6 +1076,10 @@ class Loader:
         except BaseException as e:
             if self._closed:  # closed by another thread while this one waited
                 raise _closed_error() from e
+            if isinstance(e, _workers.ShapeDiffers) and self._schema is not None and \
+                    not self._schema.varying:
+                self._go_varying(c)
+                return self._next()
             if not isinstance(e, (Error, WorkerError)) or isinstance(e, InvalidError):
                 st = _pinmem._loader_state_fields(c.state())
                 self._skip = (st["epoch"], st["batch"] + 1)
@@ -1050,7 +1102,7 @@ class Loader:
                 self._c = None
                 self._retire(c)
                 self._open_epoch(nxt, 0, template=st)
-                b = self._c.next()
+                return self._next()  # (its errors handled as any batch's)
         if b is not None and self._order is not None:
             b._order = self._order
         if b is not None and self._odd:
@@ -1058,6 +1110,44 @@ class Loader:
             b = self._view_odd(b)
             self._conversion_s += _perf_counter() - t0
         return b
+
+    def _go_varying(self, c):
+        """A sample's shapes differ from the first sample's (C loader c failed its batch): from
+        that batch on, every row has a VRow beside the slot and a sample that differs travels
+        there whole, its batch stacked in this process (_staging.py); a batch whose samples all
+        have the first sample's shapes still comes through the slot. The C loader starts again
+        at that batch, in the same order, with the workers told."""
+        st = _pinmem._loader_state_fields(c.state())
+        self._c = None
+        try:
+            self._retire(c)
+            self._schema.varying = True
+            if self._pool is not None:
+                self._pool.store.set_varying()  # frames of the stopped run are dropped
+                self._pool.set_schema(self._schema, self._timeout)
+            self._open_epoch(st["epoch"], st["batch"], template=st, same_order=True)
+        except BaseException as e:
+            self._failed = e
+            raise
+
+    def _stacked(self, epoch, index, indices, offs, mode, convert):
+        """The batch of the dataset indices given whose samples differ from the first sample's
+        in shape: stacked here and staged through a pinned block (onto the device with device
+        batches)."""
+        where = f"batch {index} of epoch {epoch}"
+        if mode == "batch":
+            raise InvalidError(f"PM_ERR_INVALID: pinmem.Loader: {where}: its samples' shapes "
+                               "differ from the first sample's, so it is not in a slot and "
+                               "batches() cannot give it; iterate the loader (or as_torch())")
+        out = _staging.stack_rows(self._schema, indices, offs, self._unbatched, where)
+        if self._stager is None:
+            self._stager = _staging.Stager(self._to_device, self._device_index)
+        out = self._stager.stage(out)
+        if mode == "torch":
+            t0 = _perf_counter()
+            out = _staging.convert(out, convert)
+            self._conversion_s += _perf_counter() - t0
+        return out
 
     def _view_odd(self, b):
         import numpy
@@ -1170,13 +1260,22 @@ class Loader:
         `worker_numa_cpus` (the CPU ids the workers were put on, the NUMA node of the loader's
         device; None: left where the scheduler puts them) and `worker_numa_refused` (workers that
         could not move there and run elsewhere, e.g. a cpuset without those CPUs; the first one's
-        reason in `worker_numa_problem`, "" when none)."""
+        reason in `worker_numa_problem`, "" when none). `staged_batches` and `staged_bytes`: the
+        batches built outside the slots (a collate_fn's output for the device; batches whose
+        shapes differ from the first sample's) and their bytes, staged through pinned blocks;
+        `staged_largest_bytes`: the largest of them; `staged_device_blocks`: the device blocks
+        allocated for them (the others reused a block whose batch was let go)."""
         out = self._check().stats()
         out["fields"] = len(self._ds.fields())
         out["conversion_seconds"] = self._conversion_s
         out["iteration_seconds"] = self._iteration_s
         out["glue_seconds"] = max(0.0, self._iteration_s - out["next_seconds"] -
                                   self._conversion_s)
+        stager = self._stager
+        out["staged_batches"] = 0 if stager is None else stager.batches
+        out["staged_bytes"] = 0 if stager is None else stager.bytes
+        out["staged_largest_bytes"] = 0 if stager is None else stager.largest
+        out["staged_device_blocks"] = 0 if stager is None else stager.device_blocks
         out["workers"] = "process" if self._pool is not None else "thread"
         out["worker_pids"] = self.worker_pids()
         pool = self._pool
@@ -1205,6 +1304,8 @@ class Loader:
                 # The worker-process dataset holds an eventfd (and the sockets' numbers): let
                 # it go now rather than when the Loader object goes.
                 self._base = self._ds = None
+            if self._stager is not None:
+                self._stager.close()  # copies in flight done: their pinned blocks go back
 
     def __enter__(self):
         return self

@@ -78,6 +78,7 @@ struct pmpy_procs {
   int err_nidx;
   uint64_t err_idx[ERR_INDICES];
   uint64_t err_n;
+  uint64_t err_batch, err_row; /* the failed claim's place in the loader's order */
 };
 
 /* A reply: magic u32, status i32, index u64 (REP in _workers.py). */
@@ -87,10 +88,15 @@ typedef struct {
   uint64_t index;
 } reply_t;
 
+/* The error kept is the first claim's in the loader's order, not the first to arrive: claims
+ * fail at once in several processes, and the loader raises at the earliest failed batch, which
+ * must get its own exception. */
 static void record(struct pmpy_procs *P, int kind, int w, int status, int err, const void *payload,
                    size_t len, const pm_rows_request_t *rq) {
   pthread_mutex_lock(&P->err_mu);
-  if (P->err_kind == ERR_NONE || (P->err_kind == ERR_CANCEL && kind != ERR_CANCEL)) {
+  bool earlier = rq && kind != ERR_CANCEL && P->err_kind != ERR_CANCEL &&
+                 (rq->batch < P->err_batch || (rq->batch == P->err_batch && rq->row < P->err_row));
+  if (P->err_kind == ERR_NONE || (P->err_kind == ERR_CANCEL && kind != ERR_CANCEL) || earlier) {
     free(P->err_payload);
     P->err_payload = NULL;
     P->err_len = 0;
@@ -106,6 +112,8 @@ static void record(struct pmpy_procs *P, int kind, int w, int status, int err, c
     P->err_status = status;
     P->err_errno = err;
     P->err_n = rq ? rq->n : 0;
+    P->err_batch = rq ? rq->batch : UINT64_MAX;
+    P->err_row = rq ? rq->row : UINT64_MAX;
     P->err_nidx = rq ? (int)(rq->n < ERR_INDICES ? rq->n : ERR_INDICES) : 0;
     for (int i = 0; i < P->err_nidx; i++) P->err_idx[i] = rq->indices[i];
   }

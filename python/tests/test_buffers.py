@@ -315,3 +315,52 @@ def test_dtypes_numpy_lacks_travel_by_dlpack(name):
     # pin() of such a tensor keeps giving its bytes, flat, to the buffer protocol.
     with pinmem.pin(src) as p:
         assert memoryview(p).nbytes == b.nbytes and p.dtype is None
+
+
+def test_a_view_of_part_of_a_buffer_holds_it_and_stays_inside_it(rng):
+    """_buffer_view (the loader's staged batches: one view per leaf of one pinned or device
+    block) sees the base's bytes at its offset, keeps the base alive and counts as its consumer,
+    and refuses a range past the base's end."""
+    from pinmem import _pinmem
+    base = pinmem.empty((64,), "uint8")
+    data = random_bytes(rng, 64)
+    np.asarray(base)[:] = data
+    v = _pinmem._buffer_view(base, 16, (3, 2), "<f4")
+    assert v.shape == (3, 2) and v.dtype == "float32" and v.nbytes == 24
+    np.testing.assert_array_equal(np.asarray(v).view(np.uint8).reshape(-1), data[16:40])
+    assert base.exports == 1
+    with pytest.raises(pinmem.BusyError):
+        base.release()
+    with pytest.raises(pinmem.InvalidError, match="do not fit"):
+        _pinmem._buffer_view(base, 48, (5,), "<f4")
+    with pytest.raises(pinmem.InvalidError, match="do not fit"):
+        _pinmem._buffer_view(base, -1, (1,), "uint8")
+    ref = base.ptr
+    del base
+    gc.collect()
+    assert v.ptr == ref + 16  # the base lives on in its view
+    np.testing.assert_array_equal(np.asarray(v).view(np.uint8).reshape(-1), data[16:40])
+    del v
+
+
+def test_device_memory_is_reusable_only_once_no_view_or_copy_holds_it(rng):
+    """_buffer_reuse (the loader's staged device batches): False while a view of the block, or
+    a copy into it, is alive; True once they are gone; never for host memory."""
+    from pinmem import _pinmem
+    s = pinmem.Stream()
+    base = pinmem.device_empty((256,), "uint8")
+    src = pinmem.empty((256,), "uint8")
+    np.asarray(src)[:] = random_bytes(rng, 256)
+    done = pinmem.copy(base, src, s)
+    v = _pinmem._buffer_view(base, 0, (64,), "<f4")
+    assert not _pinmem._buffer_reuse(base, s)
+    done.wait()
+    del done
+    assert not _pinmem._buffer_reuse(base, s)  # the view still holds it
+    back = np.empty(64, np.float32)
+    pinmem.copy(back, v).wait()
+    np.testing.assert_array_equal(back.view(np.uint8), np.asarray(src))
+    del v
+    assert _pinmem._buffer_reuse(base, s)
+    assert not _pinmem._buffer_reuse(src, s)  # pinned host memory: not a device block
+    s.close()

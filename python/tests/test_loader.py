@@ -1,6 +1,8 @@
 """pinmem.Loader on whatever backend is in force (the host backend without a GPU)."""
 import gc
 
+import re
+
 import numpy as np
 import pytest
 
@@ -439,7 +441,7 @@ def test_two_threads_in_next(rng):
         loader.close()
 
 
-def test_sample_that_differs_from_the_first_is_refused():
+def test_a_batch_whose_samples_differ_is_refused_and_the_next_batch_follows():
     class Drifting:
         def __len__(self):
             return 20
@@ -447,16 +449,19 @@ def test_sample_that_differs_from_the_first_is_refused():
         def __getitem__(self, i):
             x = np.arange(3) if i < 13 else np.arange(3) + 0.5  # int64, then float64
             return x, np.int64(i)
-    loader = pinmem.Loader(Drifting(), batch_size=5, device="cpu")
-    with pytest.raises(pinmem.InvalidError) as e:
-        for _ in loader:
-            pass
-    msg = str(e.value)
-    # Every sample from 13 on differs; which of them a worker thread meets first varies.
-    import re
-    m = re.search(r"index (\d+)", msg)
-    assert m and int(m.group(1)) >= 13, msg
-    assert "field [0]" in msg and "float64" in msg and "int64" in msg
+    with pinmem.Loader(Drifting(), batch_size=5, device="cpu") as loader:
+        it = iter(loader)
+        assert [np.asarray(next(it)[1]).tolist() for _ in range(2)] == [list(range(5)),
+                                                                        list(range(5, 10))]
+        with pytest.raises(pinmem.InvalidError) as e:  # batch 2: rows 10-12 int64, 13-14 float64
+            next(it)
+        msg = str(e.value)
+        assert isinstance(e.value, RuntimeError)
+        assert re.search(r"field \[0\] has shape \(3,\) dtype float64 at dataset index 1[34] "
+                         r"and shape \(3,\) dtype int64 at dataset index 1[0-2]", msg), msg
+        x, y = next(it)  # batch 3: every sample float64, as the batch stacks them
+        assert np.asarray(x).dtype == np.float64 and np.asarray(y).tolist() == [15, 16, 17, 18, 19]
+        np.testing.assert_array_equal(np.asarray(x), np.arange(3) + 0.5 + np.zeros((5, 1)))
 
     class Reshaped(Drifting):
         def __getitem__(self, i):

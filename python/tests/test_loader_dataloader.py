@@ -151,8 +151,6 @@ def test_tuple_samples_and_refusals_name_the_argument():
     with pytest.raises(pinmem.InvalidError, match="mutually exclusive"):
         pinmem.Loader(Indexed(), batch_size=4,
                       batch_sampler=torch.utils.data.BatchSampler(range(20), 4, False))
-    with pytest.raises(pinmem.InvalidError, match="collate_fn of your own: .* pass device='cpu'"):
-        pinmem.Loader(Indexed(), collate_fn=lambda xs: xs)  # batches for the device
     with pytest.raises(pinmem.InvalidError, match="batch_size=None option is mutually"):
         pinmem.Loader(Indexed(), batch_size=None, drop_last=True)
 
@@ -339,9 +337,12 @@ class Mixed(Indexed):
 @pytest.mark.parametrize("nw", [0, 1])
 def test_a_sample_of_another_dtype_of_the_same_size_is_refused_by_name(nw):
     with pinmem.Loader(Mixed(8), batch_size=4, num_workers=nw, device="cpu") as p:
-        with pytest.raises(pinmem.InvalidError, match=r"dataset index 3, field \[0\]: .*dtype "
-                           r"float16, but the first sample had .*dtype bfloat16"):
-            list(p)
+        it = iter(p.as_torch())
+        with pytest.raises(pinmem.InvalidError, match=r"field \[0\] has shape \(2,\) dtype "
+                           r"float16 at dataset index 3 and .*dtype bfloat16 at dataset index 0"):
+            next(it)
+        x, y = next(it)  # the batch after it, as DataLoader
+        assert x.dtype == torch.bfloat16 and y.tolist() == [4, 5, 6, 7]
 
 
 class WithEmpty(Indexed):
@@ -515,11 +516,12 @@ def test_collate_fn_runs_on_each_batch_as_in_dataloader(nw, persistent):
         assert list(p) == t == [f"s{i}" for i in range(13)]
 
 
+@pytest.mark.parametrize("device", ["cpu", None])
 @pytest.mark.parametrize("nw", [0, 2])
-def test_errors_in_collate_fn_and_the_dataset_come_at_their_batch(nw):
+def test_errors_in_collate_fn_and_the_dataset_come_at_their_batch(nw, device):
     ds = Ragged(16, fail_at=4)
-    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, device="cpu") as p:
-        it = iter(p)
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, device=device) as p:
+        it = iter(p.as_torch())
         assert next(it)["y"].tolist() == [0, 1, 2]
         with pytest.raises(KeyError, match="sample 4 is broken"):
             next(it)
@@ -528,6 +530,72 @@ def test_errors_in_collate_fn_and_the_dataset_come_at_their_batch(nw):
         with pytest.raises(ValueError, match="collate_fn refuses label 13"):
             next(it)
         assert next(it)["y"].tolist() == [15]
+
+
+def on_host(x):
+    """x with every tensor copied to host memory (from the device, where pinmem put it)."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: on_host(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(on_host(v) for v in x)
+    return x
+
+
+def device_kind():
+    """The DLPack device of a map-style device batch: where collated device batches must be."""
+    with pinmem.Loader(Indexed(4), batch_size=2) as p:
+        return next(iter(p))[0].__dlpack_device__()
+
+
+def pad_more(samples):
+    """pad, plus a NumPy leaf, a tuple and a bfloat16 tensor; batch 3 (labels 9..11) is 64x
+    wider: a larger output later in the epoch."""
+    out = pad(samples)
+    ys = out["y"]
+    wide = 64 if int(ys[0]) == 9 else 1
+    x = out["x"].repeat(1, wide)
+    return {"x": x, "names": out["names"], "y": ys, "width": x.shape[1],
+            "pair": (ys.numpy() * 2, ys.to(torch.bfloat16) / 4), "none": None}
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_collate_fn_with_device_batches_gives_dataloaders_output_on_the_device(nw):
+    ds = Ragged(13)
+    t = list(DataLoader(ds, batch_size=3, num_workers=nw, collate_fn=pad_more))
+    kind = device_kind()
+    import gc
+    gc.collect()
+    before = pinmem.stats()["in_use_bytes"]
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad_more,
+                       tensors=False) as p:  # (plain iteration: pinmem.Buffers)
+        assert p.device != "cpu"
+        for _ in range(2):
+            got = list(p.as_torch())
+            assert len(got) == len(t) == 5
+            for pb, tb in zip(got, t):
+                assert sorted(pb) == sorted(tb)
+                assert type(pb["pair"]) is tuple and len(pb["pair"]) == 2
+                assert pb["names"] == tb["names"] and all(type(n) is str for n in pb["names"])
+                assert pb["width"] == tb["width"] and type(pb["width"]) is int
+                assert pb["none"] is None
+                # Array leaves (NumPy ones too) arrive as tensors where the slots' batches are.
+                tb = dict(tb, pair=(torch.as_tensor(tb["pair"][0]), tb["pair"][1]))
+                assert same(on_host(pb), tb)
+        assert {b["width"] for b in got} == {1, 3, 4, 64 * 4}  # the shapes varied, and grew
+        st = p.stats()
+        assert st["staged_batches"] == 10 and st["staged_largest_bytes"] >= 3 * 64 * 4 * 4
+        plain = next(iter(p))
+        assert isinstance(plain["x"], pinmem.Buffer) and plain["x"].shape == (3, 3)
+        assert plain["x"].__dlpack_device__() == kind
+        assert plain["pair"][1].dtype == "bfloat16"
+        with pytest.raises(TypeError, match="device memory is not readable by the CPU"):
+            np.asarray(plain["x"])  # device memory, as a slot's device batch
+        assert plain["names"] == ["s0", "s1", "s2"]
+    del got, plain, pb
+    gc.collect()
+    assert pinmem.stats()["in_use_bytes"] == before  # the pinned blocks went back
 
 
 class TwoBroken(Indexed):
@@ -557,17 +625,252 @@ def test_each_error_names_its_own_sample(nw):
 
 
 @pytest.mark.parametrize("nw", [0, 1])
-def test_varying_shapes_without_collate_fn_are_refused_naming_what_to_do(nw):
-    # The loader's threads read the batch's rows at once, so the first mismatch reported may be
-    # any row of it after 0: the message must name that row and the shape it has.
+def test_shapes_that_differ_within_a_batch_are_refused_at_it_naming_the_rows(nw):
+    # Each batch of Ragged mixes lengths 1..4: default_collate's torch.stack refuses each, and
+    # so does pinmem, with torch's type (RuntimeError), naming the field and two rows.
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        next(iter(DataLoader(Ragged(8), batch_size=4)))
     with pinmem.Loader(Ragged(8), batch_size=4, num_workers=nw, device="cpu") as p:
-        with pytest.raises(pinmem.InvalidError, match=r"dataset index \d+, field \[0\]: "
-                           r"shape \(\d+,\).*first sample had shape \(1,\).*"
-                           r"collate_fn that pads") as e:
-            next(iter(p))
-    m = re.search(r"dataset index (\d+), field \[0\]: shape \((\d+),\)", str(e.value))
-    index, length = int(m.group(1)), int(m.group(2))
-    assert 1 <= index < 4 and length == index % 4 + 1
+        it = iter(p)
+        for b in range(2):
+            with pytest.raises(RuntimeError, match=r"batch \d of epoch 0: stack expects each "
+                               r"tensor to be equal size: field \[0\] has shape \((\d+),\) .*at "
+                               r"dataset index (\d+) and shape .* at dataset index (\d+)") as e:
+                next(it)
+            assert isinstance(e.value, pinmem.InvalidError)
+            m = re.search(r"shape \((\d+),\) dtype float32 at dataset index (\d+)", str(e.value))
+            length, index = int(m.group(1)), int(m.group(2))
+            assert 4 * b <= index < 4 * b + 4 and length == index % 4 + 1
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+class Scales(Indexed):
+    """Sample i: an image whose side changes every 4 samples (2, 3, 4: multi-scale training),
+    a bfloat16 field of that length, a name and a label."""
+
+    def __getitem__(self, i):
+        s = 2 + (i // 4) % 3
+        return {"img": torch.arange(s * s, dtype=torch.float32).reshape(s, s) + i,
+                "bf": torch.full((s,), i / 4, dtype=torch.bfloat16), "name": f"n{i}", "y": i}
+
+
+@pytest.mark.parametrize("nw, persistent", [(0, False), (2, False), (2, True)])
+def test_shapes_that_vary_between_batches_arrive_as_dataloader_gives_them(nw, persistent):
+    ds = Scales(24)
+    t = list(DataLoader(ds, batch_size=4, num_workers=nw))
+    kind = device_kind()
+    import gc
+    gc.collect()
+    before = pinmem.stats()["in_use_bytes"]
+    with pinmem.Loader(ds, batch_size=4, num_workers=nw, persistent_workers=persistent,
+                       tensors=False) as p:  # (plain iteration: pinmem.Buffers)
+        for _ in range(2):
+            got = list(p.as_torch())
+            assert len(got) == len(t) == 6
+            assert all(same(on_host(pb), tb) for pb, tb in zip(got, t))
+        assert [tuple(b["img"].shape) for b in got] == [(4, s, s) for s in (2, 3, 4) * 2]
+        plain = list(p)
+        assert all(isinstance(b["img"], pinmem.Buffer) for b in plain)
+        assert plain[1]["img"].shape == (4, 3, 3) and plain[1]["bf"].dtype == "bfloat16"
+        assert plain[1]["img"].__dlpack_device__() == plain[0]["img"].__dlpack_device__() == kind
+        assert plain[1]["name"] == ["n4", "n5", "n6", "n7"]
+        # The batches of the first sample's shape (0 and 3) came through the slots.
+        st = p.stats()
+        assert st["staged_batches"] == 3 * 4 and st["staged_largest_bytes"] >= 4 * 16 * 4
+        it = iter(p.batches())  # flat Batch tuples: only the slots' batches have them
+        assert list(next(it).indices) == [0, 1, 2, 3]
+        with pytest.raises(pinmem.InvalidError, match=r"batch 1 of epoch 3: its samples' shapes "
+                           r"differ from the first sample's, .*batches\(\) cannot give it"):
+            next(it)
+    del got, plain
+    gc.collect()
+    assert pinmem.stats()["in_use_bytes"] == before  # the pinned blocks and slots went back
+    # batch_size=None: each sample alone (numbers as 0-d tensors, as pinmem gives them)
+    t = list(DataLoader(ds, batch_size=None, num_workers=nw))
+    with pinmem.Loader(ds, batch_size=None, num_workers=nw) as p:
+        got = [on_host(b) for b in p.as_torch()]
+    assert [int(b.pop("y")) for b in got] == [b.pop("y") for b in t] == list(range(24))
+    assert all(same(pb, tb) for pb, tb in zip(got, t))
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_batch_sampler_that_buckets_by_length(nw):
+    ds = Ragged(24)  # lengths i % 4 + 1
+    by_length = sorted(range(24), key=lambda i: (i % 4, i))
+    make = lambda: torch.utils.data.BatchSampler(by_length, 3, False)  # noqa: E731
+    t = list(DataLoader(ds, batch_sampler=make(), num_workers=nw))
+    with pinmem.Loader(ds, batch_sampler=make(), num_workers=nw) as p:
+        got = list(p.as_torch())
+    assert len(got) == len(t) == 8
+    assert all(same(on_host(pb), tb) for pb, tb in zip(got, t))
+    assert [b[0].shape[1] for b in got] == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+class ScalesBroken(Scales):
+    """Scales whose sample 13 raises (after the shapes began to vary: its batch is the fourth)."""
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise KeyError("sample 13 is broken")
+        return super().__getitem__(i)
+
+
+def side_by_side(ds, nw, failing, error, match):
+    """One epoch of DataLoader and of pinmem.Loader (as_torch) over ds in batches of 4, each
+    batch on the host; at the batch numbers in `failing`, next() must raise `error` (pinmem's
+    with a text matching match(batch number, torch?) when that is not None). -> (torch's
+    batches, pinmem's), the failed ones left out."""
+    results = []
+    for make in (DataLoader, pinmem.Loader):
+        loader = make(ds, batch_size=4, num_workers=nw)
+        it = iter(loader.as_torch() if make is pinmem.Loader else loader)
+        got = []
+        for b in range(-(-len(ds) // 4)):
+            if b in failing:
+                with pytest.raises(error, match=match(b, make is DataLoader)):
+                    next(it)
+            else:
+                got.append(on_host(next(it)))
+        with pytest.raises(StopIteration):
+            next(it)
+        results.append(got)
+        if make is pinmem.Loader:
+            loader.close()
+    return results
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_an_error_after_the_shapes_began_to_vary_is_its_own_and_the_next_batch_follows(nw):
+    # The loader's threads read past the first sample that differs before the loader learns
+    # of it; what they met there must not stand in for a later batch's own exception.
+    t, p = side_by_side(ScalesBroken(24), nw, (3,), KeyError, lambda b, t: "sample 13 is broken")
+    assert len(p) == 5 and all(same(a, b) for a, b in zip(t, p))
+
+
+class UnevenLengths(Indexed):
+    """Batches of 4 whose lengths agree (batches 0, 2, 4) or not: batch 1 mixes the first
+    sample's length with another, batch 3 two others."""
+
+    LENGTHS = [2] * 4 + [3, 3, 2, 2] + [3] * 4 + [4, 4, 5, 5] + [2] * 4
+
+    def __getitem__(self, i):
+        return torch.arange(self.LENGTHS[i], dtype=torch.float32) + i, i
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_batch_whose_shapes_differ_is_refused_at_it_and_the_next_batch_follows(nw):
+    def match(b, torch_side):
+        if torch_side:  # (torch's workers raise another RuntimeError: their batch's shared
+            # storage does not fit)
+            return "stack expects each tensor to be equal size" if nw == 0 else None
+        return (r"stack expects each tensor to be equal size: field \[0\] has shape \(3,\) .*at "
+                r"dataset index 4 and shape \(2,\) .* at dataset index 6" if b == 1 else
+                r"stack expects each tensor to be equal size: field \[0\] has shape \(4,\) .*at "
+                r"dataset index 12 and shape \(5,\) .* at dataset index 14")
+    t, p = side_by_side(UnevenLengths(20), nw, (1, 3), RuntimeError, match)
+    assert [len(b[0][0]) for b in p] == [2, 3, 2]
+    assert all(same(a, b) for a, b in zip(t, p))
+
+
+STAGED_ON_DEVICE_1 = """
+import numpy as np, pinmem
+
+class Ds:
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return np.arange(i % 3 + 1, dtype=np.float32) + i
+
+def pad(samples):  # a collate_fn of one's own: the batch padded to its longest sample
+    out = np.zeros((len(samples), max(len(s) for s in samples)), np.float32)
+    for k, s in enumerate(samples):
+        out[k, :len(s)] = s
+    return out
+
+class Varying(Ds):  # shapes vary between batches: the batches of another shape are staged
+    def __getitem__(self, i):
+        return np.full(i // 4 + 1, i, np.float32)
+
+pinmem.set_device(0)
+for ds, kw in ((Ds(), dict(collate_fn=pad)), (Varying(), {})):
+    for nw in (0, 2):
+        with pinmem.Loader(ds, batch_size=4, num_workers=nw, device="cuda:1", **kw) as p:
+            for k, b in enumerate(p):
+                assert pinmem.current_device() == 0, "the caller's device changed"
+                host = np.empty(b.shape, np.float32)
+                pinmem.copy(host, b).wait()
+                want = pad([ds[i] for i in range(4 * k, 4 * k + 4)])
+                assert np.array_equal(host, want), (k, host, want)
+            assert p.stats()["staged_batches"] == 3 if kw else 2
+print("ok")
+"""
+
+
+def test_batches_staged_for_device_k_leave_the_callers_device_alone():
+    """Staging copies on the loader's device (device='cuda:1') from a thread of device 0, also
+    on the main thread (num_workers=0, and batches stacked there); the caller stays on 0."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PINMEM_BACKEND="host", PINMEM_HOST_DEVICES="2")
+    r = subprocess.run([sys.executable, "-c", STAGED_ON_DEVICE_1], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def too_big_at_4(samples):
+    """A collate_fn whose batch of sample 4 is 16 MiB; the others 1 KiB."""
+    n = 16 << 20 if samples[0][1] == 4 else 1024
+    return torch.full((n,), samples[0][1], dtype=torch.uint8), [s[1] for s in samples]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_collated_batch_over_the_pinned_budget_fails_alone_naming_its_bytes(nw):
+    with pinmem.Loader(Indexed(12), batch_size=4, num_workers=nw, collate_fn=too_big_at_4) as p:
+        it = iter(p.as_torch())
+        x, y = next(it)  # the loader's slots are pinned now: the budget is set above them
+        assert y == [0, 1, 2, 3] and x.shape == (1024,)
+        del x
+        old = pinmem.budget()
+        pinmem.set_budget(pinmem.stats()["pinned_bytes"] + (8 << 20))
+        try:
+            with pytest.raises(pinmem.BudgetError, match=r"pinmem.Loader: this batch, built "
+                               r"outside the slots .* needs 16777216 bytes of pinned memory"):
+                next(it)
+            x, y = next(it)
+            assert y == [8, 9, 10, 11] and int(x.cpu()[0]) == 8
+        finally:
+            pinmem.set_budget(old)
+
+
+def host_copy(buf):
+    """A device (or host) Buffer's values, copied to host memory."""
+    out = np.empty(buf.shape, buf.dtype)
+    pinmem.copy(out, buf).wait()
+    return out
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_collated_device_batches_reuse_device_blocks_only_once_let_go(nw):
+    ds = Ragged(51)
+    order = [i for i in range(51) if i // 3 != 4]  # (pad refuses label 13)
+    want = [pad([ds[i] for i in order[k:k + 3]])["x"].numpy() for k in range(0, 48, 3)]
+    with pinmem.Loader(ds, batch_size=3, num_workers=nw, collate_fn=pad, sampler=order,
+                       tensors=False) as p:
+        held = list(p)  # every batch held: each in a block of its own, never overwritten
+        assert len({b["x"].ptr for b in held}) == 16 == p.stats()["staged_device_blocks"]
+        assert all(np.array_equal(host_copy(b["x"]), w) for b, w in zip(held, want))
+        del held
+        ptrs = []
+        for k, b in enumerate(p):  # each batch let go before the next: blocks come back
+            assert np.array_equal(host_copy(b["x"]), want[k])
+            ptrs.append(b["x"].ptr)
+            del b
+        # At most the batches staged ahead (prefetch) plus the one held took a new block.
+        assert p.stats()["staged_device_blocks"] - 16 <= (8 if nw else 0)
+        assert len(set(ptrs)) < 16
 
 
 def test_plain_iteration_gives_tensors_for_torch_datasets_buffers_for_arrays():
@@ -607,3 +910,28 @@ def test_one_random_sampler_gives_dataloaders_order_every_epoch():
             want, got = [b[0] for b in t], [b[0] for b in p]
             assert len(want) == len(got) == 4
             assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_reused_device_block_waits_for_the_stream_that_read_it():
+    """GPU: each batch is read on a side stream kept busy (torch.cuda._sleep) and let go at
+    once; the next batches reuse its device block, and their copies must wait for that stream,
+    or the sums read overwritten bytes."""
+    if pinmem.backend() != "cuda" or not torch.cuda.is_available():
+        pytest.skip("needs the cuda backend and torch with CUDA: the reuse of a device block "
+                    "waits on a stream torch reads it on, which the host backend has not")
+    ds = Ragged(51)
+    order = [i for i in range(51) if i // 3 != 4]  # (pad refuses label 13)
+    want = [float(pad([ds[i] for i in order[k:k + 3]])["x"].sum()) for k in range(0, 48, 3)]
+    side = torch.cuda.Stream()
+    sums = []
+    with pinmem.Loader(ds, batch_size=3, collate_fn=pad, sampler=order) as p:
+        it = iter(p.as_torch())
+        for _ in range(16):
+            with torch.cuda.stream(side):
+                b = next(it)  # DLPack names `side`: it waits for the batch's copy
+                torch.cuda._sleep(20_000_000)  # the read comes late on `side`
+                sums.append(b["x"].sum())
+            del b  # let go while `side` has not read it yet
+        torch.cuda.synchronize()
+        assert p.stats()["staged_device_blocks"] < 16  # blocks were reused
+    assert [float(s) for s in sums] == want

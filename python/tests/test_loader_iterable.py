@@ -282,8 +282,29 @@ def test_collate_fn_of_your_own(nw):
     t, p = both(Stream(9), batch_size=4, num_workers=nw, collate_fn=total)
     with p:
         assert epoch(p) == epoch(t)
-    with pytest.raises(pinmem.InvalidError, match="device='cpu'"):
-        pinmem.Loader(Stream(), collate_fn=total)
+
+
+def stacked(samples):
+    """A collate_fn of one's own: the arrays stacked, the labels as a tensor, a name kept."""
+    return {"x": np.stack([s[0] for s in samples]), "y": torch.tensor([s[1] for s in samples]),
+            "name": f"{len(samples)} samples"}
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_collate_fn_of_your_own_with_device_batches(nw):
+    skip_unless_torch_reads_the_device()
+    t = list(DataLoader(Stream(9), batch_size=4, num_workers=nw, collate_fn=stacked))
+    with pinmem.Loader(Stream(9), batch_size=4, num_workers=nw, collate_fn=stacked) as p:
+        got = list(p)  # torch tensors on the device, the output's structure kept
+        assert len(got) == len(t) == 3
+        for pb, tb in zip(got, t):
+            assert sorted(pb) == sorted(tb) and pb["name"] == tb["name"]
+            assert isinstance(pb["x"], torch.Tensor) and isinstance(pb["y"], torch.Tensor)
+            assert np.array_equal(host(pb["x"]), tb["x"]) and host(pb["y"]).tolist() == \
+                tb["y"].tolist()
+    with pinmem.Loader(Stream(9), batch_size=4, collate_fn=stacked, tensors=False) as p:
+        plain = next(iter(p))
+        assert isinstance(plain["x"], pinmem.Buffer) and plain["x"].shape == (4, 2)
 
 
 @pytest.mark.parametrize("nw", [0, 2])

@@ -760,6 +760,9 @@ pm_status_t pm__dataset_read_rows(pm_dataset_t *ds, uint64_t epoch, uint64_t n,
 /* The loader worker index of this thread (set once by each worker at its start; -1 in every
  * other thread): what a rows dataset read one sample at a time (inside a zip) passes on. */
 void pm__dataset_worker_set(int worker);
+/* The loader batch and first row this thread reads now (set by a loader worker before each
+ * read; UINT64_MAX elsewhere): what a rows dataset passes on as pm_rows_request_t.batch/row. */
+void pm__dataset_claim_set(uint64_t batch, uint64_t row);
 
 /* dataset_npy.c: the .npy header. */
 typedef struct pm__npy_header {

@@ -18,6 +18,8 @@
  * The worker index: a loader passes it to read_rows with each claim. A rows dataset read one
  * sample at a time inside a loader (a zip of one) takes it from the thread: each loader worker
  * records its index once at its start (pm__dataset_worker_set), every other thread reads -1.
+ * The claim's batch and first row come from the thread too (pm__dataset_claim_set before each
+ * read), so a reader can order the failures of claims that fail at once.
  *
  * Reads take no locks (many worker threads read at once); both kinds hold no mutable state.
  */
@@ -38,9 +40,15 @@ typedef struct sel {
 } select_t;
 
 static _Thread_local int tl_worker = -1;
+static _Thread_local uint64_t tl_batch = UINT64_MAX, tl_row = UINT64_MAX;
 
 void pm__dataset_worker_set(int worker) {
   tl_worker = worker;
+}
+
+void pm__dataset_claim_set(uint64_t batch, uint64_t row) {
+  tl_batch = batch;
+  tl_row = row;
 }
 
 bool pm__dataset_reads_rows(const pm_dataset_t *ds) {
@@ -64,6 +72,8 @@ static pm_status_t rows_read(pm_dataset_t *ds, uint64_t epoch, uint64_t n, const
   req.indices = indices;
   req.dsts = dsts;
   req.worker = worker;
+  req.batch = tl_batch;
+  req.row = tl_row;
   int rc = r->cb.read_rows(&req, r->cb.user);
   if (rc == 0) return PM_OK;
   pm_status_t st = PM_ERR_IO;

@@ -245,6 +245,7 @@ void *pm__loader_worker_main(void *arg) {
       if (!atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) {
         for (int k = 0; k < L->nfields; k++)
           dsts[k] = s->host + L->foff[k] + (size_t)r0 * L->fbytes[k];
+        pm__dataset_claim_set(g, r0);
         st = pm__dataset_read_rows(ds, epoch, r1 - r0, s->indices + r0, dsts, me);
         if (st == PM_OK) {
           r = r1;
@@ -259,6 +260,7 @@ void *pm__loader_worker_main(void *arg) {
         if (atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) break;
         for (int k = 0; k < L->nfields; k++)
           dsts[k] = s->host + L->foff[k] + (size_t)r * L->fbytes[k];
+        pm__dataset_claim_set(g, r);
         st = pm__dataset_read_fields(ds, epoch, s->indices[r], dsts, &scratch);
         if (st != PM_OK) {
           snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu: %s",
