@@ -608,6 +608,7 @@ class IterableLoader(_loader.Loader):
         self._epochs_begun = 0
         self._gen = 0
         self._stream = None
+        self._blocks = None  # the device blocks of device batches (_pinmem._DeviceCache)
         self._batches = 0
         self._iteration_s = self._conversion_s = 0.0
         # The attributes torch's DataLoader users read, as given.
@@ -695,14 +696,13 @@ class IterableLoader(_loader.Loader):
     def _to_device_copy(self, bufs):
         if self._stream is None:
             self._stream = _pinmem.Stream()
-        out = []
-        for b in bufs:
-            d = _pinmem.device_empty(tuple(b.shape), b.dtype)
-            # The device buffer records the copy: DLPack consumers wait for it on their stream.
-            # The pinned source stays alive until the copy is done, then goes back to the pool.
-            _pinmem.copy(d, b, self._stream)
-            out.append(d)
-        return out
+        if self._blocks is None:  # (devcache.c: the reuse, its ordering and its bounds)
+            self._blocks = _pinmem._DeviceCache(self._stream)
+        # One block of the cache for the whole batch, its leaves at aligned offsets, copied into
+        # on the loader's stream after the block's last release. The leaves record the copies:
+        # DLPack consumers wait for them on their stream. The pinned sources stay alive until
+        # the copies are done, then go back to the pool.
+        return self._blocks.batch(bufs)
 
     # ---- the Loader interface ----
 
@@ -752,25 +752,39 @@ class IterableLoader(_loader.Loader):
     def stats(self):
         """batches (delivered since the loader was made), epochs (begun), iteration_seconds
         (time inside the iterators' __next__), workers ('process', or 'main' when the main
-        process iterates the dataset) and worker_pids."""
+        process iterates the dataset) and worker_pids. Device batches: device_allocations
+        (device blocks allocated: at most the batches alive at once, never one per batch),
+        device_reuses (batches that took a block back), device_blocks and device_bytes (device
+        memory the loader holds now, its batches' and its free blocks')."""
         if self._closed:
             _loader._closed()
+        d = self._blocks.stats() if self._blocks is not None else \
+            {"allocations": 0, "reuses": 0, "blocks": 0, "bytes": 0}
         return {"batches": self._batches, "epochs": self._epochs_begun,
                 "iteration_seconds": self._iteration_s,
                 "workers": "process" if self.num_workers else "main",
-                "worker_pids": self.worker_pids()}
+                "worker_pids": self.worker_pids(),
+                "device_allocations": d["allocations"], "device_reuses": d["reuses"],
+                "device_blocks": d["blocks"], "device_bytes": d["bytes"]}
 
     def close(self):
-        """Stop the worker processes (terminated if they do not go within 5 s). Batches still
-        alive keep their memory until they go. Closing twice is harmless."""
+        """Stop the worker processes (terminated if they do not go within 5 s) and free the
+        device blocks no batch holds. Batches still alive keep their memory until they go.
+        Closing twice is harmless."""
         self._closed = True
         self._epoch = _no_epoch
-        self._stop_workers()
-        self._stream = None
+        try:
+            self._stop_workers()
+        finally:
+            blocks, self._blocks = self._blocks, None
+            self._stream = None
+            if blocks is not None:
+                blocks.close()
 
     def __del__(self):
         try:
-            if getattr(self, "_pool", None) is not None:
+            if getattr(self, "_pool", None) is not None or \
+                    getattr(self, "_blocks", None) is not None:
                 self.close()
         except Exception:
             pass
