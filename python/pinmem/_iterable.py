@@ -21,7 +21,17 @@ Each batch is described afresh from its first sample (_workers.describe), so bat
 in shape; the samples within one must match (as default_collate needs). With a device, each
 leaf is copied from its pinned buffer into device memory on the loader's pinmem stream; the
 device buffer records the copy, so a DLPack consumer's stream waits for it without blocking.
-A batch's memory goes back to the pool when its buffers go.
+A batch's pinned memory goes back to the pool when its copy is done and its buffers go.
+
+Device memory is reused, not allocated per batch (cuMemFree synchronizes the device): a batch
+takes one block of the loader's _DeviceCache (devcache.c) for all its leaves, and the block
+goes back to the cache's free list when the batch's last leaf goes (the user may hold a batch as
+long as they like). The rule that makes reuse safe: the dying batch records the block's release
+event on the stream its DLPack consumer named (or the loader's stream), and the next batch's
+copies into the block wait for that event on the loader's stream, so nothing overwrites a block
+before the copy into it and the kernels queued to read it are done; the host never waits. The
+cache holds no more blocks than batches were alive at once; close() and the loader's death free
+its free blocks.
 
 Epochs: each iter() is a new epoch. Without persistent_workers the workers are started for the
 epoch and stopped at its end (or when the next epoch starts); with them, a RESET carrying a new
