@@ -491,6 +491,26 @@ def test_a_block_is_not_reused_while_a_copy_reads_it():
         assert reused and p.stats()["device_blocks"] == blocks == 2  # the copy's and one more
 
 
+def test_reuse_waits_for_the_consumers_kernels_on_cuda():
+    """GPU: the batches are read by kernels queued late on a side stream (after a sleep kernel)
+    and dropped at once; the host runs ahead and later batches take the same blocks, but their
+    copies wait for the side stream's reads, so every sum is its own batch's."""
+    from conftest import skip_unless_torch_cuda
+    skip_unless_torch_cuda()
+    side = torch.cuda.Stream()
+    sums = []
+    with pinmem.Loader(Stream(64), batch_size=2) as p, torch.cuda.stream(side):
+        for x, y in p:  # as_torch(): torch.from_dlpack names the current stream, `side`
+            torch.cuda._sleep(1_000_000)  # the reads below run well after the host moved on
+            sums.append(x.sum() + y.sum())
+            del x, y
+        allocations = p.stats()["device_allocations"]
+    torch.cuda.synchronize()
+    want = [float((8 * k + 3) + (4 * k + 1)) for k in range(32)]  # x: 2i + 0.5 each; y: i
+    assert [float(s) for s in sums] == want
+    assert allocations <= 3
+
+
 def test_device_cache_refuses_what_it_cannot_copy():
     with pinmem.Stream() as s:
         cache = pinmem._pinmem._DeviceCache(s)
