@@ -68,6 +68,7 @@ static size_t g_bytes;
 /* Up to the next of 4, 5, 6, 7 x 2^k (at most a quarter more), at least 4 KiB. */
 static size_t size_class(size_t n) {
   if (n <= 4096) return 4096;
+  if (n > SIZE_MAX / 2) return n; /* no class above it; the allocation says no */
   size_t p = 4096;
   while (p <= n / 2) p *= 2;
   size_t step = p / 4;
@@ -234,7 +235,8 @@ static void DevCache_dealloc(DevCacheObject *self) {
 }
 
 /* Take the best-fitting free block for `need` bytes, or allocate one (after freeing the
- * smallest free block: the cache never grows past the most batches alive at once). */
+ * smallest free block: the cache never grows past the most batches alive at once; and all of
+ * them when the device has no room for the new one). */
 static int cache_take(DevCacheObject *self, size_t need, dblock_t *out) {
   Py_ssize_t best = -1, smallest = -1;
   for (Py_ssize_t i = 0; i < self->nfree; i++) {
@@ -259,6 +261,11 @@ static int cache_take(DevCacheObject *self, size_t need, dblock_t *out) {
   }
   if (need > self->max_need) self->max_need = need;
   pm_status_t st = block_new(size_class(self->max_need), out);
+  if (st != PM_OK && self->nfree > 0) {
+    /* Out of device memory with free blocks too small to use: give them all back, try again. */
+    pm_status_t st2 = cache_drop_free(self);
+    if (st2 == PM_OK) st = block_new(size_class(self->max_need), out);
+  }
   if (st != PM_OK) {
     pmpy_raise_status(st);
     return -1;

@@ -419,6 +419,39 @@ def test_device_batches_of_varying_shape(nw):
         assert p.stats()["device_allocations"] == s["device_allocations"]
 
 
+def test_out_of_device_memory_gives_the_free_blocks_back_first(tmp_path):
+    """A larger batch than every free block, and the device says no (an injected failure of
+    the allocation): the cache frees all its free blocks and tries once more, so the batch comes
+    (only an allocation failing with nothing left to free is raised)."""
+    if pinmem.backend() != "host":
+        pytest.skip("injects a device allocation failure through the host backend's fault table")
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import numpy as np, pinmem
+        from test_loader_iterable import Varying
+        with pinmem.Loader(Varying(40, 4), batch_size=4, tensors=False) as p:
+            it = iter(p)
+            held = [next(it) for _ in range(3)]  # 3 blocks of 3 sizes (allocations 1-3)
+            del held  # 3 free blocks, none fits the next batch: the 4th allocation fails
+            x, y = next(it)
+            out = np.empty(x.shape, np.float32)
+            pinmem.copy(out, x).wait()
+            want = np.stack([np.arange(1200, dtype=np.float32) + i for i in range(12, 16)])
+            assert (out == want).all()
+            s = p.stats()
+            print(s["device_allocations"], s["device_blocks"])
+    """)
+    env = dict(os.environ, PINMEM_FAULT="device_alloc=4",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] +
+                                          [q for q in sys.path if q]))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"child failed:\n{r.stdout}\n{r.stderr}"
+    assert r.stdout.split() == ["4", "1"]  # the 4th try failed, the retry made the 4th block
+
+
 def device_totals():
     return pinmem._pinmem._device_cache_totals()
 
