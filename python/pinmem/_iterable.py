@@ -21,8 +21,19 @@ Each batch is described afresh from its first sample (_workers.describe), so bat
 in shape; the samples within one must match (as default_collate needs). With a device, each
 leaf is copied from its pinned buffer into device memory on the loader's pinmem stream; the
 device buffer records the copy, so a DLPack consumer's stream waits for it without blocking.
-A batch's memory goes back to the pool when its buffers go. A collate_fn's output for the device
-is staged as a map-style loader's is (_staging.py), as it is taken.
+A batch's pinned memory goes back to the pool when its copy is done and its buffers go. A
+collate_fn's output for the device is staged as a map-style loader's is (_staging.py), as it is
+taken.
+
+Device memory is reused, not allocated per batch (cuMemFree synchronizes the device): a batch
+takes one block of the loader's _DeviceCache (devcache.c) for all its leaves, and the block
+goes back to the cache's free list when the batch's last leaf goes (the user may hold a batch as
+long as they like). The rule that makes reuse safe: the dying batch records the block's release
+event on the stream its DLPack consumer named (or the loader's stream), and the next batch's
+copies into the block wait for that event on the loader's stream, so nothing overwrites a block
+before the copy into it and the kernels queued to read it are done; the host never waits. The
+cache holds no more blocks than batches were alive at once; close() and the loader's death free
+its free blocks.
 
 Epochs: each iter() is a new epoch. Without persistent_workers the workers are started for the
 epoch and stopped at its end (or when the next epoch starts); with them, a RESET carrying a new
@@ -622,6 +633,7 @@ class IterableLoader(_loader.Loader):
         self._gen = 0
         self._stream = None
         self._stager = None
+        self._blocks = None  # the device blocks of device batches (_pinmem._DeviceCache)
         self._batches = 0
         self._iteration_s = self._conversion_s = 0.0
         # The attributes torch's DataLoader users read, as given.
@@ -718,14 +730,13 @@ class IterableLoader(_loader.Loader):
     def _to_device_copy(self, bufs):
         if self._stream is None:
             self._stream = _pinmem.Stream()
-        out = []
-        for b in bufs:
-            d = _pinmem.device_empty(tuple(b.shape), b.dtype)
-            # The device buffer records the copy: DLPack consumers wait for it on their stream.
-            # The pinned source stays alive until the copy is done, then goes back to the pool.
-            _pinmem.copy(d, b, self._stream)
-            out.append(d)
-        return out
+        if self._blocks is None:  # (devcache.c: the reuse, its ordering and its bounds)
+            self._blocks = _pinmem._DeviceCache(self._stream)
+        # One block of the cache for the whole batch, its leaves at aligned offsets, copied into
+        # on the loader's stream after the block's last release. The leaves record the copies:
+        # DLPack consumers wait for them on their stream. The pinned sources stay alive until
+        # the copies are done, then go back to the pool.
+        return self._blocks.batch(bufs)
 
     # ---- the Loader interface ----
 
@@ -775,27 +786,41 @@ class IterableLoader(_loader.Loader):
     def stats(self):
         """batches (delivered since the loader was made), epochs (begun), iteration_seconds
         (time inside the iterators' __next__), workers ('process', or 'main' when the main
-        process iterates the dataset) and worker_pids."""
+        process iterates the dataset) and worker_pids. Device batches: device_allocations
+        (device blocks allocated: at most the batches alive at once, never one per batch),
+        device_reuses (batches that took a block back), device_blocks and device_bytes (device
+        memory the loader holds now, its batches' and its free blocks')."""
         if self._closed:
             _loader._closed()
+        d = self._blocks.stats() if self._blocks is not None else \
+            {"allocations": 0, "reuses": 0, "blocks": 0, "bytes": 0}
         return {"batches": self._batches, "epochs": self._epochs_begun,
                 "iteration_seconds": self._iteration_s,
                 "workers": "process" if self.num_workers else "main",
-                "worker_pids": self.worker_pids()}
+                "worker_pids": self.worker_pids(),
+                "device_allocations": d["allocations"], "device_reuses": d["reuses"],
+                "device_blocks": d["blocks"], "device_bytes": d["bytes"]}
 
     def close(self):
-        """Stop the worker processes (terminated if they do not go within 5 s). Batches still
-        alive keep their memory until they go. Closing twice is harmless."""
+        """Stop the worker processes (terminated if they do not go within 5 s) and free the
+        device blocks no batch holds. Batches still alive keep their memory until they go.
+        Closing twice is harmless."""
         self._closed = True
         self._epoch = _no_epoch
-        self._stop_workers()
-        self._stream = None
-        if getattr(self, "_stager", None) is not None:
-            self._stager.close()  # copies in flight done: their pinned blocks go back
+        try:
+            self._stop_workers()
+        finally:
+            blocks, self._blocks = self._blocks, None
+            self._stream = None
+            if blocks is not None:
+                blocks.close()
+            if getattr(self, "_stager", None) is not None:
+                self._stager.close()  # copies in flight done: their pinned blocks go back
 
     def __del__(self):
         try:
-            if getattr(self, "_pool", None) is not None:
+            if getattr(self, "_pool", None) is not None or \
+                    getattr(self, "_blocks", None) is not None:
                 self.close()
         except Exception:
             pass

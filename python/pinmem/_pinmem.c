@@ -33,6 +33,7 @@ PyMODINIT_FUNC PyInit__pinmem(void) {
       return NULL;
     }
   if (pmpy_init_exceptions(m) < 0 || pmpy_blocks_add_types(m) < 0 ||
+      pmpy_devcache_add(m) < 0 ||
       PyModule_AddType(m, &pmpy_StreamType) < 0 ||
       PyModule_AddType(m, &pmpy_BufferType) < 0 ||
       PyModule_AddType(m, &pmpy_PinnedBufferType) < 0 ||

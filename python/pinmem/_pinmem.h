@@ -34,6 +34,7 @@
  *   loader.c      _Loader and its batches (batch_layout.h describes their buffers)
  *   pool.c        the default pool, options, introspection
  *   blocks.c      the KV-cache block store's low level (_BlockStore, BlocksEvent)
+ *   devcache.c    _DeviceCache: device blocks reused across an iterable loader's batches
  *   _pinmem.c     the module: types, functions of each file, exceptions, constants
  */
 #ifndef PINMEM_PY_PINMEM_H
@@ -240,6 +241,11 @@ extern PyMethodDef pmpy_streams_functions[];
 
 /* Ready _BlockStore and BlocksEvent and add them to the module. */
 int pmpy_blocks_add_types(PyObject *m);
+
+/* ---- devcache.c -------------------------------------------------------------------------- */
+
+/* Ready _DeviceCache and add it and its functions to the module. */
+int pmpy_devcache_add(PyObject *m);
 
 #pragma GCC visibility pop
 

@@ -357,6 +357,243 @@ def test_pool_bytes_go_back(nw, device):
     assert pinmem.stats()["in_use_bytes"] == before
 
 
+# ---- device batches: blocks reused from batch to batch ---------------------------------------
+
+def device_loader(dataset, **kw):
+    """Device batches (the host backend simulates the device) beside torch's host batches."""
+    kw.setdefault("tensors", False)
+    return DataLoader(dataset, batch_size=kw["batch_size"], num_workers=kw.get("num_workers", 0)), \
+        pinmem.Loader(dataset, **kw)
+
+
+@pytest.mark.parametrize("nw", [1, 2])
+@pytest.mark.parametrize("tensors", [False, True])
+def test_device_batches_reuse_their_blocks(nw, tensors):
+    """50 device batches allocate device memory for the batches alive at once (the one the loop
+    holds and the one being made), not once per batch or per leaf, and every value is right."""
+    if tensors:
+        skip_unless_torch_reads_the_device()
+    t, p = device_loader(Stream(100), batch_size=2, num_workers=nw, tensors=tensors)
+    with p:
+        want = epoch(t)
+        assert epoch(p) == want
+        s = p.stats()
+        assert s["batches"] == 50
+        assert s["device_allocations"] <= 3, s
+        assert s["device_reuses"] >= 47 and s["device_reuses"] + s["device_allocations"] == 50
+        assert s["device_blocks"] <= 3 and s["device_bytes"] > 0
+        assert epoch(p) == want  # a second epoch takes the same blocks
+        assert p.stats()["device_allocations"] == s["device_allocations"]
+        assert p.stats()["device_blocks"] == s["device_blocks"]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_held_device_batches_stay_intact(nw):
+    """Batches held across many next() calls keep their own blocks (a held block is never
+    reused): each has its values when read at the end; once dropped, their blocks serve the next
+    epoch without new allocations."""
+    t, p = device_loader(Stream(100), batch_size=2, num_workers=nw)
+    with p:
+        held = list(p)
+        ptrs = {x.ptr for b in held for x in b}
+        assert len(ptrs) == 100  # every leaf of every held batch has its own memory
+        assert [plain(b) for b in held] == epoch(t)
+        assert p.stats()["device_allocations"] == 50
+        del held
+        gc.collect()
+        assert len(epoch(p)) == 50
+        s = p.stats()
+        assert s["device_allocations"] == 50 and s["device_reuses"] == 50
+        assert s["device_blocks"] <= 50
+
+
+class Varying(IterableDataset):
+    """Batches of varying shape: each worker's k-th batch holds samples of 300 * (1 + k % 5)
+    float32 (and int64 labels); n samples in all, so the last batches are short."""
+
+    def __init__(self, n, batch):
+        self.n, self.batch = n, batch
+
+    def __iter__(self):
+        info = get_worker_info()
+        ids = range(self.n) if info is None else range(info.id, self.n, info.num_workers)
+        for count, i in enumerate(ids):
+            k = count // self.batch
+            yield np.arange(300 * (1 + k % 5), dtype=np.float32) + i, i
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_device_batches_of_varying_shape(nw):
+    """Shapes that change from batch to batch and a short last batch: the right values, and the
+    cache settles on blocks that fit them all, never more blocks than batches alive at once."""
+    t, p = device_loader(Varying(83, 4), batch_size=4, num_workers=nw)
+    with p:
+        want = epoch(t)
+        assert len({len(b[0][0]) for b in want}) == 5 and len(want[-1][1]) < 4
+        assert epoch(p) == want
+        s = p.stats()
+        assert s["device_blocks"] <= 3, s
+        # Each growth of the largest batch (4 here, 5 sizes) replaces the free block at most
+        # once per block alive (2): 2 to start, 8 while growing, then none.
+        assert s["device_allocations"] <= 10, s
+        assert epoch(p) == want
+        assert p.stats()["device_allocations"] == s["device_allocations"]
+
+
+def test_out_of_device_memory_gives_the_free_blocks_back_first(tmp_path):
+    """A larger batch than every free block, and the device says no (an injected failure of
+    the allocation): the cache frees all its free blocks and tries once more, so the batch comes
+    (only an allocation failing with nothing left to free is raised)."""
+    if pinmem.backend() != "host":
+        pytest.skip("injects a device allocation failure through the host backend's fault table")
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import numpy as np, pinmem
+        from test_loader_iterable import Varying
+        with pinmem.Loader(Varying(40, 4), batch_size=4, tensors=False) as p:
+            it = iter(p)
+            held = [next(it) for _ in range(3)]  # 3 blocks of 3 sizes (allocations 1-3)
+            del held  # 3 free blocks, none fits the next batch: the 4th allocation fails
+            x, y = next(it)
+            out = np.empty(x.shape, np.float32)
+            pinmem.copy(out, x).wait()
+            want = np.stack([np.arange(1200, dtype=np.float32) + i for i in range(12, 16)])
+            assert (out == want).all()
+            s = p.stats()
+            print(s["device_allocations"], s["device_blocks"])
+    """)
+    env = dict(os.environ, PINMEM_FAULT="device_alloc=4",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] +
+                                          [q for q in sys.path if q]))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"child failed:\n{r.stdout}\n{r.stderr}"
+    assert r.stdout.split() == ["4", "1"]  # the 4th try failed, the retry made the 4th block
+
+
+def device_totals():
+    return pinmem._pinmem._device_cache_totals()
+
+
+@pytest.fixture
+def no_foreign_collection():
+    """The totals are the process's: no collection of another test's garbage mid-test."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_device_and_pinned_bytes_go_back(nw, no_foreign_collection):
+    """The cache holds what its batches hold; close() frees its free blocks, a batch held past
+    close() frees its own when it goes, and a loader dropped without close() frees them too:
+    pinned and device bytes come back to where they were."""
+    pinmem.synchronize()
+    gc.collect()
+    pinned, dev = pinmem.stats()["in_use_bytes"], device_totals()
+    p = pinmem.Loader(Stream(20), batch_size=2, num_workers=nw, tensors=False)
+    held = [b for k, b in enumerate(p) if k < 3]  # three held, the rest dropped at once
+    assert device_totals()["blocks"] - dev["blocks"] == p.stats()["device_blocks"] >= 3
+    p.close()
+    assert device_totals()["blocks"] - dev["blocks"] == 3  # only the held batches' blocks
+    assert [host(b[1]).tolist() for b in held] == \
+        [b[1].tolist() for k, b in enumerate(DataLoader(Stream(20), batch_size=2,
+                                                         num_workers=nw)) if k < 3]
+    del held
+    gc.collect()
+    pinmem.synchronize()
+    assert device_totals() == dev
+    assert pinmem.stats()["in_use_bytes"] == pinned
+
+    p = pinmem.Loader(Stream(20), batch_size=2, num_workers=nw, tensors=False)
+    it = iter(p)
+    kept = next(it)
+    next(it)
+    assert device_totals()["blocks"] > dev["blocks"]
+    del p, it  # dropped without close(): the free blocks go now, the held one with its batch
+    gc.collect()
+    assert device_totals()["blocks"] - dev["blocks"] == 1
+    del kept
+    gc.collect()
+    pinmem.synchronize()
+    assert device_totals() == dev
+    assert pinmem.stats()["in_use_bytes"] == pinned
+
+
+def test_a_block_is_not_reused_while_a_copy_reads_it():
+    """A copy out of a device batch still queued (held back by a gate on its stream) holds the
+    batch's block: the batches after it take other blocks, and the copy reads the batch's own
+    values once it runs. After it, the block serves again."""
+    from conftest import Gate
+    p = pinmem.Loader(Stream(40), batch_size=2, tensors=False)
+    with p, pinmem.Stream() as side:
+        it = iter(p)
+        x0, y0 = next(it)
+        first = x0.ptr
+        out = pinmem.empty(tuple(x0.shape), "float32")
+        with Gate(side) as gate:
+            c = pinmem.copy(out, x0, side)
+            del x0, y0  # the batch is dropped; its block is still read by the copy
+            for _ in range(6):
+                x, y = next(it)
+                assert x.ptr != first and y.ptr != first
+                del x, y
+            assert not c.done()
+            gate.open()
+            c.wait()
+        np.testing.assert_array_equal(np.asarray(out), [[0, 0.5], [1, 1.5]])
+        del c
+        blocks = p.stats()["device_blocks"]
+        reused = False
+        for x, y in it:
+            reused |= x.ptr == first
+            del x, y
+        assert reused and p.stats()["device_blocks"] == blocks == 2  # the copy's and one more
+
+
+def test_reuse_waits_for_the_consumers_kernels_on_cuda():
+    """GPU: the batches are read by kernels queued late on a side stream (after a sleep kernel)
+    and dropped at once; the host runs ahead and later batches take the same blocks, but their
+    copies wait for the side stream's reads, so every sum is its own batch's."""
+    from conftest import skip_unless_torch_cuda
+    skip_unless_torch_cuda()
+    side = torch.cuda.Stream()
+    sums = []
+    with pinmem.Loader(Stream(64), batch_size=2) as p, torch.cuda.stream(side):
+        for x, y in p:  # as_torch(): torch.from_dlpack names the current stream, `side`
+            torch.cuda._sleep(1_000_000)  # the reads below run well after the host moved on
+            sums.append(x.sum() + y.sum())
+            del x, y
+        allocations = p.stats()["device_allocations"]
+    torch.cuda.synchronize()
+    want = [float((8 * k + 3) + (4 * k + 1)) for k in range(32)]  # x: 2i + 0.5 each; y: i
+    assert [float(s) for s in sums] == want
+    assert allocations <= 3
+
+
+def test_device_cache_refuses_what_it_cannot_copy():
+    with pinmem.Stream() as s:
+        cache = pinmem._pinmem._DeviceCache(s)
+        with pytest.raises(TypeError, match="PinnedBuffer"):
+            cache.batch([np.zeros(3)])
+        with pytest.raises(TypeError):
+            pinmem._pinmem._DeviceCache(None)
+        src = pinmem.empty((4,), "int32")
+        np.asarray(src)[:] = [5, 6, 7, 8]
+        (d,) = cache.batch([src])
+        assert isinstance(d, pinmem.DeviceBuffer) and d.shape == (4,)
+        assert host(d).tolist() == [5, 6, 7, 8]
+        cache.close()
+        with pytest.raises(pinmem.StateError, match="freed"):
+            cache.batch([src])
+        assert cache.stats()["blocks"] == 1  # d's, freed when d goes
+        del d
+        assert cache.stats()["blocks"] == 0 and cache.stats()["frees"] == 1
+
+
 def test_refusals_name_the_argument():
     ds = Stream()
     for kw, word in ((dict(shuffle=True), "shuffle"),
