@@ -108,17 +108,21 @@ static void settle(worker_t *w) {
  * detail; otherwise it is counted as unexpected with its text. */
 static void failure(worker_t *w, int op, pm_status_t st) {
   w->failed[op]++;
+  /* The detail is the failed call's: taken before settle(), whose own calls (a stream that a
+   * fault left failed, then fresh allocations) set or clear this thread's last error. */
+  char detail[sizeof w->first_unexpected];
+  snprintf(detail, sizeof detail, "%s", pm_last_error());
   if (op != OP_ALLOC && op != OP_FREE && op != OP_TRIM && op != OP_PRIVATE_POOL) settle(w);
   if (st == PM_ERR_BUDGET) {
     w->budget_refusals++;
     return;
   }
-  bool ok = g_faults && pm_last_error()[0] && st != PM_ERR_INVALID && st != PM_ERR_INTERNAL &&
+  bool ok = g_faults && detail[0] && st != PM_ERR_INVALID && st != PM_ERR_INTERNAL &&
             st != PM_ERR_NOT_FOUND && st != PM_ERR_DOUBLE_FREE && st != PM_ERR_WRONG_KIND;
   if (ok) return;
   if (!w->unexpected++)
-    snprintf(w->first_unexpected, sizeof w->first_unexpected, "%s: %s: %s", op_names[op],
-             pm_status_name(st), pm_last_error());
+    snprintf(w->first_unexpected, sizeof w->first_unexpected, "%s: %s: %.200s", op_names[op],
+             pm_status_name(st), detail);
 }
 
 static void wrong(worker_t *w, const char *what) {
