@@ -702,6 +702,33 @@ def _dense_for(target, dtype, req):
             and tuple(target.shape) == tuple(req.lengths))
 
 
+def _predict(planner, req, info):
+    """_parse's answer for the archive of req's item as the checkpoint's metadata predicts it
+    (torch.save's archive of a contiguous tensor of the stored chunk's dtype and shape: what
+    both writers write), or None when the metadata does not say or the item's length does not
+    match the prediction. _read_file checks the prediction against the head it reads."""
+    try:
+        idx = req.storage_index
+        md = planner.metadata.state_dict_metadata[idx.fqn]
+        chunk = next(c for c in md.chunks if tuple(c.offsets) == tuple(idx.offset))
+        dtype = md.properties.dtype
+        size = tuple(chunk.sizes)
+    except (KeyError, AttributeError, StopIteration, TypeError):
+        return None
+    stride = _contiguous_strides(size)
+    numel = 1
+    for d in size:
+        numel *= d
+    itemsize = _torch.empty((), dtype=dtype).element_size()
+    try:
+        a = _archive(dtype, size, stride, numel * itemsize)
+    except (ValueError, RuntimeError, StopIteration):
+        return None
+    if a.start + numel * itemsize + len(a.tail) != info.length or a.start > 4096:
+        return None
+    return dtype, size, stride, 0, info.offset + a.start, numel, itemsize
+
+
 def _wanted(reqs, planner):
     """The share of the bytes of reqs' items (archives) that the load needs: below one half
     (a rank that loads part of each stored tensor), the items are read one by one."""
@@ -749,6 +776,10 @@ class FileSystemReader(_fs.FileSystemReader):
     # here against 1.95-1.97 O_DIRECT (2 ranks, 64 MiB spans).
     SPAN = 128 << 20
     FULL = 64 << 20
+    # _read_file: holes between the pieces a load needs (archive tails, the zeros before the
+    # next 4 KiB-aligned archive) of up to this many bytes are read too, so that the file is one
+    # stream for pinmem.read_ranges
+    HOLE = 64 << 10
 
     def __init__(self, path, _extension_registry=None, *, io="auto"):
         super().__init__(path, _extension_registry=_extension_registry)
@@ -783,7 +814,7 @@ class FileSystemReader(_fs.FileSystemReader):
             fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
             try:
                 if _wanted(reqs, planner) >= WANTED:
-                    self._read_spans(fd, path, reqs, planner, phases)
+                    self._read_file(fd, path, reqs, planner, phases)
                 else:  # a small part of each item (resharding): item by item, what is needed
                     t0 = _time.perf_counter()
                     for req, info in reqs:
@@ -800,6 +831,81 @@ class FileSystemReader(_fs.FileSystemReader):
             planner.load_bytes(req, _io.BytesIO(_pread(fd, info.length, info.offset, path)))
         else:
             self._read_tensor(fd, path, req, info, planner)
+
+    def _read_file(self, fd, path, reqs, planner, phases):
+        """The file's items in one pinmem.read_ranges call: a tensor whose stored layout the
+        metadata predicts (torch.save's archive for its dtype and shape) and whose needed bytes
+        are one range that is its destination's bytes is read straight into the destination,
+        its archive's head into a pinned scratch beside it; every other item (BYTE_IO, a layout
+        not predicted, a destination of another dtype or layout) whole into the scratch, and the
+        holes between the pieces, up to HOLE bytes each, too, so the file is read as one stream.
+        Afterwards each head is parsed: a tensor whose archive is not the predicted one is read
+        again on its own (_read_item). A scratch larger than SPAN: the span reader instead."""
+        t0 = _time.perf_counter()
+        pieces = []  # (file offset, bytes, destination tensor or None, place in the scratch)
+        done = []    # (req, info, kind, detail) in file order
+        scratch = 0
+        end = 0
+
+        def take(n):  # a place in the scratch, 64-byte aligned as torch's archives are
+            nonlocal scratch
+            at = -(-scratch // 64) * 64
+            scratch = at + n
+            return at
+
+        for req, info in reqs:
+            if info.offset < end:  # items that overlap: not a file this writes
+                return self._read_spans(fd, path, reqs, planner, phases)
+            end = info.offset + info.length
+            guess = None if req.type == _LoadItemType.BYTE_IO else _predict(planner, req, info)
+            target = one = None
+            if guess is not None:
+                target = planner.resolve_tensor(req).detach()
+                one = _one_range(guess, req)
+                if one is not None and (not one[1] or not _dense_for(target, guess[0], req)):
+                    one = None
+            if one is None:
+                at = take(info.length)
+                pieces.append((info.offset, info.length, None, at))
+                done.append((req, info, "whole", at))
+                continue
+            data_at = guess[4]
+            at = take(data_at - info.offset)
+            pieces.append((info.offset, data_at - info.offset, None, at))
+            done.append((req, info, "direct", (at, guess, target)))
+            first, n = one
+            pieces.append((data_at + first, n, target.reshape(-1).view(_torch.uint8), None))
+        # holes of up to HOLE bytes read too (into the scratch): one stream
+        ranges, at = [], None
+        for off, n, dst, s_at in pieces:
+            if at is not None and 0 < off - at <= self.HOLE:
+                ranges.append((at, off - at, None, take(off - at)))
+            ranges.append((off, n, dst, s_at))
+            at = off + n
+        if scratch > self.SPAN:
+            return self._read_spans(fd, path, reqs, planner, phases)
+        buf = self._host(scratch)
+        plan = [(off, buf[s_at:s_at + n] if dst is None else dst)
+                for off, n, dst, s_at in ranges if n]
+        devs = {d.device for _, d in plan if d.device.type == "cuda"}
+        stream = _torch.cuda.current_stream(devs.pop()) if len(devs) == 1 else None
+        t1 = _time.perf_counter()
+        phases["plan"] = phases.get("plan", 0.0) + t1 - t0
+        _pm.read_ranges(path, plan, io=self.io, stream=stream)
+        t0 = _time.perf_counter()
+        phases["wait_disk"] = phases.get("wait_disk", 0.0) + t0 - t1
+        for req, info, kind, detail in done:
+            if kind == "whole":
+                self._from_span(path, buf[detail:detail + info.length], info.offset, req, info,
+                                planner)
+                continue
+            at, guess, target = detail
+            head = buf[at:at + min(guess[4] - info.offset, 4096)].numpy().tobytes()
+            if _parse_head(head, info.offset, info.length) != guess:
+                self._read_item(fd, path, req, info, planner)  # not the predicted archive
+            else:
+                planner.commit_tensor(req, target)
+        phases["copy"] = phases.get("copy", 0.0) + _time.perf_counter() - t0
 
     def _read_spans(self, fd, path, reqs, planner, phases):
         """The file's items in spans of FULL to SPAN bytes, each read with one pinmem call into
@@ -870,7 +976,7 @@ class FileSystemReader(_fs.FileSystemReader):
                 planner.commit_tensor(req, target)
                 return
             src = buf[rel:rel + numel * itemsize]
-            if rel % itemsize:  # torch's writer places archives at any byte of the file
+            if src.storage_offset() % itemsize:  # torch's writer places archives at any byte
                 src = src.clone()
             t = src.view(dtype)
             t = t.as_strided(size, stride, t.storage_offset() + soff)

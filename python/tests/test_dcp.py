@@ -443,6 +443,64 @@ def test_stager_snapshot_and_reuse():
     st.close()
 
 
+def test_reader_one_call_per_file(tmp_path, monkeypatch):
+    """A file the load needs whole is read with one pinmem.read_ranges call, tensors straight
+    into their destinations (the archive's head beside, checked afterwards), from pinmem's
+    files and from torch's (archives at any byte). An archive other than the predicted one
+    (here: a prediction made wrong on purpose) is read again on its own: the values stay
+    right."""
+    import pinmem
+    import pinmem.dcp
+    sd = _plain_sd()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "p"), no_dist=True)
+    calls, items = [], []
+    real_ranges, real_item = pinmem.read_ranges, pinmem.dcp.FileSystemReader._read_item
+
+    def ranges(path, plan, **kw):
+        calls.append([(off, d.data_ptr()) for off, d in plan])
+        return real_ranges(path, plan, **kw)
+
+    def item(self, fd, path, req, info, planner):
+        items.append(req.storage_index.fqn)
+        return real_item(self, fd, path, req, info, planner)
+
+    monkeypatch.setattr(pinmem, "read_ranges", ranges)
+    monkeypatch.setattr(pinmem.dcp.FileSystemReader, "_read_item", item)
+    for src in ("t", "p"):
+        calls.clear()
+        items.clear()
+        got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+               for k, v in sd.items()}
+        dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path / src), no_dist=True)
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k], v), f"{src}: {k}"
+        assert got["n"] == {"k": 0}
+        assert len(calls) == 1 and items == [], (src, len(calls), items)
+        # the contiguous tensors of 1 MiB and more went straight into their destinations
+        ptrs = {p for _, p in calls[0]}
+        for k in ("a", "b", "c", "bo", "i"):
+            assert got[k].data_ptr() in ptrs, f"{src}: {k} not read in place"
+    real_predict = pinmem.dcp._predict
+
+    def wrong(planner, req, info):
+        g = real_predict(planner, req, info)
+        if g is None or req.storage_index.fqn != "b":
+            return g
+        return g[:4] + (g[4] + 64,) + g[5:]
+
+    monkeypatch.setattr(pinmem.dcp, "_predict", wrong)
+    items.clear()
+    got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+           for k, v in sd.items()}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path / "p"), no_dist=True)
+    assert items == ["b"]
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v), k
+
+
 def test_chunks_spans_and_pinned_sources(tmp_path, monkeypatch):
     """The writer's chunks filled and recycled mid-tensor (chunks far smaller than the
     tensors), and a save from a pinned snapshot (written from its memory, the last partial 4 KiB
