@@ -443,6 +443,45 @@ def test_stager_snapshot_and_reuse():
     st.close()
 
 
+def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
+    """Pinned tensors gathered into pinmem.write_ranges calls (several: a small GROUP), pageable
+    ones between them through the chunks again (the chunks then start off the 4 KiB grid), small
+    tensors and BYTE_IO items in between: byte for byte torch's archives, and loadable."""
+    import pinmem
+    import pinmem.dcp
+    sd = _plain_sd()
+    pinned = {}
+    for k in ("a", "c", "b"):  # in pinned memory, as a snapshot's
+        v = sd[k]
+        buf = torch.from_dlpack(pinmem.empty(v.numel() * v.element_size(), "uint8"))
+        pinned[k] = buf.view(v.dtype).view(v.shape)
+        pinned[k].copy_(v)
+    mixed = dict(sd, **pinned)
+    calls = []
+    real = pinmem.write_ranges
+
+    def spy(path, ranges, **kw):
+        calls.append(len(ranges))
+        return real(path, ranges, **kw)
+
+    monkeypatch.setattr(pinmem, "write_ranges", spy)
+    monkeypatch.setattr(pinmem.dcp._FileOut, "GROUP", 1 << 20)
+    monkeypatch.setattr(pinmem.dcp._FileOut, "CHUNK", 5 * 4096)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+    dcp.save(mixed, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "m"), no_dist=True)
+    assert len(calls) >= 3, calls  # one per pinned tensor at least (GROUP 1 MiB)
+    theirs, mine = _items(tmp_path / "t"), _items(tmp_path / "m")
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        assert mine[k] == theirs[k], f"item {k} differs from torch's"
+    got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+           for k, v in sd.items()}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path / "m"), no_dist=True)
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v), k
+
+
 def test_reader_one_call_per_file(tmp_path, monkeypatch):
     """A file the load needs whole is read with one pinmem.read_ranges call, tensors straight
     into their destinations (the archive's head beside, checked afterwards), from pinmem's
