@@ -1,22 +1,32 @@
 /*
  * DESIGN: file ranges read into, and written from, device or host memory (pm_file_read_async,
- * pm_file_write_async), on the copy engine's pieces: bounce slots are pool blocks (the pool's
- * budget holds), DMAs are the backend's memcpy_async with one event per slot, threads come
- * from pm__parallel_for and completion is a copy fence (fence.c).
+ * pm_file_write_async, and lists of ranges: pm_file_readv_async, pm_file_writev_async), on the
+ * copy engine's pieces: bounce slots are pool blocks (the pool's budget holds), DMAs are the
+ * backend's memcpy_async with one event per slot, threads come from pm__parallel_for and
+ * completion is a copy fence (fence.c).
  *
- * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes (options
+ * Every call moves a list of ranges (the one-range calls a list of one): sorted by file offset
+ * (frange_t; ranges of 0 bytes left out, overlaps refused), then grouped into segments, runs of
+ * ranges back to back in the file (fseg_t), each a stream of units numbered after the previous
+ * segment's. A unit inside one range of host memory that O_DIRECT reaches in place moves in
+ * place; any other unit (device memory, host memory not aligned as the file is, a unit holding
+ * bytes of two ranges) goes through a slot, read once and split into its ranges' memory, or
+ * gathered from them and written once (pieces()).
+ *
+ * A segment [start, end) is cut into units on a grid of `chunk` bytes (options
  * file_chunk, 2 MiB, for reads through the page cache; file_direct_chunk, 1 MiB, for reads
- * through O_DIRECT; file_write_chunk, 1 MiB, for writes) that starts at offset
+ * through O_DIRECT; file_write_chunk, 1 MiB, for writes) that starts at its start
  * rounded down to 4 KiB, so every unit but the first starts 4 KiB-aligned and every unit but
- * the last ends so. Threads (option file_threads, else copy_threads) claim units from an atomic
- * counter in ascending order. A write past the end of the file reserves its range first
- * (reserve()): a full disk is an error before a byte is written, and the threads' direct writes
- * do not wait for each other. An io=auto read that would go direct marks its range first
- * (reader_mark()), so that processes reading the same bytes at the same moment read them
- * through the page cache, which they share.
+ * the last ends so. Threads (option file_threads, else copy_threads) claim the call's units
+ * from an atomic counter in ascending order. A write past the end of the file reserves the span
+ * of its ranges first (reserve()): a full disk is an error before a byte is written, and the
+ * threads' direct writes do not wait for each other. A list read checks the file's size first:
+ * a truncated file is an error before a byte is read. An io=auto read that would go direct
+ * marks its span first (reader_mark()), so that processes reading the same bytes at the same
+ * moment read them through the page cache, which they share.
  *
- * Ring (device memory; host memory that O_DIRECT cannot reach in place): unit i uses slot
- * i % slots in turn (option file_slots, else threads + 2, and for reads through the page cache
+ * Ring (any unit that does not move in place; a unit that does still takes its slot's turn and
+ * passes it on at once): unit i uses slot i % slots in turn (option file_slots, else threads + 2, and for reads through the page cache
  * up to two a thread while they hold at most 96 MiB: pm__file_slots), as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
  * earlier by a running thread: no deadlock. Inside a slot the unit's bytes sit at the same
  * offset modulo 4 KiB as in the file, so the aligned middle can go through O_DIRECT. Read:
@@ -25,7 +35,7 @@
  * the slot is full and reads bytes still in the CPU cache); the call returns once every read is done and every DMA queued; the fence's event
  * follows the last DMA. Write: queue the D2H DMA (behind the stream's earlier work), wait for
  * its event, pwrite the slot; the call returns once everything is in the file.
- * Straight (host memory): after a stream synchronize (the stream's earlier work may still use
+ * In place (host memory): after a stream synchronize (the stream's earlier work may still use
  * the memory), threads pread / pwrite the units in place; the call returns with the bytes
  * moved and a completed fence.
  *
@@ -34,8 +44,8 @@
  * caller's fd and the middle the O_DIRECT fd (a second open of /proc/self/fd/N, so the caller's
  * fd, its offset and flags, never change). A filesystem that refuses O_DIRECT (EINVAL at the
  * open or at a transfer) turns the call buffered, with a note (pm__file_note).
- * Writes through O_DIRECT keep the range's unaligned head and tail (at most 4 KiB each, only in
- * the first and last unit) and write them buffered after every direct middle, so the page the
+ * Writes through O_DIRECT keep each segment's unaligned head and tail (at most 4 KiB each, only
+ * in its first and last unit) and write them buffered after every direct middle, so the page the
  * kernel merges an edge into already holds the middle's new bytes (see write_edges).
  * io=auto, for ranges of at least FILE_AUTO_MIN (64 MiB; smaller ones are buffered): writes go
  * direct (a checkpoint written once should not evict the page cache, and the disk is fastest
@@ -1019,7 +1029,7 @@ static pm_status_t reserve(fio_t *c) {
                        injected ? " (injected fault: PINMEM_FAULT or pm__fault_set)" : "");
 }
 
-/* Move the whole range (ring or straight). */
+/* Move every range (in place and through the ring). */
 static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
   int threads = threads_for(o);
   int tasks = (int)PM__MIN((size_t)threads, c->nunits);
