@@ -273,10 +273,10 @@ class _FileOut:
     of their own) and written GROUP bytes at a time, each with one pinmem.write_ranges call, one
     call after the other: one stream, the tensors' 4 KiB-aligned middles written from their own
     memory, only the units that hold the end of one piece and the start of the next gathered
-    into pinmem's slots. Written one pinmem call per tensor instead, 2 ranks' files of 5.3 MiB tensors went
-    to this machine's disk at 2.24-2.50 GB/s from a pinned snapshot (each tensor's data, then
-    the few KiB between it and the next, apart), through the chunks at 2.56-2.71, the disk's
-    own rate (16 MiB chunks, 4 buffers, 2 writers: 2.65-2.68)."""
+    into pinmem's slots. Written one pinmem call per tensor instead, 2 ranks' files of 5.3 MiB
+    tensors went to this machine's disk at 2.24-2.50 GB/s from a pinned snapshot (each tensor's
+    data, then the few KiB between it and the next, apart), through the chunks at 2.56-2.71, the
+    disk's own rate (16 MiB chunks, 4 buffers, 2 writers: 2.65-2.68)."""
 
     CHUNK = 16 << 20
     BUFFERS = 4
