@@ -935,6 +935,7 @@ static void test_ranges(void) {
     buf_t b[NR];
     pm_file_range_t r[NR];
     ranges_make(b, r, (uint64_t)ii);
+    for (int i = 0; i < NR; i++) buf_fill(&b[i], 40 + (uint64_t)i); /* the write's sources */
     pm_file_options_t o;
     opts(&o, ios[ii], 65536);
     pm__fault_reset();
