@@ -32,19 +32,21 @@ mid-write, leaves the previous checkpoint in that folder as it was and loadable,
 
 Reading. Every file a rank needs is checked against the ranges the metadata gives before any
 tensor is touched (a truncated or missing file raises, naming the file, with the destination
-state dict as it was). A file of which the load needs half the items' bytes or more is read with
-one pinmem.read_ranges call: each tensor whose archive layout the metadata predicts (torch.save's
-archive of the stored chunk's dtype and shape) and whose needed bytes are one range that is its
-destination's bytes (no resharding, or a cut along the first dimension) is read straight into
-its destination (device memory through pinmem's pinned ring), the archive's head into a pinned
-scratch beside it and checked afterwards (another layout: that item is read again on its own);
-other items whole into the scratch and copied from there; the small holes between the pieces
-too, so that the file is one stream. A scratch of more than 128 MiB (many items that need a
-copy): spans of 64 to 128 MiB instead, each with one pinmem.read_file call into one of two
-pinned buffers. The items of a file the load needs little of (resharding) are read one by one:
-a tensor's archive is parsed (local headers, pickle) without torch.load, the bytes needed read
-straight into the destination where they are one range of it, else the stored tensor is read
-into pinned memory and copied. An archive this code does not know is loaded by torch.load.
+state dict as it was). Each file is read with one pinmem.read_ranges call: each tensor whose
+archive layout the metadata predicts (torch.save's archive of a contiguous tensor of the stored
+chunk's dtype and shape) and whose needed bytes are one range that is its destination's bytes
+(no resharding, or a cut along the first dimension) is read straight into its destination
+(device memory through pinmem's pinned ring), the archive's head into a pinned scratch beside it
+and checked afterwards (another layout: that item is read again on its own); another predicted
+tensor (resharding along other dimensions, a destination of another dtype or layout) has the
+bytes from its first needed element to its last read into the scratch and copied from there;
+other items whole into the scratch; the small holes between the pieces too, so that the file is
+one stream. Where the scratch would pass 128 MiB: a file of which the load needs half the items'
+bytes or more in spans of 64 to 128 MiB, each with one pinmem.read_file call into one of two
+pinned buffers; other files item by item: a tensor's archive is parsed (local headers, pickle)
+without torch.load, the bytes needed read straight into the destination where they are one range
+of it, else the stored tensor is read into pinned memory and copied. An archive this code does
+not know is loaded by torch.load.
 
 Staging for dcp.async_save (PinnedStager; also FileSystemWriter.stage). The state dict's
 tensors are copied into one pinned buffer from pinmem's pool (the exact sum of their 4
@@ -743,6 +745,23 @@ def _one_range(meta, req):
     return (soff + offs[0] * row) * itemsize, lens[0] * row * itemsize
 
 
+def _first_element(meta, req):
+    """The storage index of the first element req needs."""
+    stride, soff = meta[2], meta[3]
+    return soff + sum(o * st for o, st in zip(req.storage_offsets, stride))
+
+
+def _bounds(meta, req):
+    """[lo, hi): the bytes from the storage's first byte that hold every element req needs
+    (from its first needed element to its last)."""
+    itemsize, stride = meta[6], meta[2]
+    first = _first_element(meta, req)
+    if any(n == 0 for n in req.lengths):
+        return first * itemsize, first * itemsize
+    last = first + sum((n - 1) * st for n, st in zip(req.lengths, stride))
+    return first * itemsize, (last + 1) * itemsize
+
+
 def _dense_for(target, dtype, req):
     """Whether req's bytes, as stored, are target's bytes."""
     return (target.dtype == dtype and target.is_contiguous()
@@ -860,8 +879,10 @@ class FileSystemReader(_fs.FileSystemReader):
             reqs = sorted(reqs, key=lambda r: r[1].offset)
             fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
             try:
-                if _wanted(reqs, planner) >= WANTED:
-                    self._read_file(fd, path, reqs, planner, phases)
+                if self._read_file(fd, path, reqs, planner, phases):
+                    pass
+                elif _wanted(reqs, planner) >= WANTED:
+                    self._read_spans(fd, path, reqs, planner, phases)
                 else:  # a small part of each item (resharding): item by item, what is needed
                     t0 = _time.perf_counter()
                     for req, info in reqs:
@@ -880,14 +901,17 @@ class FileSystemReader(_fs.FileSystemReader):
             self._read_tensor(fd, path, req, info, planner)
 
     def _read_file(self, fd, path, reqs, planner, phases):
-        """The file's items in one pinmem.read_ranges call: a tensor whose stored layout the
-        metadata predicts (torch.save's archive for its dtype and shape) and whose needed bytes
-        are one range that is its destination's bytes is read straight into the destination,
-        its archive's head into a pinned scratch beside it; every other item (BYTE_IO, a layout
-        not predicted, a destination of another dtype or layout) whole into the scratch, and the
-        holes between the pieces, up to HOLE bytes each, too, so the file is read as one stream.
-        Afterwards each head is parsed: a tensor whose archive is not the predicted one is read
-        again on its own (_read_item). A scratch larger than SPAN: the span reader instead."""
+        """The items reqs needs of one file in one pinmem.read_ranges call; False (nothing read)
+        where the scratch it needs would pass SPAN or the items overlap. A tensor whose stored
+        layout the metadata predicts (torch.save's archive for its dtype and shape) and whose
+        needed bytes are one range that is its destination's bytes is read straight into the
+        destination, its archive's head into a pinned scratch beside it; another predicted
+        tensor (resharding, a destination of another dtype or layout) its head and the bytes
+        from its first needed element to its last into the scratch, then copied; every other
+        item (BYTE_IO, a layout not predicted) whole into the scratch. The holes between the
+        pieces, up to HOLE bytes each, are read too, so the file is one stream. Afterwards each
+        head is parsed: a tensor whose archive is not the predicted one is read again on its own
+        (_read_item)."""
         t0 = _time.perf_counter()
         pieces = []  # (file offset, bytes, destination tensor or None, place in the scratch)
         done = []    # (req, info, kind, detail) in file order
@@ -902,7 +926,7 @@ class FileSystemReader(_fs.FileSystemReader):
 
         for req, info in reqs:
             if info.offset < end:  # items that overlap: not a file this writes
-                return self._read_spans(fd, path, reqs, planner, phases)
+                return False
             end = info.offset + info.length
             guess = None if req.type == _LoadItemType.BYTE_IO else _predict(planner, req, info)
             target = one = None
@@ -911,12 +935,21 @@ class FileSystemReader(_fs.FileSystemReader):
                 one = _one_range(guess, req)
                 if one is not None and (not one[1] or not _dense_for(target, guess[0], req)):
                     one = None
-            if one is None:
+            if guess is None:
                 at = take(info.length)
                 pieces.append((info.offset, info.length, None, at))
                 done.append((req, info, "whole", at))
                 continue
             data_at = guess[4]
+            if one is None:  # the bytes from the first needed element to the last
+                lo, hi = _bounds(guess, req)
+                at = take(data_at - info.offset)
+                pieces.append((info.offset, data_at - info.offset, None, at))
+                part = take(hi - lo)
+                if hi > lo:
+                    pieces.append((data_at + lo, hi - lo, None, part))
+                done.append((req, info, "part", (at, guess, target, part, hi - lo)))
+                continue
             at = take(data_at - info.offset)
             pieces.append((info.offset, data_at - info.offset, None, at))
             done.append((req, info, "direct", (at, guess, target)))
@@ -930,7 +963,7 @@ class FileSystemReader(_fs.FileSystemReader):
             ranges.append((off, n, dst, s_at))
             at = off + n
         if scratch > self.SPAN:
-            return self._read_spans(fd, path, reqs, planner, phases)
+            return False
         buf = self._host(scratch)
         plan = [(off, buf[s_at:s_at + n] if dst is None else dst)
                 for off, n, dst, s_at in ranges if n]
@@ -946,13 +979,25 @@ class FileSystemReader(_fs.FileSystemReader):
                 self._from_span(path, buf[detail:detail + info.length], info.offset, req, info,
                                 planner)
                 continue
-            at, guess, target = detail
+            at, guess, target = detail[:3]
             head = buf[at:at + min(guess[4] - info.offset, 4096)].numpy().tobytes()
             if _parse_head(head, info.offset, info.length) != guess:
                 self._read_item(fd, path, req, info, planner)  # not the predicted archive
-            else:
-                planner.commit_tensor(req, target)
+                continue
+            if kind == "part":
+                part, n = detail[3:]
+                dtype, stride = guess[0], guess[2]
+                # the first needed element at the piece's first byte
+                src = buf[part:part + n].view(dtype)
+                t = src.as_strided(tuple(req.lengths), stride, src.storage_offset())
+                if target.size() != t.size():
+                    raise ValueError(f"pinmem.dcp: {path!r}: item {req.storage_index} has shape "
+                                     f"{tuple(t.size())}, its destination "
+                                     f"{tuple(target.size())}")
+                target.copy_(t)
+            planner.commit_tensor(req, target)
         phases["copy"] = phases.get("copy", 0.0) + _time.perf_counter() - t0
+        return True
 
     def _read_spans(self, fd, path, reqs, planner, phases):
         """The file's items in spans of FULL to SPAN bytes, each read with one pinmem call into

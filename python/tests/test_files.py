@@ -412,7 +412,8 @@ def test_ranges_refused_before_anything_moves(tmp_path, rng, no_fd_leak):
     assert (a == 9).all() and not dev_bytes().any()  # nothing was read
     with pytest.raises(pinmem.InvalidError, match=r"ranges\[1\] must be a tuple"):
         pinmem.read_ranges(path, [(0, a[:10]), a])
-    with pytest.raises(pinmem.InvalidError, match=r"ranges\[0\]: nbytes=20 but its dst has only 10"):
+    with pytest.raises(pinmem.InvalidError,
+                       match=r"ranges\[0\]: nbytes=20 but its dst has only 10"):
         pinmem.read_ranges(path, [(0, a[:10], 20)])
     with pytest.raises(pinmem.InvalidError, match=r"ranges\[0\].*offset"):
         pinmem.read_ranges(path, [(-1, a[:10])])
