@@ -290,6 +290,9 @@ class _FileOut:
     # one at a time, against 1.33-2.31 for the disk's own stream over the same minutes (load
     # average 4-7 from other work).
     GROUP = 128 << 20
+    # I/O threads of one gathered write: as many requests in flight as the chunks' WRITERS calls
+    # keep with pinmem's default threads a call (copy_threads: min(12, usable CPUs))
+    GATHER_THREADS = WRITERS * min(12, len(_os.sched_getaffinity(0)))
 
     def __init__(self, path, name, io, crc, phases):
         self.path, self.name, self.crc, self.phases = path, name, crc, phases
@@ -429,7 +432,8 @@ class _FileOut:
         gathered writes, behind the earlier ones."""
         if self.group:
             self.jobs.append((self.gather.submit(_pm.write_ranges, self.path, self.group,
-                                                 io=self.io), None))
+                                                 io=self.io, threads=self.GATHER_THREADS),
+                              None))
         self.group, self.group_bytes, self.small = [], 0, None
 
     def add_bytes(self, item, data):

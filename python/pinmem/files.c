@@ -168,13 +168,16 @@ static PyObject *py_file_write(PyObject *mod, PyObject *args) {
  * waits for its DMAs before the holders let go: the list's objects are many, a Completion holds
  * two, so these calls return once every byte is in place. */
 static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, PyObject *stream_obj,
-                                    PyObject *io_obj, int fsync) {
+                                    PyObject *io_obj, int fsync, int threads) {
   const char *fn = write ? "write_ranges" : "read_ranges";
   pmpy_pending_sweep(0);
   if (fd < 0) return pmpy_raise_fmt(PM_ERR_INVALID, "%s: fd %d is not a file descriptor", fn, fd);
   pm_stream_t stream;
   pm_file_io_t io;
   if (pmpy_parse_stream(stream_obj, &stream) < 0 || parse_io(io_obj, fn, &io) < 0) return NULL;
+  if (threads < 0 || threads > 256)
+    return pmpy_raise_fmt(PM_ERR_INVALID, "%s: threads must be 0 (the default) to 256, not %d",
+                          fn, threads);
   PyObject *seq = PySequence_Fast(ranges_obj, "ranges must be a sequence");
   if (!seq) {
     PyErr_Clear();
@@ -226,6 +229,7 @@ static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, PyO
   pm_file_options_init(&opt);
   opt.io = io;
   opt.fsync = fsync;
+  opt.threads = threads;
   pm_fence_t fence = NULL;
   pm_status_t st, wst = PM_OK;
   Py_BEGIN_ALLOW_THREADS;
@@ -251,18 +255,20 @@ done:
 }
 
 static PyObject *py_file_readv(PyObject *mod, PyObject *args) {
-  int fd;
+  int fd, threads = 0;
   PyObject *ranges, *stream, *io;
-  if (!PyArg_ParseTuple(args, "iOOO:_file_readv", &fd, &ranges, &stream, &io)) return NULL;
-  return file_transfer_list(0, fd, ranges, stream, io, 0);
+  if (!PyArg_ParseTuple(args, "iOOO|i:_file_readv", &fd, &ranges, &stream, &io, &threads))
+    return NULL;
+  return file_transfer_list(0, fd, ranges, stream, io, 0, threads);
 }
 
 static PyObject *py_file_writev(PyObject *mod, PyObject *args) {
-  int fd, fsync;
+  int fd, fsync, threads = 0;
   PyObject *ranges, *stream, *io;
-  if (!PyArg_ParseTuple(args, "iOOOp:_file_writev", &fd, &ranges, &stream, &io, &fsync))
+  if (!PyArg_ParseTuple(args, "iOOOp|i:_file_writev", &fd, &ranges, &stream, &io, &fsync,
+                        &threads))
     return NULL;
-  return file_transfer_list(1, fd, ranges, stream, io, fsync);
+  return file_transfer_list(1, fd, ranges, stream, io, fsync, threads);
 }
 
 /* _raise(code, detail): raise the exception of a status as the extension itself does (str(e),
@@ -300,11 +306,11 @@ PyMethodDef pmpy_files_functions[] = {
      "write nbytes (None: all of src) of src at offset of fd; fsync: on disk before it "
      "completes; truncate: empty the file first, once the arguments are checked."},
     {"_file_readv", py_file_readv, METH_VARARGS,
-     "_file_readv(fd, ranges, stream, io) -> None: read each (offset, dst[, nbytes]) of ranges "
-     "in one pm_file_readv_async call; returns once every byte is in place."},
+     "_file_readv(fd, ranges, stream, io, threads=0) -> None: read each (offset, dst[, nbytes]) "
+     "of ranges in one pm_file_readv_async call; returns once every byte is in place."},
     {"_file_writev", py_file_writev, METH_VARARGS,
-     "_file_writev(fd, ranges, stream, io, fsync) -> None: write each (offset, src[, nbytes]) "
-     "of ranges in one pm_file_writev_async call."},
+     "_file_writev(fd, ranges, stream, io, fsync, threads=0) -> None: write each (offset, "
+     "src[, nbytes]) of ranges in one pm_file_writev_async call."},
     {"_raise", py_raise, METH_VARARGS, "_raise(code, detail): raise the error of a status."},
     {"_file_stats", py_file_stats, METH_NOARGS,
      "_file_stats() -> dict: bytes read and written through O_DIRECT and through the page "

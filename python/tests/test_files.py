@@ -366,7 +366,7 @@ def test_read_ranges_scatters_into_mixed_memory(io, tmp_path, rng, no_fd_leak):
         np.testing.assert_array_equal(contents(), data[off:off + n])
     # nbytes: part of a destination, the rest untouched
     a = np.full(100, 7, np.uint8)
-    pinmem.read_ranges(path, [(10, a, 50), (60, memoryview(bytearray(5)))], io=io)
+    pinmem.read_ranges(path, [(10, a, 50), (60, memoryview(bytearray(5)))], io=io, threads=1)
     np.testing.assert_array_equal(a[:50], data[10:60])
     assert (a[50:] == 7).all()
 
@@ -421,6 +421,8 @@ def test_ranges_refused_before_anything_moves(tmp_path, rng, no_fd_leak):
         pinmem.read_ranges(path, [(0, b"1234")])
     with pytest.raises(pinmem.InvalidError, match="sequence"):
         pinmem.read_ranges(path, 5)
+    with pytest.raises(pinmem.InvalidError, match="threads must be 0"):
+        pinmem.read_ranges(path, [(0, a[:10])], threads=-1)
     with pytest.raises(pinmem.InvalidError, match="overlap in the file"):
         pinmem.write_ranges(path, [(0, a[:100]), (99, a[:2])])
     np.testing.assert_array_equal(np.fromfile(path, np.uint8), data)  # nothing written
