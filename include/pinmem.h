@@ -574,6 +574,42 @@ PM_API pm_status_t pm_file_write_async(int fd, uint64_t offset, size_t bytes, co
                                        pm_stream_t stream, const pm_file_options_t *options,
                                        pm_fence_t *fence_out);
 
+/** One range of pm_file_readv_async / pm_file_writev_async: `bytes` at file `offset`, to or
+ *  from `mem` (device, pinned, managed or pageable host memory; NULL only with bytes 0). */
+typedef struct pm_file_range {
+  uint64_t offset;
+  size_t bytes;
+  void *mem; /* reads: the destination; writes: the source (never written) */
+} pm_file_range_t;
+
+/** Read `count` ranges of fd, each into its own memory, in one call: one set of threads and
+ *  one ring of bounce slots for all of them (the ring stays full from one range to the next),
+ *  ranges that follow each other in the file read as one stream of units (a unit holding the
+ *  end of one range and the start of the next is read once and split). Ranges may come in any
+ *  order and may mix host and device memory; ranges of 0 bytes are skipped. As
+ *  pm_file_read_async otherwise (stream order, the fence, io=auto decided on the ranges'
+ *  total bytes and on the span from the first to the last). Checked before a byte is read:
+ *  ranges NULL with count > 0, a NULL mem with bytes > 0, an offset + bytes past the largest
+ *  file offset, two ranges that overlap in the file, two destinations that overlap in memory:
+ *  PM_ERR_INVALID naming ranges[i]; a regular file that ends before a range does (truncated):
+ *  PM_ERR_IO naming the range and the file's size, nothing read. A file cut shorter during the
+ *  read: PM_ERR_IO as pm_file_read_async. count 0: a completed fence. If the call fails, the
+ *  destinations may have been partly written and the callback never runs. */
+PM_API pm_status_t pm_file_readv_async(int fd, const pm_file_range_t *ranges, size_t count,
+                                       pm_stream_t stream, const pm_file_options_t *options,
+                                       pm_fence_t *fence_out);
+/** Write `count` ranges, each from its own memory, at their offsets of fd, in one call (the
+ *  gather of pm_file_readv_async's scatter): ranges back to back in the file go as one stream
+ *  of units, a unit holding bytes of several ranges gathered into a bounce slot first; the
+ *  bytes between ranges that are not back to back are left as they were. As
+ *  pm_file_write_async otherwise (returns once every byte is in the file; a range past the end
+ *  reserves the span from the first range to the last; with O_DIRECT each stream's unaligned
+ *  head and tail are written buffered after the direct middles). Checked before a byte is
+ *  written as pm_file_readv_async's ranges (sources may overlap in memory). */
+PM_API pm_status_t pm_file_writev_async(int fd, const pm_file_range_t *ranges, size_t count,
+                                        pm_stream_t stream, const pm_file_options_t *options,
+                                        pm_fence_t *fence_out);
+
 /** Bytes the pm_file_* calls of this process moved, by path, since it started: what io=auto
  *  chose, for tests and benchmarks. direct_refused counts calls that wanted O_DIRECT and went
  *  buffered because the filesystem refused it. */

@@ -740,6 +740,232 @@ static void test_bad_args(void) {
   CHECK_EQ_INT(lseek(g_fd, 0, SEEK_END), (long long)g_size); /* nothing written */
 }
 
+/* ---- lists of ranges: pm_file_readv_async / pm_file_writev_async ------------------------------ */
+
+/* The ranges of one case: back to back runs (one stream), gaps, odd sizes, ranges around unit
+ * boundaries, a range of 0 bytes (NULL memory), in the caller's shuffled order; each range's
+ * memory of its own kind (device, pinned, pageable in turn, pageable ones 5 bytes off). */
+enum { NR = 10 };
+static const struct {
+  uint64_t off;
+  size_t bytes;
+} g_rl[NR] = {{70000, 65536 - 4464}, /* ends on a 64 KiB unit boundary, next follows */
+              {131072, 1},
+              {131073, 200001}, /* three back to back: one stream */
+              {4096, 4096},     /* a gap before and after */
+              {9000, 0},        /* skipped */
+              {340000, 3},
+              {340003, 70000},
+              {500000, 65536 * 2}, /* whole units */
+              {1, 4095},
+              {700001, 12345}};
+static const int g_order[NR] = {7, 2, 9, 0, 4, 3, 8, 5, 1, 6}; /* the order given */
+
+static void ranges_make(buf_t *b, pm_file_range_t *r, uint64_t seed) {
+  for (int i = 0; i < NR; i++) {
+    int k = g_order[i];
+    buf_make(&b[i], (mem_t)((i + (int)seed) % 3), g_rl[k].bytes ? g_rl[k].bytes : 1, 5);
+    r[i] = (pm_file_range_t){.offset = g_rl[k].off, .bytes = g_rl[k].bytes,
+                             .mem = g_rl[k].bytes ? b[i].p : NULL};
+  }
+}
+
+static void ranges_free(buf_t *b) {
+  for (int i = 0; i < NR; i++) buf_free(&b[i]);
+}
+
+static void readv_case(pm_file_io_t io, size_t chunk, uint64_t seed) {
+  buf_t b[NR];
+  pm_file_range_t r[NR];
+  ranges_make(b, r, seed);
+  for (int i = 0; i < NR; i++) buf_fill(&b[i], seed + (uint64_t)i); /* not the file's bytes */
+  pm_file_options_t o;
+  opts(&o, io, chunk);
+  pm_fence_t f = NULL;
+  pm_status_t st = pm_file_readv_async(g_fd, r, NR, g_s, &o, &f);
+  CHECK_OK(st);
+  if (st == PM_OK) {
+    CHECK_OK(pm_fence_wait(f));
+    CHECK_OK(pm_fence_release(f));
+    if (io == PM_FILE_IO_DIRECT) CHECK((pm__file_note()[0] == '\0') == g_direct_ok);
+    for (int i = 0; i < NR; i++) {
+      unsigned char *h = buf_read(&b[i]);
+      size_t d = first_diff(h, g_bytes + r[i].offset, r[i].bytes);
+      if (d != r[i].bytes)
+        fprintf(stderr, "readv %s chunk %zu: ranges[%d] (%zu bytes at %llu, %s): first "
+                "difference at %zu\n", pm__file_io_name(io), chunk, i, r[i].bytes,
+                (unsigned long long)r[i].offset, mem_name[b[i].kind], d);
+      CHECK_EQ_SIZE(d, r[i].bytes);
+      free(h);
+    }
+  }
+  ranges_free(b);
+}
+
+static void writev_case(pm_file_io_t io, size_t chunk, uint64_t seed, bool past_end) {
+  /* past_end: the file ends inside the ranges, so the call reserves the span first. */
+  file_reset_size(seed + 500, past_end ? 300000 : 900000);
+  buf_t b[NR];
+  pm_file_range_t r[NR];
+  ranges_make(b, r, seed);
+  unsigned char *want = malloc(900000);
+  REQUIRE(want != NULL);
+  memcpy(want, g_bytes, g_size);
+  if (past_end) memset(want + g_size, 0, 900000 - g_size); /* gaps past the old end: zeros */
+  size_t end = 0;
+  for (int i = 0; i < NR; i++) {
+    buf_fill(&b[i], seed + 10 + (uint64_t)i);
+    unsigned char *h = buf_read(&b[i]);
+    memcpy(want + r[i].offset, h, r[i].bytes);
+    free(h);
+    if (r[i].offset + r[i].bytes > end) end = (size_t)(r[i].offset + r[i].bytes);
+  }
+  pm_file_options_t o;
+  opts(&o, io, chunk);
+  o.fsync = (seed & 1) != 0;
+  pm_fence_t f = NULL;
+  CHECK_OK(pm_file_writev_async(g_fd, r, NR, g_s, &o, &f));
+  if (f) {
+    CHECK_OK(pm_fence_query(f));
+    CHECK_OK(pm_fence_release(f));
+  }
+  if (past_end) g_size = end;
+  unsigned char *h = file_contents();
+  size_t d = first_diff(h, want, g_size);
+  if (d != g_size)
+    fprintf(stderr, "writev %s chunk %zu%s: first difference at byte %zu of the file\n",
+            pm__file_io_name(io), chunk, past_end ? " past the end" : "", d);
+  CHECK_EQ_SIZE(d, g_size);
+  free(h);
+  free(want);
+  ranges_free(b);
+}
+
+static void test_ranges(void) {
+  pm_file_io_t ios[] = {PM_FILE_IO_BUFFERED, PM_FILE_IO_DIRECT};
+  size_t chunks[] = {65536, 16384, 0};
+  file_reset(21);
+  REQUIRE(g_size > 900000);
+  int n = 0;
+  for (int ii = 0; ii < 2; ii++)
+    for (int ci = 0; ci < 3; ci++)
+      for (uint64_t seed = 0; seed < 3; seed++, n++) readv_case(ios[ii], chunks[ci], seed);
+  printf("  %d scattered reads checked\n", n);
+  n = 0;
+  for (int ii = 0; ii < 2; ii++)
+    for (int ci = 0; ci < 3; ci++)
+      for (uint64_t seed = 0; seed < 3; seed++, n++)
+        writev_case(ios[ii], chunks[ci], seed, seed == 2);
+  printf("  %d gathered writes checked\n", n);
+  file_reset(22);
+
+  /* Bad lists: refused before a byte moves (the destination keeps its bytes). */
+  unsigned char a[8192], c[64];
+  memset(a, 0x5A, sizeof a);
+  pm_fence_t f = NULL;
+  pm_file_range_t one = {.offset = 0, .bytes = 100, .mem = a};
+  CHECK_ERR_MSG(pm_file_readv_async(g_fd, NULL, 1, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK(has("ranges is NULL"));
+  CHECK_ERR_MSG(pm_file_writev_async(g_fd, NULL, 2, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_file_readv_async(-1, &one, 1, g_s, NULL, &f), PM_ERR_INVALID);
+  pm_file_range_t nul[2] = {one, {.offset = 200, .bytes = 5, .mem = NULL}};
+  CHECK_ERR_MSG(pm_file_readv_async(g_fd, nul, 2, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK(has("ranges[1].mem is NULL"));
+  CHECK_ERR_MSG(pm_file_writev_async(g_fd, nul, 2, g_s, NULL, &f), PM_ERR_INVALID);
+  pm_file_range_t far[2] = {one, {.offset = (uint64_t)INT64_MAX - 2, .bytes = 5, .mem = c}};
+  CHECK_ERR_MSG(pm_file_readv_async(g_fd, far, 2, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK(has("past the largest file offset"));
+  /* Overlaps in the file, whatever the order given. */
+  pm_file_range_t ov[3] = {{.offset = 5000, .bytes = 10, .mem = c},
+                           {.offset = 0, .bytes = 100, .mem = a},
+                           {.offset = 99, .bytes = 2, .mem = a + 1000}};
+  CHECK_ERR_MSG(pm_file_readv_async(g_fd, ov, 3, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK(has("ranges[1] (bytes [0, 100) of the file) and ranges[2] ([99, 101)) overlap in the "
+            "file"));
+  CHECK_ERR_MSG(pm_file_writev_async(g_fd, ov, 3, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK(has("overlap in the file"));
+  /* Two reads into one byte of memory: refused; two writes from one byte: fine. */
+  pm_file_range_t om[2] = {{.offset = 0, .bytes = 100, .mem = a},
+                           {.offset = 4096, .bytes = 100, .mem = a + 99}};
+  CHECK_ERR_MSG(pm_file_readv_async(g_fd, om, 2, g_s, NULL, &f), PM_ERR_INVALID);
+  CHECK(has("overlap in memory"));
+  CHECK(f == NULL);
+  for (size_t i = 0; i < sizeof a; i++)
+    if (a[i] != 0x5A) {
+      CHECK(!"a refused read wrote its destination");
+      break;
+    }
+  pm_test_fill(a, 200, 99);
+  CHECK_OK(pm_file_writev_async(g_fd, om, 2, g_s, NULL, NULL));
+  unsigned char back[100];
+  CHECK_EQ_INT(pread(g_fd, back, 100, 4096), 100);
+  CHECK_EQ_SIZE(first_diff(back, a + 99, 100), 100);
+  file_reset(22);
+  /* A file shorter than the ranges (truncated): PM_ERR_IO naming the range and where the file
+   * ends, before a byte is read (no destination touched, device memory included). */
+  memset(a, 0x5A, sizeof a);
+  buf_t dev;
+  buf_make(&dev, MEM_DEVICE, 4096, 0);
+  CHECK_OK(pm_device_memset_async(dev.p, 0x33, 4096, g_s));
+  CHECK_OK(pm_stream_synchronize(g_s));
+  pm_file_range_t sh[3] = {{.offset = 0, .bytes = 4096, .mem = dev.p},
+                           {.offset = g_size - 10, .bytes = 20, .mem = a},
+                           {.offset = 8192, .bytes = 4096, .mem = a + 4096}};
+  char want[160];
+  snprintf(want, sizeof want, "ends at byte %zu (its size), before ranges[1] (bytes [%zu, %zu)",
+           g_size, g_size - 10, g_size + 10);
+  CHECK_ERR_MSG(pm_file_readv_async(g_fd, sh, 3, g_s, NULL, &f), PM_ERR_IO);
+  CHECK(has(want));
+  CHECK(has("nothing was read"));
+  CHECK(f == NULL);
+  bool kept = true;
+  for (size_t i = 0; i < sizeof a; i++) kept &= a[i] == 0x5A;
+  unsigned char *h = buf_read(&dev);
+  for (size_t i = 0; i < 4096; i++) kept &= h[i] == 0x33;
+  free(h);
+  CHECK(kept);
+  /* Up to the last byte exactly: fine. */
+  sh[1].offset = g_size - 20;
+  CHECK_OK(pm_file_readv_async(g_fd, sh, 3, g_s, NULL, NULL));
+  CHECK_OK(pm_stream_synchronize(g_s));
+  CHECK_EQ_SIZE(first_diff(a, g_bytes + g_size - 20, 20), 20);
+  buf_free(&dev);
+  /* An I/O error in the middle of a list: the call's, through the ring and in place. */
+  for (int ii = 0; ii < 2; ii++) {
+    buf_t b[NR];
+    pm_file_range_t r[NR];
+    ranges_make(b, r, (uint64_t)ii);
+    for (int i = 0; i < NR; i++) buf_fill(&b[i], 40 + (uint64_t)i); /* the write's sources */
+    pm_file_options_t o;
+    opts(&o, ios[ii], 65536);
+    pm__fault_reset();
+    REQUIRE_OK(pm__fault_configure("file_read=4:EIO"));
+    CHECK_ERR_MSG(pm_file_readv_async(g_fd, r, NR, g_s, &o, &f), PM_ERR_IO);
+    CHECK(has("Input/output error"));
+    REQUIRE_OK(pm__fault_configure("file_write=3:ENOSPC"));
+    CHECK_ERR_MSG(pm_file_writev_async(g_fd, r, NR, g_s, &o, &f), PM_ERR_IO);
+    CHECK(has("No space left"));
+    pm__fault_reset();
+    CHECK_OK(pm_stream_synchronize(g_s));
+    ranges_free(b);
+  }
+  file_reset(22);
+  /* count 0 (and only empty ranges): a completed fence, the callback once, nothing written. */
+  pm_file_options_t o;
+  pm_file_options_init(&o);
+  o.callback = count_cb;
+  atomic_store(&g_cb_count, 0);
+  atomic_fetch_add(&g_cb_expected, 2);
+  CHECK_OK(pm_file_readv_async(g_fd, NULL, 0, g_s, &o, &f));
+  CHECK_OK(pm_fence_wait(f));
+  CHECK_OK(pm_fence_release(f));
+  pm_file_range_t empty = {.offset = (uint64_t)g_size + 100, .bytes = 0, .mem = NULL};
+  CHECK_OK(pm_file_writev_async(g_fd, &empty, 1, g_s, &o, &f));
+  CHECK_OK(pm_fence_release(f));
+  CHECK_EQ_INT(cb_wait(&g_cb_count, 2, 200), 2);
+  CHECK_EQ_INT(lseek(g_fd, 0, SEEK_END), (long long)g_size);
+}
+
 /* ---- fences, callbacks, ordering -------------------------------------------------------------- */
 
 static void test_completion(void) {
@@ -1390,6 +1616,7 @@ int main(void) {
   RUN(test_refused_direct());
   RUN(test_auto());
   RUN(test_file_options());
+  RUN(test_ranges());
 
   /* Every callback ran exactly once: none is missing, and none came twice (a late second call
    * would show within the wait). */

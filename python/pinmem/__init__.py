@@ -208,6 +208,49 @@ def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsyn
         _os.close(fd)
 
 
+def read_ranges(path, ranges, *, io="auto", stream=None, threads=0):
+    """Read many ranges of the file at `path`, each into its own destination, in one call.
+
+    ranges: a sequence of (offset, dst) or (offset, dst, nbytes) (nbytes default: the size of
+    dst); dst as read_file's (host or device memory, mixed freely). One pipeline of pinmem's
+    threads and pinned slots reads them all, ranges back to back in the file as one stream
+    (pm_file_readv_async; docs/files.md). Two ranges that overlap in the file or two
+    destinations that overlap in memory raise InvalidError, a file shorter than a range raises
+    IoError naming the range and where the file ends, before anything is read. Returns once
+    every byte is in place (device writes included). io, stream: as read_file's. threads: the
+    call's I/O threads, the caller included (0: the option file_threads, else copy_threads).
+    """
+    path = _os.fspath(path)
+    fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    try:
+        _pinmem._file_readv(fd, ranges, stream, io, int(threads))
+    except Error as e:
+        _file_error("read_ranges", path, e)
+    finally:
+        _os.close(fd)
+
+
+def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0):
+    """Write many ranges of the file at `path`, each from its own source, in one call.
+
+    ranges: a sequence of (offset, src) or (offset, src, nbytes); src as write_file's. The file
+    is created if missing and never emptied: the bytes between ranges stay as they were (zeros
+    past its old end). Ranges back to back in the file go as one stream, bytes of several
+    sources gathered into pinned slots (pm_file_writev_async; docs/files.md). Ranges that
+    overlap in the file raise InvalidError before anything is written. Returns once every byte
+    is in the file (fsync=True: on disk). io, stream: as write_file's; threads: as
+    read_ranges'.
+    """
+    path = _os.fspath(path)
+    fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC, 0o666)
+    try:
+        _pinmem._file_writev(fd, ranges, stream, io, bool(fsync), int(threads))
+    except Error as e:
+        _file_error("write_ranges", path, e)
+    finally:
+        _os.close(fd)
+
+
 # ------------------------------------------------------------------------------------------
 # Data loader (pinmem/loader.py)
 # ------------------------------------------------------------------------------------------

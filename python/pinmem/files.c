@@ -163,6 +163,114 @@ static PyObject *py_file_write(PyObject *mod, PyObject *args) {
   return file_transfer(1, fd, offset, nbytes, src, stream, io, fsync, truncate);
 }
 
+/* The list calls: ranges is a sequence of (offset, obj) or (offset, obj, nbytes); every obj is
+ * resolved (and held) first, the C call runs without the GIL, and for device memory the call
+ * waits for its DMAs before the holders let go: the list's objects are many, a Completion holds
+ * two, so these calls return once every byte is in place. */
+static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, PyObject *stream_obj,
+                                    PyObject *io_obj, int fsync, int threads) {
+  const char *fn = write ? "write_ranges" : "read_ranges";
+  pmpy_pending_sweep(0);
+  if (fd < 0) return pmpy_raise_fmt(PM_ERR_INVALID, "%s: fd %d is not a file descriptor", fn, fd);
+  pm_stream_t stream;
+  pm_file_io_t io;
+  if (pmpy_parse_stream(stream_obj, &stream) < 0 || parse_io(io_obj, fn, &io) < 0) return NULL;
+  if (threads < 0 || threads > 256)
+    return pmpy_raise_fmt(PM_ERR_INVALID, "%s: threads must be 0 (the default) to 256, not %d",
+                          fn, threads);
+  PyObject *seq = PySequence_Fast(ranges_obj, "ranges must be a sequence");
+  if (!seq) {
+    PyErr_Clear();
+    return pmpy_raise_fmt(PM_ERR_INVALID,
+                          "%s: ranges must be a sequence of (offset, %s) or (offset, %s, nbytes)",
+                          fn, write ? "src" : "dst", write ? "src" : "dst");
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  pmpy_holder_t *h = PyMem_Calloc((size_t)(n ? n : 1), sizeof *h);
+  pm_file_range_t *r = PyMem_Calloc((size_t)(n ? n : 1), sizeof *r);
+  Py_ssize_t held = 0;
+  PyObject *result = NULL;
+  if (!h || !r) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+    Py_ssize_t k = PyTuple_Check(item) ? PyTuple_GET_SIZE(item) : -1;
+    if (k != 2 && k != 3) {
+      pmpy_raise_fmt(PM_ERR_INVALID,
+                     "%s: ranges[%zd] must be a tuple (offset, %s) or (offset, %s, nbytes)", fn,
+                     i, write ? "src" : "dst", write ? "src" : "dst");
+      goto done;
+    }
+    char what[64];
+    snprintf(what, sizeof what, "%s: ranges[%zd]", fn, i);
+    if (parse_offset(PyTuple_GET_ITEM(item, 0), what, &r[i].offset) < 0) goto done;
+    void *ptr;
+    size_t have;
+    if (pmpy_resolve_side(PyTuple_GET_ITEM(item, 1), !write, stream, what, &h[i], &ptr, &have) < 0)
+      goto done;
+    held = i + 1;
+    r[i].mem = ptr;
+    r[i].bytes = have;
+    if (k == 3 && PyTuple_GET_ITEM(item, 2) != Py_None) {
+      size_t want;
+      if (pmpy_parse_size_obj(PyTuple_GET_ITEM(item, 2), &want) < 0) goto done;
+      if (want > have) {
+        pmpy_raise_fmt(PM_ERR_INVALID, "%s: nbytes=%zu but its %s has only %zu bytes", what,
+                       want, write ? "src" : "dst", have);
+        goto done;
+      }
+      r[i].bytes = want;
+    }
+    if (h[i].buf && pmpy_buffer_order_before(h[i].buf, stream) < 0) goto done;
+  }
+  pm_file_options_t opt;
+  pm_file_options_init(&opt);
+  opt.io = io;
+  opt.fsync = fsync;
+  opt.threads = threads;
+  pm_fence_t fence = NULL;
+  pm_status_t st, wst = PM_OK;
+  Py_BEGIN_ALLOW_THREADS;
+  st = write ? pm_file_writev_async(fd, r, (size_t)n, stream, &opt, &fence)
+             : pm_file_readv_async(fd, r, (size_t)n, stream, &opt, &fence);
+  if (st == PM_OK && fence) {
+    wst = pm_fence_wait(fence);
+    pm_fence_release(fence);
+  }
+  Py_END_ALLOW_THREADS;
+  if (st == PM_OK) st = wst;
+  if (st != PM_OK) {
+    pmpy_raise_status(st);
+    goto done;
+  }
+  result = Py_NewRef(Py_None);
+done:
+  for (Py_ssize_t i = 0; i < held; i++) pmpy_holder_release(&h[i]);
+  PyMem_Free(h);
+  PyMem_Free(r);
+  Py_DECREF(seq);
+  return result;
+}
+
+static PyObject *py_file_readv(PyObject *mod, PyObject *args) {
+  int fd, threads = 0;
+  PyObject *ranges, *stream, *io;
+  if (!PyArg_ParseTuple(args, "iOOO|i:_file_readv", &fd, &ranges, &stream, &io, &threads))
+    return NULL;
+  return file_transfer_list(0, fd, ranges, stream, io, 0, threads);
+}
+
+static PyObject *py_file_writev(PyObject *mod, PyObject *args) {
+  int fd, fsync, threads = 0;
+  PyObject *ranges, *stream, *io;
+  if (!PyArg_ParseTuple(args, "iOOOp|i:_file_writev", &fd, &ranges, &stream, &io, &fsync,
+                        &threads))
+    return NULL;
+  return file_transfer_list(1, fd, ranges, stream, io, fsync, threads);
+}
+
 /* _raise(code, detail): raise the exception of a status as the extension itself does (str(e),
  * .status, .code, .message), for errors the pure-Python parts find (a bad safetensors header). */
 static PyObject *py_raise(PyObject *mod, PyObject *args) {
@@ -197,6 +305,12 @@ PyMethodDef pmpy_files_functions[] = {
      "_file_write(fd, offset, nbytes, src, stream, io, fsync, truncate=False) -> Completion: "
      "write nbytes (None: all of src) of src at offset of fd; fsync: on disk before it "
      "completes; truncate: empty the file first, once the arguments are checked."},
+    {"_file_readv", py_file_readv, METH_VARARGS,
+     "_file_readv(fd, ranges, stream, io, threads=0) -> None: read each (offset, dst[, nbytes]) "
+     "of ranges in one pm_file_readv_async call; returns once every byte is in place."},
+    {"_file_writev", py_file_writev, METH_VARARGS,
+     "_file_writev(fd, ranges, stream, io, fsync, threads=0) -> None: write each (offset, "
+     "src[, nbytes]) of ranges in one pm_file_writev_async call."},
     {"_raise", py_raise, METH_VARARGS, "_raise(code, detail): raise the error of a status."},
     {"_file_stats", py_file_stats, METH_NOARGS,
      "_file_stats() -> dict: bytes read and written through O_DIRECT and through the page "

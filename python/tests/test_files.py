@@ -347,6 +347,105 @@ def test_zero_bytes(tmp_path, rng):
     np.testing.assert_array_equal(dst, data)
 
 
+# ---- read_ranges / write_ranges ----------------------------------------------------------
+
+# (offset, bytes): three back to back (one stream), gaps, odd sizes, one range of 0 bytes.
+RANGES = [(70000, 61072), (131072, 1), (131073, 200001), (4096, 4096), (9000, 0),
+          (340000, 3), (340003, 70000), (1, 4095), (700001, 12345)]
+
+
+@pytest.mark.parametrize("io", IOS)
+def test_read_ranges_scatters_into_mixed_memory(io, tmp_path, rng, no_fd_leak):
+    path = tmp_path / "f.bin"
+    data = write_background(path, rng, 800000)
+    kinds = ["numpy", "pinned", "device"]
+    dsts = [make_dst(kinds[i % 3], n) for i, (_, n) in enumerate(RANGES)]
+    order = [5, 2, 8, 0, 4, 3, 7, 1, 6]  # any order
+    assert pinmem.read_ranges(path, [(RANGES[k][0], dsts[k][0]) for k in order], io=io) is None
+    for (off, n), (_, contents) in zip(RANGES, dsts):
+        np.testing.assert_array_equal(contents(), data[off:off + n])
+    # nbytes: part of a destination, the rest untouched
+    a = np.full(100, 7, np.uint8)
+    pinmem.read_ranges(path, [(10, a, 50), (60, memoryview(bytearray(5)))], io=io, threads=1)
+    np.testing.assert_array_equal(a[:50], data[10:60])
+    assert (a[50:] == 7).all()
+
+
+@pytest.mark.parametrize("io", IOS)
+def test_write_ranges_gathers_and_keeps_the_gaps(io, tmp_path, rng, no_fd_leak):
+    path = tmp_path / "f.bin"
+    old = write_background(path, rng, 800000)
+    want = old.copy()
+    kinds = ["numpy", "pinned", "device"]
+    ranges = []
+    for i, (off, n) in enumerate(RANGES):
+        d = random_bytes(rng, n)
+        want[off:off + n] = d
+        ranges.append((off, make_src(kinds[i % 3], d)))
+    assert pinmem.write_ranges(path, ranges[::-1], io=io, fsync=True) is None
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), want)
+    # past the end: the file grows to the last range's end, the gap before it reads as zeros
+    tail = random_bytes(rng, 5000)
+    pinmem.write_ranges(path, [(900000, tail), (800000 - 10, b"0123456789")], io=io)
+    raw = np.fromfile(path, np.uint8)
+    assert raw.size == 905000
+    assert bytes(raw[800000 - 10:800000]) == b"0123456789"
+    assert not raw[800000:900000].any()
+    np.testing.assert_array_equal(raw[900000:], tail)
+
+
+def test_ranges_refused_before_anything_moves(tmp_path, rng, no_fd_leak):
+    path = tmp_path / "f.bin"
+    data = write_background(path, rng, 10000)
+    a = np.full(8192, 9, np.uint8)
+    dev, dev_bytes = make_dst("device", 100)
+    pinmem.copy(dev, np.zeros(100, np.uint8)).wait()
+    with pytest.raises(pinmem.InvalidError, match=r"read_ranges\('.*f\.bin'\).*ranges\[0\] "
+                       r"\(bytes \[0, 100\) of the file\) and ranges\[1\] \(\[50, 60\)\) "
+                       "overlap in the file"):
+        pinmem.read_ranges(path, [(0, a[:100]), (50, a[200:210])])
+    with pytest.raises(pinmem.InvalidError, match="overlap in memory"):
+        pinmem.read_ranges(path, [(0, a[:100]), (4096, a[50:150])])
+    with pytest.raises(pinmem.IoError, match=r"ends at byte 10000 \(its size\), before "
+                       r"ranges\[2\] \(bytes \[9990, 10010\).*nothing was read"):
+        pinmem.read_ranges(path, [(0, a[:100]), (200, dev), (9990, a[4096:4116])])
+    assert (a == 9).all() and not dev_bytes().any()  # nothing was read
+    with pytest.raises(pinmem.InvalidError, match=r"ranges\[1\] must be a tuple"):
+        pinmem.read_ranges(path, [(0, a[:10]), a])
+    with pytest.raises(pinmem.InvalidError,
+                       match=r"ranges\[0\]: nbytes=20 but its dst has only 10"):
+        pinmem.read_ranges(path, [(0, a[:10], 20)])
+    with pytest.raises(pinmem.InvalidError, match=r"ranges\[0\].*offset"):
+        pinmem.read_ranges(path, [(-1, a[:10])])
+    with pytest.raises(pinmem.InvalidError, match=r"ranges\[0\] is read-only"):
+        pinmem.read_ranges(path, [(0, b"1234")])
+    with pytest.raises(pinmem.InvalidError, match="sequence"):
+        pinmem.read_ranges(path, 5)
+    with pytest.raises(pinmem.InvalidError, match="threads must be 0"):
+        pinmem.read_ranges(path, [(0, a[:10])], threads=-1)
+    with pytest.raises(pinmem.InvalidError, match="overlap in the file"):
+        pinmem.write_ranges(path, [(0, a[:100]), (99, a[:2])])
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), data)  # nothing written
+    # the same source twice is fine for writes; an empty list is a no-op
+    pinmem.write_ranges(path, [(0, a[:100]), (5000, a[:100])])
+    raw = np.fromfile(path, np.uint8)
+    assert (raw[:100] == 9).all() and (raw[5000:5100] == 9).all()
+    pinmem.read_ranges(path, [])
+    pinmem.write_ranges(path, [])
+    assert path.stat().st_size == 10000
+
+
+def test_read_ranges_into_torch_tensors(tmp_path, rng):
+    torch = skip_unless_torch()
+    path = tmp_path / "f.bin"
+    data = write_background(path, rng, 300000)
+    t = torch.zeros(1000, dtype=torch.float32)
+    u = torch.zeros(7, dtype=torch.uint8)
+    pinmem.read_ranges(path, [(4096, t), (4096 + 4000, u)])
+    assert t.numpy().view(np.uint8).tobytes() == data[4096:8096].tobytes()
+    assert u.numpy().tobytes() == data[8096:8103].tobytes()
+
+
 def test_torch_cpu_tensor_dst(tmp_path, rng):
     torch = skip_unless_torch()
     data = write_background(tmp_path / "f.bin", rng, 4 * 1001)

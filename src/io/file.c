@@ -1,22 +1,32 @@
 /*
  * DESIGN: file ranges read into, and written from, device or host memory (pm_file_read_async,
- * pm_file_write_async), on the copy engine's pieces: bounce slots are pool blocks (the pool's
- * budget holds), DMAs are the backend's memcpy_async with one event per slot, threads come
- * from pm__parallel_for and completion is a copy fence (fence.c).
+ * pm_file_write_async, and lists of ranges: pm_file_readv_async, pm_file_writev_async), on the
+ * copy engine's pieces: bounce slots are pool blocks (the pool's budget holds), DMAs are the
+ * backend's memcpy_async with one event per slot, threads come from pm__parallel_for and
+ * completion is a copy fence (fence.c).
  *
- * The range [offset, offset + bytes) is cut into units on a grid of `chunk` bytes (options
+ * Every call moves a list of ranges (the one-range calls a list of one): sorted by file offset
+ * (frange_t; ranges of 0 bytes left out, overlaps refused), then grouped into segments, runs of
+ * ranges back to back in the file (fseg_t), each a stream of units numbered after the previous
+ * segment's. A unit inside one range of host memory that O_DIRECT reaches in place moves in
+ * place; any other unit (device memory, host memory not aligned as the file is, a unit holding
+ * bytes of two ranges) goes through a slot, read once and split into its ranges' memory, or
+ * gathered from them and written once (pieces()).
+ *
+ * A segment [start, end) is cut into units on a grid of `chunk` bytes (options
  * file_chunk, 2 MiB, for reads through the page cache; file_direct_chunk, 1 MiB, for reads
- * through O_DIRECT; file_write_chunk, 1 MiB, for writes) that starts at offset
+ * through O_DIRECT; file_write_chunk, 1 MiB, for writes) that starts at its start
  * rounded down to 4 KiB, so every unit but the first starts 4 KiB-aligned and every unit but
- * the last ends so. Threads (option file_threads, else copy_threads) claim units from an atomic
- * counter in ascending order. A write past the end of the file reserves its range first
- * (reserve()): a full disk is an error before a byte is written, and the threads' direct writes
- * do not wait for each other. An io=auto read that would go direct marks its range first
- * (reader_mark()), so that processes reading the same bytes at the same moment read them
- * through the page cache, which they share.
+ * the last ends so. Threads (option file_threads, else copy_threads) claim the call's units
+ * from an atomic counter in ascending order. A write past the end of the file reserves the span
+ * of its ranges first (reserve()): a full disk is an error before a byte is written, and the
+ * threads' direct writes do not wait for each other. A list read checks the file's size first:
+ * a truncated file is an error before a byte is read. An io=auto read that would go direct
+ * marks its span first (reader_mark()), so that processes reading the same bytes at the same
+ * moment read them through the page cache, which they share.
  *
- * Ring (device memory; host memory that O_DIRECT cannot reach in place): unit i uses slot
- * i % slots in turn (option file_slots, else threads + 2, and for reads through the page cache
+ * Ring (any unit that does not move in place; a unit that does still takes its slot's turn and
+ * passes it on at once): unit i uses slot i % slots in turn (option file_slots, else threads + 2, and for reads through the page cache
  * up to two a thread while they hold at most 96 MiB: pm__file_slots), as copy_stage.c's ring, so unit i waits only for unit i - slots, claimed
  * earlier by a running thread: no deadlock. Inside a slot the unit's bytes sit at the same
  * offset modulo 4 KiB as in the file, so the aligned middle can go through O_DIRECT. Read:
@@ -25,7 +35,7 @@
  * the slot is full and reads bytes still in the CPU cache); the call returns once every read is done and every DMA queued; the fence's event
  * follows the last DMA. Write: queue the D2H DMA (behind the stream's earlier work), wait for
  * its event, pwrite the slot; the call returns once everything is in the file.
- * Straight (host memory): after a stream synchronize (the stream's earlier work may still use
+ * In place (host memory): after a stream synchronize (the stream's earlier work may still use
  * the memory), threads pread / pwrite the units in place; the call returns with the bytes
  * moved and a completed fence.
  *
@@ -34,8 +44,8 @@
  * caller's fd and the middle the O_DIRECT fd (a second open of /proc/self/fd/N, so the caller's
  * fd, its offset and flags, never change). A filesystem that refuses O_DIRECT (EINVAL at the
  * open or at a transfer) turns the call buffered, with a note (pm__file_note).
- * Writes through O_DIRECT keep the range's unaligned head and tail (at most 4 KiB each, only in
- * the first and last unit) and write them buffered after every direct middle, so the page the
+ * Writes through O_DIRECT keep each segment's unaligned head and tail (at most 4 KiB each, only
+ * in its first and last unit) and write them buffered after every direct middle, so the page the
  * kernel merges an edge into already holds the middle's new bytes (see write_edges).
  * io=auto, for ranges of at least FILE_AUTO_MIN (64 MiB; smaller ones are buffered): writes go
  * direct (a checkpoint written once should not evict the page cache, and the disk is fastest
@@ -134,6 +144,31 @@ typedef struct first_error {
   char msg[512];
 } first_error_t;
 
+/* One range of a call, in the file's order. */
+typedef struct frange {
+  uint64_t off; /* file offset of mem[0] */
+  size_t bytes;
+  char *mem;
+  size_t idx;  /* its place in the caller's list (messages) */
+  bool device; /* mem is reached by DMA (device or managed memory) */
+  bool ring;   /* its bytes go through the bounce slots */
+} frange_t;
+
+/* Ranges that follow each other in the file without a gap: one stream of units. */
+typedef struct fseg {
+  size_t r0, nr;       /* its ranges: rng[r0 .. r0 + nr) */
+  uint64_t start, end; /* [start, end) of the file */
+  uint64_t grid;       /* start rounded down to FILE_ALIGN: unit j starts at grid + j * chunk */
+  size_t unit0;        /* the call's number of its first unit */
+  /* Writes with O_DIRECT: the segment's unaligned head and tail, written buffered after every
+   * direct middle (see write_edges()). [0] head, [1] tail; len 0 = none. */
+  struct {
+    char buf[FILE_ALIGN];
+    uint64_t pos;
+    size_t len;
+  } edge[2];
+} fseg_t;
+
 typedef struct fio {
   const char *fn;
   bool write;
@@ -143,17 +178,21 @@ typedef struct fio {
   bool watch;         /* an auto read whose dfd holds its reader mark (reader_mark()): */
   _Atomic int64_t next_look; /* looks for other readers, not before this time (ns) */
   atomic_bool shared; /* one is there: buffered from now on, to share the page cache */
-  uint64_t off;       /* file offset of mem[0] */
-  size_t bytes;
-  char *mem;
-  bool device; /* mem is reached by DMA (device or managed memory) */
-  bool ring;
+  uint64_t off;       /* the hull of the ranges: from the first one's offset ... */
+  size_t bytes;       /* ... to the last one's end */
+  frange_t *rng;      /* the ranges of at least one byte, by file offset */
+  size_t nrng;
+  fseg_t *seg;
+  size_t nseg;
+  frange_t one_rng; /* pm_file_read_async / pm_file_write_async: rng and seg point here */
+  fseg_t one_seg;
+  bool device; /* some range's memory is reached by DMA */
+  bool ring;   /* some range goes through the slots */
   pm_stream_t stream;
   pm_pool_t *pool;
   size_t chunk;
   bool cached; /* a read through the page cache (its ring's size: pm__file_slots) */
   size_t part; /* reads into device memory: the slot's DMA in parts of this size; 0 = whole */
-  uint64_t grid; /* off rounded down to FILE_ALIGN: unit k starts at grid + k * chunk */
   size_t nunits;
   atomic_size_t next;
   /* ring */
@@ -161,17 +200,11 @@ typedef struct fio {
   char **slot; /* pool blocks of chunk + FILE_ALIGN bytes */
   char **aslot; /* the same, aligned up to FILE_ALIGN */
   pm_event_t *ev;
+  bool *dma;    /* the slot's last unit queued a DMA that reads it (ev follows it) */
   long long *gen; /* the last unit that used the slot */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   first_error_t err;
-  /* Writes with O_DIRECT: the range's unaligned head and tail, written buffered after every
-   * direct middle (see run()). [0] head, [1] tail; len 0 = none. */
-  struct {
-    char buf[FILE_ALIGN];
-    uint64_t pos;
-    size_t len;
-  } edge[2];
 } fio_t;
 
 static void err_set(fio_t *c, pm_status_t st) {
@@ -184,12 +217,32 @@ static bool err_any(fio_t *c) {
   return atomic_load_explicit(&c->err.status, memory_order_relaxed) != PM_OK;
 }
 
-static void unit_range(const fio_t *c, size_t k, uint64_t *start, size_t *len) {
-  uint64_t s = c->grid + (uint64_t)k * c->chunk, e = s + c->chunk, end = c->off + c->bytes;
-  if (s < c->off) s = c->off;
-  if (e > end) e = end;
+/* Unit k: its segment and its bytes [*start, *start + *len) of the file. */
+static fseg_t *unit_range(const fio_t *c, size_t k, uint64_t *start, size_t *len) {
+  size_t lo = 0, hi = c->nseg; /* the last segment whose unit0 <= k */
+  while (hi - lo > 1) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (c->seg[mid].unit0 <= k) lo = mid;
+    else hi = mid;
+  }
+  fseg_t *g = &c->seg[lo];
+  uint64_t s = g->grid + (uint64_t)(k - g->unit0) * c->chunk, e = s + c->chunk;
+  if (s < g->start) s = g->start;
+  if (e > g->end) e = g->end;
   *start = s;
   *len = (size_t)(e - s);
+  return g;
+}
+
+/* The first range of segment g that ends after file offset at. */
+static size_t first_piece(const fio_t *c, const fseg_t *g, uint64_t at) {
+  size_t lo = g->r0, hi = g->r0 + g->nr; /* ranges of a segment are sorted and back to back */
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (c->rng[mid].off + c->rng[mid].bytes <= at) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
 }
 
 /* ---- system calls --------------------------------------------------------------------------- */
@@ -263,9 +316,9 @@ static bool look_due(fio_t *c) {
   return now >= next && atomic_compare_exchange_strong(&c->next_look, &next, now + READER_LOOK_NS);
 }
 
-/* Move one piece: the 4 KiB-aligned middle through O_DIRECT when buf and pos agree modulo
- * 4 KiB, the edges (and everything else) through the caller's fd. */
-static pm_status_t xfer(fio_t *c, char *buf, size_t len, uint64_t pos) {
+/* Move one piece of segment g: the 4 KiB-aligned middle through O_DIRECT when buf and pos agree
+ * modulo 4 KiB, the edges (and everything else) through the caller's fd. */
+static pm_status_t xfer(fio_t *c, fseg_t *g, char *buf, size_t len, uint64_t pos) {
   size_t head = 0, mid = 0;
   bool direct = c->dfd >= 0 && !atomic_load_explicit(&c->refuse, memory_order_relaxed) &&
                 !atomic_load_explicit(&c->shared, memory_order_relaxed) &&
@@ -281,21 +334,21 @@ static pm_status_t xfer(fio_t *c, char *buf, size_t len, uint64_t pos) {
   }
   size_t tail = len - head - mid;
   if (c->write && direct) {
-    /* Only the range's first piece has a head and only its last a tail (every other piece
+    /* Only the segment's first piece has a head and only its last a tail (every other piece
      * starts and ends on the 4 KiB grid): kept, and written after the direct middles. */
     if (head) {
-      memcpy(c->edge[0].buf, buf, head);
-      c->edge[0].pos = pos;
-      c->edge[0].len = head;
+      memcpy(g->edge[0].buf, buf, head);
+      g->edge[0].pos = pos;
+      g->edge[0].len = head;
       head = 0;
-      buf += c->edge[0].len;
-      pos += c->edge[0].len;
-      len -= c->edge[0].len;
+      buf += g->edge[0].len;
+      pos += g->edge[0].len;
+      len -= g->edge[0].len;
     }
     if (tail) {
-      memcpy(c->edge[1].buf, buf + mid, tail);
-      c->edge[1].pos = pos + mid;
-      c->edge[1].len = tail;
+      memcpy(g->edge[1].buf, buf + mid, tail);
+      g->edge[1].pos = pos + mid;
+      g->edge[1].len = tail;
       len -= tail;
       tail = 0;
     }
@@ -312,23 +365,6 @@ static pm_status_t xfer(fio_t *c, char *buf, size_t len, uint64_t pos) {
   }
   e = tail ? xfer_fd(c, c->fd, buf + head + mid, tail, pos + head + mid) : 0;
   return e ? io_error(c, e, tail, pos + head + mid) : PM_OK;
-}
-
-/* ---- straight: host memory in place --------------------------------------------------------- */
-
-static void straight_task(void *vctx, size_t task) {
-  fio_t *c = vctx;
-  (void)task;
-  for (;;) {
-    size_t k = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
-    if (k >= c->nunits) return;
-    if (err_any(c)) continue;
-    uint64_t pos;
-    size_t len;
-    unit_range(c, k, &pos, &len);
-    pm_status_t st = xfer(c, c->mem + (pos - c->off), len, pos);
-    if (st != PM_OK) err_set(c, st);
-  }
 }
 
 /* ---- ring of pinned slots ------------------------------------------------------------------- */
@@ -356,9 +392,11 @@ static void ring_destroy(fio_t *c, bool dmas_may_run) {
   free(c->aslot);
   free(c->ev);
   free(c->gen);
+  free(c->dma);
   c->slot = c->aslot = NULL;
   c->ev = NULL;
   c->gen = NULL;
+  c->dma = NULL;
   c->nslots = 0;
 }
 
@@ -379,7 +417,8 @@ static pm_status_t ring_create(fio_t *c, int want) {
   c->aslot = calloc((size_t)want, sizeof *c->aslot);
   c->ev = calloc((size_t)want, sizeof *c->ev);
   c->gen = calloc((size_t)want, sizeof *c->gen);
-  if (!c->slot || !c->aslot || !c->ev || !c->gen) {
+  c->dma = calloc((size_t)want, sizeof *c->dma);
+  if (!c->slot || !c->aslot || !c->ev || !c->gen || !c->dma) {
     ring_destroy(c, false);
     return pm__set_error(PM_ERR_NOMEM, "%s: malloc of a %d-slot ring failed", c->fn, want);
   }
@@ -413,71 +452,117 @@ static pm_status_t ring_create(fio_t *c, int want) {
   return PM_OK;
 }
 
-static pm_status_t ring_step(fio_t *c, size_t k, int s) {
+/* Moves the pieces of the file's [at, to) between slot bytes p (which hold the file's byte at)
+ * and the ranges' memory: host memory by memcpy, device memory by a DMA on the stream (queued;
+ * *dma set). */
+static pm_status_t pieces(fio_t *c, const fseg_t *g, char *p, uint64_t at, uint64_t to,
+                          bool *dma) {
+  for (size_t i = first_piece(c, g, at); i < g->r0 + g->nr && c->rng[i].off < to; i++) {
+    const frange_t *r = &c->rng[i];
+    uint64_t s = at > r->off ? at : r->off, e = r->off + r->bytes < to ? r->off + r->bytes : to;
+    size_t n = (size_t)(e - s);
+    char *m = r->mem + (s - r->off), *q = p + (s - at);
+    if (!r->device) {
+      if (c->write) memcpy(q, m, n);
+      else memcpy(m, q, n);
+      continue;
+    }
+    pm_status_t st = c->write ? pm__cb_memcpy_async(q, m, n, PM_COPY_D2H, c->stream)
+                              : pm__cb_memcpy_async(m, q, n, PM_COPY_H2D, c->stream);
+    if (st != PM_OK)
+      return pm__wrap_error(st, "%s: %s DMA of %zu bytes (ranges[%zu])", c->fn,
+                            c->write ? "D2H" : "H2D", n, r->idx);
+    *dma = true;
+  }
+  return PM_OK;
+}
+
+/* Unit k through slot s: read, then its pieces out; or its pieces in, then write. */
+static pm_status_t ring_step(fio_t *c, fseg_t *g, size_t k, int s) {
   uint64_t pos;
   size_t len;
-  unit_range(c, k, &pos, &len);
+  (void)unit_range(c, k, &pos, &len);
   char *p = c->aslot[s] + pos % FILE_ALIGN; /* the file's alignment, for O_DIRECT */
-  char *m = c->mem + (pos - c->off);
   pm_status_t st = PM_OK;
+  bool dma = false;
   if (!c->write) {
-    if (c->device && k >= (size_t)c->nslots) st = pm__copy_wait_event(c->ev[s], 50);
+    /* The slot's previous unit's DMA still reads it. */
+    if (c->dma[s]) st = pm__copy_wait_event(c->ev[s], 50);
+    c->dma[s] = false;
     if (st != PM_OK) return st;
-    if (!c->device) {
-      st = xfer(c, p, len, pos);
-      if (st == PM_OK) memcpy(m, p, len);
-      return st;
-    }
     /* Parts (option file_part): each part's DMA is queued as soon as its pread is done, so the
      * DMA starts earlier and reads bytes still warm in the CPU cache. Part ends lie on the
-     * grid's multiples of part (4 KiB-aligned), so every part but the range's first and last
+     * grid's multiples of part (4 KiB-aligned), so every part but the segment's first and last
      * stays whole for O_DIRECT. */
     uint64_t end = pos + len;
     for (uint64_t at = pos; at < end;) {
       uint64_t to = end;
       if (c->part) {
-        to = c->grid + ((at - c->grid) / c->part + 1) * c->part;
+        to = g->grid + ((at - g->grid) / c->part + 1) * c->part;
         if (to > end) to = end;
       }
-      size_t n = (size_t)(to - at);
-      st = xfer(c, p + (at - pos), n, at);
-      if (st != PM_OK) return st;
-      st = pm__cb_memcpy_async(m + (at - pos), p + (at - pos), n, PM_COPY_H2D, c->stream);
-      if (st != PM_OK) return pm__wrap_error(st, "%s: H2D DMA of %zu bytes", c->fn, n);
+      st = xfer(c, g, p + (at - pos), (size_t)(to - at), at);
+      if (st == PM_OK) st = pieces(c, g, p + (at - pos), at, to, &dma);
+      if (st != PM_OK) break;
       at = to;
     }
-    st = pm__cb_event_record(c->ev[s], c->stream);
-    return st == PM_OK ? PM_OK : pm__wrap_error(st, "%s: event after an H2D DMA", c->fn);
+    if (dma) { /* also after a failure: the DMAs queued so far read the slot */
+      pm_status_t ev = pm__cb_event_record(c->ev[s], c->stream);
+      if (ev != PM_OK) return pm__wrap_error(ev, "%s: event after an H2D DMA", c->fn);
+      c->dma[s] = true;
+    }
+    return st;
   }
-  if (c->device) {
-    st = pm__cb_memcpy_async(p, m, len, PM_COPY_D2H, c->stream);
-    if (st == PM_OK) st = pm__cb_event_record(c->ev[s], c->stream);
-    if (st == PM_OK) st = pm__copy_wait_event(c->ev[s], 50);
-    if (st != PM_OK) return pm__wrap_error(st, "%s: D2H DMA of %zu bytes", c->fn, len);
-  } else {
-    memcpy(p, m, len);
+  st = pieces(c, g, p, pos, pos + len, &dma);
+  if (dma) {
+    pm_status_t ev = pm__cb_event_record(c->ev[s], c->stream);
+    if (ev == PM_OK) ev = pm__copy_wait_event(c->ev[s], 50);
+    if (ev != PM_OK) return pm__wrap_error(ev, "%s: D2H DMA of %zu bytes", c->fn, len);
   }
-  return xfer(c, p, len, pos);
+  return st == PM_OK ? xfer(c, g, p, len, pos) : st;
 }
 
-static void ring_task(void *vctx, size_t task) {
+/* The range unit k lies in, when it lies in one and that one's memory is reached in place. */
+static const frange_t *in_place(const fio_t *c, const fseg_t *g, uint64_t pos, size_t len) {
+  size_t i = first_piece(c, g, pos);
+  const frange_t *r = &c->rng[i];
+  return !r->ring && r->off <= pos && r->off + r->bytes >= pos + len ? r : NULL;
+}
+
+/* The threads' loop: units claimed in ascending order. With a ring, unit k takes slot
+ * k % nslots once the unit nslots earlier has left it (a unit read in place takes its turn too,
+ * and leaves the slot at once), so unit k waits only for a unit claimed earlier by a running
+ * thread: no deadlock. */
+static void unit_task(void *vctx, size_t task) {
   fio_t *c = vctx;
   (void)task;
   for (;;) {
     size_t k = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
     if (k >= c->nunits) return;
-    int s = (int)(k % (size_t)c->nslots);
-    pthread_mutex_lock(&c->mu);
-    while (c->gen[s] != (long long)k - c->nslots) pthread_cond_wait(&c->cv, &c->mu);
-    pthread_mutex_unlock(&c->mu);
+    uint64_t pos;
+    size_t len;
+    fseg_t *g = unit_range(c, k, &pos, &len);
+    const frange_t *r = in_place(c, g, pos, len);
+    int s = c->nslots ? (int)(k % (size_t)c->nslots) : -1;
+    if (s >= 0) {
+      pthread_mutex_lock(&c->mu);
+      while (c->gen[s] != (long long)k - c->nslots) pthread_cond_wait(&c->cv, &c->mu);
+      if (r) { /* in place: the slot's turn passes on at once */
+        c->gen[s] = (long long)k;
+        pthread_cond_broadcast(&c->cv);
+      }
+      pthread_mutex_unlock(&c->mu);
+    }
     if (!err_any(c)) {
-      pm_status_t st = ring_step(c, k, s);
+      pm_status_t st = r ? xfer(c, g, r->mem + (pos - r->off), len, pos) : ring_step(c, g, k, s);
       if (st != PM_OK) err_set(c, st);
     }
-    pthread_mutex_lock(&c->mu);
-    c->gen[s] = (long long)k;
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
+    if (s >= 0 && !r) {
+      pthread_mutex_lock(&c->mu);
+      c->gen[s] = (long long)k;
+      pthread_cond_broadcast(&c->cv);
+      pthread_mutex_unlock(&c->mu);
+    }
   }
 }
 
@@ -581,6 +666,10 @@ static int reader_mark(int dfd, uint64_t off, size_t bytes) {
 static void fio_close(fio_t *c) {
   if (c->dfd >= 0) close(c->dfd); /* and with it the reader mark */
   c->dfd = -1;
+  if (c->rng != &c->one_rng) free(c->rng);
+  if (c->seg != &c->one_seg) free(c->seg);
+  c->rng = NULL;
+  c->seg = NULL;
 }
 
 /* The O_DIRECT fd for c->fd, or -1 with a note when the filesystem refuses it. */
@@ -635,30 +724,167 @@ static void copy_opts(const pm_file_options_t *o, pm_copy_options_t *co) {
   co->callback_arg = o->callback_arg;
 }
 
-/* Validate, classify and open: everything that can fail before the first byte moves. */
-static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_t offset,
-                           size_t bytes, const void *mem, pm_stream_t stream,
-                           const pm_file_options_t *o, bool *empty) {
+static int by_offset(const void *x, const void *y) {
+  const frange_t *a = x, *b = y;
+  if (a->off != b->off) return a->off < b->off ? -1 : 1;
+  return a->idx < b->idx ? -1 : a->idx > b->idx;
+}
+
+static int by_address(const void *x, const void *y) {
+  const frange_t *a = *(const frange_t *const *)x, *b = *(const frange_t *const *)y;
+  if (a->mem != b->mem) return (uintptr_t)a->mem < (uintptr_t)b->mem ? -1 : 1;
+  return 0;
+}
+
+/* The name of range i in messages: dst / src for the one-range calls, ranges[i] otherwise. */
+static const char *range_name(bool multi, bool write, size_t i, char *buf, size_t cap) {
+  if (!multi) return write ? "src" : "dst";
+  snprintf(buf, cap, "ranges[%zu].mem", i);
+  return buf;
+}
+
+/* The ranges checked one by one, then sorted by file offset into c->rng (those of 0 bytes left
+ * out) and checked against each other: no two overlap in the file, and for reads no two
+ * destinations overlap in memory. */
+static pm_status_t take_ranges(fio_t *c, const pm_file_range_t *ranges, size_t count, bool multi,
+                               const pm__backend_t *b) {
+  const char *fn = c->fn;
+  char name[48];
+  size_t n = 0;
+  if (count && !ranges) return pm__set_error(PM_ERR_INVALID, "%s: ranges is NULL", fn);
+  for (size_t i = 0; i < count; i++) {
+    const pm_file_range_t *r = &ranges[i];
+    const char *what = range_name(multi, c->write, i, name, sizeof name);
+    if (!r->mem && (r->bytes || !multi)) return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, what);
+    if (r->offset > (uint64_t)INT64_MAX || (uint64_t)r->bytes > (uint64_t)INT64_MAX - r->offset)
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: %s%soffset %llu + %zu bytes is past the largest file offset", fn,
+                           multi ? what : "", multi ? ": " : "", (unsigned long long)r->offset,
+                           r->bytes);
+    if ((uintptr_t)r->mem > UINTPTR_MAX - r->bytes)
+      return pm__set_error(PM_ERR_INVALID, "%s: %s: %zu bytes from %p wraps the address space",
+                           fn, what, r->bytes, r->mem);
+    n += r->bytes != 0;
+  }
+  if (!n) return PM_OK;
+  if (n == 1) {
+    c->rng = &c->one_rng;
+  } else {
+    c->rng = n <= SIZE_MAX / sizeof *c->rng ? malloc(n * sizeof *c->rng) : NULL;
+    if (!c->rng) return pm__set_error(PM_ERR_NOMEM, "%s: malloc for %zu ranges failed", fn, n);
+  }
+  for (size_t i = 0; i < count; i++) {
+    const pm_file_range_t *r = &ranges[i];
+    if (!r->bytes) continue;
+    frange_t *f = &c->rng[c->nrng++];
+    *f = (frange_t){.off = r->offset, .bytes = r->bytes, .mem = r->mem, .idx = i};
+    pm__mem_t kind;
+    uintptr_t base;
+    size_t size;
+    const char *what = range_name(multi, c->write, i, name, sizeof name);
+    pm_status_t st = pm__classify(b, r->mem, r->bytes, what, &kind, &base, &size);
+    if (st != PM_OK) return pm__wrap_error(st, "%s", fn);
+    f->device = kind == PM__MEM_DEVICE || kind == PM__MEM_MANAGED;
+    c->device |= f->device;
+  }
+  qsort(c->rng, c->nrng, sizeof *c->rng, by_offset);
+  for (size_t i = 1; i < c->nrng; i++) {
+    const frange_t *p = &c->rng[i - 1], *q = &c->rng[i];
+    if (q->off < p->off + p->bytes)
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: ranges[%zu] (bytes [%llu, %llu) of the file) and ranges[%zu] "
+                           "([%llu, %llu)) overlap in the file",
+                           fn, p->idx, (unsigned long long)p->off,
+                           (unsigned long long)(p->off + p->bytes), q->idx,
+                           (unsigned long long)q->off, (unsigned long long)(q->off + q->bytes));
+  }
+  if (!c->write && c->nrng > 1) { /* two reads into one byte: which one lands is undefined */
+    const frange_t **by = malloc(c->nrng * sizeof *by);
+    if (!by) return pm__set_error(PM_ERR_NOMEM, "%s: malloc for %zu ranges failed", fn, n);
+    for (size_t i = 0; i < c->nrng; i++) by[i] = &c->rng[i];
+    qsort(by, c->nrng, sizeof *by, by_address);
+    pm_status_t st = PM_OK;
+    for (size_t i = 1; i < c->nrng && st == PM_OK; i++)
+      if ((uintptr_t)by[i]->mem < (uintptr_t)by[i - 1]->mem + by[i - 1]->bytes)
+        st = pm__set_error(PM_ERR_INVALID,
+                           "%s: the destinations of ranges[%zu] (%zu bytes at %p) and "
+                           "ranges[%zu] (%zu bytes at %p) overlap in memory",
+                           fn, by[i - 1]->idx, by[i - 1]->bytes, (void *)by[i - 1]->mem,
+                           by[i]->idx, by[i]->bytes, (void *)by[i]->mem);
+    free(by);
+    if (st != PM_OK) return st;
+  }
+  c->off = c->rng[0].off;
+  c->bytes = (size_t)(c->rng[c->nrng - 1].off + c->rng[c->nrng - 1].bytes - c->off);
+  return PM_OK;
+}
+
+/* Segments: runs of ranges back to back in the file, each cut into units on its own grid. */
+static pm_status_t make_segments(fio_t *c) {
+  size_t n = 1;
+  for (size_t i = 1; i < c->nrng; i++)
+    n += c->rng[i].off != c->rng[i - 1].off + c->rng[i - 1].bytes;
+  c->seg = n == 1 ? &c->one_seg : calloc(n, sizeof *c->seg);
+  if (!c->seg) return pm__set_error(PM_ERR_NOMEM, "%s: malloc for %zu segments failed", c->fn, n);
+  for (size_t i = 0; i < c->nrng; i++) {
+    const frange_t *r = &c->rng[i];
+    fseg_t *g = c->nseg ? &c->seg[c->nseg - 1] : NULL;
+    if (g && g->end == r->off) {
+      g->nr++;
+      g->end += r->bytes;
+      continue;
+    }
+    g = &c->seg[c->nseg++];
+    memset(g, 0, sizeof *g);
+    g->r0 = i;
+    g->nr = 1;
+    g->start = r->off;
+    g->end = r->off + r->bytes;
+  }
+  for (size_t j = 0; j < c->nseg; j++) {
+    fseg_t *g = &c->seg[j];
+    g->grid = g->start / FILE_ALIGN * FILE_ALIGN;
+    g->unit0 = c->nunits;
+    c->nunits += (size_t)((g->end - g->grid + c->chunk - 1) / c->chunk);
+  }
+  return PM_OK;
+}
+
+/* A read whose ranges run past the end of a regular file fails before it reads a byte. */
+static pm_status_t check_size(fio_t *c) {
+  struct stat sb;
+  if (c->write || fstat(c->fd, &sb) != 0 || !S_ISREG(sb.st_mode)) return PM_OK;
+  uint64_t size = (uint64_t)sb.st_size;
+  for (size_t i = 0; i < c->nrng; i++) {
+    const frange_t *r = &c->rng[i];
+    if (r->off + r->bytes > size)
+      return pm__set_error(PM_ERR_IO,
+                           "%s: fd %d ends at byte %llu (its size), before ranges[%zu] "
+                           "(bytes [%llu, %llu) of the file) does: the file is shorter than the "
+                           "ranges say (truncated?); nothing was read",
+                           c->fn, c->fd, (unsigned long long)size, r->idx,
+                           (unsigned long long)r->off, (unsigned long long)(r->off + r->bytes));
+  }
+  return PM_OK;
+}
+
+/* Validate, classify and open: everything that can fail before the first byte moves. On
+ * failure the caller still calls fio_close. multi: the list calls (messages name ranges[i],
+ * and a read checks the file's size first). */
+static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd,
+                           const pm_file_range_t *ranges, size_t count, bool multi,
+                           pm_stream_t stream, const pm_file_options_t *o, bool *empty) {
   memset(c, 0, sizeof *c);
   c->fn = fn;
   c->write = write;
   c->fd = fd;
   c->dfd = -1;
-  c->off = offset;
-  c->bytes = bytes;
-  c->mem = (char *)(uintptr_t)mem;
   c->stream = stream;
   g_note[0] = '\0';
   *empty = false;
   if (fd < 0) return pm__set_error(PM_ERR_INVALID, "%s: fd %d is negative", fn, fd);
-  if (!mem) return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, write ? "src" : "dst");
-  if (offset > (uint64_t)INT64_MAX || (uint64_t)bytes > (uint64_t)INT64_MAX - offset)
-    return pm__set_error(PM_ERR_INVALID,
-                         "%s: offset %llu + %zu bytes is past the largest file offset", fn,
-                         (unsigned long long)offset, bytes);
-  if ((uintptr_t)mem > UINTPTR_MAX - bytes)
-    return pm__set_error(PM_ERR_INVALID, "%s: %zu bytes from %p wraps the address space", fn,
-                         bytes, mem);
+  if (!multi && !ranges[0].mem)
+    return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, write ? "src" : "dst");
   int flags = fcntl(fd, F_GETFL);
   if (flags < 0) return pm__set_error(PM_ERR_INVALID, "%s: fd %d: %s", fn, fd, strerror(errno));
   int acc = flags & O_ACCMODE;
@@ -669,30 +895,32 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
     return pm__set_error(PM_ERR_INVALID,
                          "%s: fd %d has O_APPEND, so Linux pwrite would ignore the offset", fn, fd);
   PM__BACKEND_OR_RETURN(b);
-  if (bytes == 0) {
+  pm_status_t st = take_ranges(c, ranges, count, multi, b);
+  if (st != PM_OK) return st;
+  if (!c->nrng) {
     *empty = true;
     return PM_OK;
   }
-  pm__mem_t kind;
-  uintptr_t base;
-  size_t size;
-  pm_status_t st = pm__classify(b, mem, bytes, write ? "src" : "dst", &kind, &base, &size);
-  if (st != PM_OK) return pm__wrap_error(st, "%s", fn);
-  c->device = kind == PM__MEM_DEVICE || kind == PM__MEM_MANAGED;
+  if (multi) {
+    st = check_size(c);
+    if (st != PM_OK) return st;
+  }
 
   atomic_init(&c->next, 0);
   atomic_init(&c->refuse, false);
   atomic_init(&c->shared, false);
   atomic_init(&c->err.status, PM_OK);
 
+  size_t total = 0;
+  for (size_t i = 0; i < c->nrng; i++) total += c->rng[i].bytes;
   bool direct = o->io == PM_FILE_IO_DIRECT;
   size_t auto_min = atomic_load(&pm__file_auto_min);
-  bool by_auto = o->io == PM_FILE_IO_AUTO && bytes >= (auto_min ? auto_min : FILE_AUTO_MIN);
+  bool by_auto = o->io == PM_FILE_IO_AUTO && total >= (auto_min ? auto_min : FILE_AUTO_MIN);
   if (by_auto) direct = auto_direct(c);
   if (direct) {
     st = open_direct(c, flags);
     if (st != PM_OK) return st;
-    int mark = by_auto && !write && c->dfd >= 0 ? reader_mark(c->dfd, offset, bytes) : -1;
+    int mark = by_auto && !write && c->dfd >= 0 ? reader_mark(c->dfd, c->off, c->bytes) : -1;
     if (mark == 1) { /* buffered throughout; dfd stays open, holding the mark for later readers */
       atomic_store(&c->shared, true);
       snprintf(g_note, sizeof g_note,
@@ -711,18 +939,20 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd, uint64_
   c->cached = !write && !by_dfd;
   c->part = write ? 0 : pm__align_up(pm__opt_size(PM__OPT_FILE_PART), FILE_ALIGN);
   if (c->part >= c->chunk) c->part = 0;
-  c->grid = offset / FILE_ALIGN * FILE_ALIGN;
-  c->nunits = (size_t)((offset + bytes - c->grid + c->chunk - 1) / c->chunk);
+  st = make_segments(c);
+  if (st != PM_OK) return st;
   /* Host memory O_DIRECT cannot reach in place (not aligned as the file is) goes through the
-   * slots; device memory always does. */
-  c->ring = c->device || (by_dfd && ((uintptr_t)mem % FILE_ALIGN) != offset % FILE_ALIGN);
+   * slots; device memory always does; so do the units that hold bytes of two ranges. */
+  for (size_t i = 0; i < c->nrng; i++) {
+    frange_t *r = &c->rng[i];
+    r->ring = r->device || (by_dfd && ((uintptr_t)r->mem % FILE_ALIGN) != r->off % FILE_ALIGN);
+    c->ring |= r->ring;
+  }
+  for (size_t j = 0; j < c->nseg && !c->ring; j++) c->ring = c->seg[j].nr > 1;
   if (c->ring) {
     st = o->pool ? PM_OK : pm_pool_default(&c->pool);
     if (o->pool) c->pool = o->pool;
-    if (st != PM_OK) {
-      fio_close(c);
-      return pm__wrap_error(st, "%s: default pool for bounce slots", fn);
-    }
+    if (st != PM_OK) return pm__wrap_error(st, "%s: default pool for bounce slots", fn);
   }
   return PM_OK;
 }
@@ -740,11 +970,13 @@ static int threads_for(const pm_file_options_t *o) {
  * page must flush and invalidate (the kernel does, but only page-cache pages that are not
  * busy). With 4 KiB pages the edges' pages and the middles' pages are distinct anyway. */
 static pm_status_t write_edges(fio_t *c) {
-  for (int i = 0; i < 2; i++) {
-    if (!c->edge[i].len) continue;
-    int e = xfer_fd(c, c->fd, c->edge[i].buf, c->edge[i].len, c->edge[i].pos);
-    if (e) return io_error(c, e, c->edge[i].len, c->edge[i].pos);
-  }
+  for (size_t j = 0; j < c->nseg; j++)
+    for (int i = 0; i < 2; i++) {
+      fseg_t *g = &c->seg[j];
+      if (!g->edge[i].len) continue;
+      int e = xfer_fd(c, c->fd, g->edge[i].buf, g->edge[i].len, g->edge[i].pos);
+      if (e) return io_error(c, e, g->edge[i].len, g->edge[i].pos);
+    }
   return PM_OK;
 }
 
@@ -797,7 +1029,7 @@ static pm_status_t reserve(fio_t *c) {
                        injected ? " (injected fault: PINMEM_FAULT or pm__fault_set)" : "");
 }
 
-/* Move the whole range (ring or straight). */
+/* Move every range (in place and through the ring). */
 static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
   int threads = threads_for(o);
   int tasks = (int)PM__MIN((size_t)threads, c->nunits);
@@ -806,20 +1038,22 @@ static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
     st = reserve(c);
     if (st != PM_OK) return st;
   }
-  if (!c->ring || !c->device) {
+  bool host = false;
+  for (size_t i = 0; i < c->nrng && !host; i++) host = !c->rng[i].device;
+  if (host) {
     /* Host memory: the stream's earlier work may still read or write it. */
     st = pm__cb_stream_synchronize(c->stream);
     if (st != PM_OK) return pm__wrap_error(st, "%s: waiting for the stream's earlier work", c->fn);
   }
   if (!c->ring) {
-    pm__parallel_for(tasks, (size_t)tasks, straight_task, c);
+    pm__parallel_for(tasks, (size_t)tasks, unit_task, c);
   } else {
     st = ring_create(c, pm__file_slots(c->chunk, threads, c->write, !c->cached));
     if (st != PM_OK) return st;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     tasks = PM__MIN(tasks, c->nslots);
-    pm__parallel_for(tasks, (size_t)tasks, ring_task, c);
+    pm__parallel_for(tasks, (size_t)tasks, unit_task, c);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     ring_destroy(c, c->device);
@@ -850,27 +1084,31 @@ static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
   return PM_OK;
 }
 
-/* What both calls do first: the options checked (and their copy-engine form), the call's state
- * prepared. */
-static pm_status_t begin(fio_t *c, const char *fn, bool write, int fd, uint64_t offset,
-                         size_t bytes, const void *mem, pm_stream_t stream,
-                         const pm_file_options_t *options, pm_file_options_t *o,
-                         pm_copy_options_t *co, bool *empty) {
+/* What every call does first: the options checked (and their copy-engine form), the call's
+ * state prepared. On failure nothing is left open. */
+static pm_status_t begin(fio_t *c, const char *fn, bool write, int fd,
+                         const pm_file_range_t *ranges, size_t count, bool multi,
+                         pm_stream_t stream, const pm_file_options_t *options,
+                         pm_file_options_t *o, pm_copy_options_t *co, bool *empty) {
+  memset(c, 0, sizeof *c);
+  c->dfd = -1;
   pm_status_t st = read_options(options, fn, o);
   if (st != PM_OK) return st;
   copy_opts(o, co);
-  return prepare(c, fn, write, fd, offset, bytes, mem, stream, o, empty);
+  st = prepare(c, fn, write, fd, ranges, count, multi, stream, o, empty);
+  if (st != PM_OK) fio_close(c);
+  return st;
 }
 
-pm_status_t pm_file_read_async(int fd, uint64_t offset, size_t bytes, void *dst,
-                               pm_stream_t stream, const pm_file_options_t *options,
-                               pm_fence_t *fence_out) {
-  const char *fn = "pm_file_read_async";
+static pm_status_t read_ranges(const char *fn, int fd, const pm_file_range_t *ranges,
+                               size_t count, bool multi, pm_stream_t stream,
+                               const pm_file_options_t *options, pm_fence_t *fence_out) {
   pm_file_options_t o;
   pm_copy_options_t co;
   fio_t c;
   bool empty;
-  pm_status_t st = begin(&c, fn, false, fd, offset, bytes, dst, stream, options, &o, &co, &empty);
+  pm_status_t st =
+      begin(&c, fn, false, fd, ranges, count, multi, stream, options, &o, &co, &empty);
   if (st != PM_OK) return st;
   if (empty || !c.device) {
     if (!empty) st = run(&c, &o);
@@ -915,20 +1153,45 @@ pm_status_t pm_file_read_async(int fd, uint64_t offset, size_t bytes, void *dst,
   return PM_OK;
 }
 
-pm_status_t pm_file_write_async(int fd, uint64_t offset, size_t bytes, const void *src,
-                                pm_stream_t stream, const pm_file_options_t *options,
-                                pm_fence_t *fence_out) {
-  const char *fn = "pm_file_write_async";
+static pm_status_t write_ranges(const char *fn, int fd, const pm_file_range_t *ranges,
+                                size_t count, bool multi, pm_stream_t stream,
+                                const pm_file_options_t *options, pm_fence_t *fence_out) {
   pm_file_options_t o;
   pm_copy_options_t co;
   fio_t c;
   bool empty;
-  pm_status_t st =
-      begin(&c, fn, true, fd, offset, bytes, src, stream, options, &o, &co, &empty);
+  pm_status_t st = begin(&c, fn, true, fd, ranges, count, multi, stream, options, &o, &co, &empty);
   if (st != PM_OK) return st;
   if (!empty) st = run(&c, &o);
   fio_close(&c);
   if (st != PM_OK) return st;
   /* Every byte is in the file: the fence is complete (the callback still runs once). */
   return pm__fence_submit_empty(&co, fence_out);
+}
+
+pm_status_t pm_file_read_async(int fd, uint64_t offset, size_t bytes, void *dst,
+                               pm_stream_t stream, const pm_file_options_t *options,
+                               pm_fence_t *fence_out) {
+  pm_file_range_t r = {.offset = offset, .bytes = bytes, .mem = dst};
+  return read_ranges("pm_file_read_async", fd, &r, 1, false, stream, options, fence_out);
+}
+
+pm_status_t pm_file_write_async(int fd, uint64_t offset, size_t bytes, const void *src,
+                                pm_stream_t stream, const pm_file_options_t *options,
+                                pm_fence_t *fence_out) {
+  pm_file_range_t r = {.offset = offset, .bytes = bytes, .mem = (void *)(uintptr_t)src};
+  return write_ranges("pm_file_write_async", fd, &r, 1, false, stream, options, fence_out);
+}
+
+pm_status_t pm_file_readv_async(int fd, const pm_file_range_t *ranges, size_t count,
+                                pm_stream_t stream, const pm_file_options_t *options,
+                                pm_fence_t *fence_out) {
+  return read_ranges("pm_file_readv_async", fd, ranges, count, true, stream, options, fence_out);
+}
+
+pm_status_t pm_file_writev_async(int fd, const pm_file_range_t *ranges, size_t count,
+                                 pm_stream_t stream, const pm_file_options_t *options,
+                                 pm_fence_t *fence_out) {
+  return write_ranges("pm_file_writev_async", fd, ranges, count, true, stream, options,
+                      fence_out);
 }
