@@ -11,22 +11,22 @@
 #   kv (test_kv.py, examples/kv_offload.py), kvpin (kv_pin.py), offload (test_offload.py,
 #   offload_activations.py), dcp (test_dcp.py, compare_dcp.py), safetensors (test_files.py,
 #   test_safetensors.py, test_lazy_bits.py), loaderpy (test_loader_dataloader.py,
-#   test_loader_hostile.py). With `python` in the same run, the others leave their test files to it.
+#   test_loader_hostile.py, test_loader_iterable.py). With `python` in the same run, the others
+#   leave their test files to it.
 # Default: all but sweep and python (the whole suite; the other Python steps run their own files).
 # The steps that run the pinmem tool (info alloc copy overlap sweep loader file blocks torch) need
 # `build` in the same run, or an earlier run's $BUILD.
 #
-# Commands of under ~9 minutes each on one H200, estimated from the scripts' sizes and earlier runs
-# (build 1.5 with tests, 0.5 without; extension 1; tests 1; notoolkit 1.5; alloc 1; copy 2;
-# overlap 1; loader 2; file 1.5; blocks 3; kv 1; kvpin 2.5 at 32G, 4 at 64G; offload 2.5;
-# dcp 1 + 5; safetensors 1; loaderpy 2; train 2; workers 7; python 4), in this order of need:
-#   A  build tests info notoolkit alloc copy      ~7.5  the driver loaded at run time (C only)
-#   B  build blocks kv offload                    ~8    KV block store, activation offload
-#   C  dcp                                        ~7    DCP, 4 ranks, 8 GiB, files in $CKPT_DIR
-#   D  build loader safetensors loaderpy          ~6.5  the loader, safetensors on CUDA
-#   E  build file train kvpin                     ~7.5
-#   F  workers                                    ~8
-# B to F need .whl (bench/README.md, "GPU runs"). TIME_LIMIT_S (default 570) bounds the whole run:
+# Minutes on one H200 (driver r580, 16 CPUs), measured 2026-12-05 where a figure has no "~":
+# build with tests and tests together 1.3; info 0.1; notoolkit 0.5; alloc 0.2; copy 0.8; loader 0.4;
+# file 0.5; blocks 2.3; the extension and kv 0.4; offload 1.1; dcp 3.7 (4 ranks, 4G); train 0.5;
+# loaderpy 0.7; kvpin 1.2 at 16G; estimated: overlap ~1, safetensors ~1, workers ~7, python ~4,
+# kvpin ~4 at 64G. Calls of under ~9 minutes, in this order of need:
+#   A  build tests info notoolkit alloc copy loader file   3.2   the driver loaded at run time
+#   B  build blocks kv offload dcp  (DCP_ARGS ... --size 4G) 7.8  KV store, offload, DCP
+#   C  build train safetensors loaderpy kvpin files         ~8
+#   D  workers python                                       ~9
+# B to D need .whl (bench/README.md, "GPU runs"). TIME_LIMIT_S (default 570) bounds the whole run:
 # each step's timeout is cut to what is left, a step that cannot start in time is skipped (SKIP in
 # summary.txt), and the archive is packed before a 600 s command limit. TIME_LIMIT_S=0: no limit.
 #
@@ -473,7 +473,8 @@ if step loaderpy 60; then
   if has python; then
     result loaderpy SKIP "the python step runs these files"
   elif pyext; then
-    pytests loaderpy 420 python/tests/test_loader_dataloader.py python/tests/test_loader_hostile.py
+    pytests loaderpy 420 python/tests/test_loader_dataloader.py python/tests/test_loader_hostile.py \
+      python/tests/test_loader_iterable.py
   fi
 fi
 
