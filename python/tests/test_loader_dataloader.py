@@ -4,6 +4,8 @@ the samples delivered. Differences that remain are refused with a message naming
 """
 import numpy as np
 import re
+import sys
+import threading
 
 import pytest
 
@@ -746,6 +748,49 @@ def test_an_error_after_the_shapes_began_to_vary_is_its_own_and_the_next_batch_f
     # of it; what they met there must not stand in for a later batch's own exception.
     t, p = side_by_side(ScalesBroken(24), nw, (3,), KeyError, lambda b, t: "sample 13 is broken")
     assert len(p) == 5 and all(same(a, b) for a, b in zip(t, p))
+
+
+class LaterFailsFirst(Indexed):
+    """Samples 5 (batch 1) and 9 (batch 2) raise. Read on pinmem's threads, sample 5 raises only
+    once sample 9 has been fetched on another thread: the read-ahead batch's exception is the one
+    kept first, while the loader's first failing batch is 1."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.nine_read = threading.Event()
+        self.waited = False
+
+    def __getitem__(self, i):
+        if i == 0 and threading.current_thread() is threading.main_thread():
+            self.nine_read.clear()  # a new loader (torch's read sample 9 in the main thread)
+        if i == 9:
+            self.nine_read.set()
+            raise KeyError("sample 9 is broken")
+        if i == 5:
+            if threading.current_thread() is not threading.main_thread():
+                self.waited = self.nine_read.wait(60)
+            raise KeyError("sample 5 is broken")
+        return super().__getitem__(i)
+
+
+def test_the_exception_raised_at_a_batch_is_its_own_sample_s_not_one_read_ahead():
+    # Every reader thread keeps what its fetch raised; next() at batch 1 must raise sample 5's
+    # exception (the sample whose read failed), not sample 9's, met first by a thread reading
+    # ahead, and the batches after follow as torch's (batch 2 raises sample 9's own).
+    ds = LaterFailsFirst(16)
+    was = pinmem.options()["loader_workers"]["value"]
+    interval = sys.getswitchinterval()
+    pinmem.set_option("loader_workers", 4)  # readers enough to read ahead on any machine
+    # The thread that read sample 9 keeps the GIL until its exception is stored: sample 5's
+    # thread, woken by the event, cannot store its own first.
+    sys.setswitchinterval(2.0)
+    try:
+        t, p = side_by_side(ds, 0, (1, 2), KeyError, lambda b, t: f"sample {4 * b + 1} is broken")
+    finally:
+        sys.setswitchinterval(interval)
+        pinmem.set_option("loader_workers", was)
+    assert ds.waited, "sample 5 was never read while sample 9 was (one reader thread?)"
+    assert len(p) == 2 and all(same(a, b) for a, b in zip(t, p))
 
 
 class UnevenLengths(Indexed):
