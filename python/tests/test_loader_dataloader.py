@@ -718,14 +718,14 @@ class ScalesBroken(Scales):
         return super().__getitem__(i)
 
 
-def side_by_side(ds, nw, failing, error, match):
+def side_by_side(ds, nw, failing, error, match, **kw):
     """One epoch of DataLoader and of pinmem.Loader (as_torch) over ds in batches of 4, each
     batch on the host; at the batch numbers in `failing`, next() must raise `error` (pinmem's
     with a text matching match(batch number, torch?) when that is not None). -> (torch's
-    batches, pinmem's), the failed ones left out."""
+    batches, pinmem's), the failed ones left out. kw: more arguments of both loaders."""
     results = []
     for make in (DataLoader, pinmem.Loader):
-        loader = make(ds, batch_size=4, num_workers=nw)
+        loader = make(ds, batch_size=4, num_workers=nw, **kw)
         it = iter(loader.as_torch() if make is pinmem.Loader else loader)
         got = []
         for b in range(-(-len(ds) // 4)):
@@ -773,11 +773,14 @@ class LaterFailsFirst(Indexed):
         return super().__getitem__(i)
 
 
-def test_the_exception_raised_at_a_batch_is_its_own_sample_s_not_one_read_ahead():
+@pytest.mark.parametrize("sampler", [None, "reversed in each batch"])
+def test_the_exception_raised_at_a_batch_is_its_own_sample_s_not_one_read_ahead(sampler):
     # Every reader thread keeps what its fetch raised; next() at batch 1 must raise sample 5's
     # exception (the sample whose read failed), not sample 9's, met first by a thread reading
-    # ahead, and the batches after follow as torch's (batch 2 raises sample 9's own).
+    # ahead, and the batches after follow as torch's (batch 2 raises sample 9's own). With a
+    # sampler, the loader's positions are not the dataset's indices (position 6 is sample 5).
     ds = LaterFailsFirst(16)
+    kw = {} if sampler is None else dict(sampler=[4 * (k // 4) + 3 - k % 4 for k in range(16)])
     was = pinmem.options()["loader_workers"]["value"]
     interval = sys.getswitchinterval()
     pinmem.set_option("loader_workers", 4)  # readers enough to read ahead on any machine
@@ -785,7 +788,8 @@ def test_the_exception_raised_at_a_batch_is_its_own_sample_s_not_one_read_ahead(
     # thread, woken by the event, cannot store its own first.
     sys.setswitchinterval(2.0)
     try:
-        t, p = side_by_side(ds, 0, (1, 2), KeyError, lambda b, t: f"sample {4 * b + 1} is broken")
+        t, p = side_by_side(ds, 0, (1, 2), KeyError, lambda b, t: f"sample {4 * b + 1} is broken",
+                            **kw)
     finally:
         sys.setswitchinterval(interval)
         pinmem.set_option("loader_workers", was)
