@@ -1129,6 +1129,13 @@ typedef struct pm_batch {
  *  PM_ERR_FORMAT, a callback's status) for the batch it happened in, after the complete batches
  *  before it, and again on every later call: never a short batch. */
 PM_API pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out);
+/** After pm_loader_next failed with a read error: the index, in the loader's dataset, of the
+ *  sample whose read failed (for a pm_dataset_select, its position; the message names the
+ *  index the read callback got), so that a binding can re-raise that sample's own error while
+ *  other threads met errors of later samples. PM_ERR_STATE when no batch failed, or the error
+ *  is not one known sample's (a copy or a slot failed; a read_rows call of several rows failed
+ *  as a whole). */
+PM_API pm_status_t pm_loader_error_sample(pm_loader_t *loader, uint64_t *index_out);
 /** Later work on `stream` waits until the batch is in its device buffer (the host does not). */
 PM_API pm_status_t pm_batch_wait_stream(const pm_batch_t *batch, pm_stream_t stream);
 /** Give the batch back. Its buffers are reused only after the work queued on `stream` so far

@@ -508,6 +508,11 @@ static void test_read_error(void) {
     CHECK_ERR_MSG(pm_loader_next(ld, &b), want);
     CHECK(strstr(pm_last_error(), variant == 2 ? "sample 0 " : "sample 37 ") != NULL);
     CHECK_EQ_INT(b.samples, 0x5a5a5a5a5a5a5a5a); /* output untouched */
+    /* The sample the message names, for a binding to re-raise that sample's own error. */
+    uint64_t bad = 12345;
+    CHECK_OK(pm_loader_error_sample(ld, &bad));
+    CHECK_EQ_SIZE(bad, (uint64_t)p.fail_at);
+    CHECK_ERR_MSG(pm_loader_error_sample(ld, NULL), PM_ERR_INVALID);
     CHECK_ERR_MSG(pm_loader_next(ld, &b), want);
     pm_loader_state_t s;
     CHECK_OK(pm_loader_state(ld, &s));
@@ -515,6 +520,13 @@ static void test_read_error(void) {
     CHECK_OK(pm_loader_destroy(ld));
   }
   p.fail_at = -1;
+  pm_loader_config_t c = base_config(batch);
+  pm_loader_t *ld;
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  uint64_t bad = 12345;
+  CHECK_ERR_MSG(pm_loader_error_sample(ld, &bad), PM_ERR_STATE); /* nothing failed */
+  CHECK_EQ_SIZE(bad, 12345);
+  CHECK_OK(pm_loader_destroy(ld));
   CHECK_OK(pm_dataset_destroy(ds));
 }
 
@@ -1235,6 +1247,9 @@ static void test_part_fault(void) {
     CHECK_EQ_INT(b.samples, 0x5a5a5a5a5a5a5a5a); /* output untouched */
     pm__fault_reset();
     CHECK_ERR_MSG(pm_loader_next(ld, &b), PM_ERR_BACKEND); /* sticky */
+    uint64_t bad = 12345; /* a copy failed: no sample to name */
+    CHECK_ERR_MSG(pm_loader_error_sample(ld, &bad), PM_ERR_STATE);
+    CHECK_EQ_SIZE(bad, 12345);
     pm_loader_state_t s;
     CHECK_OK(pm_loader_state(ld, &s));
     CHECK_EQ_SIZE(s.batch, fail_batch);

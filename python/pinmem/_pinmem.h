@@ -202,13 +202,22 @@ typedef struct {
   int nfields;
   size_t fbytes[PM_MAX_FIELDS]; /* bytes of field k of one sample */
   PyObject *fetch; /* Python datasets: fetch(index) -> a sequence of nfields buffers */
-  PyObject *error; /* the first exception a fetch raised: (type, value, traceback) */
-  PyObject *parts; /* zips and selects: the datasets used (kept alive with this one) */
+  /* Python datasets: {sample index: (type, value, traceback)}, the first exception the fetch of
+   * each sample raised (several reader threads fail at once; next() re-raises the one of the
+   * sample whose read failed); NULL until one is raised. */
+  PyObject *errors;
+  PyObject *parts;  /* zips and selects: the datasets used (kept alive with this one) */
+  PyObject *select; /* selects: bytes of the uint64 indices into parts[0] (to map an index) */
   struct pmpy_procs *procs; /* worker-process datasets: the channels (procs.c) */
 } DatasetObject;
 
 extern PyTypeObject pmpy_DatasetType;
-PyObject *pmpy_dataset_take_error(DatasetObject *d);
+/* The exception the read of sample `index` raised (PMPY_ANY_SAMPLE: the lowest index's), taken
+ * out; NULL if none. */
+#define PMPY_ANY_SAMPLE UINT64_MAX
+PyObject *pmpy_dataset_take_error(DatasetObject *d, uint64_t index);
+/* Forget every exception d (and its parts) keep. */
+void pmpy_dataset_clear_errors(DatasetObject *d);
 DatasetObject *pmpy_dataset_new(void);
 int pmpy_field_spec(int k, const char *descr, size_t itemsize, int ndim, const Py_ssize_t *shape,
                     pm_field_t *f);

@@ -2,7 +2,8 @@
  * DESIGN: the datasets a pinmem.Loader reads (the struct is in _pinmem.h): .npy and token files
  * (read by the C library), in-memory arrays (one per field, read without the GIL), a Python
  * fetch(index) function (called from the loader's worker threads, which take the GIL for it and
- * keep the first exception it raised for next() to re-raise), and zips of these (their fields
+ * keep the exception each sample's fetch raised, by index, for next() to re-raise the one of the
+ * sample whose read failed), and zips of these (their fields
  * side by side). Each field is described by a pm_field_t: dtypes pinmem has no code for travel
  * as records of their bytes, with NumPy's descr to rebuild them.
  */
@@ -20,8 +21,9 @@ static void Dataset_dealloc(DatasetObject *self) {
   }
   for (int i = 0; i < self->nviews; i++) PyBuffer_Release(&self->views[i]);
   Py_CLEAR(self->fetch);
-  Py_CLEAR(self->error);
+  Py_CLEAR(self->errors);
   Py_CLEAR(self->parts);
+  Py_CLEAR(self->select);
   if (self->procs) pmpy_procs_free(self->procs);
   self->procs = NULL;
   Py_TYPE(self)->tp_free((PyObject *)self);
@@ -34,26 +36,69 @@ DatasetObject *pmpy_dataset_new(void) {
   d->nviews = 0;
   d->nfields = 0;
   d->fetch = NULL;
-  d->error = NULL;
+  d->errors = NULL;
   d->parts = NULL;
+  d->select = NULL;
   d->procs = NULL;
   return d;
 }
 
-/* The exception a Python dataset (or a zipped part of one) raised, taken out; NULL if none. */
-PyObject *pmpy_dataset_take_error(DatasetObject *d) {
-  if (!d->error && d->procs) d->error = pmpy_procs_take_error(d);
-  if (d->error) {
-    PyObject *e = d->error;
-    d->error = NULL;
-    return e;
+/* The key of the lowest index in a dict of errors (borrowed); NULL if it is empty. */
+static PyObject *lowest_key(PyObject *errors) {
+  PyObject *k, *v, *best = NULL;
+  Py_ssize_t pos = 0;
+  unsigned long long bi = 0;
+  while (PyDict_Next(errors, &pos, &k, &v)) {
+    unsigned long long i = PyLong_AsUnsignedLongLong(k);
+    if (!best || i < bi) {
+      best = k;
+      bi = i;
+    }
   }
-  if (d->parts)
+  return best;
+}
+
+/* The exception a Python dataset (or a part of a zip or select) raised reading sample `index`,
+ * taken out; NULL if none. Worker-process datasets keep one error, of the earliest batch. */
+PyObject *pmpy_dataset_take_error(DatasetObject *d, uint64_t index) {
+  if (d->procs) {
+    PyObject *e = pmpy_procs_take_error(d);
+    if (e) return e;
+  }
+  if (d->errors && PyDict_GET_SIZE(d->errors) > 0) {
+    PyObject *key = index == PMPY_ANY_SAMPLE ? Py_XNewRef(lowest_key(d->errors))
+                                             : PyLong_FromUnsignedLongLong(index);
+    PyObject *e = key ? PyDict_GetItemWithError(d->errors, key) : NULL;
+    if (e) {
+      Py_INCREF(e);
+      if (PyDict_DelItem(d->errors, key) < 0) PyErr_Clear();
+    }
+    Py_XDECREF(key);
+    if (PyErr_Occurred()) PyErr_Clear();
+    if (e) return e;
+  }
+  if (d->parts) {
+    uint64_t at = index;
+    if (d->select && index != PMPY_ANY_SAMPLE) {
+      /* A select's sample i is its base's sample select[i]. */
+      const uint64_t *map = (const uint64_t *)PyBytes_AS_STRING(d->select);
+      uint64_t n = (uint64_t)PyBytes_GET_SIZE(d->select) / 8;
+      at = index < n ? map[index] : PMPY_ANY_SAMPLE;
+    }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(d->parts); i++) {
-      PyObject *e = pmpy_dataset_take_error((DatasetObject *)PyTuple_GET_ITEM(d->parts, i));
+      PyObject *e = pmpy_dataset_take_error((DatasetObject *)PyTuple_GET_ITEM(d->parts, i), at);
       if (e) return e;
     }
+  }
   return NULL;
+}
+
+/* (A worker-process error is not kept here: _procs_reset forgets it.) */
+void pmpy_dataset_clear_errors(DatasetObject *d) {
+  if (d->errors) PyDict_Clear(d->errors);
+  if (d->parts)
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(d->parts); i++)
+      pmpy_dataset_clear_errors((DatasetObject *)PyTuple_GET_ITEM(d->parts, i));
 }
 
 static int parse_io(const char *io, pm_io_mode_t *out) {
@@ -280,6 +325,10 @@ fail:
   return NULL;
 }
 
+/* Exceptions a Python dataset keeps at most (one per sample; a loader's threads stop at its
+ * first error, so a few are in flight at once). */
+#define PMPY_MAX_KEPT_ERRORS 1024
+
 /* A worker thread reads one sample of a Python dataset: one fetch call for all its fields. */
 static int python_read(uint64_t index, void *const *dsts, void *user) {
   DatasetObject *d = user;
@@ -314,8 +363,19 @@ static int python_read(uint64_t index, void *const *dsts, void *user) {
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
     PyErr_NormalizeException(&et, &ev, &tb);
-    if (!d->error)
-      d->error = Py_BuildValue("(OOO)", et ? et : Py_None, ev ? ev : Py_None, tb ? tb : Py_None);
+    /* Kept per sample: threads that read ahead fail too, and next() must raise the exception of
+     * the sample whose read failed, not whichever was stored first. Bounded: past that many
+     * (a loader whose errors nobody takes), later ones are dropped. */
+    if (!d->errors) d->errors = PyDict_New();
+    PyObject *key = d->errors ? PyLong_FromUnsignedLongLong(index) : NULL;
+    if (key && PyDict_GET_SIZE(d->errors) < PMPY_MAX_KEPT_ERRORS &&
+        !PyDict_Contains(d->errors, key)) {
+      PyObject *e =
+          Py_BuildValue("(OOO)", et ? et : Py_None, ev ? ev : Py_None, tb ? tb : Py_None);
+      if (e) PyDict_SetItem(d->errors, key, e);
+      Py_XDECREF(e);
+    }
+    Py_XDECREF(key);
     Py_XDECREF(et);
     Py_XDECREF(ev);
     Py_XDECREF(tb);
@@ -478,13 +538,11 @@ static PyObject *Dataset_read_sample(DatasetObject *self, PyObject *args) {
   Py_END_ALLOW_THREADS if (st != PM_OK) {
     Py_DECREF(x);
     Py_DECREF(y);
-    if (self->error) {
-      PyErr_Restore(Py_NewRef(PyTuple_GET_ITEM(self->error, 0)),
-                    Py_NewRef(PyTuple_GET_ITEM(self->error, 1)),
-                    PyTuple_GET_ITEM(self->error, 2) == Py_None
-                        ? NULL
-                        : Py_NewRef(PyTuple_GET_ITEM(self->error, 2)));
-      Py_CLEAR(self->error);
+    PyObject *e = pmpy_dataset_take_error(self, (uint64_t)index);
+    if (e) {
+      PyErr_Restore(Py_NewRef(PyTuple_GET_ITEM(e, 0)), Py_NewRef(PyTuple_GET_ITEM(e, 1)),
+                    PyTuple_GET_ITEM(e, 2) == Py_None ? NULL : Py_NewRef(PyTuple_GET_ITEM(e, 2)));
+      Py_DECREF(e);
       return NULL;
     }
     return pmpy_raise_status(st);
@@ -496,8 +554,8 @@ static PyObject *Dataset_read_sample(DatasetObject *self, PyObject *args) {
  * batch whose error was raised until they stopped, and the next loader over this dataset must
  * raise its own errors, not theirs. */
 static PyObject *Dataset_clear_error(DatasetObject *self, PyObject *unused) {
-  PyObject *e = pmpy_dataset_take_error(self);
-  Py_XDECREF(e);
+  (void)unused;
+  pmpy_dataset_clear_errors(self);
   Py_RETURN_NONE;
 }
 
@@ -541,15 +599,17 @@ static PyObject *py_dataset_select(PyObject *mod, PyObject *args) {
   pm_status_t st;
   Py_BEGIN_ALLOW_THREADS st =
       pm_dataset_select(b->ds, (const uint64_t *)v.buf, (uint64_t)(v.len / 8), &d->ds);
-  Py_END_ALLOW_THREADS PyBuffer_Release(&v);
-  if (st != PM_OK) {
+  Py_END_ALLOW_THREADS if (st != PM_OK) {
+    PyBuffer_Release(&v);
     Py_DECREF(d);
     return pmpy_raise_status(st);
   }
   d->nfields = b->nfields;
   memcpy(d->fbytes, b->fbytes, sizeof d->fbytes);
   d->parts = PyTuple_Pack(1, base);
-  if (!d->parts) {
+  d->select = PyBytes_FromStringAndSize(v.buf, v.len);
+  PyBuffer_Release(&v);
+  if (!d->parts || !d->select) {
     Py_DECREF(d);
     return NULL;
   }

@@ -233,24 +233,31 @@ static PyObject *Loader_next(LoaderObject *self, PyObject *unused) {
   Py_END_ALLOW_THREADS if (st != PM_OK) {
     Py_DECREF(batch);
     if (st == PM_ERR_STATE) Py_RETURN_NONE; /* every epoch was delivered */
-    PyObject *e = pmpy_dataset_take_error(self->dataset);
-    if (e) {
-      /* A Python dataset raised: re-raise that, chained to pinmem's error. */
-      pmpy_raise_status(st);
-      PyObject *et, *ev, *tb;
-      PyErr_Fetch(&et, &ev, &tb);
-      PyErr_NormalizeException(&et, &ev, &tb);
-      Py_XDECREF(et);
-      Py_XDECREF(tb);
-      PyObject *err = PyTuple_GET_ITEM(e, 1);
-      if (ev && err != Py_None) PyException_SetCause(err, ev);
-      else
-        Py_XDECREF(ev);
-      PyErr_SetObject(PyTuple_GET_ITEM(e, 0), err);
-      Py_DECREF(e);
+    /* pinmem's error first: pm_loader_error_sample below may set the last error. */
+    pmpy_raise_status(st);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyErr_NormalizeException(&et, &ev, &tb);
+    /* The exception of the sample whose read failed: other threads reading ahead may have met
+     * (and kept) exceptions of later samples first. PMPY_ANY_SAMPLE when the loader does not
+     * know one sample (a read of several rows failed as a whole): the lowest index's. */
+    uint64_t bad = PMPY_ANY_SAMPLE;
+    if (pm_loader_error_sample(l, &bad) != PM_OK) bad = PMPY_ANY_SAMPLE;
+    PyObject *e = pmpy_dataset_take_error(self->dataset, bad);
+    if (!e) {
+      PyErr_Restore(et, ev, tb);
       return NULL;
     }
-    return pmpy_raise_status(st);
+    /* A Python dataset raised: re-raise that, chained to pinmem's error. */
+    Py_XDECREF(et);
+    Py_XDECREF(tb);
+    PyObject *err = PyTuple_GET_ITEM(e, 1);
+    if (ev && err != Py_None) PyException_SetCause(err, ev);
+    else
+      Py_XDECREF(ev);
+    PyErr_SetObject(PyTuple_GET_ITEM(e, 0), err);
+    Py_DECREF(e);
+    return NULL;
   }
   batch->loader = (LoaderObject *)Py_NewRef(self);
   self->held++;

@@ -4,6 +4,8 @@ the samples delivered. Differences that remain are refused with a message naming
 """
 import numpy as np
 import re
+import sys
+import threading
 
 import pytest
 
@@ -716,14 +718,14 @@ class ScalesBroken(Scales):
         return super().__getitem__(i)
 
 
-def side_by_side(ds, nw, failing, error, match):
+def side_by_side(ds, nw, failing, error, match, **kw):
     """One epoch of DataLoader and of pinmem.Loader (as_torch) over ds in batches of 4, each
     batch on the host; at the batch numbers in `failing`, next() must raise `error` (pinmem's
     with a text matching match(batch number, torch?) when that is not None). -> (torch's
-    batches, pinmem's), the failed ones left out."""
+    batches, pinmem's), the failed ones left out. kw: more arguments of both loaders."""
     results = []
     for make in (DataLoader, pinmem.Loader):
-        loader = make(ds, batch_size=4, num_workers=nw)
+        loader = make(ds, batch_size=4, num_workers=nw, **kw)
         it = iter(loader.as_torch() if make is pinmem.Loader else loader)
         got = []
         for b in range(-(-len(ds) // 4)):
@@ -746,6 +748,53 @@ def test_an_error_after_the_shapes_began_to_vary_is_its_own_and_the_next_batch_f
     # of it; what they met there must not stand in for a later batch's own exception.
     t, p = side_by_side(ScalesBroken(24), nw, (3,), KeyError, lambda b, t: "sample 13 is broken")
     assert len(p) == 5 and all(same(a, b) for a, b in zip(t, p))
+
+
+class LaterFailsFirst(Indexed):
+    """Samples 5 (batch 1) and 9 (batch 2) raise. Read on pinmem's threads, sample 5 raises only
+    once sample 9 has been fetched on another thread: the read-ahead batch's exception is the one
+    kept first, while the loader's first failing batch is 1."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.nine_read = threading.Event()
+        self.waited = False
+
+    def __getitem__(self, i):
+        if i == 0 and threading.current_thread() is threading.main_thread():
+            self.nine_read.clear()  # a new loader (torch's read sample 9 in the main thread)
+        if i == 9:
+            self.nine_read.set()
+            raise KeyError("sample 9 is broken")
+        if i == 5:
+            if threading.current_thread() is not threading.main_thread():
+                self.waited = self.nine_read.wait(60)
+            raise KeyError("sample 5 is broken")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("sampler", [None, "reversed in each batch"])
+def test_the_exception_raised_at_a_batch_is_its_own_sample_s_not_one_read_ahead(sampler):
+    # Every reader thread keeps what its fetch raised; next() at batch 1 must raise sample 5's
+    # exception (the sample whose read failed), not sample 9's, met first by a thread reading
+    # ahead, and the batches after follow as torch's (batch 2 raises sample 9's own). With a
+    # sampler, the loader's positions are not the dataset's indices (position 6 is sample 5).
+    ds = LaterFailsFirst(16)
+    kw = {} if sampler is None else dict(sampler=[4 * (k // 4) + 3 - k % 4 for k in range(16)])
+    was = pinmem.options()["loader_workers"]["value"]
+    interval = sys.getswitchinterval()
+    pinmem.set_option("loader_workers", 4)  # readers enough to read ahead on any machine
+    # The thread that read sample 9 keeps the GIL until its exception is stored: sample 5's
+    # thread, woken by the event, cannot store its own first.
+    sys.setswitchinterval(2.0)
+    try:
+        t, p = side_by_side(ds, 0, (1, 2), KeyError, lambda b, t: f"sample {4 * b + 1} is broken",
+                            **kw)
+    finally:
+        sys.setswitchinterval(interval)
+        pinmem.set_option("loader_workers", was)
+    assert ds.waited, "sample 5 was never read while sample 9 was (one reader thread?)"
+    assert len(p) == 2 and all(same(a, b) for a, b in zip(t, p))
 
 
 class UnevenLengths(Indexed):

@@ -342,6 +342,7 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
   L->cfg.rank = rank;
   L->cfg.world_size = world;
   L->err_g = UINT64_MAX;
+  L->err_sample = PM__NO_SAMPLE;
   L->device = c->delivery == PM_DELIVER_DEVICE;
   L->pinned = c->pin_memory != 0;
 

@@ -143,7 +143,7 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
       L->deliver_g = g;
       L->in_next = false;
       pthread_cond_broadcast(&L->ready_cv);
-      pm__loader_set_error_locked(L, g, st, msg);
+      pm__loader_set_error_locked(L, g, st, msg, PM__NO_SAMPLE);
       pthread_mutex_unlock(&L->mu);
       return pm__set_error(st, "%s: %s", fn, msg);
     }
@@ -313,6 +313,25 @@ pm_status_t pm_batch_release(pm_batch_t *batch, pm_stream_t stream) {
   pthread_cond_broadcast(&L->work_cv);
   pthread_mutex_unlock(&L->mu);
   memset(batch, 0, sizeof *batch);
+  return PM_OK;
+}
+
+pm_status_t pm_loader_error_sample(pm_loader_t *loader, uint64_t *index_out) {
+  const char *fn = "pm_loader_error_sample";
+  pm_status_t st = pm__loader_check(fn, loader);
+  if (st != PM_OK) return st;
+  if (!index_out) return pm__set_error(PM_ERR_INVALID, "%s: index_out is NULL", fn);
+  pthread_mutex_lock(&loader->mu);
+  bool failed = loader->err_g != UINT64_MAX;
+  uint64_t i = loader->err_sample;
+  pthread_mutex_unlock(&loader->mu);
+  if (!failed) return pm__set_error(PM_ERR_STATE, "%s: no batch of the loader failed", fn);
+  if (i == PM__NO_SAMPLE)
+    return pm__set_error(PM_ERR_STATE,
+                         "%s: the loader's error is not the read of one known sample "
+                         "(a copy, a slot, or a read of several rows in one call failed)",
+                         fn);
+  *index_out = i;
   return PM_OK;
 }
 

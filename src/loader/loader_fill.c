@@ -29,11 +29,14 @@ void pm__loader_wake_workers_locked(pm_loader_t *L) {
     for (int i = 0; i < L->nworkers; i++) pthread_cond_broadcast(&L->turn_cv[i]);
 }
 
-/* Record the first error by batch order (with mu held). */
-void pm__loader_set_error_locked(pm_loader_t *L, uint64_t g, pm_status_t st, const char *msg) {
+/* Record the first error by batch order (with mu held); `sample` is the dataset index whose read
+ * failed, PM__NO_SAMPLE when the error is not one sample's. */
+void pm__loader_set_error_locked(pm_loader_t *L, uint64_t g, pm_status_t st, const char *msg,
+                                 uint64_t sample) {
   if (g < L->err_g) {
     L->err_g = g;
     L->err = st;
+    L->err_sample = sample;
     snprintf(L->err_msg, sizeof L->err_msg, "%s", msg && msg[0] ? msg : pm_strerror(st));
   }
   pthread_cond_broadcast(&L->ready_cv);
@@ -152,7 +155,7 @@ static void submit_ready_locked(pm_loader_t *L) {
     L->submitting = false;
     if (st != PM_OK) {
       s->failed = true;
-      pm__loader_set_error_locked(L, g, st, msg);
+      pm__loader_set_error_locked(L, g, st, msg, PM__NO_SAMPLE);
       return;
     }
     s->parts_queued = p1;
@@ -208,7 +211,7 @@ void *pm__loader_worker_main(void *arg) {
       s->state = SLOT_FILLING;
       if (st != PM_OK) {
         s->failed = true;
-        pm__loader_set_error_locked(L, g, st, msg);
+        pm__loader_set_error_locked(L, g, st, msg, PM__NO_SAMPLE);
       }
       pthread_cond_broadcast(&L->work_cv);
       continue;
@@ -240,6 +243,7 @@ void *pm__loader_worker_main(void *arg) {
     void *dsts[PM_MAX_FIELDS];
     double t0 = pm__now();
     uint64_t r = r0;
+    uint64_t bad = PM__NO_SAMPLE; /* the sample whose read failed, when one is known */
     if (L->rows_reads) {
       /* The claim's rows are consecutive in the slot: one call writes them all. */
       if (!atomic_load_explicit(&L->stop_flag, memory_order_relaxed)) {
@@ -250,6 +254,8 @@ void *pm__loader_worker_main(void *arg) {
         if (st == PM_OK) {
           r = r1;
         } else {
+          /* One call read the whole claim: the failing row is known only if it was alone. */
+          if (r1 - r0 == 1) bad = s->indices[r0];
           snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu (a claim of %llu rows): %s",
                    (unsigned long long)epoch, (unsigned long long)(g % L->sampler.batches),
                    (unsigned long long)r0, (unsigned long long)(r1 - r0), pm_last_error());
@@ -263,6 +269,7 @@ void *pm__loader_worker_main(void *arg) {
         pm__dataset_claim_set(g, r);
         st = pm__dataset_read_fields(ds, epoch, s->indices[r], dsts, &scratch);
         if (st != PM_OK) {
+          bad = s->indices[r];
           snprintf(msg, sizeof msg, "epoch %llu, batch %llu, row %llu: %s",
                    (unsigned long long)epoch, (unsigned long long)(g % L->sampler.batches),
                    (unsigned long long)r, pm_last_error());
@@ -276,7 +283,7 @@ void *pm__loader_worker_main(void *arg) {
     s->done += r1 - r0;
     if (st != PM_OK) {
       s->failed = true;
-      pm__loader_set_error_locked(L, g, st, msg);
+      pm__loader_set_error_locked(L, g, st, msg, bad);
     } else if (r == r1) {
       /* Every row of the claim is written (not cut short by a stop): the ready prefix grows. */
       s->chunk_done[r0 / L->rows_per_claim] = 1;

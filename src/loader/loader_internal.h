@@ -92,6 +92,7 @@ struct pm_loader_s {
   bool torn_down; /* ... and has finished: the last release frees the loader */
   uint64_t err_g;
   pm_status_t err;
+  uint64_t err_sample; /* the dataset index whose read made err, PM__NO_SAMPLE if none */
   char err_msg[512];
   pm_loader_stats_t st;
 };
@@ -104,8 +105,11 @@ size_t pm__loader_copy_bytes(const pm_loader_t *L, uint64_t rows);
 uint32_t pm__loader_part_count(const pm_loader_t *L, uint64_t rows);
 /* Wake every worker (a stop or an error concerns them all). */
 void pm__loader_wake_workers_locked(pm_loader_t *L);
-/* Record the first error by batch order: batch g failed with st and msg. */
-void pm__loader_set_error_locked(pm_loader_t *L, uint64_t g, pm_status_t st, const char *msg);
+/* Record the first error by batch order: batch g failed with st and msg (sample: the dataset
+ * index whose read failed, PM__NO_SAMPLE when not one sample's read). */
+#define PM__NO_SAMPLE UINT64_MAX
+void pm__loader_set_error_locked(pm_loader_t *L, uint64_t g, pm_status_t st, const char *msg,
+                                 uint64_t sample);
 /* Add the device time of a slot's copy (its runs of parts) to *acc. */
 void pm__loader_add_copy_time(pm_loader_t *L, slot_t *s, double *acc);
 /* Queue parts p0..p1-1 of a slot's copy on the copy stream, by the party that owns the slot's
