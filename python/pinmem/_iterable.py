@@ -48,10 +48,7 @@ Errors travel as _workers' error payloads and are raised through Pool.error: the
 type where it can be rebuilt, WorkerError otherwise; a worker that dies ends its socket (EOF).
 """
 
-import gc
-import os
 import pickle
-import signal
 import socket
 import struct
 import weakref as _weakref
@@ -174,24 +171,8 @@ class _Commands:
 def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpus, plan):
     """The body of iterable worker `wid`: build a batch per credit until the socket ends.
     plan: (batch size or None for unbatched, drop_last, collate_fn or None)."""
-    # Objects inherited through fork are never collected here: a cycle the parent had not yet
-    # freed (a torch DataLoader iterator, say) would otherwise run its __del__ in this process,
-    # from inside whatever allocates, even an import, whose module lock then breaks (KeyError
-    # in importlib on Python 3.11) and kills the worker.
-    gc.freeze()
-    placed, _ = _workers._place(cpus)  # first: a worker_init_fn's own affinity wins
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main program
-    for fd in close_fds:  # other workers' sockets inherited through fork
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    _workers.worker_start(dataset, wid, nworkers, base_seed, close_fds, cpus)
     import numpy as np
-    seed = (base_seed + wid) % (1 << 64)
-    _workers._seed_all(seed, wid, base_seed)
-    info = _workers.WorkerInfo(wid, nworkers, seed, dataset, placed)
-    _workers._worker_info = info
-    _workers._set_torch_worker_info(info)
     init_error = None
     if init_fn is not None:
         try:

@@ -530,12 +530,17 @@ def _place(cpus):
     return sorted(cpus), None
 
 
-def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpus=None,
-                side=None, collate=None):
-    """The body of worker process `wid`: serve claims until the socket closes."""
+def worker_start(dataset, wid, nworkers, base_seed, close_fds, cpus):
+    """What a worker process (map-style or iterable) does first, before worker_init_fn: ->
+    (its WorkerInfo, also get_worker_info()'s and torch's; why placing it on `cpus` failed, or
+    None)."""
     global _worker_info
     import gc
-    gc.freeze()  # the parent's uncollected cycles never run their __del__ here (_iterable.py)
+    # Objects inherited through fork are never collected here: a cycle the parent had not yet
+    # freed (a torch DataLoader iterator, say) would otherwise run its __del__ in this process,
+    # from inside whatever allocates, even an import, whose module lock then breaks (KeyError
+    # in importlib on Python 3.11) and kills the worker.
+    gc.freeze()
     placed, place_error = _place(cpus)  # first: a worker_init_fn's own affinity wins
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main program
     for fd in close_fds:  # other workers' sockets inherited through fork
@@ -543,11 +548,18 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
             os.close(fd)
         except OSError:
             pass
-    import numpy as np
     seed = (base_seed + wid) % (1 << 64)  # torch.manual_seed takes 0..2**64-1
     _seed_all(seed, wid, base_seed)
     _worker_info = WorkerInfo(wid, nworkers, seed, dataset, placed)
     _set_torch_worker_info(_worker_info)
+    return _worker_info, place_error
+
+
+def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpus=None,
+                side=None, collate=None):
+    """The body of worker process `wid`: serve claims until the socket closes."""
+    _, place_error = worker_start(dataset, wid, nworkers, base_seed, close_fds, cpus)
+    import numpy as np
     init_error = None
     if init_fn is not None:
         try:
