@@ -498,6 +498,26 @@ def same(a, b):
     return a == b
 
 
+def first_difference(got, want):
+    """'' when every batch of got is the same as want's, else where and how the first differs
+    (so a failure names the batch and the field, not only 'False')."""
+    if len(got) != len(want):
+        return f"{len(got)} batches, not {len(want)}"
+
+    def walk(a, b, path):
+        if same(a, b):
+            return ""
+        if isinstance(a, dict) and isinstance(b, dict) and sorted(a) == sorted(b):
+            return next(w for w in (walk(a[k], b[k], f"{path}[{k!r}]") for k in a) if w)
+        if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
+            return next(w for w in (walk(x, y, f"{path}[{k}]") for k, (x, y) in
+                                    enumerate(zip(a, b))) if w)
+        return f"{path}: got {a!r}, DataLoader gave {b!r}"
+
+    return next((w for w in (walk(on_host(a), b, f"batch {k}") for k, (a, b) in
+                             enumerate(zip(got, want))) if w), "")
+
+
 @pytest.mark.parametrize("nw, persistent", [(0, False), (2, False), (2, True)])
 def test_collate_fn_runs_on_each_batch_as_in_dataloader(nw, persistent):
     ds = Ragged(13)
@@ -670,7 +690,7 @@ def test_shapes_that_vary_between_batches_arrive_as_dataloader_gives_them(nw, pe
         for _ in range(2):
             got = list(p.as_torch())
             assert len(got) == len(t) == 6
-            assert all(same(on_host(pb), tb) for pb, tb in zip(got, t))
+            assert first_difference(got, t) == ""
         assert [tuple(b["img"].shape) for b in got] == [(4, s, s) for s in (2, 3, 4) * 2]
         plain = list(p)
         assert all(isinstance(b["img"], pinmem.Buffer) for b in plain)
@@ -705,7 +725,7 @@ def test_a_batch_sampler_that_buckets_by_length(nw):
     with pinmem.Loader(ds, batch_sampler=make(), num_workers=nw) as p:
         got = list(p.as_torch())
     assert len(got) == len(t) == 8
-    assert all(same(on_host(pb), tb) for pb, tb in zip(got, t))
+    assert first_difference(got, t) == ""
     assert [b[0].shape[1] for b in got] == [1, 1, 2, 2, 3, 3, 4, 4]
 
 

@@ -916,6 +916,11 @@ def test_no_leaks_after_a_killed_worker(tmp_path):
 
 
 CTRL_C = textwrap.dedent("""
+    import faulthandler, signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it hangs, if it does
+    # Ctrl-C raises KeyboardInterrupt here even when this was started with SIGINT ignored (a
+    # command run in the background of a shell script is): Python keeps an inherited SIG_IGN.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import multiprocessing as mp
     import numpy as np, pinmem
     from test_workers import Slow, child_pids
@@ -951,7 +956,22 @@ def test_ctrl_c_stops_cleanly(tmp_path):
         pids = [int(p) for p in out.read_text().splitlines()[0].split()[1:]]
         assert len(pids) >= 2, pids
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group gets it
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            import shutil
+            # Where the program and its workers are: C stacks (gdb, where there is one) and
+            # Python stacks (faulthandler, inherited by the forked workers, to err).
+            for p in [proc.pid] + pids:
+                if shutil.which("gdb") and alive(p):
+                    with open(tmp_path / f"gdb-{p}", "w") as g:
+                        subprocess.run(["gdb", "-p", str(p), "-batch", "-ex",
+                                        "thread apply all bt"], stdout=g, stderr=subprocess.STDOUT)
+                if alive(p):
+                    os.kill(p, signal.SIGUSR1)
+                    time.sleep(0.5)
+            raise AssertionError(f"Ctrl-C did not stop the program within 30 s\n"
+                                 f"stdout:\n{out.read_text()}\nstderr:\n{err.read_text()}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
