@@ -25,9 +25,10 @@ its own write_data / read_data):
     reused) and with torch's, beside the snapshot alone (PinnedStager.stage: the copy into the
     pinned buffer, or on a GPU the copy into a device scratch);
   * a small training loop (an MLP, one thread per rank on the CPU), as many steps as an async
-    save takes, timed without a save, while an async_save of the state dict is written, and
-    while the disk alone writes the same bytes (O_DIRECT, 16 MiB blocks, fsync, on a thread:
-    no DCP, no pinmem), in turn (at least 9 rounds): the median of the slowdowns in percent,
+    save takes, timed without a save, while an async_save of the state dict is written with
+    pinmem's writer and with torch's, and while the disk alone writes the same bytes (O_DIRECT,
+    16 MiB blocks, fsync, on a thread: no DCP, no pinmem), in turn (at least 9 rounds): the
+    median of the slowdowns in percent,
     their middle half (first to third quartile), each round's beside. The disk alone is what
     the I/O itself costs the loop on this machine, the floor under any writer's slowdown.
 
@@ -67,7 +68,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_checkpoint import BLOCK, Disk, drop_cache, make_checkpoint, parse_size, say  # noqa: E402
+from compare_checkpoint import Disk, drop_cache, make_checkpoint, parse_size, say  # noqa: E402
 
 ROW = {"bench": "dcp"}
 PAIRS = 9  # (without, with) pairs of the training loop, at least
@@ -418,14 +419,8 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
         if not disk.ok:
             disk = None
 
-    def disk_write():
-        fd = os.open(disk.path, os.O_WRONLY | os.O_DIRECT)
-        try:
-            for i in range(disk.blocks):
-                os.pwritev(fd, [disk.buf], i * BLOCK)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    twriter = dcp.FileSystemWriter(os.path.join(tmp, "async-train-torch"))
+    dcp.async_save(sd, storage_writer=twriter).result()  # warm, as pinmem's
 
     def loop(mode):
         g.barrier()
@@ -433,8 +428,10 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
         t0 = time.perf_counter()
         if mode == "save":
             fut = dcp.async_save(sd, storage_writer=writer)
+        elif mode == "torch":
+            fut = dcp.async_save(sd, storage_writer=twriter)
         elif mode == "disk":
-            th = threading.Thread(target=disk_write)
+            th = threading.Thread(target=disk.overwrite)
             th.start()
         t1 = time.perf_counter()
         for _ in range(steps):
@@ -452,7 +449,7 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     # loop's own speed drifts by more than the effect from one round to the next, and the target
     # is judged on the middle half, not on the median alone. The order within a round rotates:
     # whatever bias the order has cancels out.
-    modes = ["none", "save"] + (["disk"] if disk is not None else [])
+    modes = ["none", "save", "torch"] + (["disk"] if disk is not None else [])
     runs = {m: [] for m in modes}
     for k in range(max(PAIRS, repeat)):
         for m in modes[k % len(modes):] + modes[:k % len(modes)]:
@@ -477,12 +474,16 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
         during = runs["disk"]
         report("train_during_disk_alone", sorted(during)[len(during) // 2], allb, steps=steps,
                **slowdowns(during))
+    during = runs["torch"]
+    report("train_during_torch_async_save", sorted(during)[len(during) // 2], allb, steps=steps,
+           **slowdowns(during))
     during = runs["save"]
     out = report("train_during_async_save", sorted(during)[len(during) // 2], allb, steps=steps,
                  save_seconds=round(save_s, 3), **slowdowns(during),
                  noise_q1_pct=pct(own[len(own) // 4]), noise_q3_pct=pct(own[(3 * len(own)) // 4]))
-    if out is not None and disk is not None:
+    if disk is not None:
         out["disk_alone"] = slowdowns(runs["disk"])
+    out["torch_async"] = slowdowns(runs["torch"])
     return out
 
 
@@ -532,6 +533,10 @@ def targets(r, train, args):
                                       "median %.2f%%, middle half %.1f%% to %.1f%%" % (
                                           d["slowdown_pct"], d["slowdown_q1_pct"],
                                           d["slowdown_q3_pct"]))
+        d = train.get("torch_async")
+        alone += "" if d is None else ("; torch's async_save: median %.2f%%, middle half %.1f%% "
+                                       "to %.1f%%" % (d["slowdown_pct"], d["slowdown_q1_pct"],
+                                                      d["slowdown_q3_pct"]))
         out.append(("training slowdown < 5% during an async save", "median %.2f%%, middle half "
                     "of %d pairs %.1f%% to %.1f%%; the loop alone, middle half of its runs "
                     "against each other %.1f%% to %.1f%%%s" % (

@@ -208,7 +208,7 @@ def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsyn
         _os.close(fd)
 
 
-def read_ranges(path, ranges, *, io="auto", stream=None, threads=0):
+def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None):
     """Read many ranges of the file at `path`, each into its own destination, in one call.
 
     ranges: a sequence of (offset, dst) or (offset, dst, nbytes) (nbytes default: the size of
@@ -219,18 +219,21 @@ def read_ranges(path, ranges, *, io="auto", stream=None, threads=0):
     IoError naming the range and where the file ends, before anything is read. Returns once
     every byte is in place (device writes included). io, stream: as read_file's. threads: the
     call's I/O threads, the caller included (0: the option file_threads, else copy_threads).
+    chunk: the bytes of each read and of its pinned slot, a size ("8M") rounded up to 4 KiB
+    (None: the options file_chunk and file_direct_chunk); larger units cost fewer system calls
+    and interrupts per byte, smaller ones spread over more threads.
     """
     path = _os.fspath(path)
     fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
     try:
-        _pinmem._file_readv(fd, ranges, stream, io, int(threads))
+        _pinmem._file_readv(fd, ranges, stream, io, int(threads), chunk)
     except Error as e:
         _file_error("read_ranges", path, e)
     finally:
         _os.close(fd)
 
 
-def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0):
+def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0, chunk=None):
     """Write many ranges of the file at `path`, each from its own source, in one call.
 
     ranges: a sequence of (offset, src) or (offset, src, nbytes); src as write_file's. The file
@@ -239,12 +242,14 @@ def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0
     sources gathered into pinned slots (pm_file_writev_async; docs/files.md). Ranges that
     overlap in the file raise InvalidError before anything is written. Returns once every byte
     is in the file (fsync=True: on disk). io, stream: as write_file's; threads: as
-    read_ranges'.
+    read_ranges'; chunk: the bytes of each write (None: the option file_write_chunk), as
+    read_ranges'. A write in the background of CPU work takes less of the CPUs with a larger
+    chunk and few threads (docs/files.md, "Lists of ranges").
     """
     path = _os.fspath(path)
     fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC, 0o666)
     try:
-        _pinmem._file_writev(fd, ranges, stream, io, bool(fsync), int(threads))
+        _pinmem._file_writev(fd, ranges, stream, io, bool(fsync), int(threads), chunk)
     except Error as e:
         _file_error("write_ranges", path, e)
     finally:

@@ -394,6 +394,54 @@ def test_write_ranges_gathers_and_keeps_the_gaps(io, tmp_path, rng, no_fd_leak):
     np.testing.assert_array_equal(raw[900000:], tail)
 
 
+@pytest.mark.parametrize("chunk", [4096, "12K", "3M", None])
+def test_ranges_in_units_of_a_chunk_of_ones_own(chunk, tmp_path, rng, no_fd_leak):
+    # Units smaller and larger than the ranges, and not dividing them: the same bytes.
+    path = tmp_path / "f.bin"
+    old = write_background(path, rng, 800000)
+    want = old.copy()
+    ranges = []
+    for i, (off, n) in enumerate(RANGES):
+        d = random_bytes(rng, n)
+        want[off:off + n] = d
+        ranges.append((off, make_src(["numpy", "pinned", "device"][i % 3], d)))
+    pinmem.write_ranges(path, ranges, io="direct", chunk=chunk, threads=2)
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), want)
+    dsts = [make_dst("pinned", n) for _, n in RANGES]
+    pinmem.read_ranges(path, [(off, d) for (off, _), (d, _) in zip(RANGES, dsts)], io="direct",
+                       chunk=chunk)
+    for (off, n), (_, contents) in zip(RANGES, dsts):
+        np.testing.assert_array_equal(contents(), want[off:off + n])
+
+
+def test_a_ranges_chunk_is_the_unit_it_asks_for(tmp_path, rng, no_fd_leak):
+    # Within a budget of 8 MiB the default 1 MiB units fit and a 64 MiB unit does not: the
+    # call's chunk reaches the C call (its bounce slots), and a bad one is refused by name.
+    path = tmp_path / "f.bin"
+    write_background(path, rng, 10000)
+    a = np.zeros(4096, np.uint8)
+    old = pinmem.budget()
+    gc.collect()  # buffers of earlier tests still held would keep the budget from shrinking
+    pinmem.trim()
+    try:
+        pinmem.set_budget("8M")
+        pinmem.read_ranges(path, [(0, a)], io="direct")
+        with pytest.raises(pinmem.BudgetError, match="cannot hold one .*bounce slot"):
+            pinmem.read_ranges(path, [(0, a)], io="direct", chunk="64M")
+        with pytest.raises(pinmem.BudgetError, match="cannot hold one .*bounce slot"):
+            pinmem.write_ranges(path, [(0, a)], io="direct", chunk="64M")
+    finally:
+        pinmem.set_budget(old)
+    with pytest.raises(pinmem.InvalidError, match="chunk must be at most 1 GiB"):
+        pinmem.write_ranges(path, [(0, a)], chunk="2G")
+    with pytest.raises(pinmem.InvalidError, match="negative"):
+        pinmem.read_ranges(path, [(0, a)], chunk=-1)
+    with pytest.raises(TypeError, match="a size must be an int or a string"):
+        pinmem.read_ranges(path, [(0, a)], chunk=1.5)
+    with pytest.raises(pinmem.Error):
+        pinmem.read_ranges(path, [(0, a)], chunk="lots")
+
+
 def test_ranges_refused_before_anything_moves(tmp_path, rng, no_fd_leak):
     path = tmp_path / "f.bin"
     data = write_background(path, rng, 10000)
