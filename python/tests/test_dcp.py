@@ -453,15 +453,17 @@ def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
     pinned = {}
     for k in ("a", "c", "b"):  # in pinned memory, as a snapshot's
         v = sd[k]
-        buf = torch.from_dlpack(pinmem.empty(v.numel() * v.element_size(), "uint8"))
-        pinned[k] = buf.view(v.dtype).view(v.shape)
+        # c 64 bytes past a 4 KiB boundary: pinned, but its middle cannot go in place
+        skew = 64 if k == "c" else 0
+        buf = torch.from_dlpack(pinmem.empty(v.numel() * v.element_size() + skew, "uint8"))
+        pinned[k] = buf[skew:].view(v.dtype).view(v.shape)
         pinned[k].copy_(v)
     mixed = dict(sd, **pinned)
     calls = []
     real = pinmem.write_ranges
 
     def spy(path, ranges, **kw):
-        calls.append(len(ranges))
+        calls.append((len(ranges), kw.get("chunk")))
         return real(path, ranges, **kw)
 
     monkeypatch.setattr(pinmem, "write_ranges", spy)
@@ -470,6 +472,8 @@ def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
     dcp.save(mixed, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "m"), no_dist=True)
     assert len(calls) >= 3, calls  # one per pinned tensor at least (GROUP 1 MiB)
+    # the aligned middles (a, b) in units of MIDDLE_CHUNK, the rest in the default units
+    assert {c for _, c in calls} == {pinmem.dcp._FileOut.MIDDLE_CHUNK, None}, calls
     theirs, mine = _items(tmp_path / "t"), _items(tmp_path / "m")
     assert mine.keys() == theirs.keys()
     for k in mine:
