@@ -40,11 +40,13 @@ wins. A worker that cannot (EINVAL: none of those CPUs in its cpuset) goes on wh
 says why in its SCHEMA reply; the loader's stats() count such workers (worker_numa_refused).
 
 Messages (little-endian):
-  request  = magic u32, kind u32, epoch u64, n u64, nfields u32, nnew u32,
+  request  = magic u32, kind u32, epoch u64, n u64, nfields u32, nnew u32, tag u64,
              nfields x (key u64, offset u64, row_bytes u64), nnew x key u64, n x index u64;
              the nnew memfds are attached (SCM_RIGHTS) in the order of their keys.
-  reply    = magic u32, status i32, index u64, then a payload (pickle) for status != 0, for
-             DESCRIBE, and for SCHEMA (None, or why the worker kept its CPU affinity).
+  reply    = magic u32, status i32, index u64, tag u64 (the request's), then a payload (pickle)
+             for status != 0, for DESCRIBE, and for SCHEMA (None, or why the worker kept its CPU
+             affinity). The main process checks the tag: a reply that answers another request
+             is an error, never rows taken as written.
   side     = length u64, then pickle((epoch, [key per row or batch], [values])), on the stream.
 """
 
@@ -58,9 +60,9 @@ import traceback
 
 from ._pinmem import InvalidError as _InvalidError
 
-REQ = struct.Struct("<IIQQII")
+REQ = struct.Struct("<IIQQIIQ")
 FIELD = struct.Struct("<QQQ")
-REP = struct.Struct("<IiQ")
+REP = struct.Struct("<IiQQ")
 MAGIC_REQ = 0x51524D50  # "PMRQ"
 MAGIC_REP = 0x50524D50  # "PMRP"
 KIND_ROWS, KIND_DESCRIBE, KIND_SCHEMA = 1, 2, 3
@@ -282,7 +284,7 @@ def _serve_collated(dataset, collate, unbatched, maps, fields, indices, np, wid,
     except OSError as e:
         return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
     np.ndarray((len(indices),), np.uint8, buffer=maps[key], offset=off)[:] = 1
-    return REP.pack(MAGIC_REP, ST_OK, 0)
+    return REP.pack(MAGIC_REP, ST_OK, 0, 0)
 
 
 def _in_sequence(t, seq, out):
@@ -505,7 +507,7 @@ def _pack_error(status, index, wid, exc, where):
                "name": type(exc).__qualname__, "text": _cut(_safe_text(exc), MAX_TEXT),
                "tb": _cut(tb, MAX_TEXT), "worker": wid, "pid": os.getpid(), "index": index,
                "where": where}
-    head = REP.pack(MAGIC_REP, status, index)
+    head = REP.pack(MAGIC_REP, status, index, 0)
     for drop in ((), ("type",), ("type", "tb", "text")):
         for k in drop:
             payload[k] = None if k == "type" else "(cut: too long to send)"
@@ -576,8 +578,9 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
             break
         if not msg:
             break  # the main process closed the loader or died
+        tag = 0
         try:
-            magic, kind, epoch, n, nfields, nnew = REQ.unpack_from(msg, 0)
+            magic, kind, epoch, n, nfields, nnew, tag = REQ.unpack_from(msg, 0)
             if magic != MAGIC_REQ:
                 raise RuntimeError(f"bad request magic {magic:#x}")
             pos = REQ.size
@@ -589,7 +592,8 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
         except Exception as e:
             for fd in fds:
                 os.close(fd)
-            if not _send(sock, _pack_error(ST_EXC, 0, wid, e, "request")):
+            err = _pack_error(ST_EXC, 0, wid, e, "request")
+            if not _send(sock, REP.pack(*REP.unpack_from(err, 0)[:3], tag) + err[REP.size:]):
                 break
             continue
         for key, fd in zip(keys, fds):
@@ -611,7 +615,7 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
         elif kind == KIND_DESCRIBE:
             i = indices[0]
             try:
-                reply = REP.pack(MAGIC_REP, ST_OK, i) + pickle.dumps(describe(dataset[i], i))
+                reply = REP.pack(MAGIC_REP, ST_OK, i, 0) + pickle.dumps(describe(dataset[i], i))
                 if len(reply) > MAX_REPLY:
                     raise _invalid(f"dataset index {i}: the sample's structure (its dict keys "
                                    f"and types) takes {len(reply)} bytes, more than the "
@@ -622,12 +626,14 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
                                     wid, e, "dataset")
         elif kind == KIND_SCHEMA:
             schema = pickle.loads(msg[pos + 8 * n:])
-            reply = REP.pack(MAGIC_REP, ST_OK, 0) + pickle.dumps(place_error)
+            reply = REP.pack(MAGIC_REP, ST_OK, 0, 0) + pickle.dumps(place_error)
         elif getattr(schema, "collate", False):
             reply = _serve_collated(dataset, collate, schema.unbatched, maps, fields, indices,
                                     np, wid, epoch, side)
         else:
             reply = _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch, side)
+        # The reply names its request (the main process checks it).
+        reply = REP.pack(*REP.unpack_from(reply, 0)[:3], tag) + reply[REP.size:]
         if not _send(sock, reply):
             break  # the loader is closing
     for m in maps.values():
@@ -698,7 +704,7 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=N
             side.sendall(SIDE.pack(len(data)) + data)
         except OSError as e:
             return _pack_error(ST_EXC, indices[0], wid, e, "sample")
-    return REP.pack(MAGIC_REP, ST_OK, 0)
+    return REP.pack(MAGIC_REP, ST_OK, 0, 0)
 
 
 def checked_leaves(schema, sample, i, np):
@@ -925,15 +931,21 @@ class Pool:
             data = s.recv(MAX_MSG)
         except (ConnectionError, BrokenPipeError):
             return None
+        if len(data) >= REP.size and REP.unpack_from(data, 0)[3] != 0:
+            # The reply to a claim (tag > 0), not to this request (tag 0): a claim was answered
+            # after the loader counted its replies. Its rows cannot be trusted, nor this order.
+            raise WorkerError(f"pinmem.Loader: worker process {w} (pid {self.procs[w].pid}) "
+                              "answered a request with the reply to an earlier claim: its "
+                              "answers are out of order; close the loader and make a new one")
         return data or None
 
     def describe(self, index, timeout):
         """The Schema of dataset[index], computed by worker 0."""
-        msg = REQ.pack(MAGIC_REQ, KIND_DESCRIBE, 0, 1, 0, 0) + struct.pack("<Q", index)
+        msg = REQ.pack(MAGIC_REQ, KIND_DESCRIBE, 0, 1, 0, 0, 0) + struct.pack("<Q", index)
         data = self._exchange(0, msg, timeout or None)
         if data is None:
             raise self.died(0, [index])
-        magic, st, idx = REP.unpack_from(data, 0)
+        magic, st, idx, _ = REP.unpack_from(data, 0)
         if st != ST_OK:
             raise self.error(st, 0, data[REP.size:])
         return pickle.loads(data[REP.size:])
@@ -947,7 +959,8 @@ class Pool:
             self.drainer.start()
         blob = pickle.dumps(schema)
         for w in range(self.nworkers):
-            data = self._exchange(w, REQ.pack(MAGIC_REQ, KIND_SCHEMA, 0, 0, 0, 0) + blob, timeout or None)
+            data = self._exchange(w, REQ.pack(MAGIC_REQ, KIND_SCHEMA, 0, 0, 0, 0, 0) + blob,
+                                  timeout or None)
             if data is None:
                 raise self.died(w, [])
             # An ST_INIT reply (worker_init_fn failed) is raised with the first claim, as before.

@@ -18,7 +18,11 @@
  * run). `pending` counts requests whose replies were not read: a wait cut short by cancel or a
  * timeout leaves them, and _procs_drain reads them (the process has then stopped writing into
  * the slots) before another loader uses the dataset; drain also resets the turns, since a
- * loader that stops may leave a claim it took unread. Errors are kept
+ * loader that stops may leave a claim it took unread. A cancel is checked under the channel's
+ * lock after every wait for a turn, so nothing is sent once drain has counted the replies owed.
+ * Each request carries a tag (one more than the channel's last) that its reply echoes: a reply
+ * with another tag fails the claim (ERR_ORDER) instead of marking rows written that its process
+ * has not written. Errors are kept
  * raw (kind, worker, status, the reply's pickled payload), first one wins, and become a Python
  * exception only when next() asks, with the GIL, through the Pool object of _workers.py
  * (Pool.error / Pool.died / Pool.timeout_error), which knows the processes' exit codes.
@@ -47,7 +51,17 @@
 #define KNOWN_MAX 256
 #define ERR_INDICES 8
 
-enum { ERR_NONE, ERR_REPLY, ERR_EOF, ERR_TIMEOUT, ERR_SEND, ERR_CANCEL, ERR_SHARED, ERR_RETRY };
+enum {
+  ERR_NONE,
+  ERR_REPLY,
+  ERR_EOF,
+  ERR_TIMEOUT,
+  ERR_SEND,
+  ERR_CANCEL,
+  ERR_SHARED,
+  ERR_RETRY,
+  ERR_ORDER
+};
 
 typedef struct {
   pthread_mutex_t mu;
@@ -56,6 +70,7 @@ typedef struct {
   int pending;   /* requests out whose replies were not read */
   int send_turn; /* the depth index whose request goes next (see DESIGN) */
   int recv_turn; /* the depth index whose reply comes next */
+  uint64_t tag;  /* the tag of the last request sent (see DESIGN: replies are checked by it) */
   int readers;   /* threads inside wait_reply (which runs without mu) */
   atomic_bool dead; /* end of file seen: the process is gone (set by readers without mu) */
   int nknown;
@@ -81,11 +96,12 @@ struct pmpy_procs {
   uint64_t err_batch, err_row; /* the failed claim's place in the loader's order */
 };
 
-/* A reply: magic u32, status i32, index u64 (REP in _workers.py). */
+/* A reply: magic u32, status i32, index u64, tag u64 (REP in _workers.py). */
 typedef struct {
   uint32_t magic;
   int32_t status;
   uint64_t index;
+  uint64_t tag;
 } reply_t;
 
 /* The error kept is the first claim's in the loader's order, not the first to arrive: claims
@@ -184,8 +200,10 @@ static int wait_reply(struct pmpy_procs *P, chan_t *c, char **buf, size_t *len) 
   }
 }
 
-/* Send the request for rq on channel c (attaching the memfds process w has not mapped yet). */
-static int send_request(struct pmpy_procs *P, chan_t *c, const pm_rows_request_t *rq, int *err) {
+/* Send the request for rq on channel c (attaching the memfds process w has not mapped yet);
+ * *tag_out: the tag its reply must carry. Called with c->mu held. */
+static int send_request(struct pmpy_procs *P, chan_t *c, const pm_rows_request_t *rq, int *err,
+                        uint64_t *tag_out) {
   uint64_t keys[PM_MAX_FIELDS], offs[PM_MAX_FIELDS], newkeys[PM_MAX_FIELDS];
   int newfds[PM_MAX_FIELDS], nnew = 0;
   for (int k = 0; k < P->nfields; k++) {
@@ -204,17 +222,19 @@ static int send_request(struct pmpy_procs *P, chan_t *c, const pm_rows_request_t
     }
   }
   size_t n = (size_t)rq->n;
-  size_t len = 32 + (size_t)P->nfields * 24 + (size_t)nnew * 8 + n * 8;
+  size_t len = 40 + (size_t)P->nfields * 24 + (size_t)nnew * 8 + n * 8;
   unsigned char stackbuf[8192], *msg = len <= sizeof stackbuf ? stackbuf : malloc(len);
   if (!msg) return ERR_SEND;
   unsigned char *p = msg;
   uint32_t h32[2] = {MAGIC_REQ, KIND_ROWS};
   uint64_t h64[2] = {rq->epoch, rq->n};
   uint32_t t32[2] = {(uint32_t)P->nfields, (uint32_t)nnew};
+  uint64_t tag = c->tag + 1;
   memcpy(p, h32, 8);
   memcpy(p + 8, h64, 16);
   memcpy(p + 24, t32, 8);
-  p += 32;
+  memcpy(p + 32, &tag, 8);
+  p += 40;
   for (int k = 0; k < P->nfields; k++) {
     uint64_t f[3] = {keys[k], offs[k], (uint64_t)P->fbytes[k]};
     memcpy(p, f, 24);
@@ -260,14 +280,19 @@ static int send_request(struct pmpy_procs *P, chan_t *c, const pm_rows_request_t
     if (c->nknown + nnew > KNOWN_MAX) c->nknown = 0; /* the process replaces mappings by key */
     for (int i = 0; i < nnew; i++) c->known[c->nknown++] = newkeys[i];
   }
+  c->tag = tag;
+  *tag_out = tag;
   c->pending++;
   return ERR_NONE;
 }
 
-/* Wait (mu held) until *turn is d, or cancel. */
+/* Wait (mu held) until *turn is d: true, or false once cancelled. A cancel wins over a turn
+ * that came at the same time: a thread that waited for its send turn must not send after
+ * _procs_drain has read the channel's replies (its reply would be read by the next loader's
+ * first claim of this process, as that claim's). */
 static bool wait_turn(struct pmpy_procs *P, chan_t *c, const int *turn, int d) {
   while (*turn != d && !atomic_load(&P->cancelled)) pthread_cond_wait(&c->cv, &c->mu);
-  return *turn == d;
+  return *turn == d && !atomic_load(&P->cancelled);
 }
 
 static int procs_read_rows(const pm_rows_request_t *rq, void *user) {
@@ -278,12 +303,13 @@ static int procs_read_rows(const pm_rows_request_t *rq, void *user) {
   int kind = ERR_NONE, err = 0, status = 0;
   char *buf = NULL;
   size_t len = 0;
+  uint64_t tag = 0, got_tag = 0;
   pthread_mutex_lock(&c->mu);
   if (atomic_load(&P->cancelled) || !wait_turn(P, c, &c->send_turn, d)) kind = ERR_CANCEL;
   else if (c->dead) kind = ERR_EOF;
   /* The socket is written and read under mu (a send never blocks long: the process reads
    * requests as soon as it is done with one), and the turns order the threads. */
-  if (kind == ERR_NONE) kind = send_request(P, c, rq, &err);
+  if (kind == ERR_NONE) kind = send_request(P, c, rq, &err, &tag);
   if (kind == ERR_NONE) {
     c->send_turn = (d + 1) % P->depth;
     pthread_cond_broadcast(&c->cv);
@@ -309,6 +335,12 @@ static int procs_read_rows(const pm_rows_request_t *rq, void *user) {
         if (r.magic != MAGIC_REP) {
           kind = ERR_SEND;
           err = EPROTO;
+        } else if (r.tag != tag) {
+          /* The reply answers another request: this process's rows can no longer be matched
+           * to claims (never expected; a loud error instead of a batch whose rows are not
+           * written yet). */
+          kind = ERR_ORDER;
+          got_tag = r.tag;
         } else if (r.status != 0) {
           kind = ERR_REPLY;
           status = r.status;
@@ -320,6 +352,13 @@ static int procs_read_rows(const pm_rows_request_t *rq, void *user) {
   if (kind != ERR_NONE) {
     const void *pl = kind == ERR_REPLY ? buf + sizeof(reply_t) : NULL;
     size_t pll = kind == ERR_REPLY ? len - sizeof(reply_t) : 0;
+    char order[96];
+    if (kind == ERR_ORDER) {
+      snprintf(order, sizeof order, "request %llu was answered by the reply to request %llu",
+               (unsigned long long)tag, (unsigned long long)got_tag);
+      pl = order;
+      pll = strlen(order) + 1;
+    }
     record(P, kind, w, status, err, pl, pll, rq);
   }
   free(buf);
@@ -379,6 +418,14 @@ PyObject *pmpy_procs_take_error(DatasetObject *d) {
         exc = PyObject_CallMethod(pool, "timeout_error", "idO", w,
                                   P->timeout_ms / 1000.0, indices);
         break;
+      case ERR_ORDER: {
+        char text[256];
+        snprintf(text, sizeof text, "its answers are out of order (%s): its rows cannot be "
+                 "trusted; close the loader and make a new one",
+                 PyBytes_GET_SIZE(payload) ? PyBytes_AS_STRING(payload) : "?");
+        exc = PyObject_CallMethod(pool, "plain_error", "is", w, text);
+        break;
+      }
       case ERR_SHARED:
         exc = PyObject_CallMethod(pool, "plain_error", "is", w,
                                   "the loader's slots are not shared memory (a worker process "

@@ -518,6 +518,19 @@ def first_difference(got, want):
                              enumerate(zip(got, want))) if w), "")
 
 
+def assert_same_batches(got, want, loader=None):
+    """first_difference(got, want) is '', else a failure that says whether the difference
+    lasts (it is compared again 0.5 s later: a batch read before its copy was done would have
+    changed meanwhile) and the loader's stats."""
+    diff = first_difference(got, want)
+    if diff:
+        import time
+        time.sleep(0.5)
+        again = first_difference(got, want)
+        pytest.fail(f"{diff}; 0.5 s later: {again or 'no difference left'}"
+                    + (f"; loader stats {loader.stats()}" if loader is not None else ""))
+
+
 @pytest.mark.parametrize("nw, persistent", [(0, False), (2, False), (2, True)])
 def test_collate_fn_runs_on_each_batch_as_in_dataloader(nw, persistent):
     ds = Ragged(13)
@@ -690,7 +703,7 @@ def test_shapes_that_vary_between_batches_arrive_as_dataloader_gives_them(nw, pe
         for _ in range(2):
             got = list(p.as_torch())
             assert len(got) == len(t) == 6
-            assert first_difference(got, t) == ""
+            assert_same_batches(got, t, p)
         assert [tuple(b["img"].shape) for b in got] == [(4, s, s) for s in (2, 3, 4) * 2]
         plain = list(p)
         assert all(isinstance(b["img"], pinmem.Buffer) for b in plain)

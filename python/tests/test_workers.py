@@ -640,6 +640,39 @@ def test_timeout_raises_worker_error():
     loader.close()
 
 
+
+def answer_first_claim_twice(worker_id):
+    """worker_init_fn: this worker sends its reply to its first claim twice, so the reply to its
+    second claim is, by position, the first one's (what a claim sent after the loader had
+    counted its replies leaves for the next loader)."""
+    from pinmem import _workers
+    send, sent = _workers._send, []
+
+    def twice(sock, data):
+        ok = send(sock, data)
+        if _workers.REP.unpack_from(data, 0)[3] > 0 and not sent:  # a claim's reply (tag > 0)
+            sent.append(1)
+            send(sock, data)
+        return ok
+
+    _workers._send = twice
+
+
+@limit(40)
+def test_a_reply_to_another_claim_fails_the_batch_never_delivers_its_rows():
+    # The second claim reads the first claim's duplicate reply before its process has written
+    # its rows: taken by position, its batch would be copied unwritten. The reply's tag says
+    # whose it is, so that batch fails, naming the cause, and what came before it is right.
+    # (batch_size 8: one claim per batch)
+    with pinmem.Loader(Tagged(80), batch_size=8, num_workers=1, device="cpu",
+                       worker_init_fn=answer_first_claim_twice) as loader:
+        got = []
+        with pytest.raises(pinmem.WorkerError, match=r"worker process 0: its answers are out of "
+                           r"order \(request 2 was answered by the reply to request 1\)"):
+            take(loader, into=got)
+        assert len(got) == 1
+        check_tagged(got, range(8))
+
 MAIN_DIES = textwrap.dedent("""
     import os, signal, sys
     import numpy as np, pinmem
