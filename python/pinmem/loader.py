@@ -943,16 +943,23 @@ class Loader:
             _pinmem._procs_cancel(self._base)
             wait = self._timeout if self._timeout > 0 else 60.0
             ok = _pinmem._procs_drain(self._base, wait)
+            alive = None
+            if not ok:
+                # A process that did not answer may still write its rows into the slots: it goes
+                # before they are freed (the pool hands their memory out again), and the loader
+                # with it (it cannot go on without its processes).
+                alive = [w for w, a in enumerate(self._pool.alive()) if a]
+                self._pool.stop(timeout=0)
             c.close()
             _pinmem._procs_reset(self._base)
             self._clear_error()
             if not ok:
-                alive = [w for w, a in enumerate(self._pool.alive()) if a]
                 self._failed = WorkerError(
-                    f"pinmem.Loader: a worker process (of workers {alive} still running) did not "
-                    f"finish its rows within {wait:g} s (timeout={self._timeout:g}) while the "
-                    "loader was stopping; the loader cannot go on: close() it and make a new "
-                    "one (raise timeout, or find what makes dataset[i] hang)")
+                    f"pinmem.Loader: a worker process (of workers {alive}, which were running "
+                    f"and are stopped now) did not finish its rows within {wait:g} s "
+                    f"(timeout={self._timeout:g}) while the loader was stopping; the loader "
+                    "cannot go on: close() it and make a new one (raise timeout, or find what "
+                    "makes dataset[i] hang)")
                 raise self._failed
         elif c is not None:
             c.close()

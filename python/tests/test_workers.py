@@ -641,6 +641,30 @@ def test_timeout_raises_worker_error():
 
 
 
+@limit(40)
+def test_a_worker_still_busy_after_the_drain_is_stopped_before_its_slots_are_freed():
+    # Index 30 takes 8 s against a timeout of 1 s: batch 3's wait times out. The next epoch
+    # first drains the replies owed, within the timeout; the sleeping process cannot answer,
+    # so the loader gives up. That process would write sample 30's rows into slots whose
+    # memory the pool hands out again: it must be gone before they are freed.
+    loader = pinmem.Loader(SleepsAt(30, 8.0), batch_size=10, num_workers=2, device="cpu",
+                           timeout=1.0)
+    got = []
+    with pytest.raises(pinmem.WorkerError, match="timeout=1 s"):
+        take(loader, into=got)
+    check_tagged(got, range(10 * len(got)))
+    pids = loader.worker_pids()
+    assert len(pids) == 2 and all(alive(p) for p in pids)  # one of them still sleeping
+    t0 = time.monotonic()
+    with pytest.raises(pinmem.WorkerError, match=r"stopped now\) did not finish its rows "
+                       r"within 1 s .*cannot go on"):
+        take(loader)
+    assert not [p for p in pids if alive(p)], "a worker outlived the slots it writes into"
+    assert time.monotonic() - t0 < 6  # the drain's 1 s and the stop, not the 8 s sleep
+    with pytest.raises(pinmem.WorkerError, match="cannot go on"):
+        take(loader)
+    loader.close()
+
 def answer_first_claim_twice(worker_id):
     """worker_init_fn: this worker sends its reply to its first claim twice, so the reply to its
     second claim is, by position, the first one's (what a claim sent after the loader had
