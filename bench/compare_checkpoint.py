@@ -128,10 +128,14 @@ class Disk:
     compared. Each write starts on a quiet disk: the file removed and synced first, so the
     freeing of the previous one (and a `discard` mount's discards) is not timed."""
 
-    def __init__(self, path, total):
+    def __init__(self, path, total, buf=None):
+        """buf: the BLOCK bytes each request writes from (default: anonymous memory of its own,
+        page-aligned, as O_DIRECT wants)."""
         self.path, self.total = path, total
-        self.buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT wants
-        self.buf.write(os.urandom(1 << 16) * (BLOCK >> 16))
+        if buf is None:
+            buf = mmap.mmap(-1, BLOCK)
+            buf.write(os.urandom(1 << 16) * (BLOCK >> 16))
+        self.buf = buf
         self.blocks = max(1, -(-total // BLOCK))
         self.writes, self.reads = [], []
         self.ok = True

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_checkpoint import Disk, parse_size  # noqa: E402
+from compare_checkpoint import BLOCK, Disk, parse_size  # noqa: E402
 
 MIB = 1 << 20
 # (chunk, threads): pinmem's default unit (1 MiB) with its threads, and larger units with fewer
@@ -41,25 +41,6 @@ def pm_write(pinmem, path, buf, chunk, threads):
     return time.perf_counter() - t0
 
 
-def disk_from(buf, path, nbytes):
-    """Disk.write's requests (16 MiB, O_DIRECT, one at a time, fsync) from another buffer."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    os.sync()
-    block = memoryview(buf)[:16 * MIB]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    try:
-        t0 = time.perf_counter()
-        for i in range(-(-nbytes // len(block))):
-            os.pwritev(fd, [block], i * len(block))
-        os.fsync(fd)
-        return time.perf_counter() - t0
-    finally:
-        os.close(fd)
-
-
 def writer(rank, nbytes, rounds, folder, barrier, out):
     """One writer's times per round: [disk, disk from the pinned buffer, pattern 0, ...]."""
     import numpy as np
@@ -68,6 +49,9 @@ def writer(rank, nbytes, rounds, folder, barrier, out):
     np.frombuffer(buf, np.uint8)[:] = np.random.default_rng(rank).integers(0, 255, nbytes,
                                                                            np.uint8)
     disk = Disk(os.path.join(folder, f"disk.{rank}"), nbytes)
+    # the same requests, from the pinned buffer's first block
+    from_pinned = Disk(os.path.join(folder, f"pinned.{rank}"), nbytes,
+                       buf=memoryview(buf)[:BLOCK])
     times = []
     for _ in range(rounds):
         row = []
@@ -77,12 +61,14 @@ def writer(rank, nbytes, rounds, folder, barrier, out):
             raise SystemExit(f"write_pattern: the disk's O_DIRECT write failed in {folder}")
         row.append(disk.writes[-1])
         barrier.wait()
-        row.append(disk_from(buf, os.path.join(folder, f"pinned.{rank}"), nbytes))
+        from_pinned.write()
+        row.append(from_pinned.writes[-1])
         for chunk, threads in PATTERNS:
             barrier.wait()
             row.append(pm_write(pinmem, os.path.join(folder, f"pm.{rank}"), buf, chunk, threads))
         times.append(row)
     disk.remove()
+    from_pinned.remove()
     out.put((rank, times))
 
 
@@ -94,6 +80,9 @@ def main():
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     nbytes = parse_size(a.size)
+    if nbytes < BLOCK:
+        raise SystemExit(f"write_pattern: --size must be at least {BLOCK >> 20} MiB (the disk's "
+                         "requests are that large)")
     folder = tempfile.mkdtemp(prefix="pinmem-pattern.", dir=a.dir)
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else print
     try:

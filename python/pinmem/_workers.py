@@ -63,6 +63,7 @@ from ._pinmem import InvalidError as _InvalidError
 REQ = struct.Struct("<IIQQIIQ")
 FIELD = struct.Struct("<QQQ")
 REP = struct.Struct("<IiQQ")
+REP_TAG = struct.Struct("<Q")  # REP's last field
 MAGIC_REQ = 0x51524D50  # "PMRQ"
 MAGIC_REP = 0x50524D50  # "PMRP"
 KIND_ROWS, KIND_DESCRIBE, KIND_SCHEMA = 1, 2, 3
@@ -592,8 +593,7 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
         except Exception as e:
             for fd in fds:
                 os.close(fd)
-            err = _pack_error(ST_EXC, 0, wid, e, "request")
-            if not _send(sock, REP.pack(*REP.unpack_from(err, 0)[:3], tag) + err[REP.size:]):
+            if not _send(sock, _tagged(_pack_error(ST_EXC, 0, wid, e, "request"), tag)):
                 break
             continue
         for key, fd in zip(keys, fds):
@@ -632,9 +632,7 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
                                     np, wid, epoch, side)
         else:
             reply = _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch, side)
-        # The reply names its request (the main process checks it).
-        reply = REP.pack(*REP.unpack_from(reply, 0)[:3], tag) + reply[REP.size:]
-        if not _send(sock, reply):
+        if not _send(sock, _tagged(reply, tag)):
             break  # the loader is closing
     for m in maps.values():
         try:
@@ -642,6 +640,14 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
         except BufferError:
             pass
     sock.close()
+
+
+def _tagged(reply, tag):
+    """reply naming its request: the request's tag in the reply's tag field (the replies are
+    packed with 0 there; the main process checks it)."""
+    out = bytearray(reply)
+    REP_TAG.pack_into(out, REP.size - REP_TAG.size, tag)
+    return out
 
 
 def _send(sock, data):

@@ -943,7 +943,6 @@ class Loader:
             _pinmem._procs_cancel(self._base)
             wait = self._timeout if self._timeout > 0 else 60.0
             ok = _pinmem._procs_drain(self._base, wait)
-            alive = None
             if not ok:
                 # A process that did not answer may still write its rows into the slots: it goes
                 # before they are freed (the pool hands their memory out again), and the loader
