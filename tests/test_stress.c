@@ -71,7 +71,7 @@ typedef struct worker {
   uint64_t ops[OP_KINDS], ok[OP_KINDS], failed[OP_KINDS], budget_refusals, bytes_verified;
   uint64_t wrong, unexpected;
   int cur_op;
-  char first_unexpected[256];
+  char first_unexpected[640];
   char first_wrong[256];
 } worker_t;
 
@@ -112,6 +112,8 @@ static void failure(worker_t *w, int op, pm_status_t st) {
    * fault left failed, then fresh allocations) set or clear this thread's last error. */
   char detail[sizeof w->first_unexpected];
   snprintf(detail, sizeof detail, "%s", pm_last_error());
+  char cleared[256];
+  snprintf(cleared, sizeof cleared, "%s", pm__cleared_error());
   if (op != OP_ALLOC && op != OP_FREE && op != OP_TRIM && op != OP_PRIVATE_POOL) settle(w);
   if (st == PM_ERR_BUDGET) {
     w->budget_refusals++;
@@ -120,9 +122,13 @@ static void failure(worker_t *w, int op, pm_status_t st) {
   bool ok = g_faults && detail[0] && st != PM_ERR_INVALID && st != PM_ERR_INTERNAL &&
             st != PM_ERR_NOT_FOUND && st != PM_ERR_DOUBLE_FREE && st != PM_ERR_WRONG_KIND;
   if (ok) return;
-  if (!w->unexpected++)
-    snprintf(w->first_unexpected, sizeof w->first_unexpected, "%s: %s: %.200s", op_names[op],
-             pm_status_name(st), detail);
+  if (!w->unexpected++) {
+    /* A failure with no detail is a defect of its own: say what a clear on its way out took. */
+    snprintf(w->first_unexpected, sizeof w->first_unexpected, "%s: %s: %.200s%s%.200s%s",
+             op_names[op], pm_status_name(st), detail[0] ? detail : "(no detail)",
+             detail[0] ? "" : " [last detail cleared on this thread: ", detail[0] ? "" : cleared,
+             detail[0] ? "" : "]");
+  }
 }
 
 static void wrong(worker_t *w, const char *what) {

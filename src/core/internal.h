@@ -30,6 +30,8 @@ pm_status_t pm__set_error(pm_status_t status, const char *fmt, ...) PM__PRINTF(2
 /* Prefix the current detail with more context ("pm_host_alloc: " + old detail), keep status. */
 pm_status_t pm__wrap_error(pm_status_t status, const char *fmt, ...) PM__PRINTF(2, 3);
 void pm__clear_error(void);
+/* The detail the last pm__clear_error() on this thread removed ("" if none): for diagnostics. */
+const char *pm__cleared_error(void);
 
 /* ---- names.c ----------------------------------------------------------------------------- */
 

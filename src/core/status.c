@@ -13,6 +13,9 @@
 #define PM__DETAIL_MAX 1024
 
 static _Thread_local char tl_detail[PM__DETAIL_MAX];
+/* The detail that the last pm__clear_error() on this thread removed: a failure that reaches a
+ * caller with no detail lost it to a clear on its way out, and this says what it was. */
+static _Thread_local char tl_cleared[PM__DETAIL_MAX];
 
 const char *pm_strerror(pm_status_t status) {
   switch (status) {
@@ -76,4 +79,10 @@ pm_status_t pm__wrap_error(pm_status_t status, const char *fmt, ...) {
   return status;
 }
 
-void pm__clear_error(void) { tl_detail[0] = '\0'; }
+void pm__clear_error(void) {
+  if (!tl_detail[0]) return;
+  memcpy(tl_cleared, tl_detail, sizeof tl_cleared);
+  tl_detail[0] = '\0';
+}
+
+const char *pm__cleared_error(void) { return tl_cleared; }
