@@ -14,9 +14,15 @@ then as {"model": those 96}. Six rounds of each; per round rank 0 prints:
 What is left of the return beyond those two is torch's own work around them (a logged call per
 top-level key of the state dict, the executor's set-up).
 
+Then, with {"model": ...}, 60 async saves alternate between the writer as it is and the writer
+with its hand-over turned off (FileSystemWriter._hand_over: the save's thread sleeps a moment
+at its first question to the writer, so the caller gets the interpreter lock back); rank 0
+prints the median return and execute_save of each (the first two saves left out).
+
   PYTHONPATH=build-py/python python3 bench/probes/dcp_async_return.py cuda|cpu [RANKS] [SIZE_GIB]
 """
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -55,9 +61,15 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
+class _NoHandOver(pdcp.FileSystemWriter):
+    def _hand_over(self):
+        pass
+
+
 def rank_main(rank, n, tmp, total, flat, dev):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29536")
     dist.init_process_group("gloo", rank=rank, world_size=n)
+    torch.set_num_threads(1)  # as torchrun sets it for several ranks a node (OMP_NUM_THREADS=1)
     if dev == "cuda":
         dev = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(dev)
@@ -85,6 +97,26 @@ def rank_main(rank, n, tmp, total, flat, dev):
                   f"execute_save {T['exec'] * 1e3:.2f})", flush=True)
     writer.close()
     stager.close()
+    if not flat:
+        writers = [_NoHandOver(os.path.join(tmp, "off")), pdcp.FileSystemWriter(
+            os.path.join(tmp, "on"))]
+        runs = ([], [])
+        for i in range(60):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fut = dcp.async_save(app, storage_writer=writers[i % 2])
+            ret = time.perf_counter() - t0
+            fut.result()
+            if i >= 2:
+                runs[i % 2].append((ret, T["exec"]))
+        for w in writers:
+            w.close()
+        if rank == 0:
+            for name, r in zip(("hand-over off", "hand-over on"), runs):
+                print(f"model: 96 keys, {name}: median return "
+                      f"{statistics.median(x[0] for x in r) * 1e3:.2f} ms, execute_save "
+                      f"{statistics.median(x[1] for x in r) * 1e3:.2f} ms ({len(r)} saves)",
+                      flush=True)
     dist.destroy_process_group()
 
 

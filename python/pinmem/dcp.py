@@ -541,6 +541,9 @@ def _result(item, name, offset, length):
                         storage_data=_fs._StorageInfo(name, offset, length))
 
 
+_HAND_OVER_S = 0.0002  # FileSystemWriter._hand_over's sleep
+
+
 class FileSystemWriter(_fs.FileSystemWriter):
     """torch.distributed.checkpoint's FileSystemWriter, writing through pinmem: same arguments,
     same files (torch's FileSystemReader reads them), plus
@@ -571,6 +574,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
         self.io = io
         self.crc32 = crc32
         self._stager = PinnedStager(stage=stage)
+        self._staged_on = None  # the thread of a stage() whose save has not started yet
         self.phases = {}  # seconds of this rank's last write_data by phase
 
     def _torch_path(self):
@@ -579,7 +583,30 @@ class FileSystemWriter(_fs.FileSystemWriter):
 
     def stage(self, state_dict):
         """dcp.async_save's snapshot: PinnedStager.stage."""
-        return self._stager.stage(state_dict)
+        staged = self._stager.stage(state_dict)
+        self._staged_on = _threading.get_ident()
+        return staged
+
+    def _hand_over(self):
+        """Once after a stage, on another thread (the one async_save has just started for the
+        save): sleep a moment. async_save's caller then waits for the interpreter lock while
+        this thread runs Python, up to sys.getswitchinterval() (5 ms by default): on a GPU
+        that wait was as long as the device snapshot itself. Sleeping hands the lock over, so
+        async_save returns and the training loop goes on while this thread plans and writes."""
+        staged_on = self._staged_on
+        if staged_on is not None and staged_on != _threading.get_ident():
+            self._staged_on = None
+            _time.sleep(_HAND_OVER_S)
+
+    @property
+    def checkpoint_id(self):
+        # The first thing DCP's save asks its writer, before planning.
+        self._hand_over()
+        return super().checkpoint_id
+
+    def storage_meta(self):
+        self._hand_over()  # the first call where a DCP does not ask checkpoint_id first
+        return super().storage_meta()
 
     def synchronize_staging(self):
         pass

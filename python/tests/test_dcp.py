@@ -443,6 +443,40 @@ def test_stager_snapshot_and_reuse():
     st.close()
 
 
+def test_writer_hands_the_lock_over_once_after_a_stage(tmp_path, monkeypatch):
+    """After a stage, the save's first question to the writer (checkpoint_id, or storage_meta)
+    from another thread (the one async_save starts) sleeps once, so async_save's caller gets the
+    interpreter lock back; never on the staging thread, never twice for one stage, never
+    without a stage."""
+    import threading
+
+    import pinmem.dcp
+    sleeps = []
+    monkeypatch.setattr(pinmem.dcp._time, "sleep", lambda s: sleeps.append(s))
+    w = pinmem.dcp.FileSystemWriter(str(tmp_path / "c"))
+
+    def elsewhere(fn):
+        out = []
+        t = threading.Thread(target=lambda: out.append(fn()))
+        t.start()
+        t.join()
+        return out[0]
+
+    assert elsewhere(lambda: w.checkpoint_id) == w.path and sleeps == []  # no stage yet
+    snap = w.stage(_plain_sd(big=False))
+    assert w.checkpoint_id == w.path and sleeps == []  # the staging thread itself
+    assert elsewhere(lambda: w.checkpoint_id) == w.path and sleeps == [pinmem.dcp._HAND_OVER_S]
+    elsewhere(lambda: w.checkpoint_id)
+    elsewhere(w.storage_meta)
+    assert len(sleeps) == 1
+    del snap
+    snap = w.stage(_plain_sd(big=False))
+    meta = elsewhere(w.storage_meta)
+    assert meta.checkpoint_id == w.path and len(sleeps) == 2
+    del snap
+    w.close()
+
+
 def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
     """Pinned tensors gathered into pinmem.write_ranges calls (several: a small GROUP), pageable
     ones between them through the chunks again (the chunks then start off the 4 KiB grid), small
