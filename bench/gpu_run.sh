@@ -9,10 +9,10 @@
 # Python steps (each builds pinmem's extension module in $BUILD-py first, once per run):
 #   python (the whole suite), torch, train, workers, files (bench file + compare_checkpoint.py),
 #   kv (test_kv.py, examples/kv_offload.py), kvpin (kv_pin.py), offload (test_offload.py,
-#   offload_activations.py), dcp (test_dcp.py, compare_dcp.py), safetensors (test_files.py,
-#   test_safetensors.py, test_lazy_bits.py), loaderpy (test_loader_dataloader.py,
-#   test_loader_hostile.py, test_loader_iterable.py). With `python` in the same run, the others
-#   leave their test files to it.
+#   offload_activations.py), dcp (test_dcp.py, probes/dcp_async_return.py, compare_dcp.py),
+#   safetensors (test_files.py, test_safetensors.py, test_lazy_bits.py), loaderpy
+#   (test_loader_dataloader.py, test_loader_hostile.py, test_loader_iterable.py). With `python`
+#   in the same run, the others leave their test files to it.
 # Default: all but sweep and python (the whole suite; the other Python steps run their own files).
 # The steps that run the pinmem tool (info alloc copy overlap sweep loader file blocks torch) need
 # `build` in the same run, or an earlier run's $BUILD.
@@ -451,6 +451,12 @@ if step dcp 120 && pyext; then
   has python || pytests dcp 240 python/tests/test_dcp.py
   read -ra dcp_args <<<"${DCP_ARGS:---device cuda --ranks 4 --size 8G}"
   ((dry)) && [[ -z ${DCP_ARGS:-} ]] && dcp_args=(--device cpu --ranks 2 --size 64M --repeat 1 --no-train)
+  # Where async_save's return goes, with and without the writer's hand-over (a minute).
+  probe_args=(cuda 4 1)
+  ((dry)) && probe_args=(cpu 2 0.0625)
+  run_to dcp-return 150 "$OUT/dcp-async-return.txt" "$OUT/dcp-async-return.err" \
+    "$PY" bench/probes/dcp_async_return.py "${probe_args[@]}"
+  tail -2 "$OUT/dcp-async-return.txt"
   # About five times --size on disk at once (the disk's files, torch's and pinmem's folders,
   # two async folders): 8 GiB needs some 40 GiB free.
   df -h "$CKPT_DIR" | tail -1
