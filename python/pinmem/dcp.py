@@ -15,9 +15,9 @@ bytes and only counts the data: the archive is then exactly torch's, less the da
 torch's crc32 option is on, its default; with ISA-L's crc32 where the isal package is
 installed, zlib's otherwise). Each data file is put together in order in pinned chunks of 16
 MiB from pinmem's pool (headers, data, tails; a tensor's CRC computed on its copy there) and
-each full chunk is written with one pinmem.write_file call (O_DIRECT) while the next is filled:
-the copy that pinmem makes into its slots anyway, made once per chunk instead of per tensor.
-Tensors already in pinned memory (async_save's snapshot) are not copied: they and the bytes
+each full chunk is written with one pinmem.write_ranges call (O_DIRECT, a request per I/O
+thread) while the next is filled: the copy that pinmem makes into its slots anyway, made once
+per chunk instead of per tensor. Tensors already in pinned memory (async_save's snapshot) are not copied: they and the bytes
 between them are gathered and written 128 MiB at a time with one pinmem.write_ranges call
 each, one call after the other. An archive is placed so that its data starts on a 4 KiB
 boundary of the file (the bytes between items are zeros that no item's range covers). Small
@@ -284,6 +284,13 @@ class _FileOut:
     CHUNK = 16 << 20
     BUFFERS = 4
     WRITERS = 2
+    # A chunk's pinmem call: pinmem's default threads (copy_threads: min(12, usable CPUs)), each
+    # writing one request of the chunk (write_unit). 2 ranks' 1 GiB saves from the tensors, 9
+    # rounds on a 2-CPU virtual machine (bench/probes/dcp_write_units.py): median 2.95 GB/s in
+    # two 8 MiB requests a chunk, 2.60 in the default 1 MiB units (16 requests of about 0.1 ms
+    # of CPU each), 3.01 in one 16 MiB request. On 12 or more CPUs the unit stays near 1 MiB,
+    # the size pinmem's file defaults were chosen at on the GPU machines.
+    WRITE_THREADS = min(12, len(_os.sched_getaffinity(0)))
     PINNED_DIRECT = True  # off: pinned tensors too are copied into the chunks
     # Bytes of one gathered write; they go one call after the other (one thread), the file one
     # stream in order: 2 ranks' snapshots of 96 tensors of 21 MiB went to this machine's disk at
@@ -320,6 +327,12 @@ class _FileOut:
         self.pool = concurrent.futures.ThreadPoolExecutor(self.WRITERS, "pinmem-dcp-write")
         self.gather = concurrent.futures.ThreadPoolExecutor(1, "pinmem-dcp-gather")
 
+    @classmethod
+    def write_unit(cls):
+        """Bytes of each request of a chunk's write: the chunk over WRITE_THREADS, in 4 KiB."""
+        per = -(-cls.CHUNK // cls.WRITE_THREADS)
+        return -(-per // 4096) * 4096
+
     def _time(self, phase, t0):
         now = _time.perf_counter()
         self.phases[phase] = self.phases.get(phase, 0.0) + now - t0
@@ -352,8 +365,9 @@ class _FileOut:
         if self.buf is None or not self.fill:
             return
         buf, n, at = self.buf, self.fill, self.cstart
-        self.jobs.append((self.pool.submit(_pm.write_file, self.path, buf, at, nbytes=n,
-                                           io=self.io, truncate=False), buf))
+        self.jobs.append((self.pool.submit(_pm.write_ranges, self.path, [(at, buf, n)],
+                                           io=self.io, threads=self.WRITE_THREADS,
+                                           chunk=self.write_unit()), buf))
         self.buf = self.np = None
         self.cstart += n
         self.fill = 0

@@ -11,7 +11,7 @@ nothing.
 
 Tensors are random (seeded), sharded as DTensors (Shard(0) with an uneven split, Shard(1)) with a
 plain tensor, a 0-d tensor and a non-tensor value beside them; shards of more than 1 MiB take the
-large-tensor path (data written from the tensor's memory by pinmem.write_file).
+large-tensor path (copied into pinned chunks, each written by pinmem.write_ranges).
 """
 import errno
 import io
@@ -161,12 +161,12 @@ def _at_four(rank, world, mesh, root):
     return out
 
 
-def _die_in_write(path, *args, **kwargs):
-    """pinmem.write_file that writes part of the data, then the process dies."""
+def _die_in_write(path, ranges, **kwargs):
+    """pinmem.write_ranges that writes half of its first range, then the process dies."""
     import pinmem
-    src = args[0]
-    half = src.reshape(-1)[: src.numel() // 2]
-    pinmem._real_write_file(path, half, *args[1:], **kwargs)
+    at, src, *n = ranges[0]
+    nbytes = n[0] if n else src.numel() * src.element_size()
+    pinmem._real_write_ranges(path, [(at, src, max(1, nbytes // 2))], **kwargs)
     os._exit(9)
 
 
@@ -180,8 +180,8 @@ def _at_two(rank, world, mesh, root):
     dcp.save(_sharded(_full(0), mesh), storage_writer=_writer("pinmem", path))
     import pinmem
     if rank == 1:
-        pinmem._real_write_file = pinmem.write_file
-        pinmem.write_file = _die_in_write
+        pinmem._real_write_ranges = pinmem.write_ranges
+        pinmem.write_ranges = _die_in_write
     try:
         dcp.save(_sharded(_full(5), mesh), storage_writer=_writer("pinmem", path))
     except (CheckpointException, RuntimeError) as e:  # rank 0: its save fails, as it must
@@ -506,8 +506,11 @@ def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
     dcp.save(mixed, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "m"), no_dist=True)
     assert len(calls) >= 3, calls  # one per pinned tensor at least (GROUP 1 MiB)
-    # the aligned middles (a, b) in units of MIDDLE_CHUNK, the rest in the default units
-    assert {c for _, c in calls} == {pinmem.dcp._FileOut.MIDDLE_CHUNK, None}, calls
+    # the aligned middles (a, b) in units of MIDDLE_CHUNK, the rest in the default units, the
+    # chunks (one range each) in write_unit()
+    out = pinmem.dcp._FileOut
+    assert {c for k, c in calls if k > 1 or c != out.write_unit()} == {out.MIDDLE_CHUNK, None}
+    assert (1, out.write_unit()) in calls, calls
     theirs, mine = _items(tmp_path / "t"), _items(tmp_path / "m")
     assert mine.keys() == theirs.keys()
     for k in mine:
