@@ -122,13 +122,12 @@ static void failure(worker_t *w, int op, pm_status_t st) {
   bool ok = g_faults && detail[0] && st != PM_ERR_INVALID && st != PM_ERR_INTERNAL &&
             st != PM_ERR_NOT_FOUND && st != PM_ERR_DOUBLE_FREE && st != PM_ERR_WRONG_KIND;
   if (ok) return;
-  if (!w->unexpected++) {
-    /* A failure with no detail is a defect of its own: say what a clear on its way out took. */
-    snprintf(w->first_unexpected, sizeof w->first_unexpected, "%s: %s: %.200s%s%.200s%s",
-             op_names[op], pm_status_name(st), detail[0] ? detail : "(no detail)",
-             detail[0] ? "" : " [last detail cleared on this thread: ", detail[0] ? "" : cleared,
-             detail[0] ? "" : "]");
-  }
+  if (w->unexpected++) return;
+  /* A failure with no detail is a defect of its own: say what a clear on its way out took. */
+  if (!detail[0]) snprintf(detail, sizeof detail, "(no detail) [last detail cleared on this "
+                           "thread: %s]", cleared);
+  snprintf(w->first_unexpected, sizeof w->first_unexpected, "%s: %s: %.400s", op_names[op],
+           pm_status_name(st), detail);
 }
 
 static void wrong(worker_t *w, const char *what) {

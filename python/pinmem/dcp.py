@@ -17,11 +17,12 @@ installed, zlib's otherwise). Each data file is put together in order in pinned 
 MiB from pinmem's pool (headers, data, tails; a tensor's CRC computed on its copy there) and
 each full chunk is written with one pinmem.write_ranges call (O_DIRECT, a request per I/O
 thread) while the next is filled: the copy that pinmem makes into its slots anyway, made once
-per chunk instead of per tensor. Tensors already in pinned memory (async_save's snapshot) are not copied: they and the bytes
-between them are gathered and written 128 MiB at a time with one pinmem.write_ranges call
-each, one call after the other. An archive is placed so that its data starts on a 4 KiB
-boundary of the file (the bytes between items are zeros that no item's range covers). Small
-tensors (< 1 MiB) are written by torch.save into a buffer and put with the rest.
+per chunk instead of per tensor. Tensors already in pinned memory (async_save's snapshot) are
+not copied: they and the bytes between them are gathered and written 128 MiB at a time with
+one pinmem.write_ranges call each, one call after the other. An archive is placed so that its
+data starts on a 4 KiB boundary of the file (the bytes between items are zeros that no item's
+range covers). Small tensors (< 1 MiB) are written by torch.save into a buffer and put with the
+rest.
 
 Durability. Data files get names of their own per save (`__<rank>_<k>.<save>.distcp`), are
 fsync'd with their folder before the plan is gathered, and a save's metadata is written to a
@@ -614,13 +615,10 @@ class FileSystemWriter(_fs.FileSystemWriter):
 
     @property
     def checkpoint_id(self):
-        # The first thing DCP's save asks its writer, before planning.
+        # The first thing DCP's save asks its writer, before planning; storage_meta(), which
+        # every save calls first in its planning, asks it too.
         self._hand_over()
         return super().checkpoint_id
-
-    def storage_meta(self):
-        self._hand_over()  # the first call where a DCP does not ask checkpoint_id first
-        return super().storage_meta()
 
     def synchronize_staging(self):
         pass
