@@ -443,6 +443,57 @@ def test_stager_snapshot_and_reuse():
     st.close()
 
 
+def test_stager_waits_for_a_written_snapshot_to_be_let_go(monkeypatch):
+    """A snapshot whose save is over but that another thread still holds for a moment (the
+    executor async_save ran the save on drops it just after completing the future) is waited
+    for, and its buffer reused; one whose save is not over is not waited for: a new buffer at
+    once."""
+    import pinmem.dcp as pdcp
+    w = pdcp.FileSystemWriter("unused")
+    st = w._stager
+    sd = _plain_sd(big=False)
+    held = [st.stage(sd)]  # the save's thread, still holding the snapshot
+    ptr = held[0]["a"].data_ptr()
+    sleeps = []
+
+    def sleep(s):  # the wait: the other thread lets go during it
+        sleeps.append(s)
+        held.clear()
+    monkeypatch.setattr(pdcp._time, "sleep", sleep)
+    st._written = True  # what write_data's end sets
+    b = st.stage(sd)
+    assert st.last["reused"] and b["a"].data_ptr() == ptr and sleeps, \
+        "a written snapshot let go during the wait: its buffer was not reused"
+    assert not st._written, "a new stage's snapshot is not yet written"
+    sleeps.clear()
+    c = st.stage(sd)  # b is alive and its save not over: no wait, a new buffer
+    assert not st.last["reused"] and not sleeps and c["a"].data_ptr() != b["a"].data_ptr()
+    del b, c
+    w.close()
+
+
+def test_writer_marks_its_snapshot_written(tmp_path, monkeypatch):
+    """write_data tells its stager the snapshot's save is over, when it succeeds and when it
+    fails."""
+    import pinmem.dcp as pdcp
+    w = pdcp.FileSystemWriter(tmp_path / "ok")
+    staged = w.stage(_plain_sd(big=False))
+    assert not w._stager._written
+    dcp.save(staged, storage_writer=w, no_dist=True)
+    assert w._stager._written
+    del staged
+    w2 = pdcp.FileSystemWriter(tmp_path / "fail")
+    staged = w2.stage(_plain_sd(big=False))
+    def full(self, item, t):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(pdcp._FileOut, "add_tensor", full)
+    with pytest.raises(CheckpointException, match="No space left"):
+        dcp.save(staged, storage_writer=w2, no_dist=True)
+    assert w2._stager._written
+    w.close()
+    w2.close()
+
+
 def test_writer_hands_the_lock_over_once_after_a_stage(tmp_path, monkeypatch):
     """After a stage, the save's first question to the writer (checkpoint_id, or storage_meta)
     from another thread (the one async_save starts) sleeps once, so async_save's caller gets the
