@@ -481,10 +481,20 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     during = runs["torch"]
     report("train_during_torch_async_save", sorted(during)[len(during) // 2], allb, steps=steps,
            **slowdowns(during))
+    # What the save costs the loop beyond the disk's own time, round by round: each round's runs
+    # with the save and with the disk alone less each other, over the same round's run without
+    # a save.
+    beyond = {}
+    if disk is not None:
+        b = sorted((sv - dk) / b0 for b0, sv, dk in zip(base, runs["save"], runs["disk"]))
+        n = len(b)
+        beyond = dict(beyond_disk_pct=pct(1 + b[n // 2]), beyond_disk_q1_pct=pct(1 + b[n // 4]),
+                      beyond_disk_q3_pct=pct(1 + b[(3 * n) // 4]))
     during = runs["save"]
     out = report("train_during_async_save", sorted(during)[len(during) // 2], allb, steps=steps,
                  save_seconds=round(save_s, 3), **slowdowns(during),
-                 noise_q1_pct=pct(own[len(own) // 4]), noise_q3_pct=pct(own[(3 * len(own)) // 4]))
+                 noise_q1_pct=pct(own[len(own) // 4]), noise_q3_pct=pct(own[(3 * len(own)) // 4]),
+                 **beyond)
     if disk is not None:
         out["disk_alone"] = slowdowns(runs["disk"])
     out["torch_async"] = slowdowns(runs["torch"])
@@ -537,6 +547,10 @@ def targets(r, train, args):
                                       "median %.2f%%, middle half %.1f%% to %.1f%%" % (
                                           d["slowdown_pct"], d["slowdown_q1_pct"],
                                           d["slowdown_q3_pct"]))
+        alone += "" if "beyond_disk_pct" not in train else (
+            "; the save beyond the disk alone, round by round: median %.2f%%, middle half %.1f%% "
+            "to %.1f%%" % (train["beyond_disk_pct"], train["beyond_disk_q1_pct"],
+                           train["beyond_disk_q3_pct"]))
         d = train.get("torch_async")
         alone += "" if d is None else ("; torch's async_save: median %.2f%%, middle half %.1f%% "
                                        "to %.1f%%" % (d["slowdown_pct"], d["slowdown_q1_pct"],
