@@ -306,8 +306,11 @@ class _FileOut:
     MIDDLE_CHUNK = 8 << 20
     MIDDLE_THREADS = GATHER_THREADS
 
-    def __init__(self, path, name, io, crc, phases):
+    def __init__(self, path, name, io, crc, phases, stream_for=None):
         self.path, self.name, self.crc, self.phases = path, name, crc, phases
+        # device tensor -> the CUDA stream its bytes are copied to the host on (None: the
+        # current stream)
+        self.stream_for = stream_for or (lambda t: _torch.cuda.current_stream(t.device))
         self.io = "direct" if io == "auto" else io
         self.fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o666)
         self.pos = 0           # bytes put so far: the file's length once written
@@ -405,7 +408,7 @@ class _FileOut:
             self.group = None
             self.cstart = self.pos
         crc = 0 if self.crc else None
-        stream = _torch.cuda.current_stream(flat.device) if flat.device.type == "cuda" else None
+        stream = self.stream_for(flat) if flat.device.type == "cuda" else None
         at = 0
         while at < n:
             self._chunk()
@@ -508,7 +511,11 @@ class _FileOut:
 
     def _add_saved(self, item, t):
         t0 = _time.perf_counter()
-        c = t.cpu()
+        if t.device.type == "cuda":
+            with _torch.cuda.stream(self.stream_for(t)):
+                c = t.cpu()
+        else:
+            c = t.cpu()
         if c.untyped_storage().size() != c.numel() * c.element_size():
             c = c.clone()
         b = _io.BytesIO()
@@ -591,6 +598,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
         self.crc32 = crc32
         self._stager = PinnedStager(stage=stage)
         self._staged_on = None  # the thread of a stage() whose save has not started yet
+        self._streams = {}  # device -> this writer's CUDA stream for its device-to-host copies
         self.phases = {}  # seconds of this rank's last write_data by phase
 
     def _torch_path(self):
@@ -634,6 +642,30 @@ class FileSystemWriter(_fs.FileSystemWriter):
             # the snapshot (when this save was staged) is no longer needed by this save
             self._stager._written = True
 
+    def _stream_for(self, synced):
+        """The chooser of the CUDA stream a save's device-to-host copies go on: this writer's
+        own stream on the tensor's device, made to wait, once per storage, for the bytes to be
+        ready: for the writer's stager's device scratch the event recorded after its copy (the
+        copy was queued on the stream current where stage ran), and for every tensor the
+        current stream of the thread that saves. Not the current stream itself: on
+        async_save's thread that is the device's default stream, where each copy would wait
+        for every kernel the training loop had queued so far, and the loop's next kernels for
+        the copy."""
+        def stream_for(t):
+            dev = t.device
+            side = self._streams.get(dev)
+            if side is None:
+                side = self._streams[dev] = _torch.cuda.Stream(device=dev)
+            key = t.untyped_storage().data_ptr()
+            if key not in synced:
+                synced.add(key)
+                ev = self._stager.ready_event(t)
+                if ev is not None:
+                    side.wait_event(ev)
+                side.wait_stream(_torch.cuda.current_stream(dev))
+            return side
+        return stream_for
+
     def _write_data(self, plan, planner):
         if self._torch_path():
             return super().write_data(plan, planner)
@@ -648,11 +680,12 @@ class FileSystemWriter(_fs.FileSystemWriter):
         folder = _os.fspath(self.path)
         made, results = [], []
         self.phases = phases = {}
+        stream_for = self._stream_for(set())
         try:
             for k, items in enumerate(buckets):
                 name = f"{prefix}{k}.{tag}{_fs.DEFAULT_SUFFIX}"
                 path = _os.path.join(folder, name)
-                out = _FileOut(path, name, self.io, crc, phases)
+                out = _FileOut(path, name, self.io, crc, phases, stream_for)
                 made.append(path)
                 try:
                     for item in items:
@@ -1292,6 +1325,7 @@ class PinnedStager(_AsyncStager):
         self._buf = None
         self._lock = _threading.Lock()
         self._written = False  # the last snapshot's save is over (FileSystemWriter tells)
+        self._ready = {}  # device -> (its scratch's storage pointer, event after its copy)
         self.last = {}  # what the last stage did: bytes, pinned, device, reused
 
     def _pinned(self, n):
@@ -1400,7 +1434,18 @@ class PinnedStager(_AsyncStager):
         with _torch.cuda.device(dev):
             _torch.cat([t.detach().contiguous().reshape(-1).view(_torch.uint8) for t in ts],
                        out=flat)
+            ev = _torch.cuda.Event()
+            ev.record(_torch.cuda.current_stream(dev))
+        self._ready[dev] = (flat.untyped_storage().data_ptr(), ev)
         return flat
+
+    def ready_event(self, t):
+        """The CUDA event after the copy into the device scratch t is a part of (None: t is no
+        part of this stager's last scratch on its device)."""
+        got = self._ready.get(t.device)
+        if got is not None and got[0] == t.untyped_storage().data_ptr():
+            return got[1]
+        return None
 
     def synchronize_staging(self):
         pass

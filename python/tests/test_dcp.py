@@ -528,6 +528,60 @@ def test_writer_hands_the_lock_over_once_after_a_stage(tmp_path, monkeypatch):
     w.close()
 
 
+def _cuda_backend():
+    if torch is None or not torch.cuda.is_available():
+        return False
+    import pinmem
+    return pinmem.backend() == "cuda"
+
+
+@pytest.mark.skipif(not _cuda_backend(), reason="needs a CUDA device and pinmem's cuda backend "
+                    "(bench/gpu_run.sh dcp runs it)")
+def test_device_copies_on_the_writers_stream_after_the_snapshot(tmp_path, monkeypatch):
+    """A save's device-to-host copies go on the writer's own stream, not the current (on
+    async_save's thread, the default) one, and after the snapshot's copy even when stage ran
+    on another, non-blocking stream: a tensor filled behind a long kernel there is saved as
+    filled."""
+    import threading
+    import pinmem.dcp as pdcp
+    w = pdcp.FileSystemWriter(tmp_path)
+    n = 8 << 20  # 32 MiB of float32: a device scratch, copied in chunks
+    x = torch.zeros(n, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of the GPU before the fill
+        x.fill_(7.0)
+        staged = w.stage({"x": x})
+    assert w._stager.last["device"] == n * 4, "the snapshot did not stay on the device"
+    streams = []
+    real = pdcp._pm.copy
+
+    def copy(dst, src, stream=None, **kw):
+        streams.append(stream)
+        return real(dst, src, stream, **kw)
+    monkeypatch.setattr(pdcp._pm, "copy", copy)
+    err = []
+
+    def save():  # on a thread of its own, as async_save's
+        try:
+            dcp.save(staged, storage_writer=w, no_dist=True)
+        except BaseException as e:
+            err.append(e)
+    th = threading.Thread(target=save)
+    th.start()
+    th.join()
+    assert not err, err
+    own = w._streams[x.device]
+    assert streams and all(st is own for st in streams), \
+        "a device-to-host copy of the save went on another stream than the writer's"
+    got = {"x": torch.empty(n, device="cuda")}
+    dcp.load(got, storage_reader=pdcp.FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(got["x"], torch.full((n,), 7.0, device="cuda")), \
+        "the save read the snapshot before its copy was done"
+    del staged
+    w.close()
+
+
 def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
     """Pinned tensors gathered into pinmem.write_ranges calls (several: a small GROUP), pageable
     ones between them through the chunks again (the chunks then start off the 4 KiB grid), small
