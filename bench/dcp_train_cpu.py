@@ -102,17 +102,16 @@ def main():
             for at in range(0, nbytes, per):
                 c = pdcp._crc32(snap_np[at:at + per], c)
 
+        alone = {"write": pm_write, "crc": crc, "disk": disk.overwrite}  # on a thread, alone
+
         def loop(mode):
             fut = th = None
             if mode == "pinmem":
                 fut = dcp.async_save(sd, storage_writer=writer)
             elif mode == "torch":
                 fut = dcp.async_save(sd, storage_writer=twriter)
-            elif mode in ("write", "disk"):
-                th = threading.Thread(target=pm_write if mode == "write" else disk.overwrite)
-                th.start()
-            elif mode == "crc":
-                th = threading.Thread(target=crc)
+            elif mode in alone:
+                th = threading.Thread(target=alone[mode])
                 th.start()
             c0, t0 = cpu_seconds(), time.perf_counter()
             for _ in range(steps):

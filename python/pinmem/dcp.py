@@ -306,11 +306,11 @@ class _FileOut:
     MIDDLE_CHUNK = 8 << 20
     MIDDLE_THREADS = GATHER_THREADS
 
-    def __init__(self, path, name, io, crc, phases, stream_for=None):
+    def __init__(self, path, name, io, crc, phases, stream_for):
         self.path, self.name, self.crc, self.phases = path, name, crc, phases
-        # device tensor -> the CUDA stream its bytes are copied to the host on (None: the
-        # current stream)
-        self.stream_for = stream_for or (lambda t: _torch.cuda.current_stream(t.device))
+        # device tensor -> the CUDA stream its bytes are copied to the host on
+        # (FileSystemWriter._stream_for)
+        self.stream_for = stream_for
         self.io = "direct" if io == "auto" else io
         self.fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o666)
         self.pos = 0           # bytes put so far: the file's length once written
