@@ -1190,7 +1190,8 @@ PM_API int pm_option_count(void);
 PM_API pm_status_t pm_option_get(int index, pm_option_info_t *info_out);
 PM_API pm_status_t pm_option_find(const char *name, pm_option_info_t *info_out);
 /** Set an option explicitly (wins over the environment). Validated now: PM_ERR_CONFIG with the
- *  reason otherwise. Options read at init (backend) only take effect before pm_init. */
+ *  reason otherwise. Options read at init (backend) only take effect before pm_init. value NULL
+ *  drops the explicit value: PINMEM_<NAME> or the default is in force again. */
 PM_API pm_status_t pm_option_set(const char *name, const char *value);
 /** "4096", "64K", "1.5M", "2G", "1T" (powers of 1024; an optional trailing B or iB). */
 PM_API pm_status_t pm_parse_size(const char *text, size_t *bytes_out);

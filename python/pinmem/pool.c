@@ -175,6 +175,11 @@ static PyObject *py_set_option(PyObject *mod, PyObject *args) {
   const char *name;
   PyObject *value;
   if (!PyArg_ParseTuple(args, "sO:set_option", &name, &value)) return NULL;
+  if (value == Py_None) { /* the explicit value dropped: the environment's or the default again */
+    pm_status_t st = pm_option_set(name, NULL);
+    if (st != PM_OK) return pmpy_raise_status(st);
+    Py_RETURN_NONE;
+  }
   PyObject *text = PyUnicode_Check(value) ? Py_NewRef(value)
                    : PyBool_Check(value)  ? PyUnicode_FromString(value == Py_True ? "1" : "0")
                                           : PyObject_Str(value);
@@ -411,7 +416,8 @@ PyMethodDef pmpy_pool_functions[] = {
      "options() -> {name: {value, default, env, source, doc}}: the option table in force"},
     {"get_option", py_get_option, METH_O, "get_option(name) -> str: the value in force"},
     {"set_option", py_set_option, METH_VARARGS,
-     "set_option(name, value): set an option (wins over the environment)"},
+     "set_option(name, value): set an option (wins over the environment); value None drops "
+     "what set_option set (the environment's value or the default is in force again)"},
     {"parse_size", py_parse_size, METH_O, "parse_size('1.5M') -> 1572864"},
     {"pointer_info", py_pointer_info, METH_O,
      "pointer_info(addr_or_buffer) -> dict: what pinmem knows of the address"},

@@ -250,7 +250,6 @@ def test_read_units_by_option(tmp_path, rng):
     value is refused and changes nothing."""
     n, off = 300001, 4093
     data = write_background(tmp_path / "f.bin", rng, off + n)
-    before = {k: pinmem.get_option(k) for k in ("file_chunk", "file_direct_chunk")}
     try:
         for chunk, direct in (("64K", "20000"), ("48K", "0"), ("20000", "128K")):
             pinmem.set_option("file_chunk", chunk)
@@ -264,8 +263,8 @@ def test_read_units_by_option(tmp_path, rng):
             pinmem.set_option("file_direct_chunk", "lots")
         assert pinmem.get_option("file_direct_chunk") == "128K"
     finally:
-        for k, v in before.items():
-            pinmem.set_option(k, v)
+        for k in ("file_chunk", "file_direct_chunk"):
+            pinmem.set_option(k, None)
 
 
 def test_read_with_stream(tmp_path, rng):
