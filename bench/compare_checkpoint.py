@@ -138,25 +138,35 @@ class Disk:
         self.buf = buf
         self.blocks = max(1, -(-total // BLOCK))
         self.writes, self.reads = [], []
+        self.starts = []  # each write's start, time.time()
         self.ok = True
 
     def _scale(self, seconds):
         return seconds * self.total / (self.blocks * BLOCK)
 
-    def write(self):
-        if not self.ok:
-            return
+    def clear(self):
+        """The previous file removed and the file system synced: what write() does first,
+        untimed. Several processes measuring the disk together clear first, meet at a barrier,
+        then write(clear=False): a sync that ends at different times in each would stagger their
+        writes, and each one's time would then miss part of the others' contention."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
         os.sync()
+
+    def write(self, clear=True):
+        if not self.ok:
+            return
+        if clear:
+            self.clear()
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
         except OSError:
             self.ok = False
             return
         try:
+            self.starts.append(time.time())
             t0 = time.perf_counter()
             for i in range(self.blocks):
                 os.pwritev(fd, [self.buf], i * BLOCK)

@@ -11,7 +11,9 @@ once (the total GB/s is all ranks' bytes over the slowest rank's time; per rank,
 its own write_data / read_data):
 
   * the disk's own rate: compare_checkpoint's Disk (dd-like O_DIRECT writes and reads of a file
-    of each rank's shard size, 16 MiB blocks, fsync'd), every rank at once, measured at the
+    of each rank's shard size, 16 MiB blocks, fsync'd), every rank at once (each rank's
+    previous file removed and synced before a barrier; a write timed from the first rank's
+    start to the last rank's fsync), measured at the
     start and again right before each timed pinmem save and cold load; the best kept, and each
     pinmem run's rate over the rate of the disk run right before it printed beside (the
     virtual disk here moves from minute to minute by more than the 10% the targets allow);
@@ -175,12 +177,19 @@ def rank_main(rank, world, args, store, tmp):
     disk = Disk(os.path.join(tmp, f"dd.{rank}.bin"), mine)
     dw, dr = [], []
 
+    spreads = []  # per disk write: the ranks' start times, last minus first
+
     def disk_write():
+        # Every rank clears (unlink, sync) before the barrier, so the writes start together; the
+        # time is the span from the first rank's start to the last one's fsync, as a save's is
+        # the slowest rank's from the barrier on.
+        disk.clear()
         g.barrier()
-        disk.write()
-        s = g.gather(disk.writes[-1] if disk.ok else None)
+        disk.write(clear=False)
+        s = g.gather((disk.starts[-1], disk.writes[-1]) if disk.ok else None)
         if all(x is not None for x in s):
-            dw.append(max(s))
+            dw.append(max(t + d for t, d in s) - min(t for t, _ in s))
+            spreads.append(max(t for t, _ in s) - min(t for t, _ in s))
 
     def disk_read():
         g.barrier()
@@ -320,7 +329,8 @@ def rank_main(rank, world, args, store, tmp):
                                            paired_disk_ratios=paired(dw[1 + args.repeat:],
                                                                      snap_saves))
     if dw:  # the disk's best, with the runs beside these saves
-        results["disk_write"] = report("disk_odirect_write", min(dw), allb, runs=len(dw))
+        results["disk_write"] = report("disk_odirect_write", min(dw), allb, runs=len(dw),
+                                       start_spread_ms=round(1e3 * max(spreads), 1))
     stager.close()
     snap = max(g.gather(min(snaps[1:])))  # the first allocates the buffer; later ones reuse it
     results["snapshot"] = report("snapshot_alone", snap, allb, staged=args.device)

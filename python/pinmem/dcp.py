@@ -964,12 +964,45 @@ class FileSystemReader(_fs.FileSystemReader):
     # next 4 KiB-aligned archive) of up to this many bytes are read too, so that the file is one
     # stream for pinmem.read_ranges
     HOLE = 64 << 10
+    # _read_file's pinmem.read_ranges call: bytes of each read. None: read_unit(); 0: pinmem's
+    # options (file_direct_chunk, 1 MiB, O_DIRECT; file_chunk, 2 MiB, through the page cache).
+    READ_CHUNK = None
+    # and its I/O threads (None: pinmem's options file_threads, else copy_threads)
+    READ_THREADS = None
 
     def __init__(self, path, _extension_registry=None, *, io="auto"):
         super().__init__(path, _extension_registry=_extension_registry)
         _check_io(io, "pinmem.dcp.FileSystemReader")
         self.io = io
         self.phases = {}  # seconds of this rank's last read_data by phase
+
+    @classmethod
+    def read_unit(cls):
+        """Bytes of each read of a file's read_ranges call: 16 MiB over the call's I/O threads
+        (READ_THREADS, else the option file_threads, else copy_threads, else min(12, usable
+        CPUs)), in 4 KiB, where that is more than 2 MiB (few CPUs) and the file options are
+        pinmem's defaults; else None (the options). Cold loads of 2 ranks' 1 GiB on a 2-CPU
+        virtual machine, 7 rounds each, three runs (bench/probes/dcp_read_units.py): medians
+        2.71 GB/s in 8 MiB reads, then 2.72-2.93 and 2.72-2.88 (two 8 MiB cases a run), against
+        2.15, 2.89 and 2.63 in the options' 1 MiB and 2.96, 3.78 and 3.30 for the disk's own
+        16 MiB reads one at a time; 4 and 16 MiB, and 4 or 8 threads, within the same spread.
+        With 12 threads the options' 1 MiB reads met the disk's rate on the GPU machines
+        (docs/dcp.md): about 16 MiB in flight a rank, as on the write side."""
+        if cls.READ_CHUNK is not None:
+            return cls.READ_CHUNK or None
+        opts = _pm.options()
+        if any(opts[k]["source"] != "default" for k in ("file_direct_chunk", "file_chunk")):
+            return None
+        threads = cls.READ_THREADS or 0
+        for k in ("file_threads", "copy_threads"):
+            try:
+                threads = threads or int(opts[k]["value"].split()[0])
+            except (ValueError, IndexError):
+                pass
+        threads = threads or min(12, len(_os.sched_getaffinity(0)))
+        per = -(-(16 << 20) // threads)
+        per = -(-per // 4096) * 4096
+        return per if per > (2 << 20) else None
 
     def read_data(self, plan, planner):
         folder = _os.fspath(self.path)
@@ -1089,7 +1122,8 @@ class FileSystemReader(_fs.FileSystemReader):
         stream = _torch.cuda.current_stream(devs.pop()) if len(devs) == 1 else None
         t1 = _time.perf_counter()
         phases["plan"] = phases.get("plan", 0.0) + t1 - t0
-        _pm.read_ranges(path, plan, io=self.io, stream=stream)
+        _pm.read_ranges(path, plan, io=self.io, stream=stream, threads=self.READ_THREADS or 0,
+                        chunk=self.read_unit())
         t0 = _time.perf_counter()
         phases["wait_disk"] = phases.get("wait_disk", 0.0) + t0 - t1
         for req, info, kind, detail in done:

@@ -628,6 +628,61 @@ def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
             assert torch.equal(got[k], v), k
 
 
+def test_reader_read_unit(tmp_path, monkeypatch):
+    """The reader's read size: 16 MiB over the call's I/O threads (file_threads, else
+    copy_threads) where that passes 2 MiB and the file options are pinmem's defaults, else the
+    options' own (None); READ_CHUNK overrides it. A load passes it to its read_ranges call and
+    reads the right values."""
+    import pinmem
+    import pinmem.dcp
+    R = pinmem.dcp.FileSystemReader
+    names = ("copy_threads", "file_threads", "file_chunk", "file_direct_chunk")
+    try:
+        for k in names:
+            pinmem.set_option(k, None)
+        pinmem.set_option("copy_threads", 2)
+        assert R.read_unit() == 8 << 20
+        pinmem.set_option("copy_threads", 3)
+        assert R.read_unit() == 1366 * 4096  # 16 MiB / 3, rounded up to 4 KiB
+        pinmem.set_option("copy_threads", 8)
+        assert R.read_unit() is None  # 2 MiB: the options' own
+        pinmem.set_option("file_threads", 4)
+        assert R.read_unit() == 4 << 20  # file_threads first
+        pinmem.set_option("file_direct_chunk", "1M")  # set by the user, even to its default
+        assert R.read_unit() is None
+        pinmem.set_option("file_direct_chunk", None)
+        monkeypatch.setattr(R, "READ_CHUNK", 0)
+        assert R.read_unit() is None
+        monkeypatch.setattr(R, "READ_CHUNK", 3 << 20)
+        assert R.read_unit() == 3 << 20
+        monkeypatch.setattr(R, "READ_CHUNK", None)
+        monkeypatch.setattr(R, "READ_THREADS", 8)
+        assert R.read_unit() is None  # the reader's own threads first
+        monkeypatch.setattr(R, "READ_THREADS", None)
+
+        pinmem.set_option("file_threads", 2)
+        sd = _plain_sd()
+        dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "p"), no_dist=True)
+        chunks = []
+        real_ranges = pinmem.read_ranges
+
+        def ranges(path, plan, **kw):
+            chunks.append((kw.get("chunk"), kw.get("threads")))
+            return real_ranges(path, plan, **kw)
+
+        monkeypatch.setattr(pinmem, "read_ranges", ranges)
+        got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+               for k, v in sd.items()}
+        dcp.load(got, storage_reader=R(tmp_path / "p"), no_dist=True)
+        assert chunks == [(8 << 20, 0)]  # 0: pinmem's threads, the 2 the option gives
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k], v), k
+    finally:
+        for k in names:
+            pinmem.set_option(k, None)
+
+
 def test_reader_one_call_per_file(tmp_path, monkeypatch):
     """A file the load needs whole is read with one pinmem.read_ranges call, tensors straight
     into their destinations (the archive's head beside, checked afterwards), from pinmem's

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""DESIGN: a stand-alone probe of the read size of pinmem.dcp's cold loads (each rank's file read
+with one pinmem.read_ranges call), kept so the choice of FileSystemReader.READ_CHUNK can be
+measured again. RANKS gloo ranks each save their shard of SIZE (bf16 tensors, as compare_dcp
+makes them) once with pinmem's writer, then load it cold (the files' pages dropped first)
+round by round, the order of the cases turned every round:
+
+  * rule: the reader's own choice (FileSystemReader.read_unit());
+  * options: pinmem's option file_direct_chunk for O_DIRECT reads (1 MiB);
+  * 4m, 8m, 16m: reads of 4, 8 or 16 MiB (FileSystemReader.READ_CHUNK);
+  * t4-4m, t4-8m, t8-2m: reads of 4 or 8 MiB on 4 I/O threads, of 2 MiB on 8
+    (FileSystemReader.READ_THREADS): more reads in flight while other threads copy out of the
+    slots;
+  * torch: torch's own FileSystemReader;
+  * disk: no DCP: each rank reads its data file in 16 MiB O_DIRECT requests, one at a time
+    (compare_dcp's measure of the disk's read).
+
+Rank 0 prints each case's GB/s (all ranks' bytes over the slowest rank's time) per round and
+the median; every load is checked against the tensors saved.
+
+  PYTHONPATH=build-py/python python3 bench/probes/dcp_read_units.py --dir DIR \\
+      [--ranks 2] [--size 1G] [--rounds 7]
+"""
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+import pinmem.dcp as pdcp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from compare_checkpoint import Disk, drop_cache, make_checkpoint, parse_size  # noqa: E402
+from dcp_write_units import arguments, report  # noqa: E402  (bench/probes/)
+
+MIB = 1 << 20
+# case -> (FileSystemReader.READ_CHUNK, READ_THREADS)
+CASES = {"rule": (None, None), "options": (0, None), "4m": (4 * MIB, None), "8m": (8 * MIB, None),
+         "16m": (16 * MIB, None), "t4-4m": (4 * MIB, 4), "t4-8m": (8 * MIB, 4),
+         "t8-2m": (2 * MIB, 8), "torch": None, "disk": None}
+
+
+def rank_main(rank, n, tmp, size, rounds):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29547")
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    torch.set_num_threads(1)  # as torchrun sets it for several ranks a node
+    shard = make_checkpoint(torch, size // n, "cpu")
+    sd = {f"rank{rank}.{k}": v for k, v in shard.items()}
+    mine = sum(t.numel() * t.element_size() for t in sd.values())
+    folder = os.path.join(tmp, "ckpt")
+    dcp.save({"model": sd}, storage_writer=pdcp.FileSystemWriter(folder))
+    disk = Disk(os.path.join(tmp, f"disk.{rank}.bin"), mine)
+    disk.write()
+    dest = {k: torch.empty_like(v) for k, v in sd.items()}
+    names = list(CASES)
+    times = {c: [] for c in names}
+    for rnd in range(rounds):
+        for c in names if rnd % 2 == 0 else names[::-1]:
+            for v in dest.values():
+                v.fill_(0)
+            dist.barrier()
+            if rank == 0:
+                for name in os.listdir(folder):
+                    drop_cache(os.path.join(folder, name))
+            dist.barrier()
+            if c == "disk":
+                disk.read()  # O_DIRECT: no pages to drop; times itself
+                spent = disk.reads[-1]
+            else:
+                if c == "torch":
+                    reader = dcp.FileSystemReader(folder)
+                else:
+                    reader = pdcp.FileSystemReader(folder)
+                    reader.READ_CHUNK, reader.READ_THREADS = CASES[c]
+                t0 = time.perf_counter()
+                dcp.load({"model": dest}, storage_reader=reader)
+                spent = time.perf_counter() - t0
+                if not all(torch.equal(dest[k], sd[k]) for k in sd):
+                    raise SystemExit(f"dcp_read_units: case {c} loaded other bytes")
+            took = [None] * n
+            dist.all_gather_object(took, spent)
+            times[c].append(max(took))
+    if rank == 0:
+        report(times, n * mine)
+    dist.destroy_process_group()
+
+
+def main():
+    args = arguments(__doc__, 7).parse_args()
+    unit = pdcp.FileSystemReader.read_unit()
+    print(f"dcp_read_units: {args.ranks} ranks, {args.size}, {os.cpu_count()} CPUs, the rule's "
+          f"reads {'of %.2f MiB' % (unit / MIB) if unit else 'as the options'}", flush=True)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        mp.spawn(rank_main, args=(args.ranks, tmp, parse_size(args.size), args.rounds),
+                 nprocs=args.ranks)
+
+
+if __name__ == "__main__":
+    main()
