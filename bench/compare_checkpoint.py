@@ -139,6 +139,7 @@ class Disk:
         self.blocks = max(1, -(-total // BLOCK))
         self.writes, self.reads = [], []
         self.starts = []  # each write's start, time.time()
+        self.reads_into = []  # read(into=...)'s times
         self.ok = True
 
     def _scale(self, seconds):
@@ -188,17 +189,24 @@ class Disk:
         finally:
             os.close(fd)
 
-    def read(self):
+    def read(self, into=None):
+        """The file read in BLOCK requests, one at a time, each into the same buffer (self.buf),
+        or with into (a writable buffer of blocks * BLOCK bytes or more, page-aligned) each into
+        its own place in it, as a load lands every byte in memory of its own; the time appended
+        to self.reads or self.reads_into."""
         if not self.ok:
             return
         if not self.writes:
             self.write()
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
         try:
+            mv = None if into is None else memoryview(into)
             t0 = time.perf_counter()
             for i in range(self.blocks):
-                os.preadv(fd, [self.buf], i * BLOCK)
-            self.reads.append(self._scale(time.perf_counter() - t0))
+                os.preadv(fd, [self.buf if mv is None else mv[i * BLOCK:(i + 1) * BLOCK]],
+                          i * BLOCK)
+            (self.reads if into is None else self.reads_into).append(
+                self._scale(time.perf_counter() - t0))
         finally:
             os.close(fd)
 

@@ -8,19 +8,24 @@ round by round, the order of the cases turned every round:
   * rule: the reader's own choice (FileSystemReader.read_unit());
   * options: pinmem's option file_direct_chunk for O_DIRECT reads (1 MiB);
   * 4m, 8m, 16m: reads of 4, 8 or 16 MiB (FileSystemReader.READ_CHUNK);
-  * t4-4m, t4-8m, t8-2m: reads of 4 or 8 MiB on 4 I/O threads, of 2 MiB on 8
-    (FileSystemReader.READ_THREADS): more reads in flight while other threads copy out of the
-    slots;
+  * t4-4m, t4-8m, t8-2m, t1-16m: reads of 4 or 8 MiB on 4 I/O threads, of 2 MiB on 8, of 16 MiB
+    on one (FileSystemReader.READ_THREADS): more reads in flight while other threads copy out of
+    the slots, or one at a time as the disk's own;
+  * aligned: the reader's own choice into destinations of pages of their own (mmap), which
+    O_DIRECT reads in place: no copy out of pinmem's slots, as torch's CPU tensors need;
   * torch: torch's own FileSystemReader;
-  * disk: no DCP: each rank reads its data file in 16 MiB O_DIRECT requests, one at a time
-    (compare_dcp's measure of the disk's read).
+  * disk: no DCP: each rank reads a file of its own, written by compare_checkpoint's Disk, in
+    16 MiB O_DIRECT requests, one at a time (compare_dcp's measure of the disk's read);
+  * disk-ckpt: the same reads of the rank's checkpoint data file (as pinmem's writer laid it
+    out on the disk).
 
 Rank 0 prints each case's GB/s (all ranks' bytes over the slowest rank's time) per round and
 the median; every load is checked against the tensors saved.
 
   PYTHONPATH=build-py/python python3 bench/probes/dcp_read_units.py --dir DIR \\
-      [--ranks 2] [--size 1G] [--rounds 7]
+      [--ranks 2] [--size 1G] [--rounds 7] [--cases rule,aligned,disk]
 """
+import mmap
 import os
 import sys
 import tempfile
@@ -41,10 +46,26 @@ MIB = 1 << 20
 # case -> (FileSystemReader.READ_CHUNK, READ_THREADS)
 CASES = {"rule": (None, None), "options": (0, None), "4m": (4 * MIB, None), "8m": (8 * MIB, None),
          "16m": (16 * MIB, None), "t4-4m": (4 * MIB, 4), "t4-8m": (8 * MIB, 4),
-         "t8-2m": (2 * MIB, 8), "torch": None, "disk": None}
+         "t8-2m": (2 * MIB, 8), "t1-16m": (16 * MIB, 1), "aligned": (None, None), "torch": None, "disk": None,
+         "disk-ckpt": None}
 
 
-def rank_main(rank, n, tmp, size, rounds):
+def read_direct(path, buf):
+    """Seconds to read the file at path in len(buf) O_DIRECT requests, one at a time."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t0 = time.perf_counter()
+        at = 0
+        while True:
+            got = os.preadv(fd, [buf], at)
+            at += got
+            if got < len(buf):
+                return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+def rank_main(rank, n, tmp, size, rounds, names):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29547")
     dist.init_process_group("gloo", rank=rank, world_size=n)
     torch.set_num_threads(1)  # as torchrun sets it for several ranks a node
@@ -55,11 +76,16 @@ def rank_main(rank, n, tmp, size, rounds):
     dcp.save({"model": sd}, storage_writer=pdcp.FileSystemWriter(folder))
     disk = Disk(os.path.join(tmp, f"disk.{rank}.bin"), mine)
     disk.write()
-    dest = {k: torch.empty_like(v) for k, v in sd.items()}
-    names = list(CASES)
+    names_now = sorted(os.listdir(folder))
+    mine_file = [f for f in names_now if f.startswith(f"__{rank}_")][0]
+    empty = {k: torch.empty_like(v) for k, v in sd.items()}
+    # each tensor in pages of its own: O_DIRECT reads straight into it, no copy out of a slot
+    aligned = {k: torch.frombuffer(mmap.mmap(-1, v.numel() * v.element_size()),
+                                   dtype=v.dtype).view(v.shape) for k, v in sd.items()}
     times = {c: [] for c in names}
     for rnd in range(rounds):
         for c in names if rnd % 2 == 0 else names[::-1]:
+            dest = aligned if c == "aligned" else empty
             for v in dest.values():
                 v.fill_(0)
             dist.barrier()
@@ -70,6 +96,8 @@ def rank_main(rank, n, tmp, size, rounds):
             if c == "disk":
                 disk.read()  # O_DIRECT: no pages to drop; times itself
                 spent = disk.reads[-1]
+            elif c == "disk-ckpt":
+                spent = read_direct(os.path.join(folder, mine_file), disk.buf)
             else:
                 if c == "torch":
                     reader = dcp.FileSystemReader(folder)
@@ -90,12 +118,19 @@ def rank_main(rank, n, tmp, size, rounds):
 
 
 def main():
-    args = arguments(__doc__, 7).parse_args()
+    ap = arguments(__doc__, 7)
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="the cases to run, comma-separated (default: all)")
+    args = ap.parse_args()
+    names = args.cases.split(",")
+    for c in names:
+        if c not in CASES:
+            ap.error(f"unknown case {c!r} (cases: {', '.join(CASES)})")
     unit = pdcp.FileSystemReader.read_unit()
     print(f"dcp_read_units: {args.ranks} ranks, {args.size}, {os.cpu_count()} CPUs, the rule's "
           f"reads {'of %.2f MiB' % (unit / MIB) if unit else 'as the options'}", flush=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        mp.spawn(rank_main, args=(args.ranks, tmp, parse_size(args.size), args.rounds),
+        mp.spawn(rank_main, args=(args.ranks, tmp, parse_size(args.size), args.rounds, names),
                  nprocs=args.ranks)
 
 
