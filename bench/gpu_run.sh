@@ -20,7 +20,7 @@
 # Minutes on one H200 (driver r580, 16 CPUs), measured 2026-12-05 where a figure has no "~":
 # build with tests and tests together 1.3; info 0.1; notoolkit 0.5; alloc 0.2; copy 0.8; loader 0.4;
 # file 0.5; blocks 2.3; the extension and kv 0.4; offload 1.1; dcp 3.7 (4 ranks, 4G; on an H100
-# the same day more than 5.3 with its tests, and now the probe's minute on top); train 0.5;
+# 6.0 with the extension's build and its tests, DCP_PROBE=0; the probe adds a minute); train 0.5;
 # loaderpy 0.7; kvpin 1.2 at 16G; estimated: overlap ~1, safetensors ~1, workers ~7, python ~4,
 # kvpin ~4 at 64G. Calls of under ~9 minutes, in this order of need:
 #   A  build tests info notoolkit alloc copy loader file   3.2   the driver loaded at run time
