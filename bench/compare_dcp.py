@@ -196,7 +196,7 @@ def rank_main(rank, world, args, store, tmp):
 
     # The same reads each into its own place in memory of the shard's size (touched first, as
     # a load's destinations are), beside: a load cannot reuse one hot buffer as the reads above
-    # do, and on a virtual machine that alone can move the disk's read rate by a fifth.
+    # do.
     dri = []
     into = mmap.mmap(-1, disk.blocks * BLOCK)
     zero = bytes(BLOCK)
