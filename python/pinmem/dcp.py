@@ -985,7 +985,8 @@ class FileSystemReader(_fs.FileSystemReader):
         virtual machine, 7 rounds each, three runs (bench/probes/dcp_read_units.py): medians
         2.71 GB/s in 8 MiB reads, then 2.72-2.93 and 2.72-2.88 (two 8 MiB cases a run), against
         2.15, 2.89 and 2.63 in the options' 1 MiB and 2.96, 3.78 and 3.30 for the disk's own
-        16 MiB reads one at a time; 4 and 16 MiB, and 4 or 8 threads, within the same spread.
+        16 MiB reads one at a time; 4 and 16 MiB, and 4 or 8 threads, within the same spread. A
+        fourth run gave 2.65 against 2.68 for 1 MiB: the gain is small and not always there.
         With 12 threads the options' 1 MiB reads met the disk's rate on the GPU machines
         (docs/dcp.md): about 16 MiB in flight a rank, as on the write side."""
         if cls.READ_CHUNK is not None:
