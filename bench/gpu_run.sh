@@ -39,7 +39,9 @@
 # small sizes), BLOCKS_ARENA (64G) and BLOCKS_BUDGET (100G), KV_PIN_ARENA (64G with 150 GiB of
 # RAM or more, else 32G: torch's pin_memory() row holds the pageable source and its pinned copy),
 # DCP_ARGS (--device cuda --ranks 4 --size 8G), DCP_PROBE (1; 0: the dcp step without the
-# probe's minute), OFFLOAD_ARGS (--json), HANG_S, TEST_TIMEOUT.
+# probe's minute), DCP_UNITS (0; 1: the dcp step also runs probes/dcp_write_units.py, with and
+# without --pinned, and probes/dcp_read_units.py, 4 ranks, 4G), OFFLOAD_ARGS (--json), HANG_S,
+# TEST_TIMEOUT.
 set -uo pipefail
 known="build tests info notoolkit alloc copy overlap sweep loader file blocks python torch train"
 known+=" workers files kv kvpin offload dcp safetensors loaderpy"
@@ -461,6 +463,22 @@ if step dcp 120 && pyext; then
     run_to dcp-return 150 "$OUT/dcp-async-return.txt" "$OUT/dcp-async-return.err" \
       "$PY" bench/probes/dcp_async_return.py "${probe_args[@]}"
     tail -2 "$OUT/dcp-async-return.txt"
+  fi
+  # The request sizes of the writer and the reader, each case in turn round by round (about
+  # four minutes on 4 ranks at 4G).
+  if [[ ${DCP_UNITS:-0} == 1 ]]; then
+    units_args=(--dir "$CKPT_DIR" --ranks 4 --size 4G --rounds 5)
+    ((dry)) && units_args=(--dir "$CKPT_DIR" --ranks 2 --size 64M --rounds 1)
+    units() { # NAME PROBE [ARGS...]
+      local name=$1 probe=$2
+      shift 2
+      run_to "$name" 200 "$OUT/$name.txt" "$OUT/$name.err" "$PY" "bench/probes/$probe" \
+        "${units_args[@]}" "$@"
+      cat "$OUT/$name.txt"
+    }
+    units dcp-write-units dcp_write_units.py
+    units dcp-write-units-pinned dcp_write_units.py --pinned
+    units dcp-read-units dcp_read_units.py
   fi
   # About five times --size on disk at once (the disk's files, torch's and pinmem's folders,
   # two async folders): 8 GiB needs some 40 GiB free.
