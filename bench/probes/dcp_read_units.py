@@ -11,8 +11,13 @@ round by round, the order of the cases turned every round:
   * t4-4m, t4-8m, t8-2m, t1-16m: reads of 4 or 8 MiB on 4 I/O threads, of 2 MiB on 8, of 16 MiB
     on one (FileSystemReader.READ_THREADS): more reads in flight while other threads copy out of
     the slots, or one at a time as the disk's own;
-  * aligned: the reader's own choice into destinations of pages of their own (mmap), which
-    O_DIRECT reads in place: no copy out of pinmem's slots, as torch's CPU tensors need;
+  * aligned: the reader's own choice into destinations of pages of their own (mmap); their
+    first byte is page-aligned, the tensor's bytes in the file are not, so these too are read
+    through pinmem's slots and copied out;
+  * inplace, inplace-8m: destinations whose address is the tensor's file offset modulo 4 KiB,
+    which O_DIRECT reads in place wherever a read holds bytes of that tensor alone; in pinmem's
+    1 MiB reads (most reads inside one tensor) and in the reader's own (8 MiB here: most reads
+    hold the end of one tensor and the start of the next, and go through the slots);
   * torch: torch's own FileSystemReader;
   * disk: no DCP: each rank reads a file of its own, written by compare_checkpoint's Disk, in
     16 MiB O_DIRECT requests, one at a time (compare_dcp's measure of the disk's read);
@@ -46,7 +51,8 @@ MIB = 1 << 20
 # case -> (FileSystemReader.READ_CHUNK, READ_THREADS)
 CASES = {"rule": (None, None), "options": (0, None), "4m": (4 * MIB, None), "8m": (8 * MIB, None),
          "16m": (16 * MIB, None), "t4-4m": (4 * MIB, 4), "t4-8m": (8 * MIB, 4),
-         "t8-2m": (2 * MIB, 8), "t1-16m": (16 * MIB, 1), "aligned": (None, None), "torch": None, "disk": None,
+         "t8-2m": (2 * MIB, 8), "t1-16m": (16 * MIB, 1), "aligned": (None, None),
+         "inplace": (0, None), "inplace-8m": (None, None), "torch": None, "disk": None,
          "disk-ckpt": None}
 
 
@@ -79,13 +85,30 @@ def rank_main(rank, n, tmp, size, rounds, names):
     names_now = sorted(os.listdir(folder))
     mine_file = [f for f in names_now if f.startswith(f"__{rank}_")][0]
     empty = {k: torch.empty_like(v) for k, v in sd.items()}
-    # each tensor in pages of its own: O_DIRECT reads straight into it, no copy out of a slot
+    # each tensor in pages of its own
     aligned = {k: torch.frombuffer(mmap.mmap(-1, v.numel() * v.element_size()),
                                    dtype=v.dtype).view(v.shape) for k, v in sd.items()}
+    # each tensor in pages of its own, starting where its bytes start in the file modulo 4 KiB
+    md = dcp.FileSystemReader(folder).read_metadata()
+    inplace = {}
+    for idx, info in md.storage_data.items():
+        k = idx.fqn.split(".", 1)[1]  # "model.<key>"
+        if k not in sd:
+            continue
+        with open(os.path.join(folder, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            head = f.read(4096)
+        data_at = pdcp._parse_head(head, info.offset, info.length)[4]
+        v = sd[k]
+        nbytes = v.numel() * v.element_size()
+        inplace[k] = torch.frombuffer(mmap.mmap(-1, nbytes + 4096), dtype=torch.uint8,
+                                      count=nbytes, offset=data_at % 4096).view(v.dtype).view(
+                                          v.shape)
+    assert set(inplace) == set(sd), "dcp_read_units: the metadata does not name every tensor"
     times = {c: [] for c in names}
     for rnd in range(rounds):
         for c in names if rnd % 2 == 0 else names[::-1]:
-            dest = aligned if c == "aligned" else empty
+            dest = {"aligned": aligned, "inplace": inplace, "inplace-8m": inplace}.get(c, empty)
             for v in dest.values():
                 v.fill_(0)
             dist.barrier()
