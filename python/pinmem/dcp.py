@@ -981,14 +981,14 @@ class FileSystemReader(_fs.FileSystemReader):
         """Bytes of each read of a file's read_ranges call: 16 MiB over the call's I/O threads
         (READ_THREADS, else the option file_threads, else copy_threads, else min(12, usable
         CPUs)), in 4 KiB, where that is more than 2 MiB (few CPUs) and the file options are
-        pinmem's defaults; else None (the options). Cold loads of 2 ranks' 1 GiB on a 2-CPU
-        virtual machine, 7 rounds each, three runs (bench/probes/dcp_read_units.py): medians
-        2.71 GB/s in 8 MiB reads, then 2.72-2.93 and 2.72-2.88 (two 8 MiB cases a run), against
-        2.15, 2.89 and 2.63 in the options' 1 MiB and 2.96, 3.78 and 3.30 for the disk's own
-        16 MiB reads one at a time; 4 and 16 MiB, and 4 or 8 threads, within the same spread. A
-        fourth run gave 2.65 against 2.68 for 1 MiB: the gain is small and not always there.
-        With 12 threads the options' 1 MiB reads met the disk's rate on the GPU machines
-        (docs/dcp.md): about 16 MiB in flight a rank, as on the write side."""
+        pinmem's defaults; else None (the options). The evidence on a 2-CPU virtual machine (2
+        ranks, 1 GiB, cold) is mixed: compare_dcp's cold loads ran at 0.87x the disk in three
+        runs with 8 MiB reads, at 0.60x-0.97x in four with the options' 1 MiB; in
+        bench/probes/dcp_read_units.py, medians by run, 8 MiB against 1 MiB: 2.71 against 2.15,
+        2.93 against 2.89, 2.72-2.88 against 2.63, 2.65 against 2.68, 2.59 against 2.68 GB/s;
+        bench/probes/read_memory.py's 96 ranges: 2.77 against 3.20. 8 MiB is kept for the
+        steadier compare_dcp runs. With 12 threads the options' 1 MiB reads met the disk's rate
+        on the GPU machines (docs/dcp.md): about 16 MiB in flight a rank, as on the write side."""
         if cls.READ_CHUNK is not None:
             return cls.READ_CHUNK or None
         opts = _pm.options()
