@@ -57,6 +57,7 @@ one scratch tensor there, queued on the current stream, as save_file_async does;
 background write then moves them to the file.
 """
 import collections as _collections
+import contextlib as _contextlib
 import copy as _copy
 import gc as _gc
 import io as _io
@@ -265,6 +266,11 @@ def _source(t):
 
 # ---- writing ------------------------------------------------------------------------------------
 
+# pinmem's I/O threads a file call takes when neither it nor the options say (copy_threads'
+# auto: min(12, usable CPUs)), as at import
+_IO_THREADS = min(12, len(_os.sched_getaffinity(0)))
+
+
 class _FileOut:
     """One data file of a save, written as its image: every byte (gaps, archive heads, data,
     tails, small tensors, BYTE_IO items) is put in order into pinned chunks of CHUNK bytes from
@@ -291,7 +297,7 @@ class _FileOut:
     # two 8 MiB requests a chunk, 2.60 in the default 1 MiB units (16 requests of about 0.1 ms
     # of CPU each), 3.01 in one 16 MiB request. On 12 or more CPUs the unit stays near 1 MiB,
     # the size pinmem's file defaults were chosen at on the GPU machines.
-    WRITE_THREADS = min(12, len(_os.sched_getaffinity(0)))
+    WRITE_THREADS = _IO_THREADS
     PINNED_DIRECT = True  # off: pinned tensors too are copied into the chunks
     # Bytes of one gathered write; they go one call after the other (one thread), the file one
     # stream in order: 2 ranks' snapshots of 96 tensors of 21 MiB went to this machine's disk at
@@ -301,7 +307,7 @@ class _FileOut:
     GROUP = 128 << 20
     # I/O threads of one gathered write: as many requests in flight as the chunks' WRITERS calls
     # keep with pinmem's default threads a call (copy_threads: min(12, usable CPUs))
-    GATHER_THREADS = WRITERS * min(12, len(_os.sched_getaffinity(0)))
+    GATHER_THREADS = WRITERS * _IO_THREADS
     # The tensors' aligned middles: requests of up to MIDDLE_CHUNK, MIDDLE_THREADS in flight
     MIDDLE_CHUNK = 8 << 20
     MIDDLE_THREADS = GATHER_THREADS
@@ -511,10 +517,8 @@ class _FileOut:
 
     def _add_saved(self, item, t):
         t0 = _time.perf_counter()
-        if t.device.type == "cuda":
-            with _torch.cuda.stream(self.stream_for(t)):
-                c = t.cpu()
-        else:
+        with (_torch.cuda.stream(self.stream_for(t)) if t.device.type == "cuda"
+              else _contextlib.nullcontext()):
             c = t.cpu()
         if c.untyped_storage().size() != c.numel() * c.element_size():
             c = c.clone()
@@ -1000,7 +1004,7 @@ class FileSystemReader(_fs.FileSystemReader):
                 threads = threads or int(opts[k]["value"].split()[0])
             except (ValueError, IndexError):
                 pass
-        threads = threads or min(12, len(_os.sched_getaffinity(0)))
+        threads = threads or _IO_THREADS
         per = -(-(16 << 20) // threads)
         per = -(-per // 4096) * 4096
         return per if per > (2 << 20) else None
@@ -1026,12 +1030,13 @@ class FileSystemReader(_fs.FileSystemReader):
                                    f"but the checkpoint's metadata places data up to byte {end}: "
                                    "the file was truncated (nothing was loaded)")
         self.phases = phases = {}
+        unit = self.read_unit()  # the option table is read once a load, not once a file
         for name, reqs in per_file.items():
             path = _os.path.join(folder, name)
             reqs = sorted(reqs, key=lambda r: r[1].offset)
             fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
             try:
-                if self._read_file(fd, path, reqs, planner, phases):
+                if self._read_file(fd, path, reqs, planner, phases, unit):
                     pass
                 elif _wanted(reqs, planner) >= WANTED:
                     self._read_spans(fd, path, reqs, planner, phases)
@@ -1052,7 +1057,7 @@ class FileSystemReader(_fs.FileSystemReader):
         else:
             self._read_tensor(fd, path, req, info, planner)
 
-    def _read_file(self, fd, path, reqs, planner, phases):
+    def _read_file(self, fd, path, reqs, planner, phases, unit):
         """The items reqs needs of one file in one pinmem.read_ranges call; False (nothing read)
         where the scratch it needs would pass SPAN or the items overlap. A tensor whose stored
         layout the metadata predicts (torch.save's archive for its dtype and shape) and whose
@@ -1063,7 +1068,7 @@ class FileSystemReader(_fs.FileSystemReader):
         item (BYTE_IO, a layout not predicted) whole into the scratch. The holes between the
         pieces, up to HOLE bytes each, are read too, so the file is one stream. Afterwards each
         head is parsed: a tensor whose archive is not the predicted one is read again on its own
-        (_read_item)."""
+        (_read_item). unit: the bytes of each read (read_unit(), worked out once a load)."""
         t0 = _time.perf_counter()
         pieces = []  # (file offset, bytes, destination tensor or None, place in the scratch)
         done = []    # (req, info, kind, detail) in file order
@@ -1124,7 +1129,7 @@ class FileSystemReader(_fs.FileSystemReader):
         t1 = _time.perf_counter()
         phases["plan"] = phases.get("plan", 0.0) + t1 - t0
         _pm.read_ranges(path, plan, io=self.io, stream=stream, threads=self.READ_THREADS or 0,
-                        chunk=self.read_unit())
+                        chunk=unit)
         t0 = _time.perf_counter()
         phases["wait_disk"] = phases.get("wait_disk", 0.0) + t0 - t1
         for req, info, kind, detail in done:
