@@ -14,13 +14,19 @@ then as {"model": those 96}. Six rounds of each; per round rank 0 prints:
 What is left of the return beyond those two is torch's own work around them (a logged call per
 top-level key of the state dict, the executor's set-up).
 
-Then, with {"model": ...}, 60 async saves alternate between the writer as it is and the writer
-with its hand-over turned off (FileSystemWriter._hand_over: the save's thread sleeps a moment
-at its first question to the writer, so the caller gets the interpreter lock back); rank 0
-prints the median return and execute_save of each (the first two saves left out).
+Each round also prints where the return went: torch's part before the stage, the stage by
+phase (PinnedStager.last), the time between it and execute_save, execute_save, the rest, and
+Python's garbage collections in the call.
+
+Then, with {"model": ...}, 90 async saves take turns between the writer with its hand-over
+turned off (FileSystemWriter._hand_over: the save's thread sleeps a moment at its first
+question to the writer, so the caller gets the interpreter lock back), the writer as it is, and
+the writer as it is with Python's gc disabled during the call; rank 0 prints the median return
+and execute_save of each (the first three saves left out).
 
   PYTHONPATH=build-py/python python3 bench/probes/dcp_async_return.py cuda|cpu [RANKS] [SIZE_GIB]
 """
+import gc
 import os
 import statistics
 import sys
@@ -39,7 +45,8 @@ T = {}
 
 
 def timed(cls, name, key):
-    """Replace cls.name with a wrapper that keeps its last duration in T[key]."""
+    """Replace cls.name with a wrapper that keeps its last duration in T[key], and when it
+    began and ended in T[key + "_at"]."""
     orig = getattr(cls, name)
 
     def wrapper(*a, **k):
@@ -47,13 +54,41 @@ def timed(cls, name, key):
         try:
             return orig(*a, **k)
         finally:
-            T[key] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            T[key] = t1 - t0
+            T[key + "_at"] = (t0, t1)
 
     setattr(cls, name, wrapper)
 
 
+GC = []  # (generation, seconds) of each collection since the list was last cleared
+_gc_t0 = [0.0]
+
+
+def _gc_watch(phase, info):
+    if phase == "start":
+        _gc_t0[0] = time.perf_counter()
+    else:
+        GC.append((info["generation"], time.perf_counter() - _gc_t0[0]))
+
+
+def parts(t0, t_end, stager):
+    """Where one async_save's return went, in ms: before the stage (torch's logging, the state
+    dict's Stateful objects), the stage by phase, between it and execute_save, execute_save,
+    after it; and the collections of Python's gc in that time."""
+    s0, s1 = T["stage_at"]
+    e0, e1 = T["exec_at"]
+    ph = " ".join(f"{k} {v * 1e3:.2f}" for k, v in stager.last.get("phases", {}).items()
+                  if v >= 5e-6)
+    gcs = ", ".join(f"gen{g} {x * 1e3:.2f}" for g, x in GC) or "none"
+    return (f"before {(s0 - t0) * 1e3:.2f}, stage {(s1 - s0) * 1e3:.2f} [{ph}], between "
+            f"{(e0 - s1) * 1e3:.2f}, execute_save {(e1 - e0) * 1e3:.2f}, after "
+            f"{(t_end - e1) * 1e3:.2f}; gc {gcs}")
+
+
 timed(ate._ThreadBasedAsyncCheckpointExecutor, "execute_save", "exec")
 timed(pdcp.FileSystemWriter, "stage", "stage")
+gc.callbacks.append(_gc_watch)
 
 
 def sync(dev):
@@ -83,36 +118,48 @@ def rank_main(rank, n, tmp, total, flat, dev):
         sync(dev)
         t0 = time.perf_counter()
         staged = stager.stage(app)
+        queued = time.perf_counter() - t0
         sync(dev)
         snap = time.perf_counter() - t0
         del staged
+        sph = " ".join(f"{k} {v * 1e3:.2f}" for k, v in stager.last["phases"].items()
+                       if v >= 5e-6)
         dist.barrier()
+        GC.clear()
         t0 = time.perf_counter()
         fut = dcp.async_save(app, storage_writer=writer)
-        ret = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        ret = t_end - t0
+        why = parts(t0, t_end, writer._stager)
         fut.result()
         if rank == 0:
             print(f"{'96 top-level keys' if flat else 'model: 96 keys'}: snapshot "
-                  f"{snap * 1e3:.2f} ms, return {ret * 1e3:.2f} ms (stage {T['stage'] * 1e3:.2f}, "
-                  f"execute_save {T['exec'] * 1e3:.2f})", flush=True)
+                  f"{snap * 1e3:.2f} ms (stage {queued * 1e3:.2f} [{sph}]), return "
+                  f"{ret * 1e3:.2f} ms (stage {T['stage'] * 1e3:.2f}, execute_save "
+                  f"{T['exec'] * 1e3:.2f})\n    {why}", flush=True)
     writer.close()
     stager.close()
     if not flat:
         writers = [_NoHandOver(os.path.join(tmp, "off")), pdcp.FileSystemWriter(
             os.path.join(tmp, "on"))]
-        runs = ([], [])
-        for i in range(60):
+        writers.append(writers[1])
+        runs = ([], [], [])
+        for i in range(90):
             dist.barrier()
+            k = i % 3
+            if k == 2:
+                gc.disable()
             t0 = time.perf_counter()
-            fut = dcp.async_save(app, storage_writer=writers[i % 2])
+            fut = dcp.async_save(app, storage_writer=writers[k])
             ret = time.perf_counter() - t0
+            gc.enable()
             fut.result()
-            if i >= 2:
-                runs[i % 2].append((ret, T["exec"]))
-        for w in writers:
+            if i >= 3:
+                runs[k].append((ret, T["exec"]))
+        for w in writers[:2]:
             w.close()
         if rank == 0:
-            for name, r in zip(("hand-over off", "hand-over on"), runs):
+            for name, r in zip(("hand-over off", "hand-over on", "hand-over on, gc off"), runs):
                 print(f"model: 96 keys, {name}: median return "
                       f"{statistics.median(x[0] for x in r) * 1e3:.2f} ms, execute_save "
                       f"{statistics.median(x[1] for x in r) * 1e3:.2f} ms ({len(r)} saves)",

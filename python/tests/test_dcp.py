@@ -582,6 +582,55 @@ def test_device_copies_on_the_writers_stream_after_the_snapshot(tmp_path, monkey
     w.close()
 
 
+@pytest.mark.skipif(not _cuda_backend(), reason="needs a CUDA device and pinmem's cuda backend "
+                    "(bench/gpu_run.sh dcp runs it)")
+def test_device_snapshot_of_mixed_tensors(tmp_path):
+    """The device snapshot (one scratch per dtype, the copies views of it) of tensors of three
+    dtypes, one of them alone in its dtype, a transposed one, an empty one, a 0-d one and one
+    that requires grad: each copy has its source's shape, dtype and values, no storage of a
+    source, and keeps them while the sources change; the writer saves the snapshot and it
+    loads back."""
+    import pinmem.dcp as pdcp
+    g = torch.Generator(device="cuda").manual_seed(GEN)
+    sd = {"model": {
+        "w": torch.randn(300, 70, device="cuda", generator=g),
+        "wt": torch.randn(50, 40, device="cuda", generator=g).t(),
+        "e": torch.randn(129, device="cuda", generator=g).to(torch.bfloat16),
+        "f": torch.randn(3, 5, device="cuda", generator=g).to(torch.bfloat16),
+        "steps": torch.arange(11, device="cuda"),
+        "none": torch.empty(0, 7, device="cuda"),
+        "scale": torch.tensor(2.5, device="cuda"),
+        "p": torch.randn(17, device="cuda", generator=g, requires_grad=True),
+    }, "epoch": 3}
+    src = sd["model"]
+    want = {k: v.detach().clone() for k, v in src.items()}
+    w = pdcp.FileSystemWriter(tmp_path)
+    staged = w.stage(sd)
+    nbytes = sum(v.numel() * v.element_size() for v in src.values())
+    assert w._stager.last["device"] == nbytes and w._stager.last["pinned"] == 0
+    with torch.no_grad():
+        for v in src.values():
+            if v.numel():
+                v.add_(1) if v.dtype != torch.int64 else v.mul_(3)
+    got = staged["model"]
+    for k, v in want.items():
+        c = got[k]
+        assert c.device == v.device and c.shape == v.shape and c.dtype == v.dtype, k
+        assert torch.equal(c, v), f"{k}: the snapshot changed with its source or was wrong"
+        assert not c.requires_grad, k
+        if c.numel():
+            assert c.untyped_storage().data_ptr() != src[k].untyped_storage().data_ptr(), k
+            assert w._stager.ready_event(c) is not None, k
+    assert staged["epoch"] == 3
+    dcp.save(staged, storage_writer=w, no_dist=True)
+    back = {"model": {k: torch.zeros_like(v) for k, v in want.items()}, "epoch": 0}
+    dcp.load(back, storage_reader=pdcp.FileSystemReader(tmp_path), no_dist=True)
+    for k, v in want.items():
+        assert torch.equal(back["model"][k], v), k
+    del staged, got
+    w.close()
+
+
 def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
     """Pinned tensors gathered into pinmem.write_ranges calls (several: a small GROUP), pageable
     ones between them through the chunks again (the chunks then start off the 4 KiB grid), small
