@@ -1308,6 +1308,15 @@ def _flatten_dense(ts):
     return _torch.cat([t.reshape(-1) for t in ts])
 
 
+def _flatten_bytes(ts, dev):
+    """_flatten_dense for tensors of one dtype that torch.cat does not take: their bytes
+    concatenated, the result seen as their dtype."""
+    n = sum(t.numel() * t.element_size() for t in ts)
+    flat = _torch.empty(n, dtype=_torch.uint8, device=dev)
+    _torch.cat([t.detach().contiguous().reshape(-1).view(_torch.uint8) for t in ts], out=flat)
+    return flat.view(ts[0].dtype)
+
+
 def _unflatten_dense(flat, ts):
     """Views of flat shaped as the tensors ts, in order (the inverse of _flatten_dense)."""
     f = getattr(_torch._utils, "_unflatten_dense_tensors", None)
@@ -1524,7 +1533,14 @@ class PinnedStager(_AsyncStager):
                         flat = _torch.empty(group[0].numel(), dtype=group[0].dtype, device=dev)
                         flat.view(group[0].shape).copy_(group[0])
                     else:
-                        flat = _flatten_dense(group)
+                        try:
+                            flat = _flatten_dense(group)
+                        except oom:
+                            raise
+                        except (RuntimeError, NotImplementedError):
+                            # a dtype torch's concatenation does not take on this device:
+                            # concatenated as bytes, then seen as the dtype
+                            flat = _flatten_bytes(group, dev)
                     storages.add(flat.untyped_storage().data_ptr())
                     t1 = clock()
                     phases["device_copy"] += t1 - t0

@@ -582,6 +582,49 @@ def test_device_copies_on_the_writers_stream_after_the_snapshot(tmp_path, monkey
     w.close()
 
 
+@pytest.mark.parametrize("path", ["flatten", "bytes"])
+def test_device_snapshot_cuts_views_right(monkeypatch, path):
+    """The device snapshot's grouping and views, run on CPU tensors with its CUDA calls stood
+    in for (the device itself is test_device_snapshot_of_mixed_tensors'): one scratch per
+    dtype, every copy of its source's shape, dtype and values in no storage of a source, also
+    when torch's concatenation refuses a dtype and the bytes are concatenated instead."""
+    import contextlib
+    import pinmem.dcp as pdcp
+
+    class Event:
+        def record(self, stream):
+            pass
+    monkeypatch.setattr(pdcp._torch.cuda, "mem_get_info", lambda dev: (1 << 40, 1 << 40))
+    monkeypatch.setattr(pdcp._torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(pdcp._torch.cuda, "Event", Event)
+    monkeypatch.setattr(pdcp._torch.cuda, "current_stream", lambda dev=None: None)
+    if path == "bytes":
+        def refuse(ts):
+            raise RuntimeError("no concatenation for this dtype here")
+        monkeypatch.setattr(pdcp, "_flatten_dense", refuse)
+    g = torch.Generator().manual_seed(GEN)
+    ts = [torch.randn(30, 7, generator=g), torch.randn(5, 4, generator=g).t(),
+          torch.randn(9, generator=g).to(torch.bfloat16), torch.randn(3, generator=g).to(
+              torch.bfloat16), torch.arange(11), torch.empty(0, 7), torch.tensor(2.5),
+          torch.randn(17, generator=g, requires_grad=True)]
+    want = [t.detach().clone() for t in ts]
+    st = pdcp.PinnedStager()
+    phases = {"check": 0.0, "device_copy": 0.0, "views": 0.0}
+    views = st._device_snapshot(torch.device("cpu"), ts, phases)
+    storages = st._ready[torch.device("cpu")][0]
+    assert len(storages) == 3, "one scratch per dtype (float32, bfloat16, int64)"
+    with torch.no_grad():
+        for t in ts:
+            t.add_(1)
+    for t, w, v in zip(ts, want, views):
+        assert v.shape == w.shape and v.dtype == w.dtype and not v.requires_grad
+        assert torch.equal(v, w), "a copy changed with its source or was wrong"
+        if v.numel():
+            assert v.untyped_storage().data_ptr() in storages
+            assert v.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert phases["device_copy"] > 0 and phases["views"] > 0
+
+
 @pytest.mark.skipif(not _cuda_backend(), reason="needs a CUDA device and pinmem's cuda backend "
                     "(bench/gpu_run.sh dcp runs it)")
 def test_device_snapshot_of_mixed_tensors(tmp_path):
