@@ -583,7 +583,9 @@ class FileSystemWriter(_fs.FileSystemWriter):
     (PinnedStager's stage).
 
     Each save writes data files of its own names and renames the metadata into place last, so
-    the checkpoint the folder held before stays whole until the new one is complete.
+    the checkpoint the folder held before stays whole until the new one is complete. A writer
+    pickles without its stager (async_save's process executor sends it to a process of its
+    own, which stages nothing).
     Extensions (_extensions) and the safetensors serialization format are written by torch's
     own code."""
 
@@ -604,6 +606,20 @@ class FileSystemWriter(_fs.FileSystemWriter):
         self._staged_on = None  # the thread of a stage() whose save has not started yet
         self._streams = {}  # device -> this writer's CUDA stream for its device-to-host copies
         self.phases = {}  # seconds of this rank's last write_data by phase
+
+    def __getstate__(self):
+        # async_save's process executor sends the writer to a process of its own. The stager
+        # (its pinned buffer, its lock), the CUDA streams and the thread of the last stage stay
+        # here; the copy there gets a stager of its own mode (stage runs here, not there).
+        state = self.__dict__.copy()
+        state.update(_stager=None, _streams={}, _staged_on=None,
+                     _stage_mode=self._stager.stage_mode)
+        return state
+
+    def __setstate__(self, state):
+        mode = state.pop("_stage_mode", "auto")
+        self.__dict__.update(state)
+        self._stager = PinnedStager(stage=mode)
 
     def _torch_path(self):
         return (self.serialization_format != _fs.SerializationFormat.TORCH_SAVE
@@ -1405,7 +1421,7 @@ class PinnedStager(_AsyncStager):
         self.last = {}
 
     def _pinned(self, n):
-        """(torch uint8 tensor of n bytes, reused?) from the kept buffer when it is free."""
+        """(writable memoryview of n bytes, reused?) of the kept buffer when it is free."""
         with self._lock:
             buf = self._buf
             if buf is not None and buf.nbytes == n:
@@ -1427,15 +1443,15 @@ class PinnedStager(_AsyncStager):
                     if _sys.getrefcount(buf) > 3:
                         _gc.collect()
                 if _sys.getrefcount(buf) <= 3:
-                    return _torch.from_dlpack(buf), True
+                    return memoryview(buf), True
             self._buf = None
             del buf
             try:
                 buf = _pm.empty(n, "uint8")
             except _pm.BudgetError:
-                return _torch.empty(n, dtype=_torch.uint8), False
+                return memoryview(bytearray(n)), False
             self._buf = buf
-            return _torch.from_dlpack(buf), False
+            return memoryview(buf), False
 
     def stage(self, state_dict):
         clock = _time.perf_counter
@@ -1469,7 +1485,7 @@ class PinnedStager(_AsyncStager):
         total = sum(sizes)
         reused = False
         if total:
-            base, reused = self._pinned(total)
+            mem, reused = self._pinned(total)
             phases["pinned_alloc"] = clock() - t2
             t2 = clock()
             self._written = False
@@ -1477,7 +1493,13 @@ class PinnedStager(_AsyncStager):
             at = 0
             for t, n in zip(host, sizes):
                 nb = t.numel() * t.element_size()
-                dst = base[at:at + nb].view(t.dtype).view(t.shape)
+                # A storage of its own for each tensor, over its place in the buffer, not views
+                # of one storage: torch's pickling for another process (async_save's process
+                # executor) moves a CPU storage into shared memory, and two DTensors over one
+                # storage crash it (torch 2.15).
+                raw = _torch.frombuffer(mem[at:at + nb], dtype=_torch.uint8) if nb else \
+                    _torch.empty(0, dtype=_torch.uint8)
+                dst = raw.view(t.dtype).view(t.shape)
                 if t.device.type == "cpu":
                     dst.copy_(t.detach())
                 else:
@@ -1485,10 +1507,11 @@ class PinnedStager(_AsyncStager):
                     stream = _torch.cuda.current_stream(t.device) if t.device.type == \
                         "cuda" else None
                     if nb:
-                        copies.append((_pm.copy(base[at:at + nb], src.reshape(-1).view(
-                            _torch.uint8), stream), src))
+                        copies.append((_pm.copy(raw, src.reshape(-1).view(_torch.uint8),
+                                                stream), src))
                 staged[id(t)] = dst
                 at += n
+            del mem
             for c, _ in copies:
                 c.wait()
             phases["pinned_copy"] = clock() - t2

@@ -18,8 +18,10 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import subprocess
 import tempfile
+import time
 import traceback
 import zipfile
 
@@ -161,6 +163,35 @@ def _at_four(rank, world, mesh, root):
     return out
 
 
+def _async_in_a_process(rank, world, mesh, root):
+    """async_save with torch's process executor (the save in a process of its own): pinmem's
+    writer goes there by pickle, without its stager's pinned buffer; the snapshot holds while
+    the tensors change; twice, so the second stage reuses the buffer the first sent."""
+    import pinmem.dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    # The executor's process joins a process group of its own at MASTER_ADDR (torchrun sets
+    # it; without it torch takes this host's fully qualified name)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    writer = pinmem.dcp.FileSystemWriter(os.path.join(root, "async-process"))
+    reused = []
+    try:
+        for step in (3, 4):
+            sd = _sharded(_full(step), mesh)
+            fut = dcp.async_save(sd, storage_writer=writer,
+                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            with torch.no_grad():
+                sd["model"]["w"].to_local().add_(1000)
+                sd["scale"].fill_(-1)
+            fut.result(timeout=TIMEOUT)
+            reused.append(writer._stager.last["reused"])
+            for reader in ("pinmem", "torch"):
+                _load_check(mesh, os.path.join(root, "async-process"), reader, step,
+                            f"async_save in a process, step {step}, read by {reader}")
+    finally:
+        writer.close()
+    return {"reused": reused}
+
+
 def _die_in_write(path, ranges, **kwargs):
     """pinmem.write_ranges that writes half of its first range, then the process dies."""
     import pinmem
@@ -217,8 +248,21 @@ def run_ranks(world, root, work, allow_death=()):
         p.start()
     results = {}
     try:
-        for _ in range(world - len(allow_death)):
-            rank, out, err = q.get(timeout=TIMEOUT)
+        end = time.monotonic() + TIMEOUT
+        while len(results) < world - len(allow_death):
+            try:
+                rank, out, err = q.get(timeout=1)
+            except queue.Empty:
+                # a rank that died without reporting (a crash) fails the test now, not at the
+                # time limit
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in allow_death
+                        and r not in results]
+                assert not dead, f"rank(s) of {world} died without reporting: {dead} " \
+                    "(rank, exit code; a negative code is the signal)"
+                assert time.monotonic() < end, f"ranks of {world} still running after " \
+                    f"{TIMEOUT} s: {sorted(set(range(world)) - set(results))}"
+                continue
             assert err is None, f"rank {rank} of {world}:\n{err}"
             results[rank] = out
     finally:
@@ -266,6 +310,31 @@ def test_ranks_2_4_2(tmp_path):
             assert torch.equal(got["model"][k], full[k]), f"{reader}: model.{k} changed"
         assert torch.equal(got["scale"], full["scale"]) and got["step"] == 17
     assert not [n for n in os.listdir(path) if ".tmp" in n], "a temporary was left"
+
+
+def test_async_save_in_a_process(tmp_path):
+    """dcp.async_save(..., async_checkpointer_type=PROCESS) with pinmem's writer, 2 ranks."""
+    res, codes = run_ranks(2, str(tmp_path), "_async_in_a_process")
+    assert codes == [0, 0]
+    for r in range(2):
+        assert res[r]["reused"] == [False, True], "the second stage did not reuse the buffer"
+
+
+def test_writer_pickles_without_its_stager(tmp_path):
+    """The writer a process executor sends: its settings go, its stager's pinned buffer, lock
+    and streams stay; the copy gets a stager of its own, of the same mode."""
+    import pinmem.dcp
+    w = pinmem.dcp.FileSystemWriter(tmp_path, io="buffered", crc32=False, stage="host")
+    staged = w.stage({"a": torch.arange(10.0)})
+    assert w._stager._buf is not None
+    c = pickle.loads(pickle.dumps(w))
+    assert c.io == "buffered" and c.crc32 is False and os.fspath(c.path) == os.fspath(w.path)
+    assert c._stager is not w._stager and c._stager.stage_mode == "host"
+    assert c._stager._buf is None and c._streams == {} and c._staged_on is None
+    assert w._stager._buf is not None, "pickling took the buffer from the writer it copied"
+    del staged
+    w.close()
+    c.close()
 
 
 # ---- in this process ----------------------------------------------------------------------
