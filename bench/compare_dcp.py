@@ -44,8 +44,8 @@ speed-up of more than 5%); pinmem faster than
 torch's writer and reader (the ratios printed).
 
   bench/compare_dcp.py [--ranks 2] [--size 1G] [--device cpu|cuda] [--dir DIR] [--repeat 3]
-                       [--crc32 torch|off] [--io auto|direct|buffered] [--no-train]
-                       [--json]
+                       [--crc32 torch|off] [--io auto|direct|buffered]
+                       [--executor thread|process] [--no-train] [--json]
 
 Rows of saves and loads carry, per rank: the whole dcp.save / dcp.load (rank_seconds), DCP's own
 part of it (dcp_own_seconds: planning, the collectives that gather plans and results, the
@@ -144,6 +144,13 @@ def rank_main(rank, world, args, store, tmp):
     # save and async_save spend about 0.1 ms per top-level key (a logged call each), so a flat
     # dict of these 96 tensors added 3 ms of torch's own to each async_save return on 2 CPUs.
     app = {"model": sd}
+    # every async_save below, pinmem's and torch's, with the executor asked for
+    async_kw = {}
+    if args.executor == "process":
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        # its process joins a group of its own at MASTER_ADDR, as torchrun sets it
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        async_kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
     mine = sum(t.numel() * t.element_size() for t in sd.values())
     allb = sum(g.gather(mine))
     lead = rank == 0
@@ -164,17 +171,19 @@ def rank_main(rank, world, args, store, tmp):
 
     if lead:
         say("compare_dcp: %d ranks, %.2f GB in all (%d tensors of %s per rank), device %s, "
-            "pinmem %s backend, torch %s, crc32 %s, %d CPUs, load average %.1f; files in %s" % (
+            "pinmem %s backend, torch %s, crc32 %s, %s executor, %d CPUs, load average %.1f; files "
+            "in %s" % (
                 world, allb / 1e9, len(sd), next(iter(sd.values())).dtype, args.device,
                 pinmem.backend(), torch.__version__, torch.serialization.get_crc32_options(),
-                os.cpu_count(), os.getloadavg()[0], tmp))
+                args.executor, os.cpu_count(), os.getloadavg()[0], tmp))
         if args.json:
             print(json.dumps(dict(ROW, case="setup", device=args.device, ranks=world,
                                   bytes=allb, tensors_per_rank=len(sd), cpus=os.cpu_count(),
                                   loadavg=os.getloadavg()[0], torch=torch.__version__,
                                   pinmem_backend=pinmem.backend(),
                                   crc32=torch.serialization.get_crc32_options(),
-                                  crc32_impl=pdcp._crc32.__module__)), flush=True)
+                                  crc32_impl=pdcp._crc32.__module__,
+                                  executor=args.executor)), flush=True)
 
     # --- the disk, every rank at once -------------------------------------------------------
     disk = Disk(os.path.join(tmp, f"dd.{rank}.bin"), mine)
@@ -360,7 +369,7 @@ def rank_main(rank, world, args, store, tmp):
     def async_once(kind, writer):
         g.barrier()
         t0 = time.perf_counter()
-        fut = dcp.async_save(app, storage_writer=writer)
+        fut = dcp.async_save(app, storage_writer=writer, **async_kw)
         ret = time.perf_counter() - t0
         fut.result()
         return max(g.gather(ret))
@@ -379,7 +388,7 @@ def rank_main(rank, world, args, store, tmp):
     train = None
     if not args.no_train:
         train = train_during_save(torch, dcp, pdcp, g, app, device, tmp, args.repeat, report,
-                                  allb)
+                                  allb, async_kw)
 
     if lead:
         targets(results, train, args)
@@ -411,7 +420,7 @@ def phase_fields(b):
     return out
 
 
-def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb):
+def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb, async_kw):
     """Seconds of the same training steps without a save and while an async_save of sd is
     written (best of `repeat` each, in turn); the slowdown in percent."""
     torch.manual_seed(0)
@@ -429,10 +438,10 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     for _ in range(5):
         step()
     writer = pdcp.FileSystemWriter(os.path.join(tmp, "async-train"))
-    dcp.async_save(sd, storage_writer=writer).result()  # warm: the snapshot buffer exists
+    dcp.async_save(sd, storage_writer=writer, **async_kw).result()  # warm: the buffer exists
     # As many steps as the save takes, measured once
     t0 = time.perf_counter()
-    fut = dcp.async_save(sd, storage_writer=writer)
+    fut = dcp.async_save(sd, storage_writer=writer, **async_kw)
     fut.result()
     save_s = max(g.gather(time.perf_counter() - t0))
     t0 = time.perf_counter()
@@ -456,16 +465,16 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
             disk = None
 
     twriter = dcp.FileSystemWriter(os.path.join(tmp, "async-train-torch"))
-    dcp.async_save(sd, storage_writer=twriter).result()  # warm, as pinmem's
+    dcp.async_save(sd, storage_writer=twriter, **async_kw).result()  # warm, as pinmem's
 
     def loop(mode):
         g.barrier()
         fut = th = None
         t0 = time.perf_counter()
         if mode == "save":
-            fut = dcp.async_save(sd, storage_writer=writer)
+            fut = dcp.async_save(sd, storage_writer=writer, **async_kw)
         elif mode == "torch":
-            fut = dcp.async_save(sd, storage_writer=twriter)
+            fut = dcp.async_save(sd, storage_writer=twriter, **async_kw)
         elif mode == "disk":
             th = threading.Thread(target=disk.overwrite)
             th.start()
@@ -638,6 +647,10 @@ def main():
                     "for both writers (torch.serialization.set_crc32_options(False))")
     ap.add_argument("--io", default="auto", choices=("auto", "direct", "buffered"),
                     help="io of pinmem's writer and reader (default auto)")
+    ap.add_argument("--executor", default="thread", choices=("thread", "process"),
+                    help="the executor of every async_save, pinmem's and torch's alike: torch's "
+                         "thread (default) or process executor (the save in a process of its "
+                         "own, the snapshot sent through shared memory)")
     ap.add_argument("--no-train", action="store_true", help="skip the training loop")
     ap.add_argument("--json", action="store_true", help="one JSON object per result on stdout")
     args = ap.parse_args()
