@@ -1017,8 +1017,8 @@ class FileSystemReader(_fs.FileSystemReader):
         threads = cls.READ_THREADS or 0
         for k in ("file_threads", "copy_threads"):
             try:
-                threads = threads or int(opts[k]["value"].split()[0])
-            except (ValueError, IndexError):
+                threads = threads or int(opts[k]["value"])
+            except ValueError:
                 pass
         threads = threads or _IO_THREADS
         per = -(-(16 << 20) // threads)
@@ -1315,13 +1315,11 @@ class FileSystemReader(_fs.FileSystemReader):
 
 # ---- staging for async_save ---------------------------------------------------------------------
 
-def _flatten_dense(ts):
-    """One new 1-D tensor holding the tensors ts (of one dtype, two or more) one after another:
-    torch's own flattening (DDP buckets its gradients with it), one call for all of them."""
-    f = getattr(_torch._utils, "_flatten_dense_tensors", None)
-    if f is not None:
-        return f(ts)
-    return _torch.cat([t.reshape(-1) for t in ts])
+# One new 1-D tensor holding tensors of one dtype (two or more) one after another, and views of
+# it shaped as they are: torch's own flattening (DDP buckets its gradients with it), one call for
+# all of them.
+_flatten_dense = _torch._utils._flatten_dense_tensors
+_unflatten_dense = _torch._utils._unflatten_dense_tensors
 
 
 def _flatten_bytes(ts, dev):
@@ -1331,18 +1329,6 @@ def _flatten_bytes(ts, dev):
     flat = _torch.empty(n, dtype=_torch.uint8, device=dev)
     _torch.cat([t.detach().contiguous().reshape(-1).view(_torch.uint8) for t in ts], out=flat)
     return flat.view(ts[0].dtype)
-
-
-def _unflatten_dense(flat, ts):
-    """Views of flat shaped as the tensors ts, in order (the inverse of _flatten_dense)."""
-    f = getattr(_torch._utils, "_unflatten_dense_tensors", None)
-    if f is not None:
-        return f(flat, ts)
-    out, at = [], 0
-    for t in ts:
-        out.append(flat[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    return out
 
 
 def _dtensor_type():

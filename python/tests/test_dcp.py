@@ -131,7 +131,6 @@ def _save_both(rank, world, mesh, root):
 
 
 def _at_four(rank, world, mesh, root):
-    import pinmem.dcp
     out = {}
     # 2 -> 4: what 2 ranks saved, by either writer, with either reader
     for saved, reader in PAIRS:
@@ -142,53 +141,46 @@ def _at_four(rank, world, mesh, root):
         _load_check(mesh, os.path.join(root, f"{saved}4"), reader, 0,
                     f"saved by {saved} at 4 ranks, read by {reader} at 4")
     # async_save: the snapshot is taken before the call returns; the next save reuses it
-    writer = pinmem.dcp.FileSystemWriter(os.path.join(root, "async"))
+    out["reused"] = _async_saves(mesh, os.path.join(root, "async"), (1, 2),
+                                 lambda step: [("pinmem", "torch")[step - 1]], "async_save")
+    return out
+
+
+def _async_saves(mesh, path, steps, readers, what, **async_kw):
+    """An async_save with pinmem's writer per step, the tensors changed right after it returns
+    (training goes on: the saved values must not see this), each checkpoint loaded back with
+    readers(step); whether each stage reused the pinned buffer."""
+    import pinmem.dcp
+    writer = pinmem.dcp.FileSystemWriter(path)
     reused = []
     try:
-        for step in (1, 2):
+        for step in steps:
             sd = _sharded(_full(step), mesh)
-            fut = dcp.async_save(sd, storage_writer=writer)
-            with torch.no_grad():  # training goes on: the saved values must not see this
+            fut = dcp.async_save(sd, storage_writer=writer, **async_kw)
+            with torch.no_grad():
                 sd["model"]["w"].to_local().add_(1000)
                 sd["model"]["bias"].mul_(-3)
                 sd["scale"].fill_(-1)
             fut.result(timeout=TIMEOUT)
             reused.append(writer._stager.last["reused"])
-            reader = ("pinmem", "torch")[step - 1]
-            _load_check(mesh, os.path.join(root, "async"), reader, step,
-                        f"async_save step {step}, read by {reader}")
+            for reader in readers(step):
+                _load_check(mesh, path, reader, step, f"{what} step {step}, read by {reader}")
     finally:
         writer.close()
-    out["reused"] = reused
-    return out
+    return reused
 
 
 def _async_in_a_process(rank, world, mesh, root):
     """async_save with torch's process executor (the save in a process of its own): pinmem's
     writer goes there by pickle, without its stager's pinned buffer; the snapshot holds while
     the tensors change; twice, so the second stage reuses the buffer the first sent."""
-    import pinmem.dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     # The executor's process joins a process group of its own at MASTER_ADDR (torchrun sets
     # it; without it torch takes this host's fully qualified name)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    writer = pinmem.dcp.FileSystemWriter(os.path.join(root, "async-process"))
-    reused = []
-    try:
-        for step in (3, 4):
-            sd = _sharded(_full(step), mesh)
-            fut = dcp.async_save(sd, storage_writer=writer,
-                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-            with torch.no_grad():
-                sd["model"]["w"].to_local().add_(1000)
-                sd["scale"].fill_(-1)
-            fut.result(timeout=TIMEOUT)
-            reused.append(writer._stager.last["reused"])
-            for reader in ("pinmem", "torch"):
-                _load_check(mesh, os.path.join(root, "async-process"), reader, step,
-                            f"async_save in a process, step {step}, read by {reader}")
-    finally:
-        writer.close()
+    reused = _async_saves(mesh, os.path.join(root, "async-process"), (3, 4),
+                          lambda step: ("pinmem", "torch"), "async_save in a process",
+                          async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     return {"reused": reused}
 
 
