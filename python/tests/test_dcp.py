@@ -12,6 +12,10 @@ nothing.
 Tensors are random (seeded), sharded as DTensors (Shard(0) with an uneven split, Shard(1)) with a
 plain tensor, a 0-d tensor and a non-tensor value beside them; shards of more than 1 MiB take the
 large-tensor path (copied into pinned chunks, each written by pinmem.write_ranges).
+
+With a CUDA device and pinmem's cuda backend (bench/gpu_run.sh dcp), the device tests run too:
+the device snapshot of mixed tensors, the writer's stream, and async_save with torch's process
+executor from device tensors (the snapshot sent to the executor's process by CUDA IPC).
 """
 import errno
 import io
@@ -40,6 +44,13 @@ pytestmark = pytest.mark.skipif(torch is None, reason="torch is not installed (p
 
 TIMEOUT = 240  # seconds for all ranks of one group together: a hung rank fails the test
 GEN = 1234
+
+
+def _cuda_backend():
+    if torch is None or not torch.cuda.is_available():
+        return False
+    import pinmem
+    return pinmem.backend() == "cuda"
 
 
 def _full(step=0):
@@ -184,6 +195,49 @@ def _async_in_a_process(rank, world, mesh, root):
     return {"reused": reused}
 
 
+def _device_async_in_a_process(rank, world, mesh, root):
+    """async_save with torch's process executor from device tensors: the snapshot is on the
+    device (one scratch per dtype, the copies views of it) and goes to the executor's process
+    by CUDA IPC; the tensors change as soon as async_save returns; twice. Each rank saves keys
+    of its own; both readers load them back onto the device."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    import pinmem.dcp
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    torch.cuda.set_device(0)
+    g = torch.Generator(device="cuda").manual_seed(GEN + rank)
+    mine = {"w": torch.randn(700, 800, device="cuda", generator=g),  # > 1 MiB: the ring
+            "wt": torch.randn(50, 40, device="cuda", generator=g).t(),
+            "e": torch.randn(129, device="cuda", generator=g).to(torch.bfloat16),
+            "f": torch.randn(3, 5, device="cuda", generator=g).to(torch.bfloat16),
+            "steps": torch.arange(11, device="cuda") + rank,
+            "scale": torch.tensor(2.5 + rank, device="cuda")}
+    sd = {f"r{rank}": mine}
+    path = os.path.join(root, "device-process")
+    writer = pinmem.dcp.FileSystemWriter(path)
+    device_bytes = []
+    try:
+        for step in range(2):
+            want = {k: v.clone() for k, v in mine.items()}
+            fut = dcp.async_save(sd, storage_writer=writer,
+                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            with torch.no_grad():
+                for v in mine.values():
+                    v.add_(1000)
+            fut.result(timeout=TIMEOUT)
+            device_bytes.append(writer._stager.last["device"])
+            for reader in ("pinmem", "torch"):
+                back = {f"r{rank}": {k: torch.zeros_like(v) for k, v in want.items()}}
+                dcp.load(back, storage_reader=_reader(reader, path))
+                for k, v in want.items():
+                    got = back[f"r{rank}"][k]
+                    assert got.device.type == "cuda" and torch.equal(got, v), \
+                        f"rank {rank} step {step}, read by {reader}: {k} differs"
+    finally:
+        writer.close()
+    return {"device_bytes": device_bytes,
+            "bytes": sum(v.numel() * v.element_size() for v in mine.values())}
+
+
 def _die_in_write(path, ranges, **kwargs):
     """pinmem.write_ranges that writes half of its first range, then the process dies."""
     import pinmem
@@ -217,7 +271,8 @@ def _rank_entry(q, rank, world, store, root, work):
         import torch.distributed as dist
         from datetime import timedelta
         from torch.distributed.device_mesh import init_device_mesh
-        os.environ["PINMEM_BACKEND"] = "host"
+        if not work.startswith("_device"):  # the device's tests keep the cuda backend
+            os.environ["PINMEM_BACKEND"] = "host"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
         mesh = init_device_mesh("cpu", (world,))
@@ -310,6 +365,18 @@ def test_async_save_in_a_process(tmp_path):
     assert codes == [0, 0]
     for r in range(2):
         assert res[r]["reused"] == [False, True], "the second stage did not reuse the buffer"
+
+
+@pytest.mark.skipif(not _cuda_backend(), reason="needs a CUDA device and pinmem's cuda backend "
+                    "(bench/gpu_run.sh dcp runs it)")
+def test_device_async_save_in_a_process(tmp_path):
+    """dcp.async_save(..., async_checkpointer_type=PROCESS) from device tensors, 2 ranks on one
+    device: the device snapshot goes to the executor's process and is saved as it was."""
+    res, codes = run_ranks(2, str(tmp_path), "_device_async_in_a_process")
+    assert codes == [0, 0]
+    for r in range(2):
+        assert res[r]["device_bytes"] == [res[r]["bytes"]] * 2, \
+            f"rank {r}: the snapshot was not taken on the device"
 
 
 def test_writer_pickles_without_its_stager(tmp_path):
@@ -587,13 +654,6 @@ def test_writer_hands_the_lock_over_once_after_a_stage(tmp_path, monkeypatch):
     assert meta.checkpoint_id == w.path and len(sleeps) == 2
     del snap
     w.close()
-
-
-def _cuda_backend():
-    if torch is None or not torch.cuda.is_available():
-        return False
-    import pinmem
-    return pinmem.backend() == "cuda"
 
 
 @pytest.mark.skipif(not _cuda_backend(), reason="needs a CUDA device and pinmem's cuda backend "
