@@ -54,7 +54,9 @@ system, all threads: on a machine of few cores the CPU a save needs, torch.save'
 every byte on by default, is what it competes with the ranks' training for), and for pinmem the
 phases inside the storage layer (seconds): copy (into the pinned chunks, or out of the read
 spans), crc, wait_disk (waiting for pinmem's writes or reads), fsync, items (items read one by
-one), torch_save_small (small tensors).
+one), torch_save_small (small tensors). The snapshot and async-return rows carry each run's time
+in ms (runs_ms: the slowest rank's; the first run allocates the snapshot buffer and is left out
+of the figure).
 
 Human-readable lines go to stderr; with --json one JSON object per result goes to stdout.
 """
@@ -364,7 +366,10 @@ def rank_main(rank, world, args, store, tmp):
                                        start_spread_ms=round(1e3 * max(spreads), 1))
     stager.close()
     snap = max(g.gather(min(snaps[1:])))  # the first allocates the buffer; later ones reuse it
-    results["snapshot"] = report("snapshot_alone", snap, allb, staged=args.device)
+    by_rank = g.gather(snaps)
+    results["snapshot"] = report("snapshot_alone", snap, allb, staged=args.device,
+                                 runs_ms=[round(1e3 * max(r[i] for r in by_rank), 2)
+                                          for i in range(len(snaps))])
 
     def async_once(kind, writer):
         g.barrier()
@@ -382,7 +387,8 @@ def rank_main(rank, world, args, store, tmp):
         if hasattr(w, "close"):
             w.close()
         ret[kind] = min(runs[1:])  # the first allocates the snapshot buffer
-        results[f"{kind}_async"] = report(f"{kind}_async_return", ret[kind], allb)
+        results[f"{kind}_async"] = report(f"{kind}_async_return", ret[kind], allb,
+                                          runs_ms=[round(1e3 * x, 2) for x in runs])
 
     # --- training loop during an async save ---------------------------------------------------
     train = None
