@@ -56,7 +56,7 @@ phases inside the storage layer (seconds): copy (into the pinned chunks, or out 
 spans), crc, wait_disk (waiting for pinmem's writes or reads), fsync, items (items read one by
 one), torch_save_small (small tensors). The snapshot and async-return rows carry each run's time
 in ms (runs_ms: the slowest rank's; the first run allocates the snapshot buffer and is left out
-of the figure).
+of the figure) and start_spread_ms, the most the ranks' starts of one run were apart.
 
 Human-readable lines go to stderr; with --json one JSON object per result goes to stdout.
 """
@@ -329,14 +329,15 @@ def rank_main(rank, world, args, store, tmp):
 
     # --- async_save ---------------------------------------------------------------------------
     stager = pdcp.PinnedStager()
-    snaps = []
+    snaps, snap_starts = [], []
     for _ in range(args.repeat + 1):
         g.barrier()
         sync(torch, device)
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         staged = stager.stage(app)
         sync(torch, device)
         snaps.append(time.perf_counter() - t0)
+        snap_starts.append(w0)
         del staged
     # The background write of an async save: pinmem's writer from the pinned snapshot (no copy
     # into its slots: the bytes are pinned and 4 KiB aligned), beside the save above from the
@@ -369,26 +370,30 @@ def rank_main(rank, world, args, store, tmp):
     by_rank = g.gather(snaps)
     results["snapshot"] = report("snapshot_alone", snap, allb, staged=args.device,
                                  runs_ms=[round(1e3 * max(r[i] for r in by_rank), 2)
-                                          for i in range(len(snaps))])
+                                          for i in range(len(snaps))],
+                                 start_spread_ms=spread_ms(g.gather(snap_starts)))
 
-    def async_once(kind, writer):
+    def async_once(kind, writer, starts):
         g.barrier()
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         fut = dcp.async_save(app, storage_writer=writer, **async_kw)
         ret = time.perf_counter() - t0
         fut.result()
+        starts.append(w0)
         return max(g.gather(ret))
 
     ret = {}
     for kind in ("pinmem", "torch"):
         cls = pdcp.FileSystemWriter if kind == "pinmem" else dcp.FileSystemWriter
         w = cls(os.path.join(tmp, f"async-{kind}"))
-        runs = [async_once(kind, w) for _ in range(args.repeat + 1)]
+        starts = []
+        runs = [async_once(kind, w, starts) for _ in range(args.repeat + 1)]
         if hasattr(w, "close"):
             w.close()
         ret[kind] = min(runs[1:])  # the first allocates the snapshot buffer
         results[f"{kind}_async"] = report(f"{kind}_async_return", ret[kind], allb,
-                                          runs_ms=[round(1e3 * x, 2) for x in runs])
+                                          runs_ms=[round(1e3 * x, 2) for x in runs],
+                                          start_spread_ms=spread_ms(g.gather(starts)))
 
     # --- training loop during an async save ---------------------------------------------------
     train = None
@@ -401,6 +406,13 @@ def rank_main(rank, world, args, store, tmp):
     g.barrier()
     dist.destroy_process_group()
     return rows
+
+
+def spread_ms(by_rank):
+    """The largest gap, over the runs, between the ranks' start times (wall clock, one list a
+    rank): how far apart the ranks began the same run."""
+    return round(1e3 * max(max(r[i] for r in by_rank) - min(r[i] for r in by_rank)
+                           for i in range(len(by_rank[0]))), 1)
 
 
 def run_of(s):
