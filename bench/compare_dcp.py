@@ -366,12 +366,14 @@ def rank_main(rank, world, args, store, tmp):
         results["disk_write"] = report("disk_odirect_write", min(dw), allb, runs=len(dw),
                                        start_spread_ms=round(1e3 * max(spreads), 1))
     stager.close()
-    snap = max(g.gather(min(snaps[1:])))  # the first allocates the buffer; later ones reuse it
-    by_rank = g.gather(snaps)
+    by_rank = g.gather((snaps, snap_starts))
+    # each rank's best but the first run (it allocates the buffer; later ones reuse it), the
+    # slowest rank's
+    snap = max(min(r[1:]) for r, _ in by_rank)
     results["snapshot"] = report("snapshot_alone", snap, allb, staged=args.device,
-                                 runs_ms=[round(1e3 * max(r[i] for r in by_rank), 2)
+                                 runs_ms=[round(1e3 * max(r[i] for r, _ in by_rank), 2)
                                           for i in range(len(snaps))],
-                                 start_spread_ms=spread_ms(g.gather(snap_starts)))
+                                 start_spread_ms=spread_ms([s for _, s in by_rank]))
 
     def async_once(kind, writer, starts):
         g.barrier()

@@ -266,13 +266,13 @@ def _at_two(rank, world, mesh, root):
     return {"error": None}
 
 
-def _rank_entry(q, rank, world, store, root, work):
+def _rank_entry(q, rank, world, store, root, work, backend):
     try:
         import torch.distributed as dist
         from datetime import timedelta
         from torch.distributed.device_mesh import init_device_mesh
-        if not work.startswith("_device"):  # the device's tests keep the cuda backend
-            os.environ["PINMEM_BACKEND"] = "host"
+        if backend is not None:
+            os.environ["PINMEM_BACKEND"] = backend
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
         mesh = init_device_mesh("cpu", (world,))
@@ -283,13 +283,14 @@ def _rank_entry(q, rank, world, store, root, work):
         q.put((rank, None, traceback.format_exc()))
 
 
-def run_ranks(world, root, work, allow_death=()):
+def run_ranks(world, root, work, allow_death=(), backend="host"):
     """Start `world` spawned ranks running work(rank, world, mesh, root); what each returned.
-    Ranks in allow_death may die without reporting."""
+    Ranks in allow_death may die without reporting. backend: pinmem's backend in the ranks
+    (None: as this process's environment has it)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = tempfile.mktemp(prefix="pinmem-dcp-store-")
-    procs = [ctx.Process(target=_rank_entry, args=(q, r, world, store, root, work))
+    procs = [ctx.Process(target=_rank_entry, args=(q, r, world, store, root, work, backend))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -372,7 +373,7 @@ def test_async_save_in_a_process(tmp_path):
 def test_device_async_save_in_a_process(tmp_path):
     """dcp.async_save(..., async_checkpointer_type=PROCESS) from device tensors, 2 ranks on one
     device: the device snapshot goes to the executor's process and is saved as it was."""
-    res, codes = run_ranks(2, str(tmp_path), "_device_async_in_a_process")
+    res, codes = run_ranks(2, str(tmp_path), "_device_async_in_a_process", backend=None)
     assert codes == [0, 0]
     for r in range(2):
         assert res[r]["device_bytes"] == [res[r]["bytes"]] * 2, \
