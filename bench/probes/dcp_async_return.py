@@ -24,7 +24,14 @@ question to the writer, so the caller gets the interpreter lock back), the write
 the writer as it is with Python's gc disabled during the call; rank 0 prints the median return
 and execute_save of each (the first three saves left out).
 
+EXECUTOR process: every async_save with torch's process executor (the save runs in a process
+of its own, which the first save starts; torch's thread hands it each staged state dict,
+pickled). The last part then takes turns between Python's default switch interval (5 ms: how
+long a thread that wants the interpreter lock waits before the holder is asked to let go) and
+0.5 ms, the writer as it is.
+
   PYTHONPATH=build-py/python python3 bench/probes/dcp_async_return.py cuda|cpu [RANKS] [SIZE_GIB]
+      [thread|process]
 """
 import gc
 import os
@@ -37,7 +44,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import _async_process_executor as ape
 from torch.distributed.checkpoint import _async_thread_executor as ate
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import pinmem.dcp as pdcp
 
@@ -87,6 +96,7 @@ def parts(t0, t_end, stager):
 
 
 timed(ate._ThreadBasedAsyncCheckpointExecutor, "execute_save", "exec")
+timed(ape._ProcessBasedAsyncCheckpointExecutor, "execute_save", "exec")
 timed(pdcp.FileSystemWriter, "stage", "stage")
 gc.callbacks.append(_gc_watch)
 
@@ -101,7 +111,7 @@ class _NoHandOver(pdcp.FileSystemWriter):
         pass
 
 
-def rank_main(rank, n, tmp, total, flat, dev):
+def rank_main(rank, n, tmp, total, flat, dev, executor):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29536")
     dist.init_process_group("gloo", rank=rank, world_size=n)
     torch.set_num_threads(1)  # as torchrun sets it for several ranks a node (OMP_NUM_THREADS=1)
@@ -111,6 +121,8 @@ def rank_main(rank, n, tmp, total, flat, dev):
     per = max(1, total // n // 96 // 2)  # bf16 elements per tensor
     sd = {f"r{rank}.t{i}": torch.randn(per, dtype=torch.bfloat16, device=dev) for i in range(96)}
     app = sd if flat else {"model": sd}
+    kw = ({} if executor == "thread" else
+          {"async_checkpointer_type": AsyncCheckpointerType.PROCESS})
     writer = pdcp.FileSystemWriter(os.path.join(tmp, f"flat{flat}"))
     stager = pdcp.PinnedStager()
     for _ in range(6):
@@ -127,7 +139,7 @@ def rank_main(rank, n, tmp, total, flat, dev):
         dist.barrier()
         GC.clear()
         t0 = time.perf_counter()
-        fut = dcp.async_save(app, storage_writer=writer)
+        fut = dcp.async_save(app, storage_writer=writer, **kw)
         t_end = time.perf_counter()
         ret = t_end - t0
         why = parts(t0, t_end, writer._stager)
@@ -139,7 +151,30 @@ def rank_main(rank, n, tmp, total, flat, dev):
                   f"{T['exec'] * 1e3:.2f})\n    {why}", flush=True)
     writer.close()
     stager.close()
-    if not flat:
+    if not flat and executor == "process":
+        w = pdcp.FileSystemWriter(os.path.join(tmp, "switch"))
+        default = sys.getswitchinterval()
+        runs = ([], [])
+        for i in range(60):
+            dist.barrier()
+            k = i % 2
+            sys.setswitchinterval(default if k == 0 else 0.0005)
+            t0 = time.perf_counter()
+            fut = dcp.async_save(app, storage_writer=w, **kw)
+            ret = time.perf_counter() - t0
+            sys.setswitchinterval(default)
+            fut.result()
+            if i >= 2:
+                runs[k].append((ret, T["exec"]))
+        w.close()
+        if rank == 0:
+            for name, r in zip((f"switch interval {default * 1e3:g} ms", "switch interval 0.5 ms"),
+                               runs):
+                print(f"model: 96 keys, process executor, {name}: median return "
+                      f"{statistics.median(x[0] for x in r) * 1e3:.2f} ms, execute_save "
+                      f"{statistics.median(x[1] for x in r) * 1e3:.2f} ms ({len(r)} saves)",
+                      flush=True)
+    elif not flat:
         writers = [_NoHandOver(os.path.join(tmp, "off")), pdcp.FileSystemWriter(
             os.path.join(tmp, "on"))]
         writers.append(writers[1])
@@ -171,11 +206,14 @@ def main():
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     ranks = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     total = int(float(sys.argv[3]) * 2**30) if len(sys.argv) > 3 else 2**30
+    executor = sys.argv[4] if len(sys.argv) > 4 else "thread"
     if dev not in ("cpu", "cuda"):
         sys.exit("dcp_async_return.py: the device is cpu or cuda")
+    if executor not in ("thread", "process"):
+        sys.exit("dcp_async_return.py: the executor is thread or process")
     with tempfile.TemporaryDirectory(dir=os.getcwd()) as tmp:
         for flat in (True, False):
-            mp.spawn(rank_main, args=(ranks, tmp, total, flat, dev), nprocs=ranks)
+            mp.spawn(rank_main, args=(ranks, tmp, total, flat, dev, executor), nprocs=ranks)
 
 
 if __name__ == "__main__":
