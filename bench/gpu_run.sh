@@ -456,9 +456,12 @@ if step dcp 120 && pyext; then
   has python || pytests dcp 240 python/tests/test_dcp.py
   read -ra dcp_args <<<"${DCP_ARGS:---device cuda --ranks 4 --size 8G}"
   ((dry)) && [[ -z ${DCP_ARGS:-} ]] && dcp_args=(--device cpu --ranks 2 --size 64M --repeat 1 --no-train)
-  # Where async_save's return goes, with and without the writer's hand-over (a minute).
-  probe_args=(cuda 4 1)
-  ((dry)) && probe_args=(cpu 2 0.0625)
+  # Where async_save's return goes, with and without the writer's hand-over (a minute), with
+  # the executor compare_dcp is given.
+  executor=thread
+  [[ " ${dcp_args[*]} " == *" --executor process "* ]] && executor=process
+  probe_args=(cuda 4 1 "$executor")
+  ((dry)) && probe_args=(cpu 2 0.0625 "$executor")
   if [[ ${DCP_PROBE:-1} == 1 ]]; then
     run_to dcp-return 150 "$OUT/dcp-async-return.txt" "$OUT/dcp-async-return.err" \
       "$PY" bench/probes/dcp_async_return.py "${probe_args[@]}"
