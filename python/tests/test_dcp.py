@@ -7,7 +7,7 @@ ways, and async_save (the snapshot holds while the tensors change, the pinned bu
 the next save); 2 ranks load the 4-rank checkpoints (4 -> 2), then one rank dies in the middle
 of a save over an existing checkpoint, which must stay whole. In this process: the archives are
 torch.save's bytes exactly, a full disk (a small tmpfs) and a truncated file raise and lose
-nothing.
+nothing; bench/compare_dcp.py runs end to end at a tiny size.
 
 Tensors are random (seeded), sharded as DTensors (Shard(0) with an uneven split, Shard(1)) with a
 plain tensor, a 0-d tensor and a non-tensor value beside them; shards of more than 1 MiB take the
@@ -378,6 +378,41 @@ def test_device_async_save_in_a_process(tmp_path):
     for r in range(2):
         assert res[r]["device_bytes"] == [res[r]["bytes"]] * 2, \
             f"rank {r}: the snapshot was not taken on the device"
+
+
+def test_compare_dcp_bench_tiny(tmp_path):
+    """bench/compare_dcp.py end to end at a tiny size, 2 gloo ranks, no training loop: every
+    save and load verified, the snapshot alone and pinmem's async_save timed in turns (a run
+    each beside the one that allocates), and a verdict line for every target."""
+    import json
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "compare_dcp.py"),
+                          "--device", "cpu", "--ranks", "2", "--size", "8M", "--repeat", "2",
+                          "--no-train", "--dir", str(tmp_path), "--json"],
+                         capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            assert r["bench"] == "dcp", r
+            rows.setdefault(r["case"], []).append(r)
+    for case in ("torch_save", "pinmem_save", "torch_load_cold", "pinmem_load_cold"):
+        (r,) = rows[case]
+        assert r["verified"] is True and r["seconds"] > 0 and r["bytes"] > 0, r
+    (snap,), (ret,) = rows["snapshot_alone"], rows["pinmem_async_return"]
+    assert len(snap["runs_ms"]) == len(ret["runs_ms"]) == 3, (snap, ret)
+    assert snap["seconds"] > 0 and ret["seconds"] > 0
+    # each return over the snapshot run right before it, the allocating first left out
+    assert len(ret["paired_snapshot_ratios"]) == 2 and all(x > 0 for x in
+                                                             ret["paired_snapshot_ratios"])
+    assert snap["pinned_alloc_ms"] >= 0 and ret["pinned_alloc_ms"] >= 0
+    targets = {r["target"] for r in rows["target"]}
+    assert any(t.startswith("async return") for t in targets), targets
+    assert any("torch's FileSystemWriter" in t for t in targets), targets
+    assert "TARGET async return" in out.stderr
 
 
 def test_writer_pickles_without_its_stager(tmp_path):
