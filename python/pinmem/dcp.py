@@ -29,7 +29,11 @@ fsync'd with their folder before the plan is gathered, and a save's metadata is 
 temporary, fsync'd and renamed over `.metadata` last: a save that fails, or a rank that dies
 mid-write, leaves the previous checkpoint in that folder as it was and loadable, and no new
 `.metadata`. A rank that fails removes the files it created; files no metadata names any more
-(the previous save's, a failed save's) are removed by the coordinator after the rename.
+(the previous save's, a failed save's) are removed by the coordinator after the rename, but not
+those of another save into the folder still in flight in the process (_Saves: async_save's
+thread executor lets saves overlap). The coordinator picks the save's tag, the same on every
+rank, so that it knows every rank's files of a save in flight; of two overlapping saves the
+folder keeps the one planned later.
 
 Reading. Every file a rank needs is checked against the ranges the metadata gives before any
 tensor is touched (a truncated or missing file raises, naming the file, with the destination
@@ -59,6 +63,7 @@ background write then moves them to the file.
 import collections as _collections
 import contextlib as _contextlib
 import copy as _copy
+import dataclasses as _dataclasses
 import gc as _gc
 import io as _io
 import os as _os
@@ -69,6 +74,7 @@ import struct as _struct
 import sys as _sys
 import threading as _threading
 import time as _time
+import warnings as _warnings
 import zlib as _zlib
 
 import torch as _torch
@@ -571,6 +577,65 @@ _HAND_OVER_S = 0.0002  # FileSystemWriter._hand_over's sleep
 _LET_GO_S = 0.1  # PinnedStager: the longest wait for a written snapshot's last holders
 
 
+@_dataclasses.dataclass
+class _SavePrefix(_fs._StoragePrefix):
+    """A rank's part of a save's plan: torch's file-name prefix, and the save's tag, one for
+    all ranks (chosen by the coordinator), which names every data file of the save."""
+    tag: str = ""
+
+
+class _Saves:
+    """The saves into each folder in flight in this process, for the coordinator's cleanup and
+    its metadata. Two saves into one folder can overlap: async_save's thread executor starts a
+    thread per save, and nothing makes the caller wait for the previous future. A save's data
+    files are never removed while it writes them, and a save that finishes after a newer one
+    into the same folder does not put its older metadata over the newer checkpoint.
+
+    The coordinator registers a save (folder, tag, its thread) when it plans it and ends it in
+    finish. A save that failed on the way never reaches finish: its entry is dropped once its
+    thread has ended (async_save's thread does when the save does) or starts another save
+    (a thread runs one save at a time). Another process writing into the same folder at the
+    same moment is not seen here."""
+
+    _lock = _threading.Lock()
+    _seq = 0
+    _flight = {}    # folder -> {tag: (seq, thread)}
+    _finished = {}  # folder -> the seq of the newest save whose metadata is in place
+
+    @classmethod
+    def begin(cls, folder, tag):
+        me = _threading.current_thread()
+        with cls._lock:
+            cls._seq += 1
+            saves = cls._flight.setdefault(folder, {})
+            for t, (_, th) in list(saves.items()):
+                if th is me or not th.is_alive():
+                    del saves[t]
+            saves[tag] = (cls._seq, me)
+            return cls._seq
+
+    @classmethod
+    def in_flight(cls, folder, tag):
+        """The tags of the other saves into folder still running."""
+        with cls._lock:
+            return {t for t, (_, th) in cls._flight.get(folder, {}).items()
+                    if t != tag and th.is_alive()}
+
+    @classmethod
+    def finish(cls, folder, tag, seq, install):
+        """install() (the metadata put in place) unless a newer save into folder has done so
+        already; ends the save either way. Whether it installed."""
+        with cls._lock:
+            try:
+                if cls._finished.get(folder, 0) > seq:
+                    return False
+                install()
+                cls._finished[folder] = seq
+                return True
+            finally:
+                cls._flight.get(folder, {}).pop(tag, None)
+
+
 class FileSystemWriter(_fs.FileSystemWriter):
     """torch.distributed.checkpoint's FileSystemWriter, writing through pinmem: same arguments,
     same files (torch's FileSystemReader reads them), plus
@@ -606,6 +671,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
         self._staged_on = None  # the thread of a stage() whose save has not started yet
         self._streams = {}  # device -> this writer's CUDA stream for its device-to-host copies
         self.phases = {}  # seconds of this rank's last write_data by phase
+        self._tls = _threading.local()  # the coordinator's save in flight on this thread
 
     def __getstate__(self):
         # async_save's process executor sends the writer to a process of its own. The stager
@@ -614,12 +680,14 @@ class FileSystemWriter(_fs.FileSystemWriter):
         state = self.__dict__.copy()
         state.update(_stager=None, _streams={}, _staged_on=None,
                      _stage_mode=self._stager.stage_mode)
+        state.pop("_tls", None)
         return state
 
     def __setstate__(self, state):
         mode = state.pop("_stage_mode", "auto")
         self.__dict__.update(state)
         self._stager = PinnedStager(stage=mode)
+        self._tls = _threading.local()
 
     def _torch_path(self):
         return (self.serialization_format != _fs.SerializationFormat.TORCH_SAVE
@@ -651,6 +719,18 @@ class FileSystemWriter(_fs.FileSystemWriter):
 
     def synchronize_staging(self):
         pass
+
+    def prepare_global_plan(self, plans):
+        # The coordinator names the save: one tag for every rank's data files, registered as in
+        # flight in this folder until finish (_Saves).
+        plans = super().prepare_global_plan(plans)
+        if self._torch_path():
+            return plans
+        tag = _secrets.token_hex(6)
+        folder = _os.path.realpath(_os.fspath(self.path))
+        self._tls.save = (folder, tag, _Saves.begin(folder, tag))
+        return [_dataclasses.replace(p, storage_data=_SavePrefix(p.storage_data.prefix, tag))
+                if type(p.storage_data) is _fs._StoragePrefix else p for p in plans]
 
     def close(self):
         self._stager.close()
@@ -690,7 +770,8 @@ class FileSystemWriter(_fs.FileSystemWriter):
         if self._torch_path():
             return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix
-        tag = _secrets.token_hex(6)  # names of this save's own
+        # names of this save's own, the same tag on every rank (prepare_global_plan)
+        tag = getattr(plan.storage_data, "tag", "") or _secrets.token_hex(6)
         if self.single_file_per_rank:
             buckets = [b for b in _fs._split_by_size_and_type(self.thread_count, plan.items)
                        if b]
@@ -745,33 +826,59 @@ class FileSystemWriter(_fs.FileSystemWriter):
         per_rank = not self.use_collectives and self.rank is not None
         final = _os.fspath(self._get_metadata_path(self.rank if per_rank else None))
         tmp = f"{final}.tmp-{_os.getpid()}-{_secrets.token_hex(4)}"
-        try:
-            with open(tmp, "wb") as f:
-                _pickle.dump(metadata, f)
-                f.flush()
-                if self.sync_files:
-                    _os.fsync(f.fileno())
-            _os.replace(tmp, final)  # atomic: the old metadata until this, the new after
-        except BaseException:
+
+        def install():
             try:
-                _os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        if self.sync_files:
-            _fsync_dir(folder)
+                with open(tmp, "wb") as f:
+                    _pickle.dump(metadata, f)
+                    f.flush()
+                    if self.sync_files:
+                        _os.fsync(f.fileno())
+                _os.replace(tmp, final)  # atomic: the old metadata until this, the new after
+            except BaseException:
+                try:
+                    _os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            if self.sync_files:
+                _fsync_dir(folder)
+
+        key = _os.path.realpath(folder)
+        save = getattr(self._tls, "save", None)
+        self._tls.save = None
+        if save is None or save[0] != key:  # not planned here (another driver of DCP)
+            save = (key, "", _Saves.begin(key, ""))
+        _, tag, seq = save
+        mine = {s.relative_path for s in storage.values()}
+        if not _Saves.finish(key, tag, seq, install):
+            # A save into this folder planned after this one has put its metadata in place:
+            # the folder keeps that newer checkpoint, and this save's files go.
+            for name in mine:
+                try:
+                    _os.unlink(_os.path.join(folder, name))
+                except OSError:
+                    pass
+            _warnings.warn(f"pinmem.dcp: a newer save into {folder!r} finished before this "
+                           "one, which overlapped it: the folder keeps the newer checkpoint "
+                           "and this save's files were removed (wait for an async_save's "
+                           "future before the next save into the same folder)",
+                           RuntimeWarning, stacklevel=2)
+            return
         if not per_rank:
-            _remove_unnamed(folder, {s.relative_path for s in storage.values()})
+            _remove_unnamed(folder, mine, _Saves.in_flight(key, tag))
 
 
-def _remove_unnamed(folder, keep):
-    """Data files of earlier or failed saves that the folder's metadata no longer names."""
+def _remove_unnamed(folder, keep, busy=()):
+    """Data files of earlier or failed saves that the folder's metadata no longer names; not
+    those of the saves in flight (tags in busy)."""
     try:
         names = _os.listdir(folder)
     except OSError:
         return
     for name in names:
-        if _DATA_FILE.match(name) and name not in keep:
+        m = _DATA_FILE.match(name)
+        if m and name not in keep and (m.group(1) or ".")[1:] not in busy:
             try:
                 _os.unlink(_os.path.join(folder, name))
             except OSError:

@@ -584,6 +584,68 @@ def test_save_over_torch_checkpoint_replaces_it(tmp_path):
     assert torch.equal(got["a"], new["a"]) and got["n"] == {"k": 1}
 
 
+@pytest.mark.parametrize("first", ["newer", "older"])
+def test_overlapping_saves_into_one_folder(tmp_path, first):
+    """Two saves into one folder that overlap (async_save's futures not waited for): the folder
+    ends with the newer (later planned) checkpoint, whole, and no other data file, whichever
+    finishes first. The older one finishing last installs nothing and warns; the older one
+    finishing first leaves the newer one's files alone while it writes them."""
+    import threading
+    import warnings
+    import pinmem.dcp
+    gate = {"older": threading.Event(), "newer": threading.Event()}
+    planned = threading.Event()
+    caught = []
+
+    class Held(pinmem.dcp.FileSystemWriter):
+        """Its save waits at finish, files written and metadata not yet in place."""
+        def __init__(self, path, name):
+            super().__init__(path)
+            self.name = name
+
+        def prepare_global_plan(self, plans):
+            plans = super().prepare_global_plan(plans)
+            if self.name == "older":
+                planned.set()
+            return plans
+
+        def finish(self, metadata, results):
+            gate[self.name].wait(TIMEOUT)
+            return super().finish(metadata, results)
+
+    def save(name, sd):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            dcp.save(sd, storage_writer=Held(tmp_path, name), no_dist=True)
+        caught.extend((name, w) for w in got if "pinmem.dcp" in str(w.message))
+
+    older, newer = _plain_sd(1), _plain_sd(2)
+    dcp.save(_plain_sd(0), storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+    a = threading.Thread(target=save, args=("older", older))
+    a.start()
+    assert planned.wait(TIMEOUT)
+    b = threading.Thread(target=save, args=("newer", newer))
+    b.start()
+    time.sleep(0.3)  # both saves' files are written, neither's metadata is in place
+    gate[first].set()
+    (a if first == "older" else b).join(TIMEOUT)
+    gate["older" if first == "newer" else "newer"].set()
+    a.join(TIMEOUT)
+    b.join(TIMEOUT)
+    got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+           for k, v in newer.items()}
+    for reader in (pinmem.dcp.FileSystemReader, dcp.FileSystemReader):
+        dcp.load(got, storage_reader=reader(tmp_path), no_dist=True)
+        assert torch.equal(got["a"], newer["a"]) and got["n"] == {"k": 2}
+    data = [n for n in os.listdir(tmp_path) if n.endswith(".distcp")]
+    assert len(data) == 1, data
+    if first == "newer":
+        assert [n for n, _ in caught] == ["older"], caught
+        assert "newer save" in str(caught[0][1].message)
+    else:
+        assert caught == []
+
+
 def test_stager_snapshot_and_reuse():
     """PinnedStager: staged tensors are pinned copies (changing the source does not change
     them), 4 KiB apart; the buffer is reused once the snapshot is dropped, not while it lives."""
