@@ -37,10 +37,13 @@ folder keeps the one planned later.
 
 Reading. Every file a rank needs is checked against the ranges the metadata gives before any
 tensor is touched (a truncated or missing file raises, naming the file, with the destination
-state dict as it was). Each file is read with one pinmem.read_ranges call: each tensor whose
-archive layout the metadata predicts (torch.save's archive of a contiguous tensor of the stored
-chunk's dtype and shape) and whose needed bytes are one range that is its destination's bytes
-(no resharding, or a cut along the first dimension) is read straight into its destination
+state dict as it was), and stays open until the load ends (up to HOLD files), the reads going
+through /proc/self/fd: a save into the folder that completes meanwhile removes the files of the
+checkpoint being read, and the load still reads that checkpoint whole. Each file is read with
+one pinmem.read_ranges call: each tensor whose archive layout the metadata predicts
+(torch.save's archive of a contiguous tensor of the stored chunk's dtype and shape) and whose
+needed bytes are one range that is its destination's bytes (no resharding, or a cut along the
+first dimension) is read straight into its destination
 (device memory through pinmem's pinned ring), the archive's head into a pinned scratch beside it
 and checked afterwards (another layout: that item is read again on its own); another predicted
 tensor (resharding along other dimensions, a destination of another dtype or layout) has the
@@ -1096,12 +1099,16 @@ class FileSystemReader(_fs.FileSystemReader):
     READ_CHUNK = None
     # and its I/O threads (None: pinmem's options file_threads, else copy_threads)
     READ_THREADS = None
+    # read_data holds the files of a load open from their check to the end of the load when
+    # they are this many or fewer (each an open file descriptor)
+    HOLD = 256
 
     def __init__(self, path, _extension_registry=None, *, io="auto"):
         super().__init__(path, _extension_registry=_extension_registry)
         _check_io(io, "pinmem.dcp.FileSystemReader")
         self.io = io
         self.phases = {}  # seconds of this rank's last read_data by phase
+        self._held = {}  # path -> /proc/self/fd/N of the file read_data holds open
 
     @classmethod
     def read_unit(cls):
@@ -1140,39 +1147,71 @@ class FileSystemReader(_fs.FileSystemReader):
             if getattr(info, "transform_descriptors", None):
                 return super().read_data(plan, planner)
             per_file.setdefault(info.relative_path, []).append((req, info))
-        for name, reqs in per_file.items():  # all checked before anything is read
-            path = _os.path.join(folder, name)
-            try:
-                size = _os.stat(path).st_size
-            except FileNotFoundError:
-                raise FileNotFoundError(
-                    f"pinmem.dcp: the checkpoint's data file {path!r} is missing") from None
-            end = max(info.offset + info.length for _, info in reqs)
-            if end > size:
-                _pm._pinmem._raise(_pm.PM_ERR_IO, f"pinmem.dcp: {path!r} is {size} bytes long "
-                                   f"but the checkpoint's metadata places data up to byte {end}: "
-                                   "the file was truncated (nothing was loaded)")
-        self.phases = phases = {}
-        unit = self.read_unit()  # the option table is read once a load, not once a file
-        for name, reqs in per_file.items():
-            path = _os.path.join(folder, name)
-            reqs = sorted(reqs, key=lambda r: r[1].offset)
-            fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
-            try:
-                if self._read_file(fd, path, reqs, planner, phases, unit):
-                    pass
-                elif _wanted(reqs, planner) >= WANTED:
-                    self._read_spans(fd, path, reqs, planner, phases)
-                else:  # a small part of each item (resharding): item by item, what is needed
-                    t0 = _time.perf_counter()
-                    for req, info in reqs:
-                        self._read_item(fd, path, req, info, planner)
-                    phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
-            finally:
+        # Every file is checked before anything is read, and held open from then on (up to
+        # HOLD files): a save into the folder that completes during the load removes the files
+        # of the checkpoint being read, and the load still reads them, through the open file.
+        hold = len(per_file) <= self.HOLD
+        fds, self._held = {}, {}
+        try:
+            for name, reqs in per_file.items():
+                path = _os.path.join(folder, name)
+                try:
+                    if hold:
+                        fds[path] = fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+                        size = _os.fstat(fd).st_size
+                        proc = f"/proc/self/fd/{fd}"
+                        if _os.path.exists(proc):
+                            self._held[path] = proc
+                    else:
+                        size = _os.stat(path).st_size
+                except FileNotFoundError:
+                    raise FileNotFoundError(
+                        f"pinmem.dcp: the checkpoint's data file {path!r} is missing") from None
+                end = max(info.offset + info.length for _, info in reqs)
+                if end > size:
+                    _pm._pinmem._raise(_pm.PM_ERR_IO, f"pinmem.dcp: {path!r} is {size} bytes "
+                                       "long but the checkpoint's metadata places data up to "
+                                       f"byte {end}: the file was truncated (nothing was "
+                                       "loaded)")
+            self.phases = phases = {}
+            unit = self.read_unit()  # the option table is read once a load, not once a file
+            for name, reqs in per_file.items():
+                path = _os.path.join(folder, name)
+                reqs = sorted(reqs, key=lambda r: r[1].offset)
+                fd = fds.get(path)
+                if fd is None:
+                    fds[path] = fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+                try:
+                    if self._read_file(fd, path, reqs, planner, phases, unit):
+                        pass
+                    elif _wanted(reqs, planner) >= WANTED:
+                        self._read_spans(fd, path, reqs, planner, phases)
+                    else:  # a small part of each item (resharding): item by item
+                        t0 = _time.perf_counter()
+                        for req, info in reqs:
+                            self._read_item(fd, path, req, info, planner)
+                        phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
+                except _pm.Error as e:  # its message naming the file, not the open one
+                    src = self._held.get(path)
+                    if src is None or src not in e.message:
+                        raise
+                    try:
+                        _pm._pinmem._raise(e.code, e.message.replace(src, path))
+                    except _pm.Error as named:
+                        raise named from None
+                if not hold:
+                    _os.close(fds.pop(path))
+        finally:
+            self._held = {}
+            for fd in fds.values():
                 _os.close(fd)
         fut = _Future()
         fut.set_result(None)
         return fut
+
+    def _src(self, path):
+        """What pinmem's reads open for path: the file this load checked and holds open."""
+        return self._held.get(path, path)
 
     def _read_item(self, fd, path, req, info, planner):
         if req.type == _LoadItemType.BYTE_IO:
@@ -1251,8 +1290,8 @@ class FileSystemReader(_fs.FileSystemReader):
         stream = _torch.cuda.current_stream(devs.pop()) if len(devs) == 1 else None
         t1 = _time.perf_counter()
         phases["plan"] = phases.get("plan", 0.0) + t1 - t0
-        _pm.read_ranges(path, plan, io=self.io, stream=stream, threads=self.READ_THREADS or 0,
-                        chunk=unit)
+        _pm.read_ranges(self._src(path), plan, io=self.io, stream=stream,
+                        threads=self.READ_THREADS or 0, chunk=unit)
         t0 = _time.perf_counter()
         phases["wait_disk"] = phases.get("wait_disk", 0.0) + t0 - t1
         for req, info, kind, detail in done:
@@ -1304,7 +1343,8 @@ class FileSystemReader(_fs.FileSystemReader):
                 t0 = _time.perf_counter()
                 bufs[k % 2] = self._host(self.SPAN)
                 phases["alloc"] = phases.get("alloc", 0.0) + _time.perf_counter() - t0
-            _pm.read_file(path, bufs[k % 2], start, nbytes=end - start, io=self.io).wait()
+            _pm.read_file(self._src(path), bufs[k % 2], start, nbytes=end - start,
+                          io=self.io).wait()
             return bufs[k % 2]
 
         import concurrent.futures
@@ -1388,23 +1428,24 @@ class FileSystemReader(_fs.FileSystemReader):
                 if n:
                     stream = (_torch.cuda.current_stream(target.device)
                               if target.device.type == "cuda" else None)
-                    _pm.read_file(path, target.view(-1).view(_torch.uint8)
+                    _pm.read_file(self._src(path), target.view(-1).view(_torch.uint8)
                                   if target.dim() else target.reshape(1).view(_torch.uint8),
                                   data_at + first, nbytes=n, io=self.io, stream=stream).wait()
                 return None
             buf = self._host(n)
             if n:
-                _pm.read_file(path, buf, data_at + first, nbytes=n, io=self.io).wait()
+                _pm.read_file(self._src(path), buf, data_at + first, nbytes=n,
+                              io=self.io).wait()
             return buf.view(dtype).view(lens)
         if not size:  # a 0-d tensor
             if target.dtype == dtype and target.is_contiguous():
-                _pm.read_file(path, target.reshape(1).view(_torch.uint8), data_at + soff *
-                              itemsize, nbytes=itemsize, io=self.io).wait()
+                _pm.read_file(self._src(path), target.reshape(1).view(_torch.uint8),
+                              data_at + soff * itemsize, nbytes=itemsize, io=self.io).wait()
                 return None
         n = numel * itemsize
         buf = self._host(n)
         if n:
-            _pm.read_file(path, buf, data_at, nbytes=n, io=self.io).wait()
+            _pm.read_file(self._src(path), buf, data_at, nbytes=n, io=self.io).wait()
         t = buf.view(dtype).as_strided(size, stride, soff)
         return _fs.narrow_tensor_by_index(t, offs, lens)
 

@@ -646,6 +646,47 @@ def test_overlapping_saves_into_one_folder(tmp_path, first):
         assert caught == []
 
 
+def test_load_reads_the_files_it_checked(tmp_path, monkeypatch):
+    """A save into the folder that completes during a load (it removes the files of the
+    checkpoint being read) does not break the load: it reads the checkpoint it began with, whole,
+    through the files it holds open. A read error still names the checkpoint's file."""
+    import pinmem
+    import pinmem.dcp
+    old = {"x": torch.randn(1 << 18), "y": torch.randn(1 << 18)}
+    # thread_count=2: two data files, read one after the other
+    dcp.save(old, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path, thread_count=2),
+             no_dist=True)
+    real = pinmem.read_ranges
+    calls = []
+
+    def ranges(path, plan, **kw):
+        calls.append(path)
+        if len(calls) == 2:  # a newer save completes between the two files
+            dcp.save({k: v + 1 for k, v in old.items()}, no_dist=True,
+                     storage_writer=pinmem.dcp.FileSystemWriter(tmp_path, thread_count=2))
+        return real(path, plan, **kw)
+
+    monkeypatch.setattr(pinmem, "read_ranges", ranges)
+    got = {k: torch.zeros_like(v) for k, v in old.items()}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert len(calls) == 2
+    assert torch.equal(got["x"], old["x"]) and torch.equal(got["y"], old["y"])
+    monkeypatch.undo()
+    got = {k: torch.zeros_like(v) for k, v in old.items()}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(got["x"], old["x"] + 1), "the newer checkpoint loads afterwards"
+
+    def shrink(path, plan, **kw):  # the file cut short after the load checked it
+        os.truncate(path, 4096)
+        return real(path, plan, **kw)
+
+    monkeypatch.setattr(pinmem, "read_ranges", shrink)
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({k: torch.zeros_like(v) for k, v in old.items()},
+                 storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert str(tmp_path) in str(e.value) and "/proc/self/fd" not in str(e.value), str(e.value)
+
+
 def test_stager_snapshot_and_reuse():
     """PinnedStager: staged tensors are pinned copies (changing the source does not change
     them), 4 KiB apart; the buffer is reused once the snapshot is dropped, not while it lives."""
