@@ -105,7 +105,8 @@ WANTED = 0.5
 ALIGN = 4096
 IOS = ("auto", "buffered", "direct")
 STAGES = ("auto", "device", "host")
-_DATA_FILE = _re.compile(r"^__\d+_\d+(\.[0-9a-f]+)?\.distcp$")
+_DATA_FILE = _re.compile(r"^__\d+_\d+(?:\.([0-9a-f]+))?\.distcp$")  # group 1: the save's tag
+_PROC_FD = _os.path.isdir("/proc/self/fd")
 
 
 def _check_io(io, who):
@@ -872,6 +873,12 @@ class FileSystemWriter(_fs.FileSystemWriter):
             _remove_unnamed(folder, mine, _Saves.in_flight(key, tag))
 
 
+def _opened(fd, path):
+    """What pinmem's reads open for path, open here as fd: that open file itself (a save into
+    the folder may have removed or replaced path since the load checked it)."""
+    return f"/proc/self/fd/{fd}" if _PROC_FD else path
+
+
 def _remove_unnamed(folder, keep, busy=()):
     """Data files of earlier or failed saves that the folder's metadata no longer names; not
     those of the saves in flight (tags in busy)."""
@@ -881,7 +888,7 @@ def _remove_unnamed(folder, keep, busy=()):
         return
     for name in names:
         m = _DATA_FILE.match(name)
-        if m and name not in keep and (m.group(1) or ".")[1:] not in busy:
+        if m and name not in keep and (m.group(1) or "") not in busy:
             try:
                 _os.unlink(_os.path.join(folder, name))
             except OSError:
@@ -1108,7 +1115,6 @@ class FileSystemReader(_fs.FileSystemReader):
         _check_io(io, "pinmem.dcp.FileSystemReader")
         self.io = io
         self.phases = {}  # seconds of this rank's last read_data by phase
-        self._held = {}  # path -> /proc/self/fd/N of the file read_data holds open
 
     @classmethod
     def read_unit(cls):
@@ -1151,7 +1157,7 @@ class FileSystemReader(_fs.FileSystemReader):
         # HOLD files): a save into the folder that completes during the load removes the files
         # of the checkpoint being read, and the load still reads them, through the open file.
         hold = len(per_file) <= self.HOLD
-        fds, self._held = {}, {}
+        fds = {}
         try:
             for name, reqs in per_file.items():
                 path = _os.path.join(folder, name)
@@ -1159,9 +1165,6 @@ class FileSystemReader(_fs.FileSystemReader):
                     if hold:
                         fds[path] = fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
                         size = _os.fstat(fd).st_size
-                        proc = f"/proc/self/fd/{fd}"
-                        if _os.path.exists(proc):
-                            self._held[path] = proc
                     else:
                         size = _os.stat(path).st_size
                 except FileNotFoundError:
@@ -1192,8 +1195,8 @@ class FileSystemReader(_fs.FileSystemReader):
                             self._read_item(fd, path, req, info, planner)
                         phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
                 except _pm.Error as e:  # its message naming the file, not the open one
-                    src = self._held.get(path)
-                    if src is None or src not in e.message:
+                    src = _opened(fd, path)
+                    if src == path or src not in e.message:
                         raise
                     try:
                         _pm._pinmem._raise(e.code, e.message.replace(src, path))
@@ -1202,16 +1205,11 @@ class FileSystemReader(_fs.FileSystemReader):
                 if not hold:
                     _os.close(fds.pop(path))
         finally:
-            self._held = {}
             for fd in fds.values():
                 _os.close(fd)
         fut = _Future()
         fut.set_result(None)
         return fut
-
-    def _src(self, path):
-        """What pinmem's reads open for path: the file this load checked and holds open."""
-        return self._held.get(path, path)
 
     def _read_item(self, fd, path, req, info, planner):
         if req.type == _LoadItemType.BYTE_IO:
@@ -1290,7 +1288,7 @@ class FileSystemReader(_fs.FileSystemReader):
         stream = _torch.cuda.current_stream(devs.pop()) if len(devs) == 1 else None
         t1 = _time.perf_counter()
         phases["plan"] = phases.get("plan", 0.0) + t1 - t0
-        _pm.read_ranges(self._src(path), plan, io=self.io, stream=stream,
+        _pm.read_ranges(_opened(fd, path), plan, io=self.io, stream=stream,
                         threads=self.READ_THREADS or 0, chunk=unit)
         t0 = _time.perf_counter()
         phases["wait_disk"] = phases.get("wait_disk", 0.0) + t0 - t1
@@ -1343,7 +1341,7 @@ class FileSystemReader(_fs.FileSystemReader):
                 t0 = _time.perf_counter()
                 bufs[k % 2] = self._host(self.SPAN)
                 phases["alloc"] = phases.get("alloc", 0.0) + _time.perf_counter() - t0
-            _pm.read_file(self._src(path), bufs[k % 2], start, nbytes=end - start,
+            _pm.read_file(_opened(fd, path), bufs[k % 2], start, nbytes=end - start,
                           io=self.io).wait()
             return bufs[k % 2]
 
@@ -1408,7 +1406,7 @@ class FileSystemReader(_fs.FileSystemReader):
             t = _torch.load(_io.BytesIO(b), map_location="cpu", weights_only=True)
             t = _fs.narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
         else:
-            t = self._read_stored(path, meta, req, target)
+            t = self._read_stored(fd, path, meta, req, target)
             if t is None:  # read straight into target
                 planner.commit_tensor(req, target)
                 return
@@ -1418,7 +1416,7 @@ class FileSystemReader(_fs.FileSystemReader):
         target.copy_(t)
         planner.commit_tensor(req, target)
 
-    def _read_stored(self, path, meta, req, target):
+    def _read_stored(self, fd, path, meta, req, target):
         dtype, size, stride, soff, data_at, numel, itemsize = meta
         offs, lens = list(req.storage_offsets), list(req.lengths)
         one = _one_range(meta, req)
@@ -1428,24 +1426,24 @@ class FileSystemReader(_fs.FileSystemReader):
                 if n:
                     stream = (_torch.cuda.current_stream(target.device)
                               if target.device.type == "cuda" else None)
-                    _pm.read_file(self._src(path), target.view(-1).view(_torch.uint8)
+                    _pm.read_file(_opened(fd, path), target.view(-1).view(_torch.uint8)
                                   if target.dim() else target.reshape(1).view(_torch.uint8),
                                   data_at + first, nbytes=n, io=self.io, stream=stream).wait()
                 return None
             buf = self._host(n)
             if n:
-                _pm.read_file(self._src(path), buf, data_at + first, nbytes=n,
+                _pm.read_file(_opened(fd, path), buf, data_at + first, nbytes=n,
                               io=self.io).wait()
             return buf.view(dtype).view(lens)
         if not size:  # a 0-d tensor
             if target.dtype == dtype and target.is_contiguous():
-                _pm.read_file(self._src(path), target.reshape(1).view(_torch.uint8),
+                _pm.read_file(_opened(fd, path), target.reshape(1).view(_torch.uint8),
                               data_at + soff * itemsize, nbytes=itemsize, io=self.io).wait()
                 return None
         n = numel * itemsize
         buf = self._host(n)
         if n:
-            _pm.read_file(self._src(path), buf, data_at, nbytes=n, io=self.io).wait()
+            _pm.read_file(_opened(fd, path), buf, data_at, nbytes=n, io=self.io).wait()
         t = buf.view(dtype).as_strided(size, stride, soff)
         return _fs.narrow_tensor_by_index(t, offs, lens)
 
