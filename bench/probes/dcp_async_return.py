@@ -26,9 +26,11 @@ and execute_save of each (the first three saves left out).
 
 EXECUTOR process: every async_save with torch's process executor (the save runs in a process
 of its own, which the first save starts; torch's thread hands it each staged state dict,
-pickled). The last part then takes turns between Python's default switch interval (5 ms: how
-long a thread that wants the interpreter lock waits before the holder is asked to let go) and
-0.5 ms, the writer as it is.
+pickled). The last part then takes turns between the snapshot's hand-over turned off
+(pinmem.dcp._Staged: the thread that pickles the snapshot sleeps a moment first, so the caller
+gets the interpreter lock back) and on, at Python's default switch interval (5 ms: how long a
+thread that wants the interpreter lock waits before the holder is asked to let go), and on at
+0.5 ms.
 
   PYTHONPATH=build-py/python python3 bench/probes/dcp_async_return.py cuda|cpu [RANKS] [SIZE_GIB]
       [thread|process]
@@ -111,6 +113,14 @@ class _NoHandOver(pdcp.FileSystemWriter):
         pass
 
 
+class _SnapshotNoHandOver(pdcp._Staged):
+    """The stage's snapshot without its hand-over when pickled on another thread."""
+
+    def __reduce_ex__(self, protocol):
+        self.__dict__.pop("_staged_on", None)
+        return dict, (), None, None, iter(self.items())
+
+
 def rank_main(rank, n, tmp, total, flat, dev, executor):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29536")
     dist.init_process_group("gloo", rank=rank, world_size=n)
@@ -154,22 +164,27 @@ def rank_main(rank, n, tmp, total, flat, dev, executor):
     if not flat and executor == "process":
         w = pdcp.FileSystemWriter(os.path.join(tmp, "switch"))
         default = sys.getswitchinterval()
-        runs = ([], [])
-        for i in range(60):
+        staged_cls = pdcp._Staged
+        runs = ([], [], [])
+        for i in range(90):
             dist.barrier()
-            k = i % 2
-            sys.setswitchinterval(default if k == 0 else 0.0005)
+            k = i % 3
+            if k == 0:
+                pdcp._Staged = _SnapshotNoHandOver
+            sys.setswitchinterval(0.0005 if k == 2 else default)
             t0 = time.perf_counter()
             fut = dcp.async_save(app, storage_writer=w, **kw)
             ret = time.perf_counter() - t0
             sys.setswitchinterval(default)
+            pdcp._Staged = staged_cls
             fut.result()
-            if i >= 2:
+            if i >= 3:
                 runs[k].append((ret, T["exec"]))
         w.close()
         if rank == 0:
-            for name, r in zip((f"switch interval {default * 1e3:g} ms", "switch interval 0.5 ms"),
-                               runs):
+            for name, r in zip((f"snapshot hand-over off, switch interval {default * 1e3:g} ms",
+                                f"snapshot hand-over on, switch interval {default * 1e3:g} ms",
+                                "snapshot hand-over on, switch interval 0.5 ms"), runs):
                 print(f"model: 96 keys, process executor, {name}: median return "
                       f"{statistics.median(x[0] for x in r) * 1e3:.2f} ms, execute_save "
                       f"{statistics.median(x[1] for x in r) * 1e3:.2f} ms ({len(r)} saves)",

@@ -5,12 +5,16 @@ measured again. RANKS gloo ranks each save their shard of SIZE (bf16 tensors, as
 makes them) once with pinmem's writer, then load it cold (the files' pages dropped first)
 round by round, the order of the cases turned every round:
 
-  * rule: the reader's own choice (FileSystemReader.read_unit());
+  * rule: the reader's own choice (FileSystemReader.read_shape());
   * options: pinmem's option file_direct_chunk for O_DIRECT reads (1 MiB);
   * 4m, 8m, 16m: reads of 4, 8 or 16 MiB (FileSystemReader.READ_CHUNK);
-  * t4-4m, t4-8m, t8-2m, t1-16m: reads of 4 or 8 MiB on 4 I/O threads, of 2 MiB on 8, of 16 MiB
-    on one (FileSystemReader.READ_THREADS): more reads in flight while other threads copy out of
-    the slots, or one at a time as the disk's own;
+  * t2-8m, t3-8m, t4-4m, t4-8m, t6-8m, t3-16m, t8-2m, t1-16m: reads of 8 MiB on 2, 3, 4 or 6
+    I/O threads, of 4 MiB on 4, of 16 MiB on 3, of 2 MiB on 8, of 16 MiB on one
+    (FileSystemReader.READ_THREADS): more reads in flight while other threads copy out of the
+    slots, or one at a time as the disk's own;
+  * replay, replay-t2: the pinmem.read_ranges call of the reader's own choice (that of a first
+    untimed load, its destinations the same), timed outside dcp.load; the same in 8 MiB reads
+    on 2 threads;
   * aligned: the reader's own choice into destinations of pages of their own (mmap); their
     first byte is page-aligned, the tensor's bytes in the file are not, so these too are read
     through pinmem's slots and copied out;
@@ -50,10 +54,11 @@ from dcp_write_units import arguments, report  # noqa: E402  (bench/probes/)
 MIB = 1 << 20
 # case -> (FileSystemReader.READ_CHUNK, READ_THREADS)
 CASES = {"rule": (None, None), "options": (0, None), "4m": (4 * MIB, None), "8m": (8 * MIB, None),
-         "16m": (16 * MIB, None), "t4-4m": (4 * MIB, 4), "t4-8m": (8 * MIB, 4),
-         "t8-2m": (2 * MIB, 8), "t1-16m": (16 * MIB, 1), "aligned": (None, None),
-         "inplace": (0, None), "inplace-8m": (None, None), "torch": None, "disk": None,
-         "disk-ckpt": None}
+         "16m": (16 * MIB, None), "t2-8m": (8 * MIB, 2), "t3-8m": (8 * MIB, 3),
+         "t4-4m": (4 * MIB, 4), "t4-8m": (8 * MIB, 4), "t6-8m": (8 * MIB, 6),
+         "t3-16m": (16 * MIB, 3), "t8-2m": (2 * MIB, 8), "t1-16m": (16 * MIB, 1),
+         "aligned": (None, None), "inplace": (0, None), "inplace-8m": (None, None),
+         "replay": None, "replay-t2": None, "torch": None, "disk": None, "disk-ckpt": None}
 
 
 def read_direct(path, buf):
@@ -105,6 +110,20 @@ def rank_main(rank, n, tmp, size, rounds, names):
                                       count=nbytes, offset=data_at % 4096).view(v.dtype).view(
                                           v.shape)
     assert set(inplace) == set(sd), "dcp_read_units: the metadata does not name every tensor"
+    # the reader's own read_ranges call, caught in an untimed load, for the replay cases
+    calls = []
+    real = pdcp._pm.read_ranges
+
+    def catch(path, plan, **kw):
+        calls.append((os.path.realpath(path), plan, kw))
+        return real(path, plan, **kw)
+
+    pdcp._pm.read_ranges = catch
+    try:
+        dcp.load({"model": empty}, storage_reader=pdcp.FileSystemReader(folder))
+    finally:
+        pdcp._pm.read_ranges = real
+    assert len(calls) == 1, f"dcp_read_units: {len(calls)} read_ranges calls, not one"
     times = {c: [] for c in names}
     for rnd in range(rounds):
         for c in names if rnd % 2 == 0 else names[::-1]:
@@ -119,6 +138,15 @@ def rank_main(rank, n, tmp, size, rounds, names):
             if c == "disk":
                 disk.read()  # O_DIRECT: no pages to drop; times itself
                 spent = disk.reads[-1]
+            elif c in ("replay", "replay-t2"):
+                path, plan, kw = calls[0]
+                if c == "replay-t2":
+                    kw = dict(kw, chunk=8 * MIB, threads=2)
+                t0 = time.perf_counter()
+                pdcp._pm.read_ranges(path, plan, **kw)
+                spent = time.perf_counter() - t0
+                if not all(torch.equal(empty[k], sd[k]) for k in sd):
+                    raise SystemExit(f"dcp_read_units: case {c} read other bytes")
             elif c == "disk-ckpt":
                 spent = read_direct(os.path.join(folder, mine_file), disk.buf)
             else:
@@ -149,9 +177,10 @@ def main():
     for c in names:
         if c not in CASES:
             ap.error(f"unknown case {c!r} (cases: {', '.join(CASES)})")
-    unit = pdcp.FileSystemReader.read_unit()
+    unit, threads = pdcp.FileSystemReader.read_shape()
     print(f"dcp_read_units: {args.ranks} ranks, {args.size}, {os.cpu_count()} CPUs, the rule's "
-          f"reads {'of %.2f MiB' % (unit / MIB) if unit else 'as the options'}", flush=True)
+          f"reads {'of %.2f MiB' % (unit / MIB) if unit else 'as the options'} on "
+          f"{threads or 'the options'} threads", flush=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         mp.spawn(rank_main, args=(args.ranks, tmp, parse_size(args.size), args.rounds, names),
                  nprocs=args.ranks)

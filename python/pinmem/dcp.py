@@ -577,7 +577,28 @@ def _result(item, name, offset, length):
                         storage_data=_fs._StorageInfo(name, offset, length))
 
 
-_HAND_OVER_S = 0.0002  # FileSystemWriter._hand_over's sleep
+_HAND_OVER_S = 0.0002  # FileSystemWriter._hand_over's and _Staged's sleep
+
+
+class _Staged(dict):
+    """PinnedStager.stage's snapshot when the state dict is a dict: a dict that, pickled on a
+    thread other than the one that staged it, first sleeps a moment (once), and unpickles as a
+    plain dict. async_save's process executor starts a thread that pickles the snapshot for the
+    save's process (device tensors as CUDA IPC handles) while async_save is still returning; a
+    thread running Python holds the interpreter lock, and the caller waits for it up to
+    sys.getswitchinterval() (5 ms by default), as FileSystemWriter._hand_over says for the
+    thread executor. Sleeping hands the lock over, so async_save returns and the pickling goes
+    on beside the training loop."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self._staged_on = _threading.get_ident()
+
+    def __reduce_ex__(self, protocol):
+        on = self.__dict__.pop("_staged_on", None)
+        if on is not None and on != _threading.get_ident():
+            _time.sleep(_HAND_OVER_S)
+        return dict, (), None, None, iter(self.items())
 _LET_GO_S = 0.1  # PinnedStager: the longest wait for a written snapshot's last holders
 
 
@@ -1101,11 +1122,13 @@ class FileSystemReader(_fs.FileSystemReader):
     # next 4 KiB-aligned archive) of up to this many bytes are read too, so that the file is one
     # stream for pinmem.read_ranges
     HOLE = 64 << 10
-    # _read_file's pinmem.read_ranges call: bytes of each read. None: read_unit(); 0: pinmem's
+    # _read_file's pinmem.read_ranges call: bytes of each read. None: read_shape(); 0: pinmem's
     # options (file_direct_chunk, 1 MiB, O_DIRECT; file_chunk, 2 MiB, through the page cache).
     READ_CHUNK = None
-    # and its I/O threads (None: pinmem's options file_threads, else copy_threads)
+    # and its I/O threads (None: read_shape(), pinmem's options file_threads, else copy_threads,
+    # or MIN_READ_THREADS where the CPUs are fewer)
     READ_THREADS = None
+    MIN_READ_THREADS = 4
     # read_data holds the files of a load open from their check to the end of the load when
     # they are this many or fewer (each an open file descriptor)
     HOLD = 256
@@ -1118,32 +1141,45 @@ class FileSystemReader(_fs.FileSystemReader):
 
     @classmethod
     def read_unit(cls):
-        """Bytes of each read of a file's read_ranges call: 16 MiB over the call's I/O threads
-        (READ_THREADS, else the option file_threads, else copy_threads, else min(12, usable
-        CPUs)), in 4 KiB, where that is more than 2 MiB (few CPUs) and the file options are
-        pinmem's defaults; else None (the options). The evidence on a 2-CPU virtual machine (2
-        ranks, 1 GiB, cold) is mixed: compare_dcp's cold loads ran at 0.87x the disk in three
-        runs with 8 MiB reads, at 0.60x-0.97x in four with the options' 1 MiB; in
-        bench/probes/dcp_read_units.py, medians by run, 8 MiB against 1 MiB: 2.71 against 2.15,
-        2.93 against 2.89, 2.72-2.88 against 2.63, 2.65 against 2.68, 2.59 against 2.68 GB/s;
-        bench/probes/read_memory.py's 96 ranges: 2.77 against 3.20. 8 MiB is kept for the
-        steadier compare_dcp runs. With 12 threads the options' 1 MiB reads met the disk's rate
-        on the GPU machines (docs/dcp.md): about 16 MiB in flight a rank, as on the write side."""
+        """Bytes of each read of a file's read_ranges call (read_shape()'s first); None: the
+        options'."""
+        return cls.read_shape()[0]
+
+    @classmethod
+    def read_shape(cls):
+        """(bytes of each read, I/O threads) of a file's read_ranges call; None for either:
+        pinmem's options (file_direct_chunk / file_chunk; file_threads, else copy_threads).
+
+        READ_CHUNK and READ_THREADS override it. Where file_chunk or file_direct_chunk is set,
+        the options decide the reads. Else each rank keeps about 16 MiB of reads in flight:
+        16 MiB over the call's I/O threads (READ_THREADS, else file_threads, else copy_threads)
+        in 4 KiB where that is more than 2 MiB, else the options' 1 MiB on 8 or more threads
+        (which met the disk's rate on the GPU machines, docs/dcp.md). Where no one set the
+        threads and the CPUs are fewer than MIN_READ_THREADS, the call reads in 8 MiB units on
+        MIN_READ_THREADS threads, 32 MiB in flight: the threads mostly wait for the disk, and
+        while one copies a unit out of its slot into a torch tensor the others keep the disk
+        busy. On a 2-CPU virtual machine (2 ranks, 4 GiB, cold, medians of 9 rounds, the cases
+        in turns: bench/probes/dcp_read_units.py, bench/results/
+        debian12-2core-2026-12-06-dcp-read-units-threads-4g.txt) the load ran at 2.61 GB/s on
+        4 threads against 2.53 on 2, 2.62 on 6; its read_ranges call timed outside dcp.load at
+        2.62 against 2.52."""
         if cls.READ_CHUNK is not None:
-            return cls.READ_CHUNK or None
+            return cls.READ_CHUNK or None, cls.READ_THREADS
         opts = _pm.options()
         if any(opts[k]["source"] != "default" for k in ("file_direct_chunk", "file_chunk")):
-            return None
+            return None, cls.READ_THREADS
         threads = cls.READ_THREADS or 0
         for k in ("file_threads", "copy_threads"):
             try:
                 threads = threads or int(opts[k]["value"])
             except ValueError:
                 pass
+        if not threads and _IO_THREADS < cls.MIN_READ_THREADS:
+            return 8 << 20, cls.MIN_READ_THREADS
         threads = threads or _IO_THREADS
         per = -(-(16 << 20) // threads)
         per = -(-per // 4096) * 4096
-        return per if per > (2 << 20) else None
+        return (per if per > (2 << 20) else None), cls.READ_THREADS
 
     def read_data(self, plan, planner):
         folder = _os.fspath(self.path)
@@ -1177,7 +1213,7 @@ class FileSystemReader(_fs.FileSystemReader):
                                        f"byte {end}: the file was truncated (nothing was "
                                        "loaded)")
             self.phases = phases = {}
-            unit = self.read_unit()  # the option table is read once a load, not once a file
+            shape = self.read_shape()  # the option table is read once a load, not once a file
             for name, reqs in per_file.items():
                 path = _os.path.join(folder, name)
                 reqs = sorted(reqs, key=lambda r: r[1].offset)
@@ -1185,7 +1221,7 @@ class FileSystemReader(_fs.FileSystemReader):
                 if fd is None:
                     fds[path] = fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
                 try:
-                    if self._read_file(fd, path, reqs, planner, phases, unit):
+                    if self._read_file(fd, path, reqs, planner, phases, shape):
                         pass
                     elif _wanted(reqs, planner) >= WANTED:
                         self._read_spans(fd, path, reqs, planner, phases)
@@ -1217,7 +1253,7 @@ class FileSystemReader(_fs.FileSystemReader):
         else:
             self._read_tensor(fd, path, req, info, planner)
 
-    def _read_file(self, fd, path, reqs, planner, phases, unit):
+    def _read_file(self, fd, path, reqs, planner, phases, shape):
         """The items reqs needs of one file in one pinmem.read_ranges call; False (nothing read)
         where the scratch it needs would pass SPAN or the items overlap. A tensor whose stored
         layout the metadata predicts (torch.save's archive for its dtype and shape) and whose
@@ -1228,7 +1264,8 @@ class FileSystemReader(_fs.FileSystemReader):
         item (BYTE_IO, a layout not predicted) whole into the scratch. The holes between the
         pieces, up to HOLE bytes each, are read too, so the file is one stream. Afterwards each
         head is parsed: a tensor whose archive is not the predicted one is read again on its own
-        (_read_item). unit: the bytes of each read (read_unit(), worked out once a load)."""
+        (_read_item). shape: the bytes of each read and the I/O threads (read_shape(), worked out
+        once a load)."""
         t0 = _time.perf_counter()
         pieces = []  # (file offset, bytes, destination tensor or None, place in the scratch)
         done = []    # (req, info, kind, detail) in file order
@@ -1289,7 +1326,7 @@ class FileSystemReader(_fs.FileSystemReader):
         t1 = _time.perf_counter()
         phases["plan"] = phases.get("plan", 0.0) + t1 - t0
         _pm.read_ranges(_opened(fd, path), plan, io=self.io, stream=stream,
-                        threads=self.READ_THREADS or 0, chunk=unit)
+                        threads=shape[1] or 0, chunk=shape[0])
         t0 = _time.perf_counter()
         phases["wait_disk"] = phases.get("wait_disk", 0.0) + t0 - t1
         for req, info, kind, detail in done:
@@ -1649,6 +1686,8 @@ class PinnedStager(_AsyncStager):
             phases["pinned_copy"] = clock() - t2
         t3 = clock()
         out = _rebuild_sd(state_dict, DTensor, staged)
+        if type(out) is dict:
+            out = _Staged(out)
         t4 = clock()
         phases.update(find=t1 - t0, rebuild=t4 - t3)
         phases["other"] = max(0.0, (t4 - t0) - sum(phases.values()))

@@ -761,38 +761,73 @@ def test_writer_marks_its_snapshot_written(tmp_path, monkeypatch):
     w2.close()
 
 
+def _elsewhere(fn):
+    """fn() run on a thread of its own; its result."""
+    import threading
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
 def test_writer_hands_the_lock_over_once_after_a_stage(tmp_path, monkeypatch):
     """After a stage, the save's first question to the writer (checkpoint_id, or storage_meta)
     from another thread (the one async_save starts) sleeps once, so async_save's caller gets the
     interpreter lock back; never on the staging thread, never twice for one stage, never
     without a stage."""
-    import threading
-
     import pinmem.dcp
     sleeps = []
     monkeypatch.setattr(pinmem.dcp._time, "sleep", lambda s: sleeps.append(s))
     w = pinmem.dcp.FileSystemWriter(str(tmp_path / "c"))
 
-    def elsewhere(fn):
-        out = []
-        t = threading.Thread(target=lambda: out.append(fn()))
-        t.start()
-        t.join()
-        return out[0]
-
-    assert elsewhere(lambda: w.checkpoint_id) == w.path and sleeps == []  # no stage yet
+    assert _elsewhere(lambda: w.checkpoint_id) == w.path and sleeps == []  # no stage yet
     snap = w.stage(_plain_sd(big=False))
     assert w.checkpoint_id == w.path and sleeps == []  # the staging thread itself
-    assert elsewhere(lambda: w.checkpoint_id) == w.path and sleeps == [pinmem.dcp._HAND_OVER_S]
-    elsewhere(lambda: w.checkpoint_id)
-    elsewhere(w.storage_meta)
+    assert _elsewhere(lambda: w.checkpoint_id) == w.path and sleeps == [pinmem.dcp._HAND_OVER_S]
+    _elsewhere(lambda: w.checkpoint_id)
+    _elsewhere(w.storage_meta)
     assert len(sleeps) == 1
     del snap
     snap = w.stage(_plain_sd(big=False))
-    meta = elsewhere(w.storage_meta)
+    meta = _elsewhere(w.storage_meta)
     assert meta.checkpoint_id == w.path and len(sleeps) == 2
     del snap
     w.close()
+
+
+def test_snapshot_hands_the_lock_over_when_pickled_elsewhere(monkeypatch):
+    """A stage's snapshot, pickled on another thread (the one async_save's process executor
+    starts to hand it to the save's process), sleeps once first, so async_save's caller gets the
+    interpreter lock back; never on the staging thread, never twice. It unpickles as a plain
+    dict holding the same values, and the stage's pinned buffer is reused afterwards."""
+    import pinmem.dcp
+    sleeps = []
+    monkeypatch.setattr(pinmem.dcp._time, "sleep", lambda s: sleeps.append(s))
+    st = pinmem.dcp.PinnedStager()
+    sd = _plain_sd(big=False)
+
+    snap = st.stage(sd)
+    assert isinstance(snap, dict) and snap.keys() == sd.keys()
+    back = pickle.loads(pickle.dumps(snap))  # the staging thread itself
+    assert type(back) is dict and sleeps == []
+    del back
+    snap = st.stage(sd)
+    blob = _elsewhere(lambda: pickle.dumps(snap))
+    assert sleeps == [pinmem.dcp._HAND_OVER_S]
+    _elsewhere(lambda: pickle.dumps(snap))
+    assert len(sleeps) == 1
+    back = pickle.loads(blob)
+    assert type(back) is dict and back.keys() == sd.keys()
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(back[k], v), k
+        else:
+            assert back[k] == v, k
+    del snap, back, blob
+    st.stage(sd)
+    assert st.last["reused"]
+    st.close()
 
 
 @pytest.mark.skipif(not _cuda_backend(), reason="needs a CUDA device and pinmem's cuda backend "
@@ -981,10 +1016,11 @@ def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
 
 
 def test_reader_read_unit(tmp_path, monkeypatch):
-    """The reader's read size: 16 MiB over the call's I/O threads (file_threads, else
-    copy_threads) where that passes 2 MiB and the file options are pinmem's defaults, else the
-    options' own (None); READ_CHUNK overrides it. A load passes it to its read_ranges call and
-    reads the right values."""
+    """The reader's reads: 16 MiB over the call's I/O threads (file_threads, else copy_threads)
+    where that passes 2 MiB and the file options are pinmem's defaults, else the options' own
+    (None); where no one set the threads and the CPUs are fewer than MIN_READ_THREADS, 8 MiB on
+    MIN_READ_THREADS threads; READ_CHUNK and READ_THREADS override it. A load passes both to
+    its read_ranges call and reads the right values."""
     import pinmem
     import pinmem.dcp
     R = pinmem.dcp.FileSystemReader
@@ -992,44 +1028,62 @@ def test_reader_read_unit(tmp_path, monkeypatch):
     try:
         for k in names:
             pinmem.set_option(k, None)
+        # the threads from the usable CPUs (copy_threads' auto)
+        for cpus, shape in ((1, (8 << 20, 4)), (2, (8 << 20, 4)), (3, (8 << 20, 4)),
+                            (4, (4 << 20, None)), (6, (683 * 4096, None)),
+                            (12, (None, None))):
+            monkeypatch.setattr(pinmem.dcp, "_IO_THREADS", cpus)
+            assert R.read_shape() == shape, cpus
+            assert R.read_unit() == shape[0]
+        monkeypatch.setattr(pinmem.dcp, "_IO_THREADS", 2)
+        monkeypatch.setattr(R, "MIN_READ_THREADS", 2)
+        assert R.read_shape() == (8 << 20, None)
+        monkeypatch.setattr(R, "MIN_READ_THREADS", 4)
+        # threads set by the user: never raised
         pinmem.set_option("copy_threads", 2)
-        assert R.read_unit() == 8 << 20
+        assert R.read_shape() == (8 << 20, None)
         pinmem.set_option("copy_threads", 3)
         assert R.read_unit() == 1366 * 4096  # 16 MiB / 3, rounded up to 4 KiB
         pinmem.set_option("copy_threads", 8)
-        assert R.read_unit() is None  # 2 MiB: the options' own
+        assert R.read_shape() == (None, None)  # 2 MiB: the options' own
         pinmem.set_option("file_threads", 4)
         assert R.read_unit() == 4 << 20  # file_threads first
         pinmem.set_option("file_direct_chunk", "1M")  # set by the user, even to its default
-        assert R.read_unit() is None
+        assert R.read_shape() == (None, None)
         pinmem.set_option("file_direct_chunk", None)
         monkeypatch.setattr(R, "READ_CHUNK", 0)
-        assert R.read_unit() is None
+        assert R.read_shape() == (None, None)
         monkeypatch.setattr(R, "READ_CHUNK", 3 << 20)
         assert R.read_unit() == 3 << 20
         monkeypatch.setattr(R, "READ_CHUNK", None)
         monkeypatch.setattr(R, "READ_THREADS", 8)
-        assert R.read_unit() is None  # the reader's own threads first
+        assert R.read_shape() == (None, 8)  # the reader's own threads first
+        monkeypatch.setattr(R, "READ_THREADS", 1)
+        assert R.read_shape() == (16 << 20, 1)  # and never raised
         monkeypatch.setattr(R, "READ_THREADS", None)
 
-        pinmem.set_option("file_threads", 2)
         sd = _plain_sd()
         dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "p"), no_dist=True)
-        chunks = []
+        calls = []
         real_ranges = pinmem.read_ranges
 
         def ranges(path, plan, **kw):
-            chunks.append((kw.get("chunk"), kw.get("threads")))
+            calls.append((kw.get("chunk"), kw.get("threads")))
             return real_ranges(path, plan, **kw)
 
         monkeypatch.setattr(pinmem, "read_ranges", ranges)
-        got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
-               for k, v in sd.items()}
-        dcp.load(got, storage_reader=R(tmp_path / "p"), no_dist=True)
-        assert chunks == [(8 << 20, 0)]  # 0: pinmem's threads, the 2 the option gives
-        for k, v in sd.items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(got[k], v), k
+        for opt, want in ((2, (8 << 20, 0)), (None, (8 << 20, 4))):
+            # 0: pinmem's threads, the 2 the option gives; 4: MIN_READ_THREADS on 2 CPUs
+            pinmem.set_option("copy_threads", None)
+            pinmem.set_option("file_threads", opt)
+            calls.clear()
+            got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+                   for k, v in sd.items()}
+            dcp.load(got, storage_reader=R(tmp_path / "p"), no_dist=True)
+            assert calls == [want]
+            for k, v in sd.items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(got[k], v), k
     finally:
         for k in names:
             pinmem.set_option(k, None)
