@@ -599,6 +599,8 @@ class _Staged(dict):
         if on is not None and on != _threading.get_ident():
             _time.sleep(_HAND_OVER_S)
         return dict, (), None, None, iter(self.items())
+
+
 _LET_GO_S = 0.1  # PinnedStager: the longest wait for a written snapshot's last holders
 
 
