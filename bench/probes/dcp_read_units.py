@@ -115,7 +115,8 @@ def rank_main(rank, n, tmp, size, rounds, names):
     real = pdcp._pm.read_ranges
 
     def catch(path, plan, **kw):
-        calls.append((os.path.realpath(path), plan, kw))
+        # replayed by path: the load's open file (fd) is closed by then
+        calls.append((path, plan, {k: v for k, v in kw.items() if k != "fd"}))
         return real(path, plan, **kw)
 
     pdcp._pm.read_ranges = catch

@@ -149,6 +149,7 @@ def copy(dst, src, stream=None, *, nbytes=None, path=None):
 # Files
 # ------------------------------------------------------------------------------------------
 
+import contextlib as _contextlib
 import os as _os
 
 
@@ -163,7 +164,23 @@ def _file_error(fn, path, err):
         raise named from None
 
 
-def read_file(path, dst, offset=0, *, nbytes=None, io="auto", stream=None):
+@_contextlib.contextmanager
+def _reading(fn, path, fd):
+    """A descriptor to read `path` through for a call of fn: fd when given (left open), else
+    `path` opened, and closed afterwards; a pinmem.Error inside raised again naming `path`."""
+    own = fd is None
+    if own:
+        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    try:
+        yield fd
+    except Error as e:
+        _file_error(fn, path, e)
+    finally:
+        if own:
+            _os.close(fd)
+
+
+def read_file(path, dst, offset=0, *, nbytes=None, io="auto", stream=None, fd=None):
     """Read nbytes (default: the size of dst) at `offset` of the file at `path` into dst;
     return a Completion.
 
@@ -173,15 +190,13 @@ def read_file(path, dst, offset=0, *, nbytes=None, io="auto", stream=None):
     writes are ordered on it. The call returns once every byte has been read from the file (the
     file is closed again); for device memory the DMAs may still be in flight until the
     Completion is done. A file shorter than offset + nbytes raises IoError naming where it ends.
+    fd: an open, readable descriptor of the file at `path` to read through instead of opening
+    `path` (left open; a file since removed or replaced there is still the one read); errors
+    still name `path`.
     """
     path = _os.fspath(path)
-    fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
-    try:
-        return _pinmem._file_read(fd, offset, nbytes, dst, stream, io)
-    except Error as e:
-        _file_error("read_file", path, e)
-    finally:
-        _os.close(fd)
+    with _reading("read_file", path, fd) as f:
+        return _pinmem._file_read(f, offset, nbytes, dst, stream, io)
 
 
 def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsync=False,
@@ -208,7 +223,7 @@ def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsyn
         _os.close(fd)
 
 
-def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None):
+def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None, fd=None):
     """Read many ranges of the file at `path`, each into its own destination, in one call.
 
     ranges: a sequence of (offset, dst) or (offset, dst, nbytes) (nbytes default: the size of
@@ -221,16 +236,11 @@ def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None):
     call's I/O threads, the caller included (0: the option file_threads, else copy_threads).
     chunk: the bytes of each read and of its pinned slot, a size ("8M") rounded up to 4 KiB
     (None: the options file_chunk and file_direct_chunk); larger units cost fewer system calls
-    and interrupts per byte, smaller ones spread over more threads.
+    and interrupts per byte, smaller ones spread over more threads. fd: as read_file's.
     """
     path = _os.fspath(path)
-    fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
-    try:
-        _pinmem._file_readv(fd, ranges, stream, io, int(threads), chunk)
-    except Error as e:
-        _file_error("read_ranges", path, e)
-    finally:
-        _os.close(fd)
+    with _reading("read_ranges", path, fd) as f:
+        _pinmem._file_readv(f, ranges, stream, io, int(threads), chunk)
 
 
 def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0, chunk=None):

@@ -37,9 +37,10 @@ folder keeps the one planned later.
 
 Reading. Every file a rank needs is checked against the ranges the metadata gives before any
 tensor is touched (a truncated or missing file raises, naming the file, with the destination
-state dict as it was), and stays open until the load ends (up to HOLD files), the reads going
-through /proc/self/fd: a save into the folder that completes meanwhile removes the files of the
-checkpoint being read, and the load still reads that checkpoint whole. Each file is read with
+state dict as it was), and stays open until the load ends (up to HOLD files), pinmem's reads
+going through that open file (their fd argument): a save into the folder that completes
+meanwhile removes the files of the checkpoint being read, and the load still reads that
+checkpoint whole. Each file is read with
 one pinmem.read_ranges call: each tensor whose archive layout the metadata predicts
 (torch.save's archive of a contiguous tensor of the stored chunk's dtype and shape) and whose
 needed bytes are one range that is its destination's bytes (no resharding, or a cut along the
@@ -106,7 +107,6 @@ ALIGN = 4096
 IOS = ("auto", "buffered", "direct")
 STAGES = ("auto", "device", "host")
 _DATA_FILE = _re.compile(r"^__\d+_\d+(?:\.([0-9a-f]+))?\.distcp$")  # group 1: the save's tag
-_PROC_FD = _os.path.isdir("/proc/self/fd")
 
 
 def _check_io(io, who):
@@ -896,12 +896,6 @@ class FileSystemWriter(_fs.FileSystemWriter):
             _remove_unnamed(folder, mine, _Saves.in_flight(key, tag))
 
 
-def _opened(fd, path):
-    """What pinmem's reads open for path, open here as fd: that open file itself (a save into
-    the folder may have removed or replaced path since the load checked it)."""
-    return f"/proc/self/fd/{fd}" if _PROC_FD else path
-
-
 def _remove_unnamed(folder, keep, busy=()):
     """Data files of earlier or failed saves that the folder's metadata no longer names; not
     those of the saves in flight (tags in busy)."""
@@ -1222,24 +1216,15 @@ class FileSystemReader(_fs.FileSystemReader):
                 fd = fds.get(path)
                 if fd is None:
                     fds[path] = fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
-                try:
-                    if self._read_file(fd, path, reqs, planner, phases, shape):
-                        pass
-                    elif _wanted(reqs, planner) >= WANTED:
-                        self._read_spans(fd, path, reqs, planner, phases)
-                    else:  # a small part of each item (resharding): item by item
-                        t0 = _time.perf_counter()
-                        for req, info in reqs:
-                            self._read_item(fd, path, req, info, planner)
-                        phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
-                except _pm.Error as e:  # its message naming the file, not the open one
-                    src = _opened(fd, path)
-                    if src == path or src not in e.message:
-                        raise
-                    try:
-                        _pm._pinmem._raise(e.code, e.message.replace(src, path))
-                    except _pm.Error as named:
-                        raise named from None
+                if self._read_file(fd, path, reqs, planner, phases, shape):
+                    pass
+                elif _wanted(reqs, planner) >= WANTED:
+                    self._read_spans(fd, path, reqs, planner, phases)
+                else:  # a small part of each item (resharding): item by item
+                    t0 = _time.perf_counter()
+                    for req, info in reqs:
+                        self._read_item(fd, path, req, info, planner)
+                    phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
                 if not hold:
                     _os.close(fds.pop(path))
         finally:
@@ -1327,8 +1312,8 @@ class FileSystemReader(_fs.FileSystemReader):
         stream = _torch.cuda.current_stream(devs.pop()) if len(devs) == 1 else None
         t1 = _time.perf_counter()
         phases["plan"] = phases.get("plan", 0.0) + t1 - t0
-        _pm.read_ranges(_opened(fd, path), plan, io=self.io, stream=stream,
-                        threads=shape[1] or 0, chunk=shape[0])
+        _pm.read_ranges(path, plan, io=self.io, stream=stream, threads=shape[1] or 0,
+                        chunk=shape[0], fd=fd)
         t0 = _time.perf_counter()
         phases["wait_disk"] = phases.get("wait_disk", 0.0) + t0 - t1
         for req, info, kind, detail in done:
@@ -1380,8 +1365,8 @@ class FileSystemReader(_fs.FileSystemReader):
                 t0 = _time.perf_counter()
                 bufs[k % 2] = self._host(self.SPAN)
                 phases["alloc"] = phases.get("alloc", 0.0) + _time.perf_counter() - t0
-            _pm.read_file(_opened(fd, path), bufs[k % 2], start, nbytes=end - start,
-                          io=self.io).wait()
+            _pm.read_file(path, bufs[k % 2], start, nbytes=end - start, io=self.io,
+                          fd=fd).wait()
             return bufs[k % 2]
 
         import concurrent.futures
@@ -1465,24 +1450,26 @@ class FileSystemReader(_fs.FileSystemReader):
                 if n:
                     stream = (_torch.cuda.current_stream(target.device)
                               if target.device.type == "cuda" else None)
-                    _pm.read_file(_opened(fd, path), target.view(-1).view(_torch.uint8)
+                    _pm.read_file(path, target.view(-1).view(_torch.uint8)
                                   if target.dim() else target.reshape(1).view(_torch.uint8),
-                                  data_at + first, nbytes=n, io=self.io, stream=stream).wait()
+                                  data_at + first, nbytes=n, io=self.io, stream=stream,
+                                  fd=fd).wait()
                 return None
             buf = self._host(n)
             if n:
-                _pm.read_file(_opened(fd, path), buf, data_at + first, nbytes=n,
-                              io=self.io).wait()
+                _pm.read_file(path, buf, data_at + first, nbytes=n, io=self.io,
+                              fd=fd).wait()
             return buf.view(dtype).view(lens)
         if not size:  # a 0-d tensor
             if target.dtype == dtype and target.is_contiguous():
-                _pm.read_file(_opened(fd, path), target.reshape(1).view(_torch.uint8),
-                              data_at + soff * itemsize, nbytes=itemsize, io=self.io).wait()
+                _pm.read_file(path, target.reshape(1).view(_torch.uint8),
+                              data_at + soff * itemsize, nbytes=itemsize, io=self.io,
+                              fd=fd).wait()
                 return None
         n = numel * itemsize
         buf = self._host(n)
         if n:
-            _pm.read_file(_opened(fd, path), buf, data_at, nbytes=n, io=self.io).wait()
+            _pm.read_file(path, buf, data_at, nbytes=n, io=self.io, fd=fd).wait()
         t = buf.view(dtype).as_strided(size, stride, soff)
         return _fs.narrow_tensor_by_index(t, offs, lens)
 

@@ -1825,3 +1825,29 @@ def test_checkpoint_goes_direct_and_round_trips(tmp_path, rng, no_fd_leak):
     assert back.keys() == arrays.keys()
     for k, a in arrays.items():
         np.testing.assert_array_equal(back[k], a, err_msg=k)
+
+
+@pytest.mark.parametrize("io", IOS)
+def test_reads_through_a_given_fd(tmp_path, rng, io, no_fd_leak):
+    """read_file and read_ranges given fd read the file open there, also once it has been
+    replaced at path, and leave fd open; their errors still name path."""
+    path = tmp_path / "f.bin"
+    n = (1 << 20) + 4096 * 3 + 5
+    old = write_background(path, rng, n)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.unlink(path)
+        write_background(path, rng, 100)  # another file at path now, shorter
+        a = np.zeros(n - 7, np.uint8)
+        pinmem.read_file(path, a, 7, io=io, fd=fd).wait()
+        assert (a == old[7:]).all()
+        b, c = np.zeros(4096, np.uint8), np.zeros(n - 9000, np.uint8)
+        pinmem.read_ranges(path, [(100, b), (9000, c)], io=io, fd=fd)
+        assert (b == old[100:4196]).all() and (c == old[9000:]).all()
+        os.fstat(fd)  # still open
+        with pytest.raises(pinmem.IoError, match=r"read_file\('.*f\.bin'\)"):
+            pinmem.read_file(path, np.zeros(16, np.uint8), n - 8, io=io, fd=fd).wait()
+        with pytest.raises(pinmem.IoError, match=r"read_ranges\('.*f\.bin'\)"):
+            pinmem.read_ranges(path, [(n - 8, np.zeros(16, np.uint8))], io=io, fd=fd)
+    finally:
+        os.close(fd)
