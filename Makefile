@@ -202,16 +202,14 @@ bench: deps-c
 	$(build_c)
 	@./$(BUILD)/pinmem info --summary
 	@echo
-	@if ./$(BUILD)/pinmem --json info --summary | grep -q '"fallback": *true'; then \
+	@host=; if ./$(BUILD)/pinmem --json info --summary | grep -q '"fallback": *true'; then \
 	  echo "make bench: no usable GPU here, so the bench runs on the host backend"; \
 	  echo "  (PINMEM_BACKEND=host: devices simulated in host memory; the figures check the code"; \
 	  echo "  paths and this machine's pinning, not a GPU's speed)"; \
-	  echo "PINMEM_BACKEND=host ./$(BUILD)/pinmem bench alloc"; \
-	  PINMEM_BACKEND=host ./$(BUILD)/pinmem bench alloc; \
-	else \
-	  echo "./$(BUILD)/pinmem bench alloc"; \
-	  ./$(BUILD)/pinmem bench alloc; \
-	fi
+	  host=PINMEM_BACKEND=host; \
+	fi; \
+	echo "$${host:+$$host }./$(BUILD)/pinmem bench alloc"; \
+	env $$host ./$(BUILD)/pinmem bench alloc
 
 install: build
 	cmake --install $(BUILD)

@@ -164,13 +164,19 @@ def _file_error(fn, path, err):
         raise named from None
 
 
+_READ = _os.O_RDONLY | _os.O_CLOEXEC
+# Not O_TRUNC: write_file's extension empties the file only once the arguments are checked, so
+# a bad call leaves an existing file as it was.
+_WRITE = _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC
+
+
 @_contextlib.contextmanager
-def _reading(fn, path, fd):
-    """A descriptor to read `path` through for a call of fn: fd when given (left open), else
-    `path` opened, and closed afterwards; a pinmem.Error inside raised again naming `path`."""
+def _opened(fn, path, flags, fd=None):
+    """A descriptor of `path` for a call of fn: fd when given (left open), else `path` opened
+    with flags and closed afterwards; a pinmem.Error inside raised again naming `path`."""
     own = fd is None
     if own:
-        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+        fd = _os.open(path, flags, 0o666)
     try:
         yield fd
     except Error as e:
@@ -195,7 +201,7 @@ def read_file(path, dst, offset=0, *, nbytes=None, io="auto", stream=None, fd=No
     still name `path`.
     """
     path = _os.fspath(path)
-    with _reading("read_file", path, fd) as f:
+    with _opened("read_file", path, _READ, fd) as f:
         return _pinmem._file_read(f, offset, nbytes, dst, stream, io)
 
 
@@ -211,16 +217,9 @@ def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsyn
     buffered), 'buffered' or 'direct'. stream: as for read_file.
     """
     path = _os.fspath(path)
-    # Not O_TRUNC: the extension empties the file only once the arguments are checked, so a bad
-    # call leaves an existing file as it was.
-    fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC, 0o666)
-    try:
-        return _pinmem._file_write(fd, offset, nbytes, src, stream, io, bool(fsync),
+    with _opened("write_file", path, _WRITE) as f:
+        return _pinmem._file_write(f, offset, nbytes, src, stream, io, bool(fsync),
                                    bool(truncate))
-    except Error as e:
-        _file_error("write_file", path, e)
-    finally:
-        _os.close(fd)
 
 
 def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None, fd=None):
@@ -239,7 +238,7 @@ def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None, 
     and interrupts per byte, smaller ones spread over more threads. fd: as read_file's.
     """
     path = _os.fspath(path)
-    with _reading("read_ranges", path, fd) as f:
+    with _opened("read_ranges", path, _READ, fd) as f:
         _pinmem._file_readv(f, ranges, stream, io, int(threads), chunk)
 
 
@@ -257,13 +256,8 @@ def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0
     chunk and few threads (docs/files.md, "Lists of ranges").
     """
     path = _os.fspath(path)
-    fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC, 0o666)
-    try:
-        _pinmem._file_writev(fd, ranges, stream, io, bool(fsync), int(threads), chunk)
-    except Error as e:
-        _file_error("write_ranges", path, e)
-    finally:
-        _os.close(fd)
+    with _opened("write_ranges", path, _WRITE) as f:
+        _pinmem._file_writev(f, ranges, stream, io, bool(fsync), int(threads), chunk)
 
 
 # ------------------------------------------------------------------------------------------
