@@ -64,6 +64,7 @@ the previous snapshot), or, for device tensors with room on their device (stage 
 one scratch tensor per dtype there, queued on the current stream, as save_file_async does; the
 background write then moves them to the file.
 """
+import bisect as _bisect
 import collections as _collections
 import contextlib as _contextlib
 import copy as _copy
@@ -159,8 +160,9 @@ class _Counting:
 
 
 def _central(d, base=0):
-    """[(name, position of its central entry, crc, local header offset)] of the zip archive
-    whose central directory and end records are in d (d's first byte at archive offset base)."""
+    """[(name, archive offset of its central entry, crc, local header offset)] of the zip
+    archive whose central directory and end records are in d (d's first byte at archive offset
+    base). Offsets past 4 GiB are read from the entries' zip64 extra fields."""
     eocd = d.rfind(b"PK\x05\x06")
     if eocd < 0:
         raise ValueError("no end of central directory")
@@ -176,10 +178,23 @@ def _central(d, base=0):
     for _ in range(n):
         if d[p:p + 4] != b"PK\x01\x02":
             raise ValueError("bad central directory entry")
-        crc = _struct.unpack_from("<I", d, p + 16)[0]
+        crc, csize, usize = _struct.unpack_from("<III", d, p + 16)
         nl, el, cl = _struct.unpack_from("<HHH", d, p + 28)
         off = _struct.unpack_from("<I", d, p + 42)[0]
-        out.append((d[p + 46:p + 46 + nl].decode("utf-8"), p, crc, off))
+        if off == 0xFFFFFFFF:
+            # the zip64 extra field (id 1) holds, in this order, the 64-bit values of the
+            # uncompressed size, the compressed size and the offset where the 32-bit field says so
+            x, xe = p + 46 + nl, p + 46 + nl + el
+            while x + 4 <= xe:
+                hid, hl = _struct.unpack_from("<HH", d, x)
+                if hid == 1:
+                    q = x + 4 + 8 * ((usize == 0xFFFFFFFF) + (csize == 0xFFFFFFFF))
+                    off = _struct.unpack_from("<Q", d, q)[0]
+                    break
+                x += 4 + hl
+            else:
+                raise ValueError("a central entry's offset is not in a zip64 extra field")
+        out.append((d[p + 46:p + 46 + nl].decode("utf-8"), base + p, crc, off))
         p += 46 + nl + el + cl
     return out
 
@@ -193,21 +208,38 @@ class _Archive:
         w = _Counting()
         with _torch.serialization.skip_data():
             _torch.save(proxy, w)
-        whole = bytearray(w.pos)
-        for at, b in w.parts:
-            whole[at:at + len(b)] = b
-        entries = _central(whole)
+        # The bytes torch.save wrote lie before and after the data it skipped (one stretch of
+        # nbytes): two images, never one of the whole archive, which may be gigabytes.
+        at, gap = 0, None
+        for pos, b in w.parts:
+            if pos > at:
+                gap = (at, pos)
+            at = max(at, pos + len(b))
+
+        def image(lo, hi):
+            img = bytearray(hi - lo)
+            for pos, b in w.parts:
+                a, e = max(pos, lo), min(pos + len(b), hi)
+                if a < e:
+                    img[a - lo:e - lo] = b[a - pos:e - pos]
+            return img
+
+        base = gap[1] if gap else 0
+        head = image(0, gap[0] if gap else w.pos)
+        after = image(base, w.pos)
+        entries = _central(after, base)
         names = [e[0] for e in entries]
         data = next(e for e in entries if e[0].endswith("/data/0"))
         sid = next(e for e in entries if e[0].endswith("/.data/serialization_id"))
         h = data[3]
-        nl, el = _struct.unpack_from("<HH", whole, h + 26)
+        nl, el = _struct.unpack_from("<HH", head, h + 26)
         self.start = h + 30 + nl + el
         end = self.start + nbytes
-        if whole[end:end + 4] != b"PK\x07\x08":
+        if ((gap and gap != (self.start, end))
+                or after[end - base:end - base + 4] != b"PK\x07\x08"):
             raise ValueError("torch.save's archive is not laid out as expected")
-        self.head = bytes(whole[:self.start])
-        self.tail = bytearray(whole[end:])
+        self.head = bytes(head[:self.start])
+        self.tail = bytearray(after[end - base:])
         self.nbytes = nbytes
         # positions in tail
         self.data_desc = 4
@@ -267,8 +299,13 @@ def _crc_on():
 def _source(t):
     """(tensor torch.save would store, its bytes as a flat uint8 tensor or None when it must be
     copied first). torch's writer stores tensor.cpu(), cloned when its storage holds more than
-    its bytes: contiguous then, or with its own strides when dense."""
+    its bytes: contiguous then, or with its own strides when dense. A conjugate or negative
+    view is stored with the bit applied (its values as read), not as a flag over its memory."""
     t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
     if t.is_contiguous():
         return t, (t.reshape(-1).view(_torch.uint8) if t.numel() else None)
     return t, None
@@ -935,7 +972,10 @@ class _Meta(_pickle.Unpickler):
         return ("storage", dtype, numel)
 
 
-def _rebuild(storage, storage_offset, size, stride, *_):
+def _rebuild(storage, storage_offset, size, stride, requires_grad=False, hooks=None,
+             metadata=None):
+    if metadata:  # a flag over the stored values (conj, neg): torch.load applies it
+        raise _pickle.UnpicklingError(f"tensor metadata {sorted(metadata)}")
     return ("tensor", storage, storage_offset, tuple(size), tuple(stride))
 
 
@@ -1246,8 +1286,9 @@ class FileSystemReader(_fs.FileSystemReader):
         layout the metadata predicts (torch.save's archive for its dtype and shape) and whose
         needed bytes are one range that is its destination's bytes is read straight into the
         destination, its archive's head into a pinned scratch beside it; another predicted
-        tensor (resharding, a destination of another dtype or layout) its head and the bytes
-        from its first needed element to its last into the scratch, then copied; every other
+        tensor (resharding, a destination of another dtype or layout, or one whose memory an
+        earlier destination of the call shares) its head and the bytes from its first needed
+        element to its last into the scratch, then copied; every other
         item (BYTE_IO, a layout not predicted) whole into the scratch. The holes between the
         pieces, up to HOLE bytes each, are read too, so the file is one stream. Afterwards each
         head is parsed: a tensor whose archive is not the predicted one is read again on its own
@@ -1258,6 +1299,20 @@ class FileSystemReader(_fs.FileSystemReader):
         done = []    # (req, info, kind, detail) in file order
         scratch = 0
         end = 0
+        # memory the call reads into straight, by device: [(first byte, end)], sorted. Two
+        # destinations may share memory (tied weights: one Parameter under two names); one
+        # read_ranges call refuses destinations that overlap, so a later one goes through the
+        # scratch and is copied into its place.
+        taken = {}
+
+        def claim(t, n):
+            spans = taken.setdefault(t.device, [])
+            a = t.data_ptr()
+            k = _bisect.bisect(spans, (a, a + n))
+            if (k and spans[k - 1][1] > a) or (k < len(spans) and spans[k][0] < a + n):
+                return False
+            spans.insert(k, (a, a + n))
+            return True
 
         def take(n):  # a place in the scratch, 64-byte aligned as torch's archives are
             nonlocal scratch
@@ -1274,7 +1329,8 @@ class FileSystemReader(_fs.FileSystemReader):
             if guess is not None:
                 target = planner.resolve_tensor(req).detach()
                 one = _one_range(guess, req)
-                if one is not None and (not one[1] or not _dense_for(target, guess[0], req)):
+                if one is not None and (not one[1] or not _dense_for(target, guess[0], req)
+                                        or not claim(target, one[1])):
                     one = None
             if guess is None:
                 at = take(info.length)

@@ -496,6 +496,66 @@ def test_archives_are_torch_saves_bytes(tmp_path, crc):
         assert got["n"] == {"k": 0}
 
 
+class _Tied(torch.nn.Module if torch is not None else object):
+    """An embedding and an output layer sharing one weight (tied), as many language models."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(1000, 300)  # 1.2 MB: read straight into its destination
+        self.head = torch.nn.Linear(300, 1000, bias=False)
+        self.head.weight = self.emb.weight
+        self.norm = torch.nn.LayerNorm(300)
+
+
+@pytest.mark.parametrize("writer", ["pinmem", "torch"])
+def test_tied_weights_and_view_bits(tmp_path, writer):
+    """Destinations that share memory (tied weights: two names, one storage) load, through
+    either reader, where one pinmem read must not write the same memory twice; conjugate and
+    negative views save as their values and load so with either reader."""
+    torch.manual_seed(5)
+    m = _Tied()
+    x = torch.randn(300_000, dtype=torch.complex64)  # 2.4 MB
+    sd = {"model": m.state_dict(), "conj": x.conj(), "neg": torch._neg_view(x.real.clone()),
+          "conj_small": x[:10].conj()}
+    want = {"conj": x.conj().resolve_conj(), "neg": -x.real,
+            "conj_small": x[:10].conj().resolve_conj()}
+    dcp.save(sd, storage_writer=_writer(writer, tmp_path), no_dist=True)
+    for reader in ("pinmem", "torch"):
+        torch.manual_seed(6)
+        m2 = _Tied()
+        assert m2.emb.weight.data_ptr() == m2.head.weight.data_ptr()
+        got = {"model": m2.state_dict(), **{k: torch.zeros_like(v) for k, v in want.items()}}
+        dcp.load(got, storage_reader=_reader(reader, tmp_path), no_dist=True)
+        for k, v in m.state_dict().items():
+            assert torch.equal(m2.state_dict()[k], v), f"{writer} read by {reader}: {k}"
+        for k, v in want.items():
+            assert torch.equal(got[k], v), f"{writer} read by {reader}: {k}"
+
+
+def test_archive_of_a_tensor_past_4_gib(tmp_path):
+    """A tensor of 4 GiB or more: torch.save's archive has zip64 records (offsets past 4 GiB in
+    extra fields); the writer's image of it puts the CRCs where a zip reader finds them. The
+    tensor and the file are never filled: the file is sparse."""
+    import pinmem.dcp
+    n = (4 << 30) + 100
+    a = pinmem.dcp._archive(torch.uint8, (n,), (1,), n)
+    assert a.start <= 4096 and a.start % 64 == 0
+    tail = a.tail_for(0x1234ABCD)
+    path = tmp_path / "big.pt"
+    with open(path, "wb") as f:
+        f.write(a.head)
+        f.seek(a.start + n)
+        f.write(tail)
+    z = zipfile.ZipFile(path)
+    data = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    assert data.CRC == 0x1234ABCD and data.file_size == n
+    sid = next(i for i in z.infolist() if i.filename.endswith("/.data/serialization_id"))
+    assert sid.header_offset > (4 << 30), "the record after the data is past 4 GiB"
+    assert z.read(sid).decode().isdigit()  # its own CRC, as patched, checks
+    t = torch.load(path, mmap=True, weights_only=True)
+    assert t.shape == (n,) and t.dtype == torch.uint8 and int(t[-1]) == 0
+
+
 def test_bad_io_refused(tmp_path):
     import pinmem
     import pinmem.dcp
