@@ -70,6 +70,7 @@ import contextlib as _contextlib
 import copy as _copy
 import dataclasses as _dataclasses
 import gc as _gc
+import inspect as _inspect
 import io as _io
 import os as _os
 import pickle as _pickle
@@ -641,11 +642,49 @@ class _Staged(dict):
 _LET_GO_S = 0.1  # PinnedStager: the longest wait for a written snapshot's last holders
 
 
+# The tag of the save being planned on this thread, as the coordinator chose it: set where the
+# coordinator tags the plans (prepare_global_plan) and where a rank unpickles its part of them
+# (DCP scatters the plans), cleared when the rank plans its next save (prepare_local_plan). A
+# planner that caches plans (DefaultSavePlanner(enable_plan_caching=True)) gives write_data the
+# first save's plan, tag included; the save's own tag comes from here.
+_PLANNED = _threading.local()
+
+
 @_dataclasses.dataclass
 class _SavePrefix(_fs._StoragePrefix):
     """A rank's part of a save's plan: torch's file-name prefix, and the save's tag, one for
     all ranks (chosen by the coordinator), which names every data file of the save."""
     tag: str = ""
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        _PLANNED.tag = self.tag
+
+
+def _save_code():
+    try:
+        from torch.distributed.checkpoint import state_dict_saver
+        return _inspect.unwrap(state_dict_saver._save_state_dict).__code__
+    except (ImportError, AttributeError):
+        return None
+
+
+_SAVE_CODE = _save_code()  # the code of DCP's save (every rank, every executor runs it)
+
+
+def _saving(thread):
+    """Whether thread is inside DCP's save now (its stack holds _save_state_dict's frame);
+    where this torch has no such function, whether the thread is alive."""
+    if not thread.is_alive():
+        return False
+    if _SAVE_CODE is None:
+        return True
+    f = _sys._current_frames().get(thread.ident)
+    while f is not None:
+        if f.f_code is _SAVE_CODE:
+            return True
+        f = f.f_back
+    return False
 
 
 class _Saves:
@@ -656,10 +695,10 @@ class _Saves:
     into the same folder does not put its older metadata over the newer checkpoint.
 
     The coordinator registers a save (folder, tag, its thread) when it plans it and ends it in
-    finish. A save that failed on the way never reaches finish: its entry is dropped once its
-    thread has ended (async_save's thread does when the save does) or starts another save
-    (a thread runs one save at a time). Another process writing into the same folder at the
-    same moment is not seen here."""
+    finish. A save that failed on the way (on any rank) never reaches finish: it is in flight
+    while its thread is inside DCP's save (_saving), so its files go with the next save's
+    cleanup once the exception has left DCP, whatever the thread does next. Another process
+    writing into the same folder at the same moment is not seen here."""
 
     _lock = _threading.Lock()
     _seq = 0
@@ -673,7 +712,7 @@ class _Saves:
             cls._seq += 1
             saves = cls._flight.setdefault(folder, {})
             for t, (_, th) in list(saves.items()):
-                if th is me or not th.is_alive():
+                if th is me or not _saving(th):
                     del saves[t]
             saves[tag] = (cls._seq, me)
             return cls._seq
@@ -683,7 +722,7 @@ class _Saves:
         """The tags of the other saves into folder still running."""
         with cls._lock:
             return {t for t, (_, th) in cls._flight.get(folder, {}).items()
-                    if t != tag and th.is_alive()}
+                    if t != tag and _saving(th)}
 
     @classmethod
     def finish(cls, folder, tag, seq, install):
@@ -784,6 +823,10 @@ class FileSystemWriter(_fs.FileSystemWriter):
     def synchronize_staging(self):
         pass
 
+    def prepare_local_plan(self, plan):
+        _PLANNED.tag = None  # a new save: no tag from the coordinator yet
+        return super().prepare_local_plan(plan)
+
     def prepare_global_plan(self, plans):
         # The coordinator names the save: one tag for every rank's data files, registered as in
         # flight in this folder until finish (_Saves).
@@ -793,6 +836,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
         tag = _secrets.token_hex(6)
         folder = _os.path.realpath(_os.fspath(self.path))
         self._tls.save = (folder, tag, _Saves.begin(folder, tag))
+        _PLANNED.tag = tag
         return [_dataclasses.replace(p, storage_data=_SavePrefix(p.storage_data.prefix, tag))
                 if type(p.storage_data) is _fs._StoragePrefix else p for p in plans]
 
@@ -834,8 +878,10 @@ class FileSystemWriter(_fs.FileSystemWriter):
         if self._torch_path():
             return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix
-        # names of this save's own, the same tag on every rank (prepare_global_plan)
-        tag = getattr(plan.storage_data, "tag", "") or _secrets.token_hex(6)
+        # names of this save's own, the same tag on every rank (prepare_global_plan; _PLANNED
+        # where the planner gave back a cached plan, which holds an earlier save's tag)
+        tag = (getattr(_PLANNED, "tag", None) or getattr(plan.storage_data, "tag", "")
+               or _secrets.token_hex(6))
         if self.single_file_per_rank:
             buckets = [b for b in _fs._split_by_size_and_type(self.thread_count, plan.items)
                        if b]
@@ -931,18 +977,40 @@ class FileSystemWriter(_fs.FileSystemWriter):
             return
         if not per_rank:
             _remove_unnamed(folder, mine, _Saves.in_flight(key, tag))
+            return
+        # Without collectives every rank is its own coordinator, with metadata of its own
+        # (__<rank>.metadata) naming its own files (__<rank>_*): this rank's earlier files go,
+        # not those a checkpoint saved with collectives (.metadata) names.
+        shared = _named_by(self._get_metadata_path(None))
+        if shared is not None:
+            _remove_unnamed(folder, mine | shared, _Saves.in_flight(key, tag),
+                            prefix=f"__{self.rank}_")
 
 
-def _remove_unnamed(folder, keep, busy=()):
-    """Data files of earlier or failed saves that the folder's metadata no longer names; not
-    those of the saves in flight (tags in busy)."""
+def _named_by(metadata_path):
+    """The data files the metadata at metadata_path names (none where there is no such file);
+    None where it cannot be read (then nothing is removed)."""
+    try:
+        with open(metadata_path, "rb") as f:
+            md = _pickle.load(f)
+        return {s.relative_path for s in md.storage_data.values()}
+    except FileNotFoundError:
+        return set()
+    except Exception:  # noqa: BLE001  (any unreadable metadata: keep every file)
+        return None
+
+
+def _remove_unnamed(folder, keep, busy=(), prefix="__"):
+    """Data files (names starting with prefix) of earlier or failed saves that the folder's
+    metadata no longer names; not those of the saves in flight (tags in busy)."""
     try:
         names = _os.listdir(folder)
     except OSError:
         return
     for name in names:
         m = _DATA_FILE.match(name)
-        if m and name not in keep and (m.group(1) or "") not in busy:
+        if (m and name.startswith(prefix) and name not in keep
+                and (m.group(1) or "") not in busy):
             try:
                 _os.unlink(_os.path.join(folder, name))
             except OSError:

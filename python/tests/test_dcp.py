@@ -266,6 +266,56 @@ def _at_two(rank, world, mesh, root):
     return {"error": None}
 
 
+def _data_files(path):
+    return sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+
+
+def _eio(*a, **k):
+    raise OSError(errno.EIO, "injected: the disk failed")
+
+
+def _cached_then_failed(rank, world, mesh, root):
+    """Saves whose planner caches its plans (every save after the first gets the first's plan
+    back), each loaded back; then a save that fails on rank 1 alone, and an async_save on a
+    thread of its own, after which only the last save's files are left."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlanner
+    import pinmem
+    path = os.path.join(root, "cached")
+    out = {"files": []}
+    try:
+        for step in range(3):
+            dcp.save(_sharded(_full(step), mesh), storage_writer=_writer("pinmem", path),
+                     planner=DefaultSavePlanner(enable_plan_caching=True))
+            for reader in ("pinmem", "torch"):
+                _load_check(mesh, path, reader, step, f"cached plan, save {step}, {reader}")
+            dist.barrier()
+            out["files"].append(_data_files(path))
+            dist.barrier()
+    finally:
+        for k in [k for k in vars(SavePlanner) if k.startswith("_cached")]:
+            getattr(SavePlanner, k).clear()
+    if rank == 1:
+        real, pinmem.write_ranges = pinmem.write_ranges, _eio
+    try:
+        dcp.save(_sharded(_full(7), mesh), storage_writer=_writer("pinmem", path))
+        out["failed"] = False
+    except CheckpointException:
+        out["failed"] = True
+    finally:
+        if rank == 1:
+            pinmem.write_ranges = real
+    dist.barrier()
+    out["after_failure"] = _data_files(path)
+    _load_check(mesh, path, "pinmem", 2, "the checkpoint kept by the failed save")
+    dcp.async_save(_sharded(_full(8), mesh), storage_writer=_writer("pinmem", path)).result()
+    dist.barrier()
+    out["after_async"] = _data_files(path)
+    _load_check(mesh, path, "pinmem", 8, "the async save after the failed one")
+    return out
+
+
 def _rank_entry(q, rank, world, store, root, work, backend):
     try:
         import torch.distributed as dist
@@ -358,6 +408,47 @@ def test_ranks_2_4_2(tmp_path):
             assert torch.equal(got["model"][k], full[k]), f"{reader}: model.{k} changed"
         assert torch.equal(got["scale"], full["scale"]) and got["step"] == 17
     assert not [n for n in os.listdir(path) if ".tmp" in n], "a temporary was left"
+
+
+def test_cached_plans_and_a_rank_that_fails(tmp_path):
+    """A planner that caches plans gives each save after the first the first save's plan:
+    every save still writes files of its own (not over the checkpoint in place) and loads
+    back. A save that fails on one rank leaves the others' files behind; the next save, from
+    another thread, removes them."""
+    res, codes = run_ranks(2, str(tmp_path), "_cached_then_failed")
+    assert codes == [0, 0]
+    files = res[0]["files"]
+    for names in files:
+        assert len(names) == 2 and len({n.split(".")[1] for n in names}) == 1, names
+    assert len({n.split(".")[1] for names in files for n in names}) == 3, \
+        f"the saves did not write files of their own: {files}"
+    assert res[0]["failed"] and res[1]["failed"]
+    assert len(res[0]["after_failure"]) == 3, res[0]["after_failure"]  # rank 0's is left
+    last = res[0]["after_async"]
+    assert len(last) == 2 and len({n.split(".")[1] for n in last}) == 1, \
+        f"files of the failed save are left after the next one: {last}"
+
+
+def test_saves_without_collectives_keep_one_checkpoint(tmp_path):
+    """use_collectives=False: every rank its own coordinator, with metadata of its own. Each
+    save removes the rank's files of the one before; the files of a checkpoint saved with
+    collectives in the same folder stay (its .metadata names them)."""
+    import pinmem.dcp
+    sd = _plain_sd(big=False)
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+    shared = _data_files(tmp_path)
+    for step in range(3):
+        sd2 = _plain_sd(step + 1, big=False)
+        dcp.save(sd2, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True,
+                 use_collectives=False)
+        names = _data_files(tmp_path)
+        assert len(names) == 2 and set(shared) < set(names), names
+    assert os.path.exists(tmp_path / "__0.metadata")
+    got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"k": -1})
+           for k, v in sd.items()}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+    for k, v in sd.items():  # the checkpoint saved with collectives, whole
+        assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
 
 
 def test_async_save_in_a_process(tmp_path):
