@@ -1087,6 +1087,34 @@ static void test_budget(void) {
   CHECK_ERR_MSG(pm_file_read_async(g_fd, 0, n, d.p, g_s, &o, NULL), PM_ERR_BUDGET);
   CHECK(has("budget"));
   CHECK_OK(pm_stream_synchronize(g_s));
+  /* Other buffers hold the whole budget, which could hold a slot: the slots are ordinary
+   * memory (DMAs from and to pageable memory) and every byte still moves. */
+  o.chunk = chunk;
+  void *held[2] = {NULL, NULL};
+  REQUIRE_OK(pm_host_alloc(pool, chunk + 4096, PM_HOST_DEFAULT, &held[0]));
+  REQUIRE_OK(pm_host_alloc(pool, chunk + 4096, PM_HOST_DEFAULT, &held[1]));
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK_EQ_SIZE(ps.in_use_bytes, pc.budget);
+  buf_free(&d);
+  buf_make(&d, MEM_DEVICE, n, 0);
+  unsigned char *was = file_contents();
+  f = NULL;
+  CHECK_OK(pm_file_read_async(g_fd, 5, n, d.p, g_s, &o, &f));
+  CHECK_OK(pm_fence_wait(f));
+  CHECK_OK(pm_fence_release(f));
+  got = buf_read(&d);
+  CHECK_EQ_SIZE(first_diff(got, was + 5, n), n);
+  free(got);
+  CHECK_OK(pm_file_write_async(g_fd, 8191, n, d.p, g_s, &o, NULL));
+  fc = file_contents();
+  CHECK_EQ_SIZE(first_diff(fc + 8191, was + 5, n), n);
+  free(fc);
+  free(was);
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK_LE_SIZE(ps.pinned_peak, pc.budget);
+  CHECK_OK(pm_host_free(held[0]));
+  CHECK_OK(pm_host_free(held[1]));
+  CHECK_OK(pm_stream_synchronize(g_s));
   buf_free(&d);
   CHECK_OK(pm_pool_destroy(pool));
 }

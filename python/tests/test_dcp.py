@@ -18,6 +18,7 @@ the device snapshot of mixed tensors, the writer's stream, and async_save with t
 executor from device tensors (the snapshot sent to the executor's process by CUDA IPC).
 """
 import errno
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -645,6 +646,37 @@ def test_archive_of_a_tensor_past_4_gib(tmp_path):
     assert z.read(sid).decode().isdigit()  # its own CRC, as patched, checks
     t = torch.load(path, mmap=True, weights_only=True)
     assert t.shape == (n,) and t.dtype == torch.uint8 and int(t[-1]) == 0
+
+
+def test_load_and_save_beside_a_kept_snapshot_under_a_budget(tmp_path):
+    """An async_save's writer kept for the next save keeps its pinned snapshot, which with the
+    pool's cache takes pinmem's budget: loads and saves beside it still run (their bounce slots
+    in ordinary memory), and load what was saved."""
+    import pinmem
+    import pinmem.dcp
+    g = torch.Generator().manual_seed(3)
+    sd = {"a": torch.randn(2000, 2500, generator=g), "b": torch.randn(1500, 1000, generator=g)}
+    old = pinmem.budget()
+    gc.collect()
+    pinmem.trim()
+    try:
+        pinmem.set_budget("40M")
+        dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "q"), no_dist=True)
+        w = pinmem.dcp.FileSystemWriter(tmp_path / "p")
+        dcp.async_save(sd, storage_writer=w, no_dist=True).result()
+        assert w._stager.last["pinned"] >= 26_000_000, "the snapshot is not in pinned memory"
+        for step in range(2):
+            got = {k: torch.zeros_like(v) for k, v in sd.items()}
+            dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path / "q"),
+                     no_dist=True)
+            for k, v in sd.items():
+                assert torch.equal(got[k], v), f"load {step}: {k}"
+            sd = {k: v + 1 for k, v in sd.items()}
+            dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "q"),
+                     no_dist=True)
+        w.close()
+    finally:
+        pinmem.set_budget(old)
 
 
 def test_bad_io_refused(tmp_path):

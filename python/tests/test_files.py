@@ -413,6 +413,34 @@ def test_ranges_in_units_of_a_chunk_of_ones_own(chunk, tmp_path, rng, no_fd_leak
         np.testing.assert_array_equal(contents(), want[off:off + n])
 
 
+def test_ranges_when_other_buffers_hold_the_budget(tmp_path, rng, no_fd_leak):
+    # Pinned buffers held elsewhere (a checkpoint's kept snapshot) take the whole budget, which
+    # could hold a bounce slot: the slots a call needs are ordinary memory then, and reads and
+    # writes through them (host memory not aligned as the file is) move every byte.
+    path = tmp_path / "f.bin"
+    n = (3 << 20) + 1234
+    want = write_background(path, rng, n)
+    old = pinmem.budget()
+    gc.collect()
+    pinmem.trim()
+    held = []
+    try:
+        pinmem.set_budget("8M")
+        with pytest.raises(pinmem.BudgetError):
+            while True:
+                held.append(pinmem.empty(1 << 20, "uint8"))
+        a = np.zeros(n + 1, np.uint8)[1:]
+        pinmem.read_ranges(path, [(0, a)], io="direct")
+        np.testing.assert_array_equal(a, want)
+        b = random_bytes(rng, n + 1)[1:]
+        pinmem.write_ranges(path, [(0, b)], io="direct")
+        np.testing.assert_array_equal(np.fromfile(path, np.uint8), b)
+    finally:
+        del held[:]
+        gc.collect()
+        pinmem.set_budget(old)
+
+
 def test_a_ranges_chunk_is_the_unit_it_asks_for(tmp_path, rng, no_fd_leak):
     # Within a budget of 8 MiB the default 1 MiB units fit and a 64 MiB unit does not: the
     # call's chunk reaches the C call (its bounce slots), and a bad one is refused by name.

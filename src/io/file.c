@@ -1,7 +1,8 @@
 /*
  * DESIGN: file ranges read into, and written from, device or host memory (pm_file_read_async,
  * pm_file_write_async, and lists of ranges: pm_file_readv_async, pm_file_writev_async), on the
- * copy engine's pieces: bounce slots are pool blocks (the pool's budget holds), DMAs are the
+ * copy engine's pieces: bounce slots are pool blocks (the pool's budget holds; ordinary memory
+ * where other buffers hold a budget that could hold a slot: ring_create), DMAs are the
  * backend's memcpy_async with one event per slot, threads come from pm__parallel_for and
  * completion is a copy fence (fence.c).
  *
@@ -197,7 +198,8 @@ typedef struct fio {
   atomic_size_t next;
   /* ring */
   int nslots;
-  char **slot; /* pool blocks of chunk + FILE_ALIGN bytes */
+  char **slot; /* pool blocks of chunk + FILE_ALIGN bytes (heap: ordinary memory) */
+  bool heap;   /* the slots are ordinary memory: the pool's budget was spent (ring_create) */
   char **aslot; /* the same, aligned up to FILE_ALIGN */
   pm_event_t *ev;
   bool *dma;    /* the slot's last unit queued a DMA that reads it (ev follows it) */
@@ -381,7 +383,9 @@ static void free_after_stream(pm_pool_t *pool, void *p, pm_stream_t stream) {
 static void ring_destroy(fio_t *c, bool dmas_may_run) {
   for (int s = 0; s < c->nslots; s++) {
     if (c->slot && c->slot[s]) {
-      if (dmas_may_run)
+      if (c->heap) /* a DMA to or from pageable memory is done when its call returns */
+        free(c->slot[s]);
+      else if (dmas_may_run)
         free_after_stream(c->pool, c->slot[s], c->stream);
       else
         (void)pm__pool_free(c->pool, c->slot[s]);
@@ -398,6 +402,7 @@ static void ring_destroy(fio_t *c, bool dmas_may_run) {
   c->gen = NULL;
   c->dma = NULL;
   c->nslots = 0;
+  c->heap = false;
 }
 
 static pm_status_t ring_create(fio_t *c, int want) {
@@ -425,8 +430,26 @@ static pm_status_t ring_create(fio_t *c, int want) {
   int got = 0;
   for (; got < want; got++) {
     void *p = NULL;
-    pm_status_t st = pm_host_alloc(c->pool, sbytes, PM_HOST_DEFAULT, &p);
-    if (st == PM_ERR_BUDGET && got > 0) break; /* fewer slots: slower, still correct */
+    pm_status_t st;
+    if (c->heap) {
+      st = posix_memalign(&p, FILE_ALIGN, sbytes) == 0 ? PM_OK : PM_ERR_NOMEM;
+      if (st != PM_OK) pm__set_error(st, "posix_memalign of %zu bytes failed", sbytes);
+    } else {
+      st = pm_host_alloc(c->pool, sbytes, PM_HOST_DEFAULT, &p);
+      if (st == PM_ERR_BUDGET && got > 0) break; /* fewer slots: slower, still correct */
+      if (st == PM_ERR_BUDGET) {
+        /* The budget holds a slot, but other buffers hold the budget now (a checkpoint's kept
+         * snapshot): the slots are ordinary memory, which the budget does not count. A memcpy
+         * needs no pinned memory; a DMA from or to pageable memory is staged by the driver,
+         * slower and done when its call returns. Still correct; the note says so. */
+        c->heap = true;
+        snprintf(g_note, sizeof g_note,
+                 "%s: the pool's budget is spent: %d bounce slots of %zu bytes in pageable "
+                 "memory", c->fn, want, sbytes);
+        got--;
+        continue;
+      }
+    }
     if (st != PM_OK) {
       char msg[512];
       snprintf(msg, sizeof msg, "%s", pm_last_error());
