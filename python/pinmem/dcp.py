@@ -105,6 +105,9 @@ SMALL = 1 << 20
 # A file of which a load needs this share of the items' bytes or more is read whole, in spans;
 # below it (resharding that takes a part of each stored tensor), only the parts needed.
 WANTED = 0.5
+# An item of fewer bytes is read whole and parsed from its bytes; larger tensors' archives are
+# predicted from the metadata, so their data can be read straight into their destinations.
+PREDICT_MIN = 64 << 10
 ALIGN = 4096
 IOS = ("auto", "buffered", "direct")
 STAGES = ("auto", "device", "host")
@@ -278,8 +281,9 @@ _ARCHIVES_LOCK = _threading.Lock()
 
 
 def _archive(dtype, size, stride, nbytes):
-    # torch.save's CRCs of the small records too follow its crc32 option: part of the key
-    key = (dtype, tuple(size), tuple(stride), _crc_on())
+    # torch.save's CRCs of the small records too follow its crc32 option, and where the data
+    # starts its storage alignment: part of the key
+    key = (dtype, tuple(size), tuple(stride), _crc_on(), _alignment())
     with _ARCHIVES_LOCK:
         a = _ARCHIVES.get(key)
     if a is None:
@@ -290,6 +294,14 @@ def _archive(dtype, size, stride, nbytes):
                 _ARCHIVES.clear()
             _ARCHIVES[key] = a
     return a
+
+
+def _alignment():
+    try:
+        from torch.utils import serialization
+        return serialization.config.save.storage_alignment
+    except (ImportError, AttributeError):
+        return None
 
 
 def _crc_on():
@@ -303,6 +315,8 @@ def _source(t):
     its bytes: contiguous then, or with its own strides when dense. A conjugate or negative
     view is stored with the bit applied (its values as read), not as a flag over its memory."""
     t = t.detach()
+    if t.is_quantized:  # its archive holds the quantizer: torch.save writes it whole
+        return t, None
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -845,7 +859,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
 
     def write_data(self, plan, planner):
         try:
-            return self._write_data(plan, planner)
+            return self._write_own(plan, planner)
         finally:
             # the snapshot (when this save was staged) is no longer needed by this save
             self._stager._written = True
@@ -874,7 +888,9 @@ class FileSystemWriter(_fs.FileSystemWriter):
             return side
         return stream_for
 
-    def _write_data(self, plan, planner):
+    def _write_own(self, plan, planner):
+        # not _write_data: torch's writer has a method of that name, which its own write_data
+        # (extensions, safetensors) calls
         if self._torch_path():
             return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix
@@ -1144,8 +1160,8 @@ def _bounds(meta, req):
 
 def _dense_for(target, dtype, req):
     """Whether req's bytes, as stored, are target's bytes."""
-    return (target.dtype == dtype and target.is_contiguous()
-            and tuple(target.shape) == tuple(req.lengths))
+    return (target.dtype == dtype and target.is_contiguous() and not target.is_conj()
+            and not target.is_neg() and tuple(target.shape) == tuple(req.lengths))
 
 
 def _predict(planner, req, info):
@@ -1198,6 +1214,23 @@ def _wanted(reqs, planner):
     return wanted / total if total else 1.0
 
 
+def _open_files_limit():
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    except (ImportError, OSError, ValueError):
+        return 1024
+
+
+def _commit(planner, req, target):
+    """planner.commit_tensor, after the tensor's version counter has moved on: pinmem wrote
+    its bytes behind autograd's back, and a graph that saved the tensor before the load must
+    see it changed (backward then refuses, as after torch's reader's copy_)."""
+    _torch.autograd.graph.increment_version(target)
+    planner.commit_tensor(req, target)
+
+
 def _contiguous_strides(size):
     st, acc = [], 1
     for d in reversed(size):
@@ -1234,7 +1267,8 @@ class FileSystemReader(_fs.FileSystemReader):
     READ_THREADS = None
     MIN_READ_THREADS = 4
     # read_data holds the files of a load open from their check to the end of the load when
-    # they are this many or fewer (each an open file descriptor)
+    # they are this many or fewer (each an open file descriptor), and no more than a quarter of
+    # the process's limit on open files (RLIMIT_NOFILE) allows
     HOLD = 256
 
     def __init__(self, path, _extension_registry=None, *, io="auto"):
@@ -1296,7 +1330,7 @@ class FileSystemReader(_fs.FileSystemReader):
         # Every file is checked before anything is read, and held open from then on (up to
         # HOLD files): a save into the folder that completes during the load removes the files
         # of the checkpoint being read, and the load still reads them, through the open file.
-        hold = len(per_file) <= self.HOLD
+        hold = len(per_file) <= min(self.HOLD, _open_files_limit() // 4)
         fds = {}
         try:
             for name, reqs in per_file.items():
@@ -1392,7 +1426,10 @@ class FileSystemReader(_fs.FileSystemReader):
             if info.offset < end:  # items that overlap: not a file this writes
                 return False
             end = info.offset + info.length
-            guess = None if req.type == _LoadItemType.BYTE_IO else _predict(planner, req, info)
+            # a small item is read whole into the scratch and parsed there: predicting its
+            # archive (torch.save once for each shape) costs more than copying it
+            guess = (None if req.type == _LoadItemType.BYTE_IO or info.length < PREDICT_MIN
+                     else _predict(planner, req, info))
             target = one = None
             if guess is not None:
                 target = planner.resolve_tensor(req).detach()
@@ -1461,7 +1498,7 @@ class FileSystemReader(_fs.FileSystemReader):
                                      f"{tuple(t.size())}, its destination "
                                      f"{tuple(target.size())}")
                 target.copy_(t)
-            planner.commit_tensor(req, target)
+            _commit(planner, req, target)
         phases["copy"] = phases.get("copy", 0.0) + _time.perf_counter() - t0
         return True
 
@@ -1532,7 +1569,7 @@ class FileSystemReader(_fs.FileSystemReader):
                 first, n = one
                 if n:
                     target.reshape(-1).view(_torch.uint8).copy_(buf[rel + first:rel + first + n])
-                planner.commit_tensor(req, target)
+                _commit(planner, req, target)
                 return
             src = buf[rel:rel + numel * itemsize]
             if src.storage_offset() % itemsize:  # torch's writer places archives at any byte
@@ -1544,7 +1581,7 @@ class FileSystemReader(_fs.FileSystemReader):
             raise ValueError(f"pinmem.dcp: {path!r}: item {req.storage_index} has shape "
                              f"{tuple(t.size())}, its destination {tuple(target.size())}")
         target.copy_(t)
-        planner.commit_tensor(req, target)
+        _commit(planner, req, target)
 
     def _read_tensor(self, fd, path, req, info, planner):
         target = planner.resolve_tensor(req).detach()
@@ -1556,13 +1593,13 @@ class FileSystemReader(_fs.FileSystemReader):
         else:
             t = self._read_stored(fd, path, meta, req, target)
             if t is None:  # read straight into target
-                planner.commit_tensor(req, target)
+                _commit(planner, req, target)
                 return
         if target.size() != t.size():
             raise ValueError(f"pinmem.dcp: {path!r}: item {req.storage_index} has shape "
                              f"{tuple(t.size())}, its destination {tuple(target.size())}")
         target.copy_(t)
-        planner.commit_tensor(req, target)
+        _commit(planner, req, target)
 
     def _read_stored(self, fd, path, meta, req, target):
         dtype, size, stride, soff, data_at, numel, itemsize = meta
@@ -1585,7 +1622,8 @@ class FileSystemReader(_fs.FileSystemReader):
                               fd=fd).wait()
             return buf.view(dtype).view(lens)
         if not size:  # a 0-d tensor
-            if target.dtype == dtype and target.is_contiguous():
+            if (target.dtype == dtype and target.is_contiguous() and not target.is_conj()
+                    and not target.is_neg()):
                 _pm.read_file(path, target.reshape(1).view(_torch.uint8),
                               data_at + soff * itemsize, nbytes=itemsize, io=self.io,
                               fd=fd).wait()
@@ -1692,6 +1730,7 @@ class PinnedStager(_AsyncStager):
                              f"{', '.join(STAGES)}, not {stage!r}")
         self.stage_mode = stage
         self._buf = None
+        self._buf_n = 0  # the snapshot bytes _buf was made for (it has ALIGN more)
         self._lock = _threading.Lock()
         self._written = False  # the last snapshot's save is over (FileSystemWriter tells)
         self._ready = {}  # device -> (its scratch tensors' storage pointers, event after the copy)
@@ -1706,7 +1745,7 @@ class PinnedStager(_AsyncStager):
         """(writable memoryview of n bytes, reused?) of the kept buffer when it is free."""
         with self._lock:
             buf = self._buf
-            if buf is not None and buf.nbytes == n:
+            if buf is not None and self._buf_n == n:
                 # Only this stager (and getrefcount's argument) hold it: no snapshot is alive.
                 # DCP's save leaves its planner, which holds the snapshot, in a reference cycle:
                 # collected here, not at some later gc.
@@ -1725,15 +1764,24 @@ class PinnedStager(_AsyncStager):
                     if _sys.getrefcount(buf) > 3:
                         _gc.collect()
                 if _sys.getrefcount(buf) <= 3:
-                    return memoryview(buf), True
+                    return self._aligned(buf, n), True
             self._buf = None
             del buf
             try:
-                buf = _pm.empty(n, "uint8")
+                # a pool block need not start on a 4 KiB boundary (a cached block split for a
+                # smaller one first): 4 KiB more, and the snapshot starts on the first boundary
+                buf = _pm.empty(n + ALIGN, "uint8")
             except _pm.BudgetError:
                 return memoryview(bytearray(n)), False
-            self._buf = buf
-            return memoryview(buf), False
+            self._buf, self._buf_n = buf, n
+            return self._aligned(buf, n), False
+
+    @staticmethod
+    def _aligned(buf, n):
+        """n bytes of buf from its first 4 KiB boundary on (one memoryview of buf: a single
+        reference to it, as _pinned's count of holders expects)."""
+        at = -buf.ptr % ALIGN
+        return memoryview(buf)[at:at + n]
 
     def stage(self, state_dict):
         clock = _time.perf_counter
