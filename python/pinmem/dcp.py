@@ -424,7 +424,11 @@ class _FileOut:
             self.buf = self.free.pop()
         else:
             try:
-                self.buf = _torch.from_dlpack(_pm.empty(self.CHUNK, "uint8"))
+                # 4 KiB more, from the first page on: a pool block is 256-byte aligned, and a
+                # chunk's O_DIRECT writes go in place only from memory aligned as the file is
+                whole = _torch.from_dlpack(_pm.empty(self.CHUNK + ALIGN, "uint8"))
+                at = -whole.data_ptr() % ALIGN
+                self.buf = whole[at:at + self.CHUNK]
             except _pm.BudgetError:
                 self.buf = _torch.empty(self.CHUNK, dtype=_torch.uint8)
             self.made += 1

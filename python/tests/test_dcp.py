@@ -806,6 +806,35 @@ def test_stager_snapshot_starts_on_a_page():
     st.close()
 
 
+def test_chunks_start_on_a_page(tmp_path, monkeypatch):
+    """The writer's pinned chunks start on a 4 KiB boundary, as the file offsets they are
+    written at do, even from a pool block that does not (the rest of a cached block split for
+    a small one): their O_DIRECT writes go in place, not through bounce slots."""
+    import pinmem
+    import pinmem.dcp
+    gc.collect()
+    pinmem.trim()
+    x = pinmem.empty(64 << 20, "uint8")
+    del x
+    small = pinmem.empty(768, "uint8")  # the first 768 bytes of the cached block
+    real, seen = pinmem.write_ranges, []
+
+    def ranges(path, plan, **kw):
+        seen.extend((at, src.data_ptr()) for at, src, *_ in plan)
+        return real(path, plan, **kw)
+
+    monkeypatch.setattr(pinmem, "write_ranges", ranges)
+    sd = {"a": torch.randn(3 << 20)}  # 12 MiB from pageable memory: through the chunks
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path, io="direct"),
+             no_dist=True)
+    assert seen and all(at % 4096 == 0 for at, _ in seen), seen
+    assert all(ptr % 4096 == 0 for _, ptr in seen), [ptr % 4096 for _, ptr in seen]
+    got = {"a": torch.zeros_like(sd["a"])}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(got["a"], sd["a"])
+    del small
+
+
 def test_bad_io_refused(tmp_path):
     import pinmem
     import pinmem.dcp
