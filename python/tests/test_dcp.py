@@ -1318,10 +1318,13 @@ def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
     pinned = {}
     for k in ("a", "c", "b"):  # in pinned memory, as a snapshot's
         v = sd[k]
-        # c 64 bytes past a 4 KiB boundary: pinned, but its middle cannot go in place
+        # c 64 bytes past a 4 KiB boundary: pinned, but its middle cannot go in place (a pool
+        # block is 256-byte aligned: the boundary is found in 4 KiB more)
         skew = 64 if k == "c" else 0
-        buf = torch.from_dlpack(pinmem.empty(v.numel() * v.element_size() + skew, "uint8"))
-        pinned[k] = buf[skew:].view(v.dtype).view(v.shape)
+        n = v.numel() * v.element_size()
+        buf = torch.from_dlpack(pinmem.empty(n + 4096 + skew, "uint8"))
+        at = -buf.data_ptr() % 4096 + skew
+        pinned[k] = buf[at:at + n].view(v.dtype).view(v.shape)
         pinned[k].copy_(v)
     mixed = dict(sd, **pinned)
     calls = []
