@@ -8,10 +8,10 @@ round by round, the order of the cases turned every round:
   * rule: the reader's own choice (FileSystemReader.read_shape());
   * options: pinmem's option file_direct_chunk for O_DIRECT reads (1 MiB);
   * 4m, 8m, 16m: reads of 4, 8 or 16 MiB (FileSystemReader.READ_CHUNK);
-  * t2-8m, t3-8m, t4-4m, t4-8m, t6-8m, t3-16m, t8-2m, t1-16m: reads of 8 MiB on 2, 3, 4 or 6
-    I/O threads, of 4 MiB on 4, of 16 MiB on 3, of 2 MiB on 8, of 16 MiB on one
-    (FileSystemReader.READ_THREADS): more reads in flight while other threads copy out of the
-    slots, or one at a time as the disk's own;
+  * t2-8m, t3-8m, t4-4m, t4-8m, t6-8m, t3-16m, t8-2m, t1-16m, t2-1m, t4-1m, t4-2m: reads of 8
+    MiB on 2, 3, 4 or 6 I/O threads, of 4 MiB on 4, of 16 MiB on 3, of 2 MiB on 8, of 16 MiB on
+    one, of 1 MiB on 2 or 4, of 2 MiB on 4 (FileSystemReader.READ_THREADS): more reads in
+    flight while other threads copy out of the slots, or one at a time as the disk's own;
   * replay, replay-t2: the pinmem.read_ranges call of the reader's own choice (that of a first
     untimed load, its destinations the same), timed outside dcp.load; the same in 8 MiB reads
     on 2 threads;
@@ -57,6 +57,7 @@ CASES = {"rule": (None, None), "options": (0, None), "4m": (4 * MIB, None), "8m"
          "16m": (16 * MIB, None), "t2-8m": (8 * MIB, 2), "t3-8m": (8 * MIB, 3),
          "t4-4m": (4 * MIB, 4), "t4-8m": (8 * MIB, 4), "t6-8m": (8 * MIB, 6),
          "t3-16m": (16 * MIB, 3), "t8-2m": (2 * MIB, 8), "t1-16m": (16 * MIB, 1),
+         "t2-1m": (MIB, 2), "t4-1m": (MIB, 4), "t4-2m": (2 * MIB, 4),
          "aligned": (None, None), "inplace": (0, None), "inplace-8m": (None, None),
          "replay": None, "replay-t2": None, "torch": None, "disk": None, "disk-ckpt": None}
 
@@ -155,9 +156,17 @@ def rank_main(rank, n, tmp, size, rounds, names):
                     reader = dcp.FileSystemReader(folder)
                 else:
                     reader = pdcp.FileSystemReader(folder)
-                    reader.READ_CHUNK, reader.READ_THREADS = CASES[c]
+                    # on the class: read_shape() is a class method, which an instance's own
+                    # attributes would not reach
+                    cls = pdcp.FileSystemReader
+                    kept = cls.READ_CHUNK, cls.READ_THREADS
+                    cls.READ_CHUNK, cls.READ_THREADS = CASES[c]
                 t0 = time.perf_counter()
-                dcp.load({"model": dest}, storage_reader=reader)
+                try:
+                    dcp.load({"model": dest}, storage_reader=reader)
+                finally:
+                    if c != "torch":
+                        cls.READ_CHUNK, cls.READ_THREADS = kept
                 spent = time.perf_counter() - t0
                 if not all(torch.equal(dest[k], sd[k]) for k in sd):
                     raise SystemExit(f"dcp_read_units: case {c} loaded other bytes")

@@ -1290,38 +1290,29 @@ class FileSystemReader(_fs.FileSystemReader):
     @classmethod
     def read_shape(cls):
         """(bytes of each read, I/O threads) of a file's read_ranges call; None for either:
-        pinmem's options (file_direct_chunk / file_chunk; file_threads, else copy_threads).
-
-        READ_CHUNK and READ_THREADS override it. Where file_chunk or file_direct_chunk is set,
-        the options decide the reads. Else each rank keeps about 16 MiB of reads in flight:
-        16 MiB over the call's I/O threads (READ_THREADS, else file_threads, else copy_threads)
-        in 4 KiB where that is more than 2 MiB, else the options' 1 MiB on 8 or more threads
-        (which met the disk's rate on the GPU machines, docs/dcp.md). Where no one set the
-        threads and the CPUs are fewer than MIN_READ_THREADS, the call reads in 8 MiB units on
-        MIN_READ_THREADS threads, 32 MiB in flight: the threads mostly wait for the disk, and
-        while one copies a unit out of its slot into a torch tensor the others keep the disk
-        busy. On a 2-CPU virtual machine (2 ranks, 4 GiB, cold, medians of 9 rounds, the cases
-        in turns: bench/probes/dcp_read_units.py, bench/results/
-        debian12-2core-2026-12-06-dcp-read-units-threads-4g.txt) the load ran at 2.61 GB/s on
-        4 threads against 2.53 on 2, 2.62 on 6; its read_ranges call timed outside dcp.load at
-        2.62 against 2.52."""
+        pinmem's options (file_direct_chunk, 1 MiB by default / file_chunk; file_threads, else
+        copy_threads). READ_CHUNK and READ_THREADS override it. The reads are the options'
+        units; where no one set the threads (READ_THREADS, file_threads, copy_threads) and the
+        CPUs are fewer than MIN_READ_THREADS, on MIN_READ_THREADS threads: the threads mostly
+        wait for the disk, and while one copies a unit out of its slot into a torch tensor the
+        others keep the disk busy. On a 2-CPU virtual machine (2 ranks, cold, medians of 5-7
+        rounds, the cases in turns: bench/probes/dcp_read_units.py, bench/results/
+        debian12-2core-2026-12-06-dcp-read-units-{1g,4g}-b.txt) 1 MiB units on 2 or 4 threads
+        loaded at 2.82-2.99 GB/s, 2 MiB on 4 at 2.43-2.44, 4 MiB on 4 at 2.04, 8 MiB on 4 at
+        2.01-2.05 and 16 MiB at 1.91, beside the disk's own 16 MiB reads at 2.38-2.44: this
+        virtual disk takes at most 254 segments (4 KiB pages) a request, and larger reads reach
+        it cut up. The GPU machines' loads met their disks' rate in 1 MiB units on 12 threads
+        (docs/dcp.md)."""
         if cls.READ_CHUNK is not None:
             return cls.READ_CHUNK or None, cls.READ_THREADS
-        opts = _pm.options()
-        if any(opts[k]["source"] != "default" for k in ("file_direct_chunk", "file_chunk")):
+        if cls.READ_THREADS:
             return None, cls.READ_THREADS
-        threads = cls.READ_THREADS or 0
-        for k in ("file_threads", "copy_threads"):
-            try:
-                threads = threads or int(opts[k]["value"])
-            except ValueError:
-                pass
-        if not threads and _IO_THREADS < cls.MIN_READ_THREADS:
-            return 8 << 20, cls.MIN_READ_THREADS
-        threads = threads or _IO_THREADS
-        per = -(-(16 << 20) // threads)
-        per = -(-per // 4096) * 4096
-        return (per if per > (2 << 20) else None), cls.READ_THREADS
+        opts = _pm.options()
+        set_by_user = any(opts[k]["source"] != "default" or opts[k]["value"] not in ("0", "")
+                          for k in ("file_threads", "copy_threads"))
+        if not set_by_user and _IO_THREADS < cls.MIN_READ_THREADS:
+            return None, cls.MIN_READ_THREADS
+        return None, None
 
     def read_data(self, plan, planner):
         folder = _os.fspath(self.path)

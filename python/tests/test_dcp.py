@@ -1358,11 +1358,10 @@ def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
 
 
 def test_reader_read_unit(tmp_path, monkeypatch):
-    """The reader's reads: 16 MiB over the call's I/O threads (file_threads, else copy_threads)
-    where that passes 2 MiB and the file options are pinmem's defaults, else the options' own
-    (None); where no one set the threads and the CPUs are fewer than MIN_READ_THREADS, 8 MiB on
-    MIN_READ_THREADS threads; READ_CHUNK and READ_THREADS override it. A load passes both to
-    its read_ranges call and reads the right values."""
+    """The reader's reads: pinmem's options' units (None), on the options' threads, or on
+    MIN_READ_THREADS where no one set the threads and the CPUs are fewer; READ_CHUNK and
+    READ_THREADS override it. A load passes both to its read_ranges call and reads the right
+    values."""
     import pinmem
     import pinmem.dcp
     R = pinmem.dcp.FileSystemReader
@@ -1371,37 +1370,29 @@ def test_reader_read_unit(tmp_path, monkeypatch):
         for k in names:
             pinmem.set_option(k, None)
         # the threads from the usable CPUs (copy_threads' auto)
-        for cpus, shape in ((1, (8 << 20, 4)), (2, (8 << 20, 4)), (3, (8 << 20, 4)),
-                            (4, (4 << 20, None)), (6, (683 * 4096, None)),
+        for cpus, shape in ((1, (None, 4)), (2, (None, 4)), (3, (None, 4)), (4, (None, None)),
                             (12, (None, None))):
             monkeypatch.setattr(pinmem.dcp, "_IO_THREADS", cpus)
             assert R.read_shape() == shape, cpus
-            assert R.read_unit() == shape[0]
+            assert R.read_unit() is None
         monkeypatch.setattr(pinmem.dcp, "_IO_THREADS", 2)
         monkeypatch.setattr(R, "MIN_READ_THREADS", 2)
-        assert R.read_shape() == (8 << 20, None)
+        assert R.read_shape() == (None, None)
         monkeypatch.setattr(R, "MIN_READ_THREADS", 4)
         # threads set by the user: never raised
-        pinmem.set_option("copy_threads", 2)
-        assert R.read_shape() == (8 << 20, None)
-        pinmem.set_option("copy_threads", 3)
-        assert R.read_unit() == 1366 * 4096  # 16 MiB / 3, rounded up to 4 KiB
-        pinmem.set_option("copy_threads", 8)
-        assert R.read_shape() == (None, None)  # 2 MiB: the options' own
-        pinmem.set_option("file_threads", 4)
-        assert R.read_unit() == 4 << 20  # file_threads first
-        pinmem.set_option("file_direct_chunk", "1M")  # set by the user, even to its default
-        assert R.read_shape() == (None, None)
-        pinmem.set_option("file_direct_chunk", None)
+        for k in ("copy_threads", "file_threads"):
+            pinmem.set_option(k, 2)
+            assert R.read_shape() == (None, None), k
+            pinmem.set_option(k, None)
         monkeypatch.setattr(R, "READ_CHUNK", 0)
         assert R.read_shape() == (None, None)
         monkeypatch.setattr(R, "READ_CHUNK", 3 << 20)
-        assert R.read_unit() == 3 << 20
+        assert R.read_shape() == (3 << 20, None) and R.read_unit() == 3 << 20
         monkeypatch.setattr(R, "READ_CHUNK", None)
         monkeypatch.setattr(R, "READ_THREADS", 8)
         assert R.read_shape() == (None, 8)  # the reader's own threads first
         monkeypatch.setattr(R, "READ_THREADS", 1)
-        assert R.read_shape() == (16 << 20, 1)  # and never raised
+        assert R.read_shape() == (None, 1)  # and never raised
         monkeypatch.setattr(R, "READ_THREADS", None)
 
         sd = _plain_sd()
@@ -1414,7 +1405,7 @@ def test_reader_read_unit(tmp_path, monkeypatch):
             return real_ranges(path, plan, **kw)
 
         monkeypatch.setattr(pinmem, "read_ranges", ranges)
-        for opt, want in ((2, (8 << 20, 0)), (None, (8 << 20, 4))):
+        for opt, want in ((2, (None, 0)), (None, (None, 4))):
             # 0: pinmem's threads, the 2 the option gives; 4: MIN_READ_THREADS on 2 CPUs
             pinmem.set_option("copy_threads", None)
             pinmem.set_option("file_threads", opt)
