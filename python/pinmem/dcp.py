@@ -296,11 +296,16 @@ def _archive(dtype, size, stride, nbytes):
     return a
 
 
+try:  # torch.save's options (storage_alignment), read at each archive: they change at run time
+    from torch.utils import serialization as _serialization
+except ImportError:  # pragma: no cover  (a torch without them)
+    _serialization = None
+
+
 def _alignment():
     try:
-        from torch.utils import serialization
-        return serialization.config.save.storage_alignment
-    except (ImportError, AttributeError):
+        return _serialization.config.save.storage_alignment
+    except AttributeError:
         return None
 
 
@@ -331,6 +336,15 @@ def _source(t):
 # pinmem's I/O threads a file call takes when neither it nor the options say (copy_threads'
 # auto: min(12, usable CPUs)), as at import
 _IO_THREADS = min(12, len(_os.sched_getaffinity(0)))
+
+
+def _pinned_pages(n):
+    """(PinnedBuffer of n + 4 KiB from pinmem's pool, the offset of its first 4 KiB boundary):
+    a pool block is 256-byte aligned (a cached block split for a smaller one starts anywhere on
+    that grid), and O_DIRECT moves bytes in place only from memory aligned as the file is.
+    pinmem.BudgetError as pinmem.empty."""
+    buf = _pm.empty(n + ALIGN, "uint8")
+    return buf, -buf.ptr % ALIGN
 
 
 class _FileOut:
@@ -424,11 +438,8 @@ class _FileOut:
             self.buf = self.free.pop()
         else:
             try:
-                # 4 KiB more, from the first page on: a pool block is 256-byte aligned, and a
-                # chunk's O_DIRECT writes go in place only from memory aligned as the file is
-                whole = _torch.from_dlpack(_pm.empty(self.CHUNK + ALIGN, "uint8"))
-                at = -whole.data_ptr() % ALIGN
-                self.buf = whole[at:at + self.CHUNK]
+                whole, at = _pinned_pages(self.CHUNK)
+                self.buf = _torch.from_dlpack(whole)[at:at + self.CHUNK]
             except _pm.BudgetError:
                 self.buf = _torch.empty(self.CHUNK, dtype=_torch.uint8)
             self.made += 1
@@ -1162,10 +1173,16 @@ def _bounds(meta, req):
     return first * itemsize, (last + 1) * itemsize
 
 
+def _plain(target, dtype):
+    """Whether target's memory holds its values as dtype, one after the other (contiguous, no
+    conjugate or negative bit over them)."""
+    return (target.dtype == dtype and target.is_contiguous() and not target.is_conj()
+            and not target.is_neg())
+
+
 def _dense_for(target, dtype, req):
     """Whether req's bytes, as stored, are target's bytes."""
-    return (target.dtype == dtype and target.is_contiguous() and not target.is_conj()
-            and not target.is_neg() and tuple(target.shape) == tuple(req.lengths))
+    return _plain(target, dtype) and tuple(target.shape) == tuple(req.lengths)
 
 
 def _predict(planner, req, info):
@@ -1617,8 +1634,7 @@ class FileSystemReader(_fs.FileSystemReader):
                               fd=fd).wait()
             return buf.view(dtype).view(lens)
         if not size:  # a 0-d tensor
-            if (target.dtype == dtype and target.is_contiguous() and not target.is_conj()
-                    and not target.is_neg()):
+            if _plain(target, dtype):
                 _pm.read_file(path, target.reshape(1).view(_torch.uint8),
                               data_at + soff * itemsize, nbytes=itemsize, io=self.io,
                               fd=fd).wait()
@@ -1725,7 +1741,7 @@ class PinnedStager(_AsyncStager):
                              f"{', '.join(STAGES)}, not {stage!r}")
         self.stage_mode = stage
         self._buf = None
-        self._buf_n = 0  # the snapshot bytes _buf was made for (it has ALIGN more)
+        self._buf_n = self._buf_at = 0  # the snapshot's bytes in _buf, and where they start
         self._lock = _threading.Lock()
         self._written = False  # the last snapshot's save is over (FileSystemWriter tells)
         self._ready = {}  # device -> (its scratch tensors' storage pointers, event after the copy)
@@ -1759,24 +1775,17 @@ class PinnedStager(_AsyncStager):
                     if _sys.getrefcount(buf) > 3:
                         _gc.collect()
                 if _sys.getrefcount(buf) <= 3:
-                    return self._aligned(buf, n), True
+                    return memoryview(buf)[self._buf_at:self._buf_at + n], True
             self._buf = None
             del buf
             try:
-                # a pool block need not start on a 4 KiB boundary (a cached block split for a
-                # smaller one first): 4 KiB more, and the snapshot starts on the first boundary
-                buf = _pm.empty(n + ALIGN, "uint8")
+                buf, at = _pinned_pages(n)
             except _pm.BudgetError:
                 return memoryview(bytearray(n)), False
-            self._buf, self._buf_n = buf, n
-            return self._aligned(buf, n), False
-
-    @staticmethod
-    def _aligned(buf, n):
-        """n bytes of buf from its first 4 KiB boundary on (one memoryview of buf: a single
-        reference to it, as _pinned's count of holders expects)."""
-        at = -buf.ptr % ALIGN
-        return memoryview(buf)[at:at + n]
+            self._buf, self._buf_n, self._buf_at = buf, n, at
+            # one memoryview of buf, sliced: a single reference to it, as the count of holders
+            # above expects
+            return memoryview(buf)[at:at + n], False
 
     def stage(self, state_dict):
         clock = _time.perf_counter

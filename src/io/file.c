@@ -405,6 +405,13 @@ static void ring_destroy(fio_t *c, bool dmas_may_run) {
   c->heap = false;
 }
 
+/* A bounce slot of ordinary memory (ring_create, where the budget is held elsewhere). */
+static pm_status_t heap_slot(size_t bytes, void **p) {
+  if (posix_memalign(p, FILE_ALIGN, bytes) == 0) return PM_OK;
+  *p = NULL;
+  return pm__set_error(PM_ERR_NOMEM, "posix_memalign of %zu bytes failed", bytes);
+}
+
 static pm_status_t ring_create(fio_t *c, int want) {
   size_t sbytes = c->chunk + FILE_ALIGN;
   if ((size_t)want > c->nunits) want = (int)c->nunits;
@@ -430,25 +437,19 @@ static pm_status_t ring_create(fio_t *c, int want) {
   int got = 0;
   for (; got < want; got++) {
     void *p = NULL;
-    pm_status_t st;
-    if (c->heap) {
-      st = posix_memalign(&p, FILE_ALIGN, sbytes) == 0 ? PM_OK : PM_ERR_NOMEM;
-      if (st != PM_OK) pm__set_error(st, "posix_memalign of %zu bytes failed", sbytes);
-    } else {
-      st = pm_host_alloc(c->pool, sbytes, PM_HOST_DEFAULT, &p);
-      if (st == PM_ERR_BUDGET && got > 0) break; /* fewer slots: slower, still correct */
-      if (st == PM_ERR_BUDGET) {
-        /* The budget holds a slot, but other buffers hold the budget now (a checkpoint's kept
-         * snapshot): the slots are ordinary memory, which the budget does not count. A memcpy
-         * needs no pinned memory; a DMA from or to pageable memory is staged by the driver,
-         * slower and done when its call returns. Still correct; the note says so. */
-        c->heap = true;
-        snprintf(g_note, sizeof g_note,
-                 "%s: the pool's budget is spent: %d bounce slots of %zu bytes in pageable "
-                 "memory", c->fn, want, sbytes);
-        got--;
-        continue;
-      }
+    pm_status_t st = c->heap ? heap_slot(sbytes, &p)
+                             : pm_host_alloc(c->pool, sbytes, PM_HOST_DEFAULT, &p);
+    if (st == PM_ERR_BUDGET && got > 0) break; /* fewer slots: slower, still correct */
+    if (st == PM_ERR_BUDGET) {
+      /* The budget holds a slot, but other buffers hold the budget now (a checkpoint's kept
+       * snapshot): the slots are ordinary memory, which the budget does not count. A memcpy
+       * needs no pinned memory; a DMA from or to pageable memory is staged by the driver,
+       * slower and done when its call returns. Still correct; the note says so. */
+      c->heap = true;
+      snprintf(g_note, sizeof g_note,
+               "%s: the pool's budget is spent: %d bounce slots of %zu bytes in pageable "
+               "memory", c->fn, want, sbytes);
+      st = heap_slot(sbytes, &p);
     }
     if (st != PM_OK) {
       char msg[512];
