@@ -15,11 +15,14 @@ its own write_data / read_data):
     previous file removed and synced before a barrier; a write timed from the first rank's
     start to the last rank's fsync; each read done twice, into one reused 16 MiB buffer, the
     verdicts' reference, and into memory of the shard's size, printed beside), measured at the
-    start and again right before each timed pinmem save and cold load; the best kept, and each
-    pinmem run's rate over the rate of the disk run right before it printed beside (the
-    virtual disk here moves from minute to minute by more than the 10% the targets allow);
+    start and again right before each timed pinmem save and cold load. The virtual disk here
+    moves from minute to minute by more than the 10% the targets allow, so each verdict is
+    taken beside its runs: pinmem's best against the best of the disk runs right before them
+    (as many as they, in the same minutes); each run's rate over the rate of the disk run right
+    before it, and the disk's best over the whole run, are printed beside;
   * dcp.save with torch's FileSystemWriter and with pinmem.dcp.FileSystemWriter (fsync included;
-    a fresh folder each time), the best of --repeat;
+    a fresh folder each time), the best of --repeat, after one untimed save each (a training
+    run's saves after its first find their writer's buffers and threads made);
   * dcp.load, cold (the files' pages dropped as compare_checkpoint's drop_cache does), with
     torch's FileSystemReader and pinmem.dcp.FileSystemReader, the loaded tensors checked;
   * pinmem's writer again from async_save's pinned snapshot (the background write of an async
@@ -60,6 +63,9 @@ in ms (runs_ms: the slowest rank's; the first run allocates the snapshot buffer 
 of the figure) and start_spread_ms, the most the ranks' starts of one run were apart; pinmem's
 rows also pinned_alloc_ms (the longest a stage after the first waited for or allocated its
 pinned buffer) and paired_snapshot_ratios (each return over the snapshot run right before it).
+pinmem's save and load rows carry the disk runs right before their runs: paired_disk_gbps (their
+best, the verdict's reference), paired_disk_runs_gbps (each, in turn), paired_disk_ratios (each
+run over its own); the load also paired_disk_into_* for the reads into memory of its size.
 
 Human-readable lines go to stderr; with --json one JSON object per result goes to stdout.
 """
@@ -253,6 +259,10 @@ def rank_main(rank, world, args, store, tmp):
         s = g.gather((wall, w.io_seconds, cpu_seconds() - c0, getattr(w, "phases", None)))
         saves[kind].append(run_of(s))
 
+    # untimed, as a training run's first save (pinmem's pinned chunks are made, then kept)
+    for kind in ("torch", "pinmem"):
+        save(kind)
+        saves[kind].clear()
     for _ in range(args.repeat):
         save("torch")
         disk_write()
@@ -306,6 +316,15 @@ def rank_main(rank, world, args, store, tmp):
             return None
         return sorted(round(d / r["wall"], 3) for d, r in zip(disk, runs))
 
+    def beside(disk, runs, name="paired_disk_ratios"):
+        """The disk runs right before runs: the verdict's reference (their best, GB/s), their
+        rates in order, and each run against its own."""
+        if len(disk) != len(runs):
+            return {}
+        return {name: paired(disk, runs),
+                name.replace("ratios", "gbps"): round(allb / min(disk) / 1e9, 3),
+                name.replace("ratios", "runs_gbps"): [round(allb / d / 1e9, 3) for d in disk]}
+
     results = {}
     if dw:
         results["disk_read"] = report("disk_odirect_read", min(dr), allb, runs=len(dr))
@@ -314,15 +333,14 @@ def rank_main(rank, world, args, store, tmp):
                                                runs=len(dri))
     for kind in ("torch", "pinmem"):
         b = best(saves[kind])
-        extra = {"paired_disk_ratios": paired(dw[1:1 + args.repeat], saves[kind])} \
-            if kind == "pinmem" else {}
+        extra = beside(dw[1:1 + args.repeat], saves[kind]) if kind == "pinmem" else {}
         results[f"{kind}_save"] = report(f"{kind}_save", b["wall"], allb,
                                          per_rank_gbps=per(b["io"]), **phase_fields(b),
                                          verified=True, **extra)
     for kind in ("torch", "pinmem"):
         b = best(loads[kind])
-        extra = {"paired_disk_ratios": paired(dr[1:], loads[kind]),
-                 "paired_disk_into_ratios": paired(dri[1:], loads[kind])} \
+        extra = dict(beside(dr[1:], loads[kind]),
+                     **beside(dri[1:], loads[kind], "paired_disk_into_ratios")) \
             if kind == "pinmem" else {}
         results[f"{kind}_load"] = report(f"{kind}_load_cold", b["wall"], allb,
                                          per_rank_gbps=per(b["io"]), **phase_fields(b), **extra,
@@ -353,8 +371,7 @@ def rank_main(rank, world, args, store, tmp):
     b = best(snap_saves)
     results["pinmem_save_pinned"] = report("pinmem_save_from_snapshot", b["wall"], allb,
                                            per_rank_gbps=per(b["io"]), **phase_fields(b),
-                                           paired_disk_ratios=paired(dw[1 + args.repeat:],
-                                                                     snap_saves))
+                                           **beside(dw[1 + args.repeat:], snap_saves))
     if dw:  # the disk's best, with the runs beside these saves
         results["disk_write"] = report("disk_odirect_write", min(dw), allb, runs=len(dw),
                                        start_spread_ms=round(1e3 * max(spreads), 1))
@@ -589,23 +606,33 @@ def targets(r, train, args):
     out = []
     ps, ts = r["pinmem_save"]["gbps"], r["torch_save"]["gbps"]
     pl, tl = r["pinmem_load"]["gbps"], r["torch_load"]["gbps"]
-    def beside(row):
+    def against(row, whole, what):
+        """(the disk's rate the verdict takes: the best of the disk runs right before row's
+        runs, else the run's best; the text)"""
+        disk = row.get("paired_disk_gbps") or whole
+        rate = row["gbps"]
+        text = "%.3f GB/s, %.2fx the disk's %.3f" % (rate, rate / disk, disk)
+        if row.get("paired_disk_gbps"):
+            text += (" (the best of the disk %ss right before these runs: %s GB/s in turn; the "
+                     "disk's best over the whole run %.3f, %.2fx)" % (
+                         what, ", ".join("%.3f" % x for x in row["paired_disk_runs_gbps"]),
+                         whole, rate / whole))
         p = row.get("paired_disk_ratios")
-        return "" if not p else "; each run against the disk run right before it: %s" % (
-            ", ".join("%.2fx" % x for x in p))
+        if p:
+            text += "; each run against the disk run right before it: %s" % (
+                ", ".join("%.2fx" % x for x in p))
+        return disk, text
 
     if "disk_write" in r:
-        # the verdicts compare pinmem's best with the disk's best (of more runs); the paired
-        # ratios are printed beside
         dwg, drg = r["disk_write"]["gbps"], r["disk_read"]["gbps"]
+        disk, text = against(r["pinmem_save"], dwg, "write")
         out.append(("save >= 0.9x the disk's O_DIRECT write (from the tensors' pageable "
-                    "memory)", "%.3f GB/s, %.2fx the disk's %.3f%s" % (
-                        ps, ps / dwg, dwg, beside(r["pinmem_save"])), ps >= 0.9 * dwg))
+                    "memory)", text, ps >= 0.9 * disk))
         pp = r["pinmem_save_pinned"]["gbps"]
+        disk, text = against(r["pinmem_save_pinned"], dwg, "write")
         out.append(("save >= 0.9x the disk's O_DIRECT write (from the pinned snapshot, as "
                     "async_save writes; device tensors take this path through the ring)",
-                    "%.3f GB/s, %.2fx the disk's %.3f%s" % (
-                        pp, pp / dwg, dwg, beside(r["pinmem_save_pinned"])), pp >= 0.9 * dwg))
+                    text, pp >= 0.9 * disk))
         # The verdict is against the reads into one reused buffer; the reads into memory of
         # the shard's size are printed beside it, not judged.
         di = r.get("disk_read_into")
@@ -616,9 +643,8 @@ def targets(r, train, args):
                 "" if not r["pinmem_load"].get("paired_disk_into_ratios") else
                 ", each run against the one right before it: %s" % ", ".join(
                     "%.2fx" % x for x in r["pinmem_load"]["paired_disk_into_ratios"])))
-        out.append(("cold load >= 0.9x the disk's O_DIRECT read", "%.3f GB/s, %.2fx the disk's "
-                    "%.3f%s%s" % (pl, pl / drg, drg, beside(r["pinmem_load"]), into),
-                    pl >= 0.9 * drg))
+        disk, text = against(r["pinmem_load"], drg, "read")
+        out.append(("cold load >= 0.9x the disk's O_DIRECT read", text + into, pl >= 0.9 * disk))
     else:
         out.append(("save and cold load >= 0.9x the disk's rate", "not measured (no O_DIRECT "
                     "here)", None))

@@ -3,16 +3,18 @@
 beside the disk's own write of the same bytes, kept so that the part of a save that is not the
 disk (DCP's planning and collectives, the writer's first chunk, the metadata) can be measured
 again. RANKS gloo ranks each save their shard of SIZE (bf16 tensors from their own pageable
-memory, as compare_dcp makes them) with dcp.save and pinmem.dcp.FileSystemWriter into a fresh
-folder, and, in turns with it, write the same bytes with compare_checkpoint's Disk (16 MiB
+memory, as compare_dcp makes them; with --source snapshot, from PinnedStager's pinned snapshot
+of them, as async_save's background write does) with dcp.save and pinmem.dcp.FileSystemWriter
+into a fresh folder, and, in turns with it, write the same bytes with compare_checkpoint's Disk (16 MiB
 O_DIRECT requests, one at a time, fsync'd; every rank removes its previous file and syncs before
 a barrier). One save first, untimed, allocates the writer's pinned chunks (pinmem's pool keeps
 them for the next), as a training run's saves after its first find them. Every save is timed
 on each rank from its start, at these marks (ms):
 
   * plan: write_data is called (DCP has planned the save and gathered and scattered the plans);
-  * first: the writer submits its first chunk (the file created, the first 16 MiB copied into
-    pinned memory and its CRC taken);
+  * first: the writer submits its first chunk (the file created, the first FIRST bytes copied
+    into pinned memory and their CRC taken), or from a snapshot its first gathered group (its
+    tensors' CRCs taken);
   * drained: the last write and the fsync of the data file are done (_FileOut.close returns);
   * written: write_data returns (the folder fsync'd);
   * end: dcp.save returns (the write results gathered, the coordinator's finish: the metadata
@@ -24,7 +26,7 @@ end (the save), of the disk's time, and of each stretch between marks, and how m
 is not the disk's: the save over the disk, and (plan + first + end - written) over the save.
 
   PYTHONPATH=build-py/python python3 bench/probes/dcp_save_timeline.py --dir DIR \\
-      [--ranks 2] [--size 1G] [--rounds 9]
+      [--ranks 2] [--size 1G] [--rounds 9] [--source tensors|snapshot]
 """
 import argparse
 import os
@@ -58,11 +60,17 @@ def instrument(marks):
             marks[name] = 1e3 * (time.perf_counter() - marks["t0"])
 
     submit, close, write_data, finish = out._submit, out.close, writer.write_data, writer.finish
+    flush = out._flush_group
 
     def _submit(self):
         if self.buf is not None and self.fill:
             mark("first")
         submit(self)
+
+    def _flush_group(self):
+        if self.group:
+            mark("first")
+        flush(self)
 
     def _close(self, fsync):
         close(self, fsync)
@@ -82,6 +90,7 @@ def instrument(marks):
 
     out._submit, out.close, writer.write_data, writer.finish = (_submit, _close, _write_data,
                                                                  _finish)
+    out._flush_group = _flush_group
 
 
 def rank_main(rank, world, args, store, tmp):
@@ -91,6 +100,8 @@ def rank_main(rank, world, args, store, tmp):
     app = {"model": {f"rank{rank}.{k}": v for k, v in shard.items()}}
     mine = sum(t.numel() * t.element_size() for t in shard.values())
     disk = Disk(os.path.join(tmp, f"dd.{rank}.bin"), mine)
+    if args.source == "snapshot":
+        app = pdcp.PinnedStager().stage(app)
     marks = {}
     instrument(marks)
     folder = os.path.join(tmp, "ckpt")
@@ -122,7 +133,7 @@ def rank_main(rank, world, args, store, tmp):
 
 def report(args, world, mine, disks, everyone):
     print(f"dcp_save_timeline: {world} ranks, {mine * world / 1e9:.2f} GB in all, pinmem "
-          f"writer from the tensors, {os.cpu_count()} CPUs, load average "
+          f"writer from the {args.source}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; marks in ms from each rank's dcp.save start")
     rows = []
     for i in range(args.rounds):
@@ -159,6 +170,7 @@ def main():
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--size", default="1G")
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--source", choices=("tensors", "snapshot"), default="tensors")
     args = p.parse_args()
     if args.ranks < 1 or args.rounds < 1:
         p.error("--ranks and --rounds must be at least 1")

@@ -357,9 +357,9 @@ class _FileOut:
     the file is gathered (the tensors where they are, the bytes between them in small buffers
     of their own) and written GROUP bytes at a time, one group after the other: the tensors'
     4 KiB-aligned middles from their own memory in requests of up to MIDDLE_CHUNK, then the
-    rest (each tensor's last partial page and the bytes up to the next tensor) gathered into
-    pinmem's slots, one pinmem.write_ranges call each. Written one pinmem call per tensor
-    instead, 2 ranks' files of 5.3 MiB tensors went to this machine's disk at 2.24-2.50 GB/s
+    rest (each tensor's last partial page and the bytes up to the next tensor) through the page
+    cache (_write_group). The first chunk and the first group are smaller (FIRST). Written
+    one pinmem call per tensor instead, 2 ranks' files of 5.3 MiB tensors went to this machine's disk at 2.24-2.50 GB/s
     from a pinned snapshot (each tensor's data, then the few KiB between it and the next,
     apart), through the chunks at 2.56-2.71, the disk's own rate (16 MiB chunks, 4 buffers, 2
     writers: 2.65-2.68)."""
@@ -381,6 +381,11 @@ class _FileOut:
     # one at a time, against 1.33-2.31 for the disk's own stream over the same minutes (load
     # average 4-7 from other work).
     GROUP = 128 << 20
+    # The first chunk's bytes and the first group's; each later one twice the one before, up to
+    # CHUNK and GROUP. The disk waits for the first one: 16 MiB copied and CRC'd, or a 128 MiB
+    # group's CRCs, kept it idle for 5 and 13 ms of a 480 ms save (2 ranks, 1 GiB, 2 CPUs:
+    # bench/probes/dcp_save_timeline.py).
+    FIRST = 2 << 20
     # I/O threads of one gathered write: as many requests in flight as the chunks' WRITERS calls
     # keep with pinmem's default threads a call (copy_threads: min(12, usable CPUs))
     GATHER_THREADS = WRITERS * _IO_THREADS
@@ -400,6 +405,7 @@ class _FileOut:
                                # a gathered part ends elsewhere)
         self.buf = self.np = None
         self.fill = 0
+        self.cap = min(self.FIRST, self.CHUNK)  # bytes the current chunk takes before its write
         self.free, self.made = [], 0
         self.jobs = _collections.deque()  # (Future, chunk or None) in submission order
         self.results = []
@@ -408,6 +414,7 @@ class _FileOut:
         # last tensor (None: none yet).
         self.group = None
         self.group_bytes = 0
+        self.group_cap = min(self.FIRST, self.GROUP)  # bytes the current group takes
         self.small = None
         import concurrent.futures
         self.pool = concurrent.futures.ThreadPoolExecutor(self.WRITERS, "pinmem-dcp-write")
@@ -458,6 +465,7 @@ class _FileOut:
         self.buf = self.np = None
         self.cstart += n
         self.fill = 0
+        self.cap = min(self.CHUNK, 2 * self.cap)
 
     def put(self, b):
         mv = memoryview(b).cast("B")
@@ -471,12 +479,12 @@ class _FileOut:
             return
         while mv:
             self._chunk()
-            n = min(len(mv), self.CHUNK - self.fill)
+            n = min(len(mv), self.cap - self.fill)
             self.np[self.fill:self.fill + n] = mv[:n]
             self.fill += n
             self.pos += n
             mv = mv[n:]
-            if self.fill == self.CHUNK:
+            if self.fill == self.cap:
                 self._submit()
 
     def put_data(self, flat):
@@ -495,7 +503,7 @@ class _FileOut:
         at = 0
         while at < n:
             self._chunk()
-            m = min(n - at, self.CHUNK - self.fill)
+            m = min(n - at, self.cap - self.fill)
             t0 = _time.perf_counter()
             dst = self.buf[self.fill:self.fill + m]
             if flat.device.type == "cpu":
@@ -509,7 +517,7 @@ class _FileOut:
             self.fill += m
             self.pos += m
             at += m
-            if self.fill == self.CHUNK:
+            if self.fill == self.cap:
                 self._submit()
         return crc
 
@@ -528,7 +536,7 @@ class _FileOut:
             t0 = _time.perf_counter()
             crc = _crc32(flat.numpy())
             self._time("crc", t0)
-        if self.group_bytes >= self.GROUP:
+        if self.group_bytes >= self.group_cap:
             self._flush_group()
         return crc
 
@@ -537,18 +545,29 @@ class _FileOut:
         ones (_write_group)."""
         if self.group:
             self.jobs.append((self.gather.submit(self._write_group, self.group), None))
+            self.group_cap = min(self.GROUP, 2 * self.group_cap)
         self.group, self.group_bytes, self.small = [], 0, None
 
     def _write_group(self, group):
         """The middles (one pinmem.write_ranges call in units of MIDDLE_CHUNK), then the rest
-        (one call in the default units); _split_group says why. Written beside each other on
-        two threads instead, the rates on this machine's disk stayed within its noise."""
+        (in the default units); _split_group says why. Written beside each other on two
+        threads instead, the rates on this machine's disk stayed within its noise. Pieces of
+        the rest under SMALL bytes (a tensor's last partial page, the archive bytes between two
+        tensors: a few KiB each) go through the page cache, and the file's fsync writes them
+        out together: one direct write each, they waited for the disk one after the other (2
+        ranks' 96 tensors each: 20-35 ms of a 500 ms save, 1.6-1.8 ms buffered, the fsync 2-10
+        ms longer; bench/probes/dcp_save_timeline.py)."""
         middles, rest = self._split_group(group)
         if middles:
             _pm.write_ranges(self.path, middles, io=self.io, threads=self.MIDDLE_THREADS,
                              chunk=self.MIDDLE_CHUNK)
-        if rest:
-            _pm.write_ranges(self.path, rest, io=self.io, threads=self.GATHER_THREADS)
+        size = lambda r: r[1].numel() if isinstance(r[1], _torch.Tensor) else len(r[1])
+        small = [r for r in rest if size(r) < SMALL]
+        large = [r for r in rest if size(r) >= SMALL]
+        if small:
+            _pm.write_ranges(self.path, small, io="buffered", threads=1)
+        if large:
+            _pm.write_ranges(self.path, large, io=self.io, threads=self.GATHER_THREADS)
 
     @staticmethod
     def _split_group(group):

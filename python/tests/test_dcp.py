@@ -540,6 +540,15 @@ def _plain_sd(step=0, big=True):
     return sd
 
 
+def _loads_back(path, sd):
+    """The checkpoint at path, loaded by pinmem's reader into zeros, is sd's tensors."""
+    import pinmem.dcp
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(path), no_dist=True)
+    for k, v in sd.items():
+        assert torch.equal(got[k], v), k
+
+
 def _items(path):
     with open(os.path.join(path, ".metadata"), "rb") as f:
         md = pickle.load(f)
@@ -1355,6 +1364,90 @@ def test_gathered_writes_mixed_with_chunks(tmp_path, monkeypatch):
     for k, v in sd.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(got[k], v), k
+
+
+def test_first_chunk_and_group_start_small(tmp_path, monkeypatch):
+    """The first chunk and the first gathered group are FIRST bytes, and each later one twice
+    the one before (up to CHUNK, GROUP), so the disk starts before 16 MiB are copied or a
+    group's CRCs taken; the files stay torch's bytes."""
+    import pinmem
+    import pinmem.dcp
+    out = pinmem.dcp._FileOut
+    calls = []
+    real = pinmem.write_ranges
+
+    def spy(path, ranges, **kw):
+        calls.append((ranges, kw))
+        return real(path, ranges, **kw)
+
+    monkeypatch.setattr(pinmem, "write_ranges", spy)
+    monkeypatch.setattr(out, "FIRST", 1 << 20)
+    monkeypatch.setattr(out, "CHUNK", 4 << 20)
+    sd = {"a": torch.randn(5 << 20)}  # 20 MiB from pageable memory: through the chunks
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "c", io="direct"),
+             no_dist=True)
+    sizes = [r[0][2] for r, _ in calls]
+    assert sizes[:4] == [1 << 20, 2 << 20, 4 << 20, 4 << 20], sizes
+    assert all(n <= 4 << 20 for n in sizes) and sum(sizes) > 20 << 20, sizes
+    got = {"a": torch.zeros_like(sd["a"])}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path / "c"), no_dist=True)
+    assert torch.equal(got["a"], sd["a"])
+
+    # a snapshot of 1.5 MiB tensors: groups of 1, 2, 3, 6 tensors (1, 2, 4, 8 MiB and more)
+    calls.clear()
+    monkeypatch.setattr(out, "GROUP", 8 << 20)
+    sd = {f"t{i:02d}": torch.full((3 << 17,), float(i)) for i in range(16)}
+    stager = pinmem.dcp.PinnedStager()
+    staged = stager.stage(sd)
+    dcp.save(staged, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "g", io="direct"),
+             no_dist=True)
+    groups = [len(r) for r, kw in calls if kw.get("chunk") == out.MIDDLE_CHUNK]
+    assert groups == [1, 2, 3, 6, 4], groups
+    _loads_back(tmp_path / "g", sd)
+    del staged
+    stager.close()
+
+
+def test_small_gathered_pieces_go_through_the_page_cache(tmp_path, monkeypatch):
+    """From a pinned snapshot the tensors' aligned middles go direct; the pieces between them
+    under SMALL bytes (a last partial page, the archive bytes up to the next tensor) go through
+    the page cache, and a large piece (a pinned tensor not aligned as the file is) direct. The
+    files are torch's bytes and load."""
+    import pinmem
+    import pinmem.dcp
+    sd = {f"t{i}": torch.randn(300_001) for i in range(4)}  # 1.2 MB each: a partial page
+    n = 1_200_004 + 64
+    skewed = torch.from_dlpack(pinmem.empty(n + 4096, "uint8"))
+    at = -skewed.data_ptr() % 4096 + 64  # 64 bytes past a page: cannot go in place
+    sd["u"] = skewed[at:at + 1_200_004].view(torch.float32)
+    sd["u"].copy_(torch.randn(300_001))
+    calls = []
+    real = pinmem.write_ranges
+
+    def spy(path, ranges, **kw):
+        calls.append(([r[1].numel() if isinstance(r[1], torch.Tensor) else len(r[1])
+                       for r in ranges], kw.get("io"), kw.get("chunk")))
+        return real(path, ranges, **kw)
+
+    stager = pinmem.dcp.PinnedStager()
+    staged = stager.stage({k: v for k, v in sd.items() if k != "u"})
+    staged["u"] = sd["u"]
+    monkeypatch.setattr(pinmem, "write_ranges", spy)
+    dcp.save(staged, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "m", io="direct"),
+             no_dist=True)
+    monkeypatch.undo()
+    middles = [c for c in calls if c[2] == pinmem.dcp._FileOut.MIDDLE_CHUNK]
+    small = [c for c in calls if c[1] == "buffered"]
+    assert middles and all(c[1] == "direct" for c in middles), calls
+    assert small and all(max(c[0]) < pinmem.dcp.SMALL for c in small), calls
+    # every piece under SMALL went buffered, the skewed tensor (whole) direct
+    assert all(max(c[0]) >= pinmem.dcp.SMALL for c in calls if c[1] == "direct"), calls
+    assert any(1_200_004 in c[0] and c[1] == "direct" for c in calls), calls
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+    assert _items(tmp_path / "m") == _items(tmp_path / "t")
+    _loads_back(tmp_path / "m", sd)
+    del staged
+    stager.close()
 
 
 def test_reader_read_unit(tmp_path, monkeypatch):
