@@ -83,8 +83,8 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_checkpoint import (BLOCK, Disk, drop_cache, make_checkpoint, parse_size,  # noqa: E402
-                                say)
+from compare_checkpoint import (BLOCK, Disk, disk_memory, drop_cache,  # noqa: E402
+                                make_checkpoint, parse_size, say)
 
 ROW = {"bench": "dcp"}
 PAIRS = 9  # (without, with) pairs of the training loop, at least
@@ -237,6 +237,8 @@ def rank_main(rank, world, args, store, tmp):
 
     disk_write()
     disk_read()
+    if lead:
+        say("  the disk's rate measured from and into a buffer %s" % disk_memory(disk))
 
     # --- saves --------------------------------------------------------------------------------
     writers = {"torch": timed_io(dcp.FileSystemWriter, "write_data"),

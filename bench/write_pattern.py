@@ -3,7 +3,7 @@
 from pinned memory in units of `chunk` bytes by `threads` I/O threads (O_DIRECT, fsync), beside
 the disk's own write (compare_checkpoint's Disk: 16 MiB O_DIRECT requests one at a time, fsync),
 by one writer and by two processes at once (as two DCP ranks write). The disk's write is timed
-twice: from its own buffer (anonymous memory, as compare_checkpoint and compare_dcp measure it)
+twice: from its own buffer (huge pages, as compare_checkpoint and compare_dcp measure it)
 and, the same requests, from pinmem's pinned buffer. Every write goes to a new
 file on a quiet disk (the old one removed and synced first), and each round times the disk and
 then every pattern in turn, so a pattern is compared with the disk run of its own round (a
