@@ -187,6 +187,7 @@ class Disk:
         self.buf = buf
         self.blocks = max(1, -(-total // BLOCK))
         self.writes, self.reads = [], []
+        self.writes_from = []  # write(src=...)'s times
         self.starts = []  # each write's start, time.time()
         self.reads_into = []  # read(into=...)'s times
         self.ok = True
@@ -205,9 +206,16 @@ class Disk:
             pass
         os.sync()
 
-    def write(self, clear=True):
+    def write(self, clear=True, src=None):
+        """The file written; with src (blocks * BLOCK bytes or more, page-aligned) each request
+        from its own place in it, as a save writes every byte from memory of its own, the time
+        appended to self.writes_from instead of self.writes."""
         if not self.ok:
             return
+        mv = None if src is None else memoryview(src).cast("B")
+        if mv is not None and len(mv) < self.blocks * BLOCK:
+            raise ValueError(f"Disk.write: src holds {len(mv)} bytes, under the "
+                             f"{self.blocks * BLOCK} the file's requests take")
         if clear:
             self.clear()
         try:
@@ -219,9 +227,11 @@ class Disk:
             self.starts.append(time.time())
             t0 = time.perf_counter()
             for i in range(self.blocks):
-                os.pwritev(fd, [self.buf], i * BLOCK)
+                os.pwritev(fd, [self.buf if mv is None else mv[i * BLOCK:(i + 1) * BLOCK]],
+                           i * BLOCK)
             os.fsync(fd)
-            self.writes.append(self._scale(time.perf_counter() - t0))
+            (self.writes if mv is None else self.writes_from).append(
+                self._scale(time.perf_counter() - t0))
         except OSError:
             self.ok = False
         finally:
