@@ -508,7 +508,11 @@ def test_compare_dcp_bench_tiny(tmp_path):
             (r,) = rows[case]
             assert len(r["paired_disk_runs_gbps"]) == len(r["paired_disk_ratios"]) == 2, r
             assert r["paired_disk_gbps"] == max(r["paired_disk_runs_gbps"]), r
+            if case != "pinmem_load_cold":  # the writes from memory of the shard's size
+                assert len(r["paired_disk_from_runs_gbps"]) == 2, r
+                assert r["paired_disk_from_gbps"] == max(r["paired_disk_from_runs_gbps"]), r
         (w,) = rows["disk_odirect_write"]
+        assert rows["disk_odirect_write_from_memory"][0]["runs"] == w["runs"]
         assert w["gbps"] >= rows["pinmem_save"][0]["paired_disk_gbps"], (w, rows["pinmem_save"])
     targets = {r["target"] for r in rows["target"]}
     assert any(t.startswith("async return") for t in targets), targets
