@@ -175,7 +175,7 @@ def rank_main(rank, world, args, store, tmp):
                  gbps=round(nbytes / seconds / 1e9, 3) if seconds > 0 else None, **extra)
         rows.append(r)
         if lead:
-            say("  %-28s %8.3f s %8.3f GB/s%s" % (case, seconds, r["gbps"] or 0, "".join(
+            say("  %-30s %8.3f s %8.3f GB/s%s" % (case, seconds, r["gbps"] or 0, "".join(
                 "  %s=%s" % kv for kv in extra.items())))
             if args.json:
                 print(json.dumps(r), flush=True)
