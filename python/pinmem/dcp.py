@@ -350,19 +350,19 @@ def _pinned_pages(n):
 class _FileOut:
     """One data file of a save, written as its image: every byte (gaps, archive heads, data,
     tails, small tensors, BYTE_IO items) is put in order into pinned chunks of CHUNK bytes from
-    pinmem's pool, and each full chunk is written with one pinmem call (O_DIRECT: chunks start on
-    4 KiB boundaries of the file) by WRITERS threads while the next chunk is filled. A tensor's
-    CRC-32 is computed on its copy in the chunk, so its archive's tail follows at once. Tensors
-    already in pinned host memory (async_save's snapshot) are not copied: from the first one on,
-    the file is gathered (the tensors where they are, the bytes between them in small buffers
-    of their own) and written GROUP bytes at a time, one group after the other: the tensors'
-    4 KiB-aligned middles from their own memory in requests of up to MIDDLE_CHUNK, then the
-    rest (each tensor's last partial page and the bytes up to the next tensor) through the page
-    cache (_write_group). The first chunk and the first group are smaller (FIRST). Written
-    one pinmem call per tensor instead, 2 ranks' files of 5.3 MiB tensors went to this machine's disk at 2.24-2.50 GB/s
-    from a pinned snapshot (each tensor's data, then the few KiB between it and the next,
-    apart), through the chunks at 2.56-2.71, the disk's own rate (16 MiB chunks, 4 buffers, 2
-    writers: 2.65-2.68)."""
+    pinmem's pool, and each full chunk is written with one pinmem call (O_DIRECT: chunks start
+    on 4 KiB boundaries of the file) by WRITERS threads while the next chunk is filled. A
+    tensor's CRC-32 is computed on its copy in the chunk, so its archive's tail follows at once.
+    Tensors already in pinned host memory (async_save's snapshot) are not copied: from the first
+    one on, the file is gathered (the tensors where they are, the bytes between them in small
+    buffers of their own) and written GROUP bytes at a time, one group after the other: the
+    tensors' 4 KiB-aligned middles from their own memory in requests of up to MIDDLE_CHUNK, then
+    the rest (each tensor's last partial page and the bytes up to the next tensor) through the
+    page cache (_write_group). The first chunk and the first group are smaller (FIRST). Written
+    one pinmem call per tensor instead, 2 ranks' files of 5.3 MiB tensors went to this machine's
+    disk at 2.24-2.50 GB/s from a pinned snapshot (each tensor's data, then the few KiB between
+    it and the next, apart), through the chunks at 2.56-2.71, the disk's own rate (16 MiB
+    chunks, 4 buffers, 2 writers: 2.65-2.68)."""
 
     CHUNK = 16 << 20
     BUFFERS = 4
@@ -556,7 +556,7 @@ class _FileOut:
         tensors: a few KiB each) go through the page cache, and the file's fsync writes them
         out together: one direct write each, they waited for the disk one after the other (2
         ranks' 96 tensors each: 20-35 ms of a 500 ms save, 1.6-1.8 ms buffered, the fsync 2-10
-        ms longer; bench/probes/dcp_save_timeline.py)."""
+        ms longer; a variant of bench/probes/dcp_save_timeline.py)."""
         middles, rest = self._split_group(group)
         if middles:
             _pm.write_ranges(self.path, middles, io=self.io, threads=self.MIDDLE_THREADS,
@@ -574,7 +574,8 @@ class _FileOut:
         """A group's ranges -> (each tensor's 4 KiB-aligned middle, written in place in units
         of MIDDLE_CHUNK: one request per tensor up to that size; the rest: the tensors' last
         partial pages and the bytes between tensors, back to back, each run 4 KiB-aligned at
-        both ends, gathered through pinmem's slots in its default units). One call over
+        both ends: _write_group's page cache, or pinmem's slots for a piece of SMALL bytes or
+        more). One call over
         everything in 1 MiB units cost the CPU a request per MiB (about 0.1 ms each on a 2-CPU
         virtual machine: bench/dcp_train_cpu.py), and a larger unit for all of it gathers more
         of each tensor through the slots, where units span two pieces."""
