@@ -22,38 +22,28 @@ import argparse
 import ctypes
 import mmap
 import os
+import shutil
 import statistics
 import struct
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from compare_checkpoint import parse_size  # noqa: E402  (bench/)
+from compare_checkpoint import BLOCK, Disk, huge_buffer, parse_size  # noqa: E402  (bench/)
 
-BLOCK = 16 << 20
-HUGE = 2 << 20
 KINDS = ("shared", "private", "huge")
 
 
 def buffer(kind):
     """(memoryview of BLOCK bytes of that kind, filled, its address, the mapping kept alive)"""
-    if kind == "shared":
-        m = mmap.mmap(-1, BLOCK)
-        view = memoryview(m)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    if kind == "huge":
+        view, m = huge_buffer(BLOCK)
     else:
-        m = mmap.mmap(-1, BLOCK + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        at = -base % HUGE  # huge pages need 2 MiB-aligned virtual addresses
-        view = memoryview(m)[at:at + BLOCK]
-        addr = base + at
-        if kind == "huge" and hasattr(mmap, "MADV_HUGEPAGE"):
-            m.madvise(mmap.MADV_HUGEPAGE, at, BLOCK)
-    pattern = os.urandom(1 << 16)
-    for i in range(0, BLOCK, 1 << 16):  # first touch: the pages are allocated here
-        view[i:i + (1 << 16)] = pattern
-    return view, addr, m
+        flags = mmap.MAP_SHARED if kind == "shared" else mmap.MAP_PRIVATE
+        m = mmap.mmap(-1, BLOCK, flags=flags | mmap.MAP_ANONYMOUS)
+        view = memoryview(m)
+    view[:] = os.urandom(1 << 16) * (BLOCK >> 16)  # first touch: the pages are allocated here
+    return view, ctypes.addressof(ctypes.c_char.from_buffer(view)), m
 
 
 def runs(addr, n):
@@ -72,34 +62,6 @@ def runs(addr, n):
     return 1 + sum(1 for a, b in zip(frames, frames[1:]) if b != a + 1)
 
 
-def write(path, view, total):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    os.sync()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    try:
-        t0 = time.perf_counter()
-        for off in range(0, total, BLOCK):
-            os.pwritev(fd, [view], off)
-        os.fsync(fd)
-        return total / (time.perf_counter() - t0) / 1e9
-    finally:
-        os.close(fd)
-
-
-def read(path, view, total):
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        t0 = time.perf_counter()
-        for off in range(0, total, BLOCK):
-            os.preadv(fd, [view], off)
-        return total / (time.perf_counter() - t0) / 1e9
-    finally:
-        os.close(fd)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=None, help="a folder on the disk under test")
@@ -110,21 +72,20 @@ def main():
     if total < BLOCK or a.rounds < 1:
         p.error(f"--size must be at least {BLOCK >> 20} MiB and --rounds at least 1")
     bufs = {k: buffer(k) for k in KINDS}
-    fd, path = tempfile.mkstemp(prefix="pinmem-contiguity.", dir=a.dir)
-    os.close(fd)
+    folder = tempfile.mkdtemp(prefix="pinmem-contiguity.", dir=a.dir)
+    disks = {k: Disk(os.path.join(folder, k), total, buf=bufs[k][0]) for k in KINDS}
     rates = {k: ([], []) for k in KINDS}
     try:
         for _ in range(a.rounds):
-            for k in KINDS:
-                w = write(path, bufs[k][0], total)
-                r = read(path, bufs[k][0], total)
-                rates[k][0].append(w)
-                rates[k][1].append(r)
-    except OSError as e:
-        raise SystemExit(f"page_contiguity: O_DIRECT I/O in {a.dir or 'the temporary folder'} "
-                         f"failed: {e}")
+            for k, d in disks.items():
+                d.write()
+                d.read()
+                if not d.ok:
+                    raise SystemExit(f"page_contiguity: O_DIRECT I/O in {folder} failed")
+                rates[k][0].append(total / d.writes[-1] / 1e9)
+                rates[k][1].append(total / d.reads[-1] / 1e9)
     finally:
-        os.unlink(path)
+        shutil.rmtree(folder, ignore_errors=True)
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     mode = open(thp).read().strip() if os.path.exists(thp) else "n/a"
     print(f"page_contiguity: {total >> 20} MiB in 16 MiB O_DIRECT requests, one at a time, "

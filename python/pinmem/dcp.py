@@ -561,9 +561,10 @@ class _FileOut:
         if middles:
             _pm.write_ranges(self.path, middles, io=self.io, threads=self.MIDDLE_THREADS,
                              chunk=self.MIDDLE_CHUNK)
-        size = lambda r: r[1].numel() if isinstance(r[1], _torch.Tensor) else len(r[1])
-        small = [r for r in rest if size(r) < SMALL]
-        large = [r for r in rest if size(r) >= SMALL]
+        small, large = [], []
+        for r in rest:
+            n = r[1].numel() if isinstance(r[1], _torch.Tensor) else len(r[1])
+            (small if n < SMALL else large).append(r)
         if small:
             _pm.write_ranges(self.path, small, io="buffered", threads=1)
         if large:
