@@ -59,8 +59,8 @@ system, all threads: on a machine of few cores the CPU a save needs, torch.save'
 every byte on by default, is what it competes with the ranks' training for), and for pinmem the
 phases inside the storage layer (seconds): copy (into the pinned chunks, or out of the read
 spans), crc, wait_disk (waiting for pinmem's writes or reads), fsync, items (items read one by
-one), torch_save_small (small tensors). The snapshot and async-return rows carry each run's time
-in ms (runs_ms: the slowest rank's; the first run allocates the snapshot buffer and is left out
+one), torch_save_small (the tensors torch.save writes whole: quantized, or not contiguous).
+The snapshot and async-return rows carry each run's time in ms (runs_ms: the slowest rank's; the first run allocates the snapshot buffer and is left out
 of the figure) and start_spread_ms, the most the ranks' starts of one run were apart; pinmem's
 rows also pinned_alloc_ms (the longest a stage after the first waited for or allocated its
 pinned buffer) and paired_snapshot_ratios (each return over the snapshot run right before it).

@@ -547,7 +547,12 @@ def _plain_sd(step=0, big=True):
           "z": torch.empty(0, 3), "s": torch.tensor(2.5 + step), "n": {"k": step},
           # large, of other item sizes: complex (8 bytes), bool (1)
           "c": torch.randn(140000, dtype=torch.complex64, generator=g),
-          "bo": torch.rand(1_200_000, generator=g) > 0.5}
+          "bo": torch.rand(1_200_000, generator=g) > 0.5,
+          # small, of other item sizes and a view into a larger storage
+          "sb": torch.rand(77, generator=g) > 0.5, "sc": torch.randn(9, dtype=torch.complex64,
+                                                                      generator=g),
+          "sh": torch.randn(4, 64, generator=g).to(torch.bfloat16),
+          "sv": torch.randn(1000, generator=g)[10:250]}
     if big:
         sd["b"] = torch.randn(3 << 18, generator=g)  # 3 MiB
     return sd
@@ -600,6 +605,11 @@ def test_archives_are_torch_saves_bytes(tmp_path, crc):
         start = h + 30 + int.from_bytes(blob[h + 26:h + 28], "little") + \
             int.from_bytes(blob[h + 28:h + 30], "little")
         assert (info.offset + start) % 4096 == 0, f"{fqn}'s data is not 4 KiB aligned"
+    # small tensors' archives follow the item before them with no gap
+    spans = sorted((v.offset, v.length, i.fqn) for i, v in md.storage_data.items())
+    for (o0, n0, _), (o1, _, fqn) in zip(spans, spans[1:]):
+        if fqn in ("i", "s", "sb", "sc", "sh", "sv"):
+            assert o1 == o0 + n0, f"a gap of {o1 - o0 - n0} bytes before {fqn}"
     for src, reader in (("p", "torch"), ("t", "pinmem"), ("p", "pinmem")):
         got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
                for k, v in sd.items()}
@@ -608,6 +618,30 @@ def test_archives_are_torch_saves_bytes(tmp_path, crc):
             if isinstance(v, torch.Tensor):
                 assert torch.equal(got[k], v), f"{src} read by {reader}: {k}"
         assert got["n"] == {"k": 0}
+
+
+def test_small_tensors_take_their_archives_from_templates(tmp_path, monkeypatch):
+    """Many small tensors of one shape (an optimizer's steps, a norm's weights per layer): one
+    torch.save for the shape's template, not one per tensor, and every item still torch's
+    bytes."""
+    import pinmem.dcp
+    g = torch.Generator().manual_seed(5)
+    sd = {f"l{k}.{n}": v for k in range(100) for n, v in (
+        ("norm", torch.randn(96, generator=g).to(torch.bfloat16)),
+        ("step", torch.tensor(float(k))))}
+    monkeypatch.setattr(pinmem.dcp, "_ARCHIVES", {})
+    calls = []
+    real = torch.serialization.save
+    monkeypatch.setattr(torch.serialization, "save",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(torch, "save", torch.serialization.save)
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "p"), no_dist=True)
+    assert len(calls) == 2, f"{len(calls)} torch.save calls for 2 shapes of 200 tensors"
+    monkeypatch.undo()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+    mine, theirs = _items(tmp_path / "p"), _items(tmp_path / "t")
+    assert mine == theirs
+    _loads_back(tmp_path / "p", sd)
 
 
 class _Tied(torch.nn.Module if torch is not None else object):
