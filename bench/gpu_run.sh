@@ -467,6 +467,12 @@ if step dcp 120 && pyext; then
       "$PY" bench/probes/dcp_async_return.py "${probe_args[@]}"
     tail -2 "$OUT/dcp-async-return.txt"
   fi
+  # A model's and its optimizer's state dict: many small tensors (half a minute)
+  many_args=(--device cuda --ranks 4 --rounds 3)
+  ((dry)) && many_args=(--device cpu --ranks 2 --layers 4 --rounds 1)
+  run_to dcp-many-tensors 120 "$OUT/dcp-many-tensors.txt" "$OUT/dcp-many-tensors.err" \
+    "$PY" bench/probes/dcp_many_tensors.py --dir "$CKPT_DIR" "${many_args[@]}"
+  cat "$OUT/dcp-many-tensors.txt"
   # The request sizes of the writer and the reader, each case in turn round by round (about
   # four minutes on 4 ranks at 4G).
   if [[ ${DCP_UNITS:-0} == 1 ]]; then

@@ -6,8 +6,8 @@ and a 0-d step each. Per tensor costs (DCP's planning, an archive's head and tai
 then weigh as much as the bytes.
 
 RANKS gloo ranks each hold LAYERS layers of 4 square and 2 rectangular weights of width HIDDEN
-(bf16) and 2 norm weights, each with Adam's exp_avg and exp_avg_sq (fp32) and step (0-d), and,
-round by round (the order of the cases turned every round, a fresh folder each time):
+(bf16) and 2 norm weights, each with Adam's exp_avg and exp_avg_sq (fp32) and step (0-d), on
+DEVICE (cpu, or cuda: rank r on device r mod the device count), and, round by round (the order of the cases turned every round, a fresh folder each time):
 
   * torch: dcp.save with torch's FileSystemWriter, dcp.load with its FileSystemReader, cold;
   * pinmem: the same with pinmem.dcp's writer and reader;
@@ -19,7 +19,7 @@ Every load is checked against the state dict. Rank 0 prints each case's save and
 per round (the slowest rank's) and the best.
 
   PYTHONPATH=build-py/python python3 bench/probes/dcp_many_tensors.py --dir DIR \\
-      [--ranks 2] [--layers 48] [--hidden 64] [--rounds 5]
+      [--ranks 2] [--layers 48] [--hidden 64] [--rounds 5] [--device cpu|cuda]
 """
 import argparse
 import os
@@ -41,7 +41,7 @@ from compare_checkpoint import drop_cache  # noqa: E402  (bench/)
 CASES = ("torch", "pinmem", "pinmem-saved")
 
 
-def state_dict(rank, layers, hidden):
+def state_dict(rank, layers, hidden, device):
     g = torch.Generator().manual_seed(rank)
     h = hidden
     shapes = {"q": (h, h), "k": (h, h), "v": (h, h), "o": (h, h), "up": (2 * h, h),
@@ -54,7 +54,7 @@ def state_dict(rank, layers, hidden):
             sd["optim." + key + ".exp_avg"] = torch.randn(shape, generator=g)
             sd["optim." + key + ".exp_avg_sq"] = torch.rand(shape, generator=g)
             sd["optim." + key + ".step"] = torch.tensor(float(layer + 1))
-    return sd
+    return {k: v.to(device) for k, v in sd.items()}
 
 
 def _saved_small(add_tensor):
@@ -67,11 +67,14 @@ def _saved_small(add_tensor):
     return add
 
 
-def rank_main(rank, n, tmp, layers, hidden, rounds):
+def rank_main(rank, n, tmp, layers, hidden, rounds, device):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29547")
     dist.init_process_group("gloo", rank=rank, world_size=n)
     torch.set_num_threads(1)  # as torchrun sets it for several ranks a node
-    sd = state_dict(rank, layers, hidden)
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    sd = state_dict(rank, layers, hidden, device)
     mine = sum(t.numel() * t.element_size() for t in sd.values())
     add_tensor = pdcp._FileOut.add_tensor
     times = {c: [] for c in CASES}
@@ -113,7 +116,8 @@ def rank_main(rank, n, tmp, layers, hidden, rounds):
                 shutil.rmtree(path)
     if rank == 0:
         print(f"dcp_many_tensors: {n} ranks, {len(sd)} tensors a rank ({layers} layers, hidden "
-              f"{hidden}), {mine / 2**20:.1f} MiB a rank, {rounds} rounds, torch "
+              f"{hidden}), {mine / 2**20:.1f} MiB a rank, device {device.split(':')[0]}, "
+              f"{rounds} rounds, torch "
               f"{torch.__version__}")
         for case, rs in times.items():
             print(f"  {case:13s} save best {min(s for s, _ in rs):.3f} s  load best "
@@ -136,10 +140,11 @@ def main():
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="pinmem-many.", dir=a.dir)
     try:
-        mp.spawn(rank_main, args=(a.ranks, tmp, a.layers, a.hidden, a.rounds), nprocs=a.ranks)
+        mp.spawn(rank_main, args=(a.ranks, tmp, a.layers, a.hidden, a.rounds, a.device), nprocs=a.ranks)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
