@@ -320,9 +320,12 @@ def _source(t):
     """(tensor torch.save would store, its bytes as a flat uint8 tensor or None when it must be
     copied first). torch's writer stores tensor.cpu(), cloned when its storage holds more than
     its bytes: contiguous then, or with its own strides when dense. A conjugate or negative
-    view is stored with the bit applied (its values as read), not as a flag over its memory."""
+    view is stored with the bit applied (its values as read), not as a flag over its memory.
+    A tensor subclass (a wrapper of other tensors, as quantized and float8 training keep
+    weights) is pickled by torch.save with its class and its own state, and its memory, if it
+    has any, need not hold its values: torch.save writes it whole."""
     t = t.detach()
-    if t.is_quantized:  # its archive holds the quantizer: torch.save writes it whole
+    if t.is_quantized or type(t) is not _torch.Tensor:
         return t, None
     if t.is_conj():
         t = t.resolve_conj()
@@ -1223,10 +1226,11 @@ def _bounds(meta, req):
 
 
 def _plain(target, dtype):
-    """Whether target's memory holds its values as dtype, one after the other (contiguous, no
-    conjugate or negative bit over them)."""
-    return (target.dtype == dtype and target.is_contiguous() and not target.is_conj()
-            and not target.is_neg())
+    """Whether target's memory holds its values as dtype, one after the other (a plain tensor,
+    not a subclass that keeps them elsewhere; contiguous, no conjugate or negative bit over
+    them)."""
+    return (type(target) is _torch.Tensor and target.dtype == dtype and target.is_contiguous()
+            and not target.is_conj() and not target.is_neg())
 
 
 def _dense_for(target, dtype, req):
@@ -1775,7 +1779,9 @@ class PinnedStager(_AsyncStager):
     memory (the call returns once the copies are queued; the background write moves them to
     the file through pinmem's ring); otherwise, and for "host", every tensor is copied into one
     pinned buffer from pinmem's pool (device tensors by DMA, waited for). "device": the device
-    scratch or torch's out-of-memory error. The pinned buffer is the exact size of the snapshot
+    scratch or torch's out-of-memory error. A tensor subclass other than Parameter is copied
+    by its own clone(), as itself (to the host with "host"). The pinned buffer is the exact size
+    of the snapshot
     (each tensor 4 KiB aligned, for O_DIRECT), within pinmem's budget (pageable memory when the
     budget is spent), and kept for the next save, which reuses it once nothing holds the
     previous snapshot (once FileSystemWriter has written it, waiting up to _LET_GO_S for the
@@ -1794,11 +1800,11 @@ class PinnedStager(_AsyncStager):
         self._lock = _threading.Lock()
         self._written = False  # the last snapshot's save is over (FileSystemWriter tells)
         self._ready = {}  # device -> (its scratch tensors' storage pointers, event after the copy)
-        # What the last stage did: bytes, pinned, device, reused, and its seconds, with them by
-        # phase: find (the state dict's tensors), check (the device's free memory), device_copy
-        # (the device scratch allocated, the copy queued), views (the copies cut out of it),
-        # pinned_alloc and pinned_copy (the pinned buffer, the copies waited for), rebuild (the
-        # snapshot's state dict), other.
+        # What the last stage did: bytes, pinned, device, cloned (subclass tensors), reused, and
+        # its seconds, with them by phase: find (the state dict's tensors), check (the device's
+        # free memory), device_copy (the device scratch allocated, the copy queued), views (the
+        # copies cut out of it), pinned_alloc and pinned_copy (the pinned buffer, the copies
+        # waited for), rebuild (the snapshot's state dict), other.
         self.last = {}
 
     def _pinned(self, n):
@@ -1844,11 +1850,21 @@ class PinnedStager(_AsyncStager):
         _collect(state_dict, DTensor, leaves)
         staged = {}
         host, by_dev = [], {}
+        cloned = 0
         for t in leaves:
             if id(t) in staged:
                 continue
             staged[id(t)] = None
-            if t.device.type == "cuda" and self.stage_mode != "host":
+            if type(t) not in (_torch.Tensor, _torch.nn.Parameter):
+                # A subclass (a wrapper of other tensors, as float8 and quantized training keep
+                # weights) holds its values where its class says, not in memory of its own
+                # shape: copied as itself, by its class's own clone (to the host for "host").
+                src = t.detach()
+                staged[id(t)] = (src.to("cpu", copy=True)
+                                 if src.device.type == "cuda" and self.stage_mode == "host"
+                                 else src.clone())
+                cloned += 1
+            elif t.device.type == "cuda" and self.stage_mode != "host":
                 by_dev.setdefault(t.device, []).append(t)
             else:
                 host.append(t)
@@ -1906,7 +1922,7 @@ class PinnedStager(_AsyncStager):
         phases.update(find=t1 - t0, rebuild=t4 - t3)
         phases["other"] = max(0.0, (t4 - t0) - sum(phases.values()))
         self.last = {"bytes": total + device_bytes, "pinned": total, "device": device_bytes,
-                     "reused": reused, "seconds": t4 - t0, "phases": phases}
+                     "cloned": cloned, "reused": reused, "seconds": t4 - t0, "phases": phases}
         return out
 
     def _device_snapshot(self, dev, ts, phases):

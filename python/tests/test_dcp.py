@@ -644,6 +644,67 @@ def test_small_tensors_take_their_archives_from_templates(tmp_path, monkeypatch)
     _loads_back(tmp_path / "p", sd)
 
 
+class _Marked(torch.Tensor if torch is not None else object):
+    """A tensor subclass of its own memory (as_subclass), pickled with its class."""
+
+
+def _as_torch(t):
+    """t's values as a plain tensor (a wrapper subclass's inner tensors stacked)."""
+    if type(t).__name__ == "TwoTensor":
+        return torch.stack([t.a, t.b])
+    return t.as_subclass(torch.Tensor)
+
+
+def test_tensor_subclasses_saved_and_loaded_as_torch_does(tmp_path):
+    """Tensor subclasses (one of its own memory, one wrapping two others, as float8 and
+    quantized training keep weights) are written as torch's writer writes them, class and all,
+    also from PinnedStager's snapshot (a copy of each, as itself), and each reader loads every
+    checkpoint as torch's reader does: into plain destinations and into subclass ones, and a
+    plain checkpoint into subclass destinations."""
+    import pinmem.dcp
+    two = pytest.importorskip("torch.testing._internal.two_tensor").TwoTensor
+    g = torch.Generator().manual_seed(8)
+    sd = {"big": torch.randn(300_000, generator=g).as_subclass(_Marked),  # 1.2 MB
+          "small": torch.randn(30, generator=g).as_subclass(_Marked),
+          "two": two(torch.randn(300_000, generator=g), torch.randn(300_000, generator=g)),
+          "plain": torch.randn(300_000, generator=g),
+          "param": torch.nn.Parameter(torch.randn(300_000, generator=g))}
+    stager = pinmem.dcp.PinnedStager()
+    snap = stager.stage(sd)
+    assert {k: type(v) for k, v in snap.items()} == {
+        "big": _Marked, "small": _Marked, "two": two, "plain": torch.Tensor,
+        "param": torch.Tensor}
+    assert stager.last["cloned"] == 3
+    keep = {k: _as_torch(v).clone() for k, v in sd.items()}
+    with torch.no_grad():
+        sd["two"].a.add_(1)
+        sd["big"].add_(1)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "p"), no_dist=True)
+    dcp.save(snap, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "s"), no_dist=True)
+    stager.close()
+    assert _items(tmp_path / "p") == _items(tmp_path / "t")
+    plain = {k: (v.a if k == "two" else v.as_subclass(torch.Tensor)) for k, v in sd.items()}
+    dcp.save(plain, storage_writer=dcp.FileSystemWriter(tmp_path / "plain"), no_dist=True)
+    for src, want in (("t", sd), ("p", sd), ("s", keep), ("plain", None)):
+        for dest in ("plain", "subclass"):
+            if src == "plain" and dest == "plain":
+                continue
+            got = {}
+            for reader in ("torch", "pinmem"):
+                into = {k: (torch.zeros(v.shape) if dest == "plain" else torch.zeros_like(v))
+                        for k, v in sd.items()}
+                with torch.serialization.safe_globals([_Marked, two]):
+                    dcp.load(into, storage_reader=_reader(reader, tmp_path / src), no_dist=True)
+                got[reader] = into
+            for k in got["torch"]:
+                what = f"{src} into {dest} {k}"
+                assert type(got["pinmem"][k]) is type(got["torch"][k]), what
+                assert torch.equal(_as_torch(got["pinmem"][k]), _as_torch(got["torch"][k])), what
+                if dest == "subclass" and want is not None:
+                    assert torch.equal(_as_torch(got["pinmem"][k]), _as_torch(want[k])), what
+
+
 class _Tied(torch.nn.Module if torch is not None else object):
     """An embedding and an output layer sharing one weight (tied), as many language models."""
 
