@@ -22,8 +22,8 @@ not copied: they and the bytes between them are gathered and written 128 MiB at 
 one pinmem.write_ranges call each, one call after the other. An archive is placed so that its
 data starts on a 4 KiB boundary of the file (the bytes between items are zeros that no item's
 range covers). Small tensors (< 1 MiB) are put where they fall, their archives from the same
-templates; torch.save itself writes only what has no template (a quantized tensor, one whose
-bytes are not its storage's).
+templates; torch.save itself writes only what has no template (a quantized tensor, a tensor
+subclass, one whose bytes are not its storage's).
 
 Durability. Data files get names of their own per save (`__<rank>_<k>.<save>.distcp`), are
 fsync'd with their folder before the plan is gathered, and a save's metadata is written to a
@@ -1781,12 +1781,11 @@ class PinnedStager(_AsyncStager):
     pinned buffer from pinmem's pool (device tensors by DMA, waited for). "device": the device
     scratch or torch's out-of-memory error. A tensor subclass other than Parameter is copied
     by its own clone(), as itself (to the host with "host"). The pinned buffer is the exact size
-    of the snapshot
-    (each tensor 4 KiB aligned, for O_DIRECT), within pinmem's budget (pageable memory when the
-    budget is spent), and kept for the next save, which reuses it once nothing holds the
-    previous snapshot (once FileSystemWriter has written it, waiting up to _LET_GO_S for the
-    thread that wrote it to let go); close() gives it back. Other values of the state dict are
-    deep-copied."""
+    of the snapshot (each tensor 4 KiB aligned, for O_DIRECT), within pinmem's budget (pageable
+    memory when the budget is spent), and kept for the next save, which reuses it once nothing
+    holds the previous snapshot (once FileSystemWriter has written it, waiting up to _LET_GO_S
+    for the thread that wrote it to let go); close() gives it back. Other values of the state
+    dict are deep-copied."""
 
     _synchronize_after_execute = False
 
