@@ -5,6 +5,9 @@ of these runs on a thread of the same process, in turn (--rounds rounds, the ord
 
   * pinmem     dcp.async_save with pinmem.dcp.FileSystemWriter (its PinnedStager snapshot)
   * torch      dcp.async_save with torch's FileSystemWriter (and torch's stager)
+  * plan       dcp.async_save with pinmem's writer told to write no bytes (each item resolved,
+               an empty result for it; the metadata written and fsync'd): DCP's own part of a
+               save (planning, the metadata) and the writer's around it, without the data
   * write      pinmem.write_file of the same bytes from one pinned buffer (O_DIRECT), alone
   * crc        the CRC-32 of the same bytes in that buffer (the writer's crc32: ISA-L's where the
                isal package is installed), alone: the part of the save that torch.save's format
@@ -34,7 +37,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_checkpoint import Disk, parse_size  # noqa: E402
 
-MODES = ("none", "pinmem", "torch", "write", "crc", "disk")
+MODES = ("none", "pinmem", "torch", "plan", "write", "crc", "disk")
 
 
 def cpu_seconds():
@@ -73,9 +76,26 @@ def main():
         model(x).square().mean().backward()
         opt.step()
 
+    class NoBytes(pdcp.FileSystemWriter):
+        """pinmem's writer, less the data: every item resolved as a save resolves it, none
+        written."""
+
+        def _write_own(self, plan, planner):
+            from torch.distributed.checkpoint import filesystem as fs
+            from torch.distributed.checkpoint.storage import WriteResult
+            results = []
+            for item in plan.items:
+                planner.resolve_data(item)
+                results.append(WriteResult(index=item.index, size_in_bytes=0,
+                                           storage_data=fs._StorageInfo("none", 0, 0)))
+            fut = torch.futures.Future()
+            fut.set_result(results)
+            return fut
+
     tmp = tempfile.mkdtemp(prefix="pinmem-dcp-train-", dir=a.dir)
     try:
         writer = pdcp.FileSystemWriter(os.path.join(tmp, "pinmem"))
+        nwriter = NoBytes(os.path.join(tmp, "plan"))
         twriter = dcp.FileSystemWriter(os.path.join(tmp, "torch"))
         disk = Disk(os.path.join(tmp, "disk"), nbytes)
         disk.write()
@@ -86,6 +106,7 @@ def main():
             step()
         dcp.async_save(sd, storage_writer=writer).result()  # warm: the snapshot buffer exists
         dcp.async_save(sd, storage_writer=twriter).result()
+        dcp.async_save(sd, storage_writer=nwriter).result()
         t0 = time.perf_counter()
         dcp.async_save(sd, storage_writer=writer).result()
         save_s = time.perf_counter() - t0
@@ -110,6 +131,8 @@ def main():
                 fut = dcp.async_save(sd, storage_writer=writer)
             elif mode == "torch":
                 fut = dcp.async_save(sd, storage_writer=twriter)
+            elif mode == "plan":
+                fut = dcp.async_save(sd, storage_writer=nwriter)
             elif mode in alone:
                 th = threading.Thread(target=alone[mode])
                 th.start()
@@ -128,6 +151,7 @@ def main():
             for m in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:
                 runs[m].append(loop(m))
         writer.close()
+        nwriter.close()
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         base_t = [t for t, _ in runs["none"]]
         base_c = med([c for _, c in runs["none"]])
