@@ -46,11 +46,12 @@ during an async save (met when the middle half of the pairs lies below 5%, MISSE
 at or above, UNDECIDED when it straddles 5%, when the loop's own runs without a save, compared
 with each other, spread over more than 5 points in their middle half, or when the median is a
 speed-up of more than 5%); pinmem faster than
-torch's writer and reader (the ratios printed).
+torch's writer and reader (the ratios printed). --train-only runs the training loop alone
+(every mode of it, the disk alone included) and prints its TARGET line.
 
   bench/compare_dcp.py [--ranks 2] [--size 1G] [--device cpu|cuda] [--dir DIR] [--repeat 3]
                        [--crc32 torch|off] [--io auto|direct|buffered]
-                       [--executor thread|process] [--no-train] [--json]
+                       [--executor thread|process] [--no-train | --train-only] [--json]
 
 Rows of saves and loads carry, per rank: the whole dcp.save / dcp.load (rank_seconds), DCP's own
 part of it (dcp_own_seconds: planning, the collectives that gather plans and results, the
@@ -59,9 +60,10 @@ system, all threads: on a machine of few cores the CPU a save needs, torch.save'
 every byte on by default, is what it competes with the ranks' training for), and for pinmem the
 phases inside the storage layer (seconds): copy (into the pinned chunks, or out of the read
 spans), crc, wait_disk (waiting for pinmem's writes or reads), fsync, items (items read one by
-one), torch_save_small (the tensors torch.save writes whole: quantized, or not contiguous).
-The snapshot and async-return rows carry each run's time in ms (runs_ms: the slowest rank's; the first run allocates the snapshot buffer and is left out
-of the figure) and start_spread_ms, the most the ranks' starts of one run were apart; pinmem's
+one), torch_save_small (the tensors torch.save writes whole: quantized, subclasses, or not
+contiguous). The snapshot and async-return rows carry each run's time in ms (runs_ms: the
+slowest rank's; the first run allocates the snapshot buffer and is left out of the figure) and
+start_spread_ms, the most the ranks' starts of one run were apart; pinmem's
 rows also pinned_alloc_ms (the longest a stage after the first waited for or allocated its
 pinned buffer) and paired_snapshot_ratios (each return over the snapshot run right before it).
 pinmem's save and load rows carry the disk runs right before their runs: paired_disk_gbps (their
@@ -196,6 +198,15 @@ def rank_main(rank, world, args, store, tmp):
                                   crc32=torch.serialization.get_crc32_options(),
                                   crc32_impl=pdcp._crc32.__module__,
                                   executor=args.executor)), flush=True)
+
+    if args.train_only:
+        train = train_during_save(torch, dcp, pdcp, g, app, device, tmp, args.repeat, report,
+                                  allb, async_kw)
+        if lead:
+            say_targets([train_target(train)], args)
+        g.barrier()
+        dist.destroy_process_group()
+        return rows
 
     # --- the disk, every rank at once -------------------------------------------------------
     disk = Disk(os.path.join(tmp, f"dd.{rank}.bin"), mine)
@@ -682,39 +693,47 @@ def targets(r, train, args):
                     ", ".join("%.2fx" % x for x in pairs) if pairs else ""),
                 a <= 1.3 * s))
     if train is not None:
-        # met only when the pairs' middle half lies below 5%, MISSED when it lies at or above;
-        # UNDECIDED when it straddles 5%, when the loop's own speed (runs without a save
-        # compared with each other) moves by more than the 5 points the target allows, or when
-        # the loop ran more than 5% faster with a save than without (a save takes CPU and
-        # memory bandwidth from the loop, never gives them: something else moved the loop)
-        q1, q3 = train["slowdown_q1_pct"], train["slowdown_q3_pct"]
-        n1, n3 = train["noise_q1_pct"], train["noise_q3_pct"]
-        noisy = n3 - n1 > 5 or train["slowdown_pct"] < -5
-        # Beside it, what the disk alone costs the loop (the same bytes written O_DIRECT on a
-        # thread, no DCP, no pinmem): the part of the slowdown no writer can remove here.
-        d = train.get("disk_alone")
-        alone = "" if d is None else ("; the disk alone (the same bytes, O_DIRECT, no DCP): "
-                                      "median %.2f%%, middle half %.1f%% to %.1f%%" % (
-                                          d["slowdown_pct"], d["slowdown_q1_pct"],
-                                          d["slowdown_q3_pct"]))
-        alone += "" if "beyond_disk_pct" not in train else (
-            "; the save beyond the disk alone, round by round: median %.2f%%, middle half %.1f%% "
-            "to %.1f%%" % (train["beyond_disk_pct"], train["beyond_disk_q1_pct"],
-                           train["beyond_disk_q3_pct"]))
-        d = train.get("torch_async")
-        alone += "" if d is None else ("; torch's async_save: median %.2f%%, middle half %.1f%% "
-                                       "to %.1f%%" % (d["slowdown_pct"], d["slowdown_q1_pct"],
-                                                      d["slowdown_q3_pct"]))
-        out.append(("training slowdown < 5% during an async save", "median %.2f%%, middle half "
-                    "of %d pairs %.1f%% to %.1f%%; the loop alone, middle half of its runs "
-                    "against each other %.1f%% to %.1f%%%s" % (
-                        train["slowdown_pct"], len(train["pair_slowdowns_pct"]), q1, q3, n1, n3,
-                        alone),
-                    "undecided" if noisy or q1 < 5 <= q3 else q3 < 5))
+        out.append(train_target(train))
     out.append(("save faster than torch's FileSystemWriter", "%.2fx (%.3f vs %.3f GB/s)"
                 % (ps / ts, ps, ts), ps > ts))
     out.append(("load faster than torch's FileSystemReader", "%.2fx (%.3f vs %.3f GB/s)"
                 % (pl / tl, pl, tl), pl > tl))
+    say_targets(out, args)
+
+
+def train_target(train):
+    """The training loop's TARGET: (name, value, met: True, False or "undecided")."""
+    # met only when the pairs' middle half lies below 5%, MISSED when it lies at or above;
+    # UNDECIDED when it straddles 5%, when the loop's own speed (runs without a save
+    # compared with each other) moves by more than the 5 points the target allows, or when
+    # the loop ran more than 5% faster with a save than without (a save takes CPU and
+    # memory bandwidth from the loop, never gives them: something else moved the loop)
+    q1, q3 = train["slowdown_q1_pct"], train["slowdown_q3_pct"]
+    n1, n3 = train["noise_q1_pct"], train["noise_q3_pct"]
+    noisy = n3 - n1 > 5 or train["slowdown_pct"] < -5
+    # Beside it, what the disk alone costs the loop (the same bytes written O_DIRECT on a
+    # thread, no DCP, no pinmem): the part of the slowdown no writer can remove here.
+    d = train.get("disk_alone")
+    alone = "" if d is None else ("; the disk alone (the same bytes, O_DIRECT, no DCP): "
+                                  "median %.2f%%, middle half %.1f%% to %.1f%%" % (
+                                      d["slowdown_pct"], d["slowdown_q1_pct"],
+                                      d["slowdown_q3_pct"]))
+    alone += "" if "beyond_disk_pct" not in train else (
+        "; the save beyond the disk alone, round by round: median %.2f%%, middle half %.1f%% "
+        "to %.1f%%" % (train["beyond_disk_pct"], train["beyond_disk_q1_pct"],
+                       train["beyond_disk_q3_pct"]))
+    d = train.get("torch_async")
+    alone += "" if d is None else ("; torch's async_save: median %.2f%%, middle half %.1f%% "
+                                   "to %.1f%%" % (d["slowdown_pct"], d["slowdown_q1_pct"],
+                                                  d["slowdown_q3_pct"]))
+    return ("training slowdown < 5% during an async save", "median %.2f%%, middle half of %d "
+            "pairs %.1f%% to %.1f%%; the loop alone, middle half of its runs against each other "
+            "%.1f%% to %.1f%%%s" % (train["slowdown_pct"], len(train["pair_slowdowns_pct"]), q1,
+                                    q3, n1, n3, alone),
+            "undecided" if noisy or q1 < 5 <= q3 else q3 < 5)
+
+
+def say_targets(out, args):
     for name, value, met in out:
         verdict = ("not measured" if met is None else "UNDECIDED" if met == "undecided"
                    else "met" if met else "MISSED")
@@ -749,7 +768,10 @@ def main():
                     help="the executor of every async_save, pinmem's and torch's alike: torch's "
                          "thread (default) or process executor (the save in a process of its "
                          "own, the snapshot sent through shared memory)")
-    ap.add_argument("--no-train", action="store_true", help="skip the training loop")
+    loop = ap.add_mutually_exclusive_group()
+    loop.add_argument("--no-train", action="store_true", help="skip the training loop")
+    loop.add_argument("--train-only", action="store_true",
+                      help="only the training loop during an async save, and its TARGET line")
     ap.add_argument("--json", action="store_true", help="one JSON object per result on stdout")
     args = ap.parse_args()
     try:

@@ -520,6 +520,40 @@ def test_compare_dcp_bench_tiny(tmp_path):
     assert "TARGET async return" in out.stderr
 
 
+def test_compare_dcp_bench_train_only(tmp_path):
+    """bench/compare_dcp.py --train-only at a tiny size: the training loop without a save,
+    during pinmem's and torch's async_save (and the disk alone where O_DIRECT works), nine
+    rounds each, and the loop's TARGET line alone: no save or load rows."""
+    import json
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "compare_dcp.py"),
+                          "--device", "cpu", "--ranks", "2", "--size", "8M", "--train-only",
+                          "--dir", str(tmp_path), "--json"],
+                         capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            rows.setdefault(r["case"], []).append(r)
+    assert not {"torch_save", "pinmem_save", "pinmem_load_cold", "snapshot_alone"} & set(rows)
+    (base,) = rows["train_no_save"]
+    assert base["seconds"] > 0 and base["steps"] >= 20, base
+    during = ["train_during_async_save", "train_during_torch_async_save"]
+    if "train_during_disk_alone" in rows:
+        during.append("train_during_disk_alone")
+    for case in during:
+        (r,) = rows[case]
+        assert len(r["pair_slowdowns_pct"]) == 9 and r["steps"] == base["steps"], r
+        assert r["slowdown_q1_pct"] <= r["slowdown_pct"] <= r["slowdown_q3_pct"], r
+    (t,) = rows["target"]
+    assert t["target"].startswith("training slowdown") and t["met"] in (True, False,
+                                                                         "undecided"), t
+    assert out.stderr.count("TARGET ") == 1, out.stderr[-2000:]
+
+
 def test_writer_pickles_without_its_stager(tmp_path):
     """The writer a process executor sends: its settings go, its stager's pinned buffer, lock
     and streams stay; the copy gets a stager of its own, of the same mode."""
