@@ -472,17 +472,16 @@ def test_device_async_save_in_a_process(tmp_path):
             f"rank {r}: the snapshot was not taken on the device"
 
 
-def test_compare_dcp_bench_tiny(tmp_path):
-    """bench/compare_dcp.py end to end at a tiny size, 2 gloo ranks, no training loop: every
-    save and load verified, the snapshot alone and pinmem's async_save timed in turns (a run
-    each beside the one that allocates), and a verdict line for every target."""
+def _compare_dcp(tmp_path, *args):
+    """bench/compare_dcp.py on 2 CPU ranks at 8M with args: (the finished process, its JSON
+    rows by case)."""
     import json
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     out = subprocess.run([sys.executable, os.path.join(root, "bench", "compare_dcp.py"),
-                          "--device", "cpu", "--ranks", "2", "--size", "8M", "--repeat", "2",
-                          "--no-train", "--dir", str(tmp_path), "--json"],
+                          "--device", "cpu", "--ranks", "2", "--size", "8M", *args,
+                          "--dir", str(tmp_path), "--json"],
                          capture_output=True, text=True, env=env, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {}
@@ -491,6 +490,14 @@ def test_compare_dcp_bench_tiny(tmp_path):
             r = json.loads(line)
             assert r["bench"] == "dcp", r
             rows.setdefault(r["case"], []).append(r)
+    return out, rows
+
+
+def test_compare_dcp_bench_tiny(tmp_path):
+    """bench/compare_dcp.py end to end at a tiny size, 2 gloo ranks, no training loop: every
+    save and load verified, the snapshot alone and pinmem's async_save timed in turns (a run
+    each beside the one that allocates), and a verdict line for every target."""
+    out, rows = _compare_dcp(tmp_path, "--repeat", "2", "--no-train")
     for case in ("torch_save", "pinmem_save", "torch_load_cold", "pinmem_load_cold"):
         (r,) = rows[case]
         assert r["verified"] is True and r["seconds"] > 0 and r["bytes"] > 0, r
@@ -524,20 +531,7 @@ def test_compare_dcp_bench_train_only(tmp_path):
     """bench/compare_dcp.py --train-only at a tiny size: the training loop without a save,
     during pinmem's and torch's async_save (and the disk alone where O_DIRECT works), nine
     rounds each, and the loop's TARGET line alone: no save or load rows."""
-    import json
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    out = subprocess.run([sys.executable, os.path.join(root, "bench", "compare_dcp.py"),
-                          "--device", "cpu", "--ranks", "2", "--size", "8M", "--train-only",
-                          "--dir", str(tmp_path), "--json"],
-                         capture_output=True, text=True, env=env, timeout=TIMEOUT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            rows.setdefault(r["case"], []).append(r)
+    out, rows = _compare_dcp(tmp_path, "--train-only")
     assert not {"torch_save", "pinmem_save", "pinmem_load_cold", "snapshot_alone"} & set(rows)
     (base,) = rows["train_no_save"]
     assert base["seconds"] > 0 and base["steps"] >= 20, base
