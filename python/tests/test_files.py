@@ -1052,6 +1052,34 @@ def test_save_refuses_bad_input(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("budget", [None, "1M"])
+def test_save_from_host_memory_needs_no_pinned_copy_of_the_file(budget, tmp_path):
+    """save_file of host arrays writes them straight from their memory through pinmem's slots:
+    the process's pinned peak stays far under the file's 48 MiB, and the file is the bytes
+    pinmem.safetensors.numpy.save gives. Under a budget that cannot hold one slot the save
+    still succeeds, through the page cache, pinning nothing."""
+    code = textwrap.dedent("""
+        import sys, numpy as np, pinmem, pinmem.safetensors, pinmem.safetensors.numpy as psn
+        rng = np.random.default_rng(3)
+        arrays = {f"a{i}": rng.random((1 << 20) // 8 * 3) for i in range(16)}  # 48 MiB
+        arrays["odd"] = np.arange(37, dtype=np.int16)  # the data then ends off a page
+        pinmem.safetensors.save_file(arrays, sys.argv[1])
+        with open(sys.argv[1], "rb") as f:
+            assert f.read() == psn.save(arrays), "not the package's bytes"
+        print(pinmem.stats()["pinned_peak"])
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    if budget:
+        env["PINMEM_BUDGET"] = budget
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.safetensors")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak = int(out.stdout.split()[-1])
+    assert peak < (16 << 20), f"pinned peak {peak} bytes for a 48 MiB file"
+    if budget:
+        assert peak == 0, peak
+
+
 def test_save_big_endian_and_strided_arrays(tmp_path, rng):
     a = np.arange(10, dtype=">i4")
     b = np.arange(24, dtype=np.float64).reshape(4, 6)[:, ::2]
@@ -1077,20 +1105,35 @@ def assert_untouched(tmp_path, path, before):
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name], "a temporary was left"
 
 
-def test_failed_write_midway_leaves_old_file(tmp_path, monkeypatch, rng, no_fd_leak):
+@pytest.mark.parametrize("stage", ["host memory", "pinned snapshot"])
+def test_failed_write_midway_leaves_old_file(stage, tmp_path, monkeypatch, rng, no_fd_leak):
+    """A write that fails after part of the file is on disk leaves the old file as it was and
+    no temporary: from the arrays' own memory (write_ranges) and from a pinned snapshot
+    (write_file, as save_file_async writes)."""
     path, before = old_file(tmp_path)
-    real = pinmem.write_file
+    real_file, real_ranges = pinmem.write_file, pinmem.write_ranges
     seen = []
+
+    def fail(p):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)", p)
 
     def half_then_fail(p, src, *args, **kw):
         seen.append(p)
-        n = memoryview(src).nbytes // 2
-        real(p, src, nbytes=n)  # part of the file is on disk...
-        raise OSError(errno.ENOSPC, "No space left on device (simulated)", p)
+        real_file(p, src, nbytes=memoryview(src).nbytes // 2)  # part of the file is on disk...
+        fail(p)
+
+    def half_the_ranges_then_fail(p, ranges, **kw):
+        seen.append(p)
+        real_ranges(p, ranges[:len(ranges) // 2 + 1])
+        fail(p)
 
     monkeypatch.setattr(pinmem, "write_file", half_then_fail)
+    monkeypatch.setattr(pinmem, "write_ranges", half_the_ranges_then_fail)
     with pytest.raises(OSError, match="simulated"):
-        pinmem.safetensors.save_file({"w": rng.random(100000)}, path)
+        if stage == "host memory":
+            pinmem.safetensors.save_file({"w": rng.random(100000), "v": rng.random(10)}, path)
+        else:
+            pinmem.safetensors.save_file_async({"w": rng.random(100000)}, path).wait(60)
     assert seen and os.path.dirname(seen[0]) == str(tmp_path) and ".tmp-" in seen[0]
     assert_untouched(tmp_path, path, before)
 
@@ -1182,9 +1225,14 @@ def test_save_is_durable_and_keeps_mode(save, tmp_path, monkeypatch):
     path, _ = old_file(tmp_path)
     calls = []
     real_write, real_fsync, real_replace = pinmem.write_file, os.fsync, os.replace
+    real_ranges = pinmem.write_ranges
     monkeypatch.setattr(pinmem, "write_file",
                         lambda *a, **kw: calls.append(("write", kw.get("fsync"))) or
                         real_write(*a, **kw))
+    # save_file writes host arrays straight from their memory, in one write_ranges call
+    monkeypatch.setattr(pinmem, "write_ranges",
+                        lambda *a, **kw: calls.append(("write", kw.get("fsync"))) or
+                        real_ranges(*a, **kw))
     monkeypatch.setattr(os, "replace", lambda a, b: calls.append(("rename",)) or real_replace(a, b))
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append(
         ("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))) or real_fsync(fd))

@@ -1035,6 +1035,35 @@ def _on_device(items, stage):
     return _device_scratch(_torch(), dev, [view for _, _, _, n, view, _ in items if n], stage)
 
 
+def _host_only(items):
+    """Whether every tensor with bytes is in host memory (CPU tensors, NumPy arrays)."""
+    return all(not n or isinstance(view, _np.ndarray) or view.device.type == "cpu"
+               for _, _, _, n, view, _ in items)
+
+
+def _write_host(tmp, head, items):
+    """The temporary file as head then every tensor's bytes, fsync'd, written straight from
+    the tensors' own memory: one pinmem.write_ranges call, the bytes gathered into pinmem's
+    pinned slots as they go out (the slots reused, so the save needs no pinned copy of the
+    whole file, and no copy comes before the first write). 1.07 GB of CPU tensors on a 2-CPU
+    machine: 0.78x of the disk's own O_DIRECT write, against 0.70x through a pinned snapshot
+    of the file and 0.62x through one allocated anew (bench/probes/save_host.py, medians of 6
+    rounds). Where the budget cannot hold one slot, each range goes through the page cache."""
+    ranges = [(0, head)]
+    pos = len(head)
+    for _, _, _, n, view, _ in items:
+        if n:
+            ranges.append((pos, view, n))
+            pos += n
+    try:
+        _pm.write_ranges(tmp, ranges, fsync=True)
+    except _pm.BudgetError:
+        # one range at a time, buffered: no slot to gather sources into
+        for k, (at, src, *n) in enumerate(ranges):
+            _pm.write_file(tmp, src, at, nbytes=n[0] if n else None, io="buffered",
+                           fsync=k == len(ranges) - 1, truncate=False).wait()
+
+
 def _write_device(tmp, head, flat, stream):
     """The temporary file as head then flat (device memory) fsync'd: the small head buffered,
     the data through pinmem's ring (DMA into pinned slots on `stream`, O_DIRECT from them)."""
@@ -1331,25 +1360,29 @@ def _write_durable(buf, path, tmp, copies=(), write=None):
             _releaser.put(old)
 
 
-def _plan(tensors, metadata, stage, snapshot_stage):
+def _plan(tensors, metadata, stage, snapshot_stage, from_host=False):
     """What a save writes, as _write_saved takes it: (buf, copies, keep, write). From a device
-    scratch when _on_device finds one (write set, buf None), else from a pinned snapshot made
-    with snapshot_stage (copies: its DMAs still running; keep: scratches they read)."""
+    scratch when _on_device finds one (write set, buf None); with from_host (a save that
+    returns after its write), straight from the tensors when all are in host memory (write
+    set, buf None); else from a pinned snapshot made with snapshot_stage (copies: its DMAs
+    still running; keep: scratches they read)."""
     layout = _layout(tensors, metadata, stage)
     dev = _on_device(layout[1], stage)
     if dev is not None:
         flat, side = dev
         return None, [], [flat], _functools.partial(_write_device, head=layout[0], flat=flat,
                                                     stream=side)
+    if from_host and _host_only(layout[1]):
+        return None, [], [], _functools.partial(_write_host, head=layout[0], items=layout[1])
     buf, copies, keep = _snapshot(tensors, metadata, wait=False, stage=snapshot_stage,
                                   layout=layout)
     return buf, copies, keep, None
 
 
-def _planned(tensors, metadata, stage, snapshot_stage, tmp):
+def _planned(tensors, metadata, stage, snapshot_stage, tmp, from_host=False):
     """_plan, removing the temporary if planning fails (a bad tensor, no memory)."""
     try:
-        return _plan(tensors, metadata, stage, snapshot_stage)
+        return _plan(tensors, metadata, stage, snapshot_stage, from_host)
     except BaseException:
         _unlink(tmp)
         raise
@@ -1376,11 +1409,12 @@ def save_file(tensors, path, metadata=None, *, stage="auto"):
     stage: "auto" (the default) or "device": when every tensor is on one CUDA device, their
     bytes are copied into one scratch tensor on it and written from there through pinmem's
     pinned slots ("auto" only when the scratch fits in half the device's free memory; "device"
-    raises torch's out-of-memory error otherwise). "host", and any other case: the tensors are
-    copied into one pinned buffer laid out as the file (DMA for device tensors) and written
-    from it."""
+    raises torch's out-of-memory error otherwise). When every tensor is in host memory (CPU
+    tensors, NumPy arrays), their bytes are written straight from it through pinmem's pinned
+    slots. "host", and any other case: the tensors are copied into one pinned buffer laid out
+    as the file (DMA for device tensors) and written from it."""
     path, tmp = _target(path)
-    _write_saved(path, tmp, *_planned(tensors, metadata, stage, "host", tmp))
+    _write_saved(path, tmp, *_planned(tensors, metadata, stage, "host", tmp, from_host=True))
 
 
 class SaveHandle:
