@@ -67,7 +67,6 @@ background write then moves them to the file.
 """
 import bisect as _bisect
 import collections as _collections
-import contextlib as _contextlib
 import copy as _copy
 import dataclasses as _dataclasses
 import gc as _gc
@@ -316,16 +315,22 @@ def _crc_on():
     return True if get is None else bool(get())
 
 
+def _subclass(t):
+    """Whether t is a tensor subclass (other than Parameter): pickled by torch.save with its
+    class and its own state, its values where its class keeps them, not necessarily in memory
+    of its own shape (a wrapper of other tensors, as quantized and float8 training keep
+    weights)."""
+    return type(t) not in (_torch.Tensor, _torch.nn.Parameter)
+
+
 def _source(t):
     """(tensor torch.save would store, its bytes as a flat uint8 tensor or None when it must be
     copied first). torch's writer stores tensor.cpu(), cloned when its storage holds more than
     its bytes: contiguous then, or with its own strides when dense. A conjugate or negative
     view is stored with the bit applied (its values as read), not as a flag over its memory.
-    A tensor subclass (a wrapper of other tensors, as quantized and float8 training keep
-    weights) is pickled by torch.save with its class and its own state, and its memory, if it
-    has any, need not hold its values: torch.save writes it whole."""
+    torch.save writes a subclass (_subclass) whole."""
     t = t.detach()
-    if t.is_quantized or type(t) is not _torch.Tensor:
+    if t.is_quantized or _subclass(t):
         return t, None
     if t.is_conj():
         t = t.resolve_conj()
@@ -568,8 +573,7 @@ class _FileOut:
                              chunk=self.MIDDLE_CHUNK)
         small, large = [], []
         for r in rest:
-            n = r[1].numel() if isinstance(r[1], _torch.Tensor) else len(r[1])
-            (small if n < SMALL else large).append(r)
+            (small if _nbytes(r[1]) < SMALL else large).append(r)
         if small:
             _pm.write_ranges(self.path, small, io="buffered", threads=1)
         if large:
@@ -581,14 +585,14 @@ class _FileOut:
         of MIDDLE_CHUNK: one request per tensor up to that size; the rest: the tensors' last
         partial pages and the bytes between tensors, back to back, each run 4 KiB-aligned at
         both ends: _write_group's page cache, or pinmem's slots for a piece of SMALL bytes or
-        more). One call over
-        everything in 1 MiB units cost the CPU a request per MiB (about 0.1 ms each on a 2-CPU
-        virtual machine: bench/dcp_train_cpu.py), and a larger unit for all of it gathers more
-        of each tensor through the slots, where units span two pieces."""
+        more). One call over everything in 1 MiB units cost the CPU a request per MiB (about
+        0.1 ms each on a 2-CPU virtual machine: bench/dcp_train_cpu.py), and a larger unit for
+        all of it gathers more of each tensor through the slots, where units span two
+        pieces."""
         middles, rest = [], []
         for off, src in group:
             tensor = isinstance(src, _torch.Tensor)
-            n, m = (src.numel() if tensor else len(src)), 0
+            n, m = _nbytes(src), 0
             if tensor and off % ALIGN == 0 and src.data_ptr() % ALIGN == 0:
                 m = n // ALIGN * ALIGN
             if m:
@@ -628,13 +632,20 @@ class _FileOut:
         self.put(a.tail_for(crc))
         self.results.append(_result(item, self.name, at, self.pos - at))
 
+    def _to_host(self, t):
+        """t.cpu(): t itself on the host; from a CUDA device, copied on the writer's stream
+        (stream_for) and waited for."""
+        if t.device.type != "cuda":
+            return t.cpu()
+        with _torch.cuda.stream(self.stream_for(t)):
+            return t.cpu()
+
     def put_small(self, flat):
         """flat's bytes (a uint8 tensor of fewer than SMALL bytes, host or device memory) put
         as the bytes around it are; their CRC-32 (None when torch's crc32 option is off)."""
         t0 = _time.perf_counter()
         if flat.device.type == "cuda":
-            with _torch.cuda.stream(self.stream_for(flat)):
-                flat = flat.cpu()
+            flat = self._to_host(flat)
             t0 = self._time("copy", t0)
         b = flat.numpy()
         crc = None
@@ -646,9 +657,7 @@ class _FileOut:
 
     def _add_saved(self, item, t):
         t0 = _time.perf_counter()
-        with (_torch.cuda.stream(self.stream_for(t)) if t.device.type == "cuda"
-              else _contextlib.nullcontext()):
-            c = t.cpu()
+        c = self._to_host(t)
         if c.untyped_storage().size() != c.numel() * c.element_size():
             c = c.clone()
         b = _io.BytesIO()
@@ -689,6 +698,11 @@ class _FileOut:
         finally:
             self.free, self.buf, self.np = [], None, None
             _os.close(self.fd)
+
+
+def _nbytes(src):
+    """The bytes of a gathered piece: a uint8 tensor or a bytearray."""
+    return src.numel() if isinstance(src, _torch.Tensor) else len(src)
 
 
 def _result(item, name, offset, length):
@@ -1229,7 +1243,7 @@ def _plain(target, dtype):
     """Whether target's memory holds its values as dtype, one after the other (a plain tensor,
     not a subclass that keeps them elsewhere; contiguous, no conjugate or negative bit over
     them)."""
-    return (type(target) is _torch.Tensor and target.dtype == dtype and target.is_contiguous()
+    return (not _subclass(target) and target.dtype == dtype and target.is_contiguous()
             and not target.is_conj() and not target.is_neg())
 
 
@@ -1854,10 +1868,8 @@ class PinnedStager(_AsyncStager):
             if id(t) in staged:
                 continue
             staged[id(t)] = None
-            if type(t) not in (_torch.Tensor, _torch.nn.Parameter):
-                # A subclass (a wrapper of other tensors, as float8 and quantized training keep
-                # weights) holds its values where its class says, not in memory of its own
-                # shape: copied as itself, by its class's own clone (to the host for "host").
+            if _subclass(t):
+                # copied as itself, by its class's own clone (to the host for "host")
                 src = t.detach()
                 staged[id(t)] = (src.to("cpu", copy=True)
                                  if src.device.type == "cuda" and self.stage_mode == "host"
