@@ -311,6 +311,14 @@ def paired(size, pairs):
                 each_over_disk_before=[round(d / pm, 2) for d, pm in pairs])
 
 
+def median_lines(rates, ref="disk"):
+    """For the probes: one line per case of rates ({case: [GB/s per round]}, in order), its
+    median, that median over ref's, and its rounds."""
+    med = {c: sorted(v)[len(v) // 2] for c, v in rates.items() if v}
+    return [f"  {c:8s} median {m:.2f} GB/s  ({m / med[ref]:.2f}x the {ref}'s)  rounds "
+            f"{[round(x, 2) for x in rates[c]]}" for c, m in med.items()]
+
+
 def best(fn, repeat):
     """The shortest of `repeat` timed runs of fn() (fn returns its own seconds)."""
     return min(fn() for _ in range(repeat))

@@ -10,7 +10,8 @@
 #   python (the whole suite), torch, train, workers, files (bench file + compare_checkpoint.py),
 #   kv (test_kv.py, examples/kv_offload.py), kvpin (kv_pin.py), offload (test_offload.py,
 #   offload_activations.py), dcp (test_dcp.py, probes/dcp_async_return.py, compare_dcp.py),
-#   safetensors (test_files.py, test_safetensors.py, test_lazy_bits.py), loaderpy
+#   safetensors (test_files.py, test_safetensors.py, test_lazy_bits.py, probes/save_host.py,
+#   probes/load_first.py), loaderpy
 #   (test_loader_dataloader.py, test_loader_hostile.py, test_loader_iterable.py). With `python`
 #   in the same run, the others leave their test files to it.
 # Default: all but sweep and python (the whole suite; the other Python steps run their own files).
@@ -504,6 +505,15 @@ if step safetensors 60; then
     pytests safetensors 300 python/tests/test_files.py python/tests/test_safetensors.py \
       python/tests/test_lazy_bits.py
     grep -E 'test_cuda_lazy_views' "$OUT/pytest-safetensors.log" | tail -1
+  fi
+  if pyext; then # save_file of CPU tensors, load_file(device="cpu") as a first call (a minute)
+    probe_size=1G
+    ((dry)) && probe_size=64M
+    run_to save-host 120 "$OUT/save-host.txt" "$OUT/save-host.err" \
+      "$PY" bench/probes/save_host.py --dir "$CKPT_DIR" --size "$probe_size"
+    run_to load-first 120 "$OUT/load-first.txt" "$OUT/load-first.err" \
+      "$PY" bench/probes/load_first.py --dir "$CKPT_DIR" --size "$probe_size"
+    cat "$OUT/save-host.txt" "$OUT/load-first.txt"
   fi
 fi
 

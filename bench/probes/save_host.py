@@ -31,7 +31,7 @@ import pinmem
 import pinmem.safetensors as ps
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from compare_checkpoint import Disk, parse_size  # noqa: E402  (bench/)
+from compare_checkpoint import Disk, median_lines, parse_size  # noqa: E402  (bench/)
 
 CASES = ("disk", "direct", "snapshot", "cold")
 
@@ -77,13 +77,9 @@ def main():
                 t0 = time.perf_counter()
                 save(case)
                 rates[case].append(n / (time.perf_counter() - t0) / 1e9)
-        med = {c: sorted(v)[len(v) // 2] for c, v in rates.items() if v}
         print(f"save_host: {n / 1e9:.2f} GB of CPU tensors ({len(sd)}), {a.rounds} rounds, "
               f"{os.cpu_count()} CPUs, torch {torch.__version__}")
-        for c in CASES:
-            if c in med:
-                print(f"  {c:8s} median {med[c]:.2f} GB/s  ({med[c] / med['disk']:.2f}x the "
-                      f"disk's)  rounds {[round(x, 2) for x in rates[c]]}")
+        print("\n".join(median_lines(rates)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
