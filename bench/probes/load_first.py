@@ -10,6 +10,9 @@ turned every round:
              reference;
   * first    load_file(device="cpu") as the process's first pinmem call;
   * later    the same after one load of the file in that process (its pinned memory reused);
+  * paged    as later, with the buffer on a page boundary instead of placed at the data's file
+             offset modulo 4 KiB (pinmem.safetensors._placed): O_DIRECT then reads through
+             pinmem's pinned slots and copies, where placed memory takes the bytes in place;
   * package  the safetensors package's load_file (where it is installed).
 
 Each case's GB/s per round, the medians, and each median over the disk's.
@@ -29,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from compare_checkpoint import Disk, drop_cache, median_lines, parse_size  # noqa: E402  (bench/)
 
-CASES = ("disk", "first", "later", "package")
+CASES = ("disk", "first", "later", "paged", "package")
 
 
 def one(case, path):
@@ -39,8 +42,11 @@ def one(case, path):
     if case == "package":
         from safetensors.torch import load_file
     else:
-        from pinmem.safetensors import load_file
-    if case == "later":
+        import pinmem.safetensors as ps
+        load_file = ps.load_file
+        if case == "paged":
+            ps._placed = lambda whole, n, at, align: whole[-whole.ctypes.data % 4096:][:n]
+    if case in ("later", "paged"):
         load_file(path)
     drop_cache(path)
     t0 = time.perf_counter()

@@ -693,12 +693,7 @@ def test_theirs_read_by_our_parser(tmp_path, rng, no_fd_leak):
     path = str(tmp_path / "theirs.safetensors")
     safetensors.numpy.save_file(arrays, path, metadata={"a": "b"})
     buf = []
-
-    def alloc(n):
-        b = pinmem.empty(n, "uint8")
-        buf.append(b)
-        return b, np.asarray(b), None
-
+    alloc = _pinned_into(buf)
     entries, data = pinmem.safetensors._read(path, lambda e: None, alloc)
     assert {e[0] for e in entries} == arrays.keys()
     for name, dtype, shape, begin, end in entries:
@@ -1748,6 +1743,16 @@ def test_read_write_torch_cuda_tensor(tmp_path, rng):
         assert (tmp_path / "g.bin").read_bytes() == data[7:].tobytes()
 
 
+def _pinned_into(bufs):
+    """An alloc for pinmem.safetensors._read: a pinned buffer of the n bytes asked for (placed
+    nowhere in particular), kept in bufs."""
+    def alloc(n, at):
+        b = pinmem.empty(n, "uint8")
+        bufs.append(b)
+        return b, np.asarray(b), None
+    return alloc
+
+
 def file_stats():
     return pinmem._pinmem._file_stats()
 
@@ -1804,11 +1809,7 @@ def test_load_file_io(io, tmp_path, rng, no_fd_leak):
     pinmem.safetensors.save_file(arrays, path)
     used = sum(a.nbytes for a in arrays.values())
     bufs = []
-
-    def alloc(n):
-        b = pinmem.empty(n, "uint8")
-        bufs.append(b)
-        return b, np.asarray(b), None
+    alloc = _pinned_into(bufs)
 
     def load():
         drop_pages(path)
@@ -1854,6 +1855,58 @@ def test_load_file_io_torch(io, tmp_path, rng, monkeypatch, no_fd_leak):
     del out, torch
 
 
+def _unpadded(path, arrays):
+    """A safetensors file of arrays whose header is not padded to 8 bytes (as the format's
+    writers pad it; its readers do not insist), so its data starts off the 8-byte grid."""
+    header, at = {}, 0
+    for k, a in arrays.items():
+        header[k] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
+        at += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((3 - len(raw)) % 8)  # 8 + len(raw) is 3 past the grid
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(a.tobytes() for a in arrays.values()))
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_host_loads_read_in_place(padded, tmp_path, rng, no_fd_leak):
+    """A load into host memory places that memory as the file's bytes lie (the same offset
+    modulo 4 KiB), so that O_DIRECT reads into it in place: the pool gives load_file's buffer
+    (or one per get_tensor) and no pinned slot for a copy. A header off the 8-byte grid would
+    leave elements misaligned so: the buffer starts on a page instead (read through the slots)
+    and every tensor is still aligned and exact."""
+    torch = skip_unless_torch()
+    arrays = {"a": rng.standard_normal((3 << 20) // 4 + 5).astype(np.float32),
+              "b": rng.standard_normal(1027).astype(np.float32)}
+    path = tmp_path / "m.safetensors"
+    if padded:
+        pinmem.safetensors.save_file(arrays, path)
+    else:
+        _unpadded(path, arrays)
+    with open(path, "rb") as f:
+        start = 8 + struct.unpack("<Q", f.read(8))[0]
+    assert (start % 8 == 0) == padded and start % 4096
+
+    def allocs(load):
+        s0 = pinmem.stats()["allocs"]
+        out = load()
+        for k, a in arrays.items():
+            got = out[k] if isinstance(out[k], np.ndarray) else out[k].numpy()
+            np.testing.assert_array_equal(got, a)
+            assert got.ctypes.data % 4 == 0, k
+        return pinmem.stats()["allocs"] - s0
+
+    n = allocs(lambda: pinmem.safetensors.load_file(path, io="direct"))
+    assert n == 1 if padded else n > 1
+    with pinmem.safetensors.safe_open(path, "pt", io="direct") as f:
+        n = allocs(lambda: {k: f.get_tensor(k) for k in arrays})
+    assert n == 2 if padded else n > 2, n
+    with pinmem.safetensors.safe_open(path, "np", io="direct") as f:
+        n = allocs(lambda: {k: f.get_tensor(k) for k in arrays})
+    assert n == 0 if padded else n > 0
+    del torch
+
+
 def test_checkpoint_goes_direct_and_round_trips(tmp_path, rng, no_fd_leak):
     """A checkpoint of 64 MiB or more is written through O_DIRECT (io='auto'; only the range's
     unaligned tail through the page cache) and, once out of the page cache, read back through
@@ -1876,12 +1929,7 @@ def test_checkpoint_goes_direct_and_round_trips(tmp_path, rng, no_fd_leak):
         assert s1["write_buffered"] - s0["write_buffered"] == size % 4096
     drop_pages(path)  # cold: synced by the save
     buf = []
-
-    def alloc(n):
-        b = pinmem.empty(n, "uint8")
-        buf.append(b)
-        return b, np.asarray(b), None
-
+    alloc = _pinned_into(buf)
     s2 = file_stats()
     entries, data = pinmem.safetensors._read(str(path), lambda e: None, alloc)
     s3 = file_stats()
