@@ -323,6 +323,13 @@ def _subclass(t):
     return type(t) not in (_torch.Tensor, _torch.nn.Parameter)
 
 
+def _bytes(t):
+    """The memory of t (contiguous) as flat uint8, exactly its bytes. Not t.view(-1): torch
+    counts a tensor of one element contiguous whatever its strides (x[::2] of two elements has
+    stride 2), its flat view keeps that stride, and view(uint8) refuses it."""
+    return t.as_strided((t.numel(),), (1,)).view(_torch.uint8)
+
+
 def _source(t):
     """(tensor torch.save would store, its bytes as a flat uint8 tensor or None when it must be
     copied first). torch's writer stores tensor.cpu(), cloned when its storage holds more than
@@ -337,7 +344,7 @@ def _source(t):
     if t.is_neg():
         t = t.resolve_neg()
     if t.is_contiguous():
-        return t, (t.reshape(-1).view(_torch.uint8) if t.numel() else None)
+        return t, (_bytes(t) if t.numel() else None)
     return t, None
 
 
@@ -1535,7 +1542,7 @@ class FileSystemReader(_fs.FileSystemReader):
             pieces.append((info.offset, data_at - info.offset, None, at))
             done.append((req, info, "direct", (at, guess, target)))
             first, n = one
-            pieces.append((data_at + first, n, target.reshape(-1).view(_torch.uint8), None))
+            pieces.append((data_at + first, n, _bytes(target), None))
         # holes of up to HOLE bytes read too (into the scratch): one stream
         ranges, at = [], None
         for off, n, dst, s_at in pieces:
@@ -1647,7 +1654,7 @@ class FileSystemReader(_fs.FileSystemReader):
             if one is not None and _dense_for(target, dtype, req):
                 first, n = one
                 if n:
-                    target.reshape(-1).view(_torch.uint8).copy_(buf[rel + first:rel + first + n])
+                    _bytes(target).copy_(buf[rel + first:rel + first + n])
                 _commit(planner, req, target)
                 return
             src = buf[rel:rel + numel * itemsize]
@@ -1690,10 +1697,8 @@ class FileSystemReader(_fs.FileSystemReader):
                 if n:
                     stream = (_torch.cuda.current_stream(target.device)
                               if target.device.type == "cuda" else None)
-                    _pm.read_file(path, target.view(-1).view(_torch.uint8)
-                                  if target.dim() else target.reshape(1).view(_torch.uint8),
-                                  data_at + first, nbytes=n, io=self.io, stream=stream,
-                                  fd=fd).wait()
+                    _pm.read_file(path, _bytes(target), data_at + first, nbytes=n,
+                                  io=self.io, stream=stream, fd=fd).wait()
                 return None
             buf = self._host(n)
             if n:
@@ -1702,7 +1707,7 @@ class FileSystemReader(_fs.FileSystemReader):
             return buf.view(dtype).view(lens)
         if not size:  # a 0-d tensor
             if _plain(target, dtype):
-                _pm.read_file(path, target.reshape(1).view(_torch.uint8),
+                _pm.read_file(path, _bytes(target),
                               data_at + soff * itemsize, nbytes=itemsize, io=self.io,
                               fd=fd).wait()
                 return None
@@ -1739,7 +1744,7 @@ def _flatten_bytes(ts, dev):
     concatenated, the result seen as their dtype."""
     n = sum(t.numel() * t.element_size() for t in ts)
     flat = _torch.empty(n, dtype=_torch.uint8, device=dev)
-    _torch.cat([t.detach().contiguous().reshape(-1).view(_torch.uint8) for t in ts], out=flat)
+    _torch.cat([_bytes(t.detach().contiguous()) for t in ts], out=flat)
     return flat.view(ts[0].dtype)
 
 
@@ -1917,7 +1922,7 @@ class PinnedStager(_AsyncStager):
                     stream = _torch.cuda.current_stream(t.device) if t.device.type == \
                         "cuda" else None
                     if nb:
-                        copies.append((_pm.copy(raw, src.reshape(-1).view(_torch.uint8),
+                        copies.append((_pm.copy(raw, _bytes(src),
                                                 stream), src))
                 staged[id(t)] = dst
                 at += n

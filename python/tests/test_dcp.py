@@ -769,6 +769,29 @@ def test_tied_weights_and_view_bits(tmp_path, writer):
             assert torch.equal(got[k], v), f"{writer} read by {reader}: {k}"
 
 
+@pytest.mark.parametrize("writer", ["pinmem", "torch"])
+def test_one_element_views_of_any_stride(tmp_path, writer):
+    """A tensor of one element may have any stride (x[::2] of two elements has stride 2; one
+    row of a column): torch counts it contiguous, and its flat view keeps that stride. Such
+    sources save, and such destinations load through either reader, as torch's do; the memory
+    beside a destination stays as it was."""
+    col = torch.arange(6, dtype=torch.int32).view(3, 2)[:, 1]
+    sd = {"a": torch.arange(4.0)[::2][:1], "b": col[:1].view(1, 1),
+          "c": torch.tensor([5], dtype=torch.int16)}
+    assert sd["a"].stride() == (2,) and sd["b"].stride() == (2, 2)
+    dcp.save(sd, storage_writer=_writer(writer, tmp_path), no_dist=True)
+    for reader in ("pinmem", "torch"):
+        bases = {"a": torch.full((4,), -1.0), "b": torch.full((3, 2), -1, dtype=torch.int32),
+                 "c": torch.full((8,), -1, dtype=torch.int16)}
+        got = {"a": bases["a"][::2][:1], "b": bases["b"][:, 1][:1].view(1, 1),
+               "c": bases["c"][::4][:1]}
+        dcp.load(got, storage_reader=_reader(reader, tmp_path), no_dist=True)
+        for k, v in sd.items():
+            assert torch.equal(got[k], v), f"{writer} read by {reader}: {k}"
+            assert int((bases[k] == -1).sum()) == bases[k].numel() - 1, \
+                f"{writer} read by {reader}: {k} wrote beside its destination"
+
+
 def test_archive_of_a_tensor_past_4_gib(tmp_path):
     """A tensor of 4 GiB or more: torch.save's archive has zip64 records (offsets past 4 GiB in
     extra fields); the writer's image of it puts the CRCs where a zip reader finds them. The

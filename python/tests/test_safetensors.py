@@ -319,6 +319,31 @@ def test_torch_module_bytes_match_the_package(tmp_path):
         assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
 
 
+def test_one_element_views_of_any_stride_save(tmp_path):
+    """A tensor of one element may have any stride (x[::2] of two elements has stride 2):
+    torch counts it contiguous, and its flat view keeps that stride. It saves as the package
+    saves it, through the .torch module and pinmem's own save_file."""
+    torch = torch_or_skip()
+    import pinmem.safetensors
+    from pinmem.safetensors import torch as ptorch
+    tensors = {"a": torch.arange(4.0)[::2][:1],
+               "b": torch.arange(6, dtype=torch.int32).view(3, 2)[:, 1][:1].view(1, 1)}
+    assert tensors["a"].stride() == (2,) and tensors["b"].stride() == (2, 2)
+    data = ptorch.save(tensors)
+    try:
+        import safetensors.torch as stt
+        assert stt.save(tensors) == data
+    except ImportError:
+        pass
+    for save in (ptorch.save_file, pinmem.safetensors.save_file):
+        path = tmp_path / "t.safetensors"
+        save(tensors, path)
+        assert path.read_bytes() == data
+        back = ptorch.load_file(path)
+        for k, v in tensors.items():
+            assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
 def test_save_model_and_load_model(tmp_path):
     torch = torch_or_skip()
     from pinmem.safetensors import torch as ptorch

@@ -891,7 +891,9 @@ def _source(name, t):
         if not t.is_contiguous():
             t = t.contiguous()
         n = t.numel() * _DTYPES[dtype][1]
-        view = t.reshape(-1).view(torch.uint8) if n else None
+        # as_strided, not view(-1): torch counts a tensor of one element contiguous whatever
+        # its stride, and view(uint8) refuses a flat view whose stride is not 1
+        view = t.as_strided((t.numel(),), (1,)).view(torch.uint8) if n else None
         stream = torch.cuda.current_stream(t.device) if t.device.type == "cuda" else None
         shape = tuple(t.shape)
         if dtype == "F4":  # the file counts 4-bit values: two a torch element
