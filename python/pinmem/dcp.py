@@ -1899,11 +1899,13 @@ class PinnedStager(_AsyncStager):
         sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in host]
         total = sum(sizes)
         reused = False
-        if total:
-            mem, reused = self._pinned(total)
+        if host:
+            mem = None  # empty tensors alone take no buffer, but are staged all the same
+            if total:
+                mem, reused = self._pinned(total)
+                self._written = False
             phases["pinned_alloc"] = clock() - t2
             t2 = clock()
-            self._written = False
             copies = []
             at = 0
             for t, n in zip(host, sizes):

@@ -1194,6 +1194,34 @@ def test_load_reads_the_files_it_checked(tmp_path, monkeypatch):
     assert str(tmp_path) in str(e.value) and "/proc/self/fd" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("with_data", [False, True])
+def test_stager_keeps_empty_tensors(tmp_path, with_data):
+    """Empty tensors are staged as empty tensors of their shape and dtype, also where they are
+    all the host tensors there are (no buffer to place them in): such a snapshot used to hold
+    None for each, and the checkpoint stored None where the state dict had a tensor."""
+    import pinmem.dcp
+    sd = {"e": torch.zeros(0, 3), "i": torch.empty(0, dtype=torch.int64), "n": 5}
+    sd["tied"] = sd["e"]
+    if with_data:
+        sd["w"] = torch.arange(6.0)
+    staged = pinmem.dcp.PinnedStager().stage(sd)
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            s = staged[k]
+            assert isinstance(s, torch.Tensor) and s.dtype == v.dtype and s.shape == v.shape, k
+            assert torch.equal(s, v), k
+    dcp.save(staged, storage_writer=_writer("pinmem", tmp_path), no_dist=True)
+    for reader in ("pinmem", "torch"):
+        got = {k: torch.full_like(v, 7) if isinstance(v, torch.Tensor) else 0
+               for k, v in sd.items()}
+        dcp.load(got, storage_reader=_reader(reader, tmp_path), no_dist=True)
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                assert isinstance(got[k], torch.Tensor) and torch.equal(got[k], v), (reader, k)
+            else:
+                assert got[k] == v
+
+
 def test_stager_snapshot_and_reuse():
     """PinnedStager: staged tensors are pinned copies (changing the source does not change
     them), 4 KiB apart; the buffer is reused once the snapshot is dropped, not while it lives."""
