@@ -8,8 +8,10 @@ turned every round:
 
   * disk     the disk's own O_DIRECT read of as many bytes (compare_checkpoint's Disk), the
              reference;
-  * first    load_file(device="cpu") as the process's first pinmem call;
-  * later    the same after one load of the file in that process (its pinned memory reused);
+  * first    load_file(device="cpu") as the process's first pinmem call: its pinned memory
+             allocated in pieces while the earlier pieces are read (pinmem.safetensors._read);
+  * whole    as first, into one buffer allocated before the read (PIECES_MIN past the file);
+  * later    load_file after one load of the file in that process (its pinned memory reused);
   * paged    as later, with the buffer on a page boundary instead of placed at the data's file
              offset modulo 4 KiB (pinmem.safetensors._placed): O_DIRECT then reads through
              pinmem's pinned slots and copies, where placed memory takes the bytes in place;
@@ -18,7 +20,7 @@ turned every round:
 Each case's GB/s per round, the medians, and each median over the disk's.
 
   PYTHONPATH=build-py/python python3 bench/probes/load_first.py --dir DIR [--size 1G]
-      [--rounds 4]
+      [--rounds 4] [--cases first,whole,...]
 """
 import argparse
 import os
@@ -32,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from compare_checkpoint import Disk, drop_cache, median_lines, parse_size  # noqa: E402  (bench/)
 
-CASES = ("disk", "first", "later", "paged", "package")
+CASES = ("disk", "first", "whole", "later", "paged", "package")
 
 
 def one(case, path):
@@ -44,6 +46,8 @@ def one(case, path):
     else:
         import pinmem.safetensors as ps
         load_file = ps.load_file
+        if case == "whole":
+            ps.PIECES_MIN = 1 << 62
         if case == "paged":
             ps._placed = lambda whole, n, at, align: whole[-whole.ctypes.data % 4096:][:n]
     if case in ("later", "paged"):
@@ -61,6 +65,8 @@ def main():
     ap.add_argument("--dir", default=None, help="folder on the disk under test")
     ap.add_argument("--size", default="1G")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--cases", default=",".join(CASES), help="which, comma-separated (disk is "
+                    "always run: the reference)")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--file", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -69,11 +75,11 @@ def main():
         return 0
     import torch
     import pinmem.safetensors as ps
-    cases = list(CASES)
+    cases = ["disk"] + [c for c in a.cases.split(",") if c in CASES and c != "disk"]
     try:
         import safetensors.torch  # noqa: F401
     except ImportError:
-        cases.remove("package")
+        cases = [c for c in cases if c != "package"]
     tmp = tempfile.mkdtemp(prefix="pinmem-load-first.", dir=a.dir)
     try:
         path = os.path.join(tmp, "x.safetensors")

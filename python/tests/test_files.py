@@ -1846,8 +1846,11 @@ def test_load_file_io_torch(io, tmp_path, rng, monkeypatch, no_fd_leak):
     path = tmp_path / "m.safetensors"
     pinmem.safetensors.save_file(arrays, path)
     real, seen = pinmem.safetensors._read, []
-    monkeypatch.setattr(pinmem.safetensors, "_read",
-                        lambda p, c, a, i, *rest: seen.append(i) or real(p, c, a, i, *rest))
+
+    def read(p, c, a, i, *rest, **kw):
+        seen.append(i)
+        return real(p, c, a, i, *rest, **kw)
+    monkeypatch.setattr(pinmem.safetensors, "_read", read)
     out = pinmem.safetensors.load_file(path, io=io)
     assert seen == [io]
     for k, a in arrays.items():
@@ -1904,6 +1907,89 @@ def test_host_loads_read_in_place(padded, tmp_path, rng, no_fd_leak):
     with pinmem.safetensors.safe_open(path, "np", io="direct") as f:
         n = allocs(lambda: {k: f.get_tensor(k) for k in arrays})
     assert n == 0 if padded else n > 0
+    del torch
+
+
+def test_load_cuts_pieces_only_between_tensors():
+    """_cuts: pieces cover the data region in order, each but the last at least as large as
+    asked (the first PIECE_FIRST, then twice the one before, up to PIECE_MAX), and no tensor
+    crosses a cut, also where tensors overlap in their spans' order or leave gaps."""
+    st = pinmem.safetensors
+    mib = 1 << 20
+    assert st._cuts([("a", "U8", [8], 0, 8)], 8) == [(0, 8)]  # under PIECES_MIN: one piece
+    sizes = [mib * k for k in (1, 3, 20, 5, 40, 300, 7, 60, 2)] * 4
+    entries, at = [], 0
+    for i, n in enumerate(sizes):
+        entries.append((f"t{i}", "U8", [n], at, at + n))
+        at += n + (4096 if i % 5 == 0 else 0)  # gaps (strict=False files have them)
+    cuts = st._cuts(entries[::-1], at)  # in any header order
+    assert cuts[0][0] == 0 and cuts[-1][1] == at
+    assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    want = st.PIECE_FIRST
+    for b, e in cuts[:-1]:
+        assert e - b >= want, (b, e, want)
+        want = min(2 * want, st.PIECE_MAX)
+    for _, _, _, b, e in entries:
+        assert any(cb <= b and e <= ce for cb, ce in cuts), (b, e)
+    assert len(cuts) > 4
+
+
+def test_host_load_in_pieces_allocated_beside_the_reads(tmp_path, rng, monkeypatch, no_fd_leak):
+    """load_file(device='cpu') of a region of PIECES_MIN bytes or more: a buffer per piece,
+    allocated on a thread of their own while the reads run on the caller's (a piece read as
+    soon as its buffer is there; where the pool has them all at once, one read), every tensor
+    exact and in memory of its own; a read that fails raises, naming the file, and every
+    piece's memory goes back to the pool."""
+    torch = skip_unless_torch()
+    st = pinmem.safetensors
+    monkeypatch.setattr(st, "PIECES_MIN", 1 << 20)
+    monkeypatch.setattr(st, "PIECE_FIRST", 256 << 10)
+    monkeypatch.setattr(st, "PIECE_MAX", 1 << 20)
+    arrays = {f"t{i}": rng.standard_normal(n).astype(np.float32)
+              for i, n in enumerate([70_000, 1, 300_000, 5_000, 400_000, 90_000, 0, 33])}
+    path = tmp_path / "m.safetensors"
+    st.save_file(arrays, path)
+    pieces = len(st._cuts(st._parse_header(path.read_bytes(), str(path))[1],
+                          sum(a.nbytes for a in arrays.values())))
+    assert pieces > 2
+    threads, reads = set(), []
+    real_alloc, real_read = st._alloc, st._read_ranges
+
+    def slow_alloc(*a):  # as a first load's allocations are: slower than the reads
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)
+        return real_alloc(*a)
+
+    def read(fd, ranges, *rest):
+        reads.append((ranges, threading.current_thread().name))
+        return real_read(fd, ranges, *rest)
+    monkeypatch.setattr(st, "_alloc", slow_alloc)
+    monkeypatch.setattr(st, "_read_ranges", read)
+
+    def load():
+        reads.clear()
+        out = st.load_file(path)
+        assert {name for _, name in reads} == {threading.current_thread().name}
+        assert sum(len(r) for r, _ in reads) == pieces
+        for k, a in arrays.items():
+            np.testing.assert_array_equal(out[k].numpy(), a)
+            assert out[k].untyped_storage().nbytes() == a.nbytes, k
+        return len(reads)
+
+    assert load() == pieces  # each piece read once its buffer came
+    assert threads == {"pinmem-load-alloc_0"}
+    gc.collect()
+    base = pinmem.stats()["in_use_bytes"]
+
+    def fail_second(fd, ranges, *rest):
+        if reads:
+            raise pinmem.IoError("injected")
+        return read(fd, ranges, *rest)
+    monkeypatch.setattr(st, "_read_ranges", fail_second)
+    with pytest.raises(pinmem.IoError, match="injected"):
+        st.load_file(path)
+    gc.collect()
+    assert pinmem.stats()["in_use_bytes"] == base
     del torch
 
 
