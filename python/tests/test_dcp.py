@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import subprocess
 import tempfile
 import time
@@ -790,6 +791,121 @@ def test_one_element_views_of_any_stride(tmp_path, writer):
             assert torch.equal(got[k], v), f"{writer} read by {reader}: {k}"
             assert int((bases[k] == -1).sum()) == bases[k].numel() - 1, \
                 f"{writer} read by {reader}: {k} wrote beside its destination"
+
+
+_FUZZ_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
+                torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
+                torch.float8_e4m3fn]
+
+
+def _random_tensor(rng):
+    """A tensor as state dicts hold them: any of the dtypes, 0 to 3 dimensions (some empty,
+    some past the writer's SMALL), at an offset into a larger storage, and sometimes a
+    transposed, strided, one-element strided, conjugate or negative view."""
+    dtype = rng.choice(_FUZZ_DTYPES)
+    shape = [rng.choice([0, 1, 2, 3, 7, 64, 513]) for _ in range(rng.randint(0, 3))]
+    if shape and rng.random() < 0.25:
+        shape[0] = rng.choice([4096, 70_000])
+    n = 1
+    for d in shape:
+        n *= d
+    if n > 2_000_000:
+        shape, n = [7] * len(shape), 7 ** len(shape)
+    off = rng.randint(0, 9)
+    if dtype == torch.bool:
+        base = torch.rand(n + 9) < 0.5
+    elif dtype.is_complex:
+        base = torch.randn(n + 9, dtype=torch.complex64)
+    elif dtype.is_floating_point:
+        base = torch.randn(n + 9).to(dtype)
+    else:
+        base = torch.randint(0, 100, (n + 9,)).to(dtype)
+    t = base[off:off + n].view(shape) if shape else base[off]
+    k = rng.random()
+    if k < 0.15 and t.dim() >= 2:
+        t = t.transpose(0, 1)
+    elif k < 0.25 and t.dim() and t.shape[-1] > 2:
+        t = t[..., ::2]
+    elif k < 0.3:
+        t = (base[off:off + 2 * max(n, 1)][::2][:1] if n else t)  # one element, stride 2
+    elif k < 0.35 and dtype.is_complex:
+        t = t.conj()
+    elif k < 0.4 and dtype in (torch.float32, torch.float64):
+        t = torch._neg_view(t)
+    return t
+
+
+def _random_sd(rng):
+    sd = {}
+    for i in range(rng.randint(1, 10)):
+        r = rng.random()
+        if r < 0.8:
+            sd[f"t{i}"] = _random_tensor(rng)
+        elif r < 0.9:
+            sd[f"o{i}"] = {"step": rng.randint(0, 9), "name": "x" * rng.randint(0, 3)}
+        else:
+            sd[f"a{i}"] = sd[f"b{i}"] = _random_tensor(rng)  # tied
+    return sd
+
+
+def _values(v):
+    """A tensor's dtype, shape and values as bytes (its view bits applied), or v itself."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    c = torch.empty(v.shape, dtype=v.dtype).copy_(v.resolve_conj().resolve_neg())
+    return v.dtype, tuple(v.shape), bytes(c.reshape(-1).view(torch.uint8).numpy())
+
+
+def _destination(rng, v):
+    """Somewhere to load v: a tensor of its shape, sometimes of another dtype (a cast),
+    transposed or strided; a dict with v's keys."""
+    if not isinstance(v, torch.Tensor):
+        return {k: type(x)() for k, x in v.items()}
+    dtype = v.dtype
+    if rng.random() < 0.25 and not (dtype.is_complex or dtype == torch.bool):
+        dtype = rng.choice([torch.float32, torch.float64, torch.int64, torch.bfloat16])
+    shape = list(v.shape)
+    k = rng.random()
+    if k < 0.25 and len(shape) >= 2:
+        return torch.full([shape[1], shape[0]] + shape[2:], 3).to(dtype).transpose(0, 1)
+    if k < 0.45 and shape:
+        return torch.full(shape[:-1] + [2 * shape[-1]], 3).to(dtype)[..., ::2]
+    return torch.full(shape, 3).to(dtype)
+
+
+def test_random_state_dicts_as_torch_saves_and_loads_them(tmp_path):
+    """Seeded random state dicts (_random_sd: dtypes, shapes, views, ties, objects): saved by
+    pinmem's writer, from the tensors and from PinnedStager's snapshot, and by torch's; each
+    loaded by both readers into destinations of their own shapes, casts and strides. Every
+    load gives what torch's reader gives from torch's writer. Findings 20 and 21
+    (docs/RELIABILITY.md) came from runs of this kind."""
+    for seed in range(100):
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        sd = _random_sd(rng)
+        dest_seed = rng.random()
+        got = {}
+        for writer in ("torch", "pinmem", "staged"):
+            folder = tmp_path / f"{seed}-{writer}"
+            if writer == "staged":
+                import pinmem.dcp
+                src = pinmem.dcp.PinnedStager().stage(sd)
+            else:
+                src = sd
+            dcp.save(src, storage_writer=_writer("torch" if writer == "torch" else "pinmem",
+                                                 folder), no_dist=True)
+            for reader in ("torch", "pinmem"):
+                drng = random.Random(dest_seed)
+                dst = {k: _destination(drng, v) for k, v in sd.items()}
+                dcp.load(dst, storage_reader=_reader(reader, folder), no_dist=True)
+                got[writer, reader] = {k: _values(v) for k, v in dst.items()}
+        want = got["torch", "torch"]
+        for case, values in got.items():
+            for k, v in want.items():
+                assert values[k] == v, f"seed {seed}, {case} (writer, reader): {k!r}"
+        for k, v in sd.items():  # and torch's own round trip keeps the values
+            if isinstance(v, torch.Tensor) and want[k][0] == v.dtype:
+                assert want[k] == _values(v), f"seed {seed}: {k!r}"
 
 
 def test_archive_of_a_tensor_past_4_gib(tmp_path):
