@@ -22,8 +22,9 @@
 # build with tests and tests together 1.3; info 0.1; notoolkit 0.5; alloc 0.2; copy 0.8; loader 0.4;
 # file 0.5; blocks 2.3; the extension and kv 0.4; offload 1.1; dcp 3.7 (4 ranks, 4G; on an H100
 # 6.0 with the extension's build and its tests, DCP_PROBE=0; the probe adds a minute); train 0.5;
-# loaderpy 0.7; kvpin 1.2 at 16G; estimated: overlap ~1, safetensors ~1, workers ~7, python ~4,
-# kvpin ~4 at 64G. Calls of under ~9 minutes, in this order of need:
+# loaderpy 0.7; kvpin 1.2 at 16G; estimated: overlap ~1, safetensors ~4 (its tests 0.7 on an
+# H100, then its probes), workers ~7, python ~4, kvpin ~4 at 64G. Calls of under ~9 minutes, in
+# this order of need:
 #   A  build tests info notoolkit alloc copy loader file   3.2   the driver loaded at run time
 #   B  build blocks kv offload                              3.9   KV store, offload
 #   B' dcp  (DCP_ARGS ... --size 4G)                        ~7    DCP
@@ -506,13 +507,15 @@ if step safetensors 60; then
       python/tests/test_lazy_bits.py
     grep -E 'test_cuda_lazy_views' "$OUT/pytest-safetensors.log" | tail -1
   fi
-  if pyext; then # save_file of CPU tensors, load_file(device="cpu") as a first call (a minute)
+  if pyext; then # save_file of CPU tensors, load_file(device="cpu") as a first call (3 minutes)
     probe_size=1G
     ((dry)) && probe_size=64M
     run_to save-host 120 "$OUT/save-host.txt" "$OUT/save-host.err" \
       "$PY" bench/probes/save_host.py --dir "$CKPT_DIR" --size "$probe_size"
-    run_to load-first 120 "$OUT/load-first.txt" "$OUT/load-first.err" \
-      "$PY" bench/probes/load_first.py --dir "$CKPT_DIR" --size "$probe_size"
+    # a process a case and round (CUDA's start-up each): 3 rounds of 4 cases, about 2 minutes
+    run_to load-first 180 "$OUT/load-first.txt" "$OUT/load-first.err" \
+      "$PY" bench/probes/load_first.py --dir "$CKPT_DIR" --size "$probe_size" --rounds 3 \
+      --cases first,whole,later,package
     cat "$OUT/save-host.txt" "$OUT/load-first.txt"
   fi
 fi

@@ -38,9 +38,11 @@ CASES = ("disk", "first", "whole", "later", "paged", "package")
 
 
 def one(case, path):
-    """Seconds of one cold load of path by `case`, in this process (torch imported first: its
-    import is no part of a load)."""
-    import torch  # noqa: F401
+    """Seconds of one cold load of path by `case`, in this process (torch imported first, and
+    its CUDA initialized where there is a GPU: neither is part of a load)."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.init()  # a PyTorch program's CUDA is up before it loads its weights
     if case == "package":
         from safetensors.torch import load_file
     else:

@@ -345,8 +345,8 @@ def _read(path, check, alloc, io="auto", strict=True, pieces=False):
     its own buffer and read, and data [(first byte of the piece, its data)] in order. The
     buffers are allocated one after the other on a thread of their own while the earlier
     pieces are read: a process's first load allocates its pinned memory as the disk reads,
-    not before it (1.07 GB cold on the 2-CPU VM: 1.7-1.8 GB/s against 0.5-1.7 in one buffer;
-    bench/probes/load_first.py). A later load of the file finds the same sizes in the pool."""
+    not before it (figures at PIECE_FIRST; bench/probes/load_first.py). A later load of the
+    file finds the same sizes in the pool."""
     fd = _open(path)
     try:
         _, entries, start, used = _parse_header(fd, path, strict)
@@ -389,10 +389,13 @@ def _read(path, check, alloc, io="auto", strict=True, pieces=False):
 
 # _read's pieces: the first of PIECE_FIRST bytes or more, each next one twice the one before up
 # to PIECE_MAX (a piece ends where a tensor does, so one may be larger); data regions under
-# PIECES_MIN bytes are one piece.
-PIECE_FIRST = 16 << 20
+# PIECES_MIN bytes are one piece. Each allocation and read has its fixed cost: first loads on the
+# 2-CPU VM (medians of 8) of 1 GB ran at 1.92 GB/s with a first piece of 64 MiB, 1.88 of 16 MiB,
+# 1.65 in one buffer; of 512 MB at 1.73, 1.55 and 1.55; of 256 MB at 1.46 against 1.40 in one;
+# of 128 MB at 1.17 against 1.23.
+PIECE_FIRST = 64 << 20
 PIECE_MAX = 256 << 20
-PIECES_MIN = 64 << 20
+PIECES_MIN = 256 << 20
 
 
 def _cuts(entries, used):
@@ -461,7 +464,7 @@ def load_file(path, device="cpu", *, backend="mmap", io="auto", strict=True):
 
     The header is checked first (FormatError naming the file and what is wrong: a bad length,
     JSON, dtype, shape, offsets out of range or overlapping); then the data is read with one
-    pinmem read into one buffer of device memory, or for 'cpu' into pinned memory: from 64 MiB
+    pinmem read into one buffer of device memory, or for 'cpu' into pinned memory: from 256 MiB
     on in pieces cut between tensors, allocated while the earlier ones are read (_read). Each
     tensor lies in a buffer with a storage of its own over just its bytes (torch.save of one
     tensor writes that tensor alone), and a buffer is freed when the last of its tensors is.
