@@ -353,15 +353,11 @@ def _read(path, check, alloc, io="auto", strict=True, pieces=False):
         check(entries)
         if not used:
             return entries, ([] if pieces else None)
-        if not pieces:
-            target, data, stream = alloc(used, start)
-            _read_range(fd, start, used, target, stream, io, "load_file", path)
-            return entries, data
-        cuts = _cuts(entries, used)
+        cuts = _cuts(entries, used) if pieces else [(0, used)]
         if len(cuts) == 1:
             target, data, stream = alloc(used, start)
             _read_range(fd, start, used, target, stream, io, "load_file", path)
-            return entries, [(0, data)]
+            return entries, [(0, data)] if pieces else data
         import concurrent.futures
         out = []
         with concurrent.futures.ThreadPoolExecutor(1, "pinmem-load-alloc") as ex:
@@ -390,9 +386,10 @@ def _read(path, check, alloc, io="auto", strict=True, pieces=False):
 # _read's pieces: the first of PIECE_FIRST bytes or more, each next one twice the one before up
 # to PIECE_MAX (a piece ends where a tensor does, so one may be larger); data regions under
 # PIECES_MIN bytes are one piece. Each allocation and read has its fixed cost: first loads on the
-# 2-CPU VM (medians of 8) of 1 GB ran at 1.92 GB/s with a first piece of 64 MiB, 1.88 of 16 MiB,
-# 1.65 in one buffer; of 512 MB at 1.73, 1.55 and 1.55; of 256 MB at 1.46 against 1.40 in one;
-# of 128 MB at 1.17 against 1.23.
+# 2-CPU VM (medians of 8, each in a process of its own as bench/probes/load_first.py runs them)
+# of 1 GB ran at 1.92 GB/s with a first piece of 64 MiB, 1.88 of 16 MiB, 1.65 in one buffer; of
+# 512 MB at 1.73, 1.55 and 1.55; of 256 MB at 1.46 against 1.40 in one; of 128 MB at 1.17
+# against 1.23.
 PIECE_FIRST = 64 << 20
 PIECE_MAX = 256 << 20
 PIECES_MIN = 256 << 20
