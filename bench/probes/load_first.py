@@ -24,7 +24,6 @@ Each case's GB/s per round, the medians, and each median over the disk's.
 """
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,8 +81,7 @@ def main():
         import safetensors.torch  # noqa: F401
     except ImportError:
         cases = [c for c in cases if c != "package"]
-    tmp = tempfile.mkdtemp(prefix="pinmem-load-first.", dir=a.dir)
-    try:
+    with tempfile.TemporaryDirectory(prefix="pinmem-load-first.", dir=a.dir) as tmp:
         path = os.path.join(tmp, "x.safetensors")
         per = 4096 * 1024 * 2
         ps.save_file({f"t{i}": torch.randn(4096, 1024).to(torch.bfloat16)
@@ -104,11 +102,9 @@ def main():
                                      text=True).stdout
                 rates[case].append(n / float(out.split()[-1]) / 1e9)
             how = how or drop_cache(path)
-        print(f"load_first: {n / 1e9:.2f} GB file, device cpu, {a.rounds} rounds, "
-              f"{os.cpu_count()} CPUs, torch {torch.__version__}, pages dropped by {how}")
-        print("\n".join(median_lines(rates)))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"load_first: {n / 1e9:.2f} GB file, device cpu, {a.rounds} rounds, "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}, pages dropped by {how}")
+    print("\n".join(median_lines(rates)))
     return 0
 
 

@@ -92,6 +92,7 @@ from torch.distributed.checkpoint.storage import WriteResult as _WriteResult
 from torch.futures import Future as _Future
 
 import pinmem as _pm
+from pinmem.torch import _flat_bytes as _bytes
 
 try:  # ISA-L's CRC-32 (pip install isal): 5-7 times zlib's, the same values
     from isal.isal_zlib import crc32 as _crc32
@@ -321,13 +322,6 @@ def _subclass(t):
     of its own shape (a wrapper of other tensors, as quantized and float8 training keep
     weights)."""
     return type(t) not in (_torch.Tensor, _torch.nn.Parameter)
-
-
-def _bytes(t):
-    """The memory of t (contiguous) as flat uint8, exactly its bytes. Not t.view(-1): torch
-    counts a tensor of one element contiguous whatever its strides (x[::2] of two elements has
-    stride 2), its flat view keeps that stride, and view(uint8) refuses it."""
-    return t.as_strided((t.numel(),), (1,)).view(_torch.uint8)
 
 
 def _source(t):
@@ -1924,8 +1918,7 @@ class PinnedStager(_AsyncStager):
                     stream = _torch.cuda.current_stream(t.device) if t.device.type == \
                         "cuda" else None
                     if nb:
-                        copies.append((_pm.copy(raw, _bytes(src),
-                                                stream), src))
+                        copies.append((_pm.copy(raw, _bytes(src), stream), src))
                 staged[id(t)] = dst
                 at += n
             del mem

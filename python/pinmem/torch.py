@@ -191,6 +191,13 @@ class _Saved:
         self.offset = t.storage_offset()
 
 
+def _flat_bytes(t):
+    """The memory of t (contiguous) as flat uint8, exactly its bytes. Not t.view(-1): torch
+    counts a tensor of one element contiguous whatever its strides (x[::2] of two elements has
+    stride 2), its flat view keeps that stride, and view(uint8) refuses it."""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
 def _storage_bytes(t):
     """A uint8 tensor over the whole storage of t (what keeping t holds on the device)."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())

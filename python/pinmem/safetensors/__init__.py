@@ -363,17 +363,18 @@ def _read(path, check, alloc, io="auto", strict=True, pieces=False):
         with concurrent.futures.ThreadPoolExecutor(1, "pinmem-load-alloc") as ex:
             futs = [ex.submit(alloc, end - begin, start + begin) for begin, end in cuts]
             try:
-                k = 0
-                while k < len(cuts):
+                i = 0
+                while i < len(cuts):
                     # the next piece's buffer, and those of the pieces after it that are
                     # ready too (all of them where the pool had the memory): one read
-                    ready = [futs[k].result()]
-                    while k + len(ready) < len(cuts) and futs[k + len(ready)].done():
-                        ready.append(futs[k + len(ready)].result())
-                    _read_ranges(fd, [(start + cuts[k + j][0], r[0]) for j, r in
-                                      enumerate(ready)], io, "load_file", path)
-                    out += [(cuts[k + j][0], r[1]) for j, r in enumerate(ready)]
-                    k += len(ready)
+                    futs[i].result()
+                    j = i + 1
+                    while j < len(cuts) and futs[j].done():
+                        j += 1
+                    got = [(b, f.result()) for (b, _), f in zip(cuts[i:j], futs[i:j])]
+                    _read_ranges(fd, [(start + b, r[0]) for b, r in got], io, "load_file", path)
+                    out += [(b, r[1]) for b, r in got]
+                    i = j
             except BaseException:
                 for fut in futs:
                     fut.cancel()
@@ -523,15 +524,26 @@ def _alloc(torch, dev, n, at, align=8):
     if dev.type != "cpu":
         data = torch.empty(n, dtype=torch.uint8, device=dev)
         return data, data, torch.cuda.current_stream(dev) if dev.type == "cuda" else None
-    try:
-        whole = torch.from_dlpack(_pm.empty(n + _PAGE - 1, "uint8")).numpy()
-    except _pm.BudgetError:  # no pinned memory to spare: pageable will do
-        whole = _np.empty(n + _PAGE - 1, _np.uint8)
-    data = torch.from_numpy(_placed(whole, n, at, align))  # the NumPy view holds the whole buffer
+    data = torch.from_numpy(_host_buffer(n, at, align))  # the NumPy view holds the buffer
     return data, data, None
 
 
 _PAGE = 4096
+
+
+def _host_buffer(n, at, align, pinned=True):
+    """n bytes of host memory (a NumPy uint8 view) placed for bytes at file offset `at` of
+    elements of `align` bytes (_placed): pinned from pinmem's pool, or pageable (pinned=False,
+    or when the budget is spent)."""
+    whole = None
+    if pinned:
+        try:
+            whole = _np.asarray(_pm.empty(n + _PAGE - 1, "uint8"))
+        except _pm.BudgetError:  # no pinned memory to spare: pageable will do
+            pass
+    if whole is None:
+        whole = _np.empty(n + _PAGE - 1, _np.uint8)
+    return _placed(whole, n, at, align)
 
 
 def _placed(whole, n, at, align):
@@ -761,8 +773,7 @@ class safe_open:
         t = self._dtype(name, dtype)
         n = end - begin
         if self._framework == "np":
-            out = _placed(_np.empty(n + _PAGE - 1, _np.uint8), n, self._start + begin,
-                          _DTYPES[dtype][1])
+            out = _host_buffer(n, self._start + begin, _DTYPES[dtype][1], pinned=False)
             target, stream = out, None
         else:
             torch = _torch()
@@ -961,9 +972,8 @@ def _source(name, t):
         if not t.is_contiguous():
             t = t.contiguous()
         n = t.numel() * _DTYPES[dtype][1]
-        # as_strided, not view(-1): torch counts a tensor of one element contiguous whatever
-        # its stride, and view(uint8) refuses a flat view whose stride is not 1
-        view = t.as_strided((t.numel(),), (1,)).view(torch.uint8) if n else None
+        from pinmem.torch import _flat_bytes
+        view = _flat_bytes(t) if n else None
         stream = torch.cuda.current_stream(t.device) if t.device.type == "cuda" else None
         shape = tuple(t.shape)
         if dtype == "F4":  # the file counts 4-bit values: two a torch element
