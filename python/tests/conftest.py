@@ -36,6 +36,20 @@ def rng():
     return np.random.default_rng(12345)
 
 
+@pytest.fixture
+def file_reads(monkeypatch):
+    """The (offset, nbytes) of every pinmem file read the test makes, in order."""
+    reads = []
+    real = pinmem._pinmem._file_read
+
+    def spy(fd, offset, nbytes, dst, stream, io):
+        reads.append((offset, nbytes))
+        return real(fd, offset, nbytes, dst, stream, io)
+
+    monkeypatch.setattr(pinmem._pinmem, "_file_read", spy)
+    return reads
+
+
 def random_bytes(rng, n):
     """n random bytes, never all zero."""
     a = rng.integers(0, 256, size=n, dtype=np.uint8)

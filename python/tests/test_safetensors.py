@@ -638,6 +638,186 @@ def test_random_slices_as_the_package_slices(tmp_path):
     assert counts["ok"] > 100 and counts["err"] > 50, counts
 
 
+def _random_torch_index(rng, shape, torch):
+    """A random index of any form torch takes, or one it refuses: ints in and out of range,
+    slices with any bounds and steps (0 and negative too), None, ..., bools, lists, 0-d and
+    mask tensors, floats and strings."""
+    def item(size):
+        k = rng.random()
+        if k < 0.25:
+            return rng.randint(-size - 2, size + 2)
+        if k < 0.6:
+            return slice(rng.choice([None, rng.randint(-8, 8)]),
+                         rng.choice([None, rng.randint(-8, 8)]),
+                         rng.choice([None, 1, 2, 3, -1, 0]))
+        if k < 0.67:
+            return Ellipsis
+        if k < 0.72:
+            return None
+        if k < 0.77:
+            return rng.choice([True, False])
+        if k < 0.85:
+            return [rng.randint(-size, max(size - 1, 0)) for _ in range(rng.randint(0, 3))]
+        if k < 0.9:
+            return torch.tensor(rng.randint(0, max(size - 1, 0)))
+        if k < 0.95 and size:
+            return torch.tensor([rng.random() < 0.5 for _ in range(size)])
+        return rng.choice([1.5, "a"])
+    index = tuple(item(shape[i] if i < len(shape) else 3)
+                  for i in range(rng.randint(0, len(shape) + 1)))
+    return index[0] if len(index) == 1 and rng.random() < 0.3 else index
+
+
+def test_torch_slices_index_as_torch_does(tmp_path):
+    """framework 'pt' with backend 'mmap' (the defaults): get_slice(name)[index] gives what
+    torch's indexing of the whole tensor gives (slices clipped, lists, masks, None, bools),
+    and where torch refuses an index, a SafetensorError of the same built-in class. The
+    package's own slices of a mapped file do the same (compared where it is installed and
+    slices so); backend 'pread' keeps the package's own rules."""
+    torch = pytest.importorskip("torch")
+    import random
+    import warnings
+    rng = random.Random(11)
+    tensors = {"w": torch.arange(60.).reshape(3, 4, 5), "s": torch.tensor(3.),
+               "e": torch.zeros(0, 3), "v": torch.arange(7, dtype=torch.int16)}
+    path = tmp_path / "t.safetensors"
+    pst.save_file(tensors, path)
+    theirs = None
+    try:
+        import safetensors
+        with safetensors.safe_open(str(path), "pt") as g:
+            if tuple(g.get_slice("w")[0:20].shape) == (3, 4, 5):  # the package indexes as torch
+                theirs = safetensors.safe_open(str(path), "pt")
+    except (ImportError, Exception):
+        theirs = None
+    counts = {"ok": 0, "err": 0}
+    with pst.safe_open(path, "pt") as f, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's warning for a list of lists as an index
+        for name, t in tensors.items():
+            s = f.get_slice(name)
+            for _ in range(600):
+                index = _random_torch_index(rng, list(t.shape), torch)
+                try:
+                    want = t[index]
+                except (IndexError, TypeError, ValueError) as e:
+                    with pytest.raises(pst.SafetensorError) as got:
+                        s[index]
+                    assert isinstance(got.value, type(e).__mro__[0]) or \
+                        isinstance(got.value, (IndexError, TypeError, ValueError)), (index, e)
+                    for cls in (IndexError, TypeError, ValueError):
+                        assert isinstance(e, cls) <= isinstance(got.value, cls), (index, e)
+                    counts["err"] += 1
+                    continue
+                got = s[index]
+                assert got.dtype == want.dtype and got.shape == want.shape, (name, index)
+                assert torch.equal(got, want) and got.is_contiguous(), (name, index)
+                if theirs is not None:
+                    assert torch.equal(theirs.get_slice(name)[index], want), (name, index)
+                counts["ok"] += 1
+    if theirs is not None:
+        theirs.__exit__(None, None, None)
+    assert counts["ok"] > 800 and counts["err"] > 400, counts
+    with pst.safe_open(path, "pt", backend="pread") as f:
+        with pytest.raises(pst.SafetensorError, match="out of bounds"):
+            f.get_slice("w")[0:20]  # the package's own rules: not clipped
+
+
+def test_torch_slices_read_only_the_rows_they_need(tmp_path, file_reads):
+    """A leading int or slice reads only its rows, also with torch's forms after it; an index
+    out of range or a step below 1 is refused without a read."""
+    torch = pytest.importorskip("torch")
+    t = torch.arange(80, dtype=torch.float64).reshape(10, 8)
+    path = tmp_path / "r.safetensors"
+    pst.save_file({"a": t}, path)
+    reads = file_reads
+    with pst.safe_open(path, "pt") as f:
+        at = f._start + f._entries["a"][3]
+        s = f.get_slice("a")
+        for index, rows in [((3, [0, 2]), (3, 4)), ((slice(-3, None), None), (7, 10)),
+                            (slice(2, 100, 3), (2, 9)), ((slice(4, 6), Ellipsis, 1), (4, 6))]:
+            del reads[:]
+            assert torch.equal(s[index], t[index]), index
+            assert reads == [(at + rows[0] * 64, (rows[1] - rows[0]) * 64)], index
+        del reads[:]
+        for index, cls in [(10, IndexError), (slice(None, None, -1), ValueError),
+                           ((slice(None, None, 0), 1, 1), IndexError)]:
+            with pytest.raises(cls):
+                s[index]
+        assert reads == []
+
+
+def test_f4_slices_refused(tmp_path):
+    """An F4 tensor's file shape counts 4-bit values and its torch shape bytes: an index in
+    either unit would read wrong data in the other, so get_slice refuses to index it (the
+    package fails too); get_tensor reads it."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    raw = torch.arange(1, 13, dtype=torch.uint8)
+    path = tmp_path / "f4.safetensors"
+    pst.save_file({"m": raw.view(torch.float4_e2m1fn_x2).reshape(3, 4),
+                   "v": raw[:8].clone().view(torch.float4_e2m1fn_x2)}, path)
+    for backend in ("mmap", "pread"):
+        with pst.safe_open(path, "pt", backend=backend) as f:
+            assert f.get_slice("v").get_shape() == [16]
+            for name, index in [("v", slice(None)), ("v", slice(0, 16)),
+                                ("m", (slice(None), slice(0, 2))), ("m", 0)]:
+                with pytest.raises(pst.SafetensorError, match="F4"):
+                    f.get_slice(name)[index]
+            assert f.get_tensor("v").view(torch.uint8).tolist() == list(range(1, 9))
+
+
+@pytest.mark.parametrize("number, ok", [("1" + "0" * 400, False), ("-1" + "0" * 400, False),
+                                        ("1" + "0" * 5000, False), ("1" + "0" * 300, True),
+                                        ("-0", True), ("18446744073709551616", True)])
+def test_header_integers_read_as_the_package_reads_them(tmp_path, number, ok):
+    """An integer beyond a double's range is refused, as the package refuses it, in a field
+    no one reads too; -0 is a double there, so a count of -0 is refused, and one elsewhere
+    taken."""
+    def blob(offsets, extra):
+        h = (b'{"a":{"dtype":"U8","shape":[2],"data_offsets":' + offsets + b',"x":' + extra +
+             b'}}')
+        h += b" " * (-len(h) % 8)
+        return struct.pack("<Q", len(h)) + h + b"\1\2"
+    from pinmem.safetensors import numpy as pnp
+    data = blob(b"[0,2]", number.encode())
+    if ok:
+        assert pnp.load(data)["a"].tobytes() == b"\1\2"
+    else:
+        with pytest.raises(pst.SafetensorError, match="out of range"):
+            pnp.load(data)
+    with pytest.raises(pst.SafetensorError, match="data_offsets"):
+        pnp.load(blob(b"[-0,2]", b"0"))
+    try:
+        import safetensors.numpy as sn
+    except ImportError:
+        return
+    if ok:
+        sn.load(data)
+    else:
+        with pytest.raises(Exception):
+            sn.load(data)
+    with pytest.raises(Exception):
+        sn.load(blob(b"[-0,2]", b"0"))
+
+
+def test_device_none_and_empty_shapes_as_the_package(tmp_path):
+    """device=None reads to the CPU, as the package's; a tensor without elements whose
+    contiguous strides would overflow 64 bits ([0, 2**32, 2**32]) loads as the package loads
+    it, not with torch.empty's error."""
+    torch = pytest.importorskip("torch")
+    from pinmem.safetensors import torch as ptt
+    path = tmp_path / "n.safetensors"
+    pst.save_file({"w": torch.arange(4.)}, path)
+    assert ptt.load_file(path, device=None)["w"].device.type == "cpu"
+    with pst.safe_open(path, "pt", device=None) as f:
+        assert f.get_tensor("w").device.type == "cpu"
+    path = raw_file(tmp_path / "z.safetensors",
+                    {"a": {"dtype": "F32", "shape": [0, 2 ** 32, 2 ** 32], "data_offsets": [0, 0]}})
+    for t in (ptt.load_file(path)["a"], pst.safe_open(path, "pt").get_tensor("a")):
+        assert t.shape == (0, 2 ** 32, 2 ** 32) and t.numel() == 0
+
+
 def test_safe_open_handle_reads_an_open_file(tmp_path):
     """_safe_open_handle (the package's name) reads through a descriptor of its own, so the
     file object may close first; an object without a descriptor is refused."""

@@ -59,6 +59,7 @@ import struct as _struct
 import sys as _sys
 import threading as _threading
 import traceback as _traceback
+import weakref as _weakref
 
 import numpy as _np
 
@@ -187,6 +188,21 @@ def _finite(text):
     return x
 
 
+def _integer(text):
+    """An integer of the header as the package's parser reads it: beyond 64 bits it is a double
+    (refused past a double's range), and -0 is the double -0.0 (so not a count)."""
+    if text == "-0":
+        return -0.0
+    if len(text.lstrip("-")) > 309:  # more digits than the largest double has
+        raise _Refused(f"the number {text[:20]}... is out of range")
+    x = int(text)
+    try:
+        float(x)
+    except OverflowError:
+        raise _Refused(f"the number {text[:20]}... is out of range") from None
+    return x
+
+
 def _constant(name):
     raise _Refused(f"{name} is not JSON")
 
@@ -194,11 +210,12 @@ def _constant(name):
 def _load_json(raw, path):
     """The header's JSON as nested _Pairs, or FormatError naming `path`. Refused as the
     package's parser refuses them: invalid UTF-8, NaN and Infinity, numbers out of a double's
-    range, lone surrogates, nesting deeper than 127."""
+    range (integers too), lone surrogates, nesting deeper than 127. -0 reads as a double, as
+    there, so it is no count."""
     try:
         text = raw.decode("utf-8")
         header = _json.loads(text, object_pairs_hook=_Pairs, parse_constant=_constant,
-                             parse_float=_finite)
+                             parse_float=_finite, parse_int=_integer)
     except _Refused as e:
         _format_error(path, f"the header is not valid JSON ({e})")
     except RecursionError:
@@ -481,6 +498,8 @@ def load_file(path, device="cpu", *, backend="mmap", io="auto", strict=True):
     """
     _check_byteorder()
     path = _os.fspath(path)
+    if device is None:  # as the package: the CPU
+        device = "cpu"
     if io not in IOS:
         _fail(_pm.PM_ERR_INVALID, f"load_file({path!r}): io must be one of "
               f"{', '.join(IOS)}, not {io!r}")
@@ -507,13 +526,19 @@ def load_file(path, device="cpu", *, backend="mmap", io="auto", strict=True):
     for name, dtype, _, begin, end in entries:
         t, shape = dtypes[name]
         if begin == end:
-            out[name] = torch.empty(shape, dtype=t, device=dev)
+            out[name] = _empty(torch, shape, t, dev)
             continue
         piece = pieces.take(begin, end)
         if piece.data_ptr() % _DTYPES[dtype][1]:
             piece = piece.clone()  # a view would be misaligned
         out[name] = piece.view(t).view(shape)
     return out
+
+
+def _empty(torch, shape, dtype, dev):
+    """A tensor of shape with no elements. Through view, as the package makes it: torch.empty
+    refuses a shape such as [0, 2**32, 2**32], whose contiguous strides overflow 64 bits."""
+    return torch.empty(0, dtype=dtype, device=dev).view(shape)
 
 
 def _alloc(torch, dev, n, at, align=8):
@@ -629,16 +654,17 @@ class safe_open:
     """The safetensors file at `path`, opened to read tensors one at a time, as the
     `safetensors` package's safe_open: keys(), metadata(), get_tensor(name), get_slice(name).
 
-    framework: 'pt' (torch tensors on `device`) or 'np' (NumPy arrays; device 'cpu').
-    backend: 'mmap' (the default) or 'pread', accepted as the package's are; both read with
-    pinmem. strict: as load_file's. The header is checked when the file is opened
+    framework: 'pt' (torch tensors on `device`; None: 'cpu') or 'np' (NumPy arrays; device
+    'cpu'). backend: 'mmap' (the default) or 'pread', accepted as the package's are; both read
+    with pinmem. strict: as load_file's. The header is checked when the file is opened
     (FormatError naming the file). Each get_tensor is one pinmem read (io as read_file's) of
     that tensor's bytes into memory of its own: on the device, or pinned host memory for 'cpu'
     (pageable when the budget is spent; NumPy arrays are pageable); get_tensors() reads every
-    tensor so. get_slice(name)[index] reads only the rows the index's first dimension needs,
-    and refuses what the package refuses (SafetensorError). A context manager; close() (or
-    leaving the `with`) closes the file: the tensors already read stay valid, and every method
-    raises SafetensorError after it. load_file is faster for a whole file: one read.
+    tensor so. get_slice(name)[index] reads only the rows a leading int or slice needs, and
+    indexes as the package does with the same arguments (_Slice). A context manager; close()
+    (or leaving the `with`) closes the file: the tensors already read stay valid, every method
+    raises SafetensorError after it, and slices already taken still read (the descriptor is
+    closed with the last of them). load_file is faster for a whole file: one read.
     """
 
     def __init__(self, path, framework="pt", device="cpu", *, backend="mmap", io="auto",
@@ -656,8 +682,10 @@ class safe_open:
             _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): io must be one of "
                   f"{', '.join(IOS)}, not {io!r}")
         _check_backend(backend)
+        if device is None:  # as the package: the CPU
+            device = "cpu"
         _require_device(f"safe_open({path!r})", device)
-        self._framework, self._io = FRAMEWORKS[framework], io
+        self._framework, self._io, self._backend = FRAMEWORKS[framework], io, backend
         if self._framework == "np":
             if device not in ("cpu", None):
                 _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): NumPy arrays "
@@ -767,9 +795,9 @@ class safe_open:
             return _np.dtype(np_name)
         return _torch_dtype(_torch(), name, dtype, repr(self._path))
 
-    def _read(self, name, dtype, shape, begin, end):
+    def _read(self, name, dtype, shape, begin, end, fd=None):
         """The bytes [begin, end) of the data region as a tensor (array) of dtype and shape, in
-        memory of its own."""
+        memory of its own; through fd where given (a slice's, held), else the file's."""
         t = self._dtype(name, dtype)
         n = end - begin
         if self._framework == "np":
@@ -779,10 +807,13 @@ class safe_open:
             torch = _torch()
             shape = _torch_shape(dtype, shape, repr(self._path), name)
             if not n:
-                return torch.empty(shape, dtype=t, device=self._device)
+                return _empty(torch, shape, t, self._device)
             target, out, stream = _alloc(torch, self._device, n, self._start + begin,
                                          _DTYPES[dtype][1])
-        if n:
+        if n and fd is not None:
+            _read_range(fd, self._start + begin, n, target, stream, self._io, "get_slice",
+                        self._path)
+        elif n:
             fd = self._hold(name)
             try:
                 _read_range(fd, self._start + begin, n, target, stream, self._io, "get_tensor",
@@ -804,7 +835,7 @@ class safe_open:
 
     def get_slice(self, name):
         """A lazy view of tensor `name`: get_shape(), get_dtype(), and [index] reading only the
-        rows the index's first dimension needs (KeyError when there is no such tensor)."""
+        rows a leading int or slice needs (KeyError when there is no such tensor)."""
         return _Slice(self, self._entry(name, "get_slice"))
 
 
@@ -896,10 +927,18 @@ def _safe_open_handle(f, framework="pt", device="cpu", *, backend="mmap", io="au
 
 
 class _Slice:
-    """One tensor of a safe_open file, read when indexed."""
+    """One tensor of a safe_open file, read when indexed.
+
+    It holds the file's descriptor from get_slice on (as the package's slice holds its file):
+    indexing still works after the safe_open is closed, and the descriptor is closed once the
+    last slice is gone. framework 'pt' with backend 'mmap' (the defaults) indexes as torch
+    indexes a tensor, as the package's slices of a mapped file do; 'np', or backend 'pread',
+    takes the package's own slicing rules (_checked_index)."""
 
     def __init__(self, f, entry):
         self._f, self._entry = f, entry
+        self._fd = f._hold(entry[0])
+        _weakref.finalize(self, f._let_go)
 
     def get_shape(self):
         return list(self._entry[2])
@@ -917,9 +956,28 @@ class _Slice:
         name, dtype, shape = self._entry[:3]
         return f"<pinmem.safetensors slice {name!r} {dtype} {list(shape)}>"
 
+    def _rows(self, rows):
+        """The rows [r0, r1) of the tensor, read."""
+        name, dtype, shape, begin, end = self._entry
+        row = (end - begin) // shape[0] if shape[0] else 0
+        return self._f._read(name, dtype, (rows[1] - rows[0],) + tuple(shape[1:]),
+                             begin + rows[0] * row, begin + rows[1] * row, fd=self._fd)
+
+    def _whole(self):
+        name, dtype, shape, begin, end = self._entry
+        return self._f._read(name, dtype, shape, begin, end, fd=self._fd)
+
     def __getitem__(self, index):
         f = self._f
-        name, dtype, shape, begin, end = f._entry(self._entry[0], "get_slice")
+        name, dtype, shape = self._entry[:3]
+        if dtype == "F4" and f._framework != "np":
+            # The file counts 4-bit values, a torch element holds two: an index in either unit
+            # would be wrong in the other (the package fails here too).
+            raise _error(SafetensorUnsupportedError, f"get_slice({name!r}): tensor {name!r} is "
+                         "F4 (float4_e2m1fn_x2), whose file shape counts 4-bit values and torch "
+                         "shape bytes: slicing is not supported; get_tensor reads it whole")
+        if f._framework == "pt" and f._backend == "mmap":
+            return self._torch_index(index)
         index = _checked_index(index, shape)
         first = index[0] if index else None
         rows = None  # the rows [r0, r1) the first index needs
@@ -931,15 +989,57 @@ class _Slice:
             last = start + (stop - start - 1) // step * step + 1 if stop > start else start
             rows, first = (start, last), slice(0, last - start, step)
         if rows is None:  # anything else: the whole tensor, indexed as torch or NumPy does
-            part = f._read(name, dtype, shape, begin, end)
+            part = self._whole()
         else:
-            row = (end - begin) // shape[0] if shape[0] else 0
-            part = f._read(name, dtype, (rows[1] - rows[0],) + tuple(shape[1:]),
-                           begin + rows[0] * row, begin + rows[1] * row)
+            part = self._rows(rows)
             index = (first,) + index[1:]
-        out = part[index]
-        # What comes back is compact and its own, as the package's is: a view of part of what
-        # was read (a column, a step) is copied out.
+        return self._own(part, part[index])
+
+    def _torch_index(self, index):
+        """part[index] as torch indexes the whole tensor, reading only the rows a leading int or
+        slice needs; torch's own errors, as SafetensorErrors of their built-in classes."""
+        name, dtype, shape = self._entry[:3]
+        items = index if isinstance(index, tuple) else (index,)
+        first = items[0] if items else None
+        rows, bad = None, False
+
+        def plain(x):  # an int that torch takes as an int (a bool adds a dimension instead)
+            return isinstance(x, (int, _np.integer)) and not isinstance(x, (bool, _np.bool_))
+
+        if shape and plain(first):
+            size, k = shape[0], int(first)
+            bad = not -size <= k < size
+            k = k + size if k < 0 else k
+            rows, first = (k, k + 1), 0
+        elif shape and isinstance(first, slice) and all(
+                v is None or plain(v) for v in (first.start, first.stop, first.step)):
+            bad = first.step is not None and first.step <= 0
+            if not bad:
+                start, stop, step = first.indices(shape[0])  # clipped, as torch clips
+                last = start + (stop - start - 1) // step * step + 1 if stop > start else start
+                rows, first = (start, last), slice(0, last - start, step)
+        try:
+            if bad:  # torch's error, in torch's order of checks, from a tensor without data
+                torch = _torch()
+                torch.empty(shape, dtype=self._f._dtype(name, dtype), device="meta")[index]
+                raise IndexError(f"{_show(index)} is out of range for shape {list(shape)}")
+            if rows is None:
+                part = self._whole()
+                out = part[index]
+            else:
+                part = self._rows(rows)
+                out = part[(first,) + items[1:]] if isinstance(index, tuple) else part[first]
+        except IndexError as e:
+            raise _error(SafetensorIndexError, str(e)) from None
+        except TypeError as e:
+            raise _error(SafetensorTypeError, str(e)) from None
+        except ValueError as e:
+            raise _error(SafetensorInvalidError, str(e)) from None
+        return self._own(part, out)
+
+    def _own(self, part, out):
+        """What comes back is compact and its own, as the package's: a view of part of what was
+        read (a column, a step) is copied out."""
         if self._f._framework == "np":
             if not isinstance(out, _np.ndarray):  # a single element: a 0-d array, not a scalar
                 return _np.array(out)
