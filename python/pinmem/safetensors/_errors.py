@@ -59,8 +59,9 @@ class SharedTensorsError(SafetensorError, _pm.InvalidError, RuntimeError):
     """Tensors that share memory, refused by a save (a RuntimeError, as the package raises)."""
 
 
-class NoDataError(SafetensorError, _pm.InvalidError, RuntimeError):
-    """A tensor without data (the meta device) given to a save (a RuntimeError, as torch's)."""
+class NoDataError(SafetensorError, _pm.InvalidError, NotImplementedError):
+    """A tensor without data (the meta device) given to a save (a NotImplementedError, a
+    RuntimeError, as the package's)."""
 
 
 for _cls in list(globals().values()):
