@@ -221,7 +221,7 @@ def _serve_one(sock, gen, stream, wid, want, unbatched, drop_last, collate, np):
     stream.count += len(samples)
     if collate is not None:
         try:
-            meta = pickle.dumps(collate(samples[0] if unbatched else samples))
+            meta = _workers.dumps(collate(samples[0] if unbatched else samples))
         except BaseException as e:
             _send_error(sock, gen, _workers.ST_EXC, wid, e, "in collate_fn")
             return
@@ -234,7 +234,7 @@ def _serve_one(sock, gen, stream, wid, want, unbatched, drop_last, collate, np):
             col = [r[schema.slot[k]] for r in rows]
             arrays.append(np.array(col[0]) if unbatched else np.stack(col))
         objs = [schema.obj_values(r) for r in rows] if schema.objs else None
-        meta = pickle.dumps((schema, len(rows), objs))
+        meta = _workers.dumps((schema, len(rows), objs))
     except BaseException as e:
         invalid = isinstance(e, InvalidError)
         _send_error(sock, gen, _workers.ST_INVALID if invalid else _workers.ST_EXC, wid,

@@ -61,12 +61,18 @@ class Bits:
         self.array, self.name = array, name
 
 
+def _c_order(a):
+    """a as a C-contiguous array, its shape kept (np.ascontiguousarray makes a 0-d array 1-d)."""
+    import numpy as np
+    return a if a.flags.c_contiguous else np.array(a, order="C")
+
+
 def _host_leaf(x):
     """(C-contiguous NumPy array of the leaf's bytes, dtype name for the view) for an array
     leaf pinmem can deliver, else None (the leaf stays as it is)."""
     import numpy as np
     if type(x) is Bits:
-        return np.ascontiguousarray(x.array), x.name
+        return _c_order(x.array), x.name
     if type(x) is np.ndarray or isinstance(x, np.ndarray):
         a = x
         name = None
@@ -80,7 +86,7 @@ def _host_leaf(x):
         from . import _workers
         bits = _workers.tensor_bits(x)
         if bits is not None:
-            return np.ascontiguousarray(bits[0]), bits[1]
+            return _c_order(bits[0]), bits[1]
         try:
             a = x.detach().resolve_conj().resolve_neg().contiguous().numpy()
         except (TypeError, RuntimeError, AttributeError):
@@ -89,7 +95,7 @@ def _host_leaf(x):
     dt = a.dtype
     if dt.hasobject or dt.byteorder == ">" or dt.fields is not None or dt.kind in "OUSVMm":
         return None
-    return np.ascontiguousarray(a), name or dt.str
+    return _c_order(a), name or dt.str
 
 
 def _walk(x, leaves):

@@ -50,6 +50,7 @@ Messages (little-endian):
   side     = length u64, then pickle((epoch, [key per row or batch], [values])), on the stream.
 """
 
+import io
 import os
 import pickle
 import signal
@@ -277,7 +278,7 @@ def _serve_collated(dataset, collate, unbatched, maps, fields, indices, np, wid,
     except BaseException as e:
         return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
     try:
-        data = pickle.dumps((epoch, [tuple(indices)], [out]))
+        data = dumps((epoch, [tuple(indices)], [out]))
     except BaseException as e:
         return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
     try:
@@ -345,6 +346,37 @@ def _leaf(v, np, path, index):
 # travel as their bits (an unsigned integer of the same size) and batches are described by name.
 BITS_DTYPES = ("bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
                "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
+class _Pickler(pickle.Pickler):
+    """pickle's Pickler, but a CPU tensor of an unsigned type torch's own pickling cannot load
+    again (uint16, uint32, uint64: "UntypedStorage has no attribute dtype" at load, torch 2.15)
+    travels as its NumPy array, rebuilt by torch.from_numpy."""
+
+    def reducer_override(self, obj):
+        if type(obj).__name__ != "Tensor":
+            return NotImplemented
+        torch = sys.modules.get("torch")
+        if torch is None or type(obj) is not torch.Tensor or obj.device.type != "cpu" or \
+                obj.dtype not in _unsigned(torch):
+            return NotImplemented
+        return _from_numpy, (obj.detach().resolve_conj().numpy(),)
+
+
+def _unsigned(torch):
+    return tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
+
+
+def _from_numpy(a):
+    import torch
+    return torch.from_numpy(a)
+
+
+def dumps(obj):
+    """pickle.dumps for what a worker sends: unsigned CPU tensors too (_Pickler)."""
+    f = io.BytesIO()
+    _Pickler(f, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return f.getvalue()
 
 
 def tensor_bits(t):
@@ -696,12 +728,12 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=N
     if rows is not None:
         # Before the reply: once the loader has the rows, their non-array leaves are sent.
         try:
-            data = pickle.dumps((epoch, list(indices), rows))
+            data = dumps((epoch, list(indices), rows))
         except BaseException as e:
             bad = indices[0]
             for i, r in zip(indices, rows):  # name the row whose leaves cannot travel
                 try:
-                    pickle.dumps(r)
+                    dumps(r)
                 except BaseException:
                     bad = i
                     break
@@ -1024,7 +1056,11 @@ class Pool:
                 return exc
             except Exception:
                 pass
-        return WorkerError(text)
+        # An exception of the dataset (or its collate_fn) that cannot be raised again as itself:
+        # still the batch's error, so the next batch follows, as torch's DataLoader goes on.
+        err = WorkerError(text)
+        err.from_dataset = e.get("where") in ("dataset", "sample", "collate_fn")
+        return err
 
     def timeout_error(self, w, seconds, indices):
         p = self.procs[w]

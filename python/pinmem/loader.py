@@ -120,6 +120,12 @@ def _dtype_from_descr(text):
     return numpy.dtype(text)
 
 
+# The samples tried in turn for the structure of a Python dataset's samples: an exception in
+# dataset[0] belongs to sample 0's batch (as in torch's DataLoader, the other batches come),
+# so the structure is taken from the first of these samples that reads.
+_DESCRIBE_TRIES = 16
+
+
 def _python_dataset(dataset):
     """One C dataset over a map-style Python dataset read on pinmem's threads (through the
     GIL): dataset[i] is called once per sample (plus once for sample 0 to learn its structure),
@@ -130,11 +136,21 @@ def _python_dataset(dataset):
     n = len(dataset)
     if n == 0:
         raise InvalidError("PM_ERR_INVALID: the dataset is empty")
-    try:
-        first = dataset[0]
-    except StopIteration as e:
-        raise _stop_iteration_error(0, e) from e
-    schema = _workers.describe(first, 0)
+    at, first, err = None, None, None
+    for i in range(min(n, _DESCRIBE_TRIES)):
+        try:
+            first = dataset[i]
+        except StopIteration as e:
+            err = err or _stop_iteration_error(i, e)
+            continue
+        except Exception as e:
+            err = err or e
+            continue
+        at = i
+        break
+    if at is None:
+        raise err
+    schema = _workers.describe(first, at)
     contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
     # Non-array leaves (strings, objects), and once shapes vary every row's VRow, wait here,
     # by index, for their batch (epoch None: the store is cleared whenever a new C loader
@@ -767,7 +783,7 @@ class Loader:
         if self._procs:
             self._pool = self._start_pool(0)
             try:
-                self._schema = self._pool.describe(0, self._timeout)
+                self._schema = self._describe_in_worker()
                 self._pool.set_schema(self._schema, self._timeout)
                 self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(),
                                                     len(self.dataset), self._schema.specs(),
@@ -792,6 +808,24 @@ class Loader:
                                " which has no DLPack type for the device: use device='cpu', or "
                                "store it as a native number type")
         self._ds = self._base
+
+    def _describe_in_worker(self):
+        """The Schema of the first of the dataset's first samples that reads (_DESCRIBE_TRIES),
+        computed by worker 0; the first sample's exception where none reads."""
+        first = None
+        for i in range(min(len(self.dataset), _DESCRIBE_TRIES)):
+            try:
+                return self._pool.describe(i, self._timeout)
+            except Exception as e:
+                # The dataset's own exceptions only: a refused structure or a worker that died
+                # or timed out is the answer for every sample.
+                if isinstance(e, Error) or (isinstance(e, WorkerError) and
+                                            not getattr(e, "from_dataset", False)):
+                    raise
+                first = first or e
+        if first is None:  # (an empty dataset: refused before the workers start)
+            raise InvalidError("PM_ERR_INVALID: the dataset is empty")
+        raise first
 
     def _open_collated(self):
         """The C dataset of a loader with a collate_fn of its own: one byte per row (set when
@@ -1044,9 +1078,10 @@ class Loader:
             return True
         return self._restart_at(st["epoch"] + 1, 0)
 
-    def _restart_at(self, epoch, batch):
+    def _restart_at(self, epoch, batch, same_order=False):
         """A new C loader delivering from (epoch, batch); False (and nothing changed) when that
-        is past the last epoch."""
+        is past the last epoch. same_order: the same epoch goes on, in the order it was given
+        (a sampler is not asked again, nor are new worker processes started)."""
         self._skip = None
         if self._epochs_total is not None and epoch >= self._epochs_total:
             self._past_end = True
@@ -1055,7 +1090,7 @@ class Loader:
         st = _pinmem._loader_state_fields(c.state())
         self._retire(c)  # batches still held keep their slots until they go
         try:
-            self._open_epoch(epoch, batch, template=st)
+            self._open_epoch(epoch, batch, template=st, same_order=same_order)
         except BaseException as e:
             self._failed = e
             raise
@@ -1073,9 +1108,10 @@ class Loader:
             # gives the batch after it.
             epoch, batch = self._skip
             if batch >= self._bpe:
-                self._restart_at(epoch + 1, 0)
-                return None  # (the failed batch was the epoch's last)
-            self._restart_at(epoch, batch)
+                # The failed batch was the epoch's last: the next iterator starts the next
+                # epoch (_begin_epoch), after the code between epochs (a sampler's set_epoch).
+                return None
+            self._restart_at(epoch, batch, same_order=True)
             c = self._c
         try:
             b = c.next()
@@ -1086,7 +1122,8 @@ class Loader:
                     not self._schema.varying:
                 self._go_varying(c)
                 return self._next()
-            if not isinstance(e, (Error, WorkerError)) or isinstance(e, InvalidError):
+            if not isinstance(e, (Error, WorkerError)) or isinstance(e, InvalidError) or \
+                    getattr(e, "from_dataset", False):
                 st = _pinmem._loader_state_fields(c.state())
                 self._skip = (st["epoch"], st["batch"] + 1)
             if isinstance(e, BusyError) and "still holds" in e.message:

@@ -1017,3 +1017,140 @@ def test_a_reused_device_block_waits_for_the_stream_that_read_it():
         torch.cuda.synchronize()
         assert p.stats()["staged_device_blocks"] < 16  # blocks were reused
     assert [float(s) for s in sums] == want
+
+
+def outcomes(loader, epochs, most=30):
+    """Per epoch, each next() of one loop: a batch's labels, or the name of what it raised
+    (after `most` calls: "..."; a loader that raised on every call never ends its epoch)."""
+    out = []
+    for _ in range(epochs):
+        got, it = [], iter(loader)
+        while True:
+            if len(got) == most:
+                got.append("...")
+                break
+            try:
+                got.append(labels(next(it)))
+            except StopIteration:
+                break
+            except Exception as e:
+                got.append(type(e).__name__)
+        out.append(got)
+    return out
+
+
+class Rotating(torch.utils.data.Sampler):
+    """0..n-1 rotated by 3 more at each epoch, each iter() counted: an order that moves, so a
+    sampler asked twice in one epoch shows."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        k, self.calls = self.calls, self.calls + 1
+        return iter([(j + 3 * k) % self.n for j in range(self.n)])
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_an_error_keeps_the_epochs_sampler_order(nw):
+    """An exception in dataset[i] with a sampler: the batches after it follow in the order the
+    sampler gave for the epoch (it is asked once an epoch, also when the epoch's last batch
+    fails), as DataLoader."""
+    results = []
+    for make in (DataLoader, lambda *a, **k: pinmem.Loader(*a, device="cpu", **k)):
+        sampler = Rotating(8)
+        loader = make(Indexed(8, fail_at=5), batch_size=2, sampler=sampler, num_workers=nw)
+        results.append((outcomes(loader, 3), sampler.calls))
+        if isinstance(loader, pinmem.Loader):
+            loader.close()
+    assert results[0] == results[1]
+    assert results[0][0][2][-1] == "KeyError" and results[0][1] == 3  # the 3rd epoch's last
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_an_error_in_sample_0_is_its_batchs_alone(nw):
+    """dataset[0] raising fails sample 0's batch only; a sampler without 0 never meets it."""
+    for kw in ({}, {"sampler": [1, 2]}):
+        results = []
+        for make in (DataLoader, lambda *a, **k: pinmem.Loader(*a, device="cpu", **k)):
+            loader = make(Indexed(4, fail_at=0), batch_size=1, num_workers=nw, **kw)
+            results.append((outcomes(loader, 2), len(loader)))
+            if isinstance(loader, pinmem.Loader):
+                loader.close()
+        assert results[0] == results[1], kw
+        assert results[0][0][0][0] == ("KeyError" if not kw else [1])
+
+
+class NeedsTwo(Exception):
+    def __init__(self, a, b):  # pickled as NeedsTwo(a): cannot be made again from its args
+        super().__init__(a)
+
+
+class Unrebuildable(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 4:
+            raise NeedsTwo("x", 2)
+        return np.full(2, i, dtype=np.float32), i
+
+
+def test_an_exception_that_cannot_be_rebuilt_fails_its_batch_alone():
+    """An exception the main process cannot rebuild arrives as WorkerError (a RuntimeError, as
+    DataLoader's), and the next batch follows."""
+    t = DataLoader(Unrebuildable(), batch_size=3, num_workers=1)
+    with pinmem.Loader(Unrebuildable(), batch_size=3, num_workers=1, device="cpu") as p:
+        got = outcomes(p, 2)
+    assert got == [[[0, 1, 2], "WorkerError", [6, 7]]] * 2
+    assert outcomes(t, 1) == [[[0, 1, 2], "RuntimeError", [6, 7]]]
+
+
+class Scalars(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.tensor(i, dtype=torch.uint8), torch.zeros(1 + i // 2)
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_0d_leaves_keep_their_shape_on_the_staged_paths(nw):
+    """0-d tensors out of a collate_fn of one's own (device batches) and out of samples whose
+    shapes vary (batch_size=None) keep shape (), as DataLoader gives them."""
+    keep = lambda b: b  # noqa: E731
+    want = [[x[0].shape for x in b] for b in DataLoader(Scalars(), batch_size=2, collate_fn=keep)]
+    with pinmem.Loader(Scalars(), batch_size=2, collate_fn=keep, num_workers=nw) as p:
+        got = [[tuple(x[0].shape) for x in b] for b in p]
+    assert got == [[tuple(s) for s in b] for b in want] == [[(), ()], [(), ()]]
+    with pinmem.Loader(Scalars(), batch_size=None, num_workers=nw) as p:
+        assert [tuple(b[0].shape) for b in p] == [()] * 4
+
+
+def collate_through(batch):
+    return torch.utils.data.default_collate(batch)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64"])
+def test_unsigned_tensors_from_worker_processes(dtype):
+    """torch's own pickling cannot load an unsigned tensor (uint16/32/64) again: such samples
+    whose shapes vary between batches (sent pickled) and a collate_fn's tensors come from the
+    worker processes all the same, as from DataLoader's."""
+    dt = getattr(torch, dtype)
+
+    class Growing(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.full((1 + i // 2,), i, dtype=dt)
+
+    for kw in ({}, {"collate_fn": torch.utils.data.default_collate},
+               {"collate_fn": collate_through}):
+        want = [b.tolist() for b in DataLoader(Growing(), batch_size=2, num_workers=2, **kw)]
+        with pinmem.Loader(Growing(), batch_size=2, num_workers=2, device="cpu", **kw) as p:
+            got = list(p)
+        assert [b.tolist() for b in got] == want and got[0].dtype == dt, kw
