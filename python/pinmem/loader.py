@@ -128,8 +128,9 @@ _DESCRIBE_TRIES = 16
 
 def _python_dataset(dataset):
     """One C dataset over a map-style Python dataset read on pinmem's threads (through the
-    GIL): dataset[i] is called once per sample (plus once for sample 0 to learn its structure),
-    for all its fields, so random augmentation stays consistent across them.
+    GIL): dataset[i] is called once per sample, for all its fields, so random augmentation
+    stays consistent across them (and once more for the first sample that reads, to learn the
+    structure: _DESCRIBE_TRIES).
     -> (C dataset, the samples' Schema)."""
     import numpy
     from . import _workers
@@ -141,10 +142,10 @@ def _python_dataset(dataset):
         try:
             first = dataset[i]
         except StopIteration as e:
-            err = err or _stop_iteration_error(i, e)
+            err = _stop_iteration_error(i, e) if err is None else err
             continue
         except Exception as e:
-            err = err or e
+            err = e if err is None else err
             continue
         at = i
         break
@@ -822,7 +823,7 @@ class Loader:
                 if isinstance(e, Error) or (isinstance(e, WorkerError) and
                                             not getattr(e, "from_dataset", False)):
                     raise
-                first = first or e
+                first = e if first is None else first
         if first is None:  # (an empty dataset: refused before the workers start)
             raise InvalidError("PM_ERR_INVALID: the dataset is empty")
         raise first
