@@ -123,8 +123,12 @@ def pin(obj, *, mapped=False, portable=False):
     memory is registered read-only) or a CPU tensor with __dlpack__ (torch). The memory must be
     contiguous. It stays pinned, and obj stays alive, while the PinnedBuffer or any consumer of it
     exists; then it is unpinned. Copies from pinned memory run at the link's full speed and do not
-    block the caller.
+    block the caller. A torch tensor is held through an alias of its own (tensor.detach()), so a
+    later t.set_(...) leaves the pinned memory alive; t.resize_() to a larger size moves the
+    storage's memory away from under the pin, and is not to be done while it is pinned.
     """
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "detach"):
+        obj = obj.detach()
     return _pinmem.pin(obj, mapped=mapped, portable=portable)
 
 
@@ -165,8 +169,8 @@ def _file_error(fn, path, err):
 
 
 _READ = _os.O_RDONLY | _os.O_CLOEXEC
-# Not O_TRUNC: write_file's extension empties the file only once the arguments are checked, so
-# a bad call leaves an existing file as it was.
+# Not O_TRUNC: write_file's extension cuts the file to the bytes written only once they are in
+# it, so a call that fails leaves an existing file as it was.
 _WRITE = _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC
 
 
@@ -210,8 +214,10 @@ def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsyn
     """Write nbytes (default: all) of src at `offset` of the file at `path`; return a Completion
     (already complete: the call returns once the bytes are in the file).
 
-    The file is created if missing and, with truncate=True (default), emptied first; with
-    truncate=False the rest of an existing file stays. src: as read_file's dst (device memory is
+    The file is created if missing and, with truncate=True (default), holds the bytes written
+    alone (zeros before `offset`), as if emptied first; it is cut to them once they are written,
+    so a call that fails leaves an existing file as it was. With truncate=False the rest of an
+    existing file stays. src: as read_file's dst (device memory is
     DMA'd into pinned bounce slots and written from there). fsync=True: on disk (fdatasync)
     before the call returns. io: 'auto' (O_DIRECT from 64 MiB up, the unaligned edges
     buffered), 'buffered' or 'direct'. stream: as for read_file.

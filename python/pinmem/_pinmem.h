@@ -150,6 +150,17 @@ extern PyTypeObject pmpy_BufferType, pmpy_PinnedBufferType, pmpy_DeviceBufferTyp
 /* The strides sit after room for ndim_cap dimensions, so changing ndim never moves them. */
 static inline Py_ssize_t *pmpy_buf_strides(BufferObject *b) { return b->shape + b->ndim_cap; }
 
+/* PySequence_Fast, but always a tuple: a list is copied first, so Python code that runs while the
+ * items are read (an __index__, a __dlpack__, a buffer export) cannot shrink it under the loop;
+ * the tuple holds every item. msg: the TypeError's text when o is no sequence. */
+static inline PyObject *pmpy_fast_tuple(PyObject *o, const char *msg) {
+  PyObject *seq = PySequence_Fast(o, msg);
+  if (!seq || PyTuple_CheckExact(seq)) return seq;
+  PyObject *t = PySequence_Tuple(seq);
+  Py_DECREF(seq);
+  return t;
+}
+
 pm_status_t pmpy_buffer_release_memory(BufferObject *b);
 int pmpy_buffer_set_ndim(BufferObject *b, int ndim);
 BufferObject *pmpy_buffer_alloc(PyTypeObject *type, int ndim);

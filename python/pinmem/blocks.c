@@ -204,7 +204,7 @@ static PyObject *BlockStore_swap(BlockStoreObject *self, PyObject *args) {
   if (store_live(self) < 0) return NULL;
   pm_stream_t stream;
   if (pmpy_parse_stream(stream_obj, &stream) < 0) return NULL;
-  PyObject *seq = PySequence_Fast(regions, "regions must be a sequence of (base, stride, bytes)");
+  PyObject *seq = pmpy_fast_tuple(regions, "regions must be a sequence of (base, stride, bytes)");
   if (!seq) return NULL;
   Py_ssize_t nr = PySequence_Fast_GET_SIZE(seq);
   if (nr < 1 || nr > PM_KV_MAX_REGIONS) {

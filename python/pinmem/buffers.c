@@ -152,7 +152,7 @@ int pmpy_parse_shape(PyObject *o, Py_ssize_t *dims, int *ndim_out) {
     if (dims[0] == -1 && PyErr_Occurred()) return -1;
     *ndim_out = 1;
   } else {
-    PyObject *seq = PySequence_Fast(o, "shape must be an int or a sequence of ints");
+    PyObject *seq = pmpy_fast_tuple(o, "shape must be an int or a sequence of ints");
     if (!seq) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > PMPY_MAX_NDIM) {

@@ -122,7 +122,7 @@ static PyObject *py_dataset_npy(PyObject *mod, PyObject *args, PyObject *kw) {
   pm_npy_options_init(&opt);
   if (parse_io(io, &opt.io) < 0) return NULL;
   opt.dtype = dtype;
-  PyObject *seq = PySequence_Fast(paths, "paths must be a sequence of str");
+  PyObject *seq = pmpy_fast_tuple(paths, "paths must be a sequence of str");
   if (!seq) return NULL;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   const char **p = PyMem_Calloc(n ? (size_t)n : 1, sizeof *p);
@@ -265,7 +265,7 @@ static int arrays_read(uint64_t index, void *const *dsts, void *user) {
 static PyObject *py_dataset_arrays(PyObject *mod, PyObject *args) {
   PyObject *arrays, *specs;
   if (!PyArg_ParseTuple(args, "OO:_dataset_arrays", &arrays, &specs)) return NULL;
-  PyObject *seq = PySequence_Fast(arrays, "arrays must be a sequence");
+  PyObject *seq = pmpy_fast_tuple(arrays, "arrays must be a sequence");
   if (!seq) return NULL;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   if (n < 1 || n > PM_MAX_FIELDS || PySequence_Size(specs) != n) {
@@ -336,7 +336,7 @@ static int python_read(uint64_t index, void *const *dsts, void *user) {
   PyGILState_STATE g = PyGILState_Ensure();
   int rc = 0;
   PyObject *item = PyObject_CallFunction(d->fetch, "K", (unsigned long long)index);
-  PyObject *seq = item ? PySequence_Fast(item, "fetch must return a sequence of arrays") : NULL;
+  PyObject *seq = item ? pmpy_fast_tuple(item, "fetch must return a sequence of arrays") : NULL;
   if (seq && PySequence_Fast_GET_SIZE(seq) != d->nfields) {
     PyErr_Format(PyExc_ValueError, "pinmem.Loader: sample %llu has %zd fields, the first had %d",
                  (unsigned long long)index, PySequence_Fast_GET_SIZE(seq), d->nfields);
@@ -408,7 +408,7 @@ static PyObject *py_dataset_python(PyObject *mod, PyObject *args) {
   PyObject *fetch, *specs;
   unsigned long long samples;
   if (!PyArg_ParseTuple(args, "OKO:_dataset_python", &fetch, &samples, &specs)) return NULL;
-  PyObject *seq = PySequence_Fast(specs, "specs must be a sequence");
+  PyObject *seq = pmpy_fast_tuple(specs, "specs must be a sequence");
   if (!seq) return NULL;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   if (n < 1 || n > PM_MAX_FIELDS) {

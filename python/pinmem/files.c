@@ -51,6 +51,44 @@ static int parse_offset(PyObject *o, const char *fn, uint64_t *out) {
   return 0;
 }
 
+/* write_file(truncate=True) once its bytes are in the file (pm_file_write_async returns with
+ * every byte written): the file ends where they end, and what it held before `offset` reads as
+ * zeros (a hole punched, else zeros written), as if it had been emptied first. OSError naming
+ * the step when one fails. */
+static int cut_to_written(int fd, uint64_t offset, size_t n, off_t old_size, int fsync,
+                          const char *fn) {
+  const char *step = NULL;
+  int err = 0;
+  Py_BEGIN_ALLOW_THREADS;
+  uint64_t stale = (uint64_t)old_size < offset ? (uint64_t)old_size : offset;
+  if (stale > 0 &&
+      fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)stale) != 0) {
+    static const char zeros[1 << 16];
+    for (uint64_t at = 0; at < stale && !step;) {
+      size_t k = stale - at < sizeof zeros ? (size_t)(stale - at) : sizeof zeros;
+      ssize_t w = pwrite(fd, zeros, k, (off_t)at);
+      if (w > 0)
+        at += (uint64_t)w;
+      else if (w < 0 && errno != EINTR)
+        step = "zeroing the bytes before offset", err = errno;
+    }
+  }
+  if (!step && ftruncate(fd, (off_t)(offset + n)) != 0) step = "ftruncate", err = errno;
+  if (!step && fsync && fdatasync(fd) != 0) step = "fdatasync", err = errno;
+  Py_END_ALLOW_THREADS;
+  if (!step) return 0;
+  /* OSError(errno, text) picks the errno's subclass (PermissionError, ...); "N" fails cleanly
+   * when the text could not be made. */
+  PyObject *text = PyUnicode_FromFormat("%s: cutting the file to the bytes written (%s): %s", fn,
+                                        step, strerror(err));
+  PyObject *e = PyObject_CallFunction(PyExc_OSError, "iN", err, text);
+  if (e) {
+    PyErr_SetObject((PyObject *)Py_TYPE(e), e);
+    Py_DECREF(e);
+  }
+  return -1;
+}
+
 /* The shared body: resolve the memory, check nbytes against it, run the C call without the GIL,
  * hand back a Completion that holds the memory. */
 static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject *nbytes_obj,
@@ -87,35 +125,18 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
   }
   if (h.buf && pmpy_buffer_order_before(h.buf, stream) < 0) goto fail;
 
-  /* Emptied only now that every argument is known good: a bad call leaves the file as it was.
-   * The write then reserves its range (pm_file_write_async: a full disk is an IoError before a
-   * byte is written). */
-  if (truncate) {
-    /* Only a regular file has a length to empty (as O_TRUNC, which a device or a pipe ignores):
-     * write_file("/dev/null", ...) is a write like any other. */
+  /* truncate: the file is to hold the written bytes alone (zeros before offset). It is cut to
+   * that only once every byte is written: a call that fails (a bad offset, the pinned budget,
+   * a full disk, EFBIG) leaves an existing file as it was, its length too. Only a regular file
+   * has a length (as O_TRUNC, which a device or a pipe ignores). */
+  off_t old_size = -1;
+  if (write) {
     struct stat sb;
-    int rc, err;
-    const char *step = "fstat";
+    int rc;
     Py_BEGIN_ALLOW_THREADS;
     rc = fstat(fd, &sb);
-    if (rc == 0 && S_ISREG(sb.st_mode)) {
-      step = "ftruncate";
-      rc = ftruncate(fd, 0);
-    }
-    err = errno;
     Py_END_ALLOW_THREADS;
-    if (rc != 0) {
-      /* OSError(errno, text) picks the errno's subclass (PermissionError, ...); "N" fails
-       * cleanly when the text could not be made. */
-      PyObject *text =
-          PyUnicode_FromFormat("%s: emptying the file first (%s): %s", fn, step, strerror(err));
-      PyObject *e = PyObject_CallFunction(PyExc_OSError, "iN", err, text);
-      if (e) {
-        PyErr_SetObject((PyObject *)Py_TYPE(e), e);
-        Py_DECREF(e);
-      }
-      goto fail;
-    }
+    if (rc == 0 && S_ISREG(sb.st_mode)) old_size = sb.st_size;
   }
   pm_file_options_t opt;
   pm_file_options_init(&opt);
@@ -129,8 +150,21 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
   Py_END_ALLOW_THREADS;
   if (st != PM_OK) {
     pmpy_raise_status(st);
+    if (old_size >= 0) {
+      /* A write that failed after reserving its range (the budget, a full disk) gives the
+       * length back: an existing file ends where it ended. */
+      struct stat sb;
+      Py_BEGIN_ALLOW_THREADS;
+      if (fstat(fd, &sb) == 0 && sb.st_size > old_size) {
+        int rc = ftruncate(fd, old_size);
+        (void)rc; /* at best: the write's own error is the one raised */
+      }
+      Py_END_ALLOW_THREADS;
+    }
     goto fail;
   }
+  if (truncate && old_size >= 0 && cut_to_written(fd, offset, n, old_size, fsync, fn) < 0)
+    goto fail;
   BufferObject *written = write ? NULL : h.buf;
   PyObject *c = pmpy_completion_new(fence, &h, stream_obj);
   if (!c) return NULL;
@@ -189,7 +223,7 @@ static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, PyO
       return pmpy_raise_fmt(PM_ERR_INVALID, "%s: chunk must be at most 1 GiB, not %zu bytes",
                             fn, chunk);
   }
-  PyObject *seq = PySequence_Fast(ranges_obj, "ranges must be a sequence");
+  PyObject *seq = pmpy_fast_tuple(ranges_obj, "ranges must be a sequence");
   if (!seq) {
     PyErr_Clear();
     return pmpy_raise_fmt(PM_ERR_INVALID,

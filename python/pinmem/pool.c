@@ -382,7 +382,7 @@ static PyObject *py_numa_test_override(PyObject *mod, PyObject *args) {
   if (!PyUnicode_FSConverter(root_obj, &root_bytes)) return NULL;
   Py_ssize_t n = 0;
   if (ids_obj != Py_None) {
-    seq = PySequence_Fast(ids_obj, "_numa_test_override: bus_ids must be a sequence of str");
+    seq = pmpy_fast_tuple(ids_obj, "_numa_test_override: bus_ids must be a sequence of str");
     if (!seq) goto fail;
     n = PySequence_Fast_GET_SIZE(seq);
     if (n > PM__NUMA_MAX_DEVICES) {

@@ -458,9 +458,9 @@ static PyObject *py_dataset_procs(PyObject *mod, PyObject *args) {
   if (!PyArg_ParseTuple(args, "OOKOd|i:_dataset_procs", &pool, &fds, &samples, &specs, &timeout,
                         &depth))
     return NULL;
-  PyObject *fseq = PySequence_Fast(fds, "fds must be a sequence");
+  PyObject *fseq = pmpy_fast_tuple(fds, "fds must be a sequence");
   if (!fseq) return NULL;
-  PyObject *seq = PySequence_Fast(specs, "specs must be a sequence");
+  PyObject *seq = pmpy_fast_tuple(specs, "specs must be a sequence");
   if (!seq) {
     Py_DECREF(fseq);
     return NULL;

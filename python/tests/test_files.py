@@ -216,6 +216,68 @@ def test_bad_write_leaves_file(tmp_path, rng):
     np.testing.assert_array_equal(np.fromfile(path, np.uint8), before)
 
 
+def test_failed_write_leaves_file(tmp_path, rng):
+    """A write that fails inside the C call (an offset past the largest file offset, a range
+    the filesystem cannot hold, the pinned budget spent while a device source is staged) leaves
+    an existing file as it was, its bytes and its length: it is cut to the bytes written only
+    once they are in it."""
+    path = tmp_path / "f.bin"
+    before = write_background(path, rng, 5000)
+    for offset, cls in ((1 << 63, pinmem.InvalidError), (1 << 62, pinmem.Error)):
+        with pytest.raises(cls):
+            pinmem.write_file(path, np.ones(10, np.uint8), offset=offset)
+        np.testing.assert_array_equal(np.fromfile(path, np.uint8), before)
+    src = pinmem.device_empty(1 << 20, "u1")
+    budget = pinmem.budget()
+    gc.collect()
+    pinmem.trim()
+    pinmem.set_budget(4096)
+    try:
+        with pytest.raises(pinmem.BudgetError):
+            pinmem.write_file(path, src)
+    finally:
+        pinmem.set_budget(budget)
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), before)
+    src.release()
+
+
+def test_ranges_list_changed_during_the_call(tmp_path):
+    """Python code that runs while a list of ranges is read (an offset's __index__, a source's
+    __dlpack__) and empties the list: the call works on the ranges it was given (they are
+    taken first), never on freed items. In a child process, so that a crash is a failure."""
+    script = textwrap.dedent(f"""
+        import numpy as np, pinmem
+        path = {str(tmp_path / "r.bin")!r}
+        open(path, "wb").write(bytes(range(256)) * 16)
+        ranges = []
+        class Off:
+            def __index__(self):
+                ranges.clear()
+                return 16
+        dst = [bytearray(10) for _ in range(10)]
+        ranges += [(0, dst[0]), (Off(), dst[1])] + [(100 * i + 100, dst[i]) for i in range(2, 10)]
+        pinmem.read_ranges(path, ranges)
+        data = open(path, "rb").read()
+        assert bytes(dst[1]) == data[16:26] and bytes(dst[9]) == data[1000:1010]
+        class Src:
+            def __init__(self):
+                self.a = np.full(10, 7, np.uint8)
+            def __dlpack__(self, *args, **kwargs):
+                ranges.clear()
+                return self.a.__dlpack__(*args, **kwargs)
+            def __dlpack_device__(self):
+                return self.a.__dlpack_device__()
+        ranges += [(0, b"a" * 10), (16, Src())] + [(100 * i + 100, b"b" * 10) for i in range(8)]
+        pinmem.write_ranges(path, ranges)
+        raw = open(path, "rb").read()
+        assert raw[16:26] == bytes([7] * 10) and raw[800:810] == b"b" * 10
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr)
+
+
 @pytest.mark.parametrize("io", IOS)
 def test_write_to_a_device_file(io, rng, no_fd_leak):
     """A device has no length to empty: write_file("/dev/null", ...) writes like any file (as

@@ -38,6 +38,23 @@ def test_pin_torch_cpu_tensor_in_place(rng):
         pinmem.pin(t.t())  # not contiguous
 
 
+def test_pin_keeps_the_memory_when_the_tensor_is_set_elsewhere():
+    """t.set_(other) after pin(t): the pinned memory stays alive and pinned (pin holds an alias
+    of its own), readable through the buffer, until the buffer lets go."""
+    torch = skip_unless_torch()
+    t = torch.arange(1 << 20, dtype=torch.float32)
+    p = pinmem.pin(t)
+    ptr, before = p.ptr, pinmem.stats()["registered_bytes"]
+    t.set_(torch.zeros(1))
+    gc.collect()
+    a = np.asarray(p)
+    assert a[1] == 1.0 and a[-1] == (1 << 20) - 1 and p.ptr == ptr
+    assert pinmem.pointer_info(ptr)["kind"] == "registered"
+    del a
+    p.release()
+    assert pinmem.stats()["registered_bytes"] == before - (4 << 20)
+
+
 def test_pin_tensor_then_copy_to_cuda(rng):
     torch = skip_unless_torch_cuda()
     t = torch.from_numpy(rng.random(1 << 20).astype(np.float32))
