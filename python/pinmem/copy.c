@@ -523,6 +523,11 @@ static PyObject *py_copy(PyObject *mod, PyObject *args, PyObject *kw) {
   }
   if (c->hold[0].buf && pmpy_buffer_order_before(c->hold[0].buf, stream) < 0) goto fail;
   if (c->hold[1].buf && pmpy_buffer_order_before(c->hold[1].buf, stream) < 0) goto fail;
+  /* An empty tensor or array may have no address (torch's data_ptr() 0, CuPy's (0, False)):
+   * copying 0 bytes touches neither side, so any address will do. */
+  static char nothing[2];
+  if (n == 0 && !dptr) dptr = &nothing[0];
+  if (n == 0 && !sptr) sptr = &nothing[1];
 
   pm_copy_options_t opt;
   pm_copy_options_init(&opt);

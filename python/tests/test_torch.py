@@ -177,3 +177,26 @@ def test_training_loop_learns_cuda():
     assert losses[-1] < 0.5 * losses[0], losses
     s = loader.stats()
     assert s["batches"] >= 5 * len(loader) and s["copy_seconds"] > 0
+
+
+def test_empty_tensors_without_an_address(tmp_path):
+    """An empty torch tensor has data_ptr() 0 (so has an empty __cuda_array_interface__ object):
+    copies, reads and writes of it move nothing and complete, as those of empty NumPy arrays."""
+    torch = skip_unless_torch()
+    assert torch.zeros(0).data_ptr() == 0
+    for dst, src in ((torch.zeros(0), np.zeros(0, np.float32)),
+                     (np.zeros(0, np.float32), torch.zeros(0)), (torch.zeros(0), torch.zeros(0))):
+        c = pinmem.copy(dst, src)
+        c.wait()
+        assert c.done()
+
+    class Empty:
+        __cuda_array_interface__ = {"shape": (0,), "typestr": "|u1", "data": (0, False),
+                                    "version": 3}
+
+    pinmem.copy(Empty(), np.zeros(0, np.uint8)).wait()
+    path = tmp_path / "e.bin"
+    path.write_bytes(b"abc")
+    pinmem.write_file(path, torch.zeros(0)).wait()
+    assert path.read_bytes() == b""
+    pinmem.read_file(path, torch.zeros(0)).wait()
