@@ -185,7 +185,9 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
   if (PyObject_CheckBuffer(o)) {
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(o, &h->view, flags) < 0) {
-      if (writable && PyErr_ExceptionMatches(PyExc_BufferError) &&
+      /* Refused as a destination only (NumPy says ValueError, others BufferError): read-only. */
+      if (writable &&
+          (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError)) &&
           PyObject_GetBuffer(o, &h->view, PyBUF_C_CONTIGUOUS) == 0) {
         PyBuffer_Release(&h->view);
         PyErr_Clear();

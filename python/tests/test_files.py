@@ -372,6 +372,12 @@ def test_bad_arguments(tmp_path, rng, no_fd_leak):
         pinmem.read_file(tmp_path / "f.bin", np.zeros(4, np.uint8), -1)
     with pytest.raises(pinmem.InvalidError, match="dst is read-only"):
         pinmem.read_file(tmp_path / "f.bin", b"1234")
+    frozen = np.zeros(4, np.uint8)
+    frozen.flags.writeable = False  # NumPy refuses a writable view with ValueError
+    for call in (lambda: pinmem.read_file(tmp_path / "f.bin", frozen),
+                 lambda: pinmem.copy(frozen, np.ones(4, np.uint8))):
+        with pytest.raises(pinmem.InvalidError, match="dst is read-only"):
+            call()
     with pytest.raises(TypeError, match="not memory pinmem can copy"):
         pinmem.read_file(tmp_path / "f.bin", [0, 1, 2])
     with pytest.raises(pinmem.InvalidError, match="not C-contiguous"):
