@@ -306,9 +306,11 @@ static void completion_finish(CompletionObject *c, pm_status_t st) {
     c->result = st;
     if (st != PM_OK) snprintf(c->error, sizeof c->error, "%s", pm_last_error());
   }
+  /* The path as soon as the copy is done, also while another thread still waits in
+   * pm_fence_wait (the fence is released only by the last of them). */
+  pm_copy_path_t path;
+  if (c->fence && c->path < 0 && pm_fence_path(c->fence, &path) == PM_OK) c->path = (int)path;
   if (c->busy == 0 && c->fence) {
-    pm_copy_path_t path;
-    if (pm_fence_path(c->fence, &path) == PM_OK) c->path = (int)path;
     pm_fence_release(c->fence);
     c->fence = NULL;
     holder_release(&c->hold[0]);

@@ -247,6 +247,9 @@ def test_concurrent_waiters(rng):
         threads[0].join(0.2)
         assert all(t.is_alive() for t in threads) and not c.done()
         assert gate.open()
+        while not c.done():  # done here while the waiters may still be inside the wait:
+            pass
+        assert c.path == "staged"  # the path is known as soon as the copy is
         for t in threads:
             t.join()
     assert not errors and c.done() and c.path == "staged"
