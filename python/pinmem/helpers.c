@@ -44,7 +44,13 @@ int pmpy_parse_size_obj(PyObject *o, size_t *out) {
       return -1;
     }
     size_t v = PyLong_AsSize_t(o);
-    if (v == (size_t)-1 && PyErr_Occurred()) return -1;
+    if (v == (size_t)-1 && PyErr_Occurred()) {
+      if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* as a negative size: pinmem's words */
+        PyErr_Clear();
+        pmpy_raise_fmt(PM_ERR_INVALID, "a size must be below 2**64");
+      }
+      return -1;
+    }
     *out = v;
     return 0;
   }

@@ -372,6 +372,11 @@ def test_bad_arguments(tmp_path, rng, no_fd_leak):
         pinmem.read_file(tmp_path / "f.bin", np.zeros(4, np.uint8), -1)
     with pytest.raises(pinmem.InvalidError, match="dst is read-only"):
         pinmem.read_file(tmp_path / "f.bin", b"1234")
+    for call in (lambda: pinmem.read_file(tmp_path / "f.bin", np.zeros(4), nbytes=1 << 70),
+                 lambda: pinmem.copy(np.zeros(4), np.ones(4), nbytes=1 << 70),
+                 lambda: pinmem.set_budget(1 << 70)):
+        with pytest.raises(pinmem.InvalidError, match="below 2"):  # not a bare OverflowError
+            call()
     frozen = np.zeros(4, np.uint8)
     frozen.flags.writeable = False  # NumPy refuses a writable view with ValueError
     for call in (lambda: pinmem.read_file(tmp_path / "f.bin", frozen),
