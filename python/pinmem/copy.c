@@ -158,8 +158,8 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
 }
 
 /* One side of a copy -> pointer and size. */
-static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const char *what,
-                        holder_t *h, void **ptr, size_t *bytes) {
+static int resolve_memory(PyObject *o, int writable, pm_stream_t stream, const char *what,
+                          holder_t *h, void **ptr, size_t *bytes) {
   memset(h, 0, sizeof *h);
   if (Buffer_Check(o)) {
     BufferObject *b = (BufferObject *)o;
@@ -270,6 +270,17 @@ static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const cha
 }
 
 /* For files.c: one side resolved as copy resolves it; release with pmpy_holder_release. */
+/* resolve_memory, and an address for an empty object that has none (torch's data_ptr() 0,
+ * CuPy's (0, False)): 0 bytes touch no memory, but the C calls refuse NULL. A side of its own
+ * for each direction, so that two such objects are not one range. */
+static int resolve_side(PyObject *o, int writable, pm_stream_t stream, const char *what,
+                        holder_t *h, void **ptr, size_t *bytes) {
+  static char nothing[2];
+  if (resolve_memory(o, writable, stream, what, h, ptr, bytes) < 0) return -1;
+  if (*bytes == 0 && !*ptr) *ptr = &nothing[writable ? 0 : 1];
+  return 0;
+}
+
 int pmpy_resolve_side(PyObject *o, int writable, pm_stream_t stream, const char *what,
                       pmpy_holder_t *h, void **ptr, size_t *bytes) {
   return resolve_side(o, writable, stream, what, h, ptr, bytes);
@@ -527,11 +538,6 @@ static PyObject *py_copy(PyObject *mod, PyObject *args, PyObject *kw) {
   }
   if (c->hold[0].buf && pmpy_buffer_order_before(c->hold[0].buf, stream) < 0) goto fail;
   if (c->hold[1].buf && pmpy_buffer_order_before(c->hold[1].buf, stream) < 0) goto fail;
-  /* An empty tensor or array may have no address (torch's data_ptr() 0, CuPy's (0, False)):
-   * copying 0 bytes touches neither side, so any address will do. */
-  static char nothing[2];
-  if (n == 0 && !dptr) dptr = &nothing[0];
-  if (n == 0 && !sptr) sptr = &nothing[1];
 
   pm_copy_options_t opt;
   pm_copy_options_init(&opt);

@@ -124,9 +124,6 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
     goto fail;
   }
   if (h.buf && pmpy_buffer_order_before(h.buf, stream) < 0) goto fail;
-  /* An empty tensor may have no address (torch's data_ptr() 0): 0 bytes touch none. */
-  static char nothing;
-  if (n == 0 && !ptr) ptr = &nothing;
 
   /* truncate: the file is to hold the written bytes alone (zeros before offset). It is cut to
    * that only once every byte is written: a call that fails (a bad offset, the pinned budget,

@@ -126,6 +126,31 @@ def _dtype_from_descr(text):
 _DESCRIBE_TRIES = 16
 
 
+def _first_that_reads(n, read, skip):
+    """(i, read(i)) for the first i of the first _DESCRIBE_TRIES samples (of n) whose read does
+    not raise; an exception skip(e) refuses is raised at once, and where every read raises, the
+    first sample's exception."""
+    first = None
+    for i in range(min(n, _DESCRIBE_TRIES)):
+        try:
+            return i, read(i)
+        except Exception as e:
+            if not skip(e):
+                raise
+            first = e if first is None else first
+    if first is None:
+        raise InvalidError("PM_ERR_INVALID: the dataset is empty")
+    raise first
+
+
+def _sample(dataset, i):
+    """dataset[i]; StopIteration out of it is an error naming the index."""
+    try:
+        return dataset[i]
+    except StopIteration as e:
+        raise _stop_iteration_error(i, e) from e
+
+
 def _python_dataset(dataset):
     """One C dataset over a map-style Python dataset read on pinmem's threads (through the
     GIL): dataset[i] is called once per sample, for all its fields, so random augmentation
@@ -137,20 +162,7 @@ def _python_dataset(dataset):
     n = len(dataset)
     if n == 0:
         raise InvalidError("PM_ERR_INVALID: the dataset is empty")
-    at, first, err = None, None, None
-    for i in range(min(n, _DESCRIBE_TRIES)):
-        try:
-            first = dataset[i]
-        except StopIteration as e:
-            err = _stop_iteration_error(i, e) if err is None else err
-            continue
-        except Exception as e:
-            err = e if err is None else err
-            continue
-        at = i
-        break
-    if at is None:
-        raise err
+    at, first = _first_that_reads(n, lambda i: _sample(dataset, i), lambda e: True)
     schema = _workers.describe(first, at)
     contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
     # Non-array leaves (strings, objects), and once shapes vary every row's VRow, wait here,
@@ -162,10 +174,7 @@ def _python_dataset(dataset):
 
     def fetch(i):
         nonlocal blank
-        try:
-            sample = dataset[i]
-        except StopIteration as e:
-            raise _stop_iteration_error(i, e) from e
+        sample = _sample(dataset, i)
         try:
             leaves = checked(schema, sample, i, numpy)
         except _workers.ShapeDiffers:
@@ -813,20 +822,13 @@ class Loader:
     def _describe_in_worker(self):
         """The Schema of the first of the dataset's first samples that reads (_DESCRIBE_TRIES),
         computed by worker 0; the first sample's exception where none reads."""
-        first = None
-        for i in range(min(len(self.dataset), _DESCRIBE_TRIES)):
-            try:
-                return self._pool.describe(i, self._timeout)
-            except Exception as e:
-                # The dataset's own exceptions only: a refused structure or a worker that died
-                # or timed out is the answer for every sample.
-                if isinstance(e, Error) or (isinstance(e, WorkerError) and
-                                            not getattr(e, "from_dataset", False)):
-                    raise
-                first = e if first is None else first
-        if first is None:  # (an empty dataset: refused before the workers start)
-            raise InvalidError("PM_ERR_INVALID: the dataset is empty")
-        raise first
+        # The dataset's own exceptions only are skipped: a refused structure or a worker that
+        # died or timed out is the answer for every sample.
+        def skip(e):
+            return not isinstance(e, Error) and (not isinstance(e, WorkerError) or
+                                                 getattr(e, "from_dataset", False))
+        return _first_that_reads(len(self.dataset),
+                                 lambda i: self._pool.describe(i, self._timeout), skip)[1]
 
     def _open_collated(self):
         """The C dataset of a loader with a collate_fn of its own: one byte per row (set when
@@ -865,12 +867,7 @@ class Loader:
         if self._pool is not None:
             out = _staging.unwrap(self._pool.store.take(epoch, [indices], self._timeout)[0])
         else:
-            samples = []
-            for i in indices:
-                try:
-                    samples.append(self.dataset[i])
-                except StopIteration as e:
-                    raise _stop_iteration_error(i, e) from e
+            samples = [_sample(self.dataset, i) for i in indices]
             out = self._collate(samples[0] if self._unbatched else samples)
             if self._stager is not None:
                 out = self._stager.stage(out)

@@ -926,6 +926,13 @@ def _safe_open_handle(f, framework="pt", device="cpu", *, backend="mmap", io="au
                      strict=strict, _handle=handle)
 
 
+def _row_span(start, stop, step):
+    """For rows start:stop:step (step > 0, in range): the rows [r0, r1) to read, and the slice
+    that takes the same rows out of what was read."""
+    last = start + (stop - start - 1) // step * step + 1 if stop > start else start
+    return (start, last), slice(0, last - start, step)
+
+
 class _Slice:
     """One tensor of a safe_open file, read when indexed.
 
@@ -984,10 +991,7 @@ class _Slice:
         if isinstance(first, int):
             rows, first = (first, first + 1), 0
         elif isinstance(first, slice):
-            start, stop, step = first.start, first.stop, first.step
-            stop = max(start, stop)
-            last = start + (stop - start - 1) // step * step + 1 if stop > start else start
-            rows, first = (start, last), slice(0, last - start, step)
+            rows, first = _row_span(first.start, max(first.start, first.stop), first.step)
         if rows is None:  # anything else: the whole tensor, indexed as torch or NumPy does
             part = self._whole()
         else:
@@ -1015,9 +1019,7 @@ class _Slice:
                 v is None or plain(v) for v in (first.start, first.stop, first.step)):
             bad = first.step is not None and first.step <= 0
             if not bad:
-                start, stop, step = first.indices(shape[0])  # clipped, as torch clips
-                last = start + (stop - start - 1) // step * step + 1 if stop > start else start
-                rows, first = (start, last), slice(0, last - start, step)
+                rows, first = _row_span(*first.indices(shape[0]))  # clipped, as torch clips
         try:
             if bad:  # torch's error, in torch's order of checks, from a tensor without data
                 torch = _torch()
