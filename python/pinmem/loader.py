@@ -233,11 +233,10 @@ def _sampler_order(sampler, n):
             raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded {i!r} at position "
                                f"{k}: indices are ints") from None
         if not 0 <= v < n:
+            has = f"has indices 0..{n - 1}" if n else "is empty"
             raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded {v} at position "
-                               f"{k}: the dataset has indices 0..{n - 1}")
+                               f"{k}: the dataset {has}")
         order.append(v)
-    if len(order) == 0:
-        raise InvalidError(f"PM_ERR_INVALID: the sampler ({name}) yielded no indices")
     return order
 
 
@@ -247,10 +246,100 @@ def _stop_iteration_error(index, e):
                         "must not raise StopIteration; raise IndexError past the end")
 
 
+# pm_loader_state_t's magic (PM_LOADER_STATE_MAGIC, "PML1") and the keys of the C loader's stats.
+_STATE_MAGIC = 0x314C4D50
+_STATS_KEYS = ("batches_per_epoch", "samples_per_epoch", "workers", "prefetch", "slot_bytes",
+               "batches", "samples", "bytes", "waits", "stall_seconds", "next_seconds",
+               "read_seconds", "collate_seconds", "copy_seconds", "device_bytes", "host_bytes",
+               "held")
+
+
+def _env_int(name, lo, hi, default):
+    """The C loader's reading of RANK / WORLD_SIZE (pm_loader_create): the same range, the
+    same refusal."""
+    v = _os.environ.get(name, "")
+    if not v:
+        return default
+    # strtol's reading: leading white space, a sign, digits; then only spaces and newlines.
+    m = _re.fullmatch(r"[ \t\n\v\f\r]*([+-]?[0-9]+)[ \n]*", v)
+    x = int(m.group(1)) if m else None
+    if x is None or not lo <= x <= hi:
+        _pinmem._raise(_pinmem.PM_ERR_CONFIG, f"pm_loader_create: {name}='{v[:32]}' is not an "
+                       f"integer in {lo}..{hi}")
+    return x
+
+
+def _epoch_batches(samples, cfg):
+    """(batches one rank gets per epoch, rank, world size) for a C loader configured by cfg
+    over `samples` samples, as the C sampler counts them, 0 included (which the C loader
+    cannot express: _NoBatches)."""
+    world = cfg["world_size"] if cfg["world_size"] > 0 else \
+        _env_int("WORLD_SIZE", 1, 1 << 20, 1)
+    rank = cfg["rank"] if cfg["rank"] >= 0 else _env_int("RANK", 0, (1 << 20) - 1, 0)
+    if rank >= world:
+        raise InvalidError(f"PM_ERR_INVALID: pm_loader_create: sampler: rank {rank} is not in "
+                           f"0..{world - 1} (world size {world})")
+    bs = cfg["batch_size"]
+    if cfg["drop_last"]:
+        return samples // world // bs, rank, world
+    per_rank = -(-samples // world)
+    return -(-per_rank // bs), rank, world
+
+
+class _EpochEnd:
+    """What _NoBatches.next() gives at the end of an epoch without a batch."""
+
+
+class _NoBatches:
+    """Stands in for the C loader while its epochs have no batch: an empty dataset, a sampler
+    (or batch_sampler) that yields nothing, drop_last with fewer samples than a batch. The C
+    loader counts its position in batches (epoch * batches_per_epoch + batch), so it cannot
+    hold such an epoch; DataLoader yields nothing for it and goes on. next() ends the epoch it
+    stands at (_EpochEnd), and gives None once every epoch is over, as the C loader does."""
+
+    def __init__(self, fields, epochs):
+        self._fields = dict(fields, batch=0)
+        self._epochs = epochs  # 0: no end
+
+    def next(self):
+        if self._epochs and self._fields["epoch"] >= self._epochs:
+            return None
+        self._fields["epoch"] += 1
+        return _EpochEnd
+
+    def state(self):
+        return _pinmem._loader_state_pack(**self._fields)
+
+    def stats(self):
+        out = dict.fromkeys(_STATS_KEYS, 0)
+        out.update((k, 0.0) for k in _STATS_KEYS if k.endswith("_seconds"))
+        return out
+
+    def close(self):
+        pass
+
+
 def _is_iterable_dataset(dataset):
     """A torch.utils.data.IterableDataset (by its class, without importing torch)."""
     return any(c.__name__ == "IterableDataset" and c.__module__.startswith("torch.utils.data")
                for c in type(dataset).__mro__)
+
+
+def _has_no_samples(dataset):
+    """Whether DataLoader would find no sample in `dataset`: a map-style dataset, an array, a
+    TensorDataset or a tuple of arrays, of length 0. Files and pinmem's own datasets are opened
+    as they are (an empty .npy file is refused)."""
+    if isinstance(dataset, (NpyDataset, TokenDataset)) or _is_path(dataset):
+        return False
+    tensors = _tensor_dataset_fields(dataset)
+    parts = tensors if tensors is not None else dataset if isinstance(dataset, tuple) else None
+    if parts and all(_is_array(a) for a in parts):
+        return all(tuple(getattr(a, "shape", (1,)))[:1] == (0,) for a in parts)
+    if _is_array(dataset):
+        return tuple(getattr(dataset, "shape", (1,)))[:1] == (0,)
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return len(dataset) == 0
+    return False
 
 
 def _is_path(x):
@@ -573,8 +662,9 @@ class Loader:
     are taken in turn as torch's DataLoader takes them; shuffle, sampler, batch_sampler and
     state_dict() are refused for it (_iterable.py). Also: seed (shuffle order and worker
     seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
-    device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs (None: no end), rank/world_size (sharding as
-    DistributedSampler; None: from RANK and WORLD_SIZE), io (for .npy paths), worker_mode.
+    device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs
+    (None: no end), rank/world_size (sharding as DistributedSampler; None: from RANK and
+    WORLD_SIZE), io (for .npy paths), worker_mode.
 
     Iterating yields one epoch's batches (tuple samples as lists, as default_collate), their
     arrays torch tensors for torch's datasets and tensors, pinmem.Buffers otherwise (tensors=
@@ -608,6 +698,7 @@ class Loader:
         self._stager = None  # batches staged outside the slots (_staging.py)
         self._closed = False
         self._order = None  # a sampler's indices for the epoch (Batch.indices maps through it)
+        self._c_epoch = 0  # the epoch the C loader (or _NoBatches) was made for
         self._resume_pending = True  # the first iterator starts where the loader stands
         self._skip = None  # (epoch, batch) after a batch whose dataset read raised
         self._past_end = False  # every epoch was delivered
@@ -788,6 +879,11 @@ class Loader:
         """The C dataset of every field (worker processes started for a Python dataset, whose
         sample 0 gives the structure): at construction for arrays and files, at the first
         iteration for Python datasets (as torch's DataLoader reads nothing before)."""
+        if _has_no_samples(self.dataset):
+            # Nothing to read and no structure to learn: every epoch has no batch (_NoBatches).
+            self._base = self._ds = None
+            self._tuple, self._odd = False, []
+            return
         if self._collate is not None:
             return self._open_collated()
         if self._procs:
@@ -951,26 +1047,61 @@ class Loader:
             ds = self._base
             self._order = None
             if self._sampler is not None:
-                order = _sampler_order(self._sampler, self._base.info()["samples"])
-                ds = _pinmem._dataset_select(self._base, order)
+                n = 0 if self._base is None else self._base.info()["samples"]
+                order = _sampler_order(self._sampler, n)
+                if order:
+                    ds = _pinmem._dataset_select(self._base, order)
                 self._order = order
             self._ds = ds
+        cfg = self._epoch_config(epoch)
+        samples = len(self._order) if self._order is not None else \
+            0 if self._ds is None else self._ds.info()["samples"]
+        batches, rank, world = _epoch_batches(samples, cfg)
+        if batches == 0:
+            self._clear_side()
+            self._c = self._no_batches(epoch, batch, resume, template, samples, cfg, rank,
+                                       world)
+            self._bpe, self._c_epoch = 0, epoch
+            return
         if template is not None:
-            fields = dict(template, epoch=epoch, batch=batch,
-                          samples=self._ds.info()["samples"])
+            fields = dict(template, epoch=epoch, batch=batch, samples=samples)
             resume = _pinmem._loader_state_pack(**fields)
         self._clear_side()
-        self._c = self._on_device(
-            lambda: _pinmem._Loader(self._ds, resume=resume, **self._epoch_config(epoch)))
+        self._c = self._on_device(lambda: _pinmem._Loader(self._ds, resume=resume, **cfg))
+        self._c_epoch = epoch  # the epoch the C loader was made for (its epochs: this one on)
         # Batches per epoch of the loader now delivering: the iterators end the epoch by it.
         self._bpe = self._c.stats()["batches_per_epoch"]
         if self._pool is not None:
             self._pool.epoch = epoch
 
+    @staticmethod
+    def _no_batches(epoch, batch, resume, template, samples, cfg, rank, world):
+        """A _NoBatches at (epoch, batch) for an epoch of `samples` samples that has no batch;
+        its state has the fields a C loader's would have."""
+        if resume is not None:
+            fields = _pinmem._loader_state_fields(resume)
+        elif template is not None:
+            fields = dict(template, epoch=epoch, batch=batch, samples=samples)
+        else:
+            flags = int(cfg["shuffle"]) | int(cfg["drop_last"]) << 1
+            fields = dict(magic=_STATE_MAGIC, flags=flags, epoch=epoch, batch=batch,
+                          seed=cfg["seed"], samples=samples, batch_size=cfg["batch_size"],
+                          rank=rank, world_size=world)
+        if fields["batch"] != 0:
+            raise InvalidError(f"PM_ERR_INVALID: resume state batch {fields['batch']}, an epoch "
+                               f"has no batch ({samples} samples, batch_size "
+                               f"{cfg['batch_size']}, drop_last {cfg['drop_last']})")
+        if cfg["epochs"] and fields["epoch"] > cfg["epochs"]:
+            raise InvalidError(f"PM_ERR_INVALID: resume state epoch {fields['epoch']}, the "
+                               f"loader has {cfg['epochs']}")
+        return _NoBatches(fields, cfg["epochs"])
+
     def _retire(self, c):
         """Destroy C loader c. Over worker processes, claims may still be out: cancel the
         waits, let the processes finish what they were given (drain) and only then free the
         slots they write into."""
+        if isinstance(c, _NoBatches):
+            return  # nothing was read
         if self._pool is not None and c is not None:
             _pinmem._procs_cancel(self._base)
             wait = self._timeout if self._timeout > 0 else 60.0
@@ -1097,7 +1228,7 @@ class Loader:
 
     def _next(self):
         """The next Batch, or None once every epoch (or, after a batch that failed, the epoch)
-        was delivered."""
+        was delivered, and for an epoch that has no batch."""
         c = self._check()
         if self._past_end:
             return None
@@ -1136,6 +1267,8 @@ class Loader:
         if self._closed:
             b = None
             _closed()
+        if b is _EpochEnd:
+            return None  # an epoch without a batch: its loop ends at once
         if b is None and self._per_epoch:
             st = _pinmem._loader_state_fields(c.state())
             nxt = st["epoch"]
@@ -1266,14 +1399,17 @@ class Loader:
                                    f"this loader has {cur[k]}: the order of the samples would "
                                    "differ")
         c, self._c = self._c, None
+        # What _open_epoch changes, for a state it refuses (per-epoch mode: the epoch's order).
+        kept = self._ds, self._order, self._bpe, self._c_epoch
         self._retire(c)  # batches still held keep their slots until they go (a stuck worker:
         # the error, kept in self._failed)
         try:
             self._open_epoch(values["epoch"], values["batch"], resume=packed)
         except BaseException:
             self._clear_side()
-            self._c = self._on_device(lambda: _pinmem._Loader(
-                self._ds, resume=old, **self._epoch_config(cur["epoch"])))
+            self._ds, self._order, self._bpe, self._c_epoch = kept
+            self._c = c if isinstance(c, _NoBatches) else self._on_device(
+                lambda: _pinmem._Loader(self._ds, resume=old, **self._epoch_config(kept[3])))
             raise
         finally:
             self._iteration_s = self._conversion_s = 0.0  # as the library's counters
@@ -1307,7 +1443,7 @@ class Loader:
         `staged_largest_bytes`: the largest of them; `staged_device_blocks`: the device blocks
         allocated for them (the others reused a block whose batch was let go)."""
         out = self._check().stats()
-        out["fields"] = len(self._ds.fields())
+        out["fields"] = 0 if self._ds is None else len(self._ds.fields())
         out["conversion_seconds"] = self._conversion_s
         out["iteration_seconds"] = self._iteration_s
         out["glue_seconds"] = max(0.0, self._iteration_s - out["next_seconds"] -

@@ -49,7 +49,7 @@ def run(loader, stop_after=None):
 
 
 def both(**kw):
-    ds = kw.pop("dataset", None) or Indexed()
+    ds = kw.pop("dataset") if "dataset" in kw else Indexed()
     return DataLoader(ds, **kw), pinmem.Loader(ds, device="cpu", **kw)
 
 
@@ -392,6 +392,105 @@ def test_batch_sampler_as_dataloader(drop_last):
             want = run(t)
             assert run(p) == want and len(want) == len(t)
         assert [list(b.indices) for b in p.batches()] == run(t)
+
+
+# -- Epochs without a batch: DataLoader yields nothing for them and goes on -------------------
+
+EMPTY_EPOCHS = {
+    "empty dataset": lambda: dict(dataset=Indexed(0), batch_size=4),
+    "empty dataset, shuffled": lambda: dict(dataset=Indexed(0), batch_size=4,
+                                            sampler=torch.utils.data.SequentialSampler([])),
+    "empty TensorDataset": lambda: dict(
+        dataset=torch.utils.data.TensorDataset(torch.zeros(0, 3), torch.zeros(0)), batch_size=2),
+    "drop_last, fewer samples than a batch": lambda: dict(dataset=Indexed(3), batch_size=4,
+                                                          drop_last=True),
+    "a sampler that yields nothing": lambda: dict(sampler=[], batch_size=4),
+    "a batch_sampler that yields nothing": lambda: dict(
+        batch_sampler=torch.utils.data.BatchSampler([], 3, False)),
+    "empty dataset, collate_fn": lambda: dict(dataset=Indexed(0), batch_size=2,
+                                              collate_fn=lambda samples: samples),
+}
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("case", sorted(EMPTY_EPOCHS))
+def test_epochs_without_a_batch_yield_nothing_as_in_dataloader(case, nw):
+    t, p = both(num_workers=nw, **EMPTY_EPOCHS[case]())
+    with p:
+        assert len(p) == len(t) == 0
+        for epoch in range(3):  # each loop is one more epoch, with nothing in it
+            assert run(p) == run(t) == []
+            assert p.state_dict()["epoch"] == epoch + 1 and p.state_dict()["batch"] == 0
+        with pytest.raises(StopIteration):
+            next(iter(p.as_torch()))
+        stats = p.stats()
+        assert stats["batches"] == 0 and stats["batches_per_epoch"] == 0
+
+
+class EveryOtherEpoch(torch.utils.data.Sampler):
+    """Indices 5, 2, 7 in odd epochs and none in even ones (set_epoch), as a sampler over a
+    shard that some epochs leave empty."""
+
+    def __init__(self):
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter([5, 2, 7] if self.epoch % 2 else [])
+
+    def __len__(self):
+        return 3 if self.epoch % 2 else 0
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_sampler_with_empty_epochs_between_full_ones(nw):
+    t = DataLoader(Indexed(), batch_size=2, sampler=EveryOtherEpoch(), num_workers=nw)
+    with pinmem.Loader(Indexed(), batch_size=2, sampler=EveryOtherEpoch(), num_workers=nw,
+                       device="cpu") as p:
+        for epoch in range(5):
+            t.sampler.set_epoch(epoch)
+            p.sampler.set_epoch(epoch)
+            assert len(p) == len(t)
+            got = run(p, stop_after=1 if epoch == 3 else None)  # a break ends epoch 3 early
+            assert got == run(t, stop_after=1 if epoch == 3 else None)
+            assert got == ([] if epoch % 2 == 0 else [[5, 2]] if epoch == 3 else [[5, 2], [7]])
+            assert p.epoch == epoch + 1 or epoch == 3
+        state = p.state_dict()
+    assert state["epoch"] == 5 and state["batch"] == 0
+    # A state saved at an empty epoch resumes there: that loop is empty, the next one is not.
+    with pinmem.Loader(Indexed(), batch_size=2, sampler=EveryOtherEpoch(), num_workers=nw,
+                       device="cpu") as q:
+        q.sampler.set_epoch(4)
+        q.load_state_dict(dict(state, epoch=4))
+        assert run(q) == [] and q.epoch == 5
+        q.sampler.set_epoch(5)
+        assert run(q) == [[5, 2], [7]] and q.epoch == 6
+        with pytest.raises(pinmem.InvalidError, match="resume state batch 1, an epoch has no "
+                                                      "batch"):
+            q.sampler.set_epoch(6)
+            q.load_state_dict(dict(state, epoch=6, batch=1, samples=3))
+        # A refused state leaves the loader where it was: at epoch 6, whose order the sampler
+        # gives when it begins.
+        assert q.epoch == 6 and run(q) == []
+        q.sampler.set_epoch(7)
+        assert run(q) == [[5, 2], [7]] and q.epoch == 8
+
+
+def test_epochs_end_after_the_last_one_without_a_batch():
+    with pinmem.Loader(np.zeros((3, 2), np.float32), batch_size=4, drop_last=True, epochs=2,
+                       device="cpu") as p:
+        assert len(p) == 0
+        assert [run(p) for _ in range(4)] == [[]] * 4
+        assert p.state_dict()["epoch"] == 2
+
+
+def test_a_sampler_index_into_an_empty_dataset_is_refused_by_name():
+    with pinmem.Loader(Indexed(0), batch_size=2, sampler=[0], device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match="yielded 0 at position 0: the dataset is "
+                                                      "empty"):
+            next(iter(p))
 
 
 class Uneven:
