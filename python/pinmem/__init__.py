@@ -177,17 +177,40 @@ _WRITE = _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC
 @_contextlib.contextmanager
 def _opened(fn, path, flags, fd=None):
     """A descriptor of `path` for a call of fn: fd when given (left open), else `path` opened
-    with flags and closed afterwards; a pinmem.Error inside raised again naming `path`."""
+    with flags and closed afterwards; a pinmem.Error inside raised again naming `path`. A file
+    this call created (O_CREAT) is removed again when the call fails: a failed write leaves no
+    empty file behind."""
     own = fd is None
-    if own:
+    created = False
+    if own and flags & _os.O_CREAT:
+        try:
+            fd = _os.open(path, flags | _os.O_EXCL, 0o666)
+            created = True
+        except FileExistsError:
+            pass
+    if own and not created:
         fd = _os.open(path, flags, 0o666)
     try:
         yield fd
-    except Error as e:
-        _file_error(fn, path, e)
+    except BaseException as e:
+        if created:
+            _remove_if_same(path, fd)
+        if isinstance(e, Error):
+            _file_error(fn, path, e)
+        raise
     finally:
         if own:
             _os.close(fd)
+
+
+def _remove_if_same(path, fd):
+    """Remove `path` if it still names the file open as fd (not one put there since)."""
+    try:
+        a, b = _os.fstat(fd), _os.stat(path)
+        if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+            _os.unlink(path)
+    except OSError:
+        pass
 
 
 def read_file(path, dst, offset=0, *, nbytes=None, io="auto", stream=None, fd=None):
@@ -195,11 +218,12 @@ def read_file(path, dst, offset=0, *, nbytes=None, io="auto", stream=None, fd=No
     return a Completion.
 
     dst: a pinmem buffer (pinned or DeviceBuffer), a NumPy array, a torch tensor (CPU or CUDA),
-    anything with DLPack or the buffer protocol; C-contiguous. io: 'auto' (from 64 MiB up, O_DIRECT
-    when most of the range is not in the page cache; docs/files.md), 'buffered' or 'direct'. stream: as for copy(); the device
-    writes are ordered on it. The call returns once every byte has been read from the file (the
-    file is closed again); for device memory the DMAs may still be in flight until the
-    Completion is done. A file shorter than offset + nbytes raises IoError naming where it ends.
+    anything with DLPack or the buffer protocol; C-contiguous. io: 'auto' (from 64 MiB up,
+    O_DIRECT when most of the range is not in the page cache; docs/files.md), 'buffered' or
+    'direct'. stream: as for copy(); the device writes are ordered on it. The call returns
+    once every byte has been read from the file (the file is closed again); for device memory
+    the DMAs may still be in flight until the Completion is done. A file shorter than offset +
+    nbytes raises IoError naming where it ends.
     fd: an open, readable descriptor of the file at `path` to read through instead of opening
     `path` (left open; a file since removed or replaced there is still the one read); errors
     still name `path`.
@@ -216,7 +240,8 @@ def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsyn
 
     The file is created if missing and, with truncate=True (default), holds the bytes written
     alone (zeros before `offset`), as if emptied first; it is cut to them once they are written,
-    so a call that fails leaves an existing file as it was. With truncate=False the rest of an
+    so a call that fails leaves an existing file as it was (and a file it created is removed
+    again). With truncate=False the rest of an
     existing file stays. src: as read_file's dst (device memory is
     DMA'd into pinned bounce slots and written from there). fsync=True: on disk (fdatasync)
     before the call returns. io: 'auto' (O_DIRECT from 64 MiB up, the unaligned edges
@@ -279,7 +304,8 @@ from .loader import (  # noqa: E402,F401  (re-exported)
 )
 from ._workers import WorkerError  # noqa: E402  (re-exported)
 from . import safetensors  # noqa: E402,F401  (pinmem.safetensors; imports torch only when used)
-from .kv import KVBlockStore, kv_device_tensor  # noqa: E402,F401  (pinmem.kv; imports torch only when used)
+# (pinmem.kv; imports torch only when used)
+from .kv import KVBlockStore, kv_device_tensor  # noqa: E402,F401
 
 
 def __getattr__(name):  # pinmem.torch loads on first use: importing pinmem never imports torch

@@ -146,10 +146,30 @@ int pmpy_buffer_set_c_strides(BufferObject *b, size_t *nbytes_out) {
   return 0;
 }
 
+/* One dimension of a shape; one past Py_ssize_t is the caller's mistake (InvalidError, as a
+ * negative one), not an OverflowError from deep inside. */
+static int shape_dim(PyObject *it, Py_ssize_t *out) {
+  Py_ssize_t d = PyNumber_AsSsize_t(it, NULL); /* NULL: clamped, not raised */
+  if (d == -1 && PyErr_Occurred()) return -1;
+  if (d == PY_SSIZE_T_MAX || d == PY_SSIZE_T_MIN) {
+    PyObject *v = PyNumber_Index(it);
+    if (!v) return -1;
+    PyObject *r = PyObject_Repr(v);
+    Py_DECREF(v);
+    if (!r) return -1;
+    pmpy_raise_fmt(PM_ERR_INVALID, d < 0 ? "negative dimension %.40s in shape"
+                                         : "dimension %.40s in shape is too large for memory",
+                   PyUnicode_AsUTF8(r));
+    Py_DECREF(r);
+    return -1;
+  }
+  *out = d;
+  return 0;
+}
+
 int pmpy_parse_shape(PyObject *o, Py_ssize_t *dims, int *ndim_out) {
   if (PyIndex_Check(o)) {
-    dims[0] = PyNumber_AsSsize_t(o, PyExc_OverflowError);
-    if (dims[0] == -1 && PyErr_Occurred()) return -1;
+    if (shape_dim(o, &dims[0]) < 0) return -1;
     *ndim_out = 1;
   } else {
     PyObject *seq = pmpy_fast_tuple(o, "shape must be an int or a sequence of ints");
@@ -167,8 +187,7 @@ int pmpy_parse_shape(PyObject *o, Py_ssize_t *dims, int *ndim_out) {
         PyErr_SetString(PyExc_TypeError, "shape must be an int or a sequence of ints");
         return -1;
       }
-      dims[i] = PyNumber_AsSsize_t(it, PyExc_OverflowError);
-      if (dims[i] == -1 && PyErr_Occurred()) {
+      if (shape_dim(it, &dims[i]) < 0) {
         Py_DECREF(seq);
         return -1;
       }

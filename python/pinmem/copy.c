@@ -261,6 +261,9 @@ static int resolve_memory(PyObject *o, int writable, pm_stream_t stream, const c
     *ptr = (void *)addr;
     return 0;
   }
+  /* Only a missing attribute means "not this kind of memory": a property that raised says
+   * what went wrong itself. */
+  if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
   PyErr_Clear();
   PyErr_Format(PyExc_TypeError,
                "%s (%.100s) is not memory pinmem can copy: a pinmem buffer, an object with "

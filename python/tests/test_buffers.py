@@ -54,6 +54,13 @@ def test_bad_dtype_and_shape():
         pinmem.empty((2, "x"), "uint8")
     with pytest.raises(pinmem.InvalidError):
         pinmem.empty((1 << 62, 1 << 62), "uint8")
+    # A dimension past Py_ssize_t is the same mistake, not a bare OverflowError.
+    for shape, what in ((1 << 70, "dimension 1180591620717411303424 in shape is too large"),
+                        ((2, 1 << 63), "dimension 9223372036854775808 in shape is too large"),
+                        ((-(1 << 70), 2), "negative dimension -1180591620717411303424")):
+        for make in (pinmem.empty, pinmem.device_empty):
+            with pytest.raises(pinmem.InvalidError, match=what):
+                make(shape, "uint8")
 
 
 def test_writes_visible_both_ways(rng):

@@ -201,6 +201,26 @@ def test_wrong_path_is_an_error_with_status(rng):
     assert e.value.status == "PM_ERR_INVALID" and "pm_copy_async" in e.value.message
 
 
+class RaisingInterface:
+    """An object whose __cuda_array_interface__ property raises (a library's own check)."""
+
+    @property
+    def __cuda_array_interface__(self):
+        raise KeyError("the tensor was freed")
+
+
+def test_a_raising_array_interface_gives_its_own_error(tmp_path):
+    dst = np.zeros(4, np.uint8)
+    for call in (lambda: pinmem.copy(dst, RaisingInterface()),
+                 lambda: pinmem.copy(RaisingInterface(), dst),
+                 lambda: pinmem.write_file(tmp_path / "f.bin", RaisingInterface())):
+        with pytest.raises(KeyError, match="the tensor was freed"):
+            call()
+    with pytest.raises(TypeError, match="not memory pinmem can copy"):  # no interface at all
+        pinmem.copy(dst, object())
+    assert not (tmp_path / "f.bin").exists()
+
+
 def test_device_buffer_fill_and_dlpack_ordering(rng):
     dev = pinmem.device_empty((64, 16), "uint8")
     assert dev.kind == "device"

@@ -241,6 +241,20 @@ def test_failed_write_leaves_file(tmp_path, rng):
     src.release()
 
 
+def test_failed_write_creates_no_file(tmp_path):
+    """A write that fails leaves no file where there was none (write_file and write_ranges
+    create the file they write); one that works keeps the file it created."""
+    new = tmp_path / "new.bin"
+    for call in (lambda: pinmem.write_file(new, np.ones(10, np.uint8), offset=1 << 63),
+                 lambda: pinmem.write_file(new, object()),
+                 lambda: pinmem.write_ranges(new, [(0, np.ones(8, np.uint8)), (4, b"1234")])):
+        with pytest.raises((pinmem.Error, TypeError)):
+            call()
+        assert not new.exists()
+    pinmem.write_file(new, np.ones(10, np.uint8))
+    assert new.read_bytes() == b"\x01" * 10
+
+
 def test_ranges_list_changed_during_the_call(tmp_path):
     """Python code that runs while a list of ranges is read (an offset's __index__, a source's
     __dlpack__) and empties the list: the call works on the ranges it was given (they are
