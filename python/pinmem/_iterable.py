@@ -704,7 +704,7 @@ class IterableLoader(_loader.Loader):
     def _deliver(self, schema, rows, objs, bufs):
         """A batch's pinned leaves, moved to the device on the loader's stream if it has one."""
         self._batches += 1
-        if self._to_device:
+        if self._to_device and bufs:  # (a batch of strings alone has no buffer)
             bufs = self._on_device(lambda: self._to_device_copy(bufs))
         return _Delivered(schema, bufs, objs, self._unbatched)
 

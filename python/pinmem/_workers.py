@@ -101,6 +101,17 @@ def off_leaves(sample, index, np):
     return leaves
 
 
+_MARK = []
+
+
+def _mark():
+    """[a 0-d uint8 one]: the slot value of a row whose sample has nothing for the slot."""
+    if not _MARK:
+        import numpy
+        _MARK.append(numpy.ones((), numpy.uint8))
+    return _MARK
+
+
 class Schema:
     """How a sample is built: a tree of tuples, lists, dicts and named tuples whose leaves are
     arrays (NumPy, torch CPU tensors, Python numbers), and each leaf's dtype and shape. Batches
@@ -112,8 +123,9 @@ class Schema:
 
     def __init__(self, tree, leaves, paths):
         self.tree = tree        # ("leaf", k) | ("tuple"|"list", [...]) | ("dict", [(key, t)])
-        self.leaves = leaves    # [(numpy dtype, shape, kind)] kind: array|tensor|int|float|bool|bits:<dtype name>
-        #                       (bits: a torch dtype NumPy lacks, its bits in an unsigned int)
+        self.leaves = leaves    # [(numpy dtype, shape, kind)]
+        #   kind: array|tensor|int|float|bool|obj|bits:<dtype name>
+        #   (bits: a torch dtype NumPy lacks, its bits in an unsigned int)
         self.paths = paths      # ["[0]", "['image']", ...] names for messages
         self.ref = _shape_tree(tree)
         # Leaves with no elements (a zero-size dimension) have no bytes for the slot: the slot
@@ -122,6 +134,10 @@ class Schema:
         self.slot = [k for k, (_, shape, kind) in enumerate(leaves)
                      if kind != "obj" and 0 not in shape]
         self.empty = len(self.slot) != len(leaves)
+        # A sample with nothing for the slot (strings alone, empty arrays): the slot holds one
+        # byte per row, set when the row is read (the C loader's rows need bytes), and the batch
+        # is built from the leaves beside it.
+        self.mark = not self.slot
         # Leaves that are no arrays (str, bytes, None, any object) travel beside the slot, per
         # row, and arrive as lists, as default_collate keeps strings.
         self.objs = [k for k, (_, _, kind) in enumerate(leaves) if kind == "obj"]
@@ -190,9 +206,17 @@ class Schema:
         return out
 
     def specs(self):
-        """(sample shape, dtype text, itemsize) per leaf, for the C dataset."""
+        """(sample shape, dtype text, itemsize) per slot field, for the C dataset."""
+        if self.mark:
+            return [((), "|u1", 1)]
         return [(shape, k[5:] if k.startswith("bits:") else dt.str, dt.itemsize)
                 for dt, shape, k in (self.leaves[j] for j in self.slot)]
+
+    def slot_fields(self, np):
+        """(NumPy dtype, sample shape) per slot field (a torch dtype NumPy lacks: its bits)."""
+        if self.mark:
+            return [(np.dtype(np.uint8), ())]
+        return [self.leaves[j][:2] for j in self.slot]
 
     def obj_values(self, leaves):
         """The non-array leaves of a sample, in leaf order."""
@@ -200,6 +224,8 @@ class Schema:
 
     def slot_values(self, leaves):
         """The leaves that go into the slot, in field order."""
+        if self.mark:
+            return _mark()
         return [leaves[k] for k in self.slot] if self.empty else leaves
 
     def rebuild(self, values, unbatched=False, objs=None):
@@ -212,12 +238,13 @@ class Schema:
         return _rebuild(self.tree, values)
 
     def _with_empty(self, values, unbatched, objs):
-        """objs: per row, its non-array leaves (in leaf order)."""
-        first = values[0]
-        rows = () if unbatched else (first.shape[0],)
+        """objs: per row, its non-array leaves (in leaf order). values: the slot's, the mark's
+        alone where the sample has nothing for the slot, or none (iterable datasets)."""
+        first = values[0] if values else None
+        rows = () if unbatched else (len(objs) if first is None else first.shape[0],)
         torch = sys.modules.get("torch")
-        on_torch = type(first).__module__.startswith("torch")
-        out, it, j = [], iter(values), 0
+        on_torch = first is not None and type(first).__module__.startswith("torch")
+        out, it, j = [], iter(() if self.mark else values), 0
         for k, (dt, shape, kind) in enumerate(self.leaves):
             if kind == "obj":
                 col = [row[j] for row in objs]
@@ -428,7 +455,8 @@ def describe(sample, index):
     leaves, paths = [], []
     tree = _flatten(sample, np, index, leaves, paths)
     if not leaves:
-        raise _invalid(f"dataset index {index}: the sample holds no arrays")
+        raise _invalid(f"dataset index {index}: the sample holds nothing to batch (an empty "
+                       f"{type(sample).__name__})")
     if len(leaves) > 16:
         raise _invalid(f"dataset index {index}: the sample has {len(leaves)} arrays; a batch "
                        "holds at most 16 (pack some together in the dataset)")
@@ -445,11 +473,7 @@ def describe(sample, index):
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} cannot go to the "
                            "device; return a native number type")
         specs.append((dt, tuple(a.shape), kind))
-    schema = Schema(tree, specs, paths)
-    if not schema.slot:
-        raise _invalid(f"dataset index {index}: the sample has no array with elements (every "
-                       "array is empty, or there is none): a batch needs at least one")
-    return schema
+    return Schema(tree, specs, paths)
 
 
 # ---- the worker process ----------------------------------------------------------------------
@@ -693,8 +717,9 @@ def _send(sock, data):
 def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=None):
     n = len(indices)
     views = []
+    slot_fields = schema.slot_fields(np)
     for k, (key, off, row_bytes) in enumerate(fields):
-        dt, shape, _ = schema.leaves[schema.slot[k]]
+        dt, shape = slot_fields[k]
         views.append(np.ndarray((n,) + shape, dtype=dt, buffer=maps[key], offset=off))
     varying = schema.varying
     rows = [] if schema.objs or varying else None
@@ -1035,7 +1060,8 @@ class Pool:
                                f"read ({x!r})")
         where = {"dataset": "in dataset[%d]" % e["index"],
                  "sample": "with the sample of dataset index %d" % e["index"],
-                 "worker_init_fn": "in worker_init_fn", "collate_fn": "in collate_fn"}.get(e["where"], e["where"])
+                 "worker_init_fn": "in worker_init_fn",
+                 "collate_fn": "in collate_fn"}.get(e["where"], e["where"])
         text = (f"Caught {e['name']} in pinmem worker process {e['worker']} (pid {e['pid']}) "
                 f"{where}.\nOriginal traceback in the worker:\n{e['tb']}")
         if status == ST_INVALID:

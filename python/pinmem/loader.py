@@ -183,8 +183,7 @@ def _python_dataset(dataset):
             # The sample goes beside the slot whole; its row holds zeros.
             store.put(None, (i,), (_workers.VRow(None, _workers.off_leaves(sample, i, numpy)),))
             if blank is None:
-                blank = [numpy.zeros(shape, dt) for shape, dt in
-                         ((schema.leaves[k][1], schema.leaves[k][0]) for k in schema.slot)]
+                blank = [numpy.zeros(shape, dt) for dt, shape in schema.slot_fields(numpy)]
             return blank
         if schema.varying:
             store.put(None, (i,), (_workers.VRow(schema.obj_values(leaves), None),))
@@ -598,6 +597,11 @@ class _EpochIterator:
                     del b  # the slot goes back (its rows were not written), errors or not
                     return loader._stacked(*where, offs, self._mode, self._convert)
             if self._mode == "batch":
+                if getattr(loader._schema, "mark", False):
+                    del b
+                    raise InvalidError("PM_ERR_INVALID: batches() gives the slot's arrays, and "
+                                       "these samples have none (strings, objects or empty "
+                                       "arrays alone): iterate the loader")
                 return b
             if self._mode == "torch":
                 t1 = _perf_counter()

@@ -241,13 +241,51 @@ class AllEmpty(Indexed):
         return np.zeros((0, 3), np.float32)
 
 
+class Captions(Indexed):
+    """Strings alone: file names and captions for a collate step further on (each batch's
+    first caption is a string, or default_collate would refuse the None)."""
+
+    def __getitem__(self, i):
+        return {"path": f"img{i}.jpg", "caption": None if i % 3 else f"caption {i}"}
+
+
+class Names(Indexed):
+    def __getitem__(self, i):
+        return f"name{i}"
+
+
+class NoLeaves(Indexed):
+    def __getitem__(self, i):
+        return ()
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_samples_with_nothing_to_pin_arrive_as_dataloader_gives_them(nw, batch_size):
+    """Strings alone, or arrays with no elements: nothing for the slot, and still the batches
+    DataLoader gives (each row's slot holds one byte; the values travel beside it)."""
+    for ds in (Captions(7), Names(7), AllEmpty(7)):
+        t, p = both(dataset=ds, batch_size=batch_size, num_workers=nw)
+        with p:
+            for _ in range(2):
+                got, want = list(p), list(t)
+                assert len(got) == len(want) == len(p)
+                for g, w in zip(got, want):
+                    if isinstance(w, torch.Tensor):
+                        assert g.shape == w.shape and g.dtype == w.dtype
+                    else:
+                        assert g == w
+            with pytest.raises(pinmem.InvalidError, match="these samples have none"):
+                next(iter(p.batches()))
+
+
 def test_what_pinmem_cannot_batch_is_refused_by_name():
     with pinmem.Loader(Stream(), batch_size=2, device="cpu") as loader:  # a stream: batched
         assert [np.asarray(b).tolist() for b in loader] == \
             [b.tolist() for b in DataLoader(Stream(), batch_size=2)]
-    for nw in (0, 1):  # no field with bytes: nothing to batch
-        with pinmem.Loader(AllEmpty(), batch_size=2, device="cpu", num_workers=nw) as loader:
-            with pytest.raises(pinmem.InvalidError, match="the sample has no array with elements"):
+    for nw in (0, 1):  # a sample with no leaf at all
+        with pinmem.Loader(NoLeaves(), batch_size=2, device="cpu", num_workers=nw) as loader:
+            with pytest.raises(pinmem.InvalidError, match="holds nothing to batch"):
                 next(iter(loader))
     with pytest.raises(pinmem.InvalidError, match="samples are empty"):
         pinmem.Loader(np.zeros((4, 0)), batch_size=2)
