@@ -86,9 +86,16 @@ static pm_status_t lookup_kind(const char *fn, const void *ptr, pm_memory_kind_t
                                pm__range_t *out) {
   pm__range_t r;
   if (!pm__registry_find(ptr, &r))
+    /* In a forked child the likeliest cause is a block of the parent's (its registry is the
+     * parent's alone): say so rather than leave the user to guess. */
     return pm__set_error(PM_ERR_NOT_FOUND,
-                         "%s(%p): not %s (memory pinmem does not track, or already released)", fn,
-                         ptr, pm__memory_kind_desc(want));
+                         "%s(%p): not %s (memory pinmem does not track, or already released)%s",
+                         fn, ptr, pm__memory_kind_desc(want),
+                         pm__fork_generation() == 0
+                             ? ""
+                             : "; this process was forked from one that used pinmem, and the "
+                               "parent's memory is not the child's to release (its copy here "
+                               "goes when the child exits)");
   if (r.kind != want)
     return pm__set_error(PM_ERR_WRONG_KIND, "%s(%p): the address is %s; release it with %s", fn,
                          ptr, pm__memory_kind_desc(r.kind), release_call(r.kind));

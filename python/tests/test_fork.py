@@ -99,6 +99,24 @@ def test_child_pointer_info_does_not_claim_parent_pinning():
     """)
 
 
+def test_child_release_of_a_parent_block_names_the_fork():
+    run("""
+        pid = os.fork()
+        if pid == 0:
+            try:
+                pinned.release()
+                os._exit(1)  # the parent's block is not the child's to release
+            except pinmem.Error as e:
+                if CUDA:
+                    os._exit(0 if "spawn" in str(e) else 2)
+                os._exit(0 if isinstance(e, pinmem.NotFoundError) and
+                         "forked from one that used pinmem" in str(e) else 3)
+        assert reap(pid, 30) == 0
+        pinned.release()  # the parent's block is still its own
+        finish()
+    """)
+
+
 def test_child_that_only_exits_with_a_live_loader():
     # The child runs the atexit handlers (Loader.close of the parent's loader, the copy sweep):
     # none may wait for the parent's threads.
