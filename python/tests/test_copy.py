@@ -92,7 +92,10 @@ def test_on_a_stream_and_wait_stream(rng):
             c1.wait_stream(s2)  # s2's later work waits for the H2D copy
             with Gate(s2, hold=False) as after:  # s2's own work, nothing to do with dev
                 c2 = pinmem.copy(out, dev, s2)
-                assert before.reached(10)  # s2 runs up to the wait...
+                # s2 runs up to the wait... (The CUDA driver runs a context's host functions
+                # on one thread, so there `before` waits behind the held gate; the bytes that
+                # arrive in `out` show the order.)
+                assert pinmem.backend() == "cuda" or before.reached(10)
                 assert not after.reached(0.2)  # ...and no further while the gate holds c1
                 assert not c1.done() and not c2.done() and not s2.query()
                 assert gate.open()
