@@ -296,12 +296,13 @@ class _NoBatches:
     hold such an epoch; DataLoader yields nothing for it and goes on. next() ends the epoch it
     stands at (_EpochEnd), and gives None once every epoch is over, as the C loader does."""
 
-    def __init__(self, fields, epochs):
+    def __init__(self, fields, epochs, spent=False):
         self._fields = dict(fields, batch=0)
         self._epochs = epochs  # 0: no end
+        self._spent = spent  # nothing left at all (Loader._retry_epoch)
 
     def next(self):
-        if self._epochs and self._fields["epoch"] >= self._epochs:
+        if self._spent or self._epochs and self._fields["epoch"] >= self._epochs:
             return None
         self._fields["epoch"] += 1
         return _EpochEnd
@@ -1060,6 +1061,11 @@ class Loader:
         cfg = self._epoch_config(epoch)
         samples = len(self._order) if self._order is not None else \
             0 if self._ds is None else self._ds.info()["samples"]
+        if resume is not None and self._order is not None:
+            fields = _pinmem._loader_state_fields(resume)
+            if fields["batch"] == 0:
+                # At an epoch's start a sampler's order is its own, whatever its length then.
+                resume = _pinmem._loader_state_pack(**dict(fields, samples=samples))
         batches, rank, world = _epoch_batches(samples, cfg)
         if batches == 0:
             self._clear_side()
@@ -1225,10 +1231,19 @@ class Loader:
         try:
             self._open_epoch(epoch, batch, template=st, same_order=same_order)
         except BaseException as e:
-            self._failed = e
+            if self._per_epoch and batch == 0 and self._failed is None:
+                self._c = self._retry_epoch(st, epoch)
+            else:
+                self._failed = e
             raise
         self._past_end = False
         return True
+
+    def _retry_epoch(self, st, epoch):
+        """Per-epoch mode, after `epoch` failed to open (its sampler or dataset raised): a
+        stand-in at its start that has no batch left, so the next use opens it again, as a new
+        DataLoader iterator would."""
+        return _NoBatches(dict(st, epoch=epoch, batch=0), epoch, spent=True)
 
     def _next(self):
         """The next Batch, or None once every epoch (or, after a batch that failed, the epoch)
@@ -1279,7 +1294,11 @@ class Loader:
             if self._epochs_total is None or nxt < self._epochs_total:
                 self._c = None
                 self._retire(c)
-                self._open_epoch(nxt, 0, template=st)
+                try:
+                    self._open_epoch(nxt, 0, template=st)
+                except BaseException:
+                    self._c = self._retry_epoch(st, nxt)
+                    raise
                 return self._next()  # (its errors handled as any batch's)
         if b is not None and self._order is not None:
             b._order = self._order
@@ -1378,7 +1397,13 @@ class Loader:
 
     def state_dict(self):
         """Where the loader stands: the next batch it will deliver (plain ints: checkpoint it)."""
-        return _pinmem._loader_state_fields(self._check().state())
+        st = _pinmem._loader_state_fields(self._check().state())
+        if self._skip is not None:
+            # The batch before failed: the next one delivered is the one after it.
+            epoch, batch = self._skip
+            st.update(epoch=epoch, batch=batch) if batch < self._bpe else \
+                st.update(epoch=epoch + 1, batch=0)
+        return st
 
     def load_state_dict(self, state):
         """Continue from a state_dict(): the next batch delivered is the one it names. The
@@ -1391,12 +1416,19 @@ class Loader:
                       for k, (lo, hi) in _STATE_KEYS.items()}
         except (KeyError, TypeError) as e:
             raise InvalidError(f"PM_ERR_INVALID: not a loader state_dict ({e!r})") from None
+        if self._sampler is None and values["batch"] > 0 and values["batch"] >= self._bpe:
+            # (the epoch's batches are known without a sampler: refused before any worker stops)
+            raise InvalidError(f"PM_ERR_INVALID: resume state batch {values['batch']}, an epoch "
+                               f"has {self._bpe}")
         packed = _pinmem._loader_state_pack(**values)
         old = self._c.state()
         # Check what the library would refuse before anything is closed.
         cur = _pinmem._loader_state_fields(old)
         shuffle = cur["flags"] & 1
-        for k in ("magic", "flags", "samples", "batch_size", "rank", "world_size") + \
+        # A sampler's length may change between epochs: at an epoch's start its count is not
+        # compared (mid-epoch, the C loader compares it with that epoch's order).
+        count = () if self._sampler is not None and values["batch"] == 0 else ("samples",)
+        for k in ("magic", "flags", "batch_size", "rank", "world_size") + count + \
                 (("seed",) if shuffle else ()):
             if values[k] != cur[k]:
                 raise InvalidError(f"PM_ERR_INVALID: the state was saved with {k} {values[k]}, "
@@ -1426,7 +1458,9 @@ class Loader:
         epoch alone)."""
         cfg = dict(self._config)
         if self._per_epoch:
-            cfg["epochs"] = epoch + 1
+            # (never past epochs=N: a state saved after the last epoch resumes with nothing)
+            cfg["epochs"] = epoch + 1 if self._epochs_total is None else \
+                min(epoch + 1, self._epochs_total)
         return cfg
 
     def stats(self):

@@ -516,6 +516,106 @@ def test_a_sampler_with_empty_epochs_between_full_ones(nw):
         assert run(q) == [[5, 2], [7]] and q.epoch == 8
 
 
+class Broken(Indexed):
+    """Sample 2 raises."""
+
+    def __getitem__(self, i):
+        if i == 2:
+            raise KeyError(f"sample {i} is broken")
+        return super().__getitem__(i)
+
+
+def rest(it):
+    out = []
+    while True:
+        try:
+            out.append(labels(next(it)))
+        except StopIteration:
+            return out
+        except KeyError:
+            out.append("KeyError")
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_resuming_around_failed_batches_epoch_ends_and_refusals(nw):
+    # A state saved right after a batch failed names the batch after it.
+    with pinmem.Loader(Broken(6), batch_size=2, num_workers=nw, device="cpu") as a:
+        it = iter(a)
+        next(it)
+        with pytest.raises(KeyError):
+            next(it)
+        state = a.state_dict()
+        assert (state["epoch"], state["batch"]) == (0, 2) and rest(it) == [[4, 5]]
+    with pinmem.Loader(Broken(6), batch_size=2, num_workers=nw, device="cpu") as b:
+        b.load_state_dict(state)
+        assert rest(iter(b)) == [[4, 5]]
+    # A state saved after the last of epochs=N resumes with nothing left.
+    with pinmem.Loader(Indexed(4), batch_size=2, num_workers=nw, epochs=1, sampler=[0, 1, 2, 3],
+                       device="cpu") as a:
+        assert run(a) == [[0, 1], [2, 3]]
+        state = a.state_dict()
+    with pinmem.Loader(Indexed(4), batch_size=2, num_workers=nw, epochs=1, sampler=[0, 1, 2, 3],
+                       device="cpu") as b:
+        b.load_state_dict(state)
+        assert run(b) == [] and run(b) == []
+    # A refused state leaves the epoch in progress going on (new workers per epoch too).
+    with pinmem.Loader(Indexed(6), batch_size=2, num_workers=nw, device="cpu") as a:
+        it = iter(a)
+        next(it)
+        with pytest.raises(pinmem.InvalidError, match="resume state batch 99, an epoch has 3"):
+            a.load_state_dict(dict(a.state_dict(), epoch=2, batch=99))
+        assert rest(it) == [[2, 3], [4, 5]]
+
+
+class Flaky(torch.utils.data.Sampler):
+    """Orders [[0..3], [], [5, 6]] by epoch; its __iter__ raises once, in epoch 1, when asked."""
+
+    def __init__(self, fail=False):
+        self.epoch, self.fail = 0, fail
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.fail and self.epoch == 1:
+            self.fail = False
+            raise OSError("index file unavailable")
+        return iter([[0, 1, 2, 3], [], [5, 6]][self.epoch % 3])
+
+    def __len__(self):
+        return len([[0, 1, 2, 3], [], [5, 6]][self.epoch % 3])
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_sampler_lengths_that_change_and_an_epoch_that_fails_to_open(nw):
+    states = []
+    with pinmem.Loader(Indexed(), batch_size=2, sampler=Flaky(), num_workers=nw,
+                       device="cpu") as a:
+        for epoch in range(3):
+            a.sampler.set_epoch(epoch)
+            states.append(a.state_dict())
+            run(a)
+    for st, want in zip(states, ([[0, 1], [2, 3]], [], [[5, 6]])):  # 4, 0, 2 samples
+        with pinmem.Loader(Indexed(), batch_size=2, sampler=Flaky(), num_workers=nw,
+                           device="cpu") as b:
+            b.sampler.set_epoch(st["epoch"])
+            b.load_state_dict(st)
+            assert run(b) == want
+    # The sampler raises as epoch 1 opens: that loop raises it, and the next loop goes on.
+    t = DataLoader(Indexed(), batch_size=2, sampler=Flaky(fail=True), num_workers=nw)
+    with pinmem.Loader(Indexed(), batch_size=2, sampler=Flaky(fail=True), num_workers=nw,
+                       device="cpu") as p:
+        for loader in (t, p):
+            got = []
+            for epoch in range(3):
+                loader.sampler.set_epoch(epoch)
+                try:
+                    got.append(run(loader))
+                except OSError as e:
+                    got.append(str(e))
+            assert got == [[[0, 1], [2, 3]], "index file unavailable", [[5, 6]]]
+
+
 def test_epochs_end_after_the_last_one_without_a_batch():
     with pinmem.Loader(np.zeros((3, 2), np.float32), batch_size=4, drop_last=True, epochs=2,
                        device="cpu") as p:
