@@ -872,15 +872,19 @@ class Loader:
         self._started = False
         self._start_lock = _threading.Lock()
         self._ds = None
+        self._python_ds = python_ds
         if not python_ds:
-            # Arrays and files (no Python code per sample): opened, checked and started now.
+            # Arrays and files (no Python code per sample): opened, checked and started now;
+            # with a sampler, at the first use, after the program's set_epoch (the sampler's
+            # order is the epoch's).
             self._open_base()
-            self._start()
+            if sampler is None:
+                self._start()
         _live_loaders.add(self)
 
     # ---- the C loader of an epoch (per-epoch mode) or of every epoch ----
 
-    def _open_base(self):
+    def _open_base(self, epoch=0):
         """The C dataset of every field (worker processes started for a Python dataset, whose
         sample 0 gives the structure): at construction for arrays and files, at the first
         iteration for Python datasets (as torch's DataLoader reads nothing before)."""
@@ -890,9 +894,9 @@ class Loader:
             self._tuple, self._odd = False, []
             return
         if self._collate is not None:
-            return self._open_collated()
+            return self._open_collated(epoch)
         if self._procs:
-            self._pool = self._start_pool(0)
+            self._pool = self._start_pool(epoch)
             try:
                 self._schema = self._describe_in_worker()
                 self._pool.set_schema(self._schema, self._timeout)
@@ -931,7 +935,7 @@ class Loader:
         return _first_that_reads(len(self.dataset),
                                  lambda i: self._pool.describe(i, self._timeout), skip)[1]
 
-    def _open_collated(self):
+    def _open_collated(self, epoch=0):
         """The C dataset of a loader with a collate_fn of its own: one byte per row (set when
         the row's claim is done), its worker processes (which collate whole batches) or, with
         num_workers=0, nothing more (the main process collates at delivery, as torch)."""
@@ -944,7 +948,7 @@ class Loader:
         if self._to_device and self._stager is None:
             self._stager = _staging.Stager(True, self._device_index)
         if self._procs:
-            self._pool = self._start_pool(0)
+            self._pool = self._start_pool(epoch)
             try:
                 self._pool.set_schema(self._schema, self._timeout)
                 self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), n,
@@ -1046,9 +1050,15 @@ class Loader:
         if self._closed:
             _closed()
         if self._per_epoch and not same_order:  # (same_order: the epoch's sampler order kept)
-            if self._pool is not None and not self._persistent and epoch > 0 and \
-                    self._pool.epoch != epoch:
+            # A Python dataset's length is read again at each epoch (as DataLoader reads it),
+            # but with persistent workers (read once, when they start).
+            if self._procs and not self._persistent and epoch > 0 and \
+                    (self._pool is None or self._pool.epoch != epoch):
                 self._swap_pool(epoch)
+            elif self._python_ds and not self._procs and epoch > 0 and \
+                    len(self.dataset) != (0 if self._base is None else
+                                          self._base.info()["samples"]):
+                self._open_base(epoch)
             ds = self._base
             self._order = None
             if self._sampler is not None:
@@ -1145,12 +1155,21 @@ class Loader:
             self._ds._clear_error()
 
     def _swap_pool(self, epoch):
-        """New worker processes for `epoch` (persistent_workers=False)."""
+        """New worker processes for `epoch` (persistent_workers=False), over the dataset's
+        length now: none while it is empty, and where the dataset had no sample before, the
+        structure learned from its first sample that reads."""
         c, self._c = self._c, None
         self._retire(c)  # (already done at the end of an epoch)
         old, self._pool = self._pool, None
-        old.stop()
-        old.close()
+        if old is not None:
+            old.stop()
+            old.close()
+        self._base = self._ds = None
+        if self._schema is None:
+            self._open_base(epoch)  # (nothing, while the dataset is empty)
+            return
+        if _has_no_samples(self.dataset):
+            return
         self._pool = self._start_pool(epoch)
         self._pool.set_schema(self._schema, self._timeout)
         self._base = _pinmem._dataset_procs(self._pool, self._pool.fds(), len(self.dataset),

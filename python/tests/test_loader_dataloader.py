@@ -616,6 +616,49 @@ def test_sampler_lengths_that_change_and_an_epoch_that_fails_to_open(nw):
             assert got == [[[0, 1], [2, 3]], "index file unavailable", [[5, 6]]]
 
 
+class Growing(torch.utils.data.Dataset):
+    """Its length is lens[epoch] (a replay buffer that grows, a curriculum that changes)."""
+
+    def __init__(self, lens):
+        self.lens, self.epoch = lens, 0
+
+    def __len__(self):
+        return self.lens[self.epoch]
+
+    def __getitem__(self, i):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("lens", [(3, 0, 5), (0, 3, 2)])
+def test_a_dataset_whose_length_changes_between_epochs(nw, lens):
+    got = []
+    for make in (DataLoader, lambda *a, **k: pinmem.Loader(*a, device="cpu", **k)):
+        ds = Growing(lens)
+        loader = make(ds, batch_size=2, num_workers=nw)
+        epochs = []
+        for epoch in range(3):
+            ds.epoch = epoch
+            epochs.append([b.flatten().tolist() for b in loader])
+        got.append(epochs)
+        if isinstance(loader, pinmem.Loader):
+            loader.close()
+    assert got[0] == got[1]
+
+
+def test_an_array_dataset_takes_its_samplers_order_at_the_first_use():
+    x = torch.arange(10)
+    make = lambda: torch.utils.data.DistributedSampler(x, num_replicas=2, rank=0, seed=3)  # noqa
+    t = DataLoader(torch.utils.data.TensorDataset(x), batch_size=2, sampler=make())
+    with pinmem.Loader(torch.utils.data.TensorDataset(x), batch_size=2, sampler=make(),
+                       device="cpu") as p:
+        for loader in (t, p):
+            loader.sampler.set_epoch(1)  # after the loader was made, as training loops do
+        assert [b[0].tolist() for b in p] == [b[0].tolist() for b in t]
+
+
 def test_epochs_end_after_the_last_one_without_a_batch():
     with pinmem.Loader(np.zeros((3, 2), np.float32), batch_size=4, drop_last=True, epochs=2,
                        device="cpu") as p:
