@@ -75,8 +75,10 @@ _DEFAULT_PREFETCH = 2  # batches per worker built ahead, as torch's default pref
 def _renamed(e):
     """_workers' messages name samples by dataset index; a stream's samples have positions."""
     text = str(e).replace("dataset index", "sample").replace("PM_ERR_INVALID: ", "", 1)
-    return InvalidError("PM_ERR_INVALID: " + text + " (samples counted from the start of the "
-                        "dataset's iterator)")
+    # Samples of one batch that do not stack: a RuntimeError too, as default_collate's.
+    cls = _staging.StackError if isinstance(e, _workers.ShapeDiffers) else InvalidError
+    return cls("PM_ERR_INVALID: " + text + " (samples counted from the start of the dataset's "
+               "iterator)")
 
 
 def _leaves(samples, first, np):
@@ -504,17 +506,18 @@ class _IterableEpochIterator:
 class _Delivered:
     """A batch's leaves in pinned or device buffers, before they take the sample's structure."""
 
-    __slots__ = ("schema", "values", "objs", "unbatched")
+    __slots__ = ("schema", "values", "objs", "unbatched", "rows")
 
-    def __init__(self, schema, values, objs, unbatched):
+    def __init__(self, schema, values, objs, unbatched, rows):
         self.schema, self.values, self.objs, self.unbatched = schema, values, objs, unbatched
+        self.rows = rows
 
     def convert(self, fn):
         self.values = [fn(v) for v in self.values]
         return self
 
     def shaped(self):
-        return self.schema.rebuild(self.values, self.unbatched, self.objs)
+        return self.schema.rebuild(self.values, self.unbatched, self.objs, self.rows)
 
 
 class _Staged:
@@ -706,7 +709,7 @@ class IterableLoader(_loader.Loader):
         self._batches += 1
         if self._to_device and bufs:  # (a batch of strings alone has no buffer)
             bufs = self._on_device(lambda: self._to_device_copy(bufs))
-        return _Delivered(schema, bufs, objs, self._unbatched)
+        return _Delivered(schema, bufs, objs, self._unbatched, rows)
 
     def _to_device_copy(self, bufs):
         if self._stream is None:

@@ -228,20 +228,22 @@ class Schema:
             return _mark()
         return [leaves[k] for k in self.slot] if self.empty else leaves
 
-    def rebuild(self, values, unbatched=False, objs=None):
+    def rebuild(self, values, unbatched=False, objs=None, rows=None):
         """The batch's structure around the slot fields' values (in field order), the empty
         leaves made here as default_collate would stack them: (rows, *shape), of the other
         fields' kind (torch tensors on their device, else NumPy arrays; torch tensors for dtypes
         NumPy lacks)."""
         if self.empty:
-            values = self._with_empty(values, unbatched, objs)
+            values = self._with_empty(values, unbatched, objs, rows)
         return _rebuild(self.tree, values)
 
-    def _with_empty(self, values, unbatched, objs):
+    def _with_empty(self, values, unbatched, objs, nrows=None):
         """objs: per row, its non-array leaves (in leaf order). values: the slot's, the mark's
-        alone where the sample has nothing for the slot, or none (iterable datasets)."""
+        alone where the sample has nothing for the slot, or none (iterable datasets, which say
+        how many rows: nrows)."""
         first = values[0] if values else None
-        rows = () if unbatched else (len(objs) if first is None else first.shape[0],)
+        rows = () if unbatched else \
+            (first.shape[0] if first is not None else nrows if nrows is not None else len(objs),)
         torch = sys.modules.get("torch")
         on_torch = first is not None and type(first).__module__.startswith("torch")
         out, it, j = [], iter(() if self.mark else values), 0
@@ -1066,7 +1068,9 @@ class Pool:
                 f"{where}.\nOriginal traceback in the worker:\n{e['tb']}")
         if status == ST_INVALID:
             from . import InvalidError
-            cls = ShapeDiffers if e.get("name") == "ShapeDiffers" else InvalidError
+            from ._staging import StackError
+            cls = {"ShapeDiffers": ShapeDiffers, "StackError": StackError}.get(e.get("name"),
+                                                                             InvalidError)
             return cls(e["text"] + f"\n(in worker process {e['worker']})")
         t = e.get("type")
         if e.get("name") == "StopIteration":

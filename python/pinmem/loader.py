@@ -151,19 +151,20 @@ def _sample(dataset, i):
         raise _stop_iteration_error(i, e) from e
 
 
-def _python_dataset(dataset):
+def _python_dataset(dataset, schema=None):
     """One C dataset over a map-style Python dataset read on pinmem's threads (through the
     GIL): dataset[i] is called once per sample, for all its fields, so random augmentation
     stays consistent across them (and once more for the first sample that reads, to learn the
-    structure: _DESCRIBE_TRIES).
+    structure: _DESCRIBE_TRIES; schema: the structure a loader learned already).
     -> (C dataset, the samples' Schema)."""
     import numpy
     from . import _workers
     n = len(dataset)
     if n == 0:
         raise InvalidError("PM_ERR_INVALID: the dataset is empty")
-    at, first = _first_that_reads(n, lambda i: _sample(dataset, i), lambda e: True)
-    schema = _workers.describe(first, at)
+    if schema is None:  # (else the structure a loader already learned)
+        at, first = _first_that_reads(n, lambda i: _sample(dataset, i), lambda e: True)
+        schema = _workers.describe(first, at)
     contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
     # Non-array leaves (strings, objects), and once shapes vary every row's VRow, wait here,
     # by index, for their batch (epoch None: the store is cleared whenever a new C loader
@@ -285,6 +286,13 @@ def _epoch_batches(samples, cfg):
     return -(-per_rank // bs), rank, world
 
 
+def _config_fields(cfg, epoch, batch, samples, rank, world):
+    """The fields of the state a C loader configured by cfg would have at (epoch, batch)."""
+    flags = int(cfg["shuffle"]) | int(cfg["drop_last"]) << 1
+    return dict(magic=_STATE_MAGIC, flags=flags, epoch=epoch, batch=batch, seed=cfg["seed"],
+                samples=samples, batch_size=cfg["batch_size"], rank=rank, world_size=world)
+
+
 class _EpochEnd:
     """What _NoBatches.next() gives at the end of an epoch without a batch."""
 
@@ -294,15 +302,26 @@ class _NoBatches:
     (or batch_sampler) that yields nothing, drop_last with fewer samples than a batch. The C
     loader counts its position in batches (epoch * batches_per_epoch + batch), so it cannot
     hold such an epoch; DataLoader yields nothing for it and goes on. next() ends the epoch it
-    stands at (_EpochEnd), and gives None once every epoch is over, as the C loader does."""
+    stands at (_EpochEnd), and gives None once every epoch is over, as the C loader does.
 
-    def __init__(self, fields, epochs, spent=False):
+    Two more roles, where the epoch it stands at is still to be opened (next() gives None: the
+    loader opens it, per-epoch mode): `pending`, a loader not iterated yet (its first epoch's
+    sampler order and dataset length are taken at the first next(), after the program's
+    set_epoch, as DataLoader takes them at iter()); `retry`, an epoch whose opening raised: the
+    loop that saw the exception ends at its next next(), and the next loop (armed by
+    Loader._begin_epoch) opens the epoch again."""
+
+    def __init__(self, fields, epochs, pending=False, retry=False):
         self._fields = dict(fields, batch=0)
         self._epochs = epochs  # 0: no end
-        self._spent = spent  # nothing left at all (Loader._retry_epoch)
+        self.pending = pending
+        self.retry = retry
 
     def next(self):
-        if self._spent or self._epochs and self._fields["epoch"] >= self._epochs:
+        if self.retry:
+            self.retry = False
+            return _EpochEnd  # (the loop that saw the opening fail ends; the epoch stays)
+        if self.pending or self._epochs and self._fields["epoch"] >= self._epochs:
             return None
         self._fields["epoch"] += 1
         return _EpochEnd
@@ -576,6 +595,12 @@ class _EpochIterator:
         t0 = _perf_counter()
         try:
             if not self._begun:
+                if self._mode == "batch":
+                    loader._check()  # (started: the samples' structure is known)
+                if self._mode == "batch" and getattr(loader._schema, "mark", False):
+                    raise InvalidError("PM_ERR_INVALID: batches() gives the slot's arrays, and "
+                                       "these samples have none (strings, objects or empty "
+                                       "arrays alone): iterate the loader")
                 # As torch: each iterator is a new epoch (a loop after a `break` starts the
                 # next one).
                 self._begun = True
@@ -598,11 +623,6 @@ class _EpochIterator:
                     del b  # the slot goes back (its rows were not written), errors or not
                     return loader._stacked(*where, offs, self._mode, self._convert)
             if self._mode == "batch":
-                if getattr(loader._schema, "mark", False):
-                    del b
-                    raise InvalidError("PM_ERR_INVALID: batches() gives the slot's arrays, and "
-                                       "these samples have none (strings, objects or empty "
-                                       "arrays alone): iterate the loader")
                 return b
             if self._mode == "torch":
                 t1 = _perf_counter()
@@ -989,7 +1009,10 @@ class Loader:
         try:
             if self._base is None:
                 self._open_base()
-            self._open_epoch(0, 0)
+            if self._per_epoch:
+                self._c = self._pending()
+            else:
+                self._open_epoch(0, 0)
         except BaseException:
             c, self._c = self._c, None
             pool, self._pool = self._pool, None
@@ -1052,13 +1075,18 @@ class Loader:
         if self._per_epoch and not same_order:  # (same_order: the epoch's sampler order kept)
             # A Python dataset's length is read again at each epoch (as DataLoader reads it),
             # but with persistent workers (read once, when they start).
-            if self._procs and not self._persistent and epoch > 0 and \
-                    (self._pool is None or self._pool.epoch != epoch):
+            base_n = 0 if self._base is None else self._base.info()["samples"]
+            if self._procs and not self._persistent and (
+                    epoch > 0 and (self._pool is None or self._pool.epoch != epoch) or
+                    len(self.dataset) != base_n):
                 self._swap_pool(epoch)
-            elif self._python_ds and not self._procs and epoch > 0 and \
-                    len(self.dataset) != (0 if self._base is None else
-                                          self._base.info()["samples"]):
-                self._open_base(epoch)
+            elif self._python_ds and not self._procs and len(self.dataset) != base_n:
+                if self._schema is None or self._collate is not None or \
+                        _has_no_samples(self.dataset):
+                    self._open_base(epoch)
+                else:  # the structure learned stays (the first samples may now raise)
+                    self._base, _ = _python_dataset(self.dataset, self._schema)
+                    self._ds = self._base
             ds = self._base
             self._order = None
             if self._sampler is not None:
@@ -1103,10 +1131,7 @@ class Loader:
         elif template is not None:
             fields = dict(template, epoch=epoch, batch=batch, samples=samples)
         else:
-            flags = int(cfg["shuffle"]) | int(cfg["drop_last"]) << 1
-            fields = dict(magic=_STATE_MAGIC, flags=flags, epoch=epoch, batch=batch,
-                          seed=cfg["seed"], samples=samples, batch_size=cfg["batch_size"],
-                          rank=rank, world_size=world)
+            fields = _config_fields(cfg, epoch, batch, samples, rank, world)
         if fields["batch"] != 0:
             raise InvalidError(f"PM_ERR_INVALID: resume state batch {fields['batch']}, an epoch "
                                f"has no batch ({samples} samples, batch_size "
@@ -1199,8 +1224,10 @@ class Loader:
         # Fields of a tuple dataset as a list, as default_collate batches tuple samples.
         return list(values) if self._tuple else values[0]
 
-    def _check(self):
-        """The C loader, or StateError (closed) / the error that stopped the loader."""
+    def _check(self, open_pending=False):
+        """The C loader, or StateError (closed) / the error that stopped the loader.
+        open_pending (next()): a first epoch still to open (_NoBatches.pending) opens now, once
+        whatever the threads calling in."""
         if self._closed:
             _closed()
         if self._failed is not None:
@@ -1218,6 +1245,19 @@ class Loader:
                             raise _closed_error() from e
                         raise
         c = self._c
+        if open_pending and isinstance(c, _NoBatches) and c.pending and not c.retry:
+            with self._start_lock:
+                c = self._c
+                if isinstance(c, _NoBatches) and c.pending and not c.retry:
+                    st = _pinmem._loader_state_fields(c.state())
+                    if self._epochs_total is None or st["epoch"] < self._epochs_total:
+                        self._c = None
+                        try:
+                            self._open_epoch(st["epoch"], 0, template=st)
+                        except BaseException:
+                            self._c = self._retry_epoch(st, st["epoch"])
+                            raise
+                c = self._c
         if c is None:
             _closed()
         return c
@@ -1228,6 +1268,8 @@ class Loader:
         inside an epoch (an earlier loop stopped early), at the start of the next epoch, as
         torch's DataLoader starts a new epoch at each iter()."""
         c = self._check()
+        if isinstance(c, _NoBatches) and c.retry:
+            c.retry = False  # a new loop: the epoch that failed to open is opened again
         if self._resume_pending:
             self._resume_pending = False
             return True
@@ -1259,15 +1301,28 @@ class Loader:
         return True
 
     def _retry_epoch(self, st, epoch):
-        """Per-epoch mode, after `epoch` failed to open (its sampler or dataset raised): a
-        stand-in at its start that has no batch left, so the next use opens it again, as a new
-        DataLoader iterator would."""
-        return _NoBatches(dict(st, epoch=epoch, batch=0), epoch, spent=True)
+        """Per-epoch mode, after `epoch` failed to open (its sampler or dataset raised): the
+        loop that saw it ends, and the next loop opens the epoch again, as a new DataLoader
+        iterator would."""
+        return _NoBatches(dict(st, epoch=epoch, batch=0), epoch, pending=True, retry=True)
+
+    def _pending(self):
+        """Per-epoch mode, before the first epoch opens: a stand-in at (0, 0) whose state has
+        the fields of the C loader to come (the sample count as len() sees it now)."""
+        cfg = self._epoch_config(0)
+        _, rank, world = _epoch_batches(0, cfg)
+        if self._sampler is not None:
+            samples = len(self._sampler) if hasattr(self._sampler, "__len__") else 0
+        else:
+            samples = len(self.dataset) if self._python_ds else \
+                0 if self._base is None else self._base.info()["samples"]
+        self._bpe, self._c_epoch = 0, 0
+        return _NoBatches(_config_fields(cfg, 0, 0, samples, rank, world), 0, pending=True)
 
     def _next(self):
         """The next Batch, or None once every epoch (or, after a batch that failed, the epoch)
         was delivered, and for an epoch that has no batch."""
-        c = self._check()
+        c = self._check(open_pending=True)
         if self._past_end:
             return None
         if self._skip is not None:
@@ -1403,6 +1458,13 @@ class Loader:
         if self._sampler is not None:
             n, bs = len(self._sampler), self._config["batch_size"]
             return n // bs if self._config["drop_last"] else -(-n // bs)
+        return self._batches_per_epoch(c)
+
+    def _batches_per_epoch(self, c):
+        """Batches per epoch without a sampler: of the dataset's length now where each epoch
+        reads it, else of C loader c."""
+        if self._per_epoch and self._python_ds:
+            return _epoch_batches(len(self.dataset), self._config)[0]
         return c.stats()["batches_per_epoch"]
 
     @property
@@ -1435,10 +1497,12 @@ class Loader:
                       for k, (lo, hi) in _STATE_KEYS.items()}
         except (KeyError, TypeError) as e:
             raise InvalidError(f"PM_ERR_INVALID: not a loader state_dict ({e!r})") from None
-        if self._sampler is None and values["batch"] > 0 and values["batch"] >= self._bpe:
+        if self._sampler is None and values["batch"] > 0:
             # (the epoch's batches are known without a sampler: refused before any worker stops)
-            raise InvalidError(f"PM_ERR_INVALID: resume state batch {values['batch']}, an epoch "
-                               f"has {self._bpe}")
+            bpe = self._batches_per_epoch(self._c)
+            if values["batch"] >= bpe:
+                raise InvalidError(f"PM_ERR_INVALID: resume state batch {values['batch']}, an "
+                                   f"epoch has {bpe}")
         packed = _pinmem._loader_state_pack(**values)
         old = self._c.state()
         # Check what the library would refuse before anything is closed.
@@ -1446,7 +1510,8 @@ class Loader:
         shuffle = cur["flags"] & 1
         # A sampler's length may change between epochs: at an epoch's start its count is not
         # compared (mid-epoch, the C loader compares it with that epoch's order).
-        count = () if self._sampler is not None and values["batch"] == 0 else ("samples",)
+        count = () if self._sampler is not None and values["batch"] == 0 or \
+            isinstance(self._c, _NoBatches) and self._c.pending else ("samples",)
         for k in ("magic", "flags", "batch_size", "rank", "world_size") + count + \
                 (("seed",) if shuffle else ()):
             if values[k] != cur[k]:

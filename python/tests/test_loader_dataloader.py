@@ -659,6 +659,111 @@ def test_an_array_dataset_takes_its_samplers_order_at_the_first_use():
         assert [b[0].tolist() for b in p] == [b[0].tolist() for b in t]
 
 
+@pytest.mark.parametrize("nw", [0, 2])
+def test_the_first_epoch_opens_at_the_first_batch(nw):
+    """len() or state_dict() before the loop take nothing from the first epoch: its length and
+    its sampler's order are those at the first batch, as DataLoader takes them at iter()."""
+    for sampler in (False, True):
+        got = []
+        for make in (DataLoader, lambda *a, **k: pinmem.Loader(*a, device="cpu", **k)):
+            ds = Growing((4, 8))
+            kw = dict(sampler=torch.utils.data.SequentialSampler(ds)) if sampler else {}
+            loader = make(ds, batch_size=4, num_workers=nw, **kw)
+            assert len(loader) == 1
+            ds.epoch = 1  # 8 samples from here on
+            assert len(loader) == 2
+            got.append([b.flatten().tolist() for b in loader])
+            if isinstance(loader, pinmem.Loader):
+                loader.close()
+        assert got[0] == got[1] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_resumed_random_sampler_is_iterated_once(nw):
+    """load_state_dict takes the epoch's order from the sampler once: a RandomSampler given the
+    generator state of that epoch's start resumes the same order."""
+    g = torch.Generator().manual_seed(426)
+    with pinmem.Loader(Indexed(10), batch_size=2, num_workers=nw, device="cpu",
+                       sampler=torch.utils.data.RandomSampler(range(10), generator=g)) as a:
+        run(a)
+        start = g.get_state()
+        it = iter(a)
+        next(it), next(it)
+        state = a.state_dict()
+        rest = rest_of(it)
+    g2 = torch.Generator()
+    g2.set_state(start)
+    with pinmem.Loader(Indexed(10), batch_size=2, num_workers=nw, device="cpu",
+                       sampler=torch.utils.data.RandomSampler(range(10), generator=g2)) as b:
+        b.load_state_dict(state)
+        assert run(b) == rest and len(rest) == 3
+
+
+def rest_of(it):
+    return [labels(b) for b in it]
+
+
+class Raising(torch.utils.data.Sampler):
+    def __iter__(self):
+        raise ValueError("no index file")
+
+    def __len__(self):
+        return 4
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_sampler_that_raises_ends_its_loop(nw):
+    with pinmem.Loader(Indexed(), batch_size=2, sampler=Raising(), num_workers=nw,
+                       device="cpu") as p:
+        for _ in range(2):  # each loop: the error once, then the loop ends
+            it = iter(p)
+            with pytest.raises(ValueError, match="no index file"):
+                next(it)
+            with pytest.raises(StopIteration):
+                next(it)
+
+
+def test_a_refused_batches_leaves_the_epoch():
+    with pinmem.Loader(Names(6), batch_size=2, shuffle=True, seed=7, device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match="these samples have none"):
+            next(iter(p.batches()))
+        assert p.state_dict()["epoch"] == 0
+        first = list(p)
+    with pinmem.Loader(Names(6), batch_size=2, shuffle=True, seed=7, device="cpu") as q:
+        assert list(q) == first  # the same epoch 0 order
+
+
+def test_a_shrunk_epoch_keeps_the_structure_learned():
+    """Sample 0 raises, 1 and 2 read; the next epoch has sample 0 alone: its batch raises and
+    the epoch ends, as DataLoader's, rather than the structure being sought again."""
+    class Shrinks(Growing):
+        def __getitem__(self, i):
+            if i == 0:
+                raise KeyError("sample 0 is broken")
+            return super().__getitem__(i)
+    for kw in (dict(batch_size=3), dict(batch_size=3, drop_last=True)):
+        got = []
+        for make in (DataLoader, lambda *a, **k: pinmem.Loader(*a, device="cpu", **k)):
+            ds = Shrinks((3, 1))
+            loader = make(ds, **kw)
+            epochs = []
+            for epoch in range(2):
+                ds.epoch = epoch
+                it, out = iter(loader), []
+                while len(out) < 4:
+                    try:
+                        out.append(next(it).flatten().tolist())
+                    except KeyError:
+                        out.append("KeyError")
+                    except StopIteration:
+                        break
+                epochs.append(out)
+            got.append(epochs)
+            if isinstance(loader, pinmem.Loader):
+                loader.close()
+        assert got[0] == got[1]
+
+
 def test_epochs_end_after_the_last_one_without_a_batch():
     with pinmem.Loader(np.zeros((3, 2), np.float32), batch_size=4, drop_last=True, epochs=2,
                        device="cpu") as p:

@@ -828,3 +828,30 @@ def test_the_parents_garbage_is_not_collected_in_workers(tmp_path):
         gc.enable()
     gc.collect()
     assert note.read_text().split() == [str(os.getpid())]  # once, here
+
+
+class EmptyArrays(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([np.zeros((0, 2), np.float32)] * 3)
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_a_stream_of_empty_arrays_as_dataloader(nw):
+    want = [tuple(b.shape) for b in DataLoader(EmptyArrays(), batch_size=2, num_workers=nw)]
+    with pinmem.Loader(EmptyArrays(), batch_size=2, num_workers=nw, device="cpu") as p:
+        assert [tuple(b.shape) for b in p] == want == [(2, 0, 2), (1, 0, 2)]
+
+
+class Ragged(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return (np.ones(1 + i % 2) for i in range(4))
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_samples_that_do_not_stack_raise_a_runtime_error_as_dataloader(nw):
+    with pytest.raises(RuntimeError):
+        list(DataLoader(Ragged(), batch_size=2, num_workers=nw))
+    with pinmem.Loader(Ragged(), batch_size=2, num_workers=nw, device="cpu") as p:
+        with pytest.raises(RuntimeError, match="sample 1") as e:
+            list(p)
+        assert isinstance(e.value, pinmem.InvalidError)
