@@ -604,7 +604,12 @@ class _EpochIterator:
                 # As torch: each iterator is a new epoch (a loop after a `break` starts the
                 # next one).
                 self._begun = True
-                if not loader._begin_epoch():
+                try:
+                    more = loader._begin_epoch()
+                except BaseException:
+                    self._done = True  # as a DataLoader iterator whose start raised (the next
+                    raise  # loop tries again)
+                if not more:
                     self._done = True
                     raise StopIteration
             b = loader._next()
@@ -1072,15 +1077,23 @@ class Loader:
         dataset's may change between epochs, as torch allows)."""
         if self._closed:
             _closed()
+        cfg = self._epoch_config(epoch)
         if self._per_epoch and not same_order:  # (same_order: the epoch's sampler order kept)
             # A Python dataset's length is read again at each epoch (as DataLoader reads it),
-            # but with persistent workers (read once, when they start).
+            # but with persistent workers (read once, when they start). The epoch's order and a
+            # resume state are checked before anything changes: a refused state leaves the
+            # loader as it was (its workers too).
             base_n = 0 if self._base is None else self._base.info()["samples"]
+            n = len(self.dataset) if self._python_ds and not (self._procs and self._persistent) \
+                else base_n
+            order = None if self._sampler is None else _sampler_order(self._sampler, n)
+            samples = n if order is None else len(order)
+            if resume is not None:
+                resume = self._fit_resume(resume, samples, cfg)
             if self._procs and not self._persistent and (
-                    epoch > 0 and (self._pool is None or self._pool.epoch != epoch) or
-                    len(self.dataset) != base_n):
+                    self._pool is None or self._pool.epoch != epoch or n != base_n):
                 self._swap_pool(epoch)
-            elif self._python_ds and not self._procs and len(self.dataset) != base_n:
+            elif self._python_ds and not self._procs and n != base_n:
                 if self._schema is None or self._collate is not None or \
                         _has_no_samples(self.dataset):
                     self._open_base(epoch)
@@ -1088,28 +1101,20 @@ class Loader:
                     self._base, _ = _python_dataset(self.dataset, self._schema)
                     self._ds = self._base
             ds = self._base
-            self._order = None
-            if self._sampler is not None:
-                n = 0 if self._base is None else self._base.info()["samples"]
-                order = _sampler_order(self._sampler, n)
-                if order:
-                    ds = _pinmem._dataset_select(self._base, order)
-                self._order = order
+            if order:
+                ds = _pinmem._dataset_select(self._base, order)
+            self._order = order
             self._ds = ds
-        cfg = self._epoch_config(epoch)
         samples = len(self._order) if self._order is not None else \
             0 if self._ds is None else self._ds.info()["samples"]
-        if resume is not None and self._order is not None:
-            fields = _pinmem._loader_state_fields(resume)
-            if fields["batch"] == 0:
-                # At an epoch's start a sampler's order is its own, whatever its length then.
-                resume = _pinmem._loader_state_pack(**dict(fields, samples=samples))
         batches, rank, world = _epoch_batches(samples, cfg)
         if batches == 0:
             self._clear_side()
             self._c = self._no_batches(epoch, batch, resume, template, samples, cfg, rank,
                                        world)
             self._bpe, self._c_epoch = 0, epoch
+            if self._pool is not None:
+                self._pool.epoch = epoch
             return
         if template is not None:
             fields = dict(template, epoch=epoch, batch=batch, samples=samples)
@@ -1121,6 +1126,27 @@ class Loader:
         self._bpe = self._c.stats()["batches_per_epoch"]
         if self._pool is not None:
             self._pool.epoch = epoch
+
+    @staticmethod
+    def _fit_resume(resume, samples, cfg):
+        """Resume state `resume` checked against an epoch of `samples` samples (per-epoch mode,
+        before anything is stopped): its batch must lie in the epoch; mid-epoch, its sample
+        count must be the epoch's (else the order differs); at the epoch's start the count is
+        the epoch's own, whatever it was when the state was saved (a length may change between
+        epochs). -> the state to give the C loader."""
+        fields = _pinmem._loader_state_fields(resume)
+        batches = _epoch_batches(samples, cfg)[0]
+        if fields["batch"] and fields["batch"] >= batches:
+            raise InvalidError(f"PM_ERR_INVALID: resume state batch {fields['batch']}, an epoch "
+                               f"has {batches}" + ("" if batches else
+                                                   f" (no batch: {samples} samples, batch_size "
+                                                   f"{cfg['batch_size']}, drop_last "
+                                                   f"{cfg['drop_last']})"))
+        if fields["batch"] and fields["samples"] != samples:
+            raise InvalidError(f"PM_ERR_INVALID: the state was saved with samples "
+                               f"{fields['samples']}, this epoch has {samples}: the order of the "
+                               "samples would differ")
+        return _pinmem._loader_state_pack(**dict(fields, samples=samples))
 
     @staticmethod
     def _no_batches(epoch, batch, resume, template, samples, cfg, rank, world):
@@ -1474,6 +1500,8 @@ class Loader:
 
     def worker_pids(self):
         """The process ids of the worker processes (empty without process workers)."""
+        if self._closed:
+            _closed()
         return [] if self._pool is None else self._pool.pids()
 
     def state_dict(self):
@@ -1508,10 +1536,9 @@ class Loader:
         # Check what the library would refuse before anything is closed.
         cur = _pinmem._loader_state_fields(old)
         shuffle = cur["flags"] & 1
-        # A sampler's length may change between epochs: at an epoch's start its count is not
-        # compared (mid-epoch, the C loader compares it with that epoch's order).
-        count = () if self._sampler is not None and values["batch"] == 0 or \
-            isinstance(self._c, _NoBatches) and self._c.pending else ("samples",)
+        # Where each epoch reads its length or order, the count is the target epoch's to check
+        # (_fit_resume), not the current one's.
+        count = () if self._per_epoch else ("samples",)
         for k in ("magic", "flags", "batch_size", "rank", "world_size") + count + \
                 (("seed",) if shuffle else ()):
             if values[k] != cur[k]:

@@ -505,8 +505,8 @@ def test_a_sampler_with_empty_epochs_between_full_ones(nw):
         assert run(q) == [] and q.epoch == 5
         q.sampler.set_epoch(5)
         assert run(q) == [[5, 2], [7]] and q.epoch == 6
-        with pytest.raises(pinmem.InvalidError, match="resume state batch 1, an epoch has no "
-                                                      "batch"):
+        with pytest.raises(pinmem.InvalidError, match=r"resume state batch 1, an epoch has 0 "
+                                                      r"\(no batch"):
             q.sampler.set_epoch(6)
             q.load_state_dict(dict(state, epoch=6, batch=1, samples=3))
         # A refused state leaves the loader where it was: at epoch 6, whose order the sampler
@@ -762,6 +762,85 @@ def test_a_shrunk_epoch_keeps_the_structure_learned():
             if isinstance(loader, pinmem.Loader):
                 loader.close()
         assert got[0] == got[1]
+
+
+class PerEpoch(torch.utils.data.Dataset):
+    """Sample i of epoch e is 100 * e + i; lens[e] samples; __len__ raises where lens[e] is
+    None (an index file that is not there yet)."""
+
+    def __init__(self, lens):
+        self.lens, self.epoch = lens, 0
+
+    def __len__(self):
+        n = self.lens[self.epoch]
+        if n is None:
+            raise OSError("index file unavailable")
+        return n
+
+    def __getitem__(self, i):
+        return torch.tensor([100 * self.epoch + i])
+
+
+def flat(loader):
+    return [b.flatten().tolist() for b in loader]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_states_of_other_epochs_into_the_same_loader(nw):
+    kw = dict(batch_size=2, num_workers=nw, device="cpu")
+    ds = PerEpoch([4, 6, 4])
+    with pinmem.Loader(ds, **kw) as p:
+        it = iter(p)
+        next(it)
+        saved = p.state_dict()  # (0, 1) of an epoch of 4 samples
+        assert flat(it) == [[2, 3]]
+        for epoch in (1, 2):
+            ds.epoch = epoch
+            assert len(flat(p)) == ds.lens[epoch] // 2
+        ds.epoch = 0  # the dataset as it was; workers that do not persist start again
+        p.load_state_dict(saved)
+        assert flat(p) == [[2, 3]]
+        p.load_state_dict(dict(saved, batch=0))
+        assert flat(p) == [[0, 1], [2, 3]]
+    # Saved between epochs whose lengths differ (7, then 5): a fresh loader resumes there.
+    ds = PerEpoch([7, 5])
+    with pinmem.Loader(ds, **kw) as p:
+        flat(p)
+        between = p.state_dict()
+        ds.epoch = 1
+        rest = flat(p)
+    ds = PerEpoch([7, 5])
+    ds.epoch = 1
+    with pinmem.Loader(ds, **kw) as q:
+        q.load_state_dict(between)
+        assert flat(q) == rest == [[100, 101], [102, 103], [104]]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_refused_state_leaves_the_workers_and_the_epoch(persistent):
+    with pinmem.Loader(Indexed(6), batch_size=2, sampler=[0, 1, 2, 3], num_workers=2,
+                       persistent_workers=persistent, device="cpu") as p:
+        it = iter(p)
+        next(it)
+        with pytest.raises(pinmem.InvalidError, match="resume state batch 9, an epoch has 2"):
+            p.load_state_dict(dict(p.state_dict(), epoch=1, batch=9))
+        assert rest_of(it) == [[2, 3]]
+        assert run(p) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_first_epoch_whose_length_raises_ends_its_loop(nw):
+    ds = PerEpoch([None, 4])
+    with pinmem.Loader(ds, batch_size=2, num_workers=nw, device="cpu") as p:
+        it = iter(p)
+        with pytest.raises(OSError, match="index file unavailable"):
+            next(it)
+        with pytest.raises(StopIteration):
+            next(it)
+        ds.epoch = 1
+        assert flat(p) == [[100, 101], [102, 103]]
+    with pytest.raises(pinmem.StateError):
+        p.worker_pids()
 
 
 def test_epochs_end_after_the_last_one_without_a_batch():
