@@ -595,20 +595,22 @@ class _EpochIterator:
         t0 = _perf_counter()
         try:
             if not self._begun:
-                if self._mode == "batch":
-                    loader._check()  # (started: the samples' structure is known)
-                if self._mode == "batch" and getattr(loader._schema, "mark", False):
-                    raise InvalidError("PM_ERR_INVALID: batches() gives the slot's arrays, and "
-                                       "these samples have none (strings, objects or empty "
-                                       "arrays alone): iterate the loader")
                 # As torch: each iterator is a new epoch (a loop after a `break` starts the
-                # next one).
+                # next one). One whose start raises ends there, as a DataLoader iterator whose
+                # start raised; the next loop tries again.
                 self._begun = True
                 try:
+                    if self._mode == "batch":
+                        loader._check()  # (started: the samples' structure is known)
+                        if getattr(loader._schema, "mark", False):
+                            raise InvalidError(
+                                "PM_ERR_INVALID: batches() gives the slot's arrays, and these "
+                                "samples have none (strings, objects or empty arrays alone): "
+                                "iterate the loader")
                     more = loader._begin_epoch()
                 except BaseException:
-                    self._done = True  # as a DataLoader iterator whose start raised (the next
-                    raise  # loop tries again)
+                    self._done = True
+                    raise
                 if not more:
                     self._done = True
                     raise StopIteration
