@@ -1332,6 +1332,8 @@ class Loader:
         """Per-epoch mode, after `epoch` failed to open (its sampler or dataset raised): the
         loop that saw it ends, and the next loop opens the epoch again, as a new DataLoader
         iterator would."""
+        if self._pool is not None and not self._persistent:
+            self._pool.epoch = None  # its copy of the dataset is the failed loop's: new workers
         return _NoBatches(dict(st, epoch=epoch, batch=0), epoch, pending=True, retry=True)
 
     def _pending(self):

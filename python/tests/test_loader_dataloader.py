@@ -843,6 +843,39 @@ def test_a_first_epoch_whose_length_raises_ends_its_loop(nw):
         p.worker_pids()
 
 
+class FailsOnce(torch.utils.data.Sampler):
+    def __init__(self):
+        self.fail = True
+
+    def __len__(self):
+        return 3
+
+    def __iter__(self):
+        if self.fail:
+            raise ValueError("the sampler fails this epoch")
+        return iter([0, 1, 2])
+
+
+def test_the_loop_after_a_failed_opening_has_new_workers():
+    """Workers that do not persist start again for the loop after an epoch failed to open:
+    they see the dataset as the program left it, as DataLoader's new iterator does."""
+    got = []
+    for make in (DataLoader, lambda *a, **k: pinmem.Loader(*a, device="cpu", **k)):
+        ds, sampler = PerEpoch([3, 3]), FailsOnce()
+        loader = make(ds, batch_size=3, sampler=sampler, num_workers=2)
+        out = []
+        for loop in range(2):
+            try:
+                out.append(flat(loader))
+            except ValueError as e:
+                out.append(str(e))
+            ds.epoch, sampler.fail = 1, False
+        got.append(out)
+        if isinstance(loader, pinmem.Loader):
+            loader.close()
+    assert got[0] == got[1] == ["the sampler fails this epoch", [[100, 101, 102]]]
+
+
 def test_epochs_end_after_the_last_one_without_a_batch():
     with pinmem.Loader(np.zeros((3, 2), np.float32), batch_size=4, drop_last=True, epochs=2,
                        device="cpu") as p:
