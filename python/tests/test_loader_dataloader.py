@@ -690,17 +690,13 @@ def test_a_resumed_random_sampler_is_iterated_once(nw):
         it = iter(a)
         next(it), next(it)
         state = a.state_dict()
-        rest = rest_of(it)
+        rest = run(it)
     g2 = torch.Generator()
     g2.set_state(start)
     with pinmem.Loader(Indexed(10), batch_size=2, num_workers=nw, device="cpu",
                        sampler=torch.utils.data.RandomSampler(range(10), generator=g2)) as b:
         b.load_state_dict(state)
         assert run(b) == rest and len(rest) == 3
-
-
-def rest_of(it):
-    return [labels(b) for b in it]
 
 
 class Raising(torch.utils.data.Sampler):
@@ -824,7 +820,7 @@ def test_a_refused_state_leaves_the_workers_and_the_epoch(persistent):
         next(it)
         with pytest.raises(pinmem.InvalidError, match="resume state batch 9, an epoch has 2"):
             p.load_state_dict(dict(p.state_dict(), epoch=1, batch=9))
-        assert rest_of(it) == [[2, 3]]
+        assert run(it) == [[2, 3]]
         assert run(p) == [[0, 1], [2, 3]]
 
 
