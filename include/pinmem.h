@@ -1074,6 +1074,20 @@ PM_API void pm_loader_config_init(pm_loader_config_t *config);
  *  status when the slots cannot be pinned, PM_ERR_DEVICE_MEMORY for the device buffers. */
 PM_API pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *config,
                                     pm_loader_t **loader_out);
+/** What pm_loader_create would make of `config` over `samples` samples, without making a
+ *  loader (no dataset, no threads, no memory): the rank and world size it resolves (RANK and
+ *  WORLD_SIZE where the config says -1) and what that rank gets per epoch. An epoch may have no
+ *  batch here (0 samples, or drop_last leaving none), which pm_loader_create refuses: a caller
+ *  that must tell an empty epoch from a bad config asks here first. PM_ERR_INVALID for a NULL
+ *  argument, batch_size 0 or a rank outside the world; PM_ERR_CONFIG for a RANK or WORLD_SIZE
+ *  that is not an integer in range; `out` is left untouched then. */
+typedef struct pm_loader_plan {
+  int32_t rank, world_size;
+  uint64_t samples_per_epoch; /* this rank's, padding included (drop_last: cut) */
+  uint64_t batches_per_epoch; /* 0: an epoch without a batch */
+} pm_loader_plan_t;
+PM_API pm_status_t pm_loader_plan(const pm_loader_config_t *config, uint64_t samples,
+                                  pm_loader_plan_t *out);
 /** Stops the workers at once (mid-epoch too) and frees the slots, buffers and threads; succeeds
  *  while batches are still held (as torch's DataLoader shuts down with tensors alive): a held
  *  batch stays valid until its pm_batch_release, which then frees its slot (the last one frees

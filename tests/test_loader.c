@@ -565,6 +565,60 @@ static void test_copy_fault(void) {
 }
 
 /* The caller holds slots; bad input; dataset in use. */
+/* pm_loader_plan agrees with the loader pm_loader_create makes, over every combination of a
+ * small grid, and gives the epochs without a batch that pm_loader_create refuses. */
+static void test_loader_plan(pm_dataset_t *ds100) {
+  pm_loader_config_t c;
+  pm_loader_plan_t plan;
+  int agree = 0;
+  for (int world = 1; world <= 5; world++)
+    for (int rank = 0; rank < world; rank++)
+      for (size_t bs = 1; bs <= 40; bs += 13)
+        for (int dl = 0; dl <= 1; dl++) {
+          c = base_config(bs);
+          c.rank = rank;
+          c.world_size = world;
+          c.drop_last = dl;
+          REQUIRE_OK(pm_loader_plan(&c, 100, &plan));
+          CHECK_EQ_INT(plan.rank, rank);
+          CHECK_EQ_INT(plan.world_size, world);
+          pm_loader_t *x = NULL;
+          if (plan.batches_per_epoch == 0) {
+            CHECK_ERR_MSG(pm_loader_create(ds100, &c, &x), PM_ERR_INVALID);
+            continue;
+          }
+          REQUIRE_OK(pm_loader_create(ds100, &c, &x));
+          pm_loader_stats_t s;
+          CHECK_OK(pm_loader_get_stats(x, &s));
+          CHECK_EQ_SIZE(plan.batches_per_epoch, s.batches_per_epoch);
+          CHECK_EQ_SIZE(plan.samples_per_epoch, s.samples_per_epoch);
+          CHECK_OK(pm_loader_destroy(x));
+          agree++;
+        }
+  CHECK(agree > 50);
+  c = base_config(8);
+  REQUIRE_OK(pm_loader_plan(&c, 0, &plan)); /* an empty dataset: an epoch without a batch */
+  CHECK_EQ_SIZE(plan.batches_per_epoch, 0);
+  CHECK_EQ_SIZE(plan.samples_per_epoch, 0);
+  c.drop_last = 1;
+  c.world_size = 4;
+  c.rank = 3;
+  REQUIRE_OK(pm_loader_plan(&c, 30, &plan)); /* 7 per rank, no whole batch of 8 */
+  CHECK_EQ_SIZE(plan.samples_per_epoch, 7);
+  CHECK_EQ_SIZE(plan.batches_per_epoch, 0);
+  c.drop_last = 0;
+  REQUIRE_OK(pm_loader_plan(&c, 30, &plan)); /* padded to 32: 8 per rank */
+  CHECK_EQ_SIZE(plan.samples_per_epoch, 8);
+  CHECK_EQ_SIZE(plan.batches_per_epoch, 1);
+  CHECK_ERR_MSG(pm_loader_plan(NULL, 30, &plan), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_plan(&c, 30, NULL), PM_ERR_INVALID);
+  c.rank = -2;
+  CHECK_ERR_MSG(pm_loader_plan(&c, 30, &plan), PM_ERR_INVALID);
+  c = base_config(8);
+  c.batch_size = 0;
+  CHECK_ERR_MSG(pm_loader_plan(&c, 30, &plan), PM_ERR_INVALID);
+}
+
 static void test_misuse(void) {
   const size_t size = 32;
   pat_ds_t p;
@@ -639,12 +693,23 @@ static void test_misuse(void) {
   CHECK_OK(pm_loader_get_stats(x, &s));
   CHECK_EQ_SIZE(s.samples_per_epoch, 25);
   CHECK_OK(pm_loader_destroy(x));
+  pm_loader_plan_t plan, untouched = {-7, -7, 7, 7};
+  REQUIRE_OK(pm_loader_plan(&c, 100, &plan)); /* the same environment, no loader */
+  CHECK_EQ_INT(plan.rank, 3);
+  CHECK_EQ_INT(plan.world_size, 4);
+  CHECK_EQ_SIZE(plan.samples_per_epoch, 25);
+  CHECK_EQ_SIZE(plan.batches_per_epoch, 5);
   setenv("RANK", "x1", 1);
   CHECK_ERR_MSG(pm_loader_create(ds, &c, &x), PM_ERR_CONFIG);
+  plan = untouched;
+  CHECK_ERR_MSG(pm_loader_plan(&c, 100, &plan), PM_ERR_CONFIG);
+  CHECK(memcmp(&plan, &untouched, sizeof plan) == 0);
   setenv("RANK", "4", 1);
   CHECK_ERR_MSG(pm_loader_create(ds, &c, &x), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_loader_plan(&c, 100, &plan), PM_ERR_INVALID);
   unsetenv("RANK");
   unsetenv("WORLD_SIZE");
+  test_loader_plan(ds);
 
   /* Callback dataset checks. */
   pm_dataset_callbacks_t cb;

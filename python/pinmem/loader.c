@@ -339,6 +339,24 @@ static PyObject *py_loader_state_pack(PyObject *mod, PyObject *args, PyObject *k
   return PyBytes_FromStringAndSize((const char *)&s, sizeof s);
 }
 
+/* pm_loader_plan for the fields of a Loader's config that decide an epoch's batches. */
+static PyObject *py_loader_plan(PyObject *mod, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"samples", "batch_size", "drop_last", "rank", "world_size", NULL};
+  unsigned long long samples, bs;
+  pm_loader_config_t c;
+  pm_loader_config_init(&c); /* the fields a plan reads are all given; pm_loader_plan checks */
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "K$Kpii:_loader_plan", kwlist, &samples, &bs,
+                                   &c.drop_last, &c.rank, &c.world_size))
+    return NULL;
+  c.batch_size = (size_t)bs;
+  pm_loader_plan_t p;
+  pm_status_t st = pm_loader_plan(&c, samples, &p);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  return Py_BuildValue("{s:i,s:i,s:K,s:K}", "rank", (int)p.rank, "world_size", (int)p.world_size,
+                       "samples_per_epoch", (unsigned long long)p.samples_per_epoch,
+                       "batches_per_epoch", (unsigned long long)p.batches_per_epoch);
+}
+
 static PyObject *Loader_stats(LoaderObject *self, PyObject *unused) {
   if (loader_check(self) < 0) return NULL;
   pm_loader_stats_t s;
@@ -378,6 +396,8 @@ PyTypeObject pmpy_LoaderType = {
 PyMethodDef pmpy_loader_functions[] = {
     {"_set_batch_class", py_set_batch_class, METH_O, "_set_batch_class(cls): pinmem.Batch"},
     {"_loader_state_fields", py_loader_state_fields, METH_O, NULL},
+    {"_loader_plan", (PyCFunction)(void (*)(void))py_loader_plan, METH_VARARGS | METH_KEYWORDS,
+     NULL},
     {"_loader_state_pack", (PyCFunction)(void (*)(void))py_loader_state_pack,
      METH_VARARGS | METH_KEYWORDS, NULL},
     {0}};

@@ -254,36 +254,14 @@ _STATS_KEYS = ("batches_per_epoch", "samples_per_epoch", "workers", "prefetch", 
                "held")
 
 
-def _env_int(name, lo, hi, default):
-    """The C loader's reading of RANK / WORLD_SIZE (pm_loader_create): the same range, the
-    same refusal."""
-    v = _os.environ.get(name, "")
-    if not v:
-        return default
-    # strtol's reading: leading white space, a sign, digits; then only spaces and newlines.
-    m = _re.fullmatch(r"[ \t\n\v\f\r]*([+-]?[0-9]+)[ \n]*", v)
-    x = int(m.group(1)) if m else None
-    if x is None or not lo <= x <= hi:
-        _pinmem._raise(_pinmem.PM_ERR_CONFIG, f"pm_loader_create: {name}='{v[:32]}' is not an "
-                       f"integer in {lo}..{hi}")
-    return x
-
-
 def _epoch_batches(samples, cfg):
     """(batches one rank gets per epoch, rank, world size) for a C loader configured by cfg
-    over `samples` samples, as the C sampler counts them, 0 included (which the C loader
-    cannot express: _NoBatches)."""
-    world = cfg["world_size"] if cfg["world_size"] > 0 else \
-        _env_int("WORLD_SIZE", 1, 1 << 20, 1)
-    rank = cfg["rank"] if cfg["rank"] >= 0 else _env_int("RANK", 0, (1 << 20) - 1, 0)
-    if rank >= world:
-        raise InvalidError(f"PM_ERR_INVALID: pm_loader_create: sampler: rank {rank} is not in "
-                           f"0..{world - 1} (world size {world})")
-    bs = cfg["batch_size"]
-    if cfg["drop_last"]:
-        return samples // world // bs, rank, world
-    per_rank = -(-samples // world)
-    return -(-per_rank // bs), rank, world
+    over `samples` samples, 0 batches included (which the C loader cannot express:
+    _NoBatches). pm_loader_plan: the C loader's own reading of RANK / WORLD_SIZE and its own
+    arithmetic, with its refusals."""
+    p = _pinmem._loader_plan(samples, batch_size=cfg["batch_size"], drop_last=cfg["drop_last"],
+                             rank=cfg["rank"], world_size=cfg["world_size"])
+    return p["batches_per_epoch"], p["rank"], p["world_size"]
 
 
 def _config_fields(cfg, epoch, batch, samples, rank, world):

@@ -520,23 +520,51 @@ def test_dtypes_without_a_code_keep_their_dtype(tmp_path, rng, dtype):
         assert "device='cpu'" in str(e.value)
 
 
-def test_rank_and_world_size_are_checked(rng, monkeypatch):
+class _Rows:
+    """A Python dataset over an array (the loader reads it each epoch, not as an array)."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i]
+
+
+@pytest.mark.parametrize("python_dataset", [False, True])
+def test_rank_and_world_size_are_checked(rng, monkeypatch, python_dataset):
     X = rng.random((16, 2))
+    ds = _Rows(X) if python_dataset else X
+
+    def first(**kw):  # a Python dataset's first epoch opens at the first batch
+        loader = pinmem.Loader(ds, batch_size=4, device="cpu", **kw)
+        try:
+            return loader, next(iter(loader))
+        except BaseException:
+            loader.close()
+            raise
     for kw in (dict(rank=-5), dict(world_size=0), dict(world_size=-1), dict(rank=1.5)):
         with pytest.raises(pinmem.InvalidError):
-            pinmem.Loader(X, batch_size=4, **kw)
-    with pytest.raises(pinmem.InvalidError):
-        pinmem.Loader(X, batch_size=4, rank=2, world_size=2)
+            first(**kw)
+    with pytest.raises(pinmem.InvalidError, match="rank 2 is not in 0..1"):
+        first(rank=2, world_size=2)
     monkeypatch.setenv("WORLD_SIZE", "0")
-    with pytest.raises(pinmem.ConfigError):
-        pinmem.Loader(X, batch_size=4)
+    with pytest.raises(pinmem.ConfigError, match="WORLD_SIZE='0'"):
+        first()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "-5")
-    with pytest.raises(pinmem.ConfigError):
-        pinmem.Loader(X, batch_size=4)
+    with pytest.raises(pinmem.ConfigError, match="RANK='-5'"):
+        first()
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(pinmem.InvalidError, match="rank 2 is not in 0..1"):
+        first()
     monkeypatch.setenv("RANK", "1")
-    loader = pinmem.Loader(X, batch_size=4)
+    loader, b = first()
     assert loader.state_dict()["rank"] == 1 and loader.state_dict()["world_size"] == 2
+    np.testing.assert_array_equal(np.asarray(b), X[[1, 3, 5, 7]])  # rank 1 of 2: odd indices
+    assert len(loader) == 2
     loader.close()
 
 

@@ -647,6 +647,10 @@ typedef struct pm__sampler {
   uint64_t batches;  /* batches of one epoch on this rank */
 } pm__sampler_t;
 
+/* Samples and batches one rank gets per epoch of n samples, 0 included (world >= 1,
+ * batch >= 1): the arithmetic of pm__sampler_init, which refuses the 0s. */
+void pm__sampler_count(uint64_t n, uint64_t batch, bool drop_last, int world, uint64_t *per_rank,
+                       uint64_t *batches);
 /* PM_ERR_INVALID with the reason when the combination leaves this rank nothing to deliver. */
 pm_status_t pm__sampler_init(pm__sampler_t *s, uint64_t n, uint64_t batch, bool shuffle,
                              uint64_t seed, bool drop_last, int rank, int world);

@@ -132,6 +132,45 @@ static pm_status_t env_int(const char *name, long lo, long hi, int dflt, int *ou
   return PM_OK;
 }
 
+/* The rank and world size of config c, RANK / WORLD_SIZE read where it says -1 (before any
+ * dataset is looked at, so that pm_loader_plan and pm_loader_create refuse alike). */
+static pm_status_t resolve_ranks(const pm_loader_config_t *c, const char *fn, int *rank_out,
+                                 int *world_out) {
+  int rank = c->rank, world = c->world_size;
+  pm_status_t st = PM_OK;
+  if (rank < -1 || world < -1)
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: %s %d: give a value (rank >= 0, world_size >= 1), or -1 for the "
+                         "environment's %s",
+                         fn, rank < -1 ? "rank" : "world_size", rank < -1 ? rank : world,
+                         rank < -1 ? "RANK" : "WORLD_SIZE");
+  if (world <= 0) st = env_int("WORLD_SIZE", 1, 1 << 20, 1, &world);
+  if (st == PM_OK && rank < 0) st = env_int("RANK", 0, (1 << 20) - 1, 0, &rank);
+  if (st != PM_OK) return st;
+  *rank_out = rank;
+  *world_out = world;
+  return PM_OK;
+}
+
+pm_status_t pm_loader_plan(const pm_loader_config_t *config, uint64_t samples,
+                           pm_loader_plan_t *out) {
+  const char *fn = "pm_loader_plan";
+  if (!config || !out)
+    return pm__set_error(PM_ERR_INVALID, "%s: %s is NULL", fn, !config ? "config" : "out");
+  if (config->batch_size == 0) return pm__set_error(PM_ERR_INVALID, "%s: batch_size is 0", fn);
+  int rank, world;
+  pm_status_t st = resolve_ranks(config, fn, &rank, &world);
+  if (st != PM_OK) return st;
+  if (rank >= world) /* the sampler's refusal, in its words */
+    return pm__set_error(PM_ERR_INVALID, "%s: sampler: rank %d is not in 0..%d (world size %d)", fn,
+                         rank, world - 1, world);
+  uint64_t per_rank, batches;
+  pm__sampler_count(samples, config->batch_size, config->drop_last != 0, world, &per_rank,
+                    &batches);
+  *out = (pm_loader_plan_t){rank, world, per_rank, batches};
+  return PM_OK;
+}
+
 /* A slot's buffers and events (after the consumer's stream is past its release). */
 void pm__loader_free_slot(pm_loader_t *L, slot_t *s) {
   if (s->release_pending && s->ev_release) (void)pm_event_synchronize(s->ev_release);
@@ -314,16 +353,8 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
                          "%s: shared_slots 1 needs pin_memory 1 (shared slots are pinned "
                          "PM_HOST_SHARED blocks)",
                          fn);
-  int rank = c->rank, world = c->world_size;
-  pm_status_t st = PM_OK;
-  if (rank < -1 || world < -1)
-    return pm__set_error(PM_ERR_INVALID,
-                         "%s: %s %d: give a value (rank >= 0, world_size >= 1), or -1 for the "
-                         "environment's %s",
-                         fn, rank < -1 ? "rank" : "world_size", rank < -1 ? rank : world,
-                         rank < -1 ? "RANK" : "WORLD_SIZE");
-  if (world <= 0) st = env_int("WORLD_SIZE", 1, 1 << 20, 1, &world);
-  if (st == PM_OK && rank < 0) st = env_int("RANK", 0, (1 << 20) - 1, 0, &rank);
+  int rank, world;
+  pm_status_t st = resolve_ranks(c, fn, &rank, &world);
   if (st != PM_OK) return st;
   PM__BACKEND_OR_RETURN(b);
   (void)b;

@@ -52,6 +52,14 @@ uint64_t pm__permute(uint64_t i, uint64_t n, uint64_t key) {
   return x;
 }
 
+void pm__sampler_count(uint64_t n, uint64_t batch, bool drop_last, int world, uint64_t *per_rank,
+                       uint64_t *batches) {
+  uint64_t w = (uint64_t)world;
+  uint64_t p = drop_last ? n / w : n / w + (n % w != 0);
+  *per_rank = p;
+  *batches = drop_last ? p / batch : p / batch + (p % batch != 0);
+}
+
 pm_status_t pm__sampler_init(pm__sampler_t *s, uint64_t n, uint64_t batch, bool shuffle,
                              uint64_t seed, bool drop_last, int rank, int world) {
   if (n == 0) return pm__set_error(PM_ERR_INVALID, "sampler: the dataset has no samples");
@@ -61,13 +69,12 @@ pm_status_t pm__sampler_init(pm__sampler_t *s, uint64_t n, uint64_t batch, bool 
   if (rank < 0 || rank >= world)
     return pm__set_error(PM_ERR_INVALID, "sampler: rank %d is not in 0..%d (world size %d)", rank,
                          world - 1, world);
-  uint64_t w = (uint64_t)world;
-  uint64_t per_rank = drop_last ? n / w : n / w + (n % w != 0);
+  uint64_t per_rank, batches;
+  pm__sampler_count(n, batch, drop_last, world, &per_rank, &batches);
   if (per_rank == 0)
     return pm__set_error(PM_ERR_INVALID,
                          "sampler: with drop_last, %llu samples over %d ranks leave none per rank",
                          (unsigned long long)n, world);
-  uint64_t batches = drop_last ? per_rank / batch : per_rank / batch + (per_rank % batch != 0);
   if (batches == 0)
     return pm__set_error(PM_ERR_INVALID,
                          "sampler: with drop_last, %llu samples per rank make no whole batch of "
