@@ -359,6 +359,32 @@ static void test_budget(void) {
   if (s) CHECK_OK(pm_blocks_destroy(s));
   CHECK_OK(pm_pool_get_stats(pool, &ps));
   CHECK_EQ_SIZE(ps.pinned_bytes, 0);
+  /* The charge counts each chunk page-rounded: 4 chunks of one block fit exactly, and 3
+   * blocks of 64 KiB + 1 byte in chunks of one block take 3 x 68 KiB. */
+  c.chunk_bytes = 64 << 10;
+  c.background = 0;
+  REQUIRE_OK(pm_blocks_create(&c, &s));
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK_EQ_SIZE(ps.pinned_bytes, 256 << 10);
+  CHECK_OK(pm_blocks_destroy(s));
+  size_t page = pm__page_size();
+  c.block_bytes = (64 << 10) + 1;
+  c.num_blocks = 3;
+  c.chunk_bytes = 1;
+  REQUIRE_OK(pm_blocks_create(&c, &s));
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK_EQ_SIZE(ps.pinned_bytes, 3 * (((64 << 10) + page) / page * page));
+  CHECK_OK(pm_blocks_destroy(s));
+  /* A store far past the budget is refused by it before its bookkeeping (9 bytes a block,
+   * here 2^62) is asked of the system: PM_ERR_BUDGET, not PM_ERR_NOMEM. */
+  c.block_bytes = 1;
+  c.num_blocks = (uint64_t)(SIZE_MAX / 32);
+  c.background = 1;
+  s = NULL;
+  CHECK_ERR_MSG(pm_blocks_create(&c, &s), PM_ERR_BUDGET);
+  CHECK(s == NULL);
+  CHECK_OK(pm_pool_get_stats(pool, &ps));
+  CHECK_EQ_SIZE(ps.pinned_bytes, 0);
   CHECK_OK(pm_pool_destroy(pool));
 }
 

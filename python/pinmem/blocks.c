@@ -146,9 +146,19 @@ static PyObject *BlockStore_alloc(BlockStoreObject *self, PyObject *arg) {
     if (!PyErr_Occurred()) pmpy_raise_fmt(PM_ERR_INVALID, "alloc: count %zd is negative", n);
     return NULL;
   }
+  /* More than the store has: its own refusal (it writes nothing), before the ids' buffer is
+   * asked of the system (n * 8 bytes, which may not even be a size). num_blocks is fixed, so
+   * no free elsewhere can make such an n fit. */
+  pm_blocks_stats_t bs;
+  pm_status_t st = pm_blocks_get_stats(self->store, &bs);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  if ((uint64_t)n > bs.num_blocks) {
+    uint64_t none;
+    return pmpy_raise_status(pm_blocks_alloc(self->store, (size_t)n, &none));
+  }
   PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
   if (!out) return NULL;
-  pm_status_t st = pm_blocks_alloc(self->store, (size_t)n, (uint64_t *)PyBytes_AS_STRING(out));
+  st = pm_blocks_alloc(self->store, (size_t)n, (uint64_t *)PyBytes_AS_STRING(out));
   if (st != PM_OK) {
     Py_DECREF(out);
     return pmpy_raise_status(st);

@@ -17,6 +17,7 @@ make them with kv_device_tensor().
 """
 
 import ctypes as _ctypes
+import operator as _operator
 
 import pinmem as _pm
 from . import _pinmem
@@ -32,6 +33,23 @@ def _torch():
 
 def _invalid(text):
     _pinmem._raise(_pm.PM_ERR_INVALID, text)
+
+
+_ID_MAX = (1 << 63) - 1
+
+
+def _count(v, what, lo=0):
+    """An integer argument (a count, an id, a size) as an int in lo..2**63-1: floats, strings
+    and the like are refused, not truncated (alloc(1.5) is a mistake, not 1)."""
+    try:
+        n = _operator.index(v)
+    except TypeError:
+        _invalid(f"{what} must be an integer, not {type(v).__name__} {v!r:.40}")
+    if n < lo:
+        _invalid(f"{what} = {n} is negative" if n < 0 else f"{what} = {n}: at least {lo}")
+    if n > _ID_MAX:
+        _invalid(f"{what} = {n} is past 2**63 - 1")
+    return n
 
 
 def kv_device_tensor(shape, dtype):
@@ -56,17 +74,22 @@ class _Spec:
         torch = _torch()
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        tensors = list(tensors)
+        try:
+            tensors = list(tensors)
+        except TypeError:
+            _invalid(f"{what}: a torch.Tensor or a list of them is needed, not "
+                     f"{type(tensors).__name__}")
         if not tensors:
             _invalid(f"{what}: no KV tensors given")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                _invalid(f"{what}[{i}]: a torch.Tensor is needed, not {type(t).__name__}")
         first = tensors[0]
         self.dtype, self.device = first.dtype, first.device
         bdim = 1 if kv_stacked else 0
         self.tensors, self.regions = tensors, []
         for i, t in enumerate(tensors):
             name = f"{what}[{i}]"
-            if not isinstance(t, torch.Tensor):
-                _invalid(f"{name}: a torch.Tensor is needed, not {type(t).__name__}")
             if t.dtype != self.dtype:
                 _invalid(f"{name}: dtype {t.dtype}, but {what}[0] is {self.dtype}: every KV "
                          "tensor of a store has one dtype")
@@ -81,6 +104,8 @@ class _Spec:
                 _invalid(f"{name}: shape {tuple(t.shape)}: kv_stacked wants K and V in front "
                          "([2, num_blocks, ...])")
             block = t[0] if kv_stacked else t
+            if block.shape[0] == 0:
+                _invalid(f"{name}: shape {tuple(t.shape)} holds no device block")
             if not block[0].is_contiguous():
                 _invalid(f"{name}: one block (shape {tuple(block.shape[1:])}) is not contiguous "
                          f"in memory (strides {t.stride()})")
@@ -114,9 +139,14 @@ def _ids(x, what):
     """Ids as a buffer of int64, each checked to be >= 0. Tensors and NumPy arrays of integers
     convert without a Python loop (thousands of ids a call)."""
     torch = _torch()
+    if isinstance(x, (str, bytes, bytearray)):
+        _invalid(f"{what}: block ids are integers, not {type(x).__name__} {x!r:.40}")
     if isinstance(x, torch.Tensor):
         if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             _invalid(f"{what}: block ids are integers, not {x.dtype}")
+        if x.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            # Unsigned 16-64 bits: through NumPy, whose conversion checks the range.
+            return _ids(x.detach().cpu().numpy(), what)
         x = x.detach().to("cpu", torch.int64).reshape(-1).contiguous()
         bad = (x < 0).nonzero()
         if bad.numel():
@@ -127,6 +157,10 @@ def _ids(x, what):
         import numpy
         if x.dtype.kind not in "iu":
             _invalid(f"{what}: block ids are integers, not {x.dtype}")
+        if x.dtype.kind == "u" and x.size and int(x.max()) > _ID_MAX:
+            flat = x.reshape(-1)
+            i = int(numpy.argmax(flat > _ID_MAX))
+            _invalid(f"{what}[{i}] = {int(flat[i])} is past 2**63 - 1")
         return _ids(torch.from_numpy(numpy.ascontiguousarray(x, dtype=numpy.int64)), what)
     return _array_ids(x, what)
 
@@ -142,12 +176,12 @@ def _has_numpy():
 def _array_ids(x, what):
     import array
     try:
-        out = array.array("q", (int(v) for v in x))
-    except (TypeError, OverflowError, ValueError) as e:
-        _invalid(f"{what}: block ids must be integers ({e})")
-    for i, v in enumerate(out):
-        if v < 0:
-            _invalid(f"{what}[{i}] = {v} is negative")
+        items = list(x)
+    except TypeError:
+        _invalid(f"{what}: block ids are a sequence of integers, not {type(x).__name__}")
+    out = array.array("q", bytes(8 * len(items)))
+    for i, v in enumerate(items):
+        out[i] = _count(v, f"{what}[{i}]")
     return out
 
 
@@ -178,8 +212,10 @@ class KVBlockStore:
                 _invalid(f"kv_caches are on {self._spec.device}: the store moves blocks between "
                          "a GPU and pinned memory (CPU tensors are host memory already)")
             self._device = -1
-        self._store = _pinmem._BlockStore(self._spec.block_bytes, int(num_blocks), chunk_bytes,
-                                          self._device, bool(background), pin_threads)
+        self._store = _pinmem._BlockStore(
+            self._spec.block_bytes, _count(num_blocks, "num_blocks", 1),
+            _count(chunk_bytes, "chunk_bytes"), self._device, bool(background),
+            _count(pin_threads, "pin_threads"))
 
     @property
     def block_bytes(self):
@@ -191,7 +227,7 @@ class KVBlockStore:
 
     def alloc(self, n):
         """n free host block ids (a list); NomemError when fewer are free."""
-        raw = self._store.alloc(int(n))
+        raw = self._store.alloc(_count(n, "alloc: n"))
         return list(memoryview(raw).cast("Q"))
 
     def free(self, ids):
@@ -226,11 +262,12 @@ class KVBlockStore:
 
     def read_block(self, host_id):
         """A copy of a host block's bytes (its regions in kv_caches order, K before V)."""
-        return _ctypes.string_at(self._store.ptr(int(host_id)), self._spec.block_bytes)
+        return _ctypes.string_at(self._store.ptr(_count(host_id, "host_id")),
+                                 self._spec.block_bytes)
 
     def wait_ready(self, count=0):
         """Block until the first `count` blocks (0: all) are pinned."""
-        self._store.wait_ready(int(count))
+        self._store.wait_ready(_count(count, "count"))
 
     def stats(self):
         """The store's figures (blocks free and ready, pinning times, the cut-off in force, swaps,

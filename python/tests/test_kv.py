@@ -223,6 +223,44 @@ def test_ids_as_tensors_arrays_and_lists():
             store.swap_out(torch.tensor([1, -2, 0]), host)
         with pytest.raises(pinmem.InvalidError, match="integers, not float64"):
             store.swap_out(np.array([1.0, 2.0, 0.0]), host)
+        with pytest.raises(pinmem.InvalidError, match=r"device_ids\[0\] = 9223372036854775809 "
+                                                      "is past"):
+            store.swap_out(np.array([2**63 + 1], np.uint64), host[:1])
+
+
+def test_ids_and_counts_are_integers_never_truncated():
+    """A float or a string where an id or a count belongs is refused, not int()-ed: free([0.5])
+    freed block 0, swap_out("01", ...) moved blocks 0 and 1."""
+    torch = skip_unless_torch()
+    caches = make_caches(torch, 1, (6, 2, 2, 8), "apart", torch.float16, 5)
+    with pinmem.KVBlockStore(caches, 4) as store:
+        host = store.alloc(2)
+        before = [store.read_block(h) for h in host]
+        calls = {r"ids\[0\] must be an integer, not float": lambda: store.free([0.5]),
+                 r"device_ids\[0\] must be an integer, not float":
+                     lambda: store.swap_out([0.7, 1.9], host),
+                 "integers, not str": lambda: store.swap_out("01", host),
+                 "host_id must be an integer": lambda: store.read_block(1.5),
+                 "host_id = -1 is negative": lambda: store.read_block(-1),
+                 "n must be an integer": lambda: store.alloc(1.5),
+                 "num_blocks must be an integer": lambda: pinmem.KVBlockStore(caches, 1.5),
+                 "num_blocks = -1 is negative": lambda: pinmem.KVBlockStore(caches, -1),
+                 "num_blocks = 0": lambda: pinmem.KVBlockStore(caches, 0),
+                 "chunk_bytes = -1 is negative":
+                     lambda: pinmem.KVBlockStore(caches, 4, chunk_bytes=-1),
+                 r"kv_caches\[0\]: a torch.Tensor is needed, not int":
+                     lambda: pinmem.KVBlockStore([1, 2], 4),
+                 "holds no device block": lambda: pinmem.KVBlockStore(
+                     [pinmem.kv_device_tensor((0, 8), torch.float32)], 4)}
+        for match, call in calls.items():
+            with pytest.raises(pinmem.InvalidError, match=match):
+                call()
+        # Past what the store has: its own refusal, before any buffer of that many ids.
+        for n in (3, 2**59, 2**60, 2**63 - 1):
+            with pytest.raises(pinmem.NomemError, match="exhausted"):
+                store.alloc(n)
+        assert store.stats()["free_blocks"] == 2  # nothing freed, nothing taken
+        assert [store.read_block(h) for h in host] == before  # nothing moved
 
 
 def test_low_level_store_without_torch(rng):

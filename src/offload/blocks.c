@@ -313,6 +313,21 @@ void pm_blocks_config_init(pm_blocks_config_t *config) {
   config->background = 1;
 }
 
+/* What the arena charges the pool's budget: each chunk page-rounded (chunk 0, the full chunks
+ * after it, the last partial one), without a loop over chunks (a tiny chunk_bytes makes one
+ * chunk a block); SIZE_MAX where it overflows, which every budget refuses. */
+static size_t arena_charge(const pm_blocks_t *s) {
+  size_t page = pm__page_size();
+  uint64_t rest = s->num_blocks - s->first_blocks;
+  uint64_t full = rest / s->chunk_blocks, tail = rest % s->chunk_blocks;
+  size_t full_len = pm__align_up((size_t)s->chunk_blocks * s->block_bytes, page);
+  size_t charge = pm__align_up(chunk_len(s, 0), page);
+  if (full && full_len > (SIZE_MAX - charge) / full) return SIZE_MAX;
+  charge += (size_t)full * full_len;
+  size_t tail_len = tail ? pm__align_up((size_t)tail * s->block_bytes, page) : 0;
+  return tail_len > SIZE_MAX - charge ? SIZE_MAX : charge + tail_len;
+}
+
 static void store_free(pm_blocks_t *s) {
   for (uint64_t c = 0; c < s->nchunks && s->chunk_base; c++)
     if (s->chunk_base[c]) (void)pm__fast_unpin(s->b, s->chunk_base[c], chunk_len(s, c));
@@ -375,6 +390,16 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   s->node = pm__numa_node_for(s->device);
   pthread_mutex_init(&s->lock, NULL);
   pthread_cond_init(&s->ready_cv, NULL);
+  /* The budget first: a store far past it is refused before its bookkeeping (9 bytes a
+   * block) is made, at once and without the memory. */
+  size_t charge = arena_charge(s);
+  st = pm__pool_charge_for(pool, charge, "block store arena");
+  if (st != PM_OK) {
+    store_free(s);
+    return pm__wrap_error(st, "%s: %llu blocks of %zu bytes", fn,
+                          (unsigned long long)c.num_blocks, c.block_bytes);
+  }
+  s->charged = charge;
   s->chunk_base = calloc((size_t)s->nchunks, sizeof *s->chunk_base);
   s->free_stack = malloc((size_t)s->num_blocks * sizeof *s->free_stack);
   s->state = calloc((size_t)s->num_blocks, 1);
@@ -385,15 +410,6 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   }
   for (uint64_t i = 0; i < s->num_blocks; i++) s->free_stack[i] = s->num_blocks - 1 - i;
   s->nfree = s->num_blocks;
-  size_t page = pm__page_size(), charge = 0;
-  for (uint64_t k = 0; k < s->nchunks; k++) charge += pm__align_up(chunk_len(s, k), page);
-  st = pm__pool_charge_for(pool, charge, "block store arena");
-  if (st != PM_OK) {
-    store_free(s);
-    return pm__wrap_error(st, "%s: %llu blocks of %zu bytes", fn,
-                          (unsigned long long)c.num_blocks, c.block_bytes);
-  }
-  s->charged = charge;
   s->t_create = pm__now();
   for (uint64_t k = 0; k < (c.background ? 1 : s->nchunks); k++) {
     st = pin_chunk(s, k);
