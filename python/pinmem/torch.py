@@ -44,7 +44,8 @@ import weakref
 import torch
 
 from . import BudgetError, MemlockError, NoDeviceError, NomemError, Stream as _PmStream, \
-    backend as _pm_backend, copy as _pm_copy, empty as _pm_empty, parse_size as _parse_size
+    backend as _pm_backend, copy as _pm_copy, empty as _pm_empty, parse_size as _parse_size, \
+    stats as _pm_stats
 
 __all__ = ["offload_activations", "OffloadActivations", "is_weight_cast"]
 
@@ -180,7 +181,7 @@ class _Unit:
 class _Saved:
     """What autograd holds for an offloaded tensor: its unit and how to view it."""
 
-    __slots__ = ("unit", "dtype", "size", "stride", "offset")
+    __slots__ = ("unit", "dtype", "size", "stride", "offset", "conj", "neg")
 
     def __init__(self, unit, t):
         self.unit = unit
@@ -189,6 +190,10 @@ class _Saved:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        # A lazy x.conj() or its .imag shares x's bytes and only flags them: the flags are part
+        # of what the tensor means, and come back with the view.
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
 
 
 def _flat_bytes(t):
@@ -204,8 +209,13 @@ def _storage_bytes(t):
 
 
 def _view(storage_tensor, s):
-    return torch.empty(0, dtype=s.dtype, device=storage_tensor.device).set_(
+    v = torch.empty(0, dtype=s.dtype, device=storage_tensor.device).set_(
         storage_tensor.untyped_storage(), s.offset, s.size, s.stride)
+    if s.conj:
+        v = v.conj()
+    if s.neg:
+        v = torch._neg_view(v)
+    return v
 
 
 _STAT_KEYS = ("offloaded_bytes", "offloaded_tensors", "offloaded_units", "shared_tensors",
@@ -257,6 +267,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # Copies back the compute stream was told to wait for, still running as far as the host
         # knows: each holds its pinned block until done; polled and dropped as they finish.
         self._retired = collections.deque()
+        self._full = None  # (bytes, _pool_marks()): the smallest block refused since a free
         self._stall_seconds = 0.0
         self.reset_stats()
         super().__init__(self._pack, self._unpack)
@@ -335,7 +346,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _why_keep(self, t):
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return "layout"
-        if t.layout is not torch.strided or t.is_quantized:
+        if t.layout is not torch.strided or t.is_quantized or t.is_nested:
             return "layout"
         if t.device.type != self.device_type:
             return "device"
@@ -387,13 +398,19 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             nbytes = storage.nbytes()
             key = (t.device, storage.data_ptr())
             version = t._version
+            root = t if t._base is None else t._base
             seen = self._by_storage.get(key)
             unit = None
             if seen is not None:
-                ref, sref, ver = seen
+                ref, sref, ver, rref = seen
                 unit = ref()
-                # The same storage still alive and unchanged: its bytes are on their way.
-                if unit is None or sref.expired() or ver != version or unit.nbytes != nbytes:
+                # The same storage still alive and unchanged: its bytes are on their way. Views
+                # of one base share its version counter, so an unchanged version proves the
+                # bytes unchanged; tensors that only share memory (x.data, unsafe_chunk's parts,
+                # as torch's CPU GRU and LSTM cells make) have counters of their own, whose
+                # equal numbers prove nothing: those are moved apart.
+                if unit is None or sref.expired() or ver != version or \
+                        unit.nbytes != nbytes or rref() is not root:
                     unit = None
             if unit is not None:
                 self._stats["shared_tensors"] += 1
@@ -401,16 +418,27 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 return _Saved(unit, t)
             if nbytes > self.max_view_ratio * t.numel() * t.element_size():
                 return self._kept_as("sparse_view", t)
+            # After a refusal, no block as large is asked of the pool until some block went
+            # back to it (its frees counter moved) or its budget changed: in a forward pass
+            # nothing else frees pinned memory, and under budget_policy=wait each ask would
+            # wait budget_timeout again, once per tensor.
+            if self._full is not None and nbytes >= self._full[0] and \
+                    self._full[1] == _pool_marks():
+                return self._kept_as("budget", t)
             try:
                 block = _pm_empty((nbytes,), "uint8")
             except _NO_PINNED:
+                if self._full is None or nbytes < self._full[0] or \
+                        self._full[1] != _pool_marks():
+                    self._full = (nbytes, _pool_marks())
                 return self._kept_as("budget", t)
             link = self._link(t.device)
             done = link.start_d2h(block, t, storage)
             unit = _Unit(link, block, nbytes, done)
             unit.index = len(self._order)
             self._order.append(weakref.ref(unit))
-            self._by_storage[key] = (weakref.ref(unit), _storage_weakref(storage), version)
+            self._by_storage[key] = (weakref.ref(unit), _storage_weakref(storage), version,
+                                     weakref.ref(root))
             s = self._stats
             s["offloaded_units"] += 1
             s["offloaded_tensors"] += 1
@@ -427,7 +455,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         for i, u in enumerate(live):
             u.index = i
         self._order = [weakref.ref(u) for u in live]
-        for key in [k for k, (r, sref, _) in self._by_storage.items()
+        for key in [k for k, (r, sref, _, _) in self._by_storage.items()
                     if r() is None or sref.expired()]:
             del self._by_storage[key]
 
@@ -516,6 +544,12 @@ def is_weight_cast(t):
     if fn is None or fn.name() != "ToCopyBackward0":
         return False
     return any(n is not None and hasattr(n, "variable") for n, _ in fn.next_functions)
+
+
+def _pool_marks():
+    """What changes when the default pool may have room again: blocks freed, its budget."""
+    st = _pm_stats()
+    return st["frees"], st["budget"]
 
 
 def _storage_weakref(storage):

@@ -353,6 +353,121 @@ def test_views_and_double_saves_move_once(dev):
     assert s["offloaded_tensors"] == s["offloaded_units"] + s["shared_tensors"]
 
 
+def _grads(params, step, off):
+    for p in params:
+        p.grad = None
+    with off or _null():
+        loss = step()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in params]
+
+
+def test_memory_shared_without_a_version_counter_moves_apart(dev):
+    """Tensors over one storage with version counters of their own (unsafe_chunk's parts, as
+    torch's CPU GRU and LSTM cells make; x.data) are not one unit: equal version numbers say
+    nothing about bytes written in place between their saves."""
+    torch = _torch()
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, device=dev, requires_grad=True)
+
+    def step(off):
+        def fwd():
+            a, b = (x * 1).unsafe_chunk(2, 1)  # one storage, two counters
+            a.sigmoid_()                       # saves a at version 1
+            if off is not None:
+                off.wait()                     # its copy has taken the storage's bytes
+            b.sigmoid_()                       # saves b, also at version 1, bytes changed
+            return (a * 2).sum() + (b * 3).sum()
+        return _grads([x], fwd, off)
+
+    ref = step(None)
+    off = pinmem.torch.offload_activations(min_bytes=1, device=dev)
+    assert_same(ref, step(off))
+    assert off.stats()["shared_tensors"] == 0
+    seq = torch.randn(4, 10, 8, device=dev)
+    for rnn, fwd in ((torch.nn.GRU(8, 16, batch_first=True), lambda m: m(seq)[0].sum()),
+                     (torch.nn.LSTMCell(8, 16), lambda m: sum(h.sum() for h in m(seq[:, 0])))):
+        rnn = rnn.to(dev)
+        params = list(rnn.parameters())
+        ref = _grads(params, lambda: fwd(rnn), None)
+        assert_same(ref, _grads(params, lambda: fwd(rnn),
+                                pinmem.torch.offload_activations(min_bytes=1, device=dev)))
+
+
+def test_conjugate_and_negative_views_come_back_flagged(dev):
+    """x.conj() and x.conj().imag share x's bytes and only flag them: the flags come back."""
+    torch = _torch()
+    torch.manual_seed(0)
+    a = torch.randn(64, 64, dtype=torch.complex64, device=dev, requires_grad=True)
+    w = torch.randn(64, 64, dtype=torch.complex64, device=dev, requires_grad=True)
+    r = torch.randn(64, 64, device=dev, requires_grad=True)
+
+    def fwd():
+        h = a * 2
+        return (h.conj() * w).abs().sum() + (h.conj().imag * r).sum()
+    ref = _grads([a, w, r], fwd, None)
+    off = pinmem.torch.offload_activations(min_bytes=1, device=dev)
+    assert_same(ref, _grads([a, w, r], fwd, off))
+    assert off.stats()["offloaded_units"] > 0
+
+
+def test_nested_tensors_stay(dev):
+    torch = _torch()
+    a = torch.randn(3, 8, device=dev, requires_grad=True)
+    b = torch.randn(5, 8, device=dev, requires_grad=True)
+
+    def fwd():
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "nested tensors are a prototype"
+            nt = torch.nested.as_nested_tensor([a * 1, b * 1])
+        y = (nt * nt).relu()
+        return torch.cat([t.sum().view(1) for t in y.unbind()]).sum()
+    ref = _grads([a, b], fwd, None)
+    off = pinmem.torch.offload_activations(min_bytes=1, device=dev)
+    assert_same(ref, _grads([a, b], fwd, off))
+    assert off.stats()["kept_by_reason"]["layout"] > 0
+
+
+_WAIT_ONCE = """
+import gc, json, sys, torch, pinmem, pinmem.torch
+dev = sys.argv[1]
+torch.manual_seed(0)
+m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
+                          for _ in range(12)]).to(dev)
+x = torch.randn(64, 256, device=dev)  # each saved activation: 64 KiB
+def grads(off):
+    m.zero_grad(set_to_none=True)
+    with off:
+        loss = m(x).sum()
+    loss.backward()
+    return [p.grad.clone() for p in m.parameters()]
+ref = grads(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+gc.collect()
+pinmem.trim()
+pinmem.set_budget(pinmem.stats()["pinned_bytes"] + 4 * 65536)
+waits = pinmem.stats()["budget_waits"]
+off = pinmem.torch.offload_activations(min_bytes=1, device=dev)
+got = grads(off)
+s = off.stats()
+print(json.dumps(dict(same=all(torch.equal(a, b) for a, b in zip(ref, got)),
+                      waited=pinmem.stats()["budget_waits"] - waits,
+                      units=s["offloaded_units"], kept=s["kept_by_reason"]["budget"])))
+"""
+
+
+def test_full_pool_under_budget_policy_wait_is_waited_for_once(dev):
+    """budget_policy=wait: a pack that finds the pool full waits budget_timeout; the next ones
+    (nothing freed meanwhile) stay at once instead of each waiting again."""
+    env = dict(os.environ, PINMEM_BUDGET_POLICY="wait", PINMEM_BUDGET_TIMEOUT="0.2")
+    r = subprocess.run([sys.executable, "-c", _WAIT_ONCE, dev], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["same"] and out["units"] > 0 and out["kept"] >= 10, out
+    assert out["waited"] == 1, out
+
+
 def test_small_view_of_large_storage_stays(dev):
     torch = _torch()
     big = torch.randn(256, 256, device=dev)
