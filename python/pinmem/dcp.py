@@ -1049,6 +1049,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
                 except OSError:
                     pass
                 raise
+            _remove_stale_tmps(final)
             if self.sync_files:
                 _fsync_dir(folder)
 
@@ -1083,6 +1084,36 @@ class FileSystemWriter(_fs.FileSystemWriter):
         if shared is not None:
             _remove_unnamed(folder, mine | shared, _Saves.in_flight(key, tag),
                             prefix=f"__{self.rank}_")
+
+
+def _remove_stale_tmps(final):
+    """Temporaries of `final` left by saves killed between writing and renaming them
+    (`<final>.tmp-<pid>-<hex>`): this process's (its installs run one at a time, so none is
+    in flight now) and those of processes that no longer run here. A live process's are kept:
+    it may be writing one."""
+    folder, base = _os.path.split(final)
+    try:
+        names = _os.listdir(folder or ".")
+    except OSError:
+        return
+    me = _os.getpid()
+    for name in names:
+        m = _re.fullmatch(_re.escape(base) + r"\.tmp-(\d+)-[0-9a-f]+", name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid != me:
+            try:
+                _os.kill(pid, 0)
+                continue  # alive
+            except ProcessLookupError:
+                pass
+            except (PermissionError, OverflowError):
+                continue  # alive (another user's), or not a pid of this machine
+        try:
+            _os.unlink(_os.path.join(folder, name))
+        except OSError:
+            pass
 
 
 def _named_by(metadata_path):

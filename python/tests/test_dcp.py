@@ -1207,6 +1207,49 @@ def test_save_over_torch_checkpoint_replaces_it(tmp_path):
     assert torch.equal(got["a"], new["a"]) and got["n"] == {"k": 1}
 
 
+_KILLED_IN_RENAME = """
+import os, sys, time, torch, torch.distributed.checkpoint as dcp, pinmem.dcp
+real = os.replace
+def stall(a, b):
+    if ".metadata.tmp" in str(a):
+        print("renaming", flush=True)
+        time.sleep(120)
+    return real(a, b)
+os.replace = stall
+dcp.save({"a": torch.zeros(10)}, storage_writer=pinmem.dcp.FileSystemWriter(sys.argv[1]),
+         no_dist=True)
+"""
+
+
+def test_metadata_temporaries_of_killed_saves_go(tmp_path):
+    """A save killed between writing its metadata's temporary and renaming it leaves the
+    temporary; the next save that finishes removes it (not a live process's)."""
+    import signal
+    import subprocess
+    import sys
+    import pinmem.dcp
+    for _ in range(2):
+        child = subprocess.Popen([sys.executable, "-c", _KILLED_IN_RENAME, str(tmp_path)],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "renaming"
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+    left = [n for n in os.listdir(tmp_path) if n.startswith(".metadata.tmp-")]
+    assert len(left) == 2
+    live = tmp_path / f".metadata.tmp-{os.getppid()}-00"  # a live process's: may be writing
+    live.write_bytes(b"")
+    dcp.save({"a": torch.ones(10)}, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path),
+             no_dist=True)
+    names = sorted(os.listdir(tmp_path))
+    assert [n for n in names if ".tmp-" in n] == [live.name], names
+    assert len([n for n in names if n.endswith(".distcp")]) == 1
+    got = {"a": torch.zeros(10)}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(got["a"], torch.ones(10))
+
+
 @pytest.mark.parametrize("first", ["newer", "older"])
 def test_overlapping_saves_into_one_folder(tmp_path, first):
     """Two saves into one folder that overlap (async_save's futures not waited for): the folder
