@@ -730,7 +730,8 @@ int cli_bench_alloc_help(void) {
       "  --json                 one JSON object per line: bench, case, bytes, seconds, gbps,\n"
       "                         verified (bool), verify_method (\"full\"), ratio_vs_cudaHostAlloc\n"
       "                         (against the row's baseline), baseline, op, runs, ...\n"
-      "  --quiet                no progress on stderr (shown only when it is a terminal)\n",
+      "  --quiet                no progress on stderr (else one line rewritten on a terminal, a line\n"
+      "                         per case on a pipe or a log)\n",
       st == PM_OK ? pm_backend_name() : "none",
       st == PM_OK ? "" : ": it did not start, names shown for host", a,
       cuda ? "malloc+cudaHostRegister" : "malloc+host_register",

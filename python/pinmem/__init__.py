@@ -139,7 +139,8 @@ def copy(dst, src, stream=None, *, nbytes=None, path=None):
     DLPack producers (torch tensors, CPU or CUDA) or __cuda_array_interface__ objects; both
     C-contiguous. nbytes: bytes to copy (default: all of src; dst must be large enough).
     stream: None (the default stream), a pinmem.Stream, an int handle, a torch.cuda.Stream or a
-    CuPy stream. path: 'auto' (default), 'direct', 'staged' or 'register'.
+    CuPy stream. path: None or 'auto' (the default: pinmem picks), 'direct' or 'staged'
+    ('register', registering the source in place, is reserved and refused as unsupported).
 
     Pinned sources copy by DMA without blocking; pageable ones are staged through pinned
     buffers. Read a device-to-host result only after Completion.wait() (or done() is True); make

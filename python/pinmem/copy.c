@@ -465,7 +465,7 @@ static PyMethodDef Completion_methods[] = {
 
 static PyGetSetDef Completion_getset[] = {
     {"path", (getter)Completion_get_path, NULL,
-     "'direct', 'staged' or 'register' once complete (None before).", NULL},
+     "'direct' or 'staged' once complete (None before).", NULL},
     {0}};
 
 PyTypeObject pmpy_CompletionType = {

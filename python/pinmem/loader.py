@@ -671,7 +671,8 @@ class Loader:
     worker processes, each iterating its own copy (get_worker_info() shards it), whose batches
     are taken in turn as torch's DataLoader takes them; shuffle, sampler, batch_sampler and
     state_dict() are refused for it (_iterable.py). Also: seed (shuffle order and worker
-    seeds; default 0, or drawn from `generator`), device (None/'cuda': batches on the current
+    seeds; default: drawn from `generator`, else from torch's global generator where torch is
+    imported, as DataLoader draws its base seed, else 0), device (None/'cuda': batches on the current
     device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs
     (None: no end), rank/world_size (sharding as DistributedSampler; None: from RANK and
     WORLD_SIZE), io (for .npy paths), worker_mode.

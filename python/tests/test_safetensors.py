@@ -830,3 +830,21 @@ def test_safe_open_handle_reads_an_open_file(tmp_path):
         assert "h.safetensors" in repr(g)
     with pytest.raises(pst.SafetensorError, match="has no file descriptor"):
         pst._safe_open_handle(io.BytesIO(path.read_bytes()), framework="np")
+
+
+def test_device_tensors_on_the_host_backend_need_torchs_gpu(tmp_path):
+    """PINMEM_BACKEND=host simulates devices for pinmem's memory, not for torch: asked for
+    device tensors where torch has no GPU, load_file and safe_open say so (NoDeviceError, the
+    way out named), not torch's "no NVIDIA driver" from deep inside."""
+    torch = pytest.importorskip("torch")
+    if pinmem.backend() != "host" or torch.cuda.is_available():
+        pytest.skip("needs the host backend and a torch without CUDA")
+    path = tmp_path / "w.safetensors"
+    from pinmem.safetensors import torch as pst_torch
+    pst_torch.save_file({"w": torch.arange(4.0)}, path)
+    for device in ("cuda", "cuda:0", torch.device("cuda"), 0):
+        with pytest.raises(pinmem.NoDeviceError, match="device='cpu'"):
+            pst.load_file(path, device=device)
+        with pytest.raises(pinmem.NoDeviceError, match="device='cpu'"):
+            pst.safe_open(path, framework="pt", device=device)
+    assert torch.equal(pst.load_file(path, device="cpu")["w"], torch.arange(4.0))

@@ -140,6 +140,13 @@ def _require_device(what, device):
                            f"{what}: device {device!r} asked for, but pinmem has no CUDA device: "
                            f"it fell back to the host backend ({reason}); to simulate devices on "
                            "purpose, set PINMEM_BACKEND=host")
+    if info["backend"] == "host" and not _torch().cuda.is_available():
+        # The host backend simulates devices for pinmem's own memory; torch tensors on a
+        # device need torch's GPU, which it does not have (its own error would name the driver).
+        _pm._pinmem._raise(_pm.PM_ERR_NO_DEVICE,
+                           f"{what}: device {device!r} asked for, but torch has no CUDA device "
+                           "(pinmem runs its host backend, PINMEM_BACKEND=host): load with "
+                           "device='cpu'")
 
 
 def _check_byteorder():
@@ -684,8 +691,9 @@ class safe_open:
         _check_backend(backend)
         if device is None:  # as the package: the CPU
             device = "cpu"
-        _require_device(f"safe_open({path!r})", device)
         self._framework, self._io, self._backend = FRAMEWORKS[framework], io, backend
+        if self._framework != "np":
+            _require_device(f"safe_open({path!r})", device)
         if self._framework == "np":
             if device not in ("cpu", None):
                 _fail(_pm.PM_ERR_INVALID, f"safe_open({path!r}): NumPy arrays "
