@@ -394,6 +394,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             with self._lock:
                 return self._kept_as(reason, t)
         with torch.no_grad(), self._lock:
+            # The last copies back of the step before (no unpack came after them) let their
+            # pinned blocks go here, in the next forward, rather than at a wait().
+            self._poll_retired()
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
             key = (t.device, storage.data_ptr())
