@@ -245,7 +245,10 @@ class Schema:
         rows = () if unbatched else \
             (first.shape[0] if first is not None else nrows if nrows is not None else len(objs),)
         torch = sys.modules.get("torch")
-        on_torch = first is not None and type(first).__module__.startswith("torch")
+        # Without a slot value (an iterable batch of strings and empty arrays) the samples'
+        # own leaves tell: torch tensors give torch tensors.
+        on_torch = type(first).__module__.startswith("torch") if first is not None else \
+            any(kind == "tensor" for _, _, kind in self.leaves)
         out, it, j = [], iter(() if self.mark else values), 0
         for k, (dt, shape, kind) in enumerate(self.leaves):
             if kind == "obj":
@@ -263,7 +266,8 @@ class Schema:
                 tdt = getattr(torch, kind[5:]) if kind.startswith("bits:") else \
                     torch.from_numpy(__import__("numpy").empty(0, dt)).dtype
                 out.append(torch.empty(rows + shape, dtype=tdt,
-                                       device=first.device if on_torch else "cpu"))
+                                       device=first.device if first is not None and on_torch
+                                       else "cpu"))
             else:
                 import numpy as np
                 out.append(np.empty(rows + shape, dt))
@@ -346,7 +350,11 @@ def _rebuild(t, values):
 def _leaf(v, np, path, index):
     """A leaf as a NumPy array and its kind, or an InvalidError naming what is wrong."""
     if isinstance(v, np.ndarray):
-        return v, "array"
+        # A subclass (np.matrix) as its plain array, as default_collate's torch.as_tensor
+        # takes it: np.stack of matrices fails.
+        return (v if type(v) is np.ndarray else np.asarray(v)), "array"
+    if isinstance(v, (str, bytes)):  # np.str_ and np.bytes_ too: strings, as DataLoader keeps them
+        return v, "obj"
     if isinstance(v, bool):
         return np.asarray(v, dtype=np.bool_), "bool"
     if isinstance(v, int):
@@ -364,7 +372,8 @@ def _leaf(v, np, path, index):
         if bits is not None:
             return bits[0], "bits:" + bits[1]
         try:
-            return v.detach().numpy(), "tensor"
+            # A conjugate or negative view (x.conj(), its .imag) as the values it shows.
+            return v.detach().resolve_conj().resolve_neg().numpy(), "tensor"
         except (TypeError, RuntimeError) as e:
             raise _invalid(f"dataset index {index}, field {path}: a {v.dtype} tensor has no "
                            f"type pinmem can batch ({e}); convert it in the dataset") from None
@@ -460,8 +469,9 @@ def describe(sample, index):
         raise _invalid(f"dataset index {index}: the sample holds nothing to batch (an empty "
                        f"{type(sample).__name__})")
     if len(leaves) > 16:
-        raise _invalid(f"dataset index {index}: the sample has {len(leaves)} arrays; a batch "
-                       "holds at most 16 (pack some together in the dataset)")
+        raise _invalid(f"dataset index {index}: the sample has {len(leaves)} leaves (arrays, "
+                       "numbers, strings and other objects); a batch holds at most 16 (pack some "
+                       "together in the dataset, e.g. strings into one list)")
     specs = []
     for (a, kind), p in zip(leaves, paths):
         if kind == "obj":
@@ -778,6 +788,13 @@ def checked_leaves(schema, sample, i, np):
     leaves, paths = [], []
     tree = _flatten(sample, np, i, leaves, paths)
     if _shape_tree(tree) != schema.ref:
+        # Dicts with the first sample's keys in another order: taken in its order, as
+        # default_collate takes the keys of a batch's first sample.
+        ordered = _in_order(sample, schema.tree)
+        if ordered is not sample:
+            leaves, paths = [], []
+            tree = _flatten(ordered, np, i, leaves, paths)
+    if _shape_tree(tree) != schema.ref:
         raise _invalid(f"dataset index {i}: the sample's structure {_describe_tree(tree)} "
                        f"differs from the first sample's {_describe_tree(schema.tree)}")
     out = []
@@ -799,6 +816,27 @@ def checked_leaves(schema, sample, i, np):
                                f"had shape {shape} dtype {had}")
         out.append(a)
     return out
+
+
+def _in_order(x, t):
+    """x with each dict's keys in the order of tree t where it holds the same keys; x itself
+    where nothing was reordered."""
+    if t[0] == "dict" and isinstance(x, dict):
+        keys = [k for k, _ in t[1]]
+        if len(keys) != len(x) or any(k not in x for k in keys):
+            return x
+        items = {k: _in_order(x[k], c) for k, c in t[1]}
+        same = list(x) == keys and all(items[k] is x[k] for k in keys)
+        return x if same else items
+    if t[0] in ("list", "tuple", "namedtuple") and isinstance(x, (list, tuple)) and \
+            len(x) == len(t[1]):
+        items = [_in_order(c, ct) for c, ct in zip(x, t[1])]
+        if all(a is b for a, b in zip(items, x)):
+            return x
+        if t[0] == "namedtuple":
+            return type(x)(*items)
+        return items if isinstance(x, list) else tuple(items)
+    return x
 
 
 def _describe_tree(t):

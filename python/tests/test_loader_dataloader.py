@@ -1647,3 +1647,94 @@ def test_unsigned_tensors_from_worker_processes(dtype):
         with pinmem.Loader(Growing(), batch_size=2, num_workers=2, device="cpu", **kw) as p:
             got = list(p)
         assert [b.tolist() for b in got] == want and got[0].dtype == dt, kw
+
+
+# ---- leaves and containers as default_collate takes them ---------------------------------------
+
+_NAMES = np.array(["cat", "dog", "eel", "fox"])
+
+
+class _Leaves(torch.utils.data.Dataset):
+    """Samples whose leaves DataLoader batches and pinmem refused or changed: a NumPy string
+    (np.str_, a str), a conjugate view, dicts whose keys come in another order, np.matrix."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        x = torch.tensor([1 + 1j * i, 2j])
+        inner = {}
+        if i % 2:
+            inner["label"] = i
+        inner["image"] = torch.full((2,), float(i))
+        if not i % 2:
+            inner["label"] = i
+        return {"name": _NAMES[i], "z": x.conj() if i == 3 else x, "d": inner,
+                "m": np.matrix([[i, 1], [2, 3]])}
+
+
+class _LeavesStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return (_Leaves()[i] for i in range(4))
+
+
+def _same_batches(a, b):
+    assert type(a) is type(b) or isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), \
+        (type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same_batches(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same_batches(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+    else:
+        assert a == b and type(a) is type(b), (a, b)
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("nw", [0, 1])
+def test_numpy_strings_conjugate_views_key_order_and_matrices_as_dataloader(nw, stream):
+    ds = _LeavesStream() if stream else _Leaves()
+    want = list(DataLoader(ds, batch_size=2, num_workers=nw))
+    with pinmem.Loader(ds, batch_size=2, num_workers=nw, device="cpu") as p:
+        got = list(p)
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        _same_batches(g, w)
+    assert got[1]["name"] == [np.str_("eel"), np.str_("fox")]
+    assert got[1]["z"][1].tolist() == [1 - 3j, -2j]          # the conjugate's values
+    assert got[1]["d"]["label"].tolist() == [2, 3]           # keys taken in the first's order
+
+
+class _NamesAndNoBoxes(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return ((torch.zeros(0, 2), f"name{i}") for i in range(4))
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_a_stream_of_strings_and_empty_tensors_gives_tensors(nw):
+    want = next(iter(DataLoader(_NamesAndNoBoxes(), batch_size=2, num_workers=nw)))
+    with pinmem.Loader(_NamesAndNoBoxes(), batch_size=2, num_workers=nw, device="cpu") as p:
+        got = next(iter(p))
+    assert isinstance(got[0], torch.Tensor) and got[0].shape == want[0].shape == (2, 0, 2)
+    assert list(got[1]) == list(want[1]) == ["name0", "name1"]
+
+
+class _Meta17(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"image": torch.zeros(3), **{f"meta{k}": f"v{i}" for k in range(16)}}
+
+
+def test_the_leaf_limit_counts_strings_and_says_so():
+    assert len(next(iter(DataLoader(_Meta17(), batch_size=2)))) == 17
+    with pinmem.Loader(_Meta17(), batch_size=2, device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match="17 leaves .arrays, numbers, strings"):
+            next(iter(p))
