@@ -16,7 +16,8 @@ sample's non-array leaves (str, bytes, None, objects), and with a collate_fn of 
 (claims are then whole batches) the collate_fn's output, which for device batches the
 receiving thread stages at once (_staging.py: pinned block, copy queued to the device). The
 worker sends a claim's frame before its reply, a thread of the main process files the frames by
-(epoch, dataset indices), and each batch takes its own as it is delivered. Empty arrays (a
+(epoch, batch, row), which a claim's request carries after its indices (an index read twice in
+an epoch is two rows), and each batch takes its own as it is delivered. Empty arrays (a
 zero-size dimension) take no slot bytes: the main process makes them per batch. Once a sample's
 shapes differ from the first sample's (Schema.varying, set by the loader when that first
 happens), every row sends a VRow: its non-array leaves, or, for a sample that differs, all its
@@ -658,6 +659,9 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
             keys = struct.unpack_from(f"<{nnew}Q", msg, pos)
             pos += 8 * nnew
             indices = struct.unpack_from(f"<{n}Q", msg, pos)
+            # A claim of rows ends with its batch and first row (None for other requests).
+            at = struct.unpack_from("<QQ", msg, pos + 8 * n) \
+                if kind == KIND_ROWS and len(msg) >= pos + 8 * n + 16 else None
         except Exception as e:
             for fd in fds:
                 os.close(fd)
@@ -699,7 +703,8 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
             reply = _serve_collated(dataset, collate, schema.unbatched, maps, fields, indices,
                                     np, wid, epoch, side)
         else:
-            reply = _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch, side)
+            reply = _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch, side,
+                                at)
         if not _send(sock, _tagged(reply, tag)):
             break  # the loader is closing
     for m in maps.values():
@@ -726,7 +731,7 @@ def _send(sock, data):
         return False
 
 
-def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=None):
+def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=None, at=None):
     n = len(indices)
     views = []
     slot_fields = schema.slot_fields(np)
@@ -765,7 +770,7 @@ def _serve_rows(dataset, schema, maps, fields, indices, np, wid, epoch=0, side=N
     if rows is not None:
         # Before the reply: once the loader has the rows, their non-array leaves are sent.
         try:
-            data = dumps((epoch, list(indices), rows))
+            data = dumps((epoch, list(indices), rows, at))
         except BaseException as e:
             bad = indices[0]
             for i, r in zip(indices, rows):  # name the row whose leaves cannot travel
@@ -851,10 +856,22 @@ def _describe_tree(t):
 # ---- the main process's side -----------------------------------------------------------------
 
 
+NO_ROW = (1 << 64) - 1  # the batch and row of a read outside a loader's claim
+
+
+def _side_key(epoch, i, at, j):
+    """Where the j-th of a claim's rows is filed: by its (batch, row) where the claim says, so
+    that an index read twice in an epoch (a sampler drawing with replacement) gives each row
+    its own read's leaves, whichever read ends first; else by (epoch, dataset index)."""
+    if at is None or at[0] == NO_ROW:
+        return (epoch, i)
+    return ("at", epoch, at[0], at[1] + j)
+
+
 class SideStore:
-    """Non-array leaves of rows read, by (epoch, dataset index), until their batch takes them.
-    A queue per key: an index read twice in an epoch (a sampler drawing with replacement) gives
-    its values in the order read."""
+    """Non-array leaves of rows read, until their batch takes them: by (epoch, batch, row)
+    where the read knows its row (_side_key), else by (epoch, dataset index), a queue per key
+    (values in the order read)."""
 
     def __init__(self):
         import threading
@@ -868,27 +885,35 @@ class SideStore:
         # copy queued) by the thread that receives it, ahead of delivery (_staging.py).
         self.stage = None
 
-    def put(self, epoch, indices, rows):
+    def put(self, epoch, indices, rows, at=None):
         with self.cond:
-            for i, r in zip(indices, rows):
+            for j, (i, r) in enumerate(zip(indices, rows)):
                 if self.varying and type(r) is not VRow:
                     continue
-                self.rows.setdefault((epoch, i), []).append(r)
+                self.rows.setdefault(_side_key(epoch, i, at, j), []).append(r)
             self.cond.notify_all()
 
-    def take(self, epoch, indices, timeout):
-        """The rows of a delivered batch, in row order; values of earlier epochs (rows of
-        batches never delivered: a loop that stopped early, a batch that failed) are dropped."""
+    def _stale(self, k, epoch, at):
+        """Rows of batches never delivered (a loop that stopped early, a batch that failed):
+        of earlier epochs, or of this epoch's earlier batches."""
+        e = k[1] if k[0] == "at" else k[0]
+        if e is not None and epoch is not None and e < epoch:
+            return True
+        return at is not None and k[0] == "at" and e == epoch and k[2] < at[0]
+
+    def take(self, epoch, indices, timeout, at=None):
+        """The rows of a delivered batch, in row order (at: its (batch, 0) where its rows were
+        filed by row); values of earlier batches are dropped."""
         import time
         with self.cond:
-            stale = [k for k in self.rows if k[0] is not None and k[0] < epoch]
-            for k in stale:
+            for k in [k for k in self.rows if self._stale(k, epoch, at)]:
                 del self.rows[k]
+            keys = [_side_key(epoch, i, at, j) for j, i in enumerate(indices)]
             want = {}
-            for i in indices:
-                want[i] = want.get(i, 0) + 1
+            for key in keys:
+                want[key] = want.get(key, 0) + 1
             deadline = time.monotonic() + (timeout or 60.0)
-            while any(len(self.rows.get((epoch, i), ())) < c for i, c in want.items()):
+            while any(len(self.rows.get(key, ())) < c for key, c in want.items()):
                 if self.error is not None:
                     raise self.error
                 left = deadline - time.monotonic()
@@ -897,11 +922,11 @@ class SideStore:
                                       f"rows {list(indices)[:8]} of epoch {epoch} did not arrive")
                 self.cond.wait(left)
             out = []
-            for i in indices:
-                q = self.rows[(epoch, i)]
+            for key in keys:
+                q = self.rows[key]
                 out.append(q.pop(0))
                 if not q:
-                    del self.rows[(epoch, i)]
+                    del self.rows[key]
             return out
 
     def clear(self):
@@ -940,10 +965,10 @@ def _drain(socks, store):
                 if len(buf) < SIDE.size + n:
                     break
                 try:
-                    epoch, indices, rows = pickle.loads(bytes(buf[SIDE.size:SIDE.size + n]))
+                    epoch, indices, rows, *at = pickle.loads(bytes(buf[SIDE.size:SIDE.size + n]))
                     if store.stage is not None:
                         rows = [store.stage(r) for r in rows]
-                    store.put(epoch, indices, rows)
+                    store.put(epoch, indices, rows, at[0] if at else None)
                 except Exception as e:  # an object that cannot be unpickled here
                     with store.cond:
                         store.error = WorkerError("pinmem.Loader: a worker's non-array leaves "

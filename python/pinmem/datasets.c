@@ -8,6 +8,7 @@
  * as records of their bytes, with NumPy's descr to rebuild them.
  */
 #include "_pinmem.h"
+#include "internal.h" /* pm__dataset_claim_get */
 
 static void Dataset_dealloc(DatasetObject *self) {
   if (self->ds) {
@@ -335,7 +336,12 @@ static int python_read(uint64_t index, void *const *dsts, void *user) {
   if (!Py_IsInitialized() || pmpy_interp_finalizing()) return PM_ERR_STATE;
   PyGILState_STATE g = PyGILState_Ensure();
   int rc = 0;
-  PyObject *item = PyObject_CallFunction(d->fetch, "K", (unsigned long long)index);
+  /* The row it fills (batch, row): the non-array leaves of a sample are filed by it, so that an
+   * index read twice in an epoch gives each row its own read's leaves. */
+  uint64_t batch, row;
+  pm__dataset_claim_get(&batch, &row);
+  PyObject *item = PyObject_CallFunction(d->fetch, "KKK", (unsigned long long)index,
+                                         (unsigned long long)batch, (unsigned long long)row);
   PyObject *seq = item ? pmpy_fast_tuple(item, "fetch must return a sequence of arrays") : NULL;
   if (seq && PySequence_Fast_GET_SIZE(seq) != d->nfields) {
     PyErr_Format(PyExc_ValueError, "pinmem.Loader: sample %llu has %zd fields, the first had %d",
@@ -403,7 +409,8 @@ int pmpy_parse_spec(PyObject *spec, int k, pm_field_t *f, size_t *bytes_out) {
 }
 
 /* _dataset_python(fetch, samples, specs): specs = [(sample shape, dtype text, itemsize)], one
- * per field; fetch(i) returns the fields of sample i (C-contiguous, checked by the caller). */
+ * per field; fetch(i, batch, row) returns the fields of sample i (C-contiguous, checked by the
+ * caller) read for that row of that batch (UINT64_MAX for both outside a loader's read). */
 static PyObject *py_dataset_python(PyObject *mod, PyObject *args) {
   PyObject *fetch, *specs;
   unsigned long long samples;

@@ -167,14 +167,15 @@ def _python_dataset(dataset, schema=None):
         schema = _workers.describe(first, at)
     contiguous, checked = numpy.ascontiguousarray, _workers.checked_leaves
     # Non-array leaves (strings, objects), and once shapes vary every row's VRow, wait here,
-    # by index, for their batch (epoch None: the store is cleared whenever a new C loader
+    # by (batch, row), for their batch (epoch None: the store is cleared whenever a new C loader
     # starts reading).
     store = schema.store = _workers.SideStore()
     objs = bool(schema.objs)
     blank = None
 
-    def fetch(i):
+    def fetch(i, batch=_workers.NO_ROW, row=0):
         nonlocal blank
+        at = (batch, row)
         sample = _sample(dataset, i)
         try:
             leaves = checked(schema, sample, i, numpy)
@@ -182,14 +183,15 @@ def _python_dataset(dataset, schema=None):
             if not schema.varying:
                 raise
             # The sample goes beside the slot whole; its row holds zeros.
-            store.put(None, (i,), (_workers.VRow(None, _workers.off_leaves(sample, i, numpy)),))
+            store.put(None, (i,), (_workers.VRow(None, _workers.off_leaves(sample, i, numpy)),),
+                      at)
             if blank is None:
                 blank = [numpy.zeros(shape, dt) for dt, shape in schema.slot_fields(numpy)]
             return blank
         if schema.varying:
-            store.put(None, (i,), (_workers.VRow(schema.obj_values(leaves), None),))
+            store.put(None, (i,), (_workers.VRow(schema.obj_values(leaves), None),), at)
         elif objs:
-            store.put(None, (i,), (schema.obj_values(leaves),))
+            store.put(None, (i,), (schema.obj_values(leaves),), at)
         return [contiguous(a) for a in schema.slot_values(leaves)]
 
     return _pinmem._dataset_python(fetch, n, schema.specs()), schema
@@ -966,7 +968,8 @@ class Loader:
                 raise
         else:
             mark = numpy.ones((), numpy.uint8)
-            self._base = _pinmem._dataset_python(lambda i: [mark], n, self._schema.specs())
+            self._base = _pinmem._dataset_python(lambda i, batch, row: [mark], n,
+                                                 self._schema.specs())
         self._tuple, self._odd, self._ds = False, [], self._base
 
     def _collated(self, b, convert=None):
@@ -1220,9 +1223,12 @@ class Loader:
         schema = self._schema
         if schema is None or not (schema.objs or schema.varying):
             return None
+        # Filed by (batch, row): the C loader's batch number is epoch * batches per epoch +
+        # index, of the C loader delivering now.
+        at = (b.epoch * self._bpe + b.index, 0)
         if self._pool is not None:
-            return self._pool.store.take(b.epoch, b.indices, self._timeout)
-        return schema.store.take(None, b.indices, self._timeout)
+            return self._pool.store.take(b.epoch, b.indices, self._timeout, at)
+        return schema.store.take(None, b.indices, self._timeout, at)
 
     def _shape(self, values, objs=None):
         """A batch's arrays in the sample's structure."""

@@ -222,7 +222,9 @@ static int send_request(struct pmpy_procs *P, chan_t *c, const pm_rows_request_t
     }
   }
   size_t n = (size_t)rq->n;
-  size_t len = 40 + (size_t)P->nfields * 24 + (size_t)nnew * 8 + n * 8;
+  /* After the indices: the claim's batch and first row, by which the worker files the rows'
+   * non-array leaves. */
+  size_t len = 40 + (size_t)P->nfields * 24 + (size_t)nnew * 8 + n * 8 + 16;
   unsigned char stackbuf[8192], *msg = len <= sizeof stackbuf ? stackbuf : malloc(len);
   if (!msg) return ERR_SEND;
   unsigned char *p = msg;
@@ -243,6 +245,9 @@ static int send_request(struct pmpy_procs *P, chan_t *c, const pm_rows_request_t
   memcpy(p, newkeys, (size_t)nnew * 8);
   p += (size_t)nnew * 8;
   memcpy(p, rq->indices, n * 8);
+  p += n * 8;
+  uint64_t at[2] = {rq->batch, rq->row};
+  memcpy(p, at, 16);
 
   struct iovec iov = {msg, len};
   union {

@@ -1738,3 +1738,27 @@ def test_the_leaf_limit_counts_strings_and_says_so():
     with pinmem.Loader(_Meta17(), batch_size=2, device="cpu") as p:
         with pytest.raises(pinmem.InvalidError, match="17 leaves .arrays, numbers, strings"):
             next(iter(p))
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Random augmentation whose string describes the array of the same call."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import random
+        v = random.randrange(10**6)
+        return np.full(2, v), f"aug{v}"
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_an_index_read_twice_keeps_each_rows_strings_with_its_arrays(nw):
+    """A sampler that repeats indices (drawing with replacement): each row's string comes from
+    the same read as its array, whichever of the index's reads finishes first."""
+    sampler = [0, 1, 0, 1] * 8
+    with pinmem.Loader(_Augmented(), batch_size=4, sampler=sampler, num_workers=nw,
+                       device="cpu") as p:
+        rows = [(int(x[0]), s) for _ in range(3) for b in p for x, s in zip(*b)]
+    assert len(rows) == 96
+    assert [r for r in rows if f"aug{r[0]}" != r[1]] == []

@@ -769,6 +769,9 @@ void pm__dataset_worker_set(int worker);
 /* The loader batch and first row this thread reads now (set by a loader worker before each
  * read; UINT64_MAX elsewhere): what a rows dataset passes on as pm_rows_request_t.batch/row. */
 void pm__dataset_claim_set(uint64_t batch, uint64_t row);
+/* The (batch, row) of the sample the calling loader thread reads now (pm__dataset_claim_set);
+ * UINT64_MAX for both outside a loader's read. */
+void pm__dataset_claim_get(uint64_t *batch, uint64_t *row);
 
 /* dataset_npy.c: the .npy header. */
 typedef struct pm__npy_header {

@@ -51,6 +51,11 @@ void pm__dataset_claim_set(uint64_t batch, uint64_t row) {
   tl_row = row;
 }
 
+void pm__dataset_claim_get(uint64_t *batch, uint64_t *row) {
+  *batch = tl_batch;
+  *row = tl_row;
+}
+
 bool pm__dataset_reads_rows(const pm_dataset_t *ds) {
   return ds->read_rows != NULL;
 }
