@@ -674,10 +674,10 @@ class Loader:
     are taken in turn as torch's DataLoader takes them; shuffle, sampler, batch_sampler and
     state_dict() are refused for it (_iterable.py). Also: seed (shuffle order and worker
     seeds; default: drawn from `generator`, else from torch's global generator where torch is
-    imported, as DataLoader draws its base seed, else 0), device (None/'cuda': batches on the current
-    device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory), epochs
-    (None: no end), rank/world_size (sharding as DistributedSampler; None: from RANK and
-    WORLD_SIZE), io (for .npy paths), worker_mode.
+    imported, as DataLoader draws its base seed, else 0), device (None/'cuda': batches on the
+    current device; 'cuda:k': on device k, whatever device is current; 'cpu': in host memory),
+    epochs (None: no end), rank/world_size (sharding as DistributedSampler; None: from RANK
+    and WORLD_SIZE), io (for .npy paths), worker_mode.
 
     Iterating yields one epoch's batches (tuple samples as lists, as default_collate), their
     arrays torch tensors for torch's datasets and tensors, pinmem.Buffers otherwise (tensors=
