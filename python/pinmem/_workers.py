@@ -60,6 +60,8 @@ import struct
 import sys
 import traceback
 
+from collections.abc import Mapping as _Mapping
+
 from ._pinmem import InvalidError as _InvalidError
 
 REQ = struct.Struct("<IIQQIIQ")
@@ -341,10 +343,13 @@ def _rebuild(t, values):
     if kind == "leaf":
         return values[t[1]]
     if kind == "dict":
-        return {k: _rebuild(c, values) for k, c in t[1]}
+        d = {k: _rebuild(c, values) for k, c in t[1]}
+        return _as_type(t[2], d) if len(t) > 2 else d
     items = [_rebuild(c, values) for c in t[1]]
     if kind == "namedtuple":
         return t[2](*items)
+    if len(t) > 2:  # a list subclass
+        return _as_type(t[2], items)
     return items  # tuples and lists alike, as torch's default_collate
 
 
@@ -434,18 +439,47 @@ def _invalid(msg):
     return InvalidError("PM_ERR_INVALID: pinmem.Loader: " + msg)
 
 
+def _own_type(x, plain):
+    """(type(x),) where a batch is made as that type (a dict or list subclass, a mapping such as
+    UserDict: default_collate keeps the sample's container type), else (); a class that could
+    not travel to the workers (a local one) is not kept."""
+    cls = type(x)
+    if cls is plain:
+        return ()
+    try:
+        pickle.dumps(cls)
+    except Exception:  # noqa: BLE001  (any class pickle refuses)
+        return ()
+    return (cls,)
+
+
+def _as_type(cls, value):
+    """value (a dict or list) as cls, as default_collate makes it: cls(value), else an empty
+    cls filled (a defaultdict, its default_factory None), else value itself."""
+    try:
+        return cls(value)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        out = cls()
+        (out.update if isinstance(value, dict) else out.extend)(value)
+        return out
+    except Exception:  # noqa: BLE001
+        return value
+
+
 def _flatten(x, np, index, out, paths, path=""):
     """The tree of x; its leaves appended to out (arrays), their names to paths."""
-    if isinstance(x, dict):
+    if isinstance(x, dict) or isinstance(x, _Mapping):
         return ("dict", [(k, _flatten(x[k], np, index, out, paths, f"{path}[{k!r}]"))
-                         for k in x])
+                         for k in x]) + _own_type(x, dict)
     if isinstance(x, tuple) and hasattr(type(x), "_fields"):
         return ("namedtuple", [_flatten(c, np, index, out, paths, f"{path}.{f}")
                                for f, c in zip(type(x)._fields, x)], type(x))
     if isinstance(x, (tuple, list)):
         kind = "list" if isinstance(x, list) else "tuple"
         return (kind, [_flatten(c, np, index, out, paths, f"{path}[{i}]")
-                       for i, c in enumerate(x)])
+                       for i, c in enumerate(x)]) + (_own_type(x, list) if kind == "list" else ())
     a, kind = _leaf(x, np, path or "(the sample)", index)
     out.append((a, kind))
     paths.append(path or "(the sample)")
@@ -826,7 +860,7 @@ def checked_leaves(schema, sample, i, np):
 def _in_order(x, t):
     """x with each dict's keys in the order of tree t where it holds the same keys; x itself
     where nothing was reordered."""
-    if t[0] == "dict" and isinstance(x, dict):
+    if t[0] == "dict" and isinstance(x, _Mapping):
         keys = [k for k, _ in t[1]]
         if len(keys) != len(x) or any(k not in x for k in keys):
             return x

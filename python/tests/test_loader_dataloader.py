@@ -1762,3 +1762,37 @@ def test_an_index_read_twice_keeps_each_rows_strings_with_its_arrays(nw):
         rows = [(int(x[0]), s) for _ in range(3) for b in p for x, s in zip(*b)]
     assert len(rows) == 96
     assert [r for r in rows if f"aug{r[0]}" != r[1]] == []
+
+
+class _Row(list):
+    """A list subclass a dataset returns."""
+
+
+class _Containers(torch.utils.data.Dataset):
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import collections
+        d = {"x": torch.full((2,), float(i)), "y": i}
+        if self.kind == "row":
+            return _Row(d.values())
+        return {"ordered": collections.OrderedDict, "user": collections.UserDict}[self.kind](d)
+
+
+@pytest.mark.parametrize("kind", ["ordered", "user", "row"])
+@pytest.mark.parametrize("nw", [0, 1])
+def test_container_types_are_kept_as_dataloader_keeps_them(kind, nw):
+    """default_collate makes a batch of the sample's own container type: OrderedDict, a
+    UserDict (a tokenizer's BatchEncoding is one), a list subclass."""
+    want = list(DataLoader(_Containers(kind), batch_size=2, num_workers=nw))
+    with pinmem.Loader(_Containers(kind), batch_size=2, num_workers=nw, device="cpu") as p:
+        got = list(p)
+    for g, w in zip(got, want):
+        assert type(g) is type(w) and type(g).__name__ != "dict"
+        gv = list(g.values()) if hasattr(g, "values") else list(g)
+        wv = list(w.values()) if hasattr(w, "values") else list(w)
+        assert all(torch.equal(a, b) for a, b in zip(gv, wv))
