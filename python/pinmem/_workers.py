@@ -840,7 +840,7 @@ def checked_leaves(schema, sample, i, np):
     for k, (a, kind) in enumerate(leaves):
         dt, shape, kind0 = schema.leaves[k]
         if kind0 == "obj":
-            out.append(a)
+            out.append(a if kind == "obj" else _as_given(a, kind))
             continue
         if kind == "obj":
             raise _invalid(f"dataset index {i}, field {paths[k]}: a {type(a).__name__}, but the "
@@ -876,6 +876,20 @@ def _in_order(x, t):
             return type(x)(*items)
         return items if isinstance(x, list) else tuple(items)
     return x
+
+
+def _as_given(a, kind):
+    """A leaf _leaf converted, as the sample gave it, where the first sample held an object
+    (its values are delivered one per row, as worker processes deliver them): numbers as
+    Python numbers, tensors as tensors, arrays as arrays; copies, since a view of the
+    dataset's memory in a batch would let a change to the batch reach the dataset."""
+    if kind in ("int", "float", "bool"):
+        return a.item()
+    if kind == "tensor" or kind.startswith("bits:"):
+        import torch
+        t = torch.from_numpy(a.copy())
+        return t.view(getattr(torch, kind[5:])) if kind.startswith("bits:") else t
+    return a.copy()
 
 
 def _describe_tree(t):

@@ -1796,3 +1796,32 @@ def test_container_types_are_kept_as_dataloader_keeps_them(kind, nw):
         gv = list(g.values()) if hasattr(g, "values") else list(g)
         wv = list(w.values()) if hasattr(w, "values") else list(w)
         assert all(torch.equal(a, b) for a, b in zip(gv, wv))
+
+
+class _OptionalLabel(torch.utils.data.Dataset):
+    """A label missing (None) for sample 0: that place holds objects, one per row."""
+
+    def __init__(self):
+        self.t = [torch.full((2,), float(i)) for i in range(4)]
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.zeros(2), (None if i == 0 else i), ("none" if i == 0 else self.t[i])
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_values_where_the_first_sample_held_an_object_arrive_as_given(nw):
+    """Where the first sample held None or a string, later values arrive one per row as the
+    dataset gave them (Python numbers, tensors), alike with threads and worker processes,
+    and a tensor there is a copy: changing the batch leaves the dataset as it was."""
+    ds = _OptionalLabel()
+    with pinmem.Loader(ds, batch_size=2, num_workers=nw, device="cpu") as p:
+        batches = list(p)
+    assert [b[1] for b in batches] == [(None, 1), (2, 3)]
+    assert all(type(v) is int for v in batches[1][1])
+    t2, t3 = batches[1][2]
+    assert isinstance(t2, torch.Tensor) and torch.equal(t2, torch.full((2,), 2.0))
+    t2.fill_(-1)
+    assert torch.equal(ds.t[2], torch.full((2,), 2.0))
