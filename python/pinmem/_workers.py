@@ -503,10 +503,10 @@ def describe(sample, index):
     if not leaves:
         raise _invalid(f"dataset index {index}: the sample holds nothing to batch (an empty "
                        f"{type(sample).__name__})")
-    if len(leaves) > 16:
-        raise _invalid(f"dataset index {index}: the sample has {len(leaves)} leaves (arrays, "
-                       "numbers, strings and other objects); a batch holds at most 16 (pack some "
-                       "together in the dataset, e.g. strings into one list)")
+    slots = sum(kind != "obj" for _, kind in leaves)  # strings and objects travel beside
+    if slots > 16:
+        raise _invalid(f"dataset index {index}: the sample has {slots} arrays and numbers; a "
+                       "batch holds at most 16 (pack some together in the dataset)")
     specs = []
     for (a, kind), p in zip(leaves, paths):
         if kind == "obj":

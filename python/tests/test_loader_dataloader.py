@@ -1733,10 +1733,28 @@ class _Meta17(torch.utils.data.Dataset):
         return {"image": torch.zeros(3), **{f"meta{k}": f"v{i}" for k in range(16)}}
 
 
-def test_the_leaf_limit_counts_strings_and_says_so():
-    assert len(next(iter(DataLoader(_Meta17(), batch_size=2)))) == 17
-    with pinmem.Loader(_Meta17(), batch_size=2, device="cpu") as p:
-        with pytest.raises(pinmem.InvalidError, match="17 leaves .arrays, numbers, strings"):
+class _Arrays17(_Meta17):
+    def __getitem__(self, i):
+        return [np.full(2, k + i) for k in range(17)]
+
+
+class _MetaStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return (_Meta17()[i] for i in range(4))
+
+
+@pytest.mark.parametrize("nw", [0, 1])
+def test_strings_beside_the_arrays_are_not_counted_in_the_limit_of_16(nw):
+    for ds in (_Meta17(), _MetaStream()):
+        want = list(DataLoader(ds, batch_size=2, num_workers=nw))
+        with pinmem.Loader(ds, batch_size=2, num_workers=nw, device="cpu") as p:
+            got = list(p)
+        assert len(got) == len(want) == 2
+        for g, w in zip(got, want):
+            assert list(g) == list(w) and torch.equal(g["image"], w["image"])
+            assert all(g[f"meta{k}"] == w[f"meta{k}"] for k in range(16))
+    with pinmem.Loader(_Arrays17(), batch_size=2, num_workers=nw, device="cpu") as p:
+        with pytest.raises(pinmem.InvalidError, match="17 arrays and numbers; a batch holds"):
             next(iter(p))
 
 
