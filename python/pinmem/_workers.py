@@ -314,7 +314,7 @@ def _serve_collated(dataset, collate, unbatched, maps, fields, indices, np, wid,
     except BaseException as e:
         return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
     try:
-        data = dumps((epoch, [tuple(indices)], [out]))
+        data = dumps((epoch, [tuple(indices)], [out], None))
     except BaseException as e:
         return _pack_error(ST_EXC, indices[0], wid, e, "collate_fn")
     try:
@@ -468,18 +468,22 @@ def _as_type(cls, value):
         return value
 
 
-def _flatten(x, np, index, out, paths, path=""):
-    """The tree of x; its leaves appended to out (arrays), their names to paths."""
-    if isinstance(x, dict) or isinstance(x, _Mapping):
-        return ("dict", [(k, _flatten(x[k], np, index, out, paths, f"{path}[{k!r}]"))
-                         for k in x]) + _own_type(x, dict)
+def _flatten(x, np, index, out, paths, path="", types=False):
+    """The tree of x; its leaves appended to out (arrays), their names to paths. types: the
+    container classes a batch is made as (_own_type), for the schema alone: a sample checked
+    against it is compared by _shape_tree, which has none."""
+    rest = (np, index, out, paths)
+    if isinstance(x, dict) or not isinstance(x, (tuple, list)) and isinstance(x, _Mapping):
+        # (the Mapping check last: UserDict, a tokenizer's BatchEncoding)
+        return ("dict", [(k, _flatten(x[k], *rest, f"{path}[{k!r}]", types)) for k in x]) + \
+            (_own_type(x, dict) if types else ())
     if isinstance(x, tuple) and hasattr(type(x), "_fields"):
-        return ("namedtuple", [_flatten(c, np, index, out, paths, f"{path}.{f}")
+        return ("namedtuple", [_flatten(c, *rest, f"{path}.{f}", types)
                                for f, c in zip(type(x)._fields, x)], type(x))
     if isinstance(x, (tuple, list)):
         kind = "list" if isinstance(x, list) else "tuple"
-        return (kind, [_flatten(c, np, index, out, paths, f"{path}[{i}]")
-                       for i, c in enumerate(x)]) + (_own_type(x, list) if kind == "list" else ())
+        return (kind, [_flatten(c, *rest, f"{path}[{i}]", types) for i, c in enumerate(x)]) + \
+            (_own_type(x, list) if types and kind == "list" else ())
     a, kind = _leaf(x, np, path or "(the sample)", index)
     out.append((a, kind))
     paths.append(path or "(the sample)")
@@ -499,7 +503,7 @@ def describe(sample, index):
     """The Schema of one sample."""
     import numpy as np
     leaves, paths = [], []
-    tree = _flatten(sample, np, index, leaves, paths)
+    tree = _flatten(sample, np, index, leaves, paths, types=True)
     if not leaves:
         raise _invalid(f"dataset index {index}: the sample holds nothing to batch (an empty "
                        f"{type(sample).__name__})")
@@ -1013,10 +1017,10 @@ def _drain(socks, store):
                 if len(buf) < SIDE.size + n:
                     break
                 try:
-                    epoch, indices, rows, *at = pickle.loads(bytes(buf[SIDE.size:SIDE.size + n]))
+                    epoch, indices, rows, at = pickle.loads(bytes(buf[SIDE.size:SIDE.size + n]))
                     if store.stage is not None:
                         rows = [store.stage(r) for r in rows]
-                    store.put(epoch, indices, rows, at[0] if at else None)
+                    store.put(epoch, indices, rows, at)
                 except Exception as e:  # an object that cannot be unpickled here
                     with store.cond:
                         store.error = WorkerError("pinmem.Loader: a worker's non-array leaves "

@@ -12,7 +12,8 @@
 
 typedef struct {
   PyObject_HEAD pm_blocks_t *store;
-  int busy; /* calls inside with the GIL released */
+  int busy;            /* calls inside with the GIL released */
+  uint64_t num_blocks; /* fixed at creation: alloc checks a count against it */
 } BlockStoreObject;
 
 typedef struct {
@@ -102,6 +103,7 @@ static PyObject *BlockStore_new(PyTypeObject *type, PyObject *args, PyObject *kw
     return pmpy_raise_status(st);
   }
   self->store = s;
+  self->num_blocks = c.num_blocks;
   return (PyObject *)self;
 }
 
@@ -149,16 +151,13 @@ static PyObject *BlockStore_alloc(BlockStoreObject *self, PyObject *arg) {
   /* More than the store has: its own refusal (it writes nothing), before the ids' buffer is
    * asked of the system (n * 8 bytes, which may not even be a size). num_blocks is fixed, so
    * no free elsewhere can make such an n fit. */
-  pm_blocks_stats_t bs;
-  pm_status_t st = pm_blocks_get_stats(self->store, &bs);
-  if (st != PM_OK) return pmpy_raise_status(st);
-  if ((uint64_t)n > bs.num_blocks) {
+  if ((uint64_t)n > self->num_blocks) {
     uint64_t none;
     return pmpy_raise_status(pm_blocks_alloc(self->store, (size_t)n, &none));
   }
   PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
   if (!out) return NULL;
-  st = pm_blocks_alloc(self->store, (size_t)n, (uint64_t *)PyBytes_AS_STRING(out));
+  pm_status_t st = pm_blocks_alloc(self->store, (size_t)n, (uint64_t *)PyBytes_AS_STRING(out));
   if (st != PM_OK) {
     Py_DECREF(out);
     return pmpy_raise_status(st);

@@ -1097,8 +1097,9 @@ def _remove_stale_tmps(final):
     except OSError:
         return
     me = _os.getpid()
+    tmp = _re.compile(_re.escape(base) + r"\.tmp-(\d+)-[0-9a-f]+")
     for name in names:
-        m = _re.fullmatch(_re.escape(base) + r"\.tmp-(\d+)-[0-9a-f]+", name)
+        m = tmp.fullmatch(name)
         if not m:
             continue
         pid = int(m.group(1))

@@ -431,9 +431,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             try:
                 block = _pm_empty((nbytes,), "uint8")
             except _NO_PINNED:
-                if self._full is None or nbytes < self._full[0] or \
-                        self._full[1] != _pool_marks():
-                    self._full = (nbytes, _pool_marks())
+                marks = _pool_marks()
+                if self._full is None or self._full[1] != marks or nbytes < self._full[0]:
+                    self._full = (nbytes, marks)
                 return self._kept_as("budget", t)
             link = self._link(t.device)
             done = link.start_d2h(block, t, storage)
