@@ -217,6 +217,7 @@ typedef enum pm_copy_kind { PM_COPY_KIND_MAP(PM__ENUM_VALUE) } pm_copy_kind_t;
 
 /** Device memory on the current device (host memory standing in for it on the host backend). */
 PM_API pm_status_t pm_device_alloc(size_t bytes, void **dptr_out);
+/** Free device memory from pm_device_alloc; NULL is PM_OK and does nothing, as free(NULL). */
 PM_API pm_status_t pm_device_free(void *dptr);
 /** Fill device memory with a byte value, ordered on `stream`. */
 PM_API pm_status_t pm_device_memset_async(void *dptr, int value, size_t bytes, pm_stream_t stream);
@@ -279,7 +280,8 @@ PM_API pm_status_t pm_pool_default(pm_pool_t **pool_out);
  *  device, whichever device was current when it was pinned. */
 PM_API pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **ptr_out);
 /** Return a block to its pool (found from the pointer). Stream uses recorded with
- *  pm_host_record_stream gate its reuse; the call itself never blocks on them. */
+ *  pm_host_record_stream gate its reuse; the call itself never blocks on them. NULL is PM_OK
+ *  and does nothing, as free(NULL). */
 PM_API pm_status_t pm_host_free(void *ptr);
 /** Declare that work queued on `stream` uses the block holding ptr: the block is not reused
  *  until that work (as queued when the block is freed) has completed. */
@@ -486,7 +488,9 @@ PM_API pm_status_t pm_copy_async(void *dst, const void *src, size_t bytes, pm_st
                                  const pm_copy_options_t *options, pm_fence_t *fence_out);
 /** Many (dst, src, bytes) triples in one call; small pageable pieces are packed into one bounce
  *  buffer. Pinned, managed and device pieces go through one gather/scatter kernel or
- *  cudaMemcpyBatchAsync (option copy_batch). All items share one direction. */
+ *  cudaMemcpyBatchAsync (option copy_batch). All items share one direction. Items run in no
+ *  set order, and may run at once: an item's src and dst must not overlap (PM_ERR_INVALID), and
+ *  where one item writes what another reads or writes, the result is undefined. */
 PM_API pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count,
                                        pm_stream_t stream, const pm_copy_options_t *options,
                                        pm_fence_t *fence_out);

@@ -258,7 +258,18 @@ static void test_bad_set(void) {
              {"huge_pages", "yes please"},
              {"device", "-1"},
              {"backend", "opencl"},
-             {"host_device_memory", "1.5"}};
+             {"host_device_memory", "1.5"},
+             /* chunk sizes stop at 1 TiB: nearer 2^64 the roundings that cut a copy or a file
+              * transfer into units wrapped, to plans that moved nothing or ran past a buffer */
+             {"copy_chunk", "18446744073709551515"},
+             {"copy_chunk", "1025G"},
+             {"copy_piece", "2T"},
+             {"loader_piece", "16E"},
+             {"file_chunk", "18446744073709551615"},
+             {"file_write_chunk", "18446744073709547520"},
+             {"file_direct_chunk", "4P"},
+             {"file_part", "2T"},
+             {"blocks_chunk", "2T"}};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     pm_option_info_t before = find(bad[i].name);
     pm_status_t st = pm_option_set(bad[i].name, bad[i].value);
@@ -288,6 +299,10 @@ static void test_bad_set(void) {
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_BUDGET), 0);
   CHECK_OK(pm_option_set("huge_pages", "off"));
   CHECK_EQ_INT(pm__opt_int(PM__OPT_HUGE_PAGES), 0);
+  CHECK_OK(pm_option_set("copy_chunk", "1T"));
+  CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_CHUNK), (size_t)1 << 40);
+  CHECK_OK(pm_option_set("file_write_chunk", "0"));
+  CHECK_EQ_SIZE(pm__opt_size(PM__OPT_FILE_WRITE_CHUNK), 0);
   /* explicit beats the environment */
   set_env("PINMEM_PIN_THREADS", "7", 1);
   CHECK_EQ_INT(pm__opt_int(PM__OPT_PIN_THREADS), 5);

@@ -1031,6 +1031,25 @@ static void test_errors(pm_stream_t s) {
     size_t usable = 0;
     CHECK_OK(pm_host_usable_size(blk, &usable));
     CHECK_ERR_MSG(pm_copy_async(dev.p, blk, usable + 1, s, &o, &f), PM_ERR_INVALID);
+    /* The plain copies bound a pool pointer by its block too, not by the segment around it:
+     * a copy past the block's end would write the next block, another caller's memory. */
+    char *next;
+    REQUIRE_OK(pm_host_alloc(pool, 1000, 0, (void **)&next));
+    char *far = malloc(4 * usable);
+    REQUIRE(far != NULL);
+    memset(far, 'X', 4 * usable);
+    memset(next, 'B', 1000);
+    CHECK_ERR_MSG(pm_memcpy(blk, far, 4 * usable, PM_COPY_H2H), PM_ERR_INVALID);
+    CHECK_ERR_MSG(pm_memcpy_async(blk, far, usable + 1, PM_COPY_H2H, s), PM_ERR_INVALID);
+    CHECK_ERR_MSG(pm_memcpy_async(dev.p, blk, usable + 1, PM_COPY_H2D, s), PM_ERR_INVALID);
+    CHECK_ERR_MSG(pm_memcpy(far, next, 4 * usable, PM_COPY_H2H), PM_ERR_INVALID);
+    int changed = 0;
+    for (int i = 0; i < 1000; i++) changed += next[i] != 'B';
+    CHECK_EQ_INT(changed, 0);
+    CHECK_OK(pm_memcpy(blk, far, usable, PM_COPY_H2H)); /* the whole block is fine */
+    CHECK_OK(pm_host_free(next));
+    CHECK_ERR_MSG(pm_memcpy(next, far, 16, PM_COPY_H2H), PM_ERR_STATE); /* a freed block */
+    free(far);
     CHECK_OK(pm_host_free(blk));
     CHECK_OK(pm_pool_destroy(pool));
   }
@@ -1047,6 +1066,27 @@ static void test_errors(pm_stream_t s) {
   o.path = PM_PATH_REGISTER;
   CHECK_ERR_MSG(pm_copy_batch_async(it, 1, s, &o, &f), PM_ERR_UNSUPPORTED);
   o.path = PM_PATH_AUTO;
+  /* a count whose arrays cannot be sized: refused, not a short allocation written past */
+  CHECK_ERR_MSG(pm_copy_batch_async(it, (size_t)1 << 61, s, &o, &f), PM_ERR_INVALID);
+  CHECK_ERR_MSG(pm_copy_batch_async(it, SIZE_MAX, s, &o, &f), PM_ERR_INVALID);
+  {
+    /* Items that meet where two registrations meet are each valid; joined into one DMA they
+     * would span both, so they stay two (the batch was refused as one 196-byte item). */
+    char *m = aligned_alloc(g_page, 2 * g_page);
+    REQUIRE(m != NULL);
+    pm_test_fill(m, 2 * g_page, 77);
+    REQUIRE_OK(pm_register(m, g_page, 0));
+    REQUIRE_OK(pm_register(m + g_page, g_page, 0));
+    pm_copy_item_t two[2] = {{dev.p + 1000, m + g_page - 96, 96}, {dev.p + 1096, m + g_page, 100}};
+    CHECK_OK(pm_copy_batch_async(two, 2, s, NULL, NULL));
+    CHECK_OK(pm_stream_synchronize(s));
+    char back[196];
+    CHECK_OK(pm_memcpy(back, dev.p + 1000, 196, PM_COPY_D2H));
+    CHECK_BYTES(back, m + g_page - 96, 196, "batch across two registrations");
+    CHECK_OK(pm_unregister(m));
+    CHECK_OK(pm_unregister(m + g_page));
+    free(m);
+  }
 
   /* a destroyed stream: the host backend catches the stale handle (under CUDA it is UB) */
   if (pm_backend_kind() == PM_BACKEND_HOST) {

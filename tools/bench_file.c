@@ -175,8 +175,7 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
         if (*n >= MAX_LIST)
           return cli_usage_fail("%s: at most %d values, in '%s'", name, MAX_LIST, v);
         if (pm_parse_size(buf, &sz) != PM_OK)
-          return cli_usage_fail(
-              "%s: '%s' is not a size (a whole number with an optional K, M or G)", name, buf);
+          return cli_usage_fail("%s: '%s' is not a size: %s", name, buf, cli_size_why());
         if (sz && sz < 4096)
           return cli_usage_fail("%s: sizes must be 0 (the default) or >= 4K, not '%s'", name, buf);
         list[(*n)++] = sz;

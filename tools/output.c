@@ -583,6 +583,11 @@ int cli_opt_int(const char *name, const char *v, long long lo, long long hi, lon
   return 0;
 }
 
+const char *cli_size_why(void) {
+  const char *e = pm_last_error(), *why = strstr(e, "'): ");
+  return why ? why + 4 : e;
+}
+
 int cli_parse_sizes(const char *opt, const char *text, size_t *out, int max, int *n) {
   int empty = cli_list_empty_item(text);
   if (empty) return cli_usage_fail("%s: item %d of '%s' is empty", opt, empty, text);
@@ -595,8 +600,7 @@ int cli_parse_sizes(const char *opt, const char *text, size_t *out, int max, int
     size_t v;
     if (*n == max) return cli_usage_fail("%s: at most %d sizes, in '%s'", opt, max, text);
     if (pm_parse_size(item, &v) != PM_OK)
-      return cli_usage_fail("%s: '%s' is not a size (a whole number with an optional K, M or G)",
-                            opt, item);
+      return cli_usage_fail("%s: '%s' is not a size: %s", opt, item, cli_size_why());
     if (v == 0) return cli_usage_fail("%s: sizes must be > 0, not '%s'", opt, item);
     out[(*n)++] = v;
     p += len + (c != NULL);

@@ -108,7 +108,7 @@ static pm_status_t staged(const char *fn, bcast_t *c, const char *src, size_t by
   pm__copy_cfg_t cfg;
   pm__copy_cfg(&cfg);
   size_t chunk = PM__MIN(cfg.chunk, bytes);
-  size_t nchunks = (bytes + chunk - 1) / chunk;
+  size_t nchunks = pm__div_up(bytes, chunk);
   int nslots = (int)PM__MIN((size_t)PM__BCAST_SLOTS, nchunks);
   void *slot[PM__BCAST_SLOTS] = {NULL};
   pm_event_t *ev = calloc((size_t)nslots * (size_t)c->count, sizeof *ev); /* [slot][dest] */

@@ -62,11 +62,28 @@ pm_status_t pm__pointer_info(const void *ptr, pm_pointer_info_t *info_out) {
   return PM_OK;
 }
 
-/* If ptr is in a tracked range, [ptr, ptr + bytes) must stay inside it. */
+/* If ptr is in a tracked range, [ptr, ptr + bytes) must stay inside it. For pool memory the
+ * range is the block, not the segment the registry holds: a copy that ran past a block's end
+ * would write the next block, another caller's memory. */
 pm_status_t pm__check_span(const char *fn, const char *what, const void *ptr, size_t bytes,
                            pm__range_t *r, bool *known) {
   *known = pm__registry_find(ptr, r);
   if (!*known) return PM_OK;
+  if (r->kind == PM_MEMORY_POOL) {
+    pm_pointer_info_t info;
+    pm_status_t st = pm__pool_block_info((pm_pool_t *)r->owner, ptr, &info);
+    if (st == PM_ERR_NOT_FOUND) { /* the segment went back between the two lookups */
+      *known = false;
+      return PM_OK;
+    }
+    if (st != PM_OK) return pm__wrap_error(st, "%s: %s %p", fn, what, ptr);
+    if (!info.in_use)
+      return pm__set_error(PM_ERR_STATE, "%s: %s %p lies in a pool block that was freed", fn, what,
+                           ptr);
+    if (r->dev_base) r->dev_base = (char *)r->dev_base + ((uintptr_t)info.base - r->base);
+    r->base = (uintptr_t)info.base;
+    r->size = info.size;
+  }
   size_t room = r->base + r->size - (uintptr_t)ptr;
   if (bytes > room)
     return pm__set_error(PM_ERR_INVALID,

@@ -111,6 +111,28 @@ static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes,
   return PM_OK;
 }
 
+/* The base of the tracked range that classify left in `cache` when it holds [p, p + bytes),
+ * else 0 (memory pinmem does not track). */
+static uintptr_t in_range(const qcache_t *cache, const void *p, size_t bytes) {
+  uintptr_t a = (uintptr_t)p;
+  if (cache->valid && a >= cache->base && a - cache->base <= cache->size &&
+      bytes <= cache->size - (a - cache->base))
+    return cache->base;
+  return 0;
+}
+
+/* Whether a batch item continues `op` on both sides, so the two move as one DMA. Not when the
+ * joined copy would overlap itself: items that chain (the second reads what the first writes)
+ * are two copies, and one memmove of both would give neither's result. The caller also keeps
+ * pieces of different tracked ranges apart, so each DMA stays within one allocation and the
+ * checks downstream see the items as given. */
+static bool can_join(const pm_copy_item_t *op, const pm_copy_item_t *it) {
+  if ((const char *)op->src + op->bytes != it->src || (char *)op->dst + op->bytes != it->dst)
+    return false;
+  uintptr_t d = (uintptr_t)op->dst, s = (uintptr_t)op->src, n = op->bytes + it->bytes;
+  return !(d < s + n && s < d + n);
+}
+
 static bool can_host(pm__mem_t k) {
   return k != PM__MEM_DEVICE;
 }
@@ -351,6 +373,9 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
   size_t first = SIZE_MAX;
   bool kernel_ok = true; /* every direct item between kernel-addressable memory */
   qcache_t sc = {0}, dc = {0};
+  uintptr_t last_sr = 0, last_dr = 0; /* the tracked ranges of ops[nops - 1] (0: untracked) */
+  if (count > SIZE_MAX / sizeof *ops || count > SIZE_MAX / sizeof *segs)
+    return pm__set_error(PM_ERR_INVALID, "%s: %zu items is more than memory can hold", fn, count);
   if (count) {
     ops = malloc(count * sizeof *ops);
     segs = malloc(count * sizeof *segs);
@@ -412,14 +437,16 @@ pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count, pm_st
       nsegs++;
     } else {
       kernel_ok = kernel_ok && can_kernel(s, false) && can_kernel(d, true);
-      if (nops && (const char *)ops[nops - 1].src + ops[nops - 1].bytes == it->src &&
-          (char *)ops[nops - 1].dst + ops[nops - 1].bytes == it->dst) {
+      uintptr_t sr = in_range(&sc, it->src, it->bytes), dr = in_range(&dc, it->dst, it->bytes);
+      if (nops && can_join(&ops[nops - 1], it) && sr == last_sr && dr == last_dr) {
         ops[nops - 1].bytes += it->bytes; /* adjacent pieces: one DMA */
       } else {
         ops[nops].dst = it->dst;
         ops[nops].src = it->src;
         ops[nops].bytes = it->bytes;
         nops++;
+        last_sr = sr;
+        last_dr = dr;
       }
     }
   }

@@ -116,7 +116,7 @@ static size_t ramp_units(const pm__stage_req_t *req, bool ramp) {
 static pm_status_t plan_units(const pm__stage_req_t *req, bool ramp, unit_t **units_out,
                               size_t *n_out, size_t *total_out) {
   size_t chunk = req->cfg.chunk, n = 0, r = ramp_units(req, ramp);
-  for (size_t s = 0; s < req->nsegs; s++) n += (req->segs[s].bytes + chunk - 1) / chunk;
+  for (size_t s = 0; s < req->nsegs; s++) n += pm__div_up(req->segs[s].bytes, chunk);
   n += r; /* the ramp cuts its bytes into at most r more units */
   if (n == 0) return pm__set_error(PM_ERR_INTERNAL, "staging: empty plan");
   unit_t *u = malloc(n * sizeof *u);
@@ -430,7 +430,7 @@ static void h2d_slab_task(void *vctx, size_t task) {
     if (i >= c->units) return;
     size_t g = i / c->per, p = i % c->per;
     size_t goff = g * c->chunk, glen = PM__MIN(c->chunk, c->seg->bytes - goff);
-    size_t pieces = (glen + c->piece - 1) / c->piece;
+    size_t pieces = pm__div_up(glen, c->piece);
     if (p >= pieces) continue; /* the last group is short; its missing pieces are no-ops */
     int s = slab_slot(c, g);
     if (!first_error_any(&c->err)) {
@@ -477,8 +477,8 @@ static pm_status_t stage_h2d_slab(const pm__stage_req_t *req) {
   c.stream = req->stream;
   c.chunk = req->cfg.chunk;
   c.piece = req->cfg.piece;
-  c.per = (c.chunk + c.piece - 1) / c.piece;
-  c.groups = (c.seg->bytes + c.chunk - 1) / c.chunk;
+  c.per = pm__div_up(c.chunk, c.piece);
+  c.groups = pm__div_up(c.seg->bytes, c.chunk);
   c.units = c.groups * c.per;
   atomic_init(&c.next, 0);
   atomic_init(&c.err.status, PM_OK);

@@ -230,6 +230,30 @@ static bool parse_size_any(const char *t, pm__optval_t *out, char *why, size_t n
   return true;
 }
 
+/* Chunk and piece sizes: at most 1 TiB (as pm_file_options_t.chunk), so the sums and roundings
+ * that cut a transfer into units (bytes + chunk - 1, a ramp's units, a slot's alignment) cannot
+ * wrap; a value near 2^64 made them wrap to a plan that moved nothing or ran past its buffers. */
+#define PM__CHUNK_MAX ((size_t)1 << 40)
+
+static bool chunk_range(size_t v, size_t min, pm__optval_t *out, char *why, size_t n) {
+  if (v < min || v > PM__CHUNK_MAX) {
+    snprintf(why, n, "out of range %zu..1T", min);
+    return false;
+  }
+  out->sz = v;
+  return true;
+}
+
+static bool parse_chunk(const char *t, pm__optval_t *out, char *why, size_t n) {
+  size_t v;
+  return size_reason(t, &v, why, n) && chunk_range(v, 1, out, why, n);
+}
+
+static bool parse_chunk_or_0(const char *t, pm__optval_t *out, char *why, size_t n) {
+  size_t v;
+  return size_reason(t, &v, why, n) && chunk_range(v, 0, out, why, n);
+}
+
 /* ---- the table --------------------------------------------------------------------------- */
 
 PARSE_RANGE(parse_slots, 1, PM__MAX_SLOTS)
@@ -294,7 +318,7 @@ static const pm__opt_def_t opt_table[] = {
                                     "device memory the host backend simulates (0 = unlimited)",
                                     parse_size_any, PM__T_SIZE, 0},
     [PM__OPT_COPY_CHUNK] = {"copy_chunk", "PINMEM_COPY_CHUNK", "4M",
-                            "chunk size of staged copies of pageable memory", parse_size_pos,
+                            "chunk size of staged copies of pageable memory", parse_chunk,
                             PM__T_SIZE, 0},
     [PM__OPT_COPY_SLOTS] = {"copy_slots", "PINMEM_COPY_SLOTS", "32",
                             "pinned bounce buffers in the staging ring (1..4096)", parse_slots,
@@ -346,7 +370,7 @@ static const pm__opt_def_t opt_table[] = {
                             "ring has all threads fill each slot in pieces of this size (the "
                             "slot's last piece queues its DMA), so a few slots kept in the cache "
                             "suffice; docs/performance.md has the measured setting",
-                            parse_size_any, PM__T_SIZE, 0},
+                            parse_chunk_or_0, PM__T_SIZE, 0},
     [PM__OPT_COPY_PIECE_SLOTS] = {"copy_piece_slots", "PINMEM_COPY_PIECE_SLOTS", "8",
                                   "ring slots of a staged H2D copy filled in pieces (copy_piece), "
                                   "0..4096; 0 = copy_slots",
@@ -356,7 +380,7 @@ static const pm__opt_def_t opt_table[] = {
                               "loader's batch slot goes to the device in parts of this size, each "
                               "queued as soon as its rows are written, so the DMA reads them while "
                               "they are still in the cache (at most 1024 parts a slot)",
-                              parse_size_any, PM__T_SIZE, 0},
+                              parse_chunk_or_0, PM__T_SIZE, 0},
     [PM__OPT_NUMA] = {"numa", "PINMEM_NUMA", "auto",
                       "NUMA node of newly pinned pool memory: auto (the current device's node; "
                       "nothing on a single-node machine), off (the kernel's default policy) or "
@@ -384,7 +408,7 @@ static const pm__opt_def_t opt_table[] = {
                             "(pm_file_read_async, read_file, load_file) that do not set their "
                             "own chunk, and of other reads and writes where file_direct_chunk "
                             "or file_write_chunk is 0",
-                            parse_size_pos, PM__T_SIZE, 0},
+                            parse_chunk, PM__T_SIZE, 0},
     /* 1M: 3 GiB written from device memory (12 threads, O_DIRECT into a reserved range) on the
      * virtual disks of three H200 machines ran at a median of 2.37-2.66 GB/s with 1 MiB units
      * against 2.08-2.26 with 8 MiB, and from pinned memory in place 2.38 against 2.19
@@ -393,7 +417,7 @@ static const pm__opt_def_t opt_table[] = {
                                   "unit (and bounce slot) of file writes (pm_file_write_async, "
                                   "write_file, save_file) that do not set their own chunk; "
                                   "0 = file_chunk",
-                                  parse_size_any, PM__T_SIZE, 0},
+                                  parse_chunk_or_0, PM__T_SIZE, 0},
     /* 1M: cold 3 GiB reads through O_DIRECT into device memory on the virtual disks of two
      * H200 machines ran at a median of 2.14 and 2.69 GB/s in 1 MiB slots against 1.91 and
      * 2.22 in 8 MiB, with the default threads
@@ -403,7 +427,7 @@ static const pm__opt_def_t opt_table[] = {
                                    "unit (and bounce slot) of file reads through O_DIRECT (io "
                                    "direct, or auto choosing it) that do not set their own "
                                    "chunk; 0 = file_chunk",
-                                   parse_size_any, PM__T_SIZE, 0},
+                                   parse_chunk_or_0, PM__T_SIZE, 0},
     [PM__OPT_FILE_THREADS] = {"file_threads", "PINMEM_FILE_THREADS", "0",
                               "I/O threads of file reads and writes that do not set their own "
                               "(0..256); 0 = copy_threads",
@@ -417,7 +441,7 @@ static const pm__opt_def_t opt_table[] = {
                            "0 = off (a file read's slot goes to the device in one DMA once it is "
                            "full), or a size: the slot's DMA is queued in parts of this size, each "
                            "as soon as its bytes are read",
-                           parse_size_any, PM__T_SIZE, 0},
+                           parse_chunk_or_0, PM__T_SIZE, 0},
     [PM__OPT_BLOCKS_KERNEL_MAX] = {"blocks_kernel_max", "PINMEM_BLOCKS_KERNEL_MAX", "auto",
                                    "block store swaps (pm_blocks_swap_out/in): pieces of at most "
                                    "this many bytes go by the gather/scatter kernel, larger ones by "
@@ -428,7 +452,7 @@ static const pm__opt_def_t opt_table[] = {
                               "bytes a block store pins per registration (rounded to whole "
                               "blocks): the arena becomes usable chunk by chunk, and no single "
                               "registration grows with the arena",
-                              parse_size_pos, PM__T_SIZE, 0},
+                              parse_chunk, PM__T_SIZE, 0},
     [PM__OPT_LOADER_PROCESS_DEPTH] = {"process_depth", "PINMEM_PROCESS_DEPTH", "2",
                                       "Python loader: loader threads per worker process (1..8), "
                                       "so each process has its next claim of rows queued while "

@@ -223,6 +223,10 @@ bool pm__has_cap_ipc_lock(void);
 static inline size_t pm__align_up(size_t v, size_t align) {
   return (v + align - 1) & ~(align - 1);
 }
+/* Units of `d` bytes that cover `n` (d > 0), without the wrap of (n + d - 1) / d. */
+static inline size_t pm__div_up(size_t n, size_t d) {
+  return n / d + (n % d != 0);
+}
 
 /* /sys/bus/pci/devices/<bus_id>/<attr> of a PCI device: a decimal integer >= min_valid
  * ("current_link_width"), or a link speed as a PCIe generation ("32.0 GT/s PCIe" -> 5); -1
@@ -463,8 +467,8 @@ pm_status_t pm__classify(const pm__backend_t *b, const void *p, size_t bytes, co
 pm_status_t pm__pointer_info(const void *ptr, pm_pointer_info_t *info_out);
 /* "a pinned block from pm_host_alloc", ...: for messages. */
 const char *pm__memory_kind_desc(pm_memory_kind_t k);
-/* If ptr is in a tracked range (then *known and *r say which), [ptr, ptr + bytes) must stay
- * inside it. */
+/* If ptr is in a tracked range (then *known and *r say which; for pool memory, the block, which
+ * must be in use), [ptr, ptr + bytes) must stay inside it. */
 pm_status_t pm__check_span(const char *fn, const char *what, const void *ptr, size_t bytes,
                            pm__range_t *r, bool *known);
 /* Validate one plain copy as pm_memcpy_async does; resolves PM_COPY_DEFAULT in *kind. */

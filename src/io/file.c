@@ -115,7 +115,7 @@ int pm__file_slots(size_t chunk, int threads, bool write, bool direct) {
   if (!write && !direct && chunk) {
     /* Up to two slots a thread: more, even of smaller units, lost again (2 MiB x 48 against
      * 2 MiB x 24 in the same measurements). */
-    size_t ring = PM__MIN((FILE_READ_RING + chunk - 1) / chunk, (size_t)2 * (size_t)threads);
+    size_t ring = PM__MIN(pm__div_up(FILE_READ_RING, chunk), (size_t)2 * (size_t)threads);
     if (ring > (size_t)slots) slots = (int)ring;
   }
   return slots;
@@ -869,7 +869,7 @@ static pm_status_t make_segments(fio_t *c) {
     fseg_t *g = &c->seg[j];
     g->grid = g->start / FILE_ALIGN * FILE_ALIGN;
     g->unit0 = c->nunits;
-    c->nunits += (size_t)((g->end - g->grid + c->chunk - 1) / c->chunk);
+    c->nunits += pm__div_up((size_t)(g->end - g->grid), c->chunk);
   }
   return PM_OK;
 }
