@@ -168,7 +168,16 @@ static int shape_dim(PyObject *it, Py_ssize_t *out) {
 }
 
 int pmpy_parse_shape(PyObject *o, Py_ssize_t *dims, int *ndim_out) {
-  if (PyIndex_Check(o)) {
+  /* An int, or a sequence of them. A NumPy array of dimensions has __index__ too (it works
+   * for one element), so anything with a length is a sequence, as numpy.empty takes it. */
+  int one = PyIndex_Check(o);
+  if (one && PySequence_Check(o)) {
+    if (PyObject_Length(o) >= 0)
+      one = 0;
+    else
+      PyErr_Clear(); /* a 0-d array: one dimension */
+  }
+  if (one) {
     if (shape_dim(o, &dims[0]) < 0) return -1;
     *ndim_out = 1;
   } else {
@@ -492,9 +501,22 @@ PyTypeObject pmpy_PinnedBufferType = {
 
 static PyObject *DeviceBuffer_fill(BufferObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"value", "stream", NULL};
-  int value;
-  PyObject *stream_obj = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|O:fill", kwlist, &value, &stream_obj)) return NULL;
+  PyObject *value_obj, *stream_obj = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:fill", kwlist, &value_obj, &stream_obj))
+    return NULL;
+  /* A byte, as memset takes it: 256 would fill zeros. */
+  long long v = PyIndex_Check(value_obj) ? PyLong_AsLongLong(value_obj) : -1;
+  if (!PyIndex_Check(value_obj) || PyBool_Check(value_obj) || (v == -1 && PyErr_Occurred()) ||
+      v < -128 || v > 255) {
+    int big = PyErr_Occurred() != NULL;
+    PyErr_Clear();
+    if (!PyIndex_Check(value_obj) || PyBool_Check(value_obj) || big)
+      return pmpy_raise_fmt(PM_ERR_INVALID, "fill: value must be a byte, -128..255, not %s%.100s",
+                            big ? "an int of " : "",
+                            big ? "over 64 bits" : Py_TYPE(value_obj)->tp_name);
+    return pmpy_raise_fmt(PM_ERR_INVALID, "fill: value must be a byte, -128..255, not %lld", v);
+  }
+  int value = (int)v;
   if (pmpy_buffer_check_live(self) < 0) return NULL;
   pm_stream_t stream;
   if (pmpy_parse_stream(stream_obj, &stream) < 0) return NULL;

@@ -93,6 +93,18 @@ int pmpy_buffer_record_write(BufferObject *b, pm_stream_t stream) {
   return 0;
 }
 
+/* A tuple of two ints, else TypeError with `what` (a list or an int too, where PyArg_ParseTuple
+ * alone raised SystemError). */
+static int int_pair(PyObject *o, const char *what, int *a, int *b) {
+  if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 2) {
+    PyErr_Format(PyExc_TypeError, "%s, not %.200R", what, o);
+    return 0;
+  }
+  char fmt[160];
+  snprintf(fmt, sizeof fmt, "ii;%s", what);
+  return PyArg_ParseTuple(o, fmt, a, b);
+}
+
 PyObject *pmpy_Buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
   PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
@@ -111,8 +123,7 @@ PyObject *pmpy_Buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw) {
   int versioned = 0;
   if (max_version != Py_None) {
     int major, minor;
-    if (!PyArg_ParseTuple(max_version, "ii;max_version must be a (major, minor) tuple", &major,
-                          &minor))
+    if (!int_pair(max_version, "max_version must be a (major, minor) tuple", &major, &minor))
       return NULL;
 #ifdef PMPY_DLPACK_VERSIONED
     versioned = major >= 1;
@@ -132,8 +143,7 @@ PyObject *pmpy_Buffer_dlpack(BufferObject *self, PyObject *args, PyObject *kw) {
   int dev_type = self->dl_device_type, dev_id = self->dl_device_id;
   if (dl_device != Py_None) {
     int t, id;
-    if (!PyArg_ParseTuple(dl_device, "ii;dl_device must be a (type, id) tuple", &t, &id))
-      return NULL;
+    if (!int_pair(dl_device, "dl_device must be a (type, id) tuple", &t, &id)) return NULL;
     int host_side = self->dl_device_type == kDLCPU;
     if (t == dev_type && id == dev_id) {
       /* as is */
@@ -278,6 +288,19 @@ static int lazy_bit(PyObject *o, const char *method) {
   return set;
 }
 
+/* 1 when o.requires_grad is True (a torch tensor in autograd), 0 when not or o has no such
+ * attribute, -1 on error. */
+static int requires_grad(PyObject *o) {
+  PyObject *r = PyObject_GetAttrString(o, "requires_grad");
+  if (!r) {
+    PyErr_Clear();
+    return 0;
+  }
+  int set = r == Py_True;
+  Py_DECREF(r);
+  return set;
+}
+
 /* A torch tensor with its negative or conjugate bit set is a lazy view: its memory holds the
  * values before the negation (conjugation), and torch's __dlpack__ exports that memory without
  * the bit, so the bytes moved would carry the wrong sign. A source (resolve set) is taken as
@@ -310,6 +333,20 @@ static PyObject *resolve_lazy_bits(PyObject *o, int resolve, const char *what) {
 DLManagedTensor *pmpy_dl_import(PyObject *o, pm_stream_t stream, int resolve, const char *what) {
   PyObject *plain = resolve_lazy_bits(o, resolve, what);
   if (!plain) return NULL;
+  /* A tensor that requires grad (a model's parameter) goes as its .detach(), the same memory:
+   * torch's __dlpack__ refuses it, and pinmem's copies and file transfers run outside autograd,
+   * as load_state_dict writes parameters. */
+  int grad = requires_grad(plain);
+  if (grad < 0) {
+    Py_DECREF(plain);
+    return NULL;
+  }
+  if (grad) {
+    PyObject *d = PyObject_CallMethod(plain, "detach", NULL);
+    Py_DECREF(plain);
+    if (!d) return NULL;
+    plain = d;
+  }
   DLManagedTensor *mt = dl_import_plain(plain, stream);
   Py_DECREF(plain);
   return mt;

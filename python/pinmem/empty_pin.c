@@ -158,10 +158,10 @@ static PyObject *py_pin(PyObject *mod, PyObject *args, PyObject *kw) {
       return NULL;
     }
     b->src_dl = mt;
+    /* Types without a NumPy type (bfloat16, float8, complex32) keep their type and shape, as
+     * pinmem.empty's do: torch.from_dlpack sees the tensor, and the buffer protocol refuses
+     * them by name (an integer view would read as the wrong numbers). */
     b->dtype = pmpy_dtype_by_dl(t->dtype);
-    /* Types without a NumPy type (bfloat16, float8) stay flat bytes, readable by the buffer
-     * protocol as pin() has always given them. */
-    if (b->dtype && b->dtype->kind == 'V') b->dtype = NULL;
     b->itemsize = ((Py_ssize_t)t->dtype.bits * t->dtype.lanes + 7) / 8;
     if (pmpy_buffer_set_format(b, b->dtype ? b->dtype->format : "B") < 0) goto fail;
     if (!b->dtype) {

@@ -37,7 +37,17 @@ int pmpy_parse_size_obj(PyObject *o, size_t *out) {
     }
     return 0;
   }
-  if (PyLong_Check(o)) {
+  /* Any integer that says it is one (__index__: NumPy's and torch's integer scalars, sizes
+   * computed with NumPy), as offsets and shapes take; bool is not a size. */
+  PyObject *idx = NULL;
+  if (!PyLong_Check(o) && !PyBool_Check(o) && PyIndex_Check(o)) {
+    idx = PyNumber_Index(o);
+    if (!idx) return -1;
+    int r = pmpy_parse_size_obj(idx, out);
+    Py_DECREF(idx);
+    return r;
+  }
+  if (PyLong_Check(o) && !PyBool_Check(o)) {
     int neg = long_negative(o);
     if (neg) {
       if (neg > 0) pmpy_raise_fmt(PM_ERR_INVALID, "a size cannot be negative");
@@ -54,7 +64,7 @@ int pmpy_parse_size_obj(PyObject *o, size_t *out) {
     *out = v;
     return 0;
   }
-  PyErr_Format(PyExc_TypeError, "a size must be an int or a string like '64M', not %.100s",
+  PyErr_Format(PyExc_TypeError, "a size must be an integer or a string like '64M', not %.100s",
                Py_TYPE(o)->tp_name);
   return -1;
 }
@@ -108,7 +118,13 @@ int pmpy_parse_address(PyObject *o, uintptr_t *out) {
     return 0;
   }
   unsigned long long v = PyLong_AsUnsignedLongLong(o);
-  if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+      PyErr_Clear();
+      pmpy_raise_fmt(PM_ERR_INVALID, "an address (or handle) must be below 2**64");
+    }
+    return -1;
+  }
   *out = (uintptr_t)v;
   return 0;
 }

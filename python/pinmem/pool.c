@@ -24,18 +24,19 @@ static PyObject *py_stats(PyObject *mod, PyObject *unused) {
   pm_status_t st = pm_pool_get_stats(pool, &s);
   if (st != PM_OK) return pmpy_raise_status(st);
   PyObject *d = Py_BuildValue(
-      "{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:K}", "budget",
-      (Py_ssize_t)s.budget, "pinned_bytes", (Py_ssize_t)s.pinned_bytes, "pinned_peak",
-      (Py_ssize_t)s.pinned_peak, "in_use_bytes", (Py_ssize_t)s.in_use_bytes, "requested_bytes",
-      (Py_ssize_t)s.requested_bytes, "cached_bytes", (Py_ssize_t)s.cached_bytes, "pending_bytes",
-      (Py_ssize_t)s.pending_bytes, "registered_bytes", (Py_ssize_t)s.registered_bytes, "segments",
-      (unsigned long long)s.segments, "allocs", (unsigned long long)s.allocs, "frees",
-      (unsigned long long)s.frees, "cache_hits", (unsigned long long)s.cache_hits,
-      "backend_allocs", (unsigned long long)s.backend_allocs, "backend_frees",
-      (unsigned long long)s.backend_frees, "budget_waits", (unsigned long long)s.budget_waits,
-      "budget_failures", (unsigned long long)s.budget_failures, "backend_alloc_seconds",
-      s.backend_alloc_seconds, "backend_free_seconds", s.backend_free_seconds,
-      "numa_bind_failures", (unsigned long long)s.numa_bind_failures);
+      "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:K}", "budget",
+      (unsigned long long)s.budget, "pinned_bytes", (unsigned long long)s.pinned_bytes,
+      "pinned_peak", (unsigned long long)s.pinned_peak, "in_use_bytes",
+      (unsigned long long)s.in_use_bytes, "requested_bytes", (unsigned long long)s.requested_bytes,
+      "cached_bytes", (unsigned long long)s.cached_bytes, "pending_bytes",
+      (unsigned long long)s.pending_bytes, "registered_bytes",
+      (unsigned long long)s.registered_bytes, "segments", (unsigned long long)s.segments, "allocs",
+      (unsigned long long)s.allocs, "frees", (unsigned long long)s.frees, "cache_hits",
+      (unsigned long long)s.cache_hits, "backend_allocs", (unsigned long long)s.backend_allocs,
+      "backend_frees", (unsigned long long)s.backend_frees, "budget_waits",
+      (unsigned long long)s.budget_waits, "budget_failures", (unsigned long long)s.budget_failures,
+      "backend_alloc_seconds", s.backend_alloc_seconds, "backend_free_seconds",
+      s.backend_free_seconds, "numa_bind_failures", (unsigned long long)s.numa_bind_failures);
   if (!d) return NULL;
   /* "numa": the pool's memory by the node it was pinned for (node -1: no placement asked). */
   pm_pool_node_stats_t ns[65];
@@ -47,13 +48,14 @@ static PyObject *py_stats(PyObject *mod, PyObject *unused) {
   }
   PyObject *list = PyList_New(0);
   for (int i = 0; list && i < n && i < 65; i++) {
-    PyObject *e = Py_BuildValue(
-        "{s:i,s:n,s:n,s:n,s:n,s:K,s:K,s:K}", "node", ns[i].node, "pinned_bytes",
-        (Py_ssize_t)ns[i].pinned_bytes, "unbound_bytes", (Py_ssize_t)ns[i].unbound_bytes,
-        "cached_bytes", (Py_ssize_t)ns[i].cached_bytes, "in_use_bytes",
-        (Py_ssize_t)ns[i].in_use_bytes, "blocks", (unsigned long long)ns[i].blocks, "segments",
-        (unsigned long long)ns[i].segments, "bind_failures",
-        (unsigned long long)ns[i].bind_failures);
+    PyObject *e = Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "node", ns[i].node,
+                                "pinned_bytes", (unsigned long long)ns[i].pinned_bytes,
+                                "unbound_bytes", (unsigned long long)ns[i].unbound_bytes,
+                                "cached_bytes", (unsigned long long)ns[i].cached_bytes,
+                                "in_use_bytes", (unsigned long long)ns[i].in_use_bytes, "blocks",
+                                (unsigned long long)ns[i].blocks, "segments",
+                                (unsigned long long)ns[i].segments, "bind_failures",
+                                (unsigned long long)ns[i].bind_failures);
     if (!e || PyList_Append(list, e) < 0) Py_CLEAR(list);
     Py_XDECREF(e);
   }
@@ -225,12 +227,11 @@ static PyObject *py_pointer_info(PyObject *mod, PyObject *arg) {
   pm_pointer_info_t info;
   pm_status_t st = pm_pointer_query(p, &info);
   if (st != PM_OK) return pmpy_raise_status(st);
-  return Py_BuildValue("{s:s,s:K,s:n,s:I,s:K,s:O}", "kind",
-                       (unsigned)info.kind < 5 ? kinds[info.kind] : "?", "base",
-                       (unsigned long long)(uintptr_t)info.base, "size", (Py_ssize_t)info.size,
-                       "flags", info.flags, "device_ptr",
-                       (unsigned long long)(uintptr_t)info.device_ptr, "in_use",
-                       info.in_use ? Py_True : Py_False);
+  return Py_BuildValue(
+      "{s:s,s:K,s:K,s:I,s:K,s:O}", "kind", (unsigned)info.kind < 5 ? kinds[info.kind] : "?", "base",
+      (unsigned long long)(uintptr_t)info.base, "size", (unsigned long long)info.size, "flags",
+      info.flags, "device_ptr", (unsigned long long)(uintptr_t)info.device_ptr, "in_use",
+      info.in_use ? Py_True : Py_False);
 }
 
 static PyObject *py_init(PyObject *mod, PyObject *unused) {
@@ -289,11 +290,11 @@ static PyObject *py_device_info(PyObject *mod, PyObject *args) {
   pm_status_t st = pm_device_get_info(dev, &d);
   if (st != PM_OK) return pmpy_raise_status(st);
   return Py_BuildValue(
-      "{s:i,s:s,s:(ii),s:n,s:n,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:O,s:O,s:O,s:O,s:O,s:O}", "index",
+      "{s:i,s:s,s:(ii),s:K,s:K,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:O,s:O,s:O,s:O,s:O,s:O}", "index",
       d.index, "name", d.name, "compute_capability", d.cc_major, d.cc_minor, "total_memory",
-      (Py_ssize_t)d.total_memory, "free_memory", (Py_ssize_t)d.free_memory, "pci_bus_id",
-      d.pci_bus_id, "pcie_gen", d.pcie_gen, "pcie_width", d.pcie_width, "pcie_max_gen",
-      d.pcie_max_gen, "pcie_max_width", d.pcie_max_width, "numa_node", d.numa_node,
+      (unsigned long long)d.total_memory, "free_memory", (unsigned long long)d.free_memory,
+      "pci_bus_id", d.pci_bus_id, "pcie_gen", d.pcie_gen, "pcie_width", d.pcie_width,
+      "pcie_max_gen", d.pcie_max_gen, "pcie_max_width", d.pcie_max_width, "numa_node", d.numa_node,
       "async_engines", d.async_engines, "can_map_host_memory",
       d.can_map_host_memory ? Py_True : Py_False, "unified_addressing",
       d.unified_addressing ? Py_True : Py_False, "managed_memory",

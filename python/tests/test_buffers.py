@@ -43,6 +43,34 @@ def test_dtype_spellings(dtype):
                                            if isinstance(dtype, str) else dtype)
 
 
+def test_shapes_as_numpy_takes_them():
+    # A NumPy array of dimensions has __index__ (for one element): it was taken as one size.
+    assert pinmem.empty(np.array([2, 3]), "uint8").shape == (2, 3)
+    assert pinmem.empty(np.array(3), "uint8").shape == (3,)
+    assert pinmem.empty(np.int64(4), "uint8").shape == (4,)
+    assert pinmem.device_empty(np.array([2, 2]), "uint8").shape == (2, 2)
+
+
+def test_dlpack_arguments_of_the_wrong_kind_are_type_errors():
+    b = pinmem.empty(4, "float32")
+    for kw, what in (({"max_version": [1, 0]}, "max_version"), ({"max_version": 1}, "max_version"),
+                     ({"dl_device": [1, 0]}, "dl_device"), ({"dl_device": (1,)}, "dl_device")):
+        with pytest.raises(TypeError, match=f"{what} must be a"):  # was SystemError for a list
+            b.__dlpack__(**kw)
+
+
+def test_device_fill_takes_a_byte():
+    d = pinmem.device_empty(8, "uint8")
+    for v in (256, -129, 1 << 40, 1 << 70, True, 1.5, "1"):
+        with pytest.raises(pinmem.InvalidError, match="value must be a byte"):
+            d.fill(v)  # 256 filled zeros; 1 << 40 raised OverflowError
+    out = np.zeros(8, np.uint8)
+    for v, want in ((255, 255), (-1, 255), (-128, 128), (np.uint8(7), 7)):
+        d.fill(v)
+        pinmem.copy(out, d).wait()
+        assert (out == want).all()
+
+
 def test_bad_dtype_and_shape():
     with pytest.raises(pinmem.InvalidError) as e:
         pinmem.empty(4, "float128x")
@@ -319,9 +347,16 @@ def test_dtypes_numpy_lacks_travel_by_dlpack(name):
     with pytest.raises(BufferError, match=f"{name} has no buffer-protocol"):
         memoryview(b)
     del t
-    # pin() of such a tensor keeps giving its bytes, flat, to the buffer protocol.
+    # pin() of such a tensor keeps its type and shape for DLPack, the same memory, and the
+    # buffer protocol refuses it by name, as for empty()'s (it gave flat bytes, and no DLPack).
     with pinmem.pin(src) as p:
-        assert memoryview(p).nbytes == b.nbytes and p.dtype is None
+        assert p.dtype == name and p.shape == (2, 3) and p.nbytes == b.nbytes
+        t = torch.from_dlpack(p)
+        assert t.dtype == src.dtype and t.shape == src.shape and t.data_ptr() == src.data_ptr()
+        assert torch.equal(t.view(store), src.view(store))
+        with pytest.raises(BufferError, match=f"{name} has no buffer-protocol"):
+            memoryview(p)
+        del t
 
 
 def test_a_view_of_part_of_a_buffer_holds_it_and_stays_inside_it(rng):

@@ -127,6 +127,8 @@ def test_stream_handles_as_ints(rng):
         pinmem.copy(out, dev, s)
     with pytest.raises(TypeError):
         pinmem.copy(out, dev, "stream")
+    with pytest.raises(pinmem.InvalidError, match="below 2\\*\\*64"):
+        pinmem.copy(out, dev, 1 << 64)  # was a bare OverflowError
 
 
 def test_dropped_completion_keeps_memory_alive(rng):
@@ -194,6 +196,16 @@ def test_nbytes_and_size_checks(rng):
     c = pinmem.copy(small, data, nbytes=0)
     c.wait()
     assert c.done()
+    # Sizes computed with NumPy or torch are integers too (they raised TypeError); a bool is not.
+    small[:] = 0
+    pinmem.copy(small, data, nbytes=np.int64(4)).wait()
+    np.testing.assert_array_equal(small[:4], data[:4])
+    assert not small[4:].any()
+    assert pinmem.parse_size(np.uint64(1 << 20)) == 1 << 20
+    with pytest.raises(TypeError, match="not bool"):
+        pinmem.copy(small, data, nbytes=True)
+    with pytest.raises(pinmem.InvalidError, match="negative"):
+        pinmem.copy(small, data, nbytes=np.int64(-1))
 
 
 def test_wrong_path_is_an_error_with_status(rng):

@@ -551,7 +551,7 @@ def test_a_ranges_chunk_is_the_unit_it_asks_for(tmp_path, rng, no_fd_leak):
         pinmem.write_ranges(path, [(0, a)], chunk="2G")
     with pytest.raises(pinmem.InvalidError, match="negative"):
         pinmem.read_ranges(path, [(0, a)], chunk=-1)
-    with pytest.raises(TypeError, match="a size must be an int or a string"):
+    with pytest.raises(TypeError, match="a size must be an integer or a string"):
         pinmem.read_ranges(path, [(0, a)], chunk=1.5)
     with pytest.raises(pinmem.Error):
         pinmem.read_ranges(path, [(0, a)], chunk="lots")

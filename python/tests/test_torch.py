@@ -38,6 +38,26 @@ def test_pin_torch_cpu_tensor_in_place(rng):
         pinmem.pin(t.t())  # not contiguous
 
 
+def test_tensors_that_require_grad_are_copied_and_saved_as_their_data(tmp_path):
+    torch = skip_unless_torch()
+    # torch's __dlpack__ refuses them ("Can't export tensors that require gradient"): a model's
+    # parameters could be pinned but not copied or written. They go as .detach(), as
+    # load_state_dict writes parameters.
+    w = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
+    out = pinmem.empty(6, "float32")
+    pinmem.copy(out, w).wait()
+    np.testing.assert_array_equal(np.asarray(out), np.arange(6, dtype=np.float32))
+    dst = torch.nn.Parameter(torch.zeros(6))
+    pinmem.copy(dst, out).wait()
+    assert torch.equal(dst.detach(), w.detach()) and dst.requires_grad
+    path = str(tmp_path / "w.bin")
+    pinmem.write_file(path, w)
+    assert open(path, "rb").read() == w.detach().numpy().tobytes()
+    back = torch.nn.Parameter(torch.zeros(6))
+    pinmem.read_file(path, back)
+    assert torch.equal(back.detach(), w.detach())
+
+
 def test_pin_keeps_the_memory_when_the_tensor_is_set_elsewhere():
     """t.set_(other) after pin(t): the pinned memory stays alive and pinned (pin holds an alias
     of its own), readable through the buffer, until the buffer lets go."""
