@@ -51,6 +51,7 @@ type where it can be rebuilt, WorkerError otherwise; a worker that dies ends its
 import pickle
 import socket
 import struct
+import sys
 import weakref as _weakref
 from time import perf_counter as _perf_counter
 
@@ -125,7 +126,11 @@ class _Stream:
         if self.ended:
             return None
         if self.it is None:
-            self.it = iter(self.dataset)
+            try:
+                self.it = iter(self.dataset)
+            except BaseException:
+                self.ended = True  # raised once, as from iter(DataLoader); the stream has ended
+                raise
         return _take([], self, want, drop_last)
 
 
@@ -453,6 +458,23 @@ class _Epoch:
             loader._stop_workers()
 
 
+def _datapipe(dataset):
+    """A torch.utils.data IterDataPipe (by its class, without importing torch)."""
+    return any(c.__name__ == "IterDataPipe" and c.__module__.startswith("torch.utils.data")
+               for c in type(dataset).__mro__)
+
+
+def _distributed_world():
+    """torch.distributed's world size where a process group is up, else 1."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+    except Exception:
+        pass
+    return 1
+
+
 def _no_epoch():
     return None
 
@@ -486,7 +508,7 @@ class _IterableEpochIterator:
                     raise StopIteration
             elif self._epoch is not loader._current():
                 self._done = True  # a newer iterator started the next epoch
-                raise StopIteration
+                _loader._overtaken()
             try:
                 b = self._epoch.next()
             except StopIteration:
@@ -589,6 +611,15 @@ class IterableLoader(_loader.Loader):
         if persistent_workers and nw == 0:
             raise InvalidError("PM_ERR_INVALID: persistent_workers option needs num_workers > 0"
                                " (as in torch's DataLoader)")
+        if _datapipe(dataset) and (nw > 0 or _distributed_world() > 1):
+            # DataLoader shards a datapipe's sharding_filter by worker and rank, and seeds its
+            # shufflers alike in every worker; pinmem does neither, so each worker (each rank)
+            # would give every sample: refused rather than repeated.
+            raise InvalidError("PM_ERR_INVALID: a torch IterDataPipe with worker processes or "
+                               "several ranks: pinmem does not apply a datapipe's sharding and "
+                               "shuffle seeds as DataLoader does, and every sample would come "
+                               "once per worker; use num_workers=0 on one rank, or an "
+                               "IterableDataset that shards by get_worker_info()")
         timeout = _loader._timeout_arg(timeout)
         seed = _loader._int_arg("seed", seed, -(1 << 63), (1 << 64) - 1, none_ok=True)
         epochs = _loader._int_arg("epochs", epochs, 1, none_ok=True)

@@ -554,7 +554,7 @@ class _EpochIterator:
     does not let it go, which would keep the batch's slot from the loader. This object holds
     nothing between calls: the caller owns each batch outright."""
 
-    __slots__ = ("_loader", "_mode", "_convert", "_done", "_begun")
+    __slots__ = ("_loader", "_mode", "_convert", "_done", "_begun", "_token")
 
     def __init__(self, loader, mode, convert=None):
         self._loader = loader
@@ -564,6 +564,7 @@ class _EpochIterator:
             _closed()
         self._done = False
         self._begun = False  # the epoch begins at the first next(), where its errors belong
+        self._token = None  # which loop over the loader this is (a newer one overtakes it)
 
     def __iter__(self):
         return self
@@ -591,9 +592,14 @@ class _EpochIterator:
                 except BaseException:
                     self._done = True
                     raise
+                loader._loops += 1
+                self._token = loader._loops
                 if not more:
                     self._done = True
                     raise StopIteration
+            elif self._token != loader._loops:
+                self._done = True
+                _overtaken()
             b = loader._next()
             if b is None:
                 self._done = True
@@ -635,6 +641,16 @@ _STATE_KEYS = dict(magic=_U32, flags=_U32, epoch=_U64, batch=_U64, seed=_U64, sa
 
 def _closed():
     _pinmem._raise(_pinmem.PM_ERR_STATE, "the loader was closed")
+
+
+def _overtaken():
+    # DataLoader's iterators are independent epochs; this loader delivers one epoch at a time,
+    # so an older loop cannot go on once a newer one began (it ended quietly, or took the new
+    # epoch's batches and never ended).
+    _pinmem._raise(_pinmem.PM_ERR_STATE,
+                   "another loop over this loader began a new epoch while this one ran (each "
+                   "iter(loader) starts the next epoch: to look at a batch inside a loop, keep "
+                   "the one the loop gave)")
 
 
 def _closed_error():
@@ -876,6 +892,7 @@ class Loader:
         self.device = "cpu" if not to_device else \
             "cuda" if self._device_index is None else f"cuda:{self._device_index}"
         self._iteration_s = self._conversion_s = 0.0  # seconds, since create or load_state_dict
+        self._loops = 0  # loops begun: an older loop's next() after a newer one began refuses
         self._procs, self._io = procs, io
         self._started = False
         self._start_lock = _threading.Lock()

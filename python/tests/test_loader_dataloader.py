@@ -1843,3 +1843,27 @@ def test_values_where_the_first_sample_held_an_object_arrive_as_given(nw):
     assert isinstance(t2, torch.Tensor) and torch.equal(t2, torch.full((2,), 2.0))
     t2.fill_(-1)
     assert torch.equal(ds.t[2], torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_loop_overtaken_by_a_newer_one_is_refused(nw):
+    """DataLoader's iterators are independent epochs; pinmem's loader has one epoch at a time,
+    so `next(iter(loader))` inside a loop begins the next epoch. The outer loop went on with the
+    new epoch's batches and never ended (2, 3, 2, 3, ...): now it refuses, naming why."""
+    with pinmem.Loader(Indexed(6), batch_size=2, num_workers=nw, device="cpu") as p:
+        seen = []
+        with pytest.raises(pinmem.StateError, match="another loop over this loader began"):
+            for b in p:
+                seen.append(labels(b))
+                peek = next(iter(p))
+                assert labels(peek) == [0, 1]
+                del peek
+        assert seen == [[0, 1]]
+        assert run(p) == [[0, 1], [2, 3], [4, 5]]  # a new loop is a whole epoch
+        it = iter(p)
+        assert labels(next(it)) == [0, 1]
+        assert run(p, stop_after=1) == [[0, 1]]  # a loop after `it` overtakes it
+        with pytest.raises(pinmem.StateError):
+            next(it)
+        with pytest.raises(StopIteration):
+            next(it)

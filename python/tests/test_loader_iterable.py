@@ -188,6 +188,36 @@ def test_errors_in_the_iterator_as_dataloader(nw, ds):
         assert outcomes(p) == want
 
 
+class IterRaises(IterableDataset):
+    def __iter__(self):
+        raise KeyError("no stream today")
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_an_iter_that_raises_ends_its_loop(nw):
+    # iter(dataset) was asked again at every next(): a loop that catches errors never ended.
+    # DataLoader raises it once, from iter(); pinmem from the first next(), where its epoch
+    # begins, and once from each worker's copy.
+    t, p = both(IterRaises(), batch_size=2, num_workers=nw)
+    with p:
+        got = outcomes(p)
+        assert set(got) == {"KeyError"} and len(got) == max(nw, 1)
+    if nw == 0:
+        with pytest.raises(KeyError):
+            iter(t)
+
+
+def test_an_iterdatapipe_with_workers_is_refused_not_repeated():
+    from torch.utils.data.datapipes.iter import IterableWrapper
+    dp = IterableWrapper(range(6)).sharding_filter()
+    # DataLoader shards it by worker; pinmem gave every sample once per worker.
+    with pytest.raises(pinmem.InvalidError, match="IterDataPipe with worker processes"):
+        pinmem.Loader(dp, batch_size=2, num_workers=2, device="cpu")
+    t, p = both(dp, batch_size=2)
+    with p:
+        assert epoch(p) == epoch(t) == [[0, 1], [2, 3], [4, 5]]
+
+
 def test_error_keeps_its_type_and_names_the_worker():
     with pinmem.Loader(Broken(), batch_size=2, num_workers=2, device="cpu") as p:
         with pytest.raises(KeyError, match=r"(?s)worker process [01].*is broken"):
@@ -269,8 +299,10 @@ def test_break_then_a_new_epoch(nw, persistent):
         assert epoch(p) == epoch(t)
         it = iter(p)
         next(it)
-        it2 = iter(p)  # a newer iterator starts the next epoch; the older one has ended
+        it2 = iter(p)  # a newer iterator starts the next epoch; the older one cannot go on
         assert len(list(it2)) == 6
+        with pytest.raises(pinmem.StateError, match="another loop over this loader"):
+            next(it)  # it ended quietly, the rest of its epoch lost
         assert list(it) == []
 
 
