@@ -155,6 +155,7 @@ def copy(dst, src, stream=None, *, nbytes=None, path=None):
 # ------------------------------------------------------------------------------------------
 
 import contextlib as _contextlib
+import operator as _operator
 import os as _os
 
 
@@ -182,6 +183,8 @@ def _opened(fn, path, flags, fd=None):
     this call created (O_CREAT) is removed again when the call fails: a failed write leaves no
     empty file behind."""
     own = fd is None
+    if not own:
+        fd = _small_int(fn, "fd", fd, (1 << 31) - 1)
     created = False
     if own and flags & _os.O_CREAT:
         try:
@@ -202,6 +205,19 @@ def _opened(fn, path, flags, fd=None):
     finally:
         if own:
             _os.close(fd)
+
+
+def _small_int(fn, name, value, hi):
+    """An integer argument in 0..hi (a NumPy or torch integer too); InvalidError naming it
+    otherwise (a float was truncated by int(), a huge one raised OverflowError from C)."""
+    try:
+        v = _operator.index(value)
+    except TypeError:
+        raise InvalidError(f"PM_ERR_INVALID: {fn}: {name} must be an integer, not "
+                           f"{type(value).__name__}") from None
+    if isinstance(value, bool) or not 0 <= v <= hi:
+        raise InvalidError(f"PM_ERR_INVALID: {fn}: {name} must be 0..{hi}, not {value!r}")
+    return v
 
 
 def _remove_if_same(path, fd):
@@ -270,8 +286,9 @@ def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None, 
     and interrupts per byte, smaller ones spread over more threads. fd: as read_file's.
     """
     path = _os.fspath(path)
+    threads = _small_int("read_ranges", "threads", threads, 256)
     with _opened("read_ranges", path, _READ, fd) as f:
-        _pinmem._file_readv(f, ranges, stream, io, int(threads), chunk)
+        _pinmem._file_readv(f, ranges, stream, io, threads, chunk)
 
 
 def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0, chunk=None):
@@ -288,8 +305,9 @@ def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0
     chunk and few threads (docs/files.md, "Lists of ranges").
     """
     path = _os.fspath(path)
+    threads = _small_int("write_ranges", "threads", threads, 256)
     with _opened("write_ranges", path, _WRITE) as f:
-        _pinmem._file_writev(f, ranges, stream, io, bool(fsync), int(threads), chunk)
+        _pinmem._file_writev(f, ranges, stream, io, bool(fsync), threads, chunk)
 
 
 # ------------------------------------------------------------------------------------------

@@ -586,6 +586,19 @@ def test_ranges_refused_before_anything_moves(tmp_path, rng, no_fd_leak):
         pinmem.read_ranges(path, 5)
     with pytest.raises(pinmem.InvalidError, match="threads must be 0"):
         pinmem.read_ranges(path, [(0, a[:10])], threads=-1)
+    # floats were truncated by int(), and past C's int an OverflowError escaped
+    for bad, what in ((1.5, "must be an integer"), (1 << 40, "must be 0..256"),
+                      (True, "must be 0..256")):
+        with pytest.raises(pinmem.InvalidError, match=f"threads {what}"):
+            pinmem.read_ranges(path, [(0, a[:10])], threads=bad)
+        with pytest.raises(pinmem.InvalidError, match=f"threads {what}"):
+            pinmem.write_ranges(path, [(0, a[:10])], threads=bad)
+    for bad in (1 << 40, -1):
+        with pytest.raises(pinmem.InvalidError, match="fd must be 0"):
+            pinmem.read_file(path, a[:10], fd=bad)
+    spare = np.zeros(10, np.uint8)
+    pinmem.read_ranges(path, [(0, spare)], threads=np.int64(2))  # a NumPy integer is one
+    assert spare.tobytes() == open(path, "rb").read(10)
     with pytest.raises(pinmem.InvalidError, match="overlap in the file"):
         pinmem.write_ranges(path, [(0, a[:100]), (99, a[:2])])
     np.testing.assert_array_equal(np.fromfile(path, np.uint8), data)  # nothing written
