@@ -107,6 +107,16 @@ static int cai_extent(PyObject *cai, const char *what, uintptr_t *addr, int *ro,
                    what);
     return -1;
   }
+  /* A mask says which elements are valid; a byte copy cannot honour it, and the protocol asks
+   * a consumer that cannot to refuse the object. */
+  PyObject *mask = PyDict_GetItemString(cai, "mask");
+  if (mask && mask != Py_None) {
+    pmpy_raise_fmt(PM_ERR_INVALID,
+                   "%s has a mask in its __cuda_array_interface__; pinmem copies bytes and "
+                   "cannot leave masked elements out",
+                   what);
+    return -1;
+  }
   if (pmpy_parse_address(PyTuple_GET_ITEM(data, 0), addr) < 0) return -1;
   *ro = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
   if (*ro < 0) return -1;

@@ -236,6 +236,20 @@ def test_a_raising_array_interface_gives_its_own_error(tmp_path):
     assert not (tmp_path / "f.bin").exists()
 
 
+def test_a_masked_cuda_array_interface_is_refused():
+    dev = pinmem.device_empty(16, "uint8")
+
+    class Masked:
+        def __init__(self, mask):
+            self.__cuda_array_interface__ = {"data": (dev.ptr, False), "shape": (16,),
+                                             "typestr": "|u1", "version": 3, "mask": mask}
+    out = np.zeros(16, np.uint8)
+    # The protocol asks a consumer that cannot honour a mask to refuse it; it was ignored.
+    with pytest.raises(pinmem.InvalidError, match="mask"):
+        pinmem.copy(out, Masked(Masked(None)))
+    pinmem.copy(out, Masked(None)).wait()  # mask None: no mask
+
+
 def test_device_buffer_fill_and_dlpack_ordering(rng):
     dev = pinmem.device_empty((64, 16), "uint8")
     assert dev.kind == "device"
