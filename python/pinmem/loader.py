@@ -36,6 +36,25 @@ def _close_loaders():
             pass
 
 
+def _npy_descr(dtype):
+    """dtype as a .npy header writes it ('<f4'): NumPy dtypes and names ('float32'), torch
+    dtypes, Python's float; text NumPy does not know is passed on as given, for the header
+    parser to judge."""
+    text = _dtype_name(dtype)
+    try:
+        import numpy as np
+        dt = np.dtype(text[6:] if text.startswith("torch.") else
+                      dtype if hasattr(dtype, "fields") else text)
+        d = np.lib.format.dtype_to_descr(dt)
+    except (ImportError, TypeError, ValueError):
+        return text
+    if not isinstance(d, str):
+        raise InvalidError(f"PM_ERR_INVALID: NpyDataset: dtype={dtype!r} is structured; dtype= "
+                           "checks a plain dtype ('<f4'), and the files' own fields are read "
+                           "from their headers: leave dtype=None")
+    return d
+
+
 class NpyDataset:
     """Samples along axis 0 of one or more .npy files (same sample shape and dtype), read by
     pinmem's worker threads straight into pinned batch slots.
@@ -49,7 +68,7 @@ class NpyDataset:
             paths = [paths]
         self.paths = [_os.fspath(p) for p in paths]
         self.io = io
-        self.dtype = None if dtype is None else _dtype_name(dtype)
+        self.dtype = None if dtype is None else _npy_descr(dtype)
 
     def _open(self):
         return _pinmem._dataset_npy(self.paths, self.io, self.dtype)
@@ -62,6 +81,12 @@ class TokenDataset:
 
     def __init__(self, path, seq_len, token_bytes=2, random=True, stride=0, windows=0, seed=0,
                  io="pread"):
+        # Each checked by name: windows=-1 wrapped to 2**64-1 windows (an epoch without end),
+        # 2**64 to 0 (the default), and a bad stride was reported as seq_len.
+        seq_len = _int_arg("seq_len", seq_len, 1, (1 << 63) - 1)
+        stride = _int_arg("stride", stride, 0, (1 << 63) - 1)
+        windows = _int_arg("windows", windows, 0, (1 << 64) - 1)
+        seed = _int_arg("seed", seed, -(1 << 63), (1 << 64) - 1) % (1 << 64)
         self.args = (_os.fspath(path), seq_len)
         self.kwargs = dict(token_bytes=token_bytes, random=random, stride=stride,
                            windows=windows, seed=seed, io=io)
@@ -83,7 +108,7 @@ def _as_array(a):
                                f"{a.device}")
         bits = _workers.tensor_bits(a)
         if bits is not None:  # bfloat16, float8...: their bits, and the dtype's name
-            return numpy.ascontiguousarray(bits[0]), bits[1]
+            return _contiguous(numpy, bits[0]), bits[1]
         try:
             a = a.contiguous().numpy()
         except (TypeError, RuntimeError) as e:
@@ -94,7 +119,14 @@ def _as_array(a):
             memoryview(a).release()
         except TypeError:
             a = numpy.from_dlpack(a)
-    return numpy.ascontiguousarray(a), None
+    return _contiguous(numpy, a), None
+
+
+def _contiguous(numpy, a):
+    """a as a C-contiguous array, 0-d kept 0-d (ascontiguousarray makes it shape (1,), and a
+    scalar became a dataset of one sample, which the caller refuses as DataLoader does)."""
+    a = numpy.asarray(a)
+    return a if a.ndim == 0 else numpy.ascontiguousarray(a)
 
 
 def _descr_text(dtype, what):
@@ -387,7 +419,10 @@ def _open_arrays(arrays):
         raise InvalidError("PM_ERR_INVALID: an array dataset's samples are empty (shape "
                            f"{[a.shape for a in arrays]}): a batch row needs at least one "
                            "element per field")
-    if any(a.ndim == 0 or len(a) == 0 for a in arrays):
+    if any(a.ndim == 0 for a in arrays):
+        raise InvalidError("PM_ERR_INVALID: a 0-d array has no sample axis; an array dataset "
+                           "holds its samples along axis 0 (DataLoader refuses it too)")
+    if any(len(a) == 0 for a in arrays):
         raise InvalidError("PM_ERR_INVALID: an array dataset needs at least one sample along "
                            "axis 0")
     n = {len(a) for a in arrays}

@@ -246,6 +246,48 @@ def test_token_dataset(tmp_path, rng):
     assert n == (5000 - 1) // 32
 
 
+def test_token_dataset_arguments_are_checked_by_name(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    # windows=-1 wrapped to 2**64-1 windows (an epoch without end), 2**64 to 0 (the default),
+    # and a negative stride was reported as seq_len.
+    for kw, what in ((dict(windows=-1), "windows"), (dict(windows=1 << 64), "windows"),
+                     (dict(windows=1.5), "windows"), (dict(stride=-1), "stride"),
+                     (dict(stride=1 << 63), "stride"), (dict(seq_len=0), "seq_len")):
+        with pytest.raises(pinmem.InvalidError, match=f"{what} must be"):
+            pinmem.TokenDataset(path, **({"seq_len": 8} | kw))
+    with pinmem.Loader(pinmem.TokenDataset(path, 8, windows=np.uint64(5), seed=-1),
+                       batch_size=1, device="cpu") as loader:
+        assert len(loader) == 5
+
+
+def test_npy_dtype_names_and_long_structured_dtypes(tmp_path):
+    np.save(tmp_path / "f.npy", np.arange(12, dtype=np.float32).reshape(6, 2))
+    for dt in ("float32", np.float32, np.dtype("<f4"), "f4", "<f4"):
+        with pinmem.Loader(pinmem.NpyDataset(tmp_path / "f.npy", dtype=dt), batch_size=3,
+                           device="cpu") as loader:  # 'float32' was an "unknown dtype"
+            assert len(loader) == 2
+    with pytest.raises(pinmem.FormatError, match="expected <i4"):
+        pinmem.Loader(pinmem.NpyDataset(tmp_path / "f.npy", dtype="int32"), device="cpu")
+    # A structured dtype whose text passes 127 characters was cut there: two files of
+    # different fields compared equal (the second's int32 read as float32).
+    names = [f"field_with_a_rather_long_name_{k}" for k in range(5)]
+    a = np.zeros(3, [(n, "<f4") for n in names])
+    b = np.zeros(2, [(n, "<f4") for n in names[:-1]] + [(names[-1], "<i4")])
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    for paths in ([tmp_path / "a.npy"], [tmp_path / "a.npy", tmp_path / "b.npy"]):
+        with pytest.raises(pinmem.FormatError, match="structured dtype of more than 127"):
+            pinmem.Loader(pinmem.NpyDataset(paths), batch_size=5, device="cpu")
+
+
+def test_a_0d_array_is_not_a_dataset():
+    torch = pytest.importorskip("torch")
+    for a in (np.array(3.0), torch.tensor(3.0), (np.array(1), np.array(2))):
+        with pytest.raises(pinmem.InvalidError, match="0-d array has no sample axis"):
+            pinmem.Loader(a, batch_size=2, device="cpu")  # was one batch of shape (1,)
+
+
 class MapDataset:
     def __init__(self, X, Y, fail_at=None):
         self.X, self.Y, self.fail_at = X, Y, fail_at

@@ -365,10 +365,18 @@ static bool parse_struct(lex_t *l, dt_t *d, int depth) {
   if (total > (uint64_t)SIZE_MAX / 2) return lfail(l, "structured dtype too large");
   d->itemsize = (size_t)total;
   d->code = PM_DTYPE_OTHER;
-  /* The source text without white space: files compare equal when their fields do. */
+  /* The source text without white space: files compare equal when their fields do. Whole or
+   * not at all: a text cut short made two files of different fields compare equal, and gave
+   * a descr nobody could parse. */
   size_t n = 0;
-  for (const char *c = src; c < l->p && n + 1 < sizeof d->text; c++)
-    if (*c != ' ' && *c != '\n' && *c != '\t') d->text[n++] = *c;
+  for (const char *c = src; c < l->p; c++) {
+    if (*c == ' ' || *c == '\n' || *c == '\t') continue;
+    if (n + 1 >= sizeof d->text)
+      return lfail(l,
+                   "structured dtype of more than %zu characters (without spaces): not supported",
+                   sizeof d->text - 1);
+    d->text[n++] = *c;
+  }
   d->text[n] = '\0';
   return true;
 }
