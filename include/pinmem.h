@@ -307,7 +307,7 @@ typedef struct pm_pool_stats {
   size_t requested_bytes; /* sum of the sizes asked for by live blocks */
   size_t cached_bytes;    /* free and ready for reuse */
   size_t pending_bytes;   /* freed, waiting for the streams that used them */
-  size_t registered_bytes; /* pm_register'ed memory charged to this pool's budget */
+  size_t registered_bytes; /* pm_register'ed memory charged to this pool's budget, whole pages */
   uint64_t segments;       /* backend allocations held */
   uint64_t allocs, frees;
   uint64_t cache_hits;      /* allocations served without a backend call */

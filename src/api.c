@@ -396,6 +396,15 @@ static void unreserve(uintptr_t base) {
   pthread_mutex_unlock(&reg_lock);
 }
 
+/* What a registration costs the budget: the whole pages it pins (mlock and the driver pin
+ * pages, not bytes), so 100 bytes count as a page. Two registrations that share a page each
+ * count it: the budget is a cap, and errs high. */
+static size_t reg_charge(uintptr_t base, size_t bytes) {
+  size_t page = pm__page_size();
+  uintptr_t lo = base / page * page;
+  return pm__align_up((size_t)(base - lo) + bytes, page);
+}
+
 pm_status_t pm_register(void *ptr, size_t bytes, unsigned flags) {
   static const char fn[] = "pm_register";
   if (!ptr) return PM__NULL_ARG(fn, "ptr");
@@ -418,9 +427,10 @@ pm_status_t pm_register(void *ptr, size_t bytes, unsigned flags) {
 
   /* 2. Budget (may trim the pool's cache or wait, per the pool's policy). */
   pm_pool_t *pool = NULL;
+  size_t charge = reg_charge(r.base, bytes);
   st = pm_pool_default(&pool);
   if (st != PM_OK) goto fail_reserved;
-  st = pm__pool_charge(pool, bytes);
+  st = pm__pool_charge(pool, charge);
   if (st != PM_OK) goto fail_reserved;
 
   /* 3. Pin, and find the device address when mapped. */
@@ -448,10 +458,10 @@ fail_registered:
   unreserve(r.base);
 fail_registered_unlisted:
   b->host_unregister(ptr, bytes);
-  pm__pool_uncharge(pool, bytes);
+  pm__pool_uncharge(pool, charge);
   return pm__wrap_error(st, "%s(%p, %zu bytes)", fn, ptr, bytes);
 fail_charged:
-  pm__pool_uncharge(pool, bytes);
+  pm__pool_uncharge(pool, charge);
 fail_reserved:
   unreserve(r.base);
   return pm__wrap_error(st, "%s(%p, %zu bytes)", fn, ptr, bytes);
@@ -479,7 +489,7 @@ pm_status_t pm_unregister(void *ptr) {
     return pm__wrap_error(st, "%s(%p)", fn, ptr);
   }
   pm_pool_t *pool = NULL;
-  if (pm_pool_default(&pool) == PM_OK) pm__pool_uncharge(pool, r.size);
+  if (pm_pool_default(&pool) == PM_OK) pm__pool_uncharge(pool, reg_charge(r.base, r.size));
   return PM_OK;
 }
 

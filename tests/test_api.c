@@ -368,6 +368,29 @@ static void test_pool_block_calls(void) {
   CHECK_OK(pm_stream_destroy(s));
 }
 
+/* ---- a registration costs the budget the pages it pins ---- */
+
+static void test_register_charges_pages(void) {
+  size_t page = pm__page_size();
+  char *m = aligned_alloc(page, 4 * page);
+  REQUIRE(m != NULL);
+  pm_pool_stats_t s0, s1;
+  REQUIRE_OK(pm_pool_get_stats(NULL, &s0));
+  /* 100 bytes pin a page (they were charged 100); across a page boundary, two. */
+  REQUIRE_OK(pm_register(m + 10, 100, 0));
+  REQUIRE_OK(pm_pool_get_stats(NULL, &s1));
+  CHECK_EQ_SIZE(s1.registered_bytes - s0.registered_bytes, page);
+  REQUIRE_OK(pm_register(m + 2 * page - 50, 100, 0));
+  REQUIRE_OK(pm_pool_get_stats(NULL, &s1));
+  CHECK_EQ_SIZE(s1.registered_bytes - s0.registered_bytes, 3 * page);
+  CHECK_OK(pm_unregister(m + 10));
+  CHECK_OK(pm_unregister(m + 2 * page - 50));
+  REQUIRE_OK(pm_pool_get_stats(NULL, &s1));
+  CHECK_EQ_SIZE(s1.registered_bytes, s0.registered_bytes);
+  CHECK_EQ_SIZE(s1.pinned_bytes, s0.pinned_bytes);
+  free(m);
+}
+
 /* ---- finalize, then everything works again ---- */
 
 static void test_finalize_reinit(void) {
@@ -422,6 +445,7 @@ int main(void) {
   test_streams();
   test_managed();
   test_pool_block_calls();
+  test_register_charges_pages();
   test_finalize_reinit();
   return pm_test_finish("test_api");
 }

@@ -292,9 +292,10 @@ static const pm__opt_def_t opt_table[] = {
                         "thread keeps its device)",
                         parse_device, PM__T_INT, 0},
     [PM__OPT_BUDGET] = {"budget", "PINMEM_BUDGET", "auto",
-                        "hard cap on pinned bytes a pool holds (registrations included): a size "
-                        "or auto = 50% of physical RAM, and never above RLIMIT_MEMLOCK on the "
-                        "host backend (auto is resolved when the pool is created)",
+                        "hard cap on pinned bytes a pool holds (registrations included, by their "
+                        "pages): a size or auto = 50% of physical RAM, and never above "
+                        "RLIMIT_MEMLOCK on the host backend (auto is resolved when the pool is "
+                        "created)",
                         parse_budget, PM__T_SIZE, 0},
     [PM__OPT_BUDGET_POLICY] = {"budget_policy", "PINMEM_BUDGET_POLICY", "fail",
                                "when the budget is exhausted after trimming the cache: fail "
