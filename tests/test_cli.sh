@@ -848,6 +848,7 @@ msg() {
   expect_rc "$name" "$want" && expect_grep "$name" err "$re"
 }
 msg dym_cmd 2 "^pinmem: unknown command 'inof' \(did you mean 'info'\?\)$" inof
+msg json_help 2 "^pinmem: help prints text; there is no --json form of it$" --json help
 msg dym_bench 2 "^pinmem: unknown benchmark 'lodaer' \(did you mean 'loader'\?\)$" bench lodaer
 msg dym_global 2 "^pinmem: unknown option '--jsno' \(did you mean '--json'\?\)$" --jsno info
 msg dym_info 2 "^pinmem: unknown option '--optoins' \(did you mean '--options'\?\)$" info --optoins

@@ -282,6 +282,8 @@ int main(int argc, char **argv) {
   }
   if (!strcmp(cmd, "help")) {
     if (nrest) cli_usage_error("help takes no arguments");
+    /* A caller that asked for JSON parses stdout: the usage text would be a parse error. */
+    if (json) cli_usage_error("help prints text; there is no --json form of it");
     cli_print_usage(stdout);
     return 0;
   }
