@@ -190,7 +190,7 @@ def test_errors_in_the_iterator_as_dataloader(nw, ds):
 
 class IterRaises(IterableDataset):
     def __iter__(self):
-        raise KeyError("no stream today")
+        raise KeyError("the stream cannot open")
 
 
 @pytest.mark.parametrize("nw", [0, 2])
