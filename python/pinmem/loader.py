@@ -1566,26 +1566,29 @@ class Loader:
                       for k, (lo, hi) in _STATE_KEYS.items()}
         except (KeyError, TypeError) as e:
             raise InvalidError(f"PM_ERR_INVALID: not a loader state_dict ({e!r})") from None
+        packed = _pinmem._loader_state_pack(**values)
+        old = self._c.state()
+        # Check what the library would refuse before anything is closed; the configuration
+        # first, so a state of another configuration is refused naming the field that differs.
+        cur = _pinmem._loader_state_fields(old)
+        shuffle = cur["flags"] & 1
+        # Where each epoch reads its length or order, the count is the target epoch's to check
+        # (_fit_resume), not the current one's.
+        count = () if self._per_epoch else ("samples",)
+        saved = dict(values, shuffle=values["flags"] & 1, drop_last=values["flags"] >> 1 & 1)
+        have = dict(cur, shuffle=shuffle, drop_last=cur["flags"] >> 1 & 1)
+        for k in ("magic", "shuffle", "drop_last", "flags", "batch_size", "rank",
+                  "world_size") + count + (("seed",) if shuffle else ()):
+            if saved[k] != have[k]:
+                raise InvalidError(f"PM_ERR_INVALID: the state was saved with {k} {saved[k]}, "
+                                   f"this loader has {have[k]}: the order of the samples would "
+                                   "differ")
         if self._sampler is None and values["batch"] > 0:
             # (the epoch's batches are known without a sampler: refused before any worker stops)
             bpe = self._batches_per_epoch(self._c)
             if values["batch"] >= bpe:
                 raise InvalidError(f"PM_ERR_INVALID: resume state batch {values['batch']}, an "
                                    f"epoch has {bpe}")
-        packed = _pinmem._loader_state_pack(**values)
-        old = self._c.state()
-        # Check what the library would refuse before anything is closed.
-        cur = _pinmem._loader_state_fields(old)
-        shuffle = cur["flags"] & 1
-        # Where each epoch reads its length or order, the count is the target epoch's to check
-        # (_fit_resume), not the current one's.
-        count = () if self._per_epoch else ("samples",)
-        for k in ("magic", "flags", "batch_size", "rank", "world_size") + count + \
-                (("seed",) if shuffle else ()):
-            if values[k] != cur[k]:
-                raise InvalidError(f"PM_ERR_INVALID: the state was saved with {k} {values[k]}, "
-                                   f"this loader has {cur[k]}: the order of the samples would "
-                                   "differ")
         c, self._c = self._c, None
         # What _open_epoch changes, for a state it refuses (per-epoch mode: the epoch's order).
         kept = self._ds, self._order, self._bpe, self._c_epoch

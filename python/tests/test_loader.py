@@ -642,6 +642,21 @@ def test_refused_state_leaves_the_loader_working(xy):
     loader.close()  # twice: harmless
 
 
+def test_a_state_of_another_configuration_names_the_field():
+    # A state past the other loader's last batch was refused as "resume state batch 2, an
+    # epoch has 2" (or "flags 0 vs 2"), naming neither drop_last nor shuffle.
+    x = np.arange(10, dtype=np.float32)
+    with pinmem.Loader(x, batch_size=4, device="cpu") as a:
+        it = iter(a)
+        next(it), next(it)
+        st = a.state_dict()
+    for kw, field in ((dict(drop_last=True), "drop_last 0, this loader has 1"),
+                      (dict(shuffle=True, seed=1), "shuffle 0, this loader has 1")):
+        with pinmem.Loader(x, batch_size=4, device="cpu", **kw) as b:
+            with pytest.raises(pinmem.InvalidError, match=f"saved with {field}"):
+                b.load_state_dict(st)
+
+
 def test_close_with_batches_alive_returns_memory(xy):
     X, Y = xy
     gc.collect()
