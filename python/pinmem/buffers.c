@@ -505,17 +505,17 @@ static PyObject *DeviceBuffer_fill(BufferObject *self, PyObject *args, PyObject 
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:fill", kwlist, &value_obj, &stream_obj))
     return NULL;
   /* A byte, as memset takes it: 256 would fill zeros. */
-  long long v = PyIndex_Check(value_obj) ? PyLong_AsLongLong(value_obj) : -1;
-  if (!PyIndex_Check(value_obj) || PyBool_Check(value_obj) || (v == -1 && PyErr_Occurred()) ||
-      v < -128 || v > 255) {
-    int big = PyErr_Occurred() != NULL;
-    PyErr_Clear();
-    if (!PyIndex_Check(value_obj) || PyBool_Check(value_obj) || big)
-      return pmpy_raise_fmt(PM_ERR_INVALID, "fill: value must be a byte, -128..255, not %s%.100s",
-                            big ? "an int of " : "",
-                            big ? "over 64 bits" : Py_TYPE(value_obj)->tp_name);
+  if (!PyIndex_Check(value_obj) || PyBool_Check(value_obj))
+    return pmpy_raise_fmt(PM_ERR_INVALID, "fill: value must be a byte, -128..255, not %.100s",
+                          Py_TYPE(value_obj)->tp_name);
+  int over = 0;
+  long long v = PyLong_AsLongLongAndOverflow(value_obj, &over);
+  if (v == -1 && PyErr_Occurred()) return NULL;
+  if (over)
+    return pmpy_raise_fmt(PM_ERR_INVALID,
+                          "fill: value must be a byte, -128..255, not an int of over 64 bits");
+  if (v < -128 || v > 255)
     return pmpy_raise_fmt(PM_ERR_INVALID, "fill: value must be a byte, -128..255, not %lld", v);
-  }
   int value = (int)v;
   if (pmpy_buffer_check_live(self) < 0) return NULL;
   pm_stream_t stream;

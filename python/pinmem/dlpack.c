@@ -288,8 +288,7 @@ static int lazy_bit(PyObject *o, const char *method) {
   return set;
 }
 
-/* 1 when o.requires_grad is True (a torch tensor in autograd), 0 when not or o has no such
- * attribute, -1 on error. */
+/* Whether o.requires_grad is True (a torch tensor in autograd); false where o has none. */
 static int requires_grad(PyObject *o) {
   PyObject *r = PyObject_GetAttrString(o, "requires_grad");
   if (!r) {
@@ -336,12 +335,7 @@ DLManagedTensor *pmpy_dl_import(PyObject *o, pm_stream_t stream, int resolve, co
   /* A tensor that requires grad (a model's parameter) goes as its .detach(), the same memory:
    * torch's __dlpack__ refuses it, and pinmem's copies and file transfers run outside autograd,
    * as load_state_dict writes parameters. */
-  int grad = requires_grad(plain);
-  if (grad < 0) {
-    Py_DECREF(plain);
-    return NULL;
-  }
-  if (grad) {
+  if (requires_grad(plain)) {
     PyObject *d = PyObject_CallMethod(plain, "detach", NULL);
     Py_DECREF(plain);
     if (!d) return NULL;

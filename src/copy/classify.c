@@ -62,28 +62,24 @@ pm_status_t pm__pointer_info(const void *ptr, pm_pointer_info_t *info_out) {
   return PM_OK;
 }
 
-/* If ptr is in a tracked range, [ptr, ptr + bytes) must stay inside it. For pool memory the
- * range is the block, not the segment the registry holds: a copy that ran past a block's end
- * would write the next block, another caller's memory. */
+/* If ptr is in a tracked range, [ptr, ptr + bytes) must stay inside it. The range is what
+ * pm__pointer_info says: for pool memory the block, not the segment the registry holds (a copy
+ * that ran past a block's end would write the next block, another caller's memory). */
 pm_status_t pm__check_span(const char *fn, const char *what, const void *ptr, size_t bytes,
                            pm__range_t *r, bool *known) {
-  *known = pm__registry_find(ptr, r);
+  pm_pointer_info_t info;
+  pm_status_t st = pm__pointer_info(ptr, &info);
+  if (st != PM_OK) return pm__wrap_error(st, "%s: %s", fn, what);
+  *known = info.kind != PM_MEMORY_PAGEABLE;
   if (!*known) return PM_OK;
-  if (r->kind == PM_MEMORY_POOL) {
-    pm_pointer_info_t info;
-    pm_status_t st = pm__pool_block_info((pm_pool_t *)r->owner, ptr, &info);
-    if (st == PM_ERR_NOT_FOUND) { /* the segment went back between the two lookups */
-      *known = false;
-      return PM_OK;
-    }
-    if (st != PM_OK) return pm__wrap_error(st, "%s: %s %p", fn, what, ptr);
-    if (!info.in_use)
-      return pm__set_error(PM_ERR_STATE, "%s: %s %p lies in a pool block that was freed", fn, what,
-                           ptr);
-    if (r->dev_base) r->dev_base = (char *)r->dev_base + ((uintptr_t)info.base - r->base);
-    r->base = (uintptr_t)info.base;
-    r->size = info.size;
-  }
+  if (info.kind == PM_MEMORY_POOL && !info.in_use)
+    return pm__set_error(PM_ERR_STATE, "%s: %s %p lies in a pool block that was freed", fn, what,
+                         ptr);
+  uintptr_t base = (uintptr_t)info.base;
+  *r = (pm__range_t){base, info.size, info.kind, info.flags, info.pool, NULL};
+  /* device_ptr is the queried address's; device and managed memory are their own address */
+  if (info.device_ptr && (info.kind == PM_MEMORY_POOL || info.kind == PM_MEMORY_REGISTERED))
+    r->dev_base = (char *)info.device_ptr - ((uintptr_t)ptr - base);
   size_t room = r->base + r->size - (uintptr_t)ptr;
   if (bytes > room)
     return pm__set_error(PM_ERR_INVALID,

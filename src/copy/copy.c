@@ -89,12 +89,20 @@ typedef struct qcache {
   pm__mem_t kind;
 } qcache_t;
 
+/* The base of the tracked range in `cache` (the last one classify found) when it holds
+ * [p, p + bytes), else 0 (memory pinmem does not track). */
+static uintptr_t in_range(const qcache_t *cache, const void *p, size_t bytes) {
+  uintptr_t a = (uintptr_t)p;
+  if (cache->valid && a >= cache->base && a - cache->base <= cache->size &&
+      bytes <= cache->size - (a - cache->base))
+    return cache->base;
+  return 0;
+}
+
 static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes, const char *name,
                             where_t w, qcache_t *cache, pm__mem_t *out) {
-  uintptr_t a = (uintptr_t)p;
   char wb[96];
-  if (cache && cache->valid && a >= cache->base && a - cache->base <= cache->size &&
-      bytes <= cache->size - (a - cache->base)) {
+  if (cache && in_range(cache, p, bytes)) {
     *out = cache->kind;
     return PM_OK;
   }
@@ -111,14 +119,10 @@ static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes,
   return PM_OK;
 }
 
-/* The base of the tracked range that classify left in `cache` when it holds [p, p + bytes),
- * else 0 (memory pinmem does not track). */
-static uintptr_t in_range(const qcache_t *cache, const void *p, size_t bytes) {
-  uintptr_t a = (uintptr_t)p;
-  if (cache->valid && a >= cache->base && a - cache->base <= cache->size &&
-      bytes <= cache->size - (a - cache->base))
-    return cache->base;
-  return 0;
+/* Whether [dst, dst + n) and [src, src + n) share a byte. */
+static bool overlap(const void *dst, const void *src, size_t n) {
+  uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+  return d < s + n && s < d + n;
 }
 
 /* Whether a batch item continues `op` on both sides, so the two move as one DMA. Not when the
@@ -129,8 +133,7 @@ static uintptr_t in_range(const qcache_t *cache, const void *p, size_t bytes) {
 static bool can_join(const pm_copy_item_t *op, const pm_copy_item_t *it) {
   if ((const char *)op->src + op->bytes != it->src || (char *)op->dst + op->bytes != it->dst)
     return false;
-  uintptr_t d = (uintptr_t)op->dst, s = (uintptr_t)op->src, n = op->bytes + it->bytes;
-  return !(d < s + n && s < d + n);
+  return !overlap(op->dst, op->src, op->bytes + it->bytes);
 }
 
 static bool can_host(pm__mem_t k) {
@@ -193,7 +196,7 @@ static pm_status_t check_ranges(void *dst, const void *src, size_t bytes, where_
   if (bytes > UINTPTR_MAX - d || bytes > UINTPTR_MAX - s)
     return pm__set_error(PM_ERR_INVALID, "%s: %zu bytes from %p wraps the address space",
                          where_str(w, wb, sizeof wb), bytes, bytes > UINTPTR_MAX - d ? dst : src);
-  if (d < s + bytes && s < d + bytes)
+  if (overlap(dst, src, bytes))
     return pm__set_error(PM_ERR_INVALID, "%s: src [%p, +%zu) and dst [%p, +%zu) overlap",
                          where_str(w, wb, sizeof wb), src, bytes, dst, bytes);
   return PM_OK;
