@@ -709,7 +709,9 @@ PM_API pm_status_t pm_blocks_wait_ready(pm_blocks_t *blocks, uint64_t count);
  *  the caller waits on and destroys (pm_event_destroy); the host blocks hold the data once it
  *  completed. PM_ERR_INVALID, before anything is queued, for a bad id (naming it and its
  *  position), a repeated host id, a layout that does not match the store or is not device memory,
- *  or tensors on another device. */
+ *  or tensors on another device. `stream` is a stream of the store's device; the call makes that
+ *  device current while it queues (its kernel and event are that device's) and gives the calling
+ *  thread its own device back. */
 PM_API pm_status_t pm_blocks_swap_out(pm_blocks_t *blocks, const pm_kv_layout_t *layout,
                                       const uint64_t *device_ids, const uint64_t *host_ids,
                                       size_t count, pm_stream_t stream, pm_event_t *event_out);

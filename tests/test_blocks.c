@@ -599,8 +599,9 @@ static void test_joined_pieces(void) {
 }
 
 /* A chunk that cannot be pinned (the third registration fails): the blocks before it work, a
- * call that names a block at or after it gets the pinning error (never hangs), and destroy
- * unpins what was pinned and gives the whole charge back. */
+ * call that names a block at or after it gets the pinning error (never hangs), the unpinned
+ * chunks' charge goes back at once and their blocks leave the free list, and destroy unpins what
+ * was pinned and gives the rest of the charge back. */
 static void test_pinning_fails(void) {
   kv_t k;
   kv_make(&k, LAY_ONE_TENSOR, 1, 8, 4096, 21);
@@ -638,6 +639,24 @@ static void test_pinning_fails(void) {
   CHECK_EQ_SIZE(st.chunks_ready, 2);
   CHECK_EQ_SIZE(st.ready_blocks, 4);
   CHECK_EQ_SIZE(st.swaps_in, 0);
+  /* The chunks that were never pinned are given back to the budget, and their blocks never go
+   * back to the free list: alloc hands out only blocks a swap can use, and says why not more. */
+  size_t chunk_charge = pm__align_up(2 * k.block_bytes, pm__page_size());
+  CHECK_EQ_SIZE(st.arena_bytes, 2 * chunk_charge);
+  pm_pool_stats_t pf;
+  CHECK_OK(pm_pool_get_stats(pool, &pf));
+  CHECK_EQ_SIZE(pf.registered_bytes, p0.registered_bytes + 2 * chunk_charge);
+  CHECK_OK(pm_blocks_free(s, h, 8));
+  CHECK_OK(pm_blocks_get_stats(s, &st));
+  CHECK_EQ_SIZE(st.free_blocks, 4);
+  for (int round = 0; round < 2; round++) {
+    uint64_t a[4];
+    CHECK_OK(pm_blocks_alloc(s, 4, a));
+    for (int i = 0; i < 4; i++) CHECK(a[i] < 4);
+    CHECK_ERR_MSG(pm_blocks_alloc(s, 1, a), PM_ERR_NOMEM);
+    CHECK(strstr(pm_last_error(), "blocks from 4 on could not be pinned") != NULL);
+    CHECK_OK(pm_blocks_free(s, a, 4));
+  }
   pm__fault_reset();
   CHECK_OK(pm_blocks_destroy(s));
   pm_pool_stats_t p1;

@@ -7,8 +7,9 @@
  * thread's device alone unless option device is given; one pinned buffer feeds copies to two
  * devices; per-device memory limits; the records themselves catch what they must (a kernel on
  * another device's stream, an event recorded on another device's stream, a copy queued on the
- * wrong device's stream). On the cuda backend the portable-memory test runs where two GPUs are;
- * with fewer it is skipped, saying so.
+ * wrong device's stream); a KV block store of device 1 swaps on device 1 whatever the calling
+ * thread's device, and refuses another device's KV memory. On the cuda backend the portable-memory
+ * test runs where two GPUs are; with fewer it is skipped, saying so.
  */
 #include <fcntl.h>
 #include <pthread.h>
@@ -719,6 +720,115 @@ static void test_portable_two_devices(void) {
   printf("portable: one pinned buffer copied to devices 0 and 1, bytes checked\n");
 }
 
+/* ---- the KV block store of device 1, called from a thread on device 0 ---- */
+
+/* A store of `device` with `num` blocks of `bb` bytes and `n` of them allocated into host. */
+static pm_blocks_t *blocks_make(int device, size_t bb, uint64_t num, uint64_t *host, size_t n) {
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = bb;
+  c.num_blocks = num;
+  c.device = device;
+  pm_blocks_t *store = NULL;
+  CHECK_OK(pm_blocks_create(&c, &store));
+  REQUIRE(store);
+  CHECK_OK(pm_blocks_alloc(store, n, host));
+  return store;
+}
+
+static void blocks_case(const char *cut) {
+  const size_t bb = 4096;
+  const uint64_t nd = 8;
+  CHECK_OK(pm_option_set("blocks_kernel_max", cut));
+  /* Everything of device 1 made with device 1 current, as a rank's setup does. */
+  CHECK_OK(pm_device_set(1));
+  void *kv = NULL;
+  pm_stream_t s1 = NULL;
+  CHECK_OK(pm_device_alloc(bb * nd, &kv));
+  CHECK_OK(pm_stream_create(&s1));
+  char *pat = malloc(bb * nd), *back = malloc(bb * nd);
+  REQUIRE(pat && back);
+  pm_test_fill(pat, bb * nd, 31);
+  CHECK_OK(pm_memcpy(kv, pat, bb * nd, PM_COPY_H2D));
+  uint64_t host[4];
+  pm_blocks_t *store = blocks_make(1, bb, 16, host, 4);
+  pm_kv_region_t r = {kv, bb, bb};
+  pm_kv_layout_t L = {1, &r, nd, -1};
+  uint64_t out_ids[4] = {6, 1, 4, 3}, in_ids[4] = {0, 2, 5, 7};
+
+  /* The thread is on device 0 now: the swaps, their event and the calibration (auto) are still
+   * device 1's, and the thread is back on device 0 after each call. */
+  CHECK_OK(pm_device_set(0));
+  records_reset();
+  pm_event_t ev = NULL;
+  CHECK_OK(pm_blocks_swap_out(store, &L, out_ids, host, 4, s1, &ev));
+  CHECK_OK(pm_blocks_swap_in(store, &L, in_ids, host, 4, s1, NULL));
+  pm_blocks_stats_t st;
+  CHECK_OK(pm_blocks_get_stats(store, &st));
+  int cur = -1;
+  CHECK_OK(pm_device_get(&cur));
+  CHECK_EQ_INT(cur, 0);
+  CHECK_OK(pm_device_set(1)); /* the caller's own calls on the event and stream, on device 1 */
+  CHECK_OK(pm_event_synchronize(ev));
+  CHECK_OK(pm_event_destroy(ev));
+  CHECK_OK(pm_stream_synchronize(s1));
+  CHECK_OK(pm_device_set(0));
+  CHECK_ONLY_ON(1, cut);
+  CHECK_OK(pm_device_set(1));
+  CHECK_OK(pm_memcpy(back, kv, bb * nd, PM_COPY_D2H));
+  for (int i = 0; i < 4; i++) /* device block in_ids[i] now holds what out_ids[i] held */
+    CHECK(memcmp(back + in_ids[i] * bb, pat + out_ids[i] * bb, bb) == 0);
+  CHECK(memcmp(back + 1 * bb, pat + 1 * bb, bb) == 0); /* untouched blocks kept */
+  CHECK_OK(pm_blocks_destroy(store));
+  CHECK_OK(pm_stream_destroy(s1));
+  CHECK_OK(pm_device_free(kv));
+  CHECK_OK(pm_device_set(0));
+  free(pat);
+  free(back);
+}
+
+static void test_blocks_on_device1(void) {
+  blocks_case("1M"); /* every piece by the kernel */
+  blocks_case("0");  /* every piece by DMA */
+  blocks_case("auto");
+  printf(
+      "blocks: a store of device 1 swapped from a thread on device 0 (kernel, DMA, auto): "
+      "every call on device 1\n");
+
+  /* A store of device 0 given device 1's KV memory refuses it, whatever layout.device says,
+   * before anything is queued. */
+  CHECK_OK(pm_device_set(1));
+  void *kv1 = NULL;
+  CHECK_OK(pm_device_alloc(8192, &kv1));
+  CHECK_OK(pm_device_set(0));
+  pm_stream_t s0 = NULL;
+  CHECK_OK(pm_stream_create(&s0));
+  uint64_t host[2];
+  pm_blocks_t *store = blocks_make(0, 4096, 4, host, 2);
+  pm_kv_region_t r = {kv1, 4096, 4096};
+  uint64_t dev[2] = {0, 1};
+  static const char *const cuts[] = {"1M", "0"};
+  for (int k = 0; k < 2; k++) {
+    CHECK_OK(pm_option_set("blocks_kernel_max", cuts[k]));
+    for (int d = -1; d <= 0; d++) {
+      pm_kv_layout_t L = {1, &r, 2, d};
+      records_reset();
+      CHECK_ERR_MSG(pm_blocks_swap_out(store, &L, dev, host, 2, s0, NULL), PM_ERR_INVALID);
+      CHECK(strstr(pm_last_error(), "is memory of device 1, the store serves device 0"));
+      CHECK_ERR_MSG(pm_blocks_swap_in(store, &L, dev, host, 2, s0, NULL), PM_ERR_INVALID);
+      CHECK(strstr(pm_last_error(), "is memory of device 1, the store serves device 0"));
+      CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
+    }
+  }
+  CHECK_OK(pm_option_set("blocks_kernel_max", "auto"));
+  CHECK_OK(pm_blocks_destroy(store));
+  CHECK_OK(pm_stream_destroy(s0));
+  CHECK_OK(pm_device_set(1));
+  CHECK_OK(pm_device_free(kv1));
+  CHECK_OK(pm_device_set(0));
+  printf("blocks: device 1's KV memory refused by a store of device 0, naming both\n");
+}
+
 int main(void) {
   alarm(600); /* a hang fails the test instead of stalling CI */
   /* Before pm_init: three simulated devices with 1 MiB each; staging in small chunks on four
@@ -757,6 +867,7 @@ int main(void) {
   test_broadcast();
   test_work_on_device1();
   test_ranks_on_their_devices();
+  test_blocks_on_device1();
   CHECK_OK(pm_option_set("host_device_memory", "1M"));
   test_devices_basics();
 

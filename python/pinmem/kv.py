@@ -62,6 +62,8 @@ def kv_device_tensor(shape, dtype):
     itemsize = torch.empty((), dtype=dtype).element_size()
     n = 1
     for d in shape:
+        if int(d) < 0:
+            _invalid(f"kv_device_tensor: negative dimension {int(d)} in shape {tuple(shape)}")
         n *= int(d)
     raw = torch.from_dlpack(_pm.device_empty(n * itemsize, "uint8"))
     return raw.view(dtype).view(tuple(shape))

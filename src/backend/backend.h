@@ -83,6 +83,10 @@ typedef struct pm__backend {
    * pin_memory; the copy engine gives it one DMA instead of staging it) or PM__PTR_OTHER
    * (pageable memory, or nothing the backend knows). One cheap query (0.07-0.2 us on the H200). */
   int (*pointer_kind)(const void *ptr);
+  /* Optional: the device whose memory ptr is (device memory, not managed), else -1 (managed
+   * memory, which any device may reach; host memory; an address the backend does not know).
+   * Callers that launch on one device's stream check memory given to them with it. */
+  int (*pointer_device)(const void *ptr);
 
   /* Optional (NULL where the backend has none): `count` copies, stream-ordered on `stream`, in
    * one call (cudaMemcpyBatchAsync); the direction of each follows from its pointers. Callers

@@ -1266,6 +1266,16 @@ static int cuda_pointer_kind(const void *ptr) {
    * cudaHostRegister, torch's pin_memory), whoever called it. */
   return type == PM_CU_MEMORYTYPE_HOST ? PM__PTR_PINNED : PM__PTR_OTHER;
 }
+static int cuda_pointer_device(const void *ptr) {
+  if (!ptr) return -1;
+  int attrs[3] = {PM_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, PM_CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                  PM_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+  unsigned int type = 0, managed = 0;
+  int ordinal = -1;
+  void *data[3] = {&type, &managed, &ordinal};
+  if (drv.PointerGetAttributes(3, attrs, data, dptr_of(ptr)) != PM_CUDA_SUCCESS) return -1;
+  return type == PM_CU_MEMORYTYPE_DEVICE && !managed ? ordinal : -1;
+}
 const pm__backend_t pm__backend_cuda = {
     .name = "cuda",
     .kind = PM_BACKEND_CUDA,
@@ -1303,6 +1313,7 @@ const pm__backend_t pm__backend_cuda = {
     .launch_busy = cuda_launch_busy,
     .launch_host_func = cuda_launch_host_func,
     .pointer_kind = cuda_pointer_kind,
+    .pointer_device = cuda_pointer_device,
     .memcpy_batch_async = cuda_memcpy_batch_async,
     .launch_batch_copy = cuda_launch_batch_copy,
     .kernel_host_access = cuda_kernel_host_access,

@@ -47,6 +47,7 @@ pm_status_t pm__hb_host_device_pointer(void *host_ptr, void **dptr_out);
 pm_status_t pm__hb_device_alloc(size_t bytes, void **dptr_out);
 pm_status_t pm__hb_managed_alloc(size_t bytes, void **ptr_out);
 int pm__hb_pointer_kind(const void *ptr);
+int pm__hb_pointer_device(const void *ptr);
 pm_status_t pm__hb_device_count(int *count_out);
 pm_status_t pm__hb_device_info(int device, pm_device_info_t *info_out);
 pm_status_t pm__hb_set_device(int device);

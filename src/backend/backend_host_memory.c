@@ -16,8 +16,9 @@
  * - Call records, for tests (pm__hb_device_calls): a counter per device of the calls made while
  *   it was current, for every call that needs a context under CUDA (allocations and frees of
  *   every kind, host registration, streams, events, copies, memset, prefetch, launches, device
- *   synchronize; not device_count/info, set/get_device, pointer_kind, kernel_host_access), and
- *   a counter of mismatches, following CUDA's documented multi-device rules:
+ *   synchronize; not device_count/info, set/get_device, pointer_kind/device,
+ *   kernel_host_access), and a counter of mismatches, following CUDA's documented multi-device
+ *   rules:
  *     - a kernel launch (busy, batch copy) on a stream of another device than the current one
  *       fails under CUDA;
  *     - event_record of an event on a stream of another device fails; event_elapsed of events
@@ -566,6 +567,16 @@ int pm__hb_pointer_kind(const void *ptr) {
   }
   pthread_mutex_unlock(&mem_lock);
   return kind;
+}
+
+int pm__hb_pointer_device(const void *ptr) {
+  if (!ptr) return -1;
+  int dev = -1;
+  pthread_mutex_lock(&mem_lock);
+  long i = tbl_find(&device_tbl, (uintptr_t)ptr);
+  if (i >= 0 && device_tbl.v[i].kind == R_DEVICE) dev = device_tbl.v[i].device;
+  pthread_mutex_unlock(&mem_lock);
+  return dev;
 }
 
 /* [ptr, ptr+bytes) must lie in one device-table range (of `kind`, or any kind if kind < 0). */

@@ -310,4 +310,5 @@ const pm__backend_t pm__backend_host = {
     .kernel_host_access = kernel_host_access,
     .launch_host_func = launch_host_func,
     .pointer_kind = pm__hb_pointer_kind,
+    .pointer_device = pm__hb_pointer_device,
 };

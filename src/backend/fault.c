@@ -338,6 +338,9 @@ static pm_status_t f_launch_batch_copy(const pm__copy_desc_t *desc, size_t count
 static int f_pointer_kind(const void *ptr) {
   return real_backend()->pointer_kind(ptr);
 }
+static int f_pointer_device(const void *ptr) {
+  return real_backend()->pointer_device(ptr);
+}
 /* Nor this one, about the device. */
 static int f_kernel_host_access(void) {
   return real_backend()->kernel_host_access();
@@ -398,6 +401,7 @@ pm_status_t pm__fault_wrap(const pm__backend_t **backend) {
     FWD(launch_busy);
     FWD(launch_host_func);
     FWD(pointer_kind);
+    FWD(pointer_device);
     FWD(memcpy_batch_async);
     FWD(launch_batch_copy);
     FWD(kernel_host_access);

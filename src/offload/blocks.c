@@ -21,6 +21,9 @@
  * blocks_kernel_max, or measured once per device (calibrate()): kernel against DMA on a few
  * piece sizes, the largest size at which the kernel wins. A piece that continues the previous
  * one on both sides, within one region and one host chunk, extends it (one copy, not two).
+ * A swap runs with the store's device current (and puts the caller's back): its kernel, event
+ * and calibration belong to that device whatever device the calling thread is on, and memory
+ * of another device is refused before anything is queued.
  *
  * Invariants: chunk_base[c] is written before chunks_ready passes c (release/acquire); a block
  * id is in the free stack exactly when state[id] is 0; everything is validated before anything
@@ -55,7 +58,7 @@ struct pm_blocks_s {
   uint64_t num_blocks;
   uint64_t chunk_blocks, nchunks; /* blocks of each chunk after the first, chunks */
   uint64_t first_blocks;           /* blocks of chunk 0 */
-  size_t charged;
+  size_t charged; /* under lock once the pinner runs (a failed pinning gives the rest back) */
   int device, node, threads;
   bool huge;
   char **chunk_base;          /* [nchunks]: set before chunks_ready passes the index */
@@ -72,6 +75,7 @@ struct pm_blocks_s {
   char pin_error[512];
   uint64_t *free_stack; /* top at [nfree - 1]: the lowest ids on top */
   uint64_t nfree;
+  uint64_t usable; /* ids below it can be pinned: num_blocks, or where the pinning failed */
   uint8_t *state; /* 1: allocated */
 
   _Atomic uint64_t swaps_out, swaps_in, blocks_out, blocks_in, bytes_out, bytes_in;
@@ -199,14 +203,13 @@ done:
   return cut;
 }
 
-/* The cut-off in force: the option, or the current device's calibration (then *calibrated, when
- * asked for, is true). */
-static size_t kernel_max(const pm__backend_t *b, bool *calibrated) {
+/* The cut-off in force: the option, or device dev's calibration (then *calibrated, when asked
+ * for, is true). dev is the current device (enter_device). */
+static size_t kernel_max(const pm__backend_t *b, int dev, bool *calibrated) {
   size_t opt = pm__opt_size(PM__OPT_BLOCKS_KERNEL_MAX);
   if (calibrated) *calibrated = opt == PM__BLOCKS_CUTOFF_AUTO;
   if (opt != PM__BLOCKS_CUTOFF_AUTO) return kernel_usable(b) ? opt : 0;
-  int dev = 0;
-  if (b->get_device(&dev) != PM_OK || dev < 0 || dev >= BLK__MAX_DEVICES) dev = 0;
+  if (dev < 0 || dev >= BLK__MAX_DEVICES) dev = 0;
   int state = atomic_load_explicit(&cal_state[dev], memory_order_acquire);
   if (state == CAL_NONE) {
     int expect = CAL_NONE;
@@ -222,6 +225,24 @@ static size_t kernel_max(const pm__backend_t *b, bool *calibrated) {
    * a lock (nor, in a child forked mid-measurement, forever). */
   if (state != CAL_DONE) return 0;
   return atomic_load_explicit(&cal_value[dev], memory_order_relaxed);
+}
+
+/* Make the store's device current for a call; *prev gets the caller's, for leave_device. */
+static pm_status_t enter_device(const pm_blocks_t *s, int *prev, const char *fn) {
+  *prev = -1;
+  int cur = -1;
+  pm_status_t st = s->b->get_device(&cur);
+  if (st == PM_OK && cur != s->device) {
+    st = s->b->set_device(s->device);
+    if (st == PM_OK) *prev = cur;
+  }
+  if (st != PM_OK)
+    return pm__wrap_error(st, "%s: making the store's device %d current", fn, s->device);
+  return PM_OK;
+}
+
+static void leave_device(const pm_blocks_t *s, int prev) {
+  if (prev >= 0) (void)s->b->set_device(prev);
 }
 
 /* ---- pinning -------------------------------------------------------------------------------- */
@@ -270,11 +291,25 @@ static void *pinner_main(void *arg) {
     if (atomic_load(&s->stop)) break;
     pm_status_t st = pin_chunk(s, c);
     if (st != PM_OK) {
+      /* The blocks of chunks c.. will never be usable: they leave the free list (alloc hands
+       * out only blocks a swap can use), freed ones do not come back to it, and their bytes go
+       * back to the budget. Chunks 1..c-1 are full chunks. */
+      size_t page = pm__page_size();
+      size_t kept = pm__align_up(chunk_len(s, 0), page) +
+                    (size_t)(c - 1) * pm__align_up(chunk_len(s, 1), page);
+      uint64_t limit = chunk_start(s, c), n = 0;
       pthread_mutex_lock(&s->lock);
       s->pin_status = st;
       snprintf(s->pin_error, sizeof s->pin_error, "%s", pm_last_error());
+      for (uint64_t i = 0; i < s->nfree; i++)
+        if (s->free_stack[i] < limit) s->free_stack[n++] = s->free_stack[i];
+      s->nfree = n;
+      s->usable = limit;
+      size_t back = s->charged > kept ? s->charged - kept : 0;
+      s->charged -= back;
       pthread_cond_broadcast(&s->ready_cv);
       pthread_mutex_unlock(&s->lock);
+      if (back) pm__pool_uncharge(s->pool, back);
       break;
     }
     mark_ready(s, c);
@@ -410,6 +445,7 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   }
   for (uint64_t i = 0; i < s->num_blocks; i++) s->free_stack[i] = s->num_blocks - 1 - i;
   s->nfree = s->num_blocks;
+  s->usable = s->num_blocks;
   s->t_create = pm__now();
   for (uint64_t k = 0; k < (c.background ? 1 : s->nchunks); k++) {
     st = pin_chunk(s, k);
@@ -450,11 +486,10 @@ pm_status_t pm_blocks_destroy(pm_blocks_t *s) {
   if (s->has_pinner) pthread_join(s->pinner, NULL);
   /* Swaps queued on any stream may still read or write the arena: the device's work finishes
    * before the memory is unpinned. */
-  int cur = -1;
-  pm_status_t sync = s->b->get_device(&cur);
-  if (sync == PM_OK && cur != s->device) sync = s->b->set_device(s->device);
+  int prev;
+  pm_status_t sync = enter_device(s, &prev, fn);
   if (sync == PM_OK) sync = s->b->device_synchronize();
-  if (cur >= 0 && cur != s->device) (void)s->b->set_device(cur);
+  leave_device(s, prev);
   if (sync != PM_OK) {
     /* Unpinning memory the device may still use would be worse than keeping it. */
     return pm__wrap_error(sync, "%s: the device could not be synchronized; the arena is kept", fn);
@@ -473,11 +508,17 @@ pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
   if (!ids_out) return pm__set_error(PM_ERR_INVALID, "%s: ids_out is NULL", fn);
   pthread_mutex_lock(&s->lock);
   if (count > s->nfree) {
-    uint64_t nfree = s->nfree;
+    uint64_t nfree = s->nfree, usable = s->usable;
+    char why[600] = "";
+    if (usable < s->num_blocks)
+      snprintf(why, sizeof why, " (blocks from %llu on could not be pinned: %s)",
+               (unsigned long long)usable, s->pin_error);
     pthread_mutex_unlock(&s->lock);
     return pm__set_error(PM_ERR_NOMEM,
-                         "%s: the arena is exhausted: asked for %zu blocks, %llu of %llu are free",
-                         fn, count, (unsigned long long)nfree, (unsigned long long)s->num_blocks);
+                         "%s: the arena is exhausted: asked for %zu blocks, %llu of %llu are "
+                         "free%s",
+                         fn, count, (unsigned long long)nfree, (unsigned long long)s->num_blocks,
+                         why);
   }
   for (size_t i = 0; i < count; i++) {
     uint64_t id = s->free_stack[--s->nfree];
@@ -503,7 +544,7 @@ pm_status_t pm_blocks_free(pm_blocks_t *s, const uint64_t *ids, size_t count) {
   bool ok = i == count;
   for (size_t j = 0; j < i; j++) {
     s->state[ids[j]] = ok ? 0 : 1;
-    if (ok) s->free_stack[s->nfree++] = ids[j];
+    if (ok && ids[j] < s->usable) s->free_stack[s->nfree++] = ids[j];
   }
   pthread_mutex_unlock(&s->lock);
   if (ok) return PM_OK;
@@ -550,17 +591,21 @@ pm_status_t pm_blocks_get_stats(pm_blocks_t *s, pm_blocks_stats_t *out) {
   r.num_blocks = s->num_blocks;
   pthread_mutex_lock(&s->lock);
   r.free_blocks = s->nfree;
+  r.arena_bytes = s->charged;
   pthread_mutex_unlock(&s->lock);
   r.chunks = s->nchunks;
   r.chunks_ready = atomic_load(&s->chunks_ready);
   r.ready_blocks = PM__MIN(s->num_blocks, chunk_start(s, r.chunks_ready));
-  r.arena_bytes = s->charged;
   r.chunk_bytes = (size_t)s->chunk_blocks * s->block_bytes;
   r.numa_node = s->node;
   r.first_ready_seconds = atomic_load(&s->first_ready_s);
   r.all_ready_seconds = atomic_load(&s->all_ready_s);
   bool cal;
-  r.kernel_max = kernel_max(s->b, &cal);
+  int prev;
+  st = enter_device(s, &prev, fn);
+  if (st != PM_OK) return st;
+  r.kernel_max = kernel_max(s->b, s->device, &cal);
+  leave_device(s, prev);
   r.kernel_max_calibrated = cal;
   r.swaps_out = atomic_load(&s->swaps_out);
   r.swaps_in = atomic_load(&s->swaps_in);
@@ -616,6 +661,17 @@ static pm_status_t check_layout(const pm_blocks_t *s, const pm_kv_layout_t *L, c
                            "%s: region %d [%p, %p] is not device memory (KV tensors must be on "
                            "the device)",
                            fn, r, g->base, (const void *)last);
+    /* Another device's memory would be read by this device's kernel (an illegal address
+     * without peer access) or copied through the wrong engine. Managed memory answers -1. */
+    if (s->b->pointer_device) {
+      int d0 = s->b->pointer_device(g->base), d1 = s->b->pointer_device(last);
+      int other = d0 >= 0 && d0 != s->device ? d0 : d1 >= 0 && d1 != s->device ? d1 : -1;
+      if (other >= 0)
+        return pm__set_error(PM_ERR_INVALID,
+                             "%s: region %d [%p, %p] is memory of device %d, the store serves "
+                             "device %d",
+                             fn, r, g->base, (const void *)last, other, s->device);
+    }
   }
   if (sum != s->block_bytes)
     return pm__set_error(PM_ERR_INVALID,
@@ -705,7 +761,10 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
     if (st != PM_OK) return st;
   }
   const pm__backend_t *b = s->b;
-  size_t cut = kernel_max(b, NULL);
+  int prev;
+  st = enter_device(s, &prev, fn);
+  if (st != PM_OK) return st;
+  size_t cut = kernel_max(b, s->device, NULL);
   blk_lists_t k = {0}, d = {0};
   /* Lists for at most BLK__BATCH pieces: a larger call goes to the backend in parts. */
   size_t pieces = count * (size_t)L->nregions;
@@ -790,6 +849,7 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
   atomic_fetch_add(&s->pieces_dma, nd);
   atomic_fetch_add(&s->transfers, ntr);
 done:
+  leave_device(s, prev);
   free(k.dsts);
   free(k.srcs);
   free(k.sizes);
