@@ -1082,11 +1082,36 @@ static void test_budget(void) {
   CHECK_LE_SIZE(ps.pinned_peak, pc.budget);
   CHECK(ps.allocs >= 2);
   CHECK_EQ_SIZE(ps.in_use_bytes, 0);
-  /* A slot larger than the whole budget: a clear PM_ERR_BUDGET. */
+  /* A slot larger than the whole budget: a clear PM_ERR_BUDGET for device memory. */
   o.chunk = 4 * slot;
   CHECK_ERR_MSG(pm_file_read_async(g_fd, 0, n, d.p, g_s, &o, NULL), PM_ERR_BUDGET);
   CHECK(has("budget"));
   CHECK_OK(pm_stream_synchronize(g_s));
+  /* Host memory O_DIRECT cannot reach in place (not aligned as the file is): its slots are only
+   * memcpy scratch, so they are ordinary memory, pinning nothing, and the bytes move. */
+  {
+    unsigned char *raw = malloc(n + 2), *h = raw + 1; /* offset 3 in the file: not aligned */
+    REQUIRE(raw);
+    CHECK_OK(pm_pool_get_stats(pool, &ps));
+    size_t peak0 = ps.pinned_peak;
+    unsigned char *now = file_contents();
+    CHECK_OK(pm_file_read_async(g_fd, 3, n, h, g_s, &o, NULL));
+    CHECK_EQ_SIZE(first_diff(h, now + 3, n), n);
+    free(now);
+    CHECK(strstr(pm__file_note(), "cannot hold one") != NULL);
+    CHECK(strstr(pm__file_note(), "slots of pageable memory") != NULL);
+    memset(h, 0x5a, n);
+    CHECK_OK(pm_file_write_async(g_fd, 4097, n, h, g_s, &o, NULL));
+    unsigned char *fw = file_contents();
+    bool same = true;
+    for (size_t i = 0; i < n && same; i++) same = fw[4097 + i] == 0x5a;
+    CHECK(same);
+    free(fw);
+    CHECK_OK(pm_pool_get_stats(pool, &ps));
+    CHECK_EQ_SIZE(ps.pinned_peak, peak0);
+    CHECK_EQ_SIZE(ps.in_use_bytes, 0);
+    free(raw);
+  }
   /* Other buffers hold the whole budget, which could hold a slot: the slots are ordinary
    * memory (DMAs from and to pageable memory) and every byte still moves. */
   o.chunk = chunk;

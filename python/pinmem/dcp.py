@@ -470,9 +470,15 @@ class _FileOut:
         if self.buf is None or not self.fill:
             return
         buf, n, at = self.buf, self.fill, self.cstart
-        self.jobs.append((self.pool.submit(_pm.write_ranges, self.path, [(at, buf, n)],
-                                           io=self.io, threads=self.WRITE_THREADS,
-                                           chunk=self.write_unit()), buf))
+        if _pm.pointer_info(buf.data_ptr())["kind"] in ("pool", "registered"):
+            kw = dict(io=self.io, threads=self.WRITE_THREADS, chunk=self.write_unit())
+        else:
+            # A pageable chunk (the budget held no pinned one): through the page cache, which
+            # needs no pinned bounce slot (one of write_unit() bytes is more than such a
+            # budget holds).
+            kw = dict(io="buffered", threads=self.WRITE_THREADS)
+        self.jobs.append((self.pool.submit(_pm.write_ranges, self.path, [(at, buf, n)], **kw),
+                          buf))
         self.buf = self.np = None
         self.cstart += n
         self.fill = 0
@@ -933,6 +939,11 @@ class FileSystemWriter(_fs.FileSystemWriter):
         folder = _os.path.realpath(_os.fspath(self.path))
         self._tls.save = (folder, tag, _Saves.begin(folder, tag))
         _PLANNED.tag = tag
+        # Files of saves that failed (on another rank, or at the metadata) go before this save
+        # writes: their space may be what it needs (a disk that was full for a moment).
+        per_rank = not self.use_collectives and self.rank is not None
+        own = _named_by(self._get_metadata_path(self.rank if per_rank else None))
+        self._sweep(folder, folder, tag, own)
         return [_dataclasses.replace(p, storage_data=_SavePrefix(p.storage_data.prefix, tag))
                 if type(p.storage_data) is _fs._StoragePrefix else p for p in plans]
 
@@ -1060,7 +1071,18 @@ class FileSystemWriter(_fs.FileSystemWriter):
             save = (key, "", _Saves.begin(key, ""))
         _, tag, seq = save
         mine = {s.relative_path for s in storage.values()}
-        if not _Saves.finish(key, tag, seq, install):
+        try:
+            installed = _Saves.finish(key, tag, seq, install)
+        except BaseException:
+            # The metadata could not be put in place (a full disk): the folder keeps the
+            # checkpoint it had, and this save's files go (every rank's: their names are here).
+            for name in mine:
+                try:
+                    _os.unlink(_os.path.join(folder, name))
+                except OSError:
+                    pass
+            raise
+        if not installed:
             # A save into this folder planned after this one has put its metadata in place:
             # the folder keeps that newer checkpoint, and this save's files go.
             for name in mine:
@@ -1074,16 +1096,24 @@ class FileSystemWriter(_fs.FileSystemWriter):
                            "future before the next save into the same folder)",
                            RuntimeWarning, stacklevel=2)
             return
-        if not per_rank:
-            _remove_unnamed(folder, mine, _Saves.in_flight(key, tag))
+        self._sweep(folder, key, tag, mine)
+
+    def _sweep(self, folder, key, tag, own):
+        """Remove the data files of earlier and failed saves: those the coordinator's metadata
+        (own: the names it holds; None where it cannot be read, then nothing goes) does not
+        name, and not those of the saves in flight. Without collectives every rank is its own
+        coordinator, with metadata of its own (__<rank>.metadata) naming its own files
+        (__<rank>_*): this rank's files go, not those a checkpoint saved with collectives
+        (.metadata) names."""
+        if own is None:
             return
-        # Without collectives every rank is its own coordinator, with metadata of its own
-        # (__<rank>.metadata) naming its own files (__<rank>_*): this rank's earlier files go,
-        # not those a checkpoint saved with collectives (.metadata) names.
+        busy = _Saves.in_flight(key, tag)
+        if self.use_collectives or self.rank is None:
+            _remove_unnamed(folder, own, busy)
+            return
         shared = _named_by(self._get_metadata_path(None))
         if shared is not None:
-            _remove_unnamed(folder, mine | shared, _Saves.in_flight(key, tag),
-                            prefix=f"__{self.rank}_")
+            _remove_unnamed(folder, own | shared, busy, prefix=f"__{self.rank}_")
 
 
 def _remove_stale_tmps(final):

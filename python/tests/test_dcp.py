@@ -17,6 +17,7 @@ With a CUDA device and pinmem's cuda backend (bench/gpu_run.sh dcp), the device 
 the device snapshot of mixed tensors, the writer's stream, and async_save with torch's process
 executor from device tensors (the snapshot sent to the executor's process by CUDA IPC).
 """
+import contextlib
 import errno
 import gc
 import io
@@ -932,6 +933,20 @@ def test_archive_of_a_tensor_past_4_gib(tmp_path):
     assert t.shape == (n,) and t.dtype == torch.uint8 and int(t[-1]) == 0
 
 
+@contextlib.contextmanager
+def _budget(size):
+    """pinmem's budget set to size (buffers of earlier tests let go first), then back."""
+    import pinmem
+    old = pinmem.budget()
+    gc.collect()
+    pinmem.trim()
+    try:
+        pinmem.set_budget(size)
+        yield
+    finally:
+        pinmem.set_budget(old)
+
+
 def test_load_and_save_beside_a_kept_snapshot_under_a_budget(tmp_path):
     """An async_save's writer kept for the next save keeps its pinned snapshot, which with the
     pool's cache takes pinmem's budget: loads and saves beside it still run (their bounce slots
@@ -940,11 +955,7 @@ def test_load_and_save_beside_a_kept_snapshot_under_a_budget(tmp_path):
     import pinmem.dcp
     g = torch.Generator().manual_seed(3)
     sd = {"a": torch.randn(2000, 2500, generator=g), "b": torch.randn(1500, 1000, generator=g)}
-    old = pinmem.budget()
-    gc.collect()
-    pinmem.trim()
-    try:
-        pinmem.set_budget("40M")
+    with _budget("40M"):
         dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "q"), no_dist=True)
         w = pinmem.dcp.FileSystemWriter(tmp_path / "p")
         dcp.async_save(sd, storage_writer=w, no_dist=True).result()
@@ -959,8 +970,24 @@ def test_load_and_save_beside_a_kept_snapshot_under_a_budget(tmp_path):
             dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "q"),
                      no_dist=True)
         w.close()
-    finally:
-        pinmem.set_budget(old)
+
+
+@pytest.mark.parametrize("budget", ["6M", "1M"])
+def test_save_and_load_under_a_budget_below_a_chunk(tmp_path, budget):
+    """A budget that holds no 16 MiB chunk: the writer's chunks are ordinary memory, written
+    through the page cache (with O_DIRECT they needed a pinned bounce slot of a chunk's write
+    unit, 8 MiB on 2 CPUs, which such a budget refuses); torch's reader and pinmem's load it."""
+    import pinmem
+    import pinmem.dcp
+    g = torch.Generator().manual_seed(4)
+    sd = {"a": torch.randn(1000, 1000, generator=g), "b": torch.randn(3000, 1000, generator=g)}
+    with _budget(budget):
+        dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+        for kind in ("torch", "pinmem"):
+            got = {k: torch.zeros_like(v) for k, v in sd.items()}
+            dcp.load(got, storage_reader=_reader(kind, tmp_path), no_dist=True)
+            for k, v in sd.items():
+                assert torch.equal(got[k], v), f"{kind}: {k}"
 
 
 def test_torch_written_formats_through_pinmems_writer(tmp_path):
@@ -1189,6 +1216,44 @@ def test_full_disk_keeps_previous(small_tmpfs):
         for k, v in old.items():
             if isinstance(v, torch.Tensor):
                 assert torch.equal(got[k], v), f"{reader}: {k} of the previous checkpoint"
+
+
+def test_failed_saves_leave_no_files_the_next_one_needs(small_tmpfs, monkeypatch):
+    """Files of a save that failed elsewhere (another rank's, here put in place by hand) go
+    before the next save writes, so a disk that was full for a moment takes saves again; a
+    save whose metadata cannot be written removes its data files, and the folder keeps the
+    checkpoint it had."""
+    import pinmem.dcp
+    path = small_tmpfs / "ckpt"
+    old = {"a": torch.randn(1 << 20)}  # 4 MiB of the 10 MiB disk
+    dcp.save(old, storage_writer=pinmem.dcp.FileSystemWriter(path), no_dist=True)
+    before = sorted(os.listdir(path))
+    # Another rank's file of a failed save: 4 MiB; the next 4 MiB save fits only without it.
+    with open(path / "__1_0.0123456789ab.distcp", "wb") as f:
+        f.write(b"\0" * (4 << 20))
+    new = {"a": torch.randn(1 << 20)}
+    dcp.save(new, storage_writer=pinmem.dcp.FileSystemWriter(path), no_dist=True)
+    assert "__1_0.0123456789ab.distcp" not in os.listdir(path)
+    after = sorted(os.listdir(path))
+    assert len(_data_files(path)) == 1, after
+
+    class NoDump:  # the metadata's write fails as on a full disk
+        def __getattr__(self, name):
+            return getattr(pickle, name)
+
+        @staticmethod
+        def dump(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(pinmem.dcp, "_pickle", NoDump())
+    with pytest.raises(CheckpointException, match="No space left"):
+        dcp.save({"a": torch.randn(1 << 20)}, storage_writer=pinmem.dcp.FileSystemWriter(path),
+                 no_dist=True)
+    monkeypatch.undo()
+    assert sorted(os.listdir(path)) == after, "the failed save left files behind"
+    got = {"a": torch.zeros(1 << 20)}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(path), no_dist=True)
+    assert torch.equal(got["a"], new["a"])
+    assert before != after
 
 
 def test_save_over_torch_checkpoint_replaces_it(tmp_path):

@@ -530,21 +530,33 @@ def test_ranges_when_other_buffers_hold_the_budget(tmp_path, rng, no_fd_leak):
 
 def test_a_ranges_chunk_is_the_unit_it_asks_for(tmp_path, rng, no_fd_leak):
     # Within a budget of 8 MiB the default 1 MiB units fit and a 64 MiB unit does not: the
-    # call's chunk reaches the C call (its bounce slots), and a bad one is refused by name.
+    # call's chunk reaches the C call (device memory's bounce slots), and a bad one is refused
+    # by name. Host memory's slots are only memcpy scratch: past the budget they are ordinary
+    # memory, and the bytes still move.
     path = tmp_path / "f.bin"
     write_background(path, rng, 10000)
+    want = np.fromfile(path, np.uint8, 4096)
     # never 4 KiB-aligned (an aligned one would be read in place, through no bounce slot)
     a = np.zeros(4097, np.uint8)[1:]
+    d = pinmem.device_empty(4096, "uint8")
     old = pinmem.budget()
     gc.collect()  # buffers of earlier tests still held would keep the budget from shrinking
     pinmem.trim()
     try:
         pinmem.set_budget("8M")
         pinmem.read_ranges(path, [(0, a)], io="direct")
+        pinmem.read_ranges(path, [(0, d)], io="direct")
         with pytest.raises(pinmem.BudgetError, match="cannot hold one .*bounce slot"):
-            pinmem.read_ranges(path, [(0, a)], io="direct", chunk="64M")
+            pinmem.read_ranges(path, [(0, d)], io="direct", chunk="64M")
         with pytest.raises(pinmem.BudgetError, match="cannot hold one .*bounce slot"):
-            pinmem.write_ranges(path, [(0, a)], io="direct", chunk="64M")
+            pinmem.write_ranges(path, [(0, d)], io="direct", chunk="64M")
+        a[:] = 0
+        peak = pinmem.stats()["pinned_peak"]
+        pinmem.read_ranges(path, [(0, a)], io="direct", chunk="64M")
+        assert np.array_equal(a, want)
+        pinmem.write_ranges(path, [(8192, a)], io="direct", chunk="64M")
+        assert np.array_equal(np.fromfile(path, np.uint8, 4096, offset=8192), want)
+        assert pinmem.stats()["pinned_peak"] == peak
     finally:
         pinmem.set_budget(old)
     with pytest.raises(pinmem.InvalidError, match="chunk must be at most 1 GiB"):

@@ -2,7 +2,8 @@
  * DESIGN: file ranges read into, and written from, device or host memory (pm_file_read_async,
  * pm_file_write_async, and lists of ranges: pm_file_readv_async, pm_file_writev_async), on the
  * copy engine's pieces: bounce slots are pool blocks (the pool's budget holds; ordinary memory
- * where other buffers hold a budget that could hold a slot: ring_create), DMAs are the
+ * where other buffers hold a budget that could hold a slot, or where a call of host memory alone
+ * meets a budget that cannot: ring_create), DMAs are the
  * backend's memcpy_async with one event per slot, threads come from pm__parallel_for and
  * completion is a copy fence (fence.c).
  *
@@ -405,7 +406,8 @@ static void ring_destroy(fio_t *c, bool dmas_may_run) {
   c->heap = false;
 }
 
-/* A bounce slot of ordinary memory (ring_create, where the budget is held elsewhere). */
+/* A bounce slot of ordinary memory (ring_create, where the budget is held elsewhere, or
+ * cannot hold a slot of a host-memory call). */
 static pm_status_t heap_slot(size_t bytes, void **p) {
   if (posix_memalign(p, FILE_ALIGN, bytes) == 0) return PM_OK;
   *p = NULL;
@@ -418,12 +420,22 @@ static pm_status_t ring_create(fio_t *c, int want) {
   pm_pool_stats_t stats;
   if (pm_pool_get_stats(c->pool, &stats) == PM_OK && stats.budget) {
     size_t fit = stats.budget / pm__size_class(sbytes);
-    if (fit == 0)
+    if (fit == 0 && c->device)
       return pm__set_error(PM_ERR_BUDGET,
                            "%s: the pool budget (%zu bytes) cannot hold one %zu-byte bounce slot; "
                            "lower options->chunk or raise the budget",
                            c->fn, stats.budget, sbytes);
-    if ((size_t)want > fit) want = (int)fit;
+    if (fit == 0) {
+      /* Host memory only: a slot is scratch for memcpy, which needs no pinning, and a budget
+       * this small should not fail a transfer the page cache or O_DIRECT can do. */
+      c->heap = true;
+      snprintf(g_note, sizeof g_note,
+               "%s: the pool budget (%zu bytes) cannot hold one %zu-byte bounce slot: %d slots "
+               "of pageable memory",
+               c->fn, stats.budget, sbytes, want);
+    } else if ((size_t)want > fit) {
+      want = (int)fit;
+    }
   }
   c->slot = calloc((size_t)want, sizeof *c->slot);
   c->aslot = calloc((size_t)want, sizeof *c->aslot);
