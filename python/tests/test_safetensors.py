@@ -214,11 +214,14 @@ def test_slices_refused_as_the_package_refuses(tmp_path):
                         ([0, 1], "Non empty lists are not implemented"),
                         (slice(None, None, -1), "Slice step must be a positive integer"),
                         ((1, 2, 3), "more slicing indexes than dimensions"),
-                        (None, "Unsupported slice index at position 0")]:
+                        (None, "Unsupported slice index at position 0"),
+                        (np.array([1, 2]), "Unsupported slice index at position 0"),
+                        (np.array(1.0), "Unsupported slice index at position 0")]:
         with pytest.raises(pst.SafetensorError, match=want):
             s[index]
+    # 0-d integer arrays are ints (anything with __index__), as the package takes them
     for index in [slice(None), (), slice(2, 7, 2), (slice(None), slice(1, 3)), -1, (3, -2),
-                  (Ellipsis, 1), slice(-3, None), True]:
+                  (Ellipsis, 1), slice(-3, None), True, np.array(1), (np.int64(2), np.array(3))]:
         got = s[index]
         want = a[1] if index is True else a[index]
         np.testing.assert_array_equal(got, want, err_msg=repr(index))
@@ -272,6 +275,26 @@ def test_small_tensors_read_one_by_one_take_little_memory(tmp_path):
         del got
     back = pnp.load_file(path)
     assert all(np.array_equal(back[k], v) for k, v in arrays.items())
+
+
+def test_save_to_long_names_and_bytes_paths(tmp_path, monkeypatch):
+    """A name near the folder's limit (255 bytes) saves: the temporary beside it keeps what
+    fits of the name. A bytes path is a path, as the loaders take it."""
+    from pinmem.safetensors import numpy as pnp
+    arrays = {"a": np.arange(4, dtype=np.float32)}
+    for base in ("m" * 240 + ".safetensors", "\u00e9" * 120 + ".st", "x" * 255):
+        path = tmp_path / base
+        for save in (pnp.save_file, lambda a, p: pst.save_file_async(a, p).wait()):
+            save(arrays, path)
+            np.testing.assert_array_equal(pnp.load_file(path)["a"], arrays["a"])
+            path.unlink()
+            assert os.listdir(tmp_path) == [], "a temporary was left"
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    pnp.save_file(arrays, b"sub/model.st")
+    pnp.save_file(arrays, os.fsencode(tmp_path / "sub" / "m2.st"))
+    assert sorted(os.listdir(tmp_path / "sub")) == ["m2.st", "model.st"]
+    np.testing.assert_array_equal(pnp.load_file(b"sub/model.st")["a"], arrays["a"])
 
 
 def _has_torch():
@@ -829,6 +852,24 @@ def test_header_integers_read_as_the_package_reads_them(tmp_path, number, ok):
             sn.load(data)
     with pytest.raises(Exception):
         sn.load(blob(b"[-0,2]", b"0"))
+
+
+def test_devices_that_are_none_refused_as_the_package(tmp_path):
+    """What is no device is the package's "device X is invalid" (a SafetensorError), not a
+    missing GPU; another accelerator's device is named as one pinmem does not load into."""
+    torch = torch_or_skip()
+    from pinmem.safetensors import torch as pt
+    path = tmp_path / "d.safetensors"
+    pt.save_file({"a": torch.arange(4.0)}, path)
+    for dev in ("CPU", "meta", torch.device("meta"), -1, 1.5, "cuda:x", "npu"):
+        for load in (lambda d: pt.load_file(path, device=d),
+                     lambda d: pst.safe_open(path, "pt", device=d)):
+            with pytest.raises(pst.SafetensorError, match=f"^device {dev} is invalid$"):
+                load(dev)
+    with pytest.raises(pst.SafetensorError, match="'mps'.*host memory .*or a CUDA device"):
+        pt.load_file(path, device="mps")
+    for dev in ("cpu", "cpu:0", torch.device("cpu"), None):
+        assert torch.equal(pt.load_file(path, device=dev)["a"], torch.arange(4.0))
 
 
 def test_device_none_and_empty_shapes_as_the_package(tmp_path):

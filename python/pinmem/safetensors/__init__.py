@@ -69,6 +69,7 @@ from ._errors import (SafetensorError, SafetensorFormatError, SafetensorIndexErr
                       SafetensorInvalidError, SafetensorKeyError, SafetensorTypeError,
                       SafetensorUnsupportedError, SharedTensorsError, NoDataError)
 from ._errors import error as _error
+from ._errors import saving as _saving
 from ._errors import fail as _fail
 
 __all__ = ["load_file", "safe_open", "save_file", "save_file_async", "SaveHandle",
@@ -127,11 +128,37 @@ def _torch():
     return torch
 
 
+def _device_kind(what, device):
+    """'cpu' or 'cuda' for a device load_file and safe_open take: 'cpu', 'cuda', 'cuda:N', an
+    int N >= 0 (CUDA device N) or a torch.device of either; the package's refusal (a
+    SafetensorInvalidError, "device X is invalid") for what is no device, and an unsupported
+    error naming the device type for another accelerator's."""
+    if isinstance(device, str) and device == "cpu":
+        return "cpu"
+    if isinstance(device, int):
+        if device < 0:
+            raise _error(SafetensorInvalidError, f"device {device} is invalid")
+        return "cuda"
+    if not isinstance(device, str) and type(device).__name__ != "device":
+        raise _error(SafetensorInvalidError, f"device {device} is invalid")
+    torch = _torch()
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError, TypeError):
+        raise _error(SafetensorInvalidError, f"device {device} is invalid") from None
+    if kind in ("cpu", "cuda"):
+        return kind
+    if kind == "meta":
+        raise _error(SafetensorInvalidError, f"device {device} is invalid")
+    raise _error(SafetensorUnsupportedError, f"{what}: device {device!r}: pinmem.safetensors "
+                 "loads into host memory ('cpu') or a CUDA device")
+
+
 def _require_device(what, device):
-    """No silent CPU: a device asked for after auto fell back to the host backend is an error
-    (torch CPU tensors in its place would fail far from the cause)."""
-    kind = getattr(device, "type", device)
-    if kind == "cpu":
+    """A device of the kinds _device_kind takes; no silent CPU: a CUDA device asked for after
+    auto fell back to the host backend is an error (torch CPU tensors in its place would fail
+    far from the cause)."""
+    if _device_kind(what, device) == "cpu":
         return
     info = _pm.backend_info()
     if info["fallback"]:
@@ -872,8 +899,9 @@ def _checked_index(index, shape):
     """index as a tuple of ints and slices (start, stop, step > 0, all ints, within the shape),
     one per leading dimension, or the refusal the package makes, as a SafetensorError with its
     words: an int or a slice out of range (a slice is not clipped), a step of 0 or less, a
-    non-empty list, anything else (None, a float, an array). A negative slice bound counts from
-    the end. An empty list (no rows) is taken too, as the package takes it."""
+    non-empty list, anything else (None, a float, an array of more than one element). Any
+    object with __index__ (a 0-d integer array or tensor) is an int. A negative slice bound
+    counts from the end. An empty list (no rows) is taken too, as the package takes it."""
     shape = list(shape)
     if isinstance(index, list):
         if index:
@@ -895,6 +923,12 @@ def _checked_index(index, shape):
                      f"{shape}: more slicing indexes than dimensions in tensor")
     out = []
     for pos, (x, size) in enumerate(zip(items, shape)):
+        if not isinstance(x, (int, _np.integer, slice, list, tuple)) and x is not None:
+            try:  # a 0-d integer array or tensor: an index, as the package takes it
+                x = _operator.index(x)
+            except TypeError:
+                pass
+
         def bound(i):
             return _error(SafetensorIndexError, f"Error during slicing {_show(index)} with shape "
                           f"{shape}: index {i} out of bounds for tensor dimension #{pos} of "
@@ -1524,13 +1558,23 @@ def _target(path):
     temporary beside it, created empty now. A save to a place it cannot write (a missing or
     read-only folder, the name of a directory) so fails before any tensor is copied, and
     save_file_async fails in the call rather than in wait()."""
-    path = _os.fspath(path)
+    path = _os.fsdecode(_os.fspath(path))  # bytes too, as the loaders take them
     if _os.path.islink(path):
         path = _os.path.realpath(path)
     if _os.path.isdir(path):
         raise IsADirectoryError(_errno.EISDIR, "pinmem.safetensors: cannot save over a "
                                 "directory", path)
-    tmp = f"{path}.tmp-{_os.getpid()}-{_secrets.token_hex(4)}"
+    folder, base = _os.path.split(path)
+    suffix = f".tmp-{_os.getpid()}-{_secrets.token_hex(4)}"
+    try:
+        name_max = _os.pathconf(folder or ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    # A name near the folder's limit keeps what fits of it (the temporary is renamed anyway).
+    cut = base
+    while len(_os.fsencode(cut + suffix)) > name_max and len(cut) > 1:
+        cut = cut[:-1]
+    tmp = _os.path.join(folder, cut + suffix)
     try:
         _os.close(_os.open(tmp, _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o666))
     except OSError as e:
@@ -1621,6 +1665,22 @@ def _write_saved(path, tmp, buf, copies, keep, write):
             _free(buf)
 
 
+def _save_errors(fn):
+    """A save's I/O errors (OSError, pinmem's IoError) raised as SafetensorErrors too
+    (_errors.saving), so that code written for the package catches them."""
+    @_functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (OSError, _pm.IoError) as e:
+            new = _saving(e)
+            if new is e:
+                raise
+            raise new.with_traceback(e.__traceback__) from e.__cause__
+    return wrapper
+
+
+@_save_errors
 def save_file(tensors, path, metadata=None, *, stage="auto"):
     """Write `tensors` (a dict of names to torch tensors, CPU or device, or NumPy arrays) to the
     safetensors file at `path`, with optional `metadata` (str -> str). The file is written and
@@ -1660,7 +1720,7 @@ class SaveHandle:
             # Its traceback would keep the finished frames' locals, the device scratch among
             # them, alive for as long as the handle or the error is kept.
             _traceback.clear_frames(e.__traceback__)
-            self._error = e
+            self._error = _saving(e).with_traceback(e.__traceback__)
         finally:
             del buf, copies, keep, write  # (this frame stays in the traceback too)
             self._finished.set()
@@ -1686,6 +1746,7 @@ class SaveHandle:
         return f"<pinmem.safetensors.SaveHandle {self.path!r} {state}>"
 
 
+@_save_errors
 def save_file_async(tensors, path, metadata=None, *, stage="auto"):
     """save_file, returning once the snapshot is taken (the tensors may be changed from then
     on); the file is written, fsync'd and renamed over `path` on a background thread. Returns a

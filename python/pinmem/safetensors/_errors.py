@@ -83,6 +83,31 @@ def error(cls, text):
     return e
 
 
+_SAVING = {}  # an I/O error class -> its class for saves (saving)
+
+
+def saving(e):
+    """e, an I/O error of a save (an OSError, pinmem's IoError), as an instance of a class
+    that is both SafetensorError, as the package's save raises ("Error while serializing: I/O
+    error"), and e's own class (FileNotFoundError, IoError, ...), with e's arguments and
+    attributes (errno, filename; status, code, message). Anything else as it is."""
+    if isinstance(e, SafetensorError) or not isinstance(e, (OSError, _pm.IoError)):
+        return e
+    cls = type(e)
+    dual = _SAVING.get(cls)
+    if dual is None:
+        dual = _SAVING[cls] = type(f"Safetensor{cls.__name__}", (SafetensorError, cls),
+                                   {"__module__": "pinmem.safetensors",
+                                    "__doc__": f"A save's {cls.__name__}: a SafetensorError "
+                                               "too."})
+    if isinstance(e, OSError) and e.errno is not None:
+        new = dual(e.errno, e.strerror, e.filename, None, e.filename2)
+    else:
+        new = dual(*e.args)
+    new.__dict__.update(getattr(e, "__dict__", {}))
+    return new
+
+
 def fail(status, text):
     """Raise the SafetensorError class of pinmem status `status` with text."""
     raise error(_BY_STATUS.get(status, SafetensorInvalidError), text)
