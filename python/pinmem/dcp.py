@@ -210,10 +210,10 @@ class _Archive:
     head (everything before the data, which starts 64-byte aligned) and tail (after it), and
     where the CRCs and the serialization id go once the data's CRC is known."""
 
-    def __init__(self, proxy, nbytes):
+    def __init__(self, proxy, nbytes, crc):
         w = _Counting()
         with _torch.serialization.skip_data():
-            _torch.save(proxy, w)
+            _save_as(proxy, w, crc)
         # The bytes torch.save wrote lie before and after the data it skipped (one stretch of
         # nbytes): two images, never one of the whole archive, which may be gigabytes.
         at, gap = 0, None
@@ -260,7 +260,7 @@ class _Archive:
         self.data_k = names.index(data[0])
 
     def tail_for(self, crc):
-        """The tail with the data's CRC (None: torch's crc32 option is off; as written)."""
+        """The tail with the data's CRC (None: the archive's CRCs are off; as written)."""
         tail = bytearray(self.tail)
         if crc is None:
             return tail
@@ -278,19 +278,40 @@ class _Archive:
         return tail
 
 
+def _save_as(obj, w, crc):
+    """torch.save(obj, w) with every record's CRC-32 on or off as crc says: torch.save's own
+    writer and serializer, given crc (torch.save passes its global crc32 option, which a writer's
+    crc32= must not change under other threads' saves). Where this torch lacks them, torch.save
+    itself (the records then follow the global option)."""
+    try:
+        writer = _torch._C.PyTorchFileWriter(w, bool(crc), _alignment_bytes())
+        save = _torch.serialization._save
+    except (AttributeError, TypeError):  # pragma: no cover  (another torch's internals)
+        _torch.save(obj, w)
+        return
+    save(obj, writer, _pickle, _torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+
+def _alignment_bytes():
+    get = getattr(_torch.serialization, "_get_storage_alignment", None)
+    return 64 if get is None else get()
+
+
 _ARCHIVES = {}
 _ARCHIVES_LOCK = _threading.Lock()
 
 
-def _archive(dtype, size, stride, nbytes):
-    # torch.save's CRCs of the small records too follow its crc32 option, and where the data
-    # starts its storage alignment: part of the key
-    key = (dtype, tuple(size), tuple(stride), _crc_on(), _alignment())
+def _archive(dtype, size, stride, nbytes, crc=None):
+    # Every record's CRC follows crc (None: torch's crc32 option), and where the data starts
+    # torch's storage alignment: part of the key
+    crc = _crc_on() if crc is None else bool(crc)
+    key = (dtype, tuple(size), tuple(stride), crc, _alignment())
     with _ARCHIVES_LOCK:
         a = _ARCHIVES.get(key)
     if a is None:
         # An uninitialized CPU tensor stands in for the data: skip_data never reads it.
-        a = _Archive(_torch.empty_strided(size, stride, dtype=dtype), nbytes)
+        a = _Archive(_torch.empty_strided(size, stride, dtype=dtype), nbytes, crc)
         with _ARCHIVES_LOCK:
             if len(_ARCHIVES) > 4096:
                 _ARCHIVES.clear()
@@ -506,7 +527,7 @@ class _FileOut:
 
     def put_data(self, flat):
         """flat's bytes (a uint8 tensor: host or device memory); their CRC-32 (None when
-        torch's crc32 option is off)."""
+        the writer's CRCs are off)."""
         n = flat.numel()
         if (self.PINNED_DIRECT and flat.device.type == "cpu" and self.io == "direct"
                 and _pm.pointer_info(flat.data_ptr())["kind"] in ("pool", "registered")):
@@ -620,7 +641,7 @@ class _FileOut:
         if flat is None:
             self._add_saved(item, t)
             return
-        a = _archive(t.dtype, t.shape, t.stride(), nbytes)
+        a = _archive(t.dtype, t.shape, t.stride(), nbytes, self.crc)
         if nbytes < SMALL:
             # Where it falls, its bytes put with the rest: no gap to align a few KiB (an
             # optimizer's steps, a norm's weights), and no torch.save of each (0.13 ms a tensor
@@ -649,7 +670,7 @@ class _FileOut:
 
     def put_small(self, flat):
         """flat's bytes (a uint8 tensor of fewer than SMALL bytes, host or device memory) put
-        as the bytes around it are; their CRC-32 (None when torch's crc32 option is off)."""
+        as the bytes around it are; their CRC-32 (None when the writer's CRCs are off)."""
         t0 = _time.perf_counter()
         if flat.device.type == "cuda":
             flat = self._to_host(flat)
@@ -668,7 +689,7 @@ class _FileOut:
         if c.untyped_storage().size() != c.numel() * c.element_size():
             c = c.clone()
         b = _io.BytesIO()
-        _torch.save(c, b)
+        _save_as(c, b, self.crc)
         self._time("torch_save_small", t0)
         at = self.pos
         self.put(b.getbuffer())

@@ -619,12 +619,28 @@ def test_archives_are_torch_saves_bytes(tmp_path, crc):
     try:
         dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "p"), no_dist=True)
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+        # crc32= against torch's option: every record follows the writer (the data's CRC
+        # alone did, leaving archives that zipfile's testzip finds bad), as torch's writer
+        # writes them with the option so
+        torch.serialization.set_crc32_options(not crc)
+        dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "x", crc32=crc),
+                 no_dist=True)
     finally:
         torch.serialization.set_crc32_options(before)
     mine, theirs = _items(tmp_path / "p"), _items(tmp_path / "t")
     assert mine.keys() == theirs.keys()
     for k in mine:
         assert mine[k] == theirs[k], f"item {k} differs from torch's"
+    # the tensors' items (a non-tensor value's bytes are DCP's own torch.save, under the option)
+    tensors = {k: v for k, v in theirs.items() if isinstance(sd[k[0].split(".")[0]], torch.Tensor)}
+    assert {k: v for k, v in _items(tmp_path / "x").items() if k in tensors} == tensors
+    for blob in tensors.values():
+        if blob[:2] == b"PK":
+            z = zipfile.ZipFile(io.BytesIO(blob))
+            if crc:  # every CRC right (an empty record's is 0)
+                assert z.testzip() is None and any(i.CRC for i in z.infolist())
+            else:
+                assert not any(i.CRC for i in z.infolist())
     # large tensors' data starts on a 4 KiB boundary of the file
     with open(tmp_path / "p" / ".metadata", "rb") as f:
         md = pickle.load(f)
@@ -661,10 +677,9 @@ def test_small_tensors_take_their_archives_from_templates(tmp_path, monkeypatch)
         ("step", torch.tensor(float(k))))}
     monkeypatch.setattr(pinmem.dcp, "_ARCHIVES", {})
     calls = []
-    real = torch.serialization.save
-    monkeypatch.setattr(torch.serialization, "save",
+    real = pinmem.dcp._save_as  # torch.save's writer and serializer
+    monkeypatch.setattr(pinmem.dcp, "_save_as",
                         lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    monkeypatch.setattr(torch, "save", torch.serialization.save)
     dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "p"), no_dist=True)
     assert len(calls) == 2, f"{len(calls)} torch.save calls for 2 shapes of 200 tensors"
     monkeypatch.undo()
