@@ -297,6 +297,27 @@ def test_save_to_long_names_and_bytes_paths(tmp_path, monkeypatch):
     np.testing.assert_array_equal(pnp.load_file(b"sub/model.st")["a"], arrays["a"])
 
 
+def test_a_failed_save_leaves_no_cycle(tmp_path):
+    """A save's error (a SafetensorError made from an OSError) holds no cycle with the frame
+    that raised it: the save's frames, a device scratch among their locals, go with the error,
+    not when the garbage collector runs."""
+    import gc
+    from pinmem.safetensors import numpy as pnp
+
+    def fail():
+        try:
+            pnp.save_file({"a": np.ones(1000)}, tmp_path / "no" / "x.safetensors")
+        except pst.SafetensorError as e:
+            assert isinstance(e, FileNotFoundError)
+    gc.collect()
+    gc.disable()
+    try:
+        fail()
+        assert gc.collect() == 0, "the failed save left objects only the collector frees"
+    finally:
+        gc.enable()
+
+
 def _has_torch():
     try:
         import torch  # noqa: F401

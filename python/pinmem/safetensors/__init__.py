@@ -1676,7 +1676,13 @@ def _save_errors(fn):
             new = _saving(e)
             if new is e:
                 raise
-            raise new.with_traceback(e.__traceback__) from e.__cause__
+            try:
+                raise new.with_traceback(e.__traceback__) from e.__cause__
+            finally:
+                # Kept here, the error would hold its traceback and this frame each other: a
+                # cycle, and the save's frames (a device scratch among their locals) would
+                # outlive the error until the garbage collector runs.
+                del new
     return wrapper
 
 
