@@ -50,6 +50,12 @@ def start_backend():
         d = pinmem.device_empty((4096,), "uint8")
         pinmem.copy(d, pinmem.empty((4096,), "uint8")).wait()
         del d
+        try:  # torch's CUDA runtime opens descriptors of its own at its first use, and keeps them
+            import torch
+            if torch.cuda.is_available():
+                torch.ones(1, device="cuda").cpu()
+        except ImportError:
+            pass
         _backend_started.append(True)
 
 
