@@ -224,7 +224,8 @@ PM_API pm_status_t pm_device_memset_async(void *dptr, int value, size_t bytes, p
 
 /** One plain backend copy (cudaMemcpyAsync): no staging, no path choice. From or to pageable
  *  host memory it behaves as CUDA does: the caller blocks (H2D returns once the source was
- *  consumed, D2H once the data arrived). */
+ *  consumed, D2H once the data arrived). src and dst that share a byte: PM_ERR_INVALID (CUDA's
+ *  result would be undefined). */
 PM_API pm_status_t pm_memcpy_async(void *dst, const void *src, size_t bytes, pm_copy_kind_t kind,
                                    pm_stream_t stream);
 /** Synchronous plain copy (cudaMemcpy). */
@@ -543,8 +544,8 @@ typedef struct pm_file_options {
   size_t chunk;    /* bytes per unit and bounce slot (0: option file_chunk, 2 MiB, for reads
                       through the page cache; file_direct_chunk, 1 MiB, for reads through
                       O_DIRECT; file_write_chunk, 1 MiB, for writes; rounded up to 4 KiB) */
-  int threads;     /* I/O threads, the caller included (0: option file_threads, else
-                      copy_threads) */
+  int threads;     /* I/O threads, the caller included, 0..256 (0: option file_threads,
+                      else copy_threads) */
   int fsync;       /* writes: 1 = fdatasync before the fence completes */
   void (*callback)(void *arg, pm_status_t status); /* as pm_copy_options_t: runs once on
                                                       completion, on a library thread */
@@ -1213,7 +1214,9 @@ PM_API pm_status_t pm_option_find(const char *name, pm_option_info_t *info_out);
  *  reason otherwise. Options read at init (backend) only take effect before pm_init. value NULL
  *  drops the explicit value: PINMEM_<NAME> or the default is in force again. */
 PM_API pm_status_t pm_option_set(const char *name, const char *value);
-/** "4096", "64K", "1.5M", "2G", "1T" (powers of 1024; an optional trailing B or iB). */
+/** "4096", "64K", "1.5M", "2G", "1T" (powers of 1024; an optional trailing B or iB). A fraction
+ *  needs a suffix ("1.5" is PM_ERR_CONFIG: not a whole number of bytes) and rounds down to a
+ *  byte with one ("1.1K" is 1126). */
 PM_API pm_status_t pm_parse_size(const char *text, size_t *bytes_out);
 
 #ifdef __cplusplus

@@ -96,6 +96,21 @@ static void test_bad_input(void) {
   char host[64];
   size_t before = pm__registry_count();
 
+  /* Overlapping src and dst: cudaMemcpy's result would be undefined (pm_copy_async refuses
+   * them too). */
+  {
+    void *d = NULL;
+    char h[2048];
+    REQUIRE_OK(pm_device_alloc(4096, &d));
+    CHECK_ERR_MSG(pm_memcpy((char *)d + 1, d, 1000, PM_COPY_D2D), PM_ERR_INVALID);
+    CHECK(strstr(pm_last_error(), "overlap") != NULL);
+    CHECK_ERR_MSG(pm_memcpy_async(d, (char *)d + 999, 1000, PM_COPY_DEFAULT, NULL),
+                  PM_ERR_INVALID);
+    CHECK_ERR_MSG(pm_memcpy(h + 1, h, 1000, PM_COPY_H2H), PM_ERR_INVALID);
+    CHECK_OK(pm_memcpy(h + 1000, h, 1000, PM_COPY_H2H)); /* touching, not sharing */
+    CHECK_OK(pm_memcpy((char *)d + 1000, d, 1000, PM_COPY_D2D));
+    CHECK_OK(pm_device_free(d));
+  }
   CHECK_ERR_MSG(pm_stream_create(NULL), PM_ERR_INVALID);
   CHECK_ERR_MSG(pm_stream_destroy(NULL), PM_ERR_INVALID);
   CHECK_ERR_MSG(pm_stream_wait_event(NULL, NULL), PM_ERR_INVALID);

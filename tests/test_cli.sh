@@ -942,6 +942,13 @@ for r in rows:
 if len([r for r in rows if r.get('block_bytes') == 4096]) != 6:
     bad('bench blocks: want 6 rows of 4 KiB blocks')"
 expect_grep blocks_json err '^TARGET pinmem D2H at 4 KiB >= 5x batch_dma: '
+# An arena of one block (its first block is its last): verified, exit 0
+run blocks_one "$bin" --json bench blocks --sizes 4K --blocks 64 --arena 1 --repeat 1
+expect_rc blocks_one 0 &&
+  json_check blocks_one "
+arena = [r for r in rows if str(r.get('case', '')).startswith('arena')]
+if not arena or any(r.get('verified') is not True for r in arena):
+    bad('bench blocks --arena 1: arena rows not verified: %r' % arena)"
 run blocks_help "$bin" bench blocks --help
 expect_rc blocks_help 0 && expect_grep blocks_help out 'cudaMemcpyBatchAsync'
 

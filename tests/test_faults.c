@@ -1139,6 +1139,17 @@ static void test_budget_limits(void) {
   printf("  staging through a 64 KiB budget: %s\n", pm_last_error());
   CHECK(f == (pm_fence_t)0x1);
   CHECK_OK(pm_device_synchronize());
+  /* A copy smaller than a chunk needs a slot of its own size, not a whole copy_chunk: 5000
+   * bytes arrive through the same 64 KiB budget. */
+  memset(dst, 0, 5000);
+  f = NULL;
+  CHECK_OK(pm_copy_async(d, src, 5000, NULL, &o, &f));
+  if (f) {
+    CHECK_OK(pm_fence_wait(f));
+    CHECK_OK(pm_fence_release(f));
+  }
+  CHECK_OK(pm_memcpy(dst, d, 5000, PM_COPY_D2H));
+  CHECK(memcmp(src, dst, 5000) == 0);
   CHECK_OK(pm_pool_destroy(t));
 
   /* Waiting policy: the allocation waits up to the timeout, then fails and says so. */

@@ -9,6 +9,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -719,6 +720,12 @@ static void test_bad_args(void) {
   CHECK_ERR_MSG(pm_file_read_async(g_fd, 0, 10, buf, g_s, &o, &f), PM_ERR_INVALID);
   pm_file_options_init(&o);
   o.threads = -2;
+  CHECK_ERR_MSG(pm_file_write_async(g_fd, 0, 10, buf, g_s, &o, &f), PM_ERR_INVALID);
+  CHECK(f == NULL);
+  o.threads = 257; /* option file_threads' range; INT_MAX overflowed the slot count */
+  CHECK_ERR_MSG(pm_file_read_async(g_fd, 0, 10, buf, g_s, &o, &f), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "0..256") != NULL);
+  o.threads = INT_MAX;
   CHECK_ERR_MSG(pm_file_write_async(g_fd, 0, 10, buf, g_s, &o, &f), PM_ERR_INVALID);
   CHECK(f == NULL);
   pm_file_options_init(NULL); /* no crash */

@@ -1066,6 +1066,27 @@ static void test_lease_slots(void) {
   c.lease_slots = 2;
   pm_loader_t *ld = NULL;
   CHECK_EQ_INT(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
+  /* Flags other than 0 and 1, and a slot size with no size class (it was divided by: SIGFPE),
+   * are refused by name. */
+  static const char *const names[] = {"shuffle", "drop_last", "pin_memory"};
+  for (int k = 0; k < 3; k++) {
+    c = base_config(B);
+    *(k == 0 ? &c.shuffle : k == 1 ? &c.drop_last : &c.pin_memory) = 7;
+    CHECK_ERR_MSG(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
+    CHECK(strstr(pm_last_error(), names[k]) != NULL);
+  }
+  for (int k = 0; k < 2; k++) {
+    c = base_config(B);
+    c.slot_bytes = k ? SIZE_MAX / 2 : SIZE_MAX;
+    CHECK_ERR_MSG(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
+    CHECK(strstr(pm_last_error(), "slot_bytes") != NULL);
+  }
+  /* A dataset a loader holds names what holds it. */
+  c = base_config(B);
+  REQUIRE_OK(pm_loader_create(ds, &c, &ld));
+  CHECK_ERR_MSG(pm_dataset_destroy(ds), PM_ERR_BUSY);
+  CHECK(strstr(pm_last_error(), "1 user (loaders, zips, selects) still holds") != NULL);
+  CHECK_OK(pm_loader_destroy(ld));
   CHECK_OK(pm_dataset_destroy(ds));
 }
 

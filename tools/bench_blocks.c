@@ -354,9 +354,11 @@ static arena_res_t run_arena(const blk_opts_t *o, size_t bytes) {
   a.all_s = pm__now() - t0;
   void *last;
   cli_check(pm_blocks_ptr(s, c.num_blocks - 1, &last));
+  /* Each checked right after its write: an arena of one block has p == last. */
   memset(p, 0x11, bs);
+  a.ok = ((unsigned char *)p)[bs - 1] == 0x11;
   memset(last, 0x22, bs);
-  a.ok = ((unsigned char *)p)[bs - 1] == 0x11 && ((unsigned char *)last)[0] == 0x22;
+  a.ok = a.ok && ((unsigned char *)last)[0] == 0x22;
   cli_check(pm_blocks_destroy(s));
 
   const pm__backend_t *be = pm__backend();

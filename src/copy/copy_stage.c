@@ -204,7 +204,11 @@ static void ring_destroy(ring_t *r, pm_stream_t stream, bool dmas_may_run) {
 }
 
 static pm_status_t ring_create(const pm__stage_req_t *req, int slots, size_t nunits, ring_t *r) {
-  size_t chunk = req->cfg.chunk;
+  /* A slot holds one unit (or one slab group): at most a chunk, and no more than the largest
+   * segment, so a small copy under a small budget needs no slot of a whole copy_chunk. */
+  size_t largest = 0;
+  for (size_t s = 0; s < req->nsegs; s++) largest = PM__MAX(largest, req->segs[s].bytes);
+  size_t chunk = PM__MIN(req->cfg.chunk, pm__align_up(PM__MAX(largest, (size_t)1), 4096));
   size_t want = PM__MIN((size_t)slots, nunits);
   pm_pool_stats_t stats;
   if (pm_pool_get_stats(req->pool, &stats) == PM_OK && stats.budget) {

@@ -744,8 +744,8 @@ static pm_status_t read_options(const pm_file_options_t *options, const char *fn
   if ((unsigned)options->io > PM_FILE_IO_DIRECT)
     return pm__set_error(PM_ERR_INVALID, "%s: options->io %d is not a pm_file_io_t", fn,
                          (int)options->io);
-  if (options->threads < 0)
-    return pm__set_error(PM_ERR_INVALID, "%s: options->threads %d is negative", fn,
+  if (options->threads < 0 || options->threads > 256) /* option file_threads' range */
+    return pm__set_error(PM_ERR_INVALID, "%s: options->threads %d is not in 0..256", fn,
                          options->threads);
   if (options->chunk > ((size_t)1 << 40))
     return pm__set_error(PM_ERR_INVALID, "%s: options->chunk %zu is larger than 1 TiB", fn,

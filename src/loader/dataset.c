@@ -296,8 +296,11 @@ pm_status_t pm_dataset_destroy(pm_dataset_t *dataset) {
   if (st != PM_OK) return st;
   int users = atomic_load(&dataset->users);
   if (users > 0)
-    return pm__set_error(PM_ERR_BUSY, "pm_dataset_destroy: %d loader%s still use%s the dataset",
-                         users, users == 1 ? "" : "s", users == 1 ? "s" : "");
+    return pm__set_error(PM_ERR_BUSY,
+                         "pm_dataset_destroy: %d user%s (loaders, zips, selects) still hold%s "
+                         "the dataset: destroy %s first",
+                         users, users == 1 ? "" : "s", users == 1 ? "s" : "",
+                         users == 1 ? "it" : "them");
   pm__dataset_free(dataset);
   return PM_OK;
 }

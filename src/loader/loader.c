@@ -348,6 +348,16 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
     return pm__set_error(PM_ERR_INVALID, "%s: shared_slots %d is not 0 or 1", fn, c->shared_slots);
   if (c->lease_slots != 0 && c->lease_slots != 1)
     return pm__set_error(PM_ERR_INVALID, "%s: lease_slots %d is not 0 or 1", fn, c->lease_slots);
+  /* Flags are 0 or 1, as the others: a 7 is a mistake (a field set from the wrong value), not
+   * a yes. */
+  const struct {
+    const char *name;
+    int v;
+  } flags[] = {{"shuffle", c->shuffle}, {"drop_last", c->drop_last}, {"pin_memory", c->pin_memory}};
+  for (size_t k = 0; k < sizeof flags / sizeof flags[0]; k++)
+    if (flags[k].v != 0 && flags[k].v != 1)
+      return pm__set_error(PM_ERR_INVALID, "%s: %s %d is not 0 or 1", fn, flags[k].name,
+                           flags[k].v);
   if (c->shared_slots && !c->pin_memory)
     return pm__set_error(PM_ERR_INVALID,
                          "%s: shared_slots 1 needs pin_memory 1 (shared slots are pinned "
@@ -414,6 +424,13 @@ pm_status_t pm_loader_create(pm_dataset_t *dataset, const pm_loader_config_t *co
   /* The option table resolves auto and bounds both values (the arguments were checked above). */
   L->nworkers = c->workers ? c->workers : (int)pm__opt_int(PM__OPT_LOADER_WORKERS);
   L->nslots = c->prefetch ? c->prefetch : (int)pm__opt_int(PM__OPT_LOADER_PREFETCH);
+  /* The slots together (and each in the pool's size classes) must be sizes at all: a slot_bytes
+   * near SIZE_MAX has no size class (0), which the budget check below would divide by. */
+  if (pm__size_class(L->slot_bytes) == 0 || L->slot_bytes > SIZE_MAX / 2 / (size_t)L->nslots) {
+    st = pm__set_error(PM_ERR_INVALID, "%s: slot_bytes %zu is too large (%d slots of it)", fn,
+                       L->slot_bytes, L->nslots);
+    goto fail;
+  }
   L->rows_per_claim = PM__MAX(rows_max / (uint64_t)(2 * L->nworkers), (uint64_t)1);
   /* Parts only where a worker queues the copy (pinned slots to the device), at most MAX_PARTS a
    * slot (larger parts for a larger slot), and a claim of rows no larger than a part, so a part

@@ -298,18 +298,24 @@ static void *pinner_main(void *arg) {
       size_t kept = pm__align_up(chunk_len(s, 0), page) +
                     (size_t)(c - 1) * pm__align_up(chunk_len(s, 1), page);
       uint64_t limit = chunk_start(s, c), n = 0;
+      char why[sizeof s->pin_error];
+      snprintf(why, sizeof why, "%s", pm_last_error());
+      /* The charge goes back before waiters hear of the failure (the pool's lock is not taken
+       * under the store's, a leaf): whoever sees the error sees the budget it left. */
+      pthread_mutex_lock(&s->lock);
+      size_t back = s->charged > kept ? s->charged - kept : 0;
+      s->charged -= back;
+      pthread_mutex_unlock(&s->lock);
+      if (back) pm__pool_uncharge(s->pool, back);
       pthread_mutex_lock(&s->lock);
       s->pin_status = st;
-      snprintf(s->pin_error, sizeof s->pin_error, "%s", pm_last_error());
+      memcpy(s->pin_error, why, sizeof why);
       for (uint64_t i = 0; i < s->nfree; i++)
         if (s->free_stack[i] < limit) s->free_stack[n++] = s->free_stack[i];
       s->nfree = n;
       s->usable = limit;
-      size_t back = s->charged > kept ? s->charged - kept : 0;
-      s->charged -= back;
       pthread_cond_broadcast(&s->ready_cv);
       pthread_mutex_unlock(&s->lock);
-      if (back) pm__pool_uncharge(s->pool, back);
       break;
     }
     mark_ready(s, c);
