@@ -104,8 +104,7 @@ static void test_bad_input(void) {
     REQUIRE_OK(pm_device_alloc(4096, &d));
     CHECK_ERR_MSG(pm_memcpy((char *)d + 1, d, 1000, PM_COPY_D2D), PM_ERR_INVALID);
     CHECK(strstr(pm_last_error(), "overlap") != NULL);
-    CHECK_ERR_MSG(pm_memcpy_async(d, (char *)d + 999, 1000, PM_COPY_DEFAULT, NULL),
-                  PM_ERR_INVALID);
+    CHECK_ERR_MSG(pm_memcpy_async(d, (char *)d + 999, 1000, PM_COPY_DEFAULT, NULL), PM_ERR_INVALID);
     CHECK_ERR_MSG(pm_memcpy(h + 1, h, 1000, PM_COPY_H2H), PM_ERR_INVALID);
     CHECK_OK(pm_memcpy(h + 1000, h, 1000, PM_COPY_H2H)); /* touching, not sharing */
     CHECK_OK(pm_memcpy((char *)d + 1000, d, 1000, PM_COPY_D2D));

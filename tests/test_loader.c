@@ -1081,6 +1081,32 @@ static void test_lease_slots(void) {
     CHECK_ERR_MSG(pm_loader_create(ds, &c, &ld), PM_ERR_INVALID);
     CHECK(strstr(pm_last_error(), "slot_bytes") != NULL);
   }
+  /* pm_loader_next_timed: a batch not ready in time is PM_ERR_TIMEOUT with nothing changed;
+   * a later call delivers that same batch. Reads of 0.2 s each, one worker. */
+  {
+    pat_ds_t slow;
+    pm_dataset_t *sds = make_ds(&slow, 8, 64);
+    slow.sleep_us = 200000;
+    pm_loader_config_t sc = base_config(2);
+    sc.workers = 1;
+    sc.prefetch = 1;
+    sc.delivery = PM_DELIVER_HOST;
+    pm_loader_t *sl = NULL;
+    REQUIRE_OK(pm_loader_create(sds, &sc, &sl));
+    pm_batch_t b;
+    CHECK_ERR_MSG(pm_loader_next_timed(sl, &b, 0.01), PM_ERR_TIMEOUT);
+    CHECK(strstr(pm_last_error(), "batch 0 of epoch 0 not ready") != NULL);
+    CHECK_ERR_MSG(pm_loader_next_timed(sl, &b, -1), PM_ERR_INVALID);
+    CHECK_OK(pm_loader_next_timed(sl, &b, 30));
+    CHECK_EQ_SIZE(b.index, 0);
+    CHECK_EQ_SIZE(b.samples, 2);
+    CHECK_OK(pm_batch_release(&b, NULL));
+    CHECK_OK(pm_loader_next(sl, &b));
+    CHECK_EQ_SIZE(b.index, 1);
+    CHECK_OK(pm_batch_release(&b, NULL));
+    CHECK_OK(pm_loader_destroy(sl));
+    CHECK_OK(pm_dataset_destroy(sds));
+  }
   /* A dataset a loader holds names what holds it. */
   c = base_config(B);
   REQUIRE_OK(pm_loader_create(ds, &c, &ld));

@@ -229,8 +229,21 @@ static PyObject *Loader_next(LoaderObject *self, PyObject *unused) {
   batch->release_stream = 0;
   pm_status_t st;
   pm_loader_t *l = self->loader;
-  Py_BEGIN_ALLOW_THREADS st = pm_loader_next(l, &batch->b);
-  Py_END_ALLOW_THREADS if (st != PM_OK) {
+  /* In slices, so that Ctrl-C (and any signal handler) runs while a slow read holds the batch:
+   * a wait without end in C would outlast the interpreter's signals. */
+  for (;;) {
+    Py_BEGIN_ALLOW_THREADS st = pm_loader_next_timed(l, &batch->b, 0.1);
+    Py_END_ALLOW_THREADS if (st != PM_ERR_TIMEOUT) break;
+    if (PyErr_CheckSignals() < 0) {
+      Py_DECREF(batch);
+      return NULL;
+    }
+    if (self->loader != l) { /* closed by a handler or another thread meanwhile */
+      Py_DECREF(batch);
+      return pmpy_raise_fmt(PM_ERR_STATE, "the loader was closed");
+    }
+  }
+  if (st != PM_OK) {
     Py_DECREF(batch);
     if (st == PM_ERR_STATE) Py_RETURN_NONE; /* every epoch was delivered */
     /* pinmem's error first: pm_loader_error_sample below may set the last error. */

@@ -383,3 +383,32 @@ def test_close_from_another_thread_while_iterating(nw, sampler):
             call()
     gc.collect()
     assert pinmem.stats()["in_use_bytes"] == pinned0
+
+
+# ---- a worker stuck in a read ---------------------------------------------------------------
+
+class _StuckAt9(Indexed):
+    """Sample 9 takes a minute (a read from a peer that went away)."""
+
+    def __getitem__(self, i):
+        if i == 9:
+            time.sleep(60)
+        return super().__getitem__(i)
+
+
+def test_ctrl_c_interrupts_a_wait_for_a_stuck_worker():
+    """Ctrl-C (SIGINT) while next() waits for a batch a worker process is stuck reading raises
+    KeyboardInterrupt at once, as DataLoader does; the wait in C ran until the read ended."""
+    import signal
+    ld = pinmem.Loader(_StuckAt9(32), batch_size=4, num_workers=2, device="cpu")
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in ld:
+                pass
+        assert time.monotonic() - t0 < 20, "the interrupt waited for the stuck read"
+    finally:
+        timer.cancel()
+        ld.close()

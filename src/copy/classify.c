@@ -113,8 +113,8 @@ pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, co
    * would hide that): refused, as pm_copy_async refuses them. */
   uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
   if (bytes && (d >= s ? d - s : s - d) < bytes)
-    return pm__set_error(PM_ERR_INVALID, "%s: src [%p, +%zu) and dst [%p, +%zu) overlap", fn,
-                         src, bytes, dst, bytes);
+    return pm__set_error(PM_ERR_INVALID, "%s: src [%p, +%zu) and dst [%p, +%zu) overlap", fn, src,
+                         bytes, dst, bytes);
   pm__range_t rd, rs;
   bool kd, ks;
   pm_status_t st = pm__check_span(fn, "dst", dst, bytes, &rd, &kd);

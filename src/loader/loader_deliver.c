@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "loader_internal.h"
 
@@ -36,7 +37,8 @@ static pm_status_t next_fail_locked(pm_loader_t *L, pm_status_t st, const char *
   return pm__set_error(st, "pm_loader_next: %s", msg);
 }
 
-pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
+/* pm_loader_next waiting at most timeout_s (< 0: for as long as it takes). */
+static pm_status_t loader_next(pm_loader_t *loader, pm_batch_t *batch_out, double timeout_s) {
   const char *fn = "pm_loader_next";
   pm_status_t st = pm__handle_check(loader, PM__HANDLE_LOADER, fn);
   if (st != PM_OK) return st;
@@ -121,7 +123,25 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
     }
     if (!waited) tw = pm__now();
     waited = true;
-    pthread_cond_wait(&L->ready_cv, &L->mu);
+    if (timeout_s < 0) {
+      pthread_cond_wait(&L->ready_cv, &L->mu);
+      continue;
+    }
+    double left = timeout_s - (pm__now() - t0);
+    if (left <= 0) {
+      /* Nothing changes: the next call waits for the same batch. */
+      L->st.stall_seconds += pm__now() - tw;
+      return next_fail_locked(L, PM_ERR_TIMEOUT,
+                              "batch %llu of epoch %llu not ready within %.3f s (call again)",
+                              (unsigned long long)(g % L->sampler.batches),
+                              (unsigned long long)(g / L->sampler.batches), timeout_s);
+    }
+    struct timespec ts; /* ready_cv waits on CLOCK_REALTIME, the default */
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long ns = (long long)(left * 1e9) + ts.tv_nsec;
+    ts.tv_sec += (time_t)(ns / 1000000000LL);
+    ts.tv_nsec = (long)(ns % 1000000000LL);
+    pthread_cond_timedwait(&L->ready_cv, &L->mu, &ts);
   }
   double stall = waited ? pm__now() - tw : 0;
   s->state = SLOT_HELD;
@@ -195,6 +215,17 @@ pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
   L->st.next_seconds += pm__now() - t0;
   pthread_mutex_unlock(&L->mu);
   return PM_OK;
+}
+
+pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
+  return loader_next(loader, batch_out, -1);
+}
+
+pm_status_t pm_loader_next_timed(pm_loader_t *loader, pm_batch_t *batch_out, double timeout_s) {
+  if (!(timeout_s >= 0)) /* NaN too */
+    return pm__set_error(PM_ERR_INVALID, "pm_loader_next_timed: timeout_s %g is not >= 0",
+                         timeout_s);
+  return loader_next(loader, batch_out, timeout_s);
 }
 
 /* The slot of a delivered batch, or an error. The batch's loader may be destroyed already (its
