@@ -1150,12 +1150,13 @@ typedef struct pm_batch {
  *  PM_ERR_FORMAT, a callback's status) for the batch it happened in, after the complete batches
  *  before it, and again on every later call: never a short batch. */
 PM_API pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out);
-/** pm_loader_next waiting at most timeout_s seconds (>= 0) for the batch: PM_ERR_TIMEOUT when it
- *  is not ready by then, with nothing changed (the next call waits for the same batch). For a
- *  caller that must stay responsive while a slow read runs (Python checks for Ctrl-C between
- *  calls). */
+/** pm_loader_next waiting at most timeout_s seconds (>= 0) for the batch: *ready_out 1 and the
+ *  batch, or PM_OK with *ready_out 0 when it is not ready by then, with nothing changed (the next
+ *  call waits for the same batch), or pm_loader_next's errors (a loader's own error may be
+ *  PM_ERR_TIMEOUT: a read past its time limit). For a caller that must stay responsive while a
+ *  slow read runs (Python checks for Ctrl-C between calls). */
 PM_API pm_status_t pm_loader_next_timed(pm_loader_t *loader, pm_batch_t *batch_out,
-                                        double timeout_s);
+                                        double timeout_s, int *ready_out);
 /** After pm_loader_next failed with a read error: the index, in the loader's dataset, of the
  *  sample whose read failed (for a pm_dataset_select, its position; the message names the
  *  index the read callback got), so that a binding can re-raise that sample's own error while

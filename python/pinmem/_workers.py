@@ -80,6 +80,25 @@ MAX_TEXT = 16 << 10
 MAX_FDS = 64
 SIDE = struct.Struct("<Q")  # the length of one frame of non-array leaves (a stream socket)
 
+def _rng_states():
+    """The random streams a dataset's __getitem__ draws from (Python's, NumPy's and torch's,
+    where imported), to put back after a read that is not a sample's delivery."""
+    import random
+    out = [(random.setstate, random.getstate())]
+    np_mod = sys.modules.get("numpy")
+    if np_mod is not None:
+        out.append((np_mod.random.set_state, np_mod.random.get_state()))
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and hasattr(torch_mod, "get_rng_state"):
+        out.append((torch_mod.set_rng_state, torch_mod.get_rng_state()))
+    return out
+
+
+def _rng_restore(states):
+    for put, state in states:
+        put(state)
+
+
 # ---- sample structure ------------------------------------------------------------------------
 
 
@@ -724,6 +743,7 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
                                 "worker_init_fn")
         elif kind == KIND_DESCRIBE:
             i = indices[0]
+            rng = _rng_states()  # this look at a sample draws nothing from the worker's streams
             try:
                 reply = REP.pack(MAGIC_REP, ST_OK, i, 0) + pickle.dumps(describe(dataset[i], i))
                 if len(reply) > MAX_REPLY:
@@ -734,6 +754,8 @@ def worker_main(sock, dataset, wid, nworkers, base_seed, init_fn, close_fds, cpu
                 from . import InvalidError
                 reply = _pack_error(ST_INVALID if isinstance(e, InvalidError) else ST_EXC, i,
                                     wid, e, "dataset")
+            finally:
+                _rng_restore(rng)
         elif kind == KIND_SCHEMA:
             schema = pickle.loads(msg[pos + 8 * n:])
             reply = REP.pack(MAGIC_REP, ST_OK, 0, 0) + pickle.dumps(place_error)
@@ -1120,14 +1142,24 @@ class Pool:
         return data or None
 
     def describe(self, index, timeout):
-        """The Schema of dataset[index], computed by worker 0."""
+        """The Schema of dataset[index], computed by the first worker whose worker_init_fn
+        did not fail (a worker that cannot start raises its error with its own claims, as
+        DataLoader's; the others' batches still come)."""
         msg = REQ.pack(MAGIC_REQ, KIND_DESCRIBE, 0, 1, 0, 0, 0) + struct.pack("<Q", index)
-        data = self._exchange(0, msg, timeout or None)
-        if data is None:
-            raise self.died(0, [index])
-        magic, st, idx, _ = REP.unpack_from(data, 0)
+        first = None
+        for w in range(len(self.procs)):
+            data = self._exchange(w, msg, timeout or None)
+            if data is None:
+                raise self.died(w, [index])
+            magic, st, idx, _ = REP.unpack_from(data, 0)
+            if st == ST_INIT:
+                first = first or (st, w, data[REP.size:])
+                continue
+            break
+        else:
+            raise self.error(*first)
         if st != ST_OK:
-            raise self.error(st, 0, data[REP.size:])
+            raise self.error(st, w, data[REP.size:])
         return pickle.loads(data[REP.size:])
 
     def set_schema(self, schema, timeout):

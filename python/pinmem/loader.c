@@ -232,8 +232,9 @@ static PyObject *Loader_next(LoaderObject *self, PyObject *unused) {
   /* In slices, so that Ctrl-C (and any signal handler) runs while a slow read holds the batch:
    * a wait without end in C would outlast the interpreter's signals. */
   for (;;) {
-    Py_BEGIN_ALLOW_THREADS st = pm_loader_next_timed(l, &batch->b, 0.1);
-    Py_END_ALLOW_THREADS if (st != PM_ERR_TIMEOUT) break;
+    int ready = 0;
+    Py_BEGIN_ALLOW_THREADS st = pm_loader_next_timed(l, &batch->b, 0.1, &ready);
+    Py_END_ALLOW_THREADS if (st != PM_OK || ready) break;
     if (PyErr_CheckSignals() < 0) {
       Py_DECREF(batch);
       return NULL;

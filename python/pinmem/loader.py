@@ -635,7 +635,16 @@ class _EpochIterator:
             elif self._token != loader._loops:
                 self._done = True
                 _overtaken()
-            b = loader._next()
+            try:
+                b = loader._next()
+            except WorkerError as e:
+                # A worker that died or ran past `timeout` (not the dataset's own exception,
+                # after which the next batch follows): the C loader keeps that error, so each
+                # later next() would raise it at once, without end. The loop ends with it; the
+                # next loop starts the next epoch on new workers.
+                if not getattr(e, "from_dataset", False):
+                    self._done = True
+                raise
             if b is None:
                 self._done = True
                 raise StopIteration
@@ -1203,10 +1212,12 @@ class Loader:
                                f"loader has {cfg['epochs']}")
         return _NoBatches(fields, cfg["epochs"])
 
-    def _retire(self, c):
+    def _retire(self, c, replace=False):
         """Destroy C loader c. Over worker processes, claims may still be out: cancel the
         waits, let the processes finish what they were given (drain) and only then free the
-        slots they write into."""
+        slots they write into. replace: a new epoch opens next, which with per-epoch workers
+        starts new ones, so workers that did not finish are stopped and replaced rather than
+        the loader failed."""
         if isinstance(c, _NoBatches):
             return  # nothing was read
         if self._pool is not None and c is not None:
@@ -1222,7 +1233,11 @@ class Loader:
             c.close()
             _pinmem._procs_reset(self._base)
             self._clear_error()
-            if not ok:
+            if not ok and replace and not self._persistent:
+                # Workers are per epoch: the stopped ones are replaced when the next epoch
+                # opens, as DataLoader starts new workers for each iterator.
+                self._pool.epoch = None
+            elif not ok:
                 self._failed = WorkerError(
                     f"pinmem.Loader: a worker process (of workers {alive}, which were running "
                     f"and are stopped now) did not finish its rows within {wait:g} s "
@@ -1353,7 +1368,7 @@ class Loader:
             return False
         c, self._c = self._c, None
         st = _pinmem._loader_state_fields(c.state())
-        self._retire(c)  # batches still held keep their slots until they go
+        self._retire(c, replace=not same_order)  # held batches keep their slots until they go
         try:
             self._open_epoch(epoch, batch, template=st, same_order=same_order)
         except BaseException as e:
@@ -1434,7 +1449,7 @@ class Loader:
             nxt = st["epoch"]
             if self._epochs_total is None or nxt < self._epochs_total:
                 self._c = None
-                self._retire(c)
+                self._retire(c, replace=True)
                 try:
                     self._open_epoch(nxt, 0, template=st)
                 except BaseException:

@@ -213,6 +213,56 @@ def test_worker_init_fn_error_surfaces_from_iteration():
     loader.close()
 
 
+def init_fails_in_worker_0(worker_id):
+    if worker_id == 0:
+        raise ValueError("worker 0 could not open its shard")
+
+
+def test_worker_init_fn_failing_in_one_worker_raises_for_the_batches():
+    """The structure is learned from a worker whose worker_init_fn did not raise: every batch
+    of the epoch raises worker 0's error (before, the first did and the epoch ended, its other
+    batches lost without a word)."""
+    loader = pinmem.Loader(Indexed(8), batch_size=2, device="cpu", num_workers=2,
+                           worker_init_fn=init_fails_in_worker_0)
+    it, errors = iter(loader), 0
+    for _ in range(10):
+        try:
+            next(it)
+        except StopIteration:
+            break
+        except ValueError as e:
+            assert "could not open its shard" in str(e)
+            errors += 1
+    assert errors == 4
+    loader.close()
+
+
+class RandomDraws(torch.utils.data.Dataset):
+    """Each sample with draws from the worker's torch, NumPy and Python streams."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        import random
+        return (torch.tensor([i, torch.utils.data.get_worker_info().id]), torch.rand(()),
+                np.random.rand(), random.random())
+
+
+def test_augmentation_draws_as_dataloader_with_one_worker_per_batch():
+    """Batches of up to a claim (8 rows) are read by one worker in DataLoader's turn; each
+    worker's streams are seeded as DataLoader's, and the look at sample 0 that learns the
+    structure draws nothing from worker 0's: every sample's random numbers are DataLoader's."""
+    def rows(cls, **kw):
+        g = torch.Generator()
+        g.manual_seed(123)
+        ld = cls(RandomDraws(), batch_size=4, num_workers=2, generator=g, **kw)
+        out = [(int(a), int(w), float(x), float(y), float(z)) for ix, t, n, r in ld
+               for (a, w), x, y, z in zip(ix, t, n, r)]
+        return out
+    assert rows(pinmem.Loader, device="cpu") == rows(DataLoader)
+
+
 def test_workers_start_at_the_first_iteration_and_persist():
     with pinmem.Loader(Indexed(), batch_size=4, device="cpu", num_workers=2,
                        persistent_workers=True) as loader:

@@ -412,3 +412,41 @@ def test_ctrl_c_interrupts_a_wait_for_a_stuck_worker():
     finally:
         timer.cancel()
         ld.close()
+
+
+class _SlowOnce(Indexed):
+    """Sample 13 takes 3 s the first time any worker reads it (a flag file says so)."""
+
+    def __init__(self, n, flag):
+        super().__init__(n)
+        self.flag = str(flag)
+
+    def __getitem__(self, i):
+        if i == 13 and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            time.sleep(3)
+        return super().__getitem__(i)
+
+
+def test_a_worker_past_its_timeout_ends_the_loop_and_the_next_starts_afresh(tmp_path):
+    """A worker past `timeout`: that next() raises, the loop ends there (before, every later
+    next() raised the same error at once, without end), and the next loop reads every batch
+    on new workers (before, the loader could not go on)."""
+    ld = pinmem.Loader(_SlowOnce(32, tmp_path / "flag"), batch_size=4, num_workers=2,
+                       timeout=1, device="cpu")
+    try:
+        it = iter(ld)
+        got, errors = [], 0
+        for _ in range(20):
+            try:
+                got.append(int(np.asarray(next(it))[0, 0]))
+            except StopIteration:
+                break
+            except pinmem.WorkerError as e:
+                errors += 1
+                assert "timeout=1" in str(e), e
+        assert errors == 1, errors
+        assert got == [0, 4, 8], got
+        assert first_column(ld) == list(range(32))
+    finally:
+        ld.close()

@@ -37,8 +37,10 @@ static pm_status_t next_fail_locked(pm_loader_t *L, pm_status_t st, const char *
   return pm__set_error(st, "pm_loader_next: %s", msg);
 }
 
-/* pm_loader_next waiting at most timeout_s (< 0: for as long as it takes). */
-static pm_status_t loader_next(pm_loader_t *loader, pm_batch_t *batch_out, double timeout_s) {
+/* pm_loader_next waiting at most timeout_s (< 0: for as long as it takes); *late (when
+ * timeout_s >= 0) set when the batch was not ready by then: PM_OK and nothing delivered. */
+static pm_status_t loader_next(pm_loader_t *loader, pm_batch_t *batch_out, double timeout_s,
+                               bool *late) {
   const char *fn = "pm_loader_next";
   pm_status_t st = pm__handle_check(loader, PM__HANDLE_LOADER, fn);
   if (st != PM_OK) return st;
@@ -129,12 +131,14 @@ static pm_status_t loader_next(pm_loader_t *loader, pm_batch_t *batch_out, doubl
     }
     double left = timeout_s - (pm__now() - t0);
     if (left <= 0) {
-      /* Nothing changes: the next call waits for the same batch. */
+      /* Nothing changes: the next call waits for the same batch. Not a status: a loader's own
+       * error can be PM_ERR_TIMEOUT (a worker process past its timeout). */
       L->st.stall_seconds += pm__now() - tw;
-      return next_fail_locked(L, PM_ERR_TIMEOUT,
-                              "batch %llu of epoch %llu not ready within %.3f s (call again)",
-                              (unsigned long long)(g % L->sampler.batches),
-                              (unsigned long long)(g / L->sampler.batches), timeout_s);
+      L->in_next = false;
+      pthread_cond_broadcast(&L->ready_cv); /* pm_loader_destroy waits for in_next to clear */
+      pthread_mutex_unlock(&L->mu);
+      *late = true;
+      return PM_OK;
     }
     struct timespec ts; /* ready_cv waits on CLOCK_REALTIME, the default */
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -218,14 +222,21 @@ static pm_status_t loader_next(pm_loader_t *loader, pm_batch_t *batch_out, doubl
 }
 
 pm_status_t pm_loader_next(pm_loader_t *loader, pm_batch_t *batch_out) {
-  return loader_next(loader, batch_out, -1);
+  bool late = false;
+  return loader_next(loader, batch_out, -1, &late);
 }
 
-pm_status_t pm_loader_next_timed(pm_loader_t *loader, pm_batch_t *batch_out, double timeout_s) {
+pm_status_t pm_loader_next_timed(pm_loader_t *loader, pm_batch_t *batch_out, double timeout_s,
+                                 int *ready_out) {
+  if (!ready_out) return pm__set_error(PM_ERR_INVALID, "pm_loader_next_timed: ready_out is NULL");
+  *ready_out = 0;
   if (!(timeout_s >= 0)) /* NaN too */
     return pm__set_error(PM_ERR_INVALID, "pm_loader_next_timed: timeout_s %g is not >= 0",
                          timeout_s);
-  return loader_next(loader, batch_out, timeout_s);
+  bool late = false;
+  pm_status_t st = loader_next(loader, batch_out, timeout_s, &late);
+  *ready_out = st == PM_OK && !late;
+  return st;
 }
 
 /* The slot of a delivered batch, or an error. The batch's loader may be destroyed already (its
