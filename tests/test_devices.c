@@ -656,6 +656,12 @@ static void test_broadcast(void) {
   CHECK_ERR_MSG(pm_copy_broadcast_async(src, n, host_dst, s, devs, 3, NULL, f), PM_ERR_INVALID);
   CHECK(strstr(pm_last_error(), "dsts[1]") != NULL && strstr(pm_last_error(), "not device"));
   free(other);
+  /* Destinations that share bytes: two concurrent writes there, refused. */
+  void *same_dst[3] = {dev[0], dev[1], (char *)dev[0] + 100};
+  const int same_devs[3] = {0, 1, 0};
+  CHECK_ERR_MSG(pm_copy_broadcast_async(src, n - 100, same_dst, s, same_devs, 3, NULL, f),
+                PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "dsts[0] and dsts[2] overlap") != NULL);
   pm_copy_options_t o;
   pm_copy_options_init(&o);
   o.callback = record_cb_device;

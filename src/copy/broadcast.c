@@ -77,6 +77,13 @@ static pm_status_t check_args(const char *fn, const pm__backend_t *b, const void
     uintptr_t lo = (uintptr_t)src, hi = lo + bytes, dlo = (uintptr_t)dsts[i];
     if (dlo < hi && lo < dlo + bytes)
       return pm__set_error(PM_ERR_INVALID, "%s: dsts[%d] overlaps the source", fn, i);
+    /* Two destinations that share bytes get two concurrent writes there: which one lands
+     * would be undefined. (count <= PM__BCAST_MAX: pairs are few.) */
+    for (int j = 0; j < i; j++) {
+      uintptr_t e = (uintptr_t)dsts[j];
+      if ((dlo >= e ? dlo - e : e - dlo) < bytes)
+        return pm__set_error(PM_ERR_INVALID, "%s: dsts[%d] and dsts[%d] overlap", fn, j, i);
+    }
   }
   return PM_OK;
 }
