@@ -74,16 +74,13 @@ static pm_status_t check_args(const char *fn, const pm__backend_t *b, const void
                            "%s: dsts[%d] %p is %s, not device memory (a broadcast goes from the "
                            "host to devices)",
                            fn, i, dsts[i], pm__mem_name(kind));
-    uintptr_t lo = (uintptr_t)src, hi = lo + bytes, dlo = (uintptr_t)dsts[i];
-    if (dlo < hi && lo < dlo + bytes)
+    if (pm__ranges_overlap(dsts[i], src, bytes))
       return pm__set_error(PM_ERR_INVALID, "%s: dsts[%d] overlaps the source", fn, i);
     /* Two destinations that share bytes get two concurrent writes there: which one lands
      * would be undefined. (count <= PM__BCAST_MAX: pairs are few.) */
-    for (int j = 0; j < i; j++) {
-      uintptr_t e = (uintptr_t)dsts[j];
-      if ((dlo >= e ? dlo - e : e - dlo) < bytes)
+    for (int j = 0; j < i; j++)
+      if (pm__ranges_overlap(dsts[i], dsts[j], bytes))
         return pm__set_error(PM_ERR_INVALID, "%s: dsts[%d] and dsts[%d] overlap", fn, j, i);
-    }
   }
   return PM_OK;
 }

@@ -111,8 +111,7 @@ pm_status_t pm__check_copy(const char *fn, const pm__backend_t *b, void *dst, co
     return pm__set_error(PM_ERR_INVALID, "%s: unknown copy kind %d", fn, (int)*kind);
   /* cudaMemcpy's result for ranges that share bytes is undefined (the host backend's memmove
    * would hide that): refused, as pm_copy_async refuses them. */
-  uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
-  if (bytes && (d >= s ? d - s : s - d) < bytes)
+  if (pm__ranges_overlap(dst, src, bytes))
     return pm__set_error(PM_ERR_INVALID, "%s: src [%p, +%zu) and dst [%p, +%zu) overlap", fn, src,
                          bytes, dst, bytes);
   pm__range_t rd, rs;

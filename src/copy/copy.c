@@ -119,12 +119,6 @@ static pm_status_t classify(const pm__backend_t *b, const void *p, size_t bytes,
   return PM_OK;
 }
 
-/* Whether [dst, dst + n) and [src, src + n) share a byte. */
-static bool overlap(const void *dst, const void *src, size_t n) {
-  uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
-  return d < s + n && s < d + n;
-}
-
 /* Whether a batch item continues `op` on both sides, so the two move as one DMA. Not when the
  * joined copy would overlap itself: items that chain (the second reads what the first writes)
  * are two copies, and one memmove of both would give neither's result. The caller also keeps
@@ -133,7 +127,7 @@ static bool overlap(const void *dst, const void *src, size_t n) {
 static bool can_join(const pm_copy_item_t *op, const pm_copy_item_t *it) {
   if ((const char *)op->src + op->bytes != it->src || (char *)op->dst + op->bytes != it->dst)
     return false;
-  return !overlap(op->dst, op->src, op->bytes + it->bytes);
+  return !pm__ranges_overlap(op->dst, op->src, op->bytes + it->bytes);
 }
 
 static bool can_host(pm__mem_t k) {
@@ -196,7 +190,7 @@ static pm_status_t check_ranges(void *dst, const void *src, size_t bytes, where_
   if (bytes > UINTPTR_MAX - d || bytes > UINTPTR_MAX - s)
     return pm__set_error(PM_ERR_INVALID, "%s: %zu bytes from %p wraps the address space",
                          where_str(w, wb, sizeof wb), bytes, bytes > UINTPTR_MAX - d ? dst : src);
-  if (overlap(dst, src, bytes))
+  if (pm__ranges_overlap(dst, src, bytes))
     return pm__set_error(PM_ERR_INVALID, "%s: src [%p, +%zu) and dst [%p, +%zu) overlap",
                          where_str(w, wb, sizeof wb), src, bytes, dst, bytes);
   return PM_OK;

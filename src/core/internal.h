@@ -223,6 +223,11 @@ bool pm__has_cap_ipc_lock(void);
 static inline size_t pm__align_up(size_t v, size_t align) {
   return (v + align - 1) & ~(align - 1);
 }
+/* Whether [a, a + n) and [b, b + n) share a byte (without the wrap of a + n). */
+static inline bool pm__ranges_overlap(const void *a, const void *b, size_t n) {
+  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+  return n && (x >= y ? x - y : y - x) < n;
+}
 /* Units of `d` bytes that cover `n` (d > 0), without the wrap of (n + d - 1) / d. */
 static inline size_t pm__div_up(size_t n, size_t d) {
   return n / d + (n % d != 0);
