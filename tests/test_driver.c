@@ -75,8 +75,18 @@ static void expect_fallback(const char *reason_part, int driver_version) {
   CHECK_HAS(pm_last_error(), "PINMEM_BACKEND=host");
   CHECK_ST(pm_managed_alloc(4096, &d), PM_ERR_NO_DEVICE);
   CHECK_HAS(pm_last_error(), reason_part);
-  /* Pinned host memory is no device memory: it still works, and copies between host buffers. */
+  /* Mapped pinned memory promises a device address (kernels read it there): no device maps it. */
   void *h = NULL;
+  CHECK_ST(pm_host_alloc(NULL, 4096, PM_HOST_MAPPED, &h), PM_ERR_NO_DEVICE);
+  CHECK(h == NULL);
+  CHECK_HAS(pm_last_error(), reason_part);
+  CHECK_HAS(pm_last_error(), "mapped pinned memory");
+  static char page[8192] __attribute__((aligned(4096)));
+  CHECK_ST(pm_register(page, 4096, PM_REGISTER_MAPPED), PM_ERR_NO_DEVICE);
+  CHECK_HAS(pm_last_error(), reason_part);
+  CHECK_ST(pm_register(page, 4096, 0), PM_OK); /* the failed attempt left nothing behind */
+  CHECK_ST(pm_unregister(page), PM_OK);
+  /* Pinned host memory is no device memory: it still works, and copies between host buffers. */
   CHECK_ST(pm_host_alloc(NULL, 4097, 0, &h), PM_OK);
   if (h) {
     char src[4097];

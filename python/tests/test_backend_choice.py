@@ -62,6 +62,7 @@ CHILD = textwrap.dedent("""
         except Exception as e:  # noqa: BLE001  (any failure is reported, typed)
             out["errors"][name] = [type(e).__name__, str(e)]
     attempt("device_empty", lambda: pinmem.device_empty(16, "float32"))
+    attempt("empty_mapped", lambda: pinmem.empty(16, "float32", mapped=True))
     data = np.arange(64, dtype=np.float32).reshape(16, 4)
     attempt("loader_cuda", lambda: next(iter(pinmem.Loader(data, batch_size=4, device="cuda"))))
     def load():
@@ -147,6 +148,7 @@ def test_host_chosen_simulates_devices():
     assert info["fallback"] is False
     assert info["devices"] >= 1
     assert res["errors"]["device_empty"] is None
+    assert res["errors"]["empty_mapped"] is None
     assert res["errors"]["loader_cuda"] is None
 
 

@@ -14,9 +14,10 @@
  * never touches device 0 (pm__device_option_given).
  *
  * No silent CPU: when auto falls back to the host backend (no driver, an old one, no device), the
- * host backend is installed through a copy of its table whose device and managed allocations
- * fail with the reason (fallback_gate), so nothing that asked for a device gets host memory in
- * its place; PINMEM_BACKEND=host installs the plain table and simulates devices on purpose.
+ * host backend is installed through a copy of its table whose device and managed allocations,
+ * and the device address of mapped pinned memory, fail with the reason (fallback_backend), so
+ * nothing that asked for a device gets host memory in its place; PINMEM_BACKEND=host installs
+ * the plain table and simulates devices on purpose.
  *
  * Fork: in a forked child the backend of the parent is gone. The host backend starts afresh on
  * first use without probing CUDA; after the cuda backend nothing may start (fork_child_cuda).
@@ -43,25 +44,39 @@ static bool backend_fallback;
 /* The host backend as auto's fallback: device and managed memory refused, saying why. */
 static pm__backend_t host_fallback;
 
-static pm_status_t fallback_error(const char *call, size_t bytes) {
+static pm_status_t fallback_error(const char *call, const char *what) {
   return pm__set_error(PM_ERR_NO_DEVICE,
-                       "%s(%zu bytes): no CUDA device: pinmem fell back to the host backend "
-                       "(%s). Device memory would be host memory in disguise, so it is refused; "
-                       "to simulate devices on purpose, set PINMEM_BACKEND=host",
-                       call, bytes, backend_reason + (strncmp(backend_reason, "auto: ", 6) ? 0 : 6));
+                       "%s: no CUDA device: pinmem fell back to the host backend (%s). %s would "
+                       "be host memory in disguise, so it is refused; to simulate devices on "
+                       "purpose, set PINMEM_BACKEND=host",
+                       call, backend_reason + (strncmp(backend_reason, "auto: ", 6) ? 0 : 6), what);
 }
 static pm_status_t gated_device_alloc(size_t bytes, void **dptr_out) {
   (void)dptr_out;
-  return fallback_error("device_alloc", bytes);
+  char call[64];
+  snprintf(call, sizeof call, "device_alloc(%zu bytes)", bytes);
+  return fallback_error(call, "Device memory");
 }
 static pm_status_t gated_managed_alloc(size_t bytes, void **ptr_out) {
   (void)ptr_out;
-  return fallback_error("managed_alloc", bytes);
+  char call[64];
+  snprintf(call, sizeof call, "managed_alloc(%zu bytes)", bytes);
+  return fallback_error(call, "Device memory");
+}
+/* Mapped pinned memory (PM_HOST_MAPPED, PM_REGISTER_MAPPED) promises an address a GPU kernel
+ * reads; the host backend's is the host address itself, which no real device has mapped (a GPU
+ * that another library still drives would fault on it). */
+static pm_status_t gated_host_device_pointer(void *host_ptr, void **dptr_out) {
+  (void)dptr_out;
+  char call[64];
+  snprintf(call, sizeof call, "host_device_pointer(%p)", host_ptr);
+  return fallback_error(call, "A device address of mapped pinned memory");
 }
 static const pm__backend_t *fallback_backend(void) {
   host_fallback = pm__backend_host;
   host_fallback.device_alloc = gated_device_alloc;
   host_fallback.managed_alloc = gated_managed_alloc;
+  host_fallback.host_device_pointer = gated_host_device_pointer;
   return &host_fallback;
 }
 
