@@ -104,7 +104,9 @@ typedef enum pm_backend_kind { PM_BACKEND_KIND_MAP(PM__ENUM_VALUE) } pm_backend_
  *    (PM_ERR_INVALID / PM_ERR_NOT_FOUND).
  *  - cuda backend: the CUDA driver cannot be used in a forked child, so the child's first call
  *    that needs the backend fails at once with PM_ERR_STATE ("use the spawn or forkserver start
- *    method"); pinmem makes no CUDA call in such a child, pm_finalize included.
+ *    method"); pinmem makes no CUDA call in such a child, pm_finalize included. The same holds
+ *    after pm_finalize, and after any start that got as far as cuInit: the driver stays
+ *    started in the parent (a fallback to the host backend stays a fallback in the child).
  *  A child that forks before any pinmem call, or never calls pinmem, is unaffected. */
 PM_API pm_status_t pm_init(void);
 /** Release the default pool and global state. Only for orderly shutdown (leak checkers); no

@@ -8,7 +8,13 @@
  *   STUB_FAKE_DEVICE  define for one pretend device (below)
  * Through cuGetProcAddress it offers the error strings, cuDeviceGetCount (no device) and, for
  * every other name, a call that fails with CUDA_ERROR_NOT_SUPPORTED: a driver that loads and
- * starts but shows no device. It holds no state and allocates nothing.
+ * starts but shows no device.
+ *
+ * STUB_CUDA_FAIL, read from the environment at each call, makes named entry points fail, so one
+ * library expresses the ways a real driver refuses mid-way: "name:code,..." where the name is
+ * cuInit, cuDriverGetVersion, cuGetProcAddress (every lookup then fails) or any name looked up
+ * through it, and the code is the CUresult the call returns; code -1 leaves the name out of
+ * cuGetProcAddress (CUDA_ERROR_NOT_FOUND, as a driver without that entry point answers).
  *
  * STUB_FAKE_DEVICE: one device whose "device memory" is malloc'd host memory, with synchronous
  * copies and streams and events that are always complete, and a JIT that refuses every PTX. It
@@ -18,30 +24,96 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/types.h>
+#include <unistd.h>
 
 #define STUB_API __attribute__((visibility("default")))
 
+/* 1 and the code when STUB_CUDA_FAIL names `name`. */
+static int fail_code(const char *name, int *code) {
+  const char *p = getenv("STUB_CUDA_FAIL");
+  size_t n = strlen(name);
+  while (p && *p) {
+    const char *end = strchr(p, ',');
+    if (!end) end = p + strlen(p);
+    const char *colon = memchr(p, ':', (size_t)(end - p));
+    if (colon && (size_t)(colon - p) == n && strncmp(p, name, n) == 0) {
+      *code = atoi(colon + 1);
+      return 1;
+    }
+    p = *end ? end + 1 : end;
+  }
+  return 0;
+}
+
 STUB_API int cuDriverGetVersion(int *v) {
+  int code = 0;
+  if (fail_code("cuDriverGetVersion", &code)) return code;
   *v = STUB_VERSION;
   return 0;
 }
+/* The process that started the driver: as the real driver, a forked child of it gets
+ * CUDA_ERROR_NOT_INITIALIZED from cuInit and cuDeviceGetCount (the stub checks those two). */
+static pid_t started_pid;
+static int forked_child(void) {
+  return started_pid && getpid() != started_pid;
+}
+
 STUB_API int cuInit(unsigned flags) {
   (void)flags;
+  int code = 0;
+  if (fail_code("cuInit", &code)) return code;
+  if (forked_child()) return 3;
+  if (STUB_INIT_RESULT == 0) started_pid = getpid();
   return STUB_INIT_RESULT;
 }
 
 #if !defined(STUB_NO_GPA)
-static int error_string(int e, const char **s) {
-  *s = e == 100   ? "no CUDA-capable device is detected"
-       : e == 218 ? "a PTX JIT compilation failed"
-                  : "stub driver: call not supported";
+static const struct {
+  int code;
+  const char *name, *text;
+} errors[] = {
+    {2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {3, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {34, "CUDA_ERROR_STUB_LIBRARY", "CUDA driver is a stub library"},
+    {100, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {218, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {304, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
+    {803, "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
+     "system has unsupported display driver / cuda driver combination"},
+    {999, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+static int error_text(int e, const char **s, int name) {
+  *s = name ? "CUDA_ERROR_NOT_SUPPORTED" : "stub driver: call not supported";
+  for (size_t i = 0; i < sizeof errors / sizeof errors[0]; i++)
+    if (errors[i].code == e) *s = name ? errors[i].name : errors[i].text;
   return 0;
+}
+static int error_string(int e, const char **s) {
+  return error_text(e, s, 0);
 }
 static int error_name(int e, const char **s) {
-  *s = e == 100 ? "CUDA_ERROR_NO_DEVICE" : e == 218 ? "CUDA_ERROR_INVALID_PTX" : "CUDA_ERROR_NOT_SUPPORTED";
-  return 0;
+  return error_text(e, s, 1);
 }
+/* Entry points STUB_CUDA_FAIL makes fail: each slot returns the code its name was given. */
+static int failing_codes[8];
+static int failing_used;
+#define STUB_FAILING(i)          \
+  static int failing_##i(void) { \
+    return failing_codes[i];     \
+  }
+STUB_FAILING(0)
+STUB_FAILING(1)
+STUB_FAILING(2)
+STUB_FAILING(3)
+STUB_FAILING(4)
+STUB_FAILING(5)
+STUB_FAILING(6)
+STUB_FAILING(7)
+static int (*const failing[8])(void) = {failing_0, failing_1, failing_2, failing_3,
+                                        failing_4, failing_5, failing_6, failing_7};
 static int device_get_count(int *count) {
+  if (forked_child()) return 3;
 #if defined(STUB_FAKE_DEVICE)
   *count = 1;
 #else
@@ -198,6 +270,19 @@ static const struct {
 
 static int lookup(const char *symbol, void **pfn, int version) {
   if (version > STUB_VERSION) return 500; /* CUDA_ERROR_NOT_FOUND: newer than this driver */
+  int code = 0;
+  if (fail_code("cuGetProcAddress", &code)) return code;
+  if (fail_code(symbol, &code)) {
+    if (code == -1) return 500;
+    int slot = -1;
+    for (int i = 0; i < failing_used; i++)
+      if (failing_codes[i] == code) slot = i;
+    if (slot < 0 && failing_used < 8) failing_codes[slot = failing_used++] = code;
+    if (slot >= 0) {
+      *pfn = (void *)(uintptr_t)failing[slot];
+      return 0;
+    }
+  }
 #if defined(STUB_FAKE_DEVICE)
   for (size_t i = 0; i < sizeof fake / sizeof fake[0]; i++)
     if (strcmp(symbol, fake[i].name) == 0) {
@@ -219,7 +304,8 @@ STUB_API int cuGetProcAddress_v2(const char *symbol, void **pfn, int version, ui
                                  int *status) {
   (void)flags;
   int e = lookup(symbol, pfn, version);
-  if (status) *status = e ? 2 : 0; /* CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT */
+  /* CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT for a newer version, else SYMBOL_NOT_FOUND */
+  if (status) *status = !e ? 0 : version > STUB_VERSION ? 2 : 1;
   return e;
 }
 STUB_API int cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags) {

@@ -30,8 +30,8 @@ static const char *stub(const char *variant) {
 }
 #endif
 
-/* Run fn in a child (fresh probe); the child's failed checks make its exit status non-zero. */
-static void in_child(const char *name, void (*fn)(void)) {
+/* Run fn in a forked child; the child's failed checks make its exit status non-zero. */
+static int forked(void (*fn)(void)) {
   fflush(stdout);
   fflush(stderr);
   pid_t pid = fork();
@@ -42,6 +42,12 @@ static void in_child(const char *name, void (*fn)(void)) {
   }
   int status = 0;
   CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  return status;
+}
+
+/* Each case in a child of its own (fresh probe). */
+static void in_child(const char *name, void (*fn)(void)) {
+  int status = forked(fn);
   pm_test_checks++;
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     PM_TEST_FAIL_AT(__FILE__, __LINE__, "case %s: child %s %d", name,
@@ -186,6 +192,50 @@ static void case_fake_device(void) {
   CHECK_ST(pm_finalize(), PM_OK);
 }
 
+/* fn in a forked child of the case's process; its failed checks fail the case. */
+static void in_fork(void (*fn)(void)) {
+  int status = forked(fn);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+static void refused_after_cuda(void) {
+  CHECK_ST(pm_init(), PM_ERR_STATE);
+  CHECK_HAS(pm_last_error(), "used by the parent before fork()");
+  void *h = NULL;
+  CHECK_ST(pm_host_alloc(NULL, 64, 0, &h), PM_ERR_STATE);
+}
+static void host_after_fallback(void) {
+  CHECK_ST(pm_init(), PM_OK);
+  CHECK_EQ_INT(pm_backend_kind(), PM_BACKEND_HOST);
+  void *d = NULL;
+  CHECK_ST(pm_device_alloc(64, &d), PM_ERR_NO_DEVICE);
+  CHECK_HAS(pm_last_error(), "but no device (CUDA_VISIBLE_DEVICES=");
+}
+/* The driver stays started in a process once cuInit succeeded, pm_finalize or not: a child forked
+ * after pm_finalize of the cuda backend is refused as one forked while it ran (the stand-in
+ * driver answers its calls there with CUDA_ERROR_NOT_INITIALIZED, as the real one). A child of a
+ * process that fell back after cuInit (no device) keeps the fallback, before and after
+ * pm_finalize. */
+static void case_fork_after_finalize(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("fake"), 1);
+  CHECK_ST(pm_init(), PM_OK);
+  CHECK_EQ_INT(pm_backend_kind(), PM_BACKEND_CUDA);
+  in_fork(refused_after_cuda);
+  CHECK_ST(pm_finalize(), PM_OK);
+  in_fork(refused_after_cuda);
+  CHECK_ST(pm_init(), PM_OK); /* the parent itself starts again */
+  CHECK_EQ_INT(pm_backend_kind(), PM_BACKEND_CUDA);
+  CHECK_ST(pm_finalize(), PM_OK);
+}
+static void case_fork_after_fallback(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("zerodevices"), 1);
+  setenv("CUDA_VISIBLE_DEVICES", "", 1);
+  CHECK_ST(pm_init(), PM_OK);
+  CHECK_EQ_INT(pm_backend_kind(), PM_BACKEND_HOST);
+  in_fork(host_after_fallback);
+  CHECK_ST(pm_finalize(), PM_OK);
+  in_fork(host_after_fallback);
+}
+
 /* Asked for by name, cuda that cannot start fails pm_init, with the same reason. */
 static void case_cuda_asked(void) {
   setenv("PINMEM_CUDA_DRIVER", stub("nodevice"), 1);
@@ -249,6 +299,8 @@ int main(void) {
   in_child("a library that is not the driver", case_not_a_driver);
   in_child("PINMEM_BACKEND=cuda without a usable driver", case_cuda_asked);
   in_child("a pretend device", case_fake_device);
+  in_child("fork after pm_finalize of the cuda backend", case_fork_after_finalize);
+  in_child("fork after a fallback that started the driver", case_fork_after_fallback);
 #else
   in_child("cuda backend compiled out", case_compiled_out);
 #endif

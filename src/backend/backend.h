@@ -120,5 +120,8 @@ typedef struct pm__cuda_status {
   char kernels[512];   /* why pinmem's kernels could not load, or run in smaller launches */
 } pm__cuda_status_t;
 void pm__cuda_status(pm__cuda_status_t *out);
+/* 1 once cuInit succeeded in this process: from then on a forked child may not call the driver
+ * (it answers CUDA_ERROR_NOT_INITIALIZED there), whichever backend the parent kept. */
+int pm__cuda_driver_started(void);
 
 #endif /* PINMEM_BACKEND_H */

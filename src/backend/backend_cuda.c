@@ -514,6 +514,10 @@ static void preload_kernels(void) {
   pm__clear_error();
 }
 
+int pm__cuda_driver_started(void) {
+  return atomic_load_explicit(&probe_state, memory_order_acquire) == 1;
+}
+
 void pm__cuda_status(pm__cuda_status_t *out) {
   memset(out, 0, sizeof *out);
   out->compiled = 1;

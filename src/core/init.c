@@ -83,6 +83,9 @@ static const pm__backend_t *fallback_backend(void) {
 /* Set in a forked child (pm__init_atfork) by the backend the parent had started: the host backend
  * starts afresh in the child without probing CUDA; after the cuda backend nothing may start. */
 static bool fork_child_host, fork_child_cuda;
+/* The kind of the backend pm_finalize stopped last: a child forked after pm_finalize follows it as
+ * it would follow a running one (the driver the parent started stays started). */
+static pm_backend_kind_t stopped_kind = PM_BACKEND_NONE;
 
 /* Was option device given (pm_option_set or PINMEM_DEVICE)? Only then does pm_init make a
  * device current: under CUDA 12 a set device gets a context at once, so a default of 0 would
@@ -230,7 +233,10 @@ void pm__backend_stop(void) {
   atomic_store_explicit(&active_backend, NULL, memory_order_release);
   atomic_store_explicit(&raw_backend, NULL, memory_order_release);
   pm__registry_clear();
-  if (b) b->shutdown();
+  if (b) {
+    stopped_kind = b->kind;
+    b->shutdown();
+  }
   pthread_mutex_unlock(&init_lock);
 }
 
@@ -243,8 +249,16 @@ void pm__init_atfork(pm__fork_phase_t phase) {
     pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
     init_lock = fresh;
     const pm__backend_t *b = atomic_load_explicit(&active_backend, memory_order_relaxed);
-    if (b && b->kind == PM_BACKEND_CUDA) fork_child_cuda = true;
-    if (b && b->kind == PM_BACKEND_HOST) fork_child_host = true;
+    pm_backend_kind_t kind = b ? b->kind : stopped_kind;
+    /* Once the parent started the driver (a cuda backend, running or stopped, or a cuda start
+     * that failed after cuInit), the child's driver calls would fail with
+     * CUDA_ERROR_NOT_INITIALIZED: it is told why instead. */
+    bool started = false;
+#ifdef PINMEM_HAVE_CUDA
+    started = pm__cuda_driver_started();
+#endif
+    if (kind == PM_BACKEND_CUDA || (kind != PM_BACKEND_HOST && started)) fork_child_cuda = true;
+    if (kind == PM_BACKEND_HOST) fork_child_host = true;
     /* The backend starts again on first use (host), or never (cuda): its threads, streams and
      * tables of the parent are gone. */
     atomic_store_explicit(&active_backend, NULL, memory_order_relaxed);
