@@ -15,10 +15,10 @@
 #include "check.h"
 #include "internal.h"
 
-#define CHECK_HAS(str, sub)                                                              \
-  do {                                                                                   \
-    pm_test_checks++;                                                                    \
-    if (!strstr((str), (sub)))                                                           \
+#define CHECK_HAS(str, sub)                                                                \
+  do {                                                                                     \
+    pm_test_checks++;                                                                      \
+    if (!strstr((str), (sub)))                                                             \
       PM_TEST_FAIL_AT(__FILE__, __LINE__, "\"%s\" does not contain \"%s\"", (str), (sub)); \
   } while (0)
 
@@ -36,6 +36,7 @@ static int forked(void (*fn)(void)) {
   fflush(stderr);
   pid_t pid = fork();
   if (pid == 0) {
+    pm_test_failures = 0; /* the child's own: an earlier failed case does not fail it */
     fn();
     fflush(stdout);
     _exit(pm_test_failures ? 1 : 0);
@@ -111,9 +112,10 @@ static void case_missing(void) {
 }
 static void case_nodevice(void) {
   setenv("PINMEM_CUDA_DRIVER", stub("nodevice"), 1);
-  expect_fallback("NVIDIA driver found (version 12.4) but no device: cuInit: no CUDA-capable "
-                  "device is detected (CUDA_ERROR_NO_DEVICE)",
-                  12040);
+  expect_fallback(
+      "NVIDIA driver found (version 12.4) but no device: cuInit: no CUDA-capable "
+      "device is detected (CUDA_ERROR_NO_DEVICE)",
+      12040);
 }
 static void case_zerodevices(void) {
   setenv("PINMEM_CUDA_DRIVER", stub("zerodevices"), 1);
@@ -133,6 +135,36 @@ static void case_not_a_driver(void) {
   setenv("PINMEM_CUDA_DRIVER", "libc.so.6", 1);
   expect_fallback("no cuInit/cuDriverGetVersion: not the CUDA driver", 0);
 }
+/* A driver that refuses at start, told in words that say what to do (STUB_CUDA_FAIL makes the
+ * stand-in's named calls fail with the given CUresult). */
+static const struct {
+  const char *name, *driver, *fail, *visible, *reason;
+  int version;
+} refusals[] = {
+    {"the toolkit's stub library (cuDriverGetVersion fails)", "fake", "cuDriverGetVersion:34", NULL,
+     "cuDriverGetVersion failed with CUresult 34: this is the CUDA toolkit's stub library", 0},
+    {"driver library and kernel module of different versions", "fake", "cuInit:803", NULL,
+     "cuInit failed: system has unsupported display driver / cuda driver combination "
+     "(CUDA_ERROR_SYSTEM_DRIVER_MISMATCH): the driver library and the loaded nvidia kernel "
+     "module differ",
+     12040},
+    {"cuInit answering as in a forked child", "fake", "cuInit:3", NULL,
+     "(CUDA_ERROR_NOT_INITIALIZED): the driver answers so in a process forked", 12040},
+    {"CUDA_VISIBLE_DEVICES=-1 (cuInit finds no device)", "nodevice", NULL, "-1",
+     "(CUDA_ERROR_NO_DEVICE); CUDA_VISIBLE_DEVICES='-1' is set", 12040},
+    {"cuGetProcAddress failing", "fake", "cuGetProcAddress:3", NULL,
+     "cuGetProcAddress(cuGetErrorString) failed: unknown CUDA error (CUresult 3)", 12040},
+    {"a required call missing", "fake", "cuMemHostRegister:-1", NULL,
+     "lacks cuMemHostRegister, which CUDA 6.5 has: reinstall or update the NVIDIA driver", 12040},
+};
+static size_t refusal;
+static void case_refusal(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub(refusals[refusal].driver), 1);
+  if (refusals[refusal].fail) setenv("STUB_CUDA_FAIL", refusals[refusal].fail, 1);
+  if (refusals[refusal].visible) setenv("CUDA_VISIBLE_DEVICES", refusals[refusal].visible, 1);
+  expect_fallback(refusals[refusal].reason, refusals[refusal].version);
+}
+
 /* A pretend device (stub_cuda.c's STUB_FAKE_DEVICE): the backend's own plumbing where no GPU is:
  * the probe succeeds, contexts are made current, memory, streams and events go through the
  * driver table, and a JIT that refuses the PTX leaves the kernels unavailable with the reason
@@ -290,6 +322,8 @@ int main(void) {
   /* Every case sets what it needs; nothing of the caller's environment leaks in. */
   unsetenv("PINMEM_BACKEND");
   unsetenv("PINMEM_DEVICE");
+  unsetenv("STUB_CUDA_FAIL");
+  unsetenv("CUDA_VISIBLE_DEVICES");
 #if defined(PINMEM_HAVE_CUDA)
   in_child("no driver library", case_missing);
   in_child("driver without a device (cuInit fails)", case_nodevice);
@@ -298,6 +332,8 @@ int main(void) {
   in_child("driver without cuGetProcAddress", case_nogpa);
   in_child("a library that is not the driver", case_not_a_driver);
   in_child("PINMEM_BACKEND=cuda without a usable driver", case_cuda_asked);
+  for (refusal = 0; refusal < sizeof refusals / sizeof refusals[0]; refusal++)
+    in_child(refusals[refusal].name, case_refusal);
   in_child("a pretend device", case_fake_device);
   in_child("fork after pm_finalize of the cuda backend", case_fork_after_finalize);
   in_child("fork after a fallback that started the driver", case_fork_after_fallback);

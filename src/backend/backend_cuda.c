@@ -155,19 +155,44 @@ static const char *cu_str(pmCUresult e, int name) {
   const char *s = NULL;
   if (name && drv.GetErrorName && drv.GetErrorName(e, &s) == PM_CUDA_SUCCESS && s) return s;
   if (!name && drv.GetErrorString && drv.GetErrorString(e, &s) == PM_CUDA_SUCCESS && s) return s;
-  return name ? "CUDA_ERROR_?" : "unknown CUDA error";
+  if (!name) return "unknown CUDA error";
+  /* Without the driver's names (cuGetErrorName missing), the number still tells the error. */
+  static _Thread_local char num[32];
+  snprintf(num, sizeof num, "CUresult %d", (int)e);
+  return num;
 }
 
-/* An entry point at the ABI of `version`, or NULL. Asked at CUDA 12.0 (or the entry's own
- * version when newer): the driver then hands out the ABI of that release, which is what
- * cuda_driver.h declares, also where a newer ABI of the same name exists. */
+/* What to do about a failure of cuInit or cuDriverGetVersion, for the probe's reason ("" when
+ * the driver's own words are all there is to say). */
+static const char *start_hint(pmCUresult e) {
+  switch (e) {
+    case PM_CUDA_ERROR_STUB_LIBRARY:
+      return ": this is the CUDA toolkit's stub library (lib64/stubs, for linking only), not the "
+             "driver; take its directory out of LD_LIBRARY_PATH, or install the NVIDIA driver";
+    case PM_CUDA_ERROR_NOT_INITIALIZED:
+      return ": the driver answers so in a process forked from one that had started CUDA; "
+             "start workers with the spawn or forkserver method";
+    case PM_CUDA_ERROR_SYSTEM_DRIVER_MISMATCH:
+      return ": the driver library and the loaded nvidia kernel module differ in version "
+             "(after a driver update: reboot, or reload the kernel module)";
+    default:
+      return "";
+  }
+}
+
+/* An entry point at the ABI of `version`, or NULL with the driver's answer in *e_out and
+ * *status_out. Asked at CUDA 12.0 (or the entry's own version when newer): the driver then hands
+ * out the ABI of that release, which is what cuda_driver.h declares, also where a newer ABI of
+ * the same name exists. */
 static void *proc_address(pm_cuGetProcAddress_v12000_t gpa2, pm_cuGetProcAddress_v11030_t gpa1,
-                          const char *name, int version) {
+                          const char *name, int version, pmCUresult *e_out, int *status_out) {
   void *fn = NULL;
   int status = PM_CU_GET_PROC_ADDRESS_SUCCESS;
   int ask = version > PM__CUDA_MIN_VERSION ? version : PM__CUDA_MIN_VERSION;
   pmCUresult e = gpa2 ? gpa2(name, &fn, ask, PM_CU_GET_PROC_ADDRESS_DEFAULT, &status)
                       : gpa1(name, &fn, ask, PM_CU_GET_PROC_ADDRESS_DEFAULT);
+  if (e_out) *e_out = e;
+  if (status_out) *status_out = status;
   return e == PM_CUDA_SUCCESS && status == PM_CU_GET_PROC_ADDRESS_SUCCESS ? fn : NULL;
 }
 
@@ -194,7 +219,14 @@ static int probe_locked(void) {
   int version = 0;
   char vs[32], need[32];
   fmt_version(PM__CUDA_MIN_VERSION, need, sizeof need);
-  if (drv.DriverGetVersion(&version) != PM_CUDA_SUCCESS) version = 0;
+  pmCUresult ev = drv.DriverGetVersion(&version);
+  if (ev != PM_CUDA_SUCCESS) {
+    /* Not "too old (version 0.0)": the library did not answer (no error strings yet). */
+    snprintf(probe_reason, sizeof probe_reason,
+             "NVIDIA driver unusable (%s: cuDriverGetVersion failed with CUresult %d%s)", path,
+             (int)ev, start_hint(ev));
+    return -1;
+  }
   atomic_store(&probe_version, version);
   fmt_version(version, vs, sizeof vs);
   if (version < PM__CUDA_MIN_VERSION) {
@@ -213,24 +245,34 @@ static int probe_locked(void) {
   }
   /* The error strings first (cuInit's failure is told in the driver's words), then cuInit: a
    * driver without a device says so before anything else is asked of it. */
-  *(void **)&drv.GetErrorString = proc_address(gpa2, gpa1, "cuGetErrorString", 6000);
-  *(void **)&drv.GetErrorName = proc_address(gpa2, gpa1, "cuGetErrorName", 6000);
+  *(void **)&drv.GetErrorString = proc_address(gpa2, gpa1, "cuGetErrorString", 6000, NULL, NULL);
+  *(void **)&drv.GetErrorName = proc_address(gpa2, gpa1, "cuGetErrorName", 6000, NULL, NULL);
   pmCUresult e = drv.Init(0);
+  if (e == PM_CUDA_ERROR_NO_DEVICE) {
+    /* The driver shows no device when CUDA_VISIBLE_DEVICES names none it has ("", -1, junk). */
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    char vis_note[160] = "";
+    if (vis)
+      snprintf(vis_note, sizeof vis_note,
+               "; CUDA_VISIBLE_DEVICES='%.64s' is set, and a process sees only the devices it "
+               "names",
+               vis);
+    snprintf(probe_reason, sizeof probe_reason,
+             "NVIDIA driver found (version %s) but no device: cuInit: %s (%s)%s", vs, cu_str(e, 0),
+             cu_str(e, 1), vis_note);
+    return -1;
+  }
   if (e != PM_CUDA_SUCCESS) {
-    if (e == PM_CUDA_ERROR_NO_DEVICE)
-      snprintf(probe_reason, sizeof probe_reason,
-               "NVIDIA driver found (version %s) but no device: cuInit: %s (%s)", vs,
-               cu_str(e, 0), cu_str(e, 1));
-    else
-      snprintf(probe_reason, sizeof probe_reason,
-               "NVIDIA driver found (version %s) but cuInit failed: %s (%s)", vs, cu_str(e, 0),
-               cu_str(e, 1));
+    snprintf(probe_reason, sizeof probe_reason,
+             "NVIDIA driver found (version %s) but cuInit failed: %s (%s)%s", vs, cu_str(e, 0),
+             cu_str(e, 1), start_hint(e));
     return -1;
   }
   probe_missing[0] = '\0';
   for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
     const entry_t *en = &entries[i];
-    void *fn = proc_address(gpa2, gpa1, en->name, en->version);
+    int status = 0;
+    void *fn = proc_address(gpa2, gpa1, en->name, en->version, &e, &status);
     *en->slot = fn;
     if (fn) continue;
     if (en->optional) {
@@ -239,9 +281,16 @@ static int probe_locked(void) {
                en->lost);
       continue;
     }
-    snprintf(probe_reason, sizeof probe_reason,
-             "NVIDIA driver unusable (version %s lacks %s, which CUDA %d.%d has)", vs, en->name,
-             en->version / 1000, (en->version % 1000) / 10);
+    if (e != PM_CUDA_SUCCESS && e != PM_CUDA_ERROR_NOT_FOUND)
+      /* The lookup itself failed: the driver may well have the call. */
+      snprintf(probe_reason, sizeof probe_reason,
+               "NVIDIA driver unusable (version %s: cuGetProcAddress(%s) failed: %s (%s))", vs,
+               en->name, cu_str(e, 0), cu_str(e, 1));
+    else
+      snprintf(probe_reason, sizeof probe_reason,
+               "NVIDIA driver unusable (version %s lacks %s, which CUDA %d.%d has: reinstall or "
+               "update the NVIDIA driver)",
+               vs, en->name, en->version / 1000, (en->version % 1000) / 10);
     return -1;
   }
   return 1;
