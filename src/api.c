@@ -112,6 +112,10 @@ static pm_status_t lookup_kind(const char *fn, const void *ptr, pm_memory_kind_t
 static pm_status_t check_device_index(const char *fn, const pm__backend_t *b, int device,
                                       bool allow_cpu) {
   if (allow_cpu && device == PM_CPU_DEVICE) return PM_OK;
+  char call[96];
+  snprintf(call, sizeof call, "%s(device %d)", fn, device);
+  pm_status_t fb = pm__fallback_refuse(call);
+  if (fb != PM_OK) return fb;
   int count = 0;
   pm_status_t st = b->device_count(&count);
   if (st != PM_OK) return pm__wrap_error(st, "%s", fn);
@@ -128,6 +132,12 @@ static pm_status_t check_device_index(const char *fn, const pm__backend_t *b, in
 pm_status_t pm_device_count(int *count_out) {
   if (!count_out) return PM__NULL_ARG("pm_device_count", "count_out");
   PM__BACKEND_OR_RETURN(b);
+  if (pm__backend_is_fallback()) {
+    /* auto fell back: no CUDA device, whatever the host backend simulates (pm_backend_info and
+     * `pinmem info` count 0 too). */
+    *count_out = 0;
+    return PM_OK;
+  }
   return b->device_count(count_out);
 }
 

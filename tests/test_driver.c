@@ -75,6 +75,15 @@ static void expect_fallback(const char *reason_part, int driver_version) {
 #else
   CHECK_EQ_INT(bi.cuda_compiled, 0);
 #endif
+  /* The simulated devices are not on offer: none counted, none to ask about or make current. */
+  int n = -1;
+  CHECK_ST(pm_device_count(&n), PM_OK);
+  CHECK_EQ_INT(n, 0);
+  pm_device_info_t di;
+  CHECK_ST(pm_device_get_info(0, &di), PM_ERR_NO_DEVICE);
+  CHECK_HAS(pm_last_error(), reason_part);
+  CHECK_ST(pm_device_set(0), PM_ERR_NO_DEVICE);
+  CHECK_HAS(pm_last_error(), reason_part);
   void *d = NULL;
   CHECK_ST(pm_device_alloc(4096, &d), PM_ERR_NO_DEVICE);
   CHECK(d == NULL);
@@ -108,6 +117,13 @@ static void expect_fallback(const char *reason_part, int driver_version) {
 #if defined(PINMEM_HAVE_CUDA)
 static void case_missing(void) {
   setenv("PINMEM_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
+  expect_fallback("no NVIDIA driver found (/nonexistent/libcuda.so.1", 0);
+}
+/* Option device names a CUDA device (a launcher sets it per rank): the fallback has none to make
+ * current, and serves every rank alike instead of failing pm_init past the host's device 0. */
+static void case_missing_device_option(void) {
+  setenv("PINMEM_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
+  setenv("PINMEM_DEVICE", "1", 1);
   expect_fallback("no NVIDIA driver found (/nonexistent/libcuda.so.1", 0);
 }
 static void case_nodevice(void) {
@@ -326,6 +342,7 @@ int main(void) {
   unsetenv("CUDA_VISIBLE_DEVICES");
 #if defined(PINMEM_HAVE_CUDA)
   in_child("no driver library", case_missing);
+  in_child("no driver library, PINMEM_DEVICE=1", case_missing_device_option);
   in_child("driver without a device (cuInit fails)", case_nodevice);
   in_child("driver showing no device", case_zerodevices);
   in_child("driver too old", case_old);

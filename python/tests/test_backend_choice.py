@@ -54,7 +54,7 @@ CHILD = textwrap.dedent("""
     import json, os, sys, tempfile
     import numpy as np
     import pinmem
-    out = {"info": pinmem.backend_info(), "errors": {}}
+    out = {"info": pinmem.backend_info(), "errors": {}, "device_count": pinmem.device_count()}
     def attempt(name, fn):
         try:
             fn()
@@ -63,6 +63,8 @@ CHILD = textwrap.dedent("""
             out["errors"][name] = [type(e).__name__, str(e)]
     attempt("device_empty", lambda: pinmem.device_empty(16, "float32"))
     attempt("empty_mapped", lambda: pinmem.empty(16, "float32", mapped=True))
+    attempt("device_info", lambda: pinmem.device_info(0))
+    attempt("set_device", lambda: pinmem.set_device(0))
     data = np.arange(64, dtype=np.float32).reshape(16, 4)
     attempt("loader_cuda", lambda: next(iter(pinmem.Loader(data, batch_size=4, device="cuda"))))
     def load():
@@ -86,11 +88,13 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(driver, backend=None):
+def run_child(driver, backend=None, device=None):
     env = dict(os.environ)
     env.pop("PINMEM_BACKEND", None)
     env.pop("PINMEM_DEVICE", None)
     env["PINMEM_CUDA_DRIVER"] = driver
+    if device is not None:
+        env["PINMEM_DEVICE"] = device
     if backend:
         env["PINMEM_BACKEND"] = backend
     p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
@@ -111,6 +115,7 @@ def check_fallback(res, reason_part, version):
     assert reason_part in info["reason"]
     assert info["driver_version"] == (list(version) if version else None)
     assert info["devices"] == 0
+    assert res["device_count"] == 0
     for name, err in res["errors"].items():
         assert err is not None, f"{name} was served under the fallback"
         cls, msg = err
@@ -132,6 +137,14 @@ def test_no_driver_library():
     check_fallback(res, "no NVIDIA driver found (/nonexistent/libcuda.so.1", None)
 
 
+def test_no_driver_with_device_option():
+    # A launcher's PINMEM_DEVICE=1 names a CUDA device: the fallback serves as with 0.
+    if not _cuda_compiled():
+        pytest.skip("this build has no cuda backend (-DPINMEM_CUDA=OFF)")
+    res = run_child("/nonexistent/libcuda.so.1", device="1")
+    check_fallback(res, "no NVIDIA driver found (/nonexistent/libcuda.so.1", None)
+
+
 @pytest.mark.parametrize("variant", sorted(STUBS))
 def test_unusable_driver(stub_dir, variant):
     if not _cuda_compiled():
@@ -149,6 +162,8 @@ def test_host_chosen_simulates_devices():
     assert info["devices"] >= 1
     assert res["errors"]["device_empty"] is None
     assert res["errors"]["empty_mapped"] is None
+    assert res["errors"]["device_info"] is None and res["errors"]["set_device"] is None
+    assert res["device_count"] >= 1
     assert res["errors"]["loader_cuda"] is None
 
 

@@ -51,6 +51,13 @@ static pm_status_t fallback_error(const char *call, const char *what) {
                        "purpose, set PINMEM_BACKEND=host",
                        call, backend_reason + (strncmp(backend_reason, "auto: ", 6) ? 0 : 6), what);
 }
+bool pm__backend_is_fallback(void) {
+  /* backend_fallback is written before active_backend is published (release). */
+  return atomic_load_explicit(&active_backend, memory_order_acquire) && backend_fallback;
+}
+pm_status_t pm__fallback_refuse(const char *call) {
+  return pm__backend_is_fallback() ? fallback_error(call, "A simulated device") : PM_OK;
+}
 static pm_status_t gated_device_alloc(size_t bytes, void **dptr_out) {
   (void)dptr_out;
   char call[64];
@@ -98,7 +105,9 @@ bool pm__device_option_given(void) {
 static pm_status_t start_backend(const pm__backend_t *b) {
   pm_status_t st = b->init();
   if (st != PM_OK) return st;
-  if (pm__device_option_given()) {
+  /* auto's fallback has no device to make current: option device (a launcher's rank) names a
+   * CUDA device, and the fallback refuses device requests with its reason whatever the index. */
+  if (pm__device_option_given() && b != &host_fallback) {
     long dev = pm__opt_int(PM__OPT_DEVICE);
     int count = 0;
     st = b->device_count(&count);

@@ -392,6 +392,12 @@ bool pm__device_option_given(void);
  * (...)", "auto: a CUDA device is present", "asked for (option backend)"); "" when none is
  * started. pm_backend_info gives it with the driver's state. */
 const char *pm__backend_reason(void);
+/* The backend in force is auto's fallback to the host backend (no usable CUDA device): its
+ * simulated devices are not on offer. */
+bool pm__backend_is_fallback(void);
+/* PM_OK unless pm__backend_is_fallback(); then PM_ERR_NO_DEVICE with the reason, for `call` (the
+ * public device calls refuse so). */
+pm_status_t pm__fallback_refuse(const char *call);
 /* Shorthand used at the top of public calls: */
 #define PM__BACKEND_OR_RETURN(b)          \
   const pm__backend_t *b = pm__backend(); \
