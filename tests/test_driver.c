@@ -7,6 +7,7 @@
  * PINMEM_BACKEND=cuda must fail pm_init with the reason; PINMEM_BACKEND=host must simulate
  * devices as ever. Needs no GPU: it runs the same everywhere.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -125,6 +126,13 @@ static void case_missing_device_option(void) {
   setenv("PINMEM_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
   setenv("PINMEM_DEVICE", "1", 1);
   expect_fallback("no NVIDIA driver found (/nonexistent/libcuda.so.1", 0);
+}
+/* A value of PINMEM_BACKEND that is no backend leaves auto in force, and the reason says so. */
+static void case_missing_junk_backend(void) {
+  setenv("PINMEM_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
+  setenv("PINMEM_BACKEND", "gpu", 1);
+  expect_fallback("PINMEM_BACKEND='gpu' ignored: not auto, cuda or host; no NVIDIA driver found",
+                  0);
 }
 static void case_nodevice(void) {
   setenv("PINMEM_CUDA_DRIVER", stub("nodevice"), 1);
@@ -284,6 +292,37 @@ static void case_fork_after_fallback(void) {
   in_fork(host_after_fallback);
 }
 
+/* Threads that start pinmem at once, each asking at once for what a process asks first: one
+ * probe, one backend, the same answer for all (TSan checks the publication). */
+static void *first_calls(void *arg) {
+  int *ok = arg;
+  pm_backend_info_t bi;
+  void *d = NULL, *h = NULL;
+  *ok = pm_backend_info(&bi) == PM_OK && bi.kind == PM_BACKEND_CUDA && bi.device_count == 1 &&
+        pm_device_alloc(256, &d) == PM_OK && pm_host_alloc(NULL, 256, 0, &h) == PM_OK &&
+        pm_device_free(d) == PM_OK && pm_host_free(h) == PM_OK;
+  return NULL;
+}
+static void case_threads_start(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("fake"), 1);
+  enum { N = 4 };
+  pthread_t t[N];
+  int ok[N] = {0};
+  for (int i = 0; i < N; i++) CHECK(pthread_create(&t[i], NULL, first_calls, &ok[i]) == 0);
+  for (int i = 0; i < N; i++) {
+    CHECK(pthread_join(t[i], NULL) == 0);
+    CHECK(ok[i]);
+  }
+  CHECK_ST(pm_finalize(), PM_OK);
+  /* and again, after pm_finalize: the driver stays loaded, the backend starts anew */
+  for (int i = 0; i < N; i++) CHECK(pthread_create(&t[i], NULL, first_calls, &ok[i]) == 0);
+  for (int i = 0; i < N; i++) {
+    CHECK(pthread_join(t[i], NULL) == 0);
+    CHECK(ok[i]);
+  }
+  CHECK_ST(pm_finalize(), PM_OK);
+}
+
 /* Asked for by name, cuda that cannot start fails pm_init, with the same reason. */
 static void case_cuda_asked(void) {
   setenv("PINMEM_CUDA_DRIVER", stub("nodevice"), 1);
@@ -343,6 +382,7 @@ int main(void) {
 #if defined(PINMEM_HAVE_CUDA)
   in_child("no driver library", case_missing);
   in_child("no driver library, PINMEM_DEVICE=1", case_missing_device_option);
+  in_child("no driver library, PINMEM_BACKEND=gpu", case_missing_junk_backend);
   in_child("driver without a device (cuInit fails)", case_nodevice);
   in_child("driver showing no device", case_zerodevices);
   in_child("driver too old", case_old);
@@ -352,6 +392,7 @@ int main(void) {
   for (refusal = 0; refusal < sizeof refusals / sizeof refusals[0]; refusal++)
     in_child(refusals[refusal].name, case_refusal);
   in_child("a pretend device", case_fake_device);
+  in_child("threads starting pinmem at once", case_threads_start);
   in_child("fork after pm_finalize of the cuda backend", case_fork_after_finalize);
   in_child("fork after a fallback that started the driver", case_fork_after_fallback);
 #else

@@ -46,9 +46,8 @@ static pm__backend_t host_fallback;
 
 static pm_status_t fallback_error(const char *call, const char *what) {
   return pm__set_error(PM_ERR_NO_DEVICE,
-                       "%s: no CUDA device: pinmem fell back to the host backend (%s). %s would "
-                       "be host memory in disguise, so it is refused; to simulate devices on "
-                       "purpose, set PINMEM_BACKEND=host",
+                       "%s: no CUDA device: pinmem fell back to the host backend (%s). %s, so "
+                       "it is refused; to simulate devices on purpose, set PINMEM_BACKEND=host",
                        call, backend_reason + (strncmp(backend_reason, "auto: ", 6) ? 0 : 6), what);
 }
 bool pm__backend_is_fallback(void) {
@@ -56,19 +55,21 @@ bool pm__backend_is_fallback(void) {
   return atomic_load_explicit(&active_backend, memory_order_acquire) && backend_fallback;
 }
 pm_status_t pm__fallback_refuse(const char *call) {
-  return pm__backend_is_fallback() ? fallback_error(call, "A simulated device") : PM_OK;
+  return pm__backend_is_fallback()
+             ? fallback_error(call, "A simulated device would stand in for a GPU")
+             : PM_OK;
 }
 static pm_status_t gated_device_alloc(size_t bytes, void **dptr_out) {
   (void)dptr_out;
   char call[64];
   snprintf(call, sizeof call, "device_alloc(%zu bytes)", bytes);
-  return fallback_error(call, "Device memory");
+  return fallback_error(call, "Device memory would be host memory in disguise");
 }
 static pm_status_t gated_managed_alloc(size_t bytes, void **ptr_out) {
   (void)ptr_out;
   char call[64];
   snprintf(call, sizeof call, "managed_alloc(%zu bytes)", bytes);
-  return fallback_error(call, "Device memory");
+  return fallback_error(call, "Device memory would be host memory in disguise");
 }
 /* Mapped pinned memory (PM_HOST_MAPPED, PM_REGISTER_MAPPED) promises an address a GPU kernel
  * reads; the host backend's is the host address itself, which no real device has mapped (a GPU
@@ -77,7 +78,9 @@ static pm_status_t gated_host_device_pointer(void *host_ptr, void **dptr_out) {
   (void)dptr_out;
   char call[64];
   snprintf(call, sizeof call, "host_device_pointer(%p)", host_ptr);
-  return fallback_error(call, "A device address of mapped pinned memory");
+  return fallback_error(call,
+                        "A device address of mapped pinned memory would be a host address "
+                        "that no GPU has mapped");
 }
 static const pm__backend_t *fallback_backend(void) {
   host_fallback = pm__backend_host;
@@ -121,6 +124,17 @@ static pm_status_t start_backend(const pm__backend_t *b) {
     }
   }
   return PM_OK;
+}
+
+/* An environment value of option backend that does not parse leaves auto in force (config.c);
+ * the reason for the choice says so first ("PINMEM_BACKEND='gpu' ignored: not auto, cuda or host;
+ * "), so a typo is seen where the choice is explained, not only in the option table. */
+static void ignored_backend_note(char *buf, size_t n) {
+  pm_option_info_t o;
+  buf[0] = '\0';
+  if (pm_option_get(PM__OPT_BACKEND, &o) != PM_OK || o.source != PM_OPTION_DEFAULT) return;
+  const char *open = strchr(o.value, '('), *close = strrchr(o.value, ')');
+  if (open && close && close > open) snprintf(buf, n, "%.*s; ", (int)(close - open - 1), open + 1);
 }
 
 static pm_status_t forked_after_cuda(void) {
@@ -171,19 +185,21 @@ pm_status_t pm_init(void) {
 #endif
   } else {
     if (want != PM_BACKEND_HOST) {
+      char note[160];
+      ignored_backend_note(note, sizeof note);
 #ifdef PINMEM_HAVE_CUDA
       /* auto: a machine without a usable GPU is normal; fall back to the host backend, and
        * say why wherever someone asks for a device. */
       if (start_backend(&pm__backend_cuda) == PM_OK) {
         chosen = &pm__backend_cuda;
-        snprintf(backend_reason, sizeof backend_reason, "auto: a CUDA device is present");
+        snprintf(backend_reason, sizeof backend_reason, "auto: %sa CUDA device is present", note);
       } else {
-        snprintf(backend_reason, sizeof backend_reason, "auto: %s", pm_last_error());
+        snprintf(backend_reason, sizeof backend_reason, "auto: %s%s", note, pm_last_error());
         fallback = true;
       }
 #else
       snprintf(backend_reason, sizeof backend_reason,
-               "auto: this pinmem was built without the cuda backend (-DPINMEM_CUDA=OFF)");
+               "auto: %sthis pinmem was built without the cuda backend (-DPINMEM_CUDA=OFF)", note);
       fallback = true;
 #endif
     } else if (!fork_child_host || !backend_fallback) {
