@@ -21,6 +21,7 @@
  * lets the cuda backend's own plumbing (primary contexts, the probe, pm_backend_info, the
  * kernels' fallback) run where there is no GPU; it says nothing of CUDA's semantics.
  */
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -147,8 +148,16 @@ static int device_get_attribute(int *v, int attr, int dev) {
   *v = attr == 20 ? 0 : attr == 75 ? 9 : 1; /* compute mode default, cc 9.x, features on */
   return 0;
 }
+/* STUB_CUDA_HOLD_RETAIN set: cuDevicePrimaryCtxRetain waits, as a real context creation takes
+ * its time, until the test (which dlopens this library too) sets stub_retain_release; it sets
+ * stub_retain_entered first, so the test knows pinmem holds its context lock. */
+STUB_API _Atomic int stub_retain_entered, stub_retain_release;
 static int primary_ctx_retain(void **ctx, int dev) {
   (void)dev;
+  if (getenv("STUB_CUDA_HOLD_RETAIN")) {
+    stub_retain_entered = 1;
+    while (!stub_retain_release) sched_yield();
+  }
   *ctx = &the_ctx;
   return 0;
 }

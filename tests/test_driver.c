@@ -7,7 +7,9 @@
  * PINMEM_BACKEND=cuda must fail pm_init with the reason; PINMEM_BACKEND=host must simulate
  * devices as ever. Needs no GPU: it runs the same everywhere.
  */
+#include <dlfcn.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -323,6 +325,44 @@ static void case_threads_start(void) {
   CHECK_ST(pm_finalize(), PM_OK);
 }
 
+/* A child forked while a thread of the parent creates a context (pinmem's context lock held, as
+ * during a context's creation or the kernels' JIT) asks which backend it has: it is told
+ * (PM_ERR_STATE's reason, the driver's version), and neither calls the driver nor waits for that
+ * lock, which no thread of the child will ever release. */
+static void *first_device_alloc(void *arg) {
+  void *d = NULL;
+  *(pm_status_t *)arg = pm_device_alloc(64, &d);
+  if (d) pm_device_free(d);
+  return NULL;
+}
+static void child_asks_backend(void) {
+  alarm(30); /* waiting for the parent's lock would never end: a signal fails the case */
+  pm_backend_info_t bi;
+  CHECK_ST(pm_backend_info(&bi), PM_OK);
+  CHECK_EQ_INT(bi.kind, PM_BACKEND_NONE);
+  CHECK_HAS(bi.reason, "used by the parent before fork()");
+  CHECK_EQ_INT(bi.driver_version, 12040);
+}
+static void case_fork_during_context(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("fake"), 1);
+  setenv("STUB_CUDA_HOLD_RETAIN", "1", 1);
+  CHECK_ST(pm_init(), PM_OK); /* loads the stand-in; no context yet (option device not given) */
+  void *lib = dlopen(stub("fake"), RTLD_NOW | RTLD_NOLOAD);
+  _Atomic int *entered = lib ? dlsym(lib, "stub_retain_entered") : NULL;
+  _Atomic int *release = lib ? dlsym(lib, "stub_retain_release") : NULL;
+  CHECK(entered && release);
+  if (!entered || !release) return;
+  pthread_t t;
+  pm_status_t st = PM_ERR_INTERNAL;
+  CHECK(pthread_create(&t, NULL, first_device_alloc, &st) == 0);
+  while (!*entered) sched_yield(); /* the thread is inside the context creation */
+  in_fork(child_asks_backend);
+  *release = 1;
+  CHECK(pthread_join(t, NULL) == 0);
+  CHECK_ST(st, PM_OK);
+  CHECK_ST(pm_finalize(), PM_OK);
+}
+
 /* Asked for by name, cuda that cannot start fails pm_init, with the same reason. */
 static void case_cuda_asked(void) {
   setenv("PINMEM_CUDA_DRIVER", stub("nodevice"), 1);
@@ -394,6 +434,7 @@ int main(void) {
   in_child("a pretend device", case_fake_device);
   in_child("threads starting pinmem at once", case_threads_start);
   in_child("fork after pm_finalize of the cuda backend", case_fork_after_finalize);
+  in_child("fork while a context is being made", case_fork_during_context);
   in_child("fork after a fallback that started the driver", case_fork_after_fallback);
 #else
   in_child("cuda backend compiled out", case_compiled_out);

@@ -34,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -146,6 +147,7 @@ static char probe_reason[512];
 static char probe_library[256];
 static char probe_missing[256]; /* optional entry points this driver lacks, and what that costs */
 static atomic_int probe_version; /* cuDriverGetVersion's answer, 0 before it */
+static atomic_int probe_pid;     /* the process whose probe started the driver */
 
 static void fmt_version(int v, char *buf, size_t n) {
   snprintf(buf, n, "%d.%d", v / 1000, (v % 1000) / 10);
@@ -303,6 +305,7 @@ static pm_status_t load_driver(void) {
   int st = atomic_load_explicit(&probe_state, memory_order_relaxed);
   if (st == 0) {
     st = probe_locked();
+    atomic_store(&probe_pid, (int)getpid());
     atomic_store_explicit(&probe_state, st, memory_order_release);
   }
   pthread_mutex_unlock(&drv_lock);
@@ -575,9 +578,13 @@ void pm__cuda_status(pm__cuda_status_t *out) {
   if (ps == 0) return;
   snprintf(out->library, sizeof out->library, "%s", probe_library);
   if (ps != 1) return;
+  snprintf(out->missing, sizeof out->missing, "%s", probe_missing);
+  /* In a child forked after the probe, no driver call (the driver refuses them there) and not
+   * ctx_lock, which a parent's thread may have held at the fork (a context or the kernels' JIT
+   * under way): the child would wait for it forever. */
+  if (getpid() != atomic_load(&probe_pid)) return;
   int count = 0;
   if (drv.DeviceGetCount(&count) == PM_CUDA_SUCCESS) out->device_count = count;
-  snprintf(out->missing, sizeof out->missing, "%s", probe_missing);
   pthread_mutex_lock(&ctx_lock);
   snprintf(out->kernels, sizeof out->kernels, "%s", kernels_note);
   pthread_mutex_unlock(&ctx_lock);
