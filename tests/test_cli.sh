@@ -228,6 +228,13 @@ else
   fail "docs/options.md is missing"
 fi
 
+# Where auto falls back (no driver), the simulated devices are not on offer: a bench over all
+# devices says why instead of running over none.
+run devices_fallback env -u PINMEM_BACKEND PINMEM_CUDA_DRIVER=/nonexistent/libcuda.so.1 "$bin" \
+  bench copy --devices all --sizes 4K --repeat 1
+expect_rc devices_fallback 1 &&
+  expect_grep devices_fallback err '^pinmem: PM_ERR_NO_DEVICE: .*(no NVIDIA driver found|built without the cuda backend)'
+
 # An invalid option value: the default stays in force and both outputs say why.
 run bad_env env PINMEM_BUDGET=xyz "$bin" info
 expect_rc bad_env 0 && expect_grep bad_env out "^ +budget +PINMEM_BUDGET +auto \(PINMEM_BUDGET='xyz' ignored: [^)]+\) +default"
