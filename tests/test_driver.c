@@ -247,6 +247,25 @@ static void case_fake_device(void) {
   CHECK_HAS(bi.kernels, "batches go by DMA");
   CHECK_ST(pm_event_destroy(e), PM_OK);
   CHECK_ST(pm_stream_destroy(s), PM_OK);
+  /* The stand-in cannot register host memory (cuMemHostRegister: CUDA_ERROR_NOT_SUPPORTED, as
+   * on a platform without host registration): a request past fast_pin_min, whose segment would
+   * be mmap + register, is pinned by the driver's allocator instead, twice. */
+  void *big[2] = {NULL, NULL};
+  for (int i = 0; i < 2; i++) {
+    CHECK_ST(pm_host_alloc(NULL, (size_t)16 << 20, 0, &big[i]), PM_OK);
+    if (big[i]) {
+      memset(big[i], 0x5a + i, (size_t)16 << 20);
+      pm_pointer_info_t pi;
+      CHECK_ST(pm_pointer_query(big[i], &pi), PM_OK);
+      CHECK_EQ_INT(pi.kind, PM_MEMORY_POOL);
+    }
+  }
+  CHECK(big[0] && big[1] && ((char *)big[0])[(16 << 20) - 1] == 0x5a);
+  for (int i = 0; i < 2; i++) CHECK_ST(pm_host_free(big[i]), PM_OK);
+  /* Memory the caller owns has no other way to be pinned: refused, naming the call. */
+  static char page[4096] __attribute__((aligned(4096)));
+  CHECK_ST(pm_register(page, sizeof page, 0), PM_ERR_UNSUPPORTED);
+  CHECK_HAS(pm_last_error(), "cuMemHostRegister");
   CHECK_ST(pm_finalize(), PM_OK);
 }
 

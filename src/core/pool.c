@@ -85,18 +85,27 @@ static pm_status_t segment_create(pm_pool_t *p, size_t size, unsigned flags, int
     return pm__set_error(PM_ERR_NOMEM, "out of host memory for pool bookkeeping");
   }
   bool shared = (flags & PM_HOST_SHARED) != 0;
-  bool fast = !shared && size >= p->fast_pin_min && !(flags & PM_HOST_WRITE_COMBINED);
+  bool fast = !shared && size >= p->fast_pin_min && !(flags & PM_HOST_WRITE_COMBINED) &&
+              !atomic_load_explicit(&p->register_refused, memory_order_relaxed);
   void *base = NULL;
   bool bound = false;
   double t0 = pm__now();
-  pm_status_t st;
+  pm_status_t st = PM_OK;
   if (shared) {
     st = pm__shared_pin_node(p->b, size, register_flags(flags), p->pin_threads, node, &bound,
                              &base);
   } else if (fast) {
     st = pm__fast_pin_node(p->b, size, register_flags(flags), p->pin_threads, p->huge_pages, node,
                            &bound, &base);
-  } else {
+    if (st == PM_ERR_UNSUPPORTED) {
+      /* The driver pins no memory it did not allocate here (cuMemHostRegister unsupported), yet
+       * its allocator pins: that serves this segment and the pool's later ones, instead of
+       * failing every request from fast_pin_min up. */
+      atomic_store_explicit(&p->register_refused, true, memory_order_relaxed);
+      fast = false;
+    }
+  }
+  if (!shared && !fast) {
     /* The backend's allocator touches the pages inside the call (cudaHostAlloc): the calling
      * thread's policy decides where they go, so it prefers the node for the call's length. */
     pm__numa_policy_t saved;

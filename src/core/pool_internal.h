@@ -82,6 +82,9 @@ struct pm_pool_s {
   int pin_threads;
   size_t fast_pin_min;
   bool huge_pages;
+  /* The backend refused to register host memory (PM_ERR_UNSUPPORTED: a platform without host
+   * registration): segments come from its allocator from then on (segment_create). */
+  atomic_bool register_refused;
 
   pm__group_t groups[PM__NGROUPS]; /* blocks of node -1 (no placement asked) */
   /* Blocks pinned for node n: their own bin sets, made when the first such segment is, so a
