@@ -30,6 +30,10 @@ STUBS = {  # variant: (defines, reason part, driver version)
               "has no cuGetProcAddress", (12, 0)),
 }
 
+# One pretend device (stub_cuda.c's STUB_FAKE_DEVICE): it pins with cuMemHostAlloc, and answers
+# cuMemHostRegister with CUDA_ERROR_NOT_SUPPORTED, as a platform without host registration.
+FAKE = ["STUB_VERSION=12040", "STUB_INIT_RESULT=0", "STUB_FAKE_DEVICE=1"]
+
 
 def _cuda_compiled():
     return pinmem.backend_info()["cuda_compiled"]
@@ -43,7 +47,7 @@ def stub_dir(tmp_path_factory):
     if not os.path.exists(STUB_SRC):
         pytest.skip("tests/stub_cuda.c is not here (an installed package without the sources)")
     out = tmp_path_factory.mktemp("stub_drivers")
-    for name, (defs, _, _) in STUBS.items():
+    for name, (defs, _, _) in {**STUBS, "fake": (FAKE, None, None)}.items():
         subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out / f"libcuda_{name}.so"),
                         *[f"-D{d}" for d in defs], STUB_SRC], check=True)
     return out
@@ -183,3 +187,31 @@ def test_cuda_asked_without_driver():
     lines = p.stdout.splitlines()
     assert lines[0] == "none"
     assert lines[1].startswith("refused:") and "no NVIDIA driver found" in lines[1], lines
+
+
+def test_driver_without_host_registration(stub_dir):
+    """Big pinned buffers still come (from the driver's allocator); a loader with worker
+    processes, whose slots are shared memory that only registration pins, is refused naming the
+    call, and without advice about sizes that would not help."""
+    if not _cuda_compiled():
+        pytest.skip("this build has no cuda backend (-DPINMEM_CUDA=OFF)")
+    env = dict(os.environ, PINMEM_CUDA_DRIVER=str(stub_dir / "libcuda_fake.so"))
+    env.pop("PINMEM_BACKEND", None)
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import numpy as np, pinmem
+        print(pinmem.backend())
+        a = np.asarray(pinmem.empty(16 << 20, "uint8")); a[:] = 7
+        print("big", int(a[-1]))
+        class DS:
+            def __len__(self): return 16
+            def __getitem__(self, i): return np.full(4, i, np.float32)
+        try:
+            next(iter(pinmem.Loader(DS(), batch_size=4, num_workers=2, device="cpu")))
+        except pinmem.UnsupportedError as e:
+            print("refused:", e)
+        """)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[:2] == ["cuda", "big 7"], lines
+    assert lines[2].startswith("refused:") and "cuMemHostRegister" in lines[2], lines
+    assert "lower prefetch" not in lines[2], lines

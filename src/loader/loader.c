@@ -213,11 +213,13 @@ pm_status_t pm__loader_alloc_slot(pm_loader_t *L, slot_t *s) {
   if (L->pinned) {
     st = pm_host_alloc(c->pool, L->slot_bytes, c->shared_slots ? PM_HOST_SHARED : PM_HOST_DEFAULT,
                        (void **)&s->host);
+    /* The remedy names sizes only where size is the trouble (a refusal by the driver, a forked
+     * child, are not). */
+    bool size_trouble = st == PM_ERR_BUDGET || st == PM_ERR_NOMEM || st == PM_ERR_MEMLOCK;
     if (st != PM_OK)
-      return pm__wrap_error(st,
-                            "pinned slot of %zu bytes (lower prefetch or batch_size, or raise "
-                            "the budget)",
-                            L->slot_bytes);
+      return pm__wrap_error(
+          st, "pinned slot of %zu bytes%s", L->slot_bytes,
+          size_trouble ? " (lower prefetch or batch_size, or raise the budget)" : "");
   } else {
     void *p = NULL;
     if (posix_memalign(&p, 4096, L->slot_bytes) != 0)
