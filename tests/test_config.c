@@ -57,6 +57,17 @@ static void test_table_rows(void) {
   CHECK_ERR_MSG(pm_option_find("budget", NULL), PM_ERR_INVALID);
   CHECK_ERR_MSG(pm_option_find("no_such_option", &info), PM_ERR_CONFIG);
   CHECK(strstr(pm_last_error(), "no_such_option") != NULL);
+  /* The message lists every option, the last one of the table too, whole and ending the list
+   * (it was cut in the middle of the 21st name). */
+  char want[96];
+  CHECK(pm_option_get(n - 1, &info) == PM_OK);
+  snprintf(want, sizeof want, ", %s)", info.name);
+  CHECK_ERR_MSG(pm_option_set("no_such_option", "1"), PM_ERR_CONFIG);
+  const char *msg = pm_last_error();
+  size_t len = strlen(msg), wl = strlen(want);
+  if (len < wl || strcmp(msg + len - wl, want) != 0)
+    fprintf(stderr, "want the list to end with '%s': %s\n", want, msg);
+  CHECK(len >= wl && strcmp(msg + len - wl, want) == 0);
 }
 
 static void test_defaults(void) {

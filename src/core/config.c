@@ -696,7 +696,8 @@ static int find_opt(const char *name) {
 }
 
 static pm_status_t unknown_option(const char *fn, const char *name) {
-  char known[256];
+  /* Room for every name: a list cut short hid the options at the end of the table. */
+  char known[768];
   size_t off = 0;
   known[0] = '\0';
   for (int i = 0; i < PM__OPT_COUNT && off < sizeof known; i++)
