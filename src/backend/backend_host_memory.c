@@ -351,6 +351,24 @@ static bool range_mapped(uintptr_t ps, uintptr_t pe, size_t pg) {
   return true;
 }
 
+/* Does [ps, pe) hold a mapping with no access (PROT_NONE: a guard page, memory reserved but not
+ * committed)? mlock fails on one with ENOMEM, the errno of a low RLIMIT_MEMLOCK, so the failure
+ * is told apart here, on the error path only (it reads /proc/self/maps). */
+static bool range_has_no_access(uintptr_t ps, uintptr_t pe) {
+  FILE *f = fopen("/proc/self/maps", "re");
+  if (!f) return false;
+  char line[512];
+  bool found = false;
+  while (!found && fgets(line, sizeof line, f)) {
+    unsigned long lo, hi;
+    char perms[5];
+    if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) == 3 && lo < pe && hi > ps)
+      found = perms[0] == '-' && perms[1] == '-' && perms[2] == '-';
+  }
+  fclose(f);
+  return found;
+}
+
 pm_status_t pm__hb_host_register(void *ptr, size_t bytes, unsigned flags) {
   const unsigned known = PM_REGISTER_MAPPED | PM_REGISTER_PORTABLE | PM_REGISTER_READ_ONLY;
   pm__hb_count_call();
@@ -411,6 +429,11 @@ pm_status_t pm__hb_host_register(void *ptr, size_t bytes, unsigned flags) {
   pthread_mutex_unlock(&mem_lock);
   if (hi > lo) munlock((void *)lo, hi - lo); /* mlock may have locked part of the range */
 
+  if (err == ENOMEM && range_has_no_access(ps, pe))
+    return pm__set_error(PM_ERR_INVALID,
+                         "host_register(%p, %zu bytes): part of the range is mapped without access "
+                         "(PROT_NONE), which cannot be pinned",
+                         ptr, bytes);
   if (err == EPERM || err == ENOMEM || err == EAGAIN)
     return memlock_error("host_register: mlock", (void *)ps, pe - ps, err);
   return pm__set_error(PM_ERR_BACKEND, "host_register: mlock(%p, %zu bytes): %s", (void *)ps,
