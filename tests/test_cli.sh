@@ -389,6 +389,8 @@ bad_lines=(
   "bench copy --devices 7"
   "bench copy --devices"
   "bench copy --devices 0,0"
+  "bench copy --devices 0,"
+  "bench copy --devices ,0"
   "bench copy --devices all --cases x"
   "bench overlap --bytes x"
   # empty list items, repeated options, unknown cases, --quiet outside a bench
@@ -888,6 +890,13 @@ msg bare_blocks 2 "^pinmem: bench blocks takes no argument 'stray'$" bench block
 msg dev_twice 2 "^pinmem: --repeat given twice$" bench copy --devices 0 --repeat 1 --repeat 2
 msg dev_cases 2 "^pinmem: --cases does not apply to --devices" bench copy --devices 0 --cases plain_pinned
 msg last_value 2 "^pinmem: --arena needs a value$" bench blocks --arena
+# Repeated flags before a command and in info, as in the benches; empty device items.
+msg twice_global 2 "^pinmem: --json given twice$" --json --json info
+msg twice_info_json 2 "^pinmem: --json given twice$" --json info --json
+msg twice_summary 2 "^pinmem: --summary given twice$" info --summary --summary
+msg twice_quiet 2 "^pinmem: --quiet given twice$" --quiet --quiet bench overlap
+msg dir_empty 2 "^pinmem: --dir needs a folder, not ''$" bench file --dir ""
+msg dev_empty 2 "^pinmem: --devices: item 2 of '0,' is empty$" bench copy --devices 0, --size 4K
 
 # One set of size flags: --sizes takes a list in every bench; --bytes and --size are the same flag.
 run alias_copy "$bin" --json bench copy --bytes 4K,8K --repeat 1 --cases plain_pinned

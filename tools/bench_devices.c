@@ -153,6 +153,9 @@ static int parse_devices(const char *list, int count, int *out) {
     for (int i = 0; i < n; i++) out[i] = i;
     return n;
   }
+  /* strtok_r skips empty items: "0," and ",0" ran as "0". They are refused, as in every list. */
+  int empty = cli_list_empty_item(list);
+  if (empty) cli_usage_error("--devices: item %d of '%s' is empty", empty, list);
   int n = 0;
   char *copy = cli_xstrdup(list), *save = NULL;
   for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {

@@ -203,6 +203,8 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
         p = end + 1;
       }
     } else if (!strcmp(name, "--dir")) {
+      /* "" fell through to $TMPDIR: the files went where the command line did not say. */
+      if (!v[0]) return cli_usage_fail("--dir needs a folder, not ''");
       o->dir = v;
     } else if (!strcmp(name, "--cases")) {
       if (cli_list_empty_item(v))

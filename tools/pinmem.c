@@ -145,7 +145,7 @@ static const struct {
   cli_bench_fn fn;
 } benches[] = {
     {"alloc", bench_alloc_main},     {"copy", pm_cli_bench_copy}, {"overlap", pm_cli_bench_overlap},
-    {"loader", pm_cli_bench_loader}, {"file", pm_cli_bench_file},    {"blocks", pm_cli_bench_blocks},
+    {"loader", pm_cli_bench_loader}, {"file", pm_cli_bench_file}, {"blocks", pm_cli_bench_blocks},
 };
 enum { NBENCH = sizeof benches / sizeof benches[0] };
 
@@ -198,12 +198,13 @@ static int info_main(int argc, char **argv, bool json) {
   int what = CLI_INFO_ALL;
   for (int i = 0; i < argc; i++) {
     const char *a = argv[i];
-    if (!strcmp(a, "--json"))
+    if (!strcmp(a, "--json")) {
+      if (json) cli_usage_error("--json given twice");
       json = true;
-    else if (!strcmp(a, "--summary") || !strcmp(a, "--options")) {
+    } else if (!strcmp(a, "--summary") || !strcmp(a, "--options")) {
       int w = a[2] == 's' ? CLI_INFO_SUMMARY : CLI_INFO_OPTIONS;
-      if (what != CLI_INFO_ALL && what != w)
-        cli_usage_error("--summary and --options exclude each other");
+      if (what == w) cli_usage_error("%s given twice", a);
+      if (what != CLI_INFO_ALL) cli_usage_error("--summary and --options exclude each other");
       what = w;
     } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       printf(
@@ -235,16 +236,15 @@ int main(int argc, char **argv) {
   /* The options before the command; those after it belong to the command. */
   for (; k < argc && argv[k][0] == '-'; k++) {
     const char *a = argv[k];
-    if (!strcmp(a, "--json"))
-      json = true;
-    else if (!strcmp(a, "--quiet"))
-      quiet = true;
-    else if (!strcmp(a, "--help") || !strcmp(a, "-h"))
-      help = true;
-    else if (!strcmp(a, "--version") || !strcmp(a, "-V"))
-      version = true;
-    else
-      return cli_unknown("option", a, global);
+    bool *flag = !strcmp(a, "--json")                          ? &json
+                 : !strcmp(a, "--quiet")                       ? &quiet
+                 : !strcmp(a, "--help") || !strcmp(a, "-h")    ? &help
+                 : !strcmp(a, "--version") || !strcmp(a, "-V") ? &version
+                                                               : NULL;
+    if (!flag) return cli_unknown("option", a, global);
+    /* A repeated option is refused here as after a command (`bench copy --json --json`). */
+    if (*flag) cli_usage_error("%s given twice", a);
+    *flag = true;
   }
   const char *cmd = k < argc ? argv[k] : NULL;
   if (help && !cmd) {
