@@ -607,6 +607,19 @@ for r in cases:
     if r.get("verify_method") != "full": bad("loader --verify row: verify_method %r" % r.get("verify_method"))
 '
 
+# One batch per epoch: the first step is the warm-up, so nothing is timed and the rates are
+# null, not 0 GB/s; the batch is still checked.
+run loader_one_step "$bin" --json bench loader --samples 1 --batch 2 --epochs 1 --pin on --quiet
+expect_rc loader_one_step 0 &&
+  json_check loader_one_step '
+images = [r for r in rows if r.get("bench") == "loader" and r["case"].startswith("images_")]
+if not images: bad("no images rows")
+for r in images:
+    if r.get("batches") != 0 or r.get("gbps") is not None or r.get("batches_per_s") is not None:
+        bad("a run that timed no batch: %r" % {k: r.get(k) for k in ("case", "batches", "gbps", "batches_per_s")})
+    if r.get("verified") is not True: bad("loader row not verified: %r" % r)
+'
+
 # ---- tools that talk: help, refusals, host labels, progress ----------------------------------
 # Each bench's --help lists its cases and its options with the defaults of this (host) backend.
 run help_alloc "$bin" bench alloc --help

@@ -726,8 +726,10 @@ static void run_once(bench_t *B, src_t *s, const char *name, bool pinned, double
   r->seconds = secs;
   r->bytes = counted_bytes;
   r->batches = counted_batches;
-  r->gbps = secs > 0 ? (double)counted_bytes / secs / 1e9 : NAN;
-  r->batches_per_s = secs > 0 ? (double)counted_batches / secs : NAN;
+  /* The first step is the warm-up: a run of one step timed nothing, and its rates are not 0. */
+  bool timed = counted_batches > 0 && secs > 0;
+  r->gbps = timed ? (double)counted_bytes / secs / 1e9 : NAN;
+  r->batches_per_s = timed ? (double)counted_batches / secs : NAN;
   for (int k = 0; k < W; k++) {
     pm_loader_stats_t e;
     pm_loader_get_stats(ld[k], &e);
@@ -1145,8 +1147,10 @@ static void print_table(const bench_t *B) {
   for (int i = 0; i < B->nres; i++) {
     const result_t *r = &B->res[i];
     char g[32], bps[32], st[32], spb[32], idle[32], p50[32], busy[32], runs[16];
-    snprintf(g, sizeof g, "%.2f", r->gbps);
-    snprintf(bps, sizeof bps, "%.1f", r->batches_per_s);
+    snprintf(g, sizeof g, "-");
+    snprintf(bps, sizeof bps, "-");
+    if (isfinite(r->gbps)) snprintf(g, sizeof g, "%.2f", r->gbps);
+    if (isfinite(r->batches_per_s)) snprintf(bps, sizeof bps, "%.1f", r->batches_per_s);
     snprintf(st, sizeof st, "%.2f%%", r->stall_pct);
     fmt_us(r->stall_per_batch, spb, sizeof spb);
     if (isfinite(r->idle_pct))
