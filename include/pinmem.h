@@ -444,7 +444,8 @@ typedef struct pm_pointer_info {
 /** What is this address? O(log n) in the number of tracked ranges. Pageable memory is PM_OK
  *  with kind PM_MEMORY_PAGEABLE. */
 PM_API pm_status_t pm_pointer_query(const void *ptr, pm_pointer_info_t *info_out);
-/** Device pointer for an address in mapped pinned memory (pool block or registration). */
+/** Device pointer for an address in mapped pinned memory (an allocated pool block or a
+ *  registration). PM_ERR_INVALID for memory that is not mapped, and for a freed block. */
 PM_API pm_status_t pm_host_device_pointer(const void *ptr, void **dptr_out);
 
 /* ------------------------------------------------------------------------------------------ */

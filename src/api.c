@@ -529,6 +529,13 @@ pm_status_t pm_host_device_pointer(const void *ptr, void **dptr_out) {
     return pm__set_error(PM_ERR_INVALID, "%s(%p): %s that is not mapped (use %s)", fn, ptr,
                          pm__memory_kind_desc(r.kind),
                          r.kind == PM_MEMORY_POOL ? "PM_HOST_MAPPED" : "PM_REGISTER_MAPPED");
+  /* The registry knows the segment; the block decides. A freed block (or the free rest of a
+   * segment) is the pool's, not the caller's: a device address into it is a use after free, as
+   * pm_host_usable_size and pm_host_shared_fd refuse it. */
+  pm_pointer_info_t block;
+  if (r.kind == PM_MEMORY_POOL &&
+      (pm__pool_block_info((pm_pool_t *)r.owner, ptr, &block) != PM_OK || !block.in_use))
+    return pm__set_error(PM_ERR_INVALID, "%s(%p): the pool block holding it was freed", fn, ptr);
   *dptr_out = (char *)r.dev_base + ((uintptr_t)ptr - r.base);
   return PM_OK;
 }

@@ -591,7 +591,16 @@ static void test_mapped(void) {
   CHECK(plain != p);
   CHECK_ERR_MSG(pm_host_device_pointer(plain, &dp), PM_ERR_INVALID);
   CHECK_OK(pm_host_free(plain));
+  /* Past the block, in the free rest of its segment, and the block once freed: the pool's
+   * memory, not the caller's, so no device address (it was given, a use after free). */
+  size_t usable = 0;
+  CHECK_OK(pm_host_usable_size(p, &usable));
+  CHECK_ERR_MSG(pm_host_device_pointer((char *)p + usable + 4096, &dp), PM_ERR_INVALID);
   CHECK_OK(pm_host_free(p));
+  dp = NULL;
+  CHECK_ERR_MSG(pm_host_device_pointer(p, &dp), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "freed") != NULL);
+  CHECK(dp == NULL);
   CHECK_OK(pm_pool_destroy(pool));
 }
 
