@@ -385,7 +385,7 @@ PM_API pm_status_t pm_host_shared_fd(const void *ptr, int *fd_out, uint64_t *off
 PM_API pm_status_t pm_shared_map(int fd, uint64_t offset, size_t bytes, unsigned flags,
                                  void **ptr_out);
 /** Undo pm_shared_map: unpin (when it was pinned and the caller has not pm_unregister'ed it
- *  since) and unmap. ptr and bytes must be what pm_shared_map gave and was given:
+ *  since; a registration the caller made on the mapping's pages goes too) and unmap. ptr and bytes must be what pm_shared_map gave and was given:
  *  PM_ERR_NOT_FOUND for a pointer it did not return (or one already unmapped), PM_ERR_INVALID
  *  for other bytes. The memory of the other processes is untouched. */
 PM_API pm_status_t pm_shared_unmap(void *ptr, size_t bytes);

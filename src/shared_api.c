@@ -10,16 +10,17 @@
  *   `offset`. PM_SHARED_PIN pins exactly [ptr, ptr + bytes) through pm_register, so the
  *   registry, the budget and the copy engine treat it as any registration.
  *
- * Data structure: a list of the live mappings {ptr, bytes, map base, map length, pinned}, so that
+ * Data structure: a list of the live mappings {ptr, bytes, map base, map length}, so that
  * pm_shared_unmap refuses what pm_shared_map did not return (a munmap of someone else's memory
- * would be a crash later) and knows whether to unregister. A caller may pm_unregister a pinned
- * mapping itself; pm_shared_unmap then only unmaps it.
+ * would be a crash later). pm_shared_unmap unregisters whatever registration the registry holds
+ * on the mapping's pages (the pin of PM_SHARED_PIN, or the caller's own), so a caller may
+ * pm_unregister a pinned mapping itself, or pm_register an unpinned one.
  *
  * Threads: map_lock guards the list; it is a leaf (held for list steps only, never across mmap,
  * pm_register or pm_unregister). An entry is taken off the list before it is unpinned and
  * unmapped, so two concurrent unmaps of one pointer cannot both proceed. fork: a child inherits
  * the mappings (MAP_SHARED) but not their pinning (the registry forgets it), so its entries are
- * kept and marked unpinned.
+ * kept and its unmaps find nothing to unregister.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -37,7 +38,6 @@ struct pm__mapping {
   size_t bytes;  /* what it was asked for */
   void *base;    /* the mapping itself: page aligned, at or below ptr */
   size_t length; /* its length */
-  bool pinned;   /* ptr is a registration of bytes bytes */
   pm__mapping_t *next;
 };
 
@@ -129,7 +129,7 @@ pm_status_t pm_shared_map(int fd, uint64_t offset, size_t bytes, unsigned flags,
     munmap(base, length);
     return pm__set_error(PM_ERR_NOMEM, "%s: out of host memory", fn);
   }
-  *m = (pm__mapping_t){ptr, bytes, base, length, false, NULL};
+  *m = (pm__mapping_t){ptr, bytes, base, length, NULL};
   if (flags & PM_SHARED_PIN) {
     pm_status_t st = pm_register(ptr, bytes, PM_REGISTER_PORTABLE);
     if (st != PM_OK) {
@@ -138,7 +138,6 @@ pm_status_t pm_shared_map(int fd, uint64_t offset, size_t bytes, unsigned flags,
       return pm__wrap_error(st, "%s(fd %d, offset %llu, %zu bytes, PM_SHARED_PIN)", fn, fd,
                             (unsigned long long)offset, bytes);
     }
-    m->pinned = true;
   }
   pthread_mutex_lock(&map_lock);
   m->next = mappings;
@@ -167,22 +166,26 @@ pm_status_t pm_shared_unmap(void *ptr, size_t bytes) {
   pthread_mutex_unlock(&map_lock);
   if (st != PM_OK) return st;
 
-  if (m->pinned) {
-    st = pm_unregister(ptr);
-    /* NOT_FOUND: the caller unpinned it already (pm_unregister(ptr)); the mapping must still go,
-     * or it could never be released. Unless a registration of the caller's own still covers it:
-     * unmapping under it would leave the registry naming memory that is gone. Any other failure
-     * leaves the pages pinned. */
-    pm__range_t r;
-    if (st == PM_ERR_NOT_FOUND && !pm__registry_find(ptr, &r)) st = PM_OK;
-    if (st != PM_OK) {
-      /* Still pinned: the mapping must stay, listed, so the caller can try again. */
-      pthread_mutex_lock(&map_lock);
-      m->next = mappings;
-      mappings = m;
-      pthread_mutex_unlock(&map_lock);
-      return pm__wrap_error(st, "%s(%p)", fn, ptr);
-    }
+  /* The memory goes, so must every registration on it: the mapping's own pin (PM_SHARED_PIN,
+   * unless the caller unpinned it already) and any the caller made on it with pm_register, at
+   * ptr or inside. Unmapping under one left the registry naming memory that is gone (charged to
+   * the budget, reported as pinned, and refusing a later registration of whatever is mapped
+   * there next). A failure leaves the pages pinned, and the mapping stays, listed, so the caller
+   * can try again. */
+  pm__range_t r;
+  while (st == PM_OK && pm__registry_find_overlap((uintptr_t)m->base, m->length, &r)) {
+    if (r.kind != PM_MEMORY_REGISTERED)
+      st = pm__set_error(PM_ERR_INTERNAL, "%s(%p): the mapping holds a %s", fn, ptr,
+                         pm__memory_kind_desc(r.kind));
+    else
+      st = pm_unregister((void *)r.base);
+  }
+  if (st != PM_OK) {
+    pthread_mutex_lock(&map_lock);
+    m->next = mappings;
+    mappings = m;
+    pthread_mutex_unlock(&map_lock);
+    return pm__wrap_error(st, "%s(%p)", fn, ptr);
   }
   if (munmap(m->base, m->length) != 0) {
     int e = errno;
@@ -202,6 +205,5 @@ void pm__shared_api_atfork(pm__fork_phase_t phase) {
     /* The child is the thread that locked it in PREPARE: unlocking is valid, and unlike a fresh
      * initialiser it leaves ThreadSanitizer's view of the lock consistent. */
     pthread_mutex_unlock(&map_lock);
-    for (pm__mapping_t *m = mappings; m; m = m->next) m->pinned = false;
   }
 }

@@ -723,6 +723,21 @@ static void test_unregister_then_unmap(void) {
   CHECK_OK(pm_pool_get_stats(NULL, &ps));
   CHECK_EQ_SIZE(ps.registered_bytes, ps0.registered_bytes);
   CHECK(pm_test_fill_ok(p, n, 43)); /* the owner's block is untouched */
+
+  /* Mapped without PM_SHARED_PIN and registered by the caller, at the start or inside: the
+   * unmap takes those registrations too (it unmapped under them, leaving the registry naming
+   * memory that was gone, charged to the budget and refusing the next registration there). */
+  for (size_t at = 0; at <= 5000; at += 5000) {
+    REQUIRE_OK(pm_shared_map(fd, off, n, 0, (void **)&m));
+    CHECK_OK(pm_register(m + at, 4096, 0));
+    CHECK_OK(pm_shared_unmap(m, n));
+    CHECK_EQ_INT(count_shared_maps(), maps);
+    CHECK_OK(pm_pointer_query(m + at, &info));
+    CHECK_EQ_INT(info.kind, PM_MEMORY_PAGEABLE);
+    CHECK_ERR_MSG(pm_unregister(m + at), PM_ERR_NOT_FOUND);
+    CHECK_OK(pm_pool_get_stats(NULL, &ps));
+    CHECK_EQ_SIZE(ps.registered_bytes, ps0.registered_bytes);
+  }
   CHECK_OK(pm_host_free(p));
 }
 

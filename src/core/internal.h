@@ -442,6 +442,9 @@ pm_status_t pm__registry_add(const pm__range_t *range);
 pm_status_t pm__registry_remove(uintptr_t base, pm_memory_kind_t kind, pm__range_t *removed_out);
 /* Range containing ptr: true and *out filled, or false. */
 bool pm__registry_find(const void *ptr, pm__range_t *out);
+/* A tracked range sharing a byte with [base, base + size), if any (the lowest, or the one holding
+ * base). */
+bool pm__registry_find_overlap(uintptr_t base, size_t size, pm__range_t *out);
 size_t pm__registry_count(void);
 void pm__registry_clear(void); /* pm_finalize only */
 

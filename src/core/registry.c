@@ -47,22 +47,32 @@ static size_t upper_bound(uintptr_t addr) {
   return lo;
 }
 
+/* A range sharing a byte with [lo, hi), into *clash; *at gets upper_bound(lo). Caller holds the
+ * lock. Ranges never overlap, so only the last range starting at or below lo and the first one
+ * above it can. */
+static bool overlap_locked(uintptr_t lo, uintptr_t hi, size_t *at, pm__range_t *clash) {
+  size_t i = upper_bound(lo); /* ranges [0, i) start at or below lo */
+  *at = i;
+  if (i > 0 && reg_ranges[i - 1].base + reg_ranges[i - 1].size > lo) {
+    *clash = reg_ranges[i - 1];
+    return true;
+  }
+  if (i < reg_count && reg_ranges[i].base < hi) {
+    *clash = reg_ranges[i];
+    return true;
+  }
+  return false;
+}
+
 pm_status_t pm__registry_add(const pm__range_t *range) {
   if (!range || range->size == 0 || range->base + range->size < range->base)
     return pm__set_error(PM_ERR_INVALID, "registry: empty or wrapping range");
   uintptr_t lo = range->base, hi = range->base + range->size;
   pm__range_t clash;
-  bool overlap = false;
+  size_t i;
 
   pthread_rwlock_wrlock(&reg_lock);
-  size_t i = upper_bound(lo); /* ranges [0, i) start at or below lo */
-  if (i > 0 && reg_ranges[i - 1].base + reg_ranges[i - 1].size > lo) {
-    clash = reg_ranges[i - 1];
-    overlap = true;
-  } else if (i < reg_count && reg_ranges[i].base < hi) {
-    clash = reg_ranges[i];
-    overlap = true;
-  }
+  bool overlap = overlap_locked(lo, hi, &i, &clash);
   if (!overlap && reg_count == reg_cap) {
     size_t cap = reg_cap ? reg_cap * 2 : 64;
     pm__range_t *grown = realloc(reg_ranges, cap * sizeof *grown);
@@ -128,6 +138,16 @@ bool pm__registry_find(const void *ptr, pm__range_t *out) {
     hit = true;
   }
   pthread_rwlock_unlock(&reg_lock);
+  return hit;
+}
+
+bool pm__registry_find_overlap(uintptr_t base, size_t size, pm__range_t *out) {
+  size_t i;
+  pm__range_t clash;
+  pthread_rwlock_rdlock(&reg_lock);
+  bool hit = size > 0 && overlap_locked(base, base + size, &i, &clash);
+  pthread_rwlock_unlock(&reg_lock);
+  if (hit && out) *out = clash;
   return hit;
 }
 
