@@ -6,6 +6,7 @@
  * Streams are held busy with a host function that waits for a gate the test opens, so "the
  * stream is still busy" never depends on timing.
  */
+#include <math.h>
 #include <pthread.h>
 #include <time.h>
 #include <unistd.h>
@@ -546,6 +547,15 @@ static void test_bad_input(void) {
   pm_pool_config_init(&c);
   c.huge_pages = 3;
   CHECK_ERR_MSG(pm_pool_create(&c, &bad), PM_ERR_INVALID);
+  /* Past the limit (infinity is no "wait for ever"): the message gives the range, not "not a
+   * number of seconds" for numbers. */
+  const double timeouts[] = {INFINITY, 2e9, NAN};
+  for (size_t i = 0; i < sizeof timeouts / sizeof timeouts[0]; i++) {
+    pm_pool_config_init(&c);
+    c.wait_timeout_s = timeouts[i];
+    CHECK_ERR_MSG(pm_pool_create(&c, &bad), PM_ERR_INVALID);
+    CHECK(strstr(pm_last_error(), "from 0 to 1e9") != NULL);
+  }
   CHECK_ERR_MSG(pm_pool_create(NULL, NULL), PM_ERR_INVALID);
   CHECK(bad == NULL);
   CHECK_ERR_MSG(pm_pool_get_stats(pool, NULL), PM_ERR_INVALID);

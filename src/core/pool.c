@@ -249,7 +249,8 @@ pm_status_t pm_pool_create(const pm_pool_config_t *config, pm_pool_t **pool_out)
                          c.exhaust_policy);
   if (isnan(c.wait_timeout_s) || c.wait_timeout_s > 1e9)
     return pm__set_error(PM_ERR_INVALID,
-                         "pm_pool_create: wait_timeout_s %g is not a number of seconds",
+                         "pm_pool_create: wait_timeout_s %g is not seconds from 0 to 1e9 (below "
+                         "0: option budget_timeout)",
                          c.wait_timeout_s);
   if (c.pin_threads < 0 || c.pin_threads > 1024)
     return pm__set_error(PM_ERR_INVALID, "pm_pool_create: pin_threads %d is not in 0..1024",
