@@ -435,7 +435,8 @@ typedef struct pm_pointer_info {
   pm_memory_kind_t kind;
   void *base;        /* start of the block / registration / allocation holding the pointer */
   size_t size;       /* its size in bytes */
-  unsigned flags;    /* PM_HOST_* for pool blocks, PM_REGISTER_* for registrations */
+  unsigned flags;    /* PM_HOST_* for pool blocks (PM_HOST_PORTABLE in every one), the
+                        PM_REGISTER_* given for registrations */
   void *device_ptr;  /* device address of the queried pointer itself, when mapped; else NULL */
   pm_pool_t *pool;   /* the owning pool for PM_MEMORY_POOL */
   int in_use;        /* pool blocks: 1 if allocated, 0 if freed (cached) */

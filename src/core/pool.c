@@ -430,6 +430,7 @@ pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **
   if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "pm_host_alloc: bytes is 0");
   pm_status_t st = pm__shared_check_flags("pm_host_alloc", flags);
   if (st != PM_OK) return st;
+  flags |= PM_HOST_PORTABLE; /* every block is: one flag group, not two of the same memory */
   st = resolve_pool(&pool, "pm_host_alloc");
   if (st != PM_OK) return st;
   size_t need = pm__size_class(bytes);
@@ -492,6 +493,8 @@ pm_status_t pm_pool_reserve(pm_pool_t *pool, size_t bytes, unsigned flags) {
   if (bytes == 0) return pm__set_error(PM_ERR_INVALID, "pm_pool_reserve: bytes is 0");
   pm_status_t st = pm__shared_check_flags("pm_pool_reserve", flags);
   if (st != PM_OK) return st;
+  /* As pm_host_alloc: a reservation made with or without PORTABLE serves both. */
+  flags |= PM_HOST_PORTABLE;
   st = resolve_pool(&pool, "pm_pool_reserve");
   if (st != PM_OK) return st;
   size_t need = pm__size_class(bytes);
