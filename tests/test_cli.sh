@@ -942,6 +942,11 @@ expect_rc info_summary 0 && {
   checks=$((checks + 1))
   if (($(wc -l <"$tmp/info_summary.out") > 12)); then fail "info --summary: more than 12 lines"; show info_summary; fi
 }
+# A node the machine does not have: the summary says so, as plain info does (it claimed "all
+# pinned memory on it").
+run info_summary_node env PINMEM_NUMA=63 "$bin" info --summary
+expect_rc info_summary_node 0 &&
+  expect_grep info_summary_node out '^NUMA placement: node 63: .*\(this machine has no node 63: '
 run info_options "$bin" info --options
 expect_rc info_options 0 && {
   expect_grep info_options out '^ +file_chunk +PINMEM_FILE_CHUNK '

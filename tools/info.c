@@ -152,6 +152,18 @@ static void numa_place_summary(const pm__numa_state_t *ps, char *buf, size_t len
   }
 }
 
+/* A node asked for (numa=N) that the machine does not have: said beside the mode. */
+static void numa_missing_node(const pm__numa_state_t *ps, const pm__topology_t *t, char *buf,
+                              size_t len) {
+  bool node_exists = ps->mode < 0;
+  for (int k = 0; k < t->node_count; k++) node_exists |= t->nodes[k].id == ps->mode;
+  if (node_exists) return;
+  size_t used = strlen(buf);
+  snprintf(buf + used, len - used,
+           " (this machine has no node %ld: every allocation falls back to the default policy)",
+           ps->mode);
+}
+
 static void numa_mode_text(long mode, char *buf, size_t len) {
   if (mode == PM__NUMA_AUTO)
     snprintf(buf, len, "auto");
@@ -191,14 +203,7 @@ static void info_numa(bool json, info_failure_t *fail) {
   char place[400], mode[32];
   numa_place_summary(&ps, place, sizeof place);
   numa_mode_text(ps.mode, mode, sizeof mode);
-  bool node_exists = ps.mode < 0;
-  for (int k = 0; k < t->node_count; k++) node_exists |= t->nodes[k].id == ps.mode;
-  if (!node_exists) {
-    size_t used = strlen(place);
-    snprintf(place + used, sizeof place - used,
-             " (this machine has no node %ld: every allocation falls back to the default policy)",
-             ps.mode);
-  }
+  numa_missing_node(&ps, t, place, sizeof place);
   char cpus[1024], nodes_txt[64];
   if (t->node_count == 0)
     snprintf(nodes_txt, sizeof nodes_txt, "no NUMA information");
@@ -377,6 +382,10 @@ static int info_summary(bool json) {
   pm__numa_state(&ns);
   char place[400];
   numa_place_summary(&ns, place, sizeof place);
+  pm__topology_t *topo = calloc(1, sizeof *topo);
+  if (topo && pm__topology_read(NULL, NULL, 0, topo) == PM_OK)
+    numa_missing_node(&ns, topo, place, sizeof place);
+  free(topo);
   char limit[200];
   if (rlim == SIZE_MAX)
     snprintf(limit, sizeof limit, "unlimited");
