@@ -871,6 +871,7 @@ msg() {
 }
 msg dym_cmd 2 "^pinmem: unknown command 'inof' \(did you mean 'info'\?\)$" inof
 msg json_help 2 "^pinmem: help prints text; there is no --json form of it$" --json help
+msg json_help_flag 2 "^pinmem: help prints text; there is no --json form of it$" --json --help
 msg dym_bench 2 "^pinmem: unknown benchmark 'lodaer' \(did you mean 'loader'\?\)$" bench lodaer
 msg dym_global 2 "^pinmem: unknown option '--jsno' \(did you mean '--json'\?\)$" --jsno info
 msg dym_info 2 "^pinmem: unknown option '--optoins' \(did you mean '--options'\?\)$" info --optoins
@@ -903,6 +904,9 @@ msg bare_blocks 2 "^pinmem: bench blocks takes no argument 'stray'$" bench block
 msg dev_twice 2 "^pinmem: --repeat given twice$" bench copy --devices 0 --repeat 1 --repeat 2
 msg dev_cases 2 "^pinmem: --cases does not apply to --devices" bench copy --devices 0 --cases plain_pinned
 msg last_value 2 "^pinmem: --arena needs a value$" bench blocks --arena
+# `pinmem --help bench` is `pinmem bench --help` (it said a benchmark name was missing).
+run help_bench_flag "$bin" --help bench
+expect_rc help_bench_flag 0 && expect_grep help_bench_flag out '^usage: pinmem'
 # Repeated flags before a command and in info, as in the benches; empty device items.
 msg twice_global 2 "^pinmem: --json given twice$" --json --json info
 msg twice_info_json 2 "^pinmem: --json given twice$" --json info --json

@@ -248,6 +248,8 @@ int main(int argc, char **argv) {
   }
   const char *cmd = k < argc ? argv[k] : NULL;
   if (help && !cmd) {
+    /* As `pinmem --json help`: a caller that asked for JSON parses stdout. */
+    if (json) cli_usage_error("help prints text; there is no --json form of it");
     cli_print_usage(stdout);
     return 0;
   }
@@ -273,6 +275,8 @@ int main(int argc, char **argv) {
       char *sub[3] = {rest[0], (char *)"--help", NULL};
       return bench_main(2, sub, false, false);
     }
+    /* pinmem --help bench: what `pinmem bench --help` prints (it said a name was missing). */
+    if (help) return bench_main(1, (char *[]){(char *)"--help", NULL}, false, false);
     return bench_main(nrest, rest, json, quiet);
   }
   if (quiet) cli_usage_error("--quiet belongs to the benchmarks");
