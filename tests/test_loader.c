@@ -18,6 +18,7 @@
 
 #include "check.h"
 #include "internal.h"
+#include "loader_internal.h"
 
 static int g_small; /* PINMEM_TEST_SMALL: fewer samples and epochs */
 
@@ -28,6 +29,7 @@ typedef struct pat_ds {
   long fail_at; /* index whose read fails, or -1 */
   int fail_rc;
   int sleep_us; /* per read, for the mid-epoch destroy tests */
+  pm_test_gate_t *gate; /* when set, every read waits until it opens */
   atomic_long reads;
   atomic_int destroyed;
 } pat_ds_t;
@@ -39,6 +41,7 @@ static int pat_read(uint64_t index, void *dst, void *user) {
     struct timespec ts = {0, (long)p->sleep_us * 1000L};
     nanosleep(&ts, NULL);
   }
+  if (p->gate) pm_test_gate_wait(p->gate);
   if ((long)index == p->fail_at) return p->fail_rc;
   pm_test_fill(dst, p->size, index + 1);
   return 0;
@@ -54,6 +57,7 @@ static pm_dataset_t *make_ds(pat_ds_t *p, uint64_t samples, size_t size) {
   p->fail_at = -1;
   p->fail_rc = 0;
   p->sleep_us = 0;
+  p->gate = NULL;
   atomic_init(&p->reads, 0);
   atomic_init(&p->destroyed, 0);
   pm_dataset_callbacks_t cb;
@@ -964,12 +968,22 @@ typedef struct consumer {
   pm_loader_t *ld;
   pm_status_t st;
   pm_batch_t b;
+  atomic_bool done;
 } consumer_t;
 
 static void *consume_one(void *arg) {
   consumer_t *c = arg;
   c->st = pm_loader_next(c->ld, &c->b);
+  atomic_store(&c->done, true);
   return NULL;
+}
+
+/* Whether a thread is inside pm_loader_next of ld (after its check of the handle). */
+static bool in_next(pm_loader_t *ld) {
+  pthread_mutex_lock(&ld->mu);
+  bool in = ld->in_next;
+  pthread_mutex_unlock(&ld->mu);
+  return in;
 }
 
 static void test_two_consumers(void) {
@@ -984,7 +998,7 @@ static void test_two_consumers(void) {
     c.delivery = round % 2 ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
     pm_loader_t *ld;
     REQUIRE_OK(pm_loader_create(ds, &c, &ld));
-    consumer_t a = {ld, PM_OK, {0}}, b2 = {ld, PM_OK, {0}};
+    consumer_t a = {ld, PM_OK, {0}, false}, b2 = {ld, PM_OK, {0}, false};
     pthread_t ta, tb;
     REQUIRE(pthread_create(&ta, NULL, consume_one, &a) == 0);
     REQUIRE(pthread_create(&tb, NULL, consume_one, &b2) == 0);
@@ -1018,10 +1032,14 @@ static void test_destroy_while_next_waits(void) {
     c.delivery = round % 2 ? PM_DELIVER_HOST : PM_DELIVER_DEVICE;
     pm_loader_t *ld;
     REQUIRE_OK(pm_loader_create(ds, &c, &ld));
-    consumer_t a = {ld, PM_OK, {0}};
+    consumer_t a = {ld, PM_OK, {0}, false};
     pthread_t ta;
     REQUIRE(pthread_create(&ta, NULL, consume_one, &a) == 0);
-    usleep(50000);
+    /* Until the consumer is inside pm_loader_next (or, on a slow machine, got its batch), not
+     * a fixed sleep: a consumer that started late called it on a destroyed loader
+     * (PM_ERR_INVALID), which is not the case tested. */
+    for (int i = 0; i < 60000 && !in_next(ld) && !atomic_load(&a.done); i++) pm_test_sleep_ms(1);
+    CHECK(in_next(ld) || atomic_load(&a.done));
     CHECK_OK(pm_loader_destroy(ld));
     pthread_join(ta, NULL);
     if (a.st == PM_OK) CHECK_OK(pm_batch_release(&a.b, NULL)); /* (a slow machine: it won) */
@@ -1082,12 +1100,15 @@ static void test_lease_slots(void) {
     CHECK(strstr(pm_last_error(), "slot_bytes") != NULL);
   }
   /* pm_loader_next_timed: a batch not ready in time is PM_OK with ready 0 and nothing changed
-   * (not PM_ERR_TIMEOUT, a loader's own error); a later call delivers that same batch. Reads of
-   * 0.2 s each, one worker. */
+   * (not PM_ERR_TIMEOUT, a loader's own error); a later call delivers that same batch. The
+   * reads wait for a gate, so batch 0 is surely not ready at the first call (reads of a fixed
+   * time were, where the caller was preempted for longer); one worker. */
   {
     pat_ds_t slow;
     pm_dataset_t *sds = make_ds(&slow, 8, 64);
-    slow.sleep_us = 200000;
+    pm_test_gate_t gate;
+    pm_test_gate_init(&gate);
+    slow.gate = &gate;
     pm_loader_config_t sc = base_config(2);
     sc.workers = 1;
     sc.prefetch = 1;
@@ -1100,6 +1121,7 @@ static void test_lease_slots(void) {
     CHECK_EQ_INT(ready, 0);
     CHECK_ERR_MSG(pm_loader_next_timed(sl, &b, -1, &ready), PM_ERR_INVALID);
     CHECK_ERR_MSG(pm_loader_next_timed(sl, &b, 1, NULL), PM_ERR_INVALID);
+    pm_test_gate_open(&gate);
     CHECK_OK(pm_loader_next_timed(sl, &b, 30, &ready));
     CHECK_EQ_INT(ready, 1);
     CHECK_EQ_SIZE(b.index, 0);
@@ -1110,6 +1132,7 @@ static void test_lease_slots(void) {
     CHECK_OK(pm_batch_release(&b, NULL));
     CHECK_OK(pm_loader_destroy(sl));
     CHECK_OK(pm_dataset_destroy(sds));
+    pm_test_gate_destroy(&gate);
   }
   /* A dataset a loader holds names what holds it. */
   c = base_config(B);

@@ -367,14 +367,19 @@ static void test_budget_fail(void) {
 }
 
 typedef struct delayed_free {
+  pm_pool_t *pool;
   void *ptr;
-  int ms;
   pm_status_t st;
 } delayed_free_t;
 
+/* Frees d->ptr once the pool counts a waiting allocation (not after a fixed sleep: a preempted
+ * allocating thread would come after the free and never wait). At most 60 s, the waiter's own
+ * timeout being 30 s, so an allocation that never waits fails the test instead of hanging it. */
 static void *delayed_free_main(void *arg) {
   delayed_free_t *d = arg;
-  msleep(d->ms);
+  pm_pool_stats_t s = {0};
+  for (int i = 0; i < 60000 && pm_pool_get_stats(d->pool, &s) == PM_OK && s.budget_waits == 0; i++)
+    msleep(1);
   d->st = pm_host_free(d->ptr);
   return NULL;
 }
@@ -384,7 +389,7 @@ static void test_budget_wait(void) {
   void *a = NULL, *b = NULL;
   REQUIRE_OK(pm_host_alloc(pool, 3 * MiB, 0, &a));
   pm_test_fill(a, 3 * MiB, 3);
-  delayed_free_t d = {a, 100, PM_ERR_INTERNAL};
+  delayed_free_t d = {pool, a, PM_ERR_INTERNAL};
   pthread_t t;
   REQUIRE(pthread_create(&t, NULL, delayed_free_main, &d) == 0);
   CHECK_OK(pm_host_alloc(pool, 2 * MiB, 0, &b)); /* waits for the other thread's free */

@@ -1340,6 +1340,7 @@ def test_overlapping_saves_into_one_folder(tmp_path, first):
     import warnings
     import pinmem.dcp
     gate = {"older": threading.Event(), "newer": threading.Event()}
+    at_finish = {"older": threading.Event(), "newer": threading.Event()}
     planned = threading.Event()
     caught = []
 
@@ -1356,6 +1357,7 @@ def test_overlapping_saves_into_one_folder(tmp_path, first):
             return plans
 
         def finish(self, metadata, results):
+            at_finish[self.name].set()
             gate[self.name].wait(TIMEOUT)
             return super().finish(metadata, results)
 
@@ -1372,7 +1374,9 @@ def test_overlapping_saves_into_one_folder(tmp_path, first):
     assert planned.wait(TIMEOUT)
     b = threading.Thread(target=save, args=("newer", newer))
     b.start()
-    time.sleep(0.3)  # both saves' files are written, neither's metadata is in place
+    # Both saves' files are written, neither's metadata is in place (waited for, not slept:
+    # a newer save that got there late wrote its files after the older one had finished).
+    assert at_finish["older"].wait(TIMEOUT) and at_finish["newer"].wait(TIMEOUT)
     gate[first].set()
     (a if first == "older" else b).join(TIMEOUT)
     gate["older" if first == "newer" else "newer"].set()
