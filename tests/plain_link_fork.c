@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "pinmem.h"
+#include "tsan_fork.h"
 
 static int failures;
 
