@@ -150,7 +150,8 @@ test-safetensors-suite: deps
 # of this source tree (build requirements from PyPI, no system DLPack header; the cuda backend
 # compiled in, no toolkit needed), then the first ```python block of
 # README.md (the quickstart), verbatim, with that venv's python; then numpy.from_dlpack of a
-# pinmem buffer must be writable (DLPack 1.x versioned capsule).
+# pinmem buffer must be writable (DLPack 1.x versioned capsule); then `pinmem info` through the
+# console script, and again after `pip install -e .` over that install.
 FRESH := $(BUILD)-py/fresh-venv
 test-python-install: deps
 	rm -rf $(FRESH) $(BUILD)-py/quickstart.py
@@ -167,8 +168,15 @@ test-python-install: deps
 	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python -c 'import numpy as np, pinmem; \
 	  a = np.from_dlpack(pinmem.empty(4, "float32")); a[:] = 1; assert a.sum() == 4; \
 	  assert pinmem._pinmem.DLPACK_VERSIONED == 1; print("numpy.from_dlpack: writable")'
+	@# The console script of both installs runs the tool (the editable one runs _cli.py from the
+	@# source tree, while the tool is in site-packages' pinmem folder).
+	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/pinmem info | grep '^cuda backend *compiled in'
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(FRESH)/bin/python -m pip install -q --disable-pip-version-check -e .
+	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python -c 'import pinmem, sys; \
+	  assert pinmem.__file__ == sys.argv[1], pinmem.__file__' $(CURDIR)/python/pinmem/__init__.py
+	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/pinmem info | grep '^cuda backend *compiled in'
 	@echo "test-python-install: passed"
-	@$(RECORD) ran $(SUITES) python-install "README quickstart in a fresh venv"
+	@$(RECORD) ran $(SUITES) python-install "README quickstart in a fresh venv; pinmem info after pip install . and -e ."
 
 # The kernels' PTX (src/backend/kernels_ptx.h) from kernels.cu, where nvcc is on PATH; commit it
 # with the .cu (tests: host_ptx).
