@@ -24,7 +24,7 @@ DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VEN
 SUITES     := $(BUILD)-suites
 RECORD     := python3 tests/suites.py
 
-.PHONY: all build deps deps-c deps-check deps-test test test-reset test-no-toolkit test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-safetensors-suite wheel test-wheel ptx bench install clean
+.PHONY: all build deps deps-c deps-check deps-test test test-reset test-no-toolkit test-install-messages test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-safetensors-suite wheel test-wheel ptx bench install clean
 
 all: build
 
@@ -49,7 +49,7 @@ endef
 build: deps-check
 	$(build_c)
 
-test: test-reset deps check-docs test-no-toolkit test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-wheel
+test: test-reset deps check-docs test-no-toolkit test-install-messages test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-wheel
 	@$(RECORD) report $(SUITES)
 
 test-reset:
@@ -94,6 +94,15 @@ test-no-toolkit: deps-c
 	@JOBS=$(JOBS) ./tests/test_no_toolkit.sh; rc=$$?; \
 	  if [ $$rc -eq 0 ]; then $(RECORD) ran $(SUITES) no-toolkit "a build with the CUDA toolkit hidden has the cuda backend"; \
 	  elif [ $$rc -eq 77 ]; then $(RECORD) not-run $(SUITES) no-toolkit "no mount namespace here (unshare -m refused)"; \
+	  else exit $$rc; fi
+
+# A machine without a C compiler or without the Python headers, where `pip install .` fails, is
+# told what to install by pinmem's configure (tests/test_install_messages.sh: each hidden in a
+# mount namespace; it says so and skips where none can be made).
+test-install-messages: deps-test
+	@./tests/test_install_messages.sh $(SYSTEM_PYTHON); rc=$$?; \
+	  if [ $$rc -eq 0 ]; then $(RECORD) ran $(SUITES) install-messages "no compiler, no Python headers: configure says what to install"; \
+	  elif [ $$rc -eq 77 ]; then $(RECORD) not-run $(SUITES) install-messages "no mount namespace here (unshare -m refused)"; \
 	  else exit $$rc; fi
 
 # libFuzzer smoke runs (tests/fuzz): clang, ASan+UBSan, FUZZ_SECONDS per target from the
