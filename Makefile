@@ -24,7 +24,7 @@ DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VEN
 SUITES     := $(BUILD)-suites
 RECORD     := python3 tests/suites.py
 
-.PHONY: all build deps deps-c deps-check deps-test test test-reset test-no-toolkit test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-safetensors-suite wheel test-wheel ptx bench install clean
+.PHONY: all build deps deps-c deps-check deps-test test test-reset test-no-toolkit test-install-messages test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-safetensors-suite wheel test-wheel ptx bench install clean
 
 all: build
 
@@ -49,7 +49,7 @@ endef
 build: deps-check
 	$(build_c)
 
-test: test-reset deps check-docs test-no-toolkit test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-wheel
+test: test-reset deps check-docs test-no-toolkit test-install-messages test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-wheel
 	@$(RECORD) report $(SUITES)
 
 test-reset:
@@ -94,6 +94,15 @@ test-no-toolkit: deps-c
 	@JOBS=$(JOBS) ./tests/test_no_toolkit.sh; rc=$$?; \
 	  if [ $$rc -eq 0 ]; then $(RECORD) ran $(SUITES) no-toolkit "a build with the CUDA toolkit hidden has the cuda backend"; \
 	  elif [ $$rc -eq 77 ]; then $(RECORD) not-run $(SUITES) no-toolkit "no mount namespace here (unshare -m refused)"; \
+	  else exit $$rc; fi
+
+# A machine without a C compiler or without the Python headers, where `pip install .` fails, is
+# told what to install by pinmem's configure (tests/test_install_messages.sh: each hidden in a
+# mount namespace; it says so and skips where none can be made).
+test-install-messages: deps-test
+	@./tests/test_install_messages.sh $(SYSTEM_PYTHON); rc=$$?; \
+	  if [ $$rc -eq 0 ]; then $(RECORD) ran $(SUITES) install-messages "no compiler, no Python headers: configure says what to install"; \
+	  elif [ $$rc -eq 77 ]; then $(RECORD) not-run $(SUITES) install-messages "no mount namespace here (unshare -m refused)"; \
 	  else exit $$rc; fi
 
 # libFuzzer smoke runs (tests/fuzz): clang, ASan+UBSan, FUZZ_SECONDS per target from the
@@ -150,7 +159,8 @@ test-safetensors-suite: deps
 # of this source tree (build requirements from PyPI, no system DLPack header; the cuda backend
 # compiled in, no toolkit needed), then the first ```python block of
 # README.md (the quickstart), verbatim, with that venv's python; then numpy.from_dlpack of a
-# pinmem buffer must be writable (DLPack 1.x versioned capsule).
+# pinmem buffer must be writable (DLPack 1.x versioned capsule); then `pinmem info` through the
+# console script, and again after `pip install -e .` over that install.
 FRESH := $(BUILD)-py/fresh-venv
 test-python-install: deps
 	rm -rf $(FRESH) $(BUILD)-py/quickstart.py
@@ -167,8 +177,15 @@ test-python-install: deps
 	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python -c 'import numpy as np, pinmem; \
 	  a = np.from_dlpack(pinmem.empty(4, "float32")); a[:] = 1; assert a.sum() == 4; \
 	  assert pinmem._pinmem.DLPACK_VERSIONED == 1; print("numpy.from_dlpack: writable")'
+	@# The console script of both installs runs the tool (the editable one runs _cli.py from the
+	@# source tree, while the tool is in site-packages' pinmem folder).
+	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/pinmem info | grep '^cuda backend *compiled in'
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(FRESH)/bin/python -m pip install -q --disable-pip-version-check -e .
+	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/python -c 'import pinmem, sys; \
+	  assert pinmem.__file__ == sys.argv[1], pinmem.__file__' $(CURDIR)/python/pinmem/__init__.py
+	cd $(BUILD)-py && $(CURDIR)/$(FRESH)/bin/pinmem info | grep '^cuda backend *compiled in'
 	@echo "test-python-install: passed"
-	@$(RECORD) ran $(SUITES) python-install "README quickstart in a fresh venv"
+	@$(RECORD) ran $(SUITES) python-install "README quickstart in a fresh venv; pinmem info after pip install . and -e ."
 
 # The kernels' PTX (src/backend/kernels_ptx.h) from kernels.cu, where nvcc is on PATH; commit it
 # with the .cu (tests: host_ptx).
