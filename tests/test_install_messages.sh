@@ -2,11 +2,11 @@
 # What a user without build tools is told (make test-install-messages): `pip install .` runs
 # CMake, so a machine without a C compiler, or without the Python headers, must be told by
 # pinmem's configure what to install (build-essential, python3-dev), not only that
-# CMAKE_C_COMPILER is unset or that Python's Development.Module is missing. Each case configures
-# in a private mount namespace where the compilers or the headers are hidden: an empty tmpfs
-# over the folder of Python.h, a non-executable empty file over each compiler, with CC unset and
-# with CC=gcc as under pip (scikit-build-core sets CC to Python's compiler). Needs root (or
-# unshare rights); elsewhere it says why and exits 77 (skipped).
+# CMAKE_C_COMPILER is unset or that Python's Development.Module is missing. Each case
+# configures in a private mount namespace where the compilers or the headers are hidden: an empty
+# folder bound over the folder of Python.h, a non-executable empty file over each compiler, with
+# CC unset and with CC=gcc as under pip (scikit-build-core sets CC to Python's compiler). Needs
+# root (or unshare rights); elsewhere it says why and exits 77 (skipped).
 #
 #   tests/test_install_messages.sh [PYTHON]
 #
@@ -28,7 +28,7 @@ if [[ ${1:-} != --inner ]]; then
 fi
 tmp=$2
 python=$3
-mount --make-rprivate /
+mount --make-rprivate / 2>/dev/null || true
 failures=0
 fail() { failures=$((failures + 1)); echo "test_install_messages: FAIL: $*" >&2; }
 # expect NAME RC WANT...: the configure's output (in $tmp/NAME.log) failed and holds every WANT.
@@ -46,7 +46,8 @@ expect() {
 # The Python headers hidden (as without python3-dev); the compiler is needed to get there.
 include=$("$python" -c 'import sysconfig; print(sysconfig.get_path("include"))')
 [[ -e $include/Python.h ]] || { echo "test_install_messages: FAIL: no $include/Python.h to hide"; exit 1; }
-mount -t tmpfs pinmem-test "$include"
+mkdir "$tmp/empty"
+mount --bind "$tmp/empty" "$include"
 [[ ! -e $include/Python.h ]] || { echo "test_install_messages: FAIL: $include/Python.h still there"; exit 1; }
 rc=0
 cmake -S "$src" -B "$tmp/nohdr" -DPINMEM_PYTHON=ON -DPINMEM_TESTS=OFF \
