@@ -3,6 +3,7 @@ import array
 import gc
 import os
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -308,6 +309,30 @@ def test_refcounts_do_not_leak():
         np.asarray(b)
     gc.collect()
     assert sys.getrefcount(b) == base and b.exports == 0
+
+
+def test_an_object_holding_its_own_pin_is_collected():
+    """An object that keeps its pin as an attribute is a reference cycle through the buffer
+    (the buffer holds the object): the cycle collector frees it, and the memory is unpinned."""
+    class Bytes(bytearray):
+        pass
+
+    class Array(np.ndarray):
+        pass
+
+    gc.collect()
+    before = pinmem.stats()["registered_bytes"]
+    b = Bytes(1 << 20)
+    b.pinned = pinmem.pin(b)
+    a = np.ones(1 << 17).view(Array)
+    a.pinned = pinmem.pin(a)
+    a.view = memoryview(a.pinned)  # a consumer inside the cycle
+    assert pinmem.stats()["registered_bytes"] >= before + (2 << 20)
+    refs = [weakref.ref(b.pinned), weakref.ref(a.pinned)]
+    del a, b
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert pinmem.stats()["registered_bytes"] == before
 
 
 def test_empty_like():
