@@ -45,6 +45,26 @@ def test_dtype_spellings(dtype):
                                            if isinstance(dtype, str) else dtype)
 
 
+@pytest.mark.parametrize("name,dtype", [("float", "float32"), ("int", "int32"),
+                                        ("long", "int64"), ("double", "float64"),
+                                        ("half", "float16"), ("short", "int16"),
+                                        ("cfloat", "complex64"), ("cdouble", "complex128"),
+                                        ("chalf", "complex32")])
+def test_torch_names_as_text_mean_torch_types(name, dtype):
+    # torch.float is float32 and torch.int int32: "torch.float" was NumPy's float, float64.
+    assert pinmem.empty(4, f"torch.{name}").dtype == dtype
+    numpy = {"float": "float64", "int": "int64", "long": "int64", "double": "float64",
+             "half": "float16", "short": "int16"}
+    if name in numpy:  # NumPy's meaning without the prefix
+        assert pinmem.empty(4, name).dtype == numpy[name]
+
+
+def test_numpy_aliases_are_not_torch_names():
+    for text in ("torch.single", "torch.bool_", "torch.f4", "torch.complex", "torch.byte"):
+        with pytest.raises(pinmem.InvalidError, match="unsupported dtype"):
+            pinmem.empty(4, text)
+
+
 def test_shapes_as_numpy_takes_them():
     # A NumPy array of dimensions has __index__ (for one element): it was taken as one size.
     assert pinmem.empty(np.array([2, 3]), "uint8").shape == (2, 3)
