@@ -347,7 +347,14 @@ static PyObject *Buffer_release(BufferObject *self, PyObject *unused) {
 }
 
 static PyObject *Buffer_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+/* The end of a `with` block releases the buffer. While the block raises and a consumer still
+ * holds the memory (a copy in flight, a tensor over it), that exception goes on, not a BusyError
+ * in its place that no `except` of the caller expects: the memory goes back when the last
+ * consumer lets go, as it does without `with`. */
 static PyObject *Buffer_exit(BufferObject *self, PyObject *args) {
+  int raising = PyTuple_GET_SIZE(args) > 0 && PyTuple_GET_ITEM(args, 0) != Py_None;
+  if (raising && !self->released && self->exports > 0) Py_RETURN_NONE;
   return Buffer_release(self, NULL);
 }
 

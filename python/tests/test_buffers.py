@@ -315,6 +315,27 @@ def test_context_manager():
     assert b.released and pinmem.pointer_info(ptr)["in_use"] is False
 
 
+def test_an_exception_in_a_with_block_is_not_replaced_while_consumers_remain():
+    """A block that raises while a consumer holds the memory raises its own exception (it was a
+    BusyError from __exit__); the memory goes back when the consumer lets go."""
+    src = np.arange(1000, dtype=np.float32)
+    with pytest.raises(KeyError):
+        with pinmem.pin(src) as p:
+            view = np.asarray(p)
+            raise KeyError("inside")
+    assert not p.released and p.exports == 1
+    del view
+    assert p.exports == 0
+    p.release()
+    with pytest.raises(KeyError):
+        with pinmem.empty(10, "uint8") as b:
+            raise KeyError("inside")
+    assert b.released  # without consumers it is released as before
+    with pytest.raises(pinmem.BusyError):  # a block that ends normally still says so
+        with pinmem.empty(10, "uint8") as b:
+            view = memoryview(b)
+
+
 def test_buffers_cannot_be_built_directly():
     with pytest.raises(TypeError):
         pinmem.PinnedBuffer()
