@@ -62,7 +62,31 @@ pm_status_t pmpy_buffer_release_memory(BufferObject *b) {
   return st;
 }
 
+/* The objects a buffer holds are visible to the cycle collector: an object that holds its own
+ * pin (`arr.pinned = pinmem.pin(arr)`, an attribute of an ndarray or bytearray subclass) is a
+ * cycle through the buffer, and without this its memory stayed pinned for ever. */
+static int Buffer_traverse(BufferObject *self, visitproc visit, void *arg) {
+  Py_VISIT(self->base);
+  if (self->has_src_view) Py_VISIT(self->src_view.obj);
+  Py_VISIT(self->keep);
+  return 0;
+}
+
+/* Breaking a cycle: the memory goes back as release() gives it back, which drops the pinned
+ * object, unless a consumer still uses it (then another member of the cycle breaks it, and the
+ * memory goes back with the buffer, as always). */
+static int Buffer_clear(BufferObject *self) {
+  if (self->exports > 0) return 0;
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  (void)pmpy_buffer_release_memory(self); /* nobody to report an error to: as at exit */
+  Py_CLEAR(self->base);
+  PyErr_Restore(et, ev, tb);
+  return 0;
+}
+
 static void Buffer_dealloc(BufferObject *self) {
+  PyObject_GC_UnTrack(self);
   PyObject *et, *ev, *tb;
   PyErr_Fetch(&et, &ev, &tb);
   if (self->weakrefs) PyObject_ClearWeakRefs((PyObject *)self);
@@ -323,7 +347,14 @@ static PyObject *Buffer_release(BufferObject *self, PyObject *unused) {
 }
 
 static PyObject *Buffer_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+/* The end of a `with` block releases the buffer. While the block raises and a consumer still
+ * holds the memory (a copy in flight, a tensor over it), that exception goes on, not a BusyError
+ * in its place that no `except` of the caller expects: the memory goes back when the last
+ * consumer lets go, as it does without `with`. */
 static PyObject *Buffer_exit(BufferObject *self, PyObject *args) {
+  int raising = PyTuple_GET_SIZE(args) > 0 && PyTuple_GET_ITEM(args, 0) != Py_None;
+  if (raising && !self->released && self->exports > 0) Py_RETURN_NONE;
   return Buffer_release(self, NULL);
 }
 
@@ -476,9 +507,11 @@ static PyGetSetDef Buffer_getset[] = {
 PyTypeObject pmpy_BufferType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pinmem.Buffer",
     .tp_basicsize = sizeof(BufferObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Memory owned by pinmem (base of PinnedBuffer and DeviceBuffer).",
     .tp_dealloc = (destructor)Buffer_dealloc,
+    .tp_traverse = (traverseproc)Buffer_traverse,
+    .tp_clear = (inquiry)Buffer_clear,
     .tp_repr = (reprfunc)Buffer_repr,
     .tp_as_buffer = &Buffer_as_buffer,
     .tp_methods = Buffer_methods,
@@ -489,7 +522,9 @@ PyTypeObject pmpy_BufferType = {
 PyTypeObject pmpy_PinnedBufferType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pinmem.PinnedBuffer",
     .tp_basicsize = sizeof(BufferObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Buffer_traverse,
+    .tp_clear = (inquiry)Buffer_clear,
     .tp_doc = "Pinned (page-locked) host memory: a block of pinmem's pool (pinmem.empty) or memory "
               "pinned in place (pinmem.pin). Exports the buffer protocol (numpy.asarray, "
               "memoryview) and DLPack (numpy.from_dlpack, torch.from_dlpack) without copying; "
@@ -535,7 +570,9 @@ static PyMethodDef DeviceBuffer_methods[] = {
 PyTypeObject pmpy_DeviceBufferType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pinmem.DeviceBuffer",
     .tp_basicsize = sizeof(BufferObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Buffer_traverse,
+    .tp_clear = (inquiry)Buffer_clear,
     .tp_doc = "Device memory from pinmem (pinmem.device_empty). No CPU view; exports DLPack "
               "(kDLCUDA under the cuda backend) with stream ordering.",
     .tp_base = &pmpy_BufferType,

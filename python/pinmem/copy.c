@@ -379,7 +379,22 @@ void pmpy_pending_sweep(int wait) {
   }
 }
 
+/* What a Completion holds is visible to the cycle collector: an object that keeps the
+ * Completion of a copy into itself (`self.done = pinmem.copy(self, src)`) is a cycle through
+ * it, and without this, unless waited for, the cycle and the memory it holds stayed for ever. A
+ * Completion has no tp_clear: the other members of a cycle break it, and a copy still in flight
+ * then parks its memory as for any dropped Completion. */
+static int Completion_traverse(CompletionObject *self, visitproc visit, void *arg) {
+  for (int i = 0; i < 2; i++) {
+    Py_VISIT(self->hold[i].obj);
+    if (self->hold[i].has_view) Py_VISIT(self->hold[i].view.obj);
+  }
+  Py_VISIT(self->stream_obj);
+  return 0;
+}
+
 static void Completion_dealloc(CompletionObject *self) {
+  PyObject_GC_UnTrack(self);
   if (self->fence) {
     pm_status_t st = self->finished ? self->result : pm_fence_query(self->fence);
     if (st == PM_NOT_READY) {
@@ -481,7 +496,8 @@ static PyGetSetDef Completion_getset[] = {
 PyTypeObject pmpy_CompletionType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pinmem.Completion",
     .tp_basicsize = sizeof(CompletionObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Completion_traverse,
     .tp_doc =
         "The completion of pinmem.copy, read_file or write_file. It keeps the memory of "
         "the transfer alive until it is done, even if it is dropped first.",
@@ -520,7 +536,7 @@ static PyObject *py_copy(PyObject *mod, PyObject *args, PyObject *kw) {
   pm_stream_t stream;
   pm_copy_path_t path;
   if (pmpy_parse_stream(stream_obj, &stream) < 0 || parse_path(path_obj, &path) < 0) return NULL;
-  CompletionObject *c = PyObject_New(CompletionObject, &pmpy_CompletionType);
+  CompletionObject *c = PyObject_GC_New(CompletionObject, &pmpy_CompletionType);
   if (!c) return NULL;
   c->fence = NULL;
   memset(c->hold, 0, sizeof c->hold);
@@ -530,6 +546,7 @@ static PyObject *py_copy(PyObject *mod, PyObject *args, PyObject *kw) {
   c->result = PM_OK;
   c->path = -1;
   c->error[0] = 0;
+  PyObject_GC_Track(c);
 
   void *dptr, *sptr;
   size_t dbytes, sbytes, n;
@@ -582,7 +599,7 @@ fail:
 /* A Completion for work another file queued (files.c): it takes over the fence and the holder
  * (*hold is emptied) and keeps a pinmem.Stream argument open, as copy's does. */
 PyObject *pmpy_completion_new(pm_fence_t fence, pmpy_holder_t *hold, PyObject *stream_obj) {
-  CompletionObject *c = PyObject_New(CompletionObject, &pmpy_CompletionType);
+  CompletionObject *c = PyObject_GC_New(CompletionObject, &pmpy_CompletionType);
   if (!c) { /* nothing may hold the memory now: let the work finish first */
     if (fence) {
       Py_BEGIN_ALLOW_THREADS pm_fence_wait(fence);
@@ -601,6 +618,7 @@ PyObject *pmpy_completion_new(pm_fence_t fence, pmpy_holder_t *hold, PyObject *s
   c->result = PM_OK;
   c->path = -1;
   c->error[0] = 0;
+  PyObject_GC_Track(c);
   if (!fence) completion_finish(c, PM_OK); /* nothing in flight */
   return (PyObject *)c;
 }

@@ -111,7 +111,23 @@ const pmpy_dtype_t *pmpy_dtype_from_text(const char *s) {
                  {"long", "int64"},       {"short", "int16"},       {"byte", "int8"},
                  {"ubyte", "uint8"},      {"csingle", "complex64"}, {"cdouble", "complex128"},
                  {"complex", "complex128"}, {"chalf", "complex32"}};
-  if (!strncmp(s, "torch.", 6)) s += 6; /* str(torch.float32); torch's own names are canonical */
+  /* torch's short names mean other types than NumPy's: torch.float is float32 and torch.int
+   * int32, where NumPy's float and int are 64-bit. */
+  static const struct {
+    const char *alias, *name;
+  } torch_aliases[] = {{"float", "float32"},    {"double", "float64"},     {"half", "float16"},
+                       {"int", "int32"},        {"long", "int64"},         {"short", "int16"},
+                       {"cfloat", "complex64"}, {"cdouble", "complex128"}, {"chalf", "complex32"}};
+  if (!strncmp(s, "torch.", 6)) {
+    /* str(torch.float32) and the other attributes of torch that name a dtype; nothing else
+     * (NumPy's aliases and type strings are not torch's). */
+    s += 6;
+    for (size_t i = 0; i < PMPY_NDTYPES; i++)
+      if (!strcmp(s, g_dtypes[i].name)) return &g_dtypes[i];
+    for (size_t i = 0; i < sizeof torch_aliases / sizeof torch_aliases[0]; i++)
+      if (!strcmp(s, torch_aliases[i].alias)) return pmpy_dtype_from_text(torch_aliases[i].name);
+    return NULL;
+  }
   for (size_t i = 0; i < PMPY_NDTYPES; i++)
     if (!strcmp(s, g_dtypes[i].name)) return &g_dtypes[i];
   for (size_t i = 0; i < sizeof aliases / sizeof aliases[0]; i++)

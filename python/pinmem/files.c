@@ -223,8 +223,12 @@ static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, PyO
       return pmpy_raise_fmt(PM_ERR_INVALID, "%s: chunk must be at most 1 GiB, not %zu bytes",
                             fn, chunk);
   }
+  /* Only an object that is no sequence at all is refused as such: an exception of its own (a
+   * generator that raises, a __len__ that fails, KeyboardInterrupt) goes through as it is. */
+  int iterable = PySequence_Check(ranges_obj) || Py_TYPE(ranges_obj)->tp_iter != NULL;
   PyObject *seq = pmpy_fast_tuple(ranges_obj, "ranges must be a sequence");
   if (!seq) {
+    if (iterable || !PyErr_ExceptionMatches(PyExc_TypeError)) return NULL;
     PyErr_Clear();
     return pmpy_raise_fmt(PM_ERR_INVALID,
                           "%s: ranges must be a sequence of (offset, %s) or (offset, %s, nbytes)",

@@ -263,7 +263,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._lock = threading.RLock()
         self._links = {}
         self._order = []         # weakrefs to units in pack order
-        self._by_storage = {}    # (device, data_ptr) -> (weakref unit, storage weakref, version)
+        # (device, data_ptr) -> (weakref unit, storage weakref, version, weakref root, forward)
+        self._by_storage = {}
+        # Forward passes so far: an exit with prefetch_on_exit (or one that raised) ends one.
+        # Saves join a unit of their own pass only: between passes a static input refilled
+        # outside autograd (pinmem.copy, x.data, another library through DLPack) keeps its
+        # version, and a graph kept from the step before would lend its old bytes.
+        self._forward = 0
         # Copies back the compute stream was told to wait for, still running as far as the host
         # knows: each holds its pinned block until done; polled and dropped as they finish.
         self._retired = collections.deque()
@@ -340,6 +346,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if exc[0] is None and self.prefetch_on_exit:
                 # Backward asks first for what was saved last: start those copies back now.
                 self._prefetch_before(len(self._order))
+            if exc[0] is not None or self.prefetch_on_exit:
+                self._forward += 1
 
     # -- pack ------------------------------------------------------------------------------
 
@@ -405,15 +413,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             seen = self._by_storage.get(key)
             unit = None
             if seen is not None:
-                ref, sref, ver, rref = seen
+                ref, sref, ver, rref, forward = seen
                 unit = ref()
-                # The same storage still alive and unchanged: its bytes are on their way. Views
-                # of one base share its version counter, so an unchanged version proves the
-                # bytes unchanged; tensors that only share memory (x.data, unsafe_chunk's parts,
-                # as torch's CPU GRU and LSTM cells make) have counters of their own, whose
-                # equal numbers prove nothing: those are moved apart.
+                # The same storage still alive and unchanged in this forward pass: its bytes are
+                # on their way. Views of one base share its version counter, so an unchanged
+                # version proves the bytes unchanged; tensors that only share memory (x.data,
+                # unsafe_chunk's parts, as torch's CPU GRU and LSTM cells make) have counters of
+                # their own, whose equal numbers prove nothing: those are moved apart.
                 if unit is None or sref.expired() or ver != version or \
-                        unit.nbytes != nbytes or rref() is not root:
+                        unit.nbytes != nbytes or rref() is not root or forward != self._forward:
                     unit = None
             if unit is not None:
                 self._stats["shared_tensors"] += 1
@@ -441,7 +449,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             unit.index = len(self._order)
             self._order.append(weakref.ref(unit))
             self._by_storage[key] = (weakref.ref(unit), _storage_weakref(storage), version,
-                                     weakref.ref(root))
+                                     weakref.ref(root), self._forward)
             s = self._stats
             s["offloaded_units"] += 1
             s["offloaded_tensors"] += 1
@@ -452,14 +460,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _compact(self):
         """Drop dead units from the pack order (they were consumed or their graph freed) and
-        storages gone from the map (it lives across entries: a residual saved by one layer and
-        again by the next moves once)."""
+        storages gone from the map, or saved in an earlier forward pass (it lives across the
+        entries of one pass: a residual saved by one layer and again by the next moves once)."""
         live = [u for u in (r() for r in self._order) if u is not None]
         for i, u in enumerate(live):
             u.index = i
         self._order = [weakref.ref(u) for u in live]
-        for key in [k for k, (r, sref, _, _) in self._by_storage.items()
-                    if r() is None or sref.expired()]:
+        for key in [k for k, (r, sref, _, _, forward) in self._by_storage.items()
+                    if r() is None or sref.expired() or forward != self._forward]:
             del self._by_storage[key]
 
     # -- unpack ----------------------------------------------------------------------------

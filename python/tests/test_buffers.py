@@ -3,6 +3,7 @@ import array
 import gc
 import os
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -42,6 +43,26 @@ def test_dtype_spellings(dtype):
     b = pinmem.empty(4, dtype)
     assert np.asarray(b).dtype == np.dtype(dtype.replace("torch.", "")
                                            if isinstance(dtype, str) else dtype)
+
+
+@pytest.mark.parametrize("name,dtype", [("float", "float32"), ("int", "int32"),
+                                        ("long", "int64"), ("double", "float64"),
+                                        ("half", "float16"), ("short", "int16"),
+                                        ("cfloat", "complex64"), ("cdouble", "complex128"),
+                                        ("chalf", "complex32")])
+def test_torch_names_as_text_mean_torch_types(name, dtype):
+    # torch.float is float32 and torch.int int32: "torch.float" was NumPy's float, float64.
+    assert pinmem.empty(4, f"torch.{name}").dtype == dtype
+    numpy = {"float": "float64", "int": "int64", "long": "int64", "double": "float64",
+             "half": "float16", "short": "int16"}
+    if name in numpy:  # NumPy's meaning without the prefix
+        assert pinmem.empty(4, name).dtype == numpy[name]
+
+
+def test_numpy_aliases_are_not_torch_names():
+    for text in ("torch.single", "torch.bool_", "torch.f4", "torch.complex", "torch.byte"):
+        with pytest.raises(pinmem.InvalidError, match="unsupported dtype"):
+            pinmem.empty(4, text)
 
 
 def test_shapes_as_numpy_takes_them():
@@ -294,6 +315,27 @@ def test_context_manager():
     assert b.released and pinmem.pointer_info(ptr)["in_use"] is False
 
 
+def test_an_exception_in_a_with_block_is_not_replaced_while_consumers_remain():
+    """A block that raises while a consumer holds the memory raises its own exception (it was a
+    BusyError from __exit__); the memory goes back when the consumer lets go."""
+    src = np.arange(1000, dtype=np.float32)
+    with pytest.raises(KeyError):
+        with pinmem.pin(src) as p:
+            view = np.asarray(p)
+            raise KeyError("inside")
+    assert not p.released and p.exports == 1
+    del view
+    assert p.exports == 0
+    p.release()
+    with pytest.raises(KeyError):
+        with pinmem.empty(10, "uint8") as b:
+            raise KeyError("inside")
+    assert b.released  # without consumers it is released as before
+    with pytest.raises(pinmem.BusyError):  # a block that ends normally still says so
+        with pinmem.empty(10, "uint8") as b:
+            view = memoryview(b)
+
+
 def test_buffers_cannot_be_built_directly():
     with pytest.raises(TypeError):
         pinmem.PinnedBuffer()
@@ -308,6 +350,30 @@ def test_refcounts_do_not_leak():
         np.asarray(b)
     gc.collect()
     assert sys.getrefcount(b) == base and b.exports == 0
+
+
+def test_an_object_holding_its_own_pin_is_collected():
+    """An object that keeps its pin as an attribute is a reference cycle through the buffer
+    (the buffer holds the object): the cycle collector frees it, and the memory is unpinned."""
+    class Bytes(bytearray):
+        pass
+
+    class Array(np.ndarray):
+        pass
+
+    gc.collect()
+    before = pinmem.stats()["registered_bytes"]
+    b = Bytes(1 << 20)
+    b.pinned = pinmem.pin(b)
+    a = np.ones(1 << 17).view(Array)
+    a.pinned = pinmem.pin(a)
+    a.view = memoryview(a.pinned)  # a consumer inside the cycle
+    assert pinmem.stats()["registered_bytes"] >= before + (2 << 20)
+    refs = [weakref.ref(b.pinned), weakref.ref(a.pinned)]
+    del a, b
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert pinmem.stats()["registered_bytes"] == before
 
 
 def test_empty_like():

@@ -152,6 +152,48 @@ def test_dropped_completion_keeps_memory_alive(rng):
     assert pinmem._pinmem._pending_copies() == 0
 
 
+class _Staged:
+    """Pinned memory that exports itself by DLPack and keeps the Completion of its last
+    transfer: the object and its Completion are a reference cycle."""
+
+    def __init__(self, data):
+        self.buf = pinmem.empty(len(data), "uint8")
+        np.asarray(self.buf)[:] = data
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.buf.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.buf.__dlpack_device__()
+
+
+def test_an_object_holding_the_completion_of_its_copy_is_collected(rng):
+    """A Completion never waited for, held by the object it copied from, was a cycle the
+    collector could not see: the object and its pinned memory stayed for ever. Collected now,
+    and a copy still in flight keeps its memory until it is done."""
+    n = 1 << 20
+    data = random_bytes(rng, n)
+    dev = pinmem.device_empty(n, "uint8")
+    gc.collect()
+    before = pinmem.stats()["in_use_bytes"]
+    done = _Staged(data)
+    done.done = pinmem.copy(dev, done)
+    done.done.wait()
+    with pinmem.Stream() as s, Gate(s) as gate:
+        flight = _Staged(data[::-1])
+        flight.done = pinmem.copy(dev, flight, s)
+        del done, flight
+        gc.collect()
+        assert pinmem.stats()["in_use_bytes"] >= before + n  # held by the copy in flight
+        assert gate.open()
+    pinmem.synchronize()
+    pinmem._pinmem._pending_copies()  # parked copies that are done let go
+    assert pinmem.stats()["in_use_bytes"] == before
+    out = np.zeros(n, dtype=np.uint8)
+    pinmem.copy(out, dev).wait()
+    np.testing.assert_array_equal(out, data[::-1])
+
+
 def test_completion_holds_buffer_busy(rng):
     """While a copy is in flight (held behind a gate) its buffers cannot be released; once it
     completed they can, and the bytes arrived."""

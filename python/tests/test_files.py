@@ -261,6 +261,38 @@ def test_failed_write_creates_no_file(tmp_path):
     assert new.read_bytes() == b"\x01" * 10
 
 
+def test_an_exception_while_the_ranges_are_read_goes_through(tmp_path):
+    """A generator of ranges that raises, or a sequence whose __len__ fails, raised InvalidError
+    "ranges must be a sequence" (KeyboardInterrupt too); its own exception comes through now, and
+    only what is no sequence at all is refused as such."""
+    path = tmp_path / "r.bin"
+    path.write_bytes(bytes(range(256)))
+
+    def ranges():
+        yield (0, bytearray(4))
+        raise KeyError("made by the generator")
+
+    class Broken:
+        def __len__(self):
+            raise KeyboardInterrupt
+
+        def __getitem__(self, i):
+            raise IndexError
+
+    for call in (pinmem.read_ranges, pinmem.write_ranges):
+        with pytest.raises(KeyError, match="made by the generator"):
+            call(path, ranges())
+        with pytest.raises(KeyboardInterrupt):
+            call(path, Broken())
+        with pytest.raises(pinmem.InvalidError, match="ranges must be a sequence"):
+            call(path, 5)
+    assert path.read_bytes() == bytes(range(256))
+    new = tmp_path / "new.bin"
+    with pytest.raises(KeyError):
+        pinmem.write_ranges(new, ranges())
+    assert not new.exists()
+
+
 def test_ranges_list_changed_during_the_call(tmp_path):
     """Python code that runs while a list of ranges is read (an offset's __index__, a source's
     __dlpack__) and empties the list: the call works on the ranges it was given (they are

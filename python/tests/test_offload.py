@@ -517,6 +517,34 @@ def test_storage_shared_across_entries(dev):
     assert s["offloaded_units"] == 4 and s["shared_tensors"] == 1, s
 
 
+def test_a_later_forward_pass_moves_a_storage_again(dev):
+    """A static input refilled outside autograd keeps its version counter; with the graph of the
+    step before still alive, the next step's save joined that step's copy and trained on its
+    old bytes. Saves join units of their own forward pass only."""
+    torch = _torch()
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, device=dev, requires_grad=True)
+    x = torch.zeros(32, 64, device=dev)  # a static input buffer
+
+    def run(off):
+        kept = []
+        for fill in (1.0, 2.0):
+            x.data.fill_(fill)  # written outside autograd: x._version stays
+            w.grad = None
+            with off or _null():
+                loss = (x @ w).square().sum()
+            kept.append(loss)  # the step's graph stays alive (a list of losses)
+        loss.backward()
+        return loss.detach(), [w.grad.clone()]
+
+    ref = run(None)
+    assert x._version == 0
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
+    assert_same(ref, run(off))
+    # x and x @ w (square saves it) in each step; nothing joins the first step's units.
+    assert off.stats()["offloaded_units"] == 4 and off.stats()["shared_tensors"] == 0
+
+
 def test_keep_predicate(dev):
     model, data = make_model(dev), batch(dev)
     ref = train_step(model, data)
