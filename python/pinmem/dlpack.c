@@ -396,14 +396,17 @@ static DLManagedTensor *dl_import_plain(PyObject *o, pm_stream_t stream) {
   return mt;
 }
 
-/* Bytes of a compact row-major DLTensor, or -1 (with an error) when it is not compact. */
+/* Bytes of a compact row-major DLTensor, or -1 (with an error) when it is not compact. Elements
+ * narrower than a byte (int4, float4: bits * lanes < 8) are packed, as DLPack lays them out, so
+ * 8 elements of 4 bits are 4 bytes, not 8: a byte count per element would pin and copy past the
+ * tensor's memory. */
 int pmpy_dl_compact_bytes(const DLTensor *t, size_t *bytes_out) {
   if (t->ndim < 0 || t->ndim > PMPY_MAX_NDIM || (t->ndim > 0 && !t->shape)) {
     pmpy_raise_fmt(PM_ERR_INVALID, "the DLPack tensor has a bad ndim %d (or no shape)", t->ndim);
     return -1;
   }
-  size_t item = ((size_t)t->dtype.bits * t->dtype.lanes + 7) / 8;
-  size_t n = item;
+  size_t bits = (size_t)t->dtype.bits * t->dtype.lanes; /* an element's */
+  size_t n = 1;                                         /* elements */
   for (int i = 0; i < t->ndim; i++) {
     if (t->shape[i] < 0) {
       pmpy_raise_fmt(PM_ERR_INVALID, "the DLPack tensor has a negative dimension %lld",
@@ -412,7 +415,8 @@ int pmpy_dl_compact_bytes(const DLTensor *t, size_t *bytes_out) {
     }
     if (pmpy_checked_mul(&n, (size_t)t->shape[i]) < 0) return -1;
   }
-  n = item ? n / item : 0; /* elements */
+  size_t total_bits = n;
+  if (pmpy_checked_mul(&total_bits, bits) < 0) return -1;
   if (t->strides && n) {
     int64_t expect = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
@@ -425,6 +429,6 @@ int pmpy_dl_compact_bytes(const DLTensor *t, size_t *bytes_out) {
       expect *= t->shape[i];
     }
   }
-  *bytes_out = n * item; /* no overflow: checked above */
+  *bytes_out = total_bits / 8 + (total_bits % 8 != 0);
   return 0;
 }

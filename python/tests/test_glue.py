@@ -236,6 +236,23 @@ def test_dlpack_cpu_shape_overflow_refused():
             pinmem.pin(obj)
 
 
+def test_dlpack_packed_sub_byte_elements_are_sized_packed():
+    """DLPack packs elements narrower than a byte: 8 of 4 bits are 4 bytes, 7 of them 4 too.
+    Sized a byte per element, pin registered (and exported) twice the tensor's memory and copy
+    read past it."""
+    a = np.arange(16, dtype=np.uint8)
+    for n in (8, 7):
+        with pinmem.pin(HandmadeDL(a.ctypes.data, _pinmem.DLPACK_CPU, (n,), bits=4)) as p:
+            assert p.nbytes == 4
+            assert bytes(memoryview(p)) == bytes(range(4))
+        out = np.zeros(4, np.uint8)
+        pinmem.copy(out, HandmadeDL(a.ctypes.data, _pinmem.DLPACK_CPU, (n,), bits=4)).wait()
+        np.testing.assert_array_equal(out, np.arange(4, dtype=np.uint8))
+    with pytest.raises(pinmem.InvalidError, match="src has 4 bytes but dst only 3"):
+        pinmem.copy(np.zeros(3, np.uint8),
+                    HandmadeDL(a.ctypes.data, _pinmem.DLPACK_CPU, (2, 4), bits=4))
+
+
 class BadDL:
     def __init__(self, device, capsule):
         self.device, self.capsule = device, capsule
