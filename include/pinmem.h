@@ -508,7 +508,8 @@ PM_API pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count
  *  work too). fences_out (may be NULL): count fences, fences_out[i] for destination i.
  *  options->callback is refused (wait on the fences), kind must be DEFAULT or H2D.
  *  PM_ERR_INVALID for a NULL pointer, count out of range, a device index out of range, a
- *  destination that is not device memory or overlaps src or another destination. On a failure
+ *  destination that is not device memory, is memory of a device other than its devices[i] (where
+ *  the backend can tell), or overlaps src or another destination. On a failure
  *  part way, every DMA already queued is waited for, no fence is returned, and dsts may hold
  *  part of the data. */
 PM_API pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *dsts,

@@ -662,6 +662,28 @@ static void test_broadcast(void) {
   CHECK_ERR_MSG(pm_copy_broadcast_async(src, n - 100, same_dst, s, same_devs, 3, NULL, f),
                 PM_ERR_INVALID);
   CHECK(strstr(pm_last_error(), "dsts[0] and dsts[2] overlap") != NULL);
+  /* A destination of another device than its devices[i] (or, with devices NULL, than the
+   * caller's): refused before anything is queued, naming both, pinned source or pageable. */
+  void *pinned_src = NULL;
+  CHECK_OK(pm_host_alloc(NULL, n, 0, &pinned_src));
+  const int swapped[3] = {0, 2, 1};
+  for (int p = 0; p < 2; p++) {
+    const void *from = p ? pinned_src : (const void *)src;
+    records_reset();
+    CHECK_ERR_MSG(pm_copy_broadcast_async(from, n, dev, s, swapped, 3, NULL, f), PM_ERR_INVALID);
+    CHECK(strstr(pm_last_error(), "dsts[1]") && strstr(pm_last_error(), "memory of device 1") &&
+          strstr(pm_last_error(), "goes to device 2"));
+    void *two[2] = {dev[1], dev[2]};
+    CHECK_ERR_MSG(pm_copy_broadcast_async(from, n, two, s + 1, NULL, 2, NULL, f), PM_ERR_INVALID);
+    CHECK(strstr(pm_last_error(), "dsts[0]") && strstr(pm_last_error(), "caller's device"));
+    CHECK(f[0] == NULL && f[1] == NULL && f[2] == NULL);
+    CHECK_EQ_SIZE(pm__hb_device_calls(1) + pm__hb_device_calls(2), 0);
+    CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
+    int cur = -1;
+    CHECK_OK(pm_device_get(&cur));
+    CHECK_EQ_INT(cur, 0);
+  }
+  CHECK_OK(pm_host_free(pinned_src));
   pm_copy_options_t o;
   pm_copy_options_init(&o);
   o.callback = record_cb_device;

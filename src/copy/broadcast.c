@@ -74,6 +74,20 @@ static pm_status_t check_args(const char *fn, const pm__backend_t *b, const void
                            "%s: dsts[%d] %p is %s, not device memory (a broadcast goes from the "
                            "host to devices)",
                            fn, i, dsts[i], pm__mem_name(kind));
+    /* Memory of another device would be written through devices[i]'s copy engine, with its
+     * fence on that device: not the destination's own DMA that the call promises (and a rule
+     * break under CUDA's model). Both ends are checked; managed memory answers -1. */
+    if (b->pointer_device) {
+      int d0 = b->pointer_device(dsts[i]);
+      int d1 = b->pointer_device((const char *)dsts[i] + bytes - 1);
+      int other = d0 >= 0 && d0 != c->dev[i] ? d0 : d1 >= 0 && d1 != c->dev[i] ? d1 : -1;
+      if (other >= 0)
+        return pm__set_error(PM_ERR_INVALID,
+                             "%s: dsts[%d] %p is memory of device %d, but its copy goes to device "
+                             "%d (devices[%d]%s)",
+                             fn, i, dsts[i], other, c->dev[i], i,
+                             devices ? "" : ": devices is NULL, so the caller's device");
+    }
     if (pm__ranges_overlap(dsts[i], src, bytes))
       return pm__set_error(PM_ERR_INVALID, "%s: dsts[%d] overlaps the source", fn, i);
     /* Two destinations that share bytes get two concurrent writes there: which one lands
