@@ -659,7 +659,8 @@ static void test_broadcast(void) {
   /* Destinations that share bytes: two concurrent writes there, refused. */
   void *same_dst[3] = {dev[0], dev[1], (char *)dev[0] + 100};
   const int same_devs[3] = {0, 1, 0};
-  CHECK_ERR_MSG(pm_copy_broadcast_async(src, n - 100, same_dst, s, same_devs, 3, NULL, f),
+  pm_stream_t same_s[3] = {s[0], s[1], s[0]};
+  CHECK_ERR_MSG(pm_copy_broadcast_async(src, n - 100, same_dst, same_s, same_devs, 3, NULL, f),
                 PM_ERR_INVALID);
   CHECK(strstr(pm_last_error(), "dsts[0] and dsts[2] overlap") != NULL);
   /* A destination of another device than its devices[i] (or, with devices NULL, than the
@@ -667,14 +668,16 @@ static void test_broadcast(void) {
   void *pinned_src = NULL;
   CHECK_OK(pm_host_alloc(NULL, n, 0, &pinned_src));
   const int swapped[3] = {0, 2, 1};
+  pm_stream_t swapped_s[3] = {s[0], s[2], s[1]}, null_s[2] = {NULL, NULL};
   for (int p = 0; p < 2; p++) {
     const void *from = p ? pinned_src : (const void *)src;
     records_reset();
-    CHECK_ERR_MSG(pm_copy_broadcast_async(from, n, dev, s, swapped, 3, NULL, f), PM_ERR_INVALID);
+    CHECK_ERR_MSG(pm_copy_broadcast_async(from, n, dev, swapped_s, swapped, 3, NULL, f),
+                  PM_ERR_INVALID);
     CHECK(strstr(pm_last_error(), "dsts[1]") && strstr(pm_last_error(), "memory of device 1") &&
           strstr(pm_last_error(), "goes to device 2"));
     void *two[2] = {dev[1], dev[2]};
-    CHECK_ERR_MSG(pm_copy_broadcast_async(from, n, two, s + 1, NULL, 2, NULL, f), PM_ERR_INVALID);
+    CHECK_ERR_MSG(pm_copy_broadcast_async(from, n, two, null_s, NULL, 2, NULL, f), PM_ERR_INVALID);
     CHECK(strstr(pm_last_error(), "dsts[0]") && strstr(pm_last_error(), "caller's device"));
     CHECK(f[0] == NULL && f[1] == NULL && f[2] == NULL);
     CHECK_EQ_SIZE(pm__hb_device_calls(1) + pm__hb_device_calls(2), 0);
@@ -682,6 +685,28 @@ static void test_broadcast(void) {
     int cur = -1;
     CHECK_OK(pm_device_get(&cur));
     CHECK_EQ_INT(cur, 0);
+  }
+  /* A stream of another device than its destination's: refused alike (the driver would refuse
+   * the event record part way, after other DMAs were queued). NULL streams are each device's
+   * default stream, and work. */
+  for (int p = 0; p < 2; p++) {
+    const void *from = p ? pinned_src : (const void *)src;
+    pm_stream_t wrong[3] = {s[0], s[2], s[1]};
+    records_reset();
+    CHECK_ERR_MSG(pm_copy_broadcast_async(from, n, dev, wrong, devs, 3, NULL, f), PM_ERR_INVALID);
+    CHECK(strstr(pm_last_error(), "streams[1] is a stream of device 2") &&
+          strstr(pm_last_error(), "goes to device 1"));
+    CHECK(f[0] == NULL && f[1] == NULL && f[2] == NULL);
+    CHECK_EQ_SIZE(pm__hb_device_calls(1) + pm__hb_device_calls(2), 0);
+    CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
+    pm_stream_t defaults[3] = {NULL, NULL, NULL};
+    CHECK_OK(pm_copy_broadcast_async(from, n, dev, defaults, devs, 3, NULL, f));
+    for (int i = 0; i < 3; i++) {
+      CHECK_OK(pm_fence_wait(f[i]));
+      CHECK_OK(pm_fence_release(f[i]));
+      f[i] = NULL;
+    }
+    CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
   }
   CHECK_OK(pm_host_free(pinned_src));
   pm_copy_options_t o;
@@ -848,6 +873,42 @@ static void test_blocks_on_device1(void) {
       CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
     }
   }
+  CHECK_OK(pm_option_set("blocks_kernel_max", "auto"));
+  CHECK_OK(pm_blocks_destroy(store));
+
+  /* A store of device 1 given a stream of device 0 (with its own device's memory): refused
+   * before anything is queued, whatever the path, event or not; the caller's device stays. */
+  CHECK_OK(pm_device_set(1));
+  store = blocks_make(1, 4096, 4, host, 2);
+  CHECK_OK(pm_device_set(0));
+  pm_kv_region_t r1 = {kv1, 4096, 4096};
+  pm_kv_layout_t L1 = {1, &r1, 2, -1};
+  for (int k = 0; k < 2; k++) {
+    CHECK_OK(pm_option_set("blocks_kernel_max", cuts[k]));
+    for (int with_event = 0; with_event < 2; with_event++) {
+      pm_event_t ev = NULL;
+      records_reset();
+      CHECK_ERR_MSG(pm_blocks_swap_out(store, &L1, dev, host, 2, s0, with_event ? &ev : NULL),
+                    PM_ERR_INVALID);
+      CHECK(strstr(pm_last_error(), "is a stream of device 0, the store serves device 1"));
+      CHECK_ERR_MSG(pm_blocks_swap_in(store, &L1, dev, host, 2, s0, with_event ? &ev : NULL),
+                    PM_ERR_INVALID);
+      CHECK(strstr(pm_last_error(), "is a stream of device 0, the store serves device 1"));
+      CHECK(ev == NULL);
+      CHECK_EQ_SIZE(pm__hb_device_calls(1), 0);
+      CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
+      int cur = -1;
+      CHECK_OK(pm_device_get(&cur));
+      CHECK_EQ_INT(cur, 0);
+    }
+  }
+  /* NULL is the store's device's default stream, from a thread on device 0. */
+  records_reset();
+  CHECK_OK(pm_blocks_swap_out(store, &L1, dev, host, 2, NULL, NULL));
+  CHECK_OK(pm_device_set(1));
+  CHECK_OK(pm_device_synchronize());
+  CHECK_OK(pm_device_set(0));
+  CHECK_EQ_SIZE(pm__hb_device_mismatches(-1), 0);
   CHECK_OK(pm_option_set("blocks_kernel_max", "auto"));
   CHECK_OK(pm_blocks_destroy(store));
   CHECK_OK(pm_stream_destroy(s0));

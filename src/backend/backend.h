@@ -87,6 +87,11 @@ typedef struct pm__backend {
    * memory, which any device may reach; host memory; an address the backend does not know).
    * Callers that launch on one device's stream check memory given to them with it. */
   int (*pointer_device)(const void *ptr);
+  /* Optional: the device a stream belongs to (NULL: the current device's default stream), else
+   * -1 (a stream the backend does not know). Callers that queue for one device check the
+   * streams given to them with it. (The host backend; the cuda backend leaves it NULL, and the
+   * driver refuses a launch or an event record on another device's stream when it is queued.) */
+  int (*stream_device)(pm_stream_t stream);
 
   /* Optional (NULL where the backend has none): `count` copies, stream-ordered on `stream`, in
    * one call (cudaMemcpyBatchAsync); the direction of each follows from its pointers. Callers

@@ -311,4 +311,5 @@ const pm__backend_t pm__backend_host = {
     .launch_host_func = launch_host_func,
     .pointer_kind = pm__hb_pointer_kind,
     .pointer_device = pm__hb_pointer_device,
+    .stream_device = pm__hb_stream_device,
 };

@@ -341,6 +341,9 @@ static int f_pointer_kind(const void *ptr) {
 static int f_pointer_device(const void *ptr) {
   return real_backend()->pointer_device(ptr);
 }
+static int f_stream_device(pm_stream_t stream) {
+  return real_backend()->stream_device(stream);
+}
 /* Nor this one, about the device. */
 static int f_kernel_host_access(void) {
   return real_backend()->kernel_host_access();
@@ -402,6 +405,7 @@ pm_status_t pm__fault_wrap(const pm__backend_t **backend) {
     FWD(launch_host_func);
     FWD(pointer_kind);
     FWD(pointer_device);
+    FWD(stream_device);
     FWD(memcpy_batch_async);
     FWD(launch_batch_copy);
     FWD(kernel_host_access);

@@ -63,6 +63,16 @@ static pm_status_t check_args(const char *fn, const pm__backend_t *b, const void
       return pm__set_error(PM_ERR_INVALID, "%s: devices[%d] is %d, not a device (0..%d)", fn, i,
                            c->dev[i], ndev - 1);
     if (!dsts[i]) return pm__set_error(PM_ERR_INVALID, "%s: dsts[%d] is NULL", fn, i);
+    /* A stream of another device would get this destination's DMA and events with its device
+     * current: the driver refuses the event record part way, after other DMAs were queued.
+     * NULL is devices[i]'s default stream (queued with it current). */
+    int sdev = streams[i] && b->stream_device ? b->stream_device(streams[i]) : -1;
+    if (sdev >= 0 && sdev != c->dev[i])
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: streams[%d] is a stream of device %d, but its copy goes to device "
+                           "%d (devices[%d]%s)",
+                           fn, i, sdev, c->dev[i], i,
+                           devices ? "" : ": devices is NULL, so the caller's device");
     if (bytes == 0) continue;
     pm__mem_t kind;
     uintptr_t base;

@@ -770,6 +770,16 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
   int prev;
   st = enter_device(s, &prev, fn);
   if (st != PM_OK) return st;
+  /* Another device's stream would get this device's kernel, copies and event: the driver
+   * refuses the launch or the record part way, after earlier pieces were queued. Refused
+   * before anything is (NULL is the store's device's default stream, now current). */
+  int sdev = b->stream_device ? b->stream_device(stream) : -1;
+  if (sdev >= 0 && sdev != s->device) {
+    leave_device(s, prev);
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s: the stream %p is a stream of device %d, the store serves device %d",
+                         fn, (void *)stream, sdev, s->device);
+  }
   size_t cut = kernel_max(b, s->device, NULL);
   blk_lists_t k = {0}, d = {0};
   /* Lists for at most BLK__BATCH pieces: a larger call goes to the backend in parts. */
