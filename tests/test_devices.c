@@ -13,6 +13,7 @@
  */
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <unistd.h>
 
@@ -558,6 +559,18 @@ static void test_records_catch(void) {
 
 /* ---- broadcast: one host buffer to three devices ---- */
 
+/* A host function that holds its stream until a memcpy fault was injected, or until the test
+ * lets it go (*arg), whichever comes first. */
+static void hold_until_fault(void *arg) {
+  atomic_bool *let_go = arg;
+  for (;;) {
+    pm__fault_counts_t fc;
+    pm__fault_counts(&fc);
+    if (fc.injected[PM__FAULT_MEMCPY] || atomic_load(let_go)) return;
+    sched_yield();
+  }
+}
+
 static void bcast_setup(pm_stream_t *s, void **dev, size_t n) {
   for (int d = 0; d < 3; d++) {
     CHECK_OK(pm_device_set(d));
@@ -724,6 +737,34 @@ static void test_broadcast(void) {
   CHECK(f[0] == NULL && f[1] == NULL && f[2] == NULL);
   pm__fault_reset();
   for (int d = 0; d < 3; d++) CHECK_OK(pm_stream_query(s[d]));
+
+  /* The same with a pinned source (one DMA per destination): destination 0's DMA, held on its
+   * stream until destination 1's fails, is complete when the error returns (src may then be
+   * freed or refilled). */
+  void *pinned = NULL;
+  CHECK_OK(pm_host_alloc(NULL, n, 0, &pinned));
+  pm_test_fill(pinned, n, 43);
+  atomic_bool let_go = false;
+  CHECK_OK(pm_launch_host_func(s[0], hold_until_fault, &let_go));
+  CHECK_OK(pm__fault_set(PM__FAULT_MEMCPY, 2, 0));
+  CHECK_ERR_MSG(pm_copy_broadcast_async(pinned, n, dev, s, devs, 3, NULL, f), PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "destination 1") != NULL);
+  CHECK_OK(pm_stream_query(s[0]));
+  atomic_store(&let_go, true);
+  CHECK_OK(pm_stream_synchronize(s[0])); /* so that a failure above does not fail the rest */
+  CHECK(f[0] == NULL && f[1] == NULL && f[2] == NULL);
+  pm__fault_reset();
+  int cur = -1;
+  CHECK_OK(pm_device_get(&cur));
+  CHECK_EQ_INT(cur, 0);
+  {
+    char *back = malloc(n);
+    REQUIRE(back);
+    CHECK_OK(pm_memcpy(back, dev[0], n, PM_COPY_D2H));
+    CHECK(pm_test_fill_ok(back, n, 43));
+    free(back);
+  }
+  CHECK_OK(pm_host_free(pinned));
   CHECK_OK(pm_copy_broadcast_async(src, n, dev, s, devs, 3, NULL, NULL));
   for (int d = 0; d < 3; d++) {
     CHECK_OK(pm_device_set(d));

@@ -16,7 +16,7 @@
  * slots go back to the pool then: no stream-ordered reuse is needed across devices), so it also
  * waits for the streams' earlier work. On a failure part way, every DMA already queued is waited
  * for (each stream that got one is synchronized on its device) before the slots go back, and no
- * fence is returned.
+ * fence is returned; a pinned source's earlier destinations are waited for alike (their fences).
  *
  * The caller's current device is restored before the call returns. No lock of its own.
  */
@@ -248,8 +248,19 @@ pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *
       st = pm_copy_async(dsts[i], src, bytes, streams[i], &opt, &c->fence[i]);
       if (st != PM_OK) st = pm__wrap_error(st, "%s: destination %d", fn, i);
     }
-    if (st != PM_OK)
-      for (int j = 0; j < i - 1; j++) (void)pm_fence_release(c->fence[j]);
+    /* Destinations 0..i-2 got their DMA: each completes before the error returns (the caller
+     * may then free or refill src, as the contract says; a released fence's copy would still
+     * read it). */
+    if (st != PM_OK) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", pm_last_error());
+      for (int j = 0; j < i - 1; j++) {
+        enter(c->dev[j]);
+        (void)pm_fence_wait(c->fence[j]);
+        (void)pm_fence_release(c->fence[j]);
+      }
+      pm__set_error(st, "%s", msg);
+    }
   } else if (st == PM_OK) {
     for (int i = 0; i < count && st == PM_OK; i++) {
       enter(c->dev[i]); /* the fence's event and completion belong to its destination's device */
