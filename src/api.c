@@ -112,10 +112,11 @@ static pm_status_t lookup_kind(const char *fn, const void *ptr, pm_memory_kind_t
 static pm_status_t check_device_index(const char *fn, const pm__backend_t *b, int device,
                                       bool allow_cpu) {
   if (allow_cpu && device == PM_CPU_DEVICE) return PM_OK;
-  char call[96];
-  snprintf(call, sizeof call, "%s(device %d)", fn, device);
-  pm_status_t fb = pm__fallback_refuse(call);
-  if (fb != PM_OK) return fb;
+  if (pm__backend_is_fallback()) {
+    char call[96];
+    snprintf(call, sizeof call, "%s(device %d)", fn, device);
+    return pm__fallback_refuse(call);
+  }
   int count = 0;
   pm_status_t st = b->device_count(&count);
   if (st != PM_OK) return pm__wrap_error(st, "%s", fn);

@@ -109,6 +109,23 @@ typedef struct pm__backend {
   int (*kernel_host_access)(void);
 } pm__backend_t;
 
+/* A device other than `device` that owns memory at `first` or `last` (both ends: a range may run
+ * into another allocation), else -1: the same device, managed memory, or a backend that cannot
+ * tell (no pointer_device). */
+static inline int pm__backend_other_device(const pm__backend_t *b, const void *first,
+                                           const void *last, int device) {
+  if (!b->pointer_device) return -1;
+  int d0 = b->pointer_device(first), d1 = b->pointer_device(last);
+  return d0 >= 0 && d0 != device ? d0 : d1 >= 0 && d1 != device ? d1 : -1;
+}
+/* The device of `stream` when it is not `device`, else -1: the same device, NULL (the current
+ * device's default stream), or a backend that cannot tell (no stream_device). */
+static inline int pm__backend_stream_other_device(const pm__backend_t *b, pm_stream_t stream,
+                                                  int device) {
+  int d = stream && b->stream_device ? b->stream_device(stream) : -1;
+  return d >= 0 && d != device ? d : -1;
+}
+
 /* backend_host_stream.c (the host backend; its memory: backend_host_memory.c) */
 extern const pm__backend_t pm__backend_host;
 /* backend_cuda.c (in every build unless configured with -DPINMEM_CUDA=OFF) */

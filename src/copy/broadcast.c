@@ -66,8 +66,8 @@ static pm_status_t check_args(const char *fn, const pm__backend_t *b, const void
     /* A stream of another device would get this destination's DMA and events with its device
      * current: the driver refuses the event record part way, after other DMAs were queued.
      * NULL is devices[i]'s default stream (queued with it current). */
-    int sdev = streams[i] && b->stream_device ? b->stream_device(streams[i]) : -1;
-    if (sdev >= 0 && sdev != c->dev[i])
+    int sdev = pm__backend_stream_other_device(b, streams[i], c->dev[i]);
+    if (sdev >= 0)
       return pm__set_error(PM_ERR_INVALID,
                            "%s: streams[%d] is a stream of device %d, but its copy goes to device "
                            "%d (devices[%d]%s)",
@@ -87,17 +87,13 @@ static pm_status_t check_args(const char *fn, const pm__backend_t *b, const void
     /* Memory of another device would be written through devices[i]'s copy engine, with its
      * fence on that device: not the destination's own DMA that the call promises (and a rule
      * break under CUDA's model). Both ends are checked; managed memory answers -1. */
-    if (b->pointer_device) {
-      int d0 = b->pointer_device(dsts[i]);
-      int d1 = b->pointer_device((const char *)dsts[i] + bytes - 1);
-      int other = d0 >= 0 && d0 != c->dev[i] ? d0 : d1 >= 0 && d1 != c->dev[i] ? d1 : -1;
-      if (other >= 0)
-        return pm__set_error(PM_ERR_INVALID,
-                             "%s: dsts[%d] %p is memory of device %d, but its copy goes to device "
-                             "%d (devices[%d]%s)",
-                             fn, i, dsts[i], other, c->dev[i], i,
-                             devices ? "" : ": devices is NULL, so the caller's device");
-    }
+    int other = pm__backend_other_device(b, dsts[i], (const char *)dsts[i] + bytes - 1, c->dev[i]);
+    if (other >= 0)
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: dsts[%d] %p is memory of device %d, but its copy goes to device "
+                           "%d (devices[%d]%s)",
+                           fn, i, dsts[i], other, c->dev[i], i,
+                           devices ? "" : ": devices is NULL, so the caller's device");
     if (pm__ranges_overlap(dsts[i], src, bytes))
       return pm__set_error(PM_ERR_INVALID, "%s: dsts[%d] overlaps the source", fn, i);
     /* Two destinations that share bytes get two concurrent writes there: which one lands

@@ -663,6 +663,18 @@ void pm__opt_text(pm__opt_t opt, char *buf, size_t len) {
     snprintf(buf, len, "%s", r.text);
 }
 
+void pm__opt_ignored(pm__opt_t opt, char *buf, size_t len) {
+  if (!buf || !len) return;
+  buf[0] = '\0';
+  if ((unsigned)opt >= PM__OPT_COUNT) return;
+  pm__opt_resolved_t r;
+  opt_resolved(opt, &r);
+  /* An ignored environment value is the part in parentheses of the default's text (resolve). */
+  const char *open = strchr(r.text, '('), *close = strrchr(r.text, ')');
+  if (r.source == PM_OPTION_DEFAULT && open && close && close > open)
+    snprintf(buf, len, "%.*s", (int)(close - open - 1), open + 1);
+}
+
 /* ---- public ---------------------------------------------------------------------------- */
 
 int pm_option_count(void) {

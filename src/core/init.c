@@ -130,11 +130,9 @@ static pm_status_t start_backend(const pm__backend_t *b) {
  * the reason for the choice says so first ("PINMEM_BACKEND='gpu' ignored: not auto, cuda or host;
  * "), so a typo is seen where the choice is explained, not only in the option table. */
 static void ignored_backend_note(char *buf, size_t n) {
-  pm_option_info_t o;
-  buf[0] = '\0';
-  if (pm_option_get(PM__OPT_BACKEND, &o) != PM_OK || o.source != PM_OPTION_DEFAULT) return;
-  const char *open = strchr(o.value, '('), *close = strrchr(o.value, ')');
-  if (open && close && close > open) snprintf(buf, n, "%.*s; ", (int)(close - open - 1), open + 1);
+  char why[128]; /* an option's text is at most 128 bytes */
+  pm__opt_ignored(PM__OPT_BACKEND, why, sizeof why);
+  snprintf(buf, n, "%s%s", why, why[0] ? "; " : "");
 }
 
 static pm_status_t forked_after_cuda(void) {

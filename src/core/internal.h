@@ -170,6 +170,9 @@ double pm__opt_double(pm__opt_t opt);
 void pm__opt_reload(void);
 /* Current value as text (for enum-like options such as backend). Thread-safe copy into buf. */
 void pm__opt_text(pm__opt_t opt, char *buf, size_t len);
+/* Why an environment value of opt was ignored ("PINMEM_BACKEND='gpu' ignored: ..."), or "" when
+ * none was (the default is in force only because the variable did not parse). */
+void pm__opt_ignored(pm__opt_t opt, char *buf, size_t len);
 
 /* Values of the copy_bounce option: how staged H2D copies use pinned bounce memory. */
 #define PM__COPY_BOUNCE_MAP(X)                                                                  \

@@ -669,15 +669,12 @@ static pm_status_t check_layout(const pm_blocks_t *s, const pm_kv_layout_t *L, c
                            fn, r, g->base, (const void *)last);
     /* Another device's memory would be read by this device's kernel (an illegal address
      * without peer access) or copied through the wrong engine. Managed memory answers -1. */
-    if (s->b->pointer_device) {
-      int d0 = s->b->pointer_device(g->base), d1 = s->b->pointer_device(last);
-      int other = d0 >= 0 && d0 != s->device ? d0 : d1 >= 0 && d1 != s->device ? d1 : -1;
-      if (other >= 0)
-        return pm__set_error(PM_ERR_INVALID,
-                             "%s: region %d [%p, %p] is memory of device %d, the store serves "
-                             "device %d",
-                             fn, r, g->base, (const void *)last, other, s->device);
-    }
+    int other = pm__backend_other_device(s->b, g->base, last, s->device);
+    if (other >= 0)
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: region %d [%p, %p] is memory of device %d, the store serves "
+                           "device %d",
+                           fn, r, g->base, (const void *)last, other, s->device);
   }
   if (sum != s->block_bytes)
     return pm__set_error(PM_ERR_INVALID,
@@ -773,8 +770,8 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
   /* Another device's stream would get this device's kernel, copies and event: the driver
    * refuses the launch or the record part way, after earlier pieces were queued. Refused
    * before anything is (NULL is the store's device's default stream, now current). */
-  int sdev = b->stream_device ? b->stream_device(stream) : -1;
-  if (sdev >= 0 && sdev != s->device) {
+  int sdev = pm__backend_stream_other_device(b, stream, s->device);
+  if (sdev >= 0) {
     leave_device(s, prev);
     return pm__set_error(PM_ERR_INVALID,
                          "%s: the stream %p is a stream of device %d, the store serves device %d",
