@@ -224,26 +224,42 @@ static struct {
   int type, dev;
 } allocs[256];
 static pthread_mutex_t allocs_lock = PTHREAD_MUTEX_INITIALIZER;
-static void *stub_alloc(size_t n, int type) {
-  void *p = malloc(n ? n : 1);
-  if (!p) return NULL;
+/* Record [p, p + n) as memory of the current context's device; 0, or 2 (out of memory) when
+ * the table is full. */
+static int allocs_add(void *p, size_t n, int type) {
+  int e = 2;
   pthread_mutex_lock(&allocs_lock);
-  for (size_t i = 0; i < sizeof allocs / sizeof allocs[0]; i++)
+  for (size_t i = 0; i < sizeof allocs / sizeof allocs[0] && e; i++)
     if (!allocs[i].base) {
       allocs[i].base = (uintptr_t)p;
       allocs[i].size = n;
       allocs[i].type = type;
       allocs[i].dev = ctx_device(current_ctx());
-      break;
+      e = 0;
     }
   pthread_mutex_unlock(&allocs_lock);
+  return e;
+}
+/* Forget the range that starts at p; 0, or 713 (CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED). */
+static int allocs_remove(void *p) {
+  int e = 713;
+  pthread_mutex_lock(&allocs_lock);
+  for (size_t i = 0; i < sizeof allocs / sizeof allocs[0] && e; i++)
+    if (p && allocs[i].base == (uintptr_t)p) {
+      allocs[i].base = 0;
+      e = 0;
+    }
+  pthread_mutex_unlock(&allocs_lock);
+  return e;
+}
+/* Past the table's size an allocation still succeeds, answered as pageable memory. */
+static void *stub_alloc(size_t n, int type) {
+  void *p = malloc(n ? n : 1);
+  if (p) (void)allocs_add(p, n, type);
   return p;
 }
 static void stub_free(void *p) {
-  pthread_mutex_lock(&allocs_lock);
-  for (size_t i = 0; i < sizeof allocs / sizeof allocs[0]; i++)
-    if (p && allocs[i].base == (uintptr_t)p) allocs[i].base = 0;
-  pthread_mutex_unlock(&allocs_lock);
+  (void)allocs_remove(p);
   free(p);
 }
 /* Host registration: CUDA_ERROR_NOT_SUPPORTED (a platform without it), or with
@@ -253,29 +269,10 @@ static int mem_host_register(void *p, size_t n, unsigned flags) {
   (void)flags;
   if (!getenv("STUB_CUDA_HOST_REGISTER")) return 801;
   if (!current_ctx()) return 201;
-  pthread_mutex_lock(&allocs_lock);
-  int e = 2;
-  for (size_t i = 0; i < sizeof allocs / sizeof allocs[0] && e; i++)
-    if (!allocs[i].base) {
-      allocs[i].base = (uintptr_t)p;
-      allocs[i].size = n;
-      allocs[i].type = 1;
-      allocs[i].dev = ctx_device(current_ctx());
-      e = 0;
-    }
-  pthread_mutex_unlock(&allocs_lock);
-  return e;
+  return allocs_add(p, n, 1);
 }
 static int mem_host_unregister(void *p) {
-  pthread_mutex_lock(&allocs_lock);
-  int e = 713; /* CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED */
-  for (size_t i = 0; i < sizeof allocs / sizeof allocs[0] && e; i++)
-    if (p && allocs[i].base == (uintptr_t)p) {
-      allocs[i].base = 0;
-      e = 0;
-    }
-  pthread_mutex_unlock(&allocs_lock);
-  return e;
+  return allocs_remove(p);
 }
 static int mem_host_get_device_pointer(unsigned long long *d, void *p, unsigned flags) {
   (void)flags;
