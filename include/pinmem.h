@@ -511,8 +511,8 @@ PM_API pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count
  *  destination that is not device memory, is memory of a device other than its devices[i] (where
  *  the backend can tell), or overlaps src or another destination, and for a stream of another
  *  device than devices[i] (the stream's context's device under CUDA; NULL, cudaStreamLegacy and
- *  cudaStreamPerThread are devices[i]'s default stream). On a failure part way, every DMA already queued is waited for, no fence is
- *  returned, and dsts may hold part of the data. */
+ *  cudaStreamPerThread are devices[i]'s default stream). On a failure part way, every DMA
+ *  already queued is waited for, no fence is returned, and dsts may hold part of the data. */
 PM_API pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *dsts,
                                            const pm_stream_t *streams, const int *devices,
                                            int count, const pm_copy_options_t *options,
