@@ -510,9 +510,9 @@ PM_API pm_status_t pm_copy_batch_async(const pm_copy_item_t *items, size_t count
  *  PM_ERR_INVALID for a NULL pointer, count out of range, a device index out of range, a
  *  destination that is not device memory, is memory of a device other than its devices[i] (where
  *  the backend can tell), or overlaps src or another destination, and for a stream of another
- *  device than devices[i] where the backend can tell (the host backend; NULL is devices[i]'s
- *  default stream). On a failure part way, every DMA already queued is waited for, no fence is
- *  returned, and dsts may hold part of the data. */
+ *  device than devices[i] (the stream's context's device under CUDA; NULL, cudaStreamLegacy and
+ *  cudaStreamPerThread are devices[i]'s default stream). On a failure part way, every DMA
+ *  already queued is waited for, no fence is returned, and dsts may hold part of the data. */
 PM_API pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *dsts,
                                            const pm_stream_t *streams, const int *devices,
                                            int count, const pm_copy_options_t *options,
@@ -717,8 +717,8 @@ PM_API pm_status_t pm_blocks_wait_ready(pm_blocks_t *blocks, uint64_t count);
  *  the caller waits on and destroys (pm_event_destroy); the host blocks hold the data once it
  *  completed. PM_ERR_INVALID, before anything is queued, for a bad id (naming it and its
  *  position), a repeated host id, a layout that does not match the store or is not device memory,
- *  or tensors on another device, and for a stream of another device where the backend can tell
- *  (the host backend). `stream` is a stream of the store's device; the call makes that
+ *  or tensors on another device, and for a stream of another device (the stream's context's
+ *  device under CUDA). `stream` is a stream of the store's device; the call makes that
  *  device current while it queues (its kernel and event are that device's) and gives the calling
  *  thread its own device back. */
 PM_API pm_status_t pm_blocks_swap_out(pm_blocks_t *blocks, const pm_kv_layout_t *layout,

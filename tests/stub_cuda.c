@@ -16,11 +16,18 @@
  * through it, and the code is the CUresult the call returns; code -1 leaves the name out of
  * cuGetProcAddress (CUDA_ERROR_NOT_FOUND, as a driver without that entry point answers).
  *
- * STUB_FAKE_DEVICE: one device whose "device memory" is malloc'd host memory, with synchronous
- * copies and streams and events that are always complete, and a JIT that refuses every PTX. It
- * lets the cuda backend's own plumbing (primary contexts, the probe, pm_backend_info, the
- * kernels' fallback) run where there is no GPU; it says nothing of CUDA's semantics.
+ * STUB_FAKE_DEVICE: pretend devices (one, or STUB_CUDA_DEVICES of them, at most 8) whose "device
+ * memory" is malloc'd host memory, with synchronous copies and streams and events that are
+ * always complete, and a JIT that refuses every PTX. It lets the cuda backend's own plumbing
+ * (primary contexts, the probe, pm_backend_info, the kernels' fallback) run where there is no
+ * GPU; of CUDA's semantics it keeps only what says which device a thing belongs to: a primary
+ * context per device, a per-thread stack of current contexts (cuCtxSetCurrent replaces its top,
+ * cuCtxPushCurrent / cuCtxPopCurrent push and pop), streams and events of the context current at
+ * their creation (cuStreamGetCtx), and cuPointerGetAttributes answering the memory type and
+ * device of the memory it allocated. STUB_CUDA_HOST_REGISTER set: cuMemHostRegister pins (else
+ * it answers CUDA_ERROR_NOT_SUPPORTED, as a platform without host registration).
  */
+#include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -113,10 +120,18 @@ STUB_FAILING(6)
 STUB_FAILING(7)
 static int (*const failing[8])(void) = {failing_0, failing_1, failing_2, failing_3,
                                         failing_4, failing_5, failing_6, failing_7};
+#if defined(STUB_FAKE_DEVICE)
+enum { MAX_DEVICES = 8 };
+static int fake_devices(void) {
+  const char *v = getenv("STUB_CUDA_DEVICES");
+  int n = v && *v ? atoi(v) : 1;
+  return n < 1 ? 1 : n > MAX_DEVICES ? MAX_DEVICES : n;
+}
+#endif
 static int device_get_count(int *count) {
   if (forked_child()) return 3;
 #if defined(STUB_FAKE_DEVICE)
-  *count = 1;
+  *count = fake_devices();
 #else
   *count = 0;
 #endif
@@ -127,14 +142,23 @@ static int not_supported(void) {
 }
 
 #if defined(STUB_FAKE_DEVICE)
-static int the_ctx;
-static __thread void *current;
+/* Device d's primary context is &the_ctx[d]. */
+static int the_ctx[MAX_DEVICES];
+static int ctx_device(const void *ctx) {
+  return (int)((const int *)ctx - the_ctx);
+}
+/* The thread's context stack; its top is the current context. */
+static __thread void *ctx_stack[16];
+static __thread int ctx_depth;
+static void *current_ctx(void) {
+  return ctx_depth ? ctx_stack[ctx_depth - 1] : NULL;
+}
 static int ok(void) {
   return 0;
 }
 static int device_get(int *d, int ordinal) {
-  if (ordinal != 0) return 101;
-  *d = 0;
+  if (ordinal < 0 || ordinal >= fake_devices()) return 101;
+  *d = ordinal;
   return 0;
 }
 static int device_get_name(char *name, int len, int dev) {
@@ -153,25 +177,38 @@ static int device_get_attribute(int *v, int attr, int dev) {
  * stub_retain_entered first, so the test knows pinmem holds its context lock. */
 STUB_API _Atomic int stub_retain_entered, stub_retain_release;
 static int primary_ctx_retain(void **ctx, int dev) {
-  (void)dev;
+  if (dev < 0 || dev >= fake_devices()) return 101;
   if (getenv("STUB_CUDA_HOLD_RETAIN")) {
     stub_retain_entered = 1;
     while (!stub_retain_release) sched_yield();
   }
-  *ctx = &the_ctx;
+  *ctx = &the_ctx[dev];
   return 0;
 }
 static int ctx_set_current(void *ctx) {
-  current = ctx;
+  if (!ctx_depth) ctx_depth = 1;
+  ctx_stack[ctx_depth - 1] = ctx;
   return 0;
 }
 static int ctx_get_current(void **ctx) {
-  *ctx = current;
+  *ctx = current_ctx();
+  return 0;
+}
+static int ctx_push_current(void *ctx) {
+  if (!ctx) return 201;
+  if (ctx_depth == (int)(sizeof ctx_stack / sizeof ctx_stack[0])) return 2;
+  ctx_stack[ctx_depth++] = ctx;
+  return 0;
+}
+static int ctx_pop_current(void **ctx) {
+  if (!ctx_depth) return 201;
+  void *top = ctx_stack[--ctx_depth];
+  if (ctx) *ctx = top;
   return 0;
 }
 static int ctx_get_device(int *d) {
-  if (!current) return 201;
-  *d = 0;
+  if (!current_ctx()) return 201;
+  *d = ctx_device(current_ctx());
   return 0;
 }
 static int mem_get_info(size_t *f, size_t *t) {
@@ -179,25 +216,88 @@ static int mem_get_info(size_t *f, size_t *t) {
   *t = (size_t)2 << 30;
   return 0;
 }
+/* What the stub allocated, for cuPointerGetAttributes: [base, base + size) of a memory type
+ * (1 host, 2 device) and a device. A short table: tests hold few allocations at once. */
+static struct {
+  uintptr_t base;
+  size_t size;
+  int type, dev;
+} allocs[256];
+static pthread_mutex_t allocs_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Record [p, p + n) as memory of the current context's device; 0, or 2 (out of memory) when
+ * the table is full. */
+static int allocs_add(void *p, size_t n, int type) {
+  int e = 2;
+  pthread_mutex_lock(&allocs_lock);
+  for (size_t i = 0; i < sizeof allocs / sizeof allocs[0] && e; i++)
+    if (!allocs[i].base) {
+      allocs[i].base = (uintptr_t)p;
+      allocs[i].size = n;
+      allocs[i].type = type;
+      allocs[i].dev = ctx_device(current_ctx());
+      e = 0;
+    }
+  pthread_mutex_unlock(&allocs_lock);
+  return e;
+}
+/* Forget the range that starts at p; 0, or 713 (CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED). */
+static int allocs_remove(void *p) {
+  int e = 713;
+  pthread_mutex_lock(&allocs_lock);
+  for (size_t i = 0; i < sizeof allocs / sizeof allocs[0] && e; i++)
+    if (p && allocs[i].base == (uintptr_t)p) {
+      allocs[i].base = 0;
+      e = 0;
+    }
+  pthread_mutex_unlock(&allocs_lock);
+  return e;
+}
+/* Past the table's size an allocation still succeeds, answered as pageable memory. */
+static void *stub_alloc(size_t n, int type) {
+  void *p = malloc(n ? n : 1);
+  if (p) (void)allocs_add(p, n, type);
+  return p;
+}
+static void stub_free(void *p) {
+  (void)allocs_remove(p);
+  free(p);
+}
+/* Host registration: CUDA_ERROR_NOT_SUPPORTED (a platform without it), or with
+ * STUB_CUDA_HOST_REGISTER set the range is pinned memory from then on (mapped at its own
+ * address, as under unified addressing). */
+static int mem_host_register(void *p, size_t n, unsigned flags) {
+  (void)flags;
+  if (!getenv("STUB_CUDA_HOST_REGISTER")) return 801;
+  if (!current_ctx()) return 201;
+  return allocs_add(p, n, 1);
+}
+static int mem_host_unregister(void *p) {
+  return allocs_remove(p);
+}
+static int mem_host_get_device_pointer(unsigned long long *d, void *p, unsigned flags) {
+  (void)flags;
+  *d = (unsigned long long)(uintptr_t)p;
+  return 0;
+}
 static int mem_alloc(unsigned long long *d, size_t n) {
-  if (!current) return 201;
-  void *p = malloc(n);
+  if (!current_ctx()) return 201;
+  void *p = stub_alloc(n, 2);
   if (!p) return 2;
   *d = (unsigned long long)(uintptr_t)p;
   return 0;
 }
 static int mem_free(unsigned long long d) {
-  free((void *)(uintptr_t)d);
+  stub_free((void *)(uintptr_t)d);
   return 0;
 }
 static int mem_host_alloc(void **p, size_t n, unsigned flags) {
   (void)flags;
-  if (!current) return 201;
-  *p = malloc(n);
+  if (!current_ctx()) return 201;
+  *p = stub_alloc(n, 1);
   return *p ? 0 : 2;
 }
 static int mem_free_host(void *p) {
-  free(p);
+  stub_free(p);
   return 0;
 }
 static int copy(unsigned long long dst, unsigned long long src, size_t n, void *s) {
@@ -205,14 +305,25 @@ static int copy(unsigned long long dst, unsigned long long src, size_t n, void *
   memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
   return 0;
 }
+/* Streams and events: the context current at their creation. */
 static int handle_create(void **h, unsigned flags) {
   (void)flags;
-  if (!current) return 201;
-  *h = malloc(1);
-  return *h ? 0 : 2;
+  if (!current_ctx()) return 201;
+  void **ctx = malloc(sizeof *ctx);
+  if (!ctx) return 2;
+  *ctx = current_ctx();
+  *h = ctx;
+  return 0;
 }
 static int handle_destroy(void *h) {
   free(h);
+  return 0;
+}
+static int stream_get_ctx(void *s, void **ctx) {
+  /* NULL, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD: the current context's default stream. */
+  void *c = !s || (uintptr_t)s == 1 || (uintptr_t)s == 2 ? current_ctx() : *(void **)s;
+  if (!c) return 201;
+  *ctx = c;
   return 0;
 }
 static int elapsed(float *ms, void *a, void *b) {
@@ -226,10 +337,23 @@ static int host_func(void *s, void (*fn)(void *), void *arg) {
   fn(arg);
   return 0;
 }
+/* CU_POINTER_ATTRIBUTE_MEMORY_TYPE (2), _IS_MANAGED (8), _DEVICE_ORDINAL (9); zeros for memory
+ * the stub did not allocate (pageable), as the driver answers. */
 static int pointer_attributes(unsigned n, int *attrs, void **data, unsigned long long p) {
-  (void)attrs;
-  (void)p;
-  for (unsigned i = 0; i < n; i++) *(unsigned *)data[i] = 0; /* unknown: pageable */
+  int type = 0, dev = -1;
+  pthread_mutex_lock(&allocs_lock);
+  for (size_t i = 0; i < sizeof allocs / sizeof allocs[0]; i++)
+    if (allocs[i].base && p >= allocs[i].base && p - allocs[i].base < allocs[i].size) {
+      type = allocs[i].type;
+      dev = allocs[i].dev;
+    }
+  pthread_mutex_unlock(&allocs_lock);
+  for (unsigned i = 0; i < n; i++) {
+    if (attrs[i] == 9)
+      *(int *)data[i] = type ? dev : -2;
+    else
+      *(unsigned *)data[i] = attrs[i] == 2 ? (unsigned)type : 0;
+  }
   return 0;
 }
 static int module_load(void **m, const void *image, unsigned n, int *opts, void **vals) {
@@ -250,12 +374,18 @@ static const struct {
     {"cuCtxSetCurrent", (void *)(uintptr_t)ctx_set_current},
     {"cuCtxGetCurrent", (void *)(uintptr_t)ctx_get_current},
     {"cuCtxGetDevice", (void *)(uintptr_t)ctx_get_device},
+    {"cuCtxPushCurrent", (void *)(uintptr_t)ctx_push_current},
+    {"cuCtxPopCurrent", (void *)(uintptr_t)ctx_pop_current},
+    {"cuStreamGetCtx", (void *)(uintptr_t)stream_get_ctx},
     {"cuCtxSynchronize", (void *)(uintptr_t)ok},
     {"cuMemGetInfo", (void *)(uintptr_t)mem_get_info},
     {"cuMemAlloc", (void *)(uintptr_t)mem_alloc},
     {"cuMemFree", (void *)(uintptr_t)mem_free},
     {"cuMemHostAlloc", (void *)(uintptr_t)mem_host_alloc},
     {"cuMemFreeHost", (void *)(uintptr_t)mem_free_host},
+    {"cuMemHostRegister", (void *)(uintptr_t)mem_host_register},
+    {"cuMemHostUnregister", (void *)(uintptr_t)mem_host_unregister},
+    {"cuMemHostGetDevicePointer", (void *)(uintptr_t)mem_host_get_device_pointer},
     {"cuMemcpyAsync", (void *)(uintptr_t)copy},
     {"cuMemcpyHtoDAsync", (void *)(uintptr_t)copy},
     {"cuMemcpyDtoHAsync", (void *)(uintptr_t)copy},

@@ -269,6 +269,102 @@ static void case_fake_device(void) {
   CHECK_ST(pm_finalize(), PM_OK);
 }
 
+/* Two pretend devices (STUB_CUDA_DEVICES=2): the cuda backend tells which device a stream
+ * belongs to (its context's), so a broadcast or a block-store swap whose stream is another
+ * device's than its memory's is refused before anything is queued, naming both devices. */
+static void case_two_devices(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("fake"), 1);
+  setenv("STUB_CUDA_DEVICES", "2", 1);
+  setenv("STUB_CUDA_HOST_REGISTER", "1", 1); /* the block store's arena is registered */
+  CHECK_ST(pm_init(), PM_OK);
+  CHECK_EQ_INT(pm_backend_kind(), PM_BACKEND_CUDA);
+  int n = 0;
+  CHECK_ST(pm_device_count(&n), PM_OK);
+  CHECK_EQ_INT(n, 2);
+  void *d[2] = {NULL, NULL};
+  pm_stream_t s[2] = {NULL, NULL};
+  for (int i = 0; i < 2; i++) {
+    CHECK_ST(pm_device_set(i), PM_OK);
+    CHECK_ST(pm_device_alloc(4096, &d[i]), PM_OK);
+    CHECK_ST(pm_stream_create(&s[i]), PM_OK);
+  }
+  CHECK_ST(pm_device_set(0), PM_OK);
+  if (!d[0] || !d[1] || !s[0] || !s[1]) return;
+  const pm__backend_t *b = pm__backend();
+  CHECK(b && b->stream_device);
+  if (b && b->stream_device) {
+    CHECK_EQ_INT(b->stream_device(s[0]), 0);
+    CHECK_EQ_INT(b->stream_device(s[1]), 1); /* another context than the current one */
+    /* NULL and the legacy and per-thread handles: the current device's default stream. */
+    CHECK_EQ_INT(b->stream_device(NULL), 0);
+    CHECK_EQ_INT(b->stream_device((pm_stream_t)1), 0);
+    CHECK_EQ_INT(b->stream_device((pm_stream_t)2), 0);
+    CHECK_ST(pm_device_set(1), PM_OK);
+    CHECK_EQ_INT(b->stream_device((pm_stream_t)2), 1);
+    CHECK_EQ_INT(b->stream_device(s[0]), 0);
+    CHECK_ST(pm_device_set(0), PM_OK);
+    /* The query left the thread's context as it was. */
+    int dev = -1;
+    CHECK_ST(pm_device_get(&dev), PM_OK);
+    CHECK_EQ_INT(dev, 0);
+  }
+  char *src = NULL;
+  CHECK_ST(pm_host_alloc(NULL, 4096, 0, (void **)&src), PM_OK);
+  if (!src) return;
+  pm_test_fill(src, 4096, 9);
+  /* Device 1's stream for device 0's memory: refused, naming both, nothing written. */
+  memset(d[0], 0, 4096);
+  int dev0 = 0;
+  pm_fence_t f[2] = {NULL, NULL};
+  CHECK_ST(pm_copy_broadcast_async(src, 4096, &d[0], &s[1], &dev0, 1, NULL, f), PM_ERR_INVALID);
+  CHECK_HAS(pm_last_error(), "streams[0] is a stream of device 1, but its copy goes to device 0");
+  CHECK(f[0] == NULL);
+  CHECK(((char *)d[0])[0] == 0 && ((char *)d[0])[4095] == 0);
+  /* Each destination's own stream, or the legacy handle (each device's default stream when its
+   * copy is queued): taken. */
+  int devs[2] = {0, 1};
+  pm_stream_t legacy[2] = {(pm_stream_t)1, (pm_stream_t)1};
+  for (int round = 0; round < 2; round++) {
+    CHECK_ST(pm_copy_broadcast_async(src, 4096, d, round ? legacy : s, devs, 2, NULL, f), PM_OK);
+    for (int i = 0; i < 2; i++)
+      if (f[i]) {
+        CHECK_ST(pm_fence_wait(f[i]), PM_OK);
+        CHECK_ST(pm_fence_release(f[i]), PM_OK);
+        CHECK(pm_test_fill_ok(d[i], 4096, 9));
+        memset(d[i], 0, 4096);
+        f[i] = NULL;
+      }
+  }
+  int dev = -1;
+  CHECK_ST(pm_device_get(&dev), PM_OK);
+  CHECK_EQ_INT(dev, 0);
+  /* A block store of device 0 swapping on device 1's stream: refused, naming both. */
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = 1024;
+  c.num_blocks = 4;
+  c.background = 0;
+  c.device = 0;
+  pm_blocks_t *store = NULL;
+  CHECK_ST(pm_blocks_create(&c, &store), PM_OK);
+  if (store) {
+    uint64_t host = 0, devb = 1;
+    CHECK_ST(pm_blocks_alloc(store, 1, &host), PM_OK);
+    pm_kv_region_t r = {d[0], 1024, 1024};
+    pm_kv_layout_t L = {1, &r, 4, -1};
+    CHECK_ST(pm_blocks_swap_out(store, &L, &devb, &host, 1, s[1], NULL), PM_ERR_INVALID);
+    CHECK_HAS(pm_last_error(), "is a stream of device 1, the store serves device 0");
+    CHECK_ST(pm_blocks_swap_out(store, &L, &devb, &host, 1, s[0], NULL), PM_OK);
+    CHECK_ST(pm_blocks_destroy(store), PM_OK);
+  }
+  CHECK_ST(pm_host_free(src), PM_OK);
+  for (int i = 0; i < 2; i++) {
+    CHECK_ST(pm_stream_destroy(s[i]), PM_OK);
+    CHECK_ST(pm_device_free(d[i]), PM_OK);
+  }
+  CHECK_ST(pm_finalize(), PM_OK);
+}
+
 /* fn in a forked child of the case's process; its failed checks fail the case. */
 static void in_fork(void (*fn)(void)) {
   int status = forked(fn);
@@ -438,6 +534,8 @@ int main(void) {
   unsetenv("PINMEM_DEVICE");
   unsetenv("STUB_CUDA_FAIL");
   unsetenv("CUDA_VISIBLE_DEVICES");
+  unsetenv("STUB_CUDA_DEVICES");
+  unsetenv("STUB_CUDA_HOST_REGISTER");
 #if defined(PINMEM_HAVE_CUDA)
   in_child("no driver library", case_missing);
   in_child("no driver library, PINMEM_DEVICE=1", case_missing_device_option);
@@ -451,6 +549,7 @@ int main(void) {
   for (refusal = 0; refusal < sizeof refusals / sizeof refusals[0]; refusal++)
     in_child(refusals[refusal].name, case_refusal);
   in_child("a pretend device", case_fake_device);
+  in_child("two pretend devices: streams of each", case_two_devices);
   in_child("threads starting pinmem at once", case_threads_start);
   in_child("fork after pm_finalize of the cuda backend", case_fork_after_finalize);
   in_child("fork while a context is being made", case_fork_during_context);

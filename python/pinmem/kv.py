@@ -69,8 +69,22 @@ def kv_device_tensor(shape, dtype):
     return raw.view(dtype).view(tuple(shape))
 
 
+def _memory_device(t):
+    """The device whose memory a tensor is: torch's index for a CUDA tensor; for a CPU tensor the
+    backend's answer (under the host backend a kv_device_tensor is simulated device memory that
+    torch sees on the CPU), -1 when it is no device's memory."""
+    if t.device.type == "cuda":
+        return _pm.current_device() if t.device.index is None else t.device.index
+    return _pinmem._memory_device(t.data_ptr())
+
+
+def _where(index):
+    return f"memory of device {index}" if index >= 0 else "not device memory"
+
+
 class _Spec:
-    """What the tensors of a store are: their number, dtype, shape, device and regions."""
+    """What the tensors of a store are: their number, dtype, shape, device and regions; `index`
+    is the device whose memory they are (-1: none's)."""
 
     def __init__(self, tensors, kv_stacked, what):
         torch = _torch()
@@ -98,6 +112,14 @@ class _Spec:
             if t.device != self.device:
                 _invalid(f"{name}: on {t.device}, but {what}[0] is on {self.device}: every KV "
                          "tensor of a store is on one device")
+            # torch names one device for every CPU tensor: the host backend's simulated devices
+            # are told apart by the memory itself.
+            index = _memory_device(t)
+            if i == 0:
+                self.index = index
+            elif index != self.index:
+                _invalid(f"{name}: {_where(index)}, but {what}[0] is {_where(self.index)}: every "
+                         "KV tensor of a store is on one device")
             if t.dim() < bdim + 2:
                 _invalid(f"{name}: shape {tuple(t.shape)}: want "
                          + ("[2, num_blocks, block_size, ...]" if kv_stacked
@@ -130,6 +152,8 @@ class _Spec:
             _invalid(f"{what}: dtype {other.dtype}, the store holds {self.dtype}")
         if other.device != self.device:
             _invalid(f"{what}: on {other.device}, the store serves {self.device}")
+        if other.index != self.index:
+            _invalid(f"{what}: {_where(other.index)}, the store serves device {self.index}")
         if (len(other.regions), other.block_bytes, other.block_shape) != \
                 (len(self.regions), self.block_bytes, self.block_shape):
             _invalid(f"{what}: {len(other.tensors)} tensors of blocks {other.block_shape} "
@@ -207,13 +231,13 @@ class KVBlockStore:
             if _pm.backend() != "cuda":
                 _invalid(f"kv_caches are on {self._spec.device}, but pinmem runs on the "
                          f"{_pm.backend()} backend")
-            index = self._spec.device.index
-            self._device = _pm.current_device() if index is None else index
-        else:
-            if _pm.backend() == "cuda":
-                _invalid(f"kv_caches are on {self._spec.device}: the store moves blocks between "
-                         "a GPU and pinned memory (CPU tensors are host memory already)")
-            self._device = -1
+        elif _pm.backend() == "cuda":
+            _invalid(f"kv_caches are on {self._spec.device}: the store moves blocks between "
+                     "a GPU and pinned memory (CPU tensors are host memory already)")
+        # The tensors' device, not the calling thread's: the store's swaps, its NUMA node and
+        # its default stream are that device's. -1 (not device memory: the first swap refuses
+        # it, naming the region) leaves the choice to the current device.
+        self._device = self._spec.index
         self._store = _pinmem._BlockStore(
             self._spec.block_bytes, _count(num_blocks, "num_blocks", 1),
             _count(chunk_bytes, "chunk_bytes"), self._device, bool(background),

@@ -234,6 +234,18 @@ static PyObject *py_pointer_info(PyObject *mod, PyObject *arg) {
       info.in_use ? Py_True : Py_False);
 }
 
+/* _memory_device(addr) -> the device whose memory addr is (the backend's pointer_device), or -1:
+ * host or managed memory, an address the backend does not know, a backend that cannot tell.
+ * pm_pointer_info_t has no device; KVBlockStore asks this of tensors torch sees on the CPU (the
+ * host backend's simulated device memory, from kv_device_tensor). */
+static PyObject *py_memory_device(PyObject *mod, PyObject *arg) {
+  uintptr_t v;
+  if (pmpy_parse_address(arg, &v) < 0) return NULL;
+  const pm__backend_t *b = pm__backend();
+  if (!b) return pmpy_raise_status(pm__backend_failed());
+  return PyLong_FromLong(b->pointer_device ? b->pointer_device((const void *)v) : -1);
+}
+
 static PyObject *py_init(PyObject *mod, PyObject *unused) {
   pm_status_t st;
   Py_BEGIN_ALLOW_THREADS st = pm_init();
@@ -441,6 +453,8 @@ PyMethodDef pmpy_pool_functions[] = {
      "_numa_worker_cpus(device) -> sorted CPU ids for a loader worker process, or None"},
     {"_numa_test_override", py_numa_test_override, METH_VARARGS,
      "_numa_test_override(root, bus_ids): read NUMA topology under root (None: the real one)"},
+    {"_memory_device", py_memory_device, METH_O,
+     "_memory_device(addr) -> the device whose memory addr is, or -1"},
     {"_status_name", py_status_name, METH_O, NULL},
     {"_raise", py_raise_status, METH_VARARGS, NULL},
     {0}};

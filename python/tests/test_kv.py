@@ -309,3 +309,61 @@ def test_low_level_store_without_torch(rng):
     store.close()
     with pytest.raises(pinmem.StateError, match="closed"):
         store.alloc(1)
+
+
+# Under the host backend with two simulated devices: KV tensors made on device 1 are served by a
+# store of device 1 whatever the constructing thread's device, and tensors of two devices are
+# refused at once, naming both.
+ON_DEVICE_1 = r"""
+import torch, pinmem
+pinmem.set_device(1)
+caches = [pinmem.kv_device_tensor((6, 4, 8), torch.float32) for _ in range(2)]
+for i, t in enumerate(caches):
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + 1000 * i)
+ref = [t.clone() for t in caches]
+pinmem.set_device(0)
+with pinmem.KVBlockStore(caches, 4, background=False) as store:
+    host = store.alloc(2)
+    store.swap_out([3, 5], host).wait()
+    for t in caches:
+        t.zero_()
+    store.swap_in([1, 2], host).wait()
+    for t, r in zip(caches, ref):
+        assert torch.equal(t[1], r[3]) and torch.equal(t[2], r[5]), "blocks moved wrong"
+    assert pinmem.current_device() == 0
+    pinmem.set_device(0)
+    other = [pinmem.kv_device_tensor((6, 4, 8), torch.float32) for _ in range(2)]
+    try:
+        store.swap_out([0], host[:1], kv_caches=other)
+        print("taken: kv_caches of device 0")
+    except ValueError as e:
+        print("refused:", e)
+mixed = [pinmem.kv_device_tensor((6, 4, 8), torch.float32)]
+pinmem.set_device(1)
+mixed.append(pinmem.kv_device_tensor((6, 4, 8), torch.float32))
+try:
+    pinmem.KVBlockStore(mixed, 4)
+    print("taken: tensors of devices 0 and 1")
+except ValueError as e:
+    print("refused:", e)
+print("ok")
+"""
+
+
+def test_store_serves_the_tensors_device_and_refuses_two_devices():
+    skip_unless_torch()
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PINMEM_BACKEND="host", PINMEM_HOST_DEVICES="2")
+    env.pop("PINMEM_DEVICE", None)
+    r = subprocess.run([sys.executable, "-c", ON_DEVICE_1], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "ok", lines
+    assert lines[0].startswith("refused:") and \
+        "kv_caches: memory of device 0, the store serves device 1" in lines[0], lines
+    assert lines[1].startswith("refused:") and "kv_caches[1]: memory of device 1, but " \
+        "kv_caches[0] is memory of device 0: every KV tensor of a store is on one device" \
+        in lines[1], lines

@@ -87,10 +87,11 @@ typedef struct pm__backend {
    * memory, which any device may reach; host memory; an address the backend does not know).
    * Callers that launch on one device's stream check memory given to them with it. */
   int (*pointer_device)(const void *ptr);
-  /* Optional: the device a stream belongs to (NULL: the current device's default stream), else
-   * -1 (a stream the backend does not know). Callers that queue for one device check the
-   * streams given to them with it. (The host backend; the cuda backend leaves it NULL, and the
-   * driver refuses a launch or an event record on another device's stream when it is queued.) */
+  /* Optional: the device a stream belongs to, else -1 (a stream the backend cannot tell). NULL,
+   * and the cuda backend's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD handles, name the default
+   * stream of whichever device is current: the answer is the current device, so a caller checks
+   * them with the device it will queue on current. Callers that queue for one device check the
+   * streams given to them with it (pm__backend_stream_other_device). */
   int (*stream_device)(pm_stream_t stream);
 
   /* Optional (NULL where the backend has none): `count` copies, stream-ordered on `stream`, in
@@ -119,7 +120,9 @@ static inline int pm__backend_other_device(const pm__backend_t *b, const void *f
   return d0 >= 0 && d0 != device ? d0 : d1 >= 0 && d1 != device ? d1 : -1;
 }
 /* The device of `stream` when it is not `device`, else -1: the same device, NULL (the current
- * device's default stream), or a backend that cannot tell (no stream_device). */
+ * device's default stream), or a backend that cannot tell (no stream_device, or -1 from it).
+ * Called with `device` current, so the handles that name the current device's default stream
+ * answer `device`. */
 static inline int pm__backend_stream_other_device(const pm__backend_t *b, pm_stream_t stream,
                                                   int device) {
   int d = stream && b->stream_device ? b->stream_device(stream) : -1;

@@ -76,6 +76,8 @@ static struct {
   pm_cuCtxSetCurrent_t CtxSetCurrent;
   pm_cuCtxGetCurrent_t CtxGetCurrent;
   pm_cuCtxGetDevice_t CtxGetDevice;
+  pm_cuCtxPushCurrent_t CtxPushCurrent; /* optional, with CtxPopCurrent and StreamGetCtx */
+  pm_cuCtxPopCurrent_t CtxPopCurrent;
   pm_cuCtxSynchronize_t CtxSynchronize;
   pm_cuMemGetInfo_t MemGetInfo;
   pm_cuMemHostAlloc_t MemHostAlloc;
@@ -93,6 +95,7 @@ static struct {
   pm_cuStreamSynchronize_t StreamSynchronize;
   pm_cuStreamQuery_t StreamQuery;
   pm_cuStreamWaitEvent_t StreamWaitEvent;
+  pm_cuStreamGetCtx_t StreamGetCtx; /* optional */
   pm_cuEventCreate_t EventCreate;
   pm_cuEventDestroy_t EventDestroy;
   pm_cuEventRecord_t EventRecord;
@@ -135,6 +138,15 @@ static const entry_t entries[] = {
     E_CU(LaunchKernel, 4000),
     {"cuMemcpyBatchAsync", 12080, (void **)&drv.MemcpyBatchAsync, 1,
      "cuMemcpyBatchAsync (CUDA 12.8, driver r570): batched copies go one copy at a time"},
+    /* Every driver pinmem runs on has these three; optional all the same, as stream_device may
+     * answer "cannot tell" (a stream of another device is then refused by the driver as it is
+     * queued, part way, instead of by pinmem before anything is). */
+    {"cuStreamGetCtx", 9020, (void **)&drv.StreamGetCtx, 1,
+     "cuStreamGetCtx (CUDA 9.2): a stream of another device is refused part way"},
+    {"cuCtxPushCurrent", 4000, (void **)&drv.CtxPushCurrent, 1,
+     "cuCtxPushCurrent (CUDA 4.0): a stream of another device is refused part way"},
+    {"cuCtxPopCurrent", 4000, (void **)&drv.CtxPopCurrent, 1,
+     "cuCtxPopCurrent (CUDA 4.0): a stream of another device is refused part way"},
 };
 #undef E
 #undef E_CU
@@ -1336,6 +1348,36 @@ static int cuda_pointer_device(const void *ptr) {
   if (drv.PointerGetAttributes(3, attrs, data, dptr_of(ptr)) != PM_CUDA_SUCCESS) return -1;
   return type == PM_CU_MEMORYTYPE_DEVICE && !managed ? ordinal : -1;
 }
+/* The device of a stream: its context's. NULL and the handles CU_STREAM_LEGACY and
+ * CU_STREAM_PER_THREAD name the default stream of whichever context is current (they have no
+ * context of their own): the current device, as the host backend answers for NULL. -1 where the
+ * driver cannot tell (a handle it does not know, a green context's stream, a driver without the
+ * calls). Nothing is recorded in pm_last_error: "cannot tell" is an answer.
+ *
+ * cuStreamGetCtx and the context's device, not cuStreamGetDevice (CUDA 12.8): drivers refuse that
+ * one inside a stream capture (torch's CUDA graphs) on some versions, and the refusal invalidates
+ * the capture; a context lookup is accepted there. The context is pushed for cuCtxGetDevice (the
+ * only call before CUDA 13 that names a context's device) and popped at once, so the thread's
+ * own context stack is as it was. */
+static int cuda_stream_device(pm_stream_t stream) {
+  pmCUstream s = cu_stream(stream);
+  pmCUcontext cur = NULL, ctx = NULL;
+  pmCUdevice dev = -1;
+  if (drv.CtxGetCurrent(&cur) != PM_CUDA_SUCCESS) return -1;
+  if (!s || (uintptr_t)s == PM_CU_STREAM_LEGACY || (uintptr_t)s == PM_CU_STREAM_PER_THREAD) {
+    if (!cur) return 0; /* the device a thread without a context works on (current_device) */
+    return drv.CtxGetDevice(&dev) == PM_CUDA_SUCCESS ? (int)dev : -1;
+  }
+  if (!drv.StreamGetCtx || !drv.CtxPushCurrent || !drv.CtxPopCurrent) return -1;
+  if (drv.StreamGetCtx(s, &ctx) != PM_CUDA_SUCCESS || !ctx) return -1;
+  if (ctx == cur) return drv.CtxGetDevice(&dev) == PM_CUDA_SUCCESS ? (int)dev : -1;
+  if (drv.CtxPushCurrent(ctx) != PM_CUDA_SUCCESS) return -1;
+  pmCUresult e = drv.CtxGetDevice(&dev);
+  pmCUcontext popped = NULL;
+  (void)drv.CtxPopCurrent(&popped);
+  return e == PM_CUDA_SUCCESS ? (int)dev : -1;
+}
+
 const pm__backend_t pm__backend_cuda = {
     .name = "cuda",
     .kind = PM_BACKEND_CUDA,
@@ -1374,6 +1416,7 @@ const pm__backend_t pm__backend_cuda = {
     .launch_host_func = cuda_launch_host_func,
     .pointer_kind = cuda_pointer_kind,
     .pointer_device = cuda_pointer_device,
+    .stream_device = cuda_stream_device,
     .memcpy_batch_async = cuda_memcpy_batch_async,
     .launch_batch_copy = cuda_launch_batch_copy,
     .kernel_host_access = cuda_kernel_host_access,

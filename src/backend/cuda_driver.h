@@ -52,6 +52,9 @@ enum {
 
 /* ---- flags and attributes ------------------------------------------------------------------ */
 enum { PM_CU_STREAM_NON_BLOCKING = 0x1 };
+/* The handles CU_STREAM_LEGACY and CU_STREAM_PER_THREAD (cudaStreamLegacy, cudaStreamPerThread):
+ * the current context's default streams, as NULL is; cuda.h defines them as pointer casts. */
+enum { PM_CU_STREAM_LEGACY = 0x1, PM_CU_STREAM_PER_THREAD = 0x2 };
 enum { PM_CU_EVENT_DEFAULT = 0x0, PM_CU_EVENT_DISABLE_TIMING = 0x2 };
 enum { PM_CU_MEMHOSTALLOC_PORTABLE = 0x1, PM_CU_MEMHOSTALLOC_DEVICEMAP = 0x2,
        PM_CU_MEMHOSTALLOC_WRITECOMBINED = 0x4 };
@@ -133,6 +136,8 @@ typedef pmCUresult (*pm_cuDevicePrimaryCtxRetain_t)(pmCUcontext *ctx, pmCUdevice
 typedef pmCUresult (*pm_cuCtxSetCurrent_t)(pmCUcontext ctx);                  /* 4000 */
 typedef pmCUresult (*pm_cuCtxGetCurrent_t)(pmCUcontext *ctx);                 /* 4000 */
 typedef pmCUresult (*pm_cuCtxGetDevice_t)(pmCUdevice *dev);                   /* 2000 */
+typedef pmCUresult (*pm_cuCtxPushCurrent_t)(pmCUcontext ctx);             /* 4000 (_v2) */
+typedef pmCUresult (*pm_cuCtxPopCurrent_t)(pmCUcontext *ctx);             /* 4000 (_v2) */
 typedef pmCUresult (*pm_cuCtxSynchronize_t)(void);                            /* 2000 */
 typedef pmCUresult (*pm_cuMemGetInfo_t)(size_t *free_b, size_t *total_b);     /* 3020 (_v2) */
 typedef pmCUresult (*pm_cuMemHostAlloc_t)(void **p, size_t bytes, unsigned int flags); /* 2020 */
@@ -153,6 +158,7 @@ typedef pmCUresult (*pm_cuStreamCreate_t)(pmCUstream *s, unsigned int flags); /*
 typedef pmCUresult (*pm_cuStreamDestroy_t)(pmCUstream s);                     /* 4000 (_v2) */
 typedef pmCUresult (*pm_cuStreamSynchronize_t)(pmCUstream s);                 /* 2000 */
 typedef pmCUresult (*pm_cuStreamQuery_t)(pmCUstream s);                       /* 2000 */
+typedef pmCUresult (*pm_cuStreamGetCtx_t)(pmCUstream s, pmCUcontext *ctx);    /* 9020 */
 typedef pmCUresult (*pm_cuStreamWaitEvent_t)(pmCUstream s, pmCUevent e, unsigned int f); /* 3020 */
 typedef pmCUresult (*pm_cuEventCreate_t)(pmCUevent *e, unsigned int flags);   /* 2000 */
 typedef pmCUresult (*pm_cuEventDestroy_t)(pmCUevent e);                       /* 4000 (_v2) */

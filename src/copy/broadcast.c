@@ -65,7 +65,11 @@ static pm_status_t check_args(const char *fn, const pm__backend_t *b, const void
     if (!dsts[i]) return pm__set_error(PM_ERR_INVALID, "%s: dsts[%d] is NULL", fn, i);
     /* A stream of another device would get this destination's DMA and events with its device
      * current: the driver refuses the event record part way, after other DMAs were queued.
-     * NULL is devices[i]'s default stream (queued with it current). */
+     * NULL is devices[i]'s default stream (queued with it current). Asked with devices[i]
+     * current, as it will be at the queueing: a handle that names the current device's default
+     * stream (cuda's legacy and per-thread handles) is devices[i]'s then. The caller's device
+     * is restored at the end of the call, as after the queueing. */
+    if (streams[i]) enter(c->dev[i]);
     int sdev = pm__backend_stream_other_device(b, streams[i], c->dev[i]);
     if (sdev >= 0)
       return pm__set_error(PM_ERR_INVALID,
