@@ -16,7 +16,8 @@
  *
  * Threads. Everything runs under the GIL except pinmem calls that may block or take long
  * (pinning, unpinning, waits, staged copies, stream destruction), which release it; whatever
- * they touch is kept alive by references taken before. DLPack deleters may run on any thread and
+ * they touch is kept alive by references taken before, and a pinmem.Stream argument also by a
+ * use that defers its close() (pmpy_stream_take). DLPack deleters may run on any thread and
  * take the GIL. A fence is released only by the last thread that waited on it (Completion.busy).
  *
  * Files, in the order of the layers (each uses only those above it):
@@ -98,7 +99,11 @@ const pmpy_dtype_t *pmpy_parse_dtype(PyObject *o);
 /* ---- streams.c ---------------------------------------------------------------------------- */
 
 extern PyTypeObject pmpy_StreamType;
-int pmpy_parse_stream(PyObject *o, pm_stream_t *out);
+/* A stream argument, held for the call (a pinmem.Stream cannot be destroyed under it): each
+ * successful take is paired with a drop of the same object after the last use of the handle,
+ * also on the error paths. */
+int pmpy_stream_take(PyObject *o, pm_stream_t *out);
+void pmpy_stream_drop(PyObject *o);
 
 /* ---- buffers.c ---------------------------------------------------------------------------- */
 

@@ -46,10 +46,11 @@ static PyObject *BlocksEvent_query(BlocksEventObject *self, PyObject *unused) {
 
 static PyObject *BlocksEvent_wait_stream(BlocksEventObject *self, PyObject *arg) {
   pm_stream_t s;
-  if (pmpy_parse_stream(arg, &s) < 0) return NULL;
+  if (pmpy_stream_take(arg, &s) < 0) return NULL;
   pm_status_t st = pm_stream_wait_event(s, self->event);
-  if (st != PM_OK) return pmpy_raise_status(st);
-  Py_RETURN_NONE;
+  PyObject *result = st == PM_OK ? Py_NewRef(Py_None) : pmpy_raise_status(st);
+  pmpy_stream_drop(arg);
+  return result;
 }
 
 static PyMethodDef BlocksEvent_methods[] = {
@@ -212,41 +213,39 @@ static PyObject *BlockStore_swap(BlockStoreObject *self, PyObject *args) {
     return NULL;
   if (store_live(self) < 0) return NULL;
   pm_stream_t stream;
-  if (pmpy_parse_stream(stream_obj, &stream) < 0) return NULL;
+  if (pmpy_stream_take(stream_obj, &stream) < 0) return NULL;
+  PyObject *result = NULL;
+  pm_kv_region_t *r = NULL;
+  int views = 0;
+  Py_buffer dv, hv;
   PyObject *seq = pmpy_fast_tuple(regions, "regions must be a sequence of (base, stride, bytes)");
-  if (!seq) return NULL;
+  if (!seq) goto done;
   Py_ssize_t nr = PySequence_Fast_GET_SIZE(seq);
   if (nr < 1 || nr > PM_KV_MAX_REGIONS) {
     Py_DECREF(seq);
-    return pmpy_raise_fmt(PM_ERR_INVALID, "swap: %zd regions (1..%d)", nr, PM_KV_MAX_REGIONS);
+    pmpy_raise_fmt(PM_ERR_INVALID, "swap: %zd regions (1..%d)", nr, PM_KV_MAX_REGIONS);
+    goto done;
   }
-  pm_kv_region_t *r = PyMem_Calloc((size_t)nr, sizeof *r);
+  r = PyMem_Calloc((size_t)nr, sizeof *r);
   if (!r) {
     Py_DECREF(seq);
-    return PyErr_NoMemory();
+    PyErr_NoMemory();
+    goto done;
   }
   for (Py_ssize_t i = 0; i < nr; i++) {
     unsigned long long base, stride, bytes;
     if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKK;a region is (base, stride, bytes)",
                           &base, &stride, &bytes)) {
-      PyMem_Free(r);
       Py_DECREF(seq);
-      return NULL;
+      goto done;
     }
     r[i] = (pm_kv_region_t){(void *)(uintptr_t)base, (size_t)stride, (size_t)bytes};
   }
   Py_DECREF(seq);
-  Py_buffer dv, hv;
-  if (get_ids(dev_obj, &dv, "device_ids") < 0) {
-    PyMem_Free(r);
-    return NULL;
-  }
-  if (get_ids(host_obj, &hv, "host_ids") < 0) {
-    PyBuffer_Release(&dv);
-    PyMem_Free(r);
-    return NULL;
-  }
-  PyObject *result = NULL;
+  if (get_ids(dev_obj, &dv, "device_ids") < 0) goto done;
+  views = 1;
+  if (get_ids(host_obj, &hv, "host_ids") < 0) goto done;
+  views = 2;
   if (dv.len != hv.len) {
     pmpy_raise_fmt(PM_ERR_INVALID, "swap: %zd device ids but %zd host ids", dv.len / 8,
                    hv.len / 8);
@@ -271,9 +270,10 @@ static PyObject *BlockStore_swap(BlockStoreObject *self, PyObject *args) {
   }
   result = (PyObject *)ev;
 done:
-  PyBuffer_Release(&dv);
-  PyBuffer_Release(&hv);
+  if (views > 1) PyBuffer_Release(&hv);
+  if (views > 0) PyBuffer_Release(&dv);
   PyMem_Free(r);
+  pmpy_stream_drop(stream_obj);
   return result;
 }
 

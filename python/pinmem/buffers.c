@@ -554,11 +554,19 @@ static PyObject *DeviceBuffer_fill(BufferObject *self, PyObject *args, PyObject 
   int value = (int)v;
   if (pmpy_buffer_check_live(self) < 0) return NULL;
   pm_stream_t stream;
-  if (pmpy_parse_stream(stream_obj, &stream) < 0) return NULL;
-  if (self->nbytes == 0) Py_RETURN_NONE;
-  pm_status_t st = pm_device_memset_async(self->ptr, value, self->nbytes, stream);
-  if (st != PM_OK) return pmpy_raise_status(st);
-  if (pmpy_buffer_record_write(self, stream) < 0) return NULL;
+  if (pmpy_stream_take(stream_obj, &stream) < 0) return NULL;
+  int rc = 0;
+  if (self->nbytes) {
+    pm_status_t st = pm_device_memset_async(self->ptr, value, self->nbytes, stream);
+    if (st != PM_OK) {
+      pmpy_raise_status(st);
+      rc = -1;
+    } else {
+      rc = pmpy_buffer_record_write(self, stream);
+    }
+  }
+  pmpy_stream_drop(stream_obj);
+  if (rc < 0) return NULL;
   Py_RETURN_NONE;
 }
 

@@ -306,7 +306,8 @@ void pmpy_holder_release(pmpy_holder_t *h) {
 typedef struct {
   PyObject_HEAD pm_fence_t fence; /* NULL once released */
   holder_t hold[2];
-  PyObject *stream_obj; /* a pinmem.Stream the copy runs on, kept open */
+  PyObject *stream_obj; /* a pinmem.Stream the copy runs on, kept from collection; close()
+                         * may still destroy it: the fence does not need it */
   int busy;             /* threads inside pm_fence_wait */
   int finished;
   pm_status_t result;
@@ -452,14 +453,16 @@ static PyObject *Completion_done(CompletionObject *self, PyObject *unused) {
 
 static PyObject *Completion_wait_stream(CompletionObject *self, PyObject *arg) {
   pm_stream_t s;
-  if (pmpy_parse_stream(arg, &s) < 0) return NULL;
-  if (self->finished) {
-    if (self->result != PM_OK) return completion_raise(self);
-    Py_RETURN_NONE; /* complete: nothing to wait for */
+  if (pmpy_stream_take(arg, &s) < 0) return NULL;
+  PyObject *result;
+  if (self->finished) { /* complete: nothing to wait for */
+    result = self->result != PM_OK ? completion_raise(self) : Py_NewRef(Py_None);
+  } else {
+    pm_status_t st = pm_fence_stream_wait(self->fence, s);
+    result = st == PM_OK ? Py_NewRef(Py_None) : pmpy_raise_status(st);
   }
-  pm_status_t st = pm_fence_stream_wait(self->fence, s);
-  if (st != PM_OK) return pmpy_raise_status(st);
-  Py_RETURN_NONE;
+  pmpy_stream_drop(arg);
+  return result;
 }
 
 static PyObject *Completion_get_path(CompletionObject *self, void *unused) {
@@ -526,16 +529,11 @@ static int parse_path(PyObject *o, pm_copy_path_t *out) {
   return -1;
 }
 
-static PyObject *py_copy(PyObject *mod, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"dst", "src", "stream", "nbytes", "path", NULL};
-  PyObject *dst, *src, *stream_obj = Py_None, *nbytes_obj = Py_None, *path_obj = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O$OO:copy", kwlist, &dst, &src, &stream_obj,
-                                   &nbytes_obj, &path_obj))
-    return NULL;
-  pmpy_pending_sweep(0);
-  pm_stream_t stream;
+/* copy's body; the caller holds the stream (pmpy_stream_take) around it. */
+static PyObject *copy_on(PyObject *dst, PyObject *src, PyObject *stream_obj, pm_stream_t stream,
+                         PyObject *nbytes_obj, PyObject *path_obj) {
   pm_copy_path_t path;
-  if (pmpy_parse_stream(stream_obj, &stream) < 0 || parse_path(path_obj, &path) < 0) return NULL;
+  if (parse_path(path_obj, &path) < 0) return NULL;
   CompletionObject *c = PyObject_GC_New(CompletionObject, &pmpy_CompletionType);
   if (!c) return NULL;
   c->fence = NULL;
@@ -596,8 +594,22 @@ fail:
   return NULL;
 }
 
+static PyObject *py_copy(PyObject *mod, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"dst", "src", "stream", "nbytes", "path", NULL};
+  PyObject *dst, *src, *stream_obj = Py_None, *nbytes_obj = Py_None, *path_obj = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O$OO:copy", kwlist, &dst, &src, &stream_obj,
+                                   &nbytes_obj, &path_obj))
+    return NULL;
+  pmpy_pending_sweep(0);
+  pm_stream_t stream;
+  if (pmpy_stream_take(stream_obj, &stream) < 0) return NULL;
+  PyObject *c = copy_on(dst, src, stream_obj, stream, nbytes_obj, path_obj);
+  pmpy_stream_drop(stream_obj);
+  return c;
+}
+
 /* A Completion for work another file queued (files.c): it takes over the fence and the holder
- * (*hold is emptied) and keeps a pinmem.Stream argument open, as copy's does. */
+ * (*hold is emptied) and keeps a pinmem.Stream argument from collection, as copy's does. */
 PyObject *pmpy_completion_new(pm_fence_t fence, pmpy_holder_t *hold, PyObject *stream_obj) {
   CompletionObject *c = PyObject_GC_New(CompletionObject, &pmpy_CompletionType);
   if (!c) { /* nothing may hold the memory now: let the work finish first */

@@ -123,16 +123,18 @@ static void Lease_dealloc(LeaseObject *self) {
     PyErr_Fetch(&et, &ev, &tb);
     /* The release goes on the consumer's stream (it waited for the copy), else the loader's. */
     pm_stream_t s = NULL;
+    PyObject *taken = NULL; /* the loader's stream, when taken here */
     int have = 0;
     uintptr_t v = self->release_stream;
     if (self->has_release_stream && v && v != (uintptr_t)-1 &&
         (pmpy_is_cuda_backend() || v > 2)) {
       s = (pm_stream_t)v;
       have = 1;
-    } else if (pmpy_parse_stream(c->stream_obj, &s) == 0) {
+    } else if (pmpy_stream_take(c->stream_obj, &s) == 0) {
+      taken = c->stream_obj;
       have = 1;
     } else {
-      PyErr_Clear(); /* the stream was closed, which waited for all of its work */
+      PyErr_Clear(); /* closed: its destroy waits for all of its work */
     }
     pm_status_t st = PM_OK;
     self->block.release_recorded = 0;
@@ -146,6 +148,7 @@ static void Lease_dealloc(LeaseObject *self) {
         Py_BEGIN_ALLOW_THREADS(void) pm_stream_synchronize(s);
         Py_END_ALLOW_THREADS
       }
+      pmpy_stream_drop(taken);
     }
     c->leased--;
     int kept = 0;
@@ -303,10 +306,8 @@ static void drain(pm_stream_t stream) {
   Py_END_ALLOW_THREADS PyErr_Restore(et, ev, tb);
 }
 
-static PyObject *DevCache_batch(DevCacheObject *self, PyObject *srcs) {
-  if (self->closed) return pmpy_raise_fmt(PM_ERR_STATE, "the loader's device memory was freed");
-  pm_stream_t stream;
-  if (pmpy_parse_stream(self->stream_obj, &stream) < 0) return NULL;
+/* batch's body; the caller holds the stream (pmpy_stream_take) around it. */
+static PyObject *devcache_batch_on(DevCacheObject *self, PyObject *srcs, pm_stream_t stream) {
   /* Batches whose copies completed (and that nobody holds) go back first: their pinned
    * sources to the pool, their blocks to the free list. */
   pmpy_pending_sweep(0);
@@ -416,6 +417,17 @@ fail:
   PyMem_Free(offs);
   Py_XDECREF(keep);
   return NULL;
+}
+
+static PyObject *DevCache_batch(DevCacheObject *self, PyObject *srcs) {
+  if (self->closed) return pmpy_raise_fmt(PM_ERR_STATE, "the loader's device memory was freed");
+  /* The take holds a reference: `so` stays valid whatever the body does to self. */
+  PyObject *so = self->stream_obj;
+  pm_stream_t stream;
+  if (pmpy_stream_take(so, &stream) < 0) return NULL;
+  PyObject *out = devcache_batch_on(self, srcs, stream);
+  pmpy_stream_drop(so);
+  return out;
 }
 
 static PyObject *DevCache_close(DevCacheObject *self, PyObject *unused) {

@@ -259,15 +259,22 @@ static PyObject *py_buffer_reuse(PyObject *mod, PyObject *args) {
     return NULL;
   BufferObject *b = (BufferObject *)base_obj;
   pm_stream_t s;
-  if (pmpy_parse_stream(stream_obj, &s) < 0) return NULL;
-  if (b->released || b->exports || b->reuse_unsafe || b->kind != BUF_DEVICE) Py_RETURN_FALSE;
-  if (b->views_gone_recorded) {
-    pm_status_t st = pm_stream_wait_event(s, b->views_gone);
-    if (st != PM_OK) return pmpy_raise_status(st);
-    b->views_gone_recorded = 0;
-    b->views_gone_stream = 0;
+  if (pmpy_stream_take(stream_obj, &s) < 0) return NULL;
+  PyObject *result = Py_False;
+  if (!(b->released || b->exports || b->reuse_unsafe || b->kind != BUF_DEVICE)) {
+    result = Py_True;
+    if (b->views_gone_recorded) {
+      pm_status_t st = pm_stream_wait_event(s, b->views_gone);
+      if (st != PM_OK) {
+        result = pmpy_raise_status(st);
+      } else {
+        b->views_gone_recorded = 0;
+        b->views_gone_stream = 0;
+      }
+    }
   }
-  Py_RETURN_TRUE;
+  pmpy_stream_drop(stream_obj);
+  return Py_XNewRef(result);
 }
 
 /* _buffer_view(base, offset, shape, dtype): a Buffer over bytes [offset, offset + nbytes) of

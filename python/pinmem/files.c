@@ -90,20 +90,18 @@ static int cut_to_written(int fd, uint64_t offset, size_t n, off_t old_size, int
 }
 
 /* The shared body: resolve the memory, check nbytes against it, run the C call without the GIL,
- * hand back a Completion that holds the memory. */
+ * hand back a Completion that holds the memory. The caller holds the stream (pmpy_stream_take)
+ * around it. */
 static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject *nbytes_obj,
-                               PyObject *mem, PyObject *stream_obj, PyObject *io_obj, int fsync,
-                               int truncate) {
+                               PyObject *mem, PyObject *stream_obj, pm_stream_t stream,
+                               PyObject *io_obj, int fsync, int truncate) {
   const char *fn = write ? "write_file" : "read_file";
   const char *what = write ? "write_file: src" : "read_file: dst";
   pmpy_pending_sweep(0);
   if (fd < 0) return pmpy_raise_fmt(PM_ERR_INVALID, "%s: fd %d is not a file descriptor", fn, fd);
   uint64_t offset;
-  pm_stream_t stream;
   pm_file_io_t io;
-  if (parse_offset(offset_obj, fn, &offset) < 0 || pmpy_parse_stream(stream_obj, &stream) < 0 ||
-      parse_io(io_obj, fn, &io) < 0)
-    return NULL;
+  if (parse_offset(offset_obj, fn, &offset) < 0 || parse_io(io_obj, fn, &io) < 0) return NULL;
   pmpy_holder_t h;
   void *ptr;
   size_t have, n;
@@ -185,7 +183,11 @@ static PyObject *py_file_read(PyObject *mod, PyObject *args) {
   PyObject *offset, *nbytes, *dst, *stream, *io;
   if (!PyArg_ParseTuple(args, "iOOOOO:_file_read", &fd, &offset, &nbytes, &dst, &stream, &io))
     return NULL;
-  return file_transfer(0, fd, offset, nbytes, dst, stream, io, 0, 0);
+  pm_stream_t s;
+  if (pmpy_stream_take(stream, &s) < 0) return NULL;
+  PyObject *r = file_transfer(0, fd, offset, nbytes, dst, stream, s, io, 0, 0);
+  pmpy_stream_drop(stream);
+  return r;
 }
 
 static PyObject *py_file_write(PyObject *mod, PyObject *args) {
@@ -194,22 +196,25 @@ static PyObject *py_file_write(PyObject *mod, PyObject *args) {
   if (!PyArg_ParseTuple(args, "iOOOOOp|p:_file_write", &fd, &offset, &nbytes, &src, &stream, &io,
                         &fsync, &truncate))
     return NULL;
-  return file_transfer(1, fd, offset, nbytes, src, stream, io, fsync, truncate);
+  pm_stream_t s;
+  if (pmpy_stream_take(stream, &s) < 0) return NULL;
+  PyObject *r = file_transfer(1, fd, offset, nbytes, src, stream, s, io, fsync, truncate);
+  pmpy_stream_drop(stream);
+  return r;
 }
 
 /* The list calls: ranges is a sequence of (offset, obj) or (offset, obj, nbytes); every obj is
  * resolved (and held) first, the C call runs without the GIL, and for device memory the call
  * waits for its DMAs before the holders let go: the list's objects are many, a Completion holds
- * two, so these calls return once every byte is in place. */
-static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, PyObject *stream_obj,
+ * two, so these calls return once every byte is in place. The caller holds the stream. */
+static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, pm_stream_t stream,
                                     PyObject *io_obj, int fsync, int threads,
                                     PyObject *chunk_obj) {
   const char *fn = write ? "write_ranges" : "read_ranges";
   pmpy_pending_sweep(0);
   if (fd < 0) return pmpy_raise_fmt(PM_ERR_INVALID, "%s: fd %d is not a file descriptor", fn, fd);
-  pm_stream_t stream;
   pm_file_io_t io;
-  if (pmpy_parse_stream(stream_obj, &stream) < 0 || parse_io(io_obj, fn, &io) < 0) return NULL;
+  if (parse_io(io_obj, fn, &io) < 0) return NULL;
   if (threads < 0 || threads > 256)
     return pmpy_raise_fmt(PM_ERR_INVALID, "%s: threads must be 0 (the default) to 256, not %d",
                           fn, threads);
@@ -310,7 +315,11 @@ static PyObject *py_file_readv(PyObject *mod, PyObject *args) {
   if (!PyArg_ParseTuple(args, "iOOO|iO:_file_readv", &fd, &ranges, &stream, &io, &threads,
                         &chunk))
     return NULL;
-  return file_transfer_list(0, fd, ranges, stream, io, 0, threads, chunk);
+  pm_stream_t s;
+  if (pmpy_stream_take(stream, &s) < 0) return NULL;
+  PyObject *r = file_transfer_list(0, fd, ranges, s, io, 0, threads, chunk);
+  pmpy_stream_drop(stream);
+  return r;
 }
 
 static PyObject *py_file_writev(PyObject *mod, PyObject *args) {
@@ -319,7 +328,11 @@ static PyObject *py_file_writev(PyObject *mod, PyObject *args) {
   if (!PyArg_ParseTuple(args, "iOOOp|iO:_file_writev", &fd, &ranges, &stream, &io, &fsync,
                         &threads, &chunk))
     return NULL;
-  return file_transfer_list(1, fd, ranges, stream, io, fsync, threads, chunk);
+  pm_stream_t s;
+  if (pmpy_stream_take(stream, &s) < 0) return NULL;
+  PyObject *r = file_transfer_list(1, fd, ranges, s, io, fsync, threads, chunk);
+  pmpy_stream_drop(stream);
+  return r;
 }
 
 /* _raise(code, detail): raise the exception of a status as the extension itself does (str(e),

@@ -3,6 +3,17 @@
  * once, waiting for its queued work; and the parser every stream argument goes through: None, a
  * pinmem.Stream, an int handle, or torch's and CuPy's stream objects. For the tests, a gate: a
  * host function that holds a stream until the test opens it (_stream_gate, below).
+ *
+ * Closing under a running call. Every call that takes a stream argument holds it from the parse
+ * to its return (pmpy_stream_take .. pmpy_stream_drop), also while it runs with the GIL released:
+ * a use (`uses`, counted under the GIL) and a strong reference, so the object cannot be collected
+ * meanwhile either. close() marks the stream closed at once, so every later call is refused
+ * (StateError "the pinmem.Stream is closed"), and destroys it only when no call holds it;
+ * otherwise the last call to drop it destroys it, as it returns. close() never waits for another
+ * thread's call: it may run on a thread that holds the GIL that call needs to finish, or inside a
+ * callback of that very call (a __dlpack__ or __index__ the call runs), and waiting there would
+ * deadlock. Handles taken out as ints (Stream.ptr, refused once closed) are not counted: whoever
+ * passes one answers for its lifetime, as with torch's and CuPy's streams.
  */
 #include "_pinmem.h"
 
@@ -13,15 +24,32 @@
 
 typedef struct {
   PyObject_HEAD pm_stream_t stream;
-  int live;
+  int live;        /* not closed: calls may take it */
+  int destroyed;   /* pm_stream_destroy was called (by close, the last drop or dealloc) */
+  Py_ssize_t uses; /* calls holding it (pmpy_stream_take); under the GIL */
 } StreamObject;
+
+static PyObject *stream_closed_error(void) {
+  return pmpy_raise_fmt(PM_ERR_STATE, "the pinmem.Stream is closed");
+}
+
+/* Destroy the handle (once), waiting for its queued work with the GIL released. */
+static pm_status_t stream_destroy(StreamObject *self) {
+  if (self->destroyed) return PM_OK;
+  self->destroyed = 1;
+  pm_status_t st;
+  pm_stream_t s = self->stream;
+  Py_BEGIN_ALLOW_THREADS st = pm_stream_destroy(s);
+  Py_END_ALLOW_THREADS return st;
+}
 
 /* A stream argument: None (the default stream), a pinmem.Stream, an int handle (a cudaStream_t
  * under the cuda backend), or an object with .cuda_stream (torch.cuda.Stream) or .ptr (CuPy).
  * DLPack's 1 (legacy default) and 2 (per-thread default) stay themselves under the cuda backend,
  * where they are cudaStreamLegacy and cudaStreamPerThread; under the host backend they and 0 mean
- * the default stream. */
-int pmpy_parse_stream(PyObject *o, pm_stream_t *out) {
+ * the default stream. A pinmem.Stream is taken for the call: every successful take is paired
+ * with one pmpy_stream_drop(o) of the same object, after the last use of *out. */
+int pmpy_stream_take(PyObject *o, pm_stream_t *out) {
   if (o == NULL || o == Py_None) {
     *out = NULL;
     return 0;
@@ -29,9 +57,11 @@ int pmpy_parse_stream(PyObject *o, pm_stream_t *out) {
   if (PyObject_TypeCheck(o, &pmpy_StreamType)) {
     StreamObject *s = (StreamObject *)o;
     if (!s->live) {
-      pmpy_raise_fmt(PM_ERR_STATE, "the pinmem.Stream was closed");
+      stream_closed_error();
       return -1;
     }
+    s->uses++;
+    Py_INCREF(o);
     *out = s->stream;
     return 0;
   }
@@ -61,59 +91,88 @@ int pmpy_parse_stream(PyObject *o, pm_stream_t *out) {
   return 0;
 }
 
+/* The end of a call's pmpy_stream_take(o): a stream closed meanwhile is destroyed by the last
+ * call to let it go (waiting for its queued work, the GIL released). A failure of that destroy
+ * has nobody to tell but the warnings: the call itself did what it was asked. Leaves a raised
+ * exception as it was. */
+void pmpy_stream_drop(PyObject *o) {
+  if (o == NULL || !PyObject_TypeCheck(o, &pmpy_StreamType)) return;
+  StreamObject *s = (StreamObject *)o;
+  if (--s->uses == 0 && !s->live && !s->destroyed) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    pm_status_t st = stream_destroy(s);
+    if (st != PM_OK && PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                        "pinmem: destroying a closed pinmem.Stream failed: %s: %s",
+                                        pm_status_name(st), pm_last_error()) < 0)
+      PyErr_WriteUnraisable(o);
+    PyErr_Restore(et, ev, tb);
+  }
+  Py_DECREF(o);
+}
+
 static PyObject *Stream_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {NULL};
   if (!PyArg_ParseTupleAndKeywords(args, kw, ":Stream", kwlist)) return NULL;
   StreamObject *self = (StreamObject *)type->tp_alloc(type, 0);
   if (!self) return NULL;
+  self->destroyed = 1; /* until there is a handle */
   pm_status_t st;
   Py_BEGIN_ALLOW_THREADS st = pm_stream_create(&self->stream);
   Py_END_ALLOW_THREADS if (st != PM_OK) {
     Py_DECREF(self);
     return pmpy_raise_status(st);
   }
+  self->destroyed = 0;
   self->live = 1;
   return (PyObject *)self;
 }
 
-static pm_status_t stream_close(StreamObject *self) {
-  if (!self->live) return PM_OK;
-  self->live = 0;
-  pm_status_t st;
-  pm_stream_t s = self->stream;
-  Py_BEGIN_ALLOW_THREADS st = pm_stream_destroy(s);
-  Py_END_ALLOW_THREADS return st;
-}
-
+/* No call holds the object here: each holds a reference (pmpy_stream_take). */
 static void Stream_dealloc(StreamObject *self) {
-  (void)stream_close(self);
+  self->live = 0;
+  (void)stream_destroy(self);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Closed at once for new calls; destroyed now, or by the last call still holding it. */
 static PyObject *Stream_close(StreamObject *self, PyObject *unused) {
-  pm_status_t st = stream_close(self);
+  if (!self->live) Py_RETURN_NONE;
+  self->live = 0;
+  if (self->uses > 0) Py_RETURN_NONE;
+  pm_status_t st = stream_destroy(self);
   if (st != PM_OK) return pmpy_raise_status(st);
   Py_RETURN_NONE;
 }
 
 static PyObject *Stream_synchronize(StreamObject *self, PyObject *unused) {
-  if (!self->live) return pmpy_raise_fmt(PM_ERR_STATE, "the pinmem.Stream was closed");
+  pm_stream_t s;
+  if (pmpy_stream_take((PyObject *)self, &s) < 0) return NULL;
+  /* An error is raised before the drop, whose destroy would overwrite pm_last_error(). */
   pm_status_t st;
-  Py_BEGIN_ALLOW_THREADS st = pm_stream_synchronize(self->stream);
-  Py_END_ALLOW_THREADS if (st != PM_OK) return pmpy_raise_status(st);
-  Py_RETURN_NONE;
+  PyObject *result;
+  Py_BEGIN_ALLOW_THREADS st = pm_stream_synchronize(s);
+  Py_END_ALLOW_THREADS result = st == PM_OK ? Py_NewRef(Py_None) : pmpy_raise_status(st);
+  pmpy_stream_drop((PyObject *)self);
+  return result;
 }
 
 static PyObject *Stream_query(StreamObject *self, PyObject *unused) {
-  if (!self->live) return pmpy_raise_fmt(PM_ERR_STATE, "the pinmem.Stream was closed");
+  if (!self->live) return stream_closed_error();
   pm_status_t st = pm_stream_query(self->stream);
   if (st == PM_OK) Py_RETURN_TRUE;
   if (st == PM_NOT_READY) Py_RETURN_FALSE;
   return pmpy_raise_status(st);
 }
 
+/* Refused once closed: the handle may be destroyed, or be at any moment. */
 static PyObject *Stream_ptr(StreamObject *self, void *unused) {
+  if (!self->live) return stream_closed_error();
   return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)self->stream);
+}
+
+static PyObject *Stream_get_closed(StreamObject *self, void *unused) {
+  return PyBool_FromLong(!self->live);
 }
 
 static PyObject *Stream_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
@@ -126,7 +185,8 @@ static PyMethodDef Stream_methods[] = {
      "Block until all work queued on the stream is done."},
     {"query", (PyCFunction)Stream_query, METH_NOARGS, "True when all queued work is done."},
     {"close", (PyCFunction)Stream_close, METH_NOARGS,
-     "Wait for the queued work, then destroy the stream."},
+     "Refuse later calls; wait for the queued work, then destroy the stream. While calls on "
+     "other threads hold it, return at once: the last of them destroys it as it returns."},
     {"__enter__", (PyCFunction)Stream_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Stream_exit, METH_VARARGS, NULL},
     {0}};
@@ -134,6 +194,7 @@ static PyMethodDef Stream_methods[] = {
 static PyGetSetDef Stream_getset[] = {
     {"ptr", (getter)Stream_ptr, NULL, "The handle as an int (a cudaStream_t under cuda).", NULL},
     {"cuda_stream", (getter)Stream_ptr, NULL, "Same as ptr (torch.cuda.Stream's name).", NULL},
+    {"closed", (getter)Stream_get_closed, NULL, "True once close() was called.", NULL},
     {0}};
 
 PyTypeObject pmpy_StreamType = {
@@ -200,14 +261,18 @@ static PyObject *py_stream_gate(PyObject *mod, PyObject *args) {
   int hold = 1;
   if (!PyArg_ParseTuple(args, "O|p:_stream_gate", &so, &hold)) return NULL;
   pm_stream_t s;
-  if (pmpy_parse_stream(so, &s) < 0) return NULL;
+  if (pmpy_stream_take(so, &s) < 0) return NULL;
   gate_t *g = calloc(1, sizeof *g);
-  if (!g) return PyErr_NoMemory();
+  if (!g) {
+    pmpy_stream_drop(so);
+    return PyErr_NoMemory();
+  }
   pthread_mutex_init(&g->mu, NULL);
   pthread_cond_init(&g->cv, NULL);
   g->hold = hold;
   g->refs = 2; /* the host function and _gate_open */
   pm_status_t st = pm_launch_host_func(s, gate_fn, g);
+  pmpy_stream_drop(so);
   if (st != PM_OK) {
     g->refs = 1;
     gate_unref(g);
