@@ -862,6 +862,33 @@ class _Saves:
                 cls._flight.get(folder, {}).pop(tag, None)
 
 
+class _PerSave:
+    """A writer's attribute that each save sets up in its reset (the folder: checkpoint_id;
+    the save's id): read on the thread of a save, that save's value; elsewhere, and in a save
+    that set none, the last one set. async_save's thread executor runs each save on a thread
+    of its own, and a writer kept for every save (for its stager's buffer) may start the next
+    save, into another folder, while the last one still writes: an attribute of the writer
+    alone would send the earlier save's remaining files and its metadata to the later one's
+    folder."""
+
+    def __set_name__(self, owner, name):
+        self.name, self.shared = name, "_shared_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        mine = getattr(obj._tls, "per_save", None)
+        if mine is not None and self.name in mine:
+            return mine[self.name]
+        return obj.__dict__[self.shared]
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.shared] = value
+        mine = getattr(obj._tls, "per_save", None)
+        if mine is not None:
+            mine[self.name] = value
+
+
 class FileSystemWriter(_fs.FileSystemWriter):
     """torch.distributed.checkpoint's FileSystemWriter, writing through pinmem: same arguments,
     same files (torch's FileSystemReader reads them), plus
@@ -885,6 +912,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
                  overwrite=True, _extensions=None,
                  serialization_format=_fs.SerializationFormat.TORCH_SAVE, *, io="auto",
                  crc32=None, stage="auto"):
+        self._tls = _threading.local()  # the save in flight on this thread (_PerSave, finish)
         super().__init__(path, single_file_per_rank=single_file_per_rank,
                          sync_files=sync_files, thread_count=thread_count,
                          per_thread_copy_ahead=per_thread_copy_ahead,
@@ -897,7 +925,6 @@ class FileSystemWriter(_fs.FileSystemWriter):
         self._staged_on = None  # the thread of a stage() whose save has not started yet
         self._streams = {}  # device -> this writer's CUDA stream for its device-to-host copies
         self.phases = {}  # seconds of this rank's last write_data by phase
-        self._tls = _threading.local()  # the coordinator's save in flight on this thread
 
     def __getstate__(self):
         # async_save's process executor sends the writer to a process of its own. The stager
@@ -914,6 +941,15 @@ class FileSystemWriter(_fs.FileSystemWriter):
         self.__dict__.update(state)
         self._stager = PinnedStager(stage=mode)
         self._tls = _threading.local()
+
+    path = _PerSave()
+    save_id = _PerSave()
+
+    def reset(self, checkpoint_id=None):
+        # Every save begins here, on its own thread: its folder is the one checkpoint_id names,
+        # else the writer's (the last one set), and its id a new one (_PerSave).
+        self._tls.per_save = {}
+        super().reset(checkpoint_id)
 
     def _torch_path(self):
         return (self.serialization_format != _fs.SerializationFormat.TORCH_SAVE

@@ -2065,3 +2065,58 @@ def test_chunks_spans_and_pinned_sources(tmp_path, monkeypatch):
             assert ("plan" in r.phases) == (span >= (1 << 20)), r.phases
             if span < (1 << 20):
                 assert ("wait_disk" in r.phases) == (wanted < 1), r.phases  # spans or items
+
+
+def test_overlapping_saves_of_one_writer_into_two_folders(tmp_path):
+    """One writer kept for every save (as for its stager's buffer), each save naming its folder
+    (checkpoint_id), the next one started before the last one's future was waited for: each
+    save's files and metadata go to its own folder. The folder is the save's, not the writer's
+    latest: a save reset to another folder meanwhile on another thread used to have its data
+    written into one folder and its metadata into the other, each then naming missing files."""
+    import threading
+    import pinmem.dcp
+    a_writes, reset_b, b_done = threading.Event(), threading.Event(), threading.Event()
+
+    class Held(pinmem.dcp.FileSystemWriter):
+        """The first save waits at write_data until the second has been done."""
+        def write_data(self, plan, planner):
+            if threading.current_thread().name == "save-a":
+                a_writes.set()
+                assert b_done.wait(TIMEOUT)
+            return super().write_data(plan, planner)
+
+        def reset(self, checkpoint_id=None):
+            super().reset(checkpoint_id)
+            if threading.current_thread().name == "save-b":
+                reset_b.set()
+
+    w = Held(tmp_path / "a")
+    sds = {"a": _plain_sd(1, big=False), "b": _plain_sd(2, big=False)}
+    errors = []
+
+    def save(name):
+        try:
+            dcp.save(sds[name], checkpoint_id=tmp_path / name, storage_writer=w, no_dist=True)
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append((name, e))
+
+    a = threading.Thread(target=save, args=("a",), name="save-a")
+    a.start()
+    assert a_writes.wait(TIMEOUT)  # the first save set up for its folder, not yet writing
+    b = threading.Thread(target=save, args=("b",), name="save-b")
+    b.start()
+    b.join(TIMEOUT)
+    assert reset_b.is_set()
+    b_done.set()
+    a.join(TIMEOUT)
+    assert not errors, errors
+    for name, sd in sds.items():
+        for reader in (pinmem.dcp.FileSystemReader, dcp.FileSystemReader):
+            got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+                   for k, v in sd.items()}
+            dcp.load(got, storage_reader=reader(tmp_path / name), no_dist=True)
+            assert all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
+                       for k, v in sd.items()), (name, reader)
+        data = [n for n in os.listdir(tmp_path / name) if n.endswith(".distcp")]
+        assert len(data) == 1, (name, data)
+    w.close()
