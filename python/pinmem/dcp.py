@@ -1307,6 +1307,19 @@ def _parse(fd, offset, length, path):
     return _parse_head(_pread(fd, min(length, 4096), offset, path), offset, length)
 
 
+def _fits(size, stride, soff, numel):
+    """Whether a tensor of size and stride from element soff lies within a storage of numel
+    elements, as torch.load's rebuild checks. The readers view stored tensors in buffers that
+    hold other items too, where as_strided checks nothing of the kind: an archive damaged there
+    (a byte of its shape or strides) would give the bytes of its neighbours as its values."""
+    if (len(size) != len(stride) or soff < 0 or any(d < 0 for d in size)
+            or any(st < 0 for st in stride)):
+        return False
+    if not all(size):
+        return soff <= numel
+    return soff + sum((d - 1) * st for d, st in zip(size, stride)) < numel
+
+
 def _parse_head(head, offset, length):
     """_parse from the archive's first bytes (up to 4 KiB), already read."""
     try:
@@ -1320,7 +1333,7 @@ def _parse_head(head, offset, length):
         if kind != "tensor" or skind != "storage":
             return None
         itemsize = _torch.empty((), dtype=dtype).element_size()
-        if d0 + numel * itemsize > length:
+        if d0 + numel * itemsize > length or not _fits(size, stride, soff, numel):
             return None
         return dtype, size, stride, soff, offset + d0, numel, itemsize
     except (ValueError, IndexError, KeyError, TypeError, AttributeError, _struct.error,

@@ -1195,6 +1195,29 @@ def test_truncated_file_loses_nothing(tmp_path):
         dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
 
 
+@pytest.mark.parametrize("damage", ["size", "stride"])
+def test_damaged_shape_in_an_archive_raises(tmp_path, damage):
+    """A tensor's archive whose pickle names a shape or strides its storage cannot hold (a
+    damaged byte): both readers raise, as torch.load does. pinmem's reader used to take a small
+    item's view from its scratch, which holds the items after it too, and loaded the wrong
+    values without a word."""
+    import pinmem.dcp
+    g = torch.Generator().manual_seed(7)
+    sd = {"a": torch.randn(10, 50, generator=g), "b": torch.randn(3000, generator=g)}
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+    data = [n for n in os.listdir(tmp_path) if n.endswith(".distcp")]
+    raw = (tmp_path / data[0]).read_bytes()
+    # the pickle's tuples of "a": size (10, 50) and strides (50, 1), one BININT1 per element
+    old, new = {"size": (b"K\nK2\x86", b"K\nK3\x86"),
+                "stride": (b"K2K\x01\x86", b"K3K\x01\x86")}[damage]
+    assert raw.count(old) == 1
+    (tmp_path / data[0]).write_bytes(raw.replace(old, new))
+    for reader in (pinmem.dcp.FileSystemReader, dcp.FileSystemReader):
+        got = {k: torch.zeros_like(v) for k, v in sd.items()}
+        with pytest.raises(CheckpointException):
+            dcp.load(got, storage_reader=reader(tmp_path), no_dist=True)
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     mnt = tmp_path / "mnt"
