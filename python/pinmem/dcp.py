@@ -1000,6 +1000,11 @@ class FileSystemWriter(_fs.FileSystemWriter):
         # writes: their space may be what it needs (a disk that was full for a moment).
         per_rank = not self.use_collectives and self.rank is not None
         own = _named_by(self._get_metadata_path(self.rank if per_rank else None))
+        if not per_rank and own is not None:
+            # A checkpoint saved here without collectives (__<rank>.metadata, which DCP's load
+            # reads where no .metadata is) stays whole until this save's metadata is in place.
+            ranks = _named_by_rank_metadata(folder)
+            own = None if ranks is None else own | ranks
         self._sweep(folder, folder, tag, own)
         return [_dataclasses.replace(p, storage_data=_SavePrefix(p.storage_data.prefix, tag))
                 if type(p.storage_data) is _fs._StoragePrefix else p for p in plans]
@@ -1215,6 +1220,26 @@ def _named_by(metadata_path):
         return set()
     except Exception:  # noqa: BLE001  (any unreadable metadata: keep every file)
         return None
+
+
+_RANK_METADATA = _re.compile(r"^__\d+\.metadata$")
+
+
+def _named_by_rank_metadata(folder):
+    """The data files that the folder's per-rank metadata (__<rank>.metadata: a checkpoint
+    saved without collectives) name; None where one of them cannot be read."""
+    try:
+        names = _os.listdir(folder)
+    except OSError:
+        return set()
+    named = set()
+    for name in names:
+        if _RANK_METADATA.match(name):
+            got = _named_by(_os.path.join(folder, name))
+            if got is None:
+                return None
+            named |= got
+    return named
 
 
 def _remove_unnamed(folder, keep, busy=(), prefix="__"):

@@ -454,6 +454,39 @@ def test_saves_without_collectives_keep_one_checkpoint(tmp_path):
         assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
 
 
+def test_failed_save_keeps_a_checkpoint_saved_without_collectives(tmp_path):
+    """A folder holding a checkpoint saved without collectives (__0.metadata and its files): a
+    save with collectives into it that fails leaves that checkpoint loadable (DCP's load reads
+    __0.metadata where there is no .metadata). Its files used to be removed before the new save
+    wrote anything, being no files of .metadata's; a save that succeeds still removes them once
+    its metadata is in place."""
+    import pinmem.dcp
+    old = _plain_sd(1, big=False)
+    dcp.save(old, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True,
+             use_collectives=False)
+
+    class Fails(pinmem.dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(errno.EIO, "the disk went away")
+
+    with pytest.raises(CheckpointException):
+        dcp.save(_plain_sd(2, big=False), storage_writer=Fails(tmp_path), no_dist=True)
+    assert not (tmp_path / ".metadata").exists()
+    for reader in (pinmem.dcp.FileSystemReader, dcp.FileSystemReader):
+        got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+               for k, v in old.items()}
+        dcp.load(got, storage_reader=reader(tmp_path), no_dist=True)
+        assert torch.equal(got["a"], old["a"]) and got["n"] == {"k": 1}
+    new = _plain_sd(3, big=False)
+    dcp.save(new, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+    got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+           for k, v in new.items()}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(got["a"], new["a"]) and got["n"] == {"k": 3}
+    data = [n for n in os.listdir(tmp_path) if n.endswith(".distcp")]
+    assert len(data) == 1, data
+
+
 def test_async_save_in_a_process(tmp_path):
     """dcp.async_save(..., async_checkpointer_type=PROCESS) with pinmem's writer, 2 ranks."""
     res, codes = run_ranks(2, str(tmp_path), "_async_in_a_process")
