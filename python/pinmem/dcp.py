@@ -859,7 +859,15 @@ class _Saves:
                 cls._finished[folder] = seq
                 return True
             finally:
-                cls._flight.get(folder, {}).pop(tag, None)
+                saves = cls._flight.get(folder)
+                if saves is not None:
+                    saves.pop(tag, None)
+                    if not saves:
+                        # No save into folder in flight: none needs its record (each step of a
+                        # training run may save into a folder of its own, and the records
+                        # would pile up for as long as the process runs).
+                        del cls._flight[folder]
+                        cls._finished.pop(folder, None)
 
 
 class _PerSave:

@@ -1452,6 +1452,23 @@ def test_overlapping_saves_into_one_folder(tmp_path, first):
         assert caught == []
 
 
+def test_saves_into_many_folders_keep_no_records(tmp_path):
+    """A save into a folder of its own each time (checkpoint_id per step): once a folder has no
+    save in flight, the bookkeeping of overlapping saves keeps nothing of it (it used to keep
+    an entry per folder for as long as the process ran)."""
+    import pinmem.dcp
+    saves = pinmem.dcp._Saves
+    before = (set(saves._flight), set(saves._finished))
+    w = pinmem.dcp.FileSystemWriter(tmp_path / "s0")
+    for k in range(3):
+        dcp.save({"a": torch.full((4,), float(k))}, checkpoint_id=tmp_path / f"s{k}",
+                 storage_writer=w, no_dist=True)
+    assert (set(saves._flight), set(saves._finished)) == before
+    got = {"a": torch.zeros(4)}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path / "s2"), no_dist=True)
+    assert torch.equal(got["a"], torch.full((4,), 2.0))
+
+
 def test_load_reads_the_files_it_checked(tmp_path, monkeypatch):
     """A save into the folder that completes during a load (it removes the files of the
     checkpoint being read) does not break the load: it reads the checkpoint it began with, whole,
