@@ -859,7 +859,50 @@ class _Saves:
                 cls._finished[folder] = seq
                 return True
             finally:
-                cls._flight.get(folder, {}).pop(tag, None)
+                saves = cls._flight.get(folder)
+                if saves is not None:
+                    saves.pop(tag, None)
+                    if not saves:
+                        # No save into folder in flight: none needs its record (each step of a
+                        # training run may save into a folder of its own, and the records
+                        # would pile up for as long as the process runs).
+                        del cls._flight[folder]
+                        cls._finished.pop(folder, None)
+
+
+class _PerSave:
+    """A writer's attribute that each save sets up in its reset (the folder: checkpoint_id;
+    the save's id): read on the thread of a save, that save's value; elsewhere, and in a save
+    that set none, the last one set. async_save's thread executor runs each save on a thread
+    of its own, and a writer kept for every save (for its stager's buffer) may start the next
+    save, into another folder, while the last one still writes: an attribute of the writer
+    alone would send the earlier save's remaining files and its metadata to the later one's
+    folder."""
+
+    def __set_name__(self, owner, name):
+        self.name, self.shared = name, "_shared_" + name
+
+    @staticmethod
+    def _mine(obj):
+        """This thread's save's values (None: no save has begun on this thread)."""
+        return getattr(obj.__dict__.get("_tls"), "per_save", None)
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        mine = self._mine(obj)
+        if mine is not None and self.name in mine:
+            return mine[self.name]
+        try:
+            return obj.__dict__[self.shared]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.shared] = value
+        mine = self._mine(obj)
+        if mine is not None:
+            mine[self.name] = value
 
 
 class FileSystemWriter(_fs.FileSystemWriter):
@@ -885,6 +928,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
                  overwrite=True, _extensions=None,
                  serialization_format=_fs.SerializationFormat.TORCH_SAVE, *, io="auto",
                  crc32=None, stage="auto"):
+        self._tls = _threading.local()  # the save in flight on this thread (_PerSave, finish)
         super().__init__(path, single_file_per_rank=single_file_per_rank,
                          sync_files=sync_files, thread_count=thread_count,
                          per_thread_copy_ahead=per_thread_copy_ahead,
@@ -897,7 +941,6 @@ class FileSystemWriter(_fs.FileSystemWriter):
         self._staged_on = None  # the thread of a stage() whose save has not started yet
         self._streams = {}  # device -> this writer's CUDA stream for its device-to-host copies
         self.phases = {}  # seconds of this rank's last write_data by phase
-        self._tls = _threading.local()  # the coordinator's save in flight on this thread
 
     def __getstate__(self):
         # async_save's process executor sends the writer to a process of its own. The stager
@@ -914,6 +957,15 @@ class FileSystemWriter(_fs.FileSystemWriter):
         self.__dict__.update(state)
         self._stager = PinnedStager(stage=mode)
         self._tls = _threading.local()
+
+    path = _PerSave()
+    save_id = _PerSave()
+
+    def reset(self, checkpoint_id=None):
+        # Every save begins here, on its own thread: its folder is the one checkpoint_id names,
+        # else the writer's (the last one set), and its id a new one (_PerSave).
+        self._tls.per_save = {}
+        super().reset(checkpoint_id)
 
     def _torch_path(self):
         return (self.serialization_format != _fs.SerializationFormat.TORCH_SAVE
@@ -964,6 +1016,11 @@ class FileSystemWriter(_fs.FileSystemWriter):
         # writes: their space may be what it needs (a disk that was full for a moment).
         per_rank = not self.use_collectives and self.rank is not None
         own = _named_by(self._get_metadata_path(self.rank if per_rank else None))
+        if not per_rank and own is not None:
+            # A checkpoint saved here without collectives (__<rank>.metadata, which DCP's load
+            # reads where no .metadata is) stays whole until this save's metadata is in place.
+            ranks = _named_by_rank_metadata(folder)
+            own = None if ranks is None else own | ranks
         self._sweep(folder, folder, tag, own)
         return [_dataclasses.replace(p, storage_data=_SavePrefix(p.storage_data.prefix, tag))
                 if type(p.storage_data) is _fs._StoragePrefix else p for p in plans]
@@ -1181,6 +1238,26 @@ def _named_by(metadata_path):
         return None
 
 
+_RANK_METADATA = _re.compile(r"^__\d+\.metadata$")
+
+
+def _named_by_rank_metadata(folder):
+    """The data files that the folder's per-rank metadata (__<rank>.metadata: a checkpoint
+    saved without collectives) name; None where one of them cannot be read."""
+    try:
+        names = _os.listdir(folder)
+    except OSError:
+        return set()
+    named = set()
+    for name in names:
+        if _RANK_METADATA.match(name):
+            got = _named_by(_os.path.join(folder, name))
+            if got is None:
+                return None
+            named |= got
+    return named
+
+
 def _remove_unnamed(folder, keep, busy=(), prefix="__"):
     """Data files (names starting with prefix) of earlier or failed saves that the folder's
     metadata no longer names; not those of the saves in flight (tags in busy)."""
@@ -1271,6 +1348,19 @@ def _parse(fd, offset, length, path):
     return _parse_head(_pread(fd, min(length, 4096), offset, path), offset, length)
 
 
+def _fits(size, stride, soff, numel):
+    """Whether a tensor of size and stride from element soff lies within a storage of numel
+    elements, as torch.load's rebuild checks. The readers view stored tensors in buffers that
+    hold other items too, where as_strided checks nothing of the kind: an archive damaged there
+    (a byte of its shape or strides) would give the bytes of its neighbours as its values."""
+    if (len(size) != len(stride) or soff < 0 or any(d < 0 for d in size)
+            or any(st < 0 for st in stride)):
+        return False
+    if not all(size):
+        return True  # no element: torch.load takes any offset
+    return soff + sum((d - 1) * st for d, st in zip(size, stride)) < numel
+
+
 def _parse_head(head, offset, length):
     """_parse from the archive's first bytes (up to 4 KiB), already read."""
     try:
@@ -1284,7 +1374,7 @@ def _parse_head(head, offset, length):
         if kind != "tensor" or skind != "storage":
             return None
         itemsize = _torch.empty((), dtype=dtype).element_size()
-        if d0 + numel * itemsize > length:
+        if d0 + numel * itemsize > length or not _fits(size, stride, soff, numel):
             return None
         return dtype, size, stride, soff, offset + d0, numel, itemsize
     except (ValueError, IndexError, KeyError, TypeError, AttributeError, _struct.error,

@@ -454,6 +454,39 @@ def test_saves_without_collectives_keep_one_checkpoint(tmp_path):
         assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
 
 
+def test_failed_save_keeps_a_checkpoint_saved_without_collectives(tmp_path):
+    """A folder holding a checkpoint saved without collectives (__0.metadata and its files): a
+    save with collectives into it that fails leaves that checkpoint loadable (DCP's load reads
+    __0.metadata where there is no .metadata). Its files used to be removed before the new save
+    wrote anything, being no files of .metadata's; a save that succeeds still removes them once
+    its metadata is in place."""
+    import pinmem.dcp
+    old = _plain_sd(1, big=False)
+    dcp.save(old, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True,
+             use_collectives=False)
+
+    class Fails(pinmem.dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(errno.EIO, "the disk went away")
+
+    with pytest.raises(CheckpointException):
+        dcp.save(_plain_sd(2, big=False), storage_writer=Fails(tmp_path), no_dist=True)
+    assert not (tmp_path / ".metadata").exists()
+    for reader in (pinmem.dcp.FileSystemReader, dcp.FileSystemReader):
+        got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+               for k, v in old.items()}
+        dcp.load(got, storage_reader=reader(tmp_path), no_dist=True)
+        assert torch.equal(got["a"], old["a"]) and got["n"] == {"k": 1}
+    new = _plain_sd(3, big=False)
+    dcp.save(new, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+    got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+           for k, v in new.items()}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(got["a"], new["a"]) and got["n"] == {"k": 3}
+    data = [n for n in os.listdir(tmp_path) if n.endswith(".distcp")]
+    assert len(data) == 1, data
+
+
 def test_async_save_in_a_process(tmp_path):
     """dcp.async_save(..., async_checkpointer_type=PROCESS) with pinmem's writer, 2 ranks."""
     res, codes = run_ranks(2, str(tmp_path), "_async_in_a_process")
@@ -1195,6 +1228,29 @@ def test_truncated_file_loses_nothing(tmp_path):
         dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
 
 
+@pytest.mark.parametrize("damage", ["size", "stride"])
+def test_damaged_shape_in_an_archive_raises(tmp_path, damage):
+    """A tensor's archive whose pickle names a shape or strides its storage cannot hold (a
+    damaged byte): both readers raise, as torch.load does. pinmem's reader used to take a small
+    item's view from its scratch, which holds the items after it too, and loaded the wrong
+    values without a word."""
+    import pinmem.dcp
+    g = torch.Generator().manual_seed(7)
+    sd = {"a": torch.randn(10, 50, generator=g), "b": torch.randn(3000, generator=g)}
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+    data = [n for n in os.listdir(tmp_path) if n.endswith(".distcp")]
+    raw = (tmp_path / data[0]).read_bytes()
+    # the pickle's tuples of "a": size (10, 50) and strides (50, 1), one BININT1 per element
+    old, new = {"size": (b"K\nK2\x86", b"K\nK3\x86"),
+                "stride": (b"K2K\x01\x86", b"K3K\x01\x86")}[damage]
+    assert raw.count(old) == 1
+    (tmp_path / data[0]).write_bytes(raw.replace(old, new))
+    for reader in (pinmem.dcp.FileSystemReader, dcp.FileSystemReader):
+        got = {k: torch.zeros_like(v) for k, v in sd.items()}
+        with pytest.raises(CheckpointException):
+            dcp.load(got, storage_reader=reader(tmp_path), no_dist=True)
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     mnt = tmp_path / "mnt"
@@ -1394,6 +1450,23 @@ def test_overlapping_saves_into_one_folder(tmp_path, first):
         assert "newer save" in str(caught[0][1].message)
     else:
         assert caught == []
+
+
+def test_saves_into_many_folders_keep_no_records(tmp_path):
+    """A save into a folder of its own each time (checkpoint_id per step): once a folder has no
+    save in flight, the bookkeeping of overlapping saves keeps nothing of it (it used to keep
+    an entry per folder for as long as the process ran)."""
+    import pinmem.dcp
+    saves = pinmem.dcp._Saves
+    before = (set(saves._flight), set(saves._finished))
+    w = pinmem.dcp.FileSystemWriter(tmp_path / "s0")
+    for k in range(3):
+        dcp.save({"a": torch.full((4,), float(k))}, checkpoint_id=tmp_path / f"s{k}",
+                 storage_writer=w, no_dist=True)
+    assert (set(saves._flight), set(saves._finished)) == before
+    got = {"a": torch.zeros(4)}
+    dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path / "s2"), no_dist=True)
+    assert torch.equal(got["a"], torch.full((4,), 2.0))
 
 
 def test_load_reads_the_files_it_checked(tmp_path, monkeypatch):
@@ -2065,3 +2138,58 @@ def test_chunks_spans_and_pinned_sources(tmp_path, monkeypatch):
             assert ("plan" in r.phases) == (span >= (1 << 20)), r.phases
             if span < (1 << 20):
                 assert ("wait_disk" in r.phases) == (wanted < 1), r.phases  # spans or items
+
+
+def test_overlapping_saves_of_one_writer_into_two_folders(tmp_path):
+    """One writer kept for every save (as for its stager's buffer), each save naming its folder
+    (checkpoint_id), the next one started before the last one's future was waited for: each
+    save's files and metadata go to its own folder. The folder is the save's, not the writer's
+    latest: a save reset to another folder meanwhile on another thread used to have its data
+    written into one folder and its metadata into the other, each then naming missing files."""
+    import threading
+    import pinmem.dcp
+    a_writes, reset_b, b_done = threading.Event(), threading.Event(), threading.Event()
+
+    class Held(pinmem.dcp.FileSystemWriter):
+        """The first save waits at write_data until the second has been done."""
+        def write_data(self, plan, planner):
+            if threading.current_thread().name == "save-a":
+                a_writes.set()
+                assert b_done.wait(TIMEOUT)
+            return super().write_data(plan, planner)
+
+        def reset(self, checkpoint_id=None):
+            super().reset(checkpoint_id)
+            if threading.current_thread().name == "save-b":
+                reset_b.set()
+
+    w = Held(tmp_path / "a")
+    sds = {"a": _plain_sd(1, big=False), "b": _plain_sd(2, big=False)}
+    errors = []
+
+    def save(name):
+        try:
+            dcp.save(sds[name], checkpoint_id=tmp_path / name, storage_writer=w, no_dist=True)
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append((name, e))
+
+    a = threading.Thread(target=save, args=("a",), name="save-a")
+    a.start()
+    assert a_writes.wait(TIMEOUT)  # the first save set up for its folder, not yet writing
+    b = threading.Thread(target=save, args=("b",), name="save-b")
+    b.start()
+    b.join(TIMEOUT)
+    assert reset_b.is_set()
+    b_done.set()
+    a.join(TIMEOUT)
+    assert not errors, errors
+    for name, sd in sds.items():
+        for reader in (pinmem.dcp.FileSystemReader, dcp.FileSystemReader):
+            got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
+                   for k, v in sd.items()}
+            dcp.load(got, storage_reader=reader(tmp_path / name), no_dist=True)
+            assert all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
+                       for k, v in sd.items()), (name, reader)
+        data = [n for n in os.listdir(tmp_path / name) if n.endswith(".distcp")]
+        assert len(data) == 1, (name, data)
+    w.close()
