@@ -174,11 +174,9 @@ static bool parse_seconds(const char *t, pm__optval_t *out, char *why, size_t n)
   return true;
 }
 
-static bool size_parse(const char *text, size_t *bytes_out, char *why, size_t n);
-
 static bool size_reason(const char *t, size_t *v, char *why, size_t n) {
   char inner[64];
-  if (size_parse(t, v, inner, sizeof inner)) return true;
+  if (pm__size_parse(t, v, inner, sizeof inner)) return true;
   snprintf(why, n, "not a size: %s", inner);
   return false;
 }
@@ -844,7 +842,7 @@ PM__PRINTF(3, 4) static bool size_fail(char *why, size_t n, const char *fmt, ...
 
 /* The reasons are short and do not repeat the text: they also end up in
  * pm_option_info_t.value (128 bytes). */
-static bool size_parse(const char *text, size_t *bytes_out, char *why, size_t n) {
+bool pm__size_parse(const char *text, size_t *bytes_out, char *why, size_t n) {
   const char *p = text;
   while (isspace((unsigned char)*p)) p++;
   if (*p == '-') return size_fail(why, n, "negative");
@@ -925,9 +923,9 @@ pm_status_t pm_parse_size(const char *text, size_t *bytes_out) {
     return pm__set_error(PM_ERR_INVALID, "pm_parse_size: %s is NULL", !text ? "text" : "bytes_out");
   char why[96];
   size_t v;
-  if (!size_parse(text, &v, why, sizeof why))
-    return pm__set_error(
-        PM_ERR_CONFIG, "pm_parse_size('%.64s'): %s (want e.g. 4096, 64K, 1.5M, 2G, 1T)", text, why);
+  if (!pm__size_parse(text, &v, why, sizeof why))
+    return pm__set_error(PM_ERR_CONFIG,
+                         "pm_parse_size('%.64s'): %s (want e.g. " PM__SIZE_EXAMPLES ")", text, why);
   *bytes_out = v;
   return PM_OK;
 }
