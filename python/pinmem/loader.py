@@ -119,6 +119,8 @@ def _as_array(a):
             memoryview(a).release()
         except TypeError:
             a = numpy.from_dlpack(a)
+    elif isinstance(a, numpy.ma.MaskedArray):
+        raise _workers.masked_error("an array dataset")
     return _contiguous(numpy, a), None
 
 
