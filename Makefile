@@ -24,12 +24,12 @@ DEPS       := PINMEM_SYSTEM_PYTHON=$(SYSTEM_PYTHON) ./tools/deps.sh --venv $(VEN
 SUITES     := $(BUILD)-suites
 RECORD     := python3 tests/suites.py
 
-.PHONY: all build deps deps-c deps-check deps-test test test-reset test-no-toolkit test-install-messages test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-safetensors-suite wheel test-wheel ptx bench install clean
+.PHONY: all build deps deps-c deps-check deps-test deps-wheel test test-reset test-no-toolkit test-install-messages test-host test-bench test-asan test-tsan test-valgrind test-fuzz test-gpu test-python test-python-install test-safetensors-suite wheel test-wheel ptx bench install clean
 
 all: build
 
 # What each target needs (tools/deps.sh): c for the C build, test for the suites, python for
-# the Python suites. `make test` checks all three first, in its first seconds; the later checks
+# the Python suites, wheel for `make wheel` alone (its build packages, not the suites' torch). `make test` checks all three first, in its first seconds; the later checks
 # of a part find it present (a few milliseconds).
 deps-c:
 	@$(DEPS) c
@@ -39,6 +39,8 @@ deps-test:
 	@$(DEPS) c test
 deps:
 	@$(DEPS) c test python
+deps-wheel:
+	@$(DEPS) c wheel
 
 # The C build, for build (which only checks) and for the targets that install first.
 define build_c
@@ -194,9 +196,11 @@ ptx:
 
 # The wheel: `pip wheel .` with the venv's build requirements (no toolkit needed: the cuda backend
 # loads the driver at run time), made a manylinux wheel by `auditwheel repair`, in dist/. One
-# wheel per CPython version (the venv's): not abi3, as pyproject.toml says why.
+# wheel per CPython version (the venv's): not abi3, as pyproject.toml says why. It installs the
+# build requirements only (deps-wheel): the Python group's test packages (torch, GBs) are for
+# the suites.
 WHEEL_DIR := $(BUILD)-wheel
-wheel: deps
+wheel: deps-wheel
 	rm -rf $(WHEEL_DIR) dist/pinmem-*.whl
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps \
 	  -w $(WHEEL_DIR)/raw -Cbuild-dir=$(WHEEL_DIR)/build .
@@ -205,7 +209,8 @@ wheel: deps
 
 # The wheel as a user gets it (tests/test_wheel.sh): a fresh venv whose PATH holds python alone,
 # `pinmem info` through the console script, README.md's first ```python block, and the buffer and
-# copy tests against the installed package.
+# copy tests against the installed package. That venv gets the wheel (with numpy, its dependency)
+# and pytest, nothing else.
 test-wheel: wheel
 	./tests/test_wheel.sh $(wildcard dist/pinmem-*.whl) $(PYTHON) $(WHEEL_DIR)/test
 	@$(RECORD) ran $(SUITES) wheel "the wheel in a fresh venv without a compiler: README quickstart, buffer and copy tests"

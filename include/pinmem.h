@@ -284,7 +284,8 @@ PM_API pm_status_t pm_pool_default(pm_pool_t **pool_out);
 PM_API pm_status_t pm_host_alloc(pm_pool_t *pool, size_t bytes, unsigned flags, void **ptr_out);
 /** Return a block to its pool (found from the pointer). Stream uses recorded with
  *  pm_host_record_stream gate its reuse; the call itself never blocks on them. NULL is PM_OK
- *  and does nothing, as free(NULL). */
+ *  and does nothing, as free(NULL). A block already freed: PM_ERR_DOUBLE_FREE; an address
+ *  inside a block, or in pool memory never handed out: PM_ERR_INVALID. */
 PM_API pm_status_t pm_host_free(void *ptr);
 /** Declare that work queued on `stream` uses the block holding ptr: the block is not reused
  *  until that work (as queued when the block is freed) has completed. */

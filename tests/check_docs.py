@@ -180,7 +180,7 @@ def check_options(rel, text, table, env_read, bad):
                     bad.append(f"{rel}:{n}: names option `{name}`, which does not exist")
 
 
-INSTALL_ROW = re.compile(r"^\|\s*`(c|test|python)`\s*\|[^|]*\|(.*)\|\s*$")
+INSTALL_ROW = re.compile(r"^\|\s*`(c|test|python|wheel)`\s*\|[^|]*\|(.*)\|\s*$")
 
 
 def check_install(root, bad):
@@ -194,7 +194,7 @@ def check_install(root, bad):
         m = INSTALL_ROW.match(line)
         if m:
             listed[m.group(1)] = (n, set(re.findall(r"`([^`]+)`", m.group(2))))
-    for group in ("c", "test", "python"):
+    for group in ("c", "test", "python", "wheel"):
         out = subprocess.run(["bash", deps, "--list", group], capture_output=True, text=True)
         want = set(out.stdout.split())
         if out.returncode or not want:

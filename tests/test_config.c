@@ -12,7 +12,8 @@ static const char *const option_envs[] = {"PINMEM_DEVICE",        "PINMEM_BUDGET
                                           "PINMEM_PIN_THREADS",   "PINMEM_FAST_PIN_MIN",
                                           "PINMEM_HUGE_PAGES",    "PINMEM_HOST_DEVICE_MEMORY",
                                           "PINMEM_COPY_CHUNK",    "PINMEM_COPY_SLOTS",
-                                          "PINMEM_COPY_THREADS",  "PINMEM_COPY_STAGE_MIN"};
+                                          "PINMEM_COPY_THREADS",  "PINMEM_COPY_STAGE_MIN",
+                                          "PINMEM_COPY_PIECE"};
 
 static pm_option_info_t find(const char *name) {
   pm_option_info_t info;
@@ -429,6 +430,65 @@ static void test_threads(void) {
   CHECK_EQ_SIZE(pm__opt_size(PM__OPT_FAST_PIN_MIN), 4u << 20);
 }
 
+/* copy_piece cuts a copy_chunk slot into pieces: a piece not below the chunk is refused where it
+ * comes in, whichever of the two is set last, with a message that names both; it used to be taken
+ * and quietly meant no pieces. */
+static bool names_both(void) {
+  return strstr(pm_last_error(), "copy_piece") && strstr(pm_last_error(), "copy_chunk");
+}
+static void test_piece_below_chunk(void) {
+  unset_all_env();
+  /* The piece first, then a chunk lowered to it or under it: the chunk is refused. */
+  CHECK_OK(pm_option_set("copy_piece", "1M"));
+  CHECK_ERR_MSG(pm_option_set("copy_chunk", "1M"), PM_ERR_CONFIG);
+  CHECK(names_both());
+  CHECK_ERR_MSG(pm_option_set("copy_chunk", "512K"), PM_ERR_CONFIG);
+  CHECK(names_both());
+  CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_CHUNK), 4u << 20); /* unchanged */
+  CHECK_OK(pm_option_set("copy_chunk", "2M"));
+  /* The chunk first, then a piece as large or larger: the piece is refused. */
+  CHECK_ERR_MSG(pm_option_set("copy_piece", "2M"), PM_ERR_CONFIG);
+  CHECK(names_both());
+  CHECK_ERR_MSG(pm_option_set("copy_piece", "3M"), PM_ERR_CONFIG);
+  CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_PIECE), 1u << 20); /* unchanged */
+  /* A larger pair: chunk raised first, then the piece. 0 (no pieces) goes with any chunk. */
+  CHECK_OK(pm_option_set("copy_chunk", "16M"));
+  CHECK_OK(pm_option_set("copy_piece", "8M"));
+  CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_PIECE), 8u << 20);
+  CHECK_OK(pm_option_set("copy_piece", "0"));
+  CHECK_OK(pm_option_set("copy_chunk", "4K"));
+  CHECK_OK(pm_option_set("copy_piece", NULL));
+  CHECK_OK(pm_option_set("copy_chunk", NULL));
+
+  /* The chunk from the environment counts as well. */
+  set_env("PINMEM_COPY_CHUNK", "512K", 1);
+  CHECK_ERR_MSG(pm_option_set("copy_piece", "1M"), PM_ERR_CONFIG);
+  CHECK(names_both() && strstr(pm_last_error(), "512K"));
+  unset_env("PINMEM_COPY_CHUNK");
+
+  /* PINMEM_COPY_PIECE not below the chunk in force is ignored, with the reason shown... */
+  set_env("PINMEM_COPY_PIECE", "4M", 1);
+  pm_option_info_t info = find("copy_piece");
+  CHECK_EQ_INT(info.source, PM_OPTION_DEFAULT);
+  if (!strstr(info.value, "PINMEM_COPY_PIECE='4M' ignored: not below copy_chunk 4M"))
+    fprintf(stderr, "value shown: %s\n", info.value);
+  CHECK(strstr(info.value, "PINMEM_COPY_PIECE='4M' ignored: not below copy_chunk 4M") != NULL);
+  CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_PIECE), 256u << 10);
+  /* ...and taken once the chunk is above it (a new chunk is seen by the cached piece). */
+  CHECK_OK(pm_option_set("copy_chunk", "8M"));
+  CHECK_EQ_INT(find("copy_piece").source, PM_OPTION_ENV);
+  CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_PIECE), 4u << 20);
+  /* An explicit chunk under a piece that only the environment gives is not refused: the
+   * environment's piece is ignored again. */
+  CHECK_OK(pm_option_set("copy_chunk", "2M"));
+  CHECK_EQ_INT(find("copy_piece").source, PM_OPTION_DEFAULT);
+  CHECK_EQ_SIZE(pm__opt_size(PM__OPT_COPY_PIECE), 256u << 10);
+  CHECK_OK(pm_option_set("copy_chunk", NULL));
+  set_env("PINMEM_COPY_CHUNK", "8M", 1);
+  CHECK_EQ_INT(find("copy_piece").source, PM_OPTION_ENV);
+  unset_all_env();
+}
+
 int main(void) {
   unset_all_env();
   pm_test_init();
@@ -440,5 +500,6 @@ int main(void) {
   test_bad_set();
   test_parse_size();
   test_threads();
+  test_piece_below_chunk();
   return pm_test_finish("test_config");
 }

@@ -1516,8 +1516,11 @@ int main(void) {
   CHECK_OK(pm_option_set("copy_piece_slots", NULL));
   CHECK_ST(pm_option_set("copy_piece_slots", "-1"), PM_ERR_CONFIG);
   CHECK_ST(pm_option_set("copy_piece_slots", "4097"), PM_ERR_CONFIG);
-  /* A piece as large as the chunk is the plain ring. */
-  CHECK_OK(pm_option_set("copy_piece", "64K"));
+  /* A piece as large as the chunk is refused (a piece is part of a slot); the default piece
+   * (256K) above this chunk (64K) stages without pieces: the plain ring. */
+  CHECK_ERR_MSG(pm_option_set("copy_piece", "64K"), PM_ERR_CONFIG);
+  CHECK(strstr(pm_last_error(), "copy_chunk") != NULL);
+  CHECK_OK(pm_option_set("copy_piece", NULL));
   unsigned long before = pm__stage_slab_count();
   roundtrip(MEM_PAGEABLE, MEM_PAGEABLE, 3 * g_chunk + 5, 0, 0, 0, s, PM_PATH_AUTO, 9600);
   CHECK(pm__stage_slab_count() == before);

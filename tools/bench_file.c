@@ -172,10 +172,11 @@ static int parse_args(int argc, char **argv, fopts_t *o) {
         size_t len = c ? (size_t)(c - p) : strlen(p);
         snprintf(buf, sizeof buf, "%.*s", (int)(len < 63 ? len : 63), p);
         size_t sz;
+        char why[160];
         if (*n >= MAX_LIST)
           return cli_usage_fail("%s: at most %d values, in '%s'", name, MAX_LIST, v);
-        if (pm_parse_size(buf, &sz) != PM_OK)
-          return cli_usage_fail("%s: '%s' is not a size: %s", name, buf, cli_size_why());
+        if (!cli_parse_size(buf, &sz, why, sizeof why))
+          return cli_usage_fail("%s: '%s' is not a size: %s", name, buf, why);
         if (sz && sz < 4096)
           return cli_usage_fail("%s: sizes must be 0 (the default) or >= 4K, not '%s'", name, buf);
         list[(*n)++] = sz;

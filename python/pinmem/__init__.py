@@ -155,8 +155,9 @@ def copy(dst, src, stream=None, *, nbytes=None, path=None):
 # ------------------------------------------------------------------------------------------
 
 import contextlib as _contextlib
-import operator as _operator
 import os as _os
+
+from ._args import int_arg as _int_arg
 
 
 def _file_error(fn, path, err):
@@ -184,7 +185,7 @@ def _opened(fn, path, flags, fd=None):
     empty file behind."""
     own = fd is None
     if not own:
-        fd = _small_int(fn, "fd", fd, (1 << 31) - 1)
+        fd = _int_arg("fd", fd, 0, (1 << 31) - 1, fn=fn)
     created = False
     if own and flags & _os.O_CREAT:
         try:
@@ -205,19 +206,6 @@ def _opened(fn, path, flags, fd=None):
     finally:
         if own:
             _os.close(fd)
-
-
-def _small_int(fn, name, value, hi):
-    """An integer argument in 0..hi (a NumPy or torch integer too); InvalidError naming it
-    otherwise (a float was truncated by int(), a huge one raised OverflowError from C)."""
-    try:
-        v = _operator.index(value)
-    except TypeError:
-        raise InvalidError(f"PM_ERR_INVALID: {fn}: {name} must be an integer, not "
-                           f"{type(value).__name__}") from None
-    if isinstance(value, bool) or not 0 <= v <= hi:
-        raise InvalidError(f"PM_ERR_INVALID: {fn}: {name} must be 0..{hi}, not {value!r}")
-    return v
 
 
 def _remove_if_same(path, fd):
@@ -286,7 +274,7 @@ def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None, 
     and interrupts per byte, smaller ones spread over more threads. fd: as read_file's.
     """
     path = _os.fspath(path)
-    threads = _small_int("read_ranges", "threads", threads, 256)
+    threads = _int_arg("threads", threads, 0, 256, fn="read_ranges")
     with _opened("read_ranges", path, _READ, fd) as f:
         _pinmem._file_readv(f, ranges, stream, io, threads, chunk)
 
@@ -305,7 +293,7 @@ def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0
     chunk and few threads (docs/files.md, "Lists of ranges").
     """
     path = _os.fspath(path)
-    threads = _small_int("write_ranges", "threads", threads, 256)
+    threads = _int_arg("threads", threads, 0, 256, fn="write_ranges")
     with _opened("write_ranges", path, _WRITE) as f:
         _pinmem._file_writev(f, ranges, stream, io, bool(fsync), threads, chunk)
 

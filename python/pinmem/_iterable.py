@@ -59,6 +59,7 @@ from . import _pinmem
 from . import _staging
 from . import _workers
 from . import loader as _loader
+from ._args import int_arg as _int_arg
 from ._pinmem import InvalidError
 from ._workers import WorkerError
 
@@ -600,10 +601,10 @@ class IterableLoader(_loader.Loader):
         if unbatched and drop_last:
             raise InvalidError("PM_ERR_INVALID: batch_size=None option is mutually exclusive "
                                "with drop_last (as in torch's DataLoader)")
-        self._want = 1 if unbatched else _loader._int_arg("batch_size", batch_size, 1)
-        nw = _loader._int_arg("num_workers", num_workers, 0)
+        self._want = 1 if unbatched else _int_arg("batch_size", batch_size, 1)
+        nw = _int_arg("num_workers", num_workers, 0)
         if prefetch_factor is not None:
-            prefetch_factor = _loader._int_arg("prefetch_factor", prefetch_factor, 1)
+            prefetch_factor = _int_arg("prefetch_factor", prefetch_factor, 1)
             if nw == 0:
                 raise InvalidError("PM_ERR_INVALID: prefetch_factor option could only be "
                                    "specified in multiprocessing (num_workers > 0), as in "
@@ -621,8 +622,8 @@ class IterableLoader(_loader.Loader):
                                "once per worker; use num_workers=0 on one rank, or an "
                                "IterableDataset that shards by get_worker_info()")
         timeout = _loader._timeout_arg(timeout)
-        seed = _loader._int_arg("seed", seed, -(1 << 63), (1 << 64) - 1, none_ok=True)
-        epochs = _loader._int_arg("epochs", epochs, 1, none_ok=True)
+        seed = _int_arg("seed", seed, -(1 << 63), (1 << 64) - 1, none_ok=True)
+        epochs = _int_arg("epochs", epochs, 1, none_ok=True)
         if pin_memory_device not in ("", None) and not str(pin_memory_device).startswith("cuda"):
             raise InvalidError(f"PM_ERR_INVALID: pin_memory_device={pin_memory_device!r}: pinmem "
                                "pins for CUDA devices; leave it '' (or 'cuda')")

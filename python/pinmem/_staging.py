@@ -73,6 +73,10 @@ def _host_leaf(x):
     import numpy as np
     if type(x) is Bits:
         return _c_order(x.array), x.name
+    if isinstance(x, np.ma.MaskedArray):
+        # Its bytes alone would hand the masked elements out as valid: kept as it is, mask and
+        # all, as torch's pin_memory keeps what it cannot pin.
+        return None
     if type(x) is np.ndarray or isinstance(x, np.ndarray):
         a = x
         name = None

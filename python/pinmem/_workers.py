@@ -372,8 +372,20 @@ def _rebuild(t, values):
     return items  # tuples and lists alike, as torch's default_collate
 
 
+def masked_error(what):
+    """The loader's refusal of a NumPy masked array: a batch holds the array's bytes and has no
+    place for the mask, so delivering it would hand the masked elements out as valid (as
+    pinmem.copy refuses a __cuda_array_interface__ with a mask)."""
+    return _invalid(f"{what} is a NumPy masked array; the loader delivers an array's bytes and "
+                    "cannot leave masked elements out: give a.filled(value), or the data and "
+                    "numpy.ma.getmaskarray(a) as two fields")
+
+
 def _leaf(v, np, path, index):
     """A leaf as a NumPy array and its kind, or an InvalidError naming what is wrong."""
+    if isinstance(v, np.ma.MaskedArray):
+        # Batched or not (batch_size=None): either way the mask would be lost unseen.
+        raise masked_error(f"dataset index {index}, field {path}")
     if isinstance(v, np.ndarray):
         # A subclass (np.matrix) as its plain array, as default_collate's torch.as_tensor
         # takes it: np.stack of matrices fails.

@@ -17,6 +17,7 @@ from time import perf_counter as _perf_counter
 
 from . import _pinmem
 from . import _dtype_name
+from ._args import int_arg as _int_arg
 from . import _staging
 from . import _workers
 from ._pinmem import BusyError, Error, InvalidError  # noqa: F401
@@ -119,6 +120,8 @@ def _as_array(a):
             memoryview(a).release()
         except TypeError:
             a = numpy.from_dlpack(a)
+    elif isinstance(a, numpy.ma.MaskedArray):
+        raise _workers.masked_error("an array dataset")
     return _contiguous(numpy, a), None
 
 
@@ -503,20 +506,6 @@ _MAX_LOADER_THREADS = 256  # the C loader's limit on its worker threads (PM__LOA
 # Timeouts from here up mean no limit (the C side counts milliseconds in an int).
 _TIMEOUT_NO_LIMIT = 2e6
 _CUDA_DEVICE = _re.compile(r"cuda(?::([0-9]+))?\Z", _re.ASCII)
-
-
-def _int_arg(name, value, lo=None, hi=None, none_ok=False):
-    """value as an int, refusing floats, strings and bools (never truncated), within lo..hi."""
-    if value is None and none_ok:
-        return None
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise InvalidError(f"PM_ERR_INVALID: {name} must be an int"
-                           f"{' or None' if none_ok else ''}, not {value!r}")
-    v = _operator.index(value)
-    if lo is not None and v < lo or hi is not None and v > hi:
-        rule = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise InvalidError(f"PM_ERR_INVALID: {name} must be {rule}, not {v}")
-    return v
 
 
 def _timeout_arg(timeout):

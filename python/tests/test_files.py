@@ -661,6 +661,23 @@ def test_ranges_refused_before_anything_moves(tmp_path, rng, no_fd_leak):
     assert path.stat().st_size == 10000
 
 
+def test_integer_arguments_of_file_calls_and_the_loader_say_the_same(tmp_path):
+    # One check serves both (pinmem/_args.py): the file calls said "must be an integer, not
+    # float" and the loader "must be an int, not 1.5", each leaving out half of what was wrong.
+    path = str(tmp_path / "f.bin")
+    open(path, "wb").write(bytes(64))
+    a = np.zeros(10, np.uint8)
+    for call in (lambda v: pinmem.read_ranges(path, [(0, a)], threads=v),
+                 lambda v: pinmem.Loader(np.zeros(4), num_workers=v, device="cpu")):
+        with pytest.raises(pinmem.InvalidError, match=r"must be an integer, not float 1\.5$"):
+            call(1.5)
+        # a bool is refused naming the range the argument takes
+        with pytest.raises(pinmem.InvalidError, match=r"must be (0\.\.256|>= 0), not True$"):
+            call(True)
+        with pytest.raises(pinmem.InvalidError, match=r"must be (0\.\.256|>= 0), not -1$"):
+            call(-1)
+
+
 def test_read_ranges_into_torch_tensors(tmp_path, rng):
     torch = skip_unless_torch()
     path = tmp_path / "f.bin"

@@ -534,6 +534,49 @@ def test_object_and_sizeless_dtypes_are_refused():
     loader.close()
 
 
+MASKED = np.ma.masked_array(np.arange(12, dtype=np.float32).reshape(4, 3),
+                            mask=np.eye(4, 3, dtype=bool))
+
+
+class MaskedSamples:
+    """Sample i: row i of MASKED, a masked array (alone, or as field "x" of a dict)."""
+
+    def __init__(self, in_dict=False):
+        self.in_dict = in_dict
+
+    def __len__(self):
+        return len(MASKED)
+
+    def __getitem__(self, i):
+        return {"x": MASKED[i]} if self.in_dict else MASKED[i]
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_masked_arrays_are_refused_batched_or_not(nw, batch_size):
+    # A batch holds the arrays' bytes, with no place for the mask: the masked elements came out
+    # as valid values, unseen (with batch_size=None too). Refused, whatever the batching.
+    with pytest.raises(pinmem.InvalidError, match="masked array.*cannot leave masked elements"):
+        pinmem.Loader(MASKED, batch_size=batch_size, num_workers=nw, device="cpu")
+    for in_dict in (False, True):
+        with pinmem.Loader(MaskedSamples(in_dict), batch_size=batch_size, num_workers=nw,
+                           device="cpu") as loader:
+            with pytest.raises(pinmem.InvalidError,
+                               match=r"index 0, field .*masked array.*cannot leave masked"):
+                next(iter(loader))
+    # A collate_fn's masked array arrives as it is, mask and all (not its bytes alone).
+    collate = (lambda x: x) if batch_size is None else np.ma.stack
+    with pinmem.Loader(MaskedSamples(), batch_size=batch_size, num_workers=nw, device="cpu",
+                       collate_fn=collate) as loader:
+        got = list(loader)
+    want = [MASKED[i] for i in range(4)] if batch_size is None else [MASKED[:2], MASKED[2:]]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert isinstance(g, np.ma.MaskedArray)
+        assert np.array_equal(np.ma.getmaskarray(g), np.ma.getmaskarray(w))
+        assert np.array_equal(g.data, w.data)
+
+
 @pytest.mark.parametrize("dtype", [">f4", "<U10", "<M8[s]", [("a", "<i4"), ("b", ">f8")]])
 def test_dtypes_without_a_code_keep_their_dtype(tmp_path, rng, dtype):
     dt = np.dtype(dtype)

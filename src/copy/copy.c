@@ -52,7 +52,9 @@ void pm__copy_cfg(pm__copy_cfg_t *cfg) {
   cfg->ramp = pm__opt_int(PM__OPT_COPY_RAMP) != 0;
   size_t piece = pm__opt_size(PM__OPT_COPY_PIECE);
   if (piece && piece < 4096) piece = 4096;
-  cfg->piece = piece < chunk ? piece : 0; /* a piece as large as a slot is the plain ring */
+  /* A piece as large as a slot is the plain ring. The option table refuses such a pair where
+   * a value comes in; the default piece with a small chunk still gets here. */
+  cfg->piece = piece < chunk ? piece : 0;
   long piece_slots = pm__opt_int(PM__OPT_COPY_PIECE_SLOTS);
   cfg->piece_slots = piece_slots > 0 ? (int)piece_slots : (int)slots;
 }

@@ -174,11 +174,9 @@ static bool parse_seconds(const char *t, pm__optval_t *out, char *why, size_t n)
   return true;
 }
 
-static bool size_parse(const char *text, size_t *bytes_out, char *why, size_t n);
-
 static bool size_reason(const char *t, size_t *v, char *why, size_t n) {
   char inner[64];
-  if (size_parse(t, v, inner, sizeof inner)) return true;
+  if (pm__size_parse(t, v, inner, sizeof inner)) return true;
   snprintf(why, n, "not a size: %s", inner);
   return false;
 }
@@ -521,6 +519,75 @@ static void canonical_text(pm__opt_t opt, const pm__optval_t *v, char *text, siz
 }
 
 /* Called with opt_lock held. */
+static void opt_fill(pm__opt_t opt);
+
+/* ---- rules between options ------------------------------------------------------------------ */
+
+/* copy_piece cuts a ring slot of copy_chunk bytes into pieces, so a piece is below the chunk
+ * (0: no pieces). A larger one used to be taken and quietly meant "no pieces", so a mistyped
+ * size turned the H2D layout off unseen. The rule is checked where a value comes in, whichever
+ * of the two comes last: pm_option_set of either refuses a pair that breaks it, and a
+ * PINMEM_COPY_PIECE that breaks it is ignored with the reason, as any bad environment value.
+ * A pair can still break it where neither is set with a value: the default piece with a small
+ * chunk, or copy_chunk's value dropped (pm_option_set(name, NULL)); pm__copy_cfg then stages
+ * without pieces, as documented. */
+
+/* The copy_chunk in force, as bytes and as its text. Called with opt_lock held. */
+static size_t chunk_in_force_locked(char *text, size_t len) {
+  opt_fill(PM__OPT_COPY_CHUNK);
+  const pm__opt_resolved_t *c = &opt_cache[PM__OPT_COPY_CHUNK].r;
+  snprintf(text, len, "%s",
+           c->source == PM_OPTION_DEFAULT ? opt_table[PM__OPT_COPY_CHUNK].def : c->text);
+  return c->value.sz;
+}
+
+/* A copy_piece of `piece` bytes against the chunk in force; false with the reason otherwise.
+ * Called with opt_lock held. */
+static bool piece_fits_locked(size_t piece, char *why, size_t n) {
+  char chunk_text[PM__OPT_TEXT_MAX];
+  size_t chunk = chunk_in_force_locked(chunk_text, sizeof chunk_text);
+  if (piece == 0 || piece < chunk) return true;
+  snprintf(why, n, "not below copy_chunk %.24s", chunk_text);
+  return false;
+}
+
+/* pm_option_set's check of the rule: true when `v` (the parsed value of opt) keeps it, else
+ * false with the message in msg (set as the error once the lock is dropped: the lock is a leaf).
+ * Called with opt_lock held. */
+static bool cross_check_locked(pm__opt_t opt, const char *text, const pm__optval_t *v, char *msg,
+                               size_t n) {
+  char why[96];
+  if (opt == PM__OPT_COPY_PIECE && !piece_fits_locked(v->sz, why, sizeof why)) {
+    snprintf(msg, n,
+             "pm_option_set(copy_piece, '%.64s'): %s; a piece must be smaller than copy_chunk (or "
+             "0, no pieces): raise copy_chunk first",
+             text, why);
+    return false;
+  }
+  if (opt == PM__OPT_COPY_CHUNK && opt_has_explicit[PM__OPT_COPY_PIECE]) {
+    pm__optval_t piece;
+    const char *ptext = opt_explicit[PM__OPT_COPY_PIECE];
+    if (opt_table[PM__OPT_COPY_PIECE].parse(ptext, &piece, why, sizeof why) && piece.sz &&
+        piece.sz >= v->sz) {
+      snprintf(msg, n,
+               "pm_option_set(copy_chunk, '%.64s'): not above copy_piece %.24s (set with "
+               "pm_option_set); a piece must be smaller than copy_chunk: lower copy_piece (or set "
+               "it to 0) first",
+               text, ptext);
+      return false;
+    }
+  }
+  return true;
+}
+
+/* Invalidate opt's cache entry and those whose value depends on it. Called with opt_lock held. */
+static void opt_invalidate(int opt);
+static void opt_changed_locked(int opt) {
+  opt_invalidate(opt);
+  /* A PINMEM_COPY_PIECE ignored against the old chunk may fit the new one, and the reverse. */
+  if (opt == PM__OPT_COPY_CHUNK) opt_invalidate(PM__OPT_COPY_PIECE);
+}
+
 static void opt_resolve(pm__opt_t opt, pm__opt_resolved_t *r) {
   const pm__opt_def_t *d = &opt_table[opt];
   char buf[PM__OPT_TEXT_MAX];
@@ -537,7 +604,8 @@ static void opt_resolve(pm__opt_t opt, pm__opt_resolved_t *r) {
   const char *env = getenv(d->env);
   if (env) {
     trim_copy(buf, sizeof buf, env);
-    if (d->parse(buf, &r->value, why, sizeof why)) {
+    if (d->parse(buf, &r->value, why, sizeof why) &&
+        (opt != PM__OPT_COPY_PIECE || piece_fits_locked(r->value.sz, why, sizeof why))) {
       r->source = PM_OPTION_ENV;
       snprintf(r->text, sizeof r->text, "%s", buf);
       canonical_text(opt, &r->value, r->text, sizeof r->text);
@@ -735,7 +803,7 @@ pm_status_t pm_option_set(const char *name, const char *value) {
   if (!value) {
     pthread_mutex_lock(&opt_lock);
     opt_has_explicit[i] = false;
-    opt_invalidate(i);
+    opt_changed_locked(i);
     pthread_mutex_unlock(&opt_lock);
     return PM_OK;
   }
@@ -750,11 +818,16 @@ pm_status_t pm_option_set(const char *name, const char *value) {
     return pm__set_error(PM_ERR_CONFIG, "pm_option_set(%s, '%.64s'): %s", opt_table[i].name, value,
                          why);
   pthread_mutex_lock(&opt_lock);
-  memcpy(opt_explicit[i], buf, sizeof buf);
-  opt_has_explicit[i] = true;
-  opt_invalidate(i);
+  char msg[320];
+  /* Under the lock: two calls setting copy_piece and copy_chunk at once see each other. */
+  bool ok = cross_check_locked((pm__opt_t)i, value, &v, msg, sizeof msg);
+  if (ok) {
+    memcpy(opt_explicit[i], buf, sizeof buf);
+    opt_has_explicit[i] = true;
+    opt_changed_locked(i);
+  }
   pthread_mutex_unlock(&opt_lock);
-  return PM_OK;
+  return ok ? PM_OK : pm__set_error(PM_ERR_CONFIG, "%s", msg);
 }
 
 /* ---- sizes ------------------------------------------------------------------------------- */
@@ -769,7 +842,7 @@ PM__PRINTF(3, 4) static bool size_fail(char *why, size_t n, const char *fmt, ...
 
 /* The reasons are short and do not repeat the text: they also end up in
  * pm_option_info_t.value (128 bytes). */
-static bool size_parse(const char *text, size_t *bytes_out, char *why, size_t n) {
+bool pm__size_parse(const char *text, size_t *bytes_out, char *why, size_t n) {
   const char *p = text;
   while (isspace((unsigned char)*p)) p++;
   if (*p == '-') return size_fail(why, n, "negative");
@@ -850,9 +923,9 @@ pm_status_t pm_parse_size(const char *text, size_t *bytes_out) {
     return pm__set_error(PM_ERR_INVALID, "pm_parse_size: %s is NULL", !text ? "text" : "bytes_out");
   char why[96];
   size_t v;
-  if (!size_parse(text, &v, why, sizeof why))
-    return pm__set_error(
-        PM_ERR_CONFIG, "pm_parse_size('%.64s'): %s (want e.g. 4096, 64K, 1.5M, 2G, 1T)", text, why);
+  if (!pm__size_parse(text, &v, why, sizeof why))
+    return pm__set_error(PM_ERR_CONFIG,
+                         "pm_parse_size('%.64s'): %s (want e.g. " PM__SIZE_EXAMPLES ")", text, why);
   *bytes_out = v;
   return PM_OK;
 }

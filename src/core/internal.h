@@ -174,6 +174,13 @@ void pm__opt_text(pm__opt_t opt, char *buf, size_t len);
  * none was (the default is in force only because the variable did not parse). */
 void pm__opt_ignored(pm__opt_t opt, char *buf, size_t len);
 
+/* pm_parse_size's parser with its reason as an out parameter: false with why ("negative", "not a
+ * number", "unexpected 'Q'", "not a whole number of bytes", "too large"; short, without the
+ * text) when `text` is not a size. The CLI words its own messages from it. */
+bool pm__size_parse(const char *text, size_t *bytes_out, char *why, size_t n);
+/* The sizes pm_parse_size's messages give as examples. */
+#define PM__SIZE_EXAMPLES "4096, 64K, 1.5M, 2G, 1T"
+
 /* Values of the copy_bounce option: how staged H2D copies use pinned bounce memory. */
 #define PM__COPY_BOUNCE_MAP(X)                                                                  \
   X(PM__BOUNCE_WHOLE, 0, "whole") /* one pool block the size of the copy (ring if refused) */   \

@@ -246,6 +246,8 @@ void pm__pool_carve_locked(pm_pool_t *p, pm__block_t *b, size_t need) {
 void pm__pool_mark_in_use_locked(pm_pool_t *p, pm__block_t *b, size_t bytes) {
   b->state = PM__B_IN_USE;
   b->requested = bytes;
+  size_t end = (size_t)(b->ptr - b->seg->base) + b->size;
+  if (end > b->seg->handed) b->seg->handed = end;
   hash_insert(p, b);
   p->in_use += b->size;
   p->requested += bytes;

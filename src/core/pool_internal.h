@@ -60,6 +60,11 @@ struct pm__segment {
   bool bound;
   pm__group_t *group; /* its bin set: node and flags decide it once, at creation */
   void *dev_base;
+  /* Bytes from base that have ever been handed out (a high-water mark). A block is always
+   * handed out from the front of a free block, so every byte below it was once the caller's and
+   * none above it ever was: a free of an address above it names memory pm_host_alloc never
+   * returned, not a double free. */
+  size_t handed;
   pm__block_t *first;
   pm__segment_t *prev, *next;
 };

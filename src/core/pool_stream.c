@@ -98,6 +98,13 @@ static pm_status_t take_in_use_locked(pm_pool_t *p, void *ptr, const char *fn,
   if (!b)
     return pm__set_error(PM_ERR_NOT_FOUND, "%s(%p): not in any segment of pool %p", fn, ptr,
                          (void *)p);
+  /* Free memory past the segment's high-water mark was never handed out: the pointer did not
+   * come from pm_host_alloc (a stray or computed address), which "double free" would hide. */
+  if (b->state == PM__B_FREE && (size_t)((char *)ptr - b->seg->base) >= b->seg->handed)
+    return pm__set_error(PM_ERR_INVALID,
+                         "%s(%p): not allocated by pm_host_alloc (pool %p holds the address in "
+                         "the part of a segment that was never handed out)",
+                         fn, ptr, (void *)p);
   if (b->state != PM__B_IN_USE)
     return pm__set_error(
         PM_ERR_DOUBLE_FREE, "%s(%p): %s", fn, ptr,
