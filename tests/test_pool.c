@@ -542,6 +542,12 @@ static void test_bad_input(void) {
   CHECK(strstr(pm_last_error(), "double") == NULL && strstr(pm_last_error(), "freed") == NULL);
   CHECK_ERR_MSG(pm_host_free(rest + 4096 + 256), PM_ERR_INVALID);
   CHECK(strstr(pm_last_error(), "not allocated by pm_host_alloc") != NULL);
+  /* The other calls that take a block's address say the same of it. */
+  size_t rest_size = 0;
+  CHECK_ERR_MSG(pm_host_usable_size(rest, &rest_size), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "not allocated by pm_host_alloc") != NULL);
+  CHECK_ERR_MSG(pm_host_record_stream(rest, NULL), PM_ERR_INVALID);
+  CHECK(strstr(pm_last_error(), "not allocated by pm_host_alloc") != NULL);
   CHECK_OK(pm_host_free(q));
   /* With q freed the whole segment is one free block, from p: p and q are double frees still,
    * the rest past them is still memory never handed out. */

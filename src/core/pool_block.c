@@ -267,6 +267,10 @@ pm_status_t pm__pool_usable_size(pm_pool_t *p, const void *ptr, size_t *bytes_ou
   size_t size = 0;
   if (!b)
     st = pm__set_error(PM_ERR_NOT_FOUND, "pm_host_usable_size(%p): not in pool %p", ptr, (void *)p);
+  else if (pm__pool_never_handed(b, ptr))
+    st = pm__set_error(PM_ERR_INVALID,
+                       "pm_host_usable_size(%p): not allocated by pm_host_alloc (never handed out)",
+                       ptr);
   else if (b->state != PM__B_IN_USE)
     st = pm__set_error(PM_ERR_INVALID, "pm_host_usable_size(%p): the block was freed", ptr);
   else if (!exact)

@@ -69,6 +69,12 @@ struct pm__segment {
   pm__segment_t *prev, *next;
 };
 
+/* A free block's address at or above its segment's high-water mark was never handed out: the
+ * caller's pointer did not come from pm_host_alloc, which "the block was freed" would hide. */
+static inline bool pm__pool_never_handed(const pm__block_t *b, const void *ptr) {
+  return b->state == PM__B_FREE && (size_t)((const char *)ptr - b->seg->base) >= b->seg->handed;
+}
+
 struct pm__group {
   pm__block_t *bins[PM__NBINS];
   uint64_t bitmap[PM__BITMAP_WORDS];

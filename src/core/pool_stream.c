@@ -100,7 +100,7 @@ static pm_status_t take_in_use_locked(pm_pool_t *p, void *ptr, const char *fn,
                          (void *)p);
   /* Free memory past the segment's high-water mark was never handed out: the pointer did not
    * come from pm_host_alloc (a stray or computed address), which "double free" would hide. */
-  if (b->state == PM__B_FREE && (size_t)((char *)ptr - b->seg->base) >= b->seg->handed)
+  if (pm__pool_never_handed(b, ptr))
     return pm__set_error(PM_ERR_INVALID,
                          "%s(%p): not allocated by pm_host_alloc (pool %p holds the address in "
                          "the part of a segment that was never handed out)",
@@ -244,6 +244,11 @@ pm_status_t pm__pool_record_stream(pm_pool_t *p, void *ptr, pm_stream_t stream) 
   if (!b)
     st = pm__set_error(PM_ERR_NOT_FOUND, "pm_host_record_stream(%p): not in pool %p", ptr,
                        (void *)p);
+  else if (pm__pool_never_handed(b, ptr))
+    st = pm__set_error(PM_ERR_INVALID,
+                       "pm_host_record_stream(%p): not allocated by pm_host_alloc (never handed "
+                       "out)",
+                       ptr);
   else if (b->state != PM__B_IN_USE)
     st = pm__set_error(PM_ERR_INVALID, "pm_host_record_stream(%p): the block was freed", ptr);
   if (st == PM_OK) {
