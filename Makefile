@@ -129,6 +129,8 @@ test-gpu: deps-test
 # Python package: the extension module from the same CMake build (PINMEM_PYTHON=ON) in
 # $(BUILD)-py, then pytest over python/tests with that tree on PYTHONPATH (the cuda backend where
 # a GPU is present, else the host backend; torch tests skip, saying why, without torch+CUDA).
+# Then the Python examples of README.md and docs/*.md, each in a fresh interpreter on the host
+# backend (tests/check_doc_examples.py: how a block is marked not run, or run with a stand-in).
 # Then the packaging itself: `pip wheel .` through scikit-build-core (no toolkit needed: the cuda
 # backend loads the driver at run time), and the buffer and copy tests against the unpacked wheel.
 test-python: deps
@@ -138,6 +140,8 @@ test-python: deps
 	PYTHONPATH=$(CURDIR)/$(BUILD)-py/python $(PYTHON) -m pytest -q -rs -p no:cacheprovider \
 	  --junitxml=$(CURDIR)/$(BUILD)-py/pytest.xml python/tests
 	@$(RECORD) pytest $(SUITES) python $(BUILD)-py/pytest.xml
+	PYTHONPATH=$(CURDIR)/$(BUILD)-py/python $(PYTHON) tests/check_doc_examples.py --jobs $(JOBS)
+	@$(RECORD) ran $(SUITES) doc-examples "the Python examples of README.md and docs/*.md"
 	rm -rf $(BUILD)-py/wheel $(BUILD)-py/site
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps \
 	  -w $(BUILD)-py/wheel -Cbuild-dir=$(BUILD)-py/wheel-build .
@@ -242,11 +246,14 @@ clean:
 # The docs cannot go stale unseen (tests/check_docs.py): links and the results files they name
 # exist, every option default they quote is the option table's, every option they name exists,
 # install.md lists tools/deps.sh's packages, prose lines stay short; tests/test_check_docs.py
-# shows that each of those checks catches a change; tests/test_install_story.sh that plain make
-# installs nothing and PINMEM_NO_INSTALL=1 refuses. (--unused lists results files no doc names.)
+# shows that each of those checks catches a change, tests/test_check_doc_examples.py that
+# tests/check_doc_examples.py (run by test-python) catches a broken example;
+# tests/test_install_story.sh that plain make installs nothing and PINMEM_NO_INSTALL=1 refuses.
+# (--unused lists results files no doc names.)
 .PHONY: check-docs
 check-docs: deps-test
 	python3 tests/check_docs.py
 	python3 tests/test_check_docs.py
+	python3 tests/test_check_doc_examples.py
 	bash tests/test_install_story.sh
 	@$(RECORD) ran $(SUITES) check-docs
