@@ -9,6 +9,8 @@
 
 #include "batch_layout.h"
 
+#include <unistd.h>
+
 typedef struct {
   PyObject_HEAD pm_loader_t *loader; /* NULL once closed */
   DatasetObject *dataset;
@@ -16,6 +18,7 @@ typedef struct {
   int device;      /* batches in device memory */
   int dev_index;
   int unbatched; /* batches of one sample, delivered without the batch axis (batch_size=None) */
+  pid_t pid;     /* the process that made it: a forked child's copies of its batches are not its */
 } LoaderObject;
 
 /* One delivered batch. Its buffers (one per field) hold it; when the last of them goes, the
@@ -31,6 +34,15 @@ static PyObject *g_batch_class; /* pinmem.Batch (a tuple subclass), set by _set_
 static PyObject *g_str_epoch, *g_str_index, *g_str_indices;
 
 static void Batch_dealloc(BatchObject *self) {
+  /* In a forked child, a batch the parent held (the child's copy of it, dropped there or
+   * collected with the parent's garbage) belongs to the parent's loader: the slot is the
+   * parent's to give back, and the child has nothing to release. It is only forgotten, as
+   * pm_loader_destroy forgets the parent's loader in a child, with no warning from a process
+   * that did nothing wrong. */
+  if (self->loader && self->loader->pid != getpid()) {
+    self->loader->held--;
+    Py_CLEAR(self->loader);
+  }
   if (self->loader) {
     pm_stream_t s = NULL;
     uintptr_t v = self->release_stream;
@@ -171,6 +183,7 @@ static PyObject *Loader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   self->dataset = (DatasetObject *)Py_NewRef(dataset);
   self->device = device;
   self->unbatched = unbatched;
+  self->pid = getpid();
   pm_status_t st;
   pm_dataset_t *ds = self->dataset->ds;
   Py_BEGIN_ALLOW_THREADS st = pm_loader_create(ds, &c, &self->loader);
