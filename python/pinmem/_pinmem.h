@@ -146,6 +146,7 @@ typedef struct BufferObject {
   int views_gone_recorded;
   int reuse_unsafe; /* views consumed on two streams, or an event failed: never reused */
   PyObject *weakrefs;
+  long pid; /* the process that made it: in a forked child, dropping it only forgets the memory */
 } BufferObject;
 
 extern PyTypeObject pmpy_BufferType, pmpy_PinnedBufferType, pmpy_DeviceBufferType;

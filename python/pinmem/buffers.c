@@ -10,11 +10,13 @@
  */
 #include "_pinmem.h"
 
+#include <unistd.h>
+
 const char *const pmpy_kind_names[] = {"pool", "registered", "device", "external"};
 
 /* Give the memory back (GIL held; drops it around slow calls). Errors are returned, with
  * pm_last_error() set; the buffer counts as released anyway (there is nothing to retry). */
-pm_status_t pmpy_buffer_release_memory(BufferObject *b) {
+static pm_status_t release_memory(BufferObject *b, int forget) {
   if (b->released) return PM_OK;
   b->released = 1;
   void *p = b->ptr;
@@ -22,11 +24,17 @@ pm_status_t pmpy_buffer_release_memory(BufferObject *b) {
   pm_status_t st = PM_OK;
   pm_event_t ev = b->ready_owned ? b->ready : NULL;
   b->ready = NULL;
+  if (forget) {
+    /* A forked child's copy of its parent's buffer: the memory, its registration and its events
+     * are the parent's to give back (the library refuses them here), so only the references go. */
+    b->views_gone = NULL;
+    ev = NULL;
+  }
   if (b->views_gone) {
     pm_event_destroy(b->views_gone);
     b->views_gone = NULL;
   }
-  switch (b->kind) {
+  switch (forget && b->kind != BUF_EXTERNAL ? -1 : b->kind) {
     case BUF_POOL:
       Py_BEGIN_ALLOW_THREADS st = pm_host_free(p);
       Py_END_ALLOW_THREADS break;
@@ -61,6 +69,12 @@ pm_status_t pmpy_buffer_release_memory(BufferObject *b) {
   Py_CLEAR(b->keep);
   return st;
 }
+pm_status_t pmpy_buffer_release_memory(BufferObject *b) { return release_memory(b, 0); }
+
+/* Dropped in a process other than its maker's (a fork child that collects the parent's
+ * garbage): forgotten without a word, as the loader's batches are; an explicit release() there
+ * still reports what the library says. */
+static int buffer_foreign(const BufferObject *b) { return b->pid != (long)getpid(); }
 
 /* The objects a buffer holds are visible to the cycle collector: an object that holds its own
  * pin (`arr.pinned = pinmem.pin(arr)`, an attribute of an ndarray or bytearray subclass) is a
@@ -79,7 +93,7 @@ static int Buffer_clear(BufferObject *self) {
   if (self->exports > 0) return 0;
   PyObject *et, *ev, *tb;
   PyErr_Fetch(&et, &ev, &tb);
-  (void)pmpy_buffer_release_memory(self); /* nobody to report an error to: as at exit */
+  (void)release_memory(self, buffer_foreign(self)); /* nobody to report an error to */
   Py_CLEAR(self->base);
   PyErr_Restore(et, ev, tb);
   return 0;
@@ -90,7 +104,7 @@ static void Buffer_dealloc(BufferObject *self) {
   PyObject *et, *ev, *tb;
   PyErr_Fetch(&et, &ev, &tb);
   if (self->weakrefs) PyObject_ClearWeakRefs((PyObject *)self);
-  pm_status_t st = pmpy_buffer_release_memory(self);
+  pm_status_t st = release_memory(self, buffer_foreign(self));
   if (st != PM_OK && st != PM_NOT_READY) {
     if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "pinmem: releasing a %s buffer failed: %s: %s",
                          pmpy_kind_names[self->kind], pm_status_name(st), pm_last_error()) < 0)
@@ -135,6 +149,7 @@ BufferObject *pmpy_buffer_alloc(PyTypeObject *type, int ndim) {
   BufferObject *b = (BufferObject *)type->tp_alloc(type, 0);
   if (!b) return NULL;
   b->released = 1; /* until memory is attached */
+  b->pid = (long)getpid();
   b->dl_device_type = kDLCPU;
   if (pmpy_buffer_set_ndim(b, ndim) < 0) {
     Py_DECREF(b);
