@@ -552,8 +552,8 @@ def describe(sample, index):
             raise _invalid(f"dataset index {index}, field {p}: dtype {dt} has no fixed-size "
                            "bytes")
         if dt.byteorder == ">" or dt.fields is not None or dt.kind in "OUSVMm":
-            raise _invalid(f"dataset index {index}, field {p}: dtype {dt} cannot go to the "
-                           "device; return a native number type")
+            raise _invalid(f"dataset index {index}, field {p}: dtype {dt} is not a number "
+                           "type a batch holds (nor a tensor's); return a native number type")
         specs.append((dt, tuple(a.shape), kind))
     return Schema(tree, specs, paths)
 

@@ -488,3 +488,18 @@ def test_a_forked_child_dropping_the_parents_batches_is_quiet():
     del held
     gc.collect()
     assert pinmem.stats()["in_use_bytes"] == 0
+
+
+def test_a_datetime_field_is_refused_without_talk_of_a_device():
+    """A dataset's datetime64 field has no tensor type: refused (torch's collate refuses it too),
+    and the reason names the dtype, not a device the batch was never going to."""
+    class D:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"t": np.datetime64("2020-01-01") + i, "x": np.float32(i)}
+
+    with pytest.raises(pinmem.InvalidError) as e:
+        list(pinmem.Loader(D(), batch_size=2, device="cpu"))
+    assert "datetime64" in str(e.value) and "device" not in str(e.value), str(e.value)
