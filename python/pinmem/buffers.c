@@ -8,9 +8,9 @@
  * only through pmpy_buffer_set_ndim. A Buffer is born released (no memory yet) until its maker
  * attaches memory; pmpy_buffer_release_memory gives that back once and leaves ptr NULL.
  */
-#include "_pinmem.h"
-
 #include <unistd.h>
+
+#include "_pinmem.h"
 
 const char *const pmpy_kind_names[] = {"pool", "registered", "device", "external"};
 
@@ -69,12 +69,16 @@ static pm_status_t release_memory(BufferObject *b, int forget) {
   Py_CLEAR(b->keep);
   return st;
 }
-pm_status_t pmpy_buffer_release_memory(BufferObject *b) { return release_memory(b, 0); }
+pm_status_t pmpy_buffer_release_memory(BufferObject *b) {
+  return release_memory(b, 0);
+}
 
 /* Dropped in a process other than its maker's (a fork child that collects the parent's
  * garbage): forgotten without a word, as the loader's batches are; an explicit release() there
  * still reports what the library says. */
-static int buffer_foreign(const BufferObject *b) { return b->pid != (long)getpid(); }
+static int buffer_foreign(const BufferObject *b) {
+  return b->pid != (long)getpid();
+}
 
 /* The objects a buffer holds are visible to the cycle collector: an object that holds its own
  * pin (`arr.pinned = pinmem.pin(arr)`, an attribute of an ndarray or bytearray subclass) is a
