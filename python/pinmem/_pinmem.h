@@ -47,6 +47,7 @@
 #include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h> /* getpid: the process that made a Buffer */
 
 #include <dlpack/dlpack.h>
 

@@ -8,8 +8,6 @@
  * only through pmpy_buffer_set_ndim. A Buffer is born released (no memory yet) until its maker
  * attaches memory; pmpy_buffer_release_memory gives that back once and leaves ptr NULL.
  */
-#include <unistd.h>
-
 #include "_pinmem.h"
 
 const char *const pmpy_kind_names[] = {"pool", "registered", "device", "external"};
