@@ -29,8 +29,9 @@ RECORD     := python3 tests/suites.py
 all: build
 
 # What each target needs (tools/deps.sh): c for the C build, test for the suites, python for
-# the Python suites, wheel for `make wheel` alone (its build packages, not the suites' torch). `make test` checks all three first, in its first seconds; the later checks
-# of a part find it present (a few milliseconds).
+# the Python suites, wheel for `make wheel` alone (its build packages, not the suites' torch).
+# `make test` checks all three first, in its first seconds; the later checks of a part find it
+# present (a few milliseconds).
 deps-c:
 	@$(DEPS) c
 deps-check:
