@@ -80,6 +80,7 @@ import struct as _struct
 import sys as _sys
 import threading as _threading
 import time as _time
+import traceback as _traceback
 import warnings as _warnings
 import zlib as _zlib
 
@@ -1476,6 +1477,20 @@ def _wanted(reqs, planner):
     return wanted / total if total else 1.0
 
 
+def _drop_locals(exc):
+    """Clears the finished frames in the tracebacks of exc and of the exceptions it chains
+    (__cause__, __context__): their locals go, the line numbers stay. A frame still running
+    (the one handling exc) is left as it is."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        _traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+
+
 def _open_files_limit():
     try:
         import resource
@@ -1622,6 +1637,15 @@ class FileSystemReader(_fs.FileSystemReader):
                     phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
                 if not hold:
                     _os.close(fds.pop(path))
+        except BaseException as e:
+            # The read's frames hold its pinned scratch (read_ranges' buffer: 12 MiB for a
+            # model's small items, up to SPAN; the spans; a tensor read on its own), and the
+            # exception's traceback holds the frames: DCP keeps the exception in its
+            # CheckpointException, so the pinned memory stayed in use as long as the caller kept
+            # the error, and, the frames and the exception being a cycle, until the next garbage
+            # collection. Their locals dropped, it goes back to the pool as load raises.
+            _drop_locals(e)
+            raise
         finally:
             for fd in fds.values():
                 _os.close(fd)
@@ -1784,23 +1808,28 @@ class FileSystemReader(_fs.FileSystemReader):
             return bufs[k % 2]
 
         import concurrent.futures
-        with concurrent.futures.ThreadPoolExecutor(1, "pinmem-dcp-read") as ex:
-            fut = ex.submit(fetch, 0)
-            for k, (start, end, items) in enumerate(spans):
-                t0 = _time.perf_counter()
-                buf = fut.result()
-                t1 = _time.perf_counter()
-                phases["wait_disk"] = phases.get("wait_disk", 0.0) + t1 - t0
-                t0 = t1
-                fut = ex.submit(fetch, k + 1) if k + 1 < len(spans) else None
-                if buf is None:
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1, "pinmem-dcp-read") as ex:
+                fut = ex.submit(fetch, 0)
+                for k, (start, end, items) in enumerate(spans):
+                    t0 = _time.perf_counter()
+                    buf = fut.result()
+                    t1 = _time.perf_counter()
+                    phases["wait_disk"] = phases.get("wait_disk", 0.0) + t1 - t0
+                    t0 = t1
+                    fut = ex.submit(fetch, k + 1) if k + 1 < len(spans) else None
+                    if buf is None:
+                        for req, info in items:
+                            self._read_item(fd, path, req, info, planner)
+                        phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
+                        continue
                     for req, info in items:
-                        self._read_item(fd, path, req, info, planner)
-                    phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
-                    continue
-                for req, info in items:
-                    self._from_span(path, buf, start, req, info, planner)
-                phases["copy"] = phases.get("copy", 0.0) + _time.perf_counter() - t0
+                        self._from_span(path, buf, start, req, info, planner)
+                    phases["copy"] = phases.get("copy", 0.0) + _time.perf_counter() - t0
+        finally:
+            # A failed load's traceback keeps fetch's frame, which keeps fetch and so its
+            # closure: the buffers go back here, not when the error does (read_data).
+            bufs.clear()
 
     def _from_span(self, path, buf, start, req, info, planner):
         lo = info.offset - start

@@ -1207,6 +1207,7 @@ def test_bad_io_refused(tmp_path):
 
 def test_truncated_file_loses_nothing(tmp_path):
     """A data file cut short: the load raises naming the file, before any tensor is changed."""
+    import pinmem
     import pinmem.dcp
     sd = _plain_sd()
     dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
@@ -1217,9 +1218,12 @@ def test_truncated_file_loses_nothing(tmp_path):
     got = {k: (torch.full_like(v, 3) if isinstance(v, torch.Tensor) else {"k": -1})
            for k, v in sd.items()}
     before = {k: v.clone() for k, v in got.items() if isinstance(v, torch.Tensor)}
+    in_use = pinmem.stats()["in_use_bytes"]
     with pytest.raises(CheckpointException) as e:
         dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
     assert data[0] in str(e.value) and "truncated" in str(e.value)
+    # found before any scratch is taken: the error holds no pinned memory
+    assert pinmem.stats()["in_use_bytes"] == in_use
     for k, v in before.items():
         assert torch.equal(got[k], v), f"{k} was changed by a load that failed"
     # a missing file: named too
@@ -1249,6 +1253,55 @@ def test_damaged_shape_in_an_archive_raises(tmp_path, damage):
         got = {k: torch.zeros_like(v) for k, v in sd.items()}
         with pytest.raises(CheckpointException):
             dcp.load(got, storage_reader=reader(tmp_path), no_dist=True)
+
+
+@pytest.mark.parametrize("path,failure", [("one call", "damaged"), ("one call", "io"),
+                                          ("spans", "damaged"), ("spans", "io"),
+                                          ("items", "io")])
+def test_failed_load_gives_its_pinned_scratch_back(tmp_path, monkeypatch, path, failure):
+    """A load that fails after its pinned scratch is allocated (an archive damaged in its shape,
+    a read failing as a disk's EIO would) has given the scratch back to pinmem's pool when
+    dcp.load raises, while the caller still holds the error and without the garbage collector:
+    the error's traceback held the read's frames, and their locals the scratch, until the next
+    collection. path: each file in one read_ranges call, in spans, or item by item (into
+    destinations of another dtype, which take the bytes through a pinned buffer). The error
+    still tells where it came from."""
+    import pinmem
+    import pinmem.dcp
+    g = torch.Generator().manual_seed(5)
+    sd = {f"s{i:02d}": torch.randn(10_000, generator=g) for i in range(60)}  # 40 KB each
+    sd["a"] = torch.randn(10, 50, generator=g)
+    dcp.save(sd, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path), no_dist=True)
+    if failure == "damaged":  # "a"'s size (10, 50) made (10, 51): torch.load refuses it
+        data = [n for n in os.listdir(tmp_path) if n.endswith(".distcp")]
+        raw = (tmp_path / data[0]).read_bytes()
+        assert raw.count(b"K\nK2\x86") == 1
+        (tmp_path / data[0]).write_bytes(raw.replace(b"K\nK2\x86", b"K\nK3\x86"))
+        where = "_from_span"
+    else:
+        def eio(*a, **kw):
+            raise OSError(errno.EIO, "Input/output error (the disk)")
+        monkeypatch.setattr(pinmem, "read_ranges", eio)
+        monkeypatch.setattr(pinmem, "read_file", eio)
+        where = {"one call": "_read_file", "spans": "fetch", "items": "_read_stored"}[path]
+    if path != "one call":  # a scratch larger than SPAN: spans, or item by item
+        monkeypatch.setattr(pinmem.dcp.FileSystemReader, "SPAN", 1 << 20)
+        monkeypatch.setattr(pinmem.dcp, "WANTED", 0.5 if path == "spans" else 2.0)
+    dtype = torch.float64 if path == "items" else torch.float32
+    got = {k: torch.zeros(v.shape, dtype=dtype) for k, v in sd.items()}
+    gc.collect()
+    gc.disable()
+    try:
+        before = pinmem.stats()
+        with pytest.raises(CheckpointException) as e:
+            dcp.load(got, storage_reader=pinmem.dcp.FileSystemReader(tmp_path), no_dist=True)
+        after = pinmem.stats()
+        assert after["allocs"] > before["allocs"], "the load took no pinned scratch"
+        assert after["in_use_bytes"] == before["in_use_bytes"], \
+            f"{after['in_use_bytes'] - before['in_use_bytes']} pinned bytes kept by the error"
+        assert where in str(e.value), str(e.value)
+    finally:
+        gc.enable()
 
 
 @pytest.fixture
