@@ -56,12 +56,13 @@ bytes or more in spans of 64 to 128 MiB, each with one pinmem.read_file call int
 pinned buffers; other files item by item: a tensor's archive is parsed (local headers, pickle)
 without torch.load, the bytes needed read straight into the destination where they are one range
 of it, else the stored tensor is read into pinned memory and copied. An archive this code does
-not know is loaded by torch.load.
+not know is loaded by torch.load. A load that fails has given its pinned memory back when it
+raises.
 
 Staging for dcp.async_save (PinnedStager; also FileSystemWriter.stage). The state dict's
-tensors are copied into one pinned buffer from pinmem's pool (the exact sum of their 4
-KiB-rounded sizes, within pinmem's budget; kept and reused by the next save once nothing uses
-the previous snapshot), or, for device tensors with room on their device (stage "auto"), into
+tensors are copied into one pinned buffer from pinmem's pool (those of SMALL bytes or more on 4
+KiB boundaries, smaller ones packed between them; within pinmem's budget; kept and reused by the
+next save once nothing uses the previous snapshot), or, for device tensors with room on their device (stage "auto"), into
 one scratch tensor per dtype there, queued on the current stream, as save_file_async does; the
 background write then moves them to the file.
 """
