@@ -62,9 +62,9 @@ raises.
 Staging for dcp.async_save (PinnedStager; also FileSystemWriter.stage). The state dict's
 tensors are copied into one pinned buffer from pinmem's pool (those of SMALL bytes or more on 4
 KiB boundaries, smaller ones packed between them; within pinmem's budget; kept and reused by the
-next save once nothing uses the previous snapshot), or, for device tensors with room on their device (stage "auto"), into
-one scratch tensor per dtype there, queued on the current stream, as save_file_async does; the
-background write then moves them to the file.
+next save once nothing uses the previous snapshot), or, for device tensors with room on their
+device (stage "auto"), into one scratch tensor per dtype there, queued on the current stream, as
+save_file_async does; the background write then moves them to the file.
 """
 import bisect as _bisect
 import collections as _collections
@@ -1639,12 +1639,12 @@ class FileSystemReader(_fs.FileSystemReader):
                 if not hold:
                     _os.close(fds.pop(path))
         except BaseException as e:
-            # The read's frames hold its pinned scratch (read_ranges' buffer: 12 MiB for a
-            # model's small items, up to SPAN; the spans; a tensor read on its own), and the
-            # exception's traceback holds the frames: DCP keeps the exception in its
-            # CheckpointException, so the pinned memory stayed in use as long as the caller kept
-            # the error, and, the frames and the exception being a cycle, until the next garbage
-            # collection. Their locals dropped, it goes back to the pool as load raises.
+            # The read's frames hold its pinned scratch (a file's heads and small items, up to
+            # SPAN; two spans; a tensor read on its own), and the exception's traceback holds
+            # the frames: DCP keeps the exception in its CheckpointException, so the pinned
+            # memory stayed in use as long as the caller kept the error, and past that until the
+            # next garbage collection (the frames and the error refer to each other). Their
+            # locals dropped, it goes back to the pool as the load raises.
             _drop_locals(e)
             raise
         finally:
