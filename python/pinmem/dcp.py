@@ -56,14 +56,15 @@ bytes or more in spans of 64 to 128 MiB, each with one pinmem.read_file call int
 pinned buffers; other files item by item: a tensor's archive is parsed (local headers, pickle)
 without torch.load, the bytes needed read straight into the destination where they are one range
 of it, else the stored tensor is read into pinned memory and copied. An archive this code does
-not know is loaded by torch.load.
+not know is loaded by torch.load. A load that fails has given its pinned memory back when it
+raises.
 
 Staging for dcp.async_save (PinnedStager; also FileSystemWriter.stage). The state dict's
-tensors are copied into one pinned buffer from pinmem's pool (the exact sum of their 4
-KiB-rounded sizes, within pinmem's budget; kept and reused by the next save once nothing uses
-the previous snapshot), or, for device tensors with room on their device (stage "auto"), into
-one scratch tensor per dtype there, queued on the current stream, as save_file_async does; the
-background write then moves them to the file.
+tensors are copied into one pinned buffer from pinmem's pool (those of SMALL bytes or more on 4
+KiB boundaries, smaller ones packed between them; within pinmem's budget; kept and reused by the
+next save once nothing uses the previous snapshot), or, for device tensors with room on their
+device (stage "auto"), into one scratch tensor per dtype there, queued on the current stream, as
+save_file_async does; the background write then moves them to the file.
 """
 import bisect as _bisect
 import collections as _collections
@@ -80,6 +81,7 @@ import struct as _struct
 import sys as _sys
 import threading as _threading
 import time as _time
+import traceback as _traceback
 import warnings as _warnings
 import zlib as _zlib
 
@@ -1476,6 +1478,20 @@ def _wanted(reqs, planner):
     return wanted / total if total else 1.0
 
 
+def _drop_locals(exc):
+    """Clears the finished frames in the tracebacks of exc and of the exceptions it chains
+    (__cause__, __context__): their locals go, the line numbers stay. A frame still running
+    (the one handling exc) is left as it is."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        _traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+
+
 def _open_files_limit():
     try:
         import resource
@@ -1622,6 +1638,15 @@ class FileSystemReader(_fs.FileSystemReader):
                     phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
                 if not hold:
                     _os.close(fds.pop(path))
+        except BaseException as e:
+            # The read's frames hold its pinned scratch (a file's heads and small items, up to
+            # SPAN; two spans; a tensor read on its own), and the exception's traceback holds
+            # the frames: DCP keeps the exception in its CheckpointException, so the pinned
+            # memory stayed in use as long as the caller kept the error, and past that until the
+            # next garbage collection (the frames and the error refer to each other). Their
+            # locals dropped, it goes back to the pool as the load raises.
+            _drop_locals(e)
+            raise
         finally:
             for fd in fds.values():
                 _os.close(fd)
@@ -1784,23 +1809,28 @@ class FileSystemReader(_fs.FileSystemReader):
             return bufs[k % 2]
 
         import concurrent.futures
-        with concurrent.futures.ThreadPoolExecutor(1, "pinmem-dcp-read") as ex:
-            fut = ex.submit(fetch, 0)
-            for k, (start, end, items) in enumerate(spans):
-                t0 = _time.perf_counter()
-                buf = fut.result()
-                t1 = _time.perf_counter()
-                phases["wait_disk"] = phases.get("wait_disk", 0.0) + t1 - t0
-                t0 = t1
-                fut = ex.submit(fetch, k + 1) if k + 1 < len(spans) else None
-                if buf is None:
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1, "pinmem-dcp-read") as ex:
+                fut = ex.submit(fetch, 0)
+                for k, (start, end, items) in enumerate(spans):
+                    t0 = _time.perf_counter()
+                    buf = fut.result()
+                    t1 = _time.perf_counter()
+                    phases["wait_disk"] = phases.get("wait_disk", 0.0) + t1 - t0
+                    t0 = t1
+                    fut = ex.submit(fetch, k + 1) if k + 1 < len(spans) else None
+                    if buf is None:
+                        for req, info in items:
+                            self._read_item(fd, path, req, info, planner)
+                        phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
+                        continue
                     for req, info in items:
-                        self._read_item(fd, path, req, info, planner)
-                    phases["items"] = phases.get("items", 0.0) + _time.perf_counter() - t0
-                    continue
-                for req, info in items:
-                    self._from_span(path, buf, start, req, info, planner)
-                phases["copy"] = phases.get("copy", 0.0) + _time.perf_counter() - t0
+                        self._from_span(path, buf, start, req, info, planner)
+                    phases["copy"] = phases.get("copy", 0.0) + _time.perf_counter() - t0
+        finally:
+            # A failed load's traceback keeps fetch's frame, which keeps fetch and so its
+            # closure: the buffers go back here, not when the error does (read_data).
+            bufs.clear()
 
     def _from_span(self, path, buf, start, req, info, planner):
         lo = info.offset - start
@@ -1955,6 +1985,29 @@ def _rebuild_sd(v, DTensor, staged):
     return _copy.deepcopy(v)
 
 
+# PinnedStager packs a tensor of fewer than SMALL bytes (the writer copies it out with the bytes
+# around it, never with O_DIRECT from where it is) on a boundary of PACK bytes, or of its element
+# size when it is smaller: an optimizer's state holds a 0-d step counter for each parameter, and
+# a page each made 10,000 of them 40 MiB of pinned memory for 40 KB of values.
+PACK = 64
+
+
+def _snapshot_places(ts):
+    """([offset of each tensor in the snapshot's buffer], the buffer's bytes). A tensor of SMALL
+    bytes or more starts on a 4 KiB boundary (the buffer does: _pinned_pages), so that the
+    writer writes its middle with O_DIRECT from where it is (_FileOut._split_group); a smaller
+    one on PACK bytes, or its element size where it takes fewer bytes, packed behind the one
+    before it."""
+    places, at = [], 0
+    for t in ts:
+        nb = t.numel() * t.element_size()
+        align = ALIGN if nb >= SMALL else PACK if nb >= PACK else t.element_size()
+        at = -(-at // align) * align
+        places.append(at)
+        at += nb
+    return places, at
+
+
 class PinnedStager(_AsyncStager):
     """An AsyncStager for dcp.async_save(..., async_stager=PinnedStager()) (and the stage of
     pinmem.dcp.FileSystemWriter): snapshots the state dict's tensors (plain tensors and DTensors'
@@ -1966,8 +2019,9 @@ class PinnedStager(_AsyncStager):
     the file through pinmem's ring); otherwise, and for "host", every tensor is copied into one
     pinned buffer from pinmem's pool (device tensors by DMA, waited for). "device": the device
     scratch or torch's out-of-memory error. A tensor subclass other than Parameter is copied
-    by its own clone(), as itself (to the host with "host"). The pinned buffer is the exact size
-    of the snapshot (each tensor 4 KiB aligned, for O_DIRECT), within pinmem's budget (pageable
+    by its own clone(), as itself (to the host with "host"). The pinned buffer is the size of
+    the snapshot (tensors of SMALL bytes or more 4 KiB aligned, for O_DIRECT; smaller ones
+    packed: _snapshot_places), within pinmem's budget (pageable
     memory when the budget is spent), and kept for the next save, which reuses it once nothing
     holds the previous snapshot (once FileSystemWriter has written it, waiting up to _LET_GO_S
     for the thread that wrote it to let go); close() gives it back. Other values of the state
@@ -2063,8 +2117,7 @@ class PinnedStager(_AsyncStager):
                 staged[id(t)] = v
                 device_bytes += v.numel() * v.element_size()
         t2 = clock()
-        sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in host]
-        total = sum(sizes)
+        places, total = _snapshot_places(host)
         reused = False
         if host:
             mem = None  # empty tensors alone take no buffer, but are staged all the same
@@ -2074,8 +2127,7 @@ class PinnedStager(_AsyncStager):
             phases["pinned_alloc"] = clock() - t2
             t2 = clock()
             copies = []
-            at = 0
-            for t, n in zip(host, sizes):
+            for t, at in zip(host, places):
                 nb = t.numel() * t.element_size()
                 # A storage of its own for each tensor, over its place in the buffer, not views
                 # of one storage: torch's pickling for another process (async_save's process
@@ -2093,7 +2145,6 @@ class PinnedStager(_AsyncStager):
                     if nb:
                         copies.append((_pm.copy(raw, _bytes(src), stream), src))
                 staged[id(t)] = dst
-                at += n
             del mem
             for c, _ in copies:
                 c.wait()
