@@ -818,6 +818,66 @@ static void test_free_after_wait(void) {
   kv_free(&k);
 }
 
+/* When the store cannot record a swap's own event it synchronizes the swap's stream instead:
+ * the swap succeeds and its blocks are idle at once. When the device cannot say whether a swap
+ * completed (its event fails), the blocks freed while it used them are never handed out again
+ * (alloc says why, naming the swap), while idle blocks still are. */
+static void test_free_swap_untracked(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 4096, 35);
+  pm_blocks_t *s = make_store(k.block_bytes, 4, 0, 0);
+  pm_stream_t a;
+  REQUIRE_OK(pm_stream_create(&a));
+  uint64_t h[4], d[4] = {0, 1, 2, 3};
+  REQUIRE_OK(pm_blocks_alloc(s, 4, h));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_RECORD, 1, 0)); /* the store's own event */
+  pm_event_t ev = NULL;
+  CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, a, &ev));
+  pm__fault_counts_t c;
+  pm__fault_counts(&c);
+  CHECK_EQ_SIZE(c.injected[PM__FAULT_EVENT_RECORD], 1);
+  pm__fault_reset();
+  CHECK_OK(pm_event_synchronize(ev));
+  CHECK_OK(pm_event_destroy(ev));
+  bool out_ok = true;
+  for (int i = 0; i < 4; i++) out_ok = out_ok && host_block_is(s, &k, h[i], d[i]);
+  CHECK(out_ok);
+  CHECK_OK(pm_blocks_free(s, h, 4));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0));
+  uint64_t got[4];
+  CHECK_OK(pm_blocks_alloc(s, 4, got)); /* idle: the stream was synchronized */
+  CHECK_EQ_SIZE(event_syncs(), 0);
+  pm__fault_reset();
+
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
+  REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
+  uint64_t din[2] = {4, 5};
+  REQUIRE_OK(pm_blocks_swap_in(s, &k.layout_desc, din, got, 2, a, NULL));
+  CHECK_OK(pm_blocks_free(s, got, 4)); /* got[0], got[1]: the held swap_in reads them */
+  REQUIRE_OK(pm__fault_configure("event_sync=1+")); /* the device cannot tell */
+  uint64_t all[4];
+  pm_status_t st = pm_blocks_alloc(s, 4, all);
+  CHECK(st < 0);
+  CHECK(strstr(pm_last_error(), "completion cannot be known") != NULL);
+  uint64_t idle[2];
+  CHECK_OK(pm_blocks_alloc(s, 2, idle));
+  CHECK((idle[0] == got[2] && idle[1] == got[3]) || (idle[0] == got[3] && idle[1] == got[2]));
+  pm__fault_reset();
+  pm_test_gate_open(&g);
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK_EQ_INT(pm_blocks_alloc(s, 1, all), st); /* kept out of use */
+  pm_blocks_stats_t bs;
+  CHECK_OK(pm_blocks_get_stats(s, &bs));
+  CHECK_EQ_SIZE(bs.free_blocks, 2);
+  CHECK_OK(pm_blocks_free(s, idle, 2));
+  CHECK_OK(pm_blocks_alloc(s, 2, idle)); /* idle blocks still come and go */
+  CHECK_OK(pm_stream_destroy(a));
+  pm_test_gate_destroy(&g);
+  CHECK_OK(pm_blocks_destroy(s));
+  kv_free(&k);
+}
+
 int main(void) {
   pm_test_init();
   test_layouts();
@@ -828,6 +888,7 @@ int main(void) {
   test_pinning_fails();
   test_free_during_swap();
   test_free_after_wait();
+  test_free_swap_untracked();
   test_joined_pieces();
   test_numa_node();
   CHECK_OK(pm_finalize());
