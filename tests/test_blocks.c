@@ -684,6 +684,22 @@ static void test_pinning_fails(void) {
   kv_free(&k);
 }
 
+/* A store of nblocks host blocks for k, a stream, and every block allocated into h. */
+static pm_blocks_t *store_all_allocated(kv_t *k, uint64_t nblocks, pm_stream_t *stream,
+                                        uint64_t *h) {
+  pm_blocks_t *s = make_store(k->block_bytes, nblocks, 0, 0);
+  REQUIRE_OK(pm_stream_create(stream));
+  REQUIRE_OK(pm_blocks_alloc(s, nblocks, h));
+  return s;
+}
+
+/* Host block h[i] holds device block d[i] of the mirror, for i < n. */
+static bool hosts_hold(pm_blocks_t *s, const kv_t *k, const uint64_t *h, const uint64_t *d, int n) {
+  bool ok = true;
+  for (int i = 0; i < n; i++) ok = ok && host_block_is(s, k, h[i], d[i]);
+  return ok;
+}
+
 /* Lets a gated stream go once the store's alloc waits for a swap (its first
  * event_synchronize, which the fault table counts), or once told to stop. */
 typedef struct opener {
@@ -720,14 +736,12 @@ static uint64_t event_syncs(void) {
 static void test_free_during_swap(void) {
   kv_t k;
   kv_make(&k, LAY_ONE_TENSOR, 1, 8, 4096, 31);
-  pm_blocks_t *s = make_store(k.block_bytes, 4, 0, 0);
+  pm_stream_t a, b;
   uint64_t h[4], d[4] = {0, 1, 2, 3};
-  REQUIRE_OK(pm_blocks_alloc(s, 4, h));
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
+  REQUIRE_OK(pm_stream_create(&b));
   REQUIRE_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, NULL, NULL));
   REQUIRE_OK(pm_stream_synchronize(NULL));
-  pm_stream_t a, b;
-  REQUIRE_OK(pm_stream_create(&a));
-  REQUIRE_OK(pm_stream_create(&b));
   pm_test_gate_t g;
   pm_test_gate_init(&g);
   REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
@@ -759,9 +773,7 @@ static void test_free_during_swap(void) {
   pm_test_gate_open(&g);         /* (already open unless alloc handed out busy blocks) */
   CHECK_OK(pm_stream_synchronize(a));
   CHECK(device_is_mirror(&k)); /* the swap_in read what h[0], h[1] held when it was queued */
-  bool out_ok = true;
-  for (int i = 0; i < 4; i++) out_ok = out_ok && host_block_is(s, &k, all[i], dout[i]);
-  CHECK(out_ok);
+  CHECK(hosts_hold(s, &k, all, dout, 4));
   pm__fault_reset();
   CHECK_OK(pm_stream_destroy(a));
   CHECK_OK(pm_stream_destroy(b));
@@ -776,11 +788,9 @@ static void test_free_during_swap(void) {
 static void test_free_after_wait(void) {
   kv_t k;
   kv_make(&k, LAY_KV_APART, 2, 8, 1000, 33);
-  pm_blocks_t *s = make_store(k.block_bytes, 6, 0, 0);
   pm_stream_t a;
-  REQUIRE_OK(pm_stream_create(&a));
   uint64_t h[6], d[6] = {2, 3, 4, 5, 6, 7};
-  REQUIRE_OK(pm_blocks_alloc(s, 6, h));
+  pm_blocks_t *s = store_all_allocated(&k, 6, &a, h);
   for (int dir = 0; dir < 2; dir++) {
     pm_event_t ev = NULL;
     if (dir == 0)
@@ -825,11 +835,9 @@ static void test_free_after_wait(void) {
 static void test_free_swap_untracked(void) {
   kv_t k;
   kv_make(&k, LAY_ONE_TENSOR, 1, 8, 4096, 35);
-  pm_blocks_t *s = make_store(k.block_bytes, 4, 0, 0);
   pm_stream_t a;
-  REQUIRE_OK(pm_stream_create(&a));
   uint64_t h[4], d[4] = {0, 1, 2, 3};
-  REQUIRE_OK(pm_blocks_alloc(s, 4, h));
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
   REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_RECORD, 1, 0)); /* the store's own event */
   pm_event_t ev = NULL;
   CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, a, &ev));
@@ -839,9 +847,7 @@ static void test_free_swap_untracked(void) {
   pm__fault_reset();
   CHECK_OK(pm_event_synchronize(ev));
   CHECK_OK(pm_event_destroy(ev));
-  bool out_ok = true;
-  for (int i = 0; i < 4; i++) out_ok = out_ok && host_block_is(s, &k, h[i], d[i]);
-  CHECK(out_ok);
+  CHECK(hosts_hold(s, &k, h, d, 4));
   CHECK_OK(pm_blocks_free(s, h, 4));
   REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0));
   uint64_t got[4];
