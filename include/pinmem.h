@@ -701,10 +701,16 @@ PM_API pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_
  *  destroy, or any call after it, is PM_ERR_INVALID. */
 PM_API pm_status_t pm_blocks_destroy(pm_blocks_t *blocks);
 /** Take `count` free block ids (lowest first when the arena is fresh) into ids_out. PM_ERR_NOMEM
- *  naming what is free when fewer than count are: then nothing is taken. */
+ *  naming what is free when fewer than count are: then nothing is taken. Blocks freed while a
+ *  swap still used them count as free but are handed out only once that swap completed: idle
+ *  blocks go first, and when they are too few the call blocks until enough of those swaps (the
+ *  oldest first) completed. A swap whose completion the device cannot report keeps the blocks
+ *  freed after it out of use: then the device's status, naming the swap. */
 PM_API pm_status_t pm_blocks_alloc(pm_blocks_t *blocks, size_t count, uint64_t *ids_out);
 /** Give ids back. PM_ERR_INVALID (nothing freed) for an id out of range, not allocated, or named
- *  twice. The caller waits for swaps that use a block before freeing it. */
+ *  twice. A block may be freed while a swap that names it is still queued or running (a swap_in
+ *  reading it, a swap_out writing it): pm_blocks_alloc does not hand it out again until that
+ *  swap completed, so the next owner's swaps never race it. Never blocks. */
 PM_API pm_status_t pm_blocks_free(pm_blocks_t *blocks, const uint64_t *ids, size_t count);
 /** Host address of block `id` (allocated or not); waits until its chunk is pinned. */
 PM_API pm_status_t pm_blocks_ptr(pm_blocks_t *blocks, uint64_t id, void **ptr_out);
@@ -734,7 +740,7 @@ PM_API pm_status_t pm_blocks_swap_in(pm_blocks_t *blocks, const pm_kv_layout_t *
 typedef struct pm_blocks_stats {
   size_t block_bytes;
   uint64_t num_blocks;
-  uint64_t free_blocks;
+  uint64_t free_blocks;         /* alloc takes up to this many (pm_blocks_alloc: may wait) */
   uint64_t ready_blocks;        /* pinned and usable */
   size_t arena_bytes;           /* pinned (or being pinned) for the arena and charged */
   size_t chunk_bytes;

@@ -1,7 +1,10 @@
 /* The KV-cache block store (pm_blocks_*): every layout and direction byte for byte against a
  * reference kept on the host, under each path choice (always DMA, always the kernel, the
  * calibrated cut-off); bad ids, repeated ids in one call, exhaustion and other bad input; two
- * streams swapping at once; swaps racing the background pinning of the arena. */
+ * streams swapping at once; swaps racing the background pinning of the arena; blocks freed while
+ * a swap still uses them are not handed out again until it completed. */
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -681,6 +684,206 @@ static void test_pinning_fails(void) {
   kv_free(&k);
 }
 
+/* A store of nblocks host blocks for k, a stream, and every block allocated into h. */
+static pm_blocks_t *store_all_allocated(kv_t *k, uint64_t nblocks, pm_stream_t *stream,
+                                        uint64_t *h) {
+  pm_blocks_t *s = make_store(k->block_bytes, nblocks, 0, 0);
+  REQUIRE_OK(pm_stream_create(stream));
+  REQUIRE_OK(pm_blocks_alloc(s, nblocks, h));
+  return s;
+}
+
+/* Host block h[i] holds device block d[i] of the mirror, for i < n. */
+static bool hosts_hold(pm_blocks_t *s, const kv_t *k, const uint64_t *h, const uint64_t *d, int n) {
+  bool ok = true;
+  for (int i = 0; i < n; i++) ok = ok && host_block_is(s, k, h[i], d[i]);
+  return ok;
+}
+
+/* Lets a gated stream go once the store's alloc waits for a swap (its first
+ * event_synchronize, which the fault table counts), or once told to stop. */
+typedef struct opener {
+  pm_test_gate_t *gate;
+  atomic_bool stop, opened;
+} opener_t;
+
+static void *opener_main(void *arg) {
+  opener_t *o = arg;
+  for (;;) {
+    pm__fault_counts_t c;
+    pm__fault_counts(&c);
+    if (c.calls[PM__FAULT_EVENT_SYNC] > 0) {
+      atomic_store(&o->opened, true);
+      pm_test_gate_open(o->gate);
+      return NULL;
+    }
+    if (atomic_load(&o->stop)) return NULL;
+    sched_yield();
+  }
+}
+
+static uint64_t event_syncs(void) {
+  pm__fault_counts_t c;
+  pm__fault_counts(&c);
+  return c.calls[PM__FAULT_EVENT_SYNC];
+}
+
+/* Host blocks freed while a swap_in still reads them (its stream held by a gate) are not
+ * handed out again until it completed: alloc takes the idle blocks first without waiting; an
+ * alloc of every block waits for the swap_in (an opener thread lets its stream go once alloc
+ * waits); and the new owner's swap_out into the re-allocated blocks neither corrupts what the
+ * swap_in read nor is itself overwritten. */
+static void test_free_during_swap(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 4096, 31);
+  pm_stream_t a, b;
+  uint64_t h[4], d[4] = {0, 1, 2, 3};
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
+  REQUIRE_OK(pm_stream_create(&b));
+  REQUIRE_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, NULL, NULL));
+  REQUIRE_OK(pm_stream_synchronize(NULL));
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
+  REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
+  uint64_t din[2] = {4, 5}; /* host h[0], h[1] (device blocks 0, 1) into device blocks 4, 5 */
+  REQUIRE_OK(pm_blocks_swap_in(s, &k.layout_desc, din, h, 2, a, NULL));
+  memcpy(k.mirror[0] + 4 * k.piece, k.mirror[0] + 0 * k.piece, k.piece);
+  memcpy(k.mirror[0] + 5 * k.piece, k.mirror[0] + 1 * k.piece, k.piece);
+  CHECK_OK(pm_blocks_free(s, h, 4)); /* h[0], h[1]: the swap_in still reads them */
+  pm_blocks_stats_t st;
+  CHECK_OK(pm_blocks_get_stats(s, &st));
+  CHECK_EQ_SIZE(st.free_blocks, 4); /* freed is free: alloc's count is unchanged */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0)); /* count waits, fail none */
+  uint64_t idle[2];
+  CHECK_OK(pm_blocks_alloc(s, 2, idle));
+  CHECK((idle[0] == h[2] && idle[1] == h[3]) || (idle[0] == h[3] && idle[1] == h[2]));
+  CHECK_EQ_SIZE(event_syncs(), 0);
+  CHECK_OK(pm_blocks_free(s, idle, 2));
+  opener_t o = {.gate = &g};
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, opener_main, &o) == 0);
+  uint64_t all[4];
+  CHECK_OK(pm_blocks_alloc(s, 4, all));
+  uint64_t dout[4] = {6, 7, 2, 3};
+  CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, dout, all, 4, b, NULL));
+  CHECK_OK(pm_stream_synchronize(b));
+  atomic_store(&o.stop, true);
+  pthread_join(t, NULL);
+  CHECK(atomic_load(&o.opened)); /* alloc waited for the swap_in */
+  pm_test_gate_open(&g);         /* (already open unless alloc handed out busy blocks) */
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK(device_is_mirror(&k)); /* the swap_in read what h[0], h[1] held when it was queued */
+  CHECK(hosts_hold(s, &k, all, dout, 4));
+  pm__fault_reset();
+  CHECK_OK(pm_stream_destroy(a));
+  CHECK_OK(pm_stream_destroy(b));
+  pm_test_gate_destroy(&g);
+  CHECK_OK(pm_blocks_destroy(s));
+  kv_free(&k);
+}
+
+/* A caller that waits for its swaps before freeing sees alloc as it always was: freed blocks
+ * come back at once, last freed first, alloc never waits, exactly the free count succeeds and
+ * one more is PM_ERR_NOMEM with nothing taken. */
+static void test_free_after_wait(void) {
+  kv_t k;
+  kv_make(&k, LAY_KV_APART, 2, 8, 1000, 33);
+  pm_stream_t a;
+  uint64_t h[6], d[6] = {2, 3, 4, 5, 6, 7};
+  pm_blocks_t *s = store_all_allocated(&k, 6, &a, h);
+  for (int dir = 0; dir < 2; dir++) {
+    pm_event_t ev = NULL;
+    if (dir == 0)
+      REQUIRE_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 6, a, &ev));
+    else
+      REQUIRE_OK(pm_blocks_swap_in(s, &k.layout_desc, d, h, 6, a, &ev));
+    CHECK_OK(pm_event_synchronize(ev));
+    CHECK_OK(pm_event_destroy(ev));
+    REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0));
+    CHECK_OK(pm_blocks_free(s, h, 6));
+    pm_blocks_stats_t st;
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.free_blocks, 6);
+    uint64_t more[7];
+    CHECK_ERR_MSG(pm_blocks_alloc(s, 7, more), PM_ERR_NOMEM);
+    CHECK(strstr(pm_last_error(), "asked for 7 blocks, 6 of 6 are free") != NULL);
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.free_blocks, 6);
+    CHECK_OK(pm_blocks_alloc(s, 6, more));
+    bool lifo = true;
+    for (int i = 0; i < 6; i++) lifo = lifo && more[i] == h[5 - i];
+    CHECK(lifo);
+    CHECK_EQ_SIZE(event_syncs(), 0);
+    pm__fault_reset();
+    memcpy(h, more, sizeof h);
+    for (int i = 0; i < 3; i++) { /* the same ids again, in their first order */
+      uint64_t x = h[i];
+      h[i] = h[5 - i];
+      h[5 - i] = x;
+    }
+  }
+  CHECK(device_is_mirror(&k));
+  CHECK_OK(pm_stream_destroy(a));
+  CHECK_OK(pm_blocks_destroy(s));
+  kv_free(&k);
+}
+
+/* When the store cannot record a swap's own event it synchronizes the swap's stream instead:
+ * the swap succeeds and its blocks are idle at once. When the device cannot say whether a swap
+ * completed (its event fails), the blocks freed while it used them are never handed out again
+ * (alloc says why, naming the swap), while idle blocks still are. */
+static void test_free_swap_untracked(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 4096, 35);
+  pm_stream_t a;
+  uint64_t h[4], d[4] = {0, 1, 2, 3};
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_RECORD, 1, 0)); /* the store's own event */
+  pm_event_t ev = NULL;
+  CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, a, &ev));
+  pm__fault_counts_t c;
+  pm__fault_counts(&c);
+  CHECK_EQ_SIZE(c.injected[PM__FAULT_EVENT_RECORD], 1);
+  pm__fault_reset();
+  CHECK_OK(pm_event_synchronize(ev));
+  CHECK_OK(pm_event_destroy(ev));
+  CHECK(hosts_hold(s, &k, h, d, 4));
+  CHECK_OK(pm_blocks_free(s, h, 4));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0));
+  uint64_t got[4];
+  CHECK_OK(pm_blocks_alloc(s, 4, got)); /* idle: the stream was synchronized */
+  CHECK_EQ_SIZE(event_syncs(), 0);
+  pm__fault_reset();
+
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
+  REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
+  uint64_t din[2] = {4, 5};
+  REQUIRE_OK(pm_blocks_swap_in(s, &k.layout_desc, din, got, 2, a, NULL));
+  CHECK_OK(pm_blocks_free(s, got, 4)); /* got[0], got[1]: the held swap_in reads them */
+  REQUIRE_OK(pm__fault_configure("event_sync=1+")); /* the device cannot tell */
+  uint64_t all[4];
+  pm_status_t st = pm_blocks_alloc(s, 4, all);
+  CHECK(st < 0);
+  CHECK(strstr(pm_last_error(), "completion cannot be known") != NULL);
+  uint64_t idle[2];
+  CHECK_OK(pm_blocks_alloc(s, 2, idle));
+  CHECK((idle[0] == got[2] && idle[1] == got[3]) || (idle[0] == got[3] && idle[1] == got[2]));
+  pm__fault_reset();
+  pm_test_gate_open(&g);
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK_EQ_INT(pm_blocks_alloc(s, 1, all), st); /* kept out of use */
+  pm_blocks_stats_t bs;
+  CHECK_OK(pm_blocks_get_stats(s, &bs));
+  CHECK_EQ_SIZE(bs.free_blocks, 2);
+  CHECK_OK(pm_blocks_free(s, idle, 2));
+  CHECK_OK(pm_blocks_alloc(s, 2, idle)); /* idle blocks still come and go */
+  CHECK_OK(pm_stream_destroy(a));
+  pm_test_gate_destroy(&g);
+  CHECK_OK(pm_blocks_destroy(s));
+  kv_free(&k);
+}
+
 int main(void) {
   pm_test_init();
   test_layouts();
@@ -689,6 +892,9 @@ int main(void) {
   test_two_streams();
   test_background_race();
   test_pinning_fails();
+  test_free_during_swap();
+  test_free_after_wait();
+  test_free_swap_untracked();
   test_joined_pieces();
   test_numa_node();
   CHECK_OK(pm_finalize());

@@ -3,10 +3,10 @@
  * over plain numbers. Regions are (base address, block stride, bytes) tuples and ids are
  * buffers of 64-bit integers, so this file knows nothing of torch; python/pinmem/kv.py turns
  * tensors into regions, checks their dtype, shape and device, and picks torch's current stream.
- * A _BlocksEvent owns the event of one swap and destroys it once. Swaps, waits, create and close
- * release the GIL (pinning, a swap waiting for its chunk, event waits); the store is kept alive by
- * the calling method's reference meanwhile, and close() refuses to run while a call is inside
- * (busy counter, GIL-protected).
+ * A _BlocksEvent owns the event of one swap and destroys it once. Swaps, waits, alloc, create and
+ * close release the GIL (pinning, a swap waiting for its chunk, event waits, alloc waiting for
+ * swaps that still use freed blocks); the store is kept alive by the calling method's reference
+ * meanwhile, and close() refuses to run while a call is inside (busy counter, GIL-protected).
  */
 #include "_pinmem.h"
 
@@ -158,7 +158,13 @@ static PyObject *BlockStore_alloc(BlockStoreObject *self, PyObject *arg) {
   }
   PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
   if (!out) return NULL;
-  pm_status_t st = pm_blocks_alloc(self->store, (size_t)n, (uint64_t *)PyBytes_AS_STRING(out));
+  /* The GIL goes: alloc may wait for swaps that still use freed blocks. */
+  pm_status_t st;
+  pm_blocks_t *s = self->store;
+  uint64_t *ids = (uint64_t *)PyBytes_AS_STRING(out);
+  self->busy++;
+  Py_BEGIN_ALLOW_THREADS st = pm_blocks_alloc(s, (size_t)n, ids);
+  Py_END_ALLOW_THREADS self->busy--;
   if (st != PM_OK) {
     Py_DECREF(out);
     return pmpy_raise_status(st);

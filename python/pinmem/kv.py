@@ -252,12 +252,17 @@ class KVBlockStore:
         return self._spec.device_blocks
 
     def alloc(self, n):
-        """n free host block ids (a list); NomemError when fewer are free."""
+        """n free host block ids (a list); NomemError when fewer are free. Blocks freed while a
+        swap still used them count as free but come back only once that swap completed: idle
+        blocks go first, and when they are too few the call waits (GIL released) for those
+        swaps, oldest first."""
         raw = self._store.alloc(_count(n, "alloc: n"))
         return list(memoryview(raw).cast("Q"))
 
     def free(self, ids):
-        """Give host block ids back (after the swaps that use them are done)."""
+        """Give host block ids back. A swap that uses them may still be queued or running: the
+        store hands them out again only once it completed (alloc waits for it if it must), so
+        freeing needs no wait on the swap's event. Never blocks."""
         self._store.free(_ids(ids, "ids"))
 
     def _swap(self, out, device_ids, host_ids, kv_caches, stream):

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import pinmem
-from conftest import SMALL, skip_unless_torch
+from conftest import SMALL, Gate, skip_unless_torch
 
 
 def make_caches(torch, n, shape, layout, dtype, seed):
@@ -174,6 +174,41 @@ def test_two_threads_two_streams():
             for i in range(4):
                 assert torch.equal(t[g + (i + rounds) % 4], r[g + i])
     store.close()
+
+
+def test_free_while_a_swap_uses_the_blocks():
+    """Host blocks freed while a swap_in still reads them (its stream held by a gate) go to
+    another request only once it completed: alloc takes the idle blocks first, an alloc of every
+    block waits (the GIL released, so the timer thread opens the gate) until the swap_in
+    completed, and the new owner's swap_out into the re-allocated blocks neither changes what
+    the swap_in read nor is overwritten. Whenever the timer fires, only the order is forced."""
+    torch = skip_unless_torch()
+    caches = make_caches(torch, 1, (8, 2, 2, 8), "apart", torch.float16, 5)
+    ref = [t.clone() for t in caches]
+    with pinmem.KVBlockStore(caches, 4, background=False) as store, \
+            pinmem.Stream() as a, pinmem.Stream() as b:
+        host = store.alloc(4)
+        store.swap_out([0, 1, 2, 3], host).wait()
+        with Gate(a) as gate:
+            store.swap_in([4, 5], host[:2], stream=a)  # held: reads host[0], host[1] later
+            store.free(host)  # no wait on the swap_in's event
+            assert store.stats()["free_blocks"] == 4
+            idle = store.alloc(2)
+            assert sorted(idle) == sorted(host[2:])  # the idle blocks, at once
+            store.free(idle)
+            opener = threading.Timer(0.3, gate.open)
+            opener.start()
+            new = store.alloc(4)  # every block: waits for the swap_in
+            assert sorted(new) == sorted(host)
+            out_from = [6, 7, 2, 3]
+            store.swap_out(out_from, new, stream=b).wait()
+            opener.join()
+        a.synchronize()
+        for t, r in zip(caches, ref):
+            assert torch.equal(t[4].view(torch.int16), r[0].view(torch.int16))
+            assert torch.equal(t[5].view(torch.int16), r[1].view(torch.int16))
+        for h, d in zip(new, out_from):
+            assert store.read_block(h) == block_of(caches, d, False)
 
 
 def test_background_pinning_races_first_swaps():

@@ -25,12 +25,46 @@
  * and calibration belong to that device whatever device the calling thread is on, and memory
  * of another device is refused before anything is queued.
  *
+ * Freeing a block a swap still uses. A caller may free host blocks while a swap_in still reads
+ * them or a swap_out still writes them (it has queued the swap and moved on, as the caching
+ * host allocators of PyTorch and of pinmem's pool allow with record_stream). Such a block must
+ * not go to another request until that swap completed, or the new owner's swap_out and the old
+ * swap_in race on the same host memory. So every swap that names blocks gets a sequence number
+ * (seq, from 1) and a record: its event, recorded on its stream after its copies. last_swap[id]
+ * is the seq of the last swap that named block id. Records leave in seq order: swap_base is the
+ * lowest seq not known complete, so every swap below it completed, and a block is idle exactly
+ * when last_swap[id] < swap_base. In order, not per record: two swaps on different streams may
+ * name one block (a swap_out on one, a swap_in on another); the later one completing says
+ * nothing of the earlier, and the watermark covers both.
+ * A freed block that is idle goes on the free stack; one that is not goes on its last swap's
+ * list (link[], a list per record). When the head record completes, its list joins the ready
+ * list in O(1). alloc takes from the free stack, then the ready list: O(count), no scan.
+ * Only when those two cannot satisfy a request but blocks on records' lists would, alloc waits
+ * for the oldest swaps, in order, until enough are idle (event_synchronize outside the lock).
+ * Waiting, not PM_ERR_NOMEM: a vLLM-style scheduler counts its free host blocks itself (a freed
+ * block is free to it), decides to swap out on that count, and treats a failed allocation
+ * after the check as a bug. Refusing blocks it freed would turn a scheduling decision into a
+ * crash or a retry loop on the scheduling thread; the swaps waited for were queued before the
+ * free, on the swap stream its next swap_out is ordered behind anyway, so the wait is bounded
+ * by work already queued and happens only when idle blocks run out. PM_ERR_NOMEM stays for
+ * count > free blocks (idle or not), as before, and free_blocks counts both: a caller that
+ * waited for its swaps before freeing sees no change.
+ * Completion is learnt by event_query of the head records at the end of each swap (so records
+ * do not pile up), and by alloc's waits. A swap whose completion cannot be learnt (no event
+ * could be recorded and its stream could not be synchronized, or its event fails) is broken:
+ * the records after it never leave, and alloc that needs their blocks fails with the device's
+ * status, naming the swap.
+ *
  * Invariants: chunk_base[c] is written before chunks_ready passes c (release/acquire); a block
- * id is in the free stack exactly when state[id] is 0; everything is validated before anything
- * is queued. Locks: blocks->lock (free list, pin status, ready_cv) is a leaf: no backend call
- * is made under it. The per-device cut-off is measured by the first thread that claims it (an
- * atomic state); other threads take DMA until it is known, so no lock is held around device
- * work. The calibration's 2 MiB of pinned memory is the backend's, outside any pool's budget.
+ * id is on the free stack, the ready list or a record's list exactly when state[id] is 0 (and
+ * it is below usable); everything is validated before anything is queued. Locks: blocks->lock
+ * (free lists, records, pin status, ready_cv, swap_cv) is a leaf: no backend call is made under
+ * it. poll_lock is taken before it, by the one thread that queries or waits on swap events
+ * (alloc's wait; a swap's poll only when it is free): only that thread moves a record from
+ * queued to done or broken, so an event is not recycled while it is queried. The per-device
+ * cut-off is measured by the first thread that claims it (an atomic state); other threads take
+ * DMA until it is known, so no lock is held around device work. The calibration's 2 MiB of
+ * pinned memory is the backend's, outside any pool's budget.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -50,6 +84,19 @@
 atomic_size_t pm__blocks_first_bytes = BLK__FIRST_BYTES;
 #define BLK__CAL_BYTES ((size_t)2 << 20) /* bytes each calibration size moves per direction */
 #define BLK__CAL_REPS 3                  /* runs per size and path; the best counts, first warms */
+
+#define BLK__NONE UINT64_MAX /* end of an id list */
+
+/* A swap's record (see DESIGN). Queueing: its copies are being queued (no event yet); queued:
+ * its event is recorded; done: it completed (event back in the cache); broken: its completion
+ * cannot be learnt (status). list: blocks freed while this was their last swap. */
+enum { SW_QUEUEING, SW_QUEUED, SW_DONE, SW_BROKEN };
+typedef struct blk_swap {
+  pm_event_t event;
+  int phase;
+  pm_status_t status; /* broken: why */
+  uint64_t head, tail, n;
+} blk_swap_t;
 
 struct pm_blocks_s {
   const pm__backend_t *b;
@@ -76,7 +123,19 @@ struct pm_blocks_s {
   uint64_t *free_stack; /* top at [nfree - 1]: the lowest ids on top */
   uint64_t nfree;
   uint64_t usable; /* ids below it can be pinned: num_blocks, or where the pinning failed */
-  uint8_t *state; /* 1: allocated */
+  uint8_t *state;  /* 1: allocated */
+
+  /* Swaps and freed blocks they still use (DESIGN), under lock. */
+  pthread_mutex_t poll_lock; /* before lock: the thread that queries or waits on swap events */
+  pthread_cond_t swap_cv;    /* a record left queueing */
+  uint64_t *last_swap;       /* [num_blocks]: seq of the last swap that named the block, 0: none */
+  uint64_t *link;            /* [num_blocks]: the next id of the list the block is on */
+  blk_swap_t *swaps;         /* records of seqs [swap_base, swap_next), at seq % swaps_cap */
+  uint64_t swaps_cap, swap_base, swap_next;
+  uint64_t ready_head, ready_tail, nready; /* freed, idle, not on the free stack */
+  uint64_t nwaiting;                       /* freed, on records' lists */
+  pm_event_t *ev_cache;                    /* events of done records, for the next swaps */
+  size_t nev, ev_cap, ev_live;             /* cached; capacity (>= ev_live); events in existence */
 
   _Atomic uint64_t swaps_out, swaps_in, blocks_out, blocks_in, bytes_out, bytes_in;
   _Atomic uint64_t pieces_kernel, pieces_dma, transfers;
@@ -245,6 +304,187 @@ static void leave_device(const pm_blocks_t *s, int prev) {
   if (prev >= 0) (void)s->b->set_device(prev);
 }
 
+/* ---- swap records and the reuse of freed blocks ---------------------------------------------- */
+
+static blk_swap_t *rec_at(const pm_blocks_t *s, uint64_t seq) {
+  return &s->swaps[seq & (s->swaps_cap - 1)];
+}
+
+/* Append the list head..tail (linked by link[], ending in BLK__NONE) to the list h, t. */
+static void list_join(pm_blocks_t *s, uint64_t *h, uint64_t *t, uint64_t head, uint64_t tail) {
+  if (head == BLK__NONE) return;
+  if (*t == BLK__NONE)
+    *h = head;
+  else
+    s->link[*t] = head;
+  *t = tail;
+}
+
+/* Drop the ids >= limit from a list (the pinning failed there); returns how many stay. */
+static uint64_t list_keep_below(pm_blocks_t *s, uint64_t *h, uint64_t *t, uint64_t limit) {
+  uint64_t head = BLK__NONE, tail = BLK__NONE, n = 0;
+  for (uint64_t id = *h, next; id != BLK__NONE; id = next) {
+    next = s->link[id];
+    if (id >= limit) continue;
+    s->link[id] = BLK__NONE;
+    list_join(s, &head, &tail, id, id);
+    n++;
+  }
+  *h = head;
+  *t = tail;
+  return n;
+}
+
+/* Move the completed records at the head out: their freed blocks join the ready list. */
+static void retire_locked(pm_blocks_t *s) {
+  while (s->swap_base < s->swap_next) {
+    blk_swap_t *r = rec_at(s, s->swap_base);
+    if (r->phase != SW_DONE) break;
+    list_join(s, &s->ready_head, &s->ready_tail, r->head, r->tail);
+    s->nready += r->n;
+    s->nwaiting -= r->n;
+    s->swap_base++;
+  }
+}
+
+/* Record seq completed (its event, if any, back to the cache, which has room: ev_cap >=
+ * ev_live). */
+static void finish_locked(pm_blocks_t *s, uint64_t seq) {
+  blk_swap_t *r = rec_at(s, seq);
+  if (r->event) s->ev_cache[s->nev++] = r->event;
+  r->event = NULL;
+  r->phase = SW_DONE;
+  pthread_cond_broadcast(&s->swap_cv);
+  retire_locked(s);
+}
+
+static void broken_locked(pm_blocks_t *s, uint64_t seq, pm_status_t st) {
+  blk_swap_t *r = rec_at(s, seq);
+  r->phase = SW_BROKEN;
+  r->status = st;
+  pthread_cond_broadcast(&s->swap_cv);
+}
+
+/* Give a swap of `count` host blocks its seq: check again, under the lock, that they are
+ * allocated (a free on another thread since check_ids is refused before anything is queued),
+ * and name the swap as their last. Room for the record and its event is made here, so
+ * end_swap cannot fail for want of memory. */
+static pm_status_t begin_swap(pm_blocks_t *s, const uint64_t *host_ids, size_t count,
+                              const char *fn, uint64_t *seq_out) {
+  pthread_mutex_lock(&s->lock);
+  for (size_t i = 0; i < count; i++) {
+    if (s->state[host_ids[i]] != 1) {
+      pthread_mutex_unlock(&s->lock);
+      return pm__set_error(PM_ERR_INVALID,
+                           "%s: host_ids[%zu] = %llu is not allocated (pm_blocks_alloc)", fn, i,
+                           (unsigned long long)host_ids[i]);
+    }
+  }
+  if (s->swap_next - s->swap_base == s->swaps_cap) {
+    uint64_t cap = s->swaps_cap ? 2 * s->swaps_cap : 16;
+    blk_swap_t *n = malloc((size_t)cap * sizeof *n);
+    if (!n) {
+      pthread_mutex_unlock(&s->lock);
+      return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for the swap's record", fn);
+    }
+    for (uint64_t q = s->swap_base; q < s->swap_next; q++) n[q & (cap - 1)] = *rec_at(s, q);
+    free(s->swaps);
+    s->swaps = n;
+    s->swaps_cap = cap;
+  }
+  if (s->ev_cap < s->ev_live + 1) { /* every event fits the cache: finish_locked never grows it */
+    size_t cap = PM__MAX((size_t)16, 2 * s->ev_cap);
+    pm_event_t *n = realloc(s->ev_cache, cap * sizeof *n);
+    if (!n) {
+      pthread_mutex_unlock(&s->lock);
+      return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for the swap's record", fn);
+    }
+    s->ev_cache = n;
+    s->ev_cap = cap;
+  }
+  s->ev_live++; /* the event end_swap may make */
+  uint64_t seq = s->swap_next++;
+  *rec_at(s, seq) = (blk_swap_t){NULL, SW_QUEUEING, PM_OK, BLK__NONE, BLK__NONE, 0};
+  for (size_t i = 0; i < count; i++) s->last_swap[host_ids[i]] = seq;
+  pthread_mutex_unlock(&s->lock);
+  *seq_out = seq;
+  return PM_OK;
+}
+
+/* Learn which head records completed, without waiting. Called with poll_lock held. */
+static void poll_swaps(pm_blocks_t *s) {
+  pthread_mutex_lock(&s->lock);
+  while (s->swap_base < s->swap_next) {
+    uint64_t seq = s->swap_base;
+    blk_swap_t *r = rec_at(s, seq);
+    if (r->phase != SW_QUEUED) break;
+    pm_event_t ev = r->event;
+    pthread_mutex_unlock(&s->lock);
+    pm_status_t q = s->b->event_query(ev);
+    pthread_mutex_lock(&s->lock);
+    if (q == PM_NOT_READY) break;
+    if (q == PM_OK) {
+      finish_locked(s, seq);
+    } else {
+      broken_locked(s, seq, q);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* Give record seq its event, recorded on `stream` after the swap's copies (those queued, all
+ * or some). Without an event, the stream is synchronized instead; when that fails too the
+ * record is broken and the device's status returned. begin_swap counted one event for the swap
+ * in ev_live: kept when an event is made, given back otherwise. */
+static pm_status_t end_swap(pm_blocks_t *s, uint64_t seq, pm_stream_t stream, const char *fn) {
+  const pm__backend_t *b = s->b;
+  pm_status_t st = PM_OK;
+  pm_event_t ev = NULL;
+  size_t gone = 1; /* events of ev_live that do not exist after this call */
+  pthread_mutex_lock(&s->lock);
+  if (s->nev) ev = s->ev_cache[--s->nev];
+  pthread_mutex_unlock(&s->lock);
+  if (!ev) {
+    st = b->event_create(PM_EVENT_DEFAULT, &ev);
+    if (st == PM_OK)
+      gone = 0;
+    else
+      ev = NULL;
+  }
+  if (st == PM_OK) st = b->event_record(ev, stream);
+  if (st != PM_OK) {
+    if (ev && b->event_destroy(ev) == PM_OK) gone++;
+    ev = NULL;
+    st = b->stream_synchronize(stream);
+    if (st != PM_OK)
+      st = pm__wrap_error(st,
+                          "%s: the swap's completion cannot be tracked (no event, and its "
+                          "stream could not be synchronized)",
+                          fn);
+    else
+      pm__clear_error();
+  }
+  pthread_mutex_lock(&s->lock);
+  s->ev_live -= gone;
+  if (ev) {
+    blk_swap_t *r = rec_at(s, seq);
+    r->event = ev;
+    r->phase = SW_QUEUED;
+    pthread_cond_broadcast(&s->swap_cv);
+  } else if (st == PM_OK) {
+    finish_locked(s, seq);
+  } else {
+    broken_locked(s, seq, st);
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (pthread_mutex_trylock(&s->poll_lock) == 0) {
+    poll_swaps(s);
+    pthread_mutex_unlock(&s->poll_lock);
+  }
+  return st;
+}
+
 /* ---- pinning -------------------------------------------------------------------------------- */
 
 /* The first block of chunk c, and the chunk holding block id. */
@@ -313,6 +553,13 @@ static void *pinner_main(void *arg) {
       for (uint64_t i = 0; i < s->nfree; i++)
         if (s->free_stack[i] < limit) s->free_stack[n++] = s->free_stack[i];
       s->nfree = n;
+      s->nready = list_keep_below(s, &s->ready_head, &s->ready_tail, limit);
+      for (uint64_t q = s->swap_base; q < s->swap_next; q++) {
+        blk_swap_t *r = rec_at(s, q);
+        uint64_t kept_n = list_keep_below(s, &r->head, &r->tail, limit);
+        s->nwaiting -= r->n - kept_n;
+        r->n = kept_n;
+      }
       s->usable = limit;
       pthread_cond_broadcast(&s->ready_cv);
       pthread_mutex_unlock(&s->lock);
@@ -373,11 +620,21 @@ static void store_free(pm_blocks_t *s) {
   for (uint64_t c = 0; c < s->nchunks && s->chunk_base; c++)
     if (s->chunk_base[c]) (void)pm__fast_unpin(s->b, s->chunk_base[c], chunk_len(s, c));
   if (s->charged) pm__pool_uncharge(s->pool, s->charged);
+  /* The device's work is over (destroy synchronized it): every record's event is done. */
+  for (uint64_t q = s->swap_base; q < s->swap_next; q++)
+    if (rec_at(s, q)->event) (void)s->b->event_destroy(rec_at(s, q)->event);
+  for (size_t i = 0; i < s->nev; i++) (void)s->b->event_destroy(s->ev_cache[i]);
+  pthread_cond_destroy(&s->swap_cv);
+  pthread_mutex_destroy(&s->poll_lock);
   pthread_cond_destroy(&s->ready_cv);
   pthread_mutex_destroy(&s->lock);
   free(s->chunk_base);
   free(s->free_stack);
   free(s->state);
+  free(s->last_swap);
+  free(s->link);
+  free(s->swaps);
+  free(s->ev_cache);
   free(s);
 }
 
@@ -431,7 +688,11 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   s->node = pm__numa_node_for(s->device);
   pthread_mutex_init(&s->lock, NULL);
   pthread_cond_init(&s->ready_cv, NULL);
-  /* The budget first: a store far past it is refused before its bookkeeping (9 bytes a
+  pthread_mutex_init(&s->poll_lock, NULL);
+  pthread_cond_init(&s->swap_cv, NULL);
+  s->swap_base = s->swap_next = 1; /* last_swap 0: no swap, idle from the start */
+  s->ready_head = s->ready_tail = BLK__NONE;
+  /* The budget first: a store far past it is refused before its bookkeeping (25 bytes a
    * block) is made, at once and without the memory. */
   size_t charge = arena_charge(s);
   st = pm__pool_charge_for(pool, charge, "block store arena");
@@ -444,7 +705,9 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   s->chunk_base = calloc((size_t)s->nchunks, sizeof *s->chunk_base);
   s->free_stack = malloc((size_t)s->num_blocks * sizeof *s->free_stack);
   s->state = calloc((size_t)s->num_blocks, 1);
-  if (!s->chunk_base || !s->free_stack || !s->state) {
+  s->last_swap = calloc((size_t)s->num_blocks, sizeof *s->last_swap);
+  s->link = malloc((size_t)s->num_blocks * sizeof *s->link);
+  if (!s->chunk_base || !s->free_stack || !s->state || !s->last_swap || !s->link) {
     store_free(s);
     return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for %llu blocks' bookkeeping", fn,
                          (unsigned long long)c.num_blocks);
@@ -506,6 +769,42 @@ pm_status_t pm_blocks_destroy(pm_blocks_t *s) {
 
 /* ---- the free list -------------------------------------------------------------------------- */
 
+/* Wait, oldest first, for the swaps that keep freed blocks from reuse until count blocks are
+ * idle (free stack and ready list), or until fewer than count are free at all (another thread
+ * took them). Called with lock held, and returns with it held; takes poll_lock meanwhile. */
+static pm_status_t wait_idle_locked(pm_blocks_t *s, size_t count, const char *fn) {
+  pthread_mutex_unlock(&s->lock);
+  pthread_mutex_lock(&s->poll_lock);
+  pthread_mutex_lock(&s->lock);
+  pm_status_t st = PM_OK;
+  while (count > s->nfree + s->nready && count <= s->nfree + s->nready + s->nwaiting) {
+    uint64_t seq = s->swap_base;
+    blk_swap_t *r = rec_at(s, seq); /* nwaiting > 0: a record is left */
+    if (r->phase == SW_QUEUEING) {
+      pthread_cond_wait(&s->swap_cv, &s->lock);
+    } else if (r->phase == SW_BROKEN) {
+      st = pm__set_error(r->status,
+                         "%s: %llu freed blocks wait for swaps whose completion cannot be known "
+                         "(swap %llu failed on the device); they are not handed out again",
+                         fn, (unsigned long long)s->nwaiting, (unsigned long long)seq);
+      break;
+    } else if (r->phase == SW_DONE) {
+      retire_locked(s);
+    } else {
+      pm_event_t ev = r->event;
+      pthread_mutex_unlock(&s->lock);
+      pm_status_t w = s->b->event_synchronize(ev);
+      pthread_mutex_lock(&s->lock);
+      if (w == PM_OK)
+        finish_locked(s, seq);
+      else
+        broken_locked(s, seq, w);
+    }
+  }
+  pthread_mutex_unlock(&s->poll_lock);
+  return st;
+}
+
 pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
   static const char fn[] = "pm_blocks_alloc";
   pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
@@ -513,8 +812,17 @@ pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
   if (count == 0) return PM_OK;
   if (!ids_out) return pm__set_error(PM_ERR_INVALID, "%s: ids_out is NULL", fn);
   pthread_mutex_lock(&s->lock);
-  if (count > s->nfree) {
-    uint64_t nfree = s->nfree, usable = s->usable;
+  /* Idle blocks first; freed blocks whose swaps still run only when those do not suffice. */
+  if (count > s->nfree + s->nready && count <= s->nfree + s->nready + s->nwaiting) {
+    st = wait_idle_locked(s, count, fn);
+    if (st != PM_OK) {
+      pthread_mutex_unlock(&s->lock);
+      return st;
+    }
+  }
+  uint64_t nfree = s->nfree + s->nready + s->nwaiting;
+  if (count > nfree) {
+    uint64_t usable = s->usable;
     char why[600] = "";
     if (usable < s->num_blocks)
       snprintf(why, sizeof why, " (blocks from %llu on could not be pinned: %s)",
@@ -527,7 +835,15 @@ pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
                          why);
   }
   for (size_t i = 0; i < count; i++) {
-    uint64_t id = s->free_stack[--s->nfree];
+    uint64_t id;
+    if (s->nfree) {
+      id = s->free_stack[--s->nfree];
+    } else {
+      id = s->ready_head;
+      s->ready_head = s->link[id];
+      if (s->ready_head == BLK__NONE) s->ready_tail = BLK__NONE;
+      s->nready--;
+    }
     s->state[id] = 1;
     ids_out[i] = id;
   }
@@ -541,6 +857,17 @@ pm_status_t pm_blocks_free(pm_blocks_t *s, const uint64_t *ids, size_t count) {
   if (st != PM_OK) return st;
   if (count == 0) return PM_OK;
   if (!ids) return pm__set_error(PM_ERR_INVALID, "%s: ids is NULL", fn);
+  /* A block whose last swap is not known complete: learn which swaps completed first, so a
+   * caller that waited for its swaps before freeing finds the blocks idle, as before. */
+  pthread_mutex_lock(&s->lock);
+  bool busy = false;
+  for (size_t j = 0; j < count && !busy; j++)
+    busy = ids[j] < s->num_blocks && s->last_swap[ids[j]] >= s->swap_base;
+  pthread_mutex_unlock(&s->lock);
+  if (busy && pthread_mutex_trylock(&s->poll_lock) == 0) {
+    poll_swaps(s);
+    pthread_mutex_unlock(&s->poll_lock);
+  }
   pthread_mutex_lock(&s->lock);
   size_t i = 0;
   for (; i < count; i++) {
@@ -549,8 +876,18 @@ pm_status_t pm_blocks_free(pm_blocks_t *s, const uint64_t *ids, size_t count) {
   }
   bool ok = i == count;
   for (size_t j = 0; j < i; j++) {
-    s->state[ids[j]] = ok ? 0 : 1;
-    if (ok && ids[j] < s->usable) s->free_stack[s->nfree++] = ids[j];
+    uint64_t id = ids[j];
+    s->state[id] = ok ? 0 : 1;
+    if (!ok || id >= s->usable) continue;
+    if (s->last_swap[id] < s->swap_base) { /* every swap that named it completed */
+      s->free_stack[s->nfree++] = id;
+    } else { /* its last swap may still read or write it: reusable once that completed */
+      blk_swap_t *r = rec_at(s, s->last_swap[id]);
+      s->link[id] = BLK__NONE;
+      list_join(s, &r->head, &r->tail, id, id);
+      r->n++;
+      s->nwaiting++;
+    }
   }
   pthread_mutex_unlock(&s->lock);
   if (ok) return PM_OK;
@@ -596,7 +933,7 @@ pm_status_t pm_blocks_get_stats(pm_blocks_t *s, pm_blocks_stats_t *out) {
   r.block_bytes = s->block_bytes;
   r.num_blocks = s->num_blocks;
   pthread_mutex_lock(&s->lock);
-  r.free_blocks = s->nfree;
+  r.free_blocks = s->nfree + s->nready + s->nwaiting;
   r.arena_bytes = s->charged;
   pthread_mutex_unlock(&s->lock);
   r.chunks = s->nchunks;
@@ -779,6 +1116,7 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
   }
   size_t cut = kernel_max(b, s->device, NULL);
   blk_lists_t k = {0}, d = {0};
+  uint64_t seq = 0; /* 0: no record (nothing named) */
   /* Lists for at most BLK__BATCH pieces: a larger call goes to the backend in parts. */
   size_t pieces = count * (size_t)L->nregions;
   size_t cap = PM__MAX((size_t)1, PM__MIN(BLK__BATCH, pieces));
@@ -793,6 +1131,11 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
   if (!k.dsts || !k.srcs || !k.sizes || !k.desc || !d.dsts || !d.srcs || !d.sizes) {
     st = pm__set_error(PM_ERR_NOMEM, "%s: out of memory for the piece lists", fn);
     goto done;
+  }
+  /* From here the swap has a seq (its blocks name it): end_swap below ends its record. */
+  if (count) {
+    st = begin_swap(s, host_ids, count, fn, &seq);
+    if (st != PM_OK) goto done;
   }
   uint64_t nk = 0, nd = 0, ntr = 0;
   pm_copy_kind_t kind = out ? PM_COPY_D2H : PM_COPY_H2D;
@@ -837,11 +1180,23 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
   if (st == PM_OK && k.n) st = queue_kernel(b, k.dsts, k.srcs, k.sizes, k.n, stream, k.desc,
                                             k.desc_cap);
   if (st == PM_OK && d.n) st = queue_dma(b, d.dsts, d.srcs, d.sizes, d.n, kind, stream);
-  if (st != PM_OK) {
+  if (st != PM_OK)
     st = pm__wrap_error(st, "%s: queueing %zu blocks (what was queued before the failure still "
                             "runs on the stream)", fn, count);
-    goto done;
+  /* The record's event goes before the caller's: once the caller's completed, so did the
+   * record's, and a free after waiting on it finds the blocks idle (no wait in alloc). */
+  if (seq) {
+    /* A failed swap keeps its own error; a swap that went well reports a failed tracking. */
+    char why[512];
+    pm_status_t failed = st;
+    if (failed != PM_OK) snprintf(why, sizeof why, "%s", pm_last_error());
+    pm_status_t e = end_swap(s, seq, stream, fn);
+    if (failed != PM_OK)
+      pm__set_error(failed, "%s", why);
+    else
+      st = e;
   }
+  if (st != PM_OK) goto done;
   if (event_out) {
     pm_event_t ev = NULL;
     st = b->event_create(PM_EVENT_DEFAULT, &ev);
