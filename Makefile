@@ -58,10 +58,15 @@ test: test-reset deps check-docs test-no-toolkit test-install-messages test-host
 test-reset:
 	@$(RECORD) reset $(SUITES)
 
+# The host-label tests, then the C examples of README.md and docs/*.md, each compiled with
+# -std=c11 -Wall -Wextra -Werror against include/ and this build's libpinmem.a and run on the host
+# backend (tests/check_doc_examples.py: how a fragment gets its includes and main, or is not run).
 test-host: deps-test
 	$(build_c)
 	cd $(BUILD) && $(CTEST) -L host -j $(JOBS)
 	@$(RECORD) ctest $(SUITES) host $(BUILD)
+	python3 tests/check_doc_examples.py --c $(BUILD) --jobs $(JOBS)
+	@$(RECORD) ran $(SUITES) doc-c-examples "the C examples of README.md and docs/*.md"
 
 # The README's `make bench` runs to its end here (tests/test_make_bench.sh): on the host backend,
 # saying so, where there is no usable GPU.
@@ -248,7 +253,7 @@ clean:
 # exist, every option default they quote is the option table's, every option they name exists,
 # install.md lists tools/deps.sh's packages, prose lines stay short; tests/test_check_docs.py
 # shows that each of those checks catches a change, tests/test_check_doc_examples.py that
-# tests/check_doc_examples.py (run by test-python) catches a broken example;
+# tests/check_doc_examples.py (run by test-python and test-host) catches a broken example;
 # tests/test_install_story.sh that plain make installs nothing and PINMEM_NO_INSTALL=1 refuses.
 # (--unused lists results files no doc names.)
 .PHONY: check-docs
