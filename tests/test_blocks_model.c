@@ -19,6 +19,7 @@
  * something that holds whatever the interleaving.
  * Arguments (for longer sweeps): first seed, number of seeds, operations per thread. */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -555,6 +556,81 @@ static int run_seed(uint64_t seed, int ops, bool quiet) {
   return f;
 }
 
+/* Lets a gated stream go once the device is synchronized by a memory free (counted by the fault
+ * table), or once told to stop. */
+typedef struct opener {
+  pm_test_gate_t *gate;
+  atomic_bool stop, opened;
+} opener_t;
+
+static void *opener_main(void *arg) {
+  opener_t *o = arg;
+  for (;;) {
+    pm__fault_counts_t c;
+    pm__fault_counts(&c);
+    if (c.calls[PM__FAULT_DEVICE_FREE] + c.calls[PM__FAULT_HOST_FREE] > 0) {
+      atomic_store(&o->opened, true);
+      pm_test_gate_open(o->gate);
+      return NULL;
+    }
+    if (atomic_load(&o->stop)) return NULL;
+    sched_yield();
+  }
+}
+
+/* The first swap of a device measures the cut-off (blocks_kernel_max auto) and returns without
+ * waiting for other streams: freeing the measurement's buffers there synchronized the whole
+ * device (as cudaFree does), so a stream held by the calling thread (here a gate it opens only
+ * after the swap) hung the swap. An opener lets the gate go if a free comes, so the old
+ * behaviour fails the check instead of hanging. Runs before any other swap of the process: the
+ * cut-off is measured once per device. */
+static void test_first_swap_no_device_sync(void) {
+  REQUIRE_OK(pm_option_set("blocks_kernel_max", "auto"));
+  char *dev;
+  REQUIRE_OK(pm_device_alloc(4 * 4096, (void **)&dev));
+  pm_kv_region_t reg = {dev, 4096, 4096};
+  pm_kv_layout_t L = {1, &reg, 4, -1};
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = 4096;
+  c.num_blocks = 4;
+  c.background = 0;
+  pm_blocks_t *s = NULL;
+  REQUIRE_OK(pm_blocks_create(&c, &s));
+  pm_stream_t held, b;
+  REQUIRE_OK(pm_stream_create(&held));
+  REQUIRE_OK(pm_stream_create(&b));
+  uint64_t h[2], d[2] = {0, 1};
+  REQUIRE_OK(pm_blocks_alloc(s, 2, h));
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
+  REQUIRE_OK(pm_launch_host_func(held, pm_test_gate_wait, &g));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_DEVICE_FREE, 0, 0)); /* count, fail none */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_HOST_FREE, 0, 0));
+  opener_t o = {.gate = &g};
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, opener_main, &o) == 0);
+  pm_event_t ev = NULL;
+  CHECK_OK(pm_blocks_swap_out(s, &L, d, h, 2, b, &ev));
+  atomic_store(&o.stop, true);
+  pthread_join(t, NULL);
+  CHECK(!atomic_load(&o.opened)); /* the swap returned with the other stream still held */
+  pm_test_gate_open(&g);
+  pm_blocks_stats_t bs;
+  CHECK_OK(pm_blocks_get_stats(s, &bs));
+  CHECK(bs.kernel_max_calibrated);
+  CHECK_OK(pm_event_synchronize(ev));
+  CHECK_OK(pm_event_destroy(ev));
+  pm__fault_reset();
+  CHECK_OK(pm_stream_synchronize(held));
+  CHECK_OK(pm_blocks_free(s, h, 2));
+  CHECK_OK(pm_blocks_destroy(s)); /* releases the measurement's buffers (leak checkers) */
+  CHECK_OK(pm_stream_destroy(held));
+  CHECK_OK(pm_stream_destroy(b));
+  pm_test_gate_destroy(&g);
+  CHECK_OK(pm_device_free(dev));
+}
+
 /* A swap whose completion cannot be known (its events fail) keeps the blocks freed while it
  * ran, and those of every later swap, out of use: an alloc that needs them fails at once (no
  * hang) with the device's status, naming that swap; idle blocks keep coming and going;
@@ -639,6 +715,7 @@ static void test_broken_swap(void) {
 
 int main(int argc, char **argv) {
   pm_test_init();
+  test_first_swap_no_device_sync(); /* first: the only swap that measures the cut-off */
   if (argc <= 1) test_broken_swap();
   uint64_t first = argc > 1 ? strtoull(argv[1], NULL, 0) : 1;
   /* Fixed seeds: each picks 2-4 threads, the arena, the regions, the copy path and a fault
