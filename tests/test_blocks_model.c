@@ -19,7 +19,6 @@
  * something that holds whatever the interleaving.
  * Arguments (for longer sweeps): first seed, number of seeds, operations per thread. */
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -556,28 +555,6 @@ static int run_seed(uint64_t seed, int ops, bool quiet) {
   return f;
 }
 
-/* Lets a gated stream go once the device is synchronized by a memory free (counted by the fault
- * table), or once told to stop. */
-typedef struct opener {
-  pm_test_gate_t *gate;
-  atomic_bool stop, opened;
-} opener_t;
-
-static void *opener_main(void *arg) {
-  opener_t *o = arg;
-  for (;;) {
-    pm__fault_counts_t c;
-    pm__fault_counts(&c);
-    if (c.calls[PM__FAULT_DEVICE_FREE] + c.calls[PM__FAULT_HOST_FREE] > 0) {
-      atomic_store(&o->opened, true);
-      pm_test_gate_open(o->gate);
-      return NULL;
-    }
-    if (atomic_load(&o->stop)) return NULL;
-    sched_yield();
-  }
-}
-
 /* The first swap of a device measures the cut-off (blocks_kernel_max auto) and returns without
  * waiting for other streams: freeing the measurement's buffers there synchronized the whole
  * device (as cudaFree does), so a stream held by the calling thread (here a gate it opens only
@@ -607,14 +584,11 @@ static void test_first_swap_no_device_sync(void) {
   REQUIRE_OK(pm_launch_host_func(held, pm_test_gate_wait, &g));
   REQUIRE_OK(pm__fault_set(PM__FAULT_DEVICE_FREE, 0, 0)); /* count, fail none */
   REQUIRE_OK(pm__fault_set(PM__FAULT_HOST_FREE, 0, 0));
-  opener_t o = {.gate = &g};
-  pthread_t t;
-  REQUIRE(pthread_create(&t, NULL, opener_main, &o) == 0);
+  pm_test_opener_t o; /* the gate goes if memory is freed (the device synchronized) */
+  pm_test_opener_start(&o, &g, (const int[]){PM__FAULT_DEVICE_FREE, PM__FAULT_HOST_FREE}, 2);
   pm_event_t ev = NULL;
   CHECK_OK(pm_blocks_swap_out(s, &L, d, h, 2, b, &ev));
-  atomic_store(&o.stop, true);
-  pthread_join(t, NULL);
-  CHECK(!atomic_load(&o.opened)); /* the swap returned with the other stream still held */
+  CHECK(!pm_test_opener_stop(&o)); /* the swap returned with the other stream still held */
   pm_test_gate_open(&g);
   pm_blocks_stats_t bs;
   CHECK_OK(pm_blocks_get_stats(s, &bs));
