@@ -3,6 +3,7 @@
  */
 #include "helpers.h"
 
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -129,6 +130,42 @@ void pm_test_gate_open(pm_test_gate_t *g) {
 void pm_test_gate_destroy(pm_test_gate_t *g) {
   pthread_cond_destroy(&g->cv);
   pthread_mutex_destroy(&g->mu);
+}
+
+static void *opener_main(void *arg) {
+  pm_test_opener_t *o = arg;
+  for (;;) {
+    pm__fault_counts_t c;
+    pm__fault_counts(&c);
+    for (int i = 0; i < o->nops; i++) {
+      if (c.calls[o->ops[i]] > 0) {
+        atomic_store(&o->opened, true);
+        pm_test_gate_open(o->gate);
+        return NULL;
+      }
+    }
+    if (atomic_load(&o->stop)) return NULL;
+    sched_yield();
+  }
+}
+
+void pm_test_opener_start(pm_test_opener_t *o, pm_test_gate_t *g, const int *ops, int nops) {
+  memset(o, 0, sizeof *o);
+  o->gate = g;
+  o->nops = nops < 4 ? nops : 4;
+  memcpy(o->ops, ops, (size_t)o->nops * sizeof *ops);
+  atomic_init(&o->stop, false);
+  atomic_init(&o->opened, false);
+  if (pthread_create(&o->thread, NULL, opener_main, o) != 0) {
+    fprintf(stderr, "pm_test_opener_start: pthread_create failed\n");
+    abort();
+  }
+}
+
+bool pm_test_opener_stop(pm_test_opener_t *o) {
+  atomic_store(&o->stop, true);
+  pthread_join(o->thread, NULL);
+  return atomic_load(&o->opened);
 }
 
 static long long vm_locked_raw(void) {

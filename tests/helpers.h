@@ -10,6 +10,7 @@
 #define PINMEM_TEST_HELPERS_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -61,6 +62,21 @@ void pm_test_gate_init(pm_test_gate_t *g);
 void pm_test_gate_wait(void *gate); /* a pm_host_fn_t */
 void pm_test_gate_open(pm_test_gate_t *g);
 void pm_test_gate_destroy(pm_test_gate_t *g);
+
+/* A thread that opens a gate once the fault table has counted a call of one of ops (pm__fault_op_t
+ * values; arm them to count first: pm__fault_set(op, 0, 0)), or once stopped: a test that waits
+ * for something to happen in a call lets the gated stream go when it does, instead of hanging
+ * when it wrongly does. pm_test_opener_stop joins it and says whether it opened the gate. */
+typedef struct pm_test_opener {
+  pm_test_gate_t *gate;
+  int ops[4];
+  int nops;
+  atomic_bool stop, opened;
+  pthread_t thread;
+} pm_test_opener_t;
+
+void pm_test_opener_start(pm_test_opener_t *o, pm_test_gate_t *g, const int *ops, int nops);
+bool pm_test_opener_stop(pm_test_opener_t *o);
 
 /* Bytes this process has locked (VmLck of /proc/self/status), or -1 when that cannot be read
  * or mlock does not show there (then the locked-memory checks are reported skipped, once). */

@@ -3,7 +3,6 @@
  * calibrated cut-off); bad ids, repeated ids in one call, exhaustion and other bad input; two
  * streams swapping at once; swaps racing the background pinning of the arena; blocks freed while
  * a swap still uses them are not handed out again until it completed. */
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -700,28 +699,6 @@ static bool hosts_hold(pm_blocks_t *s, const kv_t *k, const uint64_t *h, const u
   return ok;
 }
 
-/* Lets a gated stream go once the store's alloc waits for a swap (its first
- * event_synchronize, which the fault table counts), or once told to stop. */
-typedef struct opener {
-  pm_test_gate_t *gate;
-  atomic_bool stop, opened;
-} opener_t;
-
-static void *opener_main(void *arg) {
-  opener_t *o = arg;
-  for (;;) {
-    pm__fault_counts_t c;
-    pm__fault_counts(&c);
-    if (c.calls[PM__FAULT_EVENT_SYNC] > 0) {
-      atomic_store(&o->opened, true);
-      pm_test_gate_open(o->gate);
-      return NULL;
-    }
-    if (atomic_load(&o->stop)) return NULL;
-    sched_yield();
-  }
-}
-
 static uint64_t event_syncs(void) {
   pm__fault_counts_t c;
   pm__fault_counts(&c);
@@ -759,18 +736,16 @@ static void test_free_during_swap(void) {
   CHECK((idle[0] == h[2] && idle[1] == h[3]) || (idle[0] == h[3] && idle[1] == h[2]));
   CHECK_EQ_SIZE(event_syncs(), 0);
   CHECK_OK(pm_blocks_free(s, idle, 2));
-  opener_t o = {.gate = &g};
-  pthread_t t;
-  REQUIRE(pthread_create(&t, NULL, opener_main, &o) == 0);
+  /* The gate goes once alloc waits for a swap (its first event_synchronize). */
+  pm_test_opener_t o;
+  pm_test_opener_start(&o, &g, (const int[]){PM__FAULT_EVENT_SYNC}, 1);
   uint64_t all[4];
   CHECK_OK(pm_blocks_alloc(s, 4, all));
   uint64_t dout[4] = {6, 7, 2, 3};
   CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, dout, all, 4, b, NULL));
   CHECK_OK(pm_stream_synchronize(b));
-  atomic_store(&o.stop, true);
-  pthread_join(t, NULL);
-  CHECK(atomic_load(&o.opened)); /* alloc waited for the swap_in */
-  pm_test_gate_open(&g);         /* (already open unless alloc handed out busy blocks) */
+  CHECK(pm_test_opener_stop(&o)); /* alloc waited for the swap_in */
+  pm_test_gate_open(&g);          /* (already open unless alloc handed out busy blocks) */
   CHECK_OK(pm_stream_synchronize(a));
   CHECK(device_is_mirror(&k)); /* the swap_in read what h[0], h[1] held when it was queued */
   CHECK(hosts_hold(s, &k, all, dout, 4));

@@ -64,7 +64,9 @@
  * queued to done or broken, so an event is not recycled while it is queried. The per-device
  * cut-off is measured by the first thread that claims it (an atomic state); other threads take
  * DMA until it is known, so no lock is held around device work. The calibration's 2 MiB of
- * pinned memory is the backend's, outside any pool's budget.
+ * pinned memory is the backend's, outside any pool's budget; it and the 2 MiB of device memory
+ * are freed when the store whose call measured is destroyed, not in that call (a free
+ * synchronizes the device).
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -139,6 +141,9 @@ struct pm_blocks_s {
 
   _Atomic uint64_t swaps_out, swaps_in, blocks_out, blocks_in, bytes_out, bytes_in;
   _Atomic uint64_t pieces_kernel, pieces_dma, transfers;
+  /* The calibration's buffers when this store's call measured the cut-off (calibrate):
+   * released by store_free, after destroy synchronized the device. */
+  char *cal_host, *cal_dev;
 };
 
 /* ---- the per-device cut-off ----------------------------------------------------------------- */
@@ -220,7 +225,12 @@ static double cal_time(const pm__backend_t *b, char *host, char *dev, size_t siz
 
 /* The largest of a few piece sizes at which the kernel beats DMA on the current device; 0 when
  * it never does (or something failed: DMA is always correct). No lock is held. */
-static size_t calibrate(const pm__backend_t *b) {
+/* Measure the cut-off. Its pinned and device buffers are not freed here but handed to the store
+ * whose call measured (*host_keep, *dev_keep): freeing device or pinned memory synchronizes the
+ * whole device (cudaFree, cudaFreeHost; the host backend models cudaFree), so the first swap of
+ * a device would wait for every stream's work, the compute stream's and the caller's own
+ * included: a stall, and a hang when a stream waits on the calling thread (a host function). */
+static size_t calibrate(const pm__backend_t *b, char **host_keep, char **dev_keep) {
   static const size_t sizes_try[] = {4u << 10, 16u << 10, 64u << 10, 256u << 10, 1u << 20};
   if (!kernel_usable(b)) return 0;
   size_t cut = 0, n_max = BLK__CAL_BYTES / sizes_try[0], cap = BLK__CAL_BYTES / BLK__TILE + n_max;
@@ -252,8 +262,8 @@ done:
   if (e1) (void)b->event_destroy(e1);
   if (e0) (void)b->event_destroy(e0);
   if (s) (void)b->stream_destroy(s);
-  if (dev) (void)b->device_free(dev);
-  if (host) (void)b->host_free(host, BLK__CAL_BYTES);
+  *host_keep = host;
+  *dev_keep = dev;
   free(dsts);
   free(srcs);
   free(szs);
@@ -263,8 +273,10 @@ done:
 }
 
 /* The cut-off in force: the option, or device dev's calibration (then *calibrated, when asked
- * for, is true). dev is the current device (enter_device). */
-static size_t kernel_max(const pm__backend_t *b, int dev, bool *calibrated) {
+ * for, is true). dev is the current device (enter_device); s, the store of the call, keeps the
+ * buffers of a calibration the call runs. */
+static size_t kernel_max(pm_blocks_t *s, int dev, bool *calibrated) {
+  const pm__backend_t *b = s->b;
   size_t opt = pm__opt_size(PM__OPT_BLOCKS_KERNEL_MAX);
   if (calibrated) *calibrated = opt == PM__BLOCKS_CUTOFF_AUTO;
   if (opt != PM__BLOCKS_CUTOFF_AUTO) return kernel_usable(b) ? opt : 0;
@@ -273,7 +285,8 @@ static size_t kernel_max(const pm__backend_t *b, int dev, bool *calibrated) {
   if (state == CAL_NONE) {
     int expect = CAL_NONE;
     if (atomic_compare_exchange_strong(&cal_state[dev], &expect, CAL_RUNNING)) {
-      atomic_store_explicit(&cal_value[dev], calibrate(b), memory_order_relaxed);
+      atomic_store_explicit(&cal_value[dev], calibrate(b, &s->cal_host, &s->cal_dev),
+                            memory_order_relaxed);
       atomic_store_explicit(&cal_state[dev], CAL_DONE, memory_order_release);
       state = CAL_DONE;
     } else {
@@ -624,6 +637,8 @@ static void store_free(pm_blocks_t *s) {
   for (uint64_t q = s->swap_base; q < s->swap_next; q++)
     if (rec_at(s, q)->event) (void)s->b->event_destroy(rec_at(s, q)->event);
   for (size_t i = 0; i < s->nev; i++) (void)s->b->event_destroy(s->ev_cache[i]);
+  if (s->cal_dev) (void)s->b->device_free(s->cal_dev);
+  if (s->cal_host) (void)s->b->host_free(s->cal_host, BLK__CAL_BYTES);
   pthread_cond_destroy(&s->swap_cv);
   pthread_mutex_destroy(&s->poll_lock);
   pthread_cond_destroy(&s->ready_cv);
@@ -947,7 +962,7 @@ pm_status_t pm_blocks_get_stats(pm_blocks_t *s, pm_blocks_stats_t *out) {
   int prev;
   st = enter_device(s, &prev, fn);
   if (st != PM_OK) return st;
-  r.kernel_max = kernel_max(s->b, s->device, &cal);
+  r.kernel_max = kernel_max(s, s->device, &cal);
   leave_device(s, prev);
   r.kernel_max_calibrated = cal;
   r.swaps_out = atomic_load(&s->swaps_out);
@@ -1114,7 +1129,7 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
                          "%s: the stream %p is a stream of device %d, the store serves device %d",
                          fn, (void *)stream, sdev, s->device);
   }
-  size_t cut = kernel_max(b, s->device, NULL);
+  size_t cut = kernel_max(s, s->device, NULL);
   blk_lists_t k = {0}, d = {0};
   uint64_t seq = 0; /* 0: no record (nothing named) */
   /* Lists for at most BLK__BATCH pieces: a larger call goes to the backend in parts. */
