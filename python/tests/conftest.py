@@ -86,6 +86,35 @@ def skip_unless_torch_cuda():
     return torch
 
 
+def warnings_in_forked_child(action):
+    """Fork; in the child run action() and a garbage collection with every warning recorded
+    (pytest's own capture hides a child's stderr), then exit. Returns the warnings, one
+    "Category: message" line each ("" for none), once the child exited 0."""
+    import gc
+    import warnings
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            os.close(r)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                action()
+                gc.collect()
+            os.write(w, "".join(f"{x.category.__name__}: {x.message}\n"
+                                for x in seen).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        said = f.read()  # until the child exits
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return said
+
+
 class Gate:
     """A host function on `stream` that holds it until open() (the C tests' gate): work queued
     behind it cannot have run, and work ordered after that work must wait, so a test forces the

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pinmem
-from conftest import random_bytes
+from conftest import random_bytes, warnings_in_forked_child
 
 
 def addr(a):
@@ -476,3 +476,32 @@ def test_device_memory_is_reusable_only_once_no_view_or_copy_holds_it(rng):
     assert _pinmem._buffer_reuse(base, s)
     assert not _pinmem._buffer_reuse(src, s)  # pinned host memory: not a device block
     s.close()
+
+
+def test_a_forked_child_dropping_the_parents_buffers_is_quiet():
+    """A fork child (a DataLoader's or multiprocessing's fork worker) that drops or collects its
+    copies of the parent's buffers: pool, registered and device buffers and an iterable loader's
+    batches are the parent's to give back, so the child warns of nothing, and the parent's
+    buffers stay good."""
+    torch_data = pytest.importorskip("torch.utils.data")
+
+    class Rows(torch_data.IterableDataset):
+        def __iter__(self):
+            return iter(list(np.arange(400, dtype=np.float32).reshape(100, 4)))
+
+    gc.collect()
+    before = pinmem.stats()["in_use_bytes"]
+    src = np.full(8192, 5, dtype=np.uint8)
+    pool = pinmem.empty(4096, "uint8")
+    np.asarray(pool)[:] = 7
+    reg = pinmem.pin(src)
+    dev = pinmem.device_empty(4096, "uint8")
+    batches = list(pinmem.Loader(Rows(), batch_size=10, device="cpu"))
+    held = [pinmem.empty(4096, "uint8"), pool, reg, dev, batches]
+    said = warnings_in_forked_child(held.clear)
+    assert said == "", said
+    assert (np.asarray(reg) == 5).all() and (np.asarray(pool) == 7).all()
+    assert [float(np.asarray(b)[0, 0]) for b in batches] == [40.0 * k for k in range(10)]
+    del held, batches, pool, reg, dev
+    gc.collect()
+    assert pinmem.stats()["in_use_bytes"] == before

@@ -116,51 +116,6 @@ def test_child_release_of_a_parent_block_names_the_fork():
     """)
 
 
-def test_child_dropping_the_parents_buffers_is_quiet():
-    # A fork child (a DataLoader's or multiprocessing's fork worker) that drops or collects its
-    # copies of the parent's buffers: they are the parent's to give back, so the child says
-    # nothing, and the parent's buffers stay good.
-    run("""
-        import gc, io, warnings
-        import pinmem
-        reg_src = np.full(8192, 5, dtype=np.uint8)
-        reg = pinmem.pin(reg_src)
-
-        import torch.utils.data as tud
-        class It(tud.IterableDataset):
-            def __iter__(self):
-                return iter(list(np.arange(400, dtype=np.float32).reshape(100, 4)))
-
-        it_batches = list(pinmem.Loader(It(), batch_size=10, device="cpu"))
-        held = [pinmem.empty(4096, "uint8"), reg, dev, it_batches]
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(r)
-                with warnings.catch_warnings(record=True) as seen:
-                    warnings.simplefilter("always")
-                    held.clear()
-                    del it_batches
-                    gc.collect()
-                os.write(w, "".join(f"{x.category.__name__}: {x.message}\\n"
-                                    for x in seen).encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        with os.fdopen(r) as f:
-            said = f.read()
-        assert reap(pid, 30) == 0
-        assert said == "", said
-        assert (np.asarray(reg) == 5).all() and (np.asarray(pinned) == 7).all()
-        assert [float(np.asarray(b)[0, 0]) for b in it_batches] == [40.0 * k for k in range(10)]
-        finish()
-        print("ok")
-    """)
-
-
 def test_child_that_only_exits_with_a_live_loader():
     # The child runs the atexit handlers (Loader.close of the parent's loader, the copy sweep):
     # none may wait for the parent's threads.

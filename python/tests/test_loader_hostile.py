@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pinmem
-from conftest import skip_unless_torch
+from conftest import skip_unless_torch, warnings_in_forked_child
 
 try:
     import torch
@@ -458,30 +458,10 @@ def test_a_forked_child_dropping_the_parents_batches_is_quiet():
     workers, which may collect the parent's garbage) drops its copies of them: they are the
     parent's to give back, so the child warns of nothing, and the parent's batches and loader
     go on."""
-    import warnings
     X = np.arange(64, dtype=np.float32).reshape(32, 2)
     with pinmem.Loader(X, batch_size=4, device="cpu") as ld:
         held = list(ld)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover (the child)
-            code = 1
-            try:
-                os.close(r)
-                with warnings.catch_warnings(record=True) as seen:
-                    warnings.simplefilter("always")
-                    held.clear()
-                    gc.collect()
-                os.write(w, "".join(f"{x.category.__name__}: {x.message}\n"
-                                    for x in seen).encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        with os.fdopen(r) as f:
-            said = f.read()  # until the child exits
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        said = warnings_in_forked_child(held.clear)
         assert said == "", said
         assert [np.asarray(b)[0, 0] for b in held] == [8.0 * k for k in range(8)]
         assert [np.asarray(b)[0, 0] for b in ld] == [8.0 * k for k in range(8)]
