@@ -58,7 +58,11 @@ class Block:
             return
         head, _, body = directive.partition(":")
         if head.strip() == "not run":
-            self.skip = body.strip() or "no reason given"
+            # A block left out says why: the reader of the source must be able to tell an
+            # example that cannot run here from one nobody checked.
+            if not body.strip():
+                raise ValueError(f"{self.where}: 'not run' needs its reason (not run: WHY)")
+            self.skip = body.strip()
             return
         if head.strip() != "run with":
             raise ValueError(f"{self.where}: unknown directive {head.strip()!r} (not run: "

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """tests/check_doc_examples.py must catch what it is for: on a small tree of docs, a Python
 example that raises, exits non-zero or hangs fails with the doc's file and line (its traceback
-in the doc's lines), a `replace:` that matches nothing and an unknown directive fail, `setup:`
-and `replace:` are applied, `not run` blocks and docs/RELIABILITY.md are left alone, and a
-README C example that is not examples/hello.c fails. With --c, a C example that does not
-compile (an error, or a warning: -Werror) fails with the compiler's message at the doc's line
-(the block's, or the marker's for a setup line), as does one that exits non-zero or hangs;
-`setup:`, `epilogue:` and `replace:` wrap a fragment into a program. Needs no pinmem: the
-examples here are plain Python, and plain C against a stand-in libpinmem.a built here with cc.
+in the doc's lines), a `replace:` that matches nothing, an unknown directive and a `not run`
+without its reason fail, `setup:` and `replace:` are applied, `not run` blocks and
+docs/RELIABILITY.md are left alone, and a README C example that is not examples/hello.c fails.
+With --c, a C example that does not compile (an error, or a warning: -Werror) fails with the
+compiler's message at the doc's line (the block's, or the marker's for a setup line), as does
+one that exits non-zero or hangs; `setup:`, `epilogue:` and `replace:` wrap a fragment into a
+program. Needs no pinmem: the examples here are plain Python, and plain C against a stand-in
+libpinmem.a built here with cc.
 Run by `make check-docs`; exit status 1 when something goes unseen.
 
     python3 tests/test_check_doc_examples.py
@@ -128,6 +129,9 @@ def main():
         expect("an unknown directive", case("unknown", guide=GUIDE.replace("not run:", "skip:")
                                             + C_GUIDE), 1,
                "docs/guide.md:4: unknown directive 'skip'")
+        expect("a not run without its reason", case("noreason", guide=GUIDE.replace(
+            "not run: needs a GPU", "not run:") + C_GUIDE), 1,
+               "docs/guide.md:4: 'not run' needs its reason")
         expect("the README's C example drifts", case("drift", readme=README.replace(
             "return 0;", "return 1;")), 1, "README.md:7: the C example is not examples/hello.c (the file the tests build")
 
