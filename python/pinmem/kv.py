@@ -17,10 +17,10 @@ make them with kv_device_tensor().
 """
 
 import ctypes as _ctypes
-import operator as _operator
 
 import pinmem as _pm
 from . import _pinmem
+from ._args import int_arg as _int_arg
 
 
 def _torch():
@@ -39,17 +39,10 @@ _ID_MAX = (1 << 63) - 1
 
 
 def _count(v, what, lo=0):
-    """An integer argument (a count, an id, a size) as an int in lo..2**63-1: floats, strings
-    and the like are refused, not truncated (alloc(1.5) is a mistake, not 1)."""
-    try:
-        n = _operator.index(v)
-    except TypeError:
-        _invalid(f"{what} must be an integer, not {type(v).__name__} {v!r:.40}")
-    if n < lo:
-        _invalid(f"{what} = {n} is negative" if n < 0 else f"{what} = {n}: at least {lo}")
-    if n > _ID_MAX:
-        _invalid(f"{what} = {n} is past 2**63 - 1")
-    return n
+    """An integer argument (a count, an id, a size) as an int in lo..2**63-1, by the rule and
+    wording of every integer argument (_args.int_arg): floats, strings and bools are refused,
+    not truncated (alloc(1.5) is a mistake, not 1; alloc(True) is one too)."""
+    return _int_arg(what, v, lo, _ID_MAX)
 
 
 def kv_device_tensor(shape, dtype):
@@ -177,7 +170,7 @@ def _ids(x, what):
         bad = (x < 0).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
-            _invalid(f"{what}[{i}] = {int(x[i])} is negative")
+            _invalid(f"{what}[{i}] must be 0..{_ID_MAX}, not {int(x[i])}")
         return memoryview(x.numpy()) if _has_numpy() else _array_ids(x.tolist(), what)
     if type(x).__module__ == "numpy":
         import numpy
@@ -186,7 +179,7 @@ def _ids(x, what):
         if x.dtype.kind == "u" and x.size and int(x.max()) > _ID_MAX:
             flat = x.reshape(-1)
             i = int(numpy.argmax(flat > _ID_MAX))
-            _invalid(f"{what}[{i}] = {int(flat[i])} is past 2**63 - 1")
+            _invalid(f"{what}[{i}] must be 0..{_ID_MAX}, not {int(flat[i])}")
         return _ids(torch.from_numpy(numpy.ascontiguousarray(x, dtype=numpy.int64)), what)
     return _array_ids(x, what)
 

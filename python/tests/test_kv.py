@@ -98,7 +98,8 @@ def test_bad_input():
         store.swap_out([0, 1], [host[0], host[0]])
     with pytest.raises(pinmem.InvalidError, match="distinct"):
         store.swap_in([2, 2], host)
-    with pytest.raises(pinmem.InvalidError, match=r"host_ids\[0\] = -1 is negative"):
+    with pytest.raises(pinmem.InvalidError,
+                       match=r"host_ids\[0\] must be 0\.\.9223372036854775807, not -1"):
         store.swap_out([0], [-1])
     with pytest.raises(pinmem.InvalidError, match="integers"):
         store.swap_out(torch.tensor([0.5]), [host[0]])
@@ -254,12 +255,13 @@ def test_ids_as_tensors_arrays_and_lists():
             store.swap_out(dev, np.array(host)).wait()
             for h, d in zip(host, [5, 0, 3]):
                 assert store.read_block(h) == block_of(caches, d, False)
-        with pytest.raises(pinmem.InvalidError, match=r"device_ids\[1\] = -2 is negative"):
+        with pytest.raises(pinmem.InvalidError,
+                           match=r"device_ids\[1\] must be 0\.\.9223372036854775807, not -2"):
             store.swap_out(torch.tensor([1, -2, 0]), host)
         with pytest.raises(pinmem.InvalidError, match="integers, not float64"):
             store.swap_out(np.array([1.0, 2.0, 0.0]), host)
-        with pytest.raises(pinmem.InvalidError, match=r"device_ids\[0\] = 9223372036854775809 "
-                                                      "is past"):
+        with pytest.raises(pinmem.InvalidError, match=r"device_ids\[0\] must be 0\.\."
+                           r"9223372036854775807, not 9223372036854775809"):
             store.swap_out(np.array([2**63 + 1], np.uint64), host[:1])
 
 
@@ -276,12 +278,18 @@ def test_ids_and_counts_are_integers_never_truncated():
                      lambda: store.swap_out([0.7, 1.9], host),
                  "integers, not str": lambda: store.swap_out("01", host),
                  "host_id must be an integer": lambda: store.read_block(1.5),
-                 "host_id = -1 is negative": lambda: store.read_block(-1),
+                 r"host_id must be 0\.\.9223372036854775807, not -1":
+                     lambda: store.read_block(-1),
+                 "host_id must be 0..9223372036854775807, not True":
+                     lambda: store.read_block(True),
+                 "n must be 0..9223372036854775807, not True": lambda: store.alloc(True),
                  "n must be an integer": lambda: store.alloc(1.5),
                  "num_blocks must be an integer": lambda: pinmem.KVBlockStore(caches, 1.5),
-                 "num_blocks = -1 is negative": lambda: pinmem.KVBlockStore(caches, -1),
-                 "num_blocks = 0": lambda: pinmem.KVBlockStore(caches, 0),
-                 "chunk_bytes = -1 is negative":
+                 "num_blocks must be 1..9223372036854775807, not -1":
+                     lambda: pinmem.KVBlockStore(caches, -1),
+                 "num_blocks must be 1..9223372036854775807, not 0":
+                     lambda: pinmem.KVBlockStore(caches, 0),
+                 "chunk_bytes must be 0..9223372036854775807, not -1":
                      lambda: pinmem.KVBlockStore(caches, 4, chunk_bytes=-1),
                  r"kv_caches\[0\]: a torch.Tensor is needed, not int":
                      lambda: pinmem.KVBlockStore([1, 2], 4),
