@@ -702,10 +702,12 @@ PM_API pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_
 PM_API pm_status_t pm_blocks_destroy(pm_blocks_t *blocks);
 /** Take `count` free block ids (lowest first when the arena is fresh) into ids_out. PM_ERR_NOMEM
  *  naming what is free when fewer than count are: then nothing is taken. Blocks freed while a
- *  swap still used them count as free but are handed out only once that swap completed: idle
- *  blocks go first, and when they are too few the call blocks until enough of those swaps (the
- *  oldest first) completed. A swap whose completion the device cannot report keeps the blocks
- *  freed after it out of use: then the device's status, naming the swap. */
+ *  swap still used them are handed out only once every swap that named them completed: idle
+ *  blocks go first, and when they are too few the call blocks until enough of those swaps
+ *  completed (only swaps that name freed blocks; an unrelated swap on another stream is not
+ *  waited for). A swap whose completion the device cannot report quarantines the blocks it
+ *  named (pm_blocks_get_free); when only those would make up the count, the device's status,
+ *  naming the swap. */
 PM_API pm_status_t pm_blocks_alloc(pm_blocks_t *blocks, size_t count, uint64_t *ids_out);
 /** Give ids back. PM_ERR_INVALID (nothing freed) for an id out of range, not allocated, or named
  *  twice. A block may be freed while a swap that names it is still queued or running (a swap_in
@@ -740,7 +742,7 @@ PM_API pm_status_t pm_blocks_swap_in(pm_blocks_t *blocks, const pm_kv_layout_t *
 typedef struct pm_blocks_stats {
   size_t block_bytes;
   uint64_t num_blocks;
-  uint64_t free_blocks;         /* alloc takes up to this many (pm_blocks_alloc: may wait) */
+  uint64_t free_blocks;         /* idle: alloc takes this many without waiting (pm_blocks_get_free) */
   uint64_t ready_blocks;        /* pinned and usable */
   size_t arena_bytes;           /* pinned (or being pinned) for the arena and charged */
   size_t chunk_bytes;
@@ -761,6 +763,15 @@ typedef struct pm_blocks_stats {
 /** The store's figures. The first call on a device with option blocks_kernel_max auto runs the
  *  calibration, as the first swap does. Every other call may run from several threads at once. */
 PM_API pm_status_t pm_blocks_get_stats(pm_blocks_t *blocks, pm_blocks_stats_t *stats_out);
+/** The free blocks, from one reading (each block counted once), each pointer may be NULL:
+ *  *idle_out, what pm_blocks_alloc takes without waiting (free_blocks of pm_blocks_get_stats);
+ *  *waiting_out, blocks freed while a swap not known complete still named them, which alloc
+ *  hands out once those swaps completed (waiting for them when idle blocks are too few: alloc
+ *  can give idle + waiting); *quarantined_out, blocks a swap whose completion cannot be known
+ *  named (its event failed on the device): never handed out again, until the store is destroyed.
+ *  Counts what the store knows after asking, without waiting, which swaps completed. */
+PM_API pm_status_t pm_blocks_get_free(pm_blocks_t *blocks, uint64_t *idle_out,
+                                      uint64_t *waiting_out, uint64_t *quarantined_out);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Data loader                                                                                 */

@@ -705,6 +705,25 @@ static uint64_t event_syncs(void) {
   return c.calls[PM__FAULT_EVENT_SYNC];
 }
 
+/* A store of 4 blocks, all allocated (h) and holding device blocks 0-3, streams a and b, and a
+ * swap_in of h[0], h[1] into device blocks 4, 5 held on a behind gate g (the mirror says so). */
+static pm_blocks_t *store_held_swap_in(kv_t *k, pm_stream_t *a, pm_stream_t *b, uint64_t *h,
+                                       pm_test_gate_t *g) {
+  uint64_t d[4] = {0, 1, 2, 3}, din[2] = {4, 5};
+  pm_blocks_t *s = store_all_allocated(k, 4, a, h);
+  REQUIRE_OK(pm_stream_create(b));
+  REQUIRE_OK(pm_blocks_swap_out(s, &k->layout_desc, d, h, 4, NULL, NULL));
+  REQUIRE_OK(pm_stream_synchronize(NULL));
+  pm_test_gate_init(g);
+  REQUIRE_OK(pm_launch_host_func(*a, pm_test_gate_wait, g));
+  REQUIRE_OK(pm_blocks_swap_in(s, &k->layout_desc, din, h, 2, *a, NULL));
+  for (int t = 0; t < k->ntensors; t++) {
+    memcpy(k->mirror[t] + 4 * k->piece, k->mirror[t] + 0 * k->piece, k->piece);
+    memcpy(k->mirror[t] + 5 * k->piece, k->mirror[t] + 1 * k->piece, k->piece);
+  }
+  return s;
+}
+
 /* Host blocks freed while a swap_in still reads them (its stream held by a gate) are not
  * handed out again until it completed: alloc takes the idle blocks first without waiting; an
  * alloc of every block waits for the swap_in (an opener thread lets its stream go once alloc
@@ -714,22 +733,17 @@ static void test_free_during_swap(void) {
   kv_t k;
   kv_make(&k, LAY_ONE_TENSOR, 1, 8, 4096, 31);
   pm_stream_t a, b;
-  uint64_t h[4], d[4] = {0, 1, 2, 3};
-  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
-  REQUIRE_OK(pm_stream_create(&b));
-  REQUIRE_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 4, NULL, NULL));
-  REQUIRE_OK(pm_stream_synchronize(NULL));
+  uint64_t h[4];
   pm_test_gate_t g;
-  pm_test_gate_init(&g);
-  REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
-  uint64_t din[2] = {4, 5}; /* host h[0], h[1] (device blocks 0, 1) into device blocks 4, 5 */
-  REQUIRE_OK(pm_blocks_swap_in(s, &k.layout_desc, din, h, 2, a, NULL));
-  memcpy(k.mirror[0] + 4 * k.piece, k.mirror[0] + 0 * k.piece, k.piece);
-  memcpy(k.mirror[0] + 5 * k.piece, k.mirror[0] + 1 * k.piece, k.piece);
+  pm_blocks_t *s = store_held_swap_in(&k, &a, &b, h, &g);
   CHECK_OK(pm_blocks_free(s, h, 4)); /* h[0], h[1]: the swap_in still reads them */
   pm_blocks_stats_t st;
   CHECK_OK(pm_blocks_get_stats(s, &st));
-  CHECK_EQ_SIZE(st.free_blocks, 4); /* freed is free: alloc's count is unchanged */
+  CHECK_EQ_SIZE(st.free_blocks, 2); /* what alloc takes without waiting */
+  uint64_t waiting = 9, quarantined = 9;
+  CHECK_OK(pm_blocks_get_free(s, NULL, &waiting, &quarantined));
+  CHECK_EQ_SIZE(waiting, 2); /* and what it waits for */
+  CHECK_EQ_SIZE(quarantined, 0);
   REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0)); /* count waits, fail none */
   uint64_t idle[2];
   CHECK_OK(pm_blocks_alloc(s, 2, idle));
@@ -749,6 +763,67 @@ static void test_free_during_swap(void) {
   CHECK_OK(pm_stream_synchronize(a));
   CHECK(device_is_mirror(&k)); /* the swap_in read what h[0], h[1] held when it was queued */
   CHECK(hosts_hold(s, &k, all, dout, 4));
+  pm__fault_reset();
+  CHECK_OK(pm_stream_destroy(a));
+  CHECK_OK(pm_stream_destroy(b));
+  pm_test_gate_destroy(&g);
+  CHECK_OK(pm_blocks_destroy(s));
+  kv_free(&k);
+}
+
+/* Freed blocks come back as soon as the swaps that named them completed, whatever runs on other
+ * streams: a swap_in held on stream a (by a gate) keeps its own blocks, not blocks that only a
+ * completed swap on stream b used. Freed after waiting for b's swap, or before it (the store
+ * learns from b's event, without waiting), those blocks are handed out with no wait at all (an
+ * opener lets a go if alloc waits for an event, so a wait shows as a failed check, not a hang).
+ * A block that the held swap and a completed one on b both read waits for the held one. */
+static void test_free_other_stream(void) {
+  kv_t k;
+  kv_make(&k, LAY_KV_APART, 2, 8, 512, 37);
+  pm_stream_t a, b;
+  uint64_t h[4];
+  pm_test_gate_t g;
+  pm_blocks_t *s = store_held_swap_in(&k, &a, &b, h, &g);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0)); /* count waits, fail none */
+  pm_test_opener_t o;
+  pm_test_opener_start(&o, &g, (const int[]){PM__FAULT_EVENT_SYNC}, 1);
+  for (int before = 0; before < 2; before++) {
+    /* h[2], h[3] out again on b (device blocks 6, 7), freed after or before its event. */
+    uint64_t dout[2] = {6, 7};
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, dout, h + 2, 2, b, NULL));
+    if (before) CHECK_OK(pm_blocks_free(s, h + 2, 2));
+    CHECK_OK(pm_stream_synchronize(b)); /* (not an event wait: the opener counts those) */
+    CHECK(hosts_hold(s, &k, h + 2, dout, 2));
+    if (!before) CHECK_OK(pm_blocks_free(s, h + 2, 2));
+    pm_blocks_stats_t st;
+    CHECK_OK(pm_blocks_get_stats(s, &st));
+    CHECK_EQ_SIZE(st.free_blocks, 2); /* b's swap completed: idle, whatever a holds */
+    uint64_t got[2];
+    CHECK_OK(pm_blocks_alloc(s, 2, got));
+    CHECK((got[0] == h[2] && got[1] == h[3]) || (got[0] == h[3] && got[1] == h[2]));
+    h[2] = got[0];
+    h[3] = got[1];
+    CHECK_EQ_SIZE(event_syncs(), 0);
+  }
+  CHECK(!pm_test_opener_stop(&o)); /* alloc never waited for the held swap_in */
+  /* h[0] read by the held swap_in and by a completed one on b: it waits for the held one. */
+  pm_test_opener_start(&o, &g, (const int[]){PM__FAULT_EVENT_SYNC}, 1);
+  uint64_t d2[1] = {2};
+  CHECK_OK(pm_blocks_swap_in(s, &k.layout_desc, d2, h, 1, b, NULL));
+  for (int t = 0; t < k.ntensors; t++)
+    memcpy(k.mirror[t] + 2 * k.piece, k.mirror[t] + 0 * k.piece, k.piece);
+  CHECK_OK(pm_stream_synchronize(b));
+  CHECK_OK(pm_blocks_free(s, h, 1));
+  uint64_t waiting = 0;
+  CHECK_OK(pm_blocks_get_free(s, NULL, &waiting, NULL));
+  CHECK_EQ_SIZE(waiting, 1);
+  uint64_t got;
+  CHECK_OK(pm_blocks_alloc(s, 1, &got));
+  CHECK_EQ_SIZE(got, h[0]);
+  CHECK(pm_test_opener_stop(&o)); /* it waited for the held swap_in */
+  pm_test_gate_open(&g);
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK(device_is_mirror(&k)); /* the swap_ins read what h[0], h[1] held */
   pm__fault_reset();
   CHECK_OK(pm_stream_destroy(a));
   CHECK_OK(pm_stream_destroy(b));
@@ -850,7 +925,11 @@ static void test_free_swap_untracked(void) {
   CHECK_EQ_INT(pm_blocks_alloc(s, 1, all), st); /* kept out of use */
   pm_blocks_stats_t bs;
   CHECK_OK(pm_blocks_get_stats(s, &bs));
-  CHECK_EQ_SIZE(bs.free_blocks, 2);
+  CHECK_EQ_SIZE(bs.free_blocks, 0);
+  uint64_t waiting = 9, quarantined = 9;
+  CHECK_OK(pm_blocks_get_free(s, NULL, &waiting, &quarantined));
+  CHECK_EQ_SIZE(waiting, 0);
+  CHECK_EQ_SIZE(quarantined, 2);
   CHECK_OK(pm_blocks_free(s, idle, 2));
   CHECK_OK(pm_blocks_alloc(s, 2, idle)); /* idle blocks still come and go */
   CHECK_OK(pm_stream_destroy(a));
@@ -869,6 +948,7 @@ int main(void) {
   test_pinning_fails();
   test_free_during_swap();
   test_free_after_wait();
+  test_free_other_stream();
   test_free_swap_untracked();
   test_joined_pieces();
   test_numa_node();

@@ -10,10 +10,12 @@
  * - a block named by a swap held by a closed gate is never handed out (checked at each alloc:
  *   such a swap cannot have completed, whatever the timing);
  * - the fault table makes the store's event_query fail (a swap whose completion cannot be
- *   known: alloc fails naming it for the blocks that wait for it, other blocks keep working)
+ *   known: its blocks are quarantined, alloc fails naming it when only they would do, other
+ *   blocks keep working)
  *   or event_record fail (the store synchronizes the stream instead);
  * - the store is closed with swaps in flight and blocks freed while they run;
- * - pm_blocks_get_stats' free_blocks is the arena less the blocks the threads own.
+ * - pm_blocks_get_stats' free_blocks, and pm_blocks_get_free's idle, waiting and quarantined
+ *   blocks, never count a block a thread owns; at the end the last three add up to the arena.
  * Regions have odd sizes and padded strides; the padding must stay untouched.
  * Verdicts do not depend on timing: every check is of data after waiting for events, or of
  * something that holds whatever the interleaving.
@@ -388,10 +390,16 @@ static void op_stats(thr_t *t) {
     FAIL(t, "get_stats");
     return;
   }
-  /* Whatever the others do, this thread's blocks are not free. */
-  if (st.free_blocks > t->w->nhost - (uint64_t)t->nowned)
-    FAIL(t, "free_blocks %llu with %d of %llu blocks owned here",
-         (unsigned long long)st.free_blocks, t->nowned, (unsigned long long)t->w->nhost);
+  uint64_t idle = 0, waiting = 0, quar = 0;
+  if (pm_blocks_get_free(t->w->s, &idle, &waiting, &quar) != PM_OK) FAIL(t, "get_free");
+  /* Whatever the others do, this thread's blocks are not free, waiting or quarantined. */
+  uint64_t others = t->w->nhost - (uint64_t)t->nowned;
+  if (st.free_blocks > others || idle + waiting + quar > others)
+    FAIL(t,
+         "free_blocks %llu, idle %llu, waiting %llu, quarantined %llu with %d of %llu blocks "
+         "owned here",
+         (unsigned long long)st.free_blocks, (unsigned long long)idle, (unsigned long long)waiting,
+         (unsigned long long)quar, t->nowned, (unsigned long long)t->w->nhost);
 }
 
 static void *thr_main(void *arg) {
@@ -505,10 +513,16 @@ static int run_seed(uint64_t seed, int ops, bool quiet) {
   REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_QUERY, 0, 0));
   REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0));
   REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_RECORD, 0, 0));
-  /* Every block was freed, some while their last swaps still run: all count as free. */
+  /* Every block was freed, some while their last swaps still run: each is idle, waiting for
+   * those swaps, or quarantined (a swap whose events failed named it), none lost. */
   pm_blocks_stats_t bs;
+  uint64_t waiting, quar;
+  uint64_t idle;
   CHECK_OK(pm_blocks_get_stats(w.s, &bs));
-  CHECK_EQ_SIZE(bs.free_blocks, w.nhost);
+  CHECK(bs.free_blocks <= w.nhost);
+  CHECK_OK(pm_blocks_get_free(w.s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle + waiting + quar, w.nhost);
+  if (w.fault != FAULT_QUERY) CHECK_EQ_SIZE(quar, 0);
   CHECK_OK(pm_blocks_destroy(w.s)); /* with those swaps in flight */
   pm__fault_counts_t fc;
   pm__fault_counts(&fc); /* every event made (the store's, the calls') was destroyed */
@@ -605,12 +619,15 @@ static void test_first_swap_no_device_sync(void) {
   CHECK_OK(pm_device_free(dev));
 }
 
-/* A swap whose completion cannot be known (its events fail) keeps the blocks freed while it
- * ran, and those of every later swap, out of use: an alloc that needs them fails at once (no
- * hang) with the device's status, naming that swap; idle blocks keep coming and going;
- * free_blocks still counts the held-back blocks; the close releases every event. */
+/* A swap whose completion cannot be known (its events fail) quarantines the blocks it named:
+ * freed while it ran, or freed later, they are never handed out again; an alloc that only they
+ * would satisfy fails at once (no hang) with the device's status, naming that swap; idle blocks
+ * keep coming and going; free_blocks counts only idle blocks and pm_blocks_get_free the
+ * quarantined ones. Later swaps, on any stream, still retire: their freed blocks come back and
+ * their events are reused (records and events stay bounded after the failure); the close
+ * releases every event. */
 static void test_broken_swap(void) {
-  enum { NB = 6, DB = 8 };
+  enum { NB = 6, DB = 8, LATER = 64 };
   pm_kv_region_t reg[2];
   char *dev[2];
   size_t bytes[2] = {100, 7}, stride[2] = {128, 7};
@@ -640,44 +657,67 @@ static void test_broken_swap(void) {
   pm_test_gate_t g;
   pm_test_gate_init(&g);
   REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
-  uint64_t din[2] = {6, 7};
-  REQUIRE_OK(pm_blocks_swap_in(s, &L, din, h, 2, a, NULL)); /* swap 2, held */
-  CHECK_OK(pm_blocks_free(s, h, 4));                        /* h[0], h[1]: swap 2 reads them */
+  uint64_t din[3] = {6, 7, 5};
+  REQUIRE_OK(pm_blocks_swap_in(s, &L, din, h, 3, a, NULL));             /* swap 2, held */
+  CHECK_OK(pm_blocks_free(s, (const uint64_t[]){h[0], h[1], h[3]}, 3)); /* swap 2 reads h[0..2] */
   pm_blocks_stats_t bs;
+  uint64_t waiting, quar;
   CHECK_OK(pm_blocks_get_stats(s, &bs));
-  CHECK_EQ_SIZE(bs.free_blocks, 4);
+  CHECK_EQ_SIZE(bs.free_blocks, 1); /* h[3] */
+  CHECK_OK(pm_blocks_get_free(s, NULL, &waiting, &quar));
+  CHECK_EQ_SIZE(waiting, 2);
+  CHECK_EQ_SIZE(quar, 0);
   REQUIRE_OK(pm__fault_configure("event_query=1+,event_sync=1+")); /* the device cannot tell */
   uint64_t got[NB];
-  pm_status_t st = pm_blocks_alloc(s, 4, got);
+  pm_status_t st = pm_blocks_alloc(s, 3, got);
   CHECK_EQ_INT(st, PM_ERR_BACKEND);
   CHECK(strstr(pm_last_error(), "(swap 2 failed on the device)") != NULL);
+  CHECK(strstr(pm_last_error(), "2 freed blocks are kept out of use") != NULL);
   CHECK_OK(pm_blocks_get_stats(s, &bs));
-  CHECK_EQ_SIZE(bs.free_blocks, 4); /* nothing taken */
-  uint64_t idle[2];
-  CHECK_OK(pm_blocks_alloc(s, 2, idle)); /* h[2], h[3]: idle, no wait */
-  CHECK((idle[0] == h[2] && idle[1] == h[3]) || (idle[0] == h[3] && idle[1] == h[2]));
+  CHECK_EQ_SIZE(bs.free_blocks, 1); /* nothing taken */
+  CHECK_OK(pm_blocks_get_free(s, NULL, &waiting, &quar));
+  CHECK_EQ_SIZE(waiting, 0);
+  CHECK_EQ_SIZE(quar, 2);
+  uint64_t idle[1];
+  CHECK_OK(pm_blocks_alloc(s, 1, idle)); /* h[3]: idle, no wait */
+  CHECK_EQ_SIZE(idle[0], h[3]);
   REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_QUERY, 0, 0));
   REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0));
-  /* A later swap on another stream, waited for: its blocks still wait behind swap 2. */
-  REQUIRE_OK(pm_blocks_swap_out(s, &L, d, h + 4, 2, b, &ev)); /* swap 3 */
-  CHECK_OK(pm_event_synchronize(ev));
-  CHECK_OK(pm_event_destroy(ev));
-  CHECK_OK(pm_blocks_free(s, h + 4, 2));
-  CHECK_OK(pm_blocks_get_stats(s, &bs));
-  CHECK_EQ_SIZE(bs.free_blocks, 4);
-  CHECK_EQ_INT(pm_blocks_alloc(s, 1, got), PM_ERR_BACKEND);
-  CHECK(strstr(pm_last_error(), "4 freed blocks wait") != NULL);
-  CHECK(strstr(pm_last_error(), "(swap 2 failed on the device)") != NULL);
+  /* Later swaps on another stream, waited for and freed: they retire, their blocks come back
+   * and their store events are reused, however many (swap 2's completion is still unknown). */
+  pm__fault_counts_t fc;
+  pm__fault_counts(&fc);
+  uint64_t creates = fc.calls[PM__FAULT_EVENT_CREATE];
+  for (int i = 0; i < LATER; i++) {
+    REQUIRE_OK(pm_blocks_swap_out(s, &L, d, h + 4, 2, b, NULL));
+    CHECK_OK(pm_stream_synchronize(b));
+    CHECK_OK(pm_blocks_free(s, h + 4, 2));
+    CHECK_OK(pm_blocks_get_stats(s, &bs));
+    CHECK_EQ_SIZE(bs.free_blocks, 2);
+    CHECK_OK(pm_blocks_alloc(s, 2, got));
+    CHECK((got[0] == h[4] && got[1] == h[5]) || (got[0] == h[5] && got[1] == h[4]));
+    h[4] = got[0];
+    h[5] = got[1];
+  }
+  pm__fault_counts(&fc);
+  CHECK(fc.calls[PM__FAULT_EVENT_CREATE] - creates <= 1); /* one event, reused */
   pm_test_gate_open(&g);
   CHECK_OK(pm_stream_synchronize(a));
-  CHECK_EQ_INT(pm_blocks_alloc(s, 1, got), PM_ERR_BACKEND); /* still unknown: kept out of use */
-  CHECK_OK(pm_blocks_free(s, idle, 2));
-  CHECK_OK(pm_blocks_alloc(s, 2, idle)); /* idle blocks still come and go */
-  CHECK_OK(pm_blocks_free(s, idle, 2));
+  /* h[2], named by swap 2 and still allocated, is quarantined when freed. */
+  CHECK_OK(pm_blocks_free(s, h + 2, 1));
+  CHECK_OK(pm_blocks_free(s, h + 4, 2));
+  CHECK_OK(pm_blocks_get_free(s, NULL, &waiting, &quar));
+  CHECK_EQ_SIZE(waiting, 0);
+  CHECK_EQ_SIZE(quar, 3);
+  CHECK_EQ_INT(pm_blocks_alloc(s, 3, got), PM_ERR_BACKEND); /* still unknown: kept out of use */
+  CHECK(strstr(pm_last_error(), "(swap 2 failed on the device)") != NULL);
+  CHECK_EQ_INT(pm_blocks_alloc(s, NB, got), PM_ERR_NOMEM); /* past the arena */
+  CHECK_OK(pm_blocks_free(s, idle, 1));
+  CHECK_OK(pm_blocks_alloc(s, 3, got)); /* idle blocks still come and go */
+  CHECK_OK(pm_blocks_free(s, got, 3));
   CHECK_OK(pm_blocks_get_stats(s, &bs));
-  CHECK_EQ_SIZE(bs.free_blocks, NB);
+  CHECK_EQ_SIZE(bs.free_blocks, NB - 3);
   CHECK_OK(pm_blocks_destroy(s));
-  pm__fault_counts_t fc;
   pm__fault_counts(&fc);
   CHECK_EQ_SIZE(fc.calls[PM__FAULT_EVENT_CREATE], fc.calls[PM__FAULT_EVENT_DESTROY]);
   pm__fault_reset();

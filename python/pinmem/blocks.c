@@ -290,13 +290,17 @@ static PyObject *BlockStore_stats(BlockStoreObject *self, PyObject *unused) {
   pm_blocks_t *b = self->store;
   self->busy++;
   /* The first call may run the calibration: device work, waited for. */
+  uint64_t idle = 0, waiting = 0, quarantined = 0;
+  /* The three free counts from one reading (free_blocks with them), after the other figures. */
   Py_BEGIN_ALLOW_THREADS st = pm_blocks_get_stats(b, &s);
+  if (st == PM_OK) st = pm_blocks_get_free(b, &idle, &waiting, &quarantined);
   Py_END_ALLOW_THREADS self->busy--;
   if (st != PM_OK) return pmpy_raise_status(st);
   return Py_BuildValue(
-      "{sKsKsKsKsKsKsKsKsisdsdsKsOsKsKsKsKsKsKsKsKsK}", "block_bytes",
+      "{sKsKsKsKsKsKsKsKsKsKsisdsdsKsOsKsKsKsKsKsKsKsKsK}", "block_bytes",
       (unsigned long long)s.block_bytes, "num_blocks", (unsigned long long)s.num_blocks,
-      "free_blocks", (unsigned long long)s.free_blocks, "ready_blocks",
+      "free_blocks", (unsigned long long)idle, "waiting_blocks", (unsigned long long)waiting,
+      "quarantined_blocks", (unsigned long long)quarantined, "ready_blocks",
       (unsigned long long)s.ready_blocks, "arena_bytes", (unsigned long long)s.arena_bytes,
       "chunk_bytes", (unsigned long long)s.chunk_bytes, "chunks", (unsigned long long)s.chunks,
       "chunks_ready", (unsigned long long)s.chunks_ready, "numa_node", s.numa_node,

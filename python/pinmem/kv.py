@@ -246,9 +246,10 @@ class KVBlockStore:
 
     def alloc(self, n):
         """n free host block ids (a list); NomemError when fewer are free. Blocks freed while a
-        swap still used them count as free but come back only once that swap completed: idle
+        swap still used them come back only once every swap that named them completed: idle
         blocks go first, and when they are too few the call waits (GIL released) for those
-        swaps, oldest first."""
+        swaps (not for unrelated swaps on other streams). Blocks a swap whose completion the
+        device cannot report named are never handed out again (stats' quarantined_blocks)."""
         raw = self._store.alloc(_count(n, "alloc: n"))
         return list(memoryview(raw).cast("Q"))
 
@@ -295,7 +296,10 @@ class KVBlockStore:
 
     def stats(self):
         """The store's figures (blocks free and ready, pinning times, the cut-off in force, swaps,
-        bytes and pieces by path) as a dict."""
+        bytes and pieces by path) as a dict. free_blocks: what alloc takes without waiting;
+        waiting_blocks: freed, handed out once the swaps that still use them completed (alloc
+        can give free_blocks + waiting_blocks); quarantined_blocks: freed, named by a swap whose
+        completion cannot be known, never reused."""
         return self._store.stats()
 
     def close(self):

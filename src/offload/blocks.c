@@ -30,38 +30,52 @@
  * host allocators of PyTorch and of pinmem's pool allow with record_stream). Such a block must
  * not go to another request until that swap completed, or the new owner's swap_out and the old
  * swap_in race on the same host memory. So every swap that names blocks gets a sequence number
- * (seq, from 1) and a record: its event, recorded on its stream after its copies. last_swap[id]
- * is the seq of the last swap that named block id. Records leave in seq order: swap_base is the
- * lowest seq not known complete, so every swap below it completed, and a block is idle exactly
- * when last_swap[id] < swap_base. In order, not per record: two swaps on different streams may
- * name one block (a swap_out on one, a swap_in on another); the later one completing says
- * nothing of the earlier, and the watermark covers both.
- * A freed block that is idle goes on the free stack; one that is not goes on its last swap's
- * list (link[], a list per record). When the head record completes, its list joins the ready
- * list in O(1). alloc takes from the free stack, then the ready list: O(count), no scan.
- * Only when those two cannot satisfy a request but blocks on records' lists would, alloc waits
- * for the oldest swaps, in order, until enough are idle (event_synchronize outside the lock).
+ * (seq, from 1) and a record: its event, recorded on its stream after its copies, and the host
+ * ids it names. inflight[id] counts the records not known ended that name block id (a swap_in
+ * may name one twice), last_swap[id] is the seq of the last. Per block, not in seq order: two
+ * swaps on different streams may name one block (two swap_ins reading it), and the later one
+ * completing says nothing of the earlier, while a swap on another stream that never named the
+ * block says nothing of it at all; a block is idle exactly when inflight[id] is 0.
+ * A freed block that is idle goes on the free stack; one that is not goes on the waiting list
+ * (doubly linked by link[] and prev[], oldest free first). When a record ends, each id it named
+ * counts one record less, and a waiting block at 0 moves to the free stack: O(ids of the
+ * record). alloc takes from the free stack: O(count), no scan. Only when it holds too few but
+ * waiting blocks would make up the count, alloc learns what completed (below) and then waits
+ * for a record that names the longest-waiting block (its last swap, else, where that one
+ * completed and an earlier swap on another stream still runs, the oldest such record: a scan
+ * of the ring, on this path only), event_synchronize outside the lock, until enough are idle.
  * Waiting, not PM_ERR_NOMEM: a vLLM-style scheduler counts its free host blocks itself (a freed
  * block is free to it), decides to swap out on that count, and treats a failed allocation
  * after the check as a bug. Refusing blocks it freed would turn a scheduling decision into a
  * crash or a retry loop on the scheduling thread; the swaps waited for were queued before the
- * free, on the swap stream its next swap_out is ordered behind anyway, so the wait is bounded
- * by work already queued and happens only when idle blocks run out. PM_ERR_NOMEM stays for
- * count > free blocks (idle or not), as before, and free_blocks counts both: a caller that
- * waited for its swaps before freeing sees no change.
- * Completion is learnt by event_query of the head records at the end of each swap (so records
- * do not pile up), and by alloc's waits. A swap whose completion cannot be learnt (no event
- * could be recorded and its stream could not be synchronized, or its event fails) is broken:
- * the records after it never leave, and alloc that needs their blocks fails with the device's
- * status, naming the swap.
+ * free and name the blocks, so the wait is bounded by work already queued that the caller
+ * itself must see through, and happens only when idle blocks run out. PM_ERR_NOMEM stays for
+ * count > idle + waiting blocks. free_blocks of the stats counts idle blocks only (what alloc
+ * takes without waiting); pm_blocks_get_free gives idle, waiting and quarantined from one
+ * reading.
+ * Completion is learnt by event_query at the end of each swap, at a free of a block still
+ * named, at the stats and at alloc's wait (so records do not pile up): per stream, a queue of
+ * its records in seq order, and of each queue the head and the records behind it while they
+ * completed (a stream runs its work in order, so the first one not complete ends that queue's
+ * look; only a record's own event marks it complete). A record leaves the ring once every
+ * earlier one ended, so the ring holds the records from the oldest one still running on.
+ * A swap whose completion cannot be learnt (no event could be recorded and its stream could
+ * not be synchronized, or its event fails) is broken: it ends, so the records after it still
+ * leave, but the blocks it named are quarantined: a waiting one at once, an allocated one
+ * (tainted) when freed. The device may still read or write them and nothing will say when it
+ * stops, so they are never handed out again while the store lives (destroy synchronizes the
+ * device before unpinning). Its event is kept until then too (ev_dead). alloc that only the
+ * quarantined blocks would satisfy fails with the device's status, naming the swap.
  *
  * Invariants: chunk_base[c] is written before chunks_ready passes c (release/acquire); a block
- * id is on the free stack, the ready list or a record's list exactly when state[id] is 0 (and
- * it is below usable); everything is validated before anything is queued. Locks: blocks->lock
+ * id below usable is on the free stack exactly when state[id] is ST_FREE, on the waiting list
+ * exactly when ST_WAITING (then inflight[id] > 0); a queue's head record never ended (ended ones
+ * leave at once), so swap_base never passes a record still on a queue; everything is validated
+ * before anything is queued. Locks: blocks->lock
  * (free lists, records, pin status, ready_cv, swap_cv) is a leaf: no backend call is made under
  * it. poll_lock is taken before it, by the one thread that queries or waits on swap events
- * (alloc's wait; a swap's poll only when it is free): only that thread moves a record from
- * queued to done or broken, so an event is not recycled while it is queried. The per-device
+ * (alloc's wait; the polls of a swap, a free and the stats only when it is free): only that
+ * thread ends a queued record, so an event is not recycled while it is queried. The per-device
  * cut-off is measured by the first thread that claims it (an atomic state); other threads take
  * DMA until it is known, so no lock is held around device work. The calibration's 2 MiB of
  * pinned memory is the backend's, outside any pool's budget; it and the 2 MiB of device memory
@@ -91,14 +105,31 @@ atomic_size_t pm__blocks_first_bytes = BLK__FIRST_BYTES;
 
 /* A swap's record (see DESIGN). Queueing: its copies are being queued (no event yet); queued:
  * its event is recorded; done: it completed (event back in the cache); broken: its completion
- * cannot be learnt (status). list: blocks freed while this was their last swap. */
+ * cannot be learnt. ids: the host ids it names (a swap_in may repeat one), until it ended; next:
+ * the next record of its stream's queue (0: none). */
 enum { SW_QUEUEING, SW_QUEUED, SW_DONE, SW_BROKEN };
 typedef struct blk_swap {
   pm_event_t event;
+  pm_stream_t stream;
+  uint64_t next;
+  uint64_t *ids;
+  size_t n;
   int phase;
-  pm_status_t status; /* broken: why */
-  uint64_t head, tail, n;
 } blk_swap_t;
+
+/* The records of one stream not known ended, in seq order: head first (0: none). */
+typedef struct blk_queue {
+  pm_stream_t stream;
+  uint64_t head, tail;
+} blk_queue_t;
+
+/* A block's state (state[id]): the low bits one of ST_*, ST_TAINT besides on an allocated block
+ * that a broken swap named (freed, it is quarantined, not reused). */
+enum { ST_FREE, ST_ALLOC, ST_SEEN, ST_WAITING, ST_QUAR };
+#define ST_TAINT 0x80u
+static unsigned st_base(uint8_t state) {
+  return state & 0x7fu;
+}
 
 struct pm_blocks_s {
   const pm__backend_t *b;
@@ -125,19 +156,25 @@ struct pm_blocks_s {
   uint64_t *free_stack; /* top at [nfree - 1]: the lowest ids on top */
   uint64_t nfree;
   uint64_t usable; /* ids below it can be pinned: num_blocks, or where the pinning failed */
-  uint8_t *state;  /* 1: allocated */
+  uint8_t *state;  /* ST_* (and ST_TAINT) */
 
   /* Swaps and freed blocks they still use (DESIGN), under lock. */
   pthread_mutex_t poll_lock; /* before lock: the thread that queries or waits on swap events */
   pthread_cond_t swap_cv;    /* a record left queueing */
+  uint64_t *inflight;        /* [num_blocks]: names of the block by records not ended */
   uint64_t *last_swap;       /* [num_blocks]: seq of the last swap that named the block, 0: none */
-  uint64_t *link;            /* [num_blocks]: the next id of the list the block is on */
-  blk_swap_t *swaps;         /* records of seqs [swap_base, swap_next), at seq % swaps_cap */
+  uint64_t *link, *prev;     /* [num_blocks]: the waiting list, freed blocks with inflight > 0 */
+  uint64_t wait_head, wait_tail, nwaiting; /* oldest free first */
+  uint64_t nquar;                          /* freed blocks a broken swap named: never reused */
+  pm_status_t broken_status;               /* the last broken swap's, and its seq (0: none) */
+  uint64_t broken_seq;
+  blk_swap_t *swaps; /* records of seqs [swap_base, swap_next), at seq % swaps_cap */
   uint64_t swaps_cap, swap_base, swap_next;
-  uint64_t ready_head, ready_tail, nready; /* freed, idle, not on the free stack */
-  uint64_t nwaiting;                       /* freed, on records' lists */
-  pm_event_t *ev_cache;                    /* events of done records, for the next swaps */
-  size_t nev, ev_cap, ev_live;             /* cached; capacity (>= ev_live); events in existence */
+  blk_queue_t *queues; /* one per stream with records not ended */
+  size_t nqueues, queues_cap;
+  pm_event_t *ev_cache; /* events of done records, for the next swaps */
+  pm_event_t *ev_dead;  /* events of broken records, destroyed at close; capacity ev_cap too */
+  size_t nev, ndead, ev_cap, ev_live; /* cached; dead; capacity (>= ev_live); in existence */
 
   _Atomic uint64_t swaps_out, swaps_in, blocks_out, blocks_in, bytes_out, bytes_in;
   _Atomic uint64_t pieces_kernel, pieces_dma, transfers;
@@ -323,127 +360,202 @@ static blk_swap_t *rec_at(const pm_blocks_t *s, uint64_t seq) {
   return &s->swaps[seq & (s->swaps_cap - 1)];
 }
 
-/* Append the list head..tail (linked by link[], ending in BLK__NONE) to the list h, t. */
-static void list_join(pm_blocks_t *s, uint64_t *h, uint64_t *t, uint64_t head, uint64_t tail) {
-  if (head == BLK__NONE) return;
-  if (*t == BLK__NONE)
-    *h = head;
+static bool rec_ended(const blk_swap_t *r) {
+  return r->phase == SW_DONE || r->phase == SW_BROKEN;
+}
+
+/* The waiting list: freed blocks that swaps not ended still name, oldest free first. */
+static void wait_push(pm_blocks_t *s, uint64_t id) {
+  s->link[id] = BLK__NONE;
+  s->prev[id] = s->wait_tail;
+  if (s->wait_tail == BLK__NONE)
+    s->wait_head = id;
   else
-    s->link[*t] = head;
-  *t = tail;
+    s->link[s->wait_tail] = id;
+  s->wait_tail = id;
+  s->nwaiting++;
 }
 
-/* Drop the ids >= limit from a list (the pinning failed there); returns how many stay. */
-static uint64_t list_keep_below(pm_blocks_t *s, uint64_t *h, uint64_t *t, uint64_t limit) {
-  uint64_t head = BLK__NONE, tail = BLK__NONE, n = 0;
-  for (uint64_t id = *h, next; id != BLK__NONE; id = next) {
-    next = s->link[id];
-    if (id >= limit) continue;
-    s->link[id] = BLK__NONE;
-    list_join(s, &head, &tail, id, id);
-    n++;
-  }
-  *h = head;
-  *t = tail;
-  return n;
+static void wait_unlink(pm_blocks_t *s, uint64_t id) {
+  if (s->prev[id] == BLK__NONE)
+    s->wait_head = s->link[id];
+  else
+    s->link[s->prev[id]] = s->link[id];
+  if (s->link[id] == BLK__NONE)
+    s->wait_tail = s->prev[id];
+  else
+    s->prev[s->link[id]] = s->prev[id];
+  s->nwaiting--;
 }
 
-/* Move the completed records at the head out: their freed blocks join the ready list. */
-static void retire_locked(pm_blocks_t *s) {
-  while (s->swap_base < s->swap_next) {
-    blk_swap_t *r = rec_at(s, s->swap_base);
-    if (r->phase != SW_DONE) break;
-    list_join(s, &s->ready_head, &s->ready_tail, r->head, r->tail);
-    s->nready += r->n;
-    s->nwaiting -= r->n;
-    s->swap_base++;
-  }
+static size_t queue_find(const pm_blocks_t *s, pm_stream_t stream) {
+  size_t i = 0;
+  while (i < s->nqueues && s->queues[i].stream != stream) i++;
+  return i;
 }
 
-/* Record seq completed (its event, if any, back to the cache, which has room: ev_cap >=
- * ev_live). */
-static void finish_locked(pm_blocks_t *s, uint64_t seq) {
+/* Record seq ended: completed (st PM_OK) or broken (st, its completion cannot be known). Each
+ * block it named has one name less; a freed block that no record names any more is idle (the
+ * free stack), one a broken record named is quarantined, an allocated one tainted (quarantined
+ * when freed): the device may still read or write it, and nothing will say when it stops. The
+ * record leaves its stream's queue (with the ended records behind it) and, once every record
+ * before it ended, the ring: records stay bounded by the swaps still running. */
+static void end_record_locked(pm_blocks_t *s, uint64_t seq, pm_status_t st) {
   blk_swap_t *r = rec_at(s, seq);
-  if (r->event) s->ev_cache[s->nev++] = r->event;
+  for (size_t i = 0; i < r->n; i++) {
+    uint64_t id = r->ids[i];
+    s->inflight[id]--;
+    unsigned base = st_base(s->state[id]);
+    if (st != PM_OK) {
+      if (base == ST_WAITING) {
+        wait_unlink(s, id);
+        s->state[id] = ST_QUAR;
+        s->nquar++;
+      } else if (base == ST_ALLOC) {
+        s->state[id] |= ST_TAINT;
+      }
+    } else if (base == ST_WAITING && s->inflight[id] == 0) {
+      wait_unlink(s, id);
+      s->state[id] = ST_FREE;
+      s->free_stack[s->nfree++] = id;
+    }
+  }
+  free(r->ids);
+  r->ids = NULL;
+  r->n = 0;
+  /* Both arrays have room: ev_cap >= ev_live >= nev + ndead + the events of live records. */
+  if (r->event && st == PM_OK) s->ev_cache[s->nev++] = r->event;
+  if (r->event && st != PM_OK) s->ev_dead[s->ndead++] = r->event;
   r->event = NULL;
-  r->phase = SW_DONE;
+  r->phase = st == PM_OK ? SW_DONE : SW_BROKEN;
+  if (st != PM_OK) {
+    s->broken_status = st;
+    s->broken_seq = seq;
+  }
+  size_t qi = queue_find(s, r->stream);
+  if (qi < s->nqueues) {
+    blk_queue_t *q = &s->queues[qi];
+    while (q->head && rec_ended(rec_at(s, q->head))) q->head = rec_at(s, q->head)->next;
+    if (!q->head) s->queues[qi] = s->queues[--s->nqueues];
+  }
+  /* A record still on a queue has a record not ended ahead of it (a queue's head never ended),
+   * at or after swap_base: the base never passes a queued record. */
+  while (s->swap_base < s->swap_next && rec_ended(rec_at(s, s->swap_base))) s->swap_base++;
   pthread_cond_broadcast(&s->swap_cv);
-  retire_locked(s);
 }
 
-static void broken_locked(pm_blocks_t *s, uint64_t seq, pm_status_t st) {
-  blk_swap_t *r = rec_at(s, seq);
-  r->phase = SW_BROKEN;
-  r->status = st;
-  pthread_cond_broadcast(&s->swap_cv);
-}
-
-/* Give a swap of `count` host blocks its seq: check again, under the lock, that they are
- * allocated (a free on another thread since check_ids is refused before anything is queued),
- * and name the swap as their last. Room for the record and its event is made here, so
- * end_swap cannot fail for want of memory. */
+/* Give a swap of `count` host blocks on `stream` its seq: check again, under the lock, that they
+ * are allocated (a free on another thread since check_ids is refused before anything is
+ * queued), count the swap in each block's names and put its record on its stream's queue. Room
+ * for the record, its queue and its event is made here, so end_swap cannot fail for want of
+ * memory. */
 static pm_status_t begin_swap(pm_blocks_t *s, const uint64_t *host_ids, size_t count,
-                              const char *fn, uint64_t *seq_out) {
+                              pm_stream_t stream, const char *fn, uint64_t *seq_out) {
+  uint64_t *ids = malloc(count * sizeof *ids);
+  if (!ids) return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for the swap's record", fn);
+  memcpy(ids, host_ids, count * sizeof *ids);
   pthread_mutex_lock(&s->lock);
   for (size_t i = 0; i < count; i++) {
-    if (s->state[host_ids[i]] != 1) {
+    if (st_base(s->state[host_ids[i]]) != ST_ALLOC) {
       pthread_mutex_unlock(&s->lock);
+      free(ids);
       return pm__set_error(PM_ERR_INVALID,
                            "%s: host_ids[%zu] = %llu is not allocated (pm_blocks_alloc)", fn, i,
                            (unsigned long long)host_ids[i]);
     }
   }
+  bool room = true;
   if (s->swap_next - s->swap_base == s->swaps_cap) {
     uint64_t cap = s->swaps_cap ? 2 * s->swaps_cap : 16;
     blk_swap_t *n = malloc((size_t)cap * sizeof *n);
-    if (!n) {
-      pthread_mutex_unlock(&s->lock);
-      return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for the swap's record", fn);
+    if (n) {
+      for (uint64_t q = s->swap_base; q < s->swap_next; q++) n[q & (cap - 1)] = *rec_at(s, q);
+      free(s->swaps);
+      s->swaps = n;
+      s->swaps_cap = cap;
     }
-    for (uint64_t q = s->swap_base; q < s->swap_next; q++) n[q & (cap - 1)] = *rec_at(s, q);
-    free(s->swaps);
-    s->swaps = n;
-    s->swaps_cap = cap;
+    room = n != NULL;
   }
-  if (s->ev_cap < s->ev_live + 1) { /* every event fits the cache: finish_locked never grows it */
+  if (room && s->ev_cap < s->ev_live + 1) { /* every event fits: end_record never grows them */
     size_t cap = PM__MAX((size_t)16, 2 * s->ev_cap);
-    pm_event_t *n = realloc(s->ev_cache, cap * sizeof *n);
-    if (!n) {
-      pthread_mutex_unlock(&s->lock);
-      return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for the swap's record", fn);
+    pm_event_t *c = realloc(s->ev_cache, cap * sizeof *c);
+    if (c) s->ev_cache = c;
+    pm_event_t *d = c ? realloc(s->ev_dead, cap * sizeof *d) : NULL;
+    if (d) {
+      s->ev_dead = d;
+      s->ev_cap = cap;
     }
-    s->ev_cache = n;
-    s->ev_cap = cap;
+    room = d != NULL;
+  }
+  size_t qi = queue_find(s, stream);
+  if (room && qi == s->nqueues && s->nqueues == s->queues_cap) {
+    size_t cap = PM__MAX((size_t)4, 2 * s->queues_cap);
+    blk_queue_t *n = realloc(s->queues, cap * sizeof *n);
+    if (n) {
+      s->queues = n;
+      s->queues_cap = cap;
+    }
+    room = n != NULL;
+  }
+  if (!room) {
+    pthread_mutex_unlock(&s->lock);
+    free(ids);
+    return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for the swap's record", fn);
   }
   s->ev_live++; /* the event end_swap may make */
   uint64_t seq = s->swap_next++;
-  *rec_at(s, seq) = (blk_swap_t){NULL, SW_QUEUEING, PM_OK, BLK__NONE, BLK__NONE, 0};
-  for (size_t i = 0; i < count; i++) s->last_swap[host_ids[i]] = seq;
+  *rec_at(s, seq) = (blk_swap_t){NULL, stream, 0, ids, count, SW_QUEUEING};
+  for (size_t i = 0; i < count; i++) {
+    s->inflight[host_ids[i]]++;
+    s->last_swap[host_ids[i]] = seq;
+  }
+  if (qi == s->nqueues) s->queues[s->nqueues++] = (blk_queue_t){stream, 0, 0};
+  blk_queue_t *q = &s->queues[qi];
+  if (q->head)
+    rec_at(s, q->tail)->next = seq;
+  else
+    q->head = seq;
+  q->tail = seq;
   pthread_mutex_unlock(&s->lock);
   *seq_out = seq;
   return PM_OK;
 }
 
-/* Learn which head records completed, without waiting. Called with poll_lock held. */
+/* Learn which records completed, without waiting: the head of each stream's queue, and the
+ * records behind it while they completed (a stream runs its work in order, so the first record
+ * not complete ends the look at that stream; only a record's own event says it completed).
+ * Called with poll_lock held; takes lock. */
 static void poll_swaps(pm_blocks_t *s) {
   pthread_mutex_lock(&s->lock);
-  while (s->swap_base < s->swap_next) {
-    uint64_t seq = s->swap_base;
+  size_t i = 0;
+  while (i < s->nqueues) {
+    uint64_t seq = s->queues[i].head;
     blk_swap_t *r = rec_at(s, seq);
-    if (r->phase != SW_QUEUED) break;
+    if (r->phase != SW_QUEUED) {
+      i++;
+      continue;
+    }
     pm_event_t ev = r->event;
     pthread_mutex_unlock(&s->lock);
     pm_status_t q = s->b->event_query(ev);
     pthread_mutex_lock(&s->lock);
-    if (q == PM_NOT_READY) break;
-    if (q == PM_OK) {
-      finish_locked(s, seq);
-    } else {
-      broken_locked(s, seq, q);
-      break;
-    }
+    /* Still queued: only the poll_lock holder ends a queued record. Entry i is looked at again
+     * (its next record, or the queue moved there when this one emptied). */
+    if (q == PM_NOT_READY)
+      i++;
+    else
+      end_record_locked(s, seq, q);
   }
   pthread_mutex_unlock(&s->lock);
+}
+
+/* What completed, learnt without waiting, unless another thread is at it (alloc's wait): the
+ * counts then show what the store knows. */
+static void learn_completed(pm_blocks_t *s) {
+  if (pthread_mutex_trylock(&s->poll_lock) == 0) {
+    poll_swaps(s);
+    pthread_mutex_unlock(&s->poll_lock);
+  }
 }
 
 /* Give record seq its event, recorded on `stream` after the swap's copies (those queued, all
@@ -485,16 +597,11 @@ static pm_status_t end_swap(pm_blocks_t *s, uint64_t seq, pm_stream_t stream, co
     r->event = ev;
     r->phase = SW_QUEUED;
     pthread_cond_broadcast(&s->swap_cv);
-  } else if (st == PM_OK) {
-    finish_locked(s, seq);
   } else {
-    broken_locked(s, seq, st);
+    end_record_locked(s, seq, st);
   }
   pthread_mutex_unlock(&s->lock);
-  if (pthread_mutex_trylock(&s->poll_lock) == 0) {
-    poll_swaps(s);
-    pthread_mutex_unlock(&s->poll_lock);
-  }
+  learn_completed(s);
   return st;
 }
 
@@ -566,12 +673,11 @@ static void *pinner_main(void *arg) {
       for (uint64_t i = 0; i < s->nfree; i++)
         if (s->free_stack[i] < limit) s->free_stack[n++] = s->free_stack[i];
       s->nfree = n;
-      s->nready = list_keep_below(s, &s->ready_head, &s->ready_tail, limit);
-      for (uint64_t q = s->swap_base; q < s->swap_next; q++) {
-        blk_swap_t *r = rec_at(s, q);
-        uint64_t kept_n = list_keep_below(s, &r->head, &r->tail, limit);
-        s->nwaiting -= r->n - kept_n;
-        r->n = kept_n;
+      for (uint64_t id = s->wait_head, next; id != BLK__NONE; id = next) {
+        next = s->link[id];
+        if (id < limit) continue;
+        wait_unlink(s, id);
+        s->state[id] = ST_FREE; /* on no list: its swaps' end leaves it there */
       }
       s->usable = limit;
       pthread_cond_broadcast(&s->ready_cv);
@@ -634,9 +740,12 @@ static void store_free(pm_blocks_t *s) {
     if (s->chunk_base[c]) (void)pm__fast_unpin(s->b, s->chunk_base[c], chunk_len(s, c));
   if (s->charged) pm__pool_uncharge(s->pool, s->charged);
   /* The device's work is over (destroy synchronized it): every record's event is done. */
-  for (uint64_t q = s->swap_base; q < s->swap_next; q++)
+  for (uint64_t q = s->swap_base; q < s->swap_next; q++) {
     if (rec_at(s, q)->event) (void)s->b->event_destroy(rec_at(s, q)->event);
+    free(rec_at(s, q)->ids);
+  }
   for (size_t i = 0; i < s->nev; i++) (void)s->b->event_destroy(s->ev_cache[i]);
+  for (size_t i = 0; i < s->ndead; i++) (void)s->b->event_destroy(s->ev_dead[i]);
   if (s->cal_dev) (void)s->b->device_free(s->cal_dev);
   if (s->cal_host) (void)s->b->host_free(s->cal_host, BLK__CAL_BYTES);
   pthread_cond_destroy(&s->swap_cv);
@@ -646,10 +755,14 @@ static void store_free(pm_blocks_t *s) {
   free(s->chunk_base);
   free(s->free_stack);
   free(s->state);
+  free(s->inflight);
   free(s->last_swap);
   free(s->link);
+  free(s->prev);
   free(s->swaps);
+  free(s->queues);
   free(s->ev_cache);
+  free(s->ev_dead);
   free(s);
 }
 
@@ -706,8 +819,8 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   pthread_mutex_init(&s->poll_lock, NULL);
   pthread_cond_init(&s->swap_cv, NULL);
   s->swap_base = s->swap_next = 1; /* last_swap 0: no swap, idle from the start */
-  s->ready_head = s->ready_tail = BLK__NONE;
-  /* The budget first: a store far past it is refused before its bookkeeping (25 bytes a
+  s->wait_head = s->wait_tail = BLK__NONE;
+  /* The budget first: a store far past it is refused before its bookkeeping (41 bytes a
    * block) is made, at once and without the memory. */
   size_t charge = arena_charge(s);
   st = pm__pool_charge_for(pool, charge, "block store arena");
@@ -720,9 +833,12 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   s->chunk_base = calloc((size_t)s->nchunks, sizeof *s->chunk_base);
   s->free_stack = malloc((size_t)s->num_blocks * sizeof *s->free_stack);
   s->state = calloc((size_t)s->num_blocks, 1);
+  s->inflight = calloc((size_t)s->num_blocks, sizeof *s->inflight);
   s->last_swap = calloc((size_t)s->num_blocks, sizeof *s->last_swap);
   s->link = malloc((size_t)s->num_blocks * sizeof *s->link);
-  if (!s->chunk_base || !s->free_stack || !s->state || !s->last_swap || !s->link) {
+  s->prev = malloc((size_t)s->num_blocks * sizeof *s->prev);
+  if (!s->chunk_base || !s->free_stack || !s->state || !s->inflight || !s->last_swap || !s->link ||
+      !s->prev) {
     store_free(s);
     return pm__set_error(PM_ERR_NOMEM, "%s: out of memory for %llu blocks' bookkeeping", fn,
                          (unsigned long long)c.num_blocks);
@@ -784,40 +900,46 @@ pm_status_t pm_blocks_destroy(pm_blocks_t *s) {
 
 /* ---- the free list -------------------------------------------------------------------------- */
 
-/* Wait, oldest first, for the swaps that keep freed blocks from reuse until count blocks are
- * idle (free stack and ready list), or until fewer than count are free at all (another thread
- * took them). Called with lock held, and returns with it held; takes poll_lock meanwhile. */
-static pm_status_t wait_idle_locked(pm_blocks_t *s, size_t count, const char *fn) {
+/* A record not ended that names waiting block id, for alloc to wait on: its last swap, else (it
+ * completed while an earlier swap on another stream still uses the block) the oldest such
+ * record. The scan runs only in that case, over the records still in the ring. 0: none (a
+ * block on the waiting list has one). */
+static uint64_t rec_naming(const pm_blocks_t *s, uint64_t id) {
+  uint64_t last = s->last_swap[id];
+  if (last >= s->swap_base && !rec_ended(rec_at(s, last))) return last;
+  for (uint64_t q = s->swap_base; q < last; q++) {
+    const blk_swap_t *r = rec_at(s, q);
+    for (size_t i = 0; i < r->n && !rec_ended(r); i++)
+      if (r->ids[i] == id) return q;
+  }
+  return 0;
+}
+
+/* Wait until count blocks are idle, or until fewer than count are free or waiting (another
+ * thread took them, or a broken swap quarantined them): first learn what completed without
+ * waiting, then wait for the swaps of the longest-waiting freed block, one at a time. Only the
+ * swaps that name freed blocks are waited for: an unrelated swap on another stream holds
+ * nothing back. Called with lock held, and returns with it held; takes poll_lock meanwhile. */
+static void wait_idle_locked(pm_blocks_t *s, size_t count) {
   pthread_mutex_unlock(&s->lock);
   pthread_mutex_lock(&s->poll_lock);
+  poll_swaps(s);
   pthread_mutex_lock(&s->lock);
-  pm_status_t st = PM_OK;
-  while (count > s->nfree + s->nready && count <= s->nfree + s->nready + s->nwaiting) {
-    uint64_t seq = s->swap_base;
-    blk_swap_t *r = rec_at(s, seq); /* nwaiting > 0: a record is left */
+  while (count > s->nfree && count <= s->nfree + s->nwaiting) {
+    uint64_t seq = rec_naming(s, s->wait_head);
+    if (!seq) break; /* cannot be (the block would not wait); never spin */
+    blk_swap_t *r = rec_at(s, seq);
     if (r->phase == SW_QUEUEING) {
       pthread_cond_wait(&s->swap_cv, &s->lock);
-    } else if (r->phase == SW_BROKEN) {
-      st = pm__set_error(r->status,
-                         "%s: %llu freed blocks wait for swaps whose completion cannot be known "
-                         "(swap %llu failed on the device); they are not handed out again",
-                         fn, (unsigned long long)s->nwaiting, (unsigned long long)seq);
-      break;
-    } else if (r->phase == SW_DONE) {
-      retire_locked(s);
     } else {
       pm_event_t ev = r->event;
       pthread_mutex_unlock(&s->lock);
       pm_status_t w = s->b->event_synchronize(ev);
       pthread_mutex_lock(&s->lock);
-      if (w == PM_OK)
-        finish_locked(s, seq);
-      else
-        broken_locked(s, seq, w);
+      end_record_locked(s, seq, w);
     }
   }
   pthread_mutex_unlock(&s->poll_lock);
-  return st;
 }
 
 pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
@@ -828,21 +950,25 @@ pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
   if (!ids_out) return pm__set_error(PM_ERR_INVALID, "%s: ids_out is NULL", fn);
   pthread_mutex_lock(&s->lock);
   /* Idle blocks first; freed blocks whose swaps still run only when those do not suffice. */
-  if (count > s->nfree + s->nready && count <= s->nfree + s->nready + s->nwaiting) {
-    st = wait_idle_locked(s, count, fn);
-    if (st != PM_OK) {
-      pthread_mutex_unlock(&s->lock);
-      return st;
-    }
-  }
-  uint64_t nfree = s->nfree + s->nready + s->nwaiting;
-  if (count > nfree) {
-    uint64_t usable = s->usable;
+  if (count > s->nfree && count <= s->nfree + s->nwaiting) wait_idle_locked(s, count);
+  if (count > s->nfree) {
+    uint64_t nfree = s->nfree + s->nwaiting, usable = s->usable, nquar = s->nquar;
+    uint64_t bseq = s->broken_seq;
+    pm_status_t bst = s->broken_status;
     char why[600] = "";
     if (usable < s->num_blocks)
       snprintf(why, sizeof why, " (blocks from %llu on could not be pinned: %s)",
                (unsigned long long)usable, s->pin_error);
     pthread_mutex_unlock(&s->lock);
+    /* Short only for the quarantined blocks: the device's failure is the reason, not the size
+     * of the arena. */
+    if (nquar && count <= nfree + nquar)
+      return pm__set_error(bst,
+                           "%s: asked for %zu blocks, %llu are free; %llu freed blocks are kept "
+                           "out of use: a swap that named them cannot say whether it completed, "
+                           "so its completion cannot be known (swap %llu failed on the device)",
+                           fn, count, (unsigned long long)nfree, (unsigned long long)nquar,
+                           (unsigned long long)bseq);
     return pm__set_error(PM_ERR_NOMEM,
                          "%s: the arena is exhausted: asked for %zu blocks, %llu of %llu are "
                          "free%s",
@@ -850,16 +976,8 @@ pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
                          why);
   }
   for (size_t i = 0; i < count; i++) {
-    uint64_t id;
-    if (s->nfree) {
-      id = s->free_stack[--s->nfree];
-    } else {
-      id = s->ready_head;
-      s->ready_head = s->link[id];
-      if (s->ready_head == BLK__NONE) s->ready_tail = BLK__NONE;
-      s->nready--;
-    }
-    s->state[id] = 1;
+    uint64_t id = s->free_stack[--s->nfree];
+    s->state[id] = ST_ALLOC;
     ids_out[i] = id;
   }
   pthread_mutex_unlock(&s->lock);
@@ -872,36 +990,36 @@ pm_status_t pm_blocks_free(pm_blocks_t *s, const uint64_t *ids, size_t count) {
   if (st != PM_OK) return st;
   if (count == 0) return PM_OK;
   if (!ids) return pm__set_error(PM_ERR_INVALID, "%s: ids is NULL", fn);
-  /* A block whose last swap is not known complete: learn which swaps completed first, so a
-   * caller that waited for its swaps before freeing finds the blocks idle, as before. */
+  /* A block a swap not known ended names: learn which swaps completed first, so a caller that
+   * waited for its swaps before freeing finds the blocks idle. */
   pthread_mutex_lock(&s->lock);
   bool busy = false;
-  for (size_t j = 0; j < count && !busy; j++)
-    busy = ids[j] < s->num_blocks && s->last_swap[ids[j]] >= s->swap_base;
+  for (size_t j = 0; j < count && !busy; j++) busy = ids[j] < s->num_blocks && s->inflight[ids[j]];
   pthread_mutex_unlock(&s->lock);
-  if (busy && pthread_mutex_trylock(&s->poll_lock) == 0) {
-    poll_swaps(s);
-    pthread_mutex_unlock(&s->poll_lock);
-  }
+  if (busy) learn_completed(s);
   pthread_mutex_lock(&s->lock);
   size_t i = 0;
   for (; i < count; i++) {
-    if (ids[i] >= s->num_blocks || s->state[ids[i]] != 1) break;
-    s->state[ids[i]] = 2; /* seen in this call: a repeat is caught */
+    if (ids[i] >= s->num_blocks || st_base(s->state[ids[i]]) != ST_ALLOC) break;
+    s->state[ids[i]] = (uint8_t)((s->state[ids[i]] & ST_TAINT) | ST_SEEN); /* a repeat is caught */
   }
   bool ok = i == count;
   for (size_t j = 0; j < i; j++) {
     uint64_t id = ids[j];
-    s->state[id] = ok ? 0 : 1;
-    if (!ok || id >= s->usable) continue;
-    if (s->last_swap[id] < s->swap_base) { /* every swap that named it completed */
+    bool taint = s->state[id] & ST_TAINT;
+    if (!ok) {
+      s->state[id] = (uint8_t)(ST_ALLOC | (taint ? ST_TAINT : 0));
+    } else if (id >= s->usable) {
+      s->state[id] = ST_FREE; /* never pinned: on no list */
+    } else if (taint) { /* a broken swap named it: the device may still use it, unknown when */
+      s->state[id] = ST_QUAR;
+      s->nquar++;
+    } else if (s->inflight[id]) { /* a swap may still read or write it: reusable once ended */
+      s->state[id] = ST_WAITING;
+      wait_push(s, id);
+    } else {
+      s->state[id] = ST_FREE;
       s->free_stack[s->nfree++] = id;
-    } else { /* its last swap may still read or write it: reusable once that completed */
-      blk_swap_t *r = rec_at(s, s->last_swap[id]);
-      s->link[id] = BLK__NONE;
-      list_join(s, &r->head, &r->tail, id, id);
-      r->n++;
-      s->nwaiting++;
     }
   }
   pthread_mutex_unlock(&s->lock);
@@ -938,6 +1056,20 @@ pm_status_t pm_blocks_wait_ready(pm_blocks_t *s, uint64_t count) {
   return wait_chunk(s, chunk_of(s, count - 1), fn);
 }
 
+pm_status_t pm_blocks_get_free(pm_blocks_t *s, uint64_t *idle_out, uint64_t *waiting_out,
+                               uint64_t *quarantined_out) {
+  static const char fn[] = "pm_blocks_get_free";
+  pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
+  if (st != PM_OK) return st;
+  learn_completed(s);
+  pthread_mutex_lock(&s->lock); /* one reading: a block is counted once */
+  if (idle_out) *idle_out = s->nfree;
+  if (waiting_out) *waiting_out = s->nwaiting;
+  if (quarantined_out) *quarantined_out = s->nquar;
+  pthread_mutex_unlock(&s->lock);
+  return PM_OK;
+}
+
 pm_status_t pm_blocks_get_stats(pm_blocks_t *s, pm_blocks_stats_t *out) {
   static const char fn[] = "pm_blocks_get_stats";
   pm_status_t st = pm__handle_check(s, PM__HANDLE_BLOCKS, fn);
@@ -947,8 +1079,9 @@ pm_status_t pm_blocks_get_stats(pm_blocks_t *s, pm_blocks_stats_t *out) {
   memset(&r, 0, sizeof r);
   r.block_bytes = s->block_bytes;
   r.num_blocks = s->num_blocks;
+  learn_completed(s);
   pthread_mutex_lock(&s->lock);
-  r.free_blocks = s->nfree + s->nready + s->nwaiting;
+  r.free_blocks = s->nfree;
   r.arena_bytes = s->charged;
   pthread_mutex_unlock(&s->lock);
   r.chunks = s->nchunks;
@@ -1078,7 +1211,7 @@ static pm_status_t check_ids(pm_blocks_t *s, const pm_kv_layout_t *L, const uint
   pthread_mutex_lock(&s->lock);
   size_t bad = count;
   for (size_t i = 0; i < count && bad == count; i++)
-    if (s->state[host_ids[i]] != 1) bad = i;
+    if (st_base(s->state[host_ids[i]]) != ST_ALLOC) bad = i;
   pthread_mutex_unlock(&s->lock);
   if (bad < count)
     return pm__set_error(PM_ERR_INVALID,
@@ -1149,7 +1282,7 @@ static pm_status_t swap(pm_blocks_t *s, const pm_kv_layout_t *L, const uint64_t 
   }
   /* From here the swap has a seq (its blocks name it): end_swap below ends its record. */
   if (count) {
-    st = begin_swap(s, host_ids, count, fn, &seq);
+    st = begin_swap(s, host_ids, count, stream, fn, &seq);
     if (st != PM_OK) goto done;
   }
   uint64_t nk = 0, nd = 0, ntr = 0;
