@@ -10,6 +10,7 @@
  * I/O, so the GIL is released around them; the holder keeps the memory in place meanwhile.
  */
 #include "_pinmem.h"
+#include "internal.h" /* pm__file_wrote */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -54,7 +55,7 @@ static int parse_offset(PyObject *o, const char *fn, uint64_t *out) {
 /* write_file(truncate=True) once its bytes are in the file (pm_file_write_async returns with
  * every byte written): the file ends where they end, and what it held before `offset` reads as
  * zeros (a hole punched, else zeros written), as if it had been emptied first. OSError naming
- * the step when one fails. */
+ * the step when one fails, the file then emptied. */
 static int cut_to_written(int fd, uint64_t offset, size_t n, off_t old_size, int fsync,
                           const char *fn) {
   const char *step = NULL;
@@ -75,6 +76,12 @@ static int cut_to_written(int fd, uint64_t offset, size_t n, off_t old_size, int
   }
   if (!step && ftruncate(fd, (off_t)(offset + n)) != 0) step = "ftruncate", err = errno;
   if (!step && fsync && fdatasync(fd) != 0) step = "fdatasync", err = errno;
+  /* The file holds the new bytes between old ones: emptied, as a write failing midway leaves
+   * it (file_transfer), rather than left to pass for the bytes asked for. */
+  if (step) {
+    int rc = ftruncate(fd, 0);
+    (void)rc; /* at best: the step's error is the one raised */
+  }
   Py_END_ALLOW_THREADS;
   if (!step) return 0;
   /* OSError(errno, text) picks the errno's subclass (PermissionError, ...); "N" fails cleanly
@@ -149,12 +156,18 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
   if (st != PM_OK) {
     pmpy_raise_status(st);
     if (old_size >= 0) {
-      /* A write that failed after reserving its range (the budget, a full disk) gives the
-       * length back: an existing file ends where it ended. */
+      /* A write that failed before its first byte (the budget, a full disk at the
+       * reservation) gives the length back: an existing file ends where it ended. One that
+       * failed while writing (an I/O error midway, fdatasync) has overwritten part of the old
+       * bytes: with truncate the file is emptied, as O_TRUNC would have left it, where its old
+       * length with part of the new bytes in it would pass for a whole file (a checkpoint
+       * saved over one of the same size). Without truncate the range is undefined, as the C
+       * call says. */
+      off_t cut = truncate && pm__file_wrote() ? 0 : old_size;
       struct stat sb;
       Py_BEGIN_ALLOW_THREADS;
-      if (fstat(fd, &sb) == 0 && sb.st_size > old_size) {
-        int rc = ftruncate(fd, old_size);
+      if (fstat(fd, &sb) == 0 && sb.st_size > cut) {
+        int rc = ftruncate(fd, cut);
         (void)rc; /* at best: the write's own error is the one raised */
       }
       Py_END_ALLOW_THREADS;

@@ -247,6 +247,36 @@ def test_failed_write_leaves_file(tmp_path, rng):
     src.release()
 
 
+def test_write_failing_midway_leaves_no_whole_looking_file(tmp_path):
+    """write_file (truncate=True) over a file of the same size that fails after its first
+    bytes are in (an I/O error at the second 1 MiB unit) leaves the file empty, as O_TRUNC
+    would have, not at its old length holding part of the new bytes and part of the old ones
+    (a reader would take that for a whole file). A failure before the first byte (the
+    reservation of a range past the end) still leaves the file as it was."""
+    out = run_child("""
+        import os, numpy as np, pinmem
+        for io in ("buffered", "direct"):
+            with open("f.bin", "wb") as f:
+                f.write(b"\\x11" * (3 << 20))
+            try:
+                pinmem.write_file("f.bin", np.full(3 << 20, 0xAA, np.uint8), io=io)
+                print("written", io)
+            except pinmem.IoError as e:
+                print("IoError", io, os.path.getsize("f.bin"), "pwrite" in str(e))
+        """, tmp_path, {"PINMEM_FAULT": "file_write=2+"})
+    assert out.splitlines() == ["IoError buffered 0 True", "IoError direct 0 True"], out
+    out = run_child("""
+        import os, numpy as np, pinmem
+        with open("f.bin", "wb") as f:
+            f.write(b"\\x11" * 5000)
+        try:
+            pinmem.write_file("f.bin", np.full(1 << 20, 0xAA, np.uint8), 4096)
+        except pinmem.IoError as e:
+            print("IoError", "fallocate" in str(e), open("f.bin", "rb").read() == b"\\x11" * 5000)
+        """, tmp_path, {"PINMEM_FAULT": "file_reserve=1"})
+    assert out.splitlines() == ["IoError True True"], out
+
+
 def test_failed_write_creates_no_file(tmp_path):
     """A write that fails leaves no file where there was none (write_file and write_ranges
     create the file they write); one that works keeps the file it created."""

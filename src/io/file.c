@@ -91,6 +91,7 @@
 
 static _Thread_local char g_note[256];
 static _Thread_local bool g_injected; /* the errno xfer_fd returned last was injected */
+static _Thread_local bool g_wrote;    /* pm__file_wrote() */
 
 /* pm_file_get_stats: bytes moved [write][direct], and calls whose O_DIRECT was refused. */
 static _Atomic uint64_t g_bytes[2][2];
@@ -100,6 +101,10 @@ atomic_size_t pm__file_auto_min;
 
 const char *pm__file_note(void) {
   return g_note;
+}
+
+bool pm__file_wrote(void) {
+  return g_wrote;
 }
 
 size_t pm__file_chunk(bool write, bool direct) {
@@ -1082,10 +1087,12 @@ static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
     if (st != PM_OK) return pm__wrap_error(st, "%s: waiting for the stream's earlier work", c->fn);
   }
   if (!c->ring) {
+    g_wrote = c->write;
     pm__parallel_for(tasks, (size_t)tasks, unit_task, c);
   } else {
     st = ring_create(c, pm__file_slots(c->chunk, threads, c->write, !c->cached));
     if (st != PM_OK) return st;
+    g_wrote = c->write; /* from here a failure may leave part of the bytes in the file */
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     tasks = PM__MIN(tasks, c->nslots);
@@ -1196,6 +1203,7 @@ static pm_status_t write_ranges(const char *fn, int fd, const pm_file_range_t *r
   pm_copy_options_t co;
   fio_t c;
   bool empty;
+  g_wrote = false;
   pm_status_t st = begin(&c, fn, true, fd, ranges, count, multi, stream, options, &o, &co, &empty);
   if (st != PM_OK) return st;
   if (!empty) st = run(&c, &o);
