@@ -39,6 +39,19 @@ static int parse_io(PyObject *o, const char *fn, pm_file_io_t *out) {
 }
 
 static int parse_offset(PyObject *o, const char *fn, uint64_t *out) {
+  /* As every integer argument (pinmem/_args.py): a bool is an int to Python but no offset
+   * (offset=True read from byte 1), and a float names the argument rather than raising a bare
+   * TypeError. */
+  if (PyBool_Check(o)) {
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s: offset must be between 0 and 2**64 - 1, not %s", fn,
+                   o == Py_True ? "True" : "False");
+    return -1;
+  }
+  if (!PyIndex_Check(o)) {
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s: offset must be an integer, not %s", fn,
+                   Py_TYPE(o)->tp_name);
+    return -1;
+  }
   PyObject *n = PyNumber_Index(o);
   if (!n) return -1;
   unsigned long long v = PyLong_AsUnsignedLongLong(n); /* OverflowError when negative */

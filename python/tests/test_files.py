@@ -691,6 +691,27 @@ def test_ranges_refused_before_anything_moves(tmp_path, rng, no_fd_leak):
     assert path.stat().st_size == 10000
 
 
+def test_offsets_are_integers_never_bools_or_floats(tmp_path):
+    """offset=True read from byte 1 and wrote there (a bool is an int to Python), and a float
+    offset raised a bare TypeError naming no argument; both are InvalidError naming the
+    offset, in every file call. NumPy integers are offsets."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(64)))
+    a = np.zeros(4, np.uint8)
+    calls = (lambda v: pinmem.read_file(path, a, v),
+             lambda v: pinmem.write_file(path, a, v, truncate=False),
+             lambda v: pinmem.read_ranges(path, [(v, a)]),
+             lambda v: pinmem.write_ranges(path, [(v, a)]))
+    for call in calls:
+        for bad, what in ((True, r"2\*\*64 - 1, not True"), (np.bool_(False), "integer, not"),
+                          (1.0, "integer, not float"), ("4", "integer, not str")):
+            with pytest.raises(pinmem.InvalidError, match="offset must be .*" + what):
+                call(bad)
+    assert path.read_bytes() == bytes(range(64))  # nothing written
+    pinmem.read_file(path, a, np.int64(8)).wait()
+    assert a.tobytes() == bytes(range(8, 12))
+
+
 def test_integer_arguments_of_file_calls_and_the_loader_say_the_same(tmp_path):
     # One check serves both (pinmem/_args.py): the file calls said "must be an integer, not
     # float" and the loader "must be an int, not 1.5", each leaving out half of what was wrong.
