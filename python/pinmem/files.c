@@ -109,6 +109,58 @@ static int cut_to_written(int fd, uint64_t offset, size_t n, off_t old_size, int
   return -1;
 }
 
+/* Whether anything was written in [from, to) past a file's old end `from`: SEEK_DATA finds
+ * written blocks, but the block holding `from` is data for the old bytes before it, so its part
+ * past `from` is read and looked at (nonzero bytes; zeros written there read as the hole they
+ * replace), through a second descriptor as write_file's is write-only. A filesystem without
+ * SEEK_DATA says all is data, and a part that cannot be read counts as written: then the cut
+ * spares the gap. */
+static int gap_written(int fd, off_t from, uint64_t to, const struct stat *sb) {
+  uint64_t blk =
+      sb->st_blksize > 4096 && sb->st_blksize <= (1 << 20) ? (uint64_t)sb->st_blksize : 4096;
+  uint64_t edge = ((uint64_t)from + blk - 1) / blk * blk;
+  if (edge > to) edge = to;
+  if (edge > (uint64_t)from) {
+    static _Thread_local unsigned char tail[1 << 20];
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    int rfd = open(path, O_RDONLY | O_CLOEXEC);
+    if (rfd < 0) return 1;
+    ssize_t got = pread(rfd, tail, (size_t)(edge - (uint64_t)from), from);
+    close(rfd);
+    if (got < 0) return 1;
+    for (ssize_t i = 0; i < got; i++)
+      if (tail[i]) return 1;
+  }
+  if (edge >= to) return 0;
+  off_t data = lseek(fd, (off_t)edge, SEEK_DATA);
+  return data >= 0 && (uint64_t)data < to;
+}
+
+/* After a failed write_file, the file's length as it was (old_size, a regular file's), or with
+ * `empty` (truncate, and the call had begun writing) none. What the call did not add itself is
+ * never cut: another write of the file that completed meanwhile (a thread writing the next part
+ * of the same file) would lose bytes it reported written. So nothing is cut once the file ends
+ * past this call's range, and bytes past the old end in the gap before `offset` (which this
+ * call never writes, and its reservation leaves a hole) are someone else's: the cut then stops
+ * at `offset`. */
+static void give_back(int fd, int empty, off_t old_size, uint64_t offset, size_t n) {
+  struct stat sb;
+  if (fstat(fd, &sb) != 0) return;
+  off_t cut = old_size;
+  if (empty) {
+    cut = 0;
+  } else if ((uint64_t)sb.st_size > offset + n) {
+    return; /* another write has moved the end past this call's range */
+  } else if ((uint64_t)old_size < offset && gap_written(fd, old_size, offset, &sb)) {
+    cut = (off_t)offset;
+  }
+  if (sb.st_size > cut) {
+    int rc = ftruncate(fd, cut);
+    (void)rc; /* at best: the write's own error is the one raised */
+  }
+}
+
 /* The shared body: resolve the memory, check nbytes against it, run the C call without the GIL,
  * hand back a Completion that holds the memory. The caller holds the stream (pmpy_stream_take)
  * around it. */
@@ -176,13 +228,8 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
        * length with part of the new bytes in it would pass for a whole file (a checkpoint
        * saved over one of the same size). Without truncate the range is undefined, as the C
        * call says. */
-      off_t cut = truncate && pm__file_wrote() ? 0 : old_size;
-      struct stat sb;
       Py_BEGIN_ALLOW_THREADS;
-      if (fstat(fd, &sb) == 0 && sb.st_size > cut) {
-        int rc = ftruncate(fd, cut);
-        (void)rc; /* at best: the write's own error is the one raised */
-      }
+      give_back(fd, truncate && pm__file_wrote(), old_size, offset, n);
       Py_END_ALLOW_THREADS;
     }
     goto fail;

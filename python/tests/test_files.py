@@ -263,8 +263,16 @@ def test_write_failing_midway_leaves_no_whole_looking_file(tmp_path):
                 print("written", io)
             except pinmem.IoError as e:
                 print("IoError", io, os.path.getsize("f.bin"), "pwrite" in str(e))
+        # truncate=False past the end (a gap before the range): the length given back
+        with open("f.bin", "wb") as f:
+            f.write(b"\\x11" * 5000)
+        try:
+            pinmem.write_file("f.bin", np.ones(3 << 20, np.uint8), 1 << 16, truncate=False)
+        except pinmem.IoError as e:
+            print("IoError", open("f.bin", "rb").read() == b"\\x11" * 5000)
         """, tmp_path, {"PINMEM_FAULT": "file_write=2+"})
-    assert out.splitlines() == ["IoError buffered 0 True", "IoError direct 0 True"], out
+    assert out.splitlines() == ["IoError buffered 0 True", "IoError direct 0 True",
+                                "IoError True"], out
     out = run_child("""
         import os, numpy as np, pinmem
         with open("f.bin", "wb") as f:
@@ -275,6 +283,44 @@ def test_write_failing_midway_leaves_no_whole_looking_file(tmp_path):
             print("IoError", "fallocate" in str(e), open("f.bin", "rb").read() == b"\\x11" * 5000)
         """, tmp_path, {"PINMEM_FAULT": "file_reserve=1"})
     assert out.splitlines() == ["IoError True True"], out
+
+
+@pytest.mark.parametrize("at", [8192, 2 << 20], ids=["gap_before_its_range", "past_its_end"])
+def test_failed_write_keeps_what_another_write_put_past_the_old_end(at, tmp_path):
+    """A write_file past the end that fails gives the length back, but only what it added
+    itself: another thread's write that completed meanwhile, in the gap before its range or
+    past its end, stays in the file. The failing write is held on its stream (a gate) after
+    reserving its range, the other one runs, then the failing one's first pwrite fails
+    (file_write=2; the other write's one pwrite is the first). The old code cut the file to
+    its old length, and the other call's bytes, reported written, were gone."""
+    out = run_child(f"""
+        import os, threading, time, numpy as np, pinmem
+        from pinmem import _pinmem
+        with open("f.bin", "wb") as f:
+            f.write(b"\\x11" * 5000)
+        s = pinmem.Stream()
+        gate = _pinmem._stream_gate(s, True)
+        failed = []
+        def failing():
+            try:
+                pinmem.write_file("f.bin", np.full(1 << 20, 0xAA, np.uint8), 1 << 16,
+                                  truncate=False, stream=s, io="buffered")
+            except pinmem.IoError as e:
+                failed.append(str(e))
+        t = threading.Thread(target=failing)
+        t.start()
+        deadline = time.monotonic() + 60
+        while os.path.getsize("f.bin") != (1 << 16) + (1 << 20):  # its reservation
+            assert time.monotonic() < deadline, "no reservation"
+            time.sleep(0.001)
+        pinmem.write_file("f.bin", np.full(100, 0xBB, np.uint8), {at}, truncate=False)
+        _pinmem._gate_open(gate)
+        t.join()
+        raw = open("f.bin", "rb").read()
+        print(len(failed), "pwrite" in failed[0], raw[:5000] == b"\\x11" * 5000,
+              raw[{at}:{at} + 100] == b"\\xbb" * 100)
+        """, tmp_path, {"PINMEM_FAULT": "file_write=2"})
+    assert out.splitlines() == ["1 True True True"], out
 
 
 def test_failed_write_creates_no_file(tmp_path):
