@@ -3,6 +3,7 @@ without a GPU). Files are checked byte for byte against what Python's own file I
 safetensors files against the `safetensors` package, both ways. Injected I/O errors run in a
 child interpreter (PINMEM_FAULT is read once, at the first pm_init) with a timeout."""
 import errno
+import fcntl
 import gc
 import json
 import os
@@ -321,6 +322,30 @@ def test_failed_write_keeps_what_another_write_put_past_the_old_end(at, tmp_path
               raw[{at}:{at} + 100] == b"\\xbb" * 100)
         """, tmp_path, {"PINMEM_FAULT": "file_write=2"})
     assert out.splitlines() == ["1 True True True"], out
+
+
+def test_read_through_an_o_direct_descriptor(tmp_path, rng):
+    """fd= opened with O_DIRECT (as a loader that opens its checkpoints so does): every io mode
+    reads any offset and length into memory of any alignment. pinmem's buffered reads and a
+    direct read's unaligned edges went through that descriptor and failed with EINVAL."""
+    path = tmp_path / "f.bin"
+    data = write_background(path, rng, 3 << 20)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as e:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT: {e}")
+    try:
+        for io in ("buffered", "direct", "auto"):
+            for off, n in ((0, 4096), (1, 100), (4095, 5000), (12345, 1 << 20)):
+                dst = np.zeros(n + 1, np.uint8)[1:]  # not 4 KiB aligned
+                pinmem.read_file(path, dst, off, io=io, fd=fd).wait()
+                np.testing.assert_array_equal(dst, data[off:off + n])
+                dst[:] = 0
+                pinmem.read_ranges(path, [(off, dst)], io=io, fd=fd)
+                np.testing.assert_array_equal(dst, data[off:off + n])
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT  # the caller's flags stay
+    finally:
+        os.close(fd)
 
 
 def test_failed_write_creates_no_file(tmp_path):
