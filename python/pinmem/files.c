@@ -14,6 +14,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -121,16 +122,17 @@ static int gap_written(int fd, off_t from, uint64_t to, const struct stat *sb) {
   uint64_t edge = ((uint64_t)from + blk - 1) / blk * blk;
   if (edge > to) edge = to;
   if (edge > (uint64_t)from) {
-    static _Thread_local unsigned char tail[1 << 20];
+    size_t len = (size_t)(edge - (uint64_t)from);
+    unsigned char *tail = malloc(len);
     char path[64];
     snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    int rfd = open(path, O_RDONLY | O_CLOEXEC);
-    if (rfd < 0) return 1;
-    ssize_t got = pread(rfd, tail, (size_t)(edge - (uint64_t)from), from);
-    close(rfd);
-    if (got < 0) return 1;
-    for (ssize_t i = 0; i < got; i++)
-      if (tail[i]) return 1;
+    int rfd = tail ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+    ssize_t got = rfd >= 0 ? pread(rfd, tail, len, from) : -1;
+    if (rfd >= 0) close(rfd);
+    int written = got < 0;
+    for (ssize_t i = 0; i < got && !written; i++) written = tail[i] != 0;
+    free(tail);
+    if (written) return 1;
   }
   if (edge >= to) return 0;
   off_t data = lseek(fd, (off_t)edge, SEEK_DATA);
