@@ -173,7 +173,7 @@ def _file_error(fn, path, err):
 
 _READ = _os.O_RDONLY | _os.O_CLOEXEC
 # Not O_TRUNC: write_file's extension cuts the file to the bytes written only once they are in
-# it, so a call that fails leaves an existing file as it was.
+# it, so a call that fails before writing leaves an existing file as it was.
 _WRITE = _os.O_WRONLY | _os.O_CREAT | _os.O_CLOEXEC
 
 
@@ -245,8 +245,9 @@ def write_file(path, src, offset=0, *, nbytes=None, io="auto", stream=None, fsyn
 
     The file is created if missing and, with truncate=True (default), holds the bytes written
     alone (zeros before `offset`), as if emptied first; it is cut to them once they are written,
-    so a call that fails leaves an existing file as it was (and a file it created is removed
-    again). With truncate=False the rest of an
+    so a call that fails before writing leaves an existing file as it was (and a file it
+    created is removed again); one that fails midway leaves it empty, never at its old length
+    with part of the new bytes in it. With truncate=False the rest of an
     existing file stays. src: as read_file's dst (device memory is
     DMA'd into pinned bounce slots and written from there). fsync=True: on disk (fdatasync)
     before the call returns. io: 'auto' (O_DIRECT from 64 MiB up, the unaligned edges

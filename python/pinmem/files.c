@@ -10,9 +10,11 @@
  * I/O, so the GIL is released around them; the holder keeps the memory in place meanwhile.
  */
 #include "_pinmem.h"
+#include "internal.h" /* pm__file_wrote */
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -38,6 +40,19 @@ static int parse_io(PyObject *o, const char *fn, pm_file_io_t *out) {
 }
 
 static int parse_offset(PyObject *o, const char *fn, uint64_t *out) {
+  /* As every integer argument (pinmem/_args.py): a bool is an int to Python but no offset
+   * (offset=True read from byte 1), and a float names the argument rather than raising a bare
+   * TypeError. */
+  if (PyBool_Check(o)) {
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s: offset must be between 0 and 2**64 - 1, not %s", fn,
+                   o == Py_True ? "True" : "False");
+    return -1;
+  }
+  if (!PyIndex_Check(o)) {
+    pmpy_raise_fmt(PM_ERR_INVALID, "%s: offset must be an integer, not %s", fn,
+                   Py_TYPE(o)->tp_name);
+    return -1;
+  }
   PyObject *n = PyNumber_Index(o);
   if (!n) return -1;
   unsigned long long v = PyLong_AsUnsignedLongLong(n); /* OverflowError when negative */
@@ -54,7 +69,7 @@ static int parse_offset(PyObject *o, const char *fn, uint64_t *out) {
 /* write_file(truncate=True) once its bytes are in the file (pm_file_write_async returns with
  * every byte written): the file ends where they end, and what it held before `offset` reads as
  * zeros (a hole punched, else zeros written), as if it had been emptied first. OSError naming
- * the step when one fails. */
+ * the step when one fails, the file then emptied. */
 static int cut_to_written(int fd, uint64_t offset, size_t n, off_t old_size, int fsync,
                           const char *fn) {
   const char *step = NULL;
@@ -75,6 +90,12 @@ static int cut_to_written(int fd, uint64_t offset, size_t n, off_t old_size, int
   }
   if (!step && ftruncate(fd, (off_t)(offset + n)) != 0) step = "ftruncate", err = errno;
   if (!step && fsync && fdatasync(fd) != 0) step = "fdatasync", err = errno;
+  /* The file holds the new bytes between old ones: emptied, as a write failing midway leaves
+   * it (file_transfer), rather than left to pass for the bytes asked for. */
+  if (step) {
+    int rc = ftruncate(fd, 0);
+    (void)rc; /* at best: the step's error is the one raised */
+  }
   Py_END_ALLOW_THREADS;
   if (!step) return 0;
   /* OSError(errno, text) picks the errno's subclass (PermissionError, ...); "N" fails cleanly
@@ -87,6 +108,59 @@ static int cut_to_written(int fd, uint64_t offset, size_t n, off_t old_size, int
     Py_DECREF(e);
   }
   return -1;
+}
+
+/* Whether anything was written in [from, to) past a file's old end `from`: SEEK_DATA finds
+ * written blocks, but the block holding `from` is data for the old bytes before it, so its part
+ * past `from` is read and looked at (nonzero bytes; zeros written there read as the hole they
+ * replace), through a second descriptor as write_file's is write-only. A filesystem without
+ * SEEK_DATA says all is data, and a part that cannot be read counts as written: then the cut
+ * spares the gap. */
+static int gap_written(int fd, off_t from, uint64_t to, const struct stat *sb) {
+  uint64_t blk =
+      sb->st_blksize > 4096 && sb->st_blksize <= (1 << 20) ? (uint64_t)sb->st_blksize : 4096;
+  uint64_t edge = ((uint64_t)from + blk - 1) / blk * blk;
+  if (edge > to) edge = to;
+  if (edge > (uint64_t)from) {
+    size_t len = (size_t)(edge - (uint64_t)from);
+    unsigned char *tail = malloc(len);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    int rfd = tail ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+    ssize_t got = rfd >= 0 ? pread(rfd, tail, len, from) : -1;
+    if (rfd >= 0) close(rfd);
+    int written = got < 0;
+    for (ssize_t i = 0; i < got && !written; i++) written = tail[i] != 0;
+    free(tail);
+    if (written) return 1;
+  }
+  if (edge >= to) return 0;
+  off_t data = lseek(fd, (off_t)edge, SEEK_DATA);
+  return data >= 0 && (uint64_t)data < to;
+}
+
+/* After a failed write_file, the file's length as it was (old_size, a regular file's), or with
+ * `empty` (truncate, and the call had begun writing) none. What the call did not add itself is
+ * never cut: another write of the file that completed meanwhile (a thread writing the next part
+ * of the same file) would lose bytes it reported written. So nothing is cut once the file ends
+ * past this call's range, and bytes past the old end in the gap before `offset` (which this
+ * call never writes, and its reservation leaves a hole) are someone else's: the cut then stops
+ * at `offset`. */
+static void give_back(int fd, int empty, off_t old_size, uint64_t offset, size_t n) {
+  struct stat sb;
+  if (fstat(fd, &sb) != 0) return;
+  off_t cut = old_size;
+  if (empty) {
+    cut = 0;
+  } else if ((uint64_t)sb.st_size > offset + n) {
+    return; /* another write has moved the end past this call's range */
+  } else if ((uint64_t)old_size < offset && gap_written(fd, old_size, offset, &sb)) {
+    cut = (off_t)offset;
+  }
+  if (sb.st_size > cut) {
+    int rc = ftruncate(fd, cut);
+    (void)rc; /* at best: the write's own error is the one raised */
+  }
 }
 
 /* The shared body: resolve the memory, check nbytes against it, run the C call without the GIL,
@@ -149,14 +223,15 @@ static PyObject *file_transfer(int write, int fd, PyObject *offset_obj, PyObject
   if (st != PM_OK) {
     pmpy_raise_status(st);
     if (old_size >= 0) {
-      /* A write that failed after reserving its range (the budget, a full disk) gives the
-       * length back: an existing file ends where it ended. */
-      struct stat sb;
+      /* A write that failed before its first byte (the budget, a full disk at the
+       * reservation) gives the length back: an existing file ends where it ended. One that
+       * failed while writing (an I/O error midway, fdatasync) has overwritten part of the old
+       * bytes: with truncate the file is emptied, as O_TRUNC would have left it, where its old
+       * length with part of the new bytes in it would pass for a whole file (a checkpoint
+       * saved over one of the same size). Without truncate the range is undefined, as the C
+       * call says. */
       Py_BEGIN_ALLOW_THREADS;
-      if (fstat(fd, &sb) == 0 && sb.st_size > old_size) {
-        int rc = ftruncate(fd, old_size);
-        (void)rc; /* at best: the write's own error is the one raised */
-      }
+      give_back(fd, truncate && pm__file_wrote(), old_size, offset, n);
       Py_END_ALLOW_THREADS;
     }
     goto fail;

@@ -3,6 +3,7 @@ without a GPU). Files are checked byte for byte against what Python's own file I
 safetensors files against the `safetensors` package, both ways. Injected I/O errors run in a
 child interpreter (PINMEM_FAULT is read once, at the first pm_init) with a timeout."""
 import errno
+import fcntl
 import gc
 import json
 import os
@@ -245,6 +246,106 @@ def test_failed_write_leaves_file(tmp_path, rng):
         pinmem.set_budget(budget)
     np.testing.assert_array_equal(np.fromfile(path, np.uint8), before)
     src.release()
+
+
+def test_write_failing_midway_leaves_no_whole_looking_file(tmp_path):
+    """write_file (truncate=True) over a file of the same size that fails after its first
+    bytes are in (an I/O error at the second 1 MiB unit) leaves the file empty, as O_TRUNC
+    would have, not at its old length holding part of the new bytes and part of the old ones
+    (a reader would take that for a whole file). A failure before the first byte (the
+    reservation of a range past the end) still leaves the file as it was."""
+    out = run_child("""
+        import os, numpy as np, pinmem
+        for io in ("buffered", "direct"):
+            with open("f.bin", "wb") as f:
+                f.write(b"\\x11" * (3 << 20))
+            try:
+                pinmem.write_file("f.bin", np.full(3 << 20, 0xAA, np.uint8), io=io)
+                print("written", io)
+            except pinmem.IoError as e:
+                print("IoError", io, os.path.getsize("f.bin"), "pwrite" in str(e))
+        # truncate=False past the end (a gap before the range): the length given back
+        with open("f.bin", "wb") as f:
+            f.write(b"\\x11" * 5000)
+        try:
+            pinmem.write_file("f.bin", np.ones(3 << 20, np.uint8), 1 << 16, truncate=False)
+        except pinmem.IoError as e:
+            print("IoError", open("f.bin", "rb").read() == b"\\x11" * 5000)
+        """, tmp_path, {"PINMEM_FAULT": "file_write=2+"})
+    assert out.splitlines() == ["IoError buffered 0 True", "IoError direct 0 True",
+                                "IoError True"], out
+    out = run_child("""
+        import os, numpy as np, pinmem
+        with open("f.bin", "wb") as f:
+            f.write(b"\\x11" * 5000)
+        try:
+            pinmem.write_file("f.bin", np.full(1 << 20, 0xAA, np.uint8), 4096)
+        except pinmem.IoError as e:
+            print("IoError", "fallocate" in str(e), open("f.bin", "rb").read() == b"\\x11" * 5000)
+        """, tmp_path, {"PINMEM_FAULT": "file_reserve=1"})
+    assert out.splitlines() == ["IoError True True"], out
+
+
+@pytest.mark.parametrize("at", [8192, 2 << 20], ids=["gap_before_its_range", "past_its_end"])
+def test_failed_write_keeps_what_another_write_put_past_the_old_end(at, tmp_path):
+    """A write_file past the end that fails gives the length back, but only what it added
+    itself: another thread's write that completed meanwhile, in the gap before its range or
+    past its end, stays in the file. The failing write is held on its stream (a gate) after
+    reserving its range, the other one runs, then the failing one's first pwrite fails
+    (file_write=2; the other write's one pwrite is the first). The old code cut the file to
+    its old length, and the other call's bytes, reported written, were gone."""
+    out = run_child(f"""
+        import os, threading, time, numpy as np, pinmem
+        from pinmem import _pinmem
+        with open("f.bin", "wb") as f:
+            f.write(b"\\x11" * 5000)
+        s = pinmem.Stream()
+        gate = _pinmem._stream_gate(s, True)
+        failed = []
+        def failing():
+            try:
+                pinmem.write_file("f.bin", np.full(1 << 20, 0xAA, np.uint8), 1 << 16,
+                                  truncate=False, stream=s, io="buffered")
+            except pinmem.IoError as e:
+                failed.append(str(e))
+        t = threading.Thread(target=failing)
+        t.start()
+        deadline = time.monotonic() + 60
+        while os.path.getsize("f.bin") != (1 << 16) + (1 << 20):  # its reservation
+            assert time.monotonic() < deadline, "no reservation"
+            time.sleep(0.001)
+        pinmem.write_file("f.bin", np.full(100, 0xBB, np.uint8), {at}, truncate=False)
+        _pinmem._gate_open(gate)
+        t.join()
+        raw = open("f.bin", "rb").read()
+        print(len(failed), "pwrite" in failed[0], raw[:5000] == b"\\x11" * 5000,
+              raw[{at}:{at} + 100] == b"\\xbb" * 100)
+        """, tmp_path, {"PINMEM_FAULT": "file_write=2"})
+    assert out.splitlines() == ["1 True True True"], out
+
+
+def test_read_through_an_o_direct_descriptor(tmp_path, rng):
+    """fd= opened with O_DIRECT (as a loader that opens its checkpoints so does): every io mode
+    reads any offset and length into memory of any alignment. pinmem's buffered reads and a
+    direct read's unaligned edges went through that descriptor and failed with EINVAL."""
+    path = tmp_path / "f.bin"
+    data = write_background(path, rng, 3 << 20)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as e:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT: {e}")
+    try:
+        for io in ("buffered", "direct", "auto"):
+            for off, n in ((0, 4096), (1, 100), (4095, 5000), (12345, 1 << 20)):
+                dst = np.zeros(n + 1, np.uint8)[1:]  # not 4 KiB aligned
+                pinmem.read_file(path, dst, off, io=io, fd=fd).wait()
+                np.testing.assert_array_equal(dst, data[off:off + n])
+                dst[:] = 0
+                pinmem.read_ranges(path, [(off, dst)], io=io, fd=fd)
+                np.testing.assert_array_equal(dst, data[off:off + n])
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT  # the caller's flags stay
+    finally:
+        os.close(fd)
 
 
 def test_failed_write_creates_no_file(tmp_path):
@@ -659,6 +760,27 @@ def test_ranges_refused_before_anything_moves(tmp_path, rng, no_fd_leak):
     pinmem.read_ranges(path, [])
     pinmem.write_ranges(path, [])
     assert path.stat().st_size == 10000
+
+
+def test_offsets_are_integers_never_bools_or_floats(tmp_path):
+    """offset=True read from byte 1 and wrote there (a bool is an int to Python), and a float
+    offset raised a bare TypeError naming no argument; both are InvalidError naming the
+    offset, in every file call. NumPy integers are offsets."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(64)))
+    a = np.zeros(4, np.uint8)
+    calls = (lambda v: pinmem.read_file(path, a, v),
+             lambda v: pinmem.write_file(path, a, v, truncate=False),
+             lambda v: pinmem.read_ranges(path, [(v, a)]),
+             lambda v: pinmem.write_ranges(path, [(v, a)]))
+    for call in calls:
+        for bad, what in ((True, r"2\*\*64 - 1, not True"), (np.bool_(False), "integer, not"),
+                          (1.0, "integer, not float"), ("4", "integer, not str")):
+            with pytest.raises(pinmem.InvalidError, match="offset must be .*" + what):
+                call(bad)
+    assert path.read_bytes() == bytes(range(64))  # nothing written
+    pinmem.read_file(path, a, np.int64(8)).wait()
+    assert a.tobytes() == bytes(range(8, 12))
 
 
 def test_integer_arguments_of_file_calls_and_the_loader_say_the_same(tmp_path):

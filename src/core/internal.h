@@ -719,6 +719,11 @@ extern atomic_int pm__io_refuse_direct;
 /* pm_file_*_async (src/io/file.c): why the last call on this thread used buffered I/O where
  * direct was asked for ("" if it did not); for tools and tests. */
 const char *pm__file_note(void);
+/* pm_file_write_async / pm_file_writev_async: whether the last call on this thread got as far
+ * as writing (its checks, its reservation and its slots behind it), so that a failure may have
+ * left part of its bytes in the file. write_file(truncate=True) empties such a file rather
+ * than leave its old length with part of the new bytes in it (python/pinmem/files.c). */
+bool pm__file_wrote(void);
 /* An io=auto cold read of [off, off + n) marks [PM__FILE_READER_MARKS + off, ... + n) with an
  * OFD read lock while it runs, so that another reader of those bytes reads through the page
  * cache (file.c, reader_mark()). */

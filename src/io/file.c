@@ -91,6 +91,7 @@
 
 static _Thread_local char g_note[256];
 static _Thread_local bool g_injected; /* the errno xfer_fd returned last was injected */
+static _Thread_local bool g_wrote;    /* pm__file_wrote() */
 
 /* pm_file_get_stats: bytes moved [write][direct], and calls whose O_DIRECT was refused. */
 static _Atomic uint64_t g_bytes[2][2];
@@ -100,6 +101,10 @@ atomic_size_t pm__file_auto_min;
 
 const char *pm__file_note(void) {
   return g_note;
+}
+
+bool pm__file_wrote(void) {
+  return g_wrote;
 }
 
 size_t pm__file_chunk(bool write, bool direct) {
@@ -175,6 +180,8 @@ typedef struct fio {
   const char *fn;
   bool write;
   int fd;             /* the caller's */
+  int bfd;                   /* buffered transfers: fd, or bfd_own where fd has O_DIRECT */
+  int bfd_own;               /* fd's file without O_DIRECT (open_buffered()), or -1 */
   int dfd;            /* O_DIRECT, or -1 */
   atomic_bool refuse; /* a direct transfer got EINVAL: buffered from now on */
   bool watch;         /* an auto read whose dfd holds its reader mark (reader_mark()): */
@@ -296,7 +303,7 @@ static int xfer_fd(fio_t *c, int fd, char *buf, size_t len, uint64_t pos) {
                               memory_order_relaxed);
     done += (size_t)r;
     /* A direct transfer that stopped off the alignment (the end of the file) goes on buffered. */
-    if (fd == c->dfd && done < len && ((pos + done) % FILE_ALIGN)) fd = c->fd;
+    if (fd == c->dfd && done < len && ((pos + done) % FILE_ALIGN)) fd = c->bfd;
   }
   return 0;
 }
@@ -320,7 +327,7 @@ static bool look_due(fio_t *c) {
 }
 
 /* Move one piece of segment g: the 4 KiB-aligned middle through O_DIRECT when buf and pos agree
- * modulo 4 KiB, the edges (and everything else) through the caller's fd. */
+ * modulo 4 KiB, the edges (and everything else) through the caller's fd (c->bfd). */
 static pm_status_t xfer(fio_t *c, fseg_t *g, char *buf, size_t len, uint64_t pos) {
   size_t head = 0, mid = 0;
   bool direct = c->dfd >= 0 && !atomic_load_explicit(&c->refuse, memory_order_relaxed) &&
@@ -356,17 +363,17 @@ static pm_status_t xfer(fio_t *c, fseg_t *g, char *buf, size_t len, uint64_t pos
       tail = 0;
     }
   }
-  int e = head ? xfer_fd(c, c->fd, buf, head, pos) : 0;
+  int e = head ? xfer_fd(c, c->bfd, buf, head, pos) : 0;
   if (e) return io_error(c, e, head, pos);
   if (mid) {
     e = xfer_fd(c, c->dfd, buf + head, mid, pos + head);
     if (e == EINVAL) { /* the filesystem took the open but refuses the transfer */
       atomic_store(&c->refuse, true);
-      e = xfer_fd(c, c->fd, buf + head, mid, pos + head);
+      e = xfer_fd(c, c->bfd, buf + head, mid, pos + head);
     }
     if (e) return io_error(c, e, mid, pos + head);
   }
-  e = tail ? xfer_fd(c, c->fd, buf + head + mid, tail, pos + head + mid) : 0;
+  e = tail ? xfer_fd(c, c->bfd, buf + head + mid, tail, pos + head + mid) : 0;
   return e ? io_error(c, e, tail, pos + head + mid) : PM_OK;
 }
 
@@ -702,10 +709,25 @@ static int reader_mark(int dfd, uint64_t off, size_t bytes) {
 static void fio_close(fio_t *c) {
   if (c->dfd >= 0) close(c->dfd); /* and with it the reader mark */
   c->dfd = -1;
+  if (c->bfd_own >= 0) close(c->bfd_own);
+  c->bfd_own = -1;
   if (c->rng != &c->one_rng) free(c->rng);
   if (c->seg != &c->one_seg) free(c->seg);
   c->rng = NULL;
   c->seg = NULL;
+}
+
+/* A caller's fd opened with O_DIRECT refuses what buffered transfers are for: any offset, length
+ * and memory address (EINVAL), the unaligned edges of a direct call included. Those go through
+ * a second fd of the file without it, opened as open_direct() opens its own (the caller's fd and
+ * its flags are never changed: F_SETFL would change them for every holder of its open file).
+ * Where that open fails the caller's fd serves, as before. */
+static void open_buffered(fio_t *c, int flags) {
+  if (!(flags & O_DIRECT)) return;
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", c->fd);
+  int bfd = open(path, (flags & O_ACCMODE) | O_CLOEXEC);
+  if (bfd >= 0) c->bfd = c->bfd_own = bfd;
 }
 
 /* The O_DIRECT fd for c->fd, or -1 with a note when the filesystem refuses it. */
@@ -914,6 +936,8 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd,
   c->fn = fn;
   c->write = write;
   c->fd = fd;
+  c->bfd = fd;
+  c->bfd_own = -1;
   c->dfd = -1;
   c->stream = stream;
   g_note[0] = '\0';
@@ -937,6 +961,7 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd,
     *empty = true;
     return PM_OK;
   }
+  open_buffered(c, flags);
   if (multi) {
     st = check_size(c);
     if (st != PM_OK) return st;
@@ -999,9 +1024,9 @@ static int threads_for(const pm_file_options_t *o) {
   return t < 1 ? 1 : t;
 }
 
-/* The deferred head and tail of a direct write, through the caller's fd. They go last because
- * the kernel merges a partial-page buffered write with the page's bytes on disk: once every
- * direct middle is there, the merged page holds the new bytes whatever the page (or folio)
+/* The deferred head and tail of a direct write, through the caller's fd (c->bfd). They go last
+ * because the kernel merges a partial-page buffered write with the page's bytes on disk: once
+ * every direct middle is there, the merged page holds the new bytes whatever the page (or folio)
  * size, where an edge written first could leave a cached page that a direct write of the same
  * page must flush and invalidate (the kernel does, but only page-cache pages that are not
  * busy). With 4 KiB pages the edges' pages and the middles' pages are distinct anyway. */
@@ -1010,7 +1035,7 @@ static pm_status_t write_edges(fio_t *c) {
     for (int i = 0; i < 2; i++) {
       fseg_t *g = &c->seg[j];
       if (!g->edge[i].len) continue;
-      int e = xfer_fd(c, c->fd, g->edge[i].buf, g->edge[i].len, g->edge[i].pos);
+      int e = xfer_fd(c, c->bfd, g->edge[i].buf, g->edge[i].len, g->edge[i].pos);
       if (e) return io_error(c, e, g->edge[i].len, g->edge[i].pos);
     }
   return PM_OK;
@@ -1082,10 +1107,12 @@ static pm_status_t run(fio_t *c, const pm_file_options_t *o) {
     if (st != PM_OK) return pm__wrap_error(st, "%s: waiting for the stream's earlier work", c->fn);
   }
   if (!c->ring) {
+    g_wrote = c->write;
     pm__parallel_for(tasks, (size_t)tasks, unit_task, c);
   } else {
     st = ring_create(c, pm__file_slots(c->chunk, threads, c->write, !c->cached));
     if (st != PM_OK) return st;
+    g_wrote = c->write; /* from here a failure may leave part of the bytes in the file */
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     tasks = PM__MIN(tasks, c->nslots);
@@ -1127,7 +1154,7 @@ static pm_status_t begin(fio_t *c, const char *fn, bool write, int fd,
                          pm_stream_t stream, const pm_file_options_t *options,
                          pm_file_options_t *o, pm_copy_options_t *co, bool *empty) {
   memset(c, 0, sizeof *c);
-  c->dfd = -1;
+  c->dfd = c->bfd_own = -1;
   pm_status_t st = read_options(options, fn, o);
   if (st != PM_OK) return st;
   copy_opts(o, co);
@@ -1196,6 +1223,7 @@ static pm_status_t write_ranges(const char *fn, int fd, const pm_file_range_t *r
   pm_copy_options_t co;
   fio_t c;
   bool empty;
+  g_wrote = false;
   pm_status_t st = begin(&c, fn, true, fd, ranges, count, multi, stream, options, &o, &co, &empty);
   if (st != PM_OK) return st;
   if (!empty) st = run(&c, &o);
