@@ -330,7 +330,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._full = None  # (bytes, _pool_marks()): the smallest block refused since a free
         self._stall_seconds = 0.0
         self.reset_stats()
-        super().__init__(self._pack, self._unpack)
+        # No super().__init__: it would store the bound methods self._pack and self._unpack on
+        # self, a cycle only Python's collector breaks. An object made for each step
+        # (`with offload_activations(): ...`) then kept its pinmem streams (threads on the host
+        # backend), and on a GPU the pinned blocks of its last copies back, until a collection,
+        # never under gc.disable(). The properties below hand out fresh bound methods instead;
+        # graphs still hold the object through the unpack hooks they keep, as they must.
+
+    @property
+    def pack_hook(self):
+        return self._pack
+
+    @property
+    def unpack_hook(self):
+        return self._unpack
 
     # -- statistics ------------------------------------------------------------------------
 

@@ -737,3 +737,32 @@ def test_in_place_change_after_save_raises_as_without_offload(dev, min_bytes):
         out = h.exp().sum()
     out.backward()
     assert torch.equal(x.grad, 2 * (x.detach() * 2 + 1).exp())
+
+
+def test_an_object_made_each_step_goes_with_its_graph(dev):
+    """`with offload_activations(): ...` each step: the object must go when its graph does, by
+    reference counting alone. Held in a cycle until a collection, each kept its pinmem streams
+    (two threads each on the host backend) and, on a GPU, the pinned blocks of its last copies
+    back, without bound under gc.disable()."""
+    torch = _torch()
+    import weakref
+    x = torch.randn(64, 64, device=dev, requires_grad=True)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(3):
+            off = pinmem.torch.offload_activations(min_bytes=64, device=dev)
+            with off:
+                y = x.exp().sin().sum()
+            assert off.stats()["offloaded_tensors"] == 2  # exp's output, saved by sin too
+            ref = weakref.ref(off)
+            del off
+            assert ref() is not None  # the graph's unpack hooks hold it until backward
+            y.backward()
+            del y
+            assert ref() is None
+    finally:
+        if enabled:
+            gc.enable()
+    (once,) = torch.autograd.grad(x.exp().sin().sum(), x)
+    assert torch.equal(x.grad, 3 * once)  # 2 * once + once rounds as 3 * once does
