@@ -295,9 +295,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if keep is not None and not callable(keep):
             raise TypeError(f"offload_activations: keep must be callable(tensor) -> bool or "
                             f"None, not {type(keep).__name__}")
-        if not isinstance(max_view_ratio, (int, float)) or max_view_ratio < 1:
-            raise ValueError(f"offload_activations: max_view_ratio must be >= 1, "
-                             f"not {max_view_ratio!r}")
+        # `not >= 1` refuses NaN too, which compares false with everything: it kept no view.
+        if not isinstance(max_view_ratio, (int, float)) or isinstance(max_view_ratio, bool) or \
+                not max_view_ratio >= 1:
+            raise ValueError(f"offload_activations: max_view_ratio must be a number >= 1 "
+                             f"(inf: keep no view), not {max_view_ratio!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = str(device)

@@ -624,8 +624,10 @@ def test_bad_arguments():
         pt.offload_activations(keep=3)
     with pytest.raises(ValueError, match="device"):
         pt.offload_activations(device="xla")
-    with pytest.raises(ValueError, match="max_view_ratio"):
-        pt.offload_activations(max_view_ratio=0.5)
+    for ratio in (0.5, float("nan"), "4", True):
+        with pytest.raises(ValueError, match="max_view_ratio must be a number >= 1"):
+            pt.offload_activations(max_view_ratio=ratio)
+    assert pt.offload_activations(max_view_ratio=float("inf")).max_view_ratio == float("inf")
     assert pt.offload_activations(min_bytes="2K").min_bytes == 2048
 
 
