@@ -178,14 +178,68 @@ class _Unit:
         self.spent = False      # every handle was unpacked: prefetch passes it by
 
 
-class _Saved:
-    """What autograd holds for an offloaded tensor: its unit and how to view it."""
+def _check_version(counter, saved):
+    """Raise autograd's own error when a saved tensor (whose version counter `counter` shares)
+    was modified in place after it was saved. Autograd skips its version check for tensors that
+    went through saved-tensor hooks, so without this an in-place op after the save
+    (y = x.exp(); y.add_(1)) gave gradients of the new values, or of whichever values a copy
+    still queued read, where plain autograd raises."""
+    now = counter._version
+    if now == saved.version:
+        return
+    if type(saved) is _Kept:  # a nested tensor has no single size
+        what = f"{saved.t.dtype} {'nested' if saved.t.is_nested else list(saved.t.shape)}"
+    else:
+        what = f"{saved.dtype} {list(saved.size)}"
+    raise RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{what}] is at version {now}; expected version {saved.version} instead (a "
+        f"tensor saved under pinmem.torch.offload_activations; autograd raises the same without "
+        f"it)")
 
-    __slots__ = ("unit", "dtype", "size", "stride", "offset", "conj", "neg")
+
+def _version_probe(t, version):
+    """A tensor that shares t's version counter but not its memory: an in-place op on t, or on
+    any view of its base, moves the probe's version, even after t itself is gone (a module's
+    `out = relu(h); out += x` leaves nothing of `out` for the user to hold). set_ bumps the
+    counter it shares, so the version is put back: the pack hook must not change it. The conj
+    and neg flags go first (set_ on a flagged tensor resizes through a copy, with a warning)."""
+    probe = t.detach()
+    torch._C._set_conj(probe, False)
+    torch._C._set_neg(probe, False)
+    probe.set_(torch.empty(0, dtype=torch.uint8, device=t.device).untyped_storage())
+    try:
+        torch._C._autograd._unsafe_set_version_counter((probe,), (version,))
+    except TypeError:  # older torch takes one tensor and one version
+        torch._C._autograd._unsafe_set_version_counter(probe, version)
+    return probe
+
+
+class _Kept:
+    """What autograd holds for a tensor left in place: the tensor (detached, sharing its version
+    counter) and its version when saved, checked on unpack."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t):
+        # Detached: a saved output handed back as itself would hold its own grad_fn, a cycle
+        # that outlives a graph dropped without backward (autograd rewires it on unpack).
+        self.t = t.detach()
+        self.version = t._version
+
+
+class _Saved:
+    """What autograd holds for an offloaded tensor: its unit, how to view it, and its version
+    counter (through a tensor without memory) with the version it had when saved."""
+
+    __slots__ = ("unit", "dtype", "size", "stride", "offset", "conj", "neg", "version",
+                 "probe")
 
     def __init__(self, unit, t):
         self.unit = unit
         unit.handles += 1
+        self.version = t._version
+        self.probe = _version_probe(t, self.version)
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
@@ -241,9 +295,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if keep is not None and not callable(keep):
             raise TypeError(f"offload_activations: keep must be callable(tensor) -> bool or "
                             f"None, not {type(keep).__name__}")
-        if not isinstance(max_view_ratio, (int, float)) or max_view_ratio < 1:
-            raise ValueError(f"offload_activations: max_view_ratio must be >= 1, "
-                             f"not {max_view_ratio!r}")
+        # `not >= 1` refuses NaN too, which compares false with everything: it kept no view.
+        if not isinstance(max_view_ratio, (int, float)) or isinstance(max_view_ratio, bool) or \
+                not max_view_ratio >= 1:
+            raise ValueError(f"offload_activations: max_view_ratio must be a number >= 1 "
+                             f"(inf: keep no view), not {max_view_ratio!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = str(device)
@@ -276,7 +332,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._full = None  # (bytes, _pool_marks()): the smallest block refused since a free
         self._stall_seconds = 0.0
         self.reset_stats()
-        super().__init__(self._pack, self._unpack)
+        # No super().__init__: it would store the bound methods self._pack and self._unpack on
+        # self, a cycle only Python's collector breaks. An object made for each step
+        # (`with offload_activations(): ...`) then kept its pinmem streams (threads on the host
+        # backend), and on a GPU the pinned blocks of its last copies back, until a collection,
+        # never under gc.disable(). The properties below hand out fresh bound methods instead;
+        # graphs still hold the object through the unpack hooks they keep, as they must.
+
+    @property
+    def pack_hook(self):
+        return self._pack
+
+    @property
+    def unpack_hook(self):
+        return self._unpack
 
     # -- statistics ------------------------------------------------------------------------
 
@@ -378,9 +447,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         s["kept_bytes"] += n
         self._kept[reason] += 1
         self._kept_bytes[reason] += n
-        # Detached: a saved output handed back as itself would hold its own grad_fn, a cycle
-        # that outlives a graph dropped without backward (autograd rewires it on unpack).
-        return t.detach()
+        return _Kept(t)
 
     def _link(self, device):
         link = self._links.get(device)
@@ -504,8 +571,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             want -= 1
 
     def _unpack(self, saved):
-        if isinstance(saved, torch.Tensor):
-            return saved  # kept where it was
+        if type(saved) is _Kept:
+            _check_version(saved.t, saved)
+            return saved.t
+        _check_version(saved.probe, saved)
         t0 = time.perf_counter()
         try:
             return self._unpack_one(saved)

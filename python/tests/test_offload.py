@@ -624,8 +624,10 @@ def test_bad_arguments():
         pt.offload_activations(keep=3)
     with pytest.raises(ValueError, match="device"):
         pt.offload_activations(device="xla")
-    with pytest.raises(ValueError, match="max_view_ratio"):
-        pt.offload_activations(max_view_ratio=0.5)
+    for ratio in (0.5, float("nan"), "4", True):
+        with pytest.raises(ValueError, match="max_view_ratio must be a number >= 1"):
+            pt.offload_activations(max_view_ratio=ratio)
+    assert pt.offload_activations(max_view_ratio=float("inf")).max_view_ratio == float("inf")
     assert pt.offload_activations(min_bytes="2K").min_bytes == 2048
 
 
@@ -693,3 +695,76 @@ def test_second_gpu_while_first_is_current():
     got = train_step(model, data, off)
     assert_same(ref, got)
     assert off.stats()["offloaded_units"] > 0 and torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("min_bytes", [1 << 30, 64])  # everything kept; everything offloaded
+def test_in_place_change_after_save_raises_as_without_offload(dev, min_bytes):
+    """Autograd skips its version check for tensors saved through hooks: the hooks must make it,
+    or an in-place op after the save gives gradients of the new values (kept tensors), or of
+    whichever values a queued copy read (offloaded ones), where plain autograd raises."""
+    torch = _torch()
+
+    def saved_output_changed(ctx):
+        x = torch.randn(256, device=dev, requires_grad=True)
+        with ctx:
+            y = (x * 2).exp()  # exp saves its output
+        y.mul_(3)
+        return y.sum()
+
+    def base_changed_through_a_view(ctx):
+        x = torch.randn(256, device=dev, requires_grad=True)
+        with ctx:
+            y = x * 2
+            v = y[8:]
+            z = y.sin()  # sin saves its input y
+        del y
+        gc.collect()
+        v.add_(1)  # y's version counter moves; only the view is left to the user
+        return z.sum()
+
+    for forward in (saved_output_changed, base_changed_through_a_view):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            forward(_null()).backward()
+        off = pinmem.torch.offload_activations(min_bytes=min_bytes, device=dev)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            forward(off).backward()
+        assert off.stats()["offloaded_tensors" if min_bytes == 64 else "kept_tensors"] > 0
+
+    # A change before the save, and none after, is no error.
+    x = torch.randn(256, device=dev, requires_grad=True)
+    off = pinmem.torch.offload_activations(min_bytes=min_bytes, device=dev)
+    with off:
+        h = x * 2
+        h.add_(1)
+        out = h.exp().sum()
+    out.backward()
+    assert torch.equal(x.grad, 2 * (x.detach() * 2 + 1).exp())
+
+
+def test_an_object_made_each_step_goes_with_its_graph(dev):
+    """`with offload_activations(): ...` each step: the object must go when its graph does, by
+    reference counting alone. Held in a cycle until a collection, each kept its pinmem streams
+    (two threads each on the host backend) and, on a GPU, the pinned blocks of its last copies
+    back, without bound under gc.disable()."""
+    torch = _torch()
+    import weakref
+    x = torch.randn(64, 64, device=dev, requires_grad=True)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(3):
+            off = pinmem.torch.offload_activations(min_bytes=64, device=dev)
+            with off:
+                y = x.exp().sin().sum()
+            assert off.stats()["offloaded_tensors"] == 2  # exp's output, saved by sin too
+            ref = weakref.ref(off)
+            del off
+            assert ref() is not None  # the graph's unpack hooks hold it until backward
+            y.backward()
+            del y
+            assert ref() is None
+    finally:
+        if enabled:
+            gc.enable()
+    (once,) = torch.autograd.grad(x.exp().sin().sum(), x)
+    assert torch.equal(x.grad, 3 * once)  # 2 * once + once rounds as 3 * once does
