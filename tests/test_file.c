@@ -1184,6 +1184,47 @@ static void test_refused_direct(void) {
  * address through it fail (EINVAL), so buffered transfers and a direct call's unaligned edges go
  * through a second descriptor of the file without it; they failed with "Invalid argument". Every
  * io mode, every kind of memory, odd offsets and lengths; the caller's flags stay as they were. */
+/* A read into device memory that fails after queueing DMAs returns once they are done: it gives
+ * no fence, so nothing else would tell the caller when dst stops changing (a caching allocator
+ * could hand dst to someone else, whose bytes the late DMAs would overwrite). The stream is held
+ * by a gate that an opener lets go when the call synchronizes it; the third of four preads
+ * fails, after two units' DMAs were queued behind the gate. (A failed write from device memory
+ * settles the same way, but a write waits for each unit's D2H DMA before its pwrite, so a
+ * gate cannot hold one across the failure.) */
+static void test_failed_read_settles_its_dmas(void) {
+  const size_t unit = 65536, bytes = 4 * unit;
+  file_reset_size(29, bytes);
+  buf_t b;
+  buf_make(&b, MEM_DEVICE, bytes, 0);
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
+  REQUIRE_OK(pm_launch_host_func(g_s, pm_test_gate_wait, &g));
+  pm__fault_reset();
+  REQUIRE_OK(pm__fault_file_errno(PM__FAULT_FILE_READ, EIO));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_FILE_READ, 3, 0));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_STREAM_SYNC, 0, 0)); /* counted for the opener */
+  pm_test_opener_t opener;
+  int ops[] = {PM__FAULT_STREAM_SYNC};
+  pm_test_opener_start(&opener, &g, ops, 1);
+  pm_file_options_t o;
+  opts(&o, PM_FILE_IO_BUFFERED, unit);
+  o.threads = 1;
+  CHECK_ST(pm_file_read_async(g_fd, 0, bytes, b.p, g_s, &o, NULL), PM_ERR_IO);
+  CHECK(strstr(pm_last_error(), "pread") != NULL);
+  /* Nothing of the call is left on the stream when it returns. */
+  CHECK_ST(pm_stream_query(g_s), PM_OK);
+  bool opened = pm_test_opener_stop(&opener);
+  CHECK(opened); /* the call itself let the gate go */
+  if (!opened) pm_test_gate_open(&g);
+  pm__fault_reset();
+  CHECK_OK(pm_stream_synchronize(g_s));
+  pm_test_gate_destroy(&g);
+  unsigned char *h = buf_read(&b); /* the two units read before the failure are in dst */
+  CHECK_EQ_SIZE(first_diff(h, g_bytes, 2 * unit), 2 * unit);
+  free(h);
+  buf_free(&b);
+}
+
 static void test_caller_direct_fd(void) {
   if (!g_direct_ok) return; /* the filesystem refuses O_DIRECT: no such descriptor to test */
   file_reset(11);
@@ -1711,6 +1752,7 @@ int main(void) {
   RUN(test_budget());
   RUN(test_refused_direct());
   RUN(test_caller_direct_fd());
+  RUN(test_failed_read_settles_its_dmas());
   RUN(test_auto());
   RUN(test_file_options());
   RUN(test_ranges());

@@ -1163,6 +1163,18 @@ static pm_status_t begin(fio_t *c, const char *fn, bool write, int fd,
   return st;
 }
 
+/* A call that failed after queueing DMAs (device memory) gives no fence, so nothing would tell
+ * its caller when they end: a read's H2D DMAs could still write into dst after the error came
+ * back, into memory the caller may already have handed to someone else (a caching allocator's
+ * block), and a write's D2H DMAs still read src. The failed call waits for its stream, its
+ * first error kept (the wait's own failure, a device error, is in the detail of neither). */
+static void settle(pm_stream_t stream, pm_status_t st) {
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", pm_last_error());
+  (void)pm__cb_stream_synchronize(stream);
+  pm__set_error(st, "%s", msg);
+}
+
 static pm_status_t read_ranges(const char *fn, int fd, const pm_file_range_t *ranges,
                                size_t count, bool multi, pm_stream_t stream,
                                const pm_file_options_t *options, pm_fence_t *fence_out) {
@@ -1195,6 +1207,7 @@ static pm_status_t read_ranges(const char *fn, int fd, const pm_file_range_t *ra
   }
   st = run(&c, &o);
   fio_close(&c);
+  if (st != PM_OK) settle(stream, st);
   if (st == PM_OK && f) {
     f->host = f->cb != NULL;
     atomic_init(&f->refs, (fence_out ? 1 : 0) + (f->host ? 1 : 0));
@@ -1228,7 +1241,10 @@ static pm_status_t write_ranges(const char *fn, int fd, const pm_file_range_t *r
   if (st != PM_OK) return st;
   if (!empty) st = run(&c, &o);
   fio_close(&c);
-  if (st != PM_OK) return st;
+  if (st != PM_OK) {
+    if (c.device) settle(stream, st);
+    return st;
+  }
   /* Every byte is in the file: the fence is complete (the callback still runs once). */
   return pm__fence_submit_empty(&co, fence_out);
 }
