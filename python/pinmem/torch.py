@@ -402,8 +402,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             retired, self._retired = list(self._retired), collections.deque()
         for u in units:
             u.d2h.wait()
-            if u.fetch is not None:
-                u.fetch[1].wait()
+            fetch = u.fetch  # read once: another thread's backward may clear it meanwhile
+            if fetch is not None:
+                fetch[1].wait()
         for done in retired:
             done.wait()
 
