@@ -881,13 +881,68 @@ static void blocks_case(const char *cut) {
   free(back);
 }
 
+/* The store learns which swaps completed (event queries) in free, the stats and alloc, and alloc
+ * waits for them (event syncs): on the store's device too, whatever device the calling thread is
+ * on. The swaps are held on their stream by a gate, so every poll finds them queued; alloc asks
+ * for more blocks than are idle, and its wait lets the gate go (the opener). */
+static void blocks_held_case(void) {
+  const size_t bb = 4096;
+  const uint64_t nd = 4;
+  CHECK_OK(pm_option_set("blocks_kernel_max", "0"));
+  CHECK_OK(pm_device_set(1));
+  void *kv = NULL;
+  pm_stream_t s1 = NULL;
+  CHECK_OK(pm_device_alloc(bb * nd, &kv));
+  CHECK_OK(pm_stream_create(&s1));
+  uint64_t host[4];
+  pm_blocks_t *store = blocks_make(1, bb, 4, host, 4);
+  pm_kv_region_t r = {kv, bb, bb};
+  pm_kv_layout_t L = {1, &r, nd, -1};
+  uint64_t dev_ids[4] = {0, 1, 2, 3};
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
+  CHECK_OK(pm_launch_host_func(s1, pm_test_gate_wait, &g));
+  CHECK_OK(pm_blocks_swap_out(store, &L, dev_ids, host, 4, s1, NULL));
+
+  CHECK_OK(pm_device_set(0));
+  pm__fault_reset();
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0)); /* counted for the opener */
+  pm_test_opener_t o;
+  int ops[] = {PM__FAULT_EVENT_SYNC};
+  pm_test_opener_start(&o, &g, ops, 1);
+  records_reset();
+  CHECK_OK(pm_blocks_free(store, host, 4)); /* polls: the swap is still queued */
+  pm_blocks_stats_t st;
+  CHECK_OK(pm_blocks_get_stats(store, &st)); /* polls again */
+  CHECK_EQ_INT((int)st.free_blocks, 0);      /* all four wait for the swap */
+  CHECK_OK(pm_blocks_alloc(store, 4, host)); /* waits for it: the opener lets it go */
+  bool opened = pm_test_opener_stop(&o);
+  CHECK(opened);
+  if (!opened) pm_test_gate_open(&g);
+  pm__fault_reset();
+  int cur = -1;
+  CHECK_OK(pm_device_get(&cur));
+  CHECK_EQ_INT(cur, 0);
+  CHECK_ONLY_ON(1, "held swaps");
+
+  CHECK_OK(pm_device_set(1));
+  CHECK_OK(pm_stream_synchronize(s1));
+  pm_test_gate_destroy(&g);
+  CHECK_OK(pm_blocks_destroy(store));
+  CHECK_OK(pm_stream_destroy(s1));
+  CHECK_OK(pm_device_free(kv));
+  CHECK_OK(pm_device_set(0));
+  CHECK_OK(pm_option_set("blocks_kernel_max", "auto"));
+}
+
 static void test_blocks_on_device1(void) {
   blocks_case("1M"); /* every piece by the kernel */
   blocks_case("0");  /* every piece by DMA */
   blocks_case("auto");
+  blocks_held_case();
   printf(
-      "blocks: a store of device 1 swapped from a thread on device 0 (kernel, DMA, auto): "
-      "every call on device 1\n");
+      "blocks: a store of device 1 swapped, freed, polled and waited for from a thread on "
+      "device 0 (kernel, DMA, auto): every call on device 1\n");
 
   /* A store of device 0 given device 1's KV memory refuses it, whatever layout.device says,
    * before anything is queued. */

@@ -521,11 +521,28 @@ static pm_status_t begin_swap(pm_blocks_t *s, const uint64_t *host_ids, size_t c
   return PM_OK;
 }
 
+/* Make the store's device current without an error detail (a poll or a wait that cannot
+ * learns nothing, which is no error of the call it serves); *prev gets the caller's device
+ * where it changed, else -1. */
+static bool quiet_enter(const pm_blocks_t *s, int *prev) {
+  int cur = -1;
+  *prev = -1;
+  if (s->b->get_device(&cur) != PM_OK) return false;
+  if (cur == s->device) return true;
+  if (s->b->set_device(s->device) != PM_OK) return false;
+  *prev = cur;
+  return true;
+}
+
 /* Learn which records completed, without waiting: the head of each stream's queue, and the
  * records behind it while they completed (a stream runs its work in order, so the first record
  * not complete ends the look at that stream; only a record's own event says it completed).
  * Called with poll_lock held; takes lock. */
 static void poll_swaps(pm_blocks_t *s) {
+  /* The queries run on the store's device, as every call of the store's does (the callers of
+   * the stats, of free and of alloc may be on another one), made current at the first. */
+  int prev = -1;
+  bool on_device = false;
   pthread_mutex_lock(&s->lock);
   size_t i = 0;
   while (i < s->nqueues) {
@@ -537,6 +554,10 @@ static void poll_swaps(pm_blocks_t *s) {
     }
     pm_event_t ev = r->event;
     pthread_mutex_unlock(&s->lock);
+    if (!on_device && !(on_device = quiet_enter(s, &prev))) {
+      pthread_mutex_lock(&s->lock);
+      break;
+    }
     pm_status_t q = s->b->event_query(ev);
     pthread_mutex_lock(&s->lock);
     /* Still queued: only the poll_lock holder ends a queued record. Entry i is looked at again
@@ -547,6 +568,7 @@ static void poll_swaps(pm_blocks_t *s) {
       end_record_locked(s, seq, q);
   }
   pthread_mutex_unlock(&s->lock);
+  if (prev >= 0) (void)s->b->set_device(prev);
 }
 
 /* What completed, learnt without waiting, unless another thread is at it (alloc's wait): the
@@ -925,6 +947,8 @@ static void wait_idle_locked(pm_blocks_t *s, size_t count) {
   pthread_mutex_lock(&s->poll_lock);
   poll_swaps(s);
   pthread_mutex_lock(&s->lock);
+  int prev = -1;
+  bool on_device = false; /* the waits too run on the store's device (poll_swaps) */
   while (count > s->nfree && count <= s->nfree + s->nwaiting) {
     uint64_t seq = rec_naming(s, s->wait_head);
     if (!seq) break; /* cannot be (the block would not wait); never spin */
@@ -934,12 +958,21 @@ static void wait_idle_locked(pm_blocks_t *s, size_t count) {
     } else {
       pm_event_t ev = r->event;
       pthread_mutex_unlock(&s->lock);
+      if (!on_device && !(on_device = quiet_enter(s, &prev))) {
+        pthread_mutex_lock(&s->lock);
+        break;
+      }
       pm_status_t w = s->b->event_synchronize(ev);
       pthread_mutex_lock(&s->lock);
       end_record_locked(s, seq, w);
     }
   }
   pthread_mutex_unlock(&s->poll_lock);
+  if (prev >= 0) { /* lock is a leaf: no backend call under it */
+    pthread_mutex_unlock(&s->lock);
+    (void)s->b->set_device(prev);
+    pthread_mutex_lock(&s->lock);
+  }
 }
 
 pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
