@@ -33,7 +33,8 @@ exercise it all.
 
 Threads. Backward on a GPU runs the unpack hook on autograd's device thread while the main
 thread may pack for another graph; one lock guards the bookkeeping (copies are submitted under it:
-they only queue work).
+they only queue work). A pack asks the pool for its block outside the lock: under
+budget_policy=wait that ask may wait for frees, which another thread's unpacks bring.
 """
 
 import collections
@@ -469,62 +470,79 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if reason is not None:
             with self._lock:
                 return self._kept_as(reason, t)
-        with torch.no_grad(), self._lock:
-            # The last copies back of the step before (no unpack came after them) let their
-            # pinned blocks go here, in the next forward, rather than at a wait().
-            self._poll_retired()
+        with torch.no_grad():
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
             key = (t.device, storage.data_ptr())
             version = t._version
             root = t if t._base is None else t._base
-            seen = self._by_storage.get(key)
-            unit = None
-            if seen is not None:
-                ref, sref, ver, rref, forward = seen
-                unit = ref()
-                # The same storage still alive and unchanged in this forward pass: its bytes are
-                # on their way. Views of one base share its version counter, so an unchanged
-                # version proves the bytes unchanged; tensors that only share memory (x.data,
-                # unsafe_chunk's parts, as torch's CPU GRU and LSTM cells make) have counters of
-                # their own, whose equal numbers prove nothing: those are moved apart.
-                if unit is None or sref.expired() or ver != version or \
-                        unit.nbytes != nbytes or rref() is not root or forward != self._forward:
-                    unit = None
-            if unit is not None:
-                self._stats["shared_tensors"] += 1
-                self._stats["offloaded_tensors"] += 1
-                return _Saved(unit, t)
-            if nbytes > self.max_view_ratio * t.numel() * t.element_size():
-                return self._kept_as("sparse_view", t)
-            # After a refusal, no block as large is asked of the pool until some block went
-            # back to it (its frees counter moved) or its budget changed: in a forward pass
-            # nothing else frees pinned memory, and under budget_policy=wait each ask would
-            # wait budget_timeout again, once per tensor.
-            if self._full is not None and nbytes >= self._full[0] and \
-                    self._full[1] == _pool_marks():
-                return self._kept_as("budget", t)
+            with self._lock:
+                # The last copies back of the step before (no unpack came after them) let their
+                # pinned blocks go here, in the next forward, rather than at a wait().
+                self._poll_retired()
+                saved = self._share(key, t, nbytes, version, root)
+                if saved is not None:
+                    return saved
+                if nbytes > self.max_view_ratio * t.numel() * t.element_size():
+                    return self._kept_as("sparse_view", t)
+                # After a refusal, no block as large is asked of the pool until some block went
+                # back to it (its frees counter moved) or its budget changed: in a forward pass
+                # nothing else frees pinned memory, and under budget_policy=wait each ask would
+                # wait budget_timeout again, once per tensor.
+                if self._full is not None and nbytes >= self._full[0] and \
+                        self._full[1] == _pool_marks():
+                    return self._kept_as("budget", t)
+            # Not under the lock: with budget_policy=wait the pool may wait here for frees, and
+            # the frees that end the wait can be another thread's backward on this object, whose
+            # unpacks take the lock (held, it waited budget_timeout and then kept the tensor).
             try:
                 block = _pm_empty((nbytes,), "uint8")
             except _NO_PINNED:
                 marks = _pool_marks()
-                if self._full is None or self._full[1] != marks or nbytes < self._full[0]:
-                    self._full = (nbytes, marks)
-                return self._kept_as("budget", t)
-            link = self._link(t.device)
-            done = link.start_d2h(block, t, storage)
-            unit = _Unit(link, block, nbytes, done)
-            unit.index = len(self._order)
-            self._order.append(weakref.ref(unit))
-            self._by_storage[key] = (weakref.ref(unit), _storage_weakref(storage), version,
-                                     weakref.ref(root), self._forward)
-            s = self._stats
-            s["offloaded_units"] += 1
-            s["offloaded_tensors"] += 1
-            s["offloaded_bytes"] += nbytes
-            if len(self._order) >= 256 and len(self._order) % 256 == 0:
-                self._compact()
-            return _Saved(unit, t)
+                with self._lock:
+                    if self._full is None or self._full[1] != marks or nbytes < self._full[0]:
+                        self._full = (nbytes, marks)
+                    return self._kept_as("budget", t)
+            with self._lock:
+                # Another thread may have saved this storage meanwhile: share its unit, and the
+                # new block, never copied into, goes back to the pool.
+                saved = self._share(key, t, nbytes, version, root)
+                if saved is not None:
+                    del block
+                    return saved
+                link = self._link(t.device)
+                done = link.start_d2h(block, t, storage)
+                unit = _Unit(link, block, nbytes, done)
+                unit.index = len(self._order)
+                self._order.append(weakref.ref(unit))
+                self._by_storage[key] = (weakref.ref(unit), _storage_weakref(storage), version,
+                                         weakref.ref(root), self._forward)
+                s = self._stats
+                s["offloaded_units"] += 1
+                s["offloaded_tensors"] += 1
+                s["offloaded_bytes"] += nbytes
+                if len(self._order) >= 256 and len(self._order) % 256 == 0:
+                    self._compact()
+                return _Saved(unit, t)
+
+    def _share(self, key, t, nbytes, version, root):
+        """A handle on the unit already moving t's storage, or None. Called under the lock."""
+        seen = self._by_storage.get(key)
+        if seen is None:
+            return None
+        ref, sref, ver, rref, forward = seen
+        unit = ref()
+        # The same storage still alive and unchanged in this forward pass: its bytes are on
+        # their way. Views of one base share its version counter, so an unchanged version proves
+        # the bytes unchanged; tensors that only share memory (x.data, unsafe_chunk's parts, as
+        # torch's CPU GRU and LSTM cells make) have counters of their own, whose equal numbers
+        # prove nothing: those are moved apart.
+        if unit is None or sref.expired() or ver != version or unit.nbytes != nbytes or \
+                rref() is not root or forward != self._forward:
+            return None
+        self._stats["shared_tensors"] += 1
+        self._stats["offloaded_tensors"] += 1
+        return _Saved(unit, t)
 
     def _compact(self):
         """Drop dead units from the pack order (they were consumed or their graph freed) and

@@ -468,6 +468,82 @@ def test_full_pool_under_budget_policy_wait_is_waited_for_once(dev):
     assert out["waited"] == 1, out
 
 
+_WAIT_UNLOCKED = """
+import json, sys, threading, time, torch, pinmem, pinmem.torch
+dev = sys.argv[1]
+n = 16384  # float32: each saved storage 64 KiB
+torch.manual_seed(0)
+wa = torch.randn(n, device=dev, requires_grad=True)
+s = torch.tanh(torch.randn(n, device=dev, requires_grad=True))  # saved by two threads below
+off = pinmem.torch.offload_activations(min_bytes=1, device=dev, prefetch_on_exit=False)
+pinmem.trim()
+pinmem.set_budget(pinmem.stats()["pinned_bytes"] + 4 * 4 * n)
+base = pinmem.stats()["in_use_bytes"]
+# This thread's graph: four saved storages of its own, the whole budget.
+with off:
+    h = wa
+    for _ in range(4):
+        h = torch.tanh(h)  # saves its output
+    loss = h.sum()
+full = off.stats()["offloaded_units"]
+room = pinmem.stats()["budget"] - pinmem.stats()["pinned_bytes"]
+waits = pinmem.stats()["budget_waits"]
+grads = {}
+def save_s(fn):
+    with off:
+        y = fn(s)  # sin and cos save their input, s: one storage for both threads
+    (grads[fn.__name__],) = torch.autograd.grad(y.sum(), s)
+threads = [threading.Thread(target=save_s, args=(fn,)) for fn in (torch.sin, torch.cos)]
+for t in threads:
+    t.start()
+# Until both packs wait for pinned memory (or a thread ended without waiting: the verdict
+# below says so), then this thread's backward frees its four blocks.
+while pinmem.stats()["budget_waits"] - waits < 2 and all(t.is_alive() for t in threads):
+    time.sleep(0.001)
+waited = pinmem.stats()["budget_waits"] - waits
+loss.backward()
+del h, loss
+for t in threads:
+    t.join()
+if dev == "cuda":
+    torch.cuda.synchronize()
+    pinmem.synchronize()
+off.wait()
+st = off.stats()
+h = wa
+for _ in range(4):
+    h = torch.tanh(h)
+(ref_a,) = torch.autograd.grad(h.sum(), wa)
+(ref_sin,) = torch.autograd.grad(torch.sin(s).sum(), s)
+(ref_cos,) = torch.autograd.grad(torch.cos(s).sum(), s)
+same = sorted(grads) == ["cos", "sin"] and torch.equal(wa.grad, ref_a) and \
+    torch.equal(grads["sin"], ref_sin) and torch.equal(grads["cos"], ref_cos)
+print(json.dumps(dict(full=full, room=room, waited=waited, same=same,
+                      kept=st["kept_by_reason"]["budget"], units=st["offloaded_units"],
+                      tensors=st["offloaded_tensors"], shared=st["shared_tensors"],
+                      fetched=st["fetched_units"], in_use=pinmem.stats()["in_use_bytes"] - base)))
+"""
+
+
+def test_pack_waits_for_the_pool_without_holding_the_lock(dev):
+    """budget_policy=wait, one object shared by threads: a pack waiting for pinned memory must
+    not hold the object's lock, or the backward whose unpacks would free that memory waited for
+    it, budget_timeout long, and the pack kept its tensor though memory came free. Two threads
+    wait to save one storage: once the blocks come back, one moves it and the other shares it
+    (its own new block goes back). The budget_timeout is far longer than the test needs: the
+    verdict is what was kept and moved, never how long it took."""
+    env = dict(os.environ, PINMEM_BUDGET_POLICY="wait", PINMEM_BUDGET_TIMEOUT="30")
+    r = subprocess.run([sys.executable, "-c", _WAIT_UNLOCKED, dev], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["full"] == 4 and out["room"] == 0, out  # the first graph holds the whole budget
+    assert out["waited"] == 2, out  # both packs waited inside the pool before the backward
+    assert out["same"] and out["kept"] == 0, out
+    assert out["units"] == 5 and out["tensors"] == 6 and out["shared"] == 1, out
+    assert out["fetched"] == 5 and out["in_use"] == 0, out
+
+
 def test_small_view_of_large_storage_stays(dev):
     torch = _torch()
     big = torch.randn(256, 256, device=dev)
