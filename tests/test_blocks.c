@@ -938,6 +938,112 @@ static void test_free_swap_untracked(void) {
   kv_free(&k);
 }
 
+/* A swap that got no event and whose stream could not be synchronized either (its completion
+ * cannot be tracked) fails with that error; its blocks are kept out of use once freed (an alloc
+ * that only they would satisfy fails naming the swap), the others come and go, and every event
+ * made is destroyed by the close. A swap whose copies failed midway keeps its own error and its
+ * blocks come back once its stream is done with them. */
+static void test_swap_untrackable(void) {
+  kv_t k;
+  kv_make(&k, LAY_KV_APART, 1, 8, 256, 41);
+  pm_stream_t a;
+  uint64_t h[4], d[4] = {0, 1, 2, 3};
+  REQUIRE_OK(pm_option_set("blocks_kernel_max", "0")); /* DMA: the memcpy fault below hits */
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_DESTROY, 0, 0)); /* count */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_CREATE, 1, 0));  /* the store's event (none cached) */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_STREAM_SYNC, 1, 0));   /* and the stream instead */
+  pm_event_t ev = NULL;
+  pm_status_t st = pm_blocks_swap_out(s, &k.layout_desc, d, h, 2, a, &ev);
+  CHECK_EQ_INT(st, PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "completion cannot be tracked") != NULL);
+  CHECK(ev == NULL);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_CREATE, 0, 0));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_STREAM_SYNC, 0, 0));
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK_OK(pm_blocks_free(s, h, 4));
+  uint64_t idle = 9, waiting = 9, quar = 9;
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle, 2);
+  CHECK_EQ_SIZE(waiting, 0);
+  CHECK_EQ_SIZE(quar, 2);
+  uint64_t got[4];
+  CHECK_EQ_INT(pm_blocks_alloc(s, 3, got), PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "(swap 1 failed on the device)") != NULL);
+  CHECK_OK(pm_blocks_alloc(s, 2, got));
+  CHECK((got[0] == h[2] && got[1] == h[3]) || (got[0] == h[3] && got[1] == h[2]));
+  /* Copies that fail midway: the swap's error; its blocks are not quarantined. */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_MEMCPY, 2, 0));
+  st = pm_blocks_swap_in(s, &k.layout_desc, d, got, 2, a, NULL);
+  CHECK_EQ_INT(st, PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "queueing 2 blocks") != NULL);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_MEMCPY, 0, 0));
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK_OK(pm_blocks_free(s, got, 2));
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle, 2);
+  CHECK_EQ_SIZE(quar, 2);
+  CHECK_OK(pm_blocks_alloc(s, 2, got));
+  CHECK_OK(pm_blocks_free(s, got, 2));
+  CHECK_OK(pm_blocks_destroy(s));
+  pm__fault_counts_t fc;
+  pm__fault_counts(&fc);
+  CHECK_EQ_SIZE(fc.calls[PM__FAULT_EVENT_CREATE], fc.calls[PM__FAULT_EVENT_DESTROY]);
+  pm__fault_reset();
+  CHECK_OK(pm_stream_destroy(a));
+  kv_free(&k);
+}
+
+/* A stream the caller destroyed while the store still kept records of its swaps (queued, not
+ * yet learnt complete), and a stream made after it (which may get the same handle): the old
+ * swaps are learnt complete from their events, the new stream's swaps are tracked on their own,
+ * and no block waits for a stream that is gone. */
+static void test_stream_destroyed(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 512, 43);
+  pm_stream_t a, b;
+  uint64_t h[4], d[4] = {0, 1, 2, 3};
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
+  for (int round = 0; round < 8; round++) {
+    pm_test_gate_t g;
+    pm_test_gate_init(&g);
+    REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 2, a, NULL));
+    CHECK_OK(pm_blocks_free(s, h, 2)); /* waiting: the swap is held */
+    pm_test_gate_open(&g);
+    CHECK_OK(pm_stream_destroy(a)); /* its work finishes; the store has not looked yet */
+    pm_test_gate_destroy(&g);
+    REQUIRE_OK(pm_stream_create(&b));
+    pm_test_gate_init(&g);
+    REQUIRE_OK(pm_launch_host_func(b, pm_test_gate_wait, &g));
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d + 2, h + 2, 2, b, NULL));
+    CHECK_OK(pm_blocks_free(s, h + 2, 2)); /* waiting for b's held swap */
+    uint64_t idle = 9, waiting = 9, quar = 9;
+    CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+    CHECK_EQ_SIZE(idle, 2);
+    CHECK_EQ_SIZE(waiting, 2);
+    uint64_t got[2];
+    CHECK_OK(pm_blocks_alloc(s, 2, got));
+    CHECK((got[0] == h[0] && got[1] == h[1]) || (got[0] == h[1] && got[1] == h[0]));
+    pm_test_gate_open(&g);
+    CHECK_OK(pm_stream_synchronize(b));
+    pm_test_gate_destroy(&g);
+    uint64_t got2[2];
+    CHECK_OK(pm_blocks_alloc(s, 2, got2));
+    CHECK((got2[0] == h[2] && got2[1] == h[3]) || (got2[0] == h[3] && got2[1] == h[2]));
+    h[0] = got[0];
+    h[1] = got[1];
+    h[2] = got2[0];
+    h[3] = got2[1];
+    CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+    CHECK_EQ_SIZE(idle + waiting + quar, 0);
+    a = b; /* the next round destroys it while its record may still be kept */
+  }
+  CHECK_OK(pm_blocks_destroy(s));
+  CHECK_OK(pm_stream_destroy(a));
+  kv_free(&k);
+}
+
 int main(void) {
   pm_test_init();
   test_layouts();
@@ -950,6 +1056,8 @@ int main(void) {
   test_free_after_wait();
   test_free_other_stream();
   test_free_swap_untracked();
+  test_swap_untrackable();
+  test_stream_destroyed();
   test_joined_pieces();
   test_numa_node();
   CHECK_OK(pm_finalize());
