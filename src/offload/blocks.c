@@ -869,28 +869,35 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   s->nfree = s->num_blocks;
   s->usable = s->num_blocks;
   s->t_create = pm__now();
-  for (uint64_t k = 0; k < (c.background ? 1 : s->nchunks); k++) {
+  /* The arena is pinned (and, on a failure, released) with the store's device current, as the
+   * pinner thread pins the later chunks and as every other call of the store runs: a caller on
+   * another device does not get the registrations made in its device's context. */
+  int prev;
+  st = enter_device(s, &prev, fn);
+  if (st != PM_OK) {
+    store_free(s);
+    return st;
+  }
+  for (uint64_t k = 0; k < (c.background ? 1 : s->nchunks) && st == PM_OK; k++) {
     st = pin_chunk(s, k);
-    if (st != PM_OK) {
-      store_free(s);
-      return pm__wrap_error(st, "%s", fn);
-    }
-    mark_ready(s, k);
+    if (st == PM_OK) mark_ready(s, k);
   }
-  if (c.background && s->nchunks > 1) {
-    if (pthread_create(&s->pinner, NULL, pinner_main, s) != 0) {
-      store_free(s);
-      return pm__set_error(PM_ERR_NOMEM, "%s: cannot start the pinning thread", fn);
-    }
-    s->has_pinner = true;
+  if (st == PM_OK && c.background && s->nchunks > 1) {
+    if (pthread_create(&s->pinner, NULL, pinner_main, s) != 0)
+      st = pm__set_error(PM_ERR_NOMEM, "%s: cannot start the pinning thread", fn);
+    else
+      s->has_pinner = true;
+  } else if (st != PM_OK) {
+    st = pm__wrap_error(st, "%s", fn);
   }
-  st = pm__handle_add(s, PM__HANDLE_BLOCKS);
+  if (st == PM_OK) st = pm__handle_add(s, PM__HANDLE_BLOCKS);
   if (st != PM_OK) {
     atomic_store(&s->stop, true);
     if (s->has_pinner) pthread_join(s->pinner, NULL);
     store_free(s);
-    return st;
   }
+  if (prev >= 0) (void)b->set_device(prev); /* (s may be gone) */
+  if (st != PM_OK) return st;
   *blocks_out = s;
   return PM_OK;
 }
@@ -911,12 +918,16 @@ pm_status_t pm_blocks_destroy(pm_blocks_t *s) {
   int prev;
   pm_status_t sync = enter_device(s, &prev, fn);
   if (sync == PM_OK) sync = s->b->device_synchronize();
-  leave_device(s, prev);
   if (sync != PM_OK) {
+    leave_device(s, prev);
     /* Unpinning memory the device may still use would be worse than keeping it. */
     return pm__wrap_error(sync, "%s: the device could not be synchronized; the arena is kept", fn);
   }
+  /* The arena's unpinning, the events and the calibration's buffers go on the store's device
+   * too (the caller's may be another, or none yet). */
+  const pm__backend_t *b = s->b;
   store_free(s);
+  if (prev >= 0) (void)b->set_device(prev);
   return PM_OK;
 }
 
