@@ -3,6 +3,8 @@
  * calibrated cut-off); bad ids, repeated ids in one call, exhaustion and other bad input; two
  * streams swapping at once; swaps racing the background pinning of the arena; blocks freed while
  * a swap still uses them are not handed out again until it completed. */
+#include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1044,6 +1046,78 @@ static void test_stream_destroyed(void) {
   kv_free(&k);
 }
 
+typedef struct queueing_arg {
+  pm_blocks_t *s;
+  kv_t *k;
+  const uint64_t *d, *h;
+  pm_stream_t stream;
+  pm_status_t st;
+} queueing_arg_t;
+
+static void *queueing_swap(void *arg) {
+  queueing_arg_t *q = arg;
+  q->st = pm_blocks_swap_out(q->s, &q->k->layout_desc, q->d, q->h, 2, q->stream, NULL);
+  return NULL;
+}
+
+static void *open_now(void *gate) {
+  pm_test_gate_open(gate);
+  return NULL;
+}
+
+/* Blocks freed while their swap is still being queued on another thread (its record has no
+ * event yet): here the swap got no event and synchronizes its stream, which a gate holds, so it
+ * stays in that state for as long as the test needs. The freed blocks wait (the stats say so
+ * exactly), the idle ones are handed out, an alloc of the waiting ones returns them once the
+ * swap is done, and they then hold what it wrote. */
+static void test_free_while_queueing(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 1024, 45);
+  pm_stream_t a;
+  uint64_t h[4], d[2] = {0, 1};
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
+  REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_STREAM_SYNC, 0, 0));  /* count */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_CREATE, 1, 0)); /* the store's first event */
+  queueing_arg_t q = {s, &k, d, h, a, PM_ERR_INTERNAL};
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, queueing_swap, &q) == 0);
+  pm__fault_counts_t fc;
+  do { /* until the swap synchronizes its stream: its record is queueing until the gate opens */
+    sched_yield();
+    pm__fault_counts(&fc);
+  } while (fc.calls[PM__FAULT_STREAM_SYNC] == 0);
+  CHECK_OK(pm_blocks_free(s, h, 4));
+  uint64_t idle = 9, waiting = 9, quar = 9;
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle, 2);
+  CHECK_EQ_SIZE(waiting, 2);
+  CHECK_EQ_SIZE(quar, 0);
+  uint64_t got[2];
+  CHECK_OK(pm_blocks_alloc(s, 2, got));
+  CHECK((got[0] == h[2] && got[1] == h[3]) || (got[0] == h[3] && got[1] == h[2]));
+  pthread_t o;
+  REQUIRE(pthread_create(&o, NULL, open_now, &g) == 0);
+  uint64_t got2[2];
+  CHECK_OK(pm_blocks_alloc(s, 2, got2)); /* waits for the swap, whenever the gate opens */
+  CHECK((got2[0] == h[0] && got2[1] == h[1]) || (got2[0] == h[1] && got2[1] == h[0]));
+  pthread_join(o, NULL);
+  pthread_join(t, NULL);
+  CHECK_OK(q.st);
+  pm__fault_reset();
+  CHECK(hosts_hold(s, &k, h, d, 2)); /* the swap had completed before its blocks came back */
+  CHECK_OK(pm_blocks_free(s, got, 2));
+  CHECK_OK(pm_blocks_free(s, got2, 2));
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle, 4);
+  CHECK_OK(pm_blocks_destroy(s));
+  CHECK_OK(pm_stream_destroy(a));
+  pm_test_gate_destroy(&g);
+  kv_free(&k);
+}
+
 int main(void) {
   pm_test_init();
   test_layouts();
@@ -1058,6 +1132,7 @@ int main(void) {
   test_free_swap_untracked();
   test_swap_untrackable();
   test_stream_destroyed();
+  test_free_while_queueing();
   test_joined_pieces();
   test_numa_node();
   CHECK_OK(pm_finalize());
