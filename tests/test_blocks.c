@@ -1118,6 +1118,43 @@ static void test_free_while_queueing(void) {
   kv_free(&k);
 }
 
+/* An alloc that must wait for a swap but cannot make the store's device current (a device
+ * error) fails with that error, naming the wait, not with an "exhausted" arena whose blocks
+ * it counts as free; once the device answers again the same alloc waits and succeeds. */
+static void test_wait_no_device(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 512, 47);
+  pm_stream_t a, b;
+  uint64_t h[4];
+  pm_test_gate_t g;
+  pm_blocks_t *s = store_held_swap_in(&k, &a, &b, h, &g);
+  CHECK_OK(pm_blocks_free(s, h, 4)); /* h[0], h[1] wait for the held swap_in */
+  REQUIRE_OK(pm__fault_configure("device_query=1+"));
+  uint64_t got[4];
+  pm_status_t st = pm_blocks_alloc(s, 4, got);
+  CHECK_EQ_INT(st, PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "making the store's device") != NULL);
+  CHECK(strstr(pm_last_error(), "exhausted") == NULL);
+  pm__fault_reset();
+  uint64_t idle = 9, waiting = 9, quar = 9;
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar)); /* nothing taken, nothing lost */
+  CHECK_EQ_SIZE(idle, 2);
+  CHECK_EQ_SIZE(waiting, 2);
+  CHECK_EQ_SIZE(quar, 0);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0)); /* count, for the opener */
+  pm_test_opener_t o;
+  pm_test_opener_start(&o, &g, (const int[]){PM__FAULT_EVENT_SYNC}, 1);
+  CHECK_OK(pm_blocks_alloc(s, 4, got));
+  CHECK(pm_test_opener_stop(&o));
+  pm__fault_reset();
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK_OK(pm_blocks_destroy(s));
+  CHECK_OK(pm_stream_destroy(a));
+  CHECK_OK(pm_stream_destroy(b));
+  pm_test_gate_destroy(&g);
+  kv_free(&k);
+}
+
 int main(void) {
   pm_test_init();
   test_layouts();
@@ -1133,6 +1170,7 @@ int main(void) {
   test_swap_untrackable();
   test_stream_destroyed();
   test_free_while_queueing();
+  test_wait_no_device();
   test_joined_pieces();
   test_numa_node();
   CHECK_OK(pm_finalize());

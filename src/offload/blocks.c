@@ -952,8 +952,11 @@ static uint64_t rec_naming(const pm_blocks_t *s, uint64_t id) {
  * thread took them, or a broken swap quarantined them): first learn what completed without
  * waiting, then wait for the swaps of the longest-waiting freed block, one at a time. Only the
  * swaps that name freed blocks are waited for: an unrelated swap on another stream holds
- * nothing back. Called with lock held, and returns with it held; takes poll_lock meanwhile. */
-static void wait_idle_locked(pm_blocks_t *s, size_t count) {
+ * nothing back. Called with lock held, and returns with it held; takes poll_lock meanwhile.
+ * Not PM_OK (the error set) where it could not wait: the store's device could not be made
+ * current; alloc then fails with that, not as an arena too small. */
+static pm_status_t wait_idle_locked(pm_blocks_t *s, size_t count) {
+  pm_status_t st = PM_OK;
   pthread_mutex_unlock(&s->lock);
   pthread_mutex_lock(&s->poll_lock);
   poll_swaps(s);
@@ -962,14 +965,22 @@ static void wait_idle_locked(pm_blocks_t *s, size_t count) {
   bool on_device = false; /* the waits too run on the store's device (poll_swaps) */
   while (count > s->nfree && count <= s->nfree + s->nwaiting) {
     uint64_t seq = rec_naming(s, s->wait_head);
-    if (!seq) break; /* cannot be (the block would not wait); never spin */
+    if (!seq) { /* cannot be (the block would not wait); never spin */
+      st = pm__set_error(PM_ERR_INTERNAL, "pm_blocks_alloc: freed block %llu waits for no swap",
+                         (unsigned long long)s->wait_head);
+      break;
+    }
     blk_swap_t *r = rec_at(s, seq);
     if (r->phase == SW_QUEUEING) {
       pthread_cond_wait(&s->swap_cv, &s->lock);
     } else {
       pm_event_t ev = r->event;
       pthread_mutex_unlock(&s->lock);
-      if (!on_device && !(on_device = quiet_enter(s, &prev))) {
+      if (!on_device) {
+        st = enter_device(s, &prev, "pm_blocks_alloc: waiting for the swaps of freed blocks");
+        on_device = st == PM_OK;
+      }
+      if (!on_device) {
         pthread_mutex_lock(&s->lock);
         break;
       }
@@ -984,6 +995,7 @@ static void wait_idle_locked(pm_blocks_t *s, size_t count) {
     (void)s->b->set_device(prev);
     pthread_mutex_lock(&s->lock);
   }
+  return st;
 }
 
 pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
@@ -994,7 +1006,12 @@ pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
   if (!ids_out) return pm__set_error(PM_ERR_INVALID, "%s: ids_out is NULL", fn);
   pthread_mutex_lock(&s->lock);
   /* Idle blocks first; freed blocks whose swaps still run only when those do not suffice. */
-  if (count > s->nfree && count <= s->nfree + s->nwaiting) wait_idle_locked(s, count);
+  pm_status_t wst = PM_OK;
+  if (count > s->nfree && count <= s->nfree + s->nwaiting) wst = wait_idle_locked(s, count);
+  if (count > s->nfree && wst != PM_OK) {
+    pthread_mutex_unlock(&s->lock);
+    return wst;
+  }
   if (count > s->nfree) {
     uint64_t nfree = s->nfree + s->nwaiting, usable = s->usable, nquar = s->nquar;
     uint64_t bseq = s->broken_seq;
