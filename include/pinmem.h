@@ -707,7 +707,8 @@ PM_API pm_status_t pm_blocks_destroy(pm_blocks_t *blocks);
  *  completed (only swaps that name freed blocks; an unrelated swap on another stream is not
  *  waited for). A swap whose completion the device cannot report quarantines the blocks it
  *  named (pm_blocks_get_free); when only those would make up the count, the device's status,
- *  naming the swap. */
+ *  naming the swap. A wait that cannot make the store's device current fails with the device's
+ *  status, naming the wait (nothing taken). */
 PM_API pm_status_t pm_blocks_alloc(pm_blocks_t *blocks, size_t count, uint64_t *ids_out);
 /** Give ids back. PM_ERR_INVALID (nothing freed) for an id out of range, not allocated, or named
  *  twice. A block may be freed while a swap that names it is still queued or running (a swap_in

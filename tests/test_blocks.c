@@ -3,6 +3,8 @@
  * calibrated cut-off); bad ids, repeated ids in one call, exhaustion and other bad input; two
  * streams swapping at once; swaps racing the background pinning of the arena; blocks freed while
  * a swap still uses them are not handed out again until it completed. */
+#include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -938,6 +940,221 @@ static void test_free_swap_untracked(void) {
   kv_free(&k);
 }
 
+/* A swap that got no event and whose stream could not be synchronized either (its completion
+ * cannot be tracked) fails with that error; its blocks are kept out of use once freed (an alloc
+ * that only they would satisfy fails naming the swap), the others come and go, and every event
+ * made is destroyed by the close. A swap whose copies failed midway keeps its own error and its
+ * blocks come back once its stream is done with them. */
+static void test_swap_untrackable(void) {
+  kv_t k;
+  kv_make(&k, LAY_KV_APART, 1, 8, 256, 41);
+  pm_stream_t a;
+  uint64_t h[4], d[4] = {0, 1, 2, 3};
+  REQUIRE_OK(pm_option_set("blocks_kernel_max", "0")); /* DMA: the memcpy fault below hits */
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_DESTROY, 0, 0)); /* count */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_CREATE, 1, 0));  /* the store's event (none cached) */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_STREAM_SYNC, 1, 0));   /* and the stream instead */
+  pm_event_t ev = NULL;
+  pm_status_t st = pm_blocks_swap_out(s, &k.layout_desc, d, h, 2, a, &ev);
+  CHECK_EQ_INT(st, PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "completion cannot be tracked") != NULL);
+  CHECK(ev == NULL);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_CREATE, 0, 0));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_STREAM_SYNC, 0, 0));
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK_OK(pm_blocks_free(s, h, 4));
+  uint64_t idle = 9, waiting = 9, quar = 9;
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle, 2);
+  CHECK_EQ_SIZE(waiting, 0);
+  CHECK_EQ_SIZE(quar, 2);
+  uint64_t got[4];
+  CHECK_EQ_INT(pm_blocks_alloc(s, 3, got), PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "(swap 1 failed on the device)") != NULL);
+  CHECK_OK(pm_blocks_alloc(s, 2, got));
+  CHECK((got[0] == h[2] && got[1] == h[3]) || (got[0] == h[3] && got[1] == h[2]));
+  /* Copies that fail midway: the swap's error; its blocks are not quarantined. */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_MEMCPY, 2, 0));
+  st = pm_blocks_swap_in(s, &k.layout_desc, d, got, 2, a, NULL);
+  CHECK_EQ_INT(st, PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "queueing 2 blocks") != NULL);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_MEMCPY, 0, 0));
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK_OK(pm_blocks_free(s, got, 2));
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle, 2);
+  CHECK_EQ_SIZE(quar, 2);
+  CHECK_OK(pm_blocks_alloc(s, 2, got));
+  CHECK_OK(pm_blocks_free(s, got, 2));
+  CHECK_OK(pm_blocks_destroy(s));
+  pm__fault_counts_t fc;
+  pm__fault_counts(&fc);
+  CHECK_EQ_SIZE(fc.calls[PM__FAULT_EVENT_CREATE], fc.calls[PM__FAULT_EVENT_DESTROY]);
+  pm__fault_reset();
+  CHECK_OK(pm_stream_destroy(a));
+  kv_free(&k);
+}
+
+/* A stream the caller destroyed while the store still kept records of its swaps (queued, not
+ * yet learnt complete), and a stream made after it (which may get the same handle): the old
+ * swaps are learnt complete from their events, the new stream's swaps are tracked on their own,
+ * and no block waits for a stream that is gone. */
+static void test_stream_destroyed(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 512, 43);
+  pm_stream_t a, b;
+  uint64_t h[4], d[4] = {0, 1, 2, 3};
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
+  for (int round = 0; round < 8; round++) {
+    pm_test_gate_t g;
+    pm_test_gate_init(&g);
+    REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d, h, 2, a, NULL));
+    CHECK_OK(pm_blocks_free(s, h, 2)); /* waiting: the swap is held */
+    pm_test_gate_open(&g);
+    CHECK_OK(pm_stream_destroy(a)); /* its work finishes; the store has not looked yet */
+    pm_test_gate_destroy(&g);
+    REQUIRE_OK(pm_stream_create(&b));
+    pm_test_gate_init(&g);
+    REQUIRE_OK(pm_launch_host_func(b, pm_test_gate_wait, &g));
+    CHECK_OK(pm_blocks_swap_out(s, &k.layout_desc, d + 2, h + 2, 2, b, NULL));
+    CHECK_OK(pm_blocks_free(s, h + 2, 2)); /* waiting for b's held swap */
+    uint64_t idle = 9, waiting = 9, quar = 9;
+    CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+    CHECK_EQ_SIZE(idle, 2);
+    CHECK_EQ_SIZE(waiting, 2);
+    uint64_t got[2];
+    CHECK_OK(pm_blocks_alloc(s, 2, got));
+    CHECK((got[0] == h[0] && got[1] == h[1]) || (got[0] == h[1] && got[1] == h[0]));
+    pm_test_gate_open(&g);
+    CHECK_OK(pm_stream_synchronize(b));
+    pm_test_gate_destroy(&g);
+    uint64_t got2[2];
+    CHECK_OK(pm_blocks_alloc(s, 2, got2));
+    CHECK((got2[0] == h[2] && got2[1] == h[3]) || (got2[0] == h[3] && got2[1] == h[2]));
+    h[0] = got[0];
+    h[1] = got[1];
+    h[2] = got2[0];
+    h[3] = got2[1];
+    CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+    CHECK_EQ_SIZE(idle + waiting + quar, 0);
+    a = b; /* the next round destroys it while its record may still be kept */
+  }
+  CHECK_OK(pm_blocks_destroy(s));
+  CHECK_OK(pm_stream_destroy(a));
+  kv_free(&k);
+}
+
+typedef struct queueing_arg {
+  pm_blocks_t *s;
+  kv_t *k;
+  const uint64_t *d, *h;
+  pm_stream_t stream;
+  pm_status_t st;
+} queueing_arg_t;
+
+static void *queueing_swap(void *arg) {
+  queueing_arg_t *q = arg;
+  q->st = pm_blocks_swap_out(q->s, &q->k->layout_desc, q->d, q->h, 2, q->stream, NULL);
+  return NULL;
+}
+
+static void *open_now(void *gate) {
+  pm_test_gate_open(gate);
+  return NULL;
+}
+
+/* Blocks freed while their swap is still being queued on another thread (its record has no
+ * event yet): here the swap got no event and synchronizes its stream, which a gate holds, so it
+ * stays in that state for as long as the test needs. The freed blocks wait (the stats say so
+ * exactly), the idle ones are handed out, an alloc of the waiting ones returns them once the
+ * swap is done, and they then hold what it wrote. */
+static void test_free_while_queueing(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 1024, 45);
+  pm_stream_t a;
+  uint64_t h[4], d[2] = {0, 1};
+  pm_blocks_t *s = store_all_allocated(&k, 4, &a, h);
+  pm_test_gate_t g;
+  pm_test_gate_init(&g);
+  REQUIRE_OK(pm_launch_host_func(a, pm_test_gate_wait, &g));
+  REQUIRE_OK(pm__fault_set(PM__FAULT_STREAM_SYNC, 0, 0));  /* count */
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_CREATE, 1, 0)); /* the store's first event */
+  queueing_arg_t q = {s, &k, d, h, a, PM_ERR_INTERNAL};
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, queueing_swap, &q) == 0);
+  pm__fault_counts_t fc;
+  do { /* until the swap synchronizes its stream: its record is queueing until the gate opens */
+    sched_yield();
+    pm__fault_counts(&fc);
+  } while (fc.calls[PM__FAULT_STREAM_SYNC] == 0);
+  CHECK_OK(pm_blocks_free(s, h, 4));
+  uint64_t idle = 9, waiting = 9, quar = 9;
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle, 2);
+  CHECK_EQ_SIZE(waiting, 2);
+  CHECK_EQ_SIZE(quar, 0);
+  uint64_t got[2];
+  CHECK_OK(pm_blocks_alloc(s, 2, got));
+  CHECK((got[0] == h[2] && got[1] == h[3]) || (got[0] == h[3] && got[1] == h[2]));
+  pthread_t o;
+  REQUIRE(pthread_create(&o, NULL, open_now, &g) == 0);
+  uint64_t got2[2];
+  CHECK_OK(pm_blocks_alloc(s, 2, got2)); /* waits for the swap, whenever the gate opens */
+  CHECK((got2[0] == h[0] && got2[1] == h[1]) || (got2[0] == h[1] && got2[1] == h[0]));
+  pthread_join(o, NULL);
+  pthread_join(t, NULL);
+  CHECK_OK(q.st);
+  pm__fault_reset();
+  CHECK(hosts_hold(s, &k, h, d, 2)); /* the swap had completed before its blocks came back */
+  CHECK_OK(pm_blocks_free(s, got, 2));
+  CHECK_OK(pm_blocks_free(s, got2, 2));
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle, 4);
+  CHECK_OK(pm_blocks_destroy(s));
+  CHECK_OK(pm_stream_destroy(a));
+  pm_test_gate_destroy(&g);
+  kv_free(&k);
+}
+
+/* An alloc that must wait for a swap but cannot make the store's device current (a device
+ * error) fails with that error, naming the wait, not with an "exhausted" arena whose blocks
+ * it counts as free; once the device answers again the same alloc waits and succeeds. */
+static void test_wait_no_device(void) {
+  kv_t k;
+  kv_make(&k, LAY_ONE_TENSOR, 1, 8, 512, 47);
+  pm_stream_t a, b;
+  uint64_t h[4];
+  pm_test_gate_t g;
+  pm_blocks_t *s = store_held_swap_in(&k, &a, &b, h, &g);
+  CHECK_OK(pm_blocks_free(s, h, 4)); /* h[0], h[1] wait for the held swap_in */
+  REQUIRE_OK(pm__fault_configure("device_query=1+"));
+  uint64_t got[4];
+  pm_status_t st = pm_blocks_alloc(s, 4, got);
+  CHECK_EQ_INT(st, PM_ERR_BACKEND);
+  CHECK(strstr(pm_last_error(), "making the store's device") != NULL);
+  CHECK(strstr(pm_last_error(), "exhausted") == NULL);
+  pm__fault_reset();
+  uint64_t idle = 9, waiting = 9, quar = 9;
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar)); /* nothing taken, nothing lost */
+  CHECK_EQ_SIZE(idle, 2);
+  CHECK_EQ_SIZE(waiting, 2);
+  CHECK_EQ_SIZE(quar, 0);
+  REQUIRE_OK(pm__fault_set(PM__FAULT_EVENT_SYNC, 0, 0)); /* count, for the opener */
+  pm_test_opener_t o;
+  pm_test_opener_start(&o, &g, (const int[]){PM__FAULT_EVENT_SYNC}, 1);
+  CHECK_OK(pm_blocks_alloc(s, 4, got));
+  CHECK(pm_test_opener_stop(&o));
+  pm__fault_reset();
+  CHECK_OK(pm_stream_synchronize(a));
+  CHECK_OK(pm_blocks_destroy(s));
+  CHECK_OK(pm_stream_destroy(a));
+  CHECK_OK(pm_stream_destroy(b));
+  pm_test_gate_destroy(&g);
+  kv_free(&k);
+}
+
 int main(void) {
   pm_test_init();
   test_layouts();
@@ -950,6 +1167,10 @@ int main(void) {
   test_free_after_wait();
   test_free_other_stream();
   test_free_swap_untracked();
+  test_swap_untrackable();
+  test_stream_destroyed();
+  test_free_while_queueing();
+  test_wait_no_device();
   test_joined_pieces();
   test_numa_node();
   CHECK_OK(pm_finalize());

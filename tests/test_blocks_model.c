@@ -741,10 +741,133 @@ static void test_broken_swap(void) {
   for (int r = 0; r < 2; r++) CHECK_OK(pm_device_free(dev[r]));
 }
 
+/* Thousands of swaps held at once on many streams: the records outgrow the ring many times over
+ * (its base held by the first stream's swaps while later ones retire and wrap around), blocks
+ * are named by swaps on several streams, some twice in one swap_in, and freed while all of them
+ * are held. Gates open one stream at a time, in a fixed shuffled order; after each, the store
+ * says exactly which blocks wait: those that a swap on a stream still held names, no more (a
+ * block kept back forever) and no fewer (a block handed back while a held swap reads it).
+ * Between openings, allocs take only idle blocks (never one a held swap names), swaps on the
+ * opened streams come and go (new records behind the held ones), and every block is
+ * accounted for: idle + waiting + quarantined + owned is the arena. */
+static void test_many_held_streams(void) {
+  enum { NS = 12, PER = 4, NB = 64, OWN = 48, ROUNDS = 3000, BB = 64 };
+  char *dev;
+  REQUIRE_OK(pm_device_alloc((size_t)NS * PER * BB, (void **)&dev));
+  pm_kv_region_t reg = {dev, BB, BB};
+  pm_kv_layout_t L = {1, &reg, NS * PER, -1};
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = BB;
+  c.num_blocks = NB;
+  c.background = 0;
+  pm_blocks_t *s = NULL;
+  REQUIRE_OK(pm_blocks_create(&c, &s));
+  pm_stream_t st[NS];
+  pm_test_gate_t g[NS];
+  static bool named[NB][NS];
+  memset(named, 0, sizeof named);
+  bool held[NS];
+  for (int k = 0; k < NS; k++) {
+    REQUIRE_OK(pm_stream_create(&st[k]));
+    pm_test_gate_init(&g[k]);
+    REQUIRE_OK(pm_launch_host_func(st[k], pm_test_gate_wait, &g[k]));
+    held[k] = true;
+  }
+  uint64_t own[OWN];
+  REQUIRE_OK(pm_blocks_alloc(s, OWN, own));
+  uint64_t rng = 0xb10c5;
+  /* Swap_ins only: several streams may read one host block at once; each stream writes its own
+   * device blocks, so nothing races on the device side either. */
+  for (int r = 0; r < ROUNDS; r++) {
+    int k = (int)(pm_test_rand(&rng) % NS);
+    int n = 1 + (int)(pm_test_rand(&rng) % PER);
+    uint64_t d[PER], h[PER];
+    for (int j = 0; j < n; j++) {
+      d[j] = (uint64_t)k * PER + (uint64_t)j;
+      /* A third of the host ids repeat the previous one (a swap_in may read a block twice). */
+      h[j] = j && pm_test_rand(&rng) % 3 == 0 ? h[j - 1] : own[pm_test_rand(&rng) % OWN];
+      named[h[j]][k] = true;
+    }
+    REQUIRE_OK(pm_blocks_swap_in(s, &L, d, h, (size_t)n, st[k], NULL));
+  }
+  CHECK_OK(pm_blocks_free(s, own, OWN));
+  uint64_t order[NS];
+  for (int k = 0; k < NS; k++) order[k] = (uint64_t)k;
+  for (int i = NS; i > 1; i--) {
+    int j = (int)(pm_test_rand(&rng) % (uint64_t)i);
+    uint64_t t = order[i - 1];
+    order[i - 1] = order[j];
+    order[j] = t;
+  }
+  uint64_t mine[NB];
+  int nmine = 0;
+  for (int step = 0; step <= NS; step++) {
+    if (step > 0) {
+      int k = (int)order[step - 1];
+      pm_test_gate_open(&g[k]);
+      CHECK_OK(pm_stream_synchronize(st[k]));
+      held[k] = false;
+    }
+    /* Exactly the freed blocks that a held stream's swap names wait. */
+    bool busy[NB];
+    uint64_t expect_wait = 0;
+    for (int b = 0; b < NB; b++) {
+      busy[b] = false;
+      for (int k = 0; k < NS; k++) busy[b] = busy[b] || (named[b][k] && held[k]);
+    }
+    bool is_mine[NB] = {false};
+    for (int i = 0; i < nmine; i++) is_mine[mine[i]] = true;
+    for (int b = 0; b < NB; b++) expect_wait += busy[b] && !is_mine[b];
+    uint64_t idle = 0, waiting = 0, quar = 0;
+    CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+    CHECK_EQ_SIZE(waiting, expect_wait);
+    CHECK_EQ_SIZE(quar, 0);
+    CHECK_EQ_SIZE(idle + waiting + quar + (uint64_t)nmine, NB);
+    /* Take every idle block (no wait: they are idle), check none is busy, then swap some of
+     * them out on an opened stream and free them again: new records behind the held ones. */
+    uint64_t got[NB];
+    CHECK_OK(pm_blocks_alloc(s, (size_t)idle, got));
+    for (uint64_t i = 0; i < idle; i++)
+      if (busy[got[i]]) {
+        CHECK(!busy[got[i]]);
+        break;
+      }
+    int open_k = -1;
+    for (int k = 0; k < NS && open_k < 0; k++)
+      if (!held[k]) open_k = k;
+    if (open_k >= 0 && idle) {
+      uint64_t n = PM__MIN(idle, (uint64_t)PER);
+      uint64_t d[PER];
+      for (uint64_t j = 0; j < n; j++) d[j] = (uint64_t)open_k * PER + j;
+      for (int rep = 0; rep < 50; rep++)
+        CHECK_OK(pm_blocks_swap_out(s, &L, d, got, (size_t)n, st[open_k], NULL));
+    }
+    /* Keep one block a step (owned across the openings), free the rest, busy or not. */
+    if (idle) mine[nmine++] = got[--idle];
+    CHECK_OK(pm_blocks_free(s, got, (size_t)idle));
+    if (open_k >= 0) CHECK_OK(pm_stream_synchronize(st[open_k]));
+  }
+  uint64_t idle = 0, waiting = 0, quar = 0;
+  CHECK_OK(pm_blocks_free(s, mine, (size_t)nmine));
+  CHECK_OK(pm_blocks_get_free(s, &idle, &waiting, &quar));
+  CHECK_EQ_SIZE(idle, NB);
+  uint64_t all[NB];
+  CHECK_OK(pm_blocks_alloc(s, NB, all));
+  CHECK_OK(pm_blocks_free(s, all, NB));
+  CHECK_OK(pm_blocks_destroy(s));
+  for (int k = 0; k < NS; k++) {
+    CHECK_OK(pm_stream_destroy(st[k]));
+    pm_test_gate_destroy(&g[k]);
+  }
+  CHECK_OK(pm_device_free(dev));
+}
+
 int main(int argc, char **argv) {
   pm_test_init();
   test_first_swap_no_device_sync(); /* first: the only swap that measures the cut-off */
   if (argc <= 1) test_broken_swap();
+  if (argc <= 1) test_many_held_streams();
   uint64_t first = argc > 1 ? strtoull(argv[1], NULL, 0) : 1;
   /* Fixed seeds: each picks 2-4 threads, the arena, the regions, the copy path and a fault
    * mode; fewer under valgrind (PINMEM_TEST_SMALL). */

@@ -881,6 +881,23 @@ static void blocks_case(const char *cut) {
   free(back);
 }
 
+/* KV memory of `bytes` and a stream, both device 1's, made with device 1 current (left so). */
+static void *kv_of_device1(size_t bytes, pm_stream_t *s1) {
+  CHECK_OK(pm_device_set(1));
+  void *kv = NULL;
+  CHECK_OK(pm_device_alloc(bytes, &kv));
+  CHECK_OK(pm_stream_create(s1));
+  return kv;
+}
+
+/* Release them on device 1 and go back to device 0. */
+static void kv_of_device1_free(void *kv, pm_stream_t s1) {
+  CHECK_OK(pm_device_set(1));
+  CHECK_OK(pm_stream_destroy(s1));
+  CHECK_OK(pm_device_free(kv));
+  CHECK_OK(pm_device_set(0));
+}
+
 /* The store learns which swaps completed (event queries) in free, the stats and alloc, and alloc
  * waits for them (event syncs): on the store's device too, whatever device the calling thread is
  * on. The swaps are held on their stream by a gate, so every poll finds them queued; alloc asks
@@ -889,11 +906,8 @@ static void blocks_held_case(void) {
   const size_t bb = 4096;
   const uint64_t nd = 4;
   CHECK_OK(pm_option_set("blocks_kernel_max", "0"));
-  CHECK_OK(pm_device_set(1));
-  void *kv = NULL;
   pm_stream_t s1 = NULL;
-  CHECK_OK(pm_device_alloc(bb * nd, &kv));
-  CHECK_OK(pm_stream_create(&s1));
+  void *kv = kv_of_device1(bb * nd, &s1);
   uint64_t host[4];
   pm_blocks_t *store = blocks_make(1, bb, 4, host, 4);
   pm_kv_region_t r = {kv, bb, bb};
@@ -929,9 +943,46 @@ static void blocks_held_case(void) {
   CHECK_OK(pm_stream_synchronize(s1));
   pm_test_gate_destroy(&g);
   CHECK_OK(pm_blocks_destroy(store));
-  CHECK_OK(pm_stream_destroy(s1));
-  CHECK_OK(pm_device_free(kv));
+  kv_of_device1_free(kv, s1);
+  CHECK_OK(pm_option_set("blocks_kernel_max", "auto"));
+}
+
+/* A store of device 1 made, used and destroyed by a thread on device 0 (a rank that names its
+ * device in the config instead of making it current): the pinning of its arena (the first
+ * chunk in the call, the others in the background), its swaps' events and the release of all
+ * of it are calls on device 1, none on device 0. */
+static void blocks_lifecycle_case(int background) {
+  const size_t bb = 4096;
+  const uint64_t nd = 4;
+  CHECK_OK(pm_option_set("blocks_kernel_max", "0"));
+  pm_stream_t s1 = NULL;
+  void *kv = kv_of_device1(bb * nd, &s1);
   CHECK_OK(pm_device_set(0));
+  records_reset();
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = bb;
+  c.num_blocks = 8;
+  c.chunk_bytes = 2 * bb; /* four chunks */
+  c.device = 1;
+  c.background = background;
+  pm_blocks_t *store = NULL;
+  CHECK_OK(pm_blocks_create(&c, &store));
+  REQUIRE(store);
+  CHECK_OK(pm_blocks_wait_ready(store, 0));
+  uint64_t host[4], dev_ids[4] = {0, 1, 2, 3};
+  CHECK_OK(pm_blocks_alloc(store, 4, host));
+  pm_kv_region_t r = {kv, bb, bb};
+  pm_kv_layout_t L = {1, &r, nd, -1};
+  CHECK_OK(pm_blocks_swap_out(store, &L, dev_ids, host, 4, s1, NULL));
+  CHECK_OK(pm_blocks_free(store, host, 4));
+  CHECK_OK(pm_blocks_destroy(store));
+  int cur = -1;
+  CHECK_OK(pm_device_get(&cur));
+  CHECK_EQ_INT(cur, 0);
+  CHECK_ONLY_ON(1, background ? "store made and destroyed from device 0 (background pinning)"
+                              : "store made and destroyed from device 0");
+  kv_of_device1_free(kv, s1);
   CHECK_OK(pm_option_set("blocks_kernel_max", "auto"));
 }
 
@@ -940,6 +991,8 @@ static void test_blocks_on_device1(void) {
   blocks_case("0");  /* every piece by DMA */
   blocks_case("auto");
   blocks_held_case();
+  blocks_lifecycle_case(0);
+  blocks_lifecycle_case(1);
   printf(
       "blocks: a store of device 1 swapped, freed, polled and waited for from a thread on "
       "device 0 (kernel, DMA, auto): every call on device 1\n");

@@ -869,28 +869,35 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
   s->nfree = s->num_blocks;
   s->usable = s->num_blocks;
   s->t_create = pm__now();
-  for (uint64_t k = 0; k < (c.background ? 1 : s->nchunks); k++) {
+  /* The arena is pinned (and, on a failure, released) with the store's device current, as the
+   * pinner thread pins the later chunks and as every other call of the store runs: a caller on
+   * another device does not get the registrations made in its device's context. */
+  int prev;
+  st = enter_device(s, &prev, fn);
+  if (st != PM_OK) {
+    store_free(s);
+    return st;
+  }
+  for (uint64_t k = 0; k < (c.background ? 1 : s->nchunks) && st == PM_OK; k++) {
     st = pin_chunk(s, k);
-    if (st != PM_OK) {
-      store_free(s);
-      return pm__wrap_error(st, "%s", fn);
-    }
-    mark_ready(s, k);
+    if (st == PM_OK) mark_ready(s, k);
   }
-  if (c.background && s->nchunks > 1) {
-    if (pthread_create(&s->pinner, NULL, pinner_main, s) != 0) {
-      store_free(s);
-      return pm__set_error(PM_ERR_NOMEM, "%s: cannot start the pinning thread", fn);
-    }
-    s->has_pinner = true;
+  if (st == PM_OK && c.background && s->nchunks > 1) {
+    if (pthread_create(&s->pinner, NULL, pinner_main, s) != 0)
+      st = pm__set_error(PM_ERR_NOMEM, "%s: cannot start the pinning thread", fn);
+    else
+      s->has_pinner = true;
+  } else if (st != PM_OK) {
+    st = pm__wrap_error(st, "%s", fn);
   }
-  st = pm__handle_add(s, PM__HANDLE_BLOCKS);
+  if (st == PM_OK) st = pm__handle_add(s, PM__HANDLE_BLOCKS);
   if (st != PM_OK) {
     atomic_store(&s->stop, true);
     if (s->has_pinner) pthread_join(s->pinner, NULL);
     store_free(s);
-    return st;
   }
+  if (prev >= 0) (void)b->set_device(prev); /* (s may be gone) */
+  if (st != PM_OK) return st;
   *blocks_out = s;
   return PM_OK;
 }
@@ -911,12 +918,16 @@ pm_status_t pm_blocks_destroy(pm_blocks_t *s) {
   int prev;
   pm_status_t sync = enter_device(s, &prev, fn);
   if (sync == PM_OK) sync = s->b->device_synchronize();
-  leave_device(s, prev);
   if (sync != PM_OK) {
+    leave_device(s, prev);
     /* Unpinning memory the device may still use would be worse than keeping it. */
     return pm__wrap_error(sync, "%s: the device could not be synchronized; the arena is kept", fn);
   }
+  /* The arena's unpinning, the events and the calibration's buffers go on the store's device
+   * too (the caller's may be another, or none yet). */
+  const pm__backend_t *b = s->b;
   store_free(s);
+  if (prev >= 0) (void)b->set_device(prev);
   return PM_OK;
 }
 
@@ -941,8 +952,11 @@ static uint64_t rec_naming(const pm_blocks_t *s, uint64_t id) {
  * thread took them, or a broken swap quarantined them): first learn what completed without
  * waiting, then wait for the swaps of the longest-waiting freed block, one at a time. Only the
  * swaps that name freed blocks are waited for: an unrelated swap on another stream holds
- * nothing back. Called with lock held, and returns with it held; takes poll_lock meanwhile. */
-static void wait_idle_locked(pm_blocks_t *s, size_t count) {
+ * nothing back. Called with lock held, and returns with it held; takes poll_lock meanwhile.
+ * Not PM_OK (the error set) where it could not wait: the store's device could not be made
+ * current; alloc then fails with that, not as an arena too small. */
+static pm_status_t wait_idle_locked(pm_blocks_t *s, size_t count) {
+  pm_status_t st = PM_OK;
   pthread_mutex_unlock(&s->lock);
   pthread_mutex_lock(&s->poll_lock);
   poll_swaps(s);
@@ -951,14 +965,22 @@ static void wait_idle_locked(pm_blocks_t *s, size_t count) {
   bool on_device = false; /* the waits too run on the store's device (poll_swaps) */
   while (count > s->nfree && count <= s->nfree + s->nwaiting) {
     uint64_t seq = rec_naming(s, s->wait_head);
-    if (!seq) break; /* cannot be (the block would not wait); never spin */
+    if (!seq) { /* cannot be (the block would not wait); never spin */
+      st = pm__set_error(PM_ERR_INTERNAL, "pm_blocks_alloc: freed block %llu waits for no swap",
+                         (unsigned long long)s->wait_head);
+      break;
+    }
     blk_swap_t *r = rec_at(s, seq);
     if (r->phase == SW_QUEUEING) {
       pthread_cond_wait(&s->swap_cv, &s->lock);
     } else {
       pm_event_t ev = r->event;
       pthread_mutex_unlock(&s->lock);
-      if (!on_device && !(on_device = quiet_enter(s, &prev))) {
+      if (!on_device) {
+        st = enter_device(s, &prev, "pm_blocks_alloc: waiting for the swaps of freed blocks");
+        on_device = st == PM_OK;
+      }
+      if (!on_device) {
         pthread_mutex_lock(&s->lock);
         break;
       }
@@ -973,6 +995,7 @@ static void wait_idle_locked(pm_blocks_t *s, size_t count) {
     (void)s->b->set_device(prev);
     pthread_mutex_lock(&s->lock);
   }
+  return st;
 }
 
 pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
@@ -983,7 +1006,12 @@ pm_status_t pm_blocks_alloc(pm_blocks_t *s, size_t count, uint64_t *ids_out) {
   if (!ids_out) return pm__set_error(PM_ERR_INVALID, "%s: ids_out is NULL", fn);
   pthread_mutex_lock(&s->lock);
   /* Idle blocks first; freed blocks whose swaps still run only when those do not suffice. */
-  if (count > s->nfree && count <= s->nfree + s->nwaiting) wait_idle_locked(s, count);
+  pm_status_t wst = PM_OK;
+  if (count > s->nfree && count <= s->nfree + s->nwaiting) wst = wait_idle_locked(s, count);
+  if (count > s->nfree && wst != PM_OK) {
+    pthread_mutex_unlock(&s->lock);
+    return wst;
+  }
   if (count > s->nfree) {
     uint64_t nfree = s->nfree + s->nwaiting, usable = s->usable, nquar = s->nquar;
     uint64_t bseq = s->broken_seq;
