@@ -336,8 +336,9 @@ static size_t kernel_max(pm_blocks_t *s, int dev, bool *calibrated) {
   return atomic_load_explicit(&cal_value[dev], memory_order_relaxed);
 }
 
-/* Make the store's device current for a call; *prev gets the caller's, for leave_device. */
-static pm_status_t enter_device(const pm_blocks_t *s, int *prev, const char *fn) {
+/* Make the store's device current; *prev gets the caller's where it changed (else -1), for
+ * leave_device. The backend's status, its detail unwrapped. */
+static pm_status_t switch_device(const pm_blocks_t *s, int *prev) {
   *prev = -1;
   int cur = -1;
   pm_status_t st = s->b->get_device(&cur);
@@ -345,6 +346,12 @@ static pm_status_t enter_device(const pm_blocks_t *s, int *prev, const char *fn)
     st = s->b->set_device(s->device);
     if (st == PM_OK) *prev = cur;
   }
+  return st;
+}
+
+/* switch_device for a call, a failure named by the call. */
+static pm_status_t enter_device(const pm_blocks_t *s, int *prev, const char *fn) {
+  pm_status_t st = switch_device(s, prev);
   if (st != PM_OK)
     return pm__wrap_error(st, "%s: making the store's device %d current", fn, s->device);
   return PM_OK;
@@ -521,26 +528,14 @@ static pm_status_t begin_swap(pm_blocks_t *s, const uint64_t *host_ids, size_t c
   return PM_OK;
 }
 
-/* Make the store's device current without an error detail (a poll or a wait that cannot
- * learns nothing, which is no error of the call it serves); *prev gets the caller's device
- * where it changed, else -1. */
-static bool quiet_enter(const pm_blocks_t *s, int *prev) {
-  int cur = -1;
-  *prev = -1;
-  if (s->b->get_device(&cur) != PM_OK) return false;
-  if (cur == s->device) return true;
-  if (s->b->set_device(s->device) != PM_OK) return false;
-  *prev = cur;
-  return true;
-}
-
 /* Learn which records completed, without waiting: the head of each stream's queue, and the
  * records behind it while they completed (a stream runs its work in order, so the first record
  * not complete ends the look at that stream; only a record's own event says it completed).
  * Called with poll_lock held; takes lock. */
 static void poll_swaps(pm_blocks_t *s) {
   /* The queries run on the store's device, as every call of the store's does (the callers of
-   * the stats, of free and of alloc may be on another one), made current at the first. */
+   * the stats, of free and of alloc may be on another one), made current at the first. A poll
+   * that cannot make it current learns nothing, which is no error of the call it serves. */
   int prev = -1;
   bool on_device = false;
   pthread_mutex_lock(&s->lock);
@@ -554,7 +549,7 @@ static void poll_swaps(pm_blocks_t *s) {
     }
     pm_event_t ev = r->event;
     pthread_mutex_unlock(&s->lock);
-    if (!on_device && !(on_device = quiet_enter(s, &prev))) {
+    if (!on_device && !(on_device = switch_device(s, &prev) == PM_OK)) {
       pthread_mutex_lock(&s->lock);
       break;
     }
@@ -568,7 +563,7 @@ static void poll_swaps(pm_blocks_t *s) {
       end_record_locked(s, seq, q);
   }
   pthread_mutex_unlock(&s->lock);
-  if (prev >= 0) (void)s->b->set_device(prev);
+  leave_device(s, prev);
 }
 
 /* What completed, learnt without waiting, unless another thread is at it (alloc's wait): the
@@ -992,7 +987,7 @@ static pm_status_t wait_idle_locked(pm_blocks_t *s, size_t count) {
   pthread_mutex_unlock(&s->poll_lock);
   if (prev >= 0) { /* lock is a leaf: no backend call under it */
     pthread_mutex_unlock(&s->lock);
-    (void)s->b->set_device(prev);
+    leave_device(s, prev);
     pthread_mutex_lock(&s->lock);
   }
   return st;
