@@ -2034,8 +2034,11 @@ class PinnedStager(_AsyncStager):
             raise ValueError(f"pinmem.dcp.PinnedStager: stage must be one of "
                              f"{', '.join(STAGES)}, not {stage!r}")
         self.stage_mode = stage
-        self._buf = None
-        self._buf_n = self._buf_at = 0  # the snapshot's bytes in _buf, and where they start
+        # The kept pinned buffers, the last used first: [buffer, the snapshot's bytes in it,
+        # where they start]. Two at most: a planner given to every save (as plan caching is
+        # used) holds the last snapshot until the next save sets it up, after the next stage,
+        # so the stages alternate between two.
+        self._bufs = []
         self._lock = _threading.Lock()
         self._written = False  # the last snapshot's save is over (FileSystemWriter tells)
         self._ready = {}  # device -> (its scratch tensors' storage pointers, event after the copy)
@@ -2047,36 +2050,47 @@ class PinnedStager(_AsyncStager):
         self.last = {}
 
     def _pinned(self, n):
-        """(writable memoryview of n bytes, reused?) of the kept buffer when it is free."""
+        """(writable memoryview of n bytes, reused?) of a kept buffer of n bytes that no
+        snapshot uses, else of a new one."""
         with self._lock:
-            buf = self._buf
-            if buf is not None and self._buf_n == n:
-                # Only this stager (and getrefcount's argument) hold it: no snapshot is alive.
-                # DCP's save leaves its planner, which holds the snapshot, in a reference cycle:
-                # collected here, not at some later gc.
-                if _sys.getrefcount(buf) > 3:
+            # Kept buffers of another size are dropped (freed with their snapshots' last
+            # holders). A buffer is free when only its entry (and getrefcount's argument) holds
+            # it: each snapshot holds it once, through its memoryview.
+            self._bufs = [k for k in self._bufs if k[1] == n]
+            free = lambda: next((k for k in self._bufs if _sys.getrefcount(k[0]) <= 2), None)
+            got = free()
+            if got is None and self._bufs:
+                # DCP's save leaves its planner, which holds the snapshot, in a reference
+                # cycle: collected here, not at some later gc.
+                _gc.collect()
+                got = free()
+            if got is None and self._bufs and self._written:
+                # The last snapshot's bytes are in their file, but the thread that wrote them
+                # may not have let go yet: the executor async_save runs the save on completes
+                # the future, then drops its arguments, and the caller's next async_save can
+                # come in between. Waiting for that costs a millisecond or two; a stage into a
+                # new buffer costs its allocation (512 MiB: 0.57-0.76 s against 0.05-0.08 s
+                # into the kept one, on a 2-CPU machine).
+                end = _time.monotonic() + _LET_GO_S
+                while got is None and _time.monotonic() < end:
+                    _time.sleep(0.001)
+                    got = free()
+                if got is None:
                     _gc.collect()
-                if _sys.getrefcount(buf) > 3 and self._written:
-                    # The last snapshot's bytes are in their file, but the thread that wrote
-                    # them may not have let go yet: the executor async_save runs the save on
-                    # completes the future, then drops its arguments, and the caller's next
-                    # async_save can come in between. Waiting for that costs a millisecond or
-                    # two; a stage into a new buffer costs its allocation (512 MiB: 0.57-0.76 s
-                    # against 0.05-0.08 s into the kept one, on a 2-CPU machine).
-                    end = _time.monotonic() + _LET_GO_S
-                    while _sys.getrefcount(buf) > 3 and _time.monotonic() < end:
-                        _time.sleep(0.001)
-                    if _sys.getrefcount(buf) > 3:
-                        _gc.collect()
-                if _sys.getrefcount(buf) <= 3:
-                    return memoryview(buf)[self._buf_at:self._buf_at + n], True
-            self._buf = None
-            del buf
+                    got = free()
+            if got is not None:
+                self._bufs.remove(got)
+                self._bufs.insert(0, got)
+                buf, _, at = got
+                del got
+                return memoryview(buf)[at:at + n], True
+            del got
             try:
                 buf, at = _pinned_pages(n)
             except _pm.BudgetError:
                 return memoryview(bytearray(n)), False
-            self._buf, self._buf_n, self._buf_at = buf, n, at
+            # the least recently used one, still held, goes with its last holder
+            self._bufs = [[buf, n, at]] + self._bufs[:1]
             # one memoryview of buf, sliced: a single reference to it, as the count of holders
             # above expects
             return memoryview(buf)[at:at + n], False
@@ -2232,8 +2246,8 @@ class PinnedStager(_AsyncStager):
 
     def close(self):
         with self._lock:
-            buf, self._buf = self._buf, None
-        if buf is not None:
+            bufs, self._bufs = self._bufs, []
+        for buf, _, _ in bufs:
             try:
                 buf.release()
             except _pm.Error:  # a snapshot still uses it: freed with its last user
