@@ -52,7 +52,8 @@ torch's writer and reader (the ratios printed). --train-only runs the training l
 
   bench/compare_dcp.py [--ranks 2] [--size 1G] [--device cpu|cuda] [--dir DIR] [--repeat 3]
                        [--crc32 torch|off] [--io auto|direct|buffered]
-                       [--executor thread|process] [--no-train | --train-only] [--json]
+                       [--executor thread|process] [--plan-caching]
+                       [--no-train | --train-only] [--json]
 
 Rows of saves and loads carry, per rank: the whole dcp.save / dcp.load (rank_seconds), DCP's own
 part of it (dcp_own_seconds: planning, the collectives that gather plans and results, the
@@ -166,6 +167,19 @@ def rank_main(rank, world, args, store, tmp):
         # its process joins a group of its own at MASTER_ADDR, as torchrun sets it
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         async_kw["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+    # --plan-caching: each writer's async_saves get one planner kept across them, caching
+    # plans. torch keeps cached plans per planner class name, so each writer has a class of its
+    # own: a plan names the files of the writer that made it.
+    planners = {}
+    if args.plan_caching:
+        from torch.distributed.checkpoint import DefaultSavePlanner
+        for kind in ("pinmem", "torch"):
+            cls = type(f"{kind.title()}CachingPlanner", (DefaultSavePlanner,), {})
+            planners[kind] = cls(enable_plan_caching=True)
+
+    def akw(kind):
+        """The keywords of an async_save through the writer of kind (pinmem or torch)."""
+        return dict(async_kw, **({"planner": planners[kind]} if planners else {}))
     mine = sum(t.numel() * t.element_size() for t in sd.values())
     allb = sum(g.gather(mine))
     lead = rank == 0
@@ -186,11 +200,13 @@ def rank_main(rank, world, args, store, tmp):
 
     if lead:
         say("compare_dcp: %d ranks, %.2f GB in all (%d tensors of %s per rank), device %s, "
-            "pinmem %s backend, torch %s, crc32 %s, %s executor, %d CPUs, load average %.1f; files "
+            "pinmem %s backend, torch %s, crc32 %s, %s executor%s, %d CPUs, load average %.1f; "
+            "files "
             "in %s" % (
                 world, allb / 1e9, len(sd), next(iter(sd.values())).dtype, args.device,
                 pinmem.backend(), torch.__version__, torch.serialization.get_crc32_options(),
-                args.executor, os.cpu_count(), os.getloadavg()[0], tmp))
+                args.executor, ", plan caching" if planners else "", os.cpu_count(),
+                os.getloadavg()[0], tmp))
         if args.json:
             print(json.dumps(dict(ROW, case="setup", device=args.device, ranks=world,
                                   bytes=allb, tensors_per_rank=len(sd), cpus=os.cpu_count(),
@@ -198,11 +214,12 @@ def rank_main(rank, world, args, store, tmp):
                                   pinmem_backend=pinmem.backend(),
                                   crc32=torch.serialization.get_crc32_options(),
                                   crc32_impl=pdcp._crc32.__module__,
-                                  executor=args.executor)), flush=True)
+                                  executor=args.executor,
+                                  plan_caching=bool(planners))), flush=True)
 
     if args.train_only:
         train = train_during_save(torch, dcp, pdcp, g, app, device, tmp, args.repeat, report,
-                                  allb, async_kw)
+                                  allb, akw)
         if lead:
             say_targets([train_target(train)], args)
         g.barrier()
@@ -424,7 +441,7 @@ def rank_main(rank, world, args, store, tmp):
     def async_once(kind, writer, starts, allocs=None):
         g.barrier()
         t0, w0 = time.perf_counter(), time.time()
-        fut = dcp.async_save(app, storage_writer=writer, **async_kw)
+        fut = dcp.async_save(app, storage_writer=writer, **akw(kind))
         ret = time.perf_counter() - t0
         fut.result()
         starts.append(w0)
@@ -468,7 +485,7 @@ def rank_main(rank, world, args, store, tmp):
     train = None
     if not args.no_train:
         train = train_during_save(torch, dcp, pdcp, g, app, device, tmp, args.repeat, report,
-                                  allb, async_kw)
+                                  allb, akw)
 
     if lead:
         targets(results, train, args)
@@ -507,9 +524,10 @@ def phase_fields(b):
     return out
 
 
-def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb, async_kw):
+def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb, akw):
     """Seconds of the same training steps without a save and while an async_save of sd is
-    written (best of `repeat` each, in turn); the slowdown in percent."""
+    written (best of `repeat` each, in turn); the slowdown in percent. akw(kind): the keywords
+    of an async_save through the writer of kind."""
     torch.manual_seed(0)
     hidden, layers, batch = 512, 4, 64
     model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, device=device)
@@ -535,10 +553,10 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     for _ in range(5):
         step()
     writer = pdcp.FileSystemWriter(os.path.join(tmp, "async-train"))
-    dcp.async_save(sd, storage_writer=writer, **async_kw).result()  # warm: the buffer exists
+    dcp.async_save(sd, storage_writer=writer, **akw("pinmem")).result()  # warm: the buffer exists
     # As many steps as the save takes, measured once
     t0 = time.perf_counter()
-    fut = dcp.async_save(sd, storage_writer=writer, **async_kw)
+    fut = dcp.async_save(sd, storage_writer=writer, **akw("pinmem"))
     fut.result()
     save_s = max(g.gather(time.perf_counter() - t0))
     t0 = time.perf_counter()
@@ -563,16 +581,16 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
             disk = None
 
     twriter = dcp.FileSystemWriter(os.path.join(tmp, "async-train-torch"))
-    dcp.async_save(sd, storage_writer=twriter, **async_kw).result()  # warm, as pinmem's
+    dcp.async_save(sd, storage_writer=twriter, **akw("torch")).result()  # warm, as pinmem's
 
     def loop(mode):
         g.barrier()
         fut = th = None
         t0 = time.perf_counter()
         if mode == "save":
-            fut = dcp.async_save(sd, storage_writer=writer, **async_kw)
+            fut = dcp.async_save(sd, storage_writer=writer, **akw("pinmem"))
         elif mode == "torch":
-            fut = dcp.async_save(sd, storage_writer=twriter, **async_kw)
+            fut = dcp.async_save(sd, storage_writer=twriter, **akw("torch"))
         elif mode == "disk":
             th = threading.Thread(target=disk.overwrite)
             th.start()
@@ -784,6 +802,10 @@ def main():
                     help="the executor of every async_save, pinmem's and torch's alike: torch's "
                          "thread (default) or process executor (the save in a process of its "
                          "own, the snapshot sent through shared memory)")
+    ap.add_argument("--plan-caching", action="store_true",
+                    help="every async_save of a writer (pinmem's, torch's) given one planner kept "
+                         "across its saves, DefaultSavePlanner(enable_plan_caching=True): the "
+                         "plans are made once, as a training loop's periodic saves can")
     loop = ap.add_mutually_exclusive_group()
     loop.add_argument("--no-train", action="store_true", help="skip the training loop")
     loop.add_argument("--train-only", action="store_true",
