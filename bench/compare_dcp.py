@@ -40,6 +40,9 @@ its own write_data / read_data):
     median of the slowdowns in percent,
     their middle half (first to third quartile), each round's beside. The disk alone is what
     the I/O itself costs the loop on this machine, the floor under any writer's slowdown.
+    thread_waits: the times the training thread waited over its steps (its voluntary context
+    switches, the median of the rounds): waits for the interpreter lock, held by the save's
+    threads, show here.
 
 TARGET lines (met / MISSED / UNDECIDED): save >= 0.9x the disk's O_DIRECT write; cold load >=
 0.9x the disk's O_DIRECT read; async return <= 1.3x the snapshot alone; training slowdown < 5%
@@ -122,6 +125,20 @@ def timed_io(cls, method):
         return out
     setattr(Timed, method, wrapped)
     return Timed
+
+
+def thread_waits():
+    """This thread's voluntary context switches so far (Linux; None elsewhere): each is a wait,
+    in a training loop on the CPU or launching GPU kernels mostly one for the interpreter lock,
+    held by another thread of the process."""
+    try:
+        with open("/proc/self/task/%d/status" % threading.get_native_id()) as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def cpu_seconds():
@@ -594,11 +611,14 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
         elif mode == "disk":
             th = threading.Thread(target=disk.overwrite)
             th.start()
-        t1 = time.perf_counter()
+        t1, w1 = time.perf_counter(), thread_waits()
         for _ in range(steps):
             step()
+        w2 = thread_waits()
         sync(torch, device)
         t = time.perf_counter() - t1
+        if w1 is not None and w2 is not None:
+            waits[mode].append(w2 - w1)
         if fut is not None:
             fut.result()
         if th is not None:
@@ -612,6 +632,8 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     # whatever bias the order has cancels out.
     modes = ["none", "save", "torch"] + (["disk"] if disk is not None else [])
     runs = {m: [] for m in modes}
+    # the training thread's waits (thread_waits) over its steps, before the closing sync
+    waits = {m: [] for m in modes}
     for k in range(max(PAIRS, repeat)):
         for m in modes[k % len(modes):] + modes[:k % len(modes)]:
             runs[m].append(loop(m)[0])
@@ -621,24 +643,27 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     base = runs["none"]
     pct = lambda r: round(100.0 * (r - 1), 2)
 
-    def slowdowns(during):
+    def slowdowns(during, mode):
         ratios = sorted(d / b for b, d in zip(base, during))
         n = len(ratios)
+        w = sorted(waits[mode])
         return dict(slowdown_pct=pct(ratios[n // 2]), slowdown_q1_pct=pct(ratios[n // 4]),
                     slowdown_q3_pct=pct(ratios[(3 * n) // 4]),
-                    pair_slowdowns_pct=[round(100 * (r - 1), 1) for r in ratios])
+                    pair_slowdowns_pct=[round(100 * (r - 1), 1) for r in ratios],
+                    **({"thread_waits": w[len(w) // 2]} if w else {}))
 
     # The loop's own noise: consecutive runs without a save, compared as the pairs are
     own = sorted(b1 / b0 for b0, b1 in zip(base, base[1:]))
+    w = sorted(waits["none"])
     report("train_no_save", sorted(base)[len(base) // 2], 0, steps=steps,
-           training_ranks=training)
+           training_ranks=training, **({"thread_waits": w[len(w) // 2]} if w else {}))
     if disk is not None:
         during = runs["disk"]
         report("train_during_disk_alone", sorted(during)[len(during) // 2], allb, steps=steps,
-               **slowdowns(during))
+               **slowdowns(during, "disk"))
     during = runs["torch"]
     report("train_during_torch_async_save", sorted(during)[len(during) // 2], allb, steps=steps,
-           **slowdowns(during))
+           **slowdowns(during, "torch"))
     # What the save costs the loop beyond the disk's own time, round by round: each round's runs
     # with the save and with the disk alone less each other, over the same round's run without
     # a save.
@@ -650,12 +675,12 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
                       beyond_disk_q3_pct=pct(1 + b[(3 * n) // 4]))
     during = runs["save"]
     out = report("train_during_async_save", sorted(during)[len(during) // 2], allb, steps=steps,
-                 save_seconds=round(save_s, 3), training_ranks=training, **slowdowns(during),
+                 save_seconds=round(save_s, 3), training_ranks=training, **slowdowns(during, "save"),
                  noise_q1_pct=pct(own[len(own) // 4]), noise_q3_pct=pct(own[(3 * len(own)) // 4]),
                  **beyond)
     if disk is not None:
-        out["disk_alone"] = slowdowns(runs["disk"])
-    out["torch_async"] = slowdowns(runs["torch"])
+        out["disk_alone"] = slowdowns(runs["disk"], "disk")
+    out["torch_async"] = slowdowns(runs["torch"], "torch")
     return out
 
 
