@@ -69,6 +69,7 @@ save_file_async does; the background write then moves them to the file.
 import bisect as _bisect
 import collections as _collections
 import copy as _copy
+import ctypes as _ctypes
 import dataclasses as _dataclasses
 import gc as _gc
 import inspect as _inspect
@@ -348,21 +349,61 @@ def _subclass(t):
 
 
 def _source(t):
-    """(tensor torch.save would store, its bytes as a flat uint8 tensor or None when it must be
-    copied first). torch's writer stores tensor.cpu(), cloned when its storage holds more than
-    its bytes: contiguous then, or with its own strides when dense. A conjugate or negative
-    view is stored with the bit applied (its values as read), not as a flag over its memory.
-    torch.save writes a subclass (_subclass) whole."""
-    t = t.detach()
+    """(tensor torch.save would store, its bytes (_raw) or None when it must be copied first).
+    torch's writer stores tensor.cpu(), cloned when its storage holds more than its bytes:
+    contiguous then, or with its own strides when dense. A conjugate or negative view is stored
+    with the bit applied (its values as read), not as a flag over its memory. torch.save writes
+    a subclass (_subclass) whole. No torch call on the common path (a plain contiguous tensor
+    on the CPU or a CUDA device): _raw says why."""
     if t.is_quantized or _subclass(t):
-        return t, None
+        return t.detach(), None
     if t.is_conj():
-        t = t.resolve_conj()
+        t = t.detach().resolve_conj()
     if t.is_neg():
-        t = t.resolve_neg()
-    if t.is_contiguous():
-        return t, (_bytes(t) if t.numel() else None)
-    return t, None
+        t = t.detach().resolve_neg()
+    if t.is_contiguous() and t.numel():
+        raw = _raw(t)
+        if raw is not None:
+            return t, raw
+    return t.detach(), None
+
+
+def _raw(t):
+    """The bytes of t (contiguous, not empty) as a writer's piece: a memoryview over them on
+    the CPU, a _DeviceBytes on a CUDA device (None on another device), made from its address
+    without a torch call. Each torch call a writer thread makes (a view, a detach) lets go of
+    the interpreter lock and takes it back; with a training loop on another thread, each is a
+    wait of that loop's (compare_dcp's thread_waits): about five per tensor, more than DCP's own
+    calls of a save of 96 tensors. The caller keeps t alive while the piece is in use."""
+    n = t.numel() * t.element_size()
+    kind = t.device.type
+    if kind == "cpu":
+        return memoryview((_ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+    if kind == "cuda":
+        return _DeviceBytes(t.data_ptr(), n, t)
+    return None
+
+
+class _DeviceBytes:
+    """Bytes of device memory as pinmem.copy takes them (__cuda_array_interface__, read-only,
+    no stream: the writer orders its copies itself, _stream_for), holding their tensor;
+    sliced as bytes."""
+
+    __slots__ = ("__cuda_array_interface__", "ptr", "nbytes", "owner")
+
+    def __init__(self, ptr, nbytes, owner):
+        self.ptr, self.nbytes, self.owner = ptr, nbytes, owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, True), "version": 3}
+
+    def __len__(self):
+        return self.nbytes
+
+    def __getitem__(self, s):
+        start, stop, step = s.indices(self.nbytes)
+        if step != 1:
+            raise ValueError("_DeviceBytes: only contiguous slices")
+        return _DeviceBytes(self.ptr + start, max(0, stop - start), self.owner)
 
 
 # ---- writing ------------------------------------------------------------------------------------
@@ -478,14 +519,17 @@ class _FileOut:
         if self.free:
             self.buf = self.free.pop()
         else:
+            # NumPy arrays, not tensors: a torch call on this thread is a wait of the training
+            # loop's (_raw)
+            import numpy
             try:
                 whole, at = _pinned_pages(self.CHUNK)
-                self.buf = _torch.from_dlpack(whole)[at:at + self.CHUNK]
+                self.buf = numpy.frombuffer(whole, numpy.uint8)[at:at + self.CHUNK]
             except _pm.BudgetError:
-                self.buf = _torch.empty(self.CHUNK, dtype=_torch.uint8)
+                self.buf = numpy.empty(self.CHUNK, numpy.uint8)
             self.made += 1
             self._time("alloc", t0)
-        self.np = self.buf.numpy()
+        self.np = self.buf
         self.fill = 0
 
     def _submit(self):
@@ -493,15 +537,15 @@ class _FileOut:
         if self.buf is None or not self.fill:
             return
         buf, n, at = self.buf, self.fill, self.cstart
-        if _pm.pointer_info(buf.data_ptr())["kind"] in ("pool", "registered"):
+        if _pm.pointer_info(buf.ctypes.data)["kind"] in ("pool", "registered"):
             kw = dict(io=self.io, threads=self.WRITE_THREADS, chunk=self.write_unit())
         else:
             # A pageable chunk (the budget held no pinned one): through the page cache, which
             # needs no pinned bounce slot (one of write_unit() bytes is more than such a
             # budget holds).
             kw = dict(io="buffered", threads=self.WRITE_THREADS)
-        self.jobs.append((self.pool.submit(_pm.write_ranges, self.path, [(at, buf, n)], **kw),
-                          buf))
+        self.jobs.append((self.pool.submit(_pm.write_ranges, self.path, [(at, self.np, n)],
+                                           **kw), buf))
         self.buf = self.np = None
         self.cstart += n
         self.fill = 0
@@ -512,7 +556,7 @@ class _FileOut:
         if self.group is not None:  # gathering: kept beside, written with the tensors
             if self.small is None:
                 self.small = bytearray()
-                self.group.append((self.pos, self.small))
+                self.group.append((self.pos, self.small, None))
             self.small += mv
             self.pos += len(mv)
             self.group_bytes += len(mv)
@@ -527,29 +571,30 @@ class _FileOut:
             if self.fill == self.cap:
                 self._submit()
 
-    def put_data(self, flat):
-        """flat's bytes (a uint8 tensor: host or device memory); their CRC-32 (None when
-        the writer's CRCs are off)."""
-        n = flat.numel()
-        if (self.PINNED_DIRECT and flat.device.type == "cpu" and self.io == "direct"
-                and _pm.pointer_info(flat.data_ptr())["kind"] in ("pool", "registered")):
-            return self._put_pinned(flat)
+    def put_data(self, t, raw):
+        """The bytes of t (raw: _raw(t), host or device memory); their CRC-32 (None when the
+        writer's CRCs are off)."""
+        n = len(raw)
+        device = isinstance(raw, _DeviceBytes)
+        if (self.PINNED_DIRECT and not device and self.io == "direct"
+                and _pm.pointer_info(t.data_ptr())["kind"] in ("pool", "registered")):
+            return self._put_pinned(t, raw)
         if self.group is not None:  # back to the chunks, from here on
             self._flush_group()
             self.group = None
             self.cstart = self.pos
         crc = 0 if self.crc else None
-        stream = self.stream_for(flat) if flat.device.type == "cuda" else None
+        stream = self.stream_for(t) if device else None
         at = 0
         while at < n:
             self._chunk()
             m = min(n - at, self.cap - self.fill)
             t0 = _time.perf_counter()
-            dst = self.buf[self.fill:self.fill + m]
-            if flat.device.type == "cpu":
-                dst.copy_(flat[at:at + m])
+            dst = self.np[self.fill:self.fill + m]
+            if not device:
+                dst[:] = raw[at:at + m]
             else:  # a DMA into the pinned chunk
-                _pm.copy(dst, flat[at:at + m], stream).wait()
+                _pm.copy(dst, raw[at:at + m], stream).wait()
             t0 = self._time("copy", t0)
             if crc is not None:
                 crc = _crc32(self.np[self.fill:self.fill + m], crc)
@@ -561,20 +606,21 @@ class _FileOut:
                 self._submit()
         return crc
 
-    def _put_pinned(self, flat):
-        """flat (pinned) gathered where it is, its CRC-32 computed beside the writes."""
+    def _put_pinned(self, t, raw):
+        """t's bytes (raw, pinned) gathered where they are, their CRC-32 computed beside the
+        writes. The group holds t until they are written."""
         if self.group is None:
             self._submit()  # the chunk's bytes so far
             self.group = []
         self.small = None
-        n = flat.numel()
-        self.group.append((self.pos, flat))
+        n = len(raw)
+        self.group.append((self.pos, raw, t))
         self.pos += n
         self.group_bytes += n
         crc = None
         if self.crc:
             t0 = _time.perf_counter()
-            crc = _crc32(flat.numpy())
+            crc = _crc32(raw)
             self._time("crc", t0)
         if self.group_bytes >= self.group_cap:
             self._flush_group()
@@ -603,7 +649,7 @@ class _FileOut:
                              chunk=self.MIDDLE_CHUNK)
         small, large = [], []
         for r in rest:
-            (small if _nbytes(r[1]) < SMALL else large).append(r)
+            (small if len(r[1]) < SMALL else large).append(r)
         if small:
             _pm.write_ranges(self.path, small, io="buffered", threads=1)
         if large:
@@ -611,19 +657,19 @@ class _FileOut:
 
     @staticmethod
     def _split_group(group):
-        """A group's ranges -> (each tensor's 4 KiB-aligned middle, written in place in units
-        of MIDDLE_CHUNK: one request per tensor up to that size; the rest: the tensors' last
-        partial pages and the bytes between tensors, back to back, each run 4 KiB-aligned at
-        both ends: _write_group's page cache, or pinmem's slots for a piece of SMALL bytes or
-        more). One call over everything in 1 MiB units cost the CPU a request per MiB (about
-        0.1 ms each on a 2-CPU virtual machine: bench/dcp_train_cpu.py), and a larger unit for
-        all of it gathers more of each tensor through the slots, where units span two
-        pieces."""
+        """A group's pieces, (file offset, bytes, their tensor or None for bytes of the
+        writer's own) -> ranges (file offset, bytes): (each tensor's 4 KiB-aligned middle,
+        written in place in units of MIDDLE_CHUNK: one request per tensor up to that size; the
+        rest: the tensors' last partial pages and the bytes between tensors, back to back, each
+        run 4 KiB-aligned at both ends: _write_group's page cache, or pinmem's slots for a
+        piece of SMALL bytes or more). One call over everything in 1 MiB units cost the CPU a
+        request per MiB (about 0.1 ms each on a 2-CPU virtual machine: bench/dcp_train_cpu.py),
+        and a larger unit for all of it gathers more of each tensor through the slots, where
+        units span two pieces."""
         middles, rest = [], []
-        for off, src in group:
-            tensor = isinstance(src, _torch.Tensor)
-            n, m = _nbytes(src), 0
-            if tensor and off % ALIGN == 0 and src.data_ptr() % ALIGN == 0:
+        for off, src, t in group:
+            n, m = len(src), 0
+            if t is not None and off % ALIGN == 0 and t.data_ptr() % ALIGN == 0:
                 m = n // ALIGN * ALIGN
             if m:
                 middles.append((off, src[:m]))
@@ -638,9 +684,9 @@ class _FileOut:
         self.results.append(_result(item, self.name, at, self.pos - at))
 
     def add_tensor(self, item, t):
-        t, flat = _source(t)
+        t, raw = _source(t)
         nbytes = t.numel() * t.element_size()
-        if flat is None:
+        if raw is None:
             self._add_saved(item, t)
             return
         a = _archive(t.dtype, t.shape, t.stride(), nbytes, self.crc)
@@ -651,14 +697,14 @@ class _FileOut:
             # tensors of 10 KiB).
             at = self.pos
             self.put(a.head)
-            crc = self.put_small(flat)
+            crc = self.put_small(t, raw)
         else:
             # the data on a 4 KiB boundary of the file: the zeros before the archive are no
             # item's
             self.put(bytes(-(self.pos + len(a.head)) % ALIGN))
             at = self.pos
             self.put(a.head)
-            crc = self.put_data(flat)
+            crc = self.put_data(t, raw)
         self.put(a.tail_for(crc))
         self.results.append(_result(item, self.name, at, self.pos - at))
 
@@ -670,14 +716,16 @@ class _FileOut:
         with _torch.cuda.stream(self.stream_for(t)):
             return t.cpu()
 
-    def put_small(self, flat):
-        """flat's bytes (a uint8 tensor of fewer than SMALL bytes, host or device memory) put
-        as the bytes around it are; their CRC-32 (None when the writer's CRCs are off)."""
+    def put_small(self, t, raw):
+        """The bytes of t (raw: _raw(t), fewer than SMALL, host or device memory) put as the
+        bytes around them are; their CRC-32 (None when the writer's CRCs are off)."""
         t0 = _time.perf_counter()
-        if flat.device.type == "cuda":
-            flat = self._to_host(flat)
+        if isinstance(raw, _DeviceBytes):
+            b = bytearray(len(raw))
+            _pm.copy(b, raw, self.stream_for(t)).wait()
             t0 = self._time("copy", t0)
-        b = flat.numpy()
+        else:
+            b = raw
         crc = None
         if self.crc:
             crc = _crc32(b)
@@ -687,7 +735,7 @@ class _FileOut:
 
     def _add_saved(self, item, t):
         t0 = _time.perf_counter()
-        c = self._to_host(t)
+        c = self._to_host(t.detach())
         if c.untyped_storage().size() != c.numel() * c.element_size():
             c = c.clone()
         b = _io.BytesIO()
@@ -728,11 +776,6 @@ class _FileOut:
         finally:
             self.free, self.buf, self.np = [], None, None
             _os.close(self.fd)
-
-
-def _nbytes(src):
-    """The bytes of a gathered piece: a uint8 tensor or a bytearray."""
-    return src.numel() if isinstance(src, _torch.Tensor) else len(src)
 
 
 def _result(item, name, offset, length):

@@ -1166,6 +1166,55 @@ def test_stager_snapshot_starts_on_a_page():
     st.close()
 
 
+def test_writer_makes_no_torch_call_per_tensor(tmp_path, monkeypatch):
+    """The writer reaches a plain contiguous tensor's bytes from its address, with no torch
+    call (no detach, no view): on async_save's thread each torch call lets go of the
+    interpreter lock and takes it back, and a training loop on another thread waits for it
+    each time (compare_dcp's thread_waits: about five a tensor before). Pinned (a snapshot) and
+    pageable tensors, parameters that need grad among them; the files stay torch's bytes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import pinmem.dcp as pdcp
+
+    class Count(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    real = pdcp._FileOut.add_tensor
+
+    def counted(self, item, t):
+        with Count():
+            return real(self, item, t)
+    monkeypatch.setattr(pdcp._FileOut, "add_tensor", counted)
+    g = torch.Generator().manual_seed(5)
+    sd = {f"w{i}": torch.randn(1000 + 4099 * i, generator=g) for i in range(6)}
+    sd["p"] = torch.nn.Parameter(torch.randn(300, 7, generator=g))
+    sd["s"] = torch.tensor(3.0)
+    for name, state, io in (("pageable", sd, "auto"), ("buffered", sd, "buffered"),
+                            ("snapshot", None, "direct")):
+        w = pdcp.FileSystemWriter(tmp_path / name, io=io)
+        for _ in range(2):  # the second save: torch.save's archives of these shapes known
+            Count.ops.clear()
+            dcp.save(state if state is not None else w.stage(sd), storage_writer=w,
+                     no_dist=True)
+        assert Count.ops == [], (name, Count.ops)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / (name + "-t")),
+                 no_dist=True)
+        mine, theirs = _items(tmp_path / name), _items(tmp_path / (name + "-t"))
+        assert mine.keys() == theirs.keys() and all(mine[k] == theirs[k] for k in mine), name
+        w.close()
+
+
+def _address(src):
+    """The address of a writer's range source: a tensor, or bytes with the buffer protocol."""
+    if isinstance(src, torch.Tensor):
+        return src.data_ptr()
+    import numpy
+    return numpy.frombuffer(src, numpy.uint8).ctypes.data
+
+
 def test_chunks_start_on_a_page(tmp_path, monkeypatch):
     """The writer's pinned chunks start on a 4 KiB boundary, as the file offsets they are
     written at do, even from a pool block that does not (the rest of a cached block split for
@@ -1180,7 +1229,7 @@ def test_chunks_start_on_a_page(tmp_path, monkeypatch):
     real, seen = pinmem.write_ranges, []
 
     def ranges(path, plan, **kw):
-        seen.extend((at, src.data_ptr()) for at, src, *_ in plan)
+        seen.extend((at, _address(src)) for at, src, *_ in plan)
         return real(path, plan, **kw)
 
     monkeypatch.setattr(pinmem, "write_ranges", ranges)
@@ -1668,7 +1717,7 @@ def test_stager_packs_small_tensors(tmp_path, monkeypatch):
 
     def spy(group):
         m, rest = split(group)
-        middles.extend(src.data_ptr() for _, src in m)
+        middles.extend(_address(src) for _, src in m)
         return m, rest
     monkeypatch.setattr(pinmem.dcp._FileOut, "_split_group", staticmethod(spy))
     dcp.save(staged, storage_writer=pinmem.dcp.FileSystemWriter(tmp_path / "p"), no_dist=True)
