@@ -280,7 +280,8 @@ def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None, 
         _pinmem._file_readv(f, ranges, stream, io, threads, chunk)
 
 
-def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0, chunk=None):
+def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0, chunk=None,
+                 fd=None):
     """Write many ranges of the file at `path`, each from its own source, in one call.
 
     ranges: a sequence of (offset, src) or (offset, src, nbytes); src as write_file's. The file
@@ -291,11 +292,14 @@ def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0
     is in the file (fsync=True: on disk). io, stream: as write_file's; threads: as
     read_ranges'; chunk: the bytes of each write (None: the option file_write_chunk), as
     read_ranges'. A write in the background of CPU work takes less of the CPUs with a larger
-    chunk and few threads (docs/files.md, "Lists of ranges").
+    chunk and few threads (docs/files.md, "Lists of ranges"). fd: an open, writable descriptor
+    of the file at `path` (not O_APPEND) to write through instead of opening it, left open;
+    errors still name `path`. A writer that makes many calls on one file saves an open and a
+    close each.
     """
     path = _os.fspath(path)
     threads = _int_arg("threads", threads, 0, 256, fn="write_ranges")
-    with _opened("write_ranges", path, _WRITE) as f:
+    with _opened("write_ranges", path, _WRITE, fd) as f:
         _pinmem._file_writev(f, ranges, stream, io, bool(fsync), threads, chunk)
 
 

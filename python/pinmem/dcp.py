@@ -545,7 +545,7 @@ class _FileOut:
             # budget holds).
             kw = dict(io="buffered", threads=self.WRITE_THREADS)
         self.jobs.append((self.pool.submit(_pm.write_ranges, self.path, [(at, self.np, n)],
-                                           **kw), buf))
+                                           fd=self.fd, **kw), buf))
         self.buf = self.np = None
         self.cstart += n
         self.fill = 0
@@ -646,14 +646,15 @@ class _FileOut:
         middles, rest = self._split_group(group)
         if middles:
             _pm.write_ranges(self.path, middles, io=self.io, threads=self.MIDDLE_THREADS,
-                             chunk=self.MIDDLE_CHUNK)
+                             chunk=self.MIDDLE_CHUNK, fd=self.fd)
         small, large = [], []
         for r in rest:
             (small if len(r[1]) < SMALL else large).append(r)
         if small:
-            _pm.write_ranges(self.path, small, io="buffered", threads=1)
+            _pm.write_ranges(self.path, small, io="buffered", threads=1, fd=self.fd)
         if large:
-            _pm.write_ranges(self.path, large, io=self.io, threads=self.GATHER_THREADS)
+            _pm.write_ranges(self.path, large, io=self.io, threads=self.GATHER_THREADS,
+                             fd=self.fd)
 
     @staticmethod
     def _split_group(group):

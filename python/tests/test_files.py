@@ -619,6 +619,41 @@ def test_write_ranges_gathers_and_keeps_the_gaps(io, tmp_path, rng, no_fd_leak):
     np.testing.assert_array_equal(raw[900000:], tail)
 
 
+@pytest.mark.parametrize("io", IOS)
+def test_write_ranges_through_a_descriptor(io, tmp_path, rng, no_fd_leak):
+    """write_ranges(fd=): the bytes go through the caller's descriptor, which stays open with
+    its offset unchanged, also when a call fails; a read-only or O_APPEND descriptor is refused
+    by name, and nothing is written."""
+    path = tmp_path / "f.bin"
+    want = write_background(path, rng, 600000).copy()
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.lseek(fd, 17, os.SEEK_SET)
+        ranges = []
+        for i, (off, n) in enumerate(RANGES[:4]):
+            d = random_bytes(rng, n)
+            want[off:off + n] = d
+            ranges.append((off, make_src(("numpy", "pinned")[i % 2], d)))
+        assert pinmem.write_ranges(path, ranges, io=io, fd=fd) is None
+        np.testing.assert_array_equal(np.fromfile(path, np.uint8), want)
+        with pytest.raises(pinmem.InvalidError, match="overlap"):
+            pinmem.write_ranges(path, [(0, b"12345678"), (4, b"1234")], io=io, fd=fd)
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 17  # open, where the caller left it
+        np.testing.assert_array_equal(np.fromfile(path, np.uint8), want)
+    finally:
+        os.close(fd)
+    for flags, what in ((os.O_RDONLY, "not open for writing"), (os.O_WRONLY | os.O_APPEND,
+                                                               "O_APPEND")):
+        fd = os.open(path, flags | os.O_CLOEXEC)
+        try:
+            with pytest.raises(pinmem.InvalidError, match=what) as e:
+                pinmem.write_ranges(path, [(0, b"x" * 10)], io=io, fd=fd)
+            assert str(path) in str(e.value)
+        finally:
+            os.close(fd)
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), want)
+
+
 @pytest.mark.parametrize("chunk", [4096, "12K", "3M", None])
 def test_ranges_in_units_of_a_chunk_of_ones_own(chunk, tmp_path, rng, no_fd_leak):
     # Units smaller and larger than the ranges, and not dividing them: the same bytes.
