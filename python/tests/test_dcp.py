@@ -1207,6 +1207,57 @@ def test_writer_makes_no_torch_call_per_tensor(tmp_path, monkeypatch):
         w.close()
 
 
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_device_path_without_a_gpu(tmp_path, monkeypatch, io):
+    """The writer's path for device tensors, where no GPU is: pinmem's device memory (the host
+    backend's stands in for a GPU's) holds each tensor's bytes and reaches the writer as _raw
+    hands over a CUDA tensor's (_DeviceBytes, __cuda_array_interface__). Each piece is copied
+    into a pinned chunk and waited for, its CRC taken there: large tensors across chunk
+    boundaries (chunks of 5 pages), small ones copied to the host at once. The files are torch's
+    writer's bytes, and load back."""
+    import ctypes
+    import pinmem
+    import pinmem.dcp as pdcp
+    held, copies = [], []
+
+    def on_device(t):
+        n = t.numel() * t.element_size()
+        d = pinmem.device_empty(n, "uint8")
+        src = memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+        pinmem.copy(d, src).wait()
+        held.append(d)
+        return pdcp._DeviceBytes(d.ptr, n, d)
+
+    real_copy = pinmem.copy
+
+    def copy(dst, src, stream=None, **kw):
+        if isinstance(src, pdcp._DeviceBytes):
+            copies.append(len(src))
+        return real_copy(dst, src, stream, **kw)
+    monkeypatch.setattr(pdcp, "_raw", on_device)
+    monkeypatch.setattr(pdcp.FileSystemWriter, "_stream_for",
+                        lambda self, synced: (lambda t: None))
+    monkeypatch.setattr(pinmem, "copy", copy)
+    monkeypatch.setattr(pdcp._FileOut, "CHUNK", 5 * 4096)
+    monkeypatch.setattr(pdcp._FileOut, "FIRST", 2 * 4096)
+    g = torch.Generator().manual_seed(3)
+    sd = {"big": torch.randn(300000, generator=g),  # 1.2 MiB: across many chunks
+          "odd": torch.randn(262147, generator=g).to(torch.bfloat16),  # 512 KiB + 6 bytes
+          "w": torch.randn(640, 513, generator=g),
+          "small": torch.randn(33, generator=g), "step": torch.tensor(7),
+          "flag": torch.tensor([True, False, True])}
+    dcp.save(sd, storage_writer=pdcp.FileSystemWriter(tmp_path / "p", io=io), no_dist=True)
+    assert len(held) == len(sd) and sum(copies) == sum(d.nbytes for d in held)
+    assert len(copies) > len(sd), "the large tensors crossed no chunk boundary"
+    monkeypatch.undo()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+    mine, theirs = _items(tmp_path / "p"), _items(tmp_path / "t")
+    assert mine.keys() == theirs.keys() and all(mine[k] == theirs[k] for k in mine)
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(got, storage_reader=pdcp.FileSystemReader(tmp_path / "p"), no_dist=True)
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+
+
 def _address(src):
     """The address of a writer's range source: a tensor, or bytes with the buffer protocol."""
     if isinstance(src, torch.Tensor):
