@@ -23,7 +23,10 @@ one pinmem.write_ranges call each, one call after the other. An archive is place
 data starts on a 4 KiB boundary of the file (the bytes between items are zeros that no item's
 range covers). Small tensors (< 1 MiB) are put where they fall, their archives from the same
 templates; torch.save itself writes only what has no template (a quantized tensor, a tensor
-subclass, one whose bytes are not its storage's).
+subclass, one whose bytes are not its storage's). The writer makes no torch call per tensor: it
+reaches a tensor's bytes from its address (_raw), and its chunks are NumPy arrays. On
+async_save's thread every torch call hands the interpreter lock to the training loop and waits
+to take it back, a wait of the loop's each time.
 
 Durability. Data files get names of their own per save (`__<rank>_<k>.<save>.distcp`), are
 fsync'd with their folder before the plan is gathered, and a save's metadata is written to a
