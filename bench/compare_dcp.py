@@ -43,6 +43,8 @@ its own write_data / read_data):
     thread_waits: the times the training thread waited over its steps (its voluntary context
     switches, the median of the rounds): waits for the interpreter lock, held by the save's
     threads, show here.
+    --saves-per-loop K: each timed loop spans K saves (and K of the disk's writes) one after
+    the other, K times the steps: the loop's own noise weighs less in each run.
 
 TARGET lines (met / MISSED / UNDECIDED): save >= 0.9x the disk's O_DIRECT write; cold load >=
 0.9x the disk's O_DIRECT read; async return <= 1.3x the snapshot alone; training slowdown < 5%
@@ -55,7 +57,7 @@ torch's writer and reader (the ratios printed). --train-only runs the training l
 
   bench/compare_dcp.py [--ranks 2] [--size 1G] [--device cpu|cuda] [--dir DIR] [--repeat 3]
                        [--crc32 torch|off] [--io auto|direct|buffered]
-                       [--executor thread|process] [--plan-caching]
+                       [--executor thread|process] [--plan-caching] [--saves-per-loop K]
                        [--no-train | --train-only] [--json]
 
 Rows of saves and loads carry, per rank: the whole dcp.save / dcp.load (rank_seconds), DCP's own
@@ -236,7 +238,7 @@ def rank_main(rank, world, args, store, tmp):
 
     if args.train_only:
         train = train_during_save(torch, dcp, pdcp, g, app, device, tmp, args.repeat, report,
-                                  allb, akw)
+                                  allb, akw, args.saves_per_loop)
         if lead:
             say_targets([train_target(train)], args)
         g.barrier()
@@ -502,7 +504,7 @@ def rank_main(rank, world, args, store, tmp):
     train = None
     if not args.no_train:
         train = train_during_save(torch, dcp, pdcp, g, app, device, tmp, args.repeat, report,
-                                  allb, akw)
+                                  allb, akw, args.saves_per_loop)
 
     if lead:
         targets(results, train, args)
@@ -541,7 +543,8 @@ def phase_fields(b):
     return out
 
 
-def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb, akw):
+def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb, akw,
+                      saves_per_loop=1):
     """Seconds of the same training steps without a save and while an async_save of sd is
     written (best of `repeat` each, in turn); the slowdown in percent. akw(kind): the keywords
     of an async_save through the writer of kind."""
@@ -581,7 +584,8 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
         step()
     sync(torch, device)
     per_step = max(g.gather((time.perf_counter() - t0) / 10))
-    steps = max(20, int(save_s / per_step))
+    per_loop = max(1, saves_per_loop)
+    steps = max(20, int(per_loop * save_s / per_step))
     training = sum(g.gather(int(trains)))  # ranks whose loop is timed
 
     # The disk alone: this rank's bytes written to a file of its own as the disk's own rate is
@@ -601,26 +605,42 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     dcp.async_save(sd, storage_writer=twriter, **akw("torch")).result()  # warm, as pinmem's
 
     def loop(mode):
+        """The steps timed during per_loop saves one after the other (each started once the
+        one before is done; the time inside each later async_save call left out, as the first
+        one's is), in mode: none, save (pinmem's), torch, disk. Every rank starts per_loop
+        saves, its loop over or not: DCP's collectives pair them up."""
         g.barrier()
-        fut = th = None
+        saves, th = [], None
+        who = {"save": (writer, "pinmem"), "torch": (twriter, "torch")}.get(mode)
+
+        def start():
+            t = time.perf_counter()
+            saves.append(dcp.async_save(sd, storage_writer=who[0], **akw(who[1])))
+            return time.perf_counter() - t
+
         t0 = time.perf_counter()
-        if mode == "save":
-            fut = dcp.async_save(sd, storage_writer=writer, **akw("pinmem"))
-        elif mode == "torch":
-            fut = dcp.async_save(sd, storage_writer=twriter, **akw("torch"))
+        if who is not None:
+            start()
         elif mode == "disk":
-            th = threading.Thread(target=disk.overwrite)
+            th = threading.Thread(target=lambda: [disk.overwrite() for _ in range(per_loop)])
             th.start()
         t1, w1 = time.perf_counter(), thread_waits()
+        inside = 0.0
         for _ in range(steps):
             step()
+            if saves and len(saves) < per_loop and saves[-1].done():
+                saves[-1].result()
+                inside += start()
         w2 = thread_waits()
         sync(torch, device)
-        t = time.perf_counter() - t1
+        t = time.perf_counter() - t1 - inside
         if w1 is not None and w2 is not None:
             waits[mode].append(w2 - w1)
-        if fut is not None:
-            fut.result()
+        while saves and len(saves) < per_loop:
+            saves[-1].result()
+            start()
+        for f in saves:
+            f.result()
         if th is not None:
             th.join()
         return max(g.gather(t)), t1 - t0
@@ -659,10 +679,12 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
            training_ranks=training, **({"thread_waits": w[len(w) // 2]} if w else {}))
     if disk is not None:
         during = runs["disk"]
-        report("train_during_disk_alone", sorted(during)[len(during) // 2], allb, steps=steps,
+        report("train_during_disk_alone", sorted(during)[len(during) // 2], allb * per_loop,
+               steps=steps,
                **slowdowns(during, "disk"))
     during = runs["torch"]
-    report("train_during_torch_async_save", sorted(during)[len(during) // 2], allb, steps=steps,
+    report("train_during_torch_async_save", sorted(during)[len(during) // 2], allb * per_loop,
+           steps=steps,
            **slowdowns(during, "torch"))
     # What the save costs the loop beyond the disk's own time, round by round: each round's runs
     # with the save and with the disk alone less each other, over the same round's run without
@@ -674,8 +696,9 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
         beyond = dict(beyond_disk_pct=pct(1 + b[n // 2]), beyond_disk_q1_pct=pct(1 + b[n // 4]),
                       beyond_disk_q3_pct=pct(1 + b[(3 * n) // 4]))
     during = runs["save"]
-    out = report("train_during_async_save", sorted(during)[len(during) // 2], allb, steps=steps,
-                 save_seconds=round(save_s, 3), training_ranks=training, **slowdowns(during, "save"),
+    out = report("train_during_async_save", sorted(during)[len(during) // 2], allb * per_loop,
+                 steps=steps, saves_per_loop=per_loop, save_seconds=round(save_s, 3),
+                 training_ranks=training, **slowdowns(during, "save"),
                  noise_q1_pct=pct(own[len(own) // 4]), noise_q3_pct=pct(own[(3 * len(own)) // 4]),
                  **beyond)
     if disk is not None:
@@ -831,6 +854,10 @@ def main():
                     help="every async_save of a writer (pinmem's, torch's) given one planner kept "
                          "across its saves, DefaultSavePlanner(enable_plan_caching=True): the "
                          "plans are made once, as a training loop's periodic saves can")
+    ap.add_argument("--saves-per-loop", type=int, default=1, metavar="K",
+                    help="each timed loop of the training target spans K async saves, one after "
+                         "the other (and K of the disk's writes): K times the steps, less of "
+                         "the loop's own noise in each run (default 1)")
     loop = ap.add_mutually_exclusive_group()
     loop.add_argument("--no-train", action="store_true", help="skip the training loop")
     loop.add_argument("--train-only", action="store_true",
