@@ -22,19 +22,12 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import shutil
 import warnings
 
-
-def waits():
-    """This thread's voluntary context switches so far."""
-    with open("/proc/self/task/%d/status" % threading.get_native_id()) as f:
-        for line in f:
-            if line.startswith("voluntary_ctxt_switches:"):
-                return int(line.split()[1])
-    return 0
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from compare_dcp import thread_waits as waits  # noqa: E402
 
 
 def main():

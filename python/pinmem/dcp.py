@@ -481,7 +481,7 @@ class _FileOut:
         self.pos = 0           # bytes put so far: the file's length once written
         self.cstart = 0        # file offset of the current chunk's first byte (4 KiB aligned until
                                # a gathered part ends elsewhere)
-        self.buf = self.np = None
+        self.buf = None
         self.fill = 0
         self.cap = min(self.FIRST, self.CHUNK)  # bytes the current chunk takes before its write
         self.free, self.made = [], 0
@@ -532,7 +532,6 @@ class _FileOut:
                 self.buf = numpy.empty(self.CHUNK, numpy.uint8)
             self.made += 1
             self._time("alloc", t0)
-        self.np = self.buf
         self.fill = 0
 
     def _submit(self):
@@ -547,9 +546,9 @@ class _FileOut:
             # needs no pinned bounce slot (one of write_unit() bytes is more than such a
             # budget holds).
             kw = dict(io="buffered", threads=self.WRITE_THREADS)
-        self.jobs.append((self.pool.submit(_pm.write_ranges, self.path, [(at, self.np, n)],
+        self.jobs.append((self.pool.submit(_pm.write_ranges, self.path, [(at, buf, n)],
                                            fd=self.fd, **kw), buf))
-        self.buf = self.np = None
+        self.buf = None
         self.cstart += n
         self.fill = 0
         self.cap = min(self.CHUNK, 2 * self.cap)
@@ -567,7 +566,7 @@ class _FileOut:
         while mv:
             self._chunk()
             n = min(len(mv), self.cap - self.fill)
-            self.np[self.fill:self.fill + n] = mv[:n]
+            self.buf[self.fill:self.fill + n] = mv[:n]
             self.fill += n
             self.pos += n
             mv = mv[n:]
@@ -593,14 +592,14 @@ class _FileOut:
             self._chunk()
             m = min(n - at, self.cap - self.fill)
             t0 = _time.perf_counter()
-            dst = self.np[self.fill:self.fill + m]
+            dst = self.buf[self.fill:self.fill + m]
             if not device:
                 dst[:] = raw[at:at + m]
             else:  # a DMA into the pinned chunk
                 _pm.copy(dst, raw[at:at + m], stream).wait()
             t0 = self._time("copy", t0)
             if crc is not None:
-                crc = _crc32(self.np[self.fill:self.fill + m], crc)
+                crc = _crc32(self.buf[self.fill:self.fill + m], crc)
                 self._time("crc", t0)
             self.fill += m
             self.pos += m
@@ -778,7 +777,7 @@ class _FileOut:
                 _os.fsync(self.fd)
                 self._time("fsync", t0)
         finally:
-            self.free, self.buf, self.np = [], None, None
+            self.free, self.buf = [], None
             _os.close(self.fd)
 
 

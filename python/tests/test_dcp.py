@@ -1215,16 +1215,15 @@ def test_device_path_without_a_gpu(tmp_path, monkeypatch, io):
     into a pinned chunk and waited for, its CRC taken there: large tensors across chunk
     boundaries (chunks of 5 pages), small ones copied to the host at once. The files are torch's
     writer's bytes, and load back."""
-    import ctypes
     import pinmem
     import pinmem.dcp as pdcp
     held, copies = [], []
+    host_raw = pdcp._raw  # a CPU tensor's bytes, as the writer reaches them
 
     def on_device(t):
         n = t.numel() * t.element_size()
         d = pinmem.device_empty(n, "uint8")
-        src = memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
-        pinmem.copy(d, src).wait()
+        pinmem.copy(d, host_raw(t)).wait()
         held.append(d)
         return pdcp._DeviceBytes(d.ptr, n, d)
 
