@@ -558,6 +558,12 @@ typedef struct pm_file_options {
   void (*callback)(void *arg, pm_status_t status); /* as pm_copy_options_t: runs once on
                                                       completion, on a library thread */
   void *callback_arg;
+  uint32_t *crc32; /* writes: where not NULL, crc32[i] receives the CRC-32 of ranges[i]'s bytes
+                      as written (zlib's, the one zip and torch.save record; 0 for a range of 0
+                      bytes; the one-range calls: crc32[0]), computed by the threads that write
+                      each unit, a device range's on its copy in the bounce slot. Needs zlib
+                      (libz.so.1, loaded at run time; PINMEM_ZLIB names another file):
+                      PM_ERR_UNSUPPORTED without it. Set only on success. Reads: PM_ERR_INVALID */
 } pm_file_options_t;
 
 PM_API void pm_file_options_init(pm_file_options_t *options);

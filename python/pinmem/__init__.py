@@ -281,7 +281,7 @@ def read_ranges(path, ranges, *, io="auto", stream=None, threads=0, chunk=None, 
 
 
 def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0, chunk=None,
-                 fd=None):
+                 fd=None, crc32=False):
     """Write many ranges of the file at `path`, each from its own source, in one call.
 
     ranges: a sequence of (offset, src) or (offset, src, nbytes); src as write_file's. The file
@@ -296,11 +296,17 @@ def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0
     of the file at `path` (not O_APPEND) to write through instead of opening it, left open;
     errors still name `path`. A writer that makes many calls on one file saves an open and a
     close each.
+    crc32=True: return each range's CRC-32 (zlib.crc32's, as zip and torch.save record it), a
+    list in the order of ranges (0 for a range of 0 bytes), computed by pinmem's threads on the
+    bytes as they are written (device memory: on its copy in the pinned slot), so the copy, the
+    CRC and the write take one call. Needs zlib's libz.so.1 (loaded at run time; PINMEM_ZLIB
+    names another file): UnsupportedError without it. Else returns None.
     """
     path = _os.fspath(path)
     threads = _int_arg("threads", threads, 0, 256, fn="write_ranges")
     with _opened("write_ranges", path, _WRITE, fd) as f:
-        _pinmem._file_writev(f, ranges, stream, io, bool(fsync), threads, chunk)
+        return _pinmem._file_writev(f, ranges, stream, io, bool(fsync), threads, chunk,
+                                    bool(crc32))
 
 
 # ------------------------------------------------------------------------------------------

@@ -281,10 +281,13 @@ static PyObject *py_file_write(PyObject *mod, PyObject *args) {
 /* The list calls: ranges is a sequence of (offset, obj) or (offset, obj, nbytes); every obj is
  * resolved (and held) first, the C call runs without the GIL, and for device memory the call
  * waits for its DMAs before the holders let go: the list's objects are many, a Completion holds
- * two, so these calls return once every byte is in place. The caller holds the stream. */
+ * two, so these calls return once every byte is in place. The caller holds the stream. crc
+ * (writes): return each range's CRC-32 as written (pm_file_options_t.crc32), a list in the
+ * ranges' order, computed by the call's threads: a caller gets the copy, the CRC and the write
+ * of device memory with one release of the interpreter lock. */
 static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, pm_stream_t stream,
                                     PyObject *io_obj, int fsync, int threads,
-                                    PyObject *chunk_obj) {
+                                    PyObject *chunk_obj, int crc) {
   const char *fn = write ? "write_ranges" : "read_ranges";
   pmpy_pending_sweep(0);
   if (fd < 0) return pmpy_raise_fmt(PM_ERR_INVALID, "%s: fd %d is not a file descriptor", fn, fd);
@@ -317,9 +320,10 @@ static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, pm_
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   pmpy_holder_t *h = PyMem_Calloc((size_t)(n ? n : 1), sizeof *h);
   pm_file_range_t *r = PyMem_Calloc((size_t)(n ? n : 1), sizeof *r);
+  uint32_t *crcs = crc ? PyMem_Calloc((size_t)(n ? n : 1), sizeof *crcs) : NULL;
   Py_ssize_t held = 0;
   PyObject *result = NULL;
-  if (!h || !r) {
+  if (!h || !r || (crc && !crcs)) {
     PyErr_NoMemory();
     goto done;
   }
@@ -360,6 +364,7 @@ static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, pm_
   opt.fsync = fsync;
   opt.threads = threads;
   opt.chunk = chunk;
+  opt.crc32 = crcs;
   pm_fence_t fence = NULL;
   pm_status_t st, wst = PM_OK;
   Py_BEGIN_ALLOW_THREADS;
@@ -375,11 +380,21 @@ static PyObject *file_transfer_list(int write, int fd, PyObject *ranges_obj, pm_
     pmpy_raise_status(st);
     goto done;
   }
-  result = Py_NewRef(Py_None);
+  if (!crc) {
+    result = Py_NewRef(Py_None);
+    goto done;
+  }
+  result = PyList_New(n);
+  for (Py_ssize_t i = 0; result && i < n; i++) {
+    PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+    if (!v) Py_CLEAR(result);
+    else PyList_SET_ITEM(result, i, v);
+  }
 done:
   for (Py_ssize_t i = 0; i < held; i++) pmpy_holder_release(&h[i]);
   PyMem_Free(h);
   PyMem_Free(r);
+  PyMem_Free(crcs);
   Py_DECREF(seq);
   return result;
 }
@@ -392,20 +407,20 @@ static PyObject *py_file_readv(PyObject *mod, PyObject *args) {
     return NULL;
   pm_stream_t s;
   if (pmpy_stream_take(stream, &s) < 0) return NULL;
-  PyObject *r = file_transfer_list(0, fd, ranges, s, io, 0, threads, chunk);
+  PyObject *r = file_transfer_list(0, fd, ranges, s, io, 0, threads, chunk, 0);
   pmpy_stream_drop(stream);
   return r;
 }
 
 static PyObject *py_file_writev(PyObject *mod, PyObject *args) {
-  int fd, fsync, threads = 0;
+  int fd, fsync, threads = 0, crc = 0;
   PyObject *ranges, *stream, *io, *chunk = Py_None;
-  if (!PyArg_ParseTuple(args, "iOOOp|iO:_file_writev", &fd, &ranges, &stream, &io, &fsync,
-                        &threads, &chunk))
+  if (!PyArg_ParseTuple(args, "iOOOp|iOp:_file_writev", &fd, &ranges, &stream, &io, &fsync,
+                        &threads, &chunk, &crc))
     return NULL;
   pm_stream_t s;
   if (pmpy_stream_take(stream, &s) < 0) return NULL;
-  PyObject *r = file_transfer_list(1, fd, ranges, s, io, fsync, threads, chunk);
+  PyObject *r = file_transfer_list(1, fd, ranges, s, io, fsync, threads, chunk, crc);
   pmpy_stream_drop(stream);
   return r;
 }
@@ -449,8 +464,9 @@ PyMethodDef pmpy_files_functions[] = {
      "dst[, nbytes]) of ranges in one pm_file_readv_async call; returns once every byte is in "
      "place."},
     {"_file_writev", py_file_writev, METH_VARARGS,
-     "_file_writev(fd, ranges, stream, io, fsync, threads=0, chunk=None) -> None: write each "
-     "(offset, src[, nbytes]) of ranges in one pm_file_writev_async call."},
+     "_file_writev(fd, ranges, stream, io, fsync, threads=0, chunk=None, crc32=False) -> None, "
+     "or with crc32 each range's CRC-32 (a list): write each (offset, src[, nbytes]) of ranges "
+     "in one pm_file_writev_async call."},
     {"_raise", py_raise, METH_VARARGS, "_raise(code, detail): raise the error of a status."},
     {"_file_stats", py_file_stats, METH_NOARGS,
      "_file_stats() -> dict: bytes read and written through O_DIRECT and through the page "

@@ -654,6 +654,56 @@ def test_write_ranges_through_a_descriptor(io, tmp_path, rng, no_fd_leak):
     np.testing.assert_array_equal(np.fromfile(path, np.uint8), want)
 
 
+@pytest.mark.parametrize("io", IOS)
+@pytest.mark.parametrize("chunk", [4096, "12K", None])
+def test_write_ranges_crc32_of_each_range(io, chunk, tmp_path, rng, no_fd_leak):
+    """write_ranges(crc32=True): each range's CRC-32 as zlib computes it, in the order given,
+    from host and device memory, over ranges that share units and ranges of many units; a range
+    of 0 bytes has 0."""
+    import zlib
+    path = tmp_path / "f.bin"
+    want = write_background(path, rng, 800000).copy()
+    kinds = ["numpy", "pinned", "device"]
+    ranges, crcs = [], []
+    for i, (off, n) in enumerate(RANGES[::-1]):
+        d = random_bytes(rng, n)
+        want[off:off + n] = d
+        ranges.append((off, make_src(kinds[i % 3], d)))
+        crcs.append(zlib.crc32(d))
+    assert pinmem.write_ranges(path, ranges, io=io, chunk=chunk, crc32=True) == crcs
+    assert 0 in crcs  # the range of 0 bytes
+    np.testing.assert_array_equal(np.fromfile(path, np.uint8), want)
+    # nbytes: the CRC of the bytes written, not of the whole source
+    d = random_bytes(rng, 10000)
+    assert pinmem.write_ranges(path, [(5, d, 777)], io=io, crc32=True) == [zlib.crc32(d[:777])]
+
+
+def test_write_ranges_crc32_without_zlib(tmp_path):
+    """Without zlib (PINMEM_ZLIB naming a file that is not there), crc32=True is refused with
+    UnsupportedError naming the file, before anything is written; writes without it work."""
+    code = textwrap.dedent("""
+        import sys, pinmem
+        path = sys.argv[1]
+        try:
+            pinmem.write_ranges(path, [(0, b"abc")], crc32=True)
+        except pinmem.UnsupportedError as e:
+            print("refused:", e)
+        import os
+        print("size:", os.path.getsize(path) if os.path.exists(path) else None)
+        pinmem.write_ranges(path, [(0, b"abc")])
+        print("size:", os.path.getsize(path))
+    """)
+    env = dict(os.environ, PINMEM_ZLIB=str(tmp_path / "no-libz.so"))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "f.bin")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("refused:") and "no-libz.so" in lines[0], out.stdout
+    assert "PINMEM_ZLIB" in lines[0]
+    assert lines[1] in ("size: None", "size: 0")
+    assert lines[2] == "size: 3"
+
+
 @pytest.mark.parametrize("chunk", [4096, "12K", "3M", None])
 def test_ranges_in_units_of_a_chunk_of_ones_own(chunk, tmp_path, rng, no_fd_leak):
     # Units smaller and larger than the ranges, and not dividing them: the same bytes.

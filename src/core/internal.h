@@ -570,6 +570,15 @@ void pm__threadpool_shutdown(void); /* pm_finalize only */
 /* Let the copy engine's idle completion threads go now (pm_finalize only). */
 void pm__copy_shutdown(void);
 
+/* ---- crc32.c ------------------------------------------------------------------------------ */
+
+/* zlib's CRC-32, loaded at run time. pm__crc32_ready: PM_OK once zlib is loaded, else
+ * PM_ERR_UNSUPPORTED with why in pm_last_error(); the other two only after it said PM_OK. */
+pm_status_t pm__crc32_ready(void);
+uint32_t pm__crc32(uint32_t crc, const void *p, size_t n);
+/* The CRC of A then B from crc1 = CRC(A), crc2 = CRC(B) and B's length. */
+uint32_t pm__crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
+
 /* ---- fault.c ------------------------------------------------------------------------------ */
 
 /* Fault injection at the backend contract (tests, PINMEM_FAULT; see fault.c for the spec). */

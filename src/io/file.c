@@ -215,6 +215,10 @@ typedef struct fio {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   first_error_t err;
+  /* Writes asked for CRCs (options->crc32): unit k's piece of range i (c->rng order) has its
+   * CRC at crc_part[crc_base[i] + k - first unit of i]; joined in crc_finish(). NULL: none. */
+  uint32_t *crc_part;
+  size_t *crc_base;
 } fio_t;
 
 static void err_set(fio_t *c, pm_status_t st) {
@@ -520,6 +524,24 @@ static pm_status_t pieces(fio_t *c, const fseg_t *g, char *p, uint64_t at, uint6
   return PM_OK;
 }
 
+/* The first unit of range r of segment g (units of a segment lie on its grid). */
+static size_t first_unit(const fio_t *c, const fseg_t *g, const frange_t *r) {
+  return g->unit0 + (size_t)((r->off - g->grid) / c->chunk);
+}
+
+/* Unit k's pieces' CRCs (options->crc32): p holds the file's bytes [pos, pos + len), the ones
+ * written (the slot after its DMA, or the range's own memory where it is written in place). */
+static void crc_unit(fio_t *c, const fseg_t *g, size_t k, const char *p, uint64_t pos,
+                     size_t len) {
+  uint64_t to = pos + len;
+  for (size_t i = first_piece(c, g, pos); i < g->r0 + g->nr && c->rng[i].off < to; i++) {
+    const frange_t *r = &c->rng[i];
+    uint64_t s = pos > r->off ? pos : r->off, e = r->off + r->bytes < to ? r->off + r->bytes : to;
+    c->crc_part[c->crc_base[i] + (k - first_unit(c, g, r))] =
+        pm__crc32(0, p + (s - pos), (size_t)(e - s));
+  }
+}
+
 /* Unit k through slot s: read, then its pieces out; or its pieces in, then write. */
 static pm_status_t ring_step(fio_t *c, fseg_t *g, size_t k, int s) {
   uint64_t pos;
@@ -562,6 +584,7 @@ static pm_status_t ring_step(fio_t *c, fseg_t *g, size_t k, int s) {
     if (ev == PM_OK) ev = pm__copy_wait_event(c->ev[s], 50);
     if (ev != PM_OK) return pm__wrap_error(ev, "%s: D2H DMA of %zu bytes", c->fn, len);
   }
+  if (st == PM_OK && c->crc_part) crc_unit(c, g, k, p, pos, len);
   return st == PM_OK ? xfer(c, g, p, len, pos) : st;
 }
 
@@ -597,6 +620,7 @@ static void unit_task(void *vctx, size_t task) {
       pthread_mutex_unlock(&c->mu);
     }
     if (!err_any(c)) {
+      if (r && c->crc_part) crc_unit(c, g, k, r->mem + (pos - r->off), pos, len);
       pm_status_t st = r ? xfer(c, g, r->mem + (pos - r->off), len, pos) : ring_step(c, g, k, s);
       if (st != PM_OK) err_set(c, st);
     }
@@ -715,6 +739,10 @@ static void fio_close(fio_t *c) {
   if (c->seg != &c->one_seg) free(c->seg);
   c->rng = NULL;
   c->seg = NULL;
+  free(c->crc_part);
+  free(c->crc_base);
+  c->crc_part = NULL;
+  c->crc_base = NULL;
 }
 
 /* A caller's fd opened with O_DIRECT refuses what buffered transfers are for: any offset, length
@@ -926,6 +954,50 @@ static pm_status_t check_size(fio_t *c) {
   return PM_OK;
 }
 
+/* The CRCs of the units' pieces, range by range (fio_t.crc_part). */
+static pm_status_t crc_parts(fio_t *c) {
+  c->crc_base = malloc(c->nrng * sizeof *c->crc_base);
+  size_t n = 0;
+  for (size_t j = 0; j < c->nseg && c->crc_base; j++) {
+    const fseg_t *g = &c->seg[j];
+    for (size_t i = g->r0; i < g->r0 + g->nr; i++) {
+      const frange_t *r = &c->rng[i];
+      c->crc_base[i] = n;
+      n += (size_t)((r->off + r->bytes - 1 - g->grid) / c->chunk) + g->unit0 + 1 -
+           first_unit(c, g, r);
+    }
+  }
+  c->crc_part = c->crc_base ? calloc(n, sizeof *c->crc_part) : NULL;
+  if (!c->crc_part)
+    return pm__set_error(PM_ERR_NOMEM, "%s: malloc for the CRCs of %zu pieces failed", c->fn, n);
+  return PM_OK;
+}
+
+/* Each range's CRC from its pieces', joined in file order, into out[its place in the caller's
+ * list]; out[i] = 0 for ranges of 0 bytes. */
+static void crc_finish(const fio_t *c, uint32_t *out, size_t count) {
+  for (size_t i = 0; i < count; i++) out[i] = 0;
+  for (size_t j = 0; j < c->nseg; j++) {
+    const fseg_t *g = &c->seg[j];
+    for (size_t i = g->r0; i < g->r0 + g->nr; i++) {
+      const frange_t *r = &c->rng[i];
+      const uint32_t *part = &c->crc_part[c->crc_base[i]];
+      uint64_t end = r->off + r->bytes;
+      /* the first piece ends at the first unit's end or the range's */
+      uint64_t s = r->off;
+      uint64_t e = g->grid + (uint64_t)(first_unit(c, g, r) - g->unit0 + 1) * c->chunk;
+      if (e > end) e = end;
+      uint32_t crc = part[0];
+      for (size_t k = 1; e < end; k++) {
+        s = e;
+        e = s + c->chunk < end ? s + c->chunk : end;
+        crc = pm__crc32_combine(crc, part[k], e - s);
+      }
+      out[r->idx] = crc;
+    }
+  }
+}
+
 /* Validate, classify and open: everything that can fail before the first byte moves. On
  * failure the caller still calls fio_close. multi: the list calls (messages name ranges[i],
  * and a read checks the file's size first). */
@@ -954,6 +1026,12 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd,
   if (write && (flags & O_APPEND))
     return pm__set_error(PM_ERR_INVALID,
                          "%s: fd %d has O_APPEND, so Linux pwrite would ignore the offset", fn, fd);
+  if (o->crc32 && !write)
+    return pm__set_error(PM_ERR_INVALID, "%s: options->crc32 is for writes", fn);
+  if (o->crc32) {
+    pm_status_t zs = pm__crc32_ready();
+    if (zs != PM_OK) return pm__wrap_error(zs, "%s: options->crc32", fn);
+  }
   PM__BACKEND_OR_RETURN(b);
   pm_status_t st = take_ranges(c, ranges, count, multi, b);
   if (st != PM_OK) return st;
@@ -1002,6 +1080,10 @@ static pm_status_t prepare(fio_t *c, const char *fn, bool write, int fd,
   if (c->part >= c->chunk) c->part = 0;
   st = make_segments(c);
   if (st != PM_OK) return st;
+  if (o->crc32) {
+    st = crc_parts(c);
+    if (st != PM_OK) return st;
+  }
   /* Host memory O_DIRECT cannot reach in place (not aligned as the file is) goes through the
    * slots; device memory always does; so do the units that hold bytes of two ranges. */
   for (size_t i = 0; i < c->nrng; i++) {
@@ -1240,6 +1322,7 @@ static pm_status_t write_ranges(const char *fn, int fd, const pm_file_range_t *r
   pm_status_t st = begin(&c, fn, true, fd, ranges, count, multi, stream, options, &o, &co, &empty);
   if (st != PM_OK) return st;
   if (!empty) st = run(&c, &o);
+  if (st == PM_OK && o.crc32) crc_finish(&c, o.crc32, count);
   fio_close(&c);
   if (st != PM_OK) {
     if (c.device) settle(stream, st);
