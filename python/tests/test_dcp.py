@@ -1208,16 +1208,23 @@ def test_writer_makes_no_torch_call_per_tensor(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("io", ["direct", "buffered"])
-def test_device_path_without_a_gpu(tmp_path, monkeypatch, io):
-    """The writer's path for device tensors, where no GPU is: pinmem's device memory (the host
+@pytest.mark.parametrize("path", ["gather", "chunks", "no-zlib"])
+def test_device_path_without_a_gpu(tmp_path, monkeypatch, io, path):
+    """The writer's paths for device tensors, where no GPU is: pinmem's device memory (the host
     backend's stands in for a GPU's) holds each tensor's bytes and reaches the writer as _raw
-    hands over a CUDA tensor's (_DeviceBytes, __cuda_array_interface__). Each piece is copied
-    into a pinned chunk and waited for, its CRC taken there: large tensors across chunk
-    boundaries (chunks of 5 pages), small ones copied to the host at once. The files are torch's
-    writer's bytes, and load back."""
+    hands over a CUDA tensor's (_DeviceBytes, __cuda_array_interface__).
+    - gather (the default): the large tensors are gathered and written by one
+      pinmem.write_ranges call a group, from device memory, pinmem's threads computing their
+      CRC-32s, and their archives' tails filled in after it: a group of two tensors, then one
+      of one.
+    - chunks (DEVICE_GATHER off), and no-zlib (pinmem's CRCs unavailable): each piece is
+      copied into a pinned chunk and waited for, its CRC taken there: large tensors across
+      chunk boundaries (chunks of 5 pages).
+    Small ones are copied to the host at once. The files are torch's writer's bytes (the CRCs
+    in them included), and load back."""
     import pinmem
     import pinmem.dcp as pdcp
-    held, copies = [], []
+    held, copies, gathered = [], [], []
     host_raw = pdcp._raw  # a CPU tensor's bytes, as the writer reaches them
 
     def on_device(t):
@@ -1227,27 +1234,48 @@ def test_device_path_without_a_gpu(tmp_path, monkeypatch, io):
         held.append(d)
         return pdcp._DeviceBytes(d.ptr, n, d)
 
-    real_copy = pinmem.copy
+    real_copy, real_write = pinmem.copy, pinmem.write_ranges
 
     def copy(dst, src, stream=None, **kw):
         if isinstance(src, pdcp._DeviceBytes):
             copies.append(len(src))
         return real_copy(dst, src, stream, **kw)
+
+    def write_ranges(path_, ranges, **kw):
+        dev = [len(r[1]) for r in ranges if isinstance(r[1], pdcp._DeviceBytes)]
+        if dev:
+            gathered.append((dev, kw.get("crc32")))
+        return real_write(path_, ranges, **kw)
     monkeypatch.setattr(pdcp, "_raw", on_device)
     monkeypatch.setattr(pdcp.FileSystemWriter, "_stream_for",
                         lambda self, synced: (lambda t: None))
     monkeypatch.setattr(pinmem, "copy", copy)
+    monkeypatch.setattr(pinmem, "write_ranges", write_ranges)
     monkeypatch.setattr(pdcp._FileOut, "CHUNK", 5 * 4096)
-    monkeypatch.setattr(pdcp._FileOut, "FIRST", 2 * 4096)
+    # chunks of 2 pages first; a first group of 2 MiB
+    monkeypatch.setattr(pdcp._FileOut, "FIRST", 2 * 4096 if path != "gather" else 2 << 20)
+    if path == "chunks":
+        monkeypatch.setattr(pdcp._FileOut, "DEVICE_GATHER", False)
+    if path == "no-zlib":
+        monkeypatch.setattr(pdcp, "_C_CRC", False)
     g = torch.Generator().manual_seed(3)
     sd = {"big": torch.randn(300000, generator=g),  # 1.2 MiB: across many chunks
           "odd": torch.randn(262147, generator=g).to(torch.bfloat16),  # 512 KiB + 6 bytes
           "w": torch.randn(640, 513, generator=g),
+          "w2": torch.randn(700, 513, generator=g),
           "small": torch.randn(33, generator=g), "step": torch.tensor(7),
           "flag": torch.tensor([True, False, True])}
+    large = sum(t.numel() * t.element_size() for t in sd.values()
+                if t.numel() * t.element_size() >= pdcp.SMALL)
     dcp.save(sd, storage_writer=pdcp.FileSystemWriter(tmp_path / "p", io=io), no_dist=True)
-    assert len(held) == len(sd) and sum(copies) == sum(d.nbytes for d in held)
-    assert len(copies) > len(sd), "the large tensors crossed no chunk boundary"
+    assert len(held) == len(sd)
+    if path == "gather":
+        assert [len(d) for d, _ in gathered] == [2, 1] and all(c for _, c in gathered)
+        assert sum(sum(d) for d, _ in gathered) == large
+        assert sum(copies) == sum(d.nbytes for d in held) - large  # the small ones alone
+    else:
+        assert not gathered and sum(copies) == sum(d.nbytes for d in held)
+        assert len(copies) > len(sd), "the large tensors crossed no chunk boundary"
     monkeypatch.undo()
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
     mine, theirs = _items(tmp_path / "p"), _items(tmp_path / "t")
