@@ -19,7 +19,10 @@ each full chunk is written with one pinmem.write_ranges call (O_DIRECT, a reques
 thread) while the next is filled: the copy that pinmem makes into its slots anyway, made once
 per chunk instead of per tensor. Tensors already in pinned memory (async_save's snapshot) are
 not copied: they and the bytes between them are gathered and written 128 MiB at a time with
-one pinmem.write_ranges call each, one call after the other. An archive is placed so that its
+one pinmem.write_ranges call each, one call after the other. Device tensors are gathered so too,
+and each group's are written by one pinmem.write_ranges(crc32=True) call: pinmem's threads copy
+them into pinned slots, compute their CRC-32s there and write them, and their archives' tails
+follow. An archive is placed so that its
 data starts on a 4 KiB boundary of the file (the bytes between items are zeros that no item's
 range covers). Small tensors (< 1 MiB) are put where they fall, their archives from the same
 templates; torch.save itself writes only what has no template (a quantized tensor, a tensor
