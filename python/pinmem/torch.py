@@ -574,7 +574,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _prefetch_before(self, index):
         """Start the copies back of up to `prefetch` units packed before `index` (the next
-        that backward will need), counting those already under way."""
+        that backward will need), counting those already under way. A unit an earlier backward
+        used up (spent) counts too, without a copy: a second backward over a retained graph
+        finds every unit spent, and looking past them went back to the first unit packed on
+        every unpack, O(N^2) in the units. Its units come back when asked for; prefetching
+        them instead would copy back, for a double backward (create_graph), units it may never
+        ask for."""
         want = self.prefetch
         j = min(index, len(self._order)) - 1
         while want > 0 and j >= 0:
@@ -582,9 +587,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             j -= 1
             if u is None:
                 continue
-            if u.fetch is None:
-                if u.spent or u.held is not None or (u.alive is not None and
-                                                     u.alive() is not None):
+            if u.fetch is None and not u.spent:
+                if u.held is not None or (u.alive is not None and u.alive() is not None):
                     continue  # its bytes are still on the device
                 self._start_fetch(u, ahead=True)
             want -= 1

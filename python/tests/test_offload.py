@@ -693,6 +693,45 @@ def test_double_backward_and_retain_graph(dev):
     assert pool_in_use() == base
 
 
+def test_second_backward_scans_a_bounded_part_of_the_units(dev):
+    """A second backward over a retained graph unpacks units the first one used up. Each unpack
+    looks back for units to prefetch; the look-back stays within `prefetch` units a step, not
+    back to the first unit packed (which made a backward of N units O(N^2))."""
+    torch = _torch()
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64, device=dev) for _ in range(100)]
+    x = torch.randn(32, 64, device=dev)
+    off = pinmem.torch.offload_activations(min_bytes=1024, device=dev)
+    with off:
+        h = x
+        for lin in layers:
+            h = lin(h).tanh()
+        loss = h.square().mean()
+    n = len(off._order)
+    assert n >= 100
+
+    class Counting:
+        looks = 0
+
+        def __init__(self, ref):
+            self.ref = ref
+
+        def __call__(self):
+            Counting.looks += 1
+            return self.ref()
+    off._order = [Counting(r) for r in off._order]
+    loss.backward(retain_graph=True)
+    first, Counting.looks = Counting.looks, 0
+    loss.backward()
+    second = Counting.looks
+    bound = 2 * (off.prefetch + 1) * n
+    assert first <= bound, (first, n)
+    assert second <= bound, (second, n)  # back to the first unit each time: n * (n + 1) / 2
+    s = off.stats()
+    assert s["fetched_units"] >= 2 * s["offloaded_units"] > 0
+    sync(dev, off)
+
+
 def test_bad_arguments():
     skip_unless_torch()
     import pinmem.torch as pt
