@@ -407,6 +407,28 @@ def _raw(t):
     return None
 
 
+def _on_device(ptr):
+    """Makes the device of the device memory at ptr this thread's current device; the one it
+    replaced (None: it was that one already)."""
+    dev = _pm._pinmem._memory_device(ptr)
+    cur = _pm.current_device()
+    if dev < 0 or dev == cur:
+        return None
+    _pm.set_device(dev)
+    return cur
+
+
+def _copy_back(dst, raw, stream):
+    """raw's bytes (a _DeviceBytes) copied into host memory dst on stream and waited for, for
+    their device (_on_device), the calling thread's current device left as it was."""
+    back = _on_device(raw.ptr)
+    try:
+        _pm.copy(dst, raw, stream).wait()
+    finally:
+        if back is not None:
+            _pm.set_device(back)
+
+
 class _DeviceBytes:
     """Bytes of device memory as pinmem.copy takes them (__cuda_array_interface__, read-only,
     no stream: the writer orders its copies itself, _stream_for), holding their tensor;
@@ -621,7 +643,7 @@ class _FileOut:
             if not device:
                 dst[:] = raw[at:at + m]
             else:  # a DMA into the pinned chunk
-                _pm.copy(dst, raw[at:at + m], stream).wait()
+                _copy_back(dst, raw[at:at + m], stream)
             t0 = self._time("copy", t0)
             if crc is not None:
                 crc = _crc32(self.buf[self.fill:self.fill + m], crc)
@@ -712,6 +734,10 @@ class _FileOut:
             if isinstance(item[1], _DeviceBytes):
                 by_stream.setdefault(id(item[3]), []).append(item)
         for items in by_stream.values():
+            # This thread (the writer's own) works for the tensors' device, as pinmem's calls
+            # take the calling thread's: on device 0, a new thread's, the slots' events of
+            # another device's copies would be device 0's.
+            _on_device(items[0][1].ptr)
             crcs = _pm.write_ranges(self.path, [(it[0], it[1]) for it in items], io=self.io,
                                     stream=items[0][3], fd=self.fd, crc32=bool(self.crc))
             for it, crc in zip(items, crcs or ()):
@@ -795,7 +821,7 @@ class _FileOut:
         t0 = _time.perf_counter()
         if isinstance(raw, _DeviceBytes):
             b = bytearray(len(raw))
-            _pm.copy(b, raw, self.stream_for(t)).wait()
+            _copy_back(b, raw, self.stream_for(t))
             t0 = self._time("copy", t0)
         else:
             b = raw

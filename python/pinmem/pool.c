@@ -246,6 +246,19 @@ static PyObject *py_memory_device(PyObject *mod, PyObject *arg) {
   return PyLong_FromLong(b->pointer_device ? b->pointer_device((const void *)v) : -1);
 }
 
+/* _host_mismatches(reset=False) -> (count, the last in words): the host backend's count of calls
+ * that broke CUDA's multi-device rules (backend_host_memory.c), for tests of which device a
+ * thread works for; reset=True zeroes the counters after reading them. */
+static PyObject *py_host_mismatches(PyObject *mod, PyObject *args) {
+  int reset = 0;
+  if (!PyArg_ParseTuple(args, "|p:_host_mismatches", &reset)) return NULL;
+  char note[256];
+  pm__hb_last_mismatch(note, sizeof note);
+  unsigned long long n = (unsigned long long)pm__hb_device_mismatches(-1);
+  if (reset) pm__hb_device_counters_reset();
+  return Py_BuildValue("(Ks)", n, note);
+}
+
 static PyObject *py_init(PyObject *mod, PyObject *unused) {
   pm_status_t st;
   Py_BEGIN_ALLOW_THREADS st = pm_init();
@@ -453,6 +466,9 @@ PyMethodDef pmpy_pool_functions[] = {
      "_numa_worker_cpus(device) -> sorted CPU ids for a loader worker process, or None"},
     {"_numa_test_override", py_numa_test_override, METH_VARARGS,
      "_numa_test_override(root, bus_ids): read NUMA topology under root (None: the real one)"},
+    {"_host_mismatches", py_host_mismatches, METH_VARARGS,
+     "_host_mismatches(reset=False) -> (count, last): the host backend's calls that broke "
+     "CUDA's multi-device rules (tests)"},
     {"_memory_device", py_memory_device, METH_O,
      "_memory_device(addr) -> the device whose memory addr is, or -1"},
     {"_status_name", py_status_name, METH_O, NULL},

@@ -1285,6 +1285,62 @@ def test_device_path_without_a_gpu(tmp_path, monkeypatch, io, path):
     assert all(torch.equal(got[k], v) for k, v in sd.items())
 
 
+_OTHER_DEVICE = r"""
+import os, sys, warnings, torch, torch.distributed.checkpoint as dcp, pinmem, pinmem.dcp as pdcp
+warnings.simplefilter("ignore")
+path, gather = sys.argv[1], sys.argv[2] == "gather"
+pinmem.set_device(1)
+stream = pinmem.Stream()  # a stream of device 1, as the writer's own stream of a tensor's device
+pinmem.set_device(0)
+held, host_raw = [], pdcp._raw
+
+
+def on_device(t):  # each tensor's bytes in device 1's memory
+    n = t.numel() * t.element_size()
+    pinmem.set_device(1)
+    d = pinmem.device_empty(n, "uint8")
+    pinmem.copy(d, host_raw(t)).wait()
+    pinmem.set_device(0)
+    held.append(d)
+    return pdcp._DeviceBytes(d.ptr, n, d)
+
+
+pdcp._raw = on_device
+pdcp.FileSystemWriter._stream_for = lambda self, synced: (lambda t: stream)
+pdcp._FileOut.DEVICE_GATHER = gather
+pdcp._FileOut.CHUNK = 5 * 4096
+g = torch.Generator().manual_seed(5)
+sd = {"big": torch.randn(300000, generator=g), "w": torch.randn(640, 513, generator=g),
+      "small": torch.randn(33, generator=g)}
+pinmem._pinmem._host_mismatches(True)
+dcp.save(sd, storage_writer=pdcp.FileSystemWriter(path), no_dist=True)
+n, last = pinmem._pinmem._host_mismatches()
+print(n, pinmem.current_device(), last)
+"""
+
+
+@pytest.mark.parametrize("path", ["gather", "chunks"])
+def test_device_path_on_another_device(tmp_path, path):
+    """Device tensors of device 1 (two devices simulated by the host backend), saved from a
+    thread whose current device is 0: the writer's pinmem calls run for device 1 (its gather
+    thread, or around each piece's copy on the saving thread), so the host backend counts no
+    call that breaks CUDA's multi-device rules (before, each slot's event was device 0's and
+    recorded on device 1's stream), and the saving thread's current device is 0 again after.
+    The files are torch's writer's bytes."""
+    env = dict(os.environ, PINMEM_BACKEND="host", PINMEM_HOST_DEVICES="2")
+    out = subprocess.run([sys.executable, "-c", _OTHER_DEVICE, str(tmp_path / "p"), path],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    n, cur, *last = out.stdout.split(maxsplit=2)
+    assert (int(n), int(cur)) == (0, 0), out.stdout
+    g = torch.Generator().manual_seed(5)
+    sd = {"big": torch.randn(300000, generator=g), "w": torch.randn(640, 513, generator=g),
+          "small": torch.randn(33, generator=g)}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+    mine, theirs = _items(tmp_path / "p"), _items(tmp_path / "t")
+    assert mine.keys() == theirs.keys() and all(mine[k] == theirs[k] for k in mine)
+
+
 def _address(src):
     """The address of a writer's range source: a tensor, or bytes with the buffer protocol."""
     if isinstance(src, torch.Tensor):
