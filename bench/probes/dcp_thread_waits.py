@@ -15,8 +15,16 @@ with the loop running, that is a wait of the loop's. DCP's own part (planning, t
 the metadata) is measured with every tensor's bytes left out (WRITER nodata: pinmem's writer,
 its add_tensor only recording where the item would go): what no storage layer can remove.
 
-  PYTHONPATH=build-py/python python3 bench/probes/dcp_thread_waits.py [cpu|cuda] [SIZE_MIB]
-      [ROUNDS]
+host-device (PINMEM_BACKEND=host, no GPU needed): the tensors are on the CPU, and pinmem's writer
+reaches the bytes of each one of 1 MiB or more as a CUDA tensor's (_DeviceBytes), in device
+memory of pinmem's host backend (copied there at the first save; later saves write those bytes),
+so its device path runs: gathered (pinmem: one write_ranges call a group, the CRCs computed by
+pinmem's threads) and piece by piece (pinmem-chunks: DEVICE_GATHER off, each 16 MiB piece copied,
+waited for and CRC'd from Python). The hand-overs of the interpreter lock are the device path's;
+the copies are the host backend's memcpy, not DMAs.
+
+  PYTHONPATH=build-py/python python3 bench/probes/dcp_thread_waits.py [cpu|cuda|host-device]
+      [SIZE_MIB] [ROUNDS]
 """
 import os
 import statistics
@@ -45,6 +53,24 @@ def main():
     os.environ.setdefault("MASTER_PORT", "29631")
     dist.init_process_group("gloo", rank=0, world_size=1)
     n = 96
+    stand_in = device == "host-device"
+    if stand_in:
+        device = "cpu"
+        if pinmem.backend() != "host":
+            sys.exit("dcp_thread_waits: host-device needs PINMEM_BACKEND=host")
+        on_device, host_raw = {}, pdcp._raw
+
+        def device_raw(t):
+            nb = t.numel() * t.element_size()
+            if nb < pdcp.SMALL:
+                return host_raw(t)
+            d = on_device.get((t.data_ptr(), nb))
+            if d is None:
+                d = on_device[(t.data_ptr(), nb)] = pinmem.device_empty(nb, "uint8")
+                pinmem.copy(d, host_raw(t)).wait()
+            return pdcp._DeviceBytes(d.ptr, nb, d)
+        pdcp._raw = device_raw
+        pdcp.FileSystemWriter._stream_for = lambda self, synced: (lambda t: None)
     sd = {"model": {f"w{i}": torch.randn(size // n // 4, device=device) for i in range(n)}}
     a = torch.zeros(16, device=device)
     b = torch.ones(16, device=device)
@@ -83,14 +109,17 @@ def main():
         "torch": dcp.FileSystemWriter(os.path.join(tmp, "torch")),
         "nodata": pdcp.FileSystemWriter(os.path.join(tmp, "nodata")),
     }
+    if stand_in:
+        writers["pinmem-chunks"] = pdcp.FileSystemWriter(os.path.join(tmp, "chunks"))
     print("dcp_thread_waits: %s, %d tensors, %.0f MiB, pinmem %s backend, torch %s, %d CPUs, "
-          "thread executor" % (device, n, size / 2**20, pinmem.backend(), torch.__version__,
-                               os.cpu_count()), flush=True)
+          "thread executor" % ("host-device" if stand_in else device, n, size / 2**20,
+                               pinmem.backend(), torch.__version__, os.cpu_count()), flush=True)
     got = {k: [] for k in writers}
     try:
         for k in range(rounds + 1):  # the first round warms each writer up, left out
             for name, w in writers.items():
                 pdcp._FileOut.add_tensor = nodata if name == "nodata" else real_add
+                pdcp._FileOut.DEVICE_GATHER = name != "pinmem-chunks"
                 r = during(w)
                 if k:
                     got[name].append(r)
@@ -98,7 +127,7 @@ def main():
         base = alone(statistics.median(r[1] for r in got["pinmem"]))
         print("  loop alone: %d waits, %.0f steps/s" % base)
         for name, rs in got.items():
-            print("  %-7s waits per save %5d (%s), save %.3f s, loop %.0f steps/s during it" % (
+            print("  %-13s waits per save %5d (%s), save %.3f s, loop %.0f steps/s during it" % (
                 name, statistics.median(r[0] for r in rs), " ".join(str(r[0]) for r in rs),
                 statistics.median(r[1] for r in rs), statistics.median(r[2] for r in rs)))
     finally:
