@@ -1208,7 +1208,7 @@ def test_writer_makes_no_torch_call_per_tensor(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("io", ["direct", "buffered"])
-@pytest.mark.parametrize("path", ["gather", "chunks", "no-zlib"])
+@pytest.mark.parametrize("path", ["gather", "gather-nocrc", "chunks", "no-zlib"])
 def test_device_path_without_a_gpu(tmp_path, monkeypatch, io, path):
     """The writer's paths for device tensors, where no GPU is: pinmem's device memory (the host
     backend's stands in for a GPU's) holds each tensor's bytes and reaches the writer as _raw
@@ -1216,7 +1216,8 @@ def test_device_path_without_a_gpu(tmp_path, monkeypatch, io, path):
     - gather (the default): the large tensors are gathered and written by one
       pinmem.write_ranges call a group, from device memory, pinmem's threads computing their
       CRC-32s, and their archives' tails filled in after it: a group of two tensors, then one
-      of one.
+      of one. gather-nocrc: torch's crc32 option off, so no CRC is asked for and each tail
+      goes in at once.
     - chunks (DEVICE_GATHER off), and no-zlib (pinmem's CRCs unavailable): each piece is
       copied into a pinned chunk and waited for, its CRC taken there: large tensors across
       chunk boundaries (chunks of 5 pages).
@@ -1253,7 +1254,18 @@ def test_device_path_without_a_gpu(tmp_path, monkeypatch, io, path):
     monkeypatch.setattr(pinmem, "write_ranges", write_ranges)
     monkeypatch.setattr(pdcp._FileOut, "CHUNK", 5 * 4096)
     # chunks of 2 pages first; a first group of 2 MiB
-    monkeypatch.setattr(pdcp._FileOut, "FIRST", 2 * 4096 if path != "gather" else 2 << 20)
+    monkeypatch.setattr(pdcp._FileOut, "FIRST",
+                        2 << 20 if path.startswith("gather") else 2 * 4096)
+    crc_before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(path != "gather-nocrc")
+    try:
+        _device_path_case(tmp_path, monkeypatch, io, path, held, copies, gathered)
+    finally:
+        torch.serialization.set_crc32_options(crc_before)
+
+
+def _device_path_case(tmp_path, monkeypatch, io, path, held, copies, gathered):
+    import pinmem.dcp as pdcp
     if path == "chunks":
         monkeypatch.setattr(pdcp._FileOut, "DEVICE_GATHER", False)
     if path == "no-zlib":
@@ -1269,8 +1281,9 @@ def test_device_path_without_a_gpu(tmp_path, monkeypatch, io, path):
                 if t.numel() * t.element_size() >= pdcp.SMALL)
     dcp.save(sd, storage_writer=pdcp.FileSystemWriter(tmp_path / "p", io=io), no_dist=True)
     assert len(held) == len(sd)
-    if path == "gather":
-        assert [len(d) for d, _ in gathered] == [2, 1] and all(c for _, c in gathered)
+    if path.startswith("gather"):
+        assert [len(d) for d, _ in gathered] == [2, 1]
+        assert all(bool(c) == (path == "gather") for _, c in gathered)
         assert sum(sum(d) for d, _ in gathered) == large
         assert sum(copies) == sum(d.nbytes for d in held) - large  # the small ones alone
     else:
