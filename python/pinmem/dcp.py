@@ -658,14 +658,7 @@ class _FileOut:
     def _put_pinned(self, t, raw):
         """t's bytes (raw, pinned) gathered where they are, their CRC-32 computed beside the
         writes. The group holds t until they are written."""
-        if self.group is None:
-            self._submit()  # the chunk's bytes so far
-            self.group = []
-        self.small = None
-        n = len(raw)
-        self.group.append((self.pos, raw, t))
-        self.pos += n
-        self.group_bytes += n
+        self._gather((self.pos, raw, t), len(raw))
         crc = None
         if self.crc:
             t0 = _time.perf_counter()
@@ -682,16 +675,21 @@ class _FileOut:
         then, so the archive's tail goes in as a placeholder that _write_group fills in before
         it writes it (add_tensor: _LATER). The group is flushed once the tail is in
         (add_tensor), never between the data and its tail."""
+        # [file offset, bytes, tensor, its stream, (the tail's bytearray, offset, archive)]
+        self._gather([self.pos, raw, t, self.stream_for(t), None], len(raw))
+        return _LATER if self.crc else None
+
+    def _gather(self, entry, n):
+        """entry, a tensor's n bytes at self.pos, added to the group (begun here, the chunk's
+        bytes so far written first); the bytes put after it go in a small piece of their
+        own."""
         if self.group is None:
-            self._submit()  # the chunk's bytes so far
+            self._submit()
             self.group = []
         self.small = None
-        n = len(raw)
-        # [file offset, bytes, tensor, its stream, (the tail's bytearray, offset, archive)]
-        self.group.append([self.pos, raw, t, self.stream_for(t), None])
+        self.group.append(entry)
         self.pos += n
         self.group_bytes += n
-        return _LATER if self.crc else None
 
     def _flush_group(self):
         """The gathered pieces written on the one thread of gathered writes, behind the earlier
@@ -798,9 +796,9 @@ class _FileOut:
             self.put(a.head)
             crc = self.put_data(t, raw)
         if crc is _LATER:  # a placeholder, filled in by _write_device
-            item_ = self.group[-1]
+            entry = self.group[-1]
             self.put(a.tail)
-            item_[4] = (self.small, len(self.small) - len(a.tail), a)
+            entry[4] = (self.small, len(self.small) - len(a.tail), a)
         else:
             self.put(a.tail_for(crc))
         self.results.append(_result(item, self.name, at, self.pos - at))

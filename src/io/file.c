@@ -524,9 +524,13 @@ static pm_status_t pieces(fio_t *c, const fseg_t *g, char *p, uint64_t at, uint6
   return PM_OK;
 }
 
-/* The first unit of range r of segment g (units of a segment lie on its grid). */
+/* The first and the last unit of range r of segment g (units of a segment lie on its grid). */
 static size_t first_unit(const fio_t *c, const fseg_t *g, const frange_t *r) {
   return g->unit0 + (size_t)((r->off - g->grid) / c->chunk);
+}
+
+static size_t last_unit(const fio_t *c, const fseg_t *g, const frange_t *r) {
+  return g->unit0 + (size_t)((r->off + r->bytes - 1 - g->grid) / c->chunk);
 }
 
 /* Unit k's pieces' CRCs (options->crc32): p holds the file's bytes [pos, pos + len), the ones
@@ -963,8 +967,7 @@ static pm_status_t crc_parts(fio_t *c) {
     for (size_t i = g->r0; i < g->r0 + g->nr; i++) {
       const frange_t *r = &c->rng[i];
       c->crc_base[i] = n;
-      n += (size_t)((r->off + r->bytes - 1 - g->grid) / c->chunk) + g->unit0 + 1 -
-           first_unit(c, g, r);
+      n += last_unit(c, g, r) - first_unit(c, g, r) + 1;
     }
   }
   c->crc_part = c->crc_base ? calloc(n, sizeof *c->crc_part) : NULL;
@@ -983,15 +986,13 @@ static void crc_finish(const fio_t *c, uint32_t *out, size_t count) {
       const frange_t *r = &c->rng[i];
       const uint32_t *part = &c->crc_part[c->crc_base[i]];
       uint64_t end = r->off + r->bytes;
-      /* the first piece ends at the first unit's end or the range's */
-      uint64_t s = r->off;
-      uint64_t e = g->grid + (uint64_t)(first_unit(c, g, r) - g->unit0 + 1) * c->chunk;
-      if (e > end) e = end;
+      size_t k0 = first_unit(c, g, r), k1 = last_unit(c, g, r);
       uint32_t crc = part[0];
-      for (size_t k = 1; e < end; k++) {
-        s = e;
-        e = s + c->chunk < end ? s + c->chunk : end;
-        crc = pm__crc32_combine(crc, part[k], e - s);
+      for (size_t k = k0 + 1; k <= k1; k++) { /* units after the first start inside r */
+        uint64_t pos;
+        size_t len;
+        (void)unit_range(c, k, &pos, &len);
+        crc = pm__crc32_combine(crc, part[k - k0], (pos + len < end ? pos + len : end) - pos);
       }
       out[r->idx] = crc;
     }
