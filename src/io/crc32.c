@@ -9,7 +9,7 @@
  * Who computes what (file.c): the thread that writes a unit computes the CRC of each range's
  * piece of it, on the bytes it writes (a device range's on its copy in the bounce slot, still
  * in that CPU's cache), and after the call each range's pieces are joined in file order with
- * crc32_combine, which costs O(log n) in the piece's length. One thread's crc32 runs at 4.3
+ * crc32_combine, which costs O(log n) in the piece's length. One thread's crc32 runs at 4.2
  * GB/s on a 2-CPU virtual machine (zlib 1.2.13), so the call's threads keep up with a disk.
  * A caller that needs CRCs of device memory gets them without another copy of the bytes, and
  * in one call: no interpreter lock or process boundary between the copy, the CRC and the write.
