@@ -109,7 +109,7 @@ def main():
         "torch": dcp.FileSystemWriter(os.path.join(tmp, "torch")),
         "nodata": pdcp.FileSystemWriter(os.path.join(tmp, "nodata")),
     }
-    if stand_in:
+    if stand_in or device.startswith("cuda"):
         writers["pinmem-chunks"] = pdcp.FileSystemWriter(os.path.join(tmp, "chunks"))
     print("dcp_thread_waits: %s, %d tensors, %.0f MiB, pinmem %s backend, torch %s, %d CPUs, "
           "thread executor" % ("host-device" if stand_in else device, n, size / 2**20,
