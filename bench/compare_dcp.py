@@ -59,7 +59,7 @@ torch's writer and reader (the ratios printed). --train-only runs the training l
   bench/compare_dcp.py [--ranks 2] [--size 1G] [--device cpu|cuda] [--dir DIR] [--repeat 3]
                        [--crc32 torch|off] [--io auto|direct|buffered]
                        [--executor thread|process] [--plan-caching] [--saves-per-loop K]
-                       [--device-copies gathered|pieces]
+                       [--device-copies gathered|pieces] [--stage auto|device|host]
                        [--no-train | --train-only] [--json]
 
 Rows of saves and loads carry, per rank: the whole dcp.save / dcp.load (rank_seconds), DCP's own
@@ -223,12 +223,12 @@ def rank_main(rank, world, args, store, tmp):
 
     if lead:
         say("compare_dcp: %d ranks, %.2f GB in all (%d tensors of %s per rank), device %s, "
-            "pinmem %s backend, torch %s, crc32 %s, %s executor%s, device copies %s, %d CPUs, "
-            "load average %.1f; files in %s" % (
+            "pinmem %s backend, torch %s, crc32 %s, %s executor%s, device copies %s, stage %s, "
+            "%d CPUs, load average %.1f; files in %s" % (
                 world, allb / 1e9, len(sd), next(iter(sd.values())).dtype, args.device,
                 pinmem.backend(), torch.__version__, torch.serialization.get_crc32_options(),
                 args.executor, ", plan caching" if planners else "", args.device_copies,
-                os.cpu_count(),
+                args.stage, os.cpu_count(),
                 os.getloadavg()[0], tmp))
         if args.json:
             print(json.dumps(dict(ROW, case="setup", device=args.device, ranks=world,
@@ -238,12 +238,12 @@ def rank_main(rank, world, args, store, tmp):
                                   crc32=torch.serialization.get_crc32_options(),
                                   crc32_impl=pdcp._crc32.__module__,
                                   executor=args.executor,
-                                  device_copies=args.device_copies,
+                                  device_copies=args.device_copies, stage=args.stage,
                                   plan_caching=bool(planners))), flush=True)
 
     if args.train_only:
         train = train_during_save(torch, dcp, pdcp, g, app, device, tmp, args.repeat, report,
-                                  allb, akw, args.saves_per_loop)
+                                  allb, akw, args.saves_per_loop, args.stage)
         if lead:
             say_targets([train_target(train)], args)
         g.barrier()
@@ -478,7 +478,7 @@ def rank_main(rank, world, args, store, tmp):
     # The snapshot alone and pinmem's async_save take turns, run by run: this machine's copy
     # rate drifts by more than the target's margin over the seconds between two blocks of runs.
     # The first of each allocates the buffer and is left out of the figures.
-    w = pdcp.FileSystemWriter(os.path.join(tmp, "async-pinmem"))
+    w = pdcp.FileSystemWriter(os.path.join(tmp, "async-pinmem"), stage=args.stage)
     snaps, snap_starts, snap_allocs, runs, starts, allocs = [], [], [], [], [], []
     for _ in range(args.repeat + 1):
         snaps.append(snapshot_once(w, snap_starts, snap_allocs))
@@ -515,7 +515,7 @@ def rank_main(rank, world, args, store, tmp):
     train = None
     if not args.no_train:
         train = train_during_save(torch, dcp, pdcp, g, app, device, tmp, args.repeat, report,
-                                  allb, akw, args.saves_per_loop)
+                                  allb, akw, args.saves_per_loop, args.stage)
 
     if lead:
         targets(results, train, args)
@@ -561,10 +561,10 @@ def phase_fields(b):
 
 
 def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb, akw,
-                      saves_per_loop=1):
+                      saves_per_loop=1, stage="auto"):
     """Seconds of the same training steps without a save and while an async_save of sd is
     written (best of `repeat` each, in turn); the slowdown in percent. akw(kind): the keywords
-    of an async_save through the writer of kind."""
+    of an async_save through the writer of kind; stage: pinmem's writer's (PinnedStager's)."""
     torch.manual_seed(0)
     hidden, layers, batch = 512, 4, 64
     model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, device=device)
@@ -589,7 +589,7 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
 
     for _ in range(5):
         step()
-    writer = pdcp.FileSystemWriter(os.path.join(tmp, "async-train"))
+    writer = pdcp.FileSystemWriter(os.path.join(tmp, "async-train"), stage=stage)
     dcp.async_save(sd, storage_writer=writer, **akw("pinmem")).result()  # warm: the buffer exists
     # As many steps as the save takes, measured once
     t0 = time.perf_counter()
@@ -875,6 +875,11 @@ def main():
                     help="each timed loop of the training target spans K async saves, one after "
                          "the other (and K of the disk's writes): K times the steps, less of "
                          "the loop's own noise in each run (default 1)")
+    ap.add_argument("--stage", default="auto", choices=("auto", "device", "host"),
+                    help="the snapshot of pinmem's async_saves (its writer's stage, PinnedStager): "
+                         "auto (default: on the device where it fits), device, or host (one "
+                         "pinned buffer; with the process executor the save's process then needs "
+                         "no CUDA IPC)")
     ap.add_argument("--device-copies", default="gathered", choices=("gathered", "pieces"),
                     help="how pinmem's writer takes device tensors to the file (dcp.save from the "
                          "tensors; async_save's snapshot is pinned host memory): gathered, one "
