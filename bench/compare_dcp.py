@@ -60,6 +60,7 @@ torch's writer and reader (the ratios printed). --train-only runs the training l
                        [--crc32 torch|off] [--io auto|direct|buffered]
                        [--executor thread|process] [--plan-caching] [--saves-per-loop K]
                        [--device-copies gathered|pieces] [--stage auto|device|host]
+                       [--switch-interval S]
                        [--no-train | --train-only] [--json]
 
 Rows of saves and loads carry, per rank: the whole dcp.save / dcp.load (rank_seconds), DCP's own
@@ -168,6 +169,8 @@ def rank_main(rank, world, args, store, tmp):
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
     torch.set_num_threads(1)  # the ranks share the machine's cores, as one per core
     pdcp._FileOut.DEVICE_GATHER = args.device_copies == "gathered"
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.crc32 == "off":  # torch.save's CRCs off, for torch's writer and pinmem's alike
         torch.serialization.set_crc32_options(False)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -224,11 +227,11 @@ def rank_main(rank, world, args, store, tmp):
     if lead:
         say("compare_dcp: %d ranks, %.2f GB in all (%d tensors of %s per rank), device %s, "
             "pinmem %s backend, torch %s, crc32 %s, %s executor%s, device copies %s, stage %s, "
-            "%d CPUs, load average %.1f; files in %s" % (
+            "switch interval %g s, %d CPUs, load average %.1f; files in %s" % (
                 world, allb / 1e9, len(sd), next(iter(sd.values())).dtype, args.device,
                 pinmem.backend(), torch.__version__, torch.serialization.get_crc32_options(),
                 args.executor, ", plan caching" if planners else "", args.device_copies,
-                args.stage, os.cpu_count(),
+                args.stage, sys.getswitchinterval(), os.cpu_count(),
                 os.getloadavg()[0], tmp))
         if args.json:
             print(json.dumps(dict(ROW, case="setup", device=args.device, ranks=world,
@@ -239,6 +242,7 @@ def rank_main(rank, world, args, store, tmp):
                                   crc32_impl=pdcp._crc32.__module__,
                                   executor=args.executor,
                                   device_copies=args.device_copies, stage=args.stage,
+                                  switch_interval=sys.getswitchinterval(),
                                   plan_caching=bool(planners))), flush=True)
 
     if args.train_only:
@@ -880,6 +884,10 @@ def main():
                          "auto (default: on the device where it fits), device, or host (one "
                          "pinned buffer; with the process executor the save's process then needs "
                          "no CUDA IPC)")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="sys.setswitchinterval(S) in every rank (Python's default: 0.005 s): how "
+                         "long a thread that holds the interpreter lock keeps it from one that "
+                         "waits")
     ap.add_argument("--device-copies", default="gathered", choices=("gathered", "pieces"),
                     help="how pinmem's writer takes device tensors to the file (dcp.save from the "
                          "tensors; async_save's snapshot is pinned host memory): gathered, one "

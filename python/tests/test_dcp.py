@@ -533,7 +533,8 @@ def test_compare_dcp_bench_tiny(tmp_path):
     """bench/compare_dcp.py end to end at a tiny size, 2 gloo ranks, no training loop: every
     save and load verified, the snapshot alone and pinmem's async_save timed in turns (a run
     each beside the one that allocates), and a verdict line for every target."""
-    out, rows = _compare_dcp(tmp_path, "--repeat", "2", "--no-train", "--stage", "host")
+    out, rows = _compare_dcp(tmp_path, "--repeat", "2", "--no-train", "--stage", "host",
+                             "--switch-interval", "0.002")
     for case in ("torch_save", "pinmem_save", "torch_load_cold", "pinmem_load_cold"):
         (r,) = rows[case]
         assert r["verified"] is True and r["seconds"] > 0 and r["bytes"] > 0, r
@@ -551,7 +552,7 @@ def test_compare_dcp_bench_tiny(tmp_path):
                                       r["dcp_after_seconds"]):
             assert before >= 0 and after >= -0.001 and abs(before + after - own) <= 0.002, r
     assert rows["setup"][0]["device_copies"] == "gathered" and rows["setup"][0]["stage"] == "host"
-    assert "stage host" in out.stderr
+    assert "stage host" in out.stderr and rows["setup"][0]["switch_interval"] == 0.002
     # each return over the snapshot run right before it, the allocating first left out
     assert len(ret["paired_snapshot_ratios"]) == 2 and all(x > 0 for x in
                                                              ret["paired_snapshot_ratios"])
