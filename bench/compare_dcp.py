@@ -43,7 +43,8 @@ its own write_data / read_data):
     the I/O itself costs the loop on this machine, the floor under any writer's slowdown.
     thread_waits: the times the training thread waited over its steps (its voluntary context
     switches, the median of the rounds): waits for the interpreter lock, held by the save's
-    threads, show here.
+    threads, show here. thread_preemptions: the times the scheduler gave its CPU to another
+    thread while it could run (involuntary switches): CPUs short, not the lock.
     --saves-per-loop K: each timed loop spans K saves (and K of the disk's writes) one after
     the other, K times the steps: the loop's own noise weighs less in each run.
 
@@ -133,18 +134,29 @@ def timed_io(cls, method):
     return Timed
 
 
-def thread_waits():
-    """This thread's voluntary context switches so far (Linux; None elsewhere): each is a wait,
-    in a training loop on the CPU or launching GPU kernels mostly one for the interpreter lock,
-    held by another thread of the process."""
+def _switches(field):
+    """This thread's count of context switches of the kind field names (Linux; None elsewhere)."""
     try:
         with open("/proc/self/task/%d/status" % threading.get_native_id()) as f:
             for line in f:
-                if line.startswith("voluntary_ctxt_switches:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
     return None
+
+
+def thread_waits():
+    """This thread's voluntary context switches so far (Linux; None elsewhere): each is a wait,
+    in a training loop on the CPU or launching GPU kernels mostly one for the interpreter lock,
+    held by another thread of the process."""
+    return _switches("voluntary_ctxt_switches")
+
+
+def thread_preemptions():
+    """This thread's involuntary context switches so far (Linux; None elsewhere): each time the
+    scheduler gave its CPU to another thread while it could run."""
+    return _switches("nonvoluntary_ctxt_switches")
 
 
 def cpu_seconds():
@@ -645,18 +657,20 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
         elif mode == "disk":
             th = threading.Thread(target=lambda: [disk.overwrite() for _ in range(per_loop)])
             th.start()
-        t1, w1 = time.perf_counter(), thread_waits()
+        t1, w1, p1 = time.perf_counter(), thread_waits(), thread_preemptions()
         inside = 0.0
         for _ in range(steps):
             step()
             if saves and len(saves) < per_loop and saves[-1].done():
                 saves[-1].result()
                 inside += start()
-        w2 = thread_waits()
+        w2, p2 = thread_waits(), thread_preemptions()
         sync(torch, device)
         t = time.perf_counter() - t1 - inside
         if w1 is not None and w2 is not None:
             waits[mode].append(w2 - w1)
+        if p1 is not None and p2 is not None:
+            preempted[mode].append(p2 - p1)
         while saves and len(saves) < per_loop:
             saves[-1].result()
             start()
@@ -675,6 +689,7 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     runs = {m: [] for m in modes}
     # the training thread's waits (thread_waits) over its steps, before the closing sync
     waits = {m: [] for m in modes}
+    preempted = {m: [] for m in modes}  # and the times it was preempted (thread_preemptions)
     for k in range(max(PAIRS, repeat)):
         for m in modes[k % len(modes):] + modes[:k % len(modes)]:
             runs[m].append(loop(m)[0])
@@ -687,17 +702,23 @@ def train_during_save(torch, dcp, pdcp, g, sd, device, tmp, repeat, report, allb
     def slowdowns(during, mode):
         ratios = sorted(d / b for b, d in zip(base, during))
         n = len(ratios)
-        w = sorted(waits[mode])
         return dict(slowdown_pct=pct(ratios[n // 2]), slowdown_q1_pct=pct(ratios[n // 4]),
                     slowdown_q3_pct=pct(ratios[(3 * n) // 4]),
                     pair_slowdowns_pct=[round(100 * (r - 1), 1) for r in ratios],
-                    **({"thread_waits": w[len(w) // 2]} if w else {}))
+                    **switch_fields(mode))
+
+    def switch_fields(mode):
+        """The medians of the training thread's waits and preemptions over mode's runs."""
+        out = {}
+        for key, got in (("thread_waits", waits[mode]), ("thread_preemptions", preempted[mode])):
+            if got:
+                out[key] = sorted(got)[len(got) // 2]
+        return out
 
     # The loop's own noise: consecutive runs without a save, compared as the pairs are
     own = sorted(b1 / b0 for b0, b1 in zip(base, base[1:]))
-    w = sorted(waits["none"])
     report("train_no_save", sorted(base)[len(base) // 2], 0, steps=steps,
-           training_ranks=training, **({"thread_waits": w[len(w) // 2]} if w else {}))
+           training_ranks=training, **switch_fields("none"))
     if disk is not None:
         during = runs["disk"]
         report("train_during_disk_alone", sorted(during)[len(during) // 2], allb * per_loop,

@@ -591,6 +591,10 @@ def test_compare_dcp_bench_train_only(tmp_path):
         (r,) = rows[case]
         assert len(r["pair_slowdowns_pct"]) == 9 and r["steps"] == base["steps"], r
         assert r["slowdown_q1_pct"] <= r["slowdown_pct"] <= r["slowdown_q3_pct"], r
+    # the training thread's context switches, both kinds, counted on Linux
+    if sys.platform.startswith("linux"):
+        for r in [base] + [rows[c][0] for c in during]:
+            assert r["thread_waits"] >= 0 and r["thread_preemptions"] >= 0, r
     (t,) = rows["target"]
     assert t["target"].startswith("training slowdown") and t["met"] in (True, False,
                                                                          "undecided"), t
