@@ -24,7 +24,8 @@
  * context per device, a per-thread stack of current contexts (cuCtxSetCurrent replaces its top,
  * cuCtxPushCurrent / cuCtxPopCurrent push and pop), streams and events of the context current at
  * their creation (cuStreamGetCtx), and cuPointerGetAttributes answering the memory type and
- * device of the memory it allocated. STUB_CUDA_HOST_REGISTER set: cuMemHostRegister pins (else
+ * device of the memory it allocated; stub_current_device() says which context a thread has.
+ * STUB_CUDA_HOST_REGISTER set: cuMemHostRegister pins (else
  * it answers CUDA_ERROR_NOT_SUPPORTED, as a platform without host registration).
  */
 #include <pthread.h>
@@ -152,6 +153,11 @@ static __thread void *ctx_stack[16];
 static __thread int ctx_depth;
 static void *current_ctx(void) {
   return ctx_depth ? ctx_stack[ctx_depth - 1] : NULL;
+}
+/* The device of the calling thread's current context, -1 where it has none: what the tests
+ * read of the state pinmem left a thread in (test_driver.c dlsyms it). */
+STUB_API int stub_current_device(void) {
+  return current_ctx() ? ctx_device(current_ctx()) : -1;
 }
 static int ok(void) {
   return 0;

@@ -269,6 +269,17 @@ static void case_fake_device(void) {
   CHECK_ST(pm_finalize(), PM_OK);
 }
 
+/* A block store of four 1 KiB blocks on `device`, pinned at once (no pinning thread). */
+static pm_blocks_config_t small_store(int device) {
+  pm_blocks_config_t c;
+  pm_blocks_config_init(&c);
+  c.block_bytes = 1024;
+  c.num_blocks = 4;
+  c.background = 0;
+  c.device = device;
+  return c;
+}
+
 /* Two pretend devices (STUB_CUDA_DEVICES=2): the cuda backend tells which device a stream
  * belongs to (its context's), so a broadcast or a block-store swap whose stream is another
  * device's than its memory's is refused before anything is queued, naming both devices. */
@@ -339,12 +350,7 @@ static void case_two_devices(void) {
   CHECK_ST(pm_device_get(&dev), PM_OK);
   CHECK_EQ_INT(dev, 0);
   /* A block store of device 0 swapping on device 1's stream: refused, naming both. */
-  pm_blocks_config_t c;
-  pm_blocks_config_init(&c);
-  c.block_bytes = 1024;
-  c.num_blocks = 4;
-  c.background = 0;
-  c.device = 0;
+  pm_blocks_config_t c = small_store(0);
   pm_blocks_t *store = NULL;
   CHECK_ST(pm_blocks_create(&c, &store), PM_OK);
   if (store) {
@@ -362,6 +368,95 @@ static void case_two_devices(void) {
     CHECK_ST(pm_stream_destroy(s[i]), PM_OK);
     CHECK_ST(pm_device_free(d[i]), PM_OK);
   }
+  CHECK_ST(pm_finalize(), PM_OK);
+}
+
+/* A thread that never chose a device (no current context) and calls a broadcast to device 1 or
+ * a block store of device 1 is left with no current context, as it came: given device 0 back,
+ * it would have gotten GPU 0's primary context (hundreds of MB there, in a rank on GPU 1). A
+ * thread on device 1 keeps device 1. */
+static int (*current_of_stub)(void);
+static void *calls_for_device_1(void *arg) {
+  void **bufs = arg; /* pinned source, device 1's buffer, device 1's stream */
+  int *out = bufs[3];
+  out[0] = current_of_stub(); /* a new thread: none */
+  int dev1 = 1;
+  pm_fence_t f = NULL;
+  out[1] = pm_copy_broadcast_async(bufs[0], 4096, &bufs[1], (pm_stream_t *)&bufs[2], &dev1, 1,
+                                   NULL, &f) == PM_OK && pm_fence_wait(f) == PM_OK &&
+           pm_fence_release(f) == PM_OK;
+  out[2] = current_of_stub();
+  pm_blocks_config_t c = small_store(1);
+  pm_blocks_t *store = NULL;
+  uint64_t host = 0, devb = 0;
+  pm_kv_region_t r = {bufs[1], 1024, 1024};
+  pm_kv_layout_t L = {1, &r, 4, -1};
+  out[3] = pm_blocks_create(&c, &store) == PM_OK;
+  out[4] = current_of_stub();
+  if (store) {
+    out[5] = pm_blocks_alloc(store, 1, &host) == PM_OK &&
+             pm_blocks_swap_out(store, &L, &devb, &host, 1, (pm_stream_t)bufs[2], NULL) ==
+                 PM_OK;
+    out[6] = current_of_stub();
+    out[7] = pm_blocks_destroy(store) == PM_OK;
+    out[8] = current_of_stub();
+  }
+  return NULL;
+}
+static void case_thread_without_device(void) {
+  setenv("PINMEM_CUDA_DRIVER", stub("fake"), 1);
+  setenv("STUB_CUDA_DEVICES", "2", 1);
+  setenv("STUB_CUDA_HOST_REGISTER", "1", 1);
+  CHECK_ST(pm_init(), PM_OK);
+  CHECK_EQ_INT(pm_backend_kind(), PM_BACKEND_CUDA);
+  void *lib = dlopen(stub("fake"), RTLD_NOW | RTLD_NOLOAD);
+  current_of_stub = lib ? (int (*)(void))(uintptr_t)dlsym(lib, "stub_current_device") : NULL;
+  CHECK(current_of_stub != NULL);
+  if (!current_of_stub) return;
+  void *src = NULL, *d1 = NULL;
+  pm_stream_t s1 = NULL;
+  CHECK_ST(pm_device_set(1), PM_OK);
+  CHECK_ST(pm_device_alloc(4096, &d1), PM_OK);
+  CHECK_ST(pm_stream_create(&s1), PM_OK);
+  CHECK_ST(pm_host_alloc(NULL, 4096, 0, &src), PM_OK);
+  if (!src || !d1 || !s1) return;
+  pm_test_fill(src, 4096, 5);
+  int out[9];
+  for (int k = 0; k < 9; k++) out[k] = -7;
+  void *bufs[4] = {src, d1, s1, out};
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, calls_for_device_1, bufs) == 0);
+  CHECK(pthread_join(t, NULL) == 0);
+  CHECK_EQ_INT(out[0], -1);
+  CHECK_EQ_INT(out[1], 1); /* the broadcast ran */
+  CHECK(pm_test_fill_ok(d1, 4096, 5));
+  CHECK_EQ_INT(out[2], -1); /* and left the thread with no context */
+  CHECK_EQ_INT(out[3], 1);  /* the store of device 1 made */
+  CHECK_EQ_INT(out[4], -1);
+  CHECK_EQ_INT(out[5], 1); /* an allocation and a swap */
+  CHECK_EQ_INT(out[6], -1);
+  CHECK_EQ_INT(out[7], 1); /* destroyed */
+  CHECK_EQ_INT(out[8], -1);
+  /* This thread chose device 1 and keeps it through both. */
+  pm_fence_t f = NULL;
+  int dev1 = 1;
+  CHECK_ST(pm_copy_broadcast_async(src, 4096, &d1, &s1, &dev1, 1, NULL, &f), PM_OK);
+  if (f) {
+    CHECK_ST(pm_fence_wait(f), PM_OK);
+    CHECK_ST(pm_fence_release(f), PM_OK);
+  }
+  CHECK_EQ_INT(current_of_stub(), 1);
+  CHECK_ST(pm_device_set(0), PM_OK);
+  pm_blocks_config_t c = small_store(1);
+  pm_blocks_t *store = NULL;
+  CHECK_ST(pm_blocks_create(&c, &store), PM_OK);
+  CHECK_EQ_INT(current_of_stub(), 0); /* device 0's caller gets device 0 back */
+  if (store) CHECK_ST(pm_blocks_destroy(store), PM_OK);
+  CHECK_EQ_INT(current_of_stub(), 0);
+  CHECK_ST(pm_host_free(src), PM_OK);
+  CHECK_ST(pm_device_set(1), PM_OK);
+  CHECK_ST(pm_stream_destroy(s1), PM_OK);
+  CHECK_ST(pm_device_free(d1), PM_OK);
   CHECK_ST(pm_finalize(), PM_OK);
 }
 
@@ -550,6 +645,7 @@ int main(void) {
     in_child(refusals[refusal].name, case_refusal);
   in_child("a pretend device", case_fake_device);
   in_child("two pretend devices: streams of each", case_two_devices);
+  in_child("a thread with no device keeps none", case_thread_without_device);
   in_child("threads starting pinmem at once", case_threads_start);
   in_child("fork after pm_finalize of the cuda backend", case_fork_after_finalize);
   in_child("fork while a context is being made", case_fork_during_context);

@@ -196,15 +196,16 @@ class Stager:
             total += a.nbytes
         import numpy as np
         with self.lock:
-            # This thread's copy goes to the loader's device; the caller's device is restored.
-            prev = _pinmem.current_device() if self.to_device else None
+            # This thread's copy goes to the loader's device; the caller's device is restored
+            # (none, for a thread that had none: _bound_device says why).
+            prev = _pinmem._bound_device() if self.to_device else None
             if prev is not None and prev != self.device:
                 _pinmem.set_device(self.device)
             try:
                 base = self._fill(leaves, offsets, total, np)
             finally:
                 if prev is not None and prev != self.device:
-                    _pinmem.set_device(prev)
+                    _pinmem._put_back_device(prev)
             self.batches += 1
             self.bytes += total
             self.largest = max(self.largest, total)

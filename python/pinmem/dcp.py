@@ -409,9 +409,9 @@ def _raw(t):
 
 def _on_device(ptr):
     """Makes the device of the device memory at ptr this thread's current device; the one it
-    replaced (None: it was that one already)."""
+    replaced, -1 where the thread had none (None: it was that one already)."""
     dev = _pm._pinmem._memory_device(ptr)
-    cur = _pm.current_device()
+    cur = _pm._pinmem._bound_device()
     if dev < 0 or dev == cur:
         return None
     _pm.set_device(dev)
@@ -420,13 +420,15 @@ def _on_device(ptr):
 
 def _copy_back(dst, raw, stream):
     """raw's bytes (a _DeviceBytes) copied into host memory dst on stream and waited for, for
-    their device (_on_device), the calling thread's current device left as it was."""
+    their device (_on_device), the calling thread's current device left as it was (none, for
+    a thread that had none, as async_save's own: given device 0 instead, a rank of another GPU
+    would get a context on GPU 0)."""
     back = _on_device(raw.ptr)
     try:
         _pm.copy(dst, raw, stream).wait()
     finally:
         if back is not None:
-            _pm.set_device(back)
+            _pm._pinmem._put_back_device(back)
 
 
 class _DeviceBytes:

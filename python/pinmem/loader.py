@@ -1091,18 +1091,19 @@ class Loader:
 
     def _on_device(self, make):
         """make() with the loader's device current (device="cuda:k"): its stream, buffers and
-        threads belong to device k; the calling thread's device is restored."""
+        threads belong to device k; the calling thread's device is restored (none, for a thread
+        that had none: _bound_device)."""
         k = self._device_index
         if k is None:
             return make()
-        prev = _pinmem.current_device()
+        prev = _pinmem._bound_device()
         if prev != k:
             _pinmem.set_device(k)
         try:
             return make()
         finally:
             if prev != k:
-                _pinmem.set_device(prev)
+                _pinmem._put_back_device(prev)
 
     def _open_epoch(self, epoch, batch, resume=None, template=None, same_order=False):
         """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch

@@ -246,6 +246,39 @@ static PyObject *py_memory_device(PyObject *mod, PyObject *arg) {
   return PyLong_FromLong(b->pointer_device ? b->pointer_device((const void *)v) : -1);
 }
 
+/* _bound_device() -> the calling thread's device, or -1 where it has none yet (cuda: no
+ * current context; current_device() answers 0 there, as CUDA's runtime does). With
+ * _put_back_device, for Python code that makes another device current for its work and gives
+ * the thread its own back: a thread that had none gets none back, not device 0 (whose context
+ * it would get: hundreds of MB of GPU 0 in a process of another GPU). */
+static PyObject *py_bound_device(PyObject *mod, PyObject *unused) {
+  const pm__backend_t *b = pm__backend();
+  if (!b) return pmpy_raise_status(pm__backend_failed());
+  int binding = PM__DEVICE_NONE;
+  pm_status_t st = pm__device_binding(pm__backend_raw(), &binding);
+  if (st != PM_OK) return pmpy_raise_status(st);
+  return PyLong_FromLong(binding >= 0 ? binding : -1);
+}
+
+/* _put_back_device(device): device >= 0 made current (set_device), -1: the thread left with
+ * none (_bound_device). */
+static PyObject *py_put_back_device(PyObject *mod, PyObject *arg) {
+  long dev = PyLong_AsLong(arg);
+  if (dev == -1 && PyErr_Occurred()) return NULL;
+  if (dev < -1 || dev > INT_MAX)
+    return pmpy_raise_status(
+        pm__set_error(PM_ERR_INVALID, "_put_back_device: %ld is not -1 or a device", dev));
+  if (dev >= 0) {
+    pm_status_t st = pm_device_set((int)dev);
+    if (st != PM_OK) return pmpy_raise_status(st);
+  } else {
+    const pm__backend_t *b = pm__backend();
+    if (!b) return pmpy_raise_status(pm__backend_failed());
+    pm__device_put_back(pm__backend_raw(), PM__DEVICE_NONE);
+  }
+  Py_RETURN_NONE;
+}
+
 /* _host_mismatches(reset=False) -> (count, the last in words): the host backend's count of calls
  * that broke CUDA's multi-device rules (backend_host_memory.c), for tests of which device a
  * thread works for; reset=True zeroes the counters after reading them. */
@@ -469,6 +502,10 @@ PyMethodDef pmpy_pool_functions[] = {
     {"_host_mismatches", py_host_mismatches, METH_VARARGS,
      "_host_mismatches(reset=False) -> (count, last): the host backend's calls that broke "
      "CUDA's multi-device rules (tests)"},
+    {"_bound_device", py_bound_device, METH_NOARGS,
+     "_bound_device() -> the calling thread's device, or -1 where it has none yet"},
+    {"_put_back_device", py_put_back_device, METH_O,
+     "_put_back_device(device): device made current, or none for -1 (_bound_device's)"},
     {"_memory_device", py_memory_device, METH_O,
      "_memory_device(addr) -> the device whose memory addr is, or -1"},
     {"_status_name", py_status_name, METH_O, NULL},

@@ -215,3 +215,62 @@ def test_driver_without_host_registration(stub_dir):
     assert lines[:2] == ["cuda", "big 7"], lines
     assert lines[2].startswith("refused:") and "cuMemHostRegister" in lines[2], lines
     assert "lower prefetch" not in lines[2], lines
+
+
+def test_thread_without_a_device_keeps_none(stub_dir):
+    """A thread that never chose a device (no current context) and has pinmem work on device 1
+    for it (a loader's staging, a loader of cuda:1, the DCP writer's copy back) is left with no
+    current context, as it came: given device 0 back, it would get GPU 0's primary context
+    (hundreds of MB there, in a process of another GPU). A thread on device 1 keeps it. Two
+    pretend devices (stub_cuda.c); stub_current_device() tells the thread's context."""
+    if not _cuda_compiled():
+        pytest.skip("this build has no cuda backend (-DPINMEM_CUDA=OFF)")
+    import importlib.util
+    has_torch = importlib.util.find_spec("torch") is not None
+    env = dict(os.environ, PINMEM_CUDA_DRIVER=str(stub_dir / "libcuda_fake.so"),
+               STUB_CUDA_DEVICES="2", STUB_CUDA_HOST_REGISTER="1")
+    env.pop("PINMEM_BACKEND", None)
+    env.pop("PINMEM_DEVICE", None)
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import ctypes, json, os, sys, threading
+        import numpy as np, pinmem
+        from pinmem import _staging
+        cur = ctypes.CDLL(os.environ["PINMEM_CUDA_DRIVER"]).stub_current_device
+        assert pinmem.backend() == "cuda" and pinmem.device_count() == 2
+        pinmem.set_device(1)
+        d = pinmem.device_empty(4096, "uint8")
+        host = pinmem.empty(4096, "uint8")
+        np.asarray(host)[:] = 9
+        pinmem.copy(d, host).wait()
+        out = {}
+        def work():
+            out["start"] = [cur(), pinmem._pinmem._bound_device(), pinmem.current_device()]
+            _staging.Stager(True, 1).stage({"x": np.ones(8, np.float32)})
+            out["stage"] = cur()
+            data = np.arange(64, dtype=np.float32).reshape(16, 4)
+            b = next(iter(pinmem.Loader(data, batch_size=4, device="cuda:1")))
+            out["loader"] = cur()
+            if sys.argv[1] == "torch":
+                import pinmem.dcp as pdcp
+                dst = bytearray(4096)
+                pdcp._copy_back(dst, pdcp._DeviceBytes(d.ptr, 4096, d), None)
+                out["dcp"] = [cur(), dst[0], dst[-1]]
+            pinmem._pinmem._put_back_device(-1)
+            out["none"] = cur()
+        th = threading.Thread(target=work)
+        th.start()
+        th.join()
+        out["main"] = cur()
+        print("RESULT " + json.dumps(out))
+        """), "torch" if has_torch else "-"], env=env, capture_output=True, text=True,
+        timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, p.stdout + p.stderr
+    out = json.loads(line[-1][7:])
+    # none to begin with; current_device() answers 0 there, as CUDA's runtime does
+    assert out["start"] == [-1, -1, 0], out
+    assert out["stage"] == -1 and out["loader"] == -1 and out["none"] == -1, out
+    if has_torch:
+        assert out["dcp"] == [-1, 9, 9], out
+    assert out["main"] == 1, out

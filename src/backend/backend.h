@@ -38,6 +38,14 @@ typedef struct pm__backend {
   pm_status_t (*set_device)(int device);
   pm_status_t (*get_device)(int *device_out);
   pm_status_t (*device_synchronize)(void);
+  /* Optional (NULL where a thread always has a device, as on the host backend): the calling
+   * thread's device, or -1 where it has none yet (cuda: no current context, where get_device
+   * answers 0 as CUDA's runtime does), and the way back to none. A call that makes another
+   * device current for its work and gives the caller its own back (a block store's calls, a
+   * broadcast) takes them: given device 0 back, a thread that had none would get GPU 0's
+   * primary context, hundreds of MB there in a process that never used GPU 0. */
+  pm_status_t (*bound_device)(int *device_out);
+  pm_status_t (*unbind_device)(void);
 
   /* Pinned host memory allocated by the backend (cudaHostAlloc / mmap+mlock). flags: PM_HOST_*. */
   pm_status_t (*host_alloc)(size_t bytes, unsigned flags, void **ptr_out);

@@ -437,6 +437,34 @@ static pm_status_t ensure_ctx(void) {
   return PM_OK;
 }
 
+/* For a release (a free, an unregistration) on a thread with no current context, which any
+ * thread may make (an object's last reference goes where it goes, a garbage collector's thread
+ * included): a primary context pinmem already holds, the lowest device's, made current for the
+ * call and taken back after (*borrowed: give_back_ctx), so that the release makes no context on
+ * a device the process did not use and leaves the thread with none, as it came. Under unified
+ * addressing a release needs a context, not its memory's own (device 0's served every release
+ * here before). Device 0's (ensure_ctx, left current) only where pinmem holds none yet. */
+static pm_status_t borrow_ctx(bool *borrowed) {
+  *borrowed = false;
+  pmCUcontext c = NULL;
+  pmCUresult e = drv.CtxGetCurrent(&c);
+  if (e != PM_CUDA_SUCCESS) return cu_fail(e, PM_ERR_NOMEM, "cuCtxGetCurrent");
+  if (c) return PM_OK;
+  for (int d = 0; d < PM__CUDA_MAX_DEVICES; d++) {
+    c = atomic_load_explicit(&primary_ctx[d], memory_order_acquire);
+    if (!c) continue;
+    e = drv.CtxSetCurrent(c);
+    if (e != PM_CUDA_SUCCESS) return cu_fail(e, PM_ERR_NOMEM, "cuCtxSetCurrent(device %d)", d);
+    *borrowed = true;
+    return PM_OK;
+  }
+  return ensure_ctx();
+}
+
+static void give_back_ctx(bool borrowed) {
+  if (borrowed) (void)drv.CtxSetCurrent(NULL);
+}
+
 /* The calling thread's device: its current context's, else 0 (without creating a context). */
 static pm_status_t current_device(int *dev_out) {
   pmCUcontext c = NULL;
@@ -771,6 +799,26 @@ static pm_status_t cuda_get_device(int *device_out) {
   return PM_OK;
 }
 
+static pm_status_t cuda_bound_device(int *device_out) {
+  if (!device_out) return pm__set_error(PM_ERR_INVALID, "bound_device: device_out is NULL");
+  pmCUcontext c = NULL;
+  pmCUresult e = drv.CtxGetCurrent(&c);
+  if (e != PM_CUDA_SUCCESS) return cu_fail(e, PM_ERR_NOMEM, "cuCtxGetCurrent");
+  if (!c) {
+    *device_out = -1;
+    return PM_OK;
+  }
+  return cuda_get_device(device_out);
+}
+
+static pm_status_t cuda_unbind_device(void) {
+  /* NULL pops the thread's current context: none current again, as before the call that
+   * made one current. */
+  pmCUresult e = drv.CtxSetCurrent(NULL);
+  if (e != PM_CUDA_SUCCESS) return cu_fail(e, PM_ERR_NOMEM, "cuCtxSetCurrent(NULL)");
+  return PM_OK;
+}
+
 static pm_status_t cuda_device_synchronize(void) {
   pm_status_t st = ensure_ctx();
   if (st != PM_OK) return st;
@@ -816,9 +864,11 @@ static pm_status_t cuda_host_alloc(size_t bytes, unsigned flags, void **ptr_out)
 
 static pm_status_t cuda_host_free(void *ptr, size_t bytes) {
   if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_free: ptr is NULL");
-  pm_status_t st = ensure_ctx();
+  bool borrowed;
+  pm_status_t st = borrow_ctx(&borrowed);
   if (st != PM_OK) return st;
   pmCUresult e = drv.MemFreeHost(ptr);
+  give_back_ctx(borrowed);
   if (e != PM_CUDA_SUCCESS)
     return cu_fail(e, PM_ERR_NOMEM, "cuMemFreeHost(%p, %zu bytes)", ptr, bytes);
   return PM_OK;
@@ -863,9 +913,11 @@ static pm_status_t cuda_host_register(void *ptr, size_t bytes, unsigned flags) {
 
 static pm_status_t cuda_host_unregister(void *ptr, size_t bytes) {
   if (!ptr) return pm__set_error(PM_ERR_INVALID, "host_unregister: ptr is NULL");
-  pm_status_t st = ensure_ctx();
+  bool borrowed;
+  pm_status_t st = borrow_ctx(&borrowed);
   if (st != PM_OK) return st;
   pmCUresult e = drv.MemHostUnregister(ptr);
+  give_back_ctx(borrowed);
   if (e != PM_CUDA_SUCCESS)
     return cu_fail(e, PM_ERR_NOMEM, "cuMemHostUnregister(%p, %zu bytes)", ptr, bytes);
   return PM_OK;
@@ -901,9 +953,11 @@ static pm_status_t cuda_device_alloc(size_t bytes, void **dptr_out) {
 
 static pm_status_t cuda_device_free(void *dptr) {
   if (!dptr) return pm__set_error(PM_ERR_INVALID, "device_free: ptr is NULL");
-  pm_status_t st = ensure_ctx();
+  bool borrowed;
+  pm_status_t st = borrow_ctx(&borrowed);
   if (st != PM_OK) return st;
   pmCUresult e = drv.MemFree(dptr_of(dptr));
+  give_back_ctx(borrowed);
   if (e != PM_CUDA_SUCCESS) return cu_fail(e, PM_ERR_DEVICE_MEMORY, "cuMemFree(%p)", dptr);
   return PM_OK;
 }
@@ -937,9 +991,11 @@ static pm_status_t cuda_managed_alloc(size_t bytes, void **ptr_out) {
 
 static pm_status_t cuda_managed_free(void *ptr) {
   if (!ptr) return pm__set_error(PM_ERR_INVALID, "managed_free: ptr is NULL");
-  pm_status_t st = ensure_ctx();
+  bool borrowed;
+  pm_status_t st = borrow_ctx(&borrowed);
   if (st != PM_OK) return st;
   pmCUresult e = drv.MemFree(dptr_of(ptr));
+  give_back_ctx(borrowed);
   if (e != PM_CUDA_SUCCESS) return cu_fail(e, PM_ERR_DEVICE_MEMORY, "cuMemFree(%p) (managed)", ptr);
   return PM_OK;
 }
@@ -1387,6 +1443,8 @@ const pm__backend_t pm__backend_cuda = {
     .device_info = cuda_device_info,
     .set_device = cuda_set_device,
     .get_device = cuda_get_device,
+    .bound_device = cuda_bound_device,
+    .unbind_device = cuda_unbind_device,
     .device_synchronize = cuda_device_synchronize,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,

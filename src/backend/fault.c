@@ -192,6 +192,14 @@ static pm_status_t f_get_device(int *device_out) {
   FAULT_CHECK(PM__FAULT_DEVICE_QUERY, "get_device");
   return real_backend()->get_device(device_out);
 }
+static pm_status_t f_bound_device(int *device_out) {
+  FAULT_CHECK(PM__FAULT_DEVICE_QUERY, "bound_device");
+  return real_backend()->bound_device(device_out);
+}
+/* Not injected: giving a thread back the no-device state it had is bookkeeping. */
+static pm_status_t f_unbind_device(void) {
+  return real_backend()->unbind_device();
+}
 static pm_status_t f_device_synchronize(void) {
   FAULT_CHECK(PM__FAULT_STREAM_SYNC, "device_synchronize");
   return real_backend()->device_synchronize();
@@ -376,6 +384,8 @@ pm_status_t pm__fault_wrap(const pm__backend_t **backend) {
     FWD(device_info);
     FWD(set_device);
     FWD(get_device);
+    FWD(bound_device);
+    FWD(unbind_device);
     FWD(device_synchronize);
     FWD(host_alloc);
     FWD(host_free);

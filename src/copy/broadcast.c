@@ -18,7 +18,9 @@
  * for (each stream that got one is synchronized on its device) before the slots go back, and no
  * fence is returned; a pinned source's earlier destinations are waited for alike (their fences).
  *
- * The caller's current device is restored before the call returns. No lock of its own.
+ * The caller's current device is restored before the call returns, and a thread that had none
+ * (cuda: no current context) is left with none, not with device 0's context. No lock of its
+ * own.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,7 +38,8 @@ typedef struct bcast {
   int dev[PM__BCAST_MAX];
   pm_fence_t fence[PM__BCAST_MAX];
   bool queued[PM__BCAST_MAX]; /* a DMA of this destination was queued */
-  int caller;                 /* the caller's device, restored at the end */
+  int caller;                 /* the caller's device: the destinations' where devices is NULL */
+  int binding;                /* what the caller gets back at the end (pm__device_binding) */
 } bcast_t;
 
 static void enter(int device) {
@@ -223,7 +226,13 @@ pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *
   PM__BACKEND_OR_RETURN(b);
   bcast_t *c = calloc(1, sizeof *c);
   if (!c) return pm__set_error(PM_ERR_NOMEM, "%s: out of memory", fn);
-  c->caller = pm__thread_device();
+  /* Read without fault injection, as pm__thread_device reads it: bookkeeping, not a call the
+   * user asked for. A thread with no device works on device 0, as under CUDA's runtime, and
+   * gets none back. */
+  const pm__backend_t *raw = pm__backend_raw();
+  if (!raw || pm__device_binding(raw, &c->binding) != PM_OK) c->binding = PM__DEVICE_KEEP;
+  c->caller = c->binding >= 0 ? c->binding : c->binding == PM__DEVICE_NONE ? 0 : -1;
+  if (c->binding >= 0) pm__devices_used_mark(c->binding);
   c->count = count;
   c->dsts = dsts;
   c->streams = streams;
@@ -280,7 +289,10 @@ pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *
       pm__set_error(st, "%s", msg);
     }
   }
-  enter(c->caller);
+  if (c->binding >= 0)
+    enter(c->binding);
+  else if (c->binding == PM__DEVICE_NONE)
+    pm__device_put_back(raw, PM__DEVICE_NONE);
   if (st == PM_OK) {
     for (int i = 0; i < count; i++) {
       if (fences_out)

@@ -368,6 +368,15 @@ void pm__thread_enter(int device);
 /* Make `device` current on the calling thread (a user's thread that pinmem works on for several
  * devices in one call, and hands back on the caller's device): no NUMA placement. */
 void pm__thread_set_device(int device);
+/* A call that makes another device current for its work and then gives the caller its own
+ * back: pm__device_binding reads the caller's (its device, or PM__DEVICE_NONE where the backend
+ * says the thread has none: backend.h, bound_device) through b, and pm__device_put_back gives
+ * it back (PM__DEVICE_KEEP: nothing was changed, nothing to give back). A thread that had no
+ * device is left with none, not with device 0, whose context it would get. */
+#define PM__DEVICE_KEEP (-1)
+#define PM__DEVICE_NONE (-2)
+pm_status_t pm__device_binding(const pm__backend_t *b, int *binding_out);
+void pm__device_put_back(const pm__backend_t *b, int binding);
 /* The devices this process used (bit d: device d entered, set or handed over), for calls that
  * must reach every device in use and no other (pm__pool_devices_idle). */
 void pm__devices_used_mark(int device);

@@ -62,3 +62,19 @@ void pm__thread_enter(int device) {
   pm__thread_set_device(device);
   pm__numa_thread_follow(device);
 }
+
+pm_status_t pm__device_binding(const pm__backend_t *b, int *binding_out) {
+  int cur = -1;
+  pm_status_t st = b->bound_device ? b->bound_device(&cur) : b->get_device(&cur);
+  if (st != PM_OK) return st;
+  *binding_out = cur < 0 ? PM__DEVICE_NONE : cur;
+  return PM_OK;
+}
+
+void pm__device_put_back(const pm__backend_t *b, int binding) {
+  /* A failure leaves the thread on the call's device; the call's own status stands. */
+  if (binding >= 0)
+    (void)b->set_device(binding);
+  else if (binding == PM__DEVICE_NONE && b->unbind_device)
+    (void)b->unbind_device();
+}

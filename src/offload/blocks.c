@@ -336,12 +336,13 @@ static size_t kernel_max(pm_blocks_t *s, int dev, bool *calibrated) {
   return atomic_load_explicit(&cal_value[dev], memory_order_relaxed);
 }
 
-/* Make the store's device current; *prev gets the caller's where it changed (else -1), for
- * leave_device. The backend's status, its detail unwrapped. */
+/* Make the store's device current; *prev gets the caller's where it changed (its device, or
+ * PM__DEVICE_NONE for a thread that had none; else PM__DEVICE_KEEP), for leave_device. The
+ * backend's status, its detail unwrapped. */
 static pm_status_t switch_device(const pm_blocks_t *s, int *prev) {
-  *prev = -1;
+  *prev = PM__DEVICE_KEEP;
   int cur = -1;
-  pm_status_t st = s->b->get_device(&cur);
+  pm_status_t st = pm__device_binding(s->b, &cur);
   if (st == PM_OK && cur != s->device) {
     st = s->b->set_device(s->device);
     if (st == PM_OK) *prev = cur;
@@ -358,7 +359,7 @@ static pm_status_t enter_device(const pm_blocks_t *s, int *prev, const char *fn)
 }
 
 static void leave_device(const pm_blocks_t *s, int prev) {
-  if (prev >= 0) (void)s->b->set_device(prev);
+  pm__device_put_back(s->b, prev);
 }
 
 /* ---- swap records and the reuse of freed blocks ---------------------------------------------- */
@@ -536,7 +537,7 @@ static void poll_swaps(pm_blocks_t *s) {
   /* The queries run on the store's device, as every call of the store's does (the callers of
    * the stats, of free and of alloc may be on another one), made current at the first. A poll
    * that cannot make it current learns nothing, which is no error of the call it serves. */
-  int prev = -1;
+  int prev = PM__DEVICE_KEEP;
   bool on_device = false;
   pthread_mutex_lock(&s->lock);
   size_t i = 0;
@@ -891,7 +892,7 @@ pm_status_t pm_blocks_create(const pm_blocks_config_t *config, pm_blocks_t **blo
     if (s->has_pinner) pthread_join(s->pinner, NULL);
     store_free(s);
   }
-  if (prev >= 0) (void)b->set_device(prev); /* (s may be gone) */
+  pm__device_put_back(b, prev); /* (s may be gone) */
   if (st != PM_OK) return st;
   *blocks_out = s;
   return PM_OK;
@@ -922,7 +923,7 @@ pm_status_t pm_blocks_destroy(pm_blocks_t *s) {
    * too (the caller's may be another, or none yet). */
   const pm__backend_t *b = s->b;
   store_free(s);
-  if (prev >= 0) (void)b->set_device(prev);
+  pm__device_put_back(b, prev);
   return PM_OK;
 }
 
@@ -956,7 +957,7 @@ static pm_status_t wait_idle_locked(pm_blocks_t *s, size_t count) {
   pthread_mutex_lock(&s->poll_lock);
   poll_swaps(s);
   pthread_mutex_lock(&s->lock);
-  int prev = -1;
+  int prev = PM__DEVICE_KEEP;
   bool on_device = false; /* the waits too run on the store's device (poll_swaps) */
   while (count > s->nfree && count <= s->nfree + s->nwaiting) {
     uint64_t seq = rec_naming(s, s->wait_head);
@@ -985,7 +986,7 @@ static pm_status_t wait_idle_locked(pm_blocks_t *s, size_t count) {
     }
   }
   pthread_mutex_unlock(&s->poll_lock);
-  if (prev >= 0) { /* lock is a leaf: no backend call under it */
+  if (prev != PM__DEVICE_KEEP) { /* lock is a leaf: no backend call under it */
     pthread_mutex_unlock(&s->lock);
     leave_device(s, prev);
     pthread_mutex_lock(&s->lock);
