@@ -386,6 +386,10 @@ static void *calls_for_device_1(void *arg) {
                                    NULL, &f) == PM_OK && pm_fence_wait(f) == PM_OK &&
            pm_fence_release(f) == PM_OK;
   out[2] = current_of_stub();
+  /* without fences_out: the call releases them, then gives none back */
+  if (pm_copy_broadcast_async(bufs[0], 4096, &bufs[1], (pm_stream_t *)&bufs[2], &dev1, 1, NULL,
+                              NULL) == PM_OK)
+    out[9] = current_of_stub();
   pm_blocks_config_t c = small_store(1);
   pm_blocks_t *store = NULL;
   uint64_t host = 0, devb = 0;
@@ -421,8 +425,8 @@ static void case_thread_without_device(void) {
   CHECK_ST(pm_host_alloc(NULL, 4096, 0, &src), PM_OK);
   if (!src || !d1 || !s1) return;
   pm_test_fill(src, 4096, 5);
-  int out[9];
-  for (int k = 0; k < 9; k++) out[k] = -7;
+  int out[10];
+  for (int k = 0; k < 10; k++) out[k] = -7;
   void *bufs[4] = {src, d1, s1, out};
   pthread_t t;
   CHECK(pthread_create(&t, NULL, calls_for_device_1, bufs) == 0);
@@ -431,6 +435,7 @@ static void case_thread_without_device(void) {
   CHECK_EQ_INT(out[1], 1); /* the broadcast ran */
   CHECK(pm_test_fill_ok(d1, 4096, 5));
   CHECK_EQ_INT(out[2], -1); /* and left the thread with no context */
+  CHECK_EQ_INT(out[9], -1); /* also where it released the fences itself */
   CHECK_EQ_INT(out[3], 1);  /* the store of device 1 made */
   CHECK_EQ_INT(out[4], -1);
   CHECK_EQ_INT(out[5], 1); /* an allocation and a swap */

@@ -289,10 +289,7 @@ pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *
       pm__set_error(st, "%s", msg);
     }
   }
-  if (c->binding >= 0)
-    enter(c->binding);
-  else if (c->binding == PM__DEVICE_NONE)
-    pm__device_put_back(raw, PM__DEVICE_NONE);
+  if (c->binding >= 0) enter(c->binding);
   if (st == PM_OK) {
     for (int i = 0; i < count; i++) {
       if (fences_out)
@@ -301,6 +298,9 @@ pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *
         (void)pm_fence_release(c->fence[i]);
     }
   }
+  /* A thread that had no device is left with none after the releases too: a release that
+   * needs a context finds the last destination's current, not device 0's made for it. */
+  if (c->binding == PM__DEVICE_NONE) pm__device_put_back(raw, PM__DEVICE_NONE);
   free(c);
   return st;
 }
