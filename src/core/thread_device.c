@@ -7,6 +7,10 @@
  * comes from the thread that asked for the work (pm__thread_device, captured when the work is
  * handed over), never from a default.
  *
+ * A call that makes another device current for its work and gives the caller its own back
+ * (pm__device_binding, pm__device_put_back) gives a thread that had none (cuda: no current
+ * context) none back, never device 0, whose context it would make.
+ *
  * The backend is reached unwrapped (pm__backend_raw): a device switch is bookkeeping, not a call
  * of the copy or the allocation the user asked for, so fault injection neither fails it nor
  * counts it (armed "nth call" faults keep pointing at the same calls).
