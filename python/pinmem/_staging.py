@@ -32,6 +32,7 @@ stages at delivery, as DataLoader collates there.
 import threading
 
 from . import _pinmem
+from ._device import on_device
 
 _ALIGN = 256  # each leaf's bytes start 256-aligned in the block, as a slot's fields do
 _KEEP = 4     # idle device blocks a Stager keeps for the next batches
@@ -196,16 +197,9 @@ class Stager:
             total += a.nbytes
         import numpy as np
         with self.lock:
-            # This thread's copy goes to the loader's device; the caller's device is restored
-            # (none, for a thread that had none: _bound_device says why).
-            prev = _pinmem._bound_device() if self.to_device else None
-            if prev is not None and prev != self.device:
-                _pinmem.set_device(self.device)
-            try:
+            # This thread's copy goes to the loader's device; the caller's is given back.
+            with on_device(self.device if self.to_device else None):
                 base = self._fill(leaves, offsets, total, np)
-            finally:
-                if prev is not None and prev != self.device:
-                    _pinmem._put_back_device(prev)
             self.batches += 1
             self.bytes += total
             self.largest = max(self.largest, total)

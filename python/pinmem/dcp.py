@@ -101,6 +101,7 @@ from torch.distributed.checkpoint.storage import WriteResult as _WriteResult
 from torch.futures import Future as _Future
 
 import pinmem as _pm
+from pinmem._device import on_device as _on_device
 from pinmem.torch import _flat_bytes as _bytes
 
 try:  # ISA-L's CRC-32 (pip install isal): 5-7 times zlib's, the same values
@@ -407,28 +408,12 @@ def _raw(t):
     return None
 
 
-def _on_device(ptr):
-    """Makes the device of the device memory at ptr this thread's current device; the one it
-    replaced, -1 where the thread had none (None: it was that one already)."""
-    dev = _pm._pinmem._memory_device(ptr)
-    cur = _pm._pinmem._bound_device()
-    if dev < 0 or dev == cur:
-        return None
-    _pm.set_device(dev)
-    return cur
-
-
 def _copy_back(dst, raw, stream):
-    """raw's bytes (a _DeviceBytes) copied into host memory dst on stream and waited for, for
-    their device (_on_device), the calling thread's current device left as it was (none, for
-    a thread that had none, as async_save's own: given device 0 instead, a rank of another GPU
-    would get a context on GPU 0)."""
-    back = _on_device(raw.ptr)
-    try:
+    """raw's bytes (a _DeviceBytes) copied into host memory dst on stream and waited for, with
+    their device current, the calling thread's own given back after (_device: none, for a
+    thread that had none, as async_save's own)."""
+    with _on_device(_pm._pinmem._memory_device(raw.ptr)):
         _pm.copy(dst, raw, stream).wait()
-    finally:
-        if back is not None:
-            _pm._pinmem._put_back_device(back)
 
 
 class _DeviceBytes:
@@ -737,7 +722,9 @@ class _FileOut:
             # This thread (the writer's own) works for the tensors' device, as pinmem's calls
             # take the calling thread's: on device 0, a new thread's, the slots' events of
             # another device's copies would be device 0's.
-            _on_device(items[0][1].ptr)
+            dev = _pm._pinmem._memory_device(items[0][1].ptr)
+            if dev >= 0 and dev != _pm._pinmem._bound_device():
+                _pm.set_device(dev)
             crcs = _pm.write_ranges(self.path, [(it[0], it[1]) for it in items], io=self.io,
                                     stream=items[0][3], fd=self.fd, crc32=bool(self.crc))
             for it, crc in zip(items, crcs or ()):

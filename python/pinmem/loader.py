@@ -18,6 +18,7 @@ from time import perf_counter as _perf_counter
 from . import _pinmem
 from . import _dtype_name
 from ._args import int_arg as _int_arg
+from . import _device
 from . import _staging
 from . import _workers
 from ._pinmem import BusyError, Error, InvalidError  # noqa: F401
@@ -1091,19 +1092,9 @@ class Loader:
 
     def _on_device(self, make):
         """make() with the loader's device current (device="cuda:k"): its stream, buffers and
-        threads belong to device k; the calling thread's device is restored (none, for a thread
-        that had none: _bound_device)."""
-        k = self._device_index
-        if k is None:
+        threads belong to device k; the calling thread's own is given back (_device)."""
+        with _device.on_device(self._device_index):
             return make()
-        prev = _pinmem._bound_device()
-        if prev != k:
-            _pinmem.set_device(k)
-        try:
-            return make()
-        finally:
-            if prev != k:
-                _pinmem._put_back_device(prev)
 
     def _open_epoch(self, epoch, batch, resume=None, template=None, same_order=False):
         """Make self._c deliver from (epoch, batch): one loader for every epoch, or (per-epoch

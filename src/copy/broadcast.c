@@ -231,7 +231,7 @@ pm_status_t pm_copy_broadcast_async(const void *src, size_t bytes, void *const *
    * gets none back. */
   const pm__backend_t *raw = pm__backend_raw();
   if (!raw || pm__device_binding(raw, &c->binding) != PM_OK) c->binding = PM__DEVICE_KEEP;
-  c->caller = c->binding >= 0 ? c->binding : c->binding == PM__DEVICE_NONE ? 0 : -1;
+  c->caller = c->binding == PM__DEVICE_NONE ? 0 : c->binding; /* -1 (KEEP): unknown */
   if (c->binding >= 0) pm__devices_used_mark(c->binding);
   c->count = count;
   c->dsts = dsts;
