@@ -238,10 +238,12 @@ def rank_main(rank, world, args, store, tmp):
 
     if lead:
         say("compare_dcp: %d ranks, %.2f GB in all (%d tensors of %s per rank), device %s, "
-            "pinmem %s backend, torch %s, crc32 %s, %s executor%s, device copies %s, stage %s, "
-            "switch interval %g s, %d CPUs, load average %.1f; files in %s" % (
+            "pinmem %s backend, torch %s, crc32 %s (pinmem's threads: %s), %s executor%s, "
+            "device copies %s, stage %s, switch interval %g s, %d CPUs, load average %.1f; "
+            "files in %s" % (
                 world, allb / 1e9, len(sd), next(iter(sd.values())).dtype, args.device,
                 pinmem.backend(), torch.__version__, torch.serialization.get_crc32_options(),
+                pinmem.crc32_implementation(),
                 args.executor, ", plan caching" if planners else "", args.device_copies,
                 args.stage, sys.getswitchinterval(), os.cpu_count(),
                 os.getloadavg()[0], tmp))
@@ -252,6 +254,7 @@ def rank_main(rank, world, args, store, tmp):
                                   pinmem_backend=pinmem.backend(),
                                   crc32=torch.serialization.get_crc32_options(),
                                   crc32_impl=pdcp._crc32.__module__,
+                                  crc32_threads_impl=pinmem.crc32_implementation(),
                                   executor=args.executor,
                                   device_copies=args.device_copies, stage=args.stage,
                                   switch_interval=sys.getswitchinterval(),

@@ -563,7 +563,9 @@ typedef struct pm_file_options {
                       bytes; the one-range calls: crc32[0]), computed by the threads that write
                       each unit, a device range's on its copy in the bounce slot. Needs zlib
                       (libz.so.1, loaded at run time; PINMEM_ZLIB names another file):
-                      PM_ERR_UNSUPPORTED without it. Set only on success. Reads: PM_ERR_INVALID */
+                      PM_ERR_UNSUPPORTED without it. ISA-L computes them where found
+                      (libisal.so.2; PINMEM_ISAL names another file, 0: zlib alone). Set only
+                      on success. Reads: PM_ERR_INVALID */
 } pm_file_options_t;
 
 PM_API void pm_file_options_init(pm_file_options_t *options);

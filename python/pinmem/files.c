@@ -10,7 +10,7 @@
  * I/O, so the GIL is released around them; the holder keeps the memory in place meanwhile.
  */
 #include "_pinmem.h"
-#include "internal.h" /* pm__file_wrote */
+#include "internal.h" /* pm__file_wrote, pm__crc32_use, pm__crc32_impl */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -451,6 +451,28 @@ static PyObject *py_file_stats(PyObject *mod, PyObject *noargs) {
                        (unsigned long long)st.direct_refused);
 }
 
+/* _crc32_use(path) -> bool: CRC-32s of writes with ISA-L's crc32_gzip_refl from path, a library
+ * this process has loaded (the isal package's extension module exports it), where ISA-L is not in
+ * use yet and PINMEM_ISAL allows it; whether ISA-L is in use afterwards. */
+static PyObject *py_crc32_use(PyObject *mod, PyObject *args) {
+  (void)mod;
+  const char *path;
+  if (!PyArg_ParseTuple(args, "s:_crc32_use", &path)) return NULL;
+  bool ok;
+  Py_BEGIN_ALLOW_THREADS ok = pm__crc32_use(path);
+  Py_END_ALLOW_THREADS return PyBool_FromLong(ok);
+}
+
+/* _crc32_impl() -> str or None: what computes the CRC-32s of writes, "ISA-L (file)" or "zlib
+ * (file)"; None where neither loads (crc32=True is refused then). */
+static PyObject *py_crc32_impl(PyObject *mod, PyObject *noargs) {
+  (void)mod;
+  (void)noargs;
+  const char *s = pm__crc32_impl();
+  if (!s) Py_RETURN_NONE;
+  return PyUnicode_DecodeFSDefault(s);
+}
+
 PyMethodDef pmpy_files_functions[] = {
     {"_file_read", py_file_read, METH_VARARGS,
      "_file_read(fd, offset, nbytes, dst, stream, io) -> Completion: read nbytes (None: all of "
@@ -468,6 +490,12 @@ PyMethodDef pmpy_files_functions[] = {
      "or with crc32 each range's CRC-32 (a list): write each (offset, src[, nbytes]) of ranges "
      "in one pm_file_writev_async call."},
     {"_raise", py_raise, METH_VARARGS, "_raise(code, detail): raise the error of a status."},
+    {"_crc32_use", py_crc32_use, METH_VARARGS,
+     "_crc32_use(path) -> bool: write CRC-32s with ISA-L's crc32_gzip_refl from path (a library "
+     "already loaded) where ISA-L is not in use yet; whether ISA-L is in use afterwards."},
+    {"_crc32_impl", py_crc32_impl, METH_NOARGS,
+     "_crc32_impl() -> str or None: what computes the CRC-32s of writes: 'ISA-L (file)' or "
+     "'zlib (file)'; None where neither loads."},
     {"_file_stats", py_file_stats, METH_NOARGS,
      "_file_stats() -> dict: bytes read and written through O_DIRECT and through the page "
      "cache since the process started (read_direct, read_buffered, write_direct, "

@@ -678,6 +678,60 @@ def test_write_ranges_crc32_of_each_range(io, chunk, tmp_path, rng, no_fd_leak):
     assert pinmem.write_ranges(path, [(5, d, 777)], io=io, crc32=True) == [zlib.crc32(d[:777])]
 
 
+_CRC_IMPL_CODE = textwrap.dedent("""
+    import os, sys, zlib
+    import numpy as np
+    import pinmem
+    path = sys.argv[1]
+    rng = np.random.default_rng(1)
+    data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (3 << 20, 70001, 0)]
+    dev = pinmem.device_empty(len(data[0]), "uint8")
+    pinmem.copy(dev, np.frombuffer(data[0], np.uint8)).wait()
+    pin = pinmem.empty(len(data[1]), "uint8")
+    np.asarray(pin)[:] = np.frombuffer(data[1], np.uint8)
+    ranges = [(0, dev), (len(data[0]) + 5, pin), (9 << 20, data[2])]
+    try:
+        got = pinmem.write_ranges(path, ranges, crc32=True, chunk="1M")
+        print("crcs:", got == [zlib.crc32(d) for d in data])
+    except pinmem.UnsupportedError as e:
+        print("refused:", e)
+        print("size:", os.path.getsize(path) if os.path.exists(path) else None)
+    print("impl:", pinmem.crc32_implementation())
+""")
+
+
+@pytest.mark.parametrize("setting", ["zlib", "found", "missing", "not-isal"])
+def test_write_ranges_crc32_implementation(setting, tmp_path):
+    """The CRC-32s of write_ranges come from ISA-L where found (here the isal package's
+    crc32_gzip_refl) and from zlib with PINMEM_ISAL=0, the same values either way, from device,
+    pinned and host memory; a PINMEM_ISAL naming a file that is not there, or one without ISA-L's
+    function, refuses crc32=True naming PINMEM_ISAL and the file, before anything is written."""
+    env = dict(os.environ)
+    env.pop("PINMEM_ISAL", None)
+    if setting == "found":
+        pytest.importorskip("isal")  # one of the test packages (tools/deps.sh)
+    else:
+        env["PINMEM_ISAL"] = {"zlib": "0", "missing": str(tmp_path / "no-libisal.so"),
+                              "not-isal": "libz.so.1"}[setting]
+    out = subprocess.run([sys.executable, "-c", _CRC_IMPL_CODE, str(tmp_path / "f.bin")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    if setting in ("zlib", "found"):
+        assert lines[0] == "crcs: True", out.stdout
+        impl = lines[1]
+        if setting == "zlib":  # even with the isal package there: PINMEM_ISAL=0 is obeyed
+            assert impl.startswith("impl: zlib ("), out.stdout
+        else:
+            assert impl.startswith("impl: ISA-L ("), out.stdout
+        return
+    assert lines[0].startswith("refused:") and "PINMEM_ISAL=" in lines[0], out.stdout
+    what = "no-libisal.so" if setting == "missing" else "has no crc32_gzip_refl"
+    assert what in lines[0], out.stdout
+    assert lines[1] in ("size: None", "size: 0"), out.stdout
+    assert lines[2] == "impl: None", out.stdout
+
+
 def test_write_ranges_crc32_without_zlib(tmp_path):
     """Without zlib (PINMEM_ZLIB naming a file that is not there), crc32=True is refused with
     UnsupportedError naming the file, before anything is written; writes without it work."""

@@ -581,9 +581,15 @@ void pm__copy_shutdown(void);
 
 /* ---- crc32.c ------------------------------------------------------------------------------ */
 
-/* zlib's CRC-32, loaded at run time. pm__crc32_ready: PM_OK once zlib is loaded, else
- * PM_ERR_UNSUPPORTED with why in pm_last_error(); the other two only after it said PM_OK. */
+/* zlib's CRC-32, loaded at run time (ISA-L's where found: crc32.c). pm__crc32_ready: PM_OK once
+ * zlib is loaded, else PM_ERR_UNSUPPORTED with why in pm_last_error(); pm__crc32 and
+ * pm__crc32_combine only after it said PM_OK. */
 pm_status_t pm__crc32_ready(void);
+/* Use ISA-L's crc32_gzip_refl from path, a library the process has loaded already, unless ISA-L
+ * is in use or PINMEM_ISAL says otherwise; whether ISA-L is in use afterwards. */
+bool pm__crc32_use(const char *path);
+/* "ISA-L (file)" or "zlib (file)": what computes the CRCs; NULL where pm__crc32_ready fails. */
+const char *pm__crc32_impl(void);
 uint32_t pm__crc32(uint32_t crc, const void *p, size_t n);
 /* The CRC of A then B from crc1 = CRC(A), crc2 = CRC(B) and B's length. */
 uint32_t pm__crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
