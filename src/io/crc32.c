@@ -56,13 +56,15 @@ static char zl_from[300];    /* "zlib (its file)" once zlib is loaded */
 static bool isal_refused;    /* PINMEM_ISAL=0/off: never ISA-L */
 static bool isal_env_failed; /* PINMEM_ISAL named a file that did not do: CRC calls refused */
 
-/* ISA-L's crc32_gzip_refl from path, if it is there and computes zlib's CRC; NULL with why. */
-static isal_crc_fn isal_open(const char *path, int flags, char *why, size_t len) {
+/* ISA-L's crc32_gzip_refl from path, if it is there and computes zlib's CRC: published as the
+ * one in use (isal_fn, isal_from) and true; false with why. Callers: isal_load (once) and
+ * pm__crc32_use (under isal_mu). */
+static bool isal_take(const char *path, int flags, char *why, size_t len) {
   void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | flags);
   if (!h) {
     const char *e = dlerror();
     snprintf(why, len, "%s", e ? e : path);
-    return NULL;
+    return false;
   }
   isal_crc_fn f;
   *(void **)&f = dlsym(h, "crc32_gzip_refl");
@@ -72,9 +74,12 @@ static isal_crc_fn isal_open(const char *path, int flags, char *why, size_t len)
     snprintf(why, len, "%s %s", path,
              f ? "computes another CRC-32 than zlib's" : "has no crc32_gzip_refl");
     dlclose(h);
-    return NULL;
+    return false;
   }
-  return f; /* kept loaded for the life of the process, as zlib */
+  /* Kept loaded for the life of the process, as zlib. */
+  snprintf(isal_from, sizeof isal_from, "ISA-L (%s)", path);
+  atomic_store_explicit(&isal_fn, f, memory_order_release);
+  return true;
 }
 
 static void isal_load(void) {
@@ -84,11 +89,7 @@ static void isal_load(void) {
     return;
   }
   char why[256];
-  isal_crc_fn f = isal_open(env && *env ? env : "libisal.so.2", 0, why, sizeof why);
-  if (f) {
-    snprintf(isal_from, sizeof isal_from, "ISA-L (%s)", env && *env ? env : "libisal.so.2");
-    atomic_store_explicit(&isal_fn, f, memory_order_release);
-  } else if (env && *env) {
+  if (!isal_take(env && *env ? env : "libisal.so.2", 0, why, sizeof why) && env && *env) {
     isal_env_failed = true;
     snprintf(zl_why, sizeof zl_why, "PINMEM_ISAL=%s: %s (unset it, or set it to 0 for zlib's CRC)",
              env, why);
@@ -136,12 +137,7 @@ bool pm__crc32_use(const char *path) {
     char why[256];
     /* The caller's library is one the process has loaded already (RTLD_NOLOAD): pinmem does not
      * load a Python extension module on its own. */
-    isal_crc_fn f = isal_open(path, RTLD_NOLOAD, why, sizeof why);
-    if (f) {
-      snprintf(isal_from, sizeof isal_from, "ISA-L (%s)", path);
-      atomic_store_explicit(&isal_fn, f, memory_order_release);
-      ok = true;
-    }
+    ok = isal_take(path, RTLD_NOLOAD, why, sizeof why);
   }
   pthread_mutex_unlock(&isal_mu);
   return ok;
